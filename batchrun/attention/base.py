@@ -1,0 +1,47 @@
+"""The attention backend interface.
+
+A backend is told once per step what the batch looks like (`prepare`), then called once per layer
+with the new tokens' q, k, v. It stores k, v into the token-indexed KV pool at `out_cache_loc` and
+attends each request's new queries over all of that request's KV (cached prefix + new tokens):
+
+    request i, KV positions:  [0 ........ prefix_len_i ........ seq_len_i)
+                              |<- cached (radix / earlier) ->|<- new: extend_len_i ->|
+    queries of request i are its extend_len_i new tokens, at positions prefix_len_i .. seq_len_i-1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    req_pool_indices: torch.Tensor  # [B] int64, rows of req_to_token
+    seq_lens: torch.Tensor  # [B] int64, KV length after this step
+    extend_lens: torch.Tensor  # [B] int64, new tokens per request
+    out_cache_loc: torch.Tensor  # [T] int64, KV slots of the new tokens
+    # host copies, so backends plan without reading device memory
+    seq_lens_cpu: tuple[int, ...]
+    extend_lens_cpu: tuple[int, ...]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.extend_lens_cpu)
+
+
+class AttentionBackend:
+    """Interface. `forward` returns [T, num_heads * head_dim]."""
+
+    def prepare(self, inputs: AttentionInputs) -> None:
+        raise NotImplementedError
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float
+    ) -> torch.Tensor:
+        raise NotImplementedError

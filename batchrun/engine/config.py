@@ -1,0 +1,49 @@
+"""Engine configuration (frozen: build a new one with dataclasses.replace to change it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF directory, .gguf file, or None for the embedded SmolLM2-135M
+    load_format: str = "auto"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA (float16 if unsupported)
+    device: str = "auto"  # auto: cuda when available
+    max_running: int = 256  # requests decoded together at most
+    kv_budget: int | None = None  # KV pool size in tokens; None: sized from free memory
+    kv_memory_fraction: float = 0.85  # on CUDA, fraction of free memory after weights for KV
+    chunked_prefill_size: int | None = 4096  # prefill token budget per step; None: unlimited
+    page_size: int = 1
+    enable_radix_cache: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0  # base of per-request seeds when a request has none
+    max_pending: int = 4096  # requests pulled from the input iterator ahead of admission
+    new_token_ratio: float = 0.4  # expected decode growth as a fraction of max_new_tokens
+    context_len: int | None = None  # override the model's max_position_embeddings
+
+    def validate(self) -> None:
+        def one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+        one_of("load_format", self.load_format, LOAD_FORMATS)
+        one_of("dtype", self.dtype, DTYPES)
+        one_of("device", self.device, DEVICES)
+        one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1; got {self.max_running}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1; got {self.page_size}")
+        if self.kv_budget is not None and self.kv_budget < 16:
+            raise ValueError(f"kv_budget must be >= 16 tokens; got {self.kv_budget}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
+            raise ValueError("chunked_prefill_size must be >= 1 or None (unlimited)")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1]; got {self.kv_memory_fraction}")

@@ -1,0 +1,256 @@
+"""The engine: takes token-id requests and yields finished results.
+
+    engine = Engine(EngineConfig(model="path/to/model"))
+    for result in engine.generate(requests):   # requests: iterable of GenerateRequest
+        ...
+
+`generate` pulls requests lazily (at most config.max_pending waiting), runs steps with `step()`
+and yields each completion as it finishes. The loop is a plain `while has work: step()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from batchrun.engine.allocator import TokenAllocator
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.kv_manager import KVManager
+from batchrun.engine.model_runner import ModelRunner
+from batchrun.engine.params import GenerateRequest, GenerateResult, TopLogprobs
+from batchrun.engine.radix_cache import RadixCache
+from batchrun.engine.request import Req
+from batchrun.engine.sampler import SamplingBatch
+from batchrun.engine.scheduler import Scheduler
+from batchrun.engine.stop import StopStringChecker
+from batchrun.models.config import ModelConfig
+
+
+@dataclass
+class EngineStats:
+    num_finished: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    num_steps: int = 0
+    num_forward_tokens: int = 0
+    forward_time: float = 0.0
+
+    @property
+    def cached_fraction(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def derive_seed(base: int, rid: str, index: int = 0) -> int:
+    digest = hashlib.blake2b(f"{base}\0{rid}\0{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.model_dir = self._resolve_model_dir(config)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.context_len = config.context_len or self.model_config.max_position_embeddings
+        self.runner = ModelRunner(config, self.model_config, self.model_dir, self.context_len)
+        self.device = self.runner.device
+        allocator = TokenAllocator(self.runner.num_slots, config.page_size)
+        cache = RadixCache(allocator, config.page_size, disable=not config.enable_radix_cache)
+        self.kv = KVManager(allocator, cache, self.runner.req_pool)
+        self.scheduler = Scheduler(
+            self.kv, config.max_running, config.chunked_prefill_size, config.new_token_ratio
+        )
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids)
+        self.stats = EngineStats()
+        self._tokenizer = None
+        self._stop_checker: StopStringChecker | None = None
+        self._arrivals = 0
+        self._finished: list[GenerateResult] = []
+
+    @staticmethod
+    def _resolve_model_dir(config: EngineConfig) -> Path:
+        from batchrun.models.embedded import resolve_model_path
+
+        return resolve_model_path(config.model)
+
+    @property
+    def tokenizer(self):
+        """The model directory's tokenizer (loaded on first use)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        return self._tokenizer
+
+    @property
+    def num_kv_slots(self) -> int:
+        return self.runner.num_slots
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request: GenerateRequest) -> None:
+        params = request.params
+        params.validate(self.model_config.vocab_size)
+        if not request.input_ids:
+            raise ValueError(f"request {request.rid!r} has no input tokens")
+        total = len(request.input_ids) + params.max_new_tokens
+        if total > self.context_len:
+            raise ValueError(
+                f"request {request.rid!r}: {len(request.input_ids)} prompt tokens + "
+                f"max_new_tokens {params.max_new_tokens} exceed the context length "
+                f"{self.context_len}; shorten the prompt or lower max_new_tokens"
+            )
+        if params.stop and self._stop_checker is None:
+            self._stop_checker = StopStringChecker(self.tokenizer)
+        base = params.seed if params.seed is not None else derive_seed(self.config.seed, request.rid)
+        for i in range(params.n):
+            seed = base if i == 0 else derive_seed(base, request.rid, i)
+            self._arrivals += 1
+            self.scheduler.add(
+                Req(request.rid, i, list(request.input_ids), params, seed, self._arrivals)
+            )
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def generate(self, requests: Iterable[GenerateRequest]) -> Iterator[GenerateResult]:
+        pending = iter(requests)
+        exhausted = False
+        while True:
+            while not exhausted and len(self.scheduler.waiting) < self.config.max_pending:
+                request = next(pending, None)
+                if request is None:
+                    exhausted = True
+                    break
+                self.add_request(request)
+            if not self.has_work:
+                if exhausted:
+                    return
+                continue
+            yield from self.step()
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[GenerateResult]:
+        """Schedule, run and post-process one batch; return the completions it finished."""
+        sched = self.scheduler
+        batch = sched.schedule()
+        self._collect_aborted()
+        if batch is None:
+            if sched.waiting and not sched.running:
+                self._abort_unfittable(sched.waiting.popleft())
+            return self._take_finished()
+        sampling_reqs = [r for r, s in zip(batch.reqs, batch.sample_mask) if s]
+        sampling = self._sampling_batch(sampling_reqs) if sampling_reqs else None
+        t0 = time.perf_counter()
+        out = self.runner.forward(batch, sampling)
+        self.stats.forward_time += time.perf_counter() - t0
+        self.stats.num_steps += 1
+        self.stats.num_forward_tokens += batch.num_tokens
+        sched.advance(batch)
+        for i, req in enumerate(sampling_reqs):
+            self._append_token(req, out, i)
+        for req in sampling_reqs:
+            if req.is_finished:
+                sched.finish(req)
+                self._finished.append(self._result(req))
+        return self._take_finished()
+
+    def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
+        rows = [r.row for r in reqs]
+        for req in reqs:
+            # (re)build penalty statistics the first time a request samples in a row
+            if req.params.has_penalties and req.penalty_row != req.row:
+                self.runner.penalties.reset_row(req.row, req.input_ids, req.output_ids)
+                req.penalty_row = req.row
+        return SamplingBatch.build(
+            [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
+            rows, self.model_config.vocab_size, list(self.eos_token_ids), self.device,
+        )
+
+    def _append_token(self, req: Req, out, i: int) -> None:
+        token = out.next_token_ids[i]
+        req.output_ids.append(token)
+        params = req.params
+        if params.logprobs or params.top_logprobs:
+            if req.logprobs is None:
+                req.logprobs, req.top_logprobs = [], []
+            req.logprobs.append(out.logprobs[i])
+            if params.top_logprobs and out.top_logprobs is not None:
+                ids, vals = out.top_logprobs[i]
+                req.top_logprobs.append((ids[: params.top_logprobs], vals[: params.top_logprobs]))
+        num_out = len(req.output_ids)
+        if token in params.stop_token_ids:
+            req.finish_reason, req.matched_stop = "stop", token
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            req.finish_reason, req.matched_stop = "stop", token
+        elif params.stop and num_out >= params.min_new_tokens and (
+            (hit := self._stop_checker.find(req)) is not None
+        ):
+            req.finish_reason, req.matched_stop = "stop", hit
+        elif num_out >= params.max_new_tokens or req.seq_len >= self.context_len:
+            req.finish_reason = "length"
+
+    def _result(self, req: Req) -> GenerateResult:
+        stats = self.stats
+        stats.num_finished += 1
+        stats.output_tokens += len(req.output_ids)
+        if req.index == 0:
+            stats.prompt_tokens += len(req.input_ids)
+        stats.cached_tokens += req.cached_tokens or 0
+        top = None
+        if req.top_logprobs:
+            top = [TopLogprobs(list(ids), list(vals)) for ids, vals in req.top_logprobs]
+        return GenerateResult(
+            rid=req.rid,
+            index=req.index,
+            output_ids=req.output_ids,
+            finish_reason=req.finish_reason or "abort",
+            prompt_tokens=len(req.input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens or 0,
+            matched_stop=req.matched_stop,
+            logprobs=req.logprobs,
+            top_logprobs=top,
+            error=req.error,
+        )
+
+    def _collect_aborted(self) -> None:
+        # requests aborted by the scheduler were already released; report them
+        for req in self.scheduler.drain_aborted():
+            self._finished.append(self._result(req))
+
+    def _abort_unfittable(self, req: Req) -> None:
+        req.finish_reason = "abort"
+        req.error = (
+            f"needs {req.seq_len} KV slots at once but the pool holds {self.num_kv_slots}; "
+            "raise --kv-budget"
+        )
+        self._finished.append(self._result(req))
+
+    def _take_finished(self) -> list[GenerateResult]:
+        done, self._finished = self._finished, []
+        return done
+
+    # -- tools for tests and scoring ------------------------------------------------------------
+
+    def score(self, input_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits [T, V] (fp32) of one sequence; the engine must be idle."""
+        assert not self.has_work, "score() needs an idle engine"
+        slots = self.kv.allocate(self.kv.page_ceil(len(input_ids)))
+        if slots is None:
+            raise ValueError("sequence does not fit the KV pool")
+        try:
+            return self.runner.all_logits(input_ids, slots)
+        finally:
+            self.kv.allocator.free(slots)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()

@@ -1,0 +1,140 @@
+"""KV bookkeeping for requests: rows, slots, and hand-over of computed KV to the radix cache.
+
+The scheduler decides *what* runs; this module does the slot arithmetic (see request.py's map)
+and keeps the invariant the tests check after every step:
+
+    allocator.num_free + cache.total_size + slots held by requests outside the tree == capacity
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchrun.engine.allocator import TokenAllocator
+from batchrun.engine.kv_pool import ReqToTokenPool
+from batchrun.engine.radix_cache import RadixCache
+from batchrun.engine.request import Req
+
+
+class KVManager:
+    def __init__(self, allocator: TokenAllocator, cache: RadixCache, req_pool: ReqToTokenPool):
+        self.allocator = allocator
+        self.cache = cache
+        self.req_pool = req_pool
+        self.page_size = allocator.page_size
+        # slots of running requests not owned by the tree (for the integrity check)
+        self.num_private = 0
+        # host copy of the request-to-token table: slot ids are needed on the host to free and
+        # insert, and reading them back from the device would sync
+        self.table_cpu = torch.zeros(req_pool.table.shape, dtype=torch.int64)
+
+    @property
+    def cache_enabled(self) -> bool:
+        return not self.cache.disable
+
+    @property
+    def available(self) -> int:
+        """Slots obtainable now: free plus evictable."""
+        return self.allocator.num_free + self.cache.evictable_size
+
+    def page_ceil(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def admit(self, req: Req) -> bool:
+        """Give `req` a row and its cached prefix. False when no row is free."""
+        row = self.req_pool.allocate()
+        if row is None:
+            return False
+        req.row = row
+        # always leave the last token to compute: its logits give the next token
+        match = self.cache.match_prefix(req.fill_ids[: req.seq_len - 1])
+        self.cache.lock(match.last_node)
+        length = match.length
+        if length:
+            self._write(req, 0, match.slots)
+        req.last_node, req.prefix_len, req.kv_len, req.alloc_len = (
+            match.last_node, length, length, length,
+        )
+        if req.cached_tokens is None:
+            req.cached_tokens = min(length, len(req.input_ids))
+        return True
+
+    def match_len(self, ids: list[int]) -> int:
+        """How much of `ids` is cached, without touching locks (for planning)."""
+        return self.cache.match_prefix(ids).length if self.cache_enabled else 0
+
+    # -- slots for a step --------------------------------------------------------------------
+
+    def reserve(self, req: Req, num_tokens: int) -> torch.Tensor | None:
+        """Slots for positions [kv_len, kv_len + num_tokens), allocating (and evicting) as needed.
+        Returns them as a CPU int64 tensor, or None if the pool cannot provide them."""
+        need = self.page_ceil(req.kv_len + num_tokens) - req.alloc_len
+        if need > 0:
+            slots = self.allocate(need)
+            if slots is None:
+                return None
+            self._write(req, req.alloc_len, slots)
+            req.alloc_len += need
+            self.num_private += need
+        return self.table_cpu[req.row, req.kv_len : req.kv_len + num_tokens]
+
+    def allocate(self, num_tokens: int) -> torch.Tensor | None:
+        if self.allocator.num_free < num_tokens:
+            self.cache.evict(num_tokens - self.allocator.num_free)
+        return self.allocator.allocate(num_tokens)
+
+    # -- hand-over to the tree -----------------------------------------------------------------
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Put the computed KV of a still-running request into the tree, so that requests sharing
+        its prefix hit the cache now rather than when it finishes."""
+        if not self.cache_enabled:
+            return
+        aligned = req.kv_len // self.page_size * self.page_size
+        if aligned <= req.prefix_len:
+            return
+        key = req.fill_ids[:aligned]
+        self._insert(req, key, aligned)
+        # re-match so our table points at the tree's slots (ours may have been duplicates)
+        match = self.cache.match_prefix(key)
+        assert match.length == aligned, "tree lost a prefix that was just inserted"
+        self._write(req, 0, match.slots)
+        self.cache.lock(match.last_node)
+        self.cache.unlock(req.last_node)
+        req.last_node, req.prefix_len = match.last_node, aligned
+
+    def release(self, req: Req) -> None:
+        """Finished or retracted: keep the computed KV in the tree (if enabled), free the rest."""
+        row = req.row
+        if self.cache_enabled:
+            aligned = req.kv_len // self.page_size * self.page_size
+            if aligned > req.prefix_len:
+                self._insert(req, req.fill_ids[:aligned], aligned)
+            tail_start = max(aligned, req.prefix_len)
+        else:
+            tail_start = req.prefix_len  # 0: nothing is owned by a disabled tree
+        if req.alloc_len > tail_start:
+            self.allocator.free(self.table_cpu[row, tail_start : req.alloc_len].clone())
+            self.num_private -= req.alloc_len - tail_start
+        self.cache.unlock(req.last_node)
+        self.req_pool.free(row)
+        req.row, req.last_node, req.penalty_row = None, None, None
+        req.kv_len = req.alloc_len = req.prefix_len = 0
+
+    def _insert(self, req: Req, key: list[int], aligned: int) -> None:
+        slots = self.table_cpu[req.row, :aligned].clone()
+        num_existing = self.cache.insert(key, slots)
+        # [prefix_len, num_existing): we computed what the tree already had; ours are spare
+        if num_existing > req.prefix_len:
+            self.allocator.free(slots[req.prefix_len : num_existing])
+        # the tree now owns [prefix_len, aligned) (ours or its own copies)
+        self.num_private -= aligned - req.prefix_len
+
+    def _write(self, req: Req, start: int, slots: torch.Tensor) -> None:
+        self.table_cpu[req.row, start : start + len(slots)] = slots
+        self.req_pool.write(req.row, start, slots)
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity(self.num_private)

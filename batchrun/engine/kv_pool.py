@@ -1,0 +1,65 @@
+"""Device memory for KV: a token-indexed pool per layer and the request-to-token table.
+
+    KVPool           k/v buffers [num_slots + 1, num_kv_heads, head_dim] per layer; the extra last
+                     slot is a dummy that padded (graph) batches may write into harmlessly.
+    ReqToTokenPool   [max_reqs + 1, max_context] int32: row r, position p -> KV slot of that token.
+                     Rows are handed out to running requests; the last row is the dummy request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.num_slots = num_slots
+        self.dummy_slot = num_slots
+        shape = (num_slots + 1, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # loc: [T], k/v: [T, KV, D]
+        self.k_buffers[layer_id][loc] = k.to(self.k_buffers[layer_id].dtype)
+        self.v_buffers[layer_id][loc] = v.to(self.v_buffers[layer_id].dtype)
+
+    def buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+
+
+class ReqToTokenPool:
+    def __init__(self, max_reqs: int, max_context: int, device: torch.device | str):
+        self.max_reqs = max_reqs
+        self.dummy_row = max_reqs
+        self.table = torch.zeros((max_reqs + 1, max_context), dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_reqs - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_rows)
+
+    def allocate(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Record that positions start .. start+len(slots)-1 of `row` live in `slots`."""
+        if len(slots):
+            self.table[row, start : start + len(slots)] = slots.to(
+                self.table.device, non_blocking=True
+            )

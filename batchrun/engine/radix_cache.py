@@ -1,0 +1,344 @@
+"""Radix tree over token ids whose nodes own KV slots (the prefix cache).
+
+Each node holds an edge ``key`` (token ids) and the KV slots ``value`` of those tokens; the path
+from the root spells a cached prefix. Nodes are reference counted by running requests
+(``lock``/``unlock``); unlocked leaves are evicted in LRU order and their slots go back to the
+allocator.
+
+With ``page_size`` P > 1 every edge length is a multiple of P, children are keyed by their first
+page (a tuple of P ids) and matches are truncated to whole pages, so the slots of a node are
+always whole pages of the allocator.
+
+Ownership when a finished request is cached (indices into its token ids)::
+
+    0            m.length          n_dup = insert(...)        aligned       len
+    |-- matched -----|-- computed, tree had them -|-- new, tree takes --|-- tail --|
+       (tree's)         (caller frees)                (tree owns)        (caller frees)
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from batchrun.engine.allocator import TokenAllocator
+
+__all__ = ["MatchResult", "RadixCache", "TreeNode"]
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+# Below this many tokens a Python loop beats building numpy arrays to find a mismatch.
+_NUMPY_MIN_LEN = 64
+
+
+class TreeNode:
+    __slots__ = ("key", "value", "parent", "children", "ref", "last_access", "id")
+    _ids = itertools.count()
+
+    def __init__(self, key: tuple[int, ...], value: torch.Tensor, parent: TreeNode | None) -> None:
+        self.key = key
+        self.value = value  # int64 [len(key)] slot ids
+        self.parent = parent
+        self.children: dict[object, TreeNode] = {}
+        self.ref = 0
+        self.last_access = 0
+        self.id = next(TreeNode._ids)  # tie-breaker for the eviction heap
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, ref={self.ref})"
+
+
+class MatchResult(NamedTuple):
+    slots: torch.Tensor  # int64 [L] slot ids of the matched prefix, L page-aligned
+    last_node: TreeNode  # deepest matched node (root if none); pass to lock/unlock
+
+    @property
+    def length(self) -> int:
+        return self.slots.numel()
+
+
+def _common_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the common prefix of two token tuples."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the common case (full edge match) stays in C
+        return n
+    if n >= _NUMPY_MIN_LEN:
+        diff = np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64)
+        return int(diff.argmax())
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n  # unreachable: the slices differed
+
+
+class RadixCache:
+    def __init__(
+        self, allocator: TokenAllocator, page_size: int = 1, disable: bool = False
+    ) -> None:
+        if page_size != allocator.page_size:
+            raise ValueError(
+                f"page_size={page_size} differs from allocator.page_size={allocator.page_size}"
+            )
+        self.allocator = allocator
+        self.page_size = page_size
+        self.disable = disable
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every node and give its slots back to the allocator.
+
+        NOTE: slots go back through `allocator.free`, so call this *before* `allocator.reset()`
+        (or instead of it); calling it after would free slots twice. Locks are dropped too: only
+        reset when no request holds a match.
+        """
+        root = getattr(self, "root", None)
+        if root is not None:
+            values = [n.value for n in self._iter_nodes() if not n.is_root]
+            if values:
+                self.allocator.free(torch.cat(values))
+        self.root = TreeNode((), _EMPTY, None)
+        self.root.ref = 1  # never evicted, never counted
+        self._evictable_size = 0
+        self._protected_size = 0
+        self._clock = 0
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    @property
+    def evictable_size(self) -> int:
+        return self._evictable_size
+
+    @property
+    def protected_size(self) -> int:
+        return self._protected_size
+
+    @property
+    def total_size(self) -> int:
+        return self._evictable_size + self._protected_size
+
+    # -- lookup and insertion -------------------------------------------------------------
+
+    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of ``key`` in whole pages; refreshes LRU along the path."""
+        if self.disable:
+            return MatchResult(_EMPTY, self.root)
+        key = self._aligned(key)
+        node, pos, values = self.root, 0, []
+        now = self._tick()
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            child.last_access = now
+            n = self._page_floor(_common_len(child.key, key[pos : pos + len(child.key)]))
+            partial = n < len(child.key)
+            if partial:
+                child = self._split(child, n)
+            values.append(child.value)
+            node, pos = child, pos + n
+            if partial:
+                break
+        slots = torch.cat(values) if values else _EMPTY
+        return MatchResult(slots, node)
+
+    def insert(self, key: Sequence[int], slots: torch.Tensor) -> int:
+        """Cache ``key`` -> ``slots``; return how many leading tokens the tree already had.
+
+        The caller keeps ownership of ``slots[:returned]`` (and frees the ones it allocated
+        itself); the tree takes ``slots[returned:]``. Disabled caches keep nothing and return
+        ``len(key)`` so the caller frees everything.
+        """
+        if self.disable:
+            return len(key)
+        if len(key) != slots.numel():
+            raise ValueError(f"len(key)={len(key)} != len(slots)={slots.numel()}")
+        if len(key) % self.page_size:
+            raise ValueError(f"len(key)={len(key)} is not a multiple of {self.page_size}")
+        key = tuple(key)
+        node, pos = self.root, 0
+        now = self._tick()
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            child.last_access = now
+            n = self._page_floor(_common_len(child.key, key[pos : pos + len(child.key)]))
+            if n < len(child.key):
+                # The remainder of `key` diverges inside this edge (or ends there): split, and the
+                # loop stops at the new node because no child starts with key[pos + n:].
+                child = self._split(child, n)
+            node, pos = child, pos + n
+        if pos < len(key):
+            # NOTE: clone so the tree never aliases the caller's buffer (a req-to-token row).
+            leaf = TreeNode(key[pos:], slots[pos:].to(torch.int64).clone(), node)
+            leaf.last_access = now
+            node.children[self._child_key(leaf.key, 0)] = leaf
+            self._evictable_size += len(leaf.key)
+        return pos
+
+    # -- reference counting ---------------------------------------------------------------
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction."""
+        while not node.is_root:
+            if node.ref == 0:
+                self._evictable_size -= len(node.key)
+                self._protected_size += len(node.key)
+            node.ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while not node.is_root:
+            assert node.ref > 0, f"unlock of unlocked node {node!r}"
+            node.ref -= 1
+            if node.ref == 0:
+                self._evictable_size += len(node.key)
+                self._protected_size -= len(node.key)
+            node = node.parent
+
+    # -- eviction ---------------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` slots (if possible) from LRU unlocked leaves."""
+        if self.disable or num_tokens <= 0:
+            return 0
+        heap = [
+            (n.last_access, n.id, n)
+            for n in self._iter_nodes()
+            if n.is_leaf and n.ref == 0 and not n.is_root
+        ]
+        heapq.heapify(heap)
+        freed, values = 0, []
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            del parent.children[self._child_key(node.key, 0)]
+            values.append(node.value)
+            freed += len(node.key)
+            self._evictable_size -= len(node.key)
+            if not parent.is_root and parent.is_leaf and parent.ref == 0:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        if values:
+            self.allocator.free(torch.cat(values))  # one free call for the whole batch
+        return freed
+
+    # -- debugging --------------------------------------------------------------------------
+
+    def check_integrity(self, num_in_use: int) -> None:
+        """Assert tree invariants and ``free + cached + in use == capacity``."""
+        alloc = self.allocator
+        P = self.page_size
+        evictable = protected = 0
+        values = []
+        for node in self._iter_nodes():
+            for ck, child in node.children.items():
+                assert child.parent is node, f"{child!r}: parent pointer wrong"
+                assert self._child_key(child.key, 0) == ck, f"{child!r}: filed under wrong key"
+                assert child.ref <= node.ref or node.is_root, (
+                    f"{child!r} has ref {child.ref} > parent {node!r} ref {node.ref}"
+                )
+            if node.is_root:
+                continue
+            assert node.ref >= 0, f"{node!r}: negative ref"
+            assert len(node.key) > 0, f"{node!r}: empty edge"
+            assert len(node.key) == node.value.numel(), (
+                f"{node!r}: key len {len(node.key)} != value len {node.value.numel()}"
+            )
+            assert len(node.key) % P == 0, f"{node!r}: edge not page-aligned (P={P})"
+            if node.ref > 0:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+            values.append(node.value)
+        assert evictable == self._evictable_size, (
+            f"evictable_size {self._evictable_size} != recount {evictable}"
+        )
+        assert protected == self._protected_size, (
+            f"protected_size {self._protected_size} != recount {protected}"
+        )
+        tree_slots = torch.cat(values) if values else _EMPTY
+        assert torch.unique(tree_slots).numel() == tree_slots.numel(), "slot owned twice in tree"
+        if P > 1 and tree_slots.numel():
+            pages = tree_slots.view(-1, P)
+            assert bool((pages[:, 0] % P == 0).all()), "tree holds a non page-aligned slot run"
+            assert bool((pages - pages[:, :1] == torch.arange(P)).all()), "tree page not contiguous"
+        alloc.check_no_double_free()
+        overlap = torch.isin(tree_slots, alloc.free_slots())
+        assert not bool(overlap.any()), (
+            f"tree slots also free in allocator: {tree_slots[overlap][:8].tolist()}"
+        )
+        total = alloc.num_free + self.total_size + num_in_use
+        assert total == alloc.capacity, (
+            f"slot leak: free {alloc.num_free} + cached {self.total_size} + in use {num_in_use} "
+            f"= {total} != capacity {alloc.capacity}"
+        )
+
+    def pretty(self) -> str:
+        lines = [
+            f"RadixCache(P={self.page_size}, evictable={self._evictable_size}, "
+            f"protected={self._protected_size})"
+        ]
+
+        def walk(node: TreeNode, depth: int) -> None:
+            for child in sorted(node.children.values(), key=lambda c: c.id):
+                head = list(child.key[:8]) + (["..."] if len(child.key) > 8 else [])
+                lines.append(
+                    f"{'  ' * depth}- {head} len={len(child.key)} ref={child.ref} "
+                    f"t={child.last_access} slots={child.value[:8].tolist()}"
+                )
+                walk(child, depth + 1)
+
+        walk(self.root, 1)
+        return "\n".join(lines)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut ``child``'s edge after ``n`` tokens; return the new upper node (0 < n < len)."""
+        upper = TreeNode(child.key[:n], child.value[:n], child.parent)
+        # Both halves keep the lock count and access time: the same requests still hold them.
+        upper.ref = child.ref
+        upper.last_access = child.last_access
+        upper.parent.children[self._child_key(upper.key, 0)] = upper
+        child.key = child.key[n:]
+        child.value = child.value[n:]
+        child.parent = upper
+        upper.children[self._child_key(child.key, 0)] = child
+        return upper
+
+    def _child_key(self, key: tuple[int, ...], pos: int) -> object:
+        # Page size 1: a plain int hashes faster than a 1-tuple.
+        if self.page_size == 1:
+            return key[pos]
+        return key[pos : pos + self.page_size]
+
+    def _aligned(self, key: Sequence[int]) -> tuple[int, ...]:
+        key = tuple(key)
+        return key[: self._page_floor(len(key))]
+
+    def _page_floor(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def _tick(self) -> int:
+        # NOTE: a counter, not wall time: deterministic LRU order in tests, no ties on fast hosts.
+        self._clock += 1
+        return self._clock
+
+    def _iter_nodes(self) -> Iterator[TreeNode]:
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())

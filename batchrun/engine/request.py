@@ -1,0 +1,70 @@
+"""The one mutable per-request object the scheduler moves around.
+
+Token positions of a request, and what its counters mean:
+
+    fill_ids = input_ids + output_ids
+    [0 ............ prefix_len ............ kv_len ............ alloc_len)      seq_len
+    |<- owned by the radix tree (locked) ->|                    |                 |
+    |<-------------- KV computed and in the pool ------------->|                 |
+    |<--------------------- KV slots allocated (page-aligned) --------------->|  |
+    a step computes positions [kv_len, kv_len + n); when that reaches seq_len the
+    last position's logits give the next token, which is appended to output_ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchrun.engine.params import SamplingParams
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    index: int  # which of params.n samples
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int = 0  # admission order tie-breaker
+    output_ids: list[int] = field(default_factory=list)
+    # KV state (valid while row is not None)
+    row: int | None = None
+    kv_len: int = 0
+    alloc_len: int = 0
+    prefix_len: int = 0
+    last_node: Any = None
+    penalty_row: int | None = None  # row whose penalty statistics describe this request
+    # accounting
+    cached_tokens: int | None = None  # prompt tokens served from cache at first admission
+    num_retractions: int = 0
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    error: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids if self.output_ids else self.input_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose KV is still to be computed (1 while decoding)."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.row is not None and self.num_pending == 1 and bool(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def max_new_remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)

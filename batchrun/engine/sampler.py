@@ -1,0 +1,256 @@
+"""Sampling on the device without host syncs.
+
+Order (as in vLLM): raw logits -> logprobs of the raw distribution -> penalties -> min_new_tokens
+mask -> greedy rows: argmax; sampled rows: / temperature -> top-k -> top-p -> min-p -> sample.
+
+Random draws come from a counter-based hash of (seed, step, token id), so a request draws the same
+token whatever else is in the batch, on CPU and CUDA alike, and resumes identically after a
+retraction (step = number of tokens generated so far). The draw is an exponential race /
+Gumbel-max: argmax(logit / T - log(-log u)) over the allowed tokens, which samples
+softmax(logit / T) restricted to that set without normalizing it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from batchrun.engine.params import SamplingParams
+from batchrun.engine.penalties import PenaltyState, apply_penalties, to_device
+
+_M32 = 0xFFFFFFFF
+# murmur3 fmix32 constants, shifted into (-2**31, 0) so that x * c with x < 2**32 never leaves the
+# int64 range; the low 32 bits are the same as for the unsigned product.
+_C1 = 0x85EBCA6B - (1 << 32)
+_C2 = 0xC2B2AE35 - (1 << 32)
+_GOLDEN = 0x9E3779B9 - (1 << 32)
+# NOTE: a disabled top-p is stored as 2.0, not 1.0: the fp32 cumsum can reach 1.0 before the last
+# token, and "keep while exclusive cumsum < p" would then cut off the tail.
+_TOP_P_OFF = 2.0
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3 finalizer on uint32 values held in int64 (a bijection with full avalanche)."""
+    x = x ^ (x >> 16)
+    x = (x * _C1) & _M32
+    x = x ^ (x >> 13)
+    x = (x * _C2) & _M32
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[B] int64 seeds and steps -> [B] 32-bit keys, one per (seed, step)."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    key = _fmix32(lo ^ _fmix32(hi ^ 0x68E31DA4))
+    return _fmix32(key ^ _fmix32((steps & _M32) ^ 0x1B56C4E9))
+
+
+def uniforms(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    """[B] keys x [V] per-token hashes -> [B, V] fp32 uniforms in [2**-24, 1 - 2**-24]."""
+    h = _fmix32(keys[:, None] ^ vocab_hash[None, :])
+    # 23 random bits as an odd multiple of 2**-24: exact in fp32, never 0 or 1.
+    return ((h >> 9) * 2 + 1).float() * (1.0 / (1 << 24))
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters on the device, built on the host once per step.
+
+    The bool / int fields are computed on the host from the params, so branching on them costs no
+    sync. Greedy rows get temperature 1, k = V, p off and min_p 0 so they never trigger the
+    sampled path's work; their result is the argmax of the penalized logits.
+    """
+
+    temperatures: torch.Tensor  # [B] fp32; 1.0 for greedy rows
+    top_ps: torch.Tensor  # [B] fp32; _TOP_P_OFF when disabled
+    min_ps: torch.Tensor  # [B] fp32
+    repetition_penalties: torch.Tensor  # [B] fp32
+    frequency_penalties: torch.Tensor  # [B] fp32
+    presence_penalties: torch.Tensor  # [B] fp32
+    top_ks: torch.Tensor  # [B] int64; V when disabled
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64: tokens generated so far
+    rows: torch.Tensor  # [B] int64: PenaltyState rows (req-pool indices)
+    is_greedy: torch.Tensor  # [B] bool
+    banned: torch.Tensor | None  # [2, N] int64 (batch index, token id): EOS / stop ids masked
+    all_greedy: bool
+    any_greedy: bool
+    needs_sort: bool  # some sampled row has top-k or top-p
+    needs_min_p: bool
+    has_repetition: bool
+    has_frequency_presence: bool
+    needs_logprobs: bool
+    num_top_logprobs: int  # K = max top_logprobs over the batch
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.has_repetition or self.has_frequency_presence
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        steps: list[int],
+        rows: list[int],
+        vocab_size: int,
+        eos_token_ids: list[int],
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """Pack the batch into two H2D copies (floats, ints) plus one for masked ids, if any.
+
+        vocab_size is the logits' last dimension. eos_token_ids are masked, together with the
+        request's stop_token_ids, while steps[i] < params[i].min_new_tokens.
+        """
+        device = torch.device(device)
+        floats: list[list[float]] = [[] for _ in range(6)]
+        ints: list[list[int]] = [[] for _ in range(5)]
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
+        for i, p in enumerate(params):
+            greedy = p.is_greedy
+            k = p.top_k if p.top_k > 0 and not greedy else vocab_size
+            floats[0].append(1.0 if greedy else p.temperature)
+            floats[1].append(p.top_p if p.top_p < 1.0 and not greedy else _TOP_P_OFF)
+            floats[2].append(0.0 if greedy else p.min_p)
+            floats[3].append(p.repetition_penalty)
+            floats[4].append(p.frequency_penalty)
+            floats[5].append(p.presence_penalty)
+            ints[0].append(min(k, vocab_size))
+            ints[1].append(_to_int64(seeds[i]))
+            ints[2].append(steps[i])
+            ints[3].append(rows[i])
+            ints[4].append(int(greedy))
+            if steps[i] < p.min_new_tokens:
+                ids = dict.fromkeys([*eos_token_ids, *p.stop_token_ids])
+                banned_rows.extend([i] * len(ids))
+                banned_ids.extend(ids)
+        f = to_device(floats, torch.float32, device)  # [6, B]
+        n = to_device(ints, torch.int64, device)  # [5, B]
+        sampled = [p for p in params if not p.is_greedy]
+        banned = to_device([banned_rows, banned_ids], torch.int64, device) if banned_ids else None
+        return cls(
+            temperatures=f[0],
+            top_ps=f[1],
+            min_ps=f[2],
+            repetition_penalties=f[3],
+            frequency_penalties=f[4],
+            presence_penalties=f[5],
+            top_ks=n[0],
+            seeds=n[1],
+            steps=n[2],
+            rows=n[3],
+            is_greedy=n[4].bool(),
+            banned=banned,
+            all_greedy=not sampled,
+            any_greedy=len(sampled) < len(params),
+            needs_sort=any(0 < p.top_k < vocab_size or p.top_p < 1.0 for p in sampled),
+            needs_min_p=any(p.min_p > 0.0 for p in sampled),
+            has_repetition=any(p.repetition_penalty != 1.0 for p in params),
+            has_frequency_presence=any(
+                p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
+            ),
+            needs_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in params),
+            num_top_logprobs=max((p.top_logprobs for p in params), default=0),
+        )
+
+
+def _to_int64(seed: int) -> int:
+    """Any Python int -> the signed int64 with the same low 64 bits."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+class SampleOutput(NamedTuple):
+    next_token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] fp32: raw log_softmax at the chosen token
+    top_logprob_ids: torch.Tensor | None  # [B, K] int64, of the raw distribution
+    top_logprob_vals: torch.Tensor | None  # [B, K] fp32
+
+
+class Sampler:
+    """Stateless apart from a cache of the per-token hash for each (vocab size, device)."""
+
+    def __init__(self) -> None:
+        self._vocab_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def vocab_hash(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        key = (vocab_size, device)
+        if key not in self._vocab_hash:
+            ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
+            self._vocab_hash[key] = _fmix32((ids * _GOLDEN) & _M32)  # [V]
+        return self._vocab_hash[key]
+
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState | None
+    ) -> SampleOutput:
+        logits = logits.float()  # [B, V]; may alias the caller's tensor: no in-place edits
+        num_rows, vocab_size = logits.shape
+
+        logprobs = top_ids = top_vals = None
+        if batch.needs_logprobs:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+            if batch.num_top_logprobs > 0:
+                top_vals, top_ids = torch.topk(raw_logprobs, batch.num_top_logprobs, dim=-1)
+
+        if batch.has_penalties:
+            if penalties is None:
+                raise ValueError("the batch has penalties but no PenaltyState was given")
+            logits = apply_penalties(
+                logits,
+                penalties,
+                batch.rows,
+                batch.repetition_penalties,
+                batch.frequency_penalties,
+                batch.presence_penalties,
+                batch.has_repetition,
+                batch.has_frequency_presence,
+            )
+        if batch.banned is not None:
+            flat = batch.banned[0] * vocab_size + batch.banned[1]
+            logits = logits.flatten().index_fill(0, flat, float("-inf")).view(num_rows, -1)
+
+        if batch.all_greedy:
+            next_ids = logits.argmax(dim=-1)
+        else:
+            next_ids = self._sample(logits, batch)
+            if batch.any_greedy:
+                next_ids = torch.where(batch.is_greedy, logits.argmax(dim=-1), next_ids)
+
+        if batch.needs_logprobs:
+            logprobs = raw_logprobs.gather(1, next_ids[:, None]).squeeze(1)
+        return SampleOutput(next_ids, logprobs, top_ids, top_vals)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        vocab_size = logits.shape[1]
+        scaled = logits / batch.temperatures[:, None]  # [B, V]
+        # Every filter keeps the tokens whose scaled logit is >= a per-row threshold; ties at the
+        # threshold are all kept, so the result does not depend on the sort's tie order.
+        threshold = None
+        if batch.needs_sort:
+            sorted_logits = scaled.sort(dim=-1, descending=True).values  # [B, V]
+            positions = torch.arange(vocab_size, device=logits.device)
+            outside_k = positions[None, :] >= batch.top_ks[:, None]
+            probs = torch.softmax(sorted_logits.masked_fill(outside_k, float("-inf")), dim=-1)
+            # Nucleus: keep while the cumulative prob *before* the token is < p (includes the
+            # token that crosses p). Both masks are suffixes, so the kept set is a prefix.
+            before = probs.cumsum(dim=-1) - probs
+            removed = outside_k | (before >= batch.top_ps[:, None])
+            num_kept = (~removed).sum(dim=-1, keepdim=True)  # >= 1: position 0 is never removed
+            threshold = sorted_logits.gather(1, num_kept - 1).squeeze(1)  # [B]
+        if batch.needs_min_p:
+            # prob >= min_p * max_prob  <=>  logit >= max_logit + log(min_p); renormalizing after
+            # top-k/top-p does not change the ratio, and the max token always survives them.
+            row_max = scaled.amax(dim=-1)
+            min_p_threshold = row_max + torch.log(batch.min_ps)  # -inf where min_p == 0
+            threshold = (
+                min_p_threshold if threshold is None else torch.maximum(threshold, min_p_threshold)
+            )
+
+        u = uniforms(row_keys(batch.seeds, batch.steps), self.vocab_hash(vocab_size, logits.device))
+        scores = scaled - torch.log(-torch.log(u))  # Gumbel-max == exponential race
+        if threshold is not None:
+            scores = scores.masked_fill(scaled < threshold[:, None], float("-inf"))
+        return scores.argmax(dim=-1)

@@ -1,0 +1,246 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+Every step builds one batch: each decoding request contributes its one pending token, then
+partially prefilled requests continue and waiting requests are admitted while the prefill token
+budget (chunked prefill) and the KV budget last. When the pool runs dry for decodes, the request
+with the least progress is retracted: its KV goes to the radix cache (or is freed) and it waits
+again at the front of the queue, to resume with its output so far as part of its prompt.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import torch
+
+from batchrun.engine.kv_manager import KVManager
+from batchrun.engine.request import Req
+
+# a waiting request is held back while a running prefill shares at least this many of its
+# uncached tokens: that prefix is computed once and then served from the cache
+MIN_SHARED_PREFIX = 16
+
+
+class ScheduledBatch(NamedTuple):
+    reqs: tuple[Req, ...]
+    extend_lens: tuple[int, ...]  # new tokens per request
+    prefix_lens: tuple[int, ...]  # kv_len before this step
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    out_cache_loc: torch.Tensor  # [T] int64, CPU
+    sample_mask: tuple[bool, ...]  # which requests produce a token this step
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return tuple(p + n for p, n in zip(self.prefix_lens, self.extend_lens))
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVManager,
+        max_running: int,
+        chunked_prefill_size: int | None,
+        init_new_token_ratio: float,
+    ):
+        self.kv = kv
+        self.max_running = max_running
+        self.prefill_budget = chunked_prefill_size or 1 << 62
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.init_new_token_ratio = init_new_token_ratio
+        self.new_token_ratio = init_new_token_ratio
+        self.num_retractions = 0
+        self.num_held = 0  # admissions deferred to share a prefix being computed
+        self._aborted: list[Req] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch | None:
+        plan: list[tuple[Req, int]] = []
+        self._schedule_decodes(plan)
+        budget = self.prefill_budget
+        # continue chunked prefills first, in admission order
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.is_decoding:
+                continue
+            n = min(req.num_pending, budget)
+            if self.kv.reserve(req, n) is None:
+                break
+            plan.append((req, n))
+            budget -= n
+        self._admit(plan, budget)
+        if not plan:
+            return None
+        return self._build(plan)
+
+    def _schedule_decodes(self, plan: list[tuple[Req, int]]) -> None:
+        decoding = [r for r in self.running if r.is_decoding]
+        i = 0
+        while i < len(decoding):
+            req = decoding[i]
+            if self.kv.reserve(req, 1) is not None:
+                plan.append((req, 1))
+                i += 1
+                continue
+            victim = self._pick_victim(exclude=req)
+            if victim is None:
+                req.finish_reason, req.error = "abort", (
+                    "the KV pool cannot hold this request alone; raise --kv-budget or lower "
+                    "max_tokens"
+                )
+                self.running.remove(req)
+                self.kv.release(req)
+                self._aborted.append(req)
+                decoding.pop(i)
+                continue
+            self._retract(victim)
+            if victim in decoding:
+                idx = decoding.index(victim)
+                decoding.pop(idx)
+                if idx < i:  # it had a slot already: drop it from the plan
+                    plan[:] = [(r, n) for r, n in plan if r is not victim]
+                    i -= 1
+
+    def drain_aborted(self) -> list[Req]:
+        aborted, self._aborted = self._aborted, []
+        return aborted
+
+    def _pick_victim(self, exclude: Req) -> Req | None:
+        candidates = [r for r in self.running if r is not exclude]
+        if not candidates:
+            return None
+        # least progress first: fewest outputs, then the longest prompt (frees the most)
+        return min(candidates, key=lambda r: (len(r.output_ids), -len(r.input_ids), -r.arrival))
+
+    def _retract(self, req: Req) -> None:
+        self.running.remove(req)
+        self.kv.release(req)
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+        # we were too optimistic about decode growth: be more careful for a while
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+
+    def _reserved(self) -> int:
+        """Slots the running requests are expected to still need."""
+        ratio = self.new_token_ratio
+        return sum(
+            r.num_pending + int(r.max_new_remaining * ratio) + self.kv.page_size
+            for r in self.running
+        )
+
+    def _admit(self, plan: list[tuple[Req, int]], budget: int) -> None:
+        if not self.waiting:
+            return
+        headroom = self.kv.available - self._reserved()
+        held: list[Req] = []
+        scanned = 0
+        window = 2 * self.max_running
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            if scanned >= window:
+                break
+            req = self.waiting.popleft()
+            scanned += 1
+            prefill = [r for r in self.running if not r.is_decoding]
+            if prefill and self._shares_uncached_prefix(req, prefill):
+                held.append(req)
+                continue
+            cached = self.kv.match_len(req.fill_ids[: req.seq_len - 1])
+            need = req.seq_len - cached + int(req.max_new_remaining * self.new_token_ratio)
+            if need > headroom and self.running:
+                self.waiting.appendleft(req)
+                break
+            if not self.kv.admit(req):
+                self.waiting.appendleft(req)
+                break
+            n = min(req.num_pending, budget)
+            if self.kv.reserve(req, n) is None:
+                self.kv.release(req)
+                self.waiting.appendleft(req)
+                break
+            self.running.append(req)
+            plan.append((req, n))
+            budget -= n
+            headroom -= need
+        self.num_held += len(held)
+        self.waiting.extendleft(reversed(held))
+        if not self.waiting:
+            self.new_token_ratio = max(0.1, self.new_token_ratio - 0.001)
+
+    def _shares_uncached_prefix(self, req: Req, prefilling: list[Req]) -> bool:
+        ids = req.input_ids
+        cached = None
+        for other in prefilling:
+            if other.input_ids[:1] != ids[:1]:
+                continue
+            shared = common_prefix_len(ids, other.input_ids)
+            if shared < MIN_SHARED_PREFIX:
+                continue
+            if cached is None:
+                cached = self.kv.match_len(ids)
+            if shared - cached >= MIN_SHARED_PREFIX:
+                return True
+        return False
+
+    def _build(self, plan: list[tuple[Req, int]]) -> ScheduledBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        locs: list[torch.Tensor] = []
+        for req, n in plan:
+            start = req.kv_len
+            input_ids.extend(req.fill_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            locs.append(self.kv.table_cpu[req.row, start : start + n])
+        return ScheduledBatch(
+            reqs=tuple(r for r, _ in plan),
+            extend_lens=tuple(n for _, n in plan),
+            prefix_lens=tuple(r.kv_len for r, _ in plan),
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=torch.cat(locs),
+            sample_mask=tuple(r.kv_len + n == r.seq_len for r, n in plan),
+        )
+
+    # -- after the step -----------------------------------------------------------------------
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The step's KV is computed: move counters and share finished prefills with the tree."""
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            is_prefill = n > 1 or not req.output_ids
+            req.kv_len += n
+            if is_prefill:
+                self.kv.cache_unfinished(req)
+
+    def finish(self, req: Req) -> None:
+        self.running.remove(req)
+        self.kv.release(req)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix; slice comparisons run in C, so O(log n) Python steps."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -1,0 +1,233 @@
+"""Stream rows from a dataset without ever loading a whole file.
+
+Supported inputs:
+
+- JSON Lines: ``.jsonl`` / ``.ndjson``, optionally gzip-compressed (``.gz``). One object per line;
+  blank lines are skipped but still counted, so ``line = row + 1``. A line that is not valid JSON
+  or not a JSON object becomes a ``RawRow`` with ``error`` set and the job goes on.
+- Parquet: one ``.parquet`` file or a directory of them (read in sorted path order, row groups
+  streamed one record batch at a time).
+- A HuggingFace ``datasets`` directory written by ``save_to_disk`` (a ``Dataset`` or a
+  ``DatasetDict``; the latter needs a split), or a ``datasets.Dataset`` / ``DatasetDict`` object.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import msgspec
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
+SUPPORTED = (
+    ".jsonl, .ndjson (optionally .gz), .parquet, a directory of .parquet files, "
+    "or a HuggingFace datasets directory made by save_to_disk"
+)
+_decode = msgspec.json.Decoder().decode
+
+
+class BadInputError(Exception):
+    """The input cannot be read at all. The message says what to do about it."""
+
+
+class RawRow(NamedTuple):
+    row: int  # 0-based row index in the input; for JSONL the line index, so line = row + 1
+    data: dict | None  # the parsed row; None when it could not be parsed
+    error: str | None  # why it could not be parsed, e.g. "line 7: invalid JSON: ..."
+
+
+class DatasetSource:
+    """A readable input. ``num_rows`` is None when it is not known without a full pass."""
+
+    format: str = ""
+    num_rows: int | None = None
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    def iter_batches(self, batch_size: int = 1024) -> Iterator[list[RawRow]]:
+        raise NotImplementedError
+
+    def count_rows(self) -> int:
+        """Rows the input holds; for JSONL this is one pass over the file (non-blank lines)."""
+        if self.num_rows is not None:
+            return self.num_rows
+        return sum(len(batch) for batch in self.iter_batches(8192))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(path={str(self.path)!r}, format={self.format!r})"
+
+
+class JsonlSource(DatasetSource):
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.is_gzip = path.name.endswith(".gz")
+        self.format = "jsonl.gz" if self.is_gzip else "jsonl"
+        # An empty plain file is known cheaply; anything else would need a full pass.
+        self.num_rows = 0 if not self.is_gzip and path.stat().st_size == 0 else None
+
+    def _open(self) -> Any:
+        return gzip.open(self.path, "rb") if self.is_gzip else open(self.path, "rb")  # noqa: SIM115
+
+    def iter_batches(self, batch_size: int = 1024) -> Iterator[list[RawRow]]:
+        batch: list[RawRow] = []
+        index = -1
+        with self._open() as f:
+            try:
+                for index, line in enumerate(f):  # noqa: B007 (index used after the loop)
+                    if index == 0 and line.startswith(b"\xef\xbb\xbf"):
+                        line = line[3:]  # a UTF-8 BOM some editors write
+                    if not line.strip():
+                        continue
+                    batch.append(_parse_line(index, line))
+                    if len(batch) >= batch_size:
+                        yield batch
+                        batch = []
+            except (OSError, EOFError) as e:  # truncated or corrupt gzip stream
+                raise BadInputError(
+                    f"{self.path}: cannot read past line {index + 1}: {e}; "
+                    "the file is truncated or corrupt, re-create or re-download it"
+                ) from e
+        if batch:
+            yield batch
+
+
+def _parse_line(index: int, line: bytes) -> RawRow:
+    try:
+        value = _decode(line)
+    except msgspec.DecodeError as e:
+        return RawRow(index, None, f"line {index + 1}: invalid JSON: {e}")
+    if not isinstance(value, dict):
+        kind = "null" if value is None else type(value).__name__
+        return RawRow(index, None, f"line {index + 1}: expected a JSON object, got {kind}")
+    return RawRow(index, value, None)
+
+
+class ParquetSource(DatasetSource):
+    format = "parquet"
+
+    def __init__(self, path: Path) -> None:
+        import pyarrow.parquet as pq
+
+        super().__init__(path)
+        if path.is_dir():
+            # Skip Spark/Hadoop side files (_SUCCESS, _metadata, .crc) and hidden temp files.
+            self.files = sorted(
+                p
+                for p in path.rglob("*.parquet")
+                if not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
+            )
+        else:
+            self.files = [path]
+        num_rows = 0
+        for file in self.files:
+            try:
+                num_rows += pq.ParquetFile(file).metadata.num_rows
+            except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a broken footer
+                raise BadInputError(f"{file}: not a readable Parquet file: {e}") from e
+        self.num_rows = num_rows
+
+    def iter_batches(self, batch_size: int = 1024) -> Iterator[list[RawRow]]:
+        import pyarrow.parquet as pq
+
+        row = 0
+        for file in self.files:
+            # NOTE: ParquetFile.iter_batches decodes one row group at a time, so memory is bounded
+            # by the largest row group, never by the file.
+            with pq.ParquetFile(file) as pf:
+                for record_batch in pf.iter_batches(batch_size=batch_size):
+                    rows = record_batch.to_pylist()
+                    yield [RawRow(row + i, data, None) for i, data in enumerate(rows)]
+                    row += len(rows)
+
+
+class HFDatasetSource(DatasetSource):
+    format = "hf-datasets"
+
+    def __init__(self, dataset: Any, path: Path | None = None) -> None:
+        super().__init__(path)
+        self.dataset = dataset
+        self.num_rows = len(dataset)
+
+    def iter_batches(self, batch_size: int = 1024) -> Iterator[list[RawRow]]:
+        row = 0
+        # Arrow format hands out memory-mapped tables; to_pylist converts one batch at a time.
+        for table in self.dataset.with_format("arrow").iter(batch_size=batch_size):
+            rows = table.to_pylist()
+            yield [RawRow(row + i, data, None) for i, data in enumerate(rows)]
+            row += len(rows)
+
+
+def open_dataset(path: str | Path | Any, split: str | None = None) -> DatasetSource:
+    """Open an input for streaming. Raises BadInputError when it cannot be read at all."""
+    if not isinstance(path, (str, Path)):
+        return _from_datasets_object(path, split, None)
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise BadInputError(f"input not found: {p}; check the path (supported: {SUPPORTED})")
+    if p.is_dir():
+        if (p / "dataset_dict.json").exists() or (p / "state.json").exists():
+            return _load_from_disk(p, split)
+        source = ParquetSource(p)
+        if not source.files:
+            raise BadInputError(
+                f"{p} is a directory without .parquet files and is not a datasets directory "
+                f"(no dataset_dict.json or state.json); supported inputs: {SUPPORTED}"
+            )
+        return source
+    name = p.name.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        return JsonlSource(p)
+    if name.endswith(".parquet"):
+        return ParquetSource(p)
+    hint = ""
+    if name.endswith((".json", ".json.gz")):
+        hint = " If the file holds one JSON object per line, rename it to .jsonl."
+    raise BadInputError(f"unsupported input file {p.name!r}; supported: {SUPPORTED}.{hint}")
+
+
+def _load_from_disk(path: Path, split: str | None) -> DatasetSource:
+    try:
+        import datasets
+    except ImportError as e:
+        raise BadInputError(
+            f"{path} is a HuggingFace datasets directory; install the extra to read it: "
+            "pip install 'batchrun[datasets]'"
+        ) from e
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # datasets raises several kinds for a damaged directory
+        raise BadInputError(f"{path}: cannot load the datasets directory: {e}") from e
+    return _from_datasets_object(ds, split, path)
+
+
+def _from_datasets_object(obj: Any, split: str | None, path: Path | None) -> DatasetSource:
+    try:
+        import datasets
+    except ImportError as e:
+        raise BadInputError(f"cannot read {type(obj).__name__}: `datasets` is missing") from e
+    where = str(path) if path is not None else "the DatasetDict"
+    if isinstance(obj, datasets.DatasetDict):
+        splits = list(obj.keys())
+        if split is None:
+            if "train" in obj:
+                split = "train"
+            elif len(splits) == 1:
+                split = splits[0]
+            else:
+                raise BadInputError(
+                    f"{where} has splits {splits}; choose one with --split (e.g. --split {splits[0]})"
+                )
+        if split not in obj:
+            raise BadInputError(f"{where} has no split {split!r}; available splits: {splits}")
+        obj = obj[split]
+    elif split is not None and getattr(obj, "split", None) is not None and str(obj.split) != split:
+        raise BadInputError(f"{where} is a single split ({obj.split}); drop --split {split}")
+    if not isinstance(obj, datasets.Dataset):
+        raise BadInputError(
+            f"cannot read a {type(obj).__name__}; pass a path, a datasets.Dataset "
+            "or a datasets.DatasetDict"
+        )
+    return HFDatasetSource(obj, path)

@@ -1,0 +1,276 @@
+"""Output records, as msgspec Structs so one shared encoder writes them fast and in field order.
+
+Plain output, one line per completion (n > 1 gives n lines that share the id)::
+
+    {"id", "text", "finish_reason", "usage": {"prompt_tokens", "completion_tokens",
+     "cached_tokens"}, "index"?, "token_ids"?, "logprobs"?, "row"?, "latency_s"?, "ttft_s"?}
+
+``index`` appears only when the request asked for n > 1. ``logprobs`` is one entry per generated
+token: ``{"token_id", "logprob", "top"?: [{"token_id", "logprob"}, ...]}`` (``top`` only when
+top_logprobs > 0). Errors: ``{"id", "row", "error": {"type", "message"}}``.
+
+OpenAI Batch output follows the OpenAI Batch API files: all n choices of a request in ONE line;
+``response`` / ``error`` are always present (one of them null).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import msgspec
+
+from batchrun.engine.params import TopLogprobs
+from batchrun.io.rows import PreparedRow, RowError
+
+
+class Completion(NamedTuple):
+    """One finished sample, as the runner hands it to the record builders."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    latency_s: float | None = None  # from admission to the last token
+    ttft_s: float | None = None  # from admission to the first token
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class TopEntry(msgspec.Struct):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, omit_defaults=True):
+    token_id: int
+    logprob: float
+    top: list[TopEntry] | None = None
+
+
+class ResultRecord(msgspec.Struct, omit_defaults=True):
+    id: str
+    text: str
+    finish_reason: str
+    usage: Usage
+    index: int | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    row: int | None = None
+    latency_s: float | None = None
+    ttft_s: float | None = None
+
+
+class ErrorInfo(msgspec.Struct):
+    type: str
+    message: str
+
+
+class ErrorRecord(msgspec.Struct):
+    id: str
+    row: int
+    error: ErrorInfo
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode_line(record: msgspec.Struct) -> bytes:
+    """One JSONL line, newline included."""
+    return _encoder.encode(record) + b"\n"
+
+
+def result_records(
+    prepared: PreparedRow,
+    completions: list[Completion],
+    *,
+    with_token_ids: bool = False,
+    with_row: bool = True,
+    with_timing: bool = True,
+) -> list[ResultRecord]:
+    """One record per completion, sorted by sample index."""
+    multi = prepared.params.n > 1 or len(completions) > 1
+    records = []
+    for c in sorted(completions, key=lambda c: c.index):
+        records.append(
+            ResultRecord(
+                id=prepared.id,
+                text=c.text,
+                finish_reason=c.finish_reason,
+                usage=Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens),
+                index=c.index if multi else None,
+                token_ids=list(c.token_ids) if with_token_ids else None,
+                logprobs=_token_logprobs(c),
+                row=prepared.row if with_row else None,
+                latency_s=_round(c.latency_s) if with_timing else None,
+                ttft_s=_round(c.ttft_s) if with_timing else None,
+            )
+        )
+    return records
+
+
+def error_record(error: RowError) -> ErrorRecord:
+    return ErrorRecord(error.id, error.row, ErrorInfo(error.type, error.message))
+
+
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 4)
+
+
+def _token_logprobs(c: Completion) -> list[TokenLogprob] | None:
+    if c.logprobs is None:
+        return None
+    tops = c.top_logprobs or [None] * len(c.logprobs)
+    out = []
+    for token_id, logprob, top in zip(c.token_ids, c.logprobs, tops, strict=False):
+        entries = None
+        if top is not None and top.token_ids:
+            entries = [TopEntry(t, lp) for t, lp in zip(top.token_ids, top.logprobs, strict=True)]
+        out.append(TokenLogprob(token_id, logprob, entries))
+    return out
+
+
+# ----------------------------------------------------------------------------- OpenAI Batch
+
+
+class OpenAIUsageDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class OpenAIUsage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: OpenAIUsageDetails
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct, omit_defaults=True):
+    index: int
+    message: ChatMessage
+    finish_reason: str
+    logprobs: dict | None = None
+
+
+class TextChoice(msgspec.Struct, omit_defaults=True):
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: dict | None = None
+
+
+class OpenAIBody(msgspec.Struct):
+    id: str
+    object: str  # "chat.completion" | "text_completion"
+    created: int
+    model: str
+    choices: list[Any]  # ChatChoice for chat.completion, TextChoice for text_completion
+    usage: OpenAIUsage
+
+
+class OpenAIResponse(msgspec.Struct):
+    status_code: int
+    request_id: str
+    body: OpenAIBody
+
+
+class OpenAIError(msgspec.Struct):
+    code: str
+    message: str
+
+
+class OpenAIRecord(msgspec.Struct):
+    # No defaults on purpose: "response" and "error" are always written, one of them null.
+    id: str
+    custom_id: str
+    response: OpenAIResponse | None
+    error: OpenAIError | None
+
+
+def openai_result_record(
+    prepared: PreparedRow,
+    completions: list[Completion],
+    *,
+    model: str,
+    created: int | None = None,
+    token_str: Callable[[int], str] | None = None,
+) -> OpenAIRecord:
+    """All n choices of one request in one line. ``token_str`` renders token ids for logprobs
+    (e.g. ``lambda t: tokenizer.decode([t])``); without it tokens read ``"token_id:123"``."""
+    chat = prepared.extra.get("url", "/v1/chat/completions") == "/v1/chat/completions"
+    render = token_str or (lambda t: f"token_id:{t}")
+    choices: list[Any] = []
+    for c in sorted(completions, key=lambda c: c.index):
+        if chat:
+            lp = _chat_logprobs(c, render) if c.logprobs is not None else None
+            choices.append(ChatChoice(c.index, ChatMessage("assistant", c.text), c.finish_reason, lp))
+        else:
+            lp = _text_logprobs(c, render) if c.logprobs is not None else None
+            choices.append(TextChoice(c.index, c.text, c.finish_reason, lp))
+    # The prompt runs once for all n samples; sample 0 is the one that paid for it.
+    prompt_tokens = completions[0].prompt_tokens if completions else 0
+    cached = min((c.cached_tokens for c in completions), default=0)
+    completion_tokens = sum(c.completion_tokens for c in completions)
+    hex_id = uuid.uuid4().hex
+    body = OpenAIBody(
+        id=("chatcmpl-" if chat else "cmpl-") + hex_id,
+        object="chat.completion" if chat else "text_completion",
+        created=int(time.time()) if created is None else created,
+        model=model,
+        choices=choices,
+        usage=OpenAIUsage(
+            prompt_tokens,
+            completion_tokens,
+            prompt_tokens + completion_tokens,
+            OpenAIUsageDetails(cached),
+        ),
+    )
+    return OpenAIRecord(
+        f"batch_req_{hex_id}", prepared.id, OpenAIResponse(200, hex_id, body), None
+    )
+
+
+def openai_error_record(error: RowError) -> OpenAIRecord:
+    return OpenAIRecord(
+        f"batch_req_{uuid.uuid4().hex}", error.id, None, OpenAIError(error.type, error.message)
+    )
+
+
+def _chat_logprobs(c: Completion, render: Callable[[int], str]) -> dict:
+    tops = c.top_logprobs or [None] * len(c.logprobs or [])
+    content = []
+    for token_id, logprob, top in zip(c.token_ids, c.logprobs or [], tops, strict=False):
+        entry: dict = {"token": render(token_id), "logprob": logprob}
+        entry["top_logprobs"] = (
+            [{"token": render(t), "logprob": lp} for t, lp in zip(top.token_ids, top.logprobs)]
+            if top is not None
+            else []
+        )
+        content.append(entry)
+    return {"content": content}
+
+
+def _text_logprobs(c: Completion, render: Callable[[int], str]) -> dict:
+    tokens = [render(t) for t in c.token_ids[: len(c.logprobs or [])]]
+    top = None
+    if c.top_logprobs:
+        top = [
+            {render(t): lp for t, lp in zip(x.token_ids, x.logprobs, strict=True)}
+            for x in c.top_logprobs
+        ]
+    return {"tokens": tokens, "token_logprobs": list(c.logprobs or []), "top_logprobs": top}

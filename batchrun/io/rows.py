@@ -1,0 +1,354 @@
+"""Turn a raw input row into a prepared row (id, prompt or messages, sampling params) or an error.
+
+Two row shapes are accepted:
+
+- plain rows: a prompt column (string) or a messages column (chat messages), an optional id
+  column, and optional per-row sampling fields at the top level (``max_tokens``, ``temperature``,
+  ...; see ``ROW_PARAM_FIELDS``) that override the CLI defaults. A null value means "not set",
+  because Parquet / datasets rows carry every column, null where a row does not use it.
+- OpenAI Batch rows: ``{"custom_id", "method", "url", "body": {...}}`` with ``url`` one of
+  ``/v1/chat/completions`` (``body.messages``) or ``/v1/completions`` (``body.prompt``).
+
+Structured output fields (``response_format``, ``regex``, ``choice``, ``ebnf``) are normalized into
+``PreparedRow.response_format`` as ``{"type": "json_object" | "json_schema" | "regex" | "choice" |
+"ebnf", ...}`` and NOT rejected here: whether they can run is decided downstream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import msgspec
+
+from batchrun.engine.params import SamplingParams
+from batchrun.io.readers import RawRow
+
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    prompt_column: str | None = "prompt"  # None or "": never read a prompt column
+    messages_column: str | None = "messages"  # None or "": never read a messages column
+    id_column: str | None = None
+    system_prompt: str | None = None
+    use_chat_template: bool = True
+
+
+class PreparedRow(NamedTuple):
+    id: str
+    row: int
+    prompt: str | None
+    messages: list[dict] | None
+    params: SamplingParams
+    openai: bool  # the row came in OpenAI Batch format
+    response_format: dict | None
+    extra: dict  # OpenAI: "url", "method", "model", maybe "unsupported_fields"
+
+
+class RowError(NamedTuple):
+    id: str
+    row: int
+    type: str  # "invalid_json" | "invalid_request" | "context_length_exceeded"
+    message: str
+
+
+class _Invalid(Exception):
+    """Internal: a row problem; turned into a RowError by prepare_row."""
+
+
+# OpenAI body fields we accept but do not act on; reported so the CLI can warn once.
+_OPENAI_UNSUPPORTED = ("logit_bias", "tools", "tool_choice", "functions", "suffix", "echo",
+                       "best_of", "audio", "modalities", "prediction")
+
+
+def detect_openai_batch(first_row: dict | None) -> bool:
+    """True when a row looks like an OpenAI Batch request line (has custom_id and a body)."""
+    return isinstance(first_row, dict) and "custom_id" in first_row and isinstance(
+        first_row.get("body"), dict
+    )
+
+
+def prepare_row(
+    raw: RawRow, spec: RowSpec, defaults: SamplingParams, openai: bool
+) -> PreparedRow | RowError:
+    """Never raises on bad row content: every problem becomes a RowError naming the row."""
+    row_id = str(raw.row)
+    if raw.data is None:
+        return RowError(row_id, raw.row, "invalid_json", raw.error or "row could not be parsed")
+    data = raw.data
+    try:
+        if openai:
+            row_id = _openai_id(data, raw.row)
+            return _prepare_openai(data, raw.row, row_id, spec, defaults)
+        row_id = _plain_id(data, spec.id_column, raw.row)
+        return _prepare_plain(data, raw.row, row_id, spec, defaults)
+    except _Invalid as e:
+        return RowError(row_id, raw.row, "invalid_request", f"row {raw.row}: {e}")
+
+
+def _plain_id(data: dict, id_column: str | None, row: int) -> str:
+    if not id_column:
+        return str(row)
+    value = data.get(id_column)
+    if value is None:
+        raise _Invalid(f"no value in id column {id_column!r}; row has columns {_columns(data)}")
+    return _stringify_id(value, id_column)
+
+
+def _openai_id(data: dict, row: int) -> str:
+    value = data.get("custom_id")
+    if value is None:
+        raise _Invalid("OpenAI batch row has no 'custom_id'")
+    return _stringify_id(value, "custom_id")
+
+
+def _stringify_id(value: Any, column: str) -> str:
+    if isinstance(value, (dict, list)):
+        raise _Invalid(f"{column!r} must be a string or number, got {type(value).__name__}")
+    return str(value)
+
+
+def _prepare_plain(
+    data: dict, row: int, row_id: str, spec: RowSpec, defaults: SamplingParams
+) -> PreparedRow:
+    prompt_col, messages_col = spec.prompt_column or None, spec.messages_column or None
+    prompt = data.get(prompt_col) if prompt_col else None
+    messages = data.get(messages_col) if messages_col else None
+    if prompt is not None and messages is not None:
+        raise _Invalid(
+            f"row has both {prompt_col!r} and {messages_col!r}; keep one column, or turn one off "
+            "with --prompt-column '' or --messages-column ''"
+        )
+    if prompt is None and messages is None:
+        wanted = " or ".join(repr(c) for c in (prompt_col, messages_col) if c)
+        raise _Invalid(
+            f"row has no {wanted} column: it has {_columns(data)}; "
+            "pick the right one with --prompt-column / --messages-column"
+        )
+    if messages is not None:
+        messages = _check_messages(messages, messages_col or "messages", spec.system_prompt)
+    else:
+        prompt = _check_prompt(prompt, prompt_col or "prompt")
+    params = _parse_params(data, defaults)
+    return PreparedRow(
+        row_id, row, prompt, messages, params, False, _parse_response_format(data), {}
+    )
+
+
+def _prepare_openai(
+    data: dict, row: int, row_id: str, spec: RowSpec, defaults: SamplingParams
+) -> PreparedRow:
+    url, method, body = data.get("url"), data.get("method", "POST"), data.get("body")
+    if url not in OPENAI_URLS:
+        raise _Invalid(f"url {url!r} is not supported; use one of {list(OPENAI_URLS)}")
+    if method != "POST":
+        raise _Invalid(f"method {method!r} is not supported; OpenAI batch requests use POST")
+    if not isinstance(body, dict):
+        raise _Invalid(f"'body' must be an object, got {type(body).__name__}")
+    prompt = messages = None
+    if url == "/v1/chat/completions":
+        if body.get("messages") is None:
+            raise _Invalid(f"body has no 'messages' (it has {_columns(body)})")
+        messages = _check_messages(body["messages"], "body.messages", spec.system_prompt)
+    else:
+        if body.get("prompt") is None:
+            raise _Invalid(f"body has no 'prompt' (it has {_columns(body)})")
+        prompt = _check_prompt(body["prompt"], "body.prompt")
+    params = _parse_params(body, defaults)
+    extra: dict = {"url": url, "method": method}
+    if body.get("model") is not None:
+        extra["model"] = body["model"]
+    unsupported = [k for k in _OPENAI_UNSUPPORTED if body.get(k) is not None]
+    if unsupported:
+        extra["unsupported_fields"] = unsupported
+    return PreparedRow(
+        row_id, row, prompt, messages, params, True, _parse_response_format(body), extra
+    )
+
+
+def _check_prompt(prompt: Any, column: str) -> str:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # OpenAI allows a one-element list of prompts
+    if not isinstance(prompt, str):
+        raise _Invalid(f"{column!r} must be a string, got {type(prompt).__name__}")
+    if not prompt:
+        raise _Invalid(f"{column!r} is empty")
+    return prompt
+
+
+def _check_messages(messages: Any, column: str, system_prompt: str | None) -> list[dict]:
+    if isinstance(messages, str):
+        # A Parquet / CSV-born column often holds the JSON text of the list.
+        try:
+            messages = msgspec.json.decode(messages)
+        except msgspec.DecodeError:
+            raise _Invalid(f"{column!r} must be a list of messages, got a string") from None
+    if not isinstance(messages, list):
+        raise _Invalid(f"{column!r} must be a list of messages, got {type(messages).__name__}")
+    if not messages:
+        raise _Invalid(f"{column!r} is empty")
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        where = f"{column}[{i}]"
+        if not isinstance(m, dict):
+            raise _Invalid(f"{where} must be an object with 'role' and 'content'")
+        # Drop nulls: Parquet structs carry every field of every message (name, tool_calls, ...).
+        m = {k: v for k, v in m.items() if v is not None}
+        role = m.get("role")
+        if role not in ROLES:
+            raise _Invalid(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}")
+        m["content"] = _check_content(m.get("content"), where, allow_none="tool_calls" in m)
+        out.append(m)
+    if system_prompt and not any(m["role"] == "system" for m in out):
+        out.insert(0, {"role": "system", "content": system_prompt})
+    return out
+
+
+def _check_content(content: Any, where: str, allow_none: bool) -> str | None:
+    if isinstance(content, str) or (content is None and allow_none):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: only text parts can run here
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise _Invalid(f"{where}.content: only text parts are supported, got {kind!r}")
+            if not isinstance(part.get("text"), str):
+                raise _Invalid(f"{where}.content: a text part needs a string 'text'")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _Invalid(f"{where}.content must be a string, got {type(content).__name__}")
+
+
+def _columns(data: dict) -> list[str]:
+    return [k for k, v in data.items() if v is not None]
+
+
+# Row field -> (SamplingParams field, converter). Same names as the OpenAI / vLLM APIs.
+def _as_int(v: Any, name: str) -> int:
+    if isinstance(v, float) and v.is_integer():
+        return int(v)  # pandas turns an int column with nulls into float64
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _Invalid(f"{name!r} must be an integer, got {type(v).__name__} {v!r}")
+    return v
+
+
+def _as_float(v: Any, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _Invalid(f"{name!r} must be a number, got {type(v).__name__} {v!r}")
+    return float(v)
+
+
+def _as_bool(v: Any, name: str) -> bool:
+    if not isinstance(v, bool):
+        raise _Invalid(f"{name!r} must be true or false, got {type(v).__name__} {v!r}")
+    return v
+
+
+def _as_stop(v: Any, name: str) -> tuple[str, ...]:
+    if isinstance(v, str):
+        return (v,)
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return tuple(v)
+    raise _Invalid(f"{name!r} must be a string or a list of strings, got {v!r}")
+
+
+def _as_ids(v: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(v, list):
+        raise _Invalid(f"{name!r} must be a list of token ids, got {type(v).__name__}")
+    return tuple(_as_int(t, name) for t in v)
+
+
+ROW_PARAM_FIELDS: dict[str, tuple[str, Any]] = {
+    "max_tokens": ("max_new_tokens", _as_int),
+    "max_completion_tokens": ("max_new_tokens", _as_int),  # wins over max_tokens (later)
+    "min_tokens": ("min_new_tokens", _as_int),
+    "temperature": ("temperature", _as_float),
+    "top_p": ("top_p", _as_float),
+    "top_k": ("top_k", _as_int),
+    "min_p": ("min_p", _as_float),
+    "repetition_penalty": ("repetition_penalty", _as_float),
+    "frequency_penalty": ("frequency_penalty", _as_float),
+    "presence_penalty": ("presence_penalty", _as_float),
+    "stop": ("stop", _as_stop),
+    "stop_token_ids": ("stop_token_ids", _as_ids),
+    "ignore_eos": ("ignore_eos", _as_bool),
+    "seed": ("seed", _as_int),
+    "n": ("n", _as_int),
+    "top_logprobs": ("top_logprobs", _as_int),
+}
+_ROW_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def _parse_params(data: dict, defaults: SamplingParams) -> SamplingParams:
+    kw: dict[str, Any] = {}
+    for name, (field, convert) in ROW_PARAM_FIELDS.items():
+        value = data.get(name)
+        if value is not None:
+            kw[field] = convert(value, name)
+    logprobs = data.get("logprobs")
+    if isinstance(logprobs, bool):
+        kw["logprobs"] = logprobs
+    elif logprobs is not None:
+        # /v1/completions style: logprobs=N means "chosen token plus the N most likely".
+        kw["logprobs"] = True
+        kw.setdefault("top_logprobs", _as_int(logprobs, "logprobs"))
+    if not kw:
+        return defaults  # the common case; the CLI validates the defaults once
+    params = msgspec.structs.replace(defaults, **kw)
+    try:
+        params.validate()
+    except (ValueError, TypeError) as e:
+        field = str(e).split(" ", 1)[0]
+        raise _Invalid(f"invalid {_ROW_NAME.get(field, field)!r}: {e}") from None
+    return params
+
+
+def _parse_response_format(data: dict) -> dict | None:
+    found: list[dict] = []
+    rf = data.get("response_format")
+    if isinstance(rf, str):
+        try:  # Parquet / CSV inputs keep nested JSON as text
+            rf = msgspec.json.decode(rf)
+        except msgspec.DecodeError:
+            raise _Invalid("'response_format' is a string but not valid JSON") from None
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise _Invalid("'response_format' must be an object with a 'type'")
+        kind = rf["type"]
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if isinstance(schema, str):
+                try:
+                    schema = msgspec.json.decode(schema)
+                except msgspec.DecodeError:
+                    raise _Invalid("response_format.json_schema.schema is not valid JSON") from None
+            if not isinstance(schema, dict):
+                raise _Invalid("response_format json_schema needs {'json_schema': {'schema': {}}}")
+            found.append({**rf, "json_schema": {**spec, "schema": schema}})
+        elif kind == "json_object":
+            found.append({"type": "json_object"})
+        elif kind != "text":
+            raise _Invalid(
+                f"response_format.type {kind!r} is not supported; use text, json_object "
+                "or json_schema (or the 'regex' / 'choice' / 'ebnf' fields)"
+            )
+    for key in ("regex", "ebnf"):
+        value = data.get(key)
+        if value is not None:
+            if not isinstance(value, str) or not value:
+                raise _Invalid(f"{key!r} must be a non-empty string")
+            found.append({"type": key, key: value})
+    choice = data.get("choice")
+    if choice is not None:
+        if not (isinstance(choice, list) and choice and all(isinstance(c, str) for c in choice)):
+            raise _Invalid("'choice' must be a non-empty list of strings")
+        found.append({"type": "choice", "choice": choice})
+    if len(found) > 1:
+        kinds = [f["type"] for f in found]
+        raise _Invalid(f"row asks for more than one structured output {kinds}; keep one")
+    return found[0] if found else None

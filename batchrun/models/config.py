@@ -1,0 +1,127 @@
+"""ModelConfig: the handful of numbers the Llama-family decoder needs, read from an HF config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# architecture name in config.json -> (qkv bias by default, q/k RMSNorm)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+class ModelConfigError(ValueError):
+    """A config.json batchrun cannot run; the message says what is supported."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    mlp_bias: bool = False
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # rope_type + its parameters
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    torch_dtype: str | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelConfigError(
+                f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
+                f"batchrun supports {', '.join(SUPPORTED_ARCHITECTURES)} "
+                "(Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM)"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+        default_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        rope = _rope_parameters(raw, source)
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        max_pos = int(raw.get("max_position_embeddings", 4096))
+        # NOTE: batchrun attends over the full context. Mistral's sliding window only changes
+        # results past the window, so cap the context there to stay exact.
+        window = raw.get("sliding_window")
+        if window and raw.get("use_sliding_window", arch == "MistralForCausalLM"):
+            max_pos = min(max_pos, int(window))
+        return cls(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=bool(raw.get("attention_bias", default_bias)),
+            qk_norm=qk_norm,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(
+                f"{path} not found: --model must be a Hugging Face model directory with "
+                "config.json and *.safetensors (or a .gguf file)"
+            )
+        return cls.from_dict(json.loads(path.read_text()), str(path))
+
+
+def _rope_parameters(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """Merge the transformers 4 (`rope_theta` + `rope_scaling`) and 5 (`rope_parameters`) forms."""
+    params: dict[str, Any] = {}
+    if "rope_theta" in raw:
+        params["rope_theta"] = raw["rope_theta"]
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(raw.get(key), dict):
+            params.update(raw[key])
+    rope_type = params.pop("type", None) or params.get("rope_type") or "default"
+    params["rope_type"] = rope_type
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(
+            f"{source}: rope type {rope_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return params

@@ -1,0 +1,89 @@
+"""Building blocks of the Llama-family decoder: RMSNorm, rotary embedding, fused projections."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: normalize in fp32 and cast back before the weight, as HF transformers does, so
+        # bf16/fp16 results match the reference bit for bit where possible.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in fp32, with llama3 / linear scaling applied."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) rotary embedding with a cos/sin table indexed by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict, device):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+        self.register_buffer("cos_cache", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin_cache", emb.sin().to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, H, D], k: [T, KV, D], positions: [T]
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D] fp32
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    # NOTE: HF multiplies in the activation dtype with cos/sin cast to it; do the same.
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+def init_dummy_(module: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights for benchmarks (`load_format="dummy"`): normal(0, std), norms at 1."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.device.type == "cpu":
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+            else:
+                # NOTE: generate on the device: an 8B model is too slow to make on the host.
+                dev_gen = torch.Generator(device=p.device).manual_seed(seed + zlib.crc32(name.encode()))
+                p.normal_(0.0, std, generator=dev_gen)

@@ -1,0 +1,121 @@
+"""One Llama-family decoder for Llama 2/3/3.x, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm),
+SmolLM2 (tied embeddings). Fused QKV and gate/up projections; tokens of all requests are flattened
+into one [T, hidden] batch and attention goes through an `AttentionBackend`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchrun.attention.base import AttentionBackend
+from batchrun.models.config import ModelConfig
+from batchrun.models.layers import RMSNorm, RotaryEmbedding
+
+
+class ForwardBatch(NamedTuple):
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    logits_indices: torch.Tensor | None  # [S] rows of T whose logits are wanted; None: all
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype, device):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        )
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scaling = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias,
+            dtype=dtype, device=device,
+        )
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, backend: AttentionBackend):
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = backend.forward(q, k, v, self.layer_id, self.scaling)  # [T, H * D]
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype,
+            device=device,
+        )
+        self.down_proj = nn.Linear(
+            cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype, device=device
+        )
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, layer_id, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+    def forward(self, x, positions, rotary, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 max_positions: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                                         device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        )
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
+            cfg.rope_scaling, device,
+        )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """Returns fp32 logits [S, vocab] for the rows in batch.logits_indices (all if None)."""
+        x = self.embed_tokens(batch.input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(x, batch.positions, self.rotary, backend)
+        if batch.logits_indices is not None:
+            x = x[batch.logits_indices]
+        x = self.norm(x)
+        return F.linear(x, self.lm_head_weight).float()

@@ -1,0 +1,93 @@
+"""Batched tokenizing of prepared rows, with the checks that must pass before a row can run.
+
+Chat rows (and prompt rows when a chat template is used) are rendered to text with the
+tokenizer's chat template one row at a time, so one broken conversation fails alone, then all
+rendered texts go through ONE batched fast-tokenizer call with ``add_special_tokens=False``: the
+template already writes BOS where the model wants it. Prompt rows without a template are
+tokenized in a second batched call with ``add_special_tokens=True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from batchrun.io.rows import PreparedRow, RowError, RowSpec
+
+
+class TokenizedRow(NamedTuple):
+    prepared: PreparedRow
+    input_ids: list[int]
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def tokenize_rows(
+    tokenizer: Any, rows: list[PreparedRow], spec: RowSpec, context_len: int
+) -> list[TokenizedRow | RowError]:
+    """One result per input row, in input order."""
+    use_template = spec.use_chat_template and has_chat_template(tokenizer)
+    out: list[TokenizedRow | RowError | None] = [None] * len(rows)
+    templated: list[tuple[int, str]] = []  # (position in rows, rendered text)
+    plain: list[tuple[int, str]] = []
+    for i, row in enumerate(rows):
+        if row.messages is not None:
+            if not has_chat_template(tokenizer):
+                out[i] = _error(
+                    row,
+                    "invalid_request",
+                    "this row has chat messages but the tokenizer has no chat template; give "
+                    "the model directory a chat_template (tokenizer_config.json or "
+                    "chat_template.jinja) or send plain 'prompt' rows (--no-chat-template does "
+                    "not apply to messages)",
+                )
+                continue
+            conversation = row.messages
+        elif use_template:
+            conversation = [{"role": "user", "content": row.prompt}]
+            if spec.system_prompt:
+                conversation.insert(0, {"role": "system", "content": spec.system_prompt})
+        else:
+            plain.append((i, row.prompt or ""))
+            continue
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as e:  # jinja raises TemplateError (e.g. "roles must alternate")
+            out[i] = _error(row, "invalid_request", f"chat template failed: {e}")
+            continue
+        templated.append((i, text))
+
+    for batch, add_special in ((templated, False), (plain, True)):
+        if not batch:
+            continue
+        encoded = tokenizer(
+            [text for _, text in batch],
+            add_special_tokens=add_special,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )["input_ids"]
+        for (i, _), ids in zip(batch, encoded, strict=True):
+            out[i] = _check(rows[i], list(ids), context_len)
+    return out  # type: ignore[return-value]  # every slot was filled above
+
+
+def _check(row: PreparedRow, ids: list[int], context_len: int) -> TokenizedRow | RowError:
+    if not ids:
+        return _error(row, "invalid_request", "the prompt tokenizes to 0 tokens")
+    max_new = row.params.max_new_tokens
+    if len(ids) + max_new > context_len:
+        return _error(
+            row,
+            "context_length_exceeded",
+            f"prompt ({len(ids)} tokens) + max_tokens ({max_new}) = {len(ids) + max_new} "
+            f"exceeds the model's context length ({context_len}); shorten the prompt or lower "
+            "max_tokens (per row, or --max-tokens)",
+        )
+    return TokenizedRow(row, ids)
+
+
+def _error(row: PreparedRow, kind: str, message: str) -> RowError:
+    return RowError(row.id, row.row, kind, f"row {row.row}: {message}")

@@ -1,0 +1,238 @@
+"""prepare_row (plain and OpenAI Batch rows) and tokenize_rows with a tokenizer built offline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from batchrun.engine.params import SamplingParams
+from batchrun.io.readers import RawRow, open_dataset
+from batchrun.io.rows import PreparedRow, RowError, RowSpec, detect_openai_batch, prepare_row
+from batchrun.tokenize import TokenizedRow, tokenize_rows
+
+SPEC = RowSpec()
+DEFAULTS = SamplingParams(max_new_tokens=16, temperature=0.0)
+
+
+def prep(data: dict | None, spec: RowSpec = SPEC, openai: bool = False, row: int = 3):
+    return prepare_row(RawRow(row, data, None if data else "line 4: bad"), spec, DEFAULTS, openai)
+
+
+def test_plain_prompt_row_uses_defaults_and_row_index_id() -> None:
+    p = prep({"prompt": "hello", "other": 1})
+    assert isinstance(p, PreparedRow)
+    assert (p.id, p.row, p.prompt, p.messages, p.openai) == ("3", 3, "hello", None, False)
+    assert p.params is DEFAULTS and p.response_format is None and p.extra == {}
+
+
+def test_per_row_params_override_defaults() -> None:
+    p = prep(
+        {
+            "prompt": "x", "max_tokens": 5.0, "temperature": 1, "top_p": 0.9, "top_k": 4,
+            "min_p": 0.1, "stop": "END", "seed": 7, "n": 2, "logprobs": True, "top_logprobs": 3,
+            "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1,
+            "min_tokens": 2, "top_k_unused": None,
+        }
+    )
+    assert isinstance(p, PreparedRow)
+    assert p.params == SamplingParams(
+        max_new_tokens=5, min_new_tokens=2, temperature=1.0, top_p=0.9, top_k=4, min_p=0.1,
+        repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=-0.5, stop=("END",),
+        seed=7, n=2, logprobs=True, top_logprobs=3,
+    )
+    # Nulls mean "not set" (Parquet rows carry every column).
+    assert prep({"prompt": "x", "max_tokens": None, "stop": None}).params is DEFAULTS
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"prompt": 5}, "'prompt' must be a string, got int"),
+        ({"prompt": ""}, "'prompt' is empty"),
+        ({"messages": "hi"}, "'messages' must be a list of messages, got a string"),
+        ({"messages": []}, "'messages' is empty"),
+        ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role must be one of"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content must be a string"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
+        ({"prompt": "x", "max_tokens": "5"}, "'max_tokens' must be an integer, got str"),
+        ({"prompt": "x", "max_tokens": 0}, "invalid 'max_tokens': max_new_tokens must be >= 1"),
+        ({"prompt": "x", "temperature": -1}, "invalid 'temperature'"),
+        ({"prompt": "x", "logprobs": True, "top_logprobs": 50}, "invalid 'top_logprobs'"),
+        ({"prompt": "x", "stop": [1]}, "'stop' must be a string or a list of strings"),
+        ({"prompt": "x", "n": True}, "'n' must be an integer, got bool"),
+        ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "has both"),
+        ({"text": "x", "label": 1}, "row has no 'prompt' or 'messages' column: it has"),
+        ({"prompt": "x", "regex": "a+", "choice": ["a"]}, "more than one structured output"),
+        ({"prompt": "x", "response_format": {"type": "yaml"}}, "'yaml' is not supported"),
+    ],
+)
+def test_bad_rows_become_row_errors(data: dict, needle: str) -> None:
+    err = prep(data)
+    assert isinstance(err, RowError), err
+    assert (err.id, err.row, err.type) == ("3", 3, "invalid_request")
+    assert err.message.startswith("row 3: ") and needle in err.message, err.message
+
+
+def test_unparsed_row_and_missing_columns_message() -> None:
+    assert prep(None) == RowError("3", 3, "invalid_json", "line 4: bad")
+    err = prep({"text": "x", "label": 1, "empty": None})
+    assert isinstance(err, RowError) and "['text', 'label']" in err.message
+
+
+def test_custom_columns_id_and_system_prompt() -> None:
+    spec = RowSpec(prompt_column="q", messages_column="conv", id_column="uid", system_prompt="S")
+    p = prep({"q": "hi", "uid": 42}, spec)
+    assert isinstance(p, PreparedRow) and (p.id, p.prompt) == ("42", "hi")
+    p = prep({"conv": [{"role": "user", "content": "hi", "name": None}], "uid": "a"}, spec)
+    assert p.messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+    own = [{"role": "system", "content": "mine"}, {"role": "user", "content": "hi"}]
+    assert prep({"conv": own, "uid": "b"}, spec).messages == own
+    err = prep({"q": "hi"}, spec)
+    assert isinstance(err, RowError) and "no value in id column 'uid'" in err.message
+    # Turning the messages column off resolves datasets that have both columns.
+    p = prep({"prompt": "x", "messages": [1]}, RowSpec(messages_column=None))
+    assert isinstance(p, PreparedRow) and p.prompt == "x"
+
+
+def test_messages_as_json_text_and_content_parts() -> None:
+    text = json.dumps([{"role": "user", "content": [{"type": "text", "text": "a"}]}])
+    p = prep({"messages": text})
+    assert isinstance(p, PreparedRow) and p.messages == [{"role": "user", "content": "a"}]
+
+
+def test_structured_output_is_kept_for_later() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": json.dumps(schema)}}
+    p = prep({"prompt": "x", "response_format": json.dumps(rf)})
+    assert p.response_format == {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert prep({"prompt": "x", "regex": "a+"}).response_format == {"type": "regex", "regex": "a+"}
+    assert prep({"prompt": "x", "choice": ["y", "n"]}).response_format["choice"] == ["y", "n"]
+    assert prep({"prompt": "x", "ebnf": "root ::= 'a'"}).response_format["type"] == "ebnf"
+    assert prep({"prompt": "x", "response_format": {"type": "text"}}).response_format is None
+
+
+def openai_line(cid: str, url: str = "/v1/chat/completions", **body) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": url, "body": {"model": "m", **body}}
+
+
+def test_openai_batch_rows(tmp_path: Path) -> None:
+    lines = [
+        openai_line("a", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=4,
+                    stop=["x", "y"], n=2, logprobs=True, top_logprobs=2, logit_bias={"1": 5}),
+        openai_line("b", url="/v1/completions", prompt="once", max_tokens=3, logprobs=2),
+        openai_line("c", url="/v1/embeddings", input="x"),
+        openai_line("d"),
+        {"custom_id": "e", "url": "/v1/completions", "method": "GET", "body": {"prompt": "x"}},
+        {"url": "/v1/completions", "body": {"prompt": "x"}},
+    ]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    raws = [r for b in open_dataset(path).iter_batches() for r in b]
+    assert detect_openai_batch(raws[0].data) and not detect_openai_batch({"prompt": "x"})
+    out = [prepare_row(r, SPEC, DEFAULTS, openai=True) for r in raws]
+    a, b, c, d, e, f = out
+    assert isinstance(a, PreparedRow) and a.openai and a.id == "a"
+    assert a.params.max_new_tokens == 4 and a.params.stop == ("x", "y") and a.params.n == 2
+    assert a.params.logprobs and a.params.top_logprobs == 2
+    assert a.extra == {"url": "/v1/chat/completions", "method": "POST", "model": "m",
+                       "unsupported_fields": ["logit_bias"]}
+    assert isinstance(b, PreparedRow) and b.prompt == "once" and b.messages is None
+    assert b.params.max_new_tokens == 3 and b.params.top_logprobs == 2 and b.params.logprobs
+    assert isinstance(c, RowError) and c.id == "c" and "'/v1/embeddings' is not supported" in c.message
+    assert isinstance(d, RowError) and "body has no 'messages'" in d.message
+    assert isinstance(e, RowError) and "method 'GET'" in e.message
+    assert isinstance(f, RowError) and f.id == "5" and "no 'custom_id'" in f.message
+
+
+# ----------------------------------------------------------------------------- tokenize
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    text = ["system user assistant hello world how are you", "the quick brown fox says hi"]
+    tok.train_from_iterator(text, trainers.WordLevelTrainer(special_tokens=specials))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>"
+    )
+    fast.chat_template = CHATML
+    return fast
+
+
+def test_tokenize_prompts_and_messages(tokenizer) -> None:
+    rows = [
+        prep({"prompt": "hello world"}, row=0),
+        prep({"messages": [{"role": "user", "content": "how are you"}]}, row=1),
+    ]
+    spec = RowSpec(system_prompt="the fox")
+    out = tokenize_rows(tokenizer, rows, spec, context_len=64)
+    assert all(isinstance(t, TokenizedRow) for t in out)
+    ids = tokenizer.convert_tokens_to_ids
+    start, end = ids("<|im_start|>"), ids("<|im_end|>")
+    # The prompt row is wrapped in the template with the system prompt; no extra BOS.
+    assert out[0].input_ids == [start, ids("system"), ids("the"), ids("fox"), end,
+                                start, ids("user"), ids("hello"), ids("world"), end,
+                                start, ids("assistant")]
+    # The messages row was prepared with SPEC (no system prompt), so it has none.
+    assert out[1].input_ids[:2] == [start, ids("user")] and out[1].prepared is rows[1]
+
+    plain = tokenize_rows(tokenizer, rows[:1], RowSpec(use_chat_template=False), 64)
+    assert plain[0].input_ids == [ids("<s>"), ids("hello"), ids("world")]
+
+
+def test_tokenize_errors(tokenizer) -> None:
+    long = prep({"prompt": "hi " * 40, "max_tokens": 30}, row=0)
+    ok = prep({"prompt": "hi"}, row=1)
+    msgs = prep({"messages": [{"role": "user", "content": "hi"}]}, row=2)
+    out = tokenize_rows(tokenizer, [long, ok, msgs], RowSpec(use_chat_template=False), 50)
+    assert isinstance(out[0], RowError) and out[0].type == "context_length_exceeded"
+    assert "prompt (41 tokens) + max_tokens (30) = 71" in out[0].message
+    assert "context length (50)" in out[0].message and "lower max_tokens" in out[0].message
+    assert isinstance(out[1], TokenizedRow) and isinstance(out[2], TokenizedRow)
+
+    saved = tokenizer.chat_template
+    tokenizer.chat_template = None
+    try:
+        out = tokenize_rows(tokenizer, [ok, msgs], SPEC, 50)
+    finally:
+        tokenizer.chat_template = saved
+    assert isinstance(out[0], TokenizedRow)  # a prompt row falls back to plain tokenizing
+    assert isinstance(out[1], RowError) and "no chat template" in out[1].message
+    assert out[1].row == 2 and out[1].id == "2"
+
+
+def test_tokenize_broken_template_and_empty(tokenizer) -> None:
+    saved = tokenizer.chat_template
+    tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    try:
+        out = tokenize_rows(tokenizer, [prep({"prompt": "hi"})], SPEC, 50)
+    finally:
+        tokenizer.chat_template = saved
+    assert isinstance(out[0], RowError) and "chat template failed" in out[0].message
+
+
+class _EmptyTokenizer:
+    chat_template = None
+
+    def __call__(self, texts: list[str], **kwargs) -> dict:
+        return {"input_ids": [[] for _ in texts]}
+
+
+def test_tokenize_empty_result() -> None:
+    out = tokenize_rows(_EmptyTokenizer(), [prep({"prompt": "   "})], SPEC, 50)
+    assert isinstance(out[0], RowError) and "0 tokens" in out[0].message
