@@ -8,10 +8,19 @@ from pathlib import Path
 import torch
 
 COMMON = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    rms_norm_eps=1e-5, initializer_range=0.15, bos_token_id=1, eos_token_id=None,
-    pad_token_id=0, tie_word_embeddings=False,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    initializer_range=0.15,
+    bos_token_id=1,
+    eos_token_id=None,
+    pad_token_id=0,
+    tie_word_embeddings=False,
 )
 
 
@@ -24,8 +33,11 @@ def make_hf_config(kind: str):
         return transformers.LlamaConfig(
             **COMMON,
             rope_scaling={
-                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
             },
             rope_theta=500000.0,
         )

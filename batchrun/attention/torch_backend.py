@@ -61,8 +61,13 @@ class TorchAttentionBackend(AttentionBackend):
             keys = k_buf[slots].transpose(0, 1)  # [KV, S, D]
             values = v_buf[slots].transpose(0, 1)
             oi = F.scaled_dot_product_attention(
-                qi, keys, values, attn_mask=mask, is_causal=mask is None and n > 1,
-                scale=scaling, enable_gqa=True,
+                qi,
+                keys,
+                values,
+                attn_mask=mask,
+                is_causal=mask is None and n > 1,
+                scale=scaling,
+                enable_gqa=True,
             )
             out[start : start + n] = oi.transpose(0, 1)
         return out.reshape(num_tokens, num_heads * head_dim)

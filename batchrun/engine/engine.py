@@ -108,7 +108,9 @@ class Engine:
             )
         if params.stop and self._stop_checker is None:
             self._stop_checker = StopStringChecker(self.tokenizer)
-        base = params.seed if params.seed is not None else derive_seed(self.config.seed, request.rid)
+        base = (
+            params.seed if params.seed is not None else derive_seed(self.config.seed, request.rid)
+        )
         for i in range(params.n):
             seed = base if i == 0 else derive_seed(base, request.rid, i)
             self._arrivals += 1
@@ -171,8 +173,13 @@ class Engine:
                 self.runner.penalties.reset_row(req.row, req.input_ids, req.output_ids)
                 req.penalty_row = req.row
         return SamplingBatch.build(
-            [r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
-            rows, self.model_config.vocab_size, list(self.eos_token_ids), self.device,
+            [r.params for r in reqs],
+            [r.seed for r in reqs],
+            [len(r.output_ids) for r in reqs],
+            rows,
+            self.model_config.vocab_size,
+            list(self.eos_token_ids),
+            self.device,
         )
 
     def _append_token(self, req: Req, out, i: int) -> None:
@@ -191,8 +198,10 @@ class Engine:
             req.finish_reason, req.matched_stop = "stop", token
         elif not params.ignore_eos and token in self.eos_token_ids:
             req.finish_reason, req.matched_stop = "stop", token
-        elif params.stop and num_out >= params.min_new_tokens and (
-            (hit := self._stop_checker.find(req)) is not None
+        elif (
+            params.stop
+            and num_out >= params.min_new_tokens
+            and ((hit := self._stop_checker.find(req)) is not None)
         ):
             req.finish_reason, req.matched_stop = "stop", hit
         elif num_out >= params.max_new_tokens or req.seq_len >= self.context_len:

@@ -55,7 +55,10 @@ class KVManager:
         if length:
             self._write(req, 0, match.slots)
         req.last_node, req.prefix_len, req.kv_len, req.alloc_len = (
-            match.last_node, length, length, length,
+            match.last_node,
+            length,
+            length,
+            length,
         )
         if req.cached_tokens is None:
             req.cached_tokens = min(length, len(req.input_ids))

@@ -53,13 +53,22 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
         self.context_len = context_len
         self.model = load_model(
-            model_dir, model_cfg, config.load_format, self.dtype, self.device,
-            max_positions=context_len, seed=config.seed,
+            model_dir,
+            model_cfg,
+            config.load_format,
+            self.dtype,
+            self.device,
+            max_positions=context_len,
+            seed=config.seed,
         )
         self.num_slots = self._kv_slots()
         self.kv_pool = KVPool(
-            model_cfg.num_layers, self.num_slots, model_cfg.num_kv_heads, model_cfg.head_dim,
-            self.dtype, self.device,
+            model_cfg.num_layers,
+            self.num_slots,
+            model_cfg.num_kv_heads,
+            model_cfg.head_dim,
+            self.dtype,
+            self.device,
         )
         self.req_pool = ReqToTokenPool(config.max_running, context_len, self.device)
         self.backend = create_backend(
@@ -74,7 +83,9 @@ class ModelRunner:
         if cfg.kv_budget is not None:
             return max(page, cfg.kv_budget // page * page)
         per_token = KVPool.bytes_per_token(
-            self.model_cfg.num_layers, self.model_cfg.num_kv_heads, self.model_cfg.head_dim,
+            self.model_cfg.num_layers,
+            self.model_cfg.num_kv_heads,
+            self.model_cfg.head_dim,
             self.dtype,
         )
         if self.device.type == "cuda":
@@ -142,9 +153,12 @@ class ModelRunner:
         slots = slots[:n]
         self.req_pool.write(row, 0, slots)
         attn = AttentionInputs(
-            req_pool_indices=self._to_device([row]), seq_lens=self._to_device([n]),
-            extend_lens=self._to_device([n]), out_cache_loc=self._to_device(slots),
-            seq_lens_cpu=(n,), extend_lens_cpu=(n,),
+            req_pool_indices=self._to_device([row]),
+            seq_lens=self._to_device([n]),
+            extend_lens=self._to_device([n]),
+            out_cache_loc=self._to_device(slots),
+            seq_lens_cpu=(n,),
+            extend_lens_cpu=(n,),
         )
         self.backend.prepare(attn)
         fwd = ForwardBatch(self._to_device(input_ids), self._to_device(list(range(n))), None)

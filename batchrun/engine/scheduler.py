@@ -99,9 +99,12 @@ class Scheduler:
                 continue
             victim = self._pick_victim(exclude=req)
             if victim is None:
-                req.finish_reason, req.error = "abort", (
-                    "the KV pool cannot hold this request alone; raise --kv-budget or lower "
-                    "max_tokens"
+                req.finish_reason, req.error = (
+                    "abort",
+                    (
+                        "the KV pool cannot hold this request alone; raise --kv-budget or lower "
+                        "max_tokens"
+                    ),
                 )
                 self.running.remove(req)
                 self.kv.release(req)

@@ -69,14 +69,19 @@ class JsonlSource(DatasetSource):
         self.num_rows = 0 if not self.is_gzip and path.stat().st_size == 0 else None
 
     def _open(self) -> Any:
-        return gzip.open(self.path, "rb") if self.is_gzip else open(self.path, "rb")  # noqa: SIM115
+        return gzip.open(self.path, "rb") if self.is_gzip else open(self.path, "rb")
+
+    def count_rows(self) -> int:
+        """Non-blank lines, without decoding JSON: what iter_batches will yield."""
+        with self._open() as f:
+            return sum(1 for line in f if line.strip())
 
     def iter_batches(self, batch_size: int = 1024) -> Iterator[list[RawRow]]:
         batch: list[RawRow] = []
         index = -1
         with self._open() as f:
             try:
-                for index, line in enumerate(f):  # noqa: B007 (index used after the loop)
+                for index, line in enumerate(f):
                     if index == 0 and line.startswith(b"\xef\xbb\xbf"):
                         line = line[3:]  # a UTF-8 BOM some editors write
                     if not line.strip():
@@ -218,7 +223,8 @@ def _from_datasets_object(obj: Any, split: str | None, path: Path | None) -> Dat
                 split = splits[0]
             else:
                 raise BadInputError(
-                    f"{where} has splits {splits}; choose one with --split (e.g. --split {splits[0]})"
+                    f"{where} has splits {splits}; choose one with --split, "
+                    f"e.g. --split {splits[0]}"
                 )
         if split not in obj:
             raise BadInputError(f"{where} has no split {split!r}; available splits: {splits}")

@@ -218,7 +218,9 @@ def openai_result_record(
     for c in sorted(completions, key=lambda c: c.index):
         if chat:
             lp = _chat_logprobs(c, render) if c.logprobs is not None else None
-            choices.append(ChatChoice(c.index, ChatMessage("assistant", c.text), c.finish_reason, lp))
+            choices.append(
+                ChatChoice(c.index, ChatMessage("assistant", c.text), c.finish_reason, lp)
+            )
         else:
             lp = _text_logprobs(c, render) if c.logprobs is not None else None
             choices.append(TextChoice(c.index, c.text, c.finish_reason, lp))
@@ -240,9 +242,7 @@ def openai_result_record(
             OpenAIUsageDetails(cached),
         ),
     )
-    return OpenAIRecord(
-        f"batch_req_{hex_id}", prepared.id, OpenAIResponse(200, hex_id, body), None
-    )
+    return OpenAIRecord(f"batch_req_{hex_id}", prepared.id, OpenAIResponse(200, hex_id, body), None)
 
 
 def openai_error_record(error: RowError) -> OpenAIRecord:
@@ -255,13 +255,14 @@ def _chat_logprobs(c: Completion, render: Callable[[int], str]) -> dict:
     tops = c.top_logprobs or [None] * len(c.logprobs or [])
     content = []
     for token_id, logprob, top in zip(c.token_ids, c.logprobs or [], tops, strict=False):
-        entry: dict = {"token": render(token_id), "logprob": logprob}
-        entry["top_logprobs"] = (
-            [{"token": render(t), "logprob": lp} for t, lp in zip(top.token_ids, top.logprobs)]
-            if top is not None
-            else []
+        pairs = zip(top.token_ids, top.logprobs, strict=True) if top is not None else ()
+        content.append(
+            {
+                "token": render(token_id),
+                "logprob": logprob,
+                "top_logprobs": [{"token": render(t), "logprob": lp} for t, lp in pairs],
+            }
         )
-        content.append(entry)
     return {"content": content}
 
 

@@ -60,14 +60,17 @@ class _Invalid(Exception):
 
 
 # OpenAI body fields we accept but do not act on; reported so the CLI can warn once.
-_OPENAI_UNSUPPORTED = ("logit_bias", "tools", "tool_choice", "functions", "suffix", "echo",
-                       "best_of", "audio", "modalities", "prediction")
+_OPENAI_UNSUPPORTED = tuple(
+    "logit_bias tools tool_choice functions suffix echo best_of audio modalities prediction".split()
+)
 
 
 def detect_openai_batch(first_row: dict | None) -> bool:
     """True when a row looks like an OpenAI Batch request line (has custom_id and a body)."""
-    return isinstance(first_row, dict) and "custom_id" in first_row and isinstance(
-        first_row.get("body"), dict
+    return (
+        isinstance(first_row, dict)
+        and "custom_id" in first_row
+        and isinstance(first_row.get("body"), dict)
     )
 
 
@@ -81,31 +84,20 @@ def prepare_row(
     data = raw.data
     try:
         if openai:
-            row_id = _openai_id(data, raw.row)
+            row_id = _row_id(data, "custom_id", raw.row)
             return _prepare_openai(data, raw.row, row_id, spec, defaults)
-        row_id = _plain_id(data, spec.id_column, raw.row)
+        row_id = _row_id(data, spec.id_column, raw.row)
         return _prepare_plain(data, raw.row, row_id, spec, defaults)
     except _Invalid as e:
         return RowError(row_id, raw.row, "invalid_request", f"row {raw.row}: {e}")
 
 
-def _plain_id(data: dict, id_column: str | None, row: int) -> str:
-    if not id_column:
+def _row_id(data: dict, column: str | None, row: int) -> str:
+    if not column:
         return str(row)
-    value = data.get(id_column)
+    value = data.get(column)
     if value is None:
-        raise _Invalid(f"no value in id column {id_column!r}; row has columns {_columns(data)}")
-    return _stringify_id(value, id_column)
-
-
-def _openai_id(data: dict, row: int) -> str:
-    value = data.get("custom_id")
-    if value is None:
-        raise _Invalid("OpenAI batch row has no 'custom_id'")
-    return _stringify_id(value, "custom_id")
-
-
-def _stringify_id(value: Any, column: str) -> str:
+        raise _Invalid(f"no value in id column {column!r}; row has columns {_columns(data)}")
     if isinstance(value, (dict, list)):
         raise _Invalid(f"{column!r} must be a string or number, got {type(value).__name__}")
     return str(value)
@@ -180,12 +172,7 @@ def _check_prompt(prompt: Any, column: str) -> str:
 
 
 def _check_messages(messages: Any, column: str, system_prompt: str | None) -> list[dict]:
-    if isinstance(messages, str):
-        # A Parquet / CSV-born column often holds the JSON text of the list.
-        try:
-            messages = msgspec.json.decode(messages)
-        except msgspec.DecodeError:
-            raise _Invalid(f"{column!r} must be a list of messages, got a string") from None
+    messages = _decode_text(messages, repr(column))
     if not isinstance(messages, list):
         raise _Invalid(f"{column!r} must be a list of messages, got {type(messages).__name__}")
     if not messages:
@@ -221,6 +208,16 @@ def _check_content(content: Any, where: str, allow_none: bool) -> str | None:
             texts.append(part["text"])
         return "".join(texts)
     raise _Invalid(f"{where}.content must be a string, got {type(content).__name__}")
+
+
+def _decode_text(value: Any, what: str) -> Any:
+    """Parquet / CSV-born columns often hold nested JSON (messages, schemas) as text."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return msgspec.json.decode(value)
+    except msgspec.DecodeError:
+        raise _Invalid(f"{what} is a string but not valid JSON") from None
 
 
 def _columns(data: dict) -> list[str]:
@@ -309,12 +306,7 @@ def _parse_params(data: dict, defaults: SamplingParams) -> SamplingParams:
 
 def _parse_response_format(data: dict) -> dict | None:
     found: list[dict] = []
-    rf = data.get("response_format")
-    if isinstance(rf, str):
-        try:  # Parquet / CSV inputs keep nested JSON as text
-            rf = msgspec.json.decode(rf)
-        except msgspec.DecodeError:
-            raise _Invalid("'response_format' is a string but not valid JSON") from None
+    rf = _decode_text(data.get("response_format"), "'response_format'")
     if rf is not None:
         if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
             raise _Invalid("'response_format' must be an object with a 'type'")
@@ -322,11 +314,7 @@ def _parse_response_format(data: dict) -> dict | None:
         if kind == "json_schema":
             spec = rf.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
-            if isinstance(schema, str):
-                try:
-                    schema = msgspec.json.decode(schema)
-                except msgspec.DecodeError:
-                    raise _Invalid("response_format.json_schema.schema is not valid JSON") from None
+            schema = _decode_text(schema, "response_format.json_schema.schema")
             if not isinstance(schema, dict):
                 raise _Invalid("response_format json_schema needs {'json_schema': {'schema': {}}}")
             found.append({**rf, "json_schema": {**spec, "schema": schema}})

@@ -85,5 +85,7 @@ def init_dummy_(module: nn.Module, seed: int = 0, std: float = 0.02) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
             else:
                 # NOTE: generate on the device: an 8B model is too slow to make on the host.
-                dev_gen = torch.Generator(device=p.device).manual_seed(seed + zlib.crc32(name.encode()))
+                dev_gen = torch.Generator(device=p.device).manual_seed(
+                    seed + zlib.crc32(name.encode())
+                )
                 p.normal_(0.0, std, generator=dev_gen)

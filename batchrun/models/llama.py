@@ -27,13 +27,18 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
         )
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scaling = cfg.head_dim**-0.5
         self.qkv_proj = nn.Linear(
-            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias,
-            dtype=dtype, device=device,
+            cfg.hidden_size,
+            cfg.q_size + 2 * cfg.kv_size,
+            bias=cfg.qkv_bias,
+            dtype=dtype,
+            device=device,
         )
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
         if cfg.qk_norm:
@@ -60,7 +65,10 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(
-            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype,
+            cfg.hidden_size,
+            2 * cfg.intermediate_size,
+            bias=cfg.mlp_bias,
+            dtype=dtype,
             device=device,
         )
         self.down_proj = nn.Linear(
@@ -86,23 +94,33 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 max_positions: int | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_positions: int | None = None,
+    ):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
-                                         device=device)
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = (
-            None if cfg.tie_word_embeddings
+            None
+            if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         )
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
-            cfg.rope_scaling, device,
+            cfg.head_dim,
+            max_positions or cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            device,
         )
 
     @property

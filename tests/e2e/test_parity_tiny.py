@@ -30,10 +30,14 @@ def tiny(request, tmp_path_factory):
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = hf.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-        do_sample=False, pad_token_id=0,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def test_prefill_logits_match(tiny):

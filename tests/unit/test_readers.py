@@ -165,9 +165,7 @@ def test_streaming_200k_parquet_rows_keeps_memory_bounded(tmp_path: Path) -> Non
     with pq.ParquetWriter(path, schema) as w:
         for start in range(0, num_rows, chunk):
             prompts = [f"Summarize document number {i}. " * 8 for i in range(start, start + chunk)]
-            w.write_table(
-                pa.table({"prompt": prompts, "max_tokens": [16] * chunk}, schema=schema)
-            )
+            w.write_table(pa.table({"prompt": prompts, "max_tokens": [16] * chunk}, schema=schema))
     baseline = peak = _rss_bytes()
     spec, defaults = RowSpec(), SamplingParams()
     seen = 0

@@ -30,17 +30,40 @@ def test_plain_prompt_row_uses_defaults_and_row_index_id() -> None:
 def test_per_row_params_override_defaults() -> None:
     p = prep(
         {
-            "prompt": "x", "max_tokens": 5.0, "temperature": 1, "top_p": 0.9, "top_k": 4,
-            "min_p": 0.1, "stop": "END", "seed": 7, "n": 2, "logprobs": True, "top_logprobs": 3,
-            "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1,
-            "min_tokens": 2, "top_k_unused": None,
+            "prompt": "x",
+            "max_tokens": 5.0,
+            "temperature": 1,
+            "top_p": 0.9,
+            "top_k": 4,
+            "min_p": 0.1,
+            "stop": "END",
+            "seed": 7,
+            "n": 2,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "frequency_penalty": 0.5,
+            "presence_penalty": -0.5,
+            "repetition_penalty": 1.1,
+            "min_tokens": 2,
+            "top_k_unused": None,
         }
     )
     assert isinstance(p, PreparedRow)
     assert p.params == SamplingParams(
-        max_new_tokens=5, min_new_tokens=2, temperature=1.0, top_p=0.9, top_k=4, min_p=0.1,
-        repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=-0.5, stop=("END",),
-        seed=7, n=2, logprobs=True, top_logprobs=3,
+        max_new_tokens=5,
+        min_new_tokens=2,
+        temperature=1.0,
+        top_p=0.9,
+        top_k=4,
+        min_p=0.1,
+        repetition_penalty=1.1,
+        frequency_penalty=0.5,
+        presence_penalty=-0.5,
+        stop=("END",),
+        seed=7,
+        n=2,
+        logprobs=True,
+        top_logprobs=3,
     )
     # Nulls mean "not set" (Parquet rows carry every column).
     assert prep({"prompt": "x", "max_tokens": None, "stop": None}).params is DEFAULTS
@@ -51,7 +74,7 @@ def test_per_row_params_override_defaults() -> None:
     [
         ({"prompt": 5}, "'prompt' must be a string, got int"),
         ({"prompt": ""}, "'prompt' is empty"),
-        ({"messages": "hi"}, "'messages' must be a list of messages, got a string"),
+        ({"messages": "hi"}, "'messages' is a string but not valid JSON"),
         ({"messages": []}, "'messages' is empty"),
         ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role must be one of"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content must be a string"),
@@ -79,6 +102,9 @@ def test_unparsed_row_and_missing_columns_message() -> None:
     assert prep(None) == RowError("3", 3, "invalid_json", "line 4: bad")
     err = prep({"text": "x", "label": 1, "empty": None})
     assert isinstance(err, RowError) and "['text', 'label']" in err.message
+    err = prep({"prompt": "x"}, RowSpec(prompt_column="question"))
+    assert isinstance(err, RowError)
+    assert "row has no 'question' or 'messages' column: it has ['prompt']" in err.message
 
 
 def test_custom_columns_id_and_system_prompt() -> None:
@@ -106,7 +132,8 @@ def test_structured_output_is_kept_for_later() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": json.dumps(schema)}}
     p = prep({"prompt": "x", "response_format": json.dumps(rf)})
-    assert p.response_format == {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    want = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert p.response_format == want
     assert prep({"prompt": "x", "regex": "a+"}).response_format == {"type": "regex", "regex": "a+"}
     assert prep({"prompt": "x", "choice": ["y", "n"]}).response_format["choice"] == ["y", "n"]
     assert prep({"prompt": "x", "ebnf": "root ::= 'a'"}).response_format["type"] == "ebnf"
@@ -119,8 +146,16 @@ def openai_line(cid: str, url: str = "/v1/chat/completions", **body) -> dict:
 
 def test_openai_batch_rows(tmp_path: Path) -> None:
     lines = [
-        openai_line("a", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=4,
-                    stop=["x", "y"], n=2, logprobs=True, top_logprobs=2, logit_bias={"1": 5}),
+        openai_line(
+            "a",
+            messages=[{"role": "user", "content": "hi"}],
+            max_completion_tokens=4,
+            stop=["x", "y"],
+            n=2,
+            logprobs=True,
+            top_logprobs=2,
+            logit_bias={"1": 5},
+        ),
         openai_line("b", url="/v1/completions", prompt="once", max_tokens=3, logprobs=2),
         openai_line("c", url="/v1/embeddings", input="x"),
         openai_line("d"),
@@ -136,14 +171,20 @@ def test_openai_batch_rows(tmp_path: Path) -> None:
     assert isinstance(a, PreparedRow) and a.openai and a.id == "a"
     assert a.params.max_new_tokens == 4 and a.params.stop == ("x", "y") and a.params.n == 2
     assert a.params.logprobs and a.params.top_logprobs == 2
-    assert a.extra == {"url": "/v1/chat/completions", "method": "POST", "model": "m",
-                       "unsupported_fields": ["logit_bias"]}
+    assert a.extra == {
+        "url": "/v1/chat/completions",
+        "method": "POST",
+        "model": "m",
+        "unsupported_fields": ["logit_bias"],
+    }
     assert isinstance(b, PreparedRow) and b.prompt == "once" and b.messages is None
     assert b.params.max_new_tokens == 3 and b.params.top_logprobs == 2 and b.params.logprobs
-    assert isinstance(c, RowError) and c.id == "c" and "'/v1/embeddings' is not supported" in c.message
+    assert isinstance(c, RowError) and c.id == "c"
+    assert "'/v1/embeddings' is not supported" in c.message
     assert isinstance(d, RowError) and "body has no 'messages'" in d.message
     assert isinstance(e, RowError) and "method 'GET'" in e.message
-    assert isinstance(f, RowError) and f.id == "5" and "no 'custom_id'" in f.message
+    assert isinstance(f, RowError) and f.id == "5"
+    assert "no value in id column 'custom_id'" in f.message
 
 
 # ----------------------------------------------------------------------------- tokenize
@@ -185,9 +226,20 @@ def test_tokenize_prompts_and_messages(tokenizer) -> None:
     ids = tokenizer.convert_tokens_to_ids
     start, end = ids("<|im_start|>"), ids("<|im_end|>")
     # The prompt row is wrapped in the template with the system prompt; no extra BOS.
-    assert out[0].input_ids == [start, ids("system"), ids("the"), ids("fox"), end,
-                                start, ids("user"), ids("hello"), ids("world"), end,
-                                start, ids("assistant")]
+    assert out[0].input_ids == [
+        start,
+        ids("system"),
+        ids("the"),
+        ids("fox"),
+        end,
+        start,
+        ids("user"),
+        ids("hello"),
+        ids("world"),
+        end,
+        start,
+        ids("assistant"),
+    ]
     # The messages row was prepared with SPEC (no system prompt), so it has none.
     assert out[1].input_ids[:2] == [start, ids("user")] and out[1].prepared is rows[1]
 

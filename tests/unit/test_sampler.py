@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from batchrun.engine.params import SamplingParams
-from batchrun.engine.penalties import PenaltyState
-from batchrun.engine.sampler import SampleOutput, Sampler, SamplingBatch
+from batchrun.engine.penalties import PenaltyState, apply_penalties
+from batchrun.engine.sampler import SampleOutput, Sampler, SamplingBatch, row_keys, uniforms
 
 NUM_DRAWS = 20_000
 # The RNG is a deterministic hash, so these tests cannot flake; the bounds are still the ones a
@@ -239,8 +239,6 @@ def test_penalties_match_reference_formula() -> None:
     expected = torch.stack(
         [penalized_reference(logits[i], c[1], c[2], c[0]) for i, c in enumerate(cases)]
     )
-    from batchrun.engine.penalties import apply_penalties
-
     batch = make_batch(params, vocab_size, rows=rows)
     got = apply_penalties(
         logits,
@@ -394,8 +392,6 @@ def test_no_host_sync_on_cuda_and_same_tokens_as_cpu() -> None:
 
 
 def test_uniforms_never_hit_zero_or_one() -> None:
-    from batchrun.engine.sampler import row_keys, uniforms
-
     keys = row_keys(torch.arange(-50, 50), torch.arange(100))
     u = uniforms(keys, Sampler().vocab_hash(50_000, torch.device("cpu")))
     assert u.min() > 0 and u.max() < 1
