@@ -70,3 +70,54 @@ def random_prompts(num: int, seed: int, min_len: int = 4, max_len: int = 40) -> 
         n = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
         out.append(torch.randint(3, 256, (n,), generator=g).tolist())
     return out
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<s>", "<pad>"]
+
+
+def save_byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer: ids 0..255 are bytes, 256.. the ChatML specials; no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: ord(c)))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+    )
+    fast.chat_template = CHATML
+    fast.save_pretrained(path)
+
+
+def make_tiny_chat_model(path: Path, seed: int = 0):
+    """A tiny llama (vocab 260) with a byte tokenizer and a ChatML template, saved to `path`."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    cfg = transformers.LlamaConfig(
+        **{
+            **COMMON,
+            "vocab_size": 260,
+            "eos_token_id": 257,
+            "bos_token_id": 258,
+            "pad_token_id": 259,
+            "max_position_embeddings": 1024,
+        }
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    save_byte_tokenizer(path)
+    return model

@@ -1,7 +1,13 @@
 """Pure-PyTorch attention over the paged KV pool: the reference backend, and the CPU one.
 
-Decode batches (one new token per request) are gathered into one padded batch; extend batches
-(prefill chunks, possibly mixed with decodes) run one scaled_dot_product_attention per request.
+A step's requests are gathered into one padded batch when padding wastes little:
+
+    q_pad   [B, H, max_q, D]     request b's new tokens, padded to the longest extend
+    kv_pad  [B, KV, max_kv, D]   request b's KV slots (prefix + new), padded to the longest
+    mask    [B, 1, max_q, max_kv] key k visible to query j iff k <= prefix_b + j and k < seq_b
+
+Otherwise (one long prefill next to many short ones) each request gets its own
+scaled_dot_product_attention call.
 """
 
 from __future__ import annotations
@@ -10,6 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.attention.base import AttentionBackend, AttentionInputs
+
+# pad when the padded work is at most this many times the real work
+MAX_PADDING_WASTE = 4.0
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -21,25 +30,45 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, inputs: AttentionInputs) -> None:
         self._inputs = inputs
-        if inputs.is_decode:
-            max_len = max(inputs.seq_lens_cpu)
-            slots = self.req_to_token[inputs.req_pool_indices, :max_len].long()  # [B, S]
-            pos = torch.arange(max_len, device=slots.device)
-            valid = pos[None, :] < inputs.seq_lens[:, None]  # [B, S]
-            self._plan = ("decode", slots, valid[:, None, None, :])
+        seq, ext = inputs.seq_lens_cpu, inputs.extend_lens_cpu
+        max_q, max_kv = max(ext), max(seq)
+        real = sum(n * s for n, s in zip(ext, seq))
+        if len(seq) == 1 or len(seq) * max_q * max_kv > MAX_PADDING_WASTE * real + 4096:
+            self._plan = ("loop", self._plan_loop(inputs))
         else:
-            per_req = []
-            start = 0
-            for b, (seq_len, n) in enumerate(zip(inputs.seq_lens_cpu, inputs.extend_lens_cpu)):
-                slots = self.req_to_token[inputs.req_pool_indices[b], :seq_len].long()
-                mask = None
-                if n != seq_len:  # queries sit at the end of the KV: bottom-right causal mask
-                    q_pos = torch.arange(seq_len - n, seq_len, device=slots.device)
-                    k_pos = torch.arange(seq_len, device=slots.device)
-                    mask = k_pos[None, :] <= q_pos[:, None]  # [n, S]
-                per_req.append((start, n, slots, mask))
-                start += n
-            self._plan = ("extend", per_req)
+            self._plan = ("padded", *self._plan_padded(inputs, max_q, max_kv))
+
+    def _plan_padded(self, inputs: AttentionInputs, max_q: int, max_kv: int):
+        dev = self.req_to_token.device
+        ext_t = inputs.extend_lens  # [B]
+        seq_t = inputs.seq_lens
+        slots = self.req_to_token[inputs.req_pool_indices, :max_kv].long()  # [B, S]
+        j = torch.arange(max_q, device=dev)
+        k = torch.arange(max_kv, device=dev)
+        q_valid = j[None, :] < ext_t[:, None]  # [B, Q]
+        q_pos = (seq_t - ext_t)[:, None] + j[None, :]  # [B, Q]
+        mask = (k[None, None, :] <= q_pos[:, :, None]) & (k[None, None, :] < seq_t[:, None, None])
+        # padded query rows see key 0 so that softmax stays finite; their output is dropped
+        mask |= (~q_valid)[:, :, None] & (k == 0)[None, None, :]
+        starts = torch.cumsum(ext_t, 0) - ext_t  # [B]
+        q_index = (starts[:, None] + j[None, :]).clamp(max=inputs.out_cache_loc.numel() - 1)
+        flat = [b * max_q + t for b, n in enumerate(inputs.extend_lens_cpu) for t in range(n)]
+        out_index = torch.tensor(flat, dtype=torch.int64).to(dev, non_blocking=True)
+        return slots, mask[:, None], q_index, out_index
+
+    def _plan_loop(self, inputs: AttentionInputs):
+        per_req = []
+        start = 0
+        for b, (seq_len, n) in enumerate(zip(inputs.seq_lens_cpu, inputs.extend_lens_cpu)):
+            slots = self.req_to_token[inputs.req_pool_indices[b], :seq_len].long()
+            mask = None
+            if n != seq_len and n > 1:  # queries sit at the end of the KV: bottom-right causal
+                q_pos = torch.arange(seq_len - n, seq_len, device=slots.device)
+                k_pos = torch.arange(seq_len, device=slots.device)
+                mask = k_pos[None, :] <= q_pos[:, None]  # [n, S]
+            per_req.append((start, n, slots, mask))
+            start += n
+        return per_req
 
     def forward(self, q, k, v, layer_id: int, scaling: float) -> torch.Tensor:
         inputs = self._inputs
@@ -47,14 +76,16 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_pool.store(layer_id, inputs.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
         num_tokens, num_heads, head_dim = q.shape
-        if self._plan[0] == "decode":
-            _, slots, valid = self._plan
+        if self._plan[0] == "padded":
+            _, slots, mask, q_index, out_index = self._plan
+            qp = q[q_index].transpose(1, 2)  # [B, H, Q, D]
             keys = k_buf[slots].transpose(1, 2)  # [B, KV, S, D]
             values = v_buf[slots].transpose(1, 2)
             out = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, values, attn_mask=valid, scale=scaling, enable_gqa=True
-            )  # [B, H, 1, D]
-            return out.reshape(num_tokens, num_heads * head_dim)
+                qp, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True
+            )  # [B, H, Q, D]
+            out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)
+            return out[out_index]
         out = torch.empty_like(q)
         for start, n, slots, mask in self._plan[1]:
             qi = q[start : start + n].transpose(0, 1)  # [H, n, D]

@@ -94,8 +94,9 @@ class ModelRunner:
         else:
             import psutil
 
-            # NOTE: a CPU run is a demo or a test: a quarter of available memory, at most 1M tokens
-            budget = min(psutil.virtual_memory().available // 4, per_token << 20)
+            # NOTE: a CPU run is a demo or a test: an eighth of available memory, at most 32k
+            # tokens (the pool is zeroed up front, so a huge one costs seconds at start-up)
+            budget = min(psutil.virtual_memory().available // 8, per_token << 15)
         slots = max(budget // per_token, page)
         return slots // page * page
 

@@ -37,7 +37,7 @@ class ScheduledBatch(NamedTuple):
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
-        return tuple(p + n for p, n in zip(self.prefix_lens, self.extend_lens))
+        return tuple(p + n for p, n in zip(self.prefix_lens, self.extend_lens, strict=True))
 
 
 class Scheduler:
@@ -71,18 +71,12 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         plan: list[tuple[Req, int]] = []
         self._schedule_decodes(plan)
-        budget = self.prefill_budget
-        # continue chunked prefills first, in admission order
-        for req in self.running:
-            if budget <= 0:
-                break
-            if req.is_decoding:
-                continue
-            n = min(req.num_pending, budget)
-            if self.kv.reserve(req, n) is None:
-                break
-            plan.append((req, n))
-            budget -= n
+        budget = self._continue_prefills(plan, self.prefill_budget)
+        if not plan and self.running:
+            # only partial prefills run and the first cannot get its next chunk: without this
+            # the engine would spin forever
+            self._unblock_prefills()
+            budget = self._continue_prefills(plan, budget)
         self._admit(plan, budget)
         if not plan:
             return None
@@ -99,16 +93,11 @@ class Scheduler:
                 continue
             victim = self._pick_victim(exclude=req)
             if victim is None:
-                req.finish_reason, req.error = (
-                    "abort",
-                    (
-                        "the KV pool cannot hold this request alone; raise --kv-budget or lower "
-                        "max_tokens"
-                    ),
+                self._abort(
+                    req,
+                    "the KV pool cannot hold this request alone; raise --kv-budget or lower "
+                    "max_tokens",
                 )
-                self.running.remove(req)
-                self.kv.release(req)
-                self._aborted.append(req)
                 decoding.pop(i)
                 continue
             self._retract(victim)
@@ -118,6 +107,41 @@ class Scheduler:
                 if idx < i:  # it had a slot already: drop it from the plan
                     plan[:] = [(r, n) for r, n in plan if r is not victim]
                     i -= 1
+
+    def _continue_prefills(self, plan: list[tuple[Req, int]], budget: int) -> int:
+        """Next chunks of partially prefilled requests, in admission order; returns the budget
+        left."""
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.is_decoding:
+                continue
+            n = min(req.num_pending, budget)
+            if self.kv.reserve(req, n) is None:
+                break
+            plan.append((req, n))
+            budget -= n
+        return budget
+
+    def _unblock_prefills(self) -> None:
+        """Partial prefills fill the pool: retract one so that the oldest can go on; alone, the
+        oldest cannot fit the pool at all and is aborted."""
+        stuck = self.running[0]
+        victim = self._pick_victim(exclude=stuck)
+        if victim is not None:
+            self._retract(victim)
+            return
+        self._abort(
+            stuck,
+            f"needs {stuck.seq_len} KV slots at once but the pool holds "
+            f"{self.kv.allocator.capacity}; raise --kv-budget",
+        )
+
+    def _abort(self, req: Req, error: str) -> None:
+        req.finish_reason, req.error = "abort", error
+        self.running.remove(req)
+        self.kv.release(req)
+        self._aborted.append(req)
 
     def drain_aborted(self) -> list[Req]:
         aborted, self._aborted = self._aborted, []
@@ -223,7 +247,7 @@ class Scheduler:
 
     def advance(self, batch: ScheduledBatch) -> None:
         """The step's KV is computed: move counters and share finished prefills with the tree."""
-        for req, n in zip(batch.reqs, batch.extend_lens):
+        for req, n in zip(batch.reqs, batch.extend_lens, strict=True):
             is_prefill = n > 1 or not req.output_ids
             req.kv_len += n
             if is_prefill:

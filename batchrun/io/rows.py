@@ -94,7 +94,9 @@ def prepare_row(
 
 def _row_id(data: dict, column: str | None, row: int) -> str:
     if not column:
-        return str(row)
+        # no --id-column: a scalar "id" field is the id when present, else the row number
+        value = data.get("id")
+        return str(value) if isinstance(value, (str, int)) and value != "" else str(row)
     value = data.get(column)
     if value is None:
         raise _Invalid(f"no value in id column {column!r}; row has columns {_columns(data)}")

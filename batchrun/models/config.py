@@ -1,4 +1,4 @@
-"""ModelConfig: the handful of numbers the Llama-family decoder needs, read from an HF config.json."""
+"""ModelConfig: the numbers the Llama-family decoder needs, read from an HF config.json."""
 
 from __future__ import annotations
 
@@ -106,7 +106,17 @@ class ModelConfig:
                 f"{path} not found: --model must be a Hugging Face model directory with "
                 "config.json and *.safetensors (or a .gguf file)"
             )
-        return cls.from_dict(json.loads(path.read_text()), str(path))
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{path}: not valid JSON ({e})") from None
+        try:
+            return cls.from_dict(raw, str(path))
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ModelConfigError):
+                raise
+            what = f"lacks the field {e}" if isinstance(e, KeyError) else f"has a bad value ({e})"
+            raise ModelConfigError(f"{path} {what}; is it a Hugging Face config.json?") from None
 
 
 def _rope_parameters(raw: dict[str, Any], source: str) -> dict[str, Any]:

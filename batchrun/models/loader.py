@@ -111,7 +111,14 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: Path, cfg: ModelConfig)
     # rows filled per parameter, to report what the checkpoint lacks
     filled: dict[str, int] = {name: 0 for name in params}
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:  # SafetensorError: truncated file, git-lfs pointer, ...
+            raise WeightLoadError(
+                f"{path}: not a readable safetensors file ({e}); a git-lfs pointer or an "
+                "interrupted download? fetch the file again"
+            ) from None
+        with handle as f:
             for name in f.keys():
                 if name.endswith(_IGNORED):
                     continue

@@ -1,0 +1,365 @@
+"""The `batchrun` command line. Thin: options -> RunConfig -> Runner.run().
+
+Exit codes:
+    0  the run completed (rows that could not run are in errors-*.jsonl)
+    1  the run failed (an engine or I/O error; the message says why)
+    2  a bad option or argument (nothing was started)
+    3  bad input: the dataset is missing, unreadable, empty or of an unknown format
+    4  the model cannot be loaded (unsupported architecture, missing or mismatched weights)
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from batchrun import __version__
+from batchrun.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS, EngineConfig
+from batchrun.engine.params import SamplingParams
+
+EXIT_FAILED, EXIT_USAGE, EXIT_INPUT, EXIT_MODEL = 1, 2, 3, 4
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def model_options(f):
+    f = click.option(
+        "--model",
+        "-m",
+        default=None,
+        metavar="PATH",
+        help="HF model directory (config.json + safetensors) or a .gguf file. "
+        "Default: the embedded SmolLM2-135M-Instruct.",
+    )(f)
+    f = click.option(
+        "--load-format",
+        type=click.Choice(LOAD_FORMATS),
+        default="auto",
+        show_default=True,
+        help="dummy: random weights from config.json.",
+    )(f)
+    return f
+
+
+def row_options(f):
+    opts = [
+        click.option("--split", default=None, help="Split of a HF datasets directory."),
+        click.option(
+            "--prompt-column",
+            default="prompt",
+            show_default=True,
+            help="Column with the prompt text ('' to never read one).",
+        ),
+        click.option(
+            "--messages-column",
+            default="messages",
+            show_default=True,
+            help="Column with chat messages ('' to never read one).",
+        ),
+        click.option(
+            "--id-column",
+            default=None,
+            help="Column with the row id. Default: custom_id (OpenAI batch) or the row number.",
+        ),
+        click.option("--system-prompt", default=None, help="System message for every row."),
+        click.option(
+            "--no-chat-template",
+            is_flag=True,
+            help="Tokenize prompt rows as plain text (messages rows still use the template).",
+        ),
+        click.option(
+            "--limit", type=click.IntRange(min=1), default=None, help="Read only the first N rows."
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def sampling_options(f):
+    opts = [
+        click.option(
+            "--max-tokens",
+            type=int,
+            default=256,
+            show_default=True,
+            help="Max new tokens per completion.",
+        ),
+        click.option("--min-tokens", type=int, default=0, show_default=True),
+        click.option(
+            "--temperature", type=float, default=1.0, show_default=True, help="0 for greedy."
+        ),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--top-k", type=int, default=-1, show_default=True, help="-1: off."),
+        click.option("--min-p", type=float, default=0.0, show_default=True),
+        click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
+        click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
+        click.option("--presence-penalty", type=float, default=0.0, show_default=True),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--ignore-eos", is_flag=True, help="Always generate --max-tokens."),
+        click.option(
+            "--seed",
+            type=int,
+            default=0,
+            show_default=True,
+            help="Base seed; each row's seed derives from it and the row id.",
+        ),
+        click.option(
+            "--n",
+            "n",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Completions per row.",
+        ),
+        click.option(
+            "--logprobs",
+            type=click.IntRange(min=0, max=20),
+            default=None,
+            help="Write the chosen token's logprob and the top N (0-20).",
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def engine_options(f):
+    opts = [
+        click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
+        click.option(
+            "--dtype",
+            type=click.Choice(DTYPES),
+            default="auto",
+            show_default=True,
+            help="auto: float32 on CPU, bfloat16 on CUDA.",
+        ),
+        click.option(
+            "--max-running",
+            type=click.IntRange(min=1),
+            default=256,
+            show_default=True,
+            help="Requests decoded together at most.",
+        ),
+        click.option(
+            "--kv-budget",
+            type=click.IntRange(min=16),
+            default=None,
+            help="KV pool size in tokens. Default: sized from free memory.",
+        ),
+        click.option(
+            "--chunked-prefill-size",
+            type=click.IntRange(min=0),
+            default=4096,
+            show_default=True,
+            help="Prefill tokens per step (0: unlimited).",
+        ),
+        click.option("--no-radix-cache", is_flag=True, help="Disable prefix caching."),
+        click.option(
+            "--attention-backend",
+            type=click.Choice(ATTENTION_BACKENDS),
+            default="auto",
+            show_default=True,
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def build_defaults(o: dict) -> SamplingParams:
+    params = SamplingParams(
+        max_new_tokens=o["max_tokens"],
+        min_new_tokens=o["min_tokens"],
+        temperature=o["temperature"],
+        top_p=o["top_p"],
+        top_k=o["top_k"],
+        min_p=o["min_p"],
+        repetition_penalty=o["repetition_penalty"],
+        frequency_penalty=o["frequency_penalty"],
+        presence_penalty=o["presence_penalty"],
+        stop=tuple(o["stop"]),
+        ignore_eos=o["ignore_eos"],
+        n=o["n"],
+        logprobs=o["logprobs"] is not None,
+        top_logprobs=o["logprobs"] or 0,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        raise click.UsageError(f"{e} (fix the sampling option)") from e
+    return params
+
+
+def build_engine_config(o: dict) -> EngineConfig:
+    cfg = EngineConfig(
+        model=o["model"],
+        load_format=o["load_format"],
+        dtype=o["dtype"],
+        device=o["device"],
+        max_running=o["max_running"],
+        kv_budget=o["kv_budget"],
+        chunked_prefill_size=o["chunked_prefill_size"] or None,
+        enable_radix_cache=not o["no_radix_cache"],
+        attention_backend=o["attention_backend"],
+        seed=o["seed"],
+    )
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    if o["device"] == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.UsageError("--device cuda: CUDA is not available here; use --device cpu")
+    if cfg.attention_backend not in ("auto", "torch"):
+        raise click.UsageError(
+            f"--attention-backend {cfg.attention_backend} is not available in this build; "
+            "use torch or auto"
+        )
+    return cfg
+
+
+def build_spec(o: dict):
+    from batchrun.io.rows import RowSpec
+
+    return RowSpec(
+        prompt_column=o["prompt_column"] or None,
+        messages_column=o["messages_column"] or None,
+        id_column=o["id_column"],
+        system_prompt=o["system_prompt"],
+        use_chat_template=not o["no_chat_template"],
+    )
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="batchrun")
+def main() -> None:
+    """batchrun: offline batch LLM inference.
+
+    \b
+    batchrun submit prompts.jsonl --out runs/exp1            # embedded demo model, CPU
+    batchrun submit data.parquet --model ~/models/Llama-3.1-8B-Instruct --out runs/exp2
+    batchrun plan data.parquet --model ~/models/Llama-3.1-8B-Instruct
+    batchrun inspect runs/exp1
+    """
+
+
+@main.command()
+@click.argument("dataset", type=click.Path())
+@click.option(
+    "--out",
+    "-o",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Output directory (results-*.jsonl, errors-*.jsonl, manifest.json).",
+)
+@model_options
+@row_options
+@sampling_options
+@engine_options
+@click.option(
+    "--shard-size",
+    type=click.IntRange(min=1),
+    default=10_000,
+    show_default=True,
+    help="Rows per output file.",
+)
+@click.option("--token-ids", "with_token_ids", is_flag=True, help="Also write output token ids.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing run in --out.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def submit(dataset: str, out: str, **o) -> None:
+    """Run every row of DATASET through the model and write the completions to --out.
+
+    DATASET: a .jsonl / .jsonl.gz file, a .parquet file or directory, a HF `datasets`
+    directory (save_to_disk), or an OpenAI Batch input file (results then follow the OpenAI
+    Batch output format). Per-row fields (max_tokens, temperature, stop, seed, ...) override
+    the options below.
+
+    Exit codes: 0 done (bad rows are in errors-*.jsonl), 1 failed, 2 bad option, 3 bad input,
+    4 model cannot be loaded.
+    """
+    from batchrun.runner import RunConfig, RunError, Runner
+
+    config = RunConfig(
+        dataset=dataset,
+        out=out,
+        engine=build_engine_config(o),
+        defaults=build_defaults(o),
+        spec=build_spec(o),
+        split=o["split"],
+        limit=o["limit"],
+        shard_size=o["shard_size"],
+        with_token_ids=o["with_token_ids"],
+        overwrite=o["overwrite"],
+        quiet=o["quiet"],
+    )
+    try:
+        runner = Runner(config)
+    except RunError as e:
+        _fail(str(e), e.exit_code)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        _fail(f"cannot load the model: {e}", EXIT_MODEL)
+    try:
+        summary = runner.run()
+    except RunError as e:
+        _fail(str(e), e.exit_code)
+    click.echo(f"{summary.line()} -> {out}", err=True)
+
+
+@main.command()
+@click.argument("dataset", type=click.Path())
+@model_options
+@row_options
+@sampling_options
+@click.option(
+    "--kv-budget",
+    type=click.IntRange(min=16),
+    default=None,
+    help="KV pool size in tokens, to compare the need against.",
+)
+@click.option("--max-running", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option(
+    "--show-errors", type=int, default=10, show_default=True, help="How many failing rows to list."
+)
+def plan(dataset: str, **o) -> None:
+    """Dry run: read and tokenize DATASET, report rows, token statistics, rows that would fail
+    and why, and the KV cache the run needs. Loads the tokenizer only, not the weights."""
+    from batchrun.plan import PlanError, make_plan
+
+    try:
+        report = make_plan(
+            dataset,
+            model=o["model"],
+            split=o["split"],
+            spec=build_spec(o),
+            defaults=build_defaults(o),
+            limit=o["limit"],
+            kv_budget=o["kv_budget"],
+            max_running=o["max_running"],
+            show_errors=o["show_errors"],
+        )
+    except PlanError as e:
+        _fail(str(e), e.exit_code)
+    click.echo(report)
+
+
+@main.command()
+@click.argument("out", type=click.Path(exists=True, file_okay=False))
+def inspect(out: str) -> None:
+    """Summary of a run directory: status, counts, tokens, files (checked against the disk)."""
+    from batchrun.inspect_run import InspectError, inspect_run
+
+    try:
+        click.echo(inspect_run(out))
+    except InspectError as e:
+        _fail(str(e), EXIT_INPUT)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Output tok/s of the batchrun engine vs HF transformers `generate`, in the same run, on the CPU.
+
+    python scripts/bench_cpu_engine_vs_hf.py                      # 32 chat prompts x 64 tokens
+    python scripts/bench_cpu_engine_vs_hf.py --out bench.md --threads 2
+
+Both sides run the embedded SmolLM2-135M-Instruct in float32 on the same token ids (the chat
+template applied once), greedy, and produce exactly --new-tokens tokens per prompt (EOS is masked
+until then: min_new_tokens on both sides). HF runs left-padded static batches of --hf-batch-size.
+Both are warmed up with a tiny run, then timed --repeats times, alternating, and the median is
+reported. The engine's radix cache is emptied before each timed run, so every run starts cold
+(within a run it still shares the chat template's common system-prompt prefix, as it would in a
+real job). Absolute figures from a CPU machine mean little (BENCH.md); the ratio is the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
+
+from batchrun.engine.config import EngineConfig  # noqa: E402
+from batchrun.engine.engine import Engine  # noqa: E402
+from batchrun.engine.params import GenerateRequest, SamplingParams  # noqa: E402
+
+
+def load_conversations(num_prompts: int) -> list[list[dict]]:
+    """Chat conversations from the example files; distinct ones beyond those by numbering."""
+    convs: list[list[dict]] = []
+    for line in (ROOT / "examples" / "prompts.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        convs.append(row.get("messages") or [{"role": "user", "content": row["prompt"]}])
+    for line in (ROOT / "examples" / "openai_batch.jsonl").read_text().splitlines():
+        convs.append(json.loads(line)["body"]["messages"])
+    out = []
+    for i in range(num_prompts):
+        conv = [dict(m) for m in convs[i % len(convs)]]
+        if i >= len(convs):  # keep prompts distinct so no run is served from the prefix cache
+            conv[-1]["content"] = f"({i // len(convs)}) {conv[-1]['content']}"
+        out.append(conv)
+    return out
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True
+        ).strip()
+        dirty = subprocess.check_output(["git", "status", "--porcelain"], cwd=ROOT, text=True)
+        return head + ("+dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# -- the two sides -----------------------------------------------------------------------------
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    params = SamplingParams(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0, ignore_eos=True
+    )
+    requests = [GenerateRequest(str(i), ids, params) for i, ids in enumerate(prompts)]
+    outputs: dict[str, list[int]] = {}
+    for result in engine.generate(requests):
+        if result.error or result.completion_tokens != new_tokens:
+            raise RuntimeError(f"engine request {result.rid}: {result}")
+        outputs[result.rid] = result.output_ids
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
+@torch.inference_mode()
+def run_hf(
+    model, prompts: list[list[int]], new_tokens: int, batch_size: int, pad_id: int
+) -> list[list[int]]:
+    outputs: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        width = max(len(p) for p in chunk)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])  # left pad
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad_id,
+        )
+        new = out[:, width:]
+        if new.shape[1] != new_tokens:
+            raise RuntimeError(f"HF generated {new.shape[1]} tokens, expected {new_tokens}")
+        outputs.extend(new.tolist())
+    return outputs
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+def timed(fn) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t0, result
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--hf-batch-size", type=int, default=32, help="HF static batch (32: one padded batch)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (both sides)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per side")
+    parser.add_argument("--out", type=Path, default=None, help="also write the table here")
+    args = parser.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    torch.manual_seed(0)
+
+    t0 = time.perf_counter()
+    # NOTE: an explicit KV budget: the CPU default takes a quarter of free memory (GBs), far more
+    # than num_prompts x (prompt + new tokens) needs; 512 tokens per prompt is plenty here.
+    kv_budget = max(4096, args.num_prompts * (512 + args.new_tokens))
+    engine = Engine(EngineConfig(model=None, device="cpu", kv_budget=kv_budget))
+    tok = engine.tokenizer
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=torch.float32).eval()
+    startup = time.perf_counter() - t0
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    # as batchrun's tokenize step does it: template to text, then encode without extra specials
+    texts = [
+        tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+        for conv in load_conversations(args.num_prompts)
+    ]
+    prompts = [list(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+    prompt_lens = [len(p) for p in prompts]
+    num_out = args.num_prompts * args.new_tokens
+    print(
+        f"start-up {startup:.1f}s; {args.num_prompts} prompts, {sum(prompt_lens)} prompt tokens "
+        f"(min {min(prompt_lens)}, max {max(prompt_lens)}), {args.new_tokens} new tokens each; "
+        f"torch threads {threads}; HF attention {hf.config._attn_implementation}",
+        flush=True,
+    )
+
+    # warm-up: a tiny run on each side (allocator, oneDNN primitives, lazy imports)
+    run_engine(engine, prompts[:2], 4)
+    run_hf(hf, prompts[:2], 4, 2, pad_id)
+    engine.kv.cache.reset()
+
+    engine_times, hf_times = [], []
+    engine_out = hf_out = None
+    cached_fraction = forward_fraction = 0.0
+    for rep in range(args.repeats):
+        engine.kv.cache.reset()  # idle engine: every timed run starts with a cold prefix cache
+        before = (engine.stats.prompt_tokens, engine.stats.cached_tokens, engine.stats.forward_time)
+        secs, engine_out = timed(lambda: run_engine(engine, prompts, args.new_tokens))
+        engine_times.append(secs)
+        prompt_toks = engine.stats.prompt_tokens - before[0]
+        cached_fraction = (engine.stats.cached_tokens - before[1]) / max(prompt_toks, 1)
+        forward_fraction = (engine.stats.forward_time - before[2]) / secs
+        print(
+            f"  run {rep + 1}: engine {secs:6.2f}s = {num_out / secs:7.1f} tok/s "
+            f"(forward+sample {forward_fraction:.0%} of wall, prompt cached {cached_fraction:.0%})",
+            flush=True,
+        )
+        secs, hf_out = timed(
+            lambda: run_hf(hf, prompts, args.new_tokens, args.hf_batch_size, pad_id)
+        )
+        hf_times.append(secs)
+        print(f"  run {rep + 1}: HF     {secs:6.2f}s = {num_out / secs:7.1f} tok/s", flush=True)
+
+    engine_tps = num_out / statistics.median(engine_times)
+    hf_tps = num_out / statistics.median(hf_times)
+    # fp32 on both sides, but different kernels and padding: greedy paths may part late
+    pairs = list(zip(engine_out, hf_out, strict=True))
+    same = sum(a == b for a, b in pairs)
+    agree = statistics.mean(common_prefix_len(a, b) / len(a) for a, b in pairs)
+
+    table = "\n".join(
+        [
+            f"CPU: batchrun engine vs HF `generate`, SmolLM2-135M-Instruct fp32, "
+            f"{args.num_prompts} chat prompts x {args.new_tokens} new tokens, greedy",
+            "",
+            "| engine tok/s | HF tok/s | ratio | torch threads | HF batch | date | commit |",
+            "|---|---|---|---|---|---|---|",
+            f"| {engine_tps:.1f} | {hf_tps:.1f} | {engine_tps / hf_tps:.2f}x | {threads} "
+            f"| {args.hf_batch_size} | {dt.date.today().isoformat()} | {git_commit()} |",
+            "",
+            f"median of {args.repeats} runs each; engine runs "
+            + ", ".join(f"{t:.2f}s" for t in engine_times)
+            + "; HF runs "
+            + ", ".join(f"{t:.2f}s" for t in hf_times)
+            + f"; engine prompt tokens from the prefix cache {cached_fraction:.0%}; "
+            f"identical greedy outputs {same}/{args.num_prompts} "
+            f"(mean agreeing prefix {agree:.0%}); "
+            f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+            f"command: `python {' '.join(sys.argv)}`",
+        ]
+    )
+    print()
+    print(table)
+    if args.out:
+        args.out.write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
