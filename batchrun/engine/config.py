@@ -27,6 +27,8 @@ class EngineConfig:
     max_pending: int = 4096  # requests pulled from the input iterator ahead of admission
     new_token_ratio: float = 0.4  # expected decode growth as a fraction of max_new_tokens
     context_len: int | None = None  # override the model's max_position_embeddings
+    overlap: bool | None = None  # overlap scheduling with the device; None: on for CUDA
+    cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs; 0: off
 
     def validate(self) -> None:
         def one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:

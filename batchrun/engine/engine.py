@@ -11,22 +11,22 @@ and yields each completion as it finishes. The loop is a plain `while has work: 
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from batchrun.engine.allocator import TokenAllocator
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.kv_manager import KVManager
-from batchrun.engine.model_runner import ModelRunner
+from batchrun.engine.model_runner import ModelRunner, StepHandle
 from batchrun.engine.params import GenerateRequest, GenerateResult, TopLogprobs
 from batchrun.engine.radix_cache import RadixCache
 from batchrun.engine.request import Req
 from batchrun.engine.sampler import SamplingBatch
-from batchrun.engine.scheduler import Scheduler
+from batchrun.engine.scheduler import ScheduledBatch, Scheduler
 from batchrun.engine.stop import StopStringChecker
 from batchrun.models.config import ModelConfig
 
@@ -44,6 +44,12 @@ class EngineStats:
     @property
     def cached_fraction(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class _Launched(NamedTuple):
+    reqs: list[Req]  # the requests that sample a token in this step
+    out_index: list[int]  # the output index each of them fills
+    handle: StepHandle
 
 
 def derive_seed(base: int, rid: str, index: int = 0) -> int:
@@ -72,6 +78,9 @@ class Engine:
         self._stop_checker: StopStringChecker | None = None
         self._arrivals = 0
         self._finished: list[GenerateResult] = []
+        self._inflight: _Launched | None = None
+        # overlap needs an asynchronous device; on the CPU every op is synchronous anyway
+        self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
 
     @staticmethod
     def _resolve_model_dir(config: EngineConfig) -> Path:
@@ -120,7 +129,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     def generate(self, requests: Iterable[GenerateRequest]) -> Iterator[GenerateResult]:
         pending = iter(requests)
@@ -141,29 +150,68 @@ class Engine:
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[GenerateResult]:
-        """Schedule, run and post-process one batch; return the completions it finished."""
+        """One turn of the loop; returns the completions it finished.
+
+        With overlap (CUDA), step n+1 is scheduled and launched while the device still runs
+        step n, and step n's results are processed after that launch:
+
+            schedule(n+1) -> launch(n+1) -> wait + process(n) -> schedule(n+2) -> ...
+
+        The tokens of step n feed step n+1 on the device (runner.token_pool); the host sees
+        them one step late. Without overlap, each step is processed right after its launch.
+        """
         sched = self.scheduler
+        # nothing runs and nothing is in flight: if the head of the queue cannot be scheduled
+        # now, it never can
+        idle = not sched.running and self._inflight is None
         batch = sched.schedule()
+        if batch is None and sched.needs_sync and self._inflight is not None:
+            # only a request with tokens in flight could make room: settle them, try again
+            self._process(self._inflight)
+            self._inflight = None
+            batch = sched.schedule()
         self._collect_aborted()
-        if batch is None:
-            if sched.waiting and not sched.running:
-                self._abort_unfittable(sched.waiting.popleft())
-            return self._take_finished()
+        launched = None
+        if batch is not None:
+            launched = self._launch(batch)
+        if self._inflight is not None:
+            self._process(self._inflight)
+            self._inflight = None
+        if launched is not None:
+            if self.overlap:
+                self._inflight = launched
+            else:
+                self._process(launched)
+        elif batch is None and idle and sched.waiting:
+            self._abort_unfittable(sched.waiting.popleft())
+        return self._take_finished()
+
+    def _launch(self, batch: ScheduledBatch) -> _Launched:
         sampling_reqs = [r for r, s in zip(batch.reqs, batch.sample_mask) if s]
         sampling = self._sampling_batch(sampling_reqs) if sampling_reqs else None
-        t0 = time.perf_counter()
-        out = self.runner.forward(batch, sampling)
-        self.stats.forward_time += time.perf_counter() - t0
+        # which output index each sampled token will fill
+        out_index = [len(r.output_ids) for r in sampling_reqs]
+        handle = self.runner.launch(batch, sampling)
+        self.scheduler.advance(batch)
         self.stats.num_steps += 1
         self.stats.num_forward_tokens += batch.num_tokens
-        sched.advance(batch)
-        for i, req in enumerate(sampling_reqs):
-            self._append_token(req, out, i)
-        for req in sampling_reqs:
+        return _Launched(sampling_reqs, out_index, handle)
+
+    def _process(self, launched: _Launched) -> None:
+        out = self.runner.wait(launched.handle)
+        for i, (req, idx) in enumerate(zip(launched.reqs, launched.out_index)):
             if req.is_finished:
-                sched.finish(req)
+                continue  # it finished on an earlier token; this one was a wasted decode
+            req.num_inflight -= 1
+            req.output_ids[idx] = out.next_token_ids[i]
+            self._check_finish(req, idx, out, i)
+            if req.is_finished:
+                # drop tokens launched after the finishing one
+                del req.output_ids[idx + 1 :]
+                req.num_inflight = 0
+                self.scheduler.finish(req)
                 self._finished.append(self._result(req))
-        return self._take_finished()
+        self.stats.forward_time = self.runner.forward_time
 
     def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
         rows = [r.row for r in reqs]
@@ -182,9 +230,8 @@ class Engine:
             self.device,
         )
 
-    def _append_token(self, req: Req, out, i: int) -> None:
-        token = out.next_token_ids[i]
-        req.output_ids.append(token)
+    def _check_finish(self, req: Req, idx: int, out, i: int) -> None:
+        token = req.output_ids[idx]
         params = req.params
         if params.logprobs or params.top_logprobs:
             if req.logprobs is None:
@@ -193,7 +240,7 @@ class Engine:
             if params.top_logprobs and out.top_logprobs is not None:
                 ids, vals = out.top_logprobs[i]
                 req.top_logprobs.append((ids[: params.top_logprobs], vals[: params.top_logprobs]))
-        num_out = len(req.output_ids)
+        num_out = idx + 1
         if token in params.stop_token_ids:
             req.finish_reason, req.matched_stop = "stop", token
         elif not params.ignore_eos and token in self.eos_token_ids:
@@ -201,10 +248,10 @@ class Engine:
         elif (
             params.stop
             and num_out >= params.min_new_tokens
-            and ((hit := self._stop_checker.find(req)) is not None)
+            and (hit := self._stop_checker.find(req, num_out)) is not None
         ):
             req.finish_reason, req.matched_stop = "stop", hit
-        elif num_out >= params.max_new_tokens or req.seq_len >= self.context_len:
+        elif num_out >= params.max_new_tokens or len(req.input_ids) + num_out >= self.context_len:
             req.finish_reason = "length"
 
     def _result(self, req: Req) -> GenerateResult:

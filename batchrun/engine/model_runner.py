@@ -7,6 +7,7 @@ device-to-host transfer is the sampled tokens (and logprobs when asked).
 from __future__ import annotations
 
 import logging
+import time
 from typing import NamedTuple
 
 import torch
@@ -27,6 +28,18 @@ class StepOutput(NamedTuple):
     next_token_ids: list[int]  # one per sampling request, in batch order
     logprobs: list[float] | None
     top_logprobs: list[tuple[list[int], list[float]]] | None
+
+
+class StepHandle(NamedTuple):
+    """A launched step: its device->host copies are in flight until `event` completes."""
+
+    next_ids_cpu: torch.Tensor | None  # [S] int64 (pinned on CUDA)
+    logprobs_cpu: torch.Tensor | None
+    top_ids_cpu: torch.Tensor | None
+    top_vals_cpu: torch.Tensor | None
+    event: object | None  # torch.cuda.Event, None on CPU
+    forward_start: object | None  # CUDA events bracketing the forward, for GPU occupancy
+    forward_end: object | None
 
 
 def resolve_dtype(name: str, device: torch.device, model_cfg: ModelConfig) -> torch.dtype:
@@ -77,6 +90,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self.penalties = PenaltyState(config.max_running + 1, model_cfg.vocab_size, self.device)
         self._pin = self.device.type == "cuda"
+        # the latest sampled token of each request row, kept on the device so that the next
+        # step can start before the host has seen it (overlap scheduling)
+        self.token_pool = torch.zeros(config.max_running + 1, dtype=torch.int64, device=self.device)
+        self.forward_time = 0.0  # GPU time inside forwards (CUDA events), seconds
+        self.graphs = None  # CUDA-graph runner for decode batches, set up by the engine
 
     def _kv_slots(self) -> int:
         cfg, page = self.config, self.config.page_size
@@ -108,42 +126,112 @@ class ModelRunner:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def forward(self, batch: ScheduledBatch, sampling: SamplingBatch | None) -> StepOutput:
+    def _pack_to_device(self, *arrays) -> list[torch.Tensor]:
+        """Several host int arrays -> device views, through one pinned buffer and one copy."""
+        sizes = [len(a) for a in arrays]
+        flat: list[int] = []
+        for a in arrays:
+            flat.extend(a.tolist() if isinstance(a, torch.Tensor) else a)
+        packed = self._to_device(flat)
+        return list(packed.split(sizes))
+
+    def launch(self, batch: ScheduledBatch, sampling: SamplingBatch | None) -> StepHandle:
+        """Enqueue the step on the device and the copy of its results to the host; no sync."""
         seq_lens = batch.seq_lens
         rows = [r.row for r in batch.reqs]
-        attn = AttentionInputs(
-            req_pool_indices=self._to_device(rows),
-            seq_lens=self._to_device(list(seq_lens)),
-            extend_lens=self._to_device(list(batch.extend_lens)),
-            out_cache_loc=self._to_device(batch.out_cache_loc),
-            seq_lens_cpu=seq_lens,
-            extend_lens_cpu=batch.extend_lens,
-        )
-        self.backend.prepare(attn)
-        logits_indices = []
+        logits_indices: list[int] = []
+        sample_rows: list[int] = []
+        ph_positions: list[int] = []  # tokens whose id is still on the device (overlap)
+        ph_rows: list[int] = []
         end = 0
-        for n, sampled in zip(batch.extend_lens, batch.sample_mask):
+        for req, n, sampled in zip(batch.reqs, batch.extend_lens, batch.sample_mask):
+            if batch.input_ids[end] < 0:
+                ph_positions.append(end)
+                ph_rows.append(req.row)
             end += n
             if sampled:
                 logits_indices.append(end - 1)
-        fwd = ForwardBatch(
-            input_ids=self._to_device(batch.input_ids),
-            positions=self._to_device(batch.positions),
-            logits_indices=self._to_device(logits_indices),
+                sample_rows.append(req.row)
+        (
+            input_ids,
+            positions,
+            out_loc,
+            logits_idx,
+            rows_t,
+            seq_t,
+            ext_t,
+            ph_pos,
+            ph_row,
+            sample_rows_t,
+        ) = self._pack_to_device(
+            batch.input_ids,
+            batch.positions,
+            batch.out_cache_loc,
+            logits_indices,
+            rows,
+            seq_lens,
+            batch.extend_lens,
+            ph_positions,
+            ph_rows,
+            sample_rows,
         )
-        logits = self.model(fwd, self.backend)  # [S, V] fp32
+        if ph_positions:
+            # the previous step sampled these tokens; they never left the device
+            input_ids[ph_pos] = self.token_pool[ph_row]
+        attn = AttentionInputs(
+            req_pool_indices=rows_t,
+            seq_lens=seq_t,
+            extend_lens=ext_t,
+            out_cache_loc=out_loc,
+            seq_lens_cpu=seq_lens,
+            extend_lens_cpu=batch.extend_lens,
+        )
+        is_cuda = self.device.type == "cuda"
+        start_ev = end_ev = None
+        if is_cuda:
+            start_ev = torch.cuda.Event(enable_timing=True)
+            end_ev = torch.cuda.Event(enable_timing=True)
+            start_ev.record()
+        t0 = time.perf_counter()
+        logits = self._forward(input_ids, positions, logits_idx, attn)
+        if is_cuda:
+            end_ev.record()
+        else:
+            self.forward_time += time.perf_counter() - t0
         if sampling is None:
-            return StepOutput([], None, None)
+            return StepHandle(None, None, None, None, None, start_ev, end_ev)
         out = self.sampler(logits, sampling, self.penalties)
         if sampling.has_penalties:
             self.penalties.update(sampling.rows, out.next_token_ids)
-        # the one device-to-host transfer of the step
-        next_ids = out.next_token_ids.tolist()
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        self.token_pool[sample_rows_t] = out.next_token_ids
+        tensors = [out.next_token_ids, out.logprobs, out.top_logprob_ids, out.top_logprob_vals]
+        if not is_cuda:
+            return StepHandle(*tensors, None, None, None)
+        host = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+        event = torch.cuda.Event()
+        event.record()
+        return StepHandle(*host, event, start_ev, end_ev)
+
+    def _forward(self, input_ids, positions, logits_idx, attn: AttentionInputs) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(attn):
+            return self.graphs.replay(input_ids, positions, attn)
+        self.backend.prepare(attn)
+        fwd = ForwardBatch(input_ids=input_ids, positions=positions, logits_indices=logits_idx)
+        return self.model(fwd, self.backend)  # [S, V] fp32
+
+    def wait(self, handle: StepHandle) -> StepOutput:
+        """Block until the step's results are on the host (the one sync of a step)."""
+        if handle.event is not None:
+            handle.event.synchronize()
+        if handle.forward_end is not None:
+            self.forward_time += handle.forward_start.elapsed_time(handle.forward_end) / 1e3
+        if handle.next_ids_cpu is None:
+            return StepOutput([], None, None)
+        logprobs = handle.logprobs_cpu.tolist() if handle.logprobs_cpu is not None else None
         top = None
-        if out.top_logprob_ids is not None:
-            top = list(zip(out.top_logprob_ids.tolist(), out.top_logprob_vals.tolist()))
-        return StepOutput(next_ids, logprobs, top)
+        if handle.top_ids_cpu is not None:
+            top = list(zip(handle.top_ids_cpu.tolist(), handle.top_vals_cpu.tolist()))
+        return StepOutput(handle.next_ids_cpu.tolist(), logprobs, top)
 
     @torch.inference_mode()
     def all_logits(self, input_ids: list[int], slots: torch.Tensor) -> torch.Tensor:

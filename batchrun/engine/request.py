@@ -18,6 +18,8 @@ from typing import Any
 
 from batchrun.engine.params import SamplingParams
 
+PLACEHOLDER = -1  # an output token that is sampled on the device but not yet seen by the host
+
 
 @dataclass(eq=False)
 class Req:
@@ -38,6 +40,9 @@ class Req:
     # accounting
     cached_tokens: int | None = None  # prompt tokens served from cache at first admission
     num_retractions: int = 0
+    # tokens sampled by launched steps whose ids the host has not seen yet; output_ids holds
+    # PLACEHOLDER for them (overlap scheduling), the device has the real ids
+    num_inflight: int = 0
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     error: str | None = None
@@ -59,7 +64,13 @@ class Req:
 
     @property
     def is_decoding(self) -> bool:
+        """Prompt done: each step computes the one newest token."""
         return self.row is not None and self.num_pending == 1 and bool(self.output_ids)
+
+    @property
+    def wants_decode(self) -> bool:
+        """Decoding and not yet at max_new_tokens (counting tokens still on the device)."""
+        return self.is_decoding and len(self.output_ids) < self.params.max_new_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from batchrun.engine.kv_manager import KVManager
-from batchrun.engine.request import Req
+from batchrun.engine.request import PLACEHOLDER, Req
 
 # a waiting request is held back while a running prefill shares at least this many of its
 # uncached tokens: that prefix is computed once and then served from the cache
@@ -58,6 +58,9 @@ class Scheduler:
         self.num_retractions = 0
         self.num_held = 0  # admissions deferred to share a prefix being computed
         self._aborted: list[Req] = []
+        # set when only a request with tokens in flight could make room: the engine must
+        # process the in-flight step, then schedule again
+        self.needs_sync = False
 
     @property
     def has_work(self) -> bool:
@@ -69,13 +72,18 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch | None:
+        self.needs_sync = False
         plan: list[tuple[Req, int]] = []
         self._schedule_decodes(plan)
+        if self.needs_sync:
+            return None
         budget = self._continue_prefills(plan, self.prefill_budget)
-        if not plan and self.running:
+        if not plan and any(not r.is_decoding for r in self.running):
             # only partial prefills run and the first cannot get its next chunk: without this
             # the engine would spin forever
             self._unblock_prefills()
+            if self.needs_sync:
+                return None
             budget = self._continue_prefills(plan, budget)
         self._admit(plan, budget)
         if not plan:
@@ -83,7 +91,7 @@ class Scheduler:
         return self._build(plan)
 
     def _schedule_decodes(self, plan: list[tuple[Req, int]]) -> None:
-        decoding = [r for r in self.running if r.is_decoding]
+        decoding = [r for r in self.running if r.wants_decode]
         i = 0
         while i < len(decoding):
             req = decoding[i]
@@ -92,6 +100,9 @@ class Scheduler:
                 i += 1
                 continue
             victim = self._pick_victim(exclude=req)
+            if victim is None and self._any_inflight():
+                self.needs_sync = True
+                return
             if victim is None:
                 self._abort(
                     req,
@@ -114,7 +125,7 @@ class Scheduler:
         for req in self.running:
             if budget <= 0:
                 break
-            if req.is_decoding:
+            if req.is_decoding or req.num_inflight:
                 continue
             n = min(req.num_pending, budget)
             if self.kv.reserve(req, n) is None:
@@ -126,10 +137,13 @@ class Scheduler:
     def _unblock_prefills(self) -> None:
         """Partial prefills fill the pool: retract one so that the oldest can go on; alone, the
         oldest cannot fit the pool at all and is aborted."""
-        stuck = self.running[0]
+        stuck = next(r for r in self.running if not r.is_decoding)
         victim = self._pick_victim(exclude=stuck)
         if victim is not None:
             self._retract(victim)
+            return
+        if self._any_inflight():
+            self.needs_sync = True
             return
         self._abort(
             stuck,
@@ -147,8 +161,12 @@ class Scheduler:
         aborted, self._aborted = self._aborted, []
         return aborted
 
+    def _any_inflight(self) -> bool:
+        return any(r.num_inflight for r in self.running)
+
     def _pick_victim(self, exclude: Req) -> Req | None:
-        candidates = [r for r in self.running if r is not exclude]
+        # a request with tokens in flight cannot be retracted: its KV and ids are not final
+        candidates = [r for r in self.running if r is not exclude and not r.num_inflight]
         if not candidates:
             return None
         # least progress first: fewest outputs, then the longest prompt (frees the most)
@@ -246,12 +264,17 @@ class Scheduler:
     # -- after the step -----------------------------------------------------------------------
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """The step's KV is computed: move counters and share finished prefills with the tree."""
-        for req, n in zip(batch.reqs, batch.extend_lens, strict=True):
+        """The step is launched: its KV counts as computed (the device runs in stream order),
+        each sampling request gets a placeholder for its new token, and finished prefills are
+        shared with the tree."""
+        for req, n, sampled in zip(batch.reqs, batch.extend_lens, batch.sample_mask):
             is_prefill = n > 1 or not req.output_ids
             req.kv_len += n
             if is_prefill:
                 self.kv.cache_unfinished(req)
+            if sampled:
+                req.output_ids.append(PLACEHOLDER)
+                req.num_inflight += 1
 
     def finish(self, req: Req) -> None:
         self.running.remove(req)

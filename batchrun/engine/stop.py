@@ -16,11 +16,11 @@ class StopStringChecker:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def find(self, req: Req) -> str | None:
-        """The stop string that the newest token completed, if any."""
+    def find(self, req: Req, num_out: int | None = None) -> str | None:
+        """The stop string that output token num_out - 1 (default: the newest) completed."""
         stops = req.params.stop
         window = max(len(s) for s in stops) + _WINDOW_MARGIN
-        ids = req.output_ids
+        ids = req.output_ids if num_out is None else req.output_ids[:num_out]
         tail = self.tokenizer.decode(ids[-window:], skip_special_tokens=True)
         # NOTE: only matches that end in the newest token's text count; an older one was passed
         # over while min_new_tokens held stops back, and must not end the request now. The old

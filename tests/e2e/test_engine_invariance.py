@@ -111,3 +111,47 @@ def test_n_samples_share_the_prompt(model_dir):
     assert sum(r.cached_tokens for r in results) >= 3 * 79  # three samples reuse the prompt KV
     assert len({tuple(r.output_ids) for r in results}) > 1  # different seeds, different samples
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("kv_budget", [8192, 300])
+def test_overlap_scheduling_gives_same_tokens(model_dir, reference, kv_budget):
+    # on the CPU every op is synchronous, but the overlapped loop's bookkeeping (placeholders,
+    # tokens fed from the device token pool, wasted decodes after a finish, sync before a
+    # retraction) runs exactly as on CUDA
+    out, engine = run(model_dir, overlap=True, kv_budget=kv_budget, new_token_ratio=0.05)
+    assert out == reference
+    if kv_budget == 300:
+        assert engine.scheduler.num_retractions > 0
+
+
+def test_overlap_with_eos_and_stop_ids(model_dir):
+    cfg = EngineConfig(model=model_dir, device="cpu", dtype="float32", kv_budget=8192)
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(5 + i, 30 + i)) for i in range(6)]
+    ref = {
+        r.rid: r.output_ids
+        for r in Engine(cfg).generate(
+            GenerateRequest(str(i), p, greedy) for i, p in enumerate(prompts)
+        )
+    }
+    # stop each request on the token greedy produces at step 3 + i
+    reqs = [
+        GenerateRequest(
+            str(i),
+            p,
+            SamplingParams(
+                max_new_tokens=24, temperature=0.0, stop_token_ids=(ref[str(i)][3 + i],)
+            ),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    for overlap in (False, True):
+        engine = Engine(EngineConfig(**{**cfg.__dict__, "overlap": overlap}))
+        got = {r.rid: r for r in engine.generate(reqs)}
+        for i in range(6):
+            want = ref[str(i)]
+            stop_at = want.index(want[3 + i])
+            assert got[str(i)].output_ids == want[: stop_at + 1]
+            assert got[str(i)].finish_reason == "stop"
+        engine.check_integrity()
+        assert not engine.has_work

@@ -1,0 +1,172 @@
+"""Triton attention over the paged KV pool (kernels in the top-level kernels/ folder).
+
+Decode steps (every extend_len 1) run the split-KV flash-decoding kernel; all other steps run the
+extend kernel. Both read prefix and new KV from the pool through req_to_token, after `forward`
+has stored the new tokens' k/v.
+
+CUDA graphs (decode only). The graph runner owns capture and replay; this backend gives it
+static inputs and a launch grid that depends only on the batch size:
+
+    backend.init_graph_buffers(max_bs)         once, before any capture
+    per captured size bs:
+        backend.prepare_graph(bs)              forward() now reads the static buffers [:bs]
+        model forward once, eagerly            warm-up: compiles kernels, allocates the workspace
+        with torch.cuda.graph(g): model forward
+    per step with n <= bs decode requests:
+        backend.load_graph_inputs(inputs, bs)  the copy rule below
+        g.replay()
+    backend.prepare(inputs) for any eager step switches graph mode off again.
+
+Copy rule (what load_graph_inputs does; a runner may do the same copies itself): rows [0, n) of
+graph_req_pool_indices / graph_seq_lens / graph_out_cache_loc get the real batch's
+req_pool_indices / seq_lens / out_cache_loc; padding rows [n, bs) get the dummy request row
+(req_to_token.shape[0] - 1), seq_len 1 and the pool's dummy slot. Padding rows write only the
+dummy slot and their output is to be dropped. Nothing else is read from the host at replay: the
+number of KV splits is fixed per bs and each split finds its KV range from seq_lens on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchrun.attention.base import AttentionBackend, AttentionInputs
+from batchrun.kernels.decode_attention import decode_attention_fwd, decode_workspace_numel
+from batchrun.kernels.extend_attention import extend_attention_fwd
+
+MAX_KV_SPLITS = 16
+PROGRAMS_PER_SM = 4  # split the KV until the decode grid has this many programs per SM
+MIN_SPLIT_LEN = 64  # ... but give no split fewer KV tokens than this (eager only)
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    req_pool_indices: torch.Tensor  # [B]
+    seq_lens: torch.Tensor  # [B]
+    out_cache_loc: torch.Tensor  # [B]
+    num_kv_splits: int
+    is_graph: bool
+
+
+@dataclass(frozen=True)
+class _ExtendPlan:
+    inputs: AttentionInputs
+    extend_start_loc: torch.Tensor  # [B], exclusive cumsum of extend_lens
+    max_extend_len: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, kv_pool, req_to_token: torch.Tensor):
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        k0 = kv_pool.k_buffers[0]
+        self.device = k0.device
+        self.num_kv_heads = k0.shape[1]
+        self.head_dim = k0.shape[2]
+        self.num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda"
+            else 132
+        )
+        self._plan: _DecodePlan | _ExtendPlan | None = None
+        self._workspace = torch.empty(0, dtype=torch.float32, device=self.device)  # eager, grows
+        self.graph_max_bs = 0
+        self._graph_workspace: torch.Tensor | None = None  # allocated once, never replaced
+
+    # ---- eager steps -------------------------------------------------------------------------
+
+    def prepare(self, inputs: AttentionInputs) -> None:
+        if inputs.is_decode:
+            splits = self._num_kv_splits(inputs.batch_size)
+            max_splits = -(-max(inputs.seq_lens_cpu, default=1) // MIN_SPLIT_LEN)
+            splits = max(1, min(splits, max_splits))
+            self._plan = _DecodePlan(
+                inputs.req_pool_indices, inputs.seq_lens, inputs.out_cache_loc, splits, False
+            )
+        else:
+            ext = inputs.extend_lens
+            start_loc = torch.cumsum(ext, 0) - ext
+            self._plan = _ExtendPlan(inputs, start_loc, max(inputs.extend_lens_cpu))
+
+    def _num_kv_splits(self, batch_size: int) -> int:
+        programs = max(1, batch_size * self.num_kv_heads)
+        return max(1, min(MAX_KV_SPLITS, -(-PROGRAMS_PER_SM * self.num_sms // programs)))
+
+    def forward(self, q, k, v, layer_id: int, scaling: float) -> torch.Tensor:
+        plan = self._plan
+        assert plan is not None, "prepare() or prepare_graph() must run before forward()"
+        num_tokens, num_heads, head_dim = q.shape
+        if isinstance(plan, _DecodePlan):
+            loc = plan.out_cache_loc
+        else:
+            loc = plan.inputs.out_cache_loc
+        self.kv_pool.store(layer_id, loc, k, v)
+        k_buf, v_buf = self.kv_pool.buffers(layer_id)
+        out = torch.empty_like(q)
+        if isinstance(plan, _DecodePlan):
+            workspace = self._get_workspace(plan, num_tokens, num_heads, head_dim)
+            decode_attention_fwd(
+                q, k_buf, v_buf, out, self.req_to_token, plan.req_pool_indices, plan.seq_lens,
+                scaling, plan.num_kv_splits, workspace,
+            )  # fmt: skip
+        else:
+            inputs = plan.inputs
+            extend_attention_fwd(
+                q, k_buf, v_buf, out, self.req_to_token, inputs.req_pool_indices, inputs.seq_lens,
+                inputs.extend_lens, plan.extend_start_loc, plan.max_extend_len, scaling,
+            )  # fmt: skip
+        return out.view(num_tokens, num_heads * head_dim)
+
+    def _get_workspace(self, plan: _DecodePlan, bs: int, num_heads: int, head_dim: int):
+        if plan.is_graph:
+            if self._graph_workspace is None:
+                # NOTE: sized for every graph batch size at once, so that it is never replaced
+                # while captured graphs point into it
+                capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+                assert not capturing, "run one eager forward after prepare_graph(), then capture"
+                most = max(b * self._num_kv_splits(b) for b in range(1, self.graph_max_bs + 1))
+                numel = decode_workspace_numel(most, num_heads, head_dim, 1)
+                self._graph_workspace = torch.empty(numel, dtype=torch.float32, device=self.device)
+            return self._graph_workspace
+        numel = decode_workspace_numel(bs, num_heads, head_dim, plan.num_kv_splits)
+        if self._workspace.numel() < numel:
+            self._workspace = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return self._workspace
+
+    # ---- CUDA graphs (decode) ----------------------------------------------------------------
+
+    def init_graph_buffers(self, max_bs: int) -> None:
+        """Static decode inputs for batch sizes up to max_bs (see the module docstring)."""
+        dev = self.device
+        self.graph_max_bs = max_bs
+        self.graph_req_pool_indices = torch.full(
+            (max_bs,), self.req_to_token.shape[0] - 1, dtype=torch.int64, device=dev
+        )
+        self.graph_seq_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
+        self.graph_out_cache_loc = torch.full(
+            (max_bs,), self.kv_pool.dummy_slot, dtype=torch.int64, device=dev
+        )
+
+    def prepare_graph(self, bs: int) -> None:
+        """Switch forward() to the static buffers [:bs], with a num_kv_splits fixed per bs."""
+        assert 0 < bs <= self.graph_max_bs, (bs, self.graph_max_bs)
+        self._plan = _DecodePlan(
+            self.graph_req_pool_indices[:bs],
+            self.graph_seq_lens[:bs],
+            self.graph_out_cache_loc[:bs],
+            self._num_kv_splits(bs),
+            True,
+        )
+
+    def load_graph_inputs(self, inputs: AttentionInputs, bs: int) -> None:
+        """Copy a decode batch of n <= bs requests into the static buffers, padding to bs."""
+        n = inputs.batch_size
+        assert inputs.is_decode and n <= bs <= self.graph_max_bs, (n, bs)
+        self.graph_req_pool_indices[:n].copy_(inputs.req_pool_indices, non_blocking=True)
+        self.graph_seq_lens[:n].copy_(inputs.seq_lens, non_blocking=True)
+        self.graph_out_cache_loc[:n].copy_(inputs.out_cache_loc, non_blocking=True)
+        if n < bs:
+            self.graph_req_pool_indices[n:bs].fill_(self.req_to_token.shape[0] - 1)
+            self.graph_seq_lens[n:bs].fill_(1)
+            self.graph_out_cache_loc[n:bs].fill_(self.kv_pool.dummy_slot)

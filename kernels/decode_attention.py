@@ -1,0 +1,227 @@
+"""Flash-decoding over the token-indexed paged KV: one query token per request, split KV.
+
+    stage 1, grid (B, num_kv_heads, num_kv_splits)
+        split s of request b covers KV positions [s * split_len, min((s + 1) * split_len, seq_len))
+        with split_len = ceil(seq_len / num_kv_splits) rounded up to BLOCK_N, computed on the
+        device from seq_lens. The program reads that range once for all H / KV query heads of its
+        KV head (GQA) and writes the normalized partial output acc / l and its base-2 log-sum-exp.
+        An empty split writes acc = 0, lse = -1e30: weight 0 next to any non-empty split.
+    stage 2, grid (B, H)
+        out = sum_s 2^(lse_s - max) * acc_s / sum_s 2^(lse_s - max)
+
+The grid depends only on B, the KV head count and num_kv_splits, and nothing is read back to the
+host, so both launches can be captured in a CUDA graph and replayed with other seq_lens.
+
+    workspace (fp32, decode_workspace_numel(B, H, D, S) elements, reused between calls):
+        [0, B*H*S*D)              partial outputs   [B, H, S, D]
+        [B*H*S*D, B*H*S*(D+1))    partial lse       [B, H, S]
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# defaults measured on the H200 (scripts/bench_attention_kernels.py)
+DEFAULT_BLOCK_N = 32
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 2
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q,
+    K,
+    V,
+    ReqToToken,
+    ReqPoolIndices,
+    SeqLens,
+    PartialOut,
+    PartialLse,
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_r2t,
+    num_kv_splits,
+    sm_scale_log2,
+    NUM_HEADS: tl.constexpr,
+    KV_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    row = tl.load(ReqPoolIndices + b).to(tl.int64)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    heads = kvh * KV_GROUP + offs_h
+    mask_h = offs_h < KV_GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # [BLOCK_H, BLOCK_D]
+
+    # NOTE: finite initial max, so that exp2(m_i - m_new) never sees -inf - -inf
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    r2t = ReqToToken + row * stride_r2t
+    k_head = K + kvh * stride_kh
+    v_head = V + kvh * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        # int64: slot * stride overflows int32 on large pools
+        slots = tl.load(r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_head + slots[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + slots[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    lse = tl.where(end > start, m_i + tl.log2(l_safe), -1.0e30)
+    part = (b * NUM_HEADS + heads) * num_kv_splits + split  # [BLOCK_H]
+    tl.store(
+        PartialOut + part[:, None] * HEAD_DIM + offs_d[None, :],
+        acc / l_safe[:, None],
+        mask=mask_h[:, None] & mask_d[None, :],
+    )
+    tl.store(PartialLse + part, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    PartialOut,
+    PartialLse,
+    Out,
+    stride_ob,
+    stride_oh,
+    num_kv_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < num_kv_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    part = (b * NUM_HEADS + h) * num_kv_splits + offs_s  # [BLOCK_S]
+    lse = tl.load(PartialLse + part, mask=mask_s, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 always exists, so the max is finite
+    acc = tl.load(
+        PartialOut + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    out = tl.sum(weight[:, None] * acc, 0) / tl.sum(weight, 0)
+    out_ptr = Out + b * stride_ob + h * stride_oh + offs_d
+    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+def decode_workspace_numel(batch_size: int, num_heads: int, head_dim: int, num_kv_splits: int):
+    """fp32 elements the workspace needs for one call."""
+    return batch_size * num_heads * num_kv_splits * (head_dim + 1)
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,  # [B, H, D]
+    k_buf: torch.Tensor,  # [num_slots + 1, KV, D]
+    v_buf: torch.Tensor,  # [num_slots + 1, KV, D]
+    out: torch.Tensor,  # [B, H, D], written
+    req_to_token: torch.Tensor,  # [max_reqs + 1, max_context] int32
+    req_pool_indices: torch.Tensor,  # [B] int64
+    seq_lens: torch.Tensor,  # [B] int64, KV length including the new token
+    scaling: float,
+    num_kv_splits: int,
+    workspace: torch.Tensor,  # fp32, >= decode_workspace_numel(B, H, D, num_kv_splits)
+    *,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> None:
+    batch_size, num_heads, head_dim = q.shape
+    num_kv_heads = k_buf.shape[1]
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert q.stride(2) == 1 and out.stride(2) == 1
+    assert k_buf.stride(2) == 1 and v_buf.stride(2) == 1 and req_to_token.stride(1) == 1
+    assert workspace.dtype == torch.float32
+    numel = decode_workspace_numel(batch_size, num_heads, head_dim, num_kv_splits)
+    assert workspace.numel() >= numel, "workspace too small"
+    if batch_size == 0:
+        return
+    kv_group = num_heads // num_kv_heads
+    split_size = batch_size * num_heads * num_kv_splits
+    partial_out = workspace[: split_size * head_dim]
+    partial_lse = workspace[split_size * head_dim : numel]
+    block_d = triton.next_power_of_2(head_dim)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    _decode_stage1_kernel[(batch_size, num_kv_heads, num_kv_splits)](
+        q,
+        k_buf,
+        v_buf,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        partial_out,
+        partial_lse,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        req_to_token.stride(0),
+        num_kv_splits,
+        scaling * LOG2E,
+        NUM_HEADS=num_heads,
+        KV_GROUP=kv_group,
+        HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(kv_group)),  # tl.dot needs M >= 16
+        BLOCK_N=block_n or DEFAULT_BLOCK_N,
+        BLOCK_D=block_d,
+        DOT_PRECISION=precision,
+        num_warps=num_warps or DEFAULT_NUM_WARPS,
+        num_stages=num_stages or DEFAULT_NUM_STAGES,
+    )
+    _decode_stage2_kernel[(batch_size, num_heads)](
+        partial_out,
+        partial_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_kv_splits,
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        BLOCK_D=block_d,
+        num_warps=4,
+    )

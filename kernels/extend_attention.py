@@ -1,0 +1,210 @@
+"""Causal attention of new tokens (prefill / extend) over the token-indexed paged KV.
+
+Grid (B, ceil(max_extend_len / BLOCK_M), H): one program per (request, query block, head). The
+request's KV (cached prefix + new tokens, already stored in the pool) is read through req_to_token:
+
+    KV positions of request b:  [0 ............ prefix_len ............ seq_len)
+                                                |<- queries: extend_len ->|
+    query block [m0, m0 + BLOCK_M) sits at positions prefix_len + m0 + i
+    keys [0, full_end)           visible to every query row of the block: no mask
+    keys [full_end, causal_end)  the diagonal: key k visible to row i iff k <= prefix_len + m0 + i
+    with full_end = (prefix_len + m0) rounded down to BLOCK_N, causal_end = min(seq_len,
+    prefix_len + m0 + BLOCK_M).
+
+Online softmax in fp32 (base 2, the scale folded into log2(e)).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# defaults measured on the H200 (scripts/bench_attention_kernels.py)
+DEFAULT_BLOCK_M = 64
+DEFAULT_BLOCK_N = 64
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 2
+
+
+@triton.jit
+def _attend_block(
+    q,
+    acc,
+    l_i,
+    m_i,
+    k_head,
+    v_head,
+    r2t,
+    n0,
+    q_pos,
+    causal_end,
+    offs_d,
+    mask_d,
+    stride_kt,
+    stride_vt,
+    sm_scale_log2,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        mask_n = offs_n < causal_end
+        slots = tl.load(r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+    else:
+        slots = tl.load(r2t + offs_n).to(tl.int64)
+        kv_mask = mask_d[None, :]
+    k = tl.load(k_head + slots[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [M, N]
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_head + slots[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _extend_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    ReqToToken,
+    ReqPoolIndices,
+    SeqLens,
+    ExtendLens,
+    ExtendStartLoc,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_r2t,
+    sm_scale_log2,
+    KV_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    m0 = tl.program_id(1) * BLOCK_M
+    h = tl.program_id(2)
+    extend_len = tl.load(ExtendLens + b).to(tl.int32)
+    if m0 >= extend_len:
+        return
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    prefix_len = seq_len - extend_len
+    q_start = tl.load(ExtendStartLoc + b).to(tl.int64)
+    row = tl.load(ReqPoolIndices + b).to(tl.int64)
+    kvh = h // KV_GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < extend_len
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q_rows = q_start + offs_m.to(tl.int64)
+    q = tl.load(
+        Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+    q_pos = prefix_len + offs_m  # padded rows sit past seq_len and see every key: finite
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    r2t = ReqToToken + row * stride_r2t
+    k_head = K + kvh * stride_kh
+    v_head = V + kvh * stride_vh
+    full_end = (prefix_len + m0) // BLOCK_N * BLOCK_N
+    causal_end = tl.minimum(seq_len, prefix_len + m0 + BLOCK_M)
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _attend_block(
+            q, acc, l_i, m_i, k_head, v_head, r2t, n0, q_pos, causal_end, offs_d, mask_d,
+            stride_kt, stride_vt, sm_scale_log2, BLOCK_N, False, DOT_PRECISION,
+        )  # fmt: skip
+    for n0 in range(full_end, causal_end, BLOCK_N):
+        acc, l_i, m_i = _attend_block(
+            q, acc, l_i, m_i, k_head, v_head, r2t, n0, q_pos, causal_end, offs_d, mask_d,
+            stride_kt, stride_vt, sm_scale_log2, BLOCK_N, True, DOT_PRECISION,
+        )  # fmt: skip
+
+    out = acc / l_i[:, None]
+    tl.store(
+        Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
+
+
+def extend_attention_fwd(
+    q: torch.Tensor,  # [T, H, D], the new tokens of all requests, request after request
+    k_buf: torch.Tensor,  # [num_slots + 1, KV, D]
+    v_buf: torch.Tensor,  # [num_slots + 1, KV, D]
+    out: torch.Tensor,  # [T, H, D], written
+    req_to_token: torch.Tensor,  # [max_reqs + 1, max_context] int32
+    req_pool_indices: torch.Tensor,  # [B] int64
+    seq_lens: torch.Tensor,  # [B] int64, KV length including the new tokens
+    extend_lens: torch.Tensor,  # [B] int64
+    extend_start_loc: torch.Tensor,  # [B] int64, exclusive cumsum of extend_lens
+    max_extend_len: int,
+    scaling: float,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> None:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    batch_size = req_pool_indices.shape[0]
+    num_kv_heads = k_buf.shape[1]
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert q.stride(2) == 1 and out.stride(2) == 1
+    assert k_buf.stride(2) == 1 and v_buf.stride(2) == 1 and req_to_token.stride(1) == 1
+    if batch_size == 0 or max_extend_len == 0:
+        return
+    block_m = block_m or DEFAULT_BLOCK_M
+    grid = (batch_size, triton.cdiv(max_extend_len, block_m), num_heads)
+    _extend_kernel[grid](
+        q,
+        k_buf,
+        v_buf,
+        out,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_lens,
+        extend_start_loc,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        out.stride(0),
+        out.stride(1),
+        req_to_token.stride(0),
+        scaling * LOG2E,
+        KV_GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n or DEFAULT_BLOCK_N,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps or DEFAULT_NUM_WARPS,
+        num_stages=num_stages or DEFAULT_NUM_STAGES,
+    )

@@ -1,0 +1,192 @@
+"""Micro-benchmark of the Triton attention kernels over the paged KV (GPU only).
+
+    python3 scripts/bench_attention_kernels.py [--json OUT.json]
+
+Decode (one query token per request, GQA 32/8, head dim 128, bf16): achieved KV-read bandwidth
+(K and V bytes of every request's context / kernel time) against the 4.27 TB/s copy ceiling, for
+a sweep of kernel configurations, the backend's own choice (eager and CUDA-graph replay) and the
+torch reference backend. Extend (8 requests x 1024 new tokens, prefix 0 and 1024): TFLOP/s of
+the causal attention against the torch reference backend and, for prefix 0, torch's own
+scaled_dot_product_attention on contiguous (unpaged) tensors. Timings are medians of
+triton.testing.do_bench (L2 flushed between runs) unless marked "graph".
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import torch
+import triton
+from batchrun.kernels.decode_attention import decode_attention_fwd, decode_workspace_numel
+from batchrun.kernels.extend_attention import extend_attention_fwd
+from triton.testing import do_bench, do_bench_cudagraph
+
+from batchrun.attention.base import AttentionInputs
+from batchrun.attention.torch_backend import TorchAttentionBackend
+from batchrun.attention.triton_backend import TritonAttentionBackend
+from batchrun.engine.kv_pool import KVPool
+
+H, KV, D, DTYPE = 32, 8, 128, torch.bfloat16
+DEV = "cuda"
+DECODE_CONFIGS = [(bn, w, s) for bn in (32, 64) for w in (4, 8) for s in (2, 3)]
+EXTEND_CONFIGS = [(bm, bn, w) for bm in (64, 128) for bn in (32, 64) for w in (4, 8)]
+
+
+def bench(fn, graph: bool = False) -> float:
+    """Median milliseconds of fn()."""
+    if graph:
+        return do_bench_cudagraph(fn, return_mode="median")
+    return do_bench(fn, return_mode="median")
+
+
+def build(batch_size, seq_len, extend_len, shuffle=False):
+    total = batch_size * seq_len
+    pool = KVPool(1, total, KV, D, DTYPE, DEV)
+    pool.k_buffers[0].normal_()
+    pool.v_buffers[0].normal_()
+    slots = torch.randperm(total, device=DEV) if shuffle else torch.arange(total, device=DEV)
+    table = torch.zeros(batch_size + 1, seq_len, dtype=torch.int32, device=DEV)
+    table[:batch_size] = slots.view(batch_size, seq_len).int()
+    loc = table[:batch_size, seq_len - extend_len :].reshape(-1).long()
+    num_tokens = batch_size * extend_len
+    inputs = AttentionInputs(
+        req_pool_indices=torch.arange(batch_size, device=DEV),
+        seq_lens=torch.full((batch_size,), seq_len, dtype=torch.int64, device=DEV),
+        extend_lens=torch.full((batch_size,), extend_len, dtype=torch.int64, device=DEV),
+        out_cache_loc=loc,
+        seq_lens_cpu=(seq_len,) * batch_size,
+        extend_lens_cpu=(extend_len,) * batch_size,
+    )
+    q = torch.randn(num_tokens, H, D, device=DEV, dtype=DTYPE)
+    k = torch.randn(num_tokens, KV, D, device=DEV, dtype=DTYPE)
+    v = torch.randn(num_tokens, KV, D, device=DEV, dtype=DTYPE)
+    return pool, table, inputs, q, k, v
+
+
+def time_backend(backend, inputs, q, k, v):
+    backend.prepare(inputs)
+    return bench(lambda: backend.forward(q, k, v, 0, D**-0.5))
+
+
+def bench_decode(batch_size, seq_len, rows, shuffle=False):
+    pool, table, inputs, q, k, v = build(batch_size, seq_len, 1, shuffle)
+    pool.store(0, inputs.out_cache_loc, k, v)
+    k_buf, v_buf = pool.buffers(0)
+    gbytes = 2 * batch_size * seq_len * KV * D * k_buf.element_size() / 1e9
+    out = torch.empty_like(q)
+    workspace = torch.empty(decode_workspace_numel(batch_size, H, D, 32), device=DEV)
+    name = f"decode {batch_size}x{seq_len}" + (" shuffled" if shuffle else "")
+
+    def kernel(splits, config):
+        bn, w, s = config
+        return lambda: decode_attention_fwd(
+            q, k_buf, v_buf, out, table, inputs.req_pool_indices, inputs.seq_lens, D**-0.5,
+            splits, workspace, block_n=bn, num_warps=w, num_stages=s,
+        )  # fmt: skip
+
+    def add(label, ms):
+        rows.append({"case": name, "variant": label, "ms": ms, "TB/s": gbytes / ms})
+        print(f"{name:28s} {label:40s} {ms * 1e3:9.1f} us {gbytes / ms:6.2f} TB/s", flush=True)
+
+    backend = TritonAttentionBackend(pool, table)
+    backend.prepare(inputs)
+    auto_splits = backend._plan.num_kv_splits
+    results = {}
+    for config in DECODE_CONFIGS:
+        results[config] = bench(kernel(auto_splits, config))
+        add(f"bn{config[0]} w{config[1]} st{config[2]} splits={auto_splits}", results[config])
+    best = min(results, key=results.get)
+    for splits in (1, 2, 4, 8, 16, 32):
+        add(f"best config {best} splits={splits}", bench(kernel(splits, best)))
+    default = kernel(auto_splits, (None,) * 3)
+    add(f"default kernel, splits={auto_splits}, graph", bench(default, graph=True))
+    add("triton backend (store + kernels), eager", time_backend(backend, inputs, q, k, v))
+    backend.init_graph_buffers(batch_size)
+    backend.load_graph_inputs(inputs, batch_size)
+    backend.prepare_graph(batch_size)
+    backend.forward(q, k, v, 0, D**-0.5)
+    ms = bench(lambda: backend.forward(q, k, v, 0, D**-0.5), graph=True)
+    add(f"triton backend graph splits={backend._num_kv_splits(batch_size)}", ms)
+    reference = TorchAttentionBackend(pool, table)
+    add("torch reference backend", time_backend(reference, inputs, q, k, v))
+
+
+def bench_extend(prefix_len, rows):
+    batch_size, extend_len = 8, 1024
+    seq_len = prefix_len + extend_len
+    pool, table, inputs, q, k, v = build(batch_size, seq_len, extend_len)
+    pool.store(0, inputs.out_cache_loc, k, v)
+    k_buf, v_buf = pool.buffers(0)
+    # causal: query j of a request sees prefix_len + j + 1 keys; 2 matmuls of 2 flops per MAC
+    keys = batch_size * sum(prefix_len + j + 1 for j in range(extend_len))
+    tflop = 4 * keys * H * D / 1e12
+    ext = inputs.extend_lens
+    start_loc = torch.cumsum(ext, 0) - ext
+    out = torch.empty_like(q)
+    name = f"extend 8x1024 prefix {prefix_len}"
+
+    def add(label, ms):
+        rows.append({"case": name, "variant": label, "ms": ms, "TFLOP/s": tflop / ms * 1e3})
+        print(f"{name:28s} {label:40s} {ms * 1e3:9.1f} us {tflop / ms * 1e3:6.1f} TFLOP/s")
+
+    for bm, bn, w in EXTEND_CONFIGS:
+        fn = functools.partial(
+            extend_attention_fwd, q, k_buf, v_buf, out, table, inputs.req_pool_indices,
+            inputs.seq_lens, ext, start_loc, extend_len, D**-0.5, block_m=bm, block_n=bn,
+            num_warps=w,
+        )  # fmt: skip
+        add(f"bm{bm} bn{bn} w{w}", bench(fn))
+    for label, cls in (("triton backend (store + kernel)", TritonAttentionBackend),
+                       ("torch reference backend", TorchAttentionBackend)):  # fmt: skip
+        add(label, time_backend(cls(pool, table), inputs, q, k, v))
+    if prefix_len == 0:  # the unpaged ceiling: torch SDPA (flash) on contiguous tensors
+        qc = q.view(batch_size, extend_len, H, D).transpose(1, 2).contiguous()
+        kc = k.view(batch_size, extend_len, KV, D).transpose(1, 2).repeat_interleave(H // KV, 1)
+        vc = v.view(batch_size, extend_len, KV, D).transpose(1, 2).repeat_interleave(H // KV, 1)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        add("torch SDPA contiguous (no paging)", bench(lambda: sdpa(qc, kc, vc, is_causal=True)))
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / bench(functools.partial(dst.copy_, src)) / 1e9
+
+
+def summarize(rows: list[dict]) -> None:
+    print("\nsummary: best Triton variant per case vs the torch reference")
+    for case in dict.fromkeys(r["case"] for r in rows):
+        mine = [r for r in rows if r["case"] == case and "torch" not in r["variant"]]
+        best = min(mine, key=lambda r: r["ms"])
+        ref = next(r for r in rows if r["case"] == case and r["variant"].startswith("torch ref"))
+        unit = "TB/s" if "TB/s" in best else "TFLOP/s"
+        print(
+            f"{case:28s} best {best['ms'] * 1e3:8.1f} us {best[unit]:6.2f} {unit} "
+            f"({best['variant']}) | torch ref {ref['ms'] * 1e3:9.1f} us {ref[unit]:6.2f} {unit}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", help="write all rows here")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    print(f"device-to-device copy: {copy_bandwidth():.2f} TB/s (bytes read + written)")
+    rows: list[dict] = []
+    for batch_size, seq_len in ((64, 1024), (256, 512), (1, 512)):
+        bench_decode(batch_size, seq_len, rows)
+    bench_decode(64, 1024, rows, shuffle=True)
+    for prefix_len in (0, 1024):
+        bench_extend(prefix_len, rows)
+
+    summarize(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The Triton attention kernels under Triton's CPU interpreter, against the torch backend.
+
+Skipped where triton is not installed (CI does not install it). The kernels run in a subprocess
+because TRITON_INTERPRET must be set before triton is first imported. The interpreter's tl.dot
+is wrong for bf16 inputs (a triton limitation), so only fp32 and fp16 run here; tests/gpu covers
+bf16 on the GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_kernels_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ok" in proc.stdout
+
+
+def _make_batch(seq_lens, extend_lens, num_heads, num_kv_heads, head_dim, dtype):
+    from batchrun.attention.base import AttentionInputs
+    from batchrun.engine.kv_pool import KVPool
+
+    gen = torch.Generator().manual_seed(0)
+    num_slots = sum(seq_lens) + 5
+    pool = KVPool(1, num_slots, num_kv_heads, head_dim, dtype, "cpu")
+    pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=gen))
+    pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=gen))
+    table = torch.zeros(len(seq_lens) + 2, max(seq_lens) + 3, dtype=torch.int32)
+    perm = torch.randperm(num_slots, generator=gen)
+    rows = [2, 0, 3][: len(seq_lens)]
+    locs, start = [], 0
+    for row, seq_len, ext in zip(rows, seq_lens, extend_lens):
+        table[row, :seq_len] = perm[start : start + seq_len].int()
+        locs.append(perm[start + seq_len - ext : start + seq_len])
+        start += seq_len
+    num_tokens = sum(extend_lens)
+    qkv = [
+        torch.randn(num_tokens, n, head_dim, generator=gen).to(dtype)
+        for n in (num_heads, num_kv_heads, num_kv_heads)
+    ]
+    inputs = AttentionInputs(
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor(seq_lens),
+        extend_lens=torch.tensor(extend_lens),
+        out_cache_loc=torch.cat(locs).long(),
+        seq_lens_cpu=tuple(seq_lens),
+        extend_lens_cpu=tuple(extend_lens),
+    )
+    return pool, table, inputs, *qkv
+
+
+def _reference(pool, table, inputs, q, k, v, scaling):
+    from batchrun.attention.torch_backend import TorchAttentionBackend
+    from batchrun.engine.kv_pool import KVPool
+
+    num_kv_heads, head_dim = pool.k_buffers[0].shape[1:]
+    ref_pool = KVPool(1, pool.num_slots, num_kv_heads, head_dim, torch.float32, "cpu")
+    ref_pool.k_buffers[0].copy_(pool.k_buffers[0])
+    ref_pool.v_buffers[0].copy_(pool.v_buffers[0])
+    backend = TorchAttentionBackend(ref_pool, table)
+    backend.prepare(inputs)
+    out = backend.forward(q.float(), k.float(), v.float(), 0, scaling).view(q.shape)
+    pool.store(0, inputs.out_cache_loc, k, v)
+    return out
+
+
+def _check(out, ref, tol):
+    assert not out.isnan().any(), "unwritten output"
+    err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
+    assert err <= tol, err
+
+
+def _run_checks() -> None:
+    from batchrun.kernels.decode_attention import decode_attention_fwd, decode_workspace_numel
+    from batchrun.kernels.extend_attention import extend_attention_fwd
+
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
+        seq_lens = [1, 37, 70]
+        pool, table, inputs, q, k, v = _make_batch(seq_lens, [1, 1, 1], 6, 2, 32, dtype)
+        ref = _reference(pool, table, inputs, q, k, v, 0.2)
+        for splits in (1, 3):
+            workspace = torch.empty(decode_workspace_numel(3, 6, 32, splits))
+            out = torch.full_like(q, float("nan"))
+            decode_attention_fwd(
+                q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, 0.2,
+                splits, workspace, block_n=16,
+            )  # fmt: skip
+            _check(out, ref, tol)
+
+        extend_lens, prefix_lens = [1, 20, 40], [0, 17, 30]
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        pool, table, inputs, q, k, v = _make_batch(seq_lens, extend_lens, 6, 2, 32, dtype)
+        ref = _reference(pool, table, inputs, q, k, v, 0.2)
+        ext = inputs.extend_lens
+        out = torch.full_like(q, float("nan"))
+        extend_attention_fwd(
+            q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, ext,
+            torch.cumsum(ext, 0) - ext, max(extend_lens), 0.2, block_m=16, block_n=16,
+        )  # fmt: skip
+        _check(out, ref, tol)
+    print("ok")
+
+
+if __name__ == "__main__":
+    _run_checks()
