@@ -22,7 +22,8 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
-# defaults measured on the H200 (scripts/bench_attention_kernels.py)
+# defaults from scripts/bench_attention_kernels.py on the H200 (8 x 1024 new tokens, GQA 32/8,
+# D 128, bf16): the best of 8 (BLOCK_M, BLOCK_N, warps) configurations at prefix 0 and 1024
 DEFAULT_BLOCK_M = 64
 DEFAULT_BLOCK_N = 64
 DEFAULT_NUM_WARPS = 4

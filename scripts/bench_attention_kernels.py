@@ -16,17 +16,26 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
+from pathlib import Path
 
 import torch
 import triton
-from batchrun.kernels.decode_attention import decode_attention_fwd, decode_workspace_numel
-from batchrun.kernels.extend_attention import extend_attention_fwd
 from triton.testing import do_bench, do_bench_cudagraph
 
-from batchrun.attention.base import AttentionInputs
-from batchrun.attention.torch_backend import TorchAttentionBackend
-from batchrun.attention.triton_backend import TritonAttentionBackend
-from batchrun.engine.kv_pool import KVPool
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
+
+from batchrun.kernels.decode_attention import (  # noqa: E402
+    decode_attention_fwd,
+    decode_workspace_numel,
+)
+from batchrun.kernels.extend_attention import extend_attention_fwd  # noqa: E402
+
+from batchrun.attention.base import AttentionInputs  # noqa: E402
+from batchrun.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from batchrun.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from batchrun.engine.kv_pool import KVPool  # noqa: E402
 
 H, KV, D, DTYPE = 32, 8, 128, torch.bfloat16
 DEV = "cuda"

@@ -107,10 +107,14 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
-def timed(fn) -> tuple[float, object]:
-    t0 = time.perf_counter()
+def timed(fn, cpu_util: list[float]) -> tuple[float, object]:
+    """Wall seconds and result; appends process CPU time / wall (about `threads` when the
+    machine is quiet, much less when other processes compete for the cores)."""
+    c0, t0 = time.process_time(), time.perf_counter()
     result = fn()
-    return time.perf_counter() - t0, result
+    wall = time.perf_counter() - t0
+    cpu_util.append((time.process_time() - c0) / wall)
+    return wall, result
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -165,27 +169,32 @@ def main() -> int:
     run_hf(hf, prompts[:2], 4, 2, pad_id)
     engine.kv.cache.reset()
 
-    engine_times, hf_times = [], []
+    engine_times, hf_times, utils = [], [], []
     engine_out = hf_out = None
     cached_fraction = forward_fraction = 0.0
     for rep in range(args.repeats):
         engine.kv.cache.reset()  # idle engine: every timed run starts with a cold prefix cache
         before = (engine.stats.prompt_tokens, engine.stats.cached_tokens, engine.stats.forward_time)
-        secs, engine_out = timed(lambda: run_engine(engine, prompts, args.new_tokens))
+        secs, engine_out = timed(lambda: run_engine(engine, prompts, args.new_tokens), utils)
         engine_times.append(secs)
         prompt_toks = engine.stats.prompt_tokens - before[0]
         cached_fraction = (engine.stats.cached_tokens - before[1]) / max(prompt_toks, 1)
         forward_fraction = (engine.stats.forward_time - before[2]) / secs
         print(
             f"  run {rep + 1}: engine {secs:6.2f}s = {num_out / secs:7.1f} tok/s "
-            f"(forward+sample {forward_fraction:.0%} of wall, prompt cached {cached_fraction:.0%})",
+            f"(forward+sample {forward_fraction:.0%} of wall, prompt cached {cached_fraction:.0%}, "
+            f"cpu util {utils[-1]:.2f})",
             flush=True,
         )
         secs, hf_out = timed(
-            lambda: run_hf(hf, prompts, args.new_tokens, args.hf_batch_size, pad_id)
+            lambda: run_hf(hf, prompts, args.new_tokens, args.hf_batch_size, pad_id), utils
         )
         hf_times.append(secs)
-        print(f"  run {rep + 1}: HF     {secs:6.2f}s = {num_out / secs:7.1f} tok/s", flush=True)
+        print(
+            f"  run {rep + 1}: HF     {secs:6.2f}s = {num_out / secs:7.1f} tok/s "
+            f"(cpu util {utils[-1]:.2f})",
+            flush=True,
+        )
 
     engine_tps = num_out / statistics.median(engine_times)
     hf_tps = num_out / statistics.median(hf_times)
@@ -208,6 +217,8 @@ def main() -> int:
             + ", ".join(f"{t:.2f}s" for t in engine_times)
             + "; HF runs "
             + ", ".join(f"{t:.2f}s" for t in hf_times)
+            + f"; CPU util (process CPU s / wall s, ~{threads} when quiet) "
+            + ", ".join(f"{u:.2f}" for u in utils)
             + f"; engine prompt tokens from the prefix cache {cached_fraction:.0%}; "
             f"identical greedy outputs {same}/{args.num_prompts} "
             f"(mean agreeing prefix {agree:.0%}); "

@@ -94,7 +94,18 @@ class ModelRunner:
         # step can start before the host has seen it (overlap scheduling)
         self.token_pool = torch.zeros(config.max_running + 1, dtype=torch.int64, device=self.device)
         self.forward_time = 0.0  # GPU time inside forwards (CUDA events), seconds
-        self.graphs = None  # CUDA-graph runner for decode batches, set up by the engine
+        self.graphs = None  # CUDA-graph runner for decode batches
+        if (
+            self.device.type == "cuda"
+            and config.cuda_graph_max_bs > 0
+            and hasattr(self.backend, "init_graph_buffers")
+        ):
+            from batchrun.engine.cuda_graph import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(
+                self.model, self.backend, self.req_pool, self.kv_pool,
+                min(config.cuda_graph_max_bs, config.max_running), self.device,
+            )
 
     def _kv_slots(self) -> int:
         cfg, page = self.config, self.config.page_size

@@ -37,12 +37,13 @@ HEADS = [(32, 8), (9, 3)]  # Llama-3 GQA, SmolLM2
 def make_batch(seq_lens, extend_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0):
     """A KV pool holding each request's prefix in shuffled slots, plus the new tokens' q/k/v."""
     gen = torch.Generator().manual_seed(seed)
+    gen_gpu = torch.Generator(device=DEV).manual_seed(seed)
     batch_size, total = len(seq_lens), sum(seq_lens)
     num_slots = total + 13
     pool = KVPool(1, num_slots, num_kv_heads, head_dim, dtype, DEV)
     for buf in (pool.k_buffers[0], pool.v_buffers[0]):
-        buf.copy_(torch.randn(buf.shape, generator=gen))
-    max_context = max(seq_lens) + 7
+        buf.copy_(torch.randn(buf.shape, generator=gen_gpu, device=DEV))
+    max_context = -(-(max(seq_lens) + 7) // 16) * 16  # 16-aligned rows: fewer variants
     table = torch.zeros(batch_size + 3, max_context, dtype=torch.int32)
     rows = torch.randperm(batch_size + 2, generator=gen)[:batch_size]
     perm = torch.randperm(num_slots, generator=gen)
@@ -53,9 +54,10 @@ def make_batch(seq_lens, extend_lens, num_heads, num_kv_heads, head_dim, dtype, 
         locs.append(slots[seq_len - ext :])
         start += seq_len
     num_tokens = sum(extend_lens)
-    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(DEV, dtype)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(DEV, dtype)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(DEV, dtype)
+    q, k, v = (
+        torch.randn(num_tokens, n, head_dim, generator=gen_gpu, device=DEV).to(dtype)
+        for n in (num_heads, num_kv_heads, num_kv_heads)
+    )
     inputs = AttentionInputs(
         req_pool_indices=rows.long().to(DEV),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=DEV),

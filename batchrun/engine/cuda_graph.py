@@ -1,0 +1,81 @@
+"""CUDA graphs for decode batches: one graph per batch size, captured largest first into one
+shared memory pool, replayed with the real batch copied into static buffers and the rest padded
+with a dummy request (dummy req-to-token row whose only KV slot is the pool's dummy slot).
+
+    real batch of n decodes -> smallest captured size bs >= n
+    static input_ids / positions [0, n) <- batch, [n, bs) <- 0
+    attention buffers via backend.load_graph_inputs (same rule for the padding rows)
+    replay; logits rows [0, n) are the batch's
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from batchrun.attention.base import AttentionInputs
+from batchrun.models.llama import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(80, 257, 16))
+    sizes += list(range(288, max_bs + 1, 32))
+    return sorted({s for s in sizes if s <= max_bs} | {max_bs})
+
+
+class CudaGraphRunner:
+    def __init__(self, model, backend, req_pool, kv_pool, max_bs: int, device: torch.device):
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.batch_sizes = graph_batch_sizes(max_bs)
+        self.max_bs = self.batch_sizes[-1]
+        # the dummy request: position 0 lives in the dummy slot, so padded rows only ever read
+        # and write memory no real request owns
+        req_pool.table[req_pool.dummy_row, 0] = kv_pool.dummy_slot
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_time = 0.0
+        self._capture()
+
+    def _capture(self) -> None:
+        t0 = time.perf_counter()
+        self.backend.init_graph_buffers(self.max_bs)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for bs in reversed(self.batch_sizes):
+            self.backend.prepare_graph(bs)
+            batch = ForwardBatch(self.input_ids[:bs], self.positions[:bs], None)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.model(batch, self.backend)  # warm up: compiles kernels, sizes workspaces
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = self.model(batch, self.backend)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self.graphs[bs], self.outputs[bs] = graph, out
+        torch.cuda.synchronize(self.device)
+        self.capture_time = time.perf_counter() - t0
+        log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), self.capture_time)
+
+    def can_run(self, attn: AttentionInputs) -> bool:
+        return attn.is_decode and attn.batch_size <= self.max_bs
+
+    def replay(self, input_ids, positions, attn: AttentionInputs) -> torch.Tensor:
+        n = attn.batch_size
+        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        if bs > n:
+            self.input_ids[n:bs].zero_()
+            self.positions[n:bs].zero_()
+        self.backend.load_graph_inputs(attn, bs)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]

@@ -1,0 +1,682 @@
+"""Throughput sweep on the GPU machine: batchrun (and switched-off variants) vs HF `generate`.
+
+    python scripts/bench_throughput.py                                  # the full sweep (BENCH.md)
+    python scripts/bench_throughput.py --scale 0.1 --models llama-1b    # a quick check
+    python scripts/bench_throughput.py --device cpu --models tiny --workloads W1,W3 \
+        --scale 0.005 --variants batchrun,no-overlap,hf                 # CPU smoke test
+
+Models (dummy weights, written as config.json to a temp dir): llama-8b, llama-1b (and `tiny`,
+for CPU smoke tests). Workloads as BENCH.md defines them (W1 random, W2 shared prefix, W3 single
+request). Variants: batchrun (overlap + CUDA graphs), no-overlap, no-graph, no-radix, hf.
+
+Each engine is built once per (model, variant) (start-up reported apart), warmed up on each
+workload's shape outside the timed region, and timed on `engine.generate(requests)` between
+device syncs, with a cold prefix cache. Each run's figures are printed when it completes and the
+table + JSON are rewritten under --out after every run, so a timeout still leaves a partial log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
+
+from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
+
+VARIANTS = ("batchrun", "no-overlap", "no-graph", "no-radix", "hf")
+TOKEN_LOW, TOKEN_HIGH = 1000, 30000
+# BENCH.md targets: (workload, model) -> (figure, bound); W3 is ms per output token (lower is
+# better), the others output tok/s (higher is better)
+TARGETS = {
+    ("W1", "llama-8b"): 11000,
+    ("W1", "llama-1b"): 50000,
+    ("W2", "llama-8b"): 11500,
+    ("W2", "llama-1b"): 40000,
+    ("W3", "llama-8b"): 4.2,
+    ("W3", "llama-1b"): 1.0,
+}
+
+
+# -- workloads ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_len: int
+    note: str
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(n)]
+
+
+def make_workload(name: str, scale: float) -> Workload:
+    """BENCH.md's workloads; --scale shrinks the number of prompts (W2: groups), never lengths."""
+    if name == "W1":
+        rng = random.Random(0)
+        n = max(1, round(2000 * scale))
+        return Workload(name, [_tokens(rng, 512) for _ in range(n)], 256, f"{n} x 512 in")
+    if name == "W2":
+        rng = random.Random(1)
+        groups = max(1, round(32 * scale))
+        prompts = []
+        for _ in range(groups):
+            prefix = _tokens(rng, 1024)
+            prompts.extend(prefix + _tokens(rng, 128) for _ in range(32))
+        rng.shuffle(prompts)
+        return Workload(name, prompts, 128, f"{groups} groups x 32, 1024+128 in")
+    if name == "W3":
+        return Workload(name, [_tokens(random.Random(3), 512)], 256, "1 x 512 in")
+    raise ValueError(f"unknown workload {name!r}; known: W1, W2, W3")
+
+
+def warmup_prompts(workload: Workload, num: int) -> list[list[int]]:
+    """Prompts of the workload's lengths with other tokens (no prefix-cache hits on the real
+    ones)."""
+    rng = random.Random(1234)
+    return [_tokens(rng, len(p)) for p in workload.prompts[:num]]
+
+
+# -- figures -------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    model: str
+    workload: str
+    variant: str
+    status: str = "ok"  # ok | skipped | error | bad (wrong output lengths)
+    note: str = ""
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    wall_s: float | None = None  # median over repeats
+    walls_s: list[float] = field(default_factory=list)
+    output_tok_s: float | None = None
+    total_tok_s: float | None = None
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    itl_p50_ms: float | None = None
+    ms_per_token: float | None = None  # W3: wall / output_len
+    decode_ms_per_token: float | None = None  # W3: (wall - TTFT) / (output_len - 1)
+    forward_occupancy: float | None = None
+    cached_fraction: float | None = None
+    peak_mem_gib: float | None = None
+    num_steps: int | None = None
+    kv_slots: int | None = None  # the engine's KV pool, in tokens
+    startup_s: float | None = None
+    warmup_s: float | None = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
+
+
+def fill_latency(res: RunResult, ttfts: list[float], itls: list[float], out_len: int) -> None:
+    if ttfts:
+        res.ttft_p50_ms = 1e3 * statistics.median(ttfts)
+        res.ttft_p99_ms = 1e3 * percentile(ttfts, 99)
+    if itls:
+        res.itl_p50_ms = 1e3 * statistics.median(itls)
+    if res.workload == "W3" and res.wall_s:
+        res.ms_per_token = 1e3 * res.wall_s / out_len
+        if ttfts and out_len > 1:
+            res.decode_ms_per_token = 1e3 * (res.wall_s - ttfts[0]) / (out_len - 1)
+
+
+class Device:
+    def __init__(self, name: str):
+        self.type = name
+        self.is_cuda = name == "cuda"
+
+    def sync(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize()
+
+    def reset_peak(self) -> None:
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_gib(self) -> float | None:
+        return torch.cuda.max_memory_allocated() / 2**30 if self.is_cuda else None
+
+    def free(self) -> None:
+        gc.collect()
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+
+
+# -- batchrun -------------------------------------------------------------------------------------
+
+
+def engine_config(args, model_dir: Path, variant: str):
+    from batchrun.engine.config import EngineConfig
+
+    cfg = EngineConfig(
+        model=str(model_dir),
+        load_format="dummy",
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        max_running=args.max_running,
+        kv_budget=args.kv_budget,
+        overlap=True,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+    )
+    changes = {
+        "batchrun": {},
+        "no-overlap": {"overlap": False},
+        "no-graph": {"cuda_graph_max_bs": 0},
+        "no-radix": {"enable_radix_cache": False},
+    }[variant]
+    return replace(cfg, **changes)
+
+
+class LatencyProbe:
+    """Host time at which each request's first token reached the host.
+
+    NOTE: GenerateResult carries no timestamps and results arrive only at finish, so this wraps
+    the engine's per-step result processing (`_process`, once per step; a scan of the step's
+    output indices). Under overlap, step n is processed after step n+1 is launched: that is when
+    the host sees the token, so it is what a caller would measure too.
+    """
+
+    def __init__(self, engine):
+        self.first: dict[tuple[str, int], float] = {}
+        original = getattr(engine, "_process", None)
+        self.active = callable(original)
+        if not self.active:
+            return
+
+        def process(launched):
+            original(launched)
+            out_index = getattr(launched, "out_index", None)
+            if out_index and 0 in out_index:
+                now = time.perf_counter()
+                for req, idx in zip(launched.reqs, out_index):
+                    if idx == 0:
+                        self.first.setdefault((req.rid, req.index), now)
+
+        engine._process = process
+
+
+def run_engine_once(engine, prompts, out_len: int, dev: Device, probe: LatencyProbe | None):
+    from batchrun.engine.params import GenerateRequest, SamplingParams
+
+    params = SamplingParams(
+        max_new_tokens=out_len, min_new_tokens=out_len, temperature=0.0, ignore_eos=True
+    )
+    requests = [GenerateRequest(str(i), ids, params) for i, ids in enumerate(prompts)]
+    if probe is not None:
+        probe.first.clear()
+    finish: dict[tuple[str, int], float] = {}
+    bad = 0
+    dev.sync()
+    t0 = time.perf_counter()
+    for result in engine.generate(requests):
+        finish[(result.rid, result.index)] = time.perf_counter()
+        if result.error or result.completion_tokens != out_len:
+            bad += 1
+    dev.sync()
+    wall = time.perf_counter() - t0
+    ttfts, itls = [], []
+    if probe is not None and probe.active:
+        for key, t_end in finish.items():
+            t_first = probe.first.get(key)
+            if t_first is None:
+                continue
+            ttfts.append(t_first - t0)
+            if out_len > 1:
+                itls.append((t_end - t_first) / (out_len - 1))
+    return wall, bad, len(finish), ttfts, itls
+
+
+def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe) -> None:
+    cache = getattr(getattr(engine, "kv", None), "cache", None)
+    t = time.perf_counter()
+    run_engine_once(engine, warmup_prompts(wl, args.warmup_requests), args.warmup_tokens, dev, None)
+    res.warmup_s = time.perf_counter() - t
+    walls, last = [], None
+    for _ in range(args.repeats):
+        if cache is not None:
+            cache.reset()  # every timed run starts with a cold prefix cache
+        stats = engine.stats
+        before = (stats.prompt_tokens, stats.cached_tokens, stats.output_tokens, stats.num_steps)
+        fwd_before = engine.runner.forward_time
+        dev.reset_peak()
+        wall, bad, done, ttfts, itls = run_engine_once(
+            engine, wl.prompts, wl.output_len, dev, probe
+        )
+        walls.append(wall)
+        last = (wall, bad, done, ttfts, itls, before, fwd_before)
+    wall, bad, done, ttfts, itls, before, fwd_before = last
+    stats = engine.stats
+    res.walls_s = walls
+    res.wall_s = statistics.median(walls)
+    res.num_requests = done
+    res.prompt_tokens = stats.prompt_tokens - before[0]
+    res.output_tokens = stats.output_tokens - before[2]
+    res.cached_fraction = (stats.cached_tokens - before[1]) / max(res.prompt_tokens, 1)
+    res.num_steps = stats.num_steps - before[3]
+    res.forward_occupancy = (engine.runner.forward_time - fwd_before) / wall
+    res.output_tok_s = res.output_tokens / res.wall_s
+    res.total_tok_s = (res.prompt_tokens + res.output_tokens) / res.wall_s
+    res.peak_mem_gib = dev.peak_gib()
+    res.kv_slots = getattr(engine, "num_kv_slots", None)
+    fill_latency(res, ttfts, itls, wl.output_len)
+    if not probe or not probe.active:
+        res.note = "TTFT/ITL not measured (no hook)"
+    if bad or done != len(wl.prompts):
+        res.status = "bad"
+        res.note = f"{bad} results with an error or a wrong length; {done}/{len(wl.prompts)} back"
+
+
+# -- HF transformers baseline ------------------------------------------------------------------
+
+
+def load_hf(model_dir: Path, args, dev: Device):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else None
+    dtype = dtype or (torch.bfloat16 if dev.is_cuda else torch.float32)
+    # random weights, built on the device directly (an 8B init on the CPU takes minutes)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=args.hf_attn
+        )
+    return model.to(args.device).eval()
+
+
+def _step_clock(dev: Device):
+    from transformers import LogitsProcessor
+
+    class StepClock(LogitsProcessor):
+        """Marks when each decode step's logits are ready: CUDA events, so no extra host sync."""
+
+        def __init__(self):
+            self.marks: list = []
+
+        def mark(self) -> None:
+            if dev.is_cuda:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                self.marks.append(ev)
+            else:
+                self.marks.append(time.perf_counter())
+
+        def __call__(self, input_ids, scores):
+            self.mark()
+            return scores
+
+        def seconds(self) -> list[float]:
+            """Each mark's time since the first one (call after a sync)."""
+            if dev.is_cuda:
+                return [self.marks[0].elapsed_time(ev) / 1e3 for ev in self.marks]
+            return [t - self.marks[0] for t in self.marks]
+
+    return StepClock()
+
+
+@torch.inference_mode()
+def run_hf_once(model, prompts, out_len: int, batch_size: int, dev: Device, clock=None):
+    from transformers import LogitsProcessorList
+
+    spans: list[tuple[int, int, int]] = []  # (num prompts, first mark, end mark) per batch
+    bad = 0
+    dev.sync()
+    if clock is not None:
+        clock.mark()
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        width = max(len(p) for p in chunk)
+        input_ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=dev.type)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=dev.type)
+        first = len(clock.marks) if clock is not None else 0
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=out_len,
+            min_new_tokens=out_len,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock] if clock is not None else []),
+        )
+        bad += len(chunk) * (out.shape[1] - width != out_len)
+        spans.append((len(chunk), first, len(clock.marks) if clock is not None else 0))
+    dev.sync()
+    wall = time.perf_counter() - t0
+    ttfts, itls = [], []
+    if clock is not None:
+        secs = clock.seconds()
+        for n, first, end in spans:
+            if end > first:
+                ttfts += [secs[first]] * n
+                if end - first > 1:
+                    itls += [(secs[end - 1] - secs[first]) / (end - first - 1)] * n
+    return wall, bad, ttfts, itls
+
+
+def bench_hf(args, model, res: RunResult, wl: Workload, dev: Device) -> None:
+    prompts = wl.prompts[: args.hf_max_prompts]
+    if len(prompts) < len(wl.prompts):
+        res.note = f"first {len(prompts)} of {len(wl.prompts)} prompts"
+    t = time.perf_counter()
+    run_hf_once(model, warmup_prompts(wl, min(8, args.hf_batch_size)), 4, 8, dev)
+    res.warmup_s = time.perf_counter() - t
+    walls = []
+    for _ in range(args.repeats):
+        dev.reset_peak()
+        clock = _step_clock(dev)
+        wall, bad, ttfts, itls = run_hf_once(
+            model, prompts, wl.output_len, args.hf_batch_size, dev, clock
+        )
+        walls.append(wall)
+    res.walls_s = walls
+    res.wall_s = statistics.median(walls)
+    res.num_requests = len(prompts)
+    res.prompt_tokens = sum(len(p) for p in prompts)
+    res.output_tokens = len(prompts) * wl.output_len
+    res.output_tok_s = res.output_tokens / res.wall_s
+    res.total_tok_s = (res.prompt_tokens + res.output_tokens) / res.wall_s
+    res.peak_mem_gib = dev.peak_gib()
+    fill_latency(res, ttfts, itls, wl.output_len)
+    if bad:
+        res.status = "bad"
+        res.note = f"{bad} sequences with a wrong length"
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def _f(value, fmt: str = "{:,.0f}") -> str:
+    return "—" if value is None else fmt.format(value)
+
+
+def detail_table(results: list[RunResult]) -> str:
+    head = (
+        "| model | workload | variant | status | requests | output tok/s | total tok/s "
+        "| ms/token (decode) | TTFT p50 / p99 ms | ITL p50 ms | GPU fwd occupancy "
+        "| cached fraction | peak mem GiB | steps | start-up s | wall s | note |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        ms = (
+            f"{r.ms_per_token:.2f} ({_f(r.decode_ms_per_token, '{:.2f}')})"
+            if r.ms_per_token is not None
+            else "—"
+        )
+        ttft = (
+            f"{r.ttft_p50_ms:,.1f} / {r.ttft_p99_ms:,.1f}"
+            if r.ttft_p50_ms is not None
+            else "not measured"
+        )
+        walls = ", ".join(f"{w:.2f}" for w in r.walls_s) or "—"
+        lines.append(
+            f"| {r.model} | {r.workload} | {r.variant} | {r.status} | {r.num_requests} "
+            f"| {_f(r.output_tok_s)} | {_f(r.total_tok_s)} | {ms} | {ttft} "
+            f"| {_f(r.itl_p50_ms, '{:.2f}')} | {_f(r.forward_occupancy, '{:.2f}')} "
+            f"| {_f(r.cached_fraction, '{:.3f}')} | {_f(r.peak_mem_gib, '{:.1f}')} "
+            f"| {_f(r.num_steps)} | {_f(r.startup_s, '{:.1f}')} | {walls} | {r.note} |"
+        )
+    return "\n".join(lines)
+
+
+def summary_table(results: list[RunResult], variants: list[str], skipped: list[str]) -> str:
+    """BENCH.md's layout: one row per (workload, model), one column per variant."""
+    keys = list(dict.fromkeys((r.workload, r.model) for r in results))
+    lines = [
+        "| workload | " + " | ".join(variants) + " | target |",
+        "|---|" + "---|" * (len(variants) + 1),
+    ]
+    for wl, model in keys:
+        what = "ms / output token" if wl == "W3" else "output tok/s"
+        if wl == "W2":
+            what += " (cached fraction)"
+        cells = []
+        for v in variants:
+            r = next(
+                (r for r in results if (r.workload, r.model, r.variant) == (wl, model, v)), None
+            )
+            if r is None or r.wall_s is None:
+                gone = f"{model}/{wl}/{v}" in skipped
+                cells.append(r.status if r is not None else ("skipped" if gone else "—"))
+                continue
+            cell = f"{r.ms_per_token:.2f}" if wl == "W3" else f"{r.output_tok_s:,.0f}"
+            if wl == "W2" and r.cached_fraction is not None:
+                cell += f" ({r.cached_fraction:.3f})"
+            if r.status != "ok":
+                cell += f" [{r.status}]"
+            cells.append(cell)
+        target = TARGETS.get((wl, model))
+        tcell = "—" if target is None else (f"≤ {target}" if wl == "W3" else f"≥ {target:,}")
+        lines.append(f"| {wl}, {model}, {what} | " + " | ".join(cells) + f" | {tcell} |")
+    return "\n".join(lines)
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True, stderr=subprocess.DEVNULL
+        ).strip()
+        dirty = subprocess.check_output(["git", "status", "--porcelain"], cwd=ROOT, text=True)
+        return head + ("+dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("BATCHRUN_COMMIT", "unknown")
+
+
+def environment(args) -> dict:
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "none (CPU)"
+    return {
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "gpu": gpu,
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "commit": git_commit(),
+        "command": "python " + " ".join(sys.argv),
+    }
+
+
+def _version(package: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(package)
+    except Exception:
+        return "not installed"
+
+
+def write_report(out: Path, env: dict, results, variants, skipped: list[str]) -> str:
+    header = (
+        f"Throughput sweep, {env['date']}, GPU: {env['gpu']}, torch {env['torch']}, "
+        f"transformers {env['transformers']}, commit {env['commit']}\n\n"
+        f"Command: `{env['command']}`"
+    )
+    text = "\n\n".join(
+        [header, detail_table(results), summary_table(results, variants, skipped)]
+        + ([f"Skipped (time budget): {', '.join(skipped)}"] if skipped else [])
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_throughput.md").write_text(text + "\n")
+    payload = {"env": env, "results": [asdict(r) for r in results], "skipped": skipped}
+    (out / "bench_throughput.json").write_text(json.dumps(payload, indent=2) + "\n")
+    return text
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="llama-1b,llama-8b", help=f"of {', '.join(MODELS)}")
+    p.add_argument("--workloads", default="W1,W2,W3")
+    p.add_argument("--variants", default="batchrun,no-overlap,no-graph,hf", help=f"of {VARIANTS}")
+    p.add_argument("--scale", type=float, default=1.0, help="fraction of prompts (W2: groups)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs each; the median is shown")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    p.add_argument("--kv-budget", type=int, default=None, help="KV tokens; default from memory")
+    p.add_argument("--warmup-requests", type=int, default=32)
+    p.add_argument("--warmup-tokens", type=int, default=8)
+    p.add_argument("--hf-batch-size", type=int, default=256)
+    p.add_argument("--hf-max-prompts", type=int, default=512, help="HF runs the first N prompts")
+    p.add_argument("--hf-attn", default="eager", help="HF attn_implementation (BENCH.md: eager)")
+    p.add_argument("--no-latency-probe", action="store_true", help="no TTFT/ITL hook in batchrun")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds; skip runs after it")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-out"))
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.models = args.models.split(",")
+    args.workloads = args.workloads.split(",")
+    args.variants = args.variants.split(",")
+    for name, allowed in (("model", MODELS), ("variant", VARIANTS)):
+        for v in getattr(args, name + "s"):
+            if v not in allowed:
+                p.error(f"unknown {name} {v!r}; known: {', '.join(allowed)}")
+    return args
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def format_run(r: RunResult) -> str:
+    parts = [f"[{r.model} {r.workload} {r.variant}] {r.status}"]
+    if r.wall_s is not None:
+        parts.append(
+            f"{r.num_requests} req, wall {r.wall_s:.2f}s, out {r.output_tok_s:,.0f} tok/s, "
+            f"total {r.total_tok_s:,.0f} tok/s"
+        )
+    if r.ms_per_token is not None:
+        parts.append(
+            f"{r.ms_per_token:.2f} ms/token (decode {_f(r.decode_ms_per_token, '{:.2f}')})"
+        )
+    if r.ttft_p50_ms is not None:
+        parts.append(f"TTFT p50 {r.ttft_p50_ms:,.1f} p99 {r.ttft_p99_ms:,.1f} ms")
+    if r.itl_p50_ms is not None:
+        parts.append(f"ITL p50 {r.itl_p50_ms:.2f} ms")
+    if r.forward_occupancy is not None:
+        parts.append(f"fwd occupancy {r.forward_occupancy:.2f}")
+    if r.cached_fraction is not None:
+        parts.append(f"cached {r.cached_fraction:.3f}")
+    if r.peak_mem_gib is not None:
+        parts.append(f"peak {r.peak_mem_gib:.1f} GiB")
+    if r.num_steps is not None:
+        parts.append(f"{r.num_steps} steps")
+    if r.warmup_s is not None:
+        parts.append(f"warm-up {r.warmup_s:.1f}s")
+    if r.note:
+        parts.append(r.note)
+    return ", ".join(parts)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    dev = Device(args.device)
+    env = environment(args)
+    log(json.dumps(env))
+    workloads = {}
+    for name in args.workloads:
+        workloads[name] = make_workload(name, args.scale)
+        log(f"workload {name}: {workloads[name].note}, {workloads[name].output_len} out")
+    results: list[RunResult] = []
+    skipped: list[str] = []
+
+    def over_budget() -> bool:
+        return args.time_budget is not None and time.perf_counter() - t_start > args.time_budget
+
+    def record(r: RunResult) -> None:
+        results.append(r)
+        log(format_run(r))
+        write_report(args.out, env, results, args.variants, skipped)
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-models-"))
+    for model in args.models:
+        model_dir = write_model_dir(model, tmp)
+        log(f"model {model}: {num_params(model) / 1e9:.2f} B params, {model_dir}")
+        for variant in args.variants:
+            names = [w for w in args.workloads if not (variant == "hf" and w == "W2")]
+            if variant == "hf" and "W2" in args.workloads:
+                log(f"[{model} W2 hf] skipped: HF generate has no prefix cache (BENCH.md)")
+            if not names:
+                continue
+            if over_budget():
+                skipped += [f"{model}/{w}/{variant}" for w in names]
+                continue
+            target = None
+            try:
+                dev.sync()
+                t = time.perf_counter()
+                if variant == "hf":
+                    target = load_hf(model_dir, args, dev)
+                else:
+                    from batchrun.engine.engine import Engine
+
+                    target = Engine(engine_config(args, model_dir, variant))
+                dev.sync()
+                startup = time.perf_counter() - t
+                log(f"[{model} {variant}] start-up {startup:.1f}s")
+            except Exception as e:  # report and go on with the sweep
+                traceback.print_exc()
+                for w in names:
+                    record(RunResult(model, w, variant, "error", f"start-up: {e!r}"[:200]))
+                del target
+                dev.free()
+                continue
+            probe = None
+            if variant != "hf" and not args.no_latency_probe:
+                probe = LatencyProbe(target)
+            for w in names:
+                if over_budget():
+                    skipped.append(f"{model}/{w}/{variant}")
+                    continue
+                res = RunResult(model, w, variant, startup_s=startup)
+                try:
+                    if variant == "hf":
+                        bench_hf(args, target, res, workloads[w], dev)
+                    else:
+                        bench_engine(args, target, res, workloads[w], dev, probe)
+                except Exception as e:
+                    traceback.print_exc()
+                    res.status, res.note = "error", repr(e)[:200]
+                record(res)
+            del target, probe
+            dev.free()  # two 8b models never coexist
+    text = write_report(args.out, env, results, args.variants, skipped)
+    if skipped:
+        log(f"skipped (time budget {args.time_budget}s exceeded): {', '.join(skipped)}")
+    log(f"\ntotal {time.perf_counter() - t_start:.0f}s; written to {args.out}/bench_throughput.*\n")
+    log(text)
+    return 0 if all(r.status == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
