@@ -135,6 +135,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    commit = git_commit()  # read before the run: the engine code is imported now
     torch.manual_seed(0)
 
     t0 = time.perf_counter()
@@ -211,7 +212,7 @@ def main() -> int:
             "| engine tok/s | HF tok/s | ratio | torch threads | HF batch | date | commit |",
             "|---|---|---|---|---|---|---|",
             f"| {engine_tps:.1f} | {hf_tps:.1f} | {engine_tps / hf_tps:.2f}x | {threads} "
-            f"| {args.hf_batch_size} | {dt.date.today().isoformat()} | {git_commit()} |",
+            f"| {args.hf_batch_size} | {dt.date.today().isoformat()} | {commit} |",
             "",
             f"median of {args.repeats} runs each; engine runs "
             + ", ".join(f"{t:.2f}s" for t in engine_times)

@@ -46,6 +46,12 @@ class ReqToTokenPool:
         self.dummy_row = max_reqs
         self.table = torch.zeros((max_reqs + 1, max_context), dtype=torch.int32, device=device)
         self._free_rows = list(range(max_reqs - 1, -1, -1))
+        # NOTE: on CUDA, writes are queued and applied by the next step in one scatter (one
+        # host-to-device copy per step instead of one per request)
+        self._deferred = self.table.device.type == "cuda"
+        self._rows: list[int] = []
+        self._cols: list[int] = []
+        self._slots: list[int] = []
 
     @property
     def num_free(self) -> int:
@@ -59,7 +65,22 @@ class ReqToTokenPool:
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Record that positions start .. start+len(slots)-1 of `row` live in `slots`."""
-        if len(slots):
-            self.table[row, start : start + len(slots)] = slots.to(
-                self.table.device, non_blocking=True
-            )
+        n = len(slots)
+        if not n:
+            return
+        if not self._deferred:
+            self.table[row, start : start + n] = slots.to(self.table.dtype)
+            return
+        self._rows.extend([row] * n)
+        self._cols.extend(range(start, start + n))
+        self._slots.extend(slots.tolist())
+
+    def take_pending(self) -> tuple[list[int], list[int], list[int]]:
+        """Queued writes as (rows, cols, slots); the caller applies them on the device."""
+        pending = (self._rows, self._cols, self._slots)
+        self._rows, self._cols, self._slots = [], [], []
+        return pending
+
+    def apply(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        if rows.numel():
+            self.table[rows, cols] = slots.to(self.table.dtype)

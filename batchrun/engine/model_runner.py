@@ -103,8 +103,12 @@ class ModelRunner:
             from batchrun.engine.cuda_graph import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(
-                self.model, self.backend, self.req_pool, self.kv_pool,
-                min(config.cuda_graph_max_bs, config.max_running), self.device,
+                self.model,
+                self.backend,
+                self.req_pool,
+                self.kv_pool,
+                min(config.cuda_graph_max_bs, config.max_running),
+                self.device,
             )
 
     def _kv_slots(self) -> int:
@@ -163,29 +167,15 @@ class ModelRunner:
             if sampled:
                 logits_indices.append(end - 1)
                 sample_rows.append(req.row)
-        (
-            input_ids,
-            positions,
-            out_loc,
-            logits_idx,
-            rows_t,
-            seq_t,
-            ext_t,
-            ph_pos,
-            ph_row,
-            sample_rows_t,
-        ) = self._pack_to_device(
-            batch.input_ids,
-            batch.positions,
-            batch.out_cache_loc,
-            logits_indices,
-            rows,
-            seq_lens,
-            batch.extend_lens,
-            ph_positions,
-            ph_rows,
-            sample_rows,
-        )
+        table_rows, table_cols, table_slots = self.req_pool.take_pending()
+        (input_ids, positions, out_loc, logits_idx, rows_t, seq_t, ext_t, ph_pos, ph_row,
+         sample_rows_t, t_rows, t_cols, t_slots) = self._pack_to_device(
+            batch.input_ids, batch.positions, batch.out_cache_loc, logits_indices, rows,
+            seq_lens, batch.extend_lens, ph_positions, ph_rows, sample_rows,
+            table_rows, table_cols, table_slots,
+        )  # fmt: skip
+        # queued request-to-token writes (admissions, new slots) land before attention reads
+        self.req_pool.apply(t_rows, t_cols, t_slots)
         if ph_positions:
             # the previous step sampled these tokens; they never left the device
             input_ids[ph_pos] = self.token_pool[ph_row]
@@ -251,7 +241,7 @@ class ModelRunner:
         n = len(input_ids)
         row = self.req_pool.dummy_row
         slots = slots[:n]
-        self.req_pool.write(row, 0, slots)
+        self.req_pool.table[row, :n] = slots.to(self.device, self.req_pool.table.dtype)
         attn = AttentionInputs(
             req_pool_indices=self._to_device([row]),
             seq_lens=self._to_device([n]),

@@ -53,6 +53,15 @@ class Req:
     def fill_ids(self) -> list[int]:
         return self.input_ids + self.output_ids if self.output_ids else self.input_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without building fill_ids."""
+        num_in = len(self.input_ids)
+        if start >= num_in:
+            return self.output_ids[start - num_in : end - num_in]
+        if end <= num_in:
+            return self.input_ids[start:end]
+        return self.input_ids[start:] + self.output_ids[: end - num_in]
+
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)

@@ -248,7 +248,7 @@ class Scheduler:
         locs: list[torch.Tensor] = []
         for req, n in plan:
             start = req.kv_len
-            input_ids.extend(req.fill_ids[start : start + n])
+            input_ids.extend(req.tokens(start, start + n))
             positions.extend(range(start, start + n))
             locs.append(self.kv.table_cpu[req.row, start : start + n])
         return ScheduledBatch(

@@ -155,3 +155,21 @@ def test_overlap_with_eos_and_stop_ids(model_dir):
             assert got[str(i)].finish_reason == "stop"
         engine.check_integrity()
         assert not engine.has_work
+
+
+def test_deferred_request_table_writes(model_dir, reference):
+    # on CUDA the request-to-token writes are queued and applied by the next launch in one
+    # scatter; force that path on the CPU
+    cfg = EngineConfig(
+        model=model_dir,
+        device="cpu",
+        dtype="float32",
+        kv_budget=300,
+        overlap=True,
+        new_token_ratio=0.05,
+    )
+    engine = Engine(cfg)
+    engine.runner.req_pool._deferred = True
+    out = {r.rid: r.output_ids for r in engine.generate(workload())}
+    assert out == reference
+    engine.check_integrity()

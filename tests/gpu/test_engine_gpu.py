@@ -62,12 +62,23 @@ def reference(model_dir):
         dict(attention_backend="triton", overlap=True, cuda_graph_max_bs=0),
         dict(attention_backend="triton", overlap=False, cuda_graph_max_bs=64),
         dict(attention_backend="triton", overlap=True, cuda_graph_max_bs=64),
-        dict(attention_backend="triton", overlap=True, cuda_graph_max_bs=64, kv_budget=1200,
-             new_token_ratio=0.05),
+        dict(
+            attention_backend="triton",
+            overlap=True,
+            cuda_graph_max_bs=64,
+            kv_budget=1200,
+            new_token_ratio=0.05,
+        ),
         dict(attention_backend="torch", overlap=True, cuda_graph_max_bs=0),
     ],
-    ids=["triton-eager", "triton-overlap", "triton-graph", "triton-graph-overlap",
-         "triton-graph-overlap-retract", "torch-overlap"],
+    ids=[
+        "triton-eager",
+        "triton-overlap",
+        "triton-graph",
+        "triton-graph-overlap",
+        "triton-graph-overlap-retract",
+        "torch-overlap",
+    ],
 )
 def test_same_greedy_tokens(model_dir, reference, kw):
     assert _run(model_dir, **kw) == reference
@@ -80,6 +91,12 @@ def test_matches_hf_on_cuda(model_dir):
     ours = _run(model_dir, attention_backend="triton", overlap=True, cuda_graph_max_bs=64)
     for req in _requests(6, 48):
         ids = torch.tensor([req.input_ids], device="cuda")
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48,
-                          min_new_tokens=48, do_sample=False, pad_token_id=0)
-        assert ours[req.rid] == out[0, ids.shape[1]:].tolist(), req.rid
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=48,
+            min_new_tokens=48,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        assert ours[req.rid] == out[0, ids.shape[1] :].tolist(), req.rid
