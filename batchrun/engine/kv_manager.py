@@ -83,6 +83,30 @@ class KVManager:
             self.num_private += need
         return self.table_cpu[req.row, req.kv_len : req.kv_len + num_tokens]
 
+    def reserve_decodes(self, reqs: list[Req]) -> bool:
+        """One slot each for a decode step, in one allocation (the per-step hot path).
+        All or nothing: False leaves every request as it was."""
+        page = self.page_size
+        needers = [r for r in reqs if r.kv_len + 1 > r.alloc_len]
+        if not needers:
+            return True
+        slots = self.allocate(len(needers) * page)
+        if slots is None:
+            return False
+        if page == 1:
+            rows = [r.row for r in needers]
+            cols = [r.alloc_len for r in needers]
+            self.table_cpu[rows, cols] = slots
+            self.req_pool.write_many(rows, cols, slots)
+            for r in needers:
+                r.alloc_len += 1
+        else:
+            for i, r in enumerate(needers):
+                self._write(r, r.alloc_len, slots[i * page : (i + 1) * page])
+                r.alloc_len += page
+        self.num_private += len(needers) * page
+        return True
+
     def allocate(self, num_tokens: int) -> torch.Tensor | None:
         if self.allocator.num_free < num_tokens:
             self.cache.evict(num_tokens - self.allocator.num_free)

@@ -75,6 +75,15 @@ class ReqToTokenPool:
         self._cols.extend(range(start, start + n))
         self._slots.extend(slots.tolist())
 
+    def write_many(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
+        """Position cols[i] of row rows[i] lives in slots[i]."""
+        if not self._deferred:
+            self.table[rows, cols] = slots.to(self.table.dtype)
+            return
+        self._rows.extend(rows)
+        self._cols.extend(cols)
+        self._slots.extend(slots.tolist())
+
     def take_pending(self) -> tuple[list[int], list[int], list[int]]:
         """Queued writes as (rows, cols, slots); the caller applies them on the device."""
         pending = (self._rows, self._cols, self._slots)

@@ -92,6 +92,9 @@ class Scheduler:
 
     def _schedule_decodes(self, plan: list[tuple[Req, int]]) -> None:
         decoding = [r for r in self.running if r.wants_decode]
+        if self.kv.reserve_decodes(decoding):  # the common case: one allocation for all
+            plan.extend((r, 1) for r in decoding)
+            return
         i = 0
         while i < len(decoding):
             req = decoding[i]
@@ -245,19 +248,24 @@ class Scheduler:
     def _build(self, plan: list[tuple[Req, int]]) -> ScheduledBatch:
         input_ids: list[int] = []
         positions: list[int] = []
-        locs: list[torch.Tensor] = []
+        rows: list[int] = []
         for req, n in plan:
             start = req.kv_len
-            input_ids.extend(req.tokens(start, start + n))
-            positions.extend(range(start, start + n))
-            locs.append(self.kv.table_cpu[req.row, start : start + n])
+            if n == 1:
+                input_ids.append(req.tokens(start, start + 1)[0])
+                positions.append(start)
+                rows.append(req.row)
+            else:
+                input_ids.extend(req.tokens(start, start + n))
+                positions.extend(range(start, start + n))
+                rows.extend([req.row] * n)
         return ScheduledBatch(
             reqs=tuple(r for r, _ in plan),
             extend_lens=tuple(n for _, n in plan),
             prefix_lens=tuple(r.kv_len for r, _ in plan),
             input_ids=input_ids,
             positions=positions,
-            out_cache_loc=torch.cat(locs),
+            out_cache_loc=self.kv.table_cpu[rows, positions],
             sample_mask=tuple(r.kv_len + n == r.seq_len for r, n in plan),
         )
 
