@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import zlib
 
 import torch
 from torch import nn
+
+
+@functools.cache
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_fused_kernels(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels of `batchrun.kernels` replace the torch ops here: on CUDA with
+    triton installed, unless BATCHRUN_NO_FUSED is set (read on every call, so tests can flip it).
+    """
+    return x.is_cuda and not os.environ.get("BATCHRUN_NO_FUSED") and _has_triton()
 
 
 class RMSNorm(nn.Module):
@@ -16,12 +34,32 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused_kernels(x) and x.dtype == self.weight.dtype:
+            from batchrun.kernels.fused_norm import rms_norm
+
+            # NOTE: reshape copies a strided view (q/k norm of Qwen3); the kernel writes a new
+            # tensor anyway
+            x2d = x.reshape(-1, x.shape[-1])
+            return rms_norm(x2d, self.weight, self.eps).view(x.shape)
         # NOTE: normalize in fp32 and cast back before the weight, as HF transformers does, so
         # bf16/fp16 results match the reference bit for bit where possible.
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+    def forward_with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) for x, residual [T, N]. On CUDA one kernel writes
+        both in place, into x and residual: callers must not read them afterwards.
+        """
+        if use_fused_kernels(x) and x.dtype == residual.dtype == self.weight.dtype:
+            from batchrun.kernels.fused_norm import fused_add_rms_norm
+
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return self(residual), residual
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
@@ -61,7 +99,15 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (q, k). On CUDA one kernel rotates q and k in place (strided views allowed)
+        and returns them; elsewhere new tensors.
+        """
         # q: [T, H, D], k: [T, KV, D], positions: [T]
+        if use_fused_kernels(q):
+            from batchrun.kernels.fused_rotary import apply_rotary_
+
+            apply_rotary_(q, k, positions, self.cos_cache, self.sin_cache)
+            return q, k
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D] fp32
         sin = self.sin_cache[positions].unsqueeze(1)
         return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)

@@ -13,7 +13,7 @@ from torch import nn
 
 from batchrun.attention.base import AttentionBackend
 from batchrun.models.config import ModelConfig
-from batchrun.models.layers import RMSNorm, RotaryEmbedding
+from batchrun.models.layers import RMSNorm, RotaryEmbedding, use_fused_kernels
 
 
 class ForwardBatch(NamedTuple):
@@ -49,6 +49,8 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rotary: RotaryEmbedding, backend: AttentionBackend):
         qkv = self.qkv_proj(x)
+        # NOTE: q, k, v are strided views of qkv; rotary may rotate q and k in place, which is safe
+        # because nothing reads qkv afterwards
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
@@ -76,7 +78,12 @@ class MLP(nn.Module):
         )
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * I]
+        if use_fused_kernels(gate_up):
+            from batchrun.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -88,9 +95,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
 
-    def forward(self, x, positions, rotary, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, backend):
+        """Residual-stream form of `h = x + attn(norm(x)); out = h + mlp(norm(h))`: takes and
+        returns (hidden, residual) with out = hidden + residual, so each add fuses into the next
+        norm. The first layer gets residual None and x = the embeddings.
+        """
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.forward_with_residual(x, residual)
+        x = self.self_attn(x, positions, rotary, backend)
+        x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -130,10 +146,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Returns fp32 logits [S, vocab] for the rows in batch.logits_indices (all if None)."""
-        x = self.embed_tokens(batch.input_ids)  # [T, hidden]
+        x, residual = self.embed_tokens(batch.input_ids), None  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, batch.positions, self.rotary, backend)
+            x, residual = layer(x, residual, batch.positions, self.rotary, backend)
         if batch.logits_indices is not None:
-            x = x[batch.logits_indices]
-        x = self.norm(x)
+            x, residual = x[batch.logits_indices], residual[batch.logits_indices]
+        x, _ = self.norm.forward_with_residual(x, residual)
         return F.linear(x, self.lm_head_weight).float()

@@ -1,0 +1,156 @@
+"""The fused RMSNorm / rotary / SiLU-and-mul Triton kernels under Triton's CPU interpreter, against
+batchrun's torch code (the CPU path of `batchrun.models.layers`).
+
+Skipped where triton is not installed (CI does not install it). The kernels run in a subprocess
+because TRITON_INTERPRET must be set before triton is first imported. The interpreter casts fp32 to
+bf16 by truncation (the GPU rounds to nearest even), so only fp32 and fp16 run here; tests/gpu
+covers bf16 on the GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_fused_kernels_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ok" in proc.stdout
+
+
+def max_ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| in units of the last place of ref in ref's dtype."""
+    bits = MANTISSA_BITS[ref.dtype]
+    ref32 = ref.float()
+    exponent = torch.floor(torch.log2(ref32.abs().clamp_min(torch.finfo(ref.dtype).tiny)))
+    ulp = torch.exp2(exponent - bits)
+    return ((out.float() - ref32).abs() / ulp).max().item()
+
+
+def _strided(shape, dtype, gen, pad: int = 7) -> torch.Tensor:
+    """A [T, N] view with row stride N + pad, so kernels must honour strides."""
+    num_rows, n_cols = shape
+    base = torch.randn(num_rows, n_cols + pad, generator=gen) * 3
+    return base.to(dtype)[:, :n_cols]
+
+
+def _check_norm(dtype, max_ulp) -> None:
+    from batchrun.kernels.fused_norm import fused_add_rms_norm, rms_norm
+
+    from batchrun.models.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    for num_rows, n_cols in ((5, 576), (3, 64), (2, 1000), (1, 2048)):
+        norm = RMSNorm(n_cols, 1e-5, dtype, "cpu")
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(n_cols, generator=gen) + 0.5)
+        x = _strided((num_rows, n_cols), dtype, gen)
+        residual = (torch.randn(num_rows, n_cols, generator=gen) * 3).to(dtype)
+        ref = norm(x)
+        out = rms_norm(x, norm.weight.detach(), norm.eps)
+        assert max_ulps(out, ref) <= max_ulp, ("rms_norm", dtype, n_cols, max_ulps(out, ref))
+
+        ref_x, ref_residual = norm.forward_with_residual(x, residual)  # torch path on the CPU
+        x_, residual_ = x.clone(), residual.clone()
+        out_x, out_residual = fused_add_rms_norm(x_, residual_, norm.weight.detach(), norm.eps)
+        assert out_x is x_ and out_residual is residual_
+        assert torch.equal(residual_, ref_residual), ("residual", dtype, n_cols)
+        assert max_ulps(x_, ref_x) <= max_ulp, ("fused_add", dtype, n_cols, max_ulps(x_, ref_x))
+
+
+def _check_rotary(dtype, max_ulp) -> None:
+    from batchrun.kernels.fused_rotary import apply_rotary_
+
+    from batchrun.models.layers import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(1)
+    for num_tokens, num_heads, num_kv_heads, head_dim in (
+        (7, 6, 2, 64),
+        (3, 4, 1, 128),
+        (5, 3, 3, 80),
+    ):
+        rotary = RotaryEmbedding(head_dim, 300, 10000.0, {}, "cpu")
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, num_heads, head_dim)  # strided views, as in llama.py
+        k = k.view(num_tokens, num_kv_heads, head_dim)
+        v_before = v.clone()
+        positions = torch.randint(0, 300, (num_tokens,), generator=gen)
+        ref_q, ref_k = rotary(positions, q, k)  # CPU: the torch path, new tensors
+        apply_rotary_(q, k, positions, rotary.cos_cache, rotary.sin_cache)
+        assert torch.equal(v, v_before), "v was written"
+        for name, out, ref in (("q", q, ref_q), ("k", k, ref_k)):
+            assert max_ulps(out, ref) <= max_ulp, ("rotary", name, dtype, head_dim)
+
+
+def _check_silu_and_mul(dtype, max_ulp) -> None:
+    import torch.nn.functional as F
+    from batchrun.kernels.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(2)
+    for num_tokens, inter_size in ((4, 128), (3, 576), (2, 1500)):
+        x = _strided((num_tokens, 2 * inter_size), dtype, gen, pad=5)
+        gate, up = x.chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+        out = silu_and_mul(x)
+        assert max_ulps(out, ref) <= max_ulp, ("silu_and_mul", dtype, inter_size)
+
+
+def _check_model_wiring(tmp_dir: Path) -> None:
+    """The tiny model with the kernels forced on (CPU tensors, interpreter) against the torch
+    path: checks the residual-stream restructuring and the in-place rotary on qkv views."""
+    import batchrun.models.layers as layers
+    import batchrun.models.llama as llama
+    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.engine import Engine
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_models import make_tiny_model, random_prompts
+
+    for kind in ("llama", "qwen3"):
+        path = Path(tempfile.mkdtemp(dir=tmp_dir))
+        make_tiny_model(kind, path)
+        engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", kv_budget=512))
+        for prompt in random_prompts(2, seed=3, min_len=5, max_len=20):
+            ref = engine.score(prompt)
+            use_fused = layers.use_fused_kernels
+            layers.use_fused_kernels = llama.use_fused_kernels = lambda x: True
+            try:
+                fused = engine.score(prompt)
+            finally:
+                layers.use_fused_kernels = llama.use_fused_kernels = use_fused
+            rel = ((fused - ref).norm() / ref.norm()).item()
+            assert rel <= 1e-5, (kind, rel)
+
+
+def _run_checks() -> None:
+    # fp16: every kernel rounds where the torch code rounds, so at most one ulp from a different
+    # fp32 reduction order / rsqrt / exp; rotary is exact (products of fp16 values are exact)
+    for dtype, ulps in ((torch.float32, 8), (torch.float16, 1)):
+        _check_norm(dtype, ulps)
+        _check_rotary(dtype, 0 if dtype == torch.float16 else ulps)
+        _check_silu_and_mul(dtype, ulps)
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        _check_model_wiring(Path(tmp_dir))
+    print("ok")
+
+
+if __name__ == "__main__":
+    _run_checks()
