@@ -17,6 +17,7 @@ import click
 from batchrun import __version__
 from batchrun.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS, EngineConfig
 from batchrun.engine.params import SamplingParams
+from batchrun.order import DEFAULT_WINDOW, ORDERS
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INPUT, EXIT_MODEL = 1, 2, 3, 4
 
@@ -171,6 +172,29 @@ def engine_options(f):
     return f
 
 
+def order_options(f):
+    opts = [
+        click.option(
+            "--order",
+            type=click.Choice(ORDERS),
+            default="prefix",
+            show_default=True,
+            help="prefix: run rows sharing a token prefix back to back (depth-first over their "
+            "token ids), so the prefix cache hits; input: in input order.",
+        ),
+        click.option(
+            "--order-window",
+            type=click.IntRange(min=1),
+            default=DEFAULT_WINDOW,
+            show_default=True,
+            help="Rows read, tokenized and ordered together (held in memory at once).",
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
 def build_defaults(o: dict) -> SamplingParams:
     params = SamplingParams(
         max_new_tokens=o["max_tokens"],
@@ -263,6 +287,7 @@ def main() -> None:
 @row_options
 @sampling_options
 @engine_options
+@order_options
 @click.option(
     "--shard-size",
     type=click.IntRange(min=1),
@@ -298,6 +323,8 @@ def submit(dataset: str, out: str, **o) -> None:
         with_token_ids=o["with_token_ids"],
         overwrite=o["overwrite"],
         quiet=o["quiet"],
+        order=o["order"],
+        order_window=o["order_window"],
     )
     try:
         runner = Runner(config)
@@ -324,12 +351,14 @@ def submit(dataset: str, out: str, **o) -> None:
     help="KV pool size in tokens, to compare the need against.",
 )
 @click.option("--max-running", type=click.IntRange(min=1), default=256, show_default=True)
+@order_options
 @click.option(
     "--show-errors", type=int, default=10, show_default=True, help="How many failing rows to list."
 )
 def plan(dataset: str, **o) -> None:
     """Dry run: read and tokenize DATASET, report rows, token statistics, rows that would fail
-    and why, and the KV cache the run needs. Loads the tokenizer only, not the weights."""
+    and why, the KV cache the run needs, and the prompt tokens a prefix cache would reuse
+    (unlimited, and predicted for --kv-budget). Loads the tokenizer only, not the weights."""
     from batchrun.plan import PlanError, make_plan
 
     try:
@@ -343,6 +372,8 @@ def plan(dataset: str, **o) -> None:
             kv_budget=o["kv_budget"],
             max_running=o["max_running"],
             show_errors=o["show_errors"],
+            order=o["order"],
+            order_window=o["order_window"],
         )
     except PlanError as e:
         _fail(str(e), e.exit_code)

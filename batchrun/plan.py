@@ -1,7 +1,8 @@
 """`batchrun plan`: what a run would do, without loading weights.
 
 Streams the dataset through the same row pipeline as `submit` (read -> prepare -> tokenize) and
-keeps only a few integers per row, so it runs on files far larger than memory.
+keeps only a few integers per row plus the token ids of one ordering window (4 bytes a token), so
+it runs on files far larger than memory.
 """
 
 from __future__ import annotations
@@ -13,6 +14,14 @@ import numpy as np
 from batchrun.engine.params import SamplingParams
 from batchrun.io.readers import BadInputError, open_dataset
 from batchrun.io.rows import RowError, RowSpec
+from batchrun.order import (
+    DEFAULT_WINDOW,
+    LRUEstimate,
+    dfs_order,
+    predicted_reuse,
+    reuse_lens,
+    sort_key,
+)
 from batchrun.pipeline import RowPipeline
 
 
@@ -49,6 +58,8 @@ def make_plan(
     kv_budget: int | None,
     max_running: int,
     show_errors: int = 10,
+    order: str = "prefix",
+    order_window: int = DEFAULT_WINDOW,
 ) -> str:
     try:
         source = open_dataset(dataset, split)
@@ -61,6 +72,7 @@ def make_plan(
     samples = 0
     errors: Counter[str] = Counter()
     examples: list[RowError] = []
+    reuse = PrefixReuse(kv_budget, order)
     for item in pipeline:
         if isinstance(item, RowError):
             errors[item.type] += 1
@@ -70,6 +82,10 @@ def make_plan(
         prompt_lens.append(len(item.input_ids))
         max_new.append(item.prepared.params.max_new_tokens)
         samples += item.prepared.params.n
+        reuse.add(item.input_ids, item.prepared.params.max_new_tokens)
+        if reuse.num_buffered >= order_window:
+            reuse.flush()
+    reuse.flush()
     rows = len(prompt_lens) + sum(errors.values())
     if rows == 0:
         raise PlanError(f"{dataset}: the input has no rows; nothing to do", 3)
@@ -104,8 +120,70 @@ def make_plan(
                 )
             )
             lines.append(f"KV budget    {kv_budget:,} tokens: {verdict}")
+        lines += reuse.report(order_window)
     if errors:
         lines.append("would fail   " + ", ".join(f"{k}: {v}" for k, v in errors.most_common()))
         for e in examples:
             lines.append(f"  row {e.row} (id {e.id}): {e.type}: {e.message}")
     return "\n".join(lines)
+
+
+class PrefixReuse:
+    """Prefix-cache reuse of a run, window by window as the run orders it (batchrun.order)."""
+
+    def __init__(self, kv_budget: int | None, order: str):
+        self.order = order
+        self.sim = LRUEstimate(kv_budget) if kv_budget is not None else None
+        self.prompt_tokens = 0
+        self.unlimited = 0  # exact within each window
+        self.block_unlimited = 0  # the same in whole blocks of the simulation
+        self.num_windows = 0
+        self._keys: list[bytes] = []
+        self._max_new: list[int] = []
+
+    @property
+    def num_buffered(self) -> int:
+        return len(self._keys)
+
+    def add(self, ids: list[int], max_new: int) -> None:
+        self._keys.append(sort_key(ids))
+        self._max_new.append(max_new)
+
+    def flush(self) -> None:
+        if not self._keys:
+            return
+        keys, self._keys = self._keys, []
+        max_new, self._max_new = self._max_new, []
+        dfs = dfs_order(keys)
+        reuse = reuse_lens([keys[i] for i in dfs])
+        self.num_windows += 1
+        self.prompt_tokens += sum(len(k) for k in keys) // 4
+        self.unlimited += int(reuse.sum())
+        if self.sim is not None:
+            block = self.sim.block
+            self.block_unlimited += int((reuse // block * block).sum())
+            run_order = dfs if self.order == "prefix" else range(len(keys))
+            for i in run_order:
+                self.sim.feed(keys[i], max_new[i])
+
+    def report(self, window: int) -> list[str]:
+        total = max(self.prompt_tokens, 1)
+        scope = (
+            "exact"
+            if self.num_windows <= 1
+            else f"exact within each of {self.num_windows} windows of {window:,} rows; reuse "
+            "across windows not counted"
+        )
+        lines = [
+            f"prefix reuse unlimited cache: {self.unlimited / total:.3f} of prompt tokens "
+            f"({self.unlimited:,} of {self.prompt_tokens:,}; {scope})"
+        ]
+        if self.sim is not None:
+            predicted = predicted_reuse(self.unlimited, self.sim.hits, self.block_unlimited)
+            lines.append(
+                f"             --kv-budget {self.sim.capacity:,}, --order {self.order}: "
+                f"~{predicted / total:.3f} predicted (approximation: LRU over "
+                f"{self.sim.block}-token blocks of the prompts in run order, outputs cached too; "
+                "requests running at once not modelled)"
+            )
+        return lines

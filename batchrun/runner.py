@@ -1,6 +1,7 @@
 """`batchrun submit`: dataset in, sharded JSONL out.
 
     read (batches of raw rows) -> prepare (id, prompt/messages, per-row params) -> tokenize
+    -> prefix order (DFS over token ids, per window of --order-window rows)
     -> engine.generate (lazily pulled, bounded) -> group the n samples of a row -> records
     -> ShardedWriter (results / errors) -> manifest.json
 
@@ -33,6 +34,7 @@ from batchrun.io.records import (
 )
 from batchrun.io.rows import PreparedRow, RowError, RowSpec
 from batchrun.io.writer import ShardedWriter
+from batchrun.order import DEFAULT_WINDOW, ORDERS, ordered_windows
 from batchrun.pipeline import RowPipeline
 from batchrun.progress import Progress
 from batchrun.tokenize import TokenizedRow
@@ -62,6 +64,14 @@ class RunConfig:
     overwrite: bool = False
     quiet: bool = False
     read_batch_size: int = 256
+    order: str = "prefix"  # prefix: DFS order over token ids per window; input: as read
+    order_window: int = DEFAULT_WINDOW  # rows ordered together (held in memory at once)
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}; got {self.order!r}")
+        if self.order_window < 1:
+            raise ValueError(f"order_window must be >= 1; got {self.order_window}")
 
 
 @dataclass
@@ -75,13 +85,18 @@ class RunSummary:
     cached_tokens: int = 0
     elapsed_s: float = 0.0
 
+    @property
+    def cached_fraction(self) -> float:
+        """Prompt tokens served from the prefix cache, as a fraction of all prompt tokens."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
     def line(self) -> str:
         tok_s = self.completion_tokens / self.elapsed_s if self.elapsed_s else 0.0
-        cached = 100.0 * self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         return (
             f"{self.rows} rows: {self.rows_ok} ok, {self.rows_failed} failed; "
             f"{self.completion_tokens} output tokens in {self.elapsed_s:.1f} s "
-            f"({tok_s:,.0f} tok/s); cached prompt {cached:.1f}%"
+            f"({tok_s:,.0f} tok/s); cached_fraction {self.cached_fraction:.3f} "
+            f"({self.cached_tokens:,} of {self.prompt_tokens:,} prompt tokens)"
         )
 
 
@@ -143,6 +158,8 @@ class Runner:
             "split": cfg.split,
             "limit": cfg.limit,
             "shard_size": cfg.shard_size,
+            "order": cfg.order,
+            "order_window": cfg.order_window,
             "spec": asdict(cfg.spec),
             "defaults": msgspec.to_builtins(cfg.defaults),
             "engine": asdict(cfg.engine),
@@ -192,11 +209,19 @@ class Runner:
             cfg.limit,
             cfg.read_batch_size,
         )
-        for item in self._pipeline:
+        rows: Iterator[TokenizedRow] = self._tokenized(self._pipeline)
+        if cfg.order == "prefix":
+            # requests sharing a prefix run back to back, so the radix cache computes it once
+            rows = ordered_windows(rows, _input_ids, cfg.order_window)
+        for item in rows:
+            yield self._request(item)
+
+    def _tokenized(self, pipeline: RowPipeline) -> Iterator[TokenizedRow]:
+        for item in pipeline:
             if isinstance(item, RowError):
                 self._on_error(item)
             else:
-                yield self._request(item)
+                yield item
 
     def _request(self, item: TokenizedRow) -> GenerateRequest:
         prepared = item.prepared
@@ -295,6 +320,10 @@ class Runner:
             cached_tokens=s.cached_tokens,
         )
         write_manifest(self.out, m)
+
+
+def _input_ids(row: TokenizedRow) -> list[int]:
+    return row.input_ids
 
 
 def default_out_dir(dataset: str) -> str:

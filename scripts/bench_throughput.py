@@ -4,10 +4,15 @@
     python scripts/bench_throughput.py --scale 0.1 --models llama-1b    # a quick check
     python scripts/bench_throughput.py --device cpu --models tiny --workloads W1,W3 \
         --scale 0.005 --variants batchrun,no-overlap,hf                 # CPU smoke test
+    python scripts/bench_throughput.py --models llama-8b --workloads W2L --kv-budget 65536 \
+        --variants batchrun,prefix-order                                # prefix vs input order
 
 Models (dummy weights, written as config.json to a temp dir): llama-8b, llama-1b (and `tiny`,
 for CPU smoke tests). Workloads as BENCH.md defines them (W1 random, W2 shared prefix, W3 single
-request). Variants: batchrun (overlap + CUDA graphs), no-overlap, no-graph, no-radix, hf.
+request; W2L: W2-large, whose distinct prefix tokens exceed a capped KV pool). Variants:
+batchrun (overlap + CUDA graphs), no-overlap, no-graph, no-radix, hf, and prefix-order (batchrun
+fed in batchrun.order's DFS order, ordering timed; every other variant takes the prompts in
+their given, shuffled, input order).
 
 Each engine is built once per (model, variant) (start-up reported apart), warmed up on each
 workload's shape outside the timed region, and timed on `engine.generate(requests)` between
@@ -40,7 +45,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 
-VARIANTS = ("batchrun", "no-overlap", "no-graph", "no-radix", "hf")
+VARIANTS = ("batchrun", "no-overlap", "no-graph", "no-radix", "hf", "prefix-order")
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000
 # BENCH.md targets: (workload, model) -> (figure, bound); W3 is ms per output token (lower is
 # better), the others output tok/s (higher is better)
@@ -86,7 +91,19 @@ def make_workload(name: str, scale: float) -> Workload:
         return Workload(name, prompts, 128, f"{groups} groups x 32, 1024+128 in")
     if name == "W3":
         return Workload(name, [_tokens(random.Random(3), 512)], 256, "1 x 512 in")
-    raise ValueError(f"unknown workload {name!r}; known: W1, W2, W3")
+    if name == "W2L":
+        # W2-large: 64 groups x 32 questions over 2,048-token prefixes = 131,072 distinct prefix
+        # tokens; run it with --kv-budget 65536 (or less) so that they cannot all stay cached:
+        # prefix order (variant prefix-order) vs input order (batchrun) is then the figure
+        rng = random.Random(2)
+        groups = max(1, round(64 * scale))
+        prompts = []
+        for _ in range(groups):
+            prefix = _tokens(rng, 2048)
+            prompts.extend(prefix + _tokens(rng, 128) for _ in range(32))
+        rng.shuffle(prompts)
+        return Workload(name, prompts, 128, f"{groups} groups x 32, 2048+128 in, shuffled")
+    raise ValueError(f"unknown workload {name!r}; known: W1, W2, W3, W2L")
 
 
 def warmup_prompts(workload: Workload, num: int) -> list[list[int]]:
@@ -189,6 +206,7 @@ def engine_config(args, model_dir: Path, variant: str):
         "no-overlap": {"overlap": False},
         "no-graph": {"cuda_graph_max_bs": 0},
         "no-radix": {"enable_radix_cache": False},
+        "prefix-order": {},
     }[variant]
     return replace(cfg, **changes)
 
@@ -221,8 +239,11 @@ class LatencyProbe:
         engine._process = process
 
 
-def run_engine_once(engine, prompts, out_len: int, dev: Device, probe: LatencyProbe | None):
+def run_engine_once(
+    engine, prompts, out_len: int, dev: Device, probe: LatencyProbe | None, order: bool = False
+):
     from batchrun.engine.params import GenerateRequest, SamplingParams
+    from batchrun.order import order_items
 
     params = SamplingParams(
         max_new_tokens=out_len, min_new_tokens=out_len, temperature=0.0, ignore_eos=True
@@ -234,6 +255,8 @@ def run_engine_once(engine, prompts, out_len: int, dev: Device, probe: LatencyPr
     bad = 0
     dev.sync()
     t0 = time.perf_counter()
+    if order:  # what `batchrun submit --order prefix` does, timed with the run
+        requests = order_items(requests, lambda r: r.input_ids)
     for result in engine.generate(requests):
         finish[(result.rid, result.index)] = time.perf_counter()
         if result.error or result.completion_tokens != out_len:
@@ -266,7 +289,7 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
         fwd_before = engine.runner.forward_time
         dev.reset_peak()
         wall, bad, done, ttfts, itls = run_engine_once(
-            engine, wl.prompts, wl.output_len, dev, probe
+            engine, wl.prompts, wl.output_len, dev, probe, order=res.variant == "prefix-order"
         )
         walls.append(wall)
         last = (wall, bad, done, ttfts, itls, before, fwd_before)
@@ -287,6 +310,9 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
     fill_latency(res, ttfts, itls, wl.output_len)
     if not probe or not probe.active:
         res.note = "TTFT/ITL not measured (no hook)"
+    distinct = len({tuple(p[:2048]) for p in wl.prompts}) * 2048
+    if wl.name == "W2L" and res.kv_slots is not None and res.kv_slots >= distinct:
+        res.note += f" KV pool {res.kv_slots:,} holds all {distinct:,} prefix tokens: cap it"
     if bad or done != len(wl.prompts):
         res.status = "bad"
         res.note = f"{bad} results with an error or a wrong length; {done}/{len(wl.prompts)} back"
@@ -453,7 +479,7 @@ def summary_table(results: list[RunResult], variants: list[str], skipped: list[s
     ]
     for wl, model in keys:
         what = "ms / output token" if wl == "W3" else "output tok/s"
-        if wl == "W2":
+        if wl.startswith("W2"):
             what += " (cached fraction)"
         cells = []
         for v in variants:
@@ -465,7 +491,7 @@ def summary_table(results: list[RunResult], variants: list[str], skipped: list[s
                 cells.append(r.status if r is not None else ("skipped" if gone else "—"))
                 continue
             cell = f"{r.ms_per_token:.2f}" if wl == "W3" else f"{r.output_tok_s:,.0f}"
-            if wl == "W2" and r.cached_fraction is not None:
+            if wl.startswith("W2") and r.cached_fraction is not None:
                 cell += f" ({r.cached_fraction:.3f})"
             if r.status != "ok":
                 cell += f" [{r.status}]"
@@ -623,9 +649,10 @@ def main(argv=None) -> int:
         model_dir = write_model_dir(model, tmp)
         log(f"model {model}: {num_params(model) / 1e9:.2f} B params, {model_dir}")
         for variant in args.variants:
-            names = [w for w in args.workloads if not (variant == "hf" and w == "W2")]
-            if variant == "hf" and "W2" in args.workloads:
-                log(f"[{model} W2 hf] skipped: HF generate has no prefix cache (BENCH.md)")
+            names = [w for w in args.workloads if not (variant == "hf" and w.startswith("W2"))]
+            for w in args.workloads:
+                if variant == "hf" and w.startswith("W2"):
+                    log(f"[{model} {w} hf] skipped: HF generate has no prefix cache (BENCH.md)")
             if not names:
                 continue
             if over_budget():

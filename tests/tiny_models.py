@@ -45,6 +45,8 @@ def make_hf_config(kind: str):
         return transformers.Qwen2Config(**COMMON, rope_theta=1000000.0)
     if kind == "qwen3":
         return transformers.Qwen3Config(**COMMON, head_dim=32, rope_theta=1000000.0)
+    if kind == "mistral":
+        return transformers.MistralConfig(**COMMON, rope_theta=1000000.0, sliding_window=None)
     if kind == "tied":
         return transformers.LlamaConfig(**{**COMMON, "tie_word_embeddings": True})
     raise ValueError(kind)

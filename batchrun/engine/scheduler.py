@@ -5,11 +5,16 @@ partially prefilled requests continue and waiting requests are admitted while th
 budget (chunked prefill) and the KV budget last. When the pool runs dry for decodes, the request
 with the least progress is retracted: its KV goes to the radix cache (or is freed) and it waits
 again at the front of the queue, to resume with its output so far as part of its prompt.
+
+Admission takes the queue in the order given (`batchrun submit` feeds it in prefix DFS order,
+batchrun/order.py), lets the longest cached prefix among the first few go first, and locks the
+cached prefixes of the next few between steps so that decode growth evicts other leaves first.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 from typing import NamedTuple
 
 import torch
@@ -20,6 +25,10 @@ from batchrun.engine.request import PLACEHOLDER, Req
 # a waiting request is held back while a running prefill shares at least this many of its
 # uncached tokens: that prefix is computed once and then served from the cache
 MIN_SHARED_PREFIX = 16
+# admission looks this far into the queue for requests whose prefix is cached (bounded work)
+CACHE_AWARE_WINDOW = 16
+# between steps, the cached prefixes of this many waiting requests are locked against eviction
+PIN_HEADS = 4
 
 
 class ScheduledBatch(NamedTuple):
@@ -58,6 +67,7 @@ class Scheduler:
         self.num_retractions = 0
         self.num_held = 0  # admissions deferred to share a prefix being computed
         self._aborted: list[Req] = []
+        self._pins: list = []  # radix nodes locked for the head of the queue (_pin_heads)
         # set when only a request with tokens in flight could make room: the engine must
         # process the in-flight step, then schedule again
         self.needs_sync = False
@@ -92,7 +102,11 @@ class Scheduler:
 
     def _schedule_decodes(self, plan: list[tuple[Req, int]]) -> None:
         decoding = [r for r in self.running if r.wants_decode]
-        if self.kv.reserve_decodes(decoding):  # the common case: one allocation for all
+        # the common case: one allocation for all (if the pool is short, the queue's pinned
+        # prefixes give way before anything is retracted)
+        if self.kv.reserve_decodes(decoding) or (
+            self._unpin() and self.kv.reserve_decodes(decoding)
+        ):
             plan.extend((r, 1) for r in decoding)
             return
         i = 0
@@ -131,7 +145,9 @@ class Scheduler:
             if req.is_decoding or req.num_inflight:
                 continue
             n = min(req.num_pending, budget)
-            if self.kv.reserve(req, n) is None:
+            if self.kv.reserve(req, n) is None and not (
+                self._unpin() and self.kv.reserve(req, n) is not None
+            ):
                 break
             plan.append((req, n))
             budget -= n
@@ -193,8 +209,12 @@ class Scheduler:
         )
 
     def _admit(self, plan: list[tuple[Req, int]], budget: int) -> None:
+        # admission locks what it takes itself; the heads' pins have done their job
+        self._unpin()
         if not self.waiting:
             return
+        if budget > 0 and len(self.running) < self.max_running:
+            self._prefer_cached()
         headroom = self.kv.available - self._reserved()
         held: list[Req] = []
         scanned = 0
@@ -229,6 +249,42 @@ class Scheduler:
         self.waiting.extendleft(reversed(held))
         if not self.waiting:
             self.new_token_ratio = max(0.1, self.new_token_ratio - 0.001)
+        self._pin_heads()
+
+    # -- prefix-aware admission (the queue arrives in batchrun.order's DFS order) --------------
+
+    def _prefer_cached(self) -> None:
+        """Among the first CACHE_AWARE_WINDOW waiting requests, the longest cached prefix goes
+        first (stable: the given order breaks ties). Catches what a retraction or an ordering
+        window's edge put apart, at a bounded cost per step."""
+        if not self.kv.cache_enabled or len(self.waiting) < 2:
+            return
+        head = [self.waiting.popleft() for _ in range(min(CACHE_AWARE_WINDOW, len(self.waiting)))]
+        cached = [self.kv.match_len(r.fill_ids[: r.seq_len - 1]) for r in head]
+        order = sorted(range(len(head)), key=lambda i: -cached[i])
+        self.waiting.extendleft(head[i] for i in reversed(order))
+
+    def _pin_heads(self) -> None:
+        """Lock the cached prefix of the next PIN_HEADS waiting requests until the next admission,
+        so that the next step's decodes and prefills evict other leaves first.
+
+        NOTE: pins never cost a retraction or an abort: an allocation that fails releases them
+        (`_unpin`) and is retried. Only taken while requests run (an idle engine evicts nothing,
+        and so no pin outlives the queue: the engine stops once nothing runs or waits)."""
+        if not self.running or not self.kv.cache_enabled:
+            return
+        for req in islice(self.waiting, PIN_HEADS):
+            match = self.kv.cache.match_prefix(req.fill_ids[: req.seq_len - 1])
+            if match.length:
+                self.kv.cache.lock(match.last_node)
+                self._pins.append(match.last_node)
+
+    def _unpin(self) -> bool:
+        """Release the pins; True if there were any."""
+        for node in self._pins:
+            self.kv.cache.unlock(node)
+        had, self._pins = bool(self._pins), []
+        return had
 
     def _shares_uncached_prefix(self, req: Req, prefilling: list[Req]) -> bool:
         ids = req.input_ids

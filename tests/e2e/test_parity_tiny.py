@@ -15,7 +15,7 @@ from batchrun.engine.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.engine.params import GenerateRequest, SamplingParams  # noqa: E402
 
-KINDS = ["llama", "llama3", "qwen2", "qwen3", "tied"]
+KINDS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "tied"]
 NEW_TOKENS = 64
 
 
