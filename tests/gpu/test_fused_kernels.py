@@ -120,8 +120,11 @@ def test_silu_and_mul(dtype, shape):
     silu_and_mul(x, out=out)
     gate, up = x.chunk(2, dim=-1)
     ref = F.silu(gate) * up
+    # fp32: Triton's fast exp in silu differs from torch's by up to ~13 ulps (1e-6 relative),
+    # measured on the H200
+    bound = 32 if dtype == torch.float32 else MAX_ULPS[dtype]
     if num_tokens:
-        assert max_ulps(out, ref) <= MAX_ULPS[dtype], max_ulps(out, ref)
+        assert max_ulps(out, ref) <= bound, max_ulps(out, ref)
 
 
 def test_rmsnorm_module_dispatch(monkeypatch):
