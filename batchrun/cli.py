@@ -6,6 +6,11 @@ Exit codes:
     2  a bad option or argument (nothing was started)
     3  bad input: the dataset is missing, unreadable, empty or of an unknown format
     4  the model cannot be loaded (unsupported architecture, missing or mismatched weights)
+    5  interrupted (SIGTERM, SIGINT or SIGUSR1): the committed rows are kept; resumable, run the
+       same command again (Slurm: requeue the task)
+
+`batchrun merge` exits 0 when every input row is in exactly one shard, 1 otherwise (the report
+lists missing and duplicate ids), 3 when OUT or the input cannot be read.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from batchrun.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FOR
 from batchrun.engine.params import SamplingParams
 from batchrun.order import DEFAULT_WINDOW, ORDERS
 
-EXIT_FAILED, EXIT_USAGE, EXIT_INPUT, EXIT_MODEL = 1, 2, 3, 4
+EXIT_FAILED, EXIT_USAGE, EXIT_INPUT, EXIT_MODEL, EXIT_INTERRUPTED = 1, 2, 3, 4, 5
 
 
 def _fail(message: str, code: int) -> None:
@@ -195,6 +200,50 @@ def order_options(f):
     return f
 
 
+def run_control_options(f):
+    opts = [
+        click.option(
+            "--commit-every",
+            type=click.IntRange(min=1),
+            default=1000,
+            show_default=True,
+            help="Commit (fsync + manifest) at least every N rows.",
+        ),
+        click.option(
+            "--commit-interval",
+            type=click.FloatRange(min=0),
+            default=30.0,
+            show_default=True,
+            help="... and at least every T seconds.",
+        ),
+        click.option(
+            "--drain-timeout",
+            type=click.FloatRange(min=0),
+            default=30.0,
+            show_default=True,
+            help="On SIGTERM/SIGINT/SIGUSR1: seconds to finish the rows in flight before "
+            "committing and exiting with code 5.",
+        ),
+        click.option(
+            "--num-shards",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Split the input into N shards that keep prefix groups together. Default: "
+            "SLURM_ARRAY_TASK_COUNT, else 1.",
+        ),
+        click.option(
+            "--shard-index",
+            type=click.IntRange(min=0),
+            default=None,
+            help="Which shard this process runs (writes OUT/shard-I/). Default: "
+            "SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN, else 0.",
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
 def build_defaults(o: dict) -> SamplingParams:
     params = SamplingParams(
         max_new_tokens=o["max_tokens"],
@@ -271,6 +320,7 @@ def main() -> None:
     batchrun submit data.parquet --model ~/models/Llama-3.1-8B-Instruct --out runs/exp2
     batchrun plan data.parquet --model ~/models/Llama-3.1-8B-Instruct
     batchrun inspect runs/exp1
+    batchrun merge runs/exp3                                 # after a sharded (array) run
     """
 
 
@@ -296,7 +346,13 @@ def main() -> None:
     help="Rows per output file.",
 )
 @click.option("--token-ids", "with_token_ids", is_flag=True, help="Also write output token ids.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing run in --out.")
+@run_control_options
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Start over: replace the run in --out (by default a run with the same settings resumes "
+    "and a different one is refused).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def submit(dataset: str, out: str, **o) -> None:
     """Run every row of DATASET through the model and write the completions to --out.
@@ -306,10 +362,21 @@ def submit(dataset: str, out: str, **o) -> None:
     Batch output format). Per-row fields (max_tokens, temperature, stop, seed, ...) override
     the options below.
 
+    Running the same command again resumes: committed rows are kept, the rest run (a run with
+    different settings is refused unless --overwrite). With --num-shards N > 1 (default: from a
+    Slurm array job) this process runs shard --shard-index of N into OUT/shard-I/; `batchrun
+    merge OUT` checks and combines the shards.
+
     Exit codes: 0 done (bad rows are in errors-*.jsonl), 1 failed, 2 bad option, 3 bad input,
-    4 model cannot be loaded.
+    4 model cannot be loaded, 5 interrupted by a signal (resumable: run the same command again).
     """
     from batchrun.runner import RunConfig, RunError, Runner
+    from batchrun.shards import ShardOptionError, resolve_shards
+
+    try:
+        num_shards, shard_index = resolve_shards(o["num_shards"], o["shard_index"])
+    except ShardOptionError as e:
+        raise click.UsageError(str(e)) from e
 
     config = RunConfig(
         dataset=dataset,
@@ -325,6 +392,11 @@ def submit(dataset: str, out: str, **o) -> None:
         quiet=o["quiet"],
         order=o["order"],
         order_window=o["order_window"],
+        commit_every=o["commit_every"],
+        commit_interval=o["commit_interval"],
+        drain_timeout=o["drain_timeout"],
+        num_shards=num_shards,
+        shard_index=shard_index,
     )
     try:
         runner = Runner(config)
@@ -332,11 +404,31 @@ def submit(dataset: str, out: str, **o) -> None:
         _fail(str(e), e.exit_code)
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(f"cannot load the model: {e}", EXIT_MODEL)
+    where = runner.out
+    if runner.summary.already_complete:
+        click.echo(
+            f"{where} is already complete ({runner.summary.rows} rows); nothing to do "
+            "(--overwrite runs it again)",
+            err=True,
+        )
+        return
+    for note in runner.repairs:
+        click.echo(f"resume: {note}", err=True)
+    if runner.summary.resumed_rows:
+        click.echo(
+            f"resuming {where}: {runner.summary.resumed_rows} rows already committed", err=True
+        )
     try:
         summary = runner.run()
     except RunError as e:
         _fail(str(e), e.exit_code)
-    click.echo(f"{summary.line()} -> {out}", err=True)
+    if summary.interrupted:
+        click.echo(
+            f"{summary.line()} -> {where}\ninterrupted; resumable: run the same command again",
+            err=True,
+        )
+        sys.exit(EXIT_INTERRUPTED)
+    click.echo(f"{summary.line()} -> {where}", err=True)
 
 
 @main.command()
@@ -378,6 +470,27 @@ def plan(dataset: str, **o) -> None:
     except PlanError as e:
         _fail(str(e), e.exit_code)
     click.echo(report)
+
+
+@main.command()
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option(
+    "--show", type=int, default=20, show_default=True, help="How many missing / duplicate ids."
+)
+def merge(out: str, show: int) -> None:
+    """Check that every input row is in exactly one shard of OUT/shard-*/ and write the merged
+    view OUT/merged/ (results-*.jsonl, errors-*.jsonl, manifest.json; hard links to the shard
+    files). Exit 0 when complete and exactly once; 1 with a report of missing shards, missing ids
+    and duplicate ids otherwise (nothing merged); 3 when OUT or the input cannot be read."""
+    from batchrun.merge import MergeError, merge_run
+
+    try:
+        report = merge_run(out, show=show)
+    except MergeError as e:
+        _fail(str(e), EXIT_INPUT)
+    click.echo(report.text())
+    if not report.ok:
+        sys.exit(EXIT_FAILED)
 
 
 @main.command()

@@ -11,9 +11,17 @@ class InspectError(Exception):
     pass
 
 
-def _count_lines(path: Path) -> int:
+def _count_lines(path: Path, length: int) -> int:
+    """Lines within the first ``length`` (committed) bytes."""
+    num, left = 0, length
     with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
+        while left > 0:
+            chunk = f.read(min(left, 1 << 22))
+            if not chunk:
+                break
+            num += chunk.count(b"\n")
+            left -= len(chunk)
+    return num
 
 
 def inspect_run(out: str | Path) -> str:
@@ -23,6 +31,11 @@ def inspect_run(out: str | Path) -> str:
     except ValueError as e:
         raise InspectError(str(e)) from e
     if m is None:
+        if any(out.glob("shard-*/manifest.json")):
+            raise InspectError(
+                f"{out} holds a sharded run: inspect one shard ({out}/shard-0, ...) or check and "
+                f"combine them with `batchrun merge {out}` (then `batchrun inspect {out}/merged`)"
+            )
         raise InspectError(f"{out} has no manifest.json: not a batchrun output directory")
     c = m.counts
     lines = [
@@ -45,9 +58,15 @@ def inspect_run(out: str | Path) -> str:
         if not path.is_file():
             problems.append(f"{f.path}: listed in the manifest but missing")
             continue
-        n = _count_lines(path)
+        size = path.stat().st_size
+        length = f.bytes if f.bytes is not None else size
+        n = _count_lines(path, length)
         if n != f.rows:
             problems.append(f"{f.path}: {n} lines on disk, manifest says {f.rows}")
+        if size > length:  # a crash after an append, before its commit
+            problems.append(f"{f.path}: {size - length} uncommitted bytes (cut on resume)")
+        elif size < length:
+            problems.append(f"{f.path}: shorter than its committed {length} bytes")
     lines.append(
         f"files        {len(m.files)}: " + ", ".join(f"{f.path} ({f.rows})" for f in m.files)
     )

@@ -1,11 +1,15 @@
-"""`batchrun submit`: dataset in, sharded JSONL out.
+"""`batchrun submit`: dataset in, sharded JSONL out, resumable.
 
     read (batches of raw rows) -> prepare (id, prompt/messages, per-row params) -> tokenize
+    -> keep this shard's rows, skip rows committed by an earlier attempt
     -> prefix order (DFS over token ids, per window of --order-window rows)
-    -> engine.generate (lazily pulled, bounded) -> group the n samples of a row -> records
-    -> ShardedWriter (results / errors) -> manifest.json
+    -> engine (fed lazily, stepped by the runner's loop) -> group the n samples of a row
+    -> records -> RunOutput (results / errors shards, row ledger; manifest.json = the commit)
 
-Every input row ends up exactly once: in a results shard (n lines) or in an errors shard.
+Every input row ends up exactly once: in a results shard (n lines) or in an errors shard. The
+loop is ``while not done: step()``; it commits every --commit-every rows or --commit-interval
+seconds, and on SIGTERM / SIGINT / SIGUSR1 stops feeding the engine, drains the rows in flight
+for at most --drain-timeout seconds, commits and reports ``interrupted`` (exit code 5).
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from pathlib import Path
 
 import msgspec
 
+from batchrun.commit import RunOutput
 from batchrun.engine.config import EngineConfig
-from batchrun.engine.engine import Engine
+from batchrun.engine.engine import Engine, derive_seed
 from batchrun.engine.params import GenerateRequest, GenerateResult, SamplingParams
 from batchrun.engine.stop import cut_at_stop
-from batchrun.io.manifest import Counts, InputInfo, Manifest, read_manifest, utc_now, write_manifest
+from batchrun.errors import InputError, ModelError, RunError
+from batchrun.io.manifest import InputInfo, Manifest, utc_now
 from batchrun.io.readers import DatasetSource, open_dataset
 from batchrun.io.records import (
     Completion,
@@ -33,21 +39,16 @@ from batchrun.io.records import (
     result_records,
 )
 from batchrun.io.rows import PreparedRow, RowError, RowSpec
-from batchrun.io.writer import ShardedWriter
-from batchrun.order import DEFAULT_WINDOW, ORDERS, ordered_windows
+from batchrun.order import DEFAULT_WINDOW, ORDERS, ordered_windows, shard_of
 from batchrun.pipeline import RowPipeline
 from batchrun.progress import Progress
+from batchrun.resume import make_fingerprint
+from batchrun.shards import error_shard_of, shard_dir
+from batchrun.signals import StopSignals
+from batchrun.summary import RunSummary
 from batchrun.tokenize import TokenizedRow
 
-
-class RunError(Exception):
-    """A run that cannot start or go on; the message says what to do."""
-
-    exit_code = 1
-
-
-class InputError(RunError):
-    exit_code = 3
+__all__ = ["InputError", "ModelError", "RunConfig", "RunError", "RunSummary", "Runner"]
 
 
 @dataclass(frozen=True)
@@ -66,60 +67,57 @@ class RunConfig:
     read_batch_size: int = 256
     order: str = "prefix"  # prefix: DFS order over token ids per window; input: as read
     order_window: int = DEFAULT_WINDOW  # rows ordered together (held in memory at once)
+    commit_every: int = 1000  # rows between commits
+    commit_interval: float = 30.0  # seconds between commits (when rows are waiting)
+    drain_timeout: float = 30.0  # after a stop signal, seconds to finish the rows in flight
+    num_shards: int = 1
+    shard_index: int = 0
+    handle_signals: bool = True  # install SIGTERM/SIGINT/SIGUSR1 handlers (main thread only)
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}; got {self.order!r}")
         if self.order_window < 1:
             raise ValueError(f"order_window must be >= 1; got {self.order_window}")
-
-
-@dataclass
-class RunSummary:
-    rows: int = 0
-    rows_ok: int = 0
-    rows_failed: int = 0
-    completions: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    elapsed_s: float = 0.0
-
-    @property
-    def cached_fraction(self) -> float:
-        """Prompt tokens served from the prefix cache, as a fraction of all prompt tokens."""
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    def line(self) -> str:
-        tok_s = self.completion_tokens / self.elapsed_s if self.elapsed_s else 0.0
-        return (
-            f"{self.rows} rows: {self.rows_ok} ok, {self.rows_failed} failed; "
-            f"{self.completion_tokens} output tokens in {self.elapsed_s:.1f} s "
-            f"({tok_s:,.0f} tok/s); cached_fraction {self.cached_fraction:.3f} "
-            f"({self.cached_tokens:,} of {self.prompt_tokens:,} prompt tokens)"
-        )
+        if self.commit_every < 1 or self.commit_interval < 0 or self.drain_timeout < 0:
+            raise ValueError("commit_every must be >= 1, commit_interval and drain_timeout >= 0")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"shard_index {self.shard_index} not in 0..{self.num_shards - 1}")
 
 
 class Runner:
     def __init__(self, config: RunConfig, engine: Engine | None = None):
         self.config = config
-        self.out = Path(config.out)
+        self.out = shard_dir(config.out, config.num_shards, config.shard_index)
         self.source = self._open_source()
-        self._prepare_out_dir()
-        self.engine = engine or Engine(config.engine)
-        self.tokenizer = self.engine.tokenizer
-        self.summary = RunSummary()
+        fresh = Manifest(
+            created=utc_now(),
+            model=config.engine.model or "embedded:SmolLM2-135M-Instruct",
+            input=InputInfo(_abspath(config.dataset), self.source.format, config.split),
+            config=self._config_dict(),
+            num_shards=config.num_shards,
+            shard_index=config.shard_index,
+            fingerprint=self._fingerprint(),
+        )
+        self.output = RunOutput.open(self.out, fresh, config.shard_size, config.overwrite)
+        self._manifest = self.output.manifest
+        self.summary = RunSummary.from_counts(self._manifest.counts)
+        self.engine: Engine | None = None
+        if self.output.is_complete:
+            self.summary.status = "already complete"
+            return
+        # NOTE: handlers go in before the (slow) model load, so a Slurm signal that comes while
+        # loading still ends in a commit and exit 5; run() restores the previous ones.
+        self._stop = StopSignals(config.handle_signals, config.drain_timeout).install()
+        try:
+            self.engine = engine or Engine(config.engine)
+            self.tokenizer = self.engine.tokenizer
+        except BaseException:
+            self._stop.restore()
+            raise
         self._pipeline: RowPipeline | None = None
         self._pending: dict[str, tuple[PreparedRow, list[Completion]]] = {}
         self._failures: dict[str, str] = {}  # rid -> why the engine could not run it
-        self._results = ShardedWriter(self.out, "results", config.shard_size)
-        self._errors = ShardedWriter(self.out, "errors", config.shard_size)
-        self._manifest = Manifest(
-            created=utc_now(),
-            model=config.engine.model or "embedded:SmolLM2-135M-Instruct",
-            input=InputInfo(str(config.dataset), self.source.format, config.split),
-            config=self._config_dict(),
-        )
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -131,25 +129,11 @@ class Runner:
         except BadInputError as e:
             raise InputError(str(e)) from e
 
-    def _prepare_out_dir(self) -> None:
-        out = self.out
-        if out.exists() and not out.is_dir():
-            raise RunError(f"--out {out} exists and is not a directory")
-        if out.is_dir() and any(out.iterdir()):
-            if not self.config.overwrite:
-                state = "a batchrun run" if read_manifest(out) is not None else "files"
-                raise RunError(
-                    f"--out {out} already holds {state}; choose another directory or pass "
-                    "--overwrite to replace it"
-                )
-            for p in out.iterdir():
-                if p.is_file() and (
-                    p.name == "manifest.json"
-                    or p.suffix == ".jsonl"
-                    or p.name.endswith(".jsonl.tmp")
-                ):
-                    p.unlink()
-        out.mkdir(parents=True, exist_ok=True)
+    def _fingerprint(self) -> dict:
+        try:
+            return make_fingerprint(self.config, self.source.format)
+        except OSError as e:
+            raise InputError(f"cannot read {self.config.dataset} or the model: {e}") from e
 
     def _config_dict(self) -> dict:
         cfg = self.config
@@ -165,6 +149,11 @@ class Runner:
             "engine": asdict(cfg.engine),
         }
 
+    @property
+    def repairs(self) -> list[str]:
+        """What resuming had to repair (uncommitted tails dropped, stray files removed)."""
+        return self.output.notes
+
     def total_rows(self) -> int | None:
         n = self.source.num_rows
         if n is None and hasattr(self.source, "count_rows"):
@@ -176,27 +165,75 @@ class Runner:
     # -- the run -----------------------------------------------------------------------------
 
     def run(self) -> RunSummary:
+        if self.engine is None:  # already complete: nothing to do
+            return self.summary
+        cfg = self.config
         total = self.total_rows()
         if total == 0:
-            raise InputError(f"{self.config.dataset}: the input has no rows; nothing to do")
-        write_manifest(self.out, self._manifest)
-        progress = Progress(total, self.config.quiet)
-        start = time.perf_counter()
-        try:
-            for result in self.engine.generate(self._requests()):
-                self._on_result(result, progress)
-            self._results.close()
-            self._errors.close()
-        finally:
-            progress.close()
+            raise InputError(f"{cfg.dataset}: the input has no rows; nothing to do")
+        self._commit(status="running")  # a fresh run's manifest exists before any shard
+        progress = Progress(total if cfg.num_shards == 1 else None, cfg.quiet)
         s = self.summary
+        progress.update(s.rows, 0, s.prompt_tokens, s.cached_tokens)
+        start = time.perf_counter()
+        self._requests_iter = self._requests()
+        self._exhausted = False
+        stop = self._stop
+        try:
+            while not self._done():
+                self._step(progress)
+            interrupted = stop.requested and not (self._exhausted and not self._pending)
+        finally:
+            stop.restore()
+            progress.close()
+            self._requests_iter.close()
         s.elapsed_s = time.perf_counter() - start
-        if self._pending:
-            raise RunError(f"internal error: {len(self._pending)} rows never finished")
-        self._manifest.status = "complete"
-        self._manifest.finished = utc_now()
-        self._commit_manifest()
+        if interrupted:
+            s.status = "interrupted"
+            self._commit(status="interrupted")
+        else:
+            if self._pending:
+                raise RunError(f"internal error: {len(self._pending)} rows never finished")
+            s.status = "complete"
+            self._commit(status="complete", finished=utc_now())
+        self.output.close()
         return s
+
+    def _done(self) -> bool:
+        engine, stop = self.engine, self._stop
+        if stop.requested:
+            # NOTE: stop admitting: requests that never started leave the queue. Their rows stay
+            # uncommitted and run on resume; only the running ones drain.
+            engine.drop_waiting()
+            # drain: the running rows finish, unless the timeout passes first
+            return not engine.has_work or stop.drain_expired
+        return self._exhausted and not engine.has_work
+
+    def _step(self, progress: Progress) -> None:
+        """Feed the engine (bounded, as Engine.generate does), run one step, commit if due."""
+        engine = self.engine
+        while (
+            not self._exhausted
+            and not self._stop.requested
+            and len(engine.scheduler.waiting) < engine.config.max_pending
+        ):
+            request = next(self._requests_iter, None)
+            if request is None:
+                self._exhausted = True
+            else:
+                engine.add_request(request)
+        if engine.has_work:
+            for result in engine.step():
+                self._on_result(result, progress)
+        cfg = self.config
+        pending = self.output.num_uncommitted
+        if pending >= cfg.commit_every or (
+            pending and time.monotonic() - self.output.last_commit >= cfg.commit_interval
+        ):
+            self._commit()
+
+    def _commit(self, status: str | None = None, finished: str | None = None) -> None:
+        self.output.commit(self.summary.counts(), status, finished)
 
     def _requests(self) -> Iterator[GenerateRequest]:
         cfg = self.config
@@ -217,10 +254,16 @@ class Runner:
             yield self._request(item)
 
     def _tokenized(self, pipeline: RowPipeline) -> Iterator[TokenizedRow]:
+        """This shard's rows that no earlier attempt committed (bad rows go to errors here)."""
+        num_shards, index = self.config.num_shards, self.config.shard_index
+        committed = self.output.is_committed
         for item in pipeline:
             if isinstance(item, RowError):
-                self._on_error(item)
-            else:
+                if error_shard_of(item.row, num_shards) == index and not committed(item.row):
+                    self._on_error(item)
+            elif not committed(item.prepared.row) and (
+                num_shards == 1 or shard_of(item.input_ids, num_shards) == index
+            ):
                 yield item
 
     def _request(self, item: TokenizedRow) -> GenerateRequest:
@@ -230,8 +273,6 @@ class Runner:
         params = prepared.params
         if params.seed is None:
             # per-row seed from the row's id: a row samples the same wherever it runs
-            from batchrun.engine.engine import derive_seed
-
             params = msgspec.structs.replace(
                 params, seed=derive_seed(self.config.engine.seed, prepared.id)
             )
@@ -262,7 +303,9 @@ class Runner:
         s.completions += len(done)
         s.prompt_tokens += sum(c.prompt_tokens for c in done)
         s.cached_tokens += sum(c.cached_tokens for c in done)
-        s.completion_tokens += sum(c.completion_tokens for c in done)
+        tokens = sum(c.completion_tokens for c in done)
+        s.completion_tokens += tokens
+        s.session_tokens += tokens
         if prepared.openai:
             token_str = (lambda t: self.tokenizer.decode([t])) if prepared.params.logprobs else None
             record = openai_result_record(
@@ -271,12 +314,13 @@ class Runner:
                 model=prepared.extra.get("model") or self._manifest.model,
                 token_str=token_str,
             )
-            self._commit(self._results.add(encode_line(record)))
-            return
-        for record in result_records(
-            prepared, done, with_token_ids=self.config.with_token_ids, with_timing=False
-        ):
-            self._commit(self._results.add(encode_line(record)))
+            lines = [encode_line(record)]
+        else:
+            records = result_records(
+                prepared, done, with_token_ids=self.config.with_token_ids, with_timing=False
+            )
+            lines = [encode_line(r) for r in records]
+        self.output.add_result(prepared.row, lines)
 
     def _completion(self, prepared: PreparedRow, r: GenerateResult) -> Completion:
         text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
@@ -299,31 +343,15 @@ class Runner:
         self.summary.rows_failed += 1
         openai = self._pipeline is not None and self._pipeline.openai
         record = openai_error_record(error) if openai else error_record(error)
-        self._commit(self._errors.add(encode_line(record)))
-
-    def _commit(self, shard) -> None:
-        """A shard was just written: list it in the manifest (the commit record)."""
-        if shard is not None:
-            self._commit_manifest()
-
-    def _commit_manifest(self) -> None:
-        s = self.summary
-        m = self._manifest
-        m.files = list(self._results.files) + list(self._errors.files)
-        m.counts = Counts(
-            rows_total=s.rows,
-            rows_ok=s.rows_ok,
-            rows_failed=s.rows_failed,
-            completions=s.completions,
-            prompt_tokens=s.prompt_tokens,
-            completion_tokens=s.completion_tokens,
-            cached_tokens=s.cached_tokens,
-        )
-        write_manifest(self.out, m)
+        self.output.add_error(error.row, encode_line(record))
 
 
 def _input_ids(row: TokenizedRow) -> list[int]:
     return row.input_ids
+
+
+def _abspath(dataset: str) -> str:
+    return str(Path(dataset).expanduser().absolute())
 
 
 def default_out_dir(dataset: str) -> str:

@@ -1,8 +1,23 @@
 #!/usr/bin/env bash
-# Install into .venv (idempotent) and run the CPU test tiers: tests/unit and tests/e2e.
-# GPU tests (tests/gpu) skip without CUDA; Slurm tests need scripts/slurm-local.sh first.
+# Install into .venv (idempotent) and run the tests:
+#   1. tests/unit, tests/e2e (CPU) and tests/gpu (skips without CUDA), with any arguments given;
+#   2. tests/slurm, when a local Slurm is up (bash scripts/slurm-local.sh start), else skipped.
+#      BATCHRUN_SLURM_TESTS=0 skips it; BATCHRUN_REQUIRE_SLURM=1 (CI) fails without a cluster.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=test bash scripts/setup-env.sh
 . .venv/bin/activate
+start=$SECONDS
 python -m pytest tests/unit tests/e2e tests/gpu -q -m "not slurm" -p no:cacheprovider "$@"
+echo "test.sh: unit + e2e + gpu tiers passed in $((SECONDS - start)) s"
+
+slurm_up() { command -v sinfo >/dev/null && sinfo -h -N -o %T 2>/dev/null | grep -Eq '^(idle|mixed|allocated)'; }
+if [ "${BATCHRUN_SLURM_TESTS:-1}" = 0 ]; then
+  echo "test.sh: slurm tier skipped (BATCHRUN_SLURM_TESTS=0)"
+elif slurm_up || [ "${BATCHRUN_REQUIRE_SLURM:-0}" = 1 ]; then
+  start=$SECONDS
+  python -m pytest tests/slurm -q -m slurm -p no:cacheprovider
+  echo "test.sh: slurm tier passed in $((SECONDS - start)) s"
+else
+  echo "test.sh: slurm tier skipped (no local Slurm; bash scripts/slurm-local.sh start)"
+fi

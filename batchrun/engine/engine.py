@@ -127,6 +127,13 @@ class Engine:
                 Req(request.rid, i, list(request.input_ids), params, seed, self._arrivals)
             )
 
+    def drop_waiting(self) -> int:
+        """Forget the requests that have not started (they hold no KV); running ones go on.
+        For a graceful stop: drain what runs, resume the rest later. Returns how many."""
+        dropped = len(self.scheduler.waiting)
+        self.scheduler.waiting.clear()
+        return dropped
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._inflight is not None

@@ -1,8 +1,12 @@
 """``manifest.json``: the commit record of a run directory.
 
-A shard counts as written only once the manifest lists it; a resumed run trusts the listed
-files and redoes everything else (a shard file on disk that the manifest does not list is
-overwritten). The manifest is rewritten atomically after each committed shard.
+A record counts as written only once the manifest covers it: each listed shard file has its
+committed ``rows`` and ``bytes``, ``ledger_rows`` counts the committed input rows (their row
+numbers are in ``rows-committed.bin``), ``counts`` sums them. The manifest is rewritten
+atomically (temp file, fsync, rename) at every commit; a resumed run truncates everything past
+the committed lengths and redoes those rows. ``fingerprint`` pins what the output depends on
+(model, input, sampling defaults, row spec, order, shard split, batchrun version): a run only
+resumes into a directory with the same fingerprint.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ class Counts(msgspec.Struct):
 
 class Manifest(msgspec.Struct, kw_only=True):
     batchrun_version: str = __version__
-    status: Literal["running", "complete"] = "running"
+    status: Literal["running", "interrupted", "complete"] = "running"
     created: str  # ISO 8601, UTC
     finished: str | None = None
     model: str  # name or path as given
@@ -45,6 +49,10 @@ class Manifest(msgspec.Struct, kw_only=True):
     config: dict[str, Any] = msgspec.field(default_factory=dict)
     counts: Counts = msgspec.field(default_factory=Counts)
     files: list[ShardFile] = msgspec.field(default_factory=list)  # paths relative to the run dir
+    ledger_rows: int = 0  # committed input rows (results + errors), see RowLedger
+    num_shards: int = 1
+    shard_index: int = 0
+    fingerprint: dict[str, Any] = msgspec.field(default_factory=dict)
 
     @property
     def is_complete(self) -> bool:

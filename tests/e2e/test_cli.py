@@ -231,9 +231,12 @@ def test_clear_messages_for_bad_invocations(model, tmp_path):
     submit(model, ds, out, "--prompt-column", "nope", "--messages-column", "")
     check_complete(out, 1, 0)
     assert "nope" in read_jsonl(out, "errors")[0]["error"]["message"]
-    # an existing run is not overwritten by accident
+    # an existing run is not overwritten by accident: the same run is complete already, a
+    # different one is refused
+    r = submit(model, ds, out, "--prompt-column", "nope", "--messages-column", "")
+    assert "already complete" in r.output
     r = submit(model, ds, out, code=1)
-    assert "--overwrite" in r.output
+    assert "different run" in r.output and "--overwrite" in r.output
     submit(model, ds, out, "--overwrite")
 
 

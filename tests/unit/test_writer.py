@@ -155,28 +155,26 @@ def test_openai_completions_output_with_logprobs() -> None:
     }
 
 
-def test_sharded_writer_rotates_atomically_and_reads_back(tmp_path: Path) -> None:
+def test_sharded_writer_rotates_on_commit_and_reads_back(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
     out = tmp_path / "run"
-    (out).mkdir()
-    (out / ".results-00009.jsonl.tmp").write_text("stale")  # left by a crashed run
     prepared = [make_prepared({"prompt": f"p{i}"}, row=i) for i in range(25)]
-    committed = []
-    with ShardedWriter(out, "results", shard_size=10) as writer:
-        assert not (out / ".results-00009.jsonl.tmp").exists()
-        for p in prepared:
-            for rec in result_records(p, [make_completion(text=f"t{p.row}")]):
-                shard = writer.add(encode_line(rec))
-                if shard is not None:
-                    committed.append(shard)
-        assert writer.num_buffered == 5 and writer.num_written == 20
-    assert committed == [ShardFile("results-00000.jsonl", 10), ShardFile("results-00001.jsonl", 10)]
-    assert writer.files == committed + [ShardFile("results-00002.jsonl", 5)]
-    assert sorted(p.name for p in out.iterdir()) == [
-        "results-00000.jsonl",
-        "results-00001.jsonl",
-        "results-00002.jsonl",
-    ]  # no .tmp left behind
+    writer = ShardedWriter(out, "results", shard_size=10)
+    for p in prepared:
+        for rec in result_records(p, [make_completion(text=f"t{p.row}")]):
+            writer.add(encode_line(rec))
+        if p.row % 7 == 6:
+            writer.commit()  # commits do not follow shard boundaries
+    assert writer.num_buffered == 4 and writer.num_written == 21
+    assert writer.commit() is False  # no new file: the last one had room
+    writer.close()
+    assert [(f.path, f.rows) for f in writer.files] == [
+        ("results-00000.jsonl", 10),
+        ("results-00001.jsonl", 10),
+        ("results-00002.jsonl", 5),
+    ]
+    for f in writer.files:
+        assert f.bytes == (out / f.path).stat().st_size
     files = [str(out / f.path) for f in writer.files]
     ds = datasets.load_dataset("json", data_files=files, split="train")
     assert sorted(ds["row"]) == list(range(25)) and ds[0]["usage"]["cached_tokens"] == 4
@@ -187,11 +185,22 @@ def test_sharded_writer_rotates_atomically_and_reads_back(tmp_path: Path) -> Non
     assert sorted(ids, key=int) == [str(i) for i in range(25)]
 
 
-def test_writer_resume_numbering_and_empty_close(tmp_path: Path) -> None:
-    w = ShardedWriter(tmp_path, "errors", shard_size=3, start_index=4)
-    assert w.close() is None and w.files == []  # nothing buffered: no empty file
-    w.add_many([b'{"a":1}\n'] * 3)
-    assert w.files == [ShardFile("errors-00004.jsonl", 3)]
+def test_writer_resume_continues_last_shard_and_empty_commit(tmp_path: Path) -> None:
+    w = ShardedWriter(tmp_path, "errors", shard_size=3)
+    assert w.commit() is False and w.files == []  # nothing buffered: no empty file
+    for _ in range(2):
+        w.add(b'{"a":1}\n')
+    assert w.commit() is True
+    w.close()
+    again = ShardedWriter(tmp_path, "errors", shard_size=3, files=w.files)
+    assert again.repair() == []
+    for _ in range(2):
+        again.add(b'{"b":2}\n')
+    again.commit()
+    assert [(f.path, f.rows) for f in again.files] == [
+        ("errors-00000.jsonl", 3),
+        ("errors-00001.jsonl", 1),
+    ]
     with pytest.raises(ValueError):
         ShardedWriter(tmp_path, "x", shard_size=0)
 
@@ -247,8 +256,8 @@ def test_every_row_accounted_for_once(tmp_path: Path) -> None:
             else:
                 for rec in result_records(p, [make_completion()]):
                     results.add(encode_line(rec))
-    results.close()
-    errors.close()
+    results.commit()
+    errors.commit()
     read = lambda w: [json.loads(x) for f in w.files for x in (w.out_dir / f.path).open()]
     ok, bad = read(results), read(errors)
     assert sorted(r["row"] for r in ok) == [0, 5]

@@ -1,0 +1,178 @@
+"""A run directory and its commit protocol: results / errors shards, row ledger, manifest.
+
+    add_result / add_error (buffered) --commit()--> append + fsync shards, append + fsync ledger,
+                                                    fsync dir (new files), replace manifest.json
+
+``manifest.json`` is replaced atomically last, so it is the commit: whatever it lists (files with
+their committed rows and bytes, ``ledger_rows`` committed input rows, counts) is the run's
+committed state, at every instant. A kill -9 anywhere leaves at most uncommitted bytes past those
+lengths; ``open`` (the resume) cuts them off, reports it, and returns the committed row numbers so
+the runner skips those rows and runs the rest. A row enters the ledger in the same commit as its
+records and is never added twice, so no row is ever committed twice.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from batchrun.errors import RunError
+from batchrun.io.manifest import MANIFEST_NAME, Counts, Manifest, read_manifest, write_manifest
+from batchrun.io.writer import (
+    DamagedRunError,
+    RowLedger,
+    ShardedWriter,
+    ShardFile,
+    fsync_dir,
+)
+from batchrun.resume import fingerprint_diff
+
+OUR_FILES = ("results-", "errors-", ".results-", ".errors-", RowLedger.NAME, MANIFEST_NAME)
+
+
+class RunOutput:
+    def __init__(self, out: Path, manifest: Manifest, shard_size: int) -> None:
+        self.out = out
+        self.manifest = manifest
+        files = manifest.files
+        self.results = ShardedWriter(out, "results", shard_size, _with_prefix(files, "results-"))
+        self.errors = ShardedWriter(out, "errors", shard_size, _with_prefix(files, "errors-"))
+        self.ledger = RowLedger(out, manifest.ledger_rows)
+        self.notes: list[str] = []  # what a resume repaired
+        self._committed = np.zeros(0, dtype=bool)  # bitmap over row numbers committed before
+        self.last_commit = time.monotonic()
+
+    # -- opening: fresh, resumed or complete -----------------------------------------------------
+
+    @classmethod
+    def open(cls, out: Path, fresh: Manifest, shard_size: int, overwrite: bool) -> RunOutput:
+        """The run in ``out``: a new one (``fresh``), or the committed state of the same run
+        (same fingerprint) repaired for resuming. Raises RunError with what to do otherwise."""
+        try:
+            return cls._open(out, fresh, shard_size, overwrite)
+        except DamagedRunError as e:
+            raise RunError(f"cannot resume {out}: {e}; pass --overwrite to start over") from e
+        except OSError as e:
+            raise RunError(f"cannot prepare --out {out}: {e}") from e
+
+    @classmethod
+    def _open(cls, out: Path, fresh: Manifest, shard_size: int, overwrite: bool) -> RunOutput:
+        if out.exists() and not out.is_dir():
+            raise RunError(f"--out {out} exists and is not a directory")
+        if overwrite and out.is_dir():
+            for p in out.iterdir():
+                if p.is_file() and p.name.startswith(OUR_FILES):
+                    p.unlink()
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            old = read_manifest(out)
+        except ValueError as e:
+            raise RunError(str(e)) from e
+        if old is None:
+            foreign = [p.name for p in out.iterdir() if not p.name.startswith(".")]
+            if foreign:
+                raise RunError(
+                    f"--out {out} already holds files ({', '.join(sorted(foreign)[:3])}, ...) but "
+                    "no batchrun manifest; choose another directory or pass --overwrite"
+                )
+            return cls(out, fresh, shard_size)
+        if not old.fingerprint:
+            raise RunError(
+                f"--out {out} holds a run of batchrun {old.batchrun_version}, which cannot be "
+                "resumed; choose another directory or pass --overwrite to replace it"
+            )
+        diff = fingerprint_diff(old.fingerprint, fresh.fingerprint)
+        if diff:
+            raise RunError(
+                f"--out {out} already holds a different run; what differs: {'; '.join(diff)}. "
+                "Run the original command to resume it, choose another --out, or pass "
+                "--overwrite to replace it"
+            )
+        run = cls(out, old, shard_size)
+        if not old.is_complete:
+            run._repair()
+        return run
+
+    def _repair(self) -> None:
+        self.notes += self.results.repair() + self.errors.repair()
+        rows = self.ledger.repair()
+        if len(rows):
+            self._committed = np.zeros(int(rows.max()) + 1, dtype=bool)
+            self._committed[rows] = True
+        if self.notes:
+            fsync_dir(self.out)
+
+    @property
+    def is_complete(self) -> bool:
+        return self.manifest.is_complete
+
+    @property
+    def num_committed_rows(self) -> int:
+        return self.manifest.ledger_rows
+
+    def is_committed(self, row: int) -> bool:
+        """Whether a previous attempt committed this input row (skip it)."""
+        return row < len(self._committed) and bool(self._committed[row])
+
+    # -- adding and committing --------------------------------------------------------------------
+
+    def add_result(self, row: int, lines: list[bytes]) -> None:
+        for line in lines:
+            self.results.add(line)
+        self.ledger.add(row)
+
+    def add_error(self, row: int, line: bytes) -> None:
+        self.errors.add(line)
+        self.ledger.add(row)
+
+    @property
+    def num_uncommitted(self) -> int:
+        return self.ledger.num_pending
+
+    def commit(self, counts: Counts, status: str | None = None, finished: str | None = None):
+        """Make everything added so far durable, then replace the manifest (the commit).
+        On an OSError (disk full, I/O error) the files are cut back to the last commit and a
+        RunError says so; the committed rows stay valid for a resume."""
+        m = self.manifest
+        committed = ([ShardFile(f.path, f.rows, f.bytes) for f in m.files], m.ledger_rows)
+        try:
+            created = self.results.commit() | self.errors.commit()
+            self.ledger.commit()
+            if created:
+                fsync_dir(self.out)
+            m.files = list(self.results.files) + list(self.errors.files)
+            m.ledger_rows = self.ledger.committed
+            m.counts = counts
+            if status is not None:
+                m.status = status
+            if finished is not None:
+                m.finished = finished
+            write_manifest(self.out, m)
+        except OSError as e:
+            m.files, m.ledger_rows = committed
+            self._restore(*committed)
+            raise RunError(
+                f"cannot write to {self.out}: {e.strerror or e}; the run stopped. The "
+                f"{committed[1]:,} rows committed before are intact: free space (or fix the "
+                "disk) and run the same command again to resume"
+            ) from e
+        self.last_commit = time.monotonic()
+
+    def _restore(self, files: list[ShardFile], ledger_rows: int) -> None:
+        """Best effort: cut the files back to the last commit (a resume would do it anyway)."""
+        try:
+            for prefix in ("results-", "errors-"):
+                ShardedWriter(self.out, prefix[:-1], 1, _with_prefix(files, prefix)).repair()
+            RowLedger(self.out, ledger_rows).truncate()
+        except (OSError, DamagedRunError):
+            pass
+
+    def close(self) -> None:
+        self.results.close()
+        self.errors.close()
+
+
+def _with_prefix(files: list[ShardFile], prefix: str) -> list[ShardFile]:
+    return [f for f in files if f.path.startswith(prefix)]

@@ -1,0 +1,17 @@
+"""Errors that end a run; each carries the CLI exit code (batchrun/cli.py's table)."""
+
+from __future__ import annotations
+
+
+class RunError(Exception):
+    """A run that cannot start or go on; the message says what to do."""
+
+    exit_code = 1
+
+
+class InputError(RunError):
+    exit_code = 3
+
+
+class ModelError(RunError):
+    exit_code = 4
