@@ -395,6 +395,7 @@ def submit(dataset: str, out: str, **o) -> None:
         commit_every=o["commit_every"],
         commit_interval=o["commit_interval"],
         drain_timeout=o["drain_timeout"],
+        keep_signal_handlers=True,
         num_shards=num_shards,
         shard_index=shard_index,
     )

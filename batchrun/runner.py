@@ -44,7 +44,7 @@ from batchrun.pipeline import RowPipeline
 from batchrun.progress import Progress
 from batchrun.resume import make_fingerprint
 from batchrun.shards import error_shard_of, shard_dir
-from batchrun.signals import StopSignals
+from batchrun.signals import EXIT_INTERRUPTED, StopSignals
 from batchrun.summary import RunSummary
 from batchrun.tokenize import TokenizedRow
 
@@ -73,6 +73,7 @@ class RunConfig:
     num_shards: int = 1
     shard_index: int = 0
     handle_signals: bool = True  # install SIGTERM/SIGINT/SIGUSR1 handlers (main thread only)
+    keep_signal_handlers: bool = False  # the CLI: after the run, a signal exits with its code
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
@@ -179,23 +180,34 @@ class Runner:
         self._requests_iter = self._requests()
         self._exhausted = False
         stop = self._stop
+        exit_code = 1  # what a signal after the run means, if the run raises
         try:
             while not self._done():
                 self._step(progress)
             interrupted = stop.requested and not (self._exhausted and not self._pending)
+            progress.close()
+            s.elapsed_s = time.perf_counter() - start
+            # NOTE: the handlers stay in place through the final commit: a second signal there
+            # exits at once, and the manifest (replaced atomically) stays consistent
+            if interrupted:
+                s.status = "interrupted"
+                self._commit(status="interrupted")
+                exit_code = EXIT_INTERRUPTED
+            else:
+                if self._pending:
+                    raise RunError(f"internal error: {len(self._pending)} rows never finished")
+                s.status = "complete"
+                self._commit(status="complete", finished=utc_now())
+                exit_code = 0
         finally:
-            stop.restore()
             progress.close()
             self._requests_iter.close()
-        s.elapsed_s = time.perf_counter() - start
-        if interrupted:
-            s.status = "interrupted"
-            self._commit(status="interrupted")
-        else:
-            if self._pending:
-                raise RunError(f"internal error: {len(self._pending)} rows never finished")
-            s.status = "complete"
-            self._commit(status="complete", finished=utc_now())
+            if cfg.keep_signal_handlers:
+                # a process about to exit: a late signal (e.g. Slurm's USR1 just after the drain)
+                # must not kill it with the default action, but exit with the run's own code
+                stop.finish(exit_code)
+            else:
+                stop.restore()
         self.output.close()
         return s
 

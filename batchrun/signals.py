@@ -33,6 +33,7 @@ class StopSignals:
         self.signal_name: str | None = None
         self._since: float | None = None
         self._previous: dict[int, object] = {}
+        self._final_code: int | None = None
 
     @property
     def requested(self) -> bool:
@@ -50,6 +51,8 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
+        if self._final_code is not None:  # the run is over and committed
+            os._exit(self._final_code)
         if self.requested:
             _say(
                 f"\nbatchrun: {name} again: exiting now; committed rows are kept, run the same "
@@ -69,6 +72,11 @@ class StopSignals:
             for s in STOP_SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
+
+    def finish(self, exit_code: int) -> None:
+        """The run is over (committed): from now on a stop signal exits the process at once
+        with `exit_code` instead of the default action (for a CLI process about to exit)."""
+        self._final_code = exit_code
 
     def restore(self) -> None:
         """Put the previous handlers back."""

@@ -204,9 +204,10 @@ def test_sigterm_drains_commits_and_exits_5(model, dataset, baseline, tmp_path):
 
 def test_second_signal_exits_at_once(model, dataset, baseline, tmp_path):
     out = tmp_path / "o"
-    # long rows, so the drain after the first signal is still going when the second comes
-    argv = args(model, dataset, out, "--max-running", "4", "--drain-timeout", "600")
-    argv[argv.index("--max-tokens") + 1] = "300"
+    # many long rows in flight, so the drain after the first signal (all of them, 48k tokens) is
+    # still going when the second comes, however fast the machine
+    argv = args(model, dataset, out, "--max-running", "64", "--drain-timeout", "600")
+    argv[argv.index("--max-tokens") + 1] = "800"
     argv += ["--ignore-eos"]
     proc = spawn(argv)
     assert wait_for(proc, out, 0)
