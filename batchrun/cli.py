@@ -69,7 +69,8 @@ def row_options(f):
         click.option(
             "--id-column",
             default=None,
-            help="Column with the row id. Default: custom_id (OpenAI batch) or the row number.",
+            help='Column with the row id. Default: custom_id (OpenAI batch), else an "id" '
+            "field when a row has one, else the row number.",
         ),
         click.option("--system-prompt", default=None, help="System message for every row."),
         click.option(
