@@ -355,6 +355,21 @@ def main() -> None:
     "and a different one is refused).",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option(
+    "--serve-progress",
+    default=None,
+    metavar="HOST:PORT",
+    help="Serve live progress over HTTP: / (page), /events (SSE), /metrics (Prometheus). "
+    ":PORT binds 127.0.0.1; port 0 picks a free one. A non-loopback host needs --progress-token.",
+)
+@click.option(
+    "--progress-token",
+    default=None,
+    envvar="BATCHRUN_PROGRESS_TOKEN",
+    metavar="TOKEN",
+    help="Token required on every progress request (Authorization: Bearer TOKEN or ?token=). "
+    "Env: BATCHRUN_PROGRESS_TOKEN.",
+)
 def submit(dataset: str, out: str, **o) -> None:
     """Run every row of DATASET through the model and write the completions to --out.
 
@@ -371,7 +386,7 @@ def submit(dataset: str, out: str, **o) -> None:
     Exit codes: 0 done (bad rows are in errors-*.jsonl), 1 failed, 2 bad option, 3 bad input,
     4 model cannot be loaded, 5 interrupted by a signal (resumable: run the same command again).
     """
-    from batchrun.runner import RunConfig, RunError, Runner
+    from batchrun.runner import RunConfig
     from batchrun.shards import ShardOptionError, resolve_shards
 
     try:
@@ -400,14 +415,48 @@ def submit(dataset: str, out: str, **o) -> None:
         num_shards=num_shards,
         shard_index=shard_index,
     )
+    server = _progress_server(o["serve_progress"], o["progress_token"])
     try:
-        runner = Runner(config)
+        _submit(config, server)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _progress_server(bind: str | None, token: str | None):
+    """Bind before the model loads, so a bad address or a busy port fails at once."""
+    if bind is None:
+        return None
+    from batchrun.progress_server import ProgressHub, ProgressServer, parse_bind
+
+    try:
+        host, port = parse_bind(bind)
+        server = ProgressServer(ProgressHub(), host, port, token)
+    except ValueError as e:
+        raise click.UsageError(f"--serve-progress: {e}") from e
+    try:
+        server.start()
+    except OSError as e:
+        server.stop()
+        raise click.UsageError(f"--serve-progress {bind}: cannot listen: {e}") from e
+    click.echo(f"progress: {server.url}", err=True)
+    return server
+
+
+def _submit(config, server) -> None:
+    from batchrun.runner import RunError, Runner
+
+    try:
+        runner = Runner(config, hub=server.hub if server is not None else None)
     except RunError as e:
         _fail(str(e), e.exit_code)
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(f"cannot load the model: {e}", EXIT_MODEL)
     where = runner.out
     if runner.summary.already_complete:
+        if server is not None:
+            server.hub.start(runner.summary.rows, runner.summary)
+            server.hub.finish(runner.summary.status)
         click.echo(
             f"{where} is already complete ({runner.summary.rows} rows); nothing to do "
             "(--overwrite runs it again)",
@@ -493,6 +542,25 @@ def merge(out: str, show: int) -> None:
     click.echo(report.text())
     if not report.ok:
         sys.exit(EXIT_FAILED)
+
+
+@main.command()
+@click.argument("url")
+@click.option("--token", default=None, envvar="BATCHRUN_PROGRESS_TOKEN", help="Progress token.")
+@click.option("--rows", is_flag=True, help="Also print the finished rows (JSON lines, stdout).")
+def tail(url: str, token: str | None, rows: bool) -> None:
+    """Follow a run started with --serve-progress (URL: e.g. http://127.0.0.1:8765/) until it
+    ends: snapshots on stderr (one updating line on a terminal), rows on stdout with --rows.
+    Exit 0 at the run's end, 1 when the server cannot be reached or goes away, 130 on Ctrl-C."""
+    from batchrun.tail import TailError
+    from batchrun.tail import tail as follow
+
+    try:
+        follow(url, token=token, rows=rows)
+    except TailError as e:
+        _fail(str(e), EXIT_FAILED)
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 @main.command()

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -47,6 +48,9 @@ from batchrun.shards import error_shard_of, shard_dir
 from batchrun.signals import EXIT_INTERRUPTED, StopSignals
 from batchrun.summary import RunSummary
 from batchrun.tokenize import TokenizedRow
+
+if TYPE_CHECKING:
+    from batchrun.progress_hub import ProgressHub
 
 __all__ = ["InputError", "ModelError", "RunConfig", "RunError", "RunSummary", "Runner"]
 
@@ -87,8 +91,11 @@ class RunConfig:
 
 
 class Runner:
-    def __init__(self, config: RunConfig, engine: Engine | None = None):
+    def __init__(
+        self, config: RunConfig, engine: Engine | None = None, hub: ProgressHub | None = None
+    ):
         self.config = config
+        self.hub = hub  # --serve-progress: gets counts and encoded rows; never blocks the loop
         self.out = shard_dir(config.out, config.num_shards, config.shard_index)
         self.source = self._open_source()
         fresh = Manifest(
@@ -176,6 +183,8 @@ class Runner:
         progress = Progress(total if cfg.num_shards == 1 else None, cfg.quiet)
         s = self.summary
         progress.update(s.rows, 0, s.prompt_tokens, s.cached_tokens)
+        if self.hub is not None:
+            self.hub.start(total if cfg.num_shards == 1 else None, s)
         start = time.perf_counter()
         self._requests_iter = self._requests()
         self._exhausted = False
@@ -202,6 +211,9 @@ class Runner:
         finally:
             progress.close()
             self._requests_iter.close()
+            if self.hub is not None:
+                self.hub.update(s)
+                self.hub.finish(s.status if s.status != "running" else "failed")
             if cfg.keep_signal_handlers:
                 # a process about to exit: a late signal (e.g. Slurm's USR1 just after the drain)
                 # must not kill it with the default action, but exit with the run's own code
@@ -307,6 +319,8 @@ class Runner:
             self._write_results(prepared, done)
         s = self.summary
         progress.update(1, s.completion_tokens, s.prompt_tokens, s.cached_tokens)
+        if self.hub is not None:
+            self.hub.update(s)
 
     def _write_results(self, prepared: PreparedRow, done: list[Completion]) -> None:
         s = self.summary
@@ -333,6 +347,8 @@ class Runner:
             )
             lines = [encode_line(r) for r in records]
         self.output.add_result(prepared.row, lines)
+        if self.hub is not None:
+            self.hub.add_rows(lines)
 
     def _completion(self, prepared: PreparedRow, r: GenerateResult) -> Completion:
         text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
@@ -355,7 +371,11 @@ class Runner:
         self.summary.rows_failed += 1
         openai = self._pipeline is not None and self._pipeline.openai
         record = openai_error_record(error) if openai else error_record(error)
-        self.output.add_error(error.row, encode_line(record))
+        line = encode_line(record)
+        self.output.add_error(error.row, line)
+        if self.hub is not None:
+            self.hub.update(self.summary)
+            self.hub.add_rows([line])
 
 
 def _input_ids(row: TokenizedRow) -> list[int]:

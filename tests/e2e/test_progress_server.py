@@ -1,0 +1,226 @@
+"""`submit --serve-progress` against a real server on loopback during real runs of the tiny chat
+model: 50 concurrent SSE clients, /metrics, `batchrun tail`, the live page in headless Chromium,
+a client that never reads, and the token on a non-loopback bind. Requests go to 127.0.0.1 only."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import msgspec
+import pytest
+from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import make_tiny_chat_model  # noqa: E402
+
+from batchrun.cli import main  # noqa: E402
+from batchrun.progress_server import ProgressHub, ProgressServer, Snapshot  # noqa: E402
+from batchrun.summary import RunSummary  # noqa: E402
+from batchrun.tail import read_events  # noqa: E402
+
+CHROMIUM = shutil.which("chromium") or (
+    "/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tinychat")
+    make_tiny_chat_model(path)
+    return str(path)
+
+
+def dataset(tmp_path: Path, num_rows: int) -> Path:
+    path = tmp_path / "in.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"r{i}", "prompt": f"Prompt number {i} about things"}) + "\n"
+            for i in range(num_rows)
+        )
+    )
+    return path
+
+
+def start_submit(model: str, data: Path, out: Path, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "batchrun.cli", "submit", str(data), "--out", str(out)]
+    args += ["--model", model, "--device", "cpu", "--max-tokens", "64", "--ignore-eos"]
+    args += ["--temperature", "0", "--kv-budget", "16384", "--quiet", *extra]
+    return subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_url(proc: subprocess.Popen) -> str:
+    """The CLI prints `progress: URL` once the server listens (before the model loads)."""
+    for line in proc.stderr:
+        if line.startswith("progress: "):
+            return line.split()[1]
+    raise AssertionError(f"no progress URL; exit code {proc.wait()}")
+
+
+def finish(proc: subprocess.Popen) -> str:
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, rest
+    return rest
+
+
+def read_stream(url: str, seconds: float, rows: bool = False) -> list[tuple[str, list[bytes]]]:
+    """Read /events for at most `seconds` (or to its end event); every event parsed."""
+    host, port = url.split("//")[1].strip("/").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", "/events?rows=1" if rows else "/events")
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
+    deadline, events = time.monotonic() + seconds, []
+    for name, data in read_events(resp):
+        events.append((name, data))
+        if name == "snapshot":
+            msgspec.json.decode(data[0], type=Snapshot)  # well-formed and well-typed
+        elif name == "rows":
+            assert all("id" in json.loads(d) for d in data)
+        if name == "end" or time.monotonic() > deadline:
+            break
+    conn.close()
+    return events
+
+
+def wait_until_running(url: str) -> None:
+    """Follow the stream until the first row is done (the model is loaded, rows flow)."""
+    conn = http.client.HTTPConnection(*url.split("//")[1].strip("/").split(":"), timeout=60)
+    conn.request("GET", "/events")
+    for name, data in read_events(conn.getresponse()):
+        if name == "end" or (name == "snapshot" and b'"rows_done"' in data[0]):
+            break
+    conn.close()
+
+
+def test_clients_metrics_tail_and_page_during_a_run(model, tmp_path):
+    proc = start_submit(model, dataset(tmp_path, 2000), tmp_path / "out", "--serve-progress", ":0")
+    url = wait_for_url(proc)
+    assert url.startswith("http://127.0.0.1:")
+    tail = subprocess.Popen(
+        [sys.executable, "-m", "batchrun.cli", "tail", url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_until_running(url)
+    results: list = [None] * 50
+    errors: list = []
+
+    def client(i: int) -> None:
+        try:
+            results[i] = read_stream(url, seconds=2.0, rows=i % 2 == 0)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors[:3]
+    for events in results:
+        assert sum(name == "snapshot" for name, _ in events) >= 2
+    assert any(name == "rows" for events in results[::2] for name, _ in events)
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url + "metrics", timeout=10).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["batchrun_rows_done"].type == "counter"
+    assert families["batchrun_rows"].samples[0].value == 2000
+
+    finish(proc)
+    tail_out, tail_err = tail.communicate(timeout=60)
+    assert tail.returncode == 0, tail_err
+    lines = tail_err.splitlines()
+    assert len(lines) >= 2 and lines[-1].startswith("complete: 2,000/2,000 rows"), lines[-3:]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (CI installs it)")
+def test_live_page_in_headless_chromium(model, tmp_path):
+    proc = start_submit(model, dataset(tmp_path, 600), tmp_path / "out", "--serve-progress", ":0")
+    url = wait_for_url(proc)
+    # --dump-dom waits for the page's network: it dumps when the stream ends with the run
+    chromium = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"]
+        + ["--no-first-run", "--disable-background-networking", "--disable-component-update"]
+        + ["--disable-sync", f"--user-data-dir={tmp_path / 'chromium'}", "--dump-dom"]
+        + ["--virtual-time-budget=60000", url],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    finish(proc)
+    dom = chromium.stdout
+
+    def attr(name: str) -> int:
+        return int(dom.split(f'data-{name}="')[1].split('"')[0])
+
+    assert attr("snapshots") >= 2, dom[-2000:]
+    assert attr("rows-done") == 600 > attr("first-rows-done")
+    assert 'id="rows_done">600<' in dom
+
+
+def test_a_client_that_never_reads_does_not_stall_the_run(model, tmp_path):
+    data = dataset(tmp_path, 600)
+    start = time.monotonic()
+    finish(start_submit(model, data, tmp_path / "base"))
+    baseline = time.monotonic() - start
+
+    start = time.monotonic()
+    proc = start_submit(model, data, tmp_path / "stuck", "--serve-progress", "127.0.0.1:0")
+    port = int(wait_for_url(proc).rstrip("/").rsplit(":", 1)[1])
+    stuck = socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fill up fast
+    stuck.connect(("127.0.0.1", port))
+    stuck.sendall(b"GET /events?rows=1 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    finish(proc)  # never reads a byte
+    with_stuck = time.monotonic() - start
+    stuck.close()
+    assert with_stuck < 3 * baseline + 10, (with_stuck, baseline)
+    lines = (tmp_path / "stuck" / "results-00000.jsonl").read_text().splitlines()
+    assert len(lines) == 600
+
+
+def test_token_required_on_a_non_loopback_bind(model, tmp_path):
+    data = dataset(tmp_path, 2)
+    args = ["submit", str(data), "--out", str(tmp_path / "o"), "--model", model, "--quiet"]
+    result = CliRunner().invoke(main, [*args, "--serve-progress", "0.0.0.0:0"])
+    assert result.exit_code == 2
+    assert "--progress-token" in result.output and "loopback" in result.output
+    assert not (tmp_path / "o").exists()  # failed fast: nothing started
+
+    hub = ProgressHub()
+    server = ProgressServer(hub, "0.0.0.0", 0, token="s3cret").start()
+    try:
+        hub.start(10, RunSummary(rows=3))
+        base = f"http://127.0.0.1:{server.port}"
+
+        def status(path: str, headers: dict | None = None) -> int:
+            request = urllib.request.Request(base + path, headers=headers or {})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as resp:
+                    return resp.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        for path in ("/", "/metrics", "/events"):
+            assert status(path) == 401
+            assert status(path, {"Authorization": "Bearer wrong"}) == 401
+        assert status("/metrics", {"Authorization": "Bearer s3cret"}) == 200
+        assert status("/?token=s3cret") == 200
+        hub.finish("complete")  # /events then ends at once with the end event
+        assert status("/events?token=s3cret") == 200
+    finally:
+        server.stop()
