@@ -239,7 +239,7 @@ class Runner:
         while (
             not self._exhausted
             and not self._stop.requested
-            and len(engine.scheduler.waiting) < engine.config.max_pending
+            and engine.wants_requests
         ):
             request = next(self._requests_iter, None)
             if request is None:

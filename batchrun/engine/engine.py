@@ -127,6 +127,11 @@ class Engine:
                 Req(request.rid, i, list(request.input_ids), params, seed, self._arrivals)
             )
 
+    @property
+    def wants_requests(self) -> bool:
+        """Room in the waiting queue: feed more (bounded look-ahead, as generate() does)."""
+        return len(self.scheduler.waiting) < self.config.max_pending
+
     def drop_waiting(self) -> int:
         """Forget the requests that have not started (they hold no KV); running ones go on.
         For a graceful stop: drain what runs, resume the rest later. Returns how many."""
@@ -142,7 +147,7 @@ class Engine:
         pending = iter(requests)
         exhausted = False
         while True:
-            while not exhausted and len(self.scheduler.waiting) < self.config.max_pending:
+            while not exhausted and self.wants_requests:
                 request = next(pending, None)
                 if request is None:
                     exhausted = True
