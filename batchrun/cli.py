@@ -32,217 +32,207 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def model_options(f):
-    f = click.option(
+def option_group(*options):
+    """One decorator that applies `options` as if they were stacked in the order listed."""
+
+    def apply(f):
+        for opt in reversed(options):
+            f = opt(f)
+        return f
+
+    return apply
+
+
+# NOTE: listed as shown in --help (the order the stacked decorators had)
+model_options = option_group(
+    click.option(
+        "--load-format",
+        type=click.Choice(LOAD_FORMATS),
+        default="auto",
+        show_default=True,
+        help="dummy: random weights from config.json.",
+    ),
+    click.option(
         "--model",
         "-m",
         default=None,
         metavar="PATH",
         help="HF model directory (config.json + safetensors) or a .gguf file. "
         "Default: the embedded SmolLM2-135M-Instruct.",
-    )(f)
-    f = click.option(
-        "--load-format",
-        type=click.Choice(LOAD_FORMATS),
+    ),
+)
+
+
+row_options = option_group(
+    click.option("--split", default=None, help="Split of a HF datasets directory."),
+    click.option(
+        "--prompt-column",
+        default="prompt",
+        show_default=True,
+        help="Column with the prompt text ('' to never read one).",
+    ),
+    click.option(
+        "--messages-column",
+        default="messages",
+        show_default=True,
+        help="Column with chat messages ('' to never read one).",
+    ),
+    click.option(
+        "--id-column",
+        default=None,
+        help='Column with the row id. Default: custom_id (OpenAI batch), else an "id" '
+        "field when a row has one, else the row number.",
+    ),
+    click.option("--system-prompt", default=None, help="System message for every row."),
+    click.option(
+        "--no-chat-template",
+        is_flag=True,
+        help="Tokenize prompt rows as plain text (messages rows still use the template).",
+    ),
+    click.option(
+        "--limit", type=click.IntRange(min=1), default=None, help="Read only the first N rows."
+    ),
+)
+
+
+sampling_options = option_group(
+    click.option(
+        "--max-tokens",
+        type=int,
+        default=256,
+        show_default=True,
+        help="Max new tokens per completion.",
+    ),
+    click.option("--min-tokens", type=int, default=0, show_default=True),
+    click.option("--temperature", type=float, default=1.0, show_default=True, help="0 for greedy."),
+    click.option("--top-p", type=float, default=1.0, show_default=True),
+    click.option("--top-k", type=int, default=-1, show_default=True, help="-1: off."),
+    click.option("--min-p", type=float, default=0.0, show_default=True),
+    click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
+    click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
+    click.option("--presence-penalty", type=float, default=0.0, show_default=True),
+    click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+    click.option("--ignore-eos", is_flag=True, help="Always generate --max-tokens."),
+    click.option(
+        "--seed",
+        type=int,
+        default=0,
+        show_default=True,
+        help="Base seed; each row's seed derives from it and the row id.",
+    ),
+    click.option(
+        "--n",
+        "n",
+        type=click.IntRange(min=1),
+        default=1,
+        show_default=True,
+        help="Completions per row.",
+    ),
+    click.option(
+        "--logprobs",
+        type=click.IntRange(min=0, max=20),
+        default=None,
+        help="Write the chosen token's logprob and the top N (0-20).",
+    ),
+)
+
+
+engine_options = option_group(
+    click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
+    click.option(
+        "--dtype",
+        type=click.Choice(DTYPES),
         default="auto",
         show_default=True,
-        help="dummy: random weights from config.json.",
-    )(f)
-    return f
+        help="auto: float32 on CPU, bfloat16 on CUDA.",
+    ),
+    click.option(
+        "--max-running",
+        type=click.IntRange(min=1),
+        default=256,
+        show_default=True,
+        help="Requests decoded together at most.",
+    ),
+    click.option(
+        "--kv-budget",
+        type=click.IntRange(min=16),
+        default=None,
+        help="KV pool size in tokens. Default: sized from free memory.",
+    ),
+    click.option(
+        "--chunked-prefill-size",
+        type=click.IntRange(min=0),
+        default=4096,
+        show_default=True,
+        help="Prefill tokens per step (0: unlimited).",
+    ),
+    click.option("--no-radix-cache", is_flag=True, help="Disable prefix caching."),
+    click.option(
+        "--attention-backend",
+        type=click.Choice(ATTENTION_BACKENDS),
+        default="auto",
+        show_default=True,
+    ),
+)
 
 
-def row_options(f):
-    opts = [
-        click.option("--split", default=None, help="Split of a HF datasets directory."),
-        click.option(
-            "--prompt-column",
-            default="prompt",
-            show_default=True,
-            help="Column with the prompt text ('' to never read one).",
-        ),
-        click.option(
-            "--messages-column",
-            default="messages",
-            show_default=True,
-            help="Column with chat messages ('' to never read one).",
-        ),
-        click.option(
-            "--id-column",
-            default=None,
-            help='Column with the row id. Default: custom_id (OpenAI batch), else an "id" '
-            "field when a row has one, else the row number.",
-        ),
-        click.option("--system-prompt", default=None, help="System message for every row."),
-        click.option(
-            "--no-chat-template",
-            is_flag=True,
-            help="Tokenize prompt rows as plain text (messages rows still use the template).",
-        ),
-        click.option(
-            "--limit", type=click.IntRange(min=1), default=None, help="Read only the first N rows."
-        ),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+order_options = option_group(
+    click.option(
+        "--order",
+        type=click.Choice(ORDERS),
+        default="prefix",
+        show_default=True,
+        help="prefix: run rows sharing a token prefix back to back (depth-first over their "
+        "token ids), so the prefix cache hits; input: in input order.",
+    ),
+    click.option(
+        "--order-window",
+        type=click.IntRange(min=1),
+        default=DEFAULT_WINDOW,
+        show_default=True,
+        help="Rows read, tokenized and ordered together (held in memory at once).",
+    ),
+)
 
 
-def sampling_options(f):
-    opts = [
-        click.option(
-            "--max-tokens",
-            type=int,
-            default=256,
-            show_default=True,
-            help="Max new tokens per completion.",
-        ),
-        click.option("--min-tokens", type=int, default=0, show_default=True),
-        click.option(
-            "--temperature", type=float, default=1.0, show_default=True, help="0 for greedy."
-        ),
-        click.option("--top-p", type=float, default=1.0, show_default=True),
-        click.option("--top-k", type=int, default=-1, show_default=True, help="-1: off."),
-        click.option("--min-p", type=float, default=0.0, show_default=True),
-        click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
-        click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
-        click.option("--presence-penalty", type=float, default=0.0, show_default=True),
-        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-        click.option("--ignore-eos", is_flag=True, help="Always generate --max-tokens."),
-        click.option(
-            "--seed",
-            type=int,
-            default=0,
-            show_default=True,
-            help="Base seed; each row's seed derives from it and the row id.",
-        ),
-        click.option(
-            "--n",
-            "n",
-            type=click.IntRange(min=1),
-            default=1,
-            show_default=True,
-            help="Completions per row.",
-        ),
-        click.option(
-            "--logprobs",
-            type=click.IntRange(min=0, max=20),
-            default=None,
-            help="Write the chosen token's logprob and the top N (0-20).",
-        ),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
-def engine_options(f):
-    opts = [
-        click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
-        click.option(
-            "--dtype",
-            type=click.Choice(DTYPES),
-            default="auto",
-            show_default=True,
-            help="auto: float32 on CPU, bfloat16 on CUDA.",
-        ),
-        click.option(
-            "--max-running",
-            type=click.IntRange(min=1),
-            default=256,
-            show_default=True,
-            help="Requests decoded together at most.",
-        ),
-        click.option(
-            "--kv-budget",
-            type=click.IntRange(min=16),
-            default=None,
-            help="KV pool size in tokens. Default: sized from free memory.",
-        ),
-        click.option(
-            "--chunked-prefill-size",
-            type=click.IntRange(min=0),
-            default=4096,
-            show_default=True,
-            help="Prefill tokens per step (0: unlimited).",
-        ),
-        click.option("--no-radix-cache", is_flag=True, help="Disable prefix caching."),
-        click.option(
-            "--attention-backend",
-            type=click.Choice(ATTENTION_BACKENDS),
-            default="auto",
-            show_default=True,
-        ),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
-def order_options(f):
-    opts = [
-        click.option(
-            "--order",
-            type=click.Choice(ORDERS),
-            default="prefix",
-            show_default=True,
-            help="prefix: run rows sharing a token prefix back to back (depth-first over their "
-            "token ids), so the prefix cache hits; input: in input order.",
-        ),
-        click.option(
-            "--order-window",
-            type=click.IntRange(min=1),
-            default=DEFAULT_WINDOW,
-            show_default=True,
-            help="Rows read, tokenized and ordered together (held in memory at once).",
-        ),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
-def run_control_options(f):
-    opts = [
-        click.option(
-            "--commit-every",
-            type=click.IntRange(min=1),
-            default=1000,
-            show_default=True,
-            help="Commit (fsync + manifest) at least every N rows.",
-        ),
-        click.option(
-            "--commit-interval",
-            type=click.FloatRange(min=0),
-            default=30.0,
-            show_default=True,
-            help="... and at least every T seconds.",
-        ),
-        click.option(
-            "--drain-timeout",
-            type=click.FloatRange(min=0),
-            default=30.0,
-            show_default=True,
-            help="On SIGTERM/SIGINT/SIGUSR1: seconds to finish the rows in flight before "
-            "committing and exiting with code 5.",
-        ),
-        click.option(
-            "--num-shards",
-            type=click.IntRange(min=1),
-            default=None,
-            help="Split the input into N shards that keep prefix groups together. Default: "
-            "SLURM_ARRAY_TASK_COUNT, else 1.",
-        ),
-        click.option(
-            "--shard-index",
-            type=click.IntRange(min=0),
-            default=None,
-            help="Which shard this process runs (writes OUT/shard-I/). Default: "
-            "SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN, else 0.",
-        ),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+run_control_options = option_group(
+    click.option(
+        "--commit-every",
+        type=click.IntRange(min=1),
+        default=1000,
+        show_default=True,
+        help="Commit (fsync + manifest) at least every N rows.",
+    ),
+    click.option(
+        "--commit-interval",
+        type=click.FloatRange(min=0),
+        default=30.0,
+        show_default=True,
+        help="... and at least every T seconds.",
+    ),
+    click.option(
+        "--drain-timeout",
+        type=click.FloatRange(min=0),
+        default=30.0,
+        show_default=True,
+        help="On SIGTERM/SIGINT/SIGUSR1: seconds to finish the rows in flight before "
+        "committing and exiting with code 5.",
+    ),
+    click.option(
+        "--num-shards",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Split the input into N shards that keep prefix groups together. Default: "
+        "SLURM_ARRAY_TASK_COUNT, else 1.",
+    ),
+    click.option(
+        "--shard-index",
+        type=click.IntRange(min=0),
+        default=None,
+        help="Which shard this process runs (writes OUT/shard-I/). Default: "
+        "SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN, else 0.",
+    ),
+)
 
 
 def build_defaults(o: dict) -> SamplingParams:
