@@ -236,11 +236,7 @@ class Runner:
     def _step(self, progress: Progress) -> None:
         """Feed the engine (bounded, as Engine.generate does), run one step, commit if due."""
         engine = self.engine
-        while (
-            not self._exhausted
-            and not self._stop.requested
-            and engine.wants_requests
-        ):
+        while not self._exhausted and not self._stop.requested and engine.wants_requests:
             request = next(self._requests_iter, None)
             if request is None:
                 self._exhausted = True

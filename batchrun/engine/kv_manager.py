@@ -12,7 +12,7 @@ import torch
 
 from batchrun.engine.allocator import TokenAllocator
 from batchrun.engine.kv_pool import ReqToTokenPool
-from batchrun.engine.radix_cache import RadixCache
+from batchrun.engine.radix_cache import MatchResult, RadixCache
 from batchrun.engine.request import Req
 
 
@@ -42,14 +42,19 @@ class KVManager:
 
     # -- admission ---------------------------------------------------------------------------
 
-    def admit(self, req: Req) -> bool:
-        """Give `req` a row and its cached prefix. False when no row is free."""
+    def match(self, req: Req) -> MatchResult:
+        """The cached prefix `req` would get if admitted now."""
+        return self.cache.match_prefix(req.cache_key)
+
+    def admit(self, req: Req, match: MatchResult | None = None) -> bool:
+        """Give `req` a row and its cached prefix (`match`, if the caller just looked it up with
+        `self.match(req)` and changed nothing since). False when no row is free."""
         row = self.req_pool.allocate()
         if row is None:
             return False
         req.row = row
-        # always leave the last token to compute: its logits give the next token
-        match = self.cache.match_prefix(req.fill_ids[: req.seq_len - 1])
+        if match is None:
+            match = self.match(req)
         self.cache.lock(match.last_node)
         length = match.length
         if length:

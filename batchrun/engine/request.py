@@ -63,6 +63,11 @@ class Req:
         return self.input_ids[start:] + self.output_ids[: end - num_in]
 
     @property
+    def cache_key(self) -> list[int]:
+        """What the prefix cache may serve: all tokens but the last, whose logits give the next."""
+        return self.tokens(0, self.seq_len - 1)
+
+    @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
 

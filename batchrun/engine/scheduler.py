@@ -228,12 +228,12 @@ class Scheduler:
             if prefill and self._shares_uncached_prefix(req, prefill):
                 held.append(req)
                 continue
-            cached = self.kv.match_len(req.fill_ids[: req.seq_len - 1])
-            need = req.seq_len - cached + int(req.max_new_remaining * self.new_token_ratio)
+            match = self.kv.match(req)
+            need = req.seq_len - match.length + int(req.max_new_remaining * self.new_token_ratio)
             if need > headroom and self.running:
                 self.waiting.appendleft(req)
                 break
-            if not self.kv.admit(req):
+            if not self.kv.admit(req, match):
                 self.waiting.appendleft(req)
                 break
             n = min(req.num_pending, budget)
@@ -260,7 +260,7 @@ class Scheduler:
         if not self.kv.cache_enabled or len(self.waiting) < 2:
             return
         head = [self.waiting.popleft() for _ in range(min(CACHE_AWARE_WINDOW, len(self.waiting)))]
-        cached = [self.kv.match_len(r.fill_ids[: r.seq_len - 1]) for r in head]
+        cached = [self.kv.match(r).length for r in head]
         order = sorted(range(len(head)), key=lambda i: -cached[i])
         self.waiting.extendleft(head[i] for i in reversed(order))
 
@@ -274,7 +274,7 @@ class Scheduler:
         if not self.running or not self.kv.cache_enabled:
             return
         for req in islice(self.waiting, PIN_HEADS):
-            match = self.kv.cache.match_prefix(req.fill_ids[: req.seq_len - 1])
+            match = self.kv.match(req)
             if match.length:
                 self.kv.cache.lock(match.last_node)
                 self._pins.append(match.last_node)
