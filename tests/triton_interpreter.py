@@ -1,0 +1,22 @@
+"""Run a test module's `__main__` under Triton's CPU interpreter, in a subprocess: TRITON_INTERPRET
+must be set before triton is first imported, so it cannot run in the pytest process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_under_interpreter(script: str) -> None:
+    """Run `script` with TRITON_INTERPRET=1; it must exit 0 and print "ok"."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, script], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ok" in proc.stdout
