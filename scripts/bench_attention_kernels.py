@@ -7,8 +7,9 @@ Decode (one query token per request, GQA 32/8, head dim 128, bf16): achieved KV-
 a sweep of kernel configurations, the backend's own choice (eager and CUDA-graph replay) and the
 torch reference backend. Extend (8 requests x 1024 new tokens, prefix 0 and 1024): TFLOP/s of
 the causal attention against the torch reference backend and, for prefix 0, torch's own
-scaled_dot_product_attention on contiguous (unpaged) tensors. Timings are medians of
-triton.testing.do_bench (L2 flushed between runs) unless marked "graph".
+scaled_dot_product_attention on contiguous (unpaged) tensors. The FlashInfer backend (eager, and
+graph for decode; plan() untimed, as the backends' prepare()) where flashinfer is importable.
+Timings are medians of triton.testing.do_bench (L2 flushed between runs) unless marked "graph".
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from batchrun.kernels.decode_attention import (  # noqa: E402
 from batchrun.kernels.extend_attention import extend_attention_fwd  # noqa: E402
 
 from batchrun.attention.base import AttentionInputs  # noqa: E402
+from batchrun.attention.flashinfer_backend import unavailable_reason  # noqa: E402
 from batchrun.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from batchrun.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from batchrun.engine.kv_pool import KVPool  # noqa: E402
@@ -79,6 +81,23 @@ def time_backend(backend, inputs, q, k, v):
     return bench(lambda: backend.forward(q, k, v, 0, D**-0.5))
 
 
+def bench_flashinfer(pool, table, inputs, q, k, v, add, graph: bool) -> None:
+    if unavailable_reason(DEV) is not None:
+        return
+    from batchrun.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    backend = FlashInferAttentionBackend(pool, table)
+    add("flashinfer backend (store + kernels), eager", time_backend(backend, inputs, q, k, v))
+    if graph:
+        bs = inputs.batch_size
+        backend.init_graph_buffers(bs)
+        backend.load_graph_inputs(inputs, bs)
+        backend.prepare_graph(bs)
+        backend.forward(q, k, v, 0, D**-0.5)  # plans outside the capture
+        ms = bench(lambda: backend.forward(q, k, v, 0, D**-0.5), graph=True)
+        add("flashinfer backend graph", ms)
+
+
 def bench_decode(batch_size, seq_len, rows, shuffle=False):
     pool, table, inputs, q, k, v = build(batch_size, seq_len, 1, shuffle)
     pool.store(0, inputs.out_cache_loc, k, v)
@@ -118,6 +137,7 @@ def bench_decode(batch_size, seq_len, rows, shuffle=False):
     backend.forward(q, k, v, 0, D**-0.5)
     ms = bench(lambda: backend.forward(q, k, v, 0, D**-0.5), graph=True)
     add(f"triton backend graph splits={backend._num_kv_splits(batch_size)}", ms)
+    bench_flashinfer(pool, table, inputs, q, k, v, add, graph=True)
     reference = TorchAttentionBackend(pool, table)
     add("torch reference backend", time_backend(reference, inputs, q, k, v))
 
@@ -150,6 +170,7 @@ def bench_extend(prefix_len, rows):
     for label, cls in (("triton backend (store + kernel)", TritonAttentionBackend),
                        ("torch reference backend", TorchAttentionBackend)):  # fmt: skip
         add(label, time_backend(cls(pool, table), inputs, q, k, v))
+    bench_flashinfer(pool, table, inputs, q, k, v, add, graph=False)
     if prefix_len == 0:  # the unpaged ceiling: torch SDPA (flash) on contiguous tensors
         qc = q.view(batch_size, extend_len, H, D).transpose(1, 2).contiguous()
         kc = k.view(batch_size, extend_len, KV, D).transpose(1, 2).repeat_interleave(H // KV, 1)
@@ -165,15 +186,20 @@ def copy_bandwidth() -> float:
 
 
 def summarize(rows: list[dict]) -> None:
-    print("\nsummary: best Triton variant per case vs the torch reference")
+    print("\nsummary: best Triton variant per case vs the torch reference (and FlashInfer)")
     for case in dict.fromkeys(r["case"] for r in rows):
-        mine = [r for r in rows if r["case"] == case and "torch" not in r["variant"]]
+        mine = [
+            r for r in rows if r["case"] == case and not r["variant"].startswith(("torch", "flash"))
+        ]
         best = min(mine, key=lambda r: r["ms"])
         ref = next(r for r in rows if r["case"] == case and r["variant"].startswith("torch ref"))
         unit = "TB/s" if "TB/s" in best else "TFLOP/s"
+        fi = [r for r in rows if r["case"] == case and r["variant"].startswith("flash")]
+        fi_best = min(fi, key=lambda r: r["ms"]) if fi else None
         print(
             f"{case:28s} best {best['ms'] * 1e3:8.1f} us {best[unit]:6.2f} {unit} "
             f"({best['variant']}) | torch ref {ref['ms'] * 1e3:9.1f} us {ref[unit]:6.2f} {unit}"
+            + (f" | flashinfer {fi_best['ms'] * 1e3:8.1f} us" if fi_best else "")
         )
 
 

@@ -10,9 +10,9 @@
 Models (dummy weights, written as config.json to a temp dir): llama-8b, llama-1b (and `tiny`,
 for CPU smoke tests). Workloads as BENCH.md defines them (W1 random, W2 shared prefix, W3 single
 request; W2L: W2-large, whose distinct prefix tokens exceed a capped KV pool). Variants:
-batchrun (overlap + CUDA graphs), no-overlap, no-graph, no-radix, hf, and prefix-order (batchrun
-fed in batchrun.order's DFS order, ordering timed; every other variant takes the prompts in
-their given, shuffled, input order).
+batchrun (overlap + CUDA graphs), no-overlap, no-graph, no-radix, flashinfer (batchrun with the
+FlashInfer attention backend), hf, and prefix-order (batchrun fed in batchrun.order's DFS order,
+ordering timed; every other variant takes the prompts in their given, shuffled, input order).
 
 Each engine is built once per (model, variant) (start-up reported apart), warmed up on each
 workload's shape outside the timed region, and timed on `engine.generate(requests)` between
@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 
-VARIANTS = ("batchrun", "no-overlap", "no-graph", "no-radix", "hf", "prefix-order")
+VARIANTS = ("batchrun", "no-overlap", "no-graph", "no-radix", "flashinfer", "hf", "prefix-order")
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000
 # BENCH.md targets: (workload, model) -> (figure, bound); W3 is ms per output token (lower is
 # better), the others output tok/s (higher is better)
@@ -206,6 +206,7 @@ def engine_config(args, model_dir: Path, variant: str):
         "no-overlap": {"overlap": False},
         "no-graph": {"cuda_graph_max_bs": 0},
         "no-radix": {"enable_radix_cache": False},
+        "flashinfer": {"attention_backend": "flashinfer"},
         "prefix-order": {},
     }[variant]
     return replace(cfg, **changes)

@@ -1,0 +1,330 @@
+"""FlashInfer attention over the paged KV pool, with page size 1: one KV slot is one page.
+
+Each step hands FlashInfer a CSR view of the batch's KV, built without reading device memory:
+
+    kv_indptr      [B + 1] int32, host    0, cumsum(seq_lens): request b's pages are
+                                          kv_indices[kv_indptr[b] : kv_indptr[b + 1]]
+    kv_indices     [sum(seq_lens)] int32  req_to_token[row_b, 0 : seq_len_b] for b = 0 .. B-1,
+                                          gathered on the device (the total is a host number)
+    last_page_len  [B] int32, host        all 1 (page size 1)
+    qo_indptr      [B + 1] int32, host    0, cumsum(extend_lens) (prefill wrapper only)
+
+The per-layer buffers [slots + 1, kv_heads, head_dim] are FlashInfer's NHD paged layout once
+viewed as [slots + 1, 1, kv_heads, head_dim] (no copy). Decode steps (every extend_len 1) run a
+BatchDecodeWithPagedKVCacheWrapper (on tensor cores from GQA group 4 on), all other steps a
+BatchPrefillWithPagedKVCacheWrapper with causal=True, whose mask is aligned bottom-right: the
+queries are the last extend_len positions of each request's KV, as base.py draws.
+
+plan() is host work (it schedules the batch and copies the schedule to the device); it needs the
+softmax scale and the query head count, which only forward() is given, so the first forward of
+a step plans and the other layers reuse the plan.
+
+CUDA graphs (decode only), the interface of triton_backend.py:
+
+    backend.init_graph_buffers(max_bs)         static kv_indptr / kv_indices / last_page_len /
+                                               out_cache_loc buffers, shared by all batch sizes
+    per captured size bs:
+        backend.prepare_graph(bs)              forward() now uses the bs wrapper
+                                               (use_cuda_graph=True, buffers: views of the static
+                                               ones) over an all-padding batch
+        model forward once, eagerly            warm-up: creates and plans the wrapper, JIT
+                                               compiles its kernels
+        with torch.cuda.graph(g): model forward    runs the wrapper only: no plan() in the graph
+    per step with n <= bs decode requests:
+        backend.load_graph_inputs(inputs, bs)  fills the static buffers (rows [n, bs) padding)
+                                               and re-plans the bs wrapper on the host
+        g.replay()
+    backend.prepare(inputs) for any eager step switches graph mode off again.
+
+Padding rows are a request of seq_len 1 whose one page is the pool's dummy slot, and whose new
+token is stored into the dummy slot: they read and write no real KV; their output is dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from batchrun.attention.base import AttentionBackend, AttentionInputs
+
+WORKSPACE_BYTES = 128 << 20  # float workspace (split-KV partial results), shared by all wrappers
+TENSOR_CORE_MIN_GROUP = 4  # decode on tensor cores from this GQA group size on (as SGLang does)
+# NOTE: FlashAttention-2 kernels on every GPU, as SGLang runs its paged wrappers; FlashInfer's
+# 'auto' would pick its FA3 kernels on Hopper, not measured here with page size 1
+KERNELS = "fa2"
+HEAD_DIMS = (64, 128, 256)
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def import_flashinfer():
+    """The flashinfer module, or ImportError saying what to do."""
+    try:
+        import flashinfer
+    except Exception as e:  # ImportError, or an install that does not match torch / CUDA
+        raise ImportError(
+            f"flashinfer is not importable ({type(e).__name__}: {e}); install flashinfer-python "
+            "for this torch and CUDA, or use --attention-backend triton, torch or auto"
+        ) from e
+    return flashinfer
+
+
+def unavailable_reason(device) -> str | None:
+    """Why the FlashInfer backend cannot run on `device` (None: it can)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (
+            f"it needs a CUDA device, and this run uses {device.type!r}; "
+            "use --attention-backend torch or auto"
+        )
+    if not torch.cuda.is_available():
+        return "CUDA is not available here; use --attention-backend torch or auto"
+    try:
+        import_flashinfer()
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+def gather_kv_indices(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    total: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each request's KV slots for positions [0, seq_len), concatenated: [total] int32.
+
+    `total` is sum(seq_lens), known on the host, so nothing here waits for the device.
+    """
+    dev = req_to_token.device
+    req = torch.repeat_interleave(seq_lens, output_size=total)  # [N] request of each entry
+    starts = torch.cumsum(seq_lens, 0) - seq_lens  # [B]
+    pos = torch.arange(total, device=dev) - starts[req]  # [N] position inside its request
+    slots = req_to_token[req_pool_indices[req], pos]  # [N]
+    if out is None:
+        return slots.to(torch.int32)
+    return out.copy_(slots)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """What plan() and forward() read for one step (see the module docstring)."""
+
+    kv_indptr_cpu: torch.Tensor  # [B + 1] int32, pinned
+    kv_indices: torch.Tensor  # [sum(seq_lens)] int32, device
+    last_page_len_cpu: torch.Tensor  # [B] int32, pinned, all 1
+    qo_indptr_cpu: torch.Tensor | None  # [B + 1] int32, pinned; None: a decode batch
+    out_cache_loc: torch.Tensor  # [T] KV slots of the new tokens
+    graph_bs: int | None = None  # planned on the CUDA-graph wrapper of this size; None: eager
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    def __init__(self, kv_pool, req_to_token: torch.Tensor):
+        self.fi = import_flashinfer()
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        k0 = kv_pool.k_buffers[0]
+        self.device = k0.device
+        self.kv_dtype = k0.dtype
+        self.num_kv_heads = k0.shape[1]
+        self.head_dim = k0.shape[2]
+        if self.kv_dtype not in DTYPES:
+            raise ValueError(
+                f"the flashinfer attention backend runs in float16 or bfloat16, not "
+                f"{self.kv_dtype}; use --dtype bfloat16 (or another attention backend)"
+            )
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(
+                f"the flashinfer attention backend supports head dims {HEAD_DIMS}, not "
+                f"{self.head_dim}; use --attention-backend triton"
+            )
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._pin = self.device.type == "cuda"  # (a CPU device only in tests, with a stand-in)
+        self._prefill_wrapper = None
+        self._decode_wrapper = None
+        self._ones_cpu = torch.ones(0, dtype=torch.int32)
+        # NOTE: plan() writes its schedule into a pinned host buffer of the wrapper and copies it
+        # to the device without waiting. Under overlap the host may plan step n+1 before the
+        # device has run step n's copy, so each wrapper waits on an event recorded after its
+        # previous plan() (a whole step earlier: in practice it has long completed)
+        self._plan_done: dict[int, torch.cuda.Event] = {}
+        self._batch: _Batch | None = None
+        self._wrapper = None  # the wrapper planned for self._batch
+        self._planned: tuple | None = None  # (num_heads, dtype, scaling) it was planned with
+        self.graph_max_bs = 0
+        self._graph_wrappers: dict[int, object] = {}
+        self._graph_batch: _Batch | None = None  # the batch last loaded into the static buffers
+        self._graph_params: tuple | None = None
+
+    # ---- eager steps -------------------------------------------------------------------------
+
+    def prepare(self, inputs: AttentionInputs) -> None:
+        seq_lens = list(inputs.seq_lens_cpu)
+        total = sum(seq_lens)
+        indices = gather_kv_indices(
+            self.req_to_token, inputs.req_pool_indices, inputs.seq_lens, total
+        )
+        qo_indptr = None if inputs.is_decode else self._indptr(inputs.extend_lens_cpu)
+        self._batch = _Batch(
+            self._indptr(seq_lens),
+            indices,
+            self._ones(len(seq_lens)),
+            qo_indptr,
+            inputs.out_cache_loc,
+        )
+        self._wrapper = self._planned = None
+
+    def forward(self, q, k, v, layer_id: int, scaling: float) -> torch.Tensor:
+        batch = self._batch
+        assert batch is not None, "prepare() or prepare_graph() must run before forward()"
+        num_tokens, num_heads, head_dim = q.shape
+        params = (num_heads, q.dtype, scaling)
+        if self._planned != params:
+            self._plan(batch, params)
+        self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = self.kv_pool.buffers(layer_id)
+        paged = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # [slots + 1, 1, KV, D] each
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        self._wrapper.run(q, paged, out=out)
+        return out.view(num_tokens, num_heads * head_dim)
+
+    def _plan(self, batch: _Batch, params: tuple) -> None:
+        if self.device.type == "cuda":
+            capturing = torch.cuda.is_current_stream_capturing()
+            assert not capturing, "run one eager forward after prepare_graph(), then capture"
+        num_heads = params[0]
+        if batch.graph_bs is not None:
+            wrapper = self._graph_wrapper(batch.graph_bs, num_heads)
+            self._graph_params = params
+        elif batch.qo_indptr_cpu is None:
+            if self._decode_wrapper is None:
+                self._decode_wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace,
+                    "NHD",
+                    use_tensor_cores=self._use_tensor_cores(num_heads),
+                    backend=KERNELS,
+                )
+            wrapper = self._decode_wrapper
+        else:
+            if self._prefill_wrapper is None:
+                self._prefill_wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", backend=KERNELS
+                )
+            wrapper = self._prefill_wrapper
+        self._plan_wrapper(wrapper, batch, params)
+        self._wrapper, self._planned = wrapper, params
+
+    def _plan_wrapper(self, wrapper, batch: _Batch, params: tuple) -> None:
+        num_heads, dtype, scaling = params
+        done = self._plan_done.get(id(wrapper))
+        if done is not None:
+            done.synchronize()  # the copy of this wrapper's previous plan (see __init__)
+        shape = (num_heads, self.num_kv_heads, self.head_dim, 1)  # page size 1
+        kw = dict(q_data_type=dtype, kv_data_type=self.kv_dtype, sm_scale=scaling)
+        if batch.qo_indptr_cpu is None:
+            wrapper.plan(
+                batch.kv_indptr_cpu, batch.kv_indices, batch.last_page_len_cpu, *shape,
+                non_blocking=True, **kw,
+            )  # fmt: skip
+        else:
+            wrapper.plan(
+                batch.qo_indptr_cpu, batch.kv_indptr_cpu, batch.kv_indices,
+                batch.last_page_len_cpu, *shape, causal=True, non_blocking=True, **kw,
+            )  # fmt: skip
+        if self._pin:
+            self._plan_done.setdefault(id(wrapper), torch.cuda.Event()).record()
+
+    def _use_tensor_cores(self, num_heads: int) -> bool:
+        return num_heads // self.num_kv_heads >= TENSOR_CORE_MIN_GROUP
+
+    def _indptr(self, lens) -> torch.Tensor:
+        values = list(itertools.accumulate(lens, initial=0))
+        return torch.tensor(values, dtype=torch.int32, pin_memory=self._pin)
+
+    def _ones(self, n: int) -> torch.Tensor:
+        if self._ones_cpu.numel() < n:
+            size = max(n, self.req_to_token.shape[0], self.graph_max_bs)
+            self._ones_cpu = torch.ones(size, dtype=torch.int32, pin_memory=self._pin)
+        return self._ones_cpu[:n]
+
+    # ---- CUDA graphs (decode) ----------------------------------------------------------------
+
+    def init_graph_buffers(self, max_bs: int) -> None:
+        """Static decode inputs for batch sizes up to max_bs (see the module docstring)."""
+        dev, dummy = self.device, self.kv_pool.dummy_slot
+        self.graph_max_bs = max_bs
+        # NOTE: requests may share prefix slots, so only the context bound caps the page count
+        max_pages = max_bs * self.req_to_token.shape[1]
+        self._graph_kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
+        self._graph_kv_indices = torch.full((max_pages,), dummy, dtype=torch.int32, device=dev)
+        self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self._graph_out_cache_loc = torch.full((max_bs,), dummy, dtype=torch.int64, device=dev)
+        self._graph_wrappers = {}  # wrappers hold the old buffers: recapture every graph
+        self._graph_batch = None
+        self._graph_params = None
+
+    def prepare_graph(self, bs: int) -> None:
+        """Switch forward() to the bs wrapper, over the batch last loaded if it has size bs, else
+        over padding; the next forward plans it, so run one eagerly before capturing."""
+        assert 0 < bs <= self.graph_max_bs, (bs, self.graph_max_bs)
+        batch = self._graph_batch
+        if batch is None or batch.graph_bs != bs:
+            batch = self._load_graph_batch(bs, None)
+        self._batch, self._wrapper, self._planned = batch, None, None
+
+    def load_graph_inputs(self, inputs: AttentionInputs, bs: int) -> None:
+        """Copy a decode batch of n <= bs requests into the static buffers, padded to bs, and
+        plan the bs wrapper for it (host work, before the replay)."""
+        n = inputs.batch_size
+        assert inputs.is_decode and n <= bs <= self.graph_max_bs, (n, bs)
+        batch = self._load_graph_batch(bs, inputs)
+        wrapper = self._graph_wrappers.get(bs)
+        self._batch, self._wrapper, self._planned = batch, None, None
+        if wrapper is not None and self._graph_params is not None:
+            self._plan_wrapper(wrapper, batch, self._graph_params)
+            self._wrapper, self._planned = wrapper, self._graph_params
+
+    def _load_graph_batch(self, bs: int, inputs: AttentionInputs | None) -> _Batch:
+        dummy, max_pages = self.kv_pool.dummy_slot, self._graph_kv_indices.numel()
+        seq_lens = list(inputs.seq_lens_cpu) if inputs is not None else []
+        n, real = len(seq_lens), sum(seq_lens)
+        total = real + bs - n  # one page per padding row
+        if total > max_pages:
+            raise ValueError(f"{total} KV pages exceed the graph buffer's {max_pages}")
+        if n:
+            gather_kv_indices(
+                self.req_to_token, inputs.req_pool_indices, inputs.seq_lens, real,
+                out=self._graph_kv_indices[:real],
+            )  # fmt: skip
+            self._graph_out_cache_loc[:n].copy_(inputs.out_cache_loc, non_blocking=True)
+        if n < bs:
+            self._graph_kv_indices[real:total].fill_(dummy)
+            self._graph_out_cache_loc[n:bs].fill_(dummy)
+        batch = _Batch(
+            self._indptr(seq_lens + [1] * (bs - n)),
+            self._graph_kv_indices[:total],
+            self._ones(bs),
+            None,
+            self._graph_out_cache_loc[:bs],
+            graph_bs=bs,
+        )
+        self._graph_batch = batch
+        return batch
+
+    def _graph_wrapper(self, bs: int, num_heads: int):
+        wrapper = self._graph_wrappers.get(bs)
+        if wrapper is None:
+            wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self._use_tensor_cores(num_heads),
+                paged_kv_indptr_buffer=self._graph_kv_indptr[: bs + 1],
+                paged_kv_indices_buffer=self._graph_kv_indices,
+                paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],
+                backend=KERNELS,
+            )
+            self._graph_wrappers[bs] = wrapper
+        return wrapper
