@@ -28,6 +28,8 @@ from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine, derive_seed
 from batchrun.engine.params import GenerateRequest, GenerateResult, SamplingParams
 from batchrun.engine.stop import cut_at_stop
+from batchrun.engine_process import EngineProcess, EngineProcessError
+from batchrun.engine_process.notify import DEFAULT_NOTIFY_BATCH
 from batchrun.errors import InputError, ModelError, RunError
 from batchrun.io.manifest import InputInfo, Manifest, utc_now
 from batchrun.io.readers import DatasetSource, open_dataset
@@ -78,6 +80,8 @@ class RunConfig:
     shard_index: int = 0
     handle_signals: bool = True  # install SIGTERM/SIGINT/SIGUSR1 handlers (main thread only)
     keep_signal_handlers: bool = False  # the CLI: after the run, a signal exits with its code
+    engine_process: bool = True  # the engine in its own process (False: in this one)
+    notify_batch: int = DEFAULT_NOTIFY_BATCH  # engine process: completions per wake-up
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
@@ -86,6 +90,8 @@ class RunConfig:
             raise ValueError(f"order_window must be >= 1; got {self.order_window}")
         if self.commit_every < 1 or self.commit_interval < 0 or self.drain_timeout < 0:
             raise ValueError("commit_every must be >= 1, commit_interval and drain_timeout >= 0")
+        if self.notify_batch < 1:
+            raise ValueError(f"notify_batch must be >= 1; got {self.notify_batch}")
         if not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"shard_index {self.shard_index} not in 0..{self.num_shards - 1}")
 
@@ -110,7 +116,8 @@ class Runner:
         self.output = RunOutput.open(self.out, fresh, config.shard_size, config.overwrite)
         self._manifest = self.output.manifest
         self.summary = RunSummary.from_counts(self._manifest.counts)
-        self.engine: Engine | None = None
+        self.engine: Engine | EngineProcess | None = None
+        self._owns_engine = engine is None
         if self.output.is_complete:
             self.summary.status = "already complete"
             return
@@ -118,7 +125,7 @@ class Runner:
         # loading still ends in a commit and exit 5; run() restores the previous ones.
         self._stop = StopSignals(config.handle_signals, config.drain_timeout).install()
         try:
-            self.engine = engine or Engine(config.engine)
+            self.engine = engine or self._start_engine()
             self.tokenizer = self.engine.tokenizer
         except BaseException:
             self._stop.restore()
@@ -128,6 +135,17 @@ class Runner:
         self._failures: dict[str, str] = {}  # rid -> why the engine could not run it
 
     # -- set-up ------------------------------------------------------------------------------
+
+    def _start_engine(self) -> Engine | EngineProcess:
+        cfg = self.config
+        if cfg.engine_process:
+            return EngineProcess(cfg.engine, notify_batch=cfg.notify_batch)
+        return Engine(cfg.engine)
+
+    def close(self) -> None:
+        """Stop the engine process this runner started (run() does it; idempotent)."""
+        if self._owns_engine and isinstance(self.engine, EngineProcess):
+            self.engine.close()
 
     def _open_source(self) -> DatasetSource:
         from batchrun.io.readers import BadInputError
@@ -175,9 +193,16 @@ class Runner:
     def run(self) -> RunSummary:
         if self.engine is None:  # already complete: nothing to do
             return self.summary
+        try:
+            return self._run()
+        finally:
+            self.close()  # the engine process goes, however the run ended
+
+    def _run(self) -> RunSummary:
         cfg = self.config
         total = self.total_rows()
         if total == 0:
+            self._stop.restore()
             raise InputError(f"{cfg.dataset}: the input has no rows; nothing to do")
         self._commit(status="running")  # a fresh run's manifest exists before any shard
         progress = Progress(total if cfg.num_shards == 1 else None, cfg.quiet)
@@ -191,8 +216,14 @@ class Runner:
         stop = self._stop
         exit_code = 1  # what a signal after the run means, if the run raises
         try:
-            while not self._done():
-                self._step(progress)
+            try:
+                while not self._done():
+                    self._step(progress)
+            except EngineProcessError:
+                # the engine process died: the rows that did finish are complete; commit
+                # them, so the out directory is consistent and a resume redoes only the rest
+                self._commit(status="failed")
+                raise
             interrupted = stop.requested and not (self._exhausted and not self._pending)
             progress.close()
             s.elapsed_s = time.perf_counter() - start
@@ -240,8 +271,12 @@ class Runner:
             request = next(self._requests_iter, None)
             if request is None:
                 self._exhausted = True
-            else:
+                continue
+            try:
                 engine.add_request(request)
+            except ValueError as e:  # the engine refuses it (the engine process reports these)
+                prepared, _ = self._pending.pop(request.rid)
+                self._on_error(RowError(prepared.id, prepared.row, "engine_error", str(e)))
         if engine.has_work:
             for result in engine.step():
                 self._on_result(result, progress)

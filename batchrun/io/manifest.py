@@ -41,7 +41,7 @@ class Counts(msgspec.Struct):
 
 class Manifest(msgspec.Struct, kw_only=True):
     batchrun_version: str = __version__
-    status: Literal["running", "interrupted", "complete"] = "running"
+    status: Literal["running", "interrupted", "failed", "complete"] = "running"
     created: str  # ISO 8601, UTC
     finished: str | None = None
     model: str  # name or path as given

@@ -1,0 +1,67 @@
+"""What the main process and an engine process say to each other.
+
+Every message is a msgspec Struct in one tagged union, encoded to bytes and sent as one frame on a
+`multiprocessing` Connection. Traffic is batched both ways: the main process sends the requests it
+has prepared since the last send as one `Submit`; the engine process sends the results of one or
+more steps as one `Results` (at most one per step, see notify.py).
+
+    main -> engine:  Submit(requests) | DropWaiting() | Shutdown()
+    engine -> main:  Ready(...) once after loading | Results(...) | Dropped(n) | Failed(...)
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from batchrun.engine.params import GenerateRequest, GenerateResult
+
+
+class Submit(msgspec.Struct, tag=True, omit_defaults=True):
+    requests: list[GenerateRequest]
+
+
+class DropWaiting(msgspec.Struct, tag=True):
+    """Forget the requests that have not started (a graceful stop); answered by `Dropped`."""
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag=True):
+    context_len: int
+    num_kv_slots: int
+    vocab_size: int
+    device: str
+
+
+class EngineCounters(msgspec.Struct, omit_defaults=True):
+    """Cumulative engine statistics, sent with each `Results` (cheap: a few ints)."""
+
+    num_steps: int = 0
+    num_forward_tokens: int = 0
+    forward_time: float = 0.0  # seconds the device spent in forward passes
+
+
+class Results(msgspec.Struct, tag=True, omit_defaults=True):
+    results: list[GenerateResult]
+    counters: EngineCounters | None = None
+
+
+class Dropped(msgspec.Struct, tag=True):
+    num_samples: int  # completions (n per request) that will never come back
+
+
+class Failed(msgspec.Struct, tag=True):
+    kind: str  # "model": loading the model failed; "engine": the step loop raised
+    message: str
+    traceback: str = ""
+
+
+ToEngine = Submit | DropWaiting | Shutdown
+FromEngine = Ready | Results | Dropped | Failed
+
+_encoder = msgspec.msgpack.Encoder()
+encode = _encoder.encode
+decode_to_engine = msgspec.msgpack.Decoder(ToEngine).decode
+decode_from_engine = msgspec.msgpack.Decoder(FromEngine).decode

@@ -1,0 +1,139 @@
+"""The engine process: load the model, then step the engine for as long as there is work.
+
+Started by `EngineProcess` (client.py) with the spawn method, so CUDA initializes in this process
+only. The loop never waits on anything but the device while there is work:
+
+    take every message already waiting (never blocks while there is work)
+    -> engine.step() -> finished completions into the NotifyBatcher
+    -> at most one `Results` message when a batch is due
+
+When there is nothing to run it blocks on the connection until the main process sends more.
+Signals are the main process's business: SIGINT / SIGTERM / SIGUSR1 (Ctrl-C in a terminal, Slurm
+signalling every process of the job) are ignored here, so that the main process can drain and
+commit; it tells this process to stop with `Shutdown`, and a closed connection (the main process
+died) ends it too.
+"""
+
+from __future__ import annotations
+
+import signal
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.params import GenerateRequest, GenerateResult
+from batchrun.engine_process import messages as m
+from batchrun.engine_process.notify import NotifyBatcher
+
+
+def worker_main(
+    config: EngineConfig,
+    conn: Connection,
+    device_index: int | None,
+    notify_batch: int,
+    max_delay: float,
+    engine_factory: Callable | None = None,
+) -> None:
+    """The engine process's main. `engine_factory(config, device_index)` builds the engine
+    (default: batchrun's Engine; benchmarks pass a stand-in with the same surface)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        engine = (engine_factory or load_engine)(config, device_index)
+    except (ValueError, OSError) as e:  # bad path, weights, config: the user can fix it
+        _send(conn, m.Failed("model", str(e), traceback.format_exc()))
+        return
+    except BaseException as e:
+        _send(conn, m.Failed("engine", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        return
+    _send(
+        conn,
+        m.Ready(
+            context_len=engine.context_len,
+            num_kv_slots=engine.num_kv_slots,
+            vocab_size=engine.model_config.vocab_size,
+            device=str(engine.device),
+        ),
+    )
+    try:
+        _serve(engine, conn, NotifyBatcher(notify_batch, max_delay))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the main process is gone: nobody to report to
+    except BaseException as e:
+        try:
+            _send(conn, m.Failed("engine", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        except OSError:
+            pass
+
+
+def load_engine(config: EngineConfig, device_index: int | None):
+    import torch
+
+    from batchrun.engine.engine import Engine
+
+    if device_index is not None:
+        torch.cuda.set_device(device_index)
+    return Engine(config)
+
+
+def _serve(engine, conn: Connection, batcher: NotifyBatcher) -> None:
+    decode = m.decode_to_engine
+    while True:
+        # block only when there is nothing to run (nothing is held then: idle flushes)
+        timeout = 0.0 if engine.has_work else None
+        while conn.poll(timeout):
+            msg = decode(conn.recv_bytes())
+            timeout = 0.0
+            if isinstance(msg, m.Submit):
+                batcher.add(_add_requests(engine, msg.requests))
+            elif isinstance(msg, m.DropWaiting):
+                dropped = engine.drop_waiting()
+                _flush(conn, engine, batcher)  # what finished goes out before the count
+                _send(conn, m.Dropped(dropped))
+            elif isinstance(msg, m.Shutdown):
+                _flush(conn, engine, batcher)
+                return
+        if engine.has_work:
+            batcher.add(engine.step())
+        if batcher.due(idle=not engine.has_work):
+            _flush(conn, engine, batcher)
+
+
+def _add_requests(engine, requests: list[GenerateRequest]) -> list[GenerateResult]:
+    """Queue the requests; one the engine refuses comes back at once as an aborted result."""
+    refused: list[GenerateResult] = []
+    for request in requests:
+        try:
+            engine.add_request(request)
+        except ValueError as e:
+            refused.extend(_refusal(request, str(e)))
+    return refused
+
+
+def _refusal(request: GenerateRequest, error: str) -> list[GenerateResult]:
+    return [
+        GenerateResult(
+            rid=request.rid,
+            output_ids=[],
+            finish_reason="abort",
+            prompt_tokens=len(request.input_ids),
+            completion_tokens=0,
+            cached_tokens=0,
+            index=i,
+            error=error,
+        )
+        for i in range(request.params.n)
+    ]
+
+
+def _flush(conn: Connection, engine, batcher: NotifyBatcher) -> None:
+    if not len(batcher):
+        return
+    stats = engine.stats
+    counters = m.EngineCounters(stats.num_steps, stats.num_forward_tokens, stats.forward_time)
+    _send(conn, m.Results(batcher.take(), counters))
+
+
+def _send(conn: Connection, msg) -> None:
+    conn.send_bytes(m.encode(msg))
