@@ -29,6 +29,7 @@ from batchrun.engine.engine import Engine, derive_seed
 from batchrun.engine.params import GenerateRequest, GenerateResult, SamplingParams
 from batchrun.engine.stop import cut_at_stop
 from batchrun.engine_process import EngineProcess, EngineProcessError
+from batchrun.engine_process.data_parallel import DataParallelEngine, device_indices
 from batchrun.engine_process.notify import DEFAULT_NOTIFY_BATCH
 from batchrun.errors import InputError, ModelError, RunError
 from batchrun.io.manifest import InputInfo, Manifest, utc_now
@@ -82,6 +83,7 @@ class RunConfig:
     keep_signal_handlers: bool = False  # the CLI: after the run, a signal exits with its code
     engine_process: bool = True  # the engine in its own process (False: in this one)
     notify_batch: int = DEFAULT_NOTIFY_BATCH  # engine process: completions per wake-up
+    dp: int = 1  # data parallel: engine processes, one per GPU (or tensor-parallel group)
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
@@ -92,6 +94,10 @@ class RunConfig:
             raise ValueError("commit_every must be >= 1, commit_interval and drain_timeout >= 0")
         if self.notify_batch < 1:
             raise ValueError(f"notify_batch must be >= 1; got {self.notify_batch}")
+        if self.dp < 1:
+            raise ValueError(f"dp must be >= 1; got {self.dp}")
+        if self.dp > 1 and not self.engine_process:
+            raise ValueError("data parallel (dp > 1) runs engine processes; drop --in-process")
         if not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"shard_index {self.shard_index} not in 0..{self.num_shards - 1}")
 
@@ -116,7 +122,7 @@ class Runner:
         self.output = RunOutput.open(self.out, fresh, config.shard_size, config.overwrite)
         self._manifest = self.output.manifest
         self.summary = RunSummary.from_counts(self._manifest.counts)
-        self.engine: Engine | EngineProcess | None = None
+        self.engine: Engine | EngineProcess | DataParallelEngine | None = None
         self._owns_engine = engine is None
         if self.output.is_complete:
             self.summary.status = "already complete"
@@ -136,15 +142,20 @@ class Runner:
 
     # -- set-up ------------------------------------------------------------------------------
 
-    def _start_engine(self) -> Engine | EngineProcess:
+    def _start_engine(self) -> Engine | EngineProcess | DataParallelEngine:
         cfg = self.config
-        if cfg.engine_process:
-            return EngineProcess(cfg.engine, notify_batch=cfg.notify_batch)
-        return Engine(cfg.engine)
+        if not cfg.engine_process:
+            return Engine(cfg.engine)
+        indices = device_indices(cfg.engine, cfg.dp)
+        if cfg.dp > 1:
+            return DataParallelEngine(
+                cfg.engine, cfg.dp, notify_batch=cfg.notify_batch, device_indices=indices
+            )
+        return EngineProcess(cfg.engine, notify_batch=cfg.notify_batch, device_index=indices[0])
 
     def close(self) -> None:
-        """Stop the engine process this runner started (run() does it; idempotent)."""
-        if self._owns_engine and isinstance(self.engine, EngineProcess):
+        """Stop the engine processes this runner started (run() does it; idempotent)."""
+        if self._owns_engine and isinstance(self.engine, EngineProcess | DataParallelEngine):
             self.engine.close()
 
     def _open_source(self) -> DatasetSource:

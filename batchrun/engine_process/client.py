@@ -49,7 +49,13 @@ class EngineProcess:
         poll_interval: float = 0.25,
         name: str = "batchrun-engine",
         engine_factory: Callable | None = None,
+        load_tokenizer: bool = True,
+        wakeup: threading.Event | None = None,
+        wait: bool = True,
     ):
+        """Starts the engine process. With wait=False the caller calls finish_start() later
+        (data parallel starts every engine first, then waits for all). `wakeup` is set whenever
+        a message arrives (one event can watch several engine processes)."""
         from batchrun.models.embedded import resolve_model_path
 
         config.validate()
@@ -71,6 +77,7 @@ class EngineProcess:
         self._proc.start()
         child.close()  # ours is the only parent end left: EOF when the engine process dies
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = wakeup
         self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
         self._reader.start()
         self._buffer: list[GenerateRequest] = []
@@ -78,12 +85,21 @@ class EngineProcess:
         self._drop_sent = False
         self._closed = False
         self.counters = m.EngineCounters()
-        self._early: list[GenerateResult] = []
+        self._load_tokenizer_here = load_tokenizer and self.model_dir is not None
+        self._tokenizer = None
+        if wait:
+            self.finish_start()
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def finish_start(self) -> None:
+        """Load the tokenizer (while the engine process loads the model), then wait for it."""
         try:
-            # while the engine process loads the model; its verdict on the model comes first
+            # the engine process's verdict on the model comes first
             tokenizer_error = None
             try:
-                self._tokenizer = self._load_tokenizer() if self.model_dir is not None else None
+                if self._load_tokenizer_here:
+                    self._tokenizer = self._load_tokenizer()
             except (ValueError, OSError) as e:
                 tokenizer_error = e
             ready = self._wait_ready()
@@ -98,8 +114,6 @@ class EngineProcess:
         self.num_kv_slots = ready.num_kv_slots
         self.vocab_size = ready.vocab_size
         self.device = ready.device
-
-    # -- start-up ----------------------------------------------------------------------------
 
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
@@ -151,15 +165,28 @@ class EngineProcess:
         return dropped
 
     def step(self) -> list[GenerateResult]:
+        self.flush()
+        return self.collect(self.poll_interval)
+
+    def flush(self) -> None:
+        """Send the buffered requests as one message."""
         if self._buffer:
             self._send(m.Submit(self._buffer))
             self._buffer = []
-        results, self._early = self._early, []
-        msg = self._next(timeout=self.poll_interval)
+
+    def collect(self, timeout: float) -> list[GenerateResult]:
+        """Every completion that has arrived, waiting up to `timeout` s for the first message."""
+        results: list[GenerateResult] = []
+        msg = self._next(timeout)
         while msg is not None:
             self._handle(msg, results)
             msg = self._next(timeout=0)
         return results
+
+    @property
+    def load(self) -> int:
+        """Completions in flight (data parallel routes to the least loaded engine)."""
+        return self._inflight
 
     def _handle(self, msg, results: list[GenerateResult]) -> None:
         if isinstance(msg, m.Results):
@@ -184,8 +211,12 @@ class EngineProcess:
         try:
             while True:
                 inbox.put(m.decode_from_engine(conn.recv_bytes()))
+                if self._wakeup is not None:
+                    self._wakeup.set()
         except (EOFError, OSError):
             inbox.put(_EOF)
+            if self._wakeup is not None:
+                self._wakeup.set()
 
     def _next(self, timeout: float):
         """The next message, None if none came within `timeout`; raises if the process died."""

@@ -161,8 +161,9 @@ def test_kill9_at_random_moments_then_resume(model, dataset, baseline, tmp_path)
     baseline, and after every kill the committed part is valid."""
     rng = random.Random(int(os.environ.get("BATCHRUN_TEST_SEED", "7")))
     out = tmp_path / "o"
-    # two rows at a time: rows finish (and commits happen) all through the run
-    argv = args(model, dataset, out, "--max-running", "2")
+    # one row at a time, each reported as it finishes: rows finish (and commits happen) all
+    # through the run
+    argv = args(model, dataset, out, "--max-running", "1", "--notify-batch", "1")
     kills = 0
     for i in range(10):
         before = (manifest(out) or {}).get("ledger_rows", 0)
@@ -254,7 +255,8 @@ def test_write_error_stops_cleanly_and_resume_completes(
 
     out = tmp_path / "o"
     monkeypatch.setattr(os, name, broken)
-    r = invoke(args(model, dataset, out), code=1)
+    # two rows at a time, reported as they finish: commits (and fsyncs) all through the run
+    r = invoke(args(model, dataset, out, "--max-running", "2", "--notify-batch", "1"), code=1)
     monkeypatch.undo()
     assert "No space left on device" in r.output and "run the same command again" in r.output
     m = manifest(out)

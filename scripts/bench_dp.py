@@ -1,0 +1,92 @@
+"""Data parallel throughput: --dp 1 vs 2 (vs N) engine processes on one node, same workload.
+
+    python scripts/bench_dp.py --model llama-1b --workload W1 --dp 1,2
+
+Every setting runs through the same path: DataParallelEngine (batchrun/engine_process/) with dp
+engine processes on GPUs 0..dp-1, fed from this process with the workload's requests, routed by
+prefix group and load. Each setting is warmed up (kernels compiled, graphs captured at start-up)
+before the timed region; the figure is output tok/s over the whole workload, tail included.
+Prints a markdown table with the speed-up over the first setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_models import write_model_dir  # noqa: E402
+from bench_throughput import make_workload, warmup_prompts  # noqa: E402
+
+from batchrun.engine.config import EngineConfig  # noqa: E402
+from batchrun.engine.params import GenerateRequest, SamplingParams  # noqa: E402
+from batchrun.engine_process.data_parallel import DataParallelEngine  # noqa: E402
+
+
+def drive(dp: DataParallelEngine, prompts: list[list[int]], out_len: int, tag: str):
+    params = SamplingParams(max_new_tokens=out_len, ignore_eos=True, temperature=0)
+    pending = iter(enumerate(prompts))
+    left, tokens = len(prompts), 0
+    exhausted = False
+    while left:
+        while not exhausted and dp.wants_requests:
+            item = next(pending, None)
+            if item is None:
+                exhausted = True
+                break
+            dp.add_request(GenerateRequest(f"{tag}{item[0]}", item[1], params))
+        for r in dp.step():
+            left -= 1
+            tokens += r.completion_tokens
+    return tokens
+
+
+def run(cfg: EngineConfig, dp: int, wl, warm: int) -> dict:
+    t0 = time.perf_counter()
+    with DataParallelEngine(cfg, dp, device_indices=list(range(dp)), load_tokenizer=False) as eng:
+        start_s = time.perf_counter() - t0
+        drive(eng, warmup_prompts(wl, warm * dp), 32, "w")
+        t = time.perf_counter()
+        tokens = drive(eng, wl.prompts, wl.output_len, "r")
+        elapsed = time.perf_counter() - t
+        routed = list(eng.routed)
+    return {"dp": dp, "tok_s": tokens / elapsed, "elapsed": elapsed, "start_s": start_s,
+            "routed": routed}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--workload", default="W1")
+    ap.add_argument("--dp", default="1,2")
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--warmup", type=int, default=64, help="warm-up requests per engine")
+    ap.add_argument("--max-running", type=int, default=256)
+    args = ap.parse_args()
+    wl = make_workload(args.workload, args.scale)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model_dir(args.model, Path(tmp))
+        cfg = EngineConfig(
+            model=str(model_dir), load_format="dummy", device="cuda", dtype="bfloat16",
+            max_running=args.max_running,
+        )  # fmt: skip
+        rows = [run(cfg, int(d), wl, args.warmup) for d in args.dp.split(",")]
+    base = rows[0]["tok_s"]
+    print(f"\n{args.workload} ({wl.note}, {wl.output_len} out), {args.model}, dummy bf16\n")
+    print(
+        "| engines (--dp) | output tok/s | vs first | wall s | start-up s | requests per engine |"
+    )
+    print("|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['dp']} | {r['tok_s']:,.0f} | {r['tok_s'] / base:.2f}x | {r['elapsed']:.1f} | "
+              f"{r['start_s']:.0f} | {r['routed']} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
