@@ -2,7 +2,11 @@
 
 Decode steps (every extend_len 1) run the split-KV flash-decoding kernel; all other steps run the
 extend kernel. Both read prefix and new KV from the pool through req_to_token, after `forward`
-has stored the new tokens' k/v.
+has stored the new tokens' k/v. A mixed step (the scheduler puts its decoding requests first,
+then the prefill chunks) runs both: the decode kernel on the leading one-token requests and the
+extend kernel on the rest. NOTE: the decode kernel packs a KV head's query group into one program
+and reads each request's KV once; the extend kernel reads it once per query head (4x for a 4:1
+GQA model), so decodes through the extend kernel cost a mixed step several times their KV reads.
 
 CUDA graphs (decode only). The graph runner owns capture and replay; this backend gives it
 static inputs and a launch grid that depends only on the batch size:
@@ -59,6 +63,14 @@ class _ExtendPlan:
     max_extend_len: int
 
 
+@dataclass(frozen=True)
+class _MixedPlan:
+    decode: _DecodePlan  # the first num_decode_tokens requests (one new token each)
+    extend: _ExtendPlan  # the rest; its token indices start at num_decode_tokens
+    num_decode_tokens: int
+    out_cache_loc: torch.Tensor  # [T], every new token's KV slot (one store for both parts)
+
+
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, kv_pool, req_to_token: torch.Tensor):
         self.kv_pool = kv_pool
@@ -81,16 +93,32 @@ class TritonAttentionBackend(AttentionBackend):
 
     def prepare(self, inputs: AttentionInputs) -> None:
         if inputs.is_decode:
-            splits = self._num_kv_splits(inputs.batch_size)
-            max_splits = -(-max(inputs.seq_lens_cpu, default=1) // MIN_SPLIT_LEN)
-            splits = max(1, min(splits, max_splits))
-            self._plan = _DecodePlan(
-                inputs.req_pool_indices, inputs.seq_lens, inputs.out_cache_loc, splits, False
-            )
+            self._plan = self._decode_plan(inputs)
         else:
-            ext = inputs.extend_lens
-            start_loc = torch.cumsum(ext, 0) - ext
-            self._plan = _ExtendPlan(inputs, start_loc, max(inputs.extend_lens_cpu))
+            num_decode = _leading_ones(inputs.extend_lens_cpu)
+            if num_decode == 0:
+                self._plan = self._extend_plan(inputs)
+            else:
+                self._plan = _MixedPlan(
+                    self._decode_plan(_rows(inputs, 0, num_decode)),
+                    self._extend_plan(_rows(inputs, num_decode, inputs.batch_size)),
+                    num_decode,
+                    inputs.out_cache_loc,
+                )
+
+    def _decode_plan(self, inputs: AttentionInputs) -> _DecodePlan:
+        splits = self._num_kv_splits(inputs.batch_size)
+        max_splits = -(-max(inputs.seq_lens_cpu, default=1) // MIN_SPLIT_LEN)
+        splits = max(1, min(splits, max_splits))
+        return _DecodePlan(
+            inputs.req_pool_indices, inputs.seq_lens, inputs.out_cache_loc, splits, False
+        )
+
+    @staticmethod
+    def _extend_plan(inputs: AttentionInputs) -> _ExtendPlan:
+        ext = inputs.extend_lens
+        start_loc = torch.cumsum(ext, 0) - ext
+        return _ExtendPlan(inputs, start_loc, max(inputs.extend_lens_cpu))
 
     def _num_kv_splits(self, batch_size: int) -> int:
         programs = max(1, batch_size * self.num_kv_heads)
@@ -102,24 +130,37 @@ class TritonAttentionBackend(AttentionBackend):
         num_tokens, num_heads, head_dim = q.shape
         if isinstance(plan, _DecodePlan):
             loc = plan.out_cache_loc
-        else:
+        elif isinstance(plan, _ExtendPlan):
             loc = plan.inputs.out_cache_loc
+        else:
+            loc = plan.out_cache_loc
         self.kv_pool.store(layer_id, loc, k, v)
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
         out = torch.empty_like(q)
-        if isinstance(plan, _DecodePlan):
-            workspace = self._get_workspace(plan, num_tokens, num_heads, head_dim)
-            decode_attention_fwd(
-                q, k_buf, v_buf, out, self.req_to_token, plan.req_pool_indices, plan.seq_lens,
-                scaling, plan.num_kv_splits, workspace,
-            )  # fmt: skip
+        if isinstance(plan, _MixedPlan):
+            d = plan.num_decode_tokens
+            self._decode(plan.decode, q[:d], k_buf, v_buf, out[:d], scaling)
+            self._extend(plan.extend, q[d:], k_buf, v_buf, out[d:], scaling)
+        elif isinstance(plan, _DecodePlan):
+            self._decode(plan, q, k_buf, v_buf, out, scaling)
         else:
-            inputs = plan.inputs
-            extend_attention_fwd(
-                q, k_buf, v_buf, out, self.req_to_token, inputs.req_pool_indices, inputs.seq_lens,
-                inputs.extend_lens, plan.extend_start_loc, plan.max_extend_len, scaling,
-            )  # fmt: skip
+            self._extend(plan, q, k_buf, v_buf, out, scaling)
         return out.view(num_tokens, num_heads * head_dim)
+
+    def _decode(self, plan: _DecodePlan, q, k_buf, v_buf, out, scaling: float) -> None:
+        bs, num_heads, head_dim = q.shape
+        workspace = self._get_workspace(plan, bs, num_heads, head_dim)
+        decode_attention_fwd(
+            q, k_buf, v_buf, out, self.req_to_token, plan.req_pool_indices, plan.seq_lens,
+            scaling, plan.num_kv_splits, workspace,
+        )  # fmt: skip
+
+    def _extend(self, plan: _ExtendPlan, q, k_buf, v_buf, out, scaling: float) -> None:
+        inputs = plan.inputs
+        extend_attention_fwd(
+            q, k_buf, v_buf, out, self.req_to_token, inputs.req_pool_indices, inputs.seq_lens,
+            inputs.extend_lens, plan.extend_start_loc, plan.max_extend_len, scaling,
+        )  # fmt: skip
 
     def _get_workspace(self, plan: _DecodePlan, bs: int, num_heads: int, head_dim: int):
         if plan.is_graph:
@@ -174,3 +215,27 @@ class TritonAttentionBackend(AttentionBackend):
             self.graph_req_pool_indices[n:bs].fill_(self.req_to_token.shape[0] - 1)
             self.graph_seq_lens[n:bs].fill_(1)
             self.graph_out_cache_loc[n:bs].fill_(self.kv_pool.dummy_slot)
+
+
+def _leading_ones(extend_lens: tuple[int, ...]) -> int:
+    """How many requests at the front of the batch add exactly one token (the decodes)."""
+    n = 0
+    for e in extend_lens:
+        if e != 1:
+            break
+        n += 1
+    return n
+
+
+def _rows(inputs: AttentionInputs, start: int, stop: int) -> AttentionInputs:
+    """Requests [start, stop) of a batch (views; tokens are sliced to match)."""
+    ext = inputs.extend_lens_cpu
+    t0, t1 = sum(ext[:start]), sum(ext[:stop])
+    return AttentionInputs(
+        req_pool_indices=inputs.req_pool_indices[start:stop],
+        seq_lens=inputs.seq_lens[start:stop],
+        extend_lens=inputs.extend_lens[start:stop],
+        out_cache_loc=inputs.out_cache_loc[t0:t1],
+        seq_lens_cpu=inputs.seq_lens_cpu[start:stop],
+        extend_lens_cpu=ext[start:stop],
+    )

@@ -183,7 +183,7 @@ def test_extend_configs(config):
     assert_close(out, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("extend_lens", [(1, 1, 1), (1, 40, 3)])
+@pytest.mark.parametrize("extend_lens", [(1, 1, 1), (1, 40, 3), (1, 1, 40)])
 def test_backend_matches_reference(extend_lens):
     seq_lens = [1, 300, 90]
     pool, table, inputs, q, k, v = make_batch(seq_lens, list(extend_lens), 9, 3, 64, torch.float16)

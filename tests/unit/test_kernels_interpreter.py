@@ -108,6 +108,18 @@ def _run_checks() -> None:
             torch.cumsum(ext, 0) - ext, max(extend_lens), 0.2, block_m=16, block_n=16,
         )  # fmt: skip
         _check(out, ref, tol)
+
+        # a mixed step through the backend: two decodes (decode kernel), then a prefill chunk
+        # over a cached prefix (extend kernel)
+        from batchrun.attention.triton_backend import TritonAttentionBackend
+
+        extend_lens, prefix_lens = [1, 1, 20], [0, 36, 30]
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        pool, table, inputs, q, k, v = _make_batch(seq_lens, extend_lens, 6, 2, 32, dtype)
+        ref = _reference(pool, table, inputs, q, k, v, 0.2)
+        backend = TritonAttentionBackend(pool, table)
+        backend.prepare(inputs)
+        _check(backend.forward(q, k, v, 0, 0.2).view(q.shape), ref, tol)
     print("ok")
 
 
