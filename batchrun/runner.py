@@ -145,6 +145,10 @@ class Runner:
     def _start_engine(self) -> Engine | EngineProcess | DataParallelEngine:
         cfg = self.config
         if not cfg.engine_process:
+            if cfg.engine.tp_size > 1:
+                from batchrun.parallel.launcher import start_tp_engine
+
+                return start_tp_engine(cfg.engine, cfg.engine.tp_size)
             return Engine(cfg.engine)
         indices = device_indices(cfg.engine, cfg.dp)
         if cfg.dp > 1:
@@ -155,8 +159,9 @@ class Runner:
 
     def close(self) -> None:
         """Stop the engine processes this runner started (run() does it; idempotent)."""
-        if self._owns_engine and isinstance(self.engine, EngineProcess | DataParallelEngine):
-            self.engine.close()
+        close = getattr(self.engine, "close", None)  # engine processes, tensor-parallel ranks
+        if self._owns_engine and close is not None:
+            close()
 
     def _open_source(self) -> DatasetSource:
         from batchrun.io.readers import BadInputError

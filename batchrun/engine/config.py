@@ -29,6 +29,10 @@ class EngineConfig:
     context_len: int | None = None  # override the model's max_position_embeddings
     overlap: bool | None = None  # overlap scheduling with the device; None: on for CUDA
     cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs; 0: off
+    # tensor parallel: this engine is rank tp_rank of tp_size lockstep engines, one per GPU
+    # (batchrun.parallel.launcher.start_tp_engine starts them and sets tp_rank)
+    tp_size: int = 1
+    tp_rank: int = 0
 
     def validate(self) -> None:
         def one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -47,5 +51,9 @@ class EngineConfig:
             raise ValueError(f"kv_budget must be >= 16 tokens; got {self.kv_budget}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise ValueError("chunked_prefill_size must be >= 1 or None (unlimited)")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1; got {self.tp_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, tp_size={self.tp_size}); got {self.tp_rank}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1]; got {self.kv_memory_fraction}")

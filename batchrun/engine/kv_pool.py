@@ -1,7 +1,9 @@
 """Device memory for KV: a token-indexed pool per layer and the request-to-token table.
 
 KVPool           k/v buffers [num_slots + 1, num_kv_heads, head_dim] per layer; the extra last
-                 slot is a dummy that padded (graph) batches may write into harmlessly.
+                 slot is a dummy that padded (graph) batches may write into harmlessly. Under
+                 tensor parallelism num_kv_heads is this rank's (model.num_kv_heads), not the
+                 model's: each rank stores only the KV heads its q heads attend with.
 ReqToTokenPool   [max_reqs + 1, max_context] int32: row r, position p -> KV slot of that token.
                  Rows are handed out to running requests; the last row is the dummy request.
 """

@@ -65,11 +65,22 @@ def worker_main(
             _send(conn, m.Failed("engine", f"{type(e).__name__}: {e}", traceback.format_exc()))
         except OSError:
             pass
+    finally:
+        close = getattr(engine, "close", None)  # a tensor-parallel group stops its ranks
+        if close is not None:
+            close()
 
 
 def load_engine(config: EngineConfig, device_index: int | None):
+    """batchrun's Engine on `device_index`; with tp_size > 1, rank 0 of a tensor-parallel group
+    on GPUs device_index .. device_index + tp_size - 1 (its other ranks are this process's
+    children, and go with it)."""
     import torch
 
+    if config.tp_size > 1:
+        from batchrun.parallel.launcher import start_tp_engine
+
+        return start_tp_engine(config, config.tp_size, base_device_index=device_index or 0)
     from batchrun.engine.engine import Engine
 
     if device_index is not None:

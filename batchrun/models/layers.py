@@ -120,18 +120,40 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
-def init_dummy_(module: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights for benchmarks (`load_format="dummy"`): normal(0, std), norms at 1."""
+def init_dummy_(module: nn.Module, seed: int = 0, std: float = 0.02, shards=None) -> None:
+    """Random weights for benchmarks (`load_format="dummy"`): normal(0, std), norms at 1.
+
+    `shards` (name -> ShardSpec, from a tensor-parallel model's `param_shards()`): such a
+    parameter holds a slice of a full tensor; the full tensor is drawn as at TP=1 and sliced, so
+    every TP size gets the same logical weights.
+    """
+    shards = shards or {}
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif p.device.type == "cpu":
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+                continue
+            spec = shards.get(name)
+            shape = list(p.shape)
+            if spec is not None:
+                shape[spec.dim] = spec.full_size
+            if p.device.type == "cpu":
+                full = torch.randn(shape, generator=gen, dtype=torch.float32) * std
             else:
                 # NOTE: generate on the device: an 8B model is too slow to make on the host.
                 dev_gen = torch.Generator(device=p.device).manual_seed(
                     seed + zlib.crc32(name.encode())
                 )
-                p.normal_(0.0, std, generator=dev_gen)
+                if spec is None:
+                    p.normal_(0.0, std, generator=dev_gen)
+                    continue
+                full = torch.empty(shape, dtype=p.dtype, device=p.device)
+                full.normal_(0.0, std, generator=dev_gen)
+            if spec is None:
+                p.copy_(full)
+                continue
+            for run in spec.runs:
+                p.narrow(spec.dim, run.local_start, run.length).copy_(
+                    full.narrow(spec.dim, run.full_start, run.length)
+                )

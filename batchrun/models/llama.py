@@ -1,6 +1,11 @@
 """One Llama-family decoder for Llama 2/3/3.x, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm),
 SmolLM2 (tied embeddings). Fused QKV and gate/up projections; tokens of all requests are flattened
 into one [T, hidden] batch and attention goes through an `AttentionBackend`.
+
+Tensor parallel (`tp`, see batchrun/parallel): each rank holds its q/kv heads and MLP columns
+(column-parallel qkv and gate_up, row-parallel o_proj and down_proj, one all-reduce after each)
+and a slice of the vocabulary; logits are all-gathered, so every rank returns the full
+[S, vocab] and samples the same tokens. The default TPGroup() is TP=1, a plain model.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from torch import nn
 from batchrun.attention.base import AttentionBackend
 from batchrun.models.config import ModelConfig
 from batchrun.models.layers import RMSNorm, RotaryEmbedding, use_fused_kernels
+from batchrun.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from batchrun.parallel.partition import ShardSpec, TPPartition, partition_model
+from batchrun.parallel.state import TPGroup
 
 
 class ForwardBatch(NamedTuple):
@@ -23,24 +31,31 @@ class ForwardBatch(NamedTuple):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype, device):
+    def __init__(
+        self, cfg: ModelConfig, part: TPPartition, tp: TPGroup, layer_id: int, dtype, device
+    ):
         super().__init__()
         self.layer_id = layer_id
+        # this rank's heads (all of them at TP=1)
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            part.num_heads,
+            part.num_kv_heads,
             cfg.head_dim,
         )
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.q_size, self.kv_size = part.q_size, part.kv_size
         self.scaling = cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size,
-            cfg.q_size + 2 * cfg.kv_size,
+            part.qkv_spec(cfg),
+            part.q_size + 2 * part.kv_size,
             bias=cfg.qkv_bias,
             dtype=dtype,
             device=device,
         )
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(
+            part.o_spec(cfg), cfg.hidden_size, bias=False, tp=tp, dtype=dtype, device=device
+        )
+        # NOTE: q/k norms are per head (weight [head_dim]): replicated, whatever the split
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
@@ -63,18 +78,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    def __init__(self, cfg: ModelConfig, part: TPPartition, tp: TPGroup, dtype, device):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(
+        self.intermediate_size = part.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(  # local rows [gate of this rank | up of it]
             cfg.hidden_size,
-            2 * cfg.intermediate_size,
+            part.gate_up_spec(cfg),
+            2 * part.intermediate_size,
             bias=cfg.mlp_bias,
             dtype=dtype,
             device=device,
         )
-        self.down_proj = nn.Linear(
-            cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype, device=device
+        self.down_proj = RowParallelLinear(
+            part.down_spec(cfg),
+            cfg.hidden_size,
+            bias=cfg.mlp_bias,
+            tp=tp,
+            dtype=dtype,
+            device=device,
         )
 
     def forward(self, x):
@@ -88,12 +109,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype, device):
+    def __init__(
+        self, cfg: ModelConfig, part: TPPartition, tp: TPGroup, layer_id: int, dtype, device
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, layer_id, dtype, device)
+        self.self_attn = Attention(cfg, part, tp, layer_id, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, dtype, device)
+        self.mlp = MLP(cfg, part, tp, dtype, device)
 
     def forward(self, x, residual, positions, rotary, backend):
         """Residual-stream form of `h = x + attn(norm(x)); out = h + mlp(norm(h))`: takes and
@@ -116,20 +139,28 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         max_positions: int | None = None,
+        tp: TPGroup | None = None,
     ):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
+        self.tp = tp = tp or TPGroup()
+        self.partition = part = partition_model(cfg, tp.rank, tp.size)
+        self.num_kv_heads = part.num_kv_heads  # per rank: what the KV pool holds
+        vocab = part.vocab_spec()
+        self.embed_tokens = VocabParallelEmbedding(
+            vocab, part.vocab_per_rank, cfg.hidden_size, tp, dtype, device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, part, tp, i, dtype, device) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        # SmolLM2 and other tied models reuse embed_tokens, whose vocab slice is the same
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+            else ColumnParallelLinear(
+                cfg.hidden_size, vocab, part.vocab_per_rank, bias=False, dtype=dtype, device=device
+            )
         )
         self.rotary = RotaryEmbedding(
             cfg.head_dim,
@@ -143,6 +174,15 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def param_shards(self) -> dict[str, ShardSpec]:
+        """Parameter name -> the slice of the full tensor it holds; absent: replicated."""
+        specs = {}
+        for prefix, module in self.named_modules():
+            if module is not self and hasattr(module, "param_shards"):
+                for name, spec in module.param_shards().items():
+                    specs[f"{prefix}.{name}"] = spec
+        return specs
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Returns fp32 logits [S, vocab] for the rows in batch.logits_indices (all if None)."""
@@ -152,4 +192,8 @@ class LlamaForCausalLM(nn.Module):
         if batch.logits_indices is not None:
             x, residual = x[batch.logits_indices], residual[batch.logits_indices]
         x, _ = self.norm.forward_with_residual(x, residual)
-        return F.linear(x, self.lm_head_weight).float()
+        logits = F.linear(x, self.lm_head_weight)  # [S, vocab per rank]
+        if self.tp.is_parallel:
+            # every rank gets the full logits, so all sample the same tokens
+            logits = self.tp.all_gather(logits)[:, : self.config.vocab_size]
+        return logits.float()

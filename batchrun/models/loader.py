@@ -3,6 +3,11 @@
 HF checkpoint names map onto our fused parameters:
     self_attn.{q,k,v}_proj  -> self_attn.qkv_proj  rows [0:q | q:q+kv | q+kv:q+2kv]
     mlp.{gate,up}_proj      -> mlp.gate_up_proj    rows [0:inter | inter:2*inter]
+
+Those offsets are in the full (TP=1) tensor. Under tensor parallelism a parameter holds a slice
+of it (its ShardSpec, batchrun/parallel/partition.py): each rank reads only the rows or columns
+of each checkpoint tensor that fall in its slice (safetensors slices, no full tensor in memory),
+and dummy weights are drawn full size and sliced, so TP=N gets TP=1's weights.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import torch
 from batchrun.models.config import ModelConfig
 from batchrun.models.layers import RotaryEmbedding, init_dummy_
 from batchrun.models.llama import LlamaForCausalLM
+from batchrun.parallel.partition import ShardSpec, replicated
+from batchrun.parallel.state import TPGroup
 
 
 class WeightLoadError(ValueError):
@@ -27,11 +34,23 @@ _IGNORED = ("rotary_emb.inv_freq",)
 
 
 def build_model(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, max_positions: int
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_positions: int,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
-    """An uninitialized model on `device` (no time spent on random init of real weights)."""
-    model = LlamaForCausalLM(cfg, dtype, "meta", max_positions)
+    """An uninitialized model on `device` (no time spent on random init of real weights), but
+    for the vocabulary padding of the last TP rank, which is zeroed."""
+    model = LlamaForCausalLM(cfg, dtype, "meta", max_positions, tp)
     model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, spec in model.param_shards().items():
+            param = params[name]
+            pad = param.shape[spec.dim] - spec.local_len
+            if pad:
+                param.narrow(spec.dim, spec.local_len, pad).zero_()
     # meta construction left the rotary tables empty: build them for real
     model.rotary = RotaryEmbedding(
         cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
@@ -47,10 +66,11 @@ def load_model(
     device: torch.device | str,
     max_positions: int,
     seed: int = 0,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
-    model = build_model(cfg, dtype, device, max_positions)
+    model = build_model(cfg, dtype, device, max_positions, tp)
     if load_format == "dummy":
-        init_dummy_(model, seed=seed)
+        init_dummy_(model, seed=seed, shards=model.param_shards())
     else:
         load_safetensors(model, Path(model_dir), cfg)
     return model.eval()
@@ -108,7 +128,12 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: Path, cfg: ModelConfig)
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
-    # rows filled per parameter, to report what the checkpoint lacks
+    specs = model.param_shards()
+
+    def spec_of(name: str) -> ShardSpec:
+        return specs.get(name) or replicated(params[name].shape[0])
+
+    # elements filled per parameter, to report what the checkpoint lacks
     filled: dict[str, int] = {name: 0 for name in params}
     for path in safetensors_files(model_dir):
         try:
@@ -132,19 +157,38 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: Path, cfg: ModelConfig)
                         f"(mapped to {pname!r}, which this model does not have); check that "
                         "config.json matches the weights"
                     )
-                param = params[pname]
-                dest = param.data if rows == -1 else param.data.narrow(0, start, rows)
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(dest.shape):
+                param, spec = params[pname], spec_of(pname)
+                # the shape this tensor has in the checkpoint (the full, TP=1 one)
+                expected = list(param.shape)
+                expected[spec.dim] = spec.full_size
+                if rows != -1:
+                    expected[0] = rows
+                sliced = f.get_slice(name)
+                shape = tuple(sliced.get_shape())
+                if shape != tuple(expected):
                     raise WeightLoadError(
-                        f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(dest.shape)} from config.json"
+                        f"{path.name}: tensor {name!r} has shape {shape}, "
+                        f"expected {tuple(expected)} from config.json"
                     )
-                dest.copy_(tensor.to(dest.dtype), non_blocking=True)
-                filled[pname] += dest.shape[0] if dest.dim() else 1
-    missing = [n for n, p in params.items() if filled[n] < (p.shape[0] if p.dim() else 1)]
+                if spec.dim == 0:
+                    pieces = spec.pieces(start, rows if rows != -1 else spec.full_size)
+                else:  # split columns: the tensor fills the parameter's rows whole
+                    pieces = spec.pieces(0, spec.full_size)
+                for src, dst, n in pieces:
+                    part = sliced[src : src + n] if spec.dim == 0 else sliced[:, src : src + n]
+                    dest = param.data.narrow(spec.dim, dst, n)
+                    dest.copy_(part.to(dest.dtype), non_blocking=True)
+                    filled[pname] += dest.numel()
+    missing = [n for n, p in params.items() if filled[n] < _real_numel(p, specs.get(n))]
     if missing:
         raise WeightLoadError(
             f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}; "
             "the safetensors files are incomplete or belong to another model"
         )
+
+
+def _real_numel(param: torch.Tensor, spec: ShardSpec | None) -> int:
+    """Elements of `param` a checkpoint fills (all but the vocabulary padding)."""
+    if spec is None:
+        return param.numel()
+    return param.numel() // param.shape[spec.dim] * spec.local_len
