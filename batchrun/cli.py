@@ -137,8 +137,73 @@ sampling_options = option_group(
 )
 
 
+# structured output for every row (a row's response_format / regex / choice / ebnf wins)
+structured_options = option_group(
+    click.option(
+        "--response-format",
+        default=None,
+        metavar="JSON|@FILE",
+        help='OpenAI-style response_format as JSON (or @FILE), e.g. {"type": "json_object"} or '
+        '{"type": "json_schema", "json_schema": {"schema": {...}}}.',
+    ),
+    click.option(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        help="The output must be JSON valid against the schema in FILE.",
+    ),
+    click.option("--regex", default=None, help="The output must match this regex."),
+    click.option(
+        "--choice",
+        multiple=True,
+        help="The output must be one of these strings (repeat, or one JSON list).",
+    ),
+    click.option(
+        "--ebnf",
+        default=None,
+        metavar="FILE",
+        help="The output must match the EBNF grammar in FILE.",
+    ),
+)
+
+
+def build_grammar(o: dict):
+    """The structured-output default from the options (None without one); exit 2 if it does
+    not parse or compile."""
+    from batchrun.io.rows import structured_from_options
+
+    try:
+        spec = structured_from_options(
+            o.get("response_format"),
+            o.get("json_schema"),
+            o.get("regex"),
+            tuple(o.get("choice") or ()),
+            o.get("ebnf"),
+        )
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    if spec is not None:
+        from batchrun.engine.grammar import GrammarError, check_spec
+
+        try:
+            check_spec(spec)
+        except GrammarError as e:
+            names = ("response_format", "json_schema", "regex", "choice", "ebnf")
+            option = next(n for n in names if o.get(n))
+            raise click.UsageError(f"--{option.replace('_', '-')}: {e}; fix it") from e
+    return spec
+
+
 engine_options = option_group(
     click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
+    click.option(
+        "--tp",
+        type=click.IntRange(min=1),
+        default=1,
+        show_default=True,
+        help="Tensor parallel: split the model over N GPUs (NCCL; attention heads must divide "
+        "by N).",
+    ),
     click.option(
         "--dtype",
         type=click.Choice(DTYPES),
@@ -251,6 +316,7 @@ def build_defaults(o: dict) -> SamplingParams:
         n=o["n"],
         logprobs=o["logprobs"] is not None,
         top_logprobs=o["logprobs"] or 0,
+        grammar=build_grammar(o),
     )
     try:
         params.validate()
@@ -271,6 +337,7 @@ def build_engine_config(o: dict) -> EngineConfig:
         enable_radix_cache=not o["no_radix_cache"],
         attention_backend=o["attention_backend"],
         seed=o["seed"],
+        tp_size=o["tp"],
     )
     try:
         cfg.validate()
@@ -281,11 +348,21 @@ def build_engine_config(o: dict) -> EngineConfig:
 
         if not torch.cuda.is_available():
             raise click.UsageError("--device cuda: CUDA is not available here; use --device cpu")
-    if cfg.attention_backend not in ("auto", "torch"):
-        raise click.UsageError(
-            f"--attention-backend {cfg.attention_backend} is not available in this build; "
-            "use torch or auto"
-        )
+    if cfg.attention_backend in ("triton", "flashinfer"):
+        import importlib.util
+
+        import torch
+
+        if o["device"] == "cpu" or not torch.cuda.is_available():
+            raise click.UsageError(
+                f"--attention-backend {cfg.attention_backend} needs a CUDA device; "
+                "use --attention-backend torch (or auto) on the CPU"
+            )
+        if cfg.attention_backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
+            raise click.UsageError(
+                "--attention-backend flashinfer: the flashinfer package is not installed "
+                "(pip install flashinfer-python); or use triton (or auto)"
+            )
     return cfg
 
 
@@ -327,6 +404,7 @@ def main() -> None:
 @model_options
 @row_options
 @sampling_options
+@structured_options
 @engine_options
 @order_options
 @click.option(
@@ -360,6 +438,29 @@ def main() -> None:
     help="Token required on every progress request (Authorization: Bearer TOKEN or ?token=). "
     "Env: BATCHRUN_PROGRESS_TOKEN.",
 )
+@click.option(
+    "--engine-process/--in-process",
+    default=True,
+    show_default=True,
+    help="Run the engine in its own process, so reading, tokenizing and writing never hold up "
+    "the device; --in-process runs it in this one (debugging).",
+)
+@click.option(
+    "--notify-batch",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Engine process: finished completions sent to the writer per wake-up (all of them at "
+    "the end, and at least every 0.5 s).",
+)
+@click.option(
+    "--dp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Data parallel: N engine processes, one per GPU (per --tp group), fed by prefix group "
+    "and by load from this process's reader; one writer.",
+)
 def submit(dataset: str, out: str, **o) -> None:
     """Run every row of DATASET through the model and write the completions to --out.
 
@@ -383,6 +484,15 @@ def submit(dataset: str, out: str, **o) -> None:
         num_shards, shard_index = resolve_shards(o["num_shards"], o["shard_index"])
     except ShardOptionError as e:
         raise click.UsageError(str(e)) from e
+    if o["dp"] > 1:
+        from batchrun.engine_process.data_parallel import device_indices
+
+        if not o["engine_process"]:
+            raise click.UsageError("--dp runs engine processes; drop --in-process")
+        try:
+            device_indices(build_engine_config(o), o["dp"])
+        except ValueError as e:
+            raise click.UsageError(str(e)) from e
 
     config = RunConfig(
         dataset=dataset,
@@ -402,6 +512,9 @@ def submit(dataset: str, out: str, **o) -> None:
         commit_interval=o["commit_interval"],
         drain_timeout=o["drain_timeout"],
         keep_signal_handlers=True,
+        engine_process=o["engine_process"],
+        notify_batch=o["notify_batch"],
+        dp=o["dp"],
         num_shards=num_shards,
         shard_index=shard_index,
     )

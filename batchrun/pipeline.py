@@ -14,11 +14,6 @@ from batchrun.io.readers import DatasetSource, RawRow
 from batchrun.io.rows import PreparedRow, RowError, RowSpec, detect_openai_batch, prepare_row
 from batchrun.tokenize import TokenizedRow, tokenize_rows
 
-STRUCTURED_UNSUPPORTED = (
-    "structured output (response_format / regex / choice / ebnf) is not supported by this "
-    "batchrun version yet"
-)
-
 
 def read_rows(source: DatasetSource, limit: int | None, batch_size: int) -> Iterator[list[RawRow]]:
     """Batches of raw rows, stopping after `limit` rows (never reads further than needed)."""
@@ -53,8 +48,6 @@ class RowPipeline:
             prepared: list[PreparedRow] = []
             for raw in raw_batch:
                 item = prepare_row(raw, self.spec, self.defaults, bool(self.openai))
-                if isinstance(item, PreparedRow) and item.response_format is not None:
-                    item = RowError(item.id, item.row, "invalid_request", STRUCTURED_UNSUPPORTED)
                 if isinstance(item, RowError):
                     yield item
                 else:

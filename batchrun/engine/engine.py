@@ -20,14 +20,16 @@ import torch
 
 from batchrun.engine.allocator import TokenAllocator
 from batchrun.engine.config import EngineConfig
+from batchrun.engine.grammar import GrammarBackend
 from batchrun.engine.kv_manager import KVManager
-from batchrun.engine.model_runner import ModelRunner, StepHandle
+from batchrun.engine.model_runner import ForwardHandle, ModelRunner, StepHandle
 from batchrun.engine.params import GenerateRequest, GenerateResult, TopLogprobs
 from batchrun.engine.radix_cache import RadixCache
 from batchrun.engine.request import Req
 from batchrun.engine.sampler import SamplingBatch
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler
 from batchrun.engine.stop import StopStringChecker
+from batchrun.engine.structured import StructuredOutput
 from batchrun.models.config import ModelConfig
 
 
@@ -49,7 +51,8 @@ class EngineStats:
 class _Launched(NamedTuple):
     reqs: list[Req]  # the requests that sample a token in this step
     out_index: list[int]  # the output index each of them fills
-    handle: StepHandle
+    handle: StepHandle | ForwardHandle  # ForwardHandle: sampling waits for the token bitmask
+    sampling: SamplingBatch | None = None  # set while the handle is a ForwardHandle
 
 
 def derive_seed(base: int, rid: str, index: int = 0) -> int:
@@ -79,6 +82,9 @@ class Engine:
         self._arrivals = 0
         self._finished: list[GenerateResult] = []
         self._inflight: _Launched | None = None
+        self.structured = StructuredOutput(
+            self._make_grammar_backend, wait_for_compiles=config.tp_size > 1
+        )
         # overlap needs an asynchronous device; on the CPU every op is synchronous anyway
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
 
@@ -120,28 +126,58 @@ class Engine:
         base = (
             params.seed if params.seed is not None else derive_seed(self.config.seed, request.rid)
         )
+        reqs = []
         for i in range(params.n):
             seed = base if i == 0 else derive_seed(base, request.rid, i)
             self._arrivals += 1
-            self.scheduler.add(
-                Req(request.rid, i, list(request.input_ids), params, seed, self._arrivals)
-            )
+            reqs.append(Req(request.rid, i, list(request.input_ids), params, seed, self._arrivals))
+        if params.grammar is None:
+            for req in reqs:
+                self.scheduler.add(req)
+        else:
+            # NOTE: admitted once compiled (a cached grammar: at once); requests behind go ahead
+            self.structured.submit(reqs, params.grammar)
+            self._admit_compiled()
+
+    @property
+    def grammar(self) -> GrammarBackend:
+        """The structured-output backend (made on first use)."""
+        return self.structured.backend
+
+    def _make_grammar_backend(self) -> GrammarBackend:
+        vocab_size, max_rows = self.model_config.vocab_size, self.config.max_running
+        return GrammarBackend(
+            self.tokenizer, vocab_size, list(self.eos_token_ids), max_rows, self.device
+        )
+
+    def _admit_compiled(self, idle: bool = False) -> None:
+        for req in self.structured.poll(idle):
+            if req.is_finished:  # the spec did not compile
+                self._finished.append(self._result(req))
+            else:
+                self.scheduler.add(req)
 
     @property
     def wants_requests(self) -> bool:
         """Room in the waiting queue: feed more (bounded look-ahead, as generate() does)."""
-        return len(self.scheduler.waiting) < self.config.max_pending
+        num_waiting = len(self.scheduler.waiting) + self.structured.num_compiling
+        return num_waiting < self.config.max_pending
 
     def drop_waiting(self) -> int:
         """Forget the requests that have not started (they hold no KV); running ones go on.
         For a graceful stop: drain what runs, resume the rest later. Returns how many."""
-        dropped = len(self.scheduler.waiting)
+        dropped = len(self.scheduler.waiting) + self.structured.clear()
         self.scheduler.waiting.clear()
         return dropped
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._inflight is not None
+        return (
+            self.scheduler.has_work
+            or self._inflight is not None
+            or self.structured.num_compiling > 0
+            or bool(self._finished)  # e.g. a grammar that failed to compile, not yet reported
+        )
 
     def generate(self, requests: Iterable[GenerateRequest]) -> Iterator[GenerateResult]:
         pending = iter(requests)
@@ -171,8 +207,15 @@ class Engine:
 
         The tokens of step n feed step n+1 on the device (runner.token_pool); the host sees
         them one step late. Without overlap, each step is processed right after its launch.
+
+        A step with grammar requests is launched in two parts, since its token bitmask needs
+        step n's tokens: the forward of n+1 runs on the device while the host processes step n
+        (the matchers accept its tokens) and fills the bitmask; then its sampling is launched:
+
+            launch forward(n+1) -> wait + process(n) -> fill bitmask(n+1) -> launch sample(n+1)
         """
         sched = self.scheduler
+        self._admit_compiled(idle=not sched.has_work and self._inflight is None)
         # nothing runs and nothing is in flight: if the head of the queue cannot be scheduled
         # now, it never can
         idle = not sched.running and self._inflight is None
@@ -189,6 +232,8 @@ class Engine:
         if self._inflight is not None:
             self._process(self._inflight)
             self._inflight = None
+        if launched is not None and launched.sampling is not None:
+            launched = self._sample_constrained(launched)
         if launched is not None:
             if self.overlap:
                 self._inflight = launched
@@ -203,11 +248,22 @@ class Engine:
         sampling = self._sampling_batch(sampling_reqs) if sampling_reqs else None
         # which output index each sampled token will fill
         out_index = [len(r.output_ids) for r in sampling_reqs]
-        handle = self.runner.launch(batch, sampling)
+        if sampling is not None and any(r.matcher is not None for r in sampling_reqs):
+            handle = self.runner.launch_forward(batch)  # sampled by _sample_constrained
+        else:
+            handle, sampling = self.runner.launch(batch, sampling), None
         self.scheduler.advance(batch)
         self.stats.num_steps += 1
         self.stats.num_forward_tokens += batch.num_tokens
-        return _Launched(sampling_reqs, out_index, handle)
+        return _Launched(sampling_reqs, out_index, handle, sampling)
+
+    def _sample_constrained(self, launched: _Launched) -> _Launched:
+        """Fill the grammar rows' token bitmask (their matchers have seen every earlier token
+        by now) and launch the sampling of the step's logits."""
+        mask = self.structured.fill_mask(launched.reqs)
+        grammar = self.grammar if mask is not None else None
+        handle = self.runner.launch_sample(launched.handle, launched.sampling, mask, grammar)
+        return launched._replace(handle=handle, sampling=None)
 
     def _process(self, launched: _Launched) -> None:
         out = self.runner.wait(launched.handle)
@@ -253,6 +309,8 @@ class Engine:
                 ids, vals = out.top_logprobs[i]
                 req.top_logprobs.append((ids[: params.top_logprobs], vals[: params.top_logprobs]))
         num_out = idx + 1
+        if req.matcher is not None and self.structured.advance(req, token):
+            return
         if token in params.stop_token_ids:
             req.finish_reason, req.matched_stop = "stop", token
         elif not params.ignore_eos and token in self.eos_token_ids:

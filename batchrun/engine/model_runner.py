@@ -14,12 +14,14 @@ import torch
 
 from batchrun.attention import AttentionInputs, create_backend
 from batchrun.engine.config import EngineConfig
+from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.kv_pool import KVPool, ReqToTokenPool
 from batchrun.engine.sampler import PenaltyState, Sampler, SamplingBatch
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.models.config import ModelConfig
 from batchrun.models.llama import ForwardBatch
 from batchrun.models.loader import load_model
+from batchrun.parallel.state import tp_group_for
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,16 @@ class StepOutput(NamedTuple):
     next_token_ids: list[int]  # one per sampling request, in batch order
     logprobs: list[float] | None
     top_logprobs: list[tuple[list[int], list[float]]] | None
+
+
+class ForwardHandle(NamedTuple):
+    """A launched forward whose logits wait for their sampler (a step with grammar requests
+    samples only once the host has filled the token bitmask)."""
+
+    logits: torch.Tensor  # [S, V] fp32, on the device
+    sample_rows: torch.Tensor  # [S] int64: the sampling requests' rows
+    forward_start: object | None
+    forward_end: object | None
 
 
 class StepHandle(NamedTuple):
@@ -73,12 +85,13 @@ class ModelRunner:
             self.device,
             max_positions=context_len,
             seed=config.seed,
+            tp=tp_group_for(config),  # the no-op group at tp_size 1
         )
         self.num_slots = self._kv_slots()
         self.kv_pool = KVPool(
             model_cfg.num_layers,
             self.num_slots,
-            model_cfg.num_kv_heads,
+            self.model.num_kv_heads,  # this rank's KV heads under tensor parallelism
             model_cfg.head_dim,
             self.dtype,
             self.device,
@@ -117,7 +130,7 @@ class ModelRunner:
             return max(page, cfg.kv_budget // page * page)
         per_token = KVPool.bytes_per_token(
             self.model_cfg.num_layers,
-            self.model_cfg.num_kv_heads,
+            self.model.num_kv_heads,
             self.model_cfg.head_dim,
             self.dtype,
         )
@@ -152,6 +165,13 @@ class ModelRunner:
 
     def launch(self, batch: ScheduledBatch, sampling: SamplingBatch | None) -> StepHandle:
         """Enqueue the step on the device and the copy of its results to the host; no sync."""
+        fwd = self.launch_forward(batch)
+        if sampling is None:
+            return StepHandle(None, None, None, None, None, fwd.forward_start, fwd.forward_end)
+        return self.launch_sample(fwd, sampling)
+
+    def launch_forward(self, batch: ScheduledBatch) -> ForwardHandle:
+        """Enqueue the step's forward; its logits stay on the device for launch_sample."""
         seq_lens = batch.seq_lens
         rows = [r.row for r in batch.reqs]
         logits_indices: list[int] = []
@@ -199,19 +219,31 @@ class ModelRunner:
             end_ev.record()
         else:
             self.forward_time += time.perf_counter() - t0
-        if sampling is None:
-            return StepHandle(None, None, None, None, None, start_ev, end_ev)
+        return ForwardHandle(logits, sample_rows_t, start_ev, end_ev)
+
+    def launch_sample(
+        self,
+        fwd: ForwardHandle,
+        sampling: SamplingBatch,
+        mask: TokenMask | None = None,
+        grammar: GrammarBackend | None = None,
+    ) -> StepHandle:
+        """Enqueue sampling from a launched forward's logits (masked first by the grammar rows'
+        token bitmask, if any) and the copy of the results to the host; no sync."""
+        logits = fwd.logits
+        if mask is not None:
+            grammar.apply(logits, mask)  # in place: the logits are this step's own
         out = self.sampler(logits, sampling, self.penalties)
         if sampling.has_penalties:
             self.penalties.update(sampling.rows, out.next_token_ids)
-        self.token_pool[sample_rows_t] = out.next_token_ids
+        self.token_pool[fwd.sample_rows] = out.next_token_ids
         tensors = [out.next_token_ids, out.logprobs, out.top_logprob_ids, out.top_logprob_vals]
-        if not is_cuda:
+        if self.device.type != "cuda":
             return StepHandle(*tensors, None, None, None)
         host = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
         event = torch.cuda.Event()
         event.record()
-        return StepHandle(*host, event, start_ev, end_ev)
+        return StepHandle(*host, event, fwd.forward_start, fwd.forward_end)
 
     def _forward(self, input_ids, positions, logits_idx, attn: AttentionInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(attn):

@@ -8,6 +8,20 @@ from __future__ import annotations
 
 import msgspec
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
+
+
+class GrammarSpec(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """What a request's output must match (structured output). Hashable: the compile cache key.
+
+    spec by kind: json_schema: the schema as JSON text (key order kept: it is the field order of
+    the output); json_object: empty (any JSON object); regex: the pattern; ebnf: the grammar
+    (GBNF-style, root rule `root`); choice: a JSON list of the allowed strings.
+    """
+
+    kind: str
+    spec: str = ""
+
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """Per-request sampling options. Semantics follow OpenAI / vLLM where they overlap."""
@@ -28,6 +42,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     n: int = 1
     logprobs: bool = False  # logprob of each chosen token
     top_logprobs: int = 0  # and the N most likely tokens at each step
+    grammar: GrammarSpec | None = None  # structured output: the output must match it
 
     @property
     def is_greedy(self) -> bool:
@@ -72,6 +87,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             raise ValueError("stop strings must be non-empty")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+        if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
+            raise ValueError(
+                f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.grammar.kind!r}"
+            )
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, omit_defaults=True):

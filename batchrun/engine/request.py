@@ -37,6 +37,9 @@ class Req:
     prefix_len: int = 0
     last_node: Any = None
     penalty_row: int | None = None  # row whose penalty statistics describe this request
+    # structured output: an xgrammar GrammarMatcher that has accepted every output token the
+    # host has seen (so a retracted request resumes with a valid state)
+    matcher: Any = None
     # accounting
     cached_tokens: int | None = None  # prompt tokens served from cache at first admission
     num_retractions: int = 0

@@ -2,6 +2,8 @@
 
 Order (as in vLLM): raw logits -> logprobs of the raw distribution -> penalties -> min_new_tokens
 mask -> greedy rows: argmax; sampled rows: / temperature -> top-k -> top-p -> min-p -> sample.
+Rows with a grammar arrive with their disallowed tokens already at -inf (engine/grammar.py), so
+logprobs, penalties and filters all see the constrained distribution.
 
 Random draws come from a counter-based hash of (seed, step, token id), so a request draws the same
 token whatever else is in the batch, on CPU and CUDA alike, and resumes identically after a
@@ -102,7 +104,8 @@ class SamplingBatch:
         """Pack the batch into two H2D copies (floats, ints) plus one for masked ids, if any.
 
         vocab_size is the logits' last dimension. eos_token_ids are masked, together with the
-        request's stop_token_ids, while steps[i] < params[i].min_new_tokens.
+        request's stop_token_ids, while steps[i] < params[i].min_new_tokens (not for rows with a
+        grammar; their token bitmask is applied to the logits before the sampler).
         """
         device = torch.device(device)
         floats: list[list[float]] = [[] for _ in range(6)]
@@ -123,7 +126,9 @@ class SamplingBatch:
             ints[2].append(steps[i])
             ints[3].append(rows[i])
             ints[4].append(int(greedy))
-            if steps[i] < p.min_new_tokens:
+            # NOTE: a grammar decides where its output ends: banning EOS there could leave no
+            # allowed token at all, so min_new_tokens does not apply to grammar rows
+            if steps[i] < p.min_new_tokens and p.grammar is None:
                 ids = dict.fromkeys([*eos_token_ids, *p.stop_token_ids])
                 banned_rows.extend([i] * len(ids))
                 banned_ids.extend(ids)

@@ -18,9 +18,11 @@ max_running completions) is the backpressure: a fast reader cannot queue the who
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 
 from batchrun.engine.config import EngineConfig
@@ -31,6 +33,16 @@ from batchrun.engine_process.worker import worker_main
 from batchrun.errors import ModelError, RunError
 
 _EOF = object()  # the reader thread's last item: the connection closed
+# NOTE: at exit, multiprocessing joins every non-daemonic child; an engine process that nobody
+# closed waits for messages forever, so the interpreter would never exit. This hook (registered
+# after multiprocessing's, so it runs first) closes whatever is still open.
+_open_clients: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_clients() -> None:
+    for client in list(_open_clients):
+        client.close(timeout=5)
 
 
 class EngineProcessError(RunError):
@@ -75,6 +87,7 @@ class EngineProcess:
             daemon=False,  # an engine process may start tensor-parallel ranks of its own
         )
         self._proc.start()
+        _open_clients.add(self)
         child.close()  # ours is the only parent end left: EOF when the engine process dies
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = wakeup

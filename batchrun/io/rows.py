@@ -11,7 +11,9 @@ Two row shapes are accepted:
 
 Structured output fields (``response_format``, ``regex``, ``choice``, ``ebnf``) are normalized into
 ``PreparedRow.response_format`` as ``{"type": "json_object" | "json_schema" | "regex" | "choice" |
-"ebnf", ...}`` and NOT rejected here: whether they can run is decided downstream.
+"ebnf", ...}`` and into ``params.grammar`` (a GrammarSpec, overriding the CLI default;
+``{"type": "text"}`` turns a default grammar off). Whether a spec compiles is decided by the
+engine: a bad one fails that row alone, with the compiler's message.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from batchrun.engine.params import SamplingParams
+from batchrun.engine.params import GrammarSpec, SamplingParams
 from batchrun.io.readers import RawRow
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -126,10 +128,8 @@ def _prepare_plain(
         messages = _check_messages(messages, messages_col or "messages", spec.system_prompt)
     else:
         prompt = _check_prompt(prompt, prompt_col or "prompt")
-    params = _parse_params(data, defaults)
-    return PreparedRow(
-        row_id, row, prompt, messages, params, False, _parse_response_format(data), {}
-    )
+    params, response_format = _parse_structured(data, _parse_params(data, defaults))
+    return PreparedRow(row_id, row, prompt, messages, params, False, response_format, {})
 
 
 def _prepare_openai(
@@ -151,16 +151,14 @@ def _prepare_openai(
         if body.get("prompt") is None:
             raise _Invalid(f"body has no 'prompt' (it has {_columns(body)})")
         prompt = _check_prompt(body["prompt"], "body.prompt")
-    params = _parse_params(body, defaults)
+    params, response_format = _parse_structured(body, _parse_params(body, defaults))
     extra: dict = {"url": url, "method": method}
     if body.get("model") is not None:
         extra["model"] = body["model"]
     unsupported = [k for k in _OPENAI_UNSUPPORTED if body.get(k) is not None]
     if unsupported:
         extra["unsupported_fields"] = unsupported
-    return PreparedRow(
-        row_id, row, prompt, messages, params, True, _parse_response_format(body), extra
-    )
+    return PreparedRow(row_id, row, prompt, messages, params, True, response_format, extra)
 
 
 def _check_prompt(prompt: Any, column: str) -> str:
@@ -306,7 +304,43 @@ def _parse_params(data: dict, defaults: SamplingParams) -> SamplingParams:
     return params
 
 
-def _parse_response_format(data: dict) -> dict | None:
+def _parse_structured(data: dict, params: SamplingParams) -> tuple[SamplingParams, dict | None]:
+    """The row's structured output, if any, as params.grammar (over the default's)."""
+    response_format, is_text = _parse_response_format(data)
+    if response_format is not None:
+        params = msgspec.structs.replace(params, grammar=grammar_spec(response_format))
+    elif is_text and params.grammar is not None:
+        params = msgspec.structs.replace(params, grammar=None)
+    return params, response_format
+
+
+def grammar_spec(response_format: dict) -> GrammarSpec:
+    """A normalized response_format (as in PreparedRow) -> the engine's GrammarSpec."""
+    kind = response_format["type"]
+    if kind == "json_schema":
+        # NOTE: key order kept (no sorting): it is the order of the fields in the output
+        return GrammarSpec(
+            kind, msgspec.json.encode(response_format["json_schema"]["schema"]).decode()
+        )
+    if kind == "choice":
+        return GrammarSpec(kind, msgspec.json.encode(response_format["choice"]).decode())
+    if kind == "json_object":
+        return GrammarSpec(kind)
+    return GrammarSpec(kind, response_format[kind])
+
+
+def parse_structured_fields(data: dict) -> GrammarSpec | None:
+    """``response_format`` / ``regex`` / ``choice`` / ``ebnf`` as in a row -> a GrammarSpec (None
+    for none or ``text``). Raises ValueError (for the CLI's defaults)."""
+    try:
+        response_format, _ = _parse_response_format(data)
+    except _Invalid as e:
+        raise ValueError(str(e)) from None
+    return grammar_spec(response_format) if response_format is not None else None
+
+
+def _parse_response_format(data: dict) -> tuple[dict | None, bool]:
+    """(normalized structured output or None, whether response_format was {"type": "text"})."""
     found: list[dict] = []
     rf = _decode_text(data.get("response_format"), "'response_format'")
     if rf is not None:
@@ -341,4 +375,57 @@ def _parse_response_format(data: dict) -> dict | None:
     if len(found) > 1:
         kinds = [f["type"] for f in found]
         raise _Invalid(f"row asks for more than one structured output {kinds}; keep one")
-    return found[0] if found else None
+    is_text = isinstance(rf, dict) and rf.get("type") == "text"
+    return (found[0] if found else None), is_text
+
+
+def structured_from_options(
+    response_format: str | None,
+    json_schema: str | None,
+    regex: str | None,
+    choice: tuple[str, ...],
+    ebnf: str | None,
+) -> GrammarSpec | None:
+    """The CLI's structured-output defaults -> a GrammarSpec (None: none). Files are read here.
+    Raises ValueError naming the option and what to do."""
+    given = {
+        "--response-format": response_format,
+        "--json-schema": json_schema,
+        "--regex": regex,
+        "--choice": choice or None,
+        "--ebnf": ebnf,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError(f"use only one of {', '.join(given)} (they all set the output format)")
+    ((option, value),) = given.items()
+    try:
+        if option == "--response-format":
+            text = _read_option_file(value[1:]) if value.startswith("@") else value
+            data = {"response_format": text}
+        elif option == "--json-schema":
+            schema = _decode_text(_read_option_file(value), f"the file {value}")
+            data = {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}
+        elif option == "--choice":
+            # one JSON list, or the option repeated once per choice
+            items = list(value)
+            if len(items) == 1 and items[0].lstrip().startswith("["):
+                items = _decode_text(items[0], "the JSON list")
+            data = {"choice": items}
+        elif option == "--ebnf":
+            data = {"ebnf": _read_option_file(value)}
+        else:
+            data = {"regex": value}
+        return parse_structured_fields(data)
+    except (_Invalid, ValueError, OSError) as e:
+        raise ValueError(f"{option}: {e}") from None
+
+
+def _read_option_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise _Invalid(f"cannot read {path}: {e.strerror}; give a readable file") from None

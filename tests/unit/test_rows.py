@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from batchrun.engine.params import SamplingParams
+from batchrun.engine.params import GrammarSpec, SamplingParams
 from batchrun.io.readers import RawRow, open_dataset
-from batchrun.io.rows import PreparedRow, RowError, RowSpec, detect_openai_batch, prepare_row
+from batchrun.io.rows import (
+    PreparedRow,
+    RowError,
+    RowSpec,
+    detect_openai_batch,
+    prepare_row,
+    structured_from_options,
+)
 from batchrun.tokenize import TokenizedRow, tokenize_rows
 
 SPEC = RowSpec()
@@ -138,6 +147,59 @@ def test_structured_output_is_kept_for_later() -> None:
     assert prep({"prompt": "x", "choice": ["y", "n"]}).response_format["choice"] == ["y", "n"]
     assert prep({"prompt": "x", "ebnf": "root ::= 'a'"}).response_format["type"] == "ebnf"
     assert prep({"prompt": "x", "response_format": {"type": "text"}}).response_format is None
+
+
+def test_structured_output_becomes_the_params_grammar() -> None:
+    schema = {"type": "object", "properties": {"b": {}, "a": {}}}  # key order is kept
+    rf = {"type": "json_schema", "json_schema": {"schema": schema}}
+    p = prep({"prompt": "x", "response_format": rf, "max_tokens": 5})
+    assert p.params.grammar == GrammarSpec("json_schema", json.dumps(schema, separators=(",", ":")))
+    assert p.params.max_new_tokens == 5
+    assert prep({"prompt": "x", "regex": "a+"}).params.grammar == GrammarSpec("regex", "a+")
+    got = prep({"prompt": "x", "choice": ["y", 'n"']}).params.grammar
+    assert got == GrammarSpec("choice", '["y","n\\""]')
+    assert prep({"prompt": "x", "response_format": {"type": "json_object"}}).params.grammar == (
+        GrammarSpec("json_object")
+    )
+    # a row's format wins over the default; {"type": "text"} turns the default off
+    default = msgspec.structs.replace(DEFAULTS, grammar=GrammarSpec("regex", "z"))
+    row = RawRow(0, {"prompt": "x", "ebnf": "root ::= 'a'"}, None)
+    assert prepare_row(row, SPEC, default, False).params.grammar.kind == "ebnf"
+    row = RawRow(0, {"prompt": "x", "response_format": {"type": "text"}}, None)
+    assert prepare_row(row, SPEC, default, False).params.grammar is None
+    assert prepare_row(RawRow(0, {"prompt": "x"}, None), SPEC, default, False).params is default
+    # OpenAI Batch rows: body.response_format
+    body = {"messages": [{"role": "user", "content": "q"}], "response_format": rf}
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    assert prep(line, openai=True).params.grammar.kind == "json_schema"
+
+
+def test_structured_from_options(tmp_path: Path) -> None:
+    def opts(rf=None, schema=None, regex=None, choice=(), ebnf=None):
+        return structured_from_options(rf, schema, regex, choice, ebnf)
+
+    assert opts() is None
+    assert opts(regex="a+") == GrammarSpec("regex", "a+")
+    assert (
+        opts(choice=("a", "b"))
+        == opts(choice=('["a", "b"]',))
+        == GrammarSpec("choice", '["a","b"]')
+    )
+    assert opts(rf='{"type": "json_object"}') == GrammarSpec("json_object")
+    path = tmp_path / "s.json"
+    path.write_text('{"type": "integer"}')
+    assert opts(schema=str(path)) == GrammarSpec("json_schema", '{"type":"integer"}')
+    path.write_text('{"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}')
+    assert opts(rf=f"@{path}") == GrammarSpec("json_schema", '{"type":"integer"}')
+    for kwargs, words in [
+        ({"regex": "a", "choice": ("b",)}, "use only one of --regex, --choice"),
+        ({"schema": str(tmp_path / "nope.json")}, "--json-schema: cannot read"),
+        ({"rf": '{"type": "yaml"}'}, "--response-format: response_format.type 'yaml'"),
+        ({"choice": ("[1]",)}, "--choice: 'choice' must be a non-empty list of strings"),
+        ({"ebnf": str(tmp_path)}, "--ebnf: cannot read"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            opts(**kwargs)
 
 
 def openai_line(cid: str, url: str = "/v1/chat/completions", **body) -> dict:

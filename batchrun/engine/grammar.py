@@ -1,0 +1,250 @@
+"""Structured output with xgrammar: a compile cache, one matcher per request, the token bitmask.
+
+    add_request --compile(spec)----------> Future (thread pool; cached per GrammarSpec)
+    compiled    --matcher(compiled)-------> Req.matcher (one per request, n > 1 included)
+    each step   --fill_mask(matchers, rows)-> pinned bitmask [S, V/32] -> device (async copy)
+                --apply(logits, mask)-----> disallowed tokens' logits = -inf, in place
+
+Compiles run on worker threads (xgrammar releases the GIL), so a new schema never stalls the
+step loop; the engine admits a request once its future is done. Compile errors are cached like
+grammars, so a bad schema repeated over many rows is parsed once.
+
+xgrammar is imported lazily: an engine that never sees a grammar neither imports nor pays for it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import msgspec
+import torch
+
+from batchrun.engine.params import GrammarSpec
+
+# compiled grammars kept (LRU); a JSON schema's compiled form holds per-token masks: ~MBs
+CACHE_SIZE = 512
+# xgrammar prefixes its errors with a timestamp and a C++ source location: not for users
+_LOCATION = re.compile(r"^\s*(\[[0-9:]+\]\s*)?\S+\.(cc|h):\d+:\s*")
+
+
+class GrammarError(ValueError):
+    """A spec that does not compile; the message is the compiler's."""
+
+
+def compiler_message(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return _LOCATION.sub("", text).strip()
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """`root ::= "a" | "b"`: JSON string escapes are also EBNF string escapes."""
+    return "root ::= " + " | ".join(msgspec.json.encode(c).decode() for c in choices)
+
+
+def describe(spec: GrammarSpec) -> str:
+    return {"json_schema": "JSON schema", "ebnf": "EBNF grammar"}.get(spec.kind, spec.kind)
+
+
+def check_spec(spec: GrammarSpec) -> None:
+    """Parse a spec without a tokenizer (fast; for the CLI's defaults). Raises GrammarError."""
+    import xgrammar as xgr
+
+    try:
+        if spec.kind == "json_schema":
+            xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False)
+        elif spec.kind == "regex":
+            xgr.Grammar.from_regex(spec.spec)
+        elif spec.kind == "ebnf":
+            xgr.Grammar.from_ebnf(spec.spec)
+        elif spec.kind == "choice":
+            xgr.Grammar.from_ebnf(choice_ebnf(msgspec.json.decode(spec.spec)))
+    except Exception as e:
+        raise GrammarError(f"invalid {describe(spec)}: {compiler_message(e)}") from None
+
+
+class TokenMask(NamedTuple):
+    """The bitmask of one step, on the logits' device: rows `indices` of `bitmask` apply to the
+    same rows of the logits; the other rows are stale and never read."""
+
+    bitmask: torch.Tensor  # [S, ceil(V / 32)] int32, bit j of a row: token j allowed
+    indices: torch.Tensor  # [G] int32 (on the device)
+    indices_cpu: list[int]
+
+
+class GrammarBackend:
+    """Compiles specs for one tokenizer and fills bitmasks; one per engine, made on first use.
+
+    tokenizer: the HF tokenizer (or an xgrammar TokenizerInfo); vocab_size: the logits' width,
+    which may exceed the tokenizer's (ids beyond it are never allowed); stop_token_ids: the
+    tokens that end a completed grammar (the model's EOS ids); max_rows: sampling rows per step.
+
+    NOTE: xgrammar sees the tokenizer's own vocabulary, not the padded logits width: padding ids
+    made accept_token and the bitmask fill ~10x slower in a measurement (49k tokenizer, 128k
+    logits). The ids past the tokenizer are masked apart, on the device.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        max_rows: int,
+        device: torch.device,
+        max_workers: int | None = None,
+    ) -> None:
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocab)
+        self.mask_vocab = min(vocab_size, _tokenizer_size(tokenizer, stop_token_ids))
+        self.device = device
+        cpus = os.cpu_count() or 1
+        self._executor = ThreadPoolExecutor(
+            max_workers or min(4, cpus), thread_name_prefix="batchrun-grammar"
+        )
+        # NOTE: TokenizerInfo reads the whole vocabulary (~1 s for 128k tokens): built on a worker
+        # too, by the first job; compile jobs wait for it there, never the step loop
+        self._compiler: Future = self._executor.submit(
+            self._make_compiler, tokenizer, self.mask_vocab, list(stop_token_ids), min(8, cpus)
+        )
+        self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._batch = xgr.BatchGrammarMatcher("auto")  # fills rows on C++ threads
+        is_cuda = device.type == "cuda"
+        width = (self.mask_vocab + 31) // 32
+        self._mask_cpu = torch.full((max_rows, width), -1, dtype=torch.int32, pin_memory=is_cuda)
+        self._mask_dev = (
+            torch.full((max_rows, width), -1, dtype=torch.int32, device=device)
+            if is_cuda
+            else self._mask_cpu
+        )
+        self._copied = torch.cuda.Event() if is_cuda else None  # the last H2D copy of the mask
+        self._triton = None  # xgrammar's Triton kernel, or False: unpack with torch ops
+
+    @staticmethod
+    def _make_compiler(tokenizer, vocab_size: int, stop_ids: list[int], threads: int):
+        import xgrammar as xgr
+
+        if isinstance(tokenizer, xgr.TokenizerInfo):  # tests: a made-up vocabulary
+            info = tokenizer
+        else:
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids or None
+            )
+        # NOTE: our LRU of futures is the cache; xgrammar's own would hold the same grammars
+        return xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+
+    # -- compiling -----------------------------------------------------------------------------
+
+    def compile(self, spec: GrammarSpec) -> Future:
+        """A future of the compiled grammar (raises GrammarError); cached per spec."""
+        future = self._cache.get(spec)
+        if future is not None:
+            self._cache.move_to_end(spec)
+            return future
+        future = self._executor.submit(self._compile, spec)
+        self._cache[spec] = future
+        while len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)  # a request holding the future keeps its result
+        return future
+
+    def _compile(self, spec: GrammarSpec):
+        compiler = self._compiler.result()
+        try:
+            if spec.kind == "json_schema":
+                # NOTE: compact JSON (", " and ": " between items, no other whitespace): with
+                # free whitespace a small model can emit newlines until max_tokens
+                return compiler.compile_json_schema(spec.spec, any_whitespace=False)
+            if spec.kind == "json_object":
+                return compiler.compile_builtin_json_grammar()
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.spec)
+            if spec.kind == "ebnf":
+                return compiler.compile_grammar(spec.spec)
+            if spec.kind == "choice":
+                return compiler.compile_grammar(choice_ebnf(msgspec.json.decode(spec.spec)))
+        except Exception as e:
+            raise GrammarError(f"invalid {describe(spec)}: {compiler_message(e)}") from None
+        raise GrammarError(f"unknown grammar kind {spec.kind!r}")
+
+    @staticmethod
+    def matcher(compiled) -> Any:
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- the bitmask ---------------------------------------------------------------------------
+
+    def fill_mask(self, matchers: list, rows: list[int]) -> TokenMask:
+        """Fill bitmask row rows[i] from matchers[i] on the CPU and start its copy to the device.
+        rows: positions in the step's sampling batch (the logits' rows)."""
+        if self._copied is not None:
+            # the previous step's copy must have left the pinned buffer before we rewrite it
+            # (normally long done: the host has waited for that step's results since)
+            self._copied.synchronize()
+        self._batch.batch_fill_next_token_bitmask(matchers, self._mask_cpu, rows)
+        num_rows = max(rows) + 1
+        if self._copied is None:
+            indices = torch.tensor(rows, dtype=torch.int32)
+            return TokenMask(self._mask_cpu[:num_rows], indices, rows)
+        dev = self._mask_dev[:num_rows]
+        dev.copy_(self._mask_cpu[:num_rows], non_blocking=True)
+        indices = torch.tensor(rows, dtype=torch.int32, pin_memory=True)
+        indices = indices.to(self.device, non_blocking=True)
+        self._copied.record()
+        return TokenMask(dev, indices, rows)
+
+    @torch.inference_mode()  # the logits are inference tensors (the model runs in that mode)
+    def apply(self, logits: torch.Tensor, mask: TokenMask) -> None:
+        """Set the logits [S, V] of disallowed tokens to -inf, in place (rows mask.indices)."""
+        vocab = self.mask_vocab
+        if logits.device.type == "cpu":
+            import xgrammar as xgr
+
+            xgr.apply_token_bitmask_inplace(
+                logits, mask.bitmask, vocab_size=vocab, indices=mask.indices_cpu
+            )
+            if vocab < logits.shape[-1]:
+                logits[mask.indices_cpu, vocab:] = float("-inf")
+            return
+        if self._triton is None:
+            try:
+                from xgrammar.kernels.apply_token_bitmask_inplace_triton import (
+                    apply_token_bitmask_inplace_triton,
+                )
+
+                self._triton = apply_token_bitmask_inplace_triton
+            except ImportError:
+                self._triton = False
+        if self._triton:
+            self._triton(logits, mask.bitmask, vocab, mask.indices)
+        else:
+            apply_mask_torch(logits[:, :vocab], mask.bitmask, mask.indices)
+        if vocab < logits.shape[-1]:
+            logits[:, vocab:].index_fill_(0, mask.indices.long(), float("-inf"))
+
+
+def _tokenizer_size(tokenizer: Any, stop_token_ids: list[int]) -> int:
+    """Ids a grammar may allow: the tokenizer's vocabulary (with added tokens) and the stops."""
+    size = tokenizer.vocab_size if hasattr(tokenizer, "decoded_vocab") else len(tokenizer)
+    return max(size, *(t + 1 for t in stop_token_ids)) if stop_token_ids else size
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 bits -> [R, vocab_size] bool (True: allowed)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
+    return bits.flatten(1)[:, :vocab_size].bool()
+
+
+def apply_mask_torch(logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor) -> None:
+    """The same as the Triton kernel with torch ops (no host sync)."""
+    idx = indices.long()
+    allowed = unpack_bitmask(bitmask.index_select(0, idx), logits.shape[-1])
+    rows = logits.index_select(0, idx).masked_fill(~allowed, float("-inf"))
+    logits.index_copy_(0, idx, rows)

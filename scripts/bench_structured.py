@@ -1,0 +1,237 @@
+"""W4 of BENCH.md: structured output overhead. 1,000 prompts with a JSON schema against the same
+prompts unconstrained, in one process on one engine; output tok/s of both and the overhead.
+
+    python scripts/bench_structured.py                          # W4 on the H200 (llama-1b)
+    python scripts/bench_structured.py --model llama-8b
+    python scripts/bench_structured.py --device cpu --model tiny --num-prompts 16 \
+        --prompt-len 32 --output-len 32                         # CPU smoke test
+
+The model has dummy weights (config.json from bench_models.py) and the embedded SmolLM2
+tokenizer (the grammar needs one; no download): its 49,152 ids are the only ones a grammar may
+allow, ids above stay masked. NOTE: the host's grammar work per token (accept, bitmask fill)
+grows with the tokenizer; a real Llama-3 tokenizer (128k ids) costs more than this one. The
+per-step host times printed show how much room is left. Random weights write garbage, but
+grammar-valid garbage: string fields rarely close, so most constrained rows run to
+--output-len, like the unconstrained ones (ignore_eos). Both runs are warmed up first (CUDA
+graphs, the compile, Triton's JIT), then timed alternately --repeats times; the medians are
+shown. Prints a markdown row for BENCH.md and writes the figures as JSON under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import msgspec
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
+
+from bench_models import MODELS, write_model_dir  # noqa: E402
+
+TOKEN_LOW, TOKEN_HIGH = 1000, 30000  # prompt ids: inside the SmolLM2 vocabulary
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "active": {"type": "boolean"},
+        "kind": {"enum": ["person", "place", "thing"]},
+        "summary": {"type": "string"},
+    },
+    "required": ["id", "name", "tags", "active", "kind", "summary"],
+}
+
+
+def model_dir(name: str, root: Path, tokenizer_dir: Path | None = None) -> Path:
+    """Dummy-weight model dir with the embedded SmolLM2 tokenizer (EOS 2, BOS 1), copied from
+    tokenizer_dir when given (a machine without the embedded model's package: its tokenizer
+    files alone are enough)."""
+    from batchrun.models.embedded import resolve_model_path
+
+    path = write_model_dir(name, root)
+    config = json.loads((path / "config.json").read_text())
+    # the tokenizer's ids must fit the logits; ours end at 49,152 (the tiny shape is smaller)
+    config["vocab_size"] = max(config["vocab_size"], 49152)
+    config.update(bos_token_id=1, eos_token_id=2)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    embedded = tokenizer_dir or resolve_model_path(None)
+    for f in embedded.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+class HostClock:
+    """Host seconds in the grammar's per-step work: matchers accepting tokens and the bitmask
+    fill (wraps the engine's StructuredOutput methods; bench-only instrumentation)."""
+
+    def __init__(self, structured):
+        self.accept_s = self.fill_s = 0.0
+        self.num_fills = 0
+        advance, fill = structured.advance, structured.fill_mask
+
+        def timed_advance(req, token):
+            t = time.perf_counter()
+            try:
+                return advance(req, token)
+            finally:
+                self.accept_s += time.perf_counter() - t
+
+        def timed_fill(reqs):
+            t = time.perf_counter()
+            try:
+                return fill(reqs)
+            finally:
+                self.fill_s += time.perf_counter() - t
+                self.num_fills += 1
+
+        structured.advance, structured.fill_mask = timed_advance, timed_fill
+
+    def take(self) -> dict:
+        out = {
+            "accept_ms_per_step": 1e3 * self.accept_s / max(self.num_fills, 1),
+            "fill_ms_per_step": 1e3 * self.fill_s / max(self.num_fills, 1),
+        }
+        self.accept_s = self.fill_s = 0.0
+        self.num_fills = 0
+        return out
+
+
+def run_once(engine, prompts, params, sync) -> dict:
+    from batchrun.engine.params import GenerateRequest
+
+    requests = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
+    reasons: Counter = Counter()
+    tokens = 0
+    sync()
+    steps0 = engine.stats.num_steps
+    t0 = time.perf_counter()
+    for result in engine.generate(requests):
+        reasons[result.finish_reason] += 1
+        tokens += result.completion_tokens
+    sync()
+    wall = time.perf_counter() - t0
+    steps = engine.stats.num_steps - steps0
+    return {
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "tok_s": tokens / wall,
+        "ms_per_step": 1e3 * wall / max(steps, 1),
+        "finish": reasons,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="llama-1b", help=f"of {', '.join(MODELS)}")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--schema", type=Path, default=None, help="JSON schema file (default: built in)")
+    p.add_argument(
+        "--tokenizer", type=Path, default=None,
+        help="directory with the SmolLM2 tokenizer files (default: the embedded model's)",
+    )  # fmt: skip
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--kv-budget", type=int, default=None)
+    p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-out"))
+    args = p.parse_args(argv)
+
+    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.engine import Engine
+    from batchrun.engine.params import GrammarSpec, SamplingParams
+
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    is_cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if is_cuda else (lambda: None)
+    schema = json.loads(args.schema.read_text()) if args.schema else SCHEMA
+    rng = random.Random(4)
+    prompts = [
+        [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(args.prompt_len)]
+        for _ in range(args.num_prompts)
+    ]
+    free = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    grammar = GrammarSpec("json_schema", json.dumps(schema))
+    constrained = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, grammar=grammar)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model_dir(args.model, Path(tmp), args.tokenizer)
+        t = time.perf_counter()
+        engine = Engine(
+            EngineConfig(
+                model=str(path),
+                load_format="dummy",
+                device=args.device,
+                dtype=dtype,
+                max_running=args.max_running,
+                kv_budget=args.kv_budget,
+                overlap=not args.no_overlap,
+            )
+        )
+        startup = time.perf_counter() - t
+        # warm-up: CUDA graphs, the grammar compile, Triton's JIT (other prompts: no cache hits)
+        warm = [[rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(args.prompt_len)]]
+        warm = warm * min(32, args.num_prompts)
+        t = time.perf_counter()
+        for params in (free, constrained):
+            run_once(engine, warm, msgspec.structs.replace(params, max_new_tokens=8), sync)
+        warmup = time.perf_counter() - t
+        clock = HostClock(engine.structured)
+        runs: dict[str, list[dict]] = {"free": [], "json_schema": []}
+        for _ in range(args.repeats):
+            for name, params in (("free", free), ("json_schema", constrained)):
+                engine.kv.cache.reset()  # a cold prefix cache for every timed run
+                res = run_once(engine, prompts, params, sync)
+                res.update(clock.take())
+                runs[name].append(res)
+                print(
+                    f"{name:12s} {res['tok_s']:10,.0f} out tok/s  {res['output_tokens']:,} "
+                    f"tokens in {res['wall_s']:.2f} s  {res['ms_per_step']:.2f} ms/step (grammar "
+                    f"host work per step: accept {res['accept_ms_per_step']:.2f} ms, fill "
+                    f"{res['fill_ms_per_step']:.2f} ms)  finish {dict(res['finish'])}",
+                    flush=True,
+                )
+
+    free_tok_s = statistics.median(r["tok_s"] for r in runs["free"])
+    json_tok_s = statistics.median(r["tok_s"] for r in runs["json_schema"])
+    overhead = 100.0 * (free_tok_s - json_tok_s) / free_tok_s
+    device = torch.cuda.get_device_name() if is_cuda else "cpu"
+    print(f"\nmodel {args.model} on {device}; start-up {startup:.1f} s, warm-up {warmup:.1f} s")
+    print("| workload | unconstrained, output tok/s | JSON schema, output tok/s | overhead |")
+    print("|---|---|---|---|")
+    print(
+        f"| W4, {args.model}, {args.num_prompts} x {args.prompt_len} in, {args.output_len} out "
+        f"| {free_tok_s:,.0f} | {json_tok_s:,.0f} | {overhead:.1f} % (target <= 10 %) |"
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "model": args.model,
+        "device": device,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "free_tok_s": free_tok_s,
+        "json_schema_tok_s": json_tok_s,
+        "overhead_pct": overhead,
+        "runs": {k: [{**r, "finish": dict(r["finish"])} for r in v] for k, v in runs.items()},
+    }
+    (args.out / "bench_structured.json").write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
