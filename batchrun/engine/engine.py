@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -53,6 +54,7 @@ class _Launched(NamedTuple):
     out_index: list[int]  # the output index each of them fills
     handle: StepHandle | ForwardHandle  # ForwardHandle: sampling waits for the token bitmask
     sampling: SamplingBatch | None = None  # set while the handle is a ForwardHandle
+    fill: Future | None = None  # the bitmask fill running on the fill thread (overlap)
 
 
 def derive_seed(base: int, rid: str, index: int = 0) -> int:
@@ -82,6 +84,9 @@ class Engine:
         self._arrivals = 0
         self._finished: list[GenerateResult] = []
         self._inflight: _Launched | None = None
+        # overlap with grammar rows: a step whose forward is launched and whose bitmask is being
+        # filled on the fill thread; its sampling is launched by the next step()
+        self._pending: _Launched | None = None
         self.structured = StructuredOutput(
             self._make_grammar_backend, wait_for_compiles=config.tp_size > 1
         )
@@ -175,6 +180,7 @@ class Engine:
         return (
             self.scheduler.has_work
             or self._inflight is not None
+            or self._pending is not None
             or self.structured.num_compiling > 0
             or bool(self._finished)  # e.g. a grammar that failed to compile, not yet reported
         )
@@ -210,16 +216,22 @@ class Engine:
 
         A step with grammar requests is launched in two parts, since its token bitmask needs
         step n's tokens: the forward of n+1 runs on the device while the host processes step n
-        (the matchers accept its tokens) and fills the bitmask; then its sampling is launched:
+        (the matchers accept its tokens); the bitmask of n+1 is then filled on the fill thread
+        while this thread schedules n+2, and the sampling of n+1 goes in before forward(n+2):
 
-            launch forward(n+1) -> wait + process(n) -> fill bitmask(n+1) -> launch sample(n+1)
+            launch forward(n+1) -> wait + process(n) -> start fill(n+1)
+            -> schedule(n+2) [fill runs] -> launch sample(n+1) -> launch forward(n+2) -> ...
+
+        Without overlap the fill runs in line and each step is processed before the next.
         """
         sched = self.scheduler
-        self._admit_compiled(idle=not sched.has_work and self._inflight is None)
+        in_flight = self._inflight is not None or self._pending is not None
+        self._admit_compiled(idle=not sched.has_work and not in_flight)
         # nothing runs and nothing is in flight: if the head of the queue cannot be scheduled
         # now, it never can
-        idle = not sched.running and self._inflight is None
-        batch = sched.schedule()
+        idle = not sched.running and not in_flight
+        batch = sched.schedule()  # overlaps the pending step's bitmask fill
+        self._launch_pending_sample()
         if batch is None and sched.needs_sync and self._inflight is not None:
             # only a request with tokens in flight could make room: settle them, try again
             self._process(self._inflight)
@@ -233,7 +245,13 @@ class Engine:
             self._process(self._inflight)
             self._inflight = None
         if launched is not None and launched.sampling is not None:
-            launched = self._sample_constrained(launched)
+            if self.overlap:
+                # the matchers have seen step n: fill n+1's bitmask while the next step()
+                # schedules; its sampling is launched there
+                fill = self.structured.start_fill(launched.reqs)
+                self._pending, launched = launched._replace(fill=fill), None
+            else:
+                launched = self._sample_constrained(launched)
         if launched is not None:
             if self.overlap:
                 self._inflight = launched
@@ -257,13 +275,26 @@ class Engine:
         self.stats.num_forward_tokens += batch.num_tokens
         return _Launched(sampling_reqs, out_index, handle, sampling)
 
+    def _launch_pending_sample(self) -> None:
+        """Launch the pending step's sampling (after its bitmask fill): it becomes in flight."""
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        assert self._inflight is None, "a pending step always follows a processed one"
+        self._inflight = self._sample_constrained(pending)
+
     def _sample_constrained(self, launched: _Launched) -> _Launched:
         """Fill the grammar rows' token bitmask (their matchers have seen every earlier token
-        by now) and launch the sampling of the step's logits."""
-        mask = self.structured.fill_mask(launched.reqs)
+        by now; with launched.fill, it was filled on the fill thread) and launch the sampling
+        of the step's logits."""
+        if launched.fill is not None:
+            mask = self.structured.finish_fill(launched.fill)
+        else:
+            mask = self.structured.fill_mask(launched.reqs)
         grammar = self.grammar if mask is not None else None
         handle = self.runner.launch_sample(launched.handle, launched.sampling, mask, grammar)
-        return launched._replace(handle=handle, sampling=None)
+        return launched._replace(handle=handle, sampling=None, fill=None)
 
     def _process(self, launched: _Launched) -> None:
         out = self.runner.wait(launched.handle)

@@ -183,11 +183,20 @@ class GrammarBackend:
     def fill_mask(self, matchers: list, rows: list[int]) -> TokenMask:
         """Fill bitmask row rows[i] from matchers[i] on the CPU and start its copy to the device.
         rows: positions in the step's sampling batch (the logits' rows)."""
+        self.fill_rows(matchers, rows)
+        return self.upload(rows)
+
+    def fill_rows(self, matchers: list, rows: list[int]) -> None:
+        """The CPU half of fill_mask; safe on another thread while the caller's thread does
+        other work (nothing else touches these matchers or the pinned buffer meanwhile)."""
         if self._copied is not None:
             # the previous step's copy must have left the pinned buffer before we rewrite it
             # (normally long done: the host has waited for that step's results since)
             self._copied.synchronize()
         self._batch.batch_fill_next_token_bitmask(matchers, self._mask_cpu, rows)
+
+    def upload(self, rows: list[int]) -> TokenMask:
+        """The device half of fill_mask: start the copy of the filled rows (stream order)."""
         num_rows = max(rows) + 1
         if self._copied is None:
             indices = torch.tensor(rows, dtype=torch.int32)

@@ -12,7 +12,7 @@ The xgrammar side (compiling, the bitmask buffers, the kernels) is in grammar.py
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.params import GrammarSpec
@@ -33,6 +33,7 @@ class StructuredOutput:
         self._wait_for_compiles = wait_for_compiles
         self._backend: GrammarBackend | None = None
         self._compiling: list[tuple[Req, Future]] = []
+        self._fill_thread: ThreadPoolExecutor | None = None  # bitmask fills (start_fill)
 
     @property
     def backend(self) -> GrammarBackend:
@@ -103,8 +104,28 @@ class StructuredOutput:
     def fill_mask(self, reqs: list[Req]) -> TokenMask | None:
         """The bitmask of a step's sampling requests (rows in their order); None if none of them
         has a live grammar. Call after the previous step's tokens were advanced."""
+        return self.finish_fill(self.start_fill(reqs, background=False))
+
+    def start_fill(self, reqs: list[Req], background: bool = True) -> Future:
+        """fill_mask's CPU work, on the fill thread (background) or here; finish_fill(future)
+        then starts the copy. The matchers must not advance until finish_fill returns."""
         # a request that finished on the previous token samples a wasted token: no mask
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None and not r.is_finished]
-        if not rows:
-            return None
-        return self.backend.fill_mask([reqs[i].matcher for i in rows], rows)
+        matchers = [reqs[i].matcher for i in rows]
+        if not background or not rows:
+            future: Future = Future()
+            if rows:
+                self.backend.fill_rows(matchers, rows)
+            future.set_result(rows)
+            return future
+        if self._fill_thread is None:
+            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="batchrun-bitmask")
+        return self._fill_thread.submit(self._fill, matchers, rows)
+
+    def _fill(self, matchers: list, rows: list[int]) -> list[int]:
+        self.backend.fill_rows(matchers, rows)
+        return rows
+
+    def finish_fill(self, future: Future) -> TokenMask | None:
+        rows = future.result()
+        return self.backend.upload(rows) if rows else None

@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import traceback
 from dataclasses import replace
 from datetime import timedelta
@@ -194,6 +195,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _destroy_groups() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _destroy_groups(timeout_s: float = 20.0) -> None:
+    """Tear down the process groups; give up after timeout_s (a peer that never joins the
+    teardown must not hang this process: its exit releases the rest)."""
+    if not dist.is_initialized():
+        return
+    done = threading.Thread(target=dist.destroy_process_group, name="tp-teardown", daemon=True)
+    done.start()
+    done.join(timeout_s)

@@ -100,8 +100,9 @@ class LockstepEngine:
 
     `group`: the gloo control group (None at tp_size 1: then this is a thin pass-through);
     `followers`: the processes of ranks 1.., watched so that a dead one fails the next step with
-    a clear error instead of a hang; `on_close`: called once by close() after the followers have
-    exited (the launcher tears down the process groups there).
+    a clear error instead of a hang; `on_close`: called once by close(), right after the shutdown
+    message and before joining the followers (the launcher tears down the process groups there;
+    see close()).
     """
 
     def __init__(
@@ -198,14 +199,22 @@ class LockstepEngine:
         if self._closed:
             return
         self._closed = True
+        shutdown_sent = False
         try:
             if self.group is not None and not self.dead_followers():
                 self._calls.clear()
                 self._broadcast(OP_SHUTDOWN)
+                shutdown_sent = True
         except Exception:  # a broken group: the kill below still ends the followers
             pass
+        # NOTE: NCCL's group teardown pairs up across ranks: rank 0 tears down while the
+        # followers do (right after the shutdown message), before joining them. Joining first
+        # hung on the H200 pair (each side waiting for the other). Without a shutdown (a dead
+        # rank) the followers are stopped first; the teardown gives up after a timeout.
+        if self._on_close is not None and shutdown_sent:
+            self._on_close()
         stop_processes(self.followers, self._join_timeout_s)
-        if self._on_close is not None:
+        if self._on_close is not None and not shutdown_sent:
             self._on_close()
 
     def __enter__(self) -> LockstepEngine:

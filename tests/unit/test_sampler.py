@@ -397,3 +397,15 @@ def test_uniforms_never_hit_zero_or_one() -> None:
     assert u.min() > 0 and u.max() < 1
     assert abs(u.mean().item() - 0.5) < 1e-3
     assert math.isclose(u.var().item(), 1 / 12, rel_tol=1e-2)
+
+
+def test_shared_params_columns_equal_row_by_row():
+    from batchrun.engine.params import SamplingParams
+    from batchrun.engine.sampler import _columns, _columns_shared
+
+    for p in (
+        SamplingParams(temperature=0.0, min_new_tokens=3, stop_token_ids=(7, 2)),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2),
+    ):
+        args = ([1, 2**63 + 5, 3], [0, 3, 2], [4, 5, 6], 50, [2, 9])
+        assert _columns_shared(p, *args) == _columns([p, p, p], *args)
