@@ -24,7 +24,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import traceback
 from dataclasses import replace
 from datetime import timedelta
@@ -111,7 +110,7 @@ def start_tp_engine(
             raise RuntimeError(f"tensor-parallel engine failed to start ({desc})")
     except BaseException:
         stop_processes(followers, timeout_s=5.0)
-        _destroy_groups()
+        _destroy_groups(peers_alive=False)
         raise
     return LockstepEngine(
         engine, control, followers, on_close=_destroy_groups, check_sync=check_sync
@@ -152,11 +151,13 @@ def _follower_main(
         traceback.print_exc()
         error = f"{type(e).__name__}: {e}"
     statuses = _exchange_status(error, control, size)
-    try:
-        if not any(statuses):
+    if not any(statuses):
+        try:
             follower_loop(engine, control, check_sync)
-    finally:
-        _destroy_groups()
+        except BaseException:
+            _destroy_groups(peers_alive=False)  # rank 0 is gone (or broke the protocol)
+            raise
+    _destroy_groups()  # after the shutdown message, alongside rank 0's teardown
     if any(statuses):
         sys.exit(1)
 
@@ -195,11 +196,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _destroy_groups(timeout_s: float = 20.0) -> None:
-    """Tear down the process groups; give up after timeout_s (a peer that never joins the
-    teardown must not hang this process: its exit releases the rest)."""
+def _destroy_groups(peers_alive: bool = True) -> None:
+    """Tear down the process groups (in this thread: NCCL refused a teardown from another one
+    with "invalid argument" on the H200 pair). NCCL's teardown pairs up with the other ranks':
+    with a rank gone it could wait forever, so then it is left to the process's exit."""
     if not dist.is_initialized():
         return
-    done = threading.Thread(target=dist.destroy_process_group, name="tp-teardown", daemon=True)
-    done.start()
-    done.join(timeout_s)
+    if peers_alive or dist.get_backend() != "nccl":
+        dist.destroy_process_group()

@@ -110,7 +110,7 @@ class LockstepEngine:
         engine,
         group=None,
         followers: Sequence = (),
-        on_close: Callable[[], None] | None = None,
+        on_close: Callable[[bool], None] | None = None,
         join_timeout_s: float = 30.0,
         check_sync: bool = False,
     ):
@@ -212,10 +212,10 @@ class LockstepEngine:
         # hung on the H200 pair (each side waiting for the other). Without a shutdown (a dead
         # rank) the followers are stopped first; the teardown gives up after a timeout.
         if self._on_close is not None and shutdown_sent:
-            self._on_close()
+            self._on_close(True)
         stop_processes(self.followers, self._join_timeout_s)
         if self._on_close is not None and not shutdown_sent:
-            self._on_close()
+            self._on_close(False)  # peers gone: see launcher._destroy_groups
 
     def __enter__(self) -> LockstepEngine:
         return self
