@@ -26,6 +26,8 @@ from batchrun.engine.params import GenerateRequest, GenerateResult
 from batchrun.engine_process import messages as m
 from batchrun.engine_process.notify import NotifyBatcher
 
+GPU_ENGINE_THREADS = 4
+
 
 def worker_main(
     config: EngineConfig,
@@ -85,6 +87,10 @@ def load_engine(config: EngineConfig, device_index: int | None):
 
     if device_index is not None:
         torch.cuda.set_device(device_index)
+        # NOTE: a GPU engine's host work is single-threaded Python and small tensors; torch's
+        # default of one thread per core made data-parallel engine processes on one host
+        # oversubscribe it (two engines: 1.36x one on the H200 pair)
+        torch.set_num_threads(GPU_ENGINE_THREADS)
     return Engine(config)
 
 

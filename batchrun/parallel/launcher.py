@@ -71,6 +71,11 @@ def start_tp_engine(
         torch.cuda.set_device(base_device_index)
     if tp_size == 1:
         return LockstepEngine(Engine(replace(config, tp_size=1, tp_rank=0)))
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already ran a tensor-parallel group (NCCL's are kept until the "
+            "process exits, see _destroy_groups): start the next one in a new process"
+        )
     model_dir = _check_model(config, tp_size)
     disable_nvls()  # before any NCCL communicator, and inherited by the followers
     backend = "nccl" if is_cuda else "gloo"
@@ -197,10 +202,11 @@ def _free_port() -> int:
 
 
 def _destroy_groups(peers_alive: bool = True) -> None:
-    """Tear down the process groups (in this thread: NCCL refused a teardown from another one
-    with "invalid argument" on the H200 pair). NCCL's teardown pairs up with the other ranks':
-    with a rank gone it could wait forever, so then it is left to the process's exit."""
-    if not dist.is_initialized():
+    """Tear down the process groups. NOTE: only gloo's. On the H200 pair (torch 2.11, NCCL
+    2.28) destroy_process_group() hung with the NCCL model group, whether rank 0 called it
+    before or after joining the followers (and refused from another thread with "invalid
+    argument"), so NCCL's communicators are left to the process's exit: one tensor-parallel
+    group per process (an engine process, or a test's subprocess)."""
+    if not dist.is_initialized() or dist.get_backend() == "nccl":
         return
-    if peers_alive or dist.get_backend() != "nccl":
-        dist.destroy_process_group()
+    dist.destroy_process_group()
