@@ -25,35 +25,25 @@ from bench_models import write_model_dir  # noqa: E402
 from bench_throughput import make_workload, warmup_prompts  # noqa: E402
 
 from batchrun.engine.config import EngineConfig  # noqa: E402
+from batchrun.engine.engine import drive  # noqa: E402
 from batchrun.engine.params import GenerateRequest, SamplingParams  # noqa: E402
 from batchrun.engine_process.data_parallel import DataParallelEngine  # noqa: E402
 
 
-def drive(dp: DataParallelEngine, prompts: list[list[int]], out_len: int, tag: str):
+def drive_workload(dp: DataParallelEngine, prompts: list[list[int]], out_len: int, tag: str):
+    """Every prompt through the engines; returns the output tokens generated."""
     params = SamplingParams(max_new_tokens=out_len, ignore_eos=True, temperature=0)
-    pending = iter(enumerate(prompts))
-    left, tokens = len(prompts), 0
-    exhausted = False
-    while left:
-        while not exhausted and dp.wants_requests:
-            item = next(pending, None)
-            if item is None:
-                exhausted = True
-                break
-            dp.add_request(GenerateRequest(f"{tag}{item[0]}", item[1], params))
-        for r in dp.step():
-            left -= 1
-            tokens += r.completion_tokens
-    return tokens
+    requests = (GenerateRequest(f"{tag}{i}", p, params) for i, p in enumerate(prompts))
+    return sum(r.completion_tokens for r in drive(dp, requests))
 
 
 def run(cfg: EngineConfig, dp: int, wl, warm: int) -> dict:
     t0 = time.perf_counter()
     with DataParallelEngine(cfg, dp, device_indices=list(range(dp)), load_tokenizer=False) as eng:
         start_s = time.perf_counter() - t0
-        drive(eng, warmup_prompts(wl, warm * dp), 32, "w")
+        drive_workload(eng, warmup_prompts(wl, warm * dp), 32, "w")
         t = time.perf_counter()
-        tokens = drive(eng, wl.prompts, wl.output_len, "r")
+        tokens = drive_workload(eng, wl.prompts, wl.output_len, "r")
         elapsed = time.perf_counter() - t
         routed = list(eng.routed)
     return {"dp": dp, "tok_s": tokens / elapsed, "elapsed": elapsed, "start_s": start_s,

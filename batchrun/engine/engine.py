@@ -57,6 +57,25 @@ class _Launched(NamedTuple):
     fill: Future | None = None  # the bitmask fill running on the fill thread (overlap)
 
 
+def drive(engine, requests: Iterable[GenerateRequest]) -> Iterator[GenerateResult]:
+    """Feed `engine` (anything with add_request / wants_requests / has_work / step) from an
+    iterable, a bounded look-ahead at a time, and yield every result until all are done."""
+    pending = iter(requests)
+    exhausted = False
+    while True:
+        while not exhausted and engine.wants_requests:
+            request = next(pending, None)
+            if request is None:
+                exhausted = True
+                break
+            engine.add_request(request)
+        if not engine.has_work:
+            if exhausted:
+                return
+            continue
+        yield from engine.step()
+
+
 def derive_seed(base: int, rid: str, index: int = 0) -> int:
     digest = hashlib.blake2b(f"{base}\0{rid}\0{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 62) - 1)
@@ -186,20 +205,7 @@ class Engine:
         )
 
     def generate(self, requests: Iterable[GenerateRequest]) -> Iterator[GenerateResult]:
-        pending = iter(requests)
-        exhausted = False
-        while True:
-            while not exhausted and self.wants_requests:
-                request = next(pending, None)
-                if request is None:
-                    exhausted = True
-                    break
-                self.add_request(request)
-            if not self.has_work:
-                if exhausted:
-                    return
-                continue
-            yield from self.step()
+        return drive(self, requests)
 
     # -- one step ---------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from batchrun.engine.engine import drive
 from batchrun.engine.params import GenerateRequest, GenerateResult
 
 OP_STEP, OP_SCORE, OP_SHUTDOWN = 1, 2, 3
@@ -178,20 +179,7 @@ class LockstepEngine:
 
     def generate(self, requests: Iterable[GenerateRequest]) -> Iterator[GenerateResult]:
         """Engine.generate over this wrapper's add_request / step."""
-        pending = iter(requests)
-        exhausted = False
-        while True:
-            while not exhausted and self.wants_requests:
-                request = next(pending, None)
-                if request is None:
-                    exhausted = True
-                    break
-                self.add_request(request)
-            if not self.has_work:
-                if exhausted:
-                    return
-                continue
-            yield from self.step()
+        return drive(self, requests)
 
     def close(self) -> None:
         """Stop the followers (shutdown message, then join; kill what does not exit) and
