@@ -32,6 +32,7 @@ from batchrun.cli_options import (
     sampling_options,
     structured_options,
 )
+from batchrun.engine_process.notify import DEFAULT_MAX_DELAY, DEFAULT_NOTIFY_BATCH
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INPUT, EXIT_MODEL, EXIT_INTERRUPTED = 1, 2, 3, 4, 5
 
@@ -111,10 +112,10 @@ def main() -> None:
 @click.option(
     "--notify-batch",
     type=click.IntRange(min=1),
-    default=16,
+    default=DEFAULT_NOTIFY_BATCH,
     show_default=True,
     help="Engine process: finished completions sent to the writer per wake-up (all of them at "
-    "the end, and at least every 0.5 s).",
+    f"the end, and at least every {DEFAULT_MAX_DELAY} s).",
 )
 @click.option(
     "--dp",
@@ -147,20 +148,21 @@ def submit(dataset: str, out: str, **o) -> None:
         num_shards, shard_index = resolve_shards(o["num_shards"], o["shard_index"])
     except ShardOptionError as e:
         raise click.UsageError(str(e)) from e
+    engine = build_engine_config(o)
     if o["dp"] > 1:
         from batchrun.engine_process.data_parallel import device_indices
 
         if not o["engine_process"]:
             raise click.UsageError("--dp runs engine processes; drop --in-process")
         try:
-            device_indices(build_engine_config(o), o["dp"])
+            device_indices(engine, o["dp"])
         except ValueError as e:
             raise click.UsageError(str(e)) from e
 
     config = RunConfig(
         dataset=dataset,
         out=out,
-        engine=build_engine_config(o),
+        engine=engine,
         defaults=build_defaults(o),
         spec=build_spec(o),
         split=o["split"],

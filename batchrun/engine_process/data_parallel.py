@@ -120,10 +120,6 @@ class DataParallelEngine:
                 return results
             self._wakeup.wait(left)
 
-    @property
-    def counters(self) -> list:
-        return [e.counters for e in self.engines]
-
     def close(self) -> None:
         for engine in self.engines:
             engine.close()
