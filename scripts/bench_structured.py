@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 
 from bench_models import MODELS, write_model_dir  # noqa: E402
+from host_phases import HostPhases  # noqa: E402
 
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000  # prompt ids: inside the SmolLM2 vocabulary
 SCHEMA = {
@@ -74,15 +75,17 @@ def model_dir(name: str, root: Path, tokenizer_dir: Path | None = None) -> Path:
 
 
 class HostClock:
-    """Host seconds in the grammar's per-step work (wraps the engine's StructuredOutput methods;
-    bench-only instrumentation): matchers accepting tokens (main thread), the bitmask fill (on
-    the fill thread, overlapping the next step's scheduling) and how long the main thread then
-    still waits for it (the part of the fill that is not hidden)."""
+    """Host seconds in the grammar's per-step work (wraps the engine's grammar backend and
+    StructuredOutput methods; bench-only instrumentation): the fill job on the fill thread (the
+    matchers accepting the last step's tokens, then the bitmask fill), overlapping the next
+    step's scheduling, and how long the main thread still waits for it (the part of the job
+    that is not hidden)."""
 
     def __init__(self, structured):
         self.accept_s = self.fill_s = self.wait_s = 0.0
         self.num_fills = 0
-        advance, fill, finish = structured.advance, structured._fill, structured.finish_fill
+        backend = structured.backend
+        accept, fill, finish = backend.accept_tokens, backend.fill_rows, structured.finish_fill
 
         def timed(fn, field, count=False):
             def wrapper(*args):
@@ -96,8 +99,8 @@ class HostClock:
 
             return wrapper
 
-        structured.advance = timed(advance, "accept_s")
-        structured._fill = timed(fill, "fill_s")
+        backend.accept_tokens = timed(accept, "accept_s")
+        backend.fill_rows = timed(fill, "fill_s")
         structured.finish_fill = timed(finish, "wait_s", count=True)
 
     def take(self) -> dict:
@@ -112,7 +115,7 @@ class HostClock:
         return out
 
 
-def run_once(engine, prompts, params, sync) -> dict:
+def run_once(engine, prompts, params, sync, phases: HostPhases | None = None) -> dict:
     from batchrun.engine.params import GenerateRequest
 
     requests = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
@@ -128,6 +131,7 @@ def run_once(engine, prompts, params, sync) -> dict:
     wall = time.perf_counter() - t0
     steps = engine.stats.num_steps - steps0
     return {
+        "phases_ms_per_step": phases.take(wall, steps) if phases else None,
         "wall_s": wall,
         "output_tokens": tokens,
         "tok_s": tokens / wall,
@@ -153,6 +157,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--kv-budget", type=int, default=None)
     p.add_argument("--no-overlap", action="store_true")
+    p.add_argument(
+        "--phases", action="store_true",
+        help="time the main thread's phases per step (scripts/host_phases.py) and print them",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-out"))
     args = p.parse_args(argv)
 
@@ -162,6 +170,10 @@ def main(argv=None) -> int:
 
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     is_cuda = args.device == "cuda"
+    if is_cuda:
+        from batchrun.engine_process.worker import GPU_ENGINE_THREADS
+
+        torch.set_num_threads(GPU_ENGINE_THREADS)  # as in the product's engine process
     sync = torch.cuda.synchronize if is_cuda else (lambda: None)
     schema = json.loads(args.schema.read_text()) if args.schema else SCHEMA
     rng = random.Random(4)
@@ -196,21 +208,26 @@ def main(argv=None) -> int:
             run_once(engine, warm, msgspec.structs.replace(params, max_new_tokens=8), sync)
         warmup = time.perf_counter() - t
         clock = HostClock(engine.structured)
+        phases = HostPhases(engine) if args.phases else None
+        if phases:
+            phases.take(1.0, 1)  # drop the warm-up's share
         runs: dict[str, list[dict]] = {"free": [], "json_schema": []}
         for _ in range(args.repeats):
             for name, params in (("free", free), ("json_schema", constrained)):
                 engine.kv.cache.reset()  # a cold prefix cache for every timed run
-                res = run_once(engine, prompts, params, sync)
+                res = run_once(engine, prompts, params, sync, phases)
                 res.update(clock.take())
                 runs[name].append(res)
                 print(
                     f"{name:12s} {res['tok_s']:10,.0f} out tok/s  {res['output_tokens']:,} "
                     f"tokens in {res['wall_s']:.2f} s  {res['ms_per_step']:.2f} ms/step (grammar "
-                    f"host work per step: accept {res['accept_ms_per_step']:.2f} ms, fill "
-                    f"{res['fill_ms_per_step']:.2f} ms on the fill thread, waited for "
+                    f"work per step on the fill thread: accept {res['accept_ms_per_step']:.2f} ms, "
+                    f"fill {res['fill_ms_per_step']:.2f} ms; main thread waited for it "
                     f"{res['fill_wait_ms_per_step']:.2f} ms)  finish {dict(res['finish'])}",
                     flush=True,
                 )
+                if phases:
+                    print(f"  main thread ms/step: {HostPhases.format(res['phases_ms_per_step'])}")
 
     free_tok_s = statistics.median(r["tok_s"] for r in runs["free"])
     json_tok_s = statistics.median(r["tok_s"] for r in runs["json_schema"])

@@ -106,8 +106,11 @@ class Engine:
         # overlap with grammar rows: a step whose forward is launched and whose bitmask is being
         # filled on the fill thread; its sampling is launched by the next step()
         self._pending: _Launched | None = None
+        self._rejected: list = []  # (req, output index, token) a matcher refused
         self.structured = StructuredOutput(
-            self._make_grammar_backend, wait_for_compiles=config.tp_size > 1
+            self._make_grammar_backend,
+            self.eos_token_ids,
+            wait_for_compiles=config.tp_size > 1,
         )
         # overlap needs an asynchronous device; on the CPU every op is synchronous anyway
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
@@ -221,14 +224,15 @@ class Engine:
         them one step late. Without overlap, each step is processed right after its launch.
 
         A step with grammar requests is launched in two parts, since its token bitmask needs
-        step n's tokens: the forward of n+1 runs on the device while the host processes step n
-        (the matchers accept its tokens); the bitmask of n+1 is then filled on the fill thread
-        while this thread schedules n+2, and the sampling of n+1 goes in before forward(n+2):
+        step n's tokens: the forward of n+1 runs on the device while the host processes step n;
+        a job on the fill thread then has the matchers accept step n's tokens and fills n+1's
+        bitmask, while this thread schedules n+2 and stages its inputs; the sampling of n+1
+        goes in just before forward(n+2):
 
-            launch forward(n+1) -> wait + process(n) -> start fill(n+1)
-            -> schedule(n+2) [fill runs] -> launch sample(n+1) -> launch forward(n+2) -> ...
+            launch forward(n+1) -> wait + process(n) -> start job(n+1)
+            -> schedule(n+2), stage(n+2) [job runs] -> launch sample(n+1) -> forward(n+2) -> ...
 
-        Without overlap the fill runs in line and each step is processed before the next.
+        Without overlap the job runs in line and each step is processed before the next.
         """
         sched = self.scheduler
         in_flight = self._inflight is not None or self._pending is not None
@@ -236,8 +240,9 @@ class Engine:
         # nothing runs and nothing is in flight: if the head of the queue cannot be scheduled
         # now, it never can
         idle = not sched.running and not in_flight
-        batch = sched.schedule()  # overlaps the pending step's bitmask fill
-        self._launch_pending_sample()
+        batch = sched.schedule()  # overlaps the pending step's fill job
+        if batch is None:
+            self._launch_pending_sample()  # (else _launch does, once the batch is staged)
         if batch is None and sched.needs_sync and self._inflight is not None:
             # only a request with tokens in flight could make room: settle them, try again
             self._process(self._inflight)
@@ -265,6 +270,8 @@ class Engine:
                 self._process(launched)
         elif batch is None and idle and sched.waiting:
             self._abort_unfittable(sched.waiting.popleft())
+        if self._rejected:
+            self._abort_rejected()
         return self._take_finished()
 
     def _launch(self, batch: ScheduledBatch) -> _Launched:
@@ -272,10 +279,15 @@ class Engine:
         sampling = self._sampling_batch(sampling_reqs) if sampling_reqs else None
         # which output index each sampled token will fill
         out_index = [len(r.output_ids) for r in sampling_reqs]
+        staged = self.runner.stage_forward(batch)
+        # the pending step's sampling goes in as late as possible (its fill job ran meanwhile),
+        # but before this forward, which reads the tokens it samples
+        self._launch_pending_sample()
+        fwd = self.runner.run_forward(staged)
         if sampling is not None and any(r.matcher is not None for r in sampling_reqs):
-            handle = self.runner.launch_forward(batch)  # sampled by _sample_constrained
+            handle = fwd  # sampled by _sample_constrained, once the bitmask is filled
         else:
-            handle, sampling = self.runner.launch(batch, sampling), None
+            handle, sampling = self.runner.sample_or_skip(fwd, sampling), None
         self.scheduler.advance(batch)
         self.stats.num_steps += 1
         self.stats.num_forward_tokens += batch.num_tokens
@@ -291,13 +303,16 @@ class Engine:
         self._inflight = self._sample_constrained(pending)
 
     def _sample_constrained(self, launched: _Launched) -> _Launched:
-        """Fill the grammar rows' token bitmask (their matchers have seen every earlier token
-        by now; with launched.fill, it was filled on the fill thread) and launch the sampling
+        """Fill the grammar rows' token bitmask (their matchers accept every earlier token
+        first; with launched.fill, that job ran on the fill thread) and launch the sampling
         of the step's logits."""
         if launched.fill is not None:
-            mask = self.structured.finish_fill(launched.fill)
+            mask, rejected = self.structured.finish_fill(launched.fill)
         else:
-            mask = self.structured.fill_mask(launched.reqs)
+            mask, rejected = self.structured.fill_mask(launched.reqs)
+        # NOTE: aborted at the end of step(): this may run inside _launch, before the staged
+        # batch (which may hold these requests) is advanced
+        self._rejected.extend(rejected)
         grammar = self.grammar if mask is not None else None
         handle = self.runner.launch_sample(launched.handle, launched.sampling, mask, grammar)
         return launched._replace(handle=handle, sampling=None, fill=None)
@@ -333,6 +348,7 @@ class Engine:
             self.model_config.vocab_size,
             list(self.eos_token_ids),
             self.device,
+            self.runner.staging,
         )
 
     def _check_finish(self, req: Req, idx: int, out, i: int) -> None:
@@ -346,7 +362,7 @@ class Engine:
                 ids, vals = out.top_logprobs[i]
                 req.top_logprobs.append((ids[: params.top_logprobs], vals[: params.top_logprobs]))
         num_out = idx + 1
-        if req.matcher is not None and self.structured.advance(req, token):
+        if req.matcher is not None and self.structured.record(req, idx, token):
             return
         if token in params.stop_token_ids:
             req.finish_reason, req.matched_stop = "stop", token
@@ -384,6 +400,22 @@ class Engine:
             top_logprobs=top,
             error=req.error,
         )
+
+    def _abort_rejected(self) -> None:
+        """A matcher rejected a token its bitmask allowed (a bug, not the row's fault): the
+        request ends there, with the output up to that token."""
+        rejected, self._rejected = self._rejected, []
+        for req, idx, token in rejected:
+            if req.is_finished:
+                continue
+            req.finish_reason = "abort"
+            req.error = f"structured output: the grammar rejected sampled token {token}"
+            del req.output_ids[idx + 1 :]
+            req.num_inflight = 0
+            # with overlap, steps past that token are launched: their KV is not the request's
+            req.kv_len = min(req.kv_len, req.seq_len)
+            self.scheduler.finish(req)
+            self._finished.append(self._result(req))
 
     def _collect_aborted(self) -> None:
         # requests aborted by the scheduler were already released; report them

@@ -18,6 +18,7 @@ from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.kv_pool import KVPool, ReqToTokenPool
 from batchrun.engine.sampler import PenaltyState, Sampler, SamplingBatch
 from batchrun.engine.scheduler import ScheduledBatch
+from batchrun.engine.staging import PinnedStaging
 from batchrun.models.config import ModelConfig
 from batchrun.models.llama import ForwardBatch
 from batchrun.models.loader import load_model
@@ -40,6 +41,20 @@ class ForwardHandle(NamedTuple):
     sample_rows: torch.Tensor  # [S] int64: the sampling requests' rows
     forward_start: object | None
     forward_end: object | None
+
+
+class StagedForward(NamedTuple):
+    """A step's inputs on their way to the device (ModelRunner.stage_forward)."""
+
+    input_ids: torch.Tensor  # [T]; placeholders (< 0) where the id is still in token_pool
+    positions: torch.Tensor
+    logits_idx: torch.Tensor
+    attn: AttentionInputs
+    sample_rows: torch.Tensor
+    ph_pos: torch.Tensor  # token positions whose id comes from token_pool[ph_rows]
+    ph_rows: torch.Tensor
+    table_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # queued req-to-token writes
+    has_placeholders: bool
 
 
 class StepHandle(NamedTuple):
@@ -103,6 +118,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.penalties = PenaltyState(config.max_running + 1, model_cfg.vocab_size, self.device)
         self._pin = self.device.type == "cuda"
+        # NOTE: the engine runs on the stream current at start-up; recording events on a stream
+        # given by hand spares torch's current-stream lookup (Python, several µs) per event
+        self.stream = torch.cuda.current_stream(self.device) if self._pin else None
+        self.staging = PinnedStaging(self.device, self.stream)  # the step's host-to-device copies
         # the latest sampled token of each request row, kept on the device so that the next
         # step can start before the host has seen it (overlap scheduling)
         self.token_pool = torch.zeros(config.max_running + 1, dtype=torch.int64, device=self.device)
@@ -160,18 +179,28 @@ class ModelRunner:
         flat: list[int] = []
         for a in arrays:
             flat.extend(a.tolist() if isinstance(a, torch.Tensor) else a)
-        packed = self._to_device(flat)
+        packed = self.staging.to_device(flat, torch.int64)
         return list(packed.split(sizes))
 
     def launch(self, batch: ScheduledBatch, sampling: SamplingBatch | None) -> StepHandle:
         """Enqueue the step on the device and the copy of its results to the host; no sync."""
-        fwd = self.launch_forward(batch)
+        return self.sample_or_skip(self.launch_forward(batch), sampling)
+
+    def sample_or_skip(self, fwd: ForwardHandle, sampling: SamplingBatch | None) -> StepHandle:
+        """launch_sample, or for a step that samples nothing (prefill chunks only) a handle
+        with no results."""
         if sampling is None:
             return StepHandle(None, None, None, None, None, fwd.forward_start, fwd.forward_end)
         return self.launch_sample(fwd, sampling)
 
     def launch_forward(self, batch: ScheduledBatch) -> ForwardHandle:
         """Enqueue the step's forward; its logits stay on the device for launch_sample."""
+        return self.run_forward(self.stage_forward(batch))
+
+    def stage_forward(self, batch: ScheduledBatch) -> StagedForward:
+        """The host half of launch_forward: the step's inputs, packed and on their way to the
+        device. Nothing it enqueues reads the device state of earlier steps, so a caller may
+        enqueue other work (the previous step's sampling) before run_forward."""
         seq_lens = batch.seq_lens
         rows = [r.row for r in batch.reqs]
         logits_indices: list[int] = []
@@ -194,11 +223,6 @@ class ModelRunner:
             seq_lens, batch.extend_lens, ph_positions, ph_rows, sample_rows,
             table_rows, table_cols, table_slots,
         )  # fmt: skip
-        # queued request-to-token writes (admissions, new slots) land before attention reads
-        self.req_pool.apply(t_rows, t_cols, t_slots)
-        if ph_positions:
-            # the previous step sampled these tokens; they never left the device
-            input_ids[ph_pos] = self.token_pool[ph_row]
         attn = AttentionInputs(
             req_pool_indices=rows_t,
             seq_lens=seq_t,
@@ -207,19 +231,32 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             extend_lens_cpu=batch.extend_lens,
         )
+        return StagedForward(
+            input_ids, positions, logits_idx, attn, sample_rows_t, ph_pos, ph_row,
+            (t_rows, t_cols, t_slots), bool(ph_positions),
+        )  # fmt: skip
+
+    def run_forward(self, staged: StagedForward) -> ForwardHandle:
+        """The device half of launch_forward: table writes, placeholder ids, the forward."""
+        # queued request-to-token writes (admissions, new slots) land before attention reads
+        self.req_pool.apply(*staged.table_writes)
+        input_ids = staged.input_ids
+        if staged.has_placeholders:
+            # the previous step sampled these tokens; they never left the device
+            input_ids[staged.ph_pos] = self.token_pool[staged.ph_rows]
         is_cuda = self.device.type == "cuda"
         start_ev = end_ev = None
         if is_cuda:
             start_ev = torch.cuda.Event(enable_timing=True)
             end_ev = torch.cuda.Event(enable_timing=True)
-            start_ev.record()
+            start_ev.record(self.stream)
         t0 = time.perf_counter()
-        logits = self._forward(input_ids, positions, logits_idx, attn)
+        logits = self._forward(input_ids, staged.positions, staged.logits_idx, staged.attn)
         if is_cuda:
-            end_ev.record()
+            end_ev.record(self.stream)
         else:
             self.forward_time += time.perf_counter() - t0
-        return ForwardHandle(logits, sample_rows_t, start_ev, end_ev)
+        return ForwardHandle(logits, staged.sample_rows, start_ev, end_ev)
 
     def launch_sample(
         self,
@@ -242,7 +279,7 @@ class ModelRunner:
             return StepHandle(*tensors, None, None, None)
         host = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
         event = torch.cuda.Event()
-        event.record()
+        event.record(self.stream)
         return StepHandle(*host, event, fwd.forward_start, fwd.forward_end)
 
     def _forward(self, input_ids, positions, logits_idx, attn: AttentionInputs) -> torch.Tensor:

@@ -15,12 +15,14 @@ softmax(logit / T) restricted to that set without normalizing it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import NamedTuple
 
 import torch
 
 from batchrun.engine.params import SamplingParams
 from batchrun.engine.penalties import PenaltyState, apply_penalties, to_device
+from batchrun.engine.staging import PinnedStaging
 
 _M32 = 0xFFFFFFFF
 # murmur3 fmix32 constants, shifted into (-2**31, 0) so that x * c with x < 2**32 never leaves the
@@ -62,7 +64,8 @@ class SamplingBatch:
 
     The bool / int fields are computed on the host from the params, so branching on them costs no
     sync. Greedy rows get temperature 1, k = V, p off and min_p 0 so they never trigger the
-    sampled path's work; their result is the argmax of the penalized logits.
+    sampled path's work; their result is the argmax of the penalized logits. A batch of greedy
+    rows without penalties reads no per-row column: its tensors (all but `banned`) are None.
     """
 
     temperatures: torch.Tensor  # [B] fp32; 1.0 for greedy rows
@@ -100,8 +103,10 @@ class SamplingBatch:
         vocab_size: int,
         eos_token_ids: list[int],
         device: torch.device | str,
+        staging: PinnedStaging | None = None,
     ) -> SamplingBatch:
-        """Pack the batch into two H2D copies (floats, ints) plus one for masked ids, if any.
+        """Pack the batch into two H2D copies (floats, ints) plus one for masked ids, if any
+        (through `staging`'s pinned ring when given: the engine's step path).
 
         vocab_size is the logits' last dimension. eos_token_ids are masked, together with the
         request's stop_token_ids, while steps[i] < params[i].min_new_tokens (not for rows with a
@@ -109,9 +114,30 @@ class SamplingBatch:
         """
         device = torch.device(device)
         first = params[0] if params else None
-        if first is not None and all(p is first for p in params):
-            # NOTE: the usual batch (a job's rows share the defaults' params object): columns by
-            # repetition instead of eleven appends per row (host time on every step)
+        shared = first is not None and all(p is first for p in params)
+        # NOTE: the usual batch (a job's rows share the defaults' params object): flags and
+        # columns from that one object instead of per-row passes (host time on every step)
+        distinct = [first] if shared else params
+        sampled = [p for p in distinct if not p.is_greedy]
+        flags = dict(
+            all_greedy=not sampled,
+            any_greedy=(not sampled) if shared else len(sampled) < len(params),
+            needs_sort=any(0 < p.top_k < vocab_size or p.top_p < 1.0 for p in sampled),
+            needs_min_p=any(p.min_p > 0.0 for p in sampled),
+            has_repetition=any(p.repetition_penalty != 1.0 for p in distinct),
+            has_frequency_presence=any(
+                p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in distinct
+            ),
+            needs_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in distinct),
+            num_top_logprobs=max((p.top_logprobs for p in distinct), default=0),
+        )
+        plain = flags["all_greedy"] and not (
+            flags["has_repetition"] or flags["has_frequency_presence"]
+        )
+        if shared and plain:
+            floats = ints = None  # not needed (below)
+            banned_rows, banned_ids = _banned_shared(first, steps, eos_token_ids)
+        elif shared:
             floats, ints, banned_rows, banned_ids = _columns_shared(
                 first, seeds, steps, rows, vocab_size, eos_token_ids
             )
@@ -119,34 +145,23 @@ class SamplingBatch:
             floats, ints, banned_rows, banned_ids = _columns(
                 params, seeds, steps, rows, vocab_size, eos_token_ids
             )
-        f = to_device(floats, torch.float32, device)  # [6, B]
-        n = to_device(ints, torch.int64, device)  # [5, B]
-        sampled = [p for p in params if not p.is_greedy]
-        banned = to_device([banned_rows, banned_ids], torch.int64, device) if banned_ids else None
-        return cls(
-            temperatures=f[0],
-            top_ps=f[1],
-            min_ps=f[2],
-            repetition_penalties=f[3],
-            frequency_penalties=f[4],
-            presence_penalties=f[5],
-            top_ks=n[0],
-            seeds=n[1],
-            steps=n[2],
-            rows=n[3],
-            is_greedy=n[4].bool(),
-            banned=banned,
-            all_greedy=not sampled,
-            any_greedy=len(sampled) < len(params),
-            needs_sort=any(0 < p.top_k < vocab_size or p.top_p < 1.0 for p in sampled),
-            needs_min_p=any(p.min_p > 0.0 for p in sampled),
-            has_repetition=any(p.repetition_penalty != 1.0 for p in params),
-            has_frequency_presence=any(
-                p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
-            ),
-            needs_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in params),
-            num_top_logprobs=max((p.top_logprobs for p in params), default=0),
-        )
+        banned = None
+        if banned_ids:
+            banned = (
+                staging.to_device(banned_rows + banned_ids, torch.int64).view(2, -1)
+                if staging is not None
+                else to_device([banned_rows, banned_ids], torch.int64, device)
+            )
+        if plain:
+            # plain argmax reads none of the per-row columns: nothing else goes to the device
+            return cls(*[None] * 11, banned=banned, **flags)
+        if staging is not None:
+            f = staging.to_device(list(chain.from_iterable(floats)), torch.float32).view(6, -1)
+            n = staging.to_device(list(chain.from_iterable(ints)), torch.int64).view(5, -1)
+        else:
+            f = to_device(floats, torch.float32, device)  # [6, B]
+            n = to_device(ints, torch.int64, device)  # [5, B]
+        return cls(*f, *n[:4], n[4].bool(), banned=banned, **flags)
 
 
 def _columns(params, seeds, steps, rows, vocab_size, eos_token_ids):
@@ -193,6 +208,11 @@ def _columns_shared(p: SamplingParams, seeds, steps, rows, vocab_size, eos_token
     ]
     ints = [[min(k, vocab_size)] * n, [_to_int64(x) for x in seeds], list(steps), list(rows),
             [int(greedy)] * n]  # fmt: skip
+    return (floats, ints, *_banned_shared(p, steps, eos_token_ids))
+
+
+def _banned_shared(p: SamplingParams, steps, eos_token_ids) -> tuple[list[int], list[int]]:
+    """(batch rows, token ids) masked by min_new_tokens, for rows that share params p."""
     banned_rows: list[int] = []
     banned_ids: list[int] = []
     if p.min_new_tokens > 0 and p.grammar is None:
@@ -201,7 +221,7 @@ def _columns_shared(p: SamplingParams, seeds, steps, rows, vocab_size, eos_token
             if step < p.min_new_tokens:
                 banned_rows.extend([i] * len(ids))
                 banned_ids.extend(ids)
-    return floats, ints, banned_rows, banned_ids
+    return banned_rows, banned_ids
 
 
 def _to_int64(seed: int) -> int:

@@ -3,8 +3,10 @@ matchers advance with each token the host sees, and a step's bitmask rows are ch
 
     add_request -> submit(reqs, spec) --compile on a worker--> poll() -> req.matcher set, or
                                                                          req aborted (error)
-    process(n)  -> advance(req, token): the matcher accepts it; True when that ends the request
-    step n+1    -> fill_mask(sampling reqs) -> TokenMask for the model runner (None: no rows)
+    process(n)  -> record(req, idx, token): queued for the matcher; True on a stop token
+    step n+1    -> start_fill(sampling reqs): a job on the fill thread, the matchers accept the
+                   queued tokens, then the bitmask rows are filled
+                -> finish_fill -> TokenMask for the model runner (None: no rows), rejections
 
 The xgrammar side (compiling, the bitmask buffers, the kernels) is in grammar.py.
 """
@@ -18,6 +20,10 @@ from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.params import GrammarSpec
 from batchrun.engine.request import Req
 
+# (request, output index, token): a token recorded for the matchers (and, if they reject it, why
+# the request aborts)
+Rejected = tuple[Req, int, int]
+
 # when nothing else runs, how long poll() waits for a compile (keeps the caller's loop alive:
 # it still feeds requests and sees signals)
 IDLE_WAIT_S = 0.05
@@ -25,11 +31,19 @@ IDLE_WAIT_S = 0.05
 
 class StructuredOutput:
     def __init__(
-        self, make_backend: Callable[[], GrammarBackend], wait_for_compiles: bool = False
+        self,
+        make_backend: Callable[[], GrammarBackend],
+        stop_token_ids: tuple[int, ...] = (),
+        wait_for_compiles: bool = False,
     ) -> None:
-        """wait_for_compiles: poll() waits for every compile in flight. Tensor-parallel ranks
-        need it: each rank must admit a request at the same step, whatever its compile timing."""
+        """stop_token_ids: the tokens that complete a grammar (the model's EOS ids, as given to
+        the backend). wait_for_compiles: poll() waits for every compile in flight.
+        Tensor-parallel ranks need it: each rank must admit a request at the same step,
+        whatever its compile timing."""
         self._make_backend = make_backend
+        self._stop_ids = frozenset(stop_token_ids)
+        # tokens the host has seen and the matchers have not accepted yet (the next fill job's)
+        self._accepts: list[Rejected] = []
         self._wait_for_compiles = wait_for_compiles
         self._backend: GrammarBackend | None = None
         self._compiling: list[tuple[Req, Future]] = []
@@ -87,45 +101,70 @@ class StructuredOutput:
         self._compiling = still
         return done
 
-    @staticmethod
-    def advance(req: Req, token: int) -> bool:
-        """Feed a sampled token to the request's matcher; True when that ended the request."""
-        if not req.matcher.accept_token(token):
-            # the bitmask allowed only tokens the grammar accepts: a bug, not the row's fault
-            req.finish_reason = "abort"
-            req.error = f"structured output: the grammar rejected sampled token {token}"
-            return True
-        if req.matcher.is_terminated():
-            # the grammar is complete and a stop token (EOS) ended it
+    def record(self, req: Req, idx: int, token: int) -> bool:
+        """The host saw `token` at output index `idx` of a grammar request. Its matcher accepts
+        it in the next fill job (start_fill, off this thread). True when the token ends the
+        request: a stop token (EOS), which the bitmask allows only where the grammar may end,
+        so accepting it terminates the matcher. A token the matcher rejects (a bug, not the
+        row's fault) aborts the request when that job's result is read (finish_fill)."""
+        self._accepts.append((req, idx, token))
+        if token in self._stop_ids:
             req.finish_reason, req.matched_stop = "stop", token
             return True
         return False
 
-    def fill_mask(self, reqs: list[Req]) -> TokenMask | None:
-        """The bitmask of a step's sampling requests (rows in their order); None if none of them
-        has a live grammar. Call after the previous step's tokens were advanced."""
+    def fill_mask(self, reqs: list[Req]) -> tuple[TokenMask | None, list[Rejected]]:
+        """The bitmask of a step's sampling requests (rows in their order; None if none of them
+        has a live grammar), after the matchers accepted every token recorded so far."""
         return self.finish_fill(self.start_fill(reqs, background=False))
 
     def start_fill(self, reqs: list[Req], background: bool = True) -> Future:
-        """fill_mask's CPU work, on the fill thread (background) or here; finish_fill(future)
-        then starts the copy. The matchers must not advance until finish_fill returns."""
+        """The fill job: the matchers accept the recorded tokens, then the bitmask rows of
+        `reqs` are filled; on the fill thread (background: xgrammar's batch calls release the
+        GIL, so this thread goes on scheduling) or here. finish_fill(future) then starts the
+        copy. Nothing may touch the matchers until finish_fill returns."""
+        accepts, self._accepts = self._accepts, []
         # a request that finished on the previous token samples a wasted token: no mask
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None and not r.is_finished]
         matchers = [reqs[i].matcher for i in rows]
-        if not background or not rows:
+        if not background or not (rows or accepts):
             future: Future = Future()
-            if rows:
-                self.backend.fill_rows(matchers, rows)
-            future.set_result(rows)
+            future.set_result(self._job(accepts, matchers, rows))
             return future
         if self._fill_thread is None:
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="batchrun-bitmask")
-        return self._fill_thread.submit(self._fill, matchers, rows)
+        return self._fill_thread.submit(self._job, accepts, matchers, rows)
 
-    def _fill(self, matchers: list, rows: list[int]) -> list[int]:
-        self.backend.fill_rows(matchers, rows)
-        return rows
+    def _job(self, accepts: list[Rejected], matchers: list, rows: list[int]):
+        rejected = []
+        for batch in _rounds(accepts):
+            matchers_now = [req.matcher for req, _, _ in batch]
+            ok = self.backend.accept_tokens(matchers_now, [token for *_, token in batch])
+            rejected.extend(a for a, accepted in zip(batch, ok) if not accepted)
+        if rows:
+            self.backend.fill_rows(matchers, rows)
+        return rows, rejected
 
-    def finish_fill(self, future: Future) -> TokenMask | None:
-        rows = future.result()
-        return self.backend.upload(rows) if rows else None
+    def finish_fill(self, future: Future) -> tuple[TokenMask | None, list[Rejected]]:
+        """Wait for the fill job; start the bitmask's copy. Returns the mask and the recorded
+        tokens a matcher rejected, (request, output index, token): the caller aborts those."""
+        rows, rejected = future.result()
+        return (self.backend.upload(rows) if rows else None), rejected
+
+
+def _rounds(accepts: list[Rejected]) -> list[list[Rejected]]:
+    """Split the recorded tokens so that no matcher appears twice in one batch call (a request
+    can hold two when a step without grammar rows came between fill jobs): in order."""
+    rounds: list[list[Rejected]] = []
+    seen: list[set[int]] = []
+    for a in accepts:
+        depth = 0
+        key = id(a[0])
+        while depth < len(seen) and key in seen[depth]:
+            depth += 1
+        if depth == len(seen):
+            rounds.append([])
+            seen.append(set())
+        rounds[depth].append(a)
+        seen[depth].add(key)
+    return rounds

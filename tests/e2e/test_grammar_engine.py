@@ -202,3 +202,40 @@ def test_spec_that_does_not_compile_aborts_its_request_only(model_dir):
         assert out["bad", i].finish_reason == "abort"
         assert "invalid regex" in out["bad", i].error and "parenthesis" in out["bad", i].error
     assert out["ok", 0].finish_reason in ("stop", "length") and out["ok", 0].error is None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_rejected_token_aborts_that_request_only(model_dir, monkeypatch, overlap):
+    """The matchers accept on the fill job; if one refuses a token its bitmask allowed (a bug,
+    made up here), that request ends `abort` at that token and the rest are untouched."""
+    reqs = workload(9)
+    expected = run(make_engine(model_dir, overlap=overlap), reqs)
+    engine = make_engine(model_dir, overlap=overlap)
+    real = engine.grammar.accept_tokens
+    victim = next(r.rid for r in reqs if r.params.grammar is not None)
+    seen = {"n": 0}
+
+    def accept(matchers, tokens):
+        ok = real(matchers, tokens)
+        for i, m in enumerate(matchers):
+            if m is victim_matcher():
+                seen["n"] += 1
+                if seen["n"] == 3:  # the victim's third output token
+                    m.rollback(1)
+                    ok[i] = False
+        return ok
+
+    def victim_matcher():
+        for req in engine.scheduler.running:
+            if req.rid == victim:
+                return req.matcher
+        return None
+
+    monkeypatch.setattr(engine.grammar, "accept_tokens", accept)
+    out = run(engine, reqs)
+    bad = out[victim, 0]
+    assert bad.finish_reason == "abort" and "rejected sampled token" in bad.error
+    assert bad.output_ids == expected[victim, 0].output_ids[:3]
+    for key, res in out.items():
+        if key[0] != victim:
+            assert res.output_ids == expected[key].output_ids, key

@@ -150,3 +150,13 @@ def test_choice_ebnf_escapes():
 def test_compiler_message_strips_location():
     e = RuntimeError("[08:38:13] /project/cpp/regex_converter.cc:94: Regex parsing error")
     assert G.compiler_message(e) == "Regex parsing error"
+
+
+def test_rounds_keep_each_matchers_tokens_in_order():
+    from batchrun.engine.structured import _rounds
+
+    a, b = object(), object()
+    accepts = [(a, 0, 10), (b, 0, 20), (a, 1, 11), (a, 2, 12), (b, 1, 21)]
+    rounds = _rounds(accepts)
+    assert rounds == [[(a, 0, 10), (b, 0, 20)], [(a, 1, 11), (b, 1, 21)], [(a, 2, 12)]]
+    assert _rounds([]) == []

@@ -1,0 +1,72 @@
+"""Where the engine's main thread spends a step: wraps Engine methods with timers (bench-only
+instrumentation; ~1 µs per call) and reports milliseconds per step, plus the GPU's forward
+occupancy over the same wall time. Phases nest (a process includes its wait), so they do not sum.
+
+    phases = HostPhases(engine)
+    ... run ...
+    print(phases.report(wall_s, num_steps))     # "schedule 1.10 | launch 0.80 | ..." ms/step
+"""
+
+from __future__ import annotations
+
+import time
+
+# (label, object attribute path under the engine, method name)
+PHASES = (
+    ("admit", "", "_admit_compiled"),
+    ("schedule", "scheduler", "schedule"),
+    ("sample_pending", "", "_launch_pending_sample"),
+    ("fill_wait", "structured", "finish_fill"),
+    ("launch", "", "_launch"),
+    ("sampling_build", "", "_sampling_batch"),
+    ("stage_forward", "runner", "stage_forward"),
+    ("run_forward", "runner", "run_forward"),
+    ("launch_sample", "runner", "launch_sample"),
+    ("process", "", "_process"),
+    ("wait", "runner", "wait"),
+    ("record", "structured", "record"),
+    ("start_fill", "structured", "start_fill"),
+)
+
+
+class HostPhases:
+    def __init__(self, engine, phases=PHASES):
+        self.engine = engine
+        self.seconds: dict[str, float] = {label: 0.0 for label, _, _ in phases}
+        self._forward0 = engine.runner.forward_time
+        for label, path, name in phases:
+            owner = engine
+            for part in filter(None, path.split(".")):
+                owner = getattr(owner, part)
+            setattr(owner, name, self._timed(getattr(owner, name), label))
+
+    def _timed(self, fn, label):
+        seconds = self.seconds
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - t
+
+        return wrapper
+
+    def take(self, wall_s: float, num_steps: int) -> dict:
+        """ms per step of each phase since the last take(), and the GPU forward occupancy."""
+        steps = max(num_steps, 1)
+        out = {label: 1e3 * s / steps for label, s in self.seconds.items()}
+        forward = self.engine.runner.forward_time
+        out["gpu_forward_ms"] = 1e3 * (forward - self._forward0) / steps
+        out["occupancy"] = (forward - self._forward0) / wall_s if wall_s else 0.0
+        self._forward0 = forward
+        for label in self.seconds:
+            self.seconds[label] = 0.0
+        return out
+
+    @staticmethod
+    def format(phases: dict) -> str:
+        return (
+            " | ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "occupancy" and v >= 0.005)
+            + f" | occupancy {phases['occupancy']:.2f}"
+        )
