@@ -34,9 +34,24 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # loc: [T], k/v: [T, KV, D]
-        self.k_buffers[layer_id][loc] = k.to(self.k_buffers[layer_id].dtype)
-        self.v_buffers[layer_id][loc] = v.to(self.v_buffers[layer_id].dtype)
+        # loc: [T], k/v: [T, KV, D] (possibly strided views of the fused qkv projection)
+        from batchrun.models.layers import use_fused_kernels  # read at call time: tests patch it
+
+        k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        if (
+            use_fused_kernels(k)
+            and k.dtype == v.dtype == k_buf.dtype
+            and k.stride(-1) == 1
+            and v.stride(-1) == 1
+            and loc.device == k.device
+        ):
+            from batchrun.kernels.kv_store import store_kv
+
+            # NOTE: one launch writes both k and v (torch needs an index_put for each)
+            store_kv(k_buf, v_buf, loc, k, v)
+            return
+        k_buf[loc] = k.to(k_buf.dtype)
+        v_buf[loc] = v.to(v_buf.dtype)
 
     def buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]

@@ -1,5 +1,5 @@
-"""Fused RMSNorm / rotary / SiLU-and-mul kernels against batchrun's torch code on CUDA, and a tiny
-model's logits with the kernels against BATCHRUN_NO_FUSED=1.
+"""Fused RMSNorm / rotary / SiLU-and-mul / KV-store kernels against batchrun's torch code on CUDA,
+and a tiny model's logits with the kernels against BATCHRUN_NO_FUSED=1.
 
 Kernel outputs are NaN-filled first where the kernel writes a new tensor, so an element the kernel
 forgets to write fails the test. Tolerances are in ulps of the torch result: the kernels round
@@ -20,7 +20,9 @@ pytest.importorskip("triton")
 from batchrun.kernels.activation import silu_and_mul  # noqa: E402
 from batchrun.kernels.fused_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from batchrun.kernels.fused_rotary import apply_rotary_  # noqa: E402
+from batchrun.kernels.kv_store import store_kv  # noqa: E402
 
+from batchrun.engine.kv_pool import KVPool  # noqa: E402
 from batchrun.models.layers import RMSNorm, RotaryEmbedding, _apply_rotary  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -135,6 +137,90 @@ def test_rmsnorm_module_dispatch(monkeypatch):
     fused = norm(q)
     monkeypatch.setenv("BATCHRUN_NO_FUSED", "1")
     assert max_ulps(fused, norm(q)) <= MAX_ULPS[torch.bfloat16]
+
+
+def kv_views(num_tokens, num_kv_heads, head_dim, dtype, num_heads=4, seed=0):
+    """k, v [T, KV, D] as strided views of a fused qkv tensor, as llama.py slices them."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, seed=seed)
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    return k, v
+
+
+def random_loc(num_tokens, num_slots, seed=0):
+    """[T] distinct slots of [0, num_slots], the last (dummy) slot among them."""
+    gen = torch.Generator().manual_seed(seed)
+    loc = torch.randperm(num_slots, generator=gen)[: num_tokens - 1]
+    return torch.cat([loc, torch.tensor([num_slots])]).to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 256, 4096])
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(8, 128), (8, 64), (3, 64), (1, 128)])
+def test_store_kv(dtype, num_tokens, num_kv_heads, head_dim):
+    num_slots = 2 * num_tokens + 5
+    k, v = kv_views(num_tokens, num_kv_heads, head_dim, dtype)
+    shape = (num_slots + 1, num_kv_heads, head_dim)
+    k_buf, v_buf = randn(*shape, dtype=dtype, seed=1), randn(*shape, dtype=dtype, seed=2)
+    k_ref, v_ref = k_buf.clone(), v_buf.clone()
+    loc = random_loc(num_tokens, num_slots, seed=num_tokens)
+    k_ref[loc] = k  # the torch path of KVPool.store
+    v_ref[loc] = v
+    store_kv(k_buf, v_buf, loc.to(torch.int32) if num_tokens == 7 else loc, k, v)
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kv_pool_store_fused_vs_torch(dtype, monkeypatch):
+    import batchrun.kernels.kv_store as kv_store
+
+    calls = []
+    monkeypatch.setattr(kv_store, "store_kv", lambda *args: calls.append(1) or store_kv(*args))
+    num_tokens, num_kv_heads, head_dim = 37, 8, 128
+    pools = [KVPool(2, 100, num_kv_heads, head_dim, dtype, DEV) for _ in range(2)]
+    k, v = kv_views(num_tokens, num_kv_heads, head_dim, dtype)
+    loc = random_loc(num_tokens, 100)
+    monkeypatch.delenv("BATCHRUN_NO_FUSED", raising=False)
+    pools[0].store(1, loc, k, v)
+    assert calls, "KVPool.store did not use the kernel"
+    monkeypatch.setenv("BATCHRUN_NO_FUSED", "1")
+    pools[1].store(1, loc, k, v)
+    assert len(calls) == 1
+    for layer_id in range(2):
+        for fused, ref in zip(pools[0].buffers(layer_id), pools[1].buffers(layer_id)):
+            assert torch.equal(fused, ref)
+
+
+def test_store_kv_cuda_graph():
+    """Captured once, replayed with new loc / k / v contents in the same static tensors."""
+    dtype, num_tokens, num_kv_heads, head_dim, num_slots = torch.bfloat16, 16, 8, 128, 200
+    qkv = torch.zeros(num_tokens, (4 + 2 * num_kv_heads) * head_dim, dtype=dtype, device=DEV)
+    k = qkv[:, 4 * head_dim : (4 + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, -1)
+    v = qkv[:, (4 + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    shape = (num_slots + 1, num_kv_heads, head_dim)
+    k_buf = torch.zeros(shape, dtype=dtype, device=DEV)
+    v_buf = torch.zeros(shape, dtype=dtype, device=DEV)
+    loc = random_loc(num_tokens, num_slots)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        store_kv(k_buf, v_buf, loc, k, v)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        store_kv(k_buf, v_buf, loc, k, v)
+    for seed in (1, 2):
+        k_buf.zero_()
+        v_buf.zero_()
+        loc.copy_(random_loc(num_tokens, num_slots, seed=seed))
+        qkv.copy_(randn(*qkv.shape, dtype=dtype, seed=seed))
+        graph.replay()
+        k_ref = torch.zeros_like(k_buf)
+        v_ref = torch.zeros_like(v_buf)
+        k_ref[loc] = k
+        v_ref[loc] = v
+        assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

@@ -1,5 +1,5 @@
-"""The fused RMSNorm / rotary / SiLU-and-mul Triton kernels under Triton's CPU interpreter, against
-batchrun's torch code (the CPU path of `batchrun.models.layers`).
+"""The fused RMSNorm / rotary / SiLU-and-mul / KV-store Triton kernels under Triton's CPU
+interpreter, against batchrun's torch code (the CPU path of `batchrun.models.layers`).
 
 Skipped where triton is not installed (CI does not install it). The kernels run in a subprocess
 because TRITON_INTERPRET must be set before triton is first imported. The interpreter casts fp32 to
@@ -108,9 +108,45 @@ def _check_silu_and_mul(dtype, max_ulp) -> None:
         assert max_ulps(out, ref) <= max_ulp, ("silu_and_mul", dtype, inter_size)
 
 
+def _check_store_kv(dtype) -> None:
+    """store_kv from strided k/v views of a fused qkv tensor, as llama.py slices them: the written
+    rows equal k/v exactly, every other row (of both buffers) is untouched."""
+    from batchrun.kernels.kv_store import store_kv
+
+    gen = torch.Generator().manual_seed(4)
+    for num_tokens, num_heads, num_kv_heads, head_dim in (
+        (5, 4, 2, 64),
+        (7, 6, 3, 16),  # KV * D not a power of two
+        (3, 2, 1, 128),
+        (0, 4, 2, 64),
+    ):
+        num_slots = 40
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype)
+        k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+        shape = (num_slots + 1, num_kv_heads, head_dim)
+        k_buf = torch.randn(shape, generator=gen).to(dtype)
+        v_buf = torch.randn(shape, generator=gen).to(dtype)
+        k_ref, v_ref = k_buf.clone(), v_buf.clone()
+        # distinct slots including the last (dummy) one
+        loc = torch.randperm(num_slots, generator=gen)[: max(num_tokens - 1, 0)]
+        loc = torch.cat([loc, torch.tensor([num_slots])])[:num_tokens]
+        for loc_dtype in (torch.int64, torch.int32):
+            k_buf.copy_(k_ref)
+            v_buf.copy_(v_ref)
+            store_kv(k_buf, v_buf, loc.to(loc_dtype), k, v)
+            written = torch.zeros(num_slots + 1, dtype=torch.bool)
+            written[loc] = True
+            assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v), (dtype, head_dim)
+            assert torch.equal(k_buf[~written], k_ref[~written]), ("k rows touched", dtype)
+            assert torch.equal(v_buf[~written], v_ref[~written]), ("v rows touched", dtype)
+
+
 def _check_model_wiring(tmp_dir: Path) -> None:
     """The tiny model with the kernels forced on (CPU tensors, interpreter) against the torch
-    path: checks the residual-stream restructuring and the in-place rotary on qkv views."""
+    path: checks the residual-stream restructuring, the in-place rotary on qkv views and the
+    KV store from qkv views (KVPool.store reads the patched switch)."""
     import batchrun.models.layers as layers
     import batchrun.models.llama as llama
     from batchrun.engine.config import EngineConfig
@@ -142,6 +178,7 @@ def _run_checks() -> None:
         _check_norm(dtype, ulps)
         _check_rotary(dtype, 0 if dtype == torch.float16 else ulps)
         _check_silu_and_mul(dtype, ulps)
+        _check_store_kv(dtype)
     with tempfile.TemporaryDirectory() as tmp_dir:
         _check_model_wiring(Path(tmp_dir))
     print("ok")
