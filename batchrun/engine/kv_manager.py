@@ -8,11 +8,13 @@ and keeps the invariant the tests check after every step:
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from batchrun.engine.allocator import TokenAllocator
 from batchrun.engine.kv_pool import ReqToTokenPool
-from batchrun.engine.radix_cache import MatchResult, RadixCache
+from batchrun.engine.radix_cache import MatchResult, RadixCache, TreeNode
 from batchrun.engine.request import Req
 
 
@@ -92,7 +94,7 @@ class KVManager:
         """One slot each for a decode step, in one allocation (the per-step hot path).
         All or nothing: False leaves every request as it was."""
         page = self.page_size
-        needers = [r for r in reqs if r.kv_len + 1 > r.alloc_len]
+        needers = [r for r in reqs if r.kv_len >= r.alloc_len]  # kv_len + 1 > alloc_len
         if not needers:
             return True
         slots = self.allocate(len(needers) * page)
@@ -101,16 +103,20 @@ class KVManager:
         if page == 1:
             rows = [r.row for r in needers]
             cols = [r.alloc_len for r in needers]
-            self.table_cpu[rows, cols] = slots
-            self.req_pool.write_many(rows, cols, slots)
-            for r in needers:
-                r.alloc_len += 1
-        else:
-            for i, r in enumerate(needers):
-                self._write(r, r.alloc_len, slots[i * page : (i + 1) * page])
-                r.alloc_len += page
+        else:  # needer i gets slots[i * page : (i + 1) * page]
+            rows = [r.row for r in needers for _ in range(page)]
+            cols = [c for r in needers for c in range(r.alloc_len, r.alloc_len + page)]
+        self.table_cpu[_int64(rows), _int64(cols)] = slots
+        self.req_pool.write_many(rows, cols, slots)
+        for r in needers:
+            r.alloc_len += page
         self.num_private += len(needers) * page
         return True
+
+    def slots_at(self, rows: list[int], cols: list[int]) -> torch.Tensor:
+        """table_cpu[rows, cols] as a new int64 tensor (non-empty lists)."""
+        # NOTE: indexing with tensors: with Python lists torch converts element by element
+        return self.table_cpu[_int64(rows), _int64(cols)]
 
     def allocate(self, num_tokens: int) -> torch.Tensor | None:
         if self.allocator.num_free < num_tokens:
@@ -127,15 +133,19 @@ class KVManager:
         aligned = req.kv_len // self.page_size * self.page_size
         if aligned <= req.prefix_len:
             return
-        key = req.fill_ids[:aligned]
-        self._insert(req, key, aligned)
-        # re-match so our table points at the tree's slots (ours may have been duplicates)
-        match = self.cache.match_prefix(key)
-        assert match.length == aligned, "tree lost a prefix that was just inserted"
-        self._write(req, 0, match.slots)
-        self.cache.lock(match.last_node)
+        key = req.tokens(0, aligned)
+        num_existing, node = self._insert(req, key, aligned)
+        # point our row at the tree's slots: only [prefix_len, num_existing) can differ (ours
+        # were duplicates, now freed); below prefix_len the row holds the tree's slots already
+        # (a locked path keeps its values) and from num_existing on the tree took ours
+        # NOTE: no re-match: insert stamped the same path with the newest LRU time
+        if num_existing > req.prefix_len:
+            match = self.cache.match_prefix(key)
+            assert match.length == aligned, "tree lost a prefix that was just inserted"
+            self._write(req, req.prefix_len, match.slots[req.prefix_len : num_existing])
+        self.cache.lock(node)
         self.cache.unlock(req.last_node)
-        req.last_node, req.prefix_len = match.last_node, aligned
+        req.last_node, req.prefix_len = node, aligned
 
     def release(self, req: Req) -> None:
         """Finished or retracted: keep the computed KV in the tree (if enabled), free the rest."""
@@ -143,7 +153,7 @@ class KVManager:
         if self.cache_enabled:
             aligned = req.kv_len // self.page_size * self.page_size
             if aligned > req.prefix_len:
-                self._insert(req, req.fill_ids[:aligned], aligned)
+                self._insert(req, req.tokens(0, aligned), aligned)
             tail_start = max(aligned, req.prefix_len)
         else:
             tail_start = req.prefix_len  # 0: nothing is owned by a disabled tree
@@ -155,14 +165,18 @@ class KVManager:
         req.row, req.last_node, req.penalty_row = None, None, None
         req.kv_len = req.alloc_len = req.prefix_len = 0
 
-    def _insert(self, req: Req, key: list[int], aligned: int) -> None:
-        slots = self.table_cpu[req.row, :aligned].clone()
-        num_existing = self.cache.insert(key, slots)
+    def _insert(self, req: Req, key: list[int], aligned: int) -> tuple[int, TreeNode]:
+        """Give [prefix_len, aligned) to the tree; returns how many leading tokens it had and
+        the node where `key` ends."""
+        # a view: the tree clones what it keeps and the allocator copies what it frees
+        slots = self.table_cpu[req.row, :aligned]
+        num_existing, node = self.cache.insert_path(key, slots)
         # [prefix_len, num_existing): we computed what the tree already had; ours are spare
         if num_existing > req.prefix_len:
             self.allocator.free(slots[req.prefix_len : num_existing])
         # the tree now owns [prefix_len, aligned) (ours or its own copies)
         self.num_private -= aligned - req.prefix_len
+        return num_existing, node
 
     def _write(self, req: Req, start: int, slots: torch.Tensor) -> None:
         self.table_cpu[req.row, start : start + len(slots)] = slots
@@ -170,3 +184,8 @@ class KVManager:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.num_private)
+
+
+def _int64(values: list[int]) -> torch.Tensor:
+    """A CPU int64 tensor of `values` (non-empty), built in C rather than element by element."""
+    return torch.frombuffer(array("q", values), dtype=torch.int64)

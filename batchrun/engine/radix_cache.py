@@ -134,15 +134,17 @@ class RadixCache:
         """Longest cached prefix of ``key`` in whole pages; refreshes LRU along the path."""
         if self.disable:
             return MatchResult(_EMPTY, self.root)
-        key = self._aligned(key)
+        end = self._page_floor(len(key))
         node, pos, values = self.root, 0, []
         now = self._tick()
-        while pos < len(key):
+        # NOTE: only the edges walked are made tuples (a miss at the root costs O(1), not O(len))
+        while pos < end:
             child = node.children.get(self._child_key(key, pos))
             if child is None:
                 break
             child.last_access = now
-            n = self._page_floor(_common_len(child.key, key[pos : pos + len(child.key)]))
+            edge = tuple(key[pos : min(pos + len(child.key), end)])
+            n = self._page_floor(_common_len(child.key, edge))
             partial = n < len(child.key)
             if partial:
                 child = self._split(child, n)
@@ -160,8 +162,13 @@ class RadixCache:
         itself); the tree takes ``slots[returned:]``. Disabled caches keep nothing and return
         ``len(key)`` so the caller frees everything.
         """
+        return self.insert_path(key, slots)[0]
+
+    def insert_path(self, key: Sequence[int], slots: torch.Tensor) -> tuple[int, TreeNode]:
+        """`insert`, also returning the node where ``key`` ends (the root if disabled or empty):
+        what `match_prefix(key).last_node` would be right after, without a second walk."""
         if self.disable:
-            return len(key)
+            return len(key), self.root
         if len(key) != slots.numel():
             raise ValueError(f"len(key)={len(key)} != len(slots)={slots.numel()}")
         if len(key) % self.page_size:
@@ -180,13 +187,15 @@ class RadixCache:
                 # loop stops at the new node because no child starts with key[pos + n:].
                 child = self._split(child, n)
             node, pos = child, pos + n
+        num_existing = pos
         if pos < len(key):
             # NOTE: clone so the tree never aliases the caller's buffer (a req-to-token row).
             leaf = TreeNode(key[pos:], slots[pos:].to(torch.int64).clone(), node)
             leaf.last_access = now
             node.children[self._child_key(leaf.key, 0)] = leaf
             self._evictable_size += len(leaf.key)
-        return pos
+            node = leaf
+        return num_existing, node
 
     # -- reference counting ---------------------------------------------------------------
 
@@ -214,12 +223,16 @@ class RadixCache:
         """Free at least ``num_tokens`` slots (if possible) from LRU unlocked leaves."""
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [
-            (n.last_access, n.id, n)
-            for n in self._iter_nodes()
-            if n.is_leaf and n.ref == 0 and not n.is_root
-        ]
-        heapq.heapify(heap)
+        # unlocked leaves (the root is locked); a plain walk, this runs whenever the pool is full
+        heap = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node.ref == 0:
+                heap.append((node.last_access, node.id, node))
+        heapq.heapify(heap)  # (last_access, id) are unique: the pop order is fixed
         freed, values = 0, []
         while freed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
@@ -318,15 +331,11 @@ class RadixCache:
         upper.children[self._child_key(child.key, 0)] = child
         return upper
 
-    def _child_key(self, key: tuple[int, ...], pos: int) -> object:
+    def _child_key(self, key: Sequence[int], pos: int) -> object:
         # Page size 1: a plain int hashes faster than a 1-tuple.
         if self.page_size == 1:
             return key[pos]
-        return key[pos : pos + self.page_size]
-
-    def _aligned(self, key: Sequence[int]) -> tuple[int, ...]:
-        key = tuple(key)
-        return key[: self._page_floor(len(key))]
+        return tuple(key[pos : pos + self.page_size])
 
     def _page_floor(self, n: int) -> int:
         return n - n % self.page_size

@@ -21,7 +21,7 @@ from batchrun.engine.params import SamplingParams
 PLACEHOLDER = -1  # an output token that is sampled on the device but not yet seen by the host
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Req:
     rid: str
     index: int  # which of params.n samples
@@ -82,7 +82,14 @@ class Req:
     @property
     def is_decoding(self) -> bool:
         """Prompt done: each step computes the one newest token."""
-        return self.row is not None and self.num_pending == 1 and bool(self.output_ids)
+        # NOTE: inlined (this and wants_decode are read for every running request every step;
+        # the scheduler's _classify repeats the test)
+        num_out = len(self.output_ids)
+        return (
+            num_out > 0
+            and self.kv_len + 1 == len(self.input_ids) + num_out
+            and self.row is not None
+        )
 
     @property
     def wants_decode(self) -> bool:

@@ -83,43 +83,63 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         self.needs_sync = False
-        plan: list[tuple[Req, int]] = []
-        self._schedule_decodes(plan)
+        decoding, prefilling = self._classify()
+        num_running = len(self.running)
+        decodes = self._schedule_decodes(decoding)
         if self.needs_sync:
             return None
-        budget = self._continue_prefills(plan, self.prefill_budget)
-        if not plan and any(not r.is_decoding for r in self.running):
+        if len(self.running) != num_running:  # retractions or aborts (rare)
+            prefilling = self._classify()[1]
+        chunks: list[tuple[Req, int]] = []
+        budget = self._continue_prefills(chunks, self.prefill_budget, prefilling)
+        if not decodes and not chunks and prefilling:
             # only partial prefills run and the first cannot get its next chunk: without this
             # the engine would spin forever
-            self._unblock_prefills()
+            self._unblock_prefills(prefilling[0])
             if self.needs_sync:
                 return None
-            budget = self._continue_prefills(plan, budget)
-        self._admit(plan, budget)
-        if not plan:
+            prefilling = self._classify()[1]
+            budget = self._continue_prefills(chunks, budget, prefilling)
+        self._admit(chunks, budget, prefilling)
+        if not decodes and not chunks:
             return None
-        return self._build(plan)
+        return self._build(decodes, chunks)
 
-    def _schedule_decodes(self, plan: list[tuple[Req, int]]) -> None:
-        decoding = [r for r in self.running if r.wants_decode]
+    def _classify(self) -> tuple[list[Req], list[Req]]:
+        """The running requests that want a decode step, and those still prefilling, in running
+        order. One pass, with Req.wants_decode / Req.is_decoding inlined: this runs for every
+        request every step (running requests always hold a row)."""
+        decoding: list[Req] = []
+        prefilling: list[Req] = []
+        for r in self.running:
+            num_out = len(r.output_ids)
+            if num_out and r.kv_len + 1 == len(r.input_ids) + num_out:
+                if num_out < r.params.max_new_tokens:
+                    decoding.append(r)
+            else:
+                prefilling.append(r)
+        return decoding, prefilling
+
+    def _schedule_decodes(self, decoding: list[Req]) -> list[Req]:
+        """Reserve a slot for each decode; returns the requests that got one (in order)."""
         # the common case: one allocation for all (if the pool is short, the queue's pinned
         # prefixes give way before anything is retracted)
         if self.kv.reserve_decodes(decoding) or (
             self._unpin() and self.kv.reserve_decodes(decoding)
         ):
-            plan.extend((r, 1) for r in decoding)
-            return
+            return decoding
+        decodes: list[Req] = []
         i = 0
         while i < len(decoding):
             req = decoding[i]
             if self.kv.reserve(req, 1) is not None:
-                plan.append((req, 1))
+                decodes.append(req)
                 i += 1
                 continue
             victim = self._pick_victim(exclude=req)
             if victim is None and self._any_inflight():
                 self.needs_sync = True
-                return
+                return decodes
             if victim is None:
                 self._abort(
                     req,
@@ -133,30 +153,32 @@ class Scheduler:
                 idx = decoding.index(victim)
                 decoding.pop(idx)
                 if idx < i:  # it had a slot already: drop it from the plan
-                    plan[:] = [(r, n) for r, n in plan if r is not victim]
+                    decodes.remove(victim)
                     i -= 1
+        return decodes
 
-    def _continue_prefills(self, plan: list[tuple[Req, int]], budget: int) -> int:
+    def _continue_prefills(
+        self, chunks: list[tuple[Req, int]], budget: int, prefilling: list[Req]
+    ) -> int:
         """Next chunks of partially prefilled requests, in admission order; returns the budget
         left."""
-        for req in self.running:
+        for req in prefilling:
             if budget <= 0:
                 break
-            if req.is_decoding or req.num_inflight:
+            if req.num_inflight:
                 continue
-            n = min(req.num_pending, budget)
+            n = min(len(req.input_ids) + len(req.output_ids) - req.kv_len, budget)
             if self.kv.reserve(req, n) is None and not (
                 self._unpin() and self.kv.reserve(req, n) is not None
             ):
                 break
-            plan.append((req, n))
+            chunks.append((req, n))
             budget -= n
         return budget
 
-    def _unblock_prefills(self) -> None:
-        """Partial prefills fill the pool: retract one so that the oldest can go on; alone, the
-        oldest cannot fit the pool at all and is aborted."""
-        stuck = next(r for r in self.running if not r.is_decoding)
+    def _unblock_prefills(self, stuck: Req) -> None:
+        """Partial prefills fill the pool: retract one so that the oldest (`stuck`) can go on;
+        alone, the oldest cannot fit the pool at all and is aborted."""
         victim = self._pick_victim(exclude=stuck)
         if victim is not None:
             self._retract(victim)
@@ -201,21 +223,31 @@ class Scheduler:
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
 
     def _reserved(self) -> int:
-        """Slots the running requests are expected to still need."""
+        """Slots the running requests are expected to still need: per request its pending tokens,
+        new_token_ratio of its remaining max_new_tokens, and a page (properties inlined)."""
         ratio = self.new_token_ratio
-        return sum(
-            r.num_pending + int(r.max_new_remaining * ratio) + self.kv.page_size
-            for r in self.running
-        )
+        total = self.kv.page_size * len(self.running)
+        for r in self.running:
+            num_out = len(r.output_ids)
+            total += len(r.input_ids) + num_out - r.kv_len
+            total += int((r.params.max_new_tokens - num_out) * ratio)
+        return total
 
-    def _admit(self, plan: list[tuple[Req, int]], budget: int) -> None:
+    def _admit(self, chunks: list[tuple[Req, int]], budget: int, prefilling: list[Req]) -> None:
+        """Admit waiting requests while budget, rows and KV last; `prefilling`: the running
+        requests not decoding."""
         # admission locks what it takes itself; the heads' pins have done their job
         self._unpin()
         if not self.waiting:
             return
-        if budget > 0 and len(self.running) < self.max_running:
-            self._prefer_cached()
+        if budget <= 0 or len(self.running) >= self.max_running:
+            self._pin_heads()  # nothing can be admitted this step
+            return
+        self._prefer_cached()
         headroom = self.kv.available - self._reserved()
+        # the running requests not decoding; kept up to date as requests are admitted (nothing
+        # else changes while admitting)
+        prefill = list(prefilling)
         held: list[Req] = []
         scanned = 0
         window = 2 * self.max_running
@@ -224,7 +256,6 @@ class Scheduler:
                 break
             req = self.waiting.popleft()
             scanned += 1
-            prefill = [r for r in self.running if not r.is_decoding]
             if prefill and self._shares_uncached_prefix(req, prefill):
                 held.append(req)
                 continue
@@ -242,7 +273,9 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             self.running.append(req)
-            plan.append((req, n))
+            if not req.is_decoding:
+                prefill.append(req)
+            chunks.append((req, n))
             budget -= n
             headroom -= need
         self.num_held += len(held)
@@ -301,28 +334,38 @@ class Scheduler:
                 return True
         return False
 
-    def _build(self, plan: list[tuple[Req, int]]) -> ScheduledBatch:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        for req, n in plan:
+    def _build(self, decodes: list[Req], chunks: list[tuple[Req, int]]) -> ScheduledBatch:
+        """The batch: `decodes` (one token each, the newest) first, then the prefill `chunks`."""
+        kv = self.kv
+        num_decodes = len(decodes)
+        prefix_lens = [r.kv_len for r in decodes]
+        # a decode's one pending token is its newest: kv_len + 1 == seq_len, outputs non-empty
+        input_ids = [r.output_ids[-1] for r in decodes]
+        positions = prefix_lens.copy()
+        extend_lens = [1] * num_decodes
+        sample_mask = [True] * num_decodes
+        locs = [kv.slots_at([r.row for r in decodes], prefix_lens)] if decodes else []
+        table = kv.table_cpu
+        for req, n in chunks:
             start = req.kv_len
-            if n == 1:
-                input_ids.append(req.tokens(start, start + 1)[0])
-                positions.append(start)
-                rows.append(req.row)
-            else:
-                input_ids.extend(req.tokens(start, start + n))
-                positions.extend(range(start, start + n))
-                rows.extend([req.row] * n)
+            end = start + n
+            prefix_lens.append(start)
+            extend_lens.append(n)
+            input_ids.extend(req.tokens(start, end))
+            positions.extend(range(start, end))
+            locs.append(table[req.row, start:end])
+            sample_mask.append(end == len(req.input_ids) + len(req.output_ids))
+        reqs = tuple(decodes) + tuple([r for r, _ in chunks]) if chunks else tuple(decodes)
+        # NOTE: a copy, never a view of table_cpu (later writes must not change a built batch)
+        out_cache_loc = locs[0] if not chunks else torch.cat(locs)
         return ScheduledBatch(
-            reqs=tuple(r for r, _ in plan),
-            extend_lens=tuple(n for _, n in plan),
-            prefix_lens=tuple(r.kv_len for r, _ in plan),
+            reqs=reqs,
+            extend_lens=tuple(extend_lens),
+            prefix_lens=tuple(prefix_lens),
             input_ids=input_ids,
             positions=positions,
-            out_cache_loc=self.kv.table_cpu[rows, positions],
-            sample_mask=tuple(r.kv_len + n == r.seq_len for r, n in plan),
+            out_cache_loc=out_cache_loc,
+            sample_mask=tuple(sample_mask),
         )
 
     # -- after the step -----------------------------------------------------------------------
@@ -331,13 +374,14 @@ class Scheduler:
         """The step is launched: its KV counts as computed (the device runs in stream order),
         each sampling request gets a placeholder for its new token, and finished prefills are
         shared with the tree."""
+        kv = self.kv
         for req, n, sampled in zip(batch.reqs, batch.extend_lens, batch.sample_mask):
-            is_prefill = n > 1 or not req.output_ids
+            out = req.output_ids
             req.kv_len += n
-            if is_prefill:
-                self.kv.cache_unfinished(req)
+            if n > 1 or not out:  # a prefill chunk
+                kv.cache_unfinished(req)
             if sampled:
-                req.output_ids.append(PLACEHOLDER)
+                out.append(PLACEHOLDER)
                 req.num_inflight += 1
 
     def finish(self, req: Req) -> None:
