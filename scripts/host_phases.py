@@ -22,6 +22,7 @@ PHASES = (
     ("stage_forward", "runner", "stage_forward"),
     ("run_forward", "runner", "run_forward"),
     ("launch_sample", "runner", "launch_sample"),
+    ("mask_apply", "structured.backend", "apply"),
     ("process", "", "_process"),
     ("wait", "runner", "wait"),
     ("record", "structured", "record"),
@@ -37,7 +38,9 @@ class HostPhases:
         for label, path, name in phases:
             owner = engine
             for part in filter(None, path.split(".")):
-                owner = getattr(owner, part)
+                owner = getattr(owner, part, None)
+            if owner is None:  # e.g. no grammar backend: the engine never saw a grammar
+                continue
             setattr(owner, name, self._timed(getattr(owner, name), label))
 
     def _timed(self, fn, label):

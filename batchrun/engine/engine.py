@@ -54,7 +54,7 @@ class _Launched(NamedTuple):
     out_index: list[int]  # the output index each of them fills
     handle: StepHandle | ForwardHandle  # ForwardHandle: sampling waits for the token bitmask
     sampling: SamplingBatch | None = None  # set while the handle is a ForwardHandle
-    fill: Future | None = None  # the bitmask fill running on the fill thread (overlap)
+    fill: list[Future] | None = None  # the fill job running on the fill threads (overlap)
 
 
 def drive(engine, requests: Iterable[GenerateRequest]) -> Iterator[GenerateResult]:
