@@ -54,7 +54,7 @@ class _Launched(NamedTuple):
     out_index: list[int]  # the output index each of them fills
     handle: StepHandle | ForwardHandle  # ForwardHandle: sampling waits for the token bitmask
     sampling: SamplingBatch | None = None  # set while the handle is a ForwardHandle
-    fill: list[Future] | None = None  # the fill job running on the fill threads (overlap)
+    fill: Future | None = None  # the bitmask fill running on the fill thread (overlap)
 
 
 def drive(engine, requests: Iterable[GenerateRequest]) -> Iterator[GenerateResult]:
@@ -229,7 +229,7 @@ class Engine:
         bitmask, while this thread schedules n+2 and stages its inputs; the sampling of n+1
         goes in just before forward(n+2):
 
-            launch forward(n+1) -> wait + process(n) -> start job(n+1)
+            launch forward(n+1) -> wait(n) -> start job(n+1) -> process(n)
             -> schedule(n+2), stage(n+2) [job runs] -> launch sample(n+1) -> forward(n+2) -> ...
 
         Without overlap the job runs in line and each step is processed before the next.
@@ -252,14 +252,18 @@ class Engine:
         launched = None
         if batch is not None:
             launched = self._launch(batch)
+        constrained = launched is not None and launched.sampling is not None
+        fill = None
         if self._inflight is not None:
-            self._process(self._inflight)
+            # with overlap, the fill job of a constrained step n+1 starts as soon as step n's
+            # tokens are on the host, before this thread processes them
+            fill = self._process(self._inflight, launched if constrained and self.overlap else None)
             self._inflight = None
-        if launched is not None and launched.sampling is not None:
+        if constrained:
             if self.overlap:
-                # the matchers have seen step n: fill n+1's bitmask while the next step()
-                # schedules; its sampling is launched there
-                fill = self.structured.start_fill(launched.reqs)
+                # fill n+1's bitmask while the next step() schedules and stages n+2; the
+                # sampling of n+1 is launched there
+                fill = fill or self.structured.start_fill(launched.reqs)
                 self._pending, launched = launched._replace(fill=fill), None
             else:
                 launched = self._sample_constrained(launched)
@@ -317,14 +321,22 @@ class Engine:
         handle = self.runner.launch_sample(launched.handle, launched.sampling, mask, grammar)
         return launched._replace(handle=handle, sampling=None, fill=None)
 
-    def _process(self, launched: _Launched) -> None:
+    def _process(self, launched: _Launched, fill_next: _Launched | None = None) -> Future | None:
+        """Take a step's tokens: finish the requests they end. fill_next: the constrained step
+        launched after this one; its fill job starts once the tokens are here (returned)."""
         out = self.runner.wait(launched.handle)
+        fill = None
+        if fill_next is not None:
+            tokens = out.next_token_ids
+            stopping = self.structured.queue_step(launched.reqs, launched.out_index, tokens)
+            fill = self.structured.start_fill(fill_next.reqs, exclude=stopping)
+        queued = fill is not None
         for i, (req, idx) in enumerate(zip(launched.reqs, launched.out_index)):
             if req.is_finished:
                 continue  # it finished on an earlier token; this one was a wasted decode
             req.num_inflight -= 1
             req.output_ids[idx] = out.next_token_ids[i]
-            self._check_finish(req, idx, out, i)
+            self._check_finish(req, idx, out, i, queued)
             if req.is_finished:
                 # drop tokens launched after the finishing one
                 del req.output_ids[idx + 1 :]
@@ -332,6 +344,7 @@ class Engine:
                 self.scheduler.finish(req)
                 self._finished.append(self._result(req))
         self.stats.forward_time = self.runner.forward_time
+        return fill
 
     def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
         rows = [r.row for r in reqs]
@@ -351,7 +364,9 @@ class Engine:
             self.runner.staging,
         )
 
-    def _check_finish(self, req: Req, idx: int, out, i: int) -> None:
+    def _check_finish(self, req: Req, idx: int, out, i: int, queued: bool = False) -> None:
+        """Set req.finish_reason if token idx ends it (queued: a grammar request's token is
+        queued for its matcher already)."""
         token = req.output_ids[idx]
         params = req.params
         if params.logprobs or params.top_logprobs:
@@ -362,7 +377,7 @@ class Engine:
                 ids, vals = out.top_logprobs[i]
                 req.top_logprobs.append((ids[: params.top_logprobs], vals[: params.top_logprobs]))
         num_out = idx + 1
-        if req.matcher is not None and self.structured.record(req, idx, token):
+        if req.matcher is not None and self.structured.record(req, idx, token, queued):
             return
         if token in params.stop_token_ids:
             req.finish_reason, req.matched_stop = "stop", token

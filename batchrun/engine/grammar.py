@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 from array import array
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -114,12 +113,9 @@ class GrammarBackend:
             self._make_compiler, tokenizer, self.mask_vocab, list(stop_token_ids), min(8, cpus)
         )
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
-        # NOTE: a step's fill job runs on this many threads (structured.py splits it by
-        # request). "auto" (half the cores) measured slower on the 32-core GPU host than 8
-        # C++ threads (1.67 vs 1.06 ms to fill 256 JSON rows)
-        self.fill_threads = max(1, min(FILL_THREADS, cpus // 2))
-        self._batch = xgr.BatchGrammarMatcher(self.fill_threads)  # fill_mask: one call
-        self._local = threading.local()  # one single-threaded BatchGrammarMatcher per thread
+        # NOTE: fills rows on C++ threads. "auto" (half the cores) measured slower on the 32-core
+        # GPU host than 8 (1.67 vs 1.06 ms for 256 JSON rows): more threads than rows' worth
+        self._batch = xgr.BatchGrammarMatcher(max(1, min(FILL_THREADS, cpus // 2)))
         is_cuda = device.type == "cuda"
         width = (self.mask_vocab + 31) // 32
         self._mask_cpu = torch.full((max_rows, width), -1, dtype=torch.int32, pin_memory=is_cuda)
@@ -132,7 +128,7 @@ class GrammarBackend:
         # the rows the mask applies to (pinned, and a device copy the kernel reads)
         self._rows_cpu = torch.zeros(max_rows, dtype=torch.int32, pin_memory=is_cuda)
         self._rows_dev = torch.zeros(max_rows, dtype=torch.int32, device=device)
-        self._triton = None  # xgrammar's Triton kernel, or False: unpack with torch ops
+        self._triton = None  # kernels/token_bitmask.py, or False: unpack with torch ops
 
     @staticmethod
     def _make_compiler(tokenizer, vocab_size: int, stop_ids: list[int], threads: int):
@@ -205,24 +201,14 @@ class GrammarBackend:
         self.fill_rows(matchers, rows)
         return self.upload(rows)
 
-    def thread_batch_matcher(self):
-        """This thread's single-threaded BatchGrammarMatcher (a fill thread's share)."""
-        batch = getattr(self._local, "batch", None)
-        if batch is None:
-            import xgrammar as xgr
-
-            batch = self._local.batch = xgr.BatchGrammarMatcher(1)
-        return batch
-
-    def fill_rows(self, matchers: list, rows: list[int], batch=None) -> None:
-        """The CPU half of fill_mask; safe on other threads while the caller's thread does other
-        work, each thread with its own rows and matchers (and `batch`, a BatchGrammarMatcher of
-        its own; default: the backend's multi-threaded one)."""
+    def fill_rows(self, matchers: list, rows: list[int]) -> None:
+        """The CPU half of fill_mask; safe on another thread while the caller's thread does
+        other work (nothing else touches these matchers or the pinned buffer meanwhile)."""
         if self._copied is not None:
             # the previous step's copy must have left the pinned buffer before we rewrite it
             # (normally long done: the host has waited for that step's results since)
             self._copied.synchronize()
-        (batch or self._batch).batch_fill_next_token_bitmask(matchers, self._mask_cpu, rows)
+        self._batch.batch_fill_next_token_bitmask(matchers, self._mask_cpu, rows)
 
     def upload(self, rows: list[int]) -> TokenMask:
         """The device half of fill_mask: start the copy of the filled rows (stream order)."""
@@ -253,17 +239,16 @@ class GrammarBackend:
             return
         if self._triton is None:
             try:
-                from xgrammar.kernels.apply_token_bitmask_inplace_triton import (
-                    apply_token_bitmask_inplace_triton,
-                )
+                from batchrun.kernels.token_bitmask import apply_token_bitmask_
 
-                self._triton = apply_token_bitmask_inplace_triton
-            except ImportError:
+                self._triton = apply_token_bitmask_
+            except ImportError:  # no triton: torch ops
                 self._triton = False
         if self._triton:
-            self._triton(logits, mask.bitmask, vocab, mask.indices)
-        else:
-            apply_mask_torch(logits[:, :vocab], mask.bitmask, mask.indices)
+            # one launch: the bitmask rows, and -inf past the tokenizer's vocabulary
+            self._triton(logits, mask.bitmask, mask.indices, vocab)
+            return
+        apply_mask_torch(logits[:, :vocab], mask.bitmask, mask.indices)
         if vocab < logits.shape[-1]:
             logits[:, vocab:].index_fill_(0, mask.indices.long(), float("-inf"))
 

@@ -47,7 +47,7 @@ class StructuredOutput:
         self._wait_for_compiles = wait_for_compiles
         self._backend: GrammarBackend | None = None
         self._compiling: list[tuple[Req, Future]] = []
-        self._fill_pool: ThreadPoolExecutor | None = None  # fill jobs (start_fill)
+        self._fill_thread: ThreadPoolExecutor | None = None  # bitmask fills (start_fill)
 
     @property
     def backend(self) -> GrammarBackend:
@@ -101,84 +101,78 @@ class StructuredOutput:
         self._compiling = still
         return done
 
-    def record(self, req: Req, idx: int, token: int) -> bool:
+    def record(self, req: Req, idx: int, token: int, queued: bool = False) -> bool:
         """The host saw `token` at output index `idx` of a grammar request. Its matcher accepts
-        it in the next fill job (start_fill, off this thread). True when the token ends the
-        request: a stop token (EOS), which the bitmask allows only where the grammar may end,
-        so accepting it terminates the matcher. A token the matcher rejects (a bug, not the
-        row's fault) aborts the request when that job's result is read (finish_fill)."""
-        self._accepts.append((req, idx, token))
+        it in the next fill job (start_fill, off this thread; queued: queue_step has queued it
+        already). True when the token ends the request: a stop token (EOS), which the bitmask
+        allows only where the grammar may end, so accepting it terminates the matcher. A token
+        the matcher rejects (a bug, not the row's fault) aborts the request when that job's
+        result is read (finish_fill)."""
+        if not queued:
+            self._accepts.append((req, idx, token))
         if token in self._stop_ids:
             req.finish_reason, req.matched_stop = "stop", token
             return True
         return False
+
+    def queue_step(self, reqs: list[Req], out_index: list[int], tokens: list[int]) -> set[int]:
+        """Queue a step's tokens for the grammar requests among `reqs` before the host processes
+        them (so that the fill job can start at once); returns the ids of the requests whose
+        token is a stop token (they end, and their terminated matcher must not fill a row)."""
+        stopping: set[int] = set()
+        stop_ids = self._stop_ids
+        for req, idx, token in zip(reqs, out_index, tokens):
+            if req.matcher is None or req.is_finished:
+                continue
+            self._accepts.append((req, idx, token))
+            if token in stop_ids:
+                stopping.add(id(req))
+        return stopping
 
     def fill_mask(self, reqs: list[Req]) -> tuple[TokenMask | None, list[Rejected]]:
         """The bitmask of a step's sampling requests (rows in their order; None if none of them
         has a live grammar), after the matchers accepted every token recorded so far."""
         return self.finish_fill(self.start_fill(reqs, background=False))
 
-    def start_fill(self, reqs: list[Req], background: bool = True) -> list[Future]:
+    def start_fill(
+        self, reqs: list[Req], background: bool = True, exclude: set[int] = frozenset()
+    ) -> Future:
         """The fill job: the matchers accept the recorded tokens, then the bitmask rows of
-        `reqs` are filled. In the background it runs on the fill threads, one share of the
-        requests each (xgrammar's batch calls release the GIL, so this thread goes on
-        scheduling meanwhile); else here. finish_fill(job) then starts the copy. Nothing may
-        touch the matchers until finish_fill returns."""
+        `reqs` are filled; on the fill thread (background: xgrammar's batch calls release the
+        GIL, so this thread goes on scheduling) or here. finish_fill(future) then starts the
+        copy. Nothing may touch the matchers until finish_fill returns. exclude: ids of requests
+        that end on a queued token (queue_step) and get no row."""
         accepts, self._accepts = self._accepts, []
         # a request that finished on the previous token samples a wasted token: no mask
-        rows = [i for i, r in enumerate(reqs) if r.matcher is not None and not r.is_finished]
+        rows = [
+            i
+            for i, r in enumerate(reqs)
+            if r.matcher is not None and not r.is_finished and id(r) not in exclude
+        ]
+        matchers = [reqs[i].matcher for i in rows]
         if not background or not (rows or accepts):
             future: Future = Future()
-            future.set_result(self._job(accepts, [reqs[i].matcher for i in rows], rows, None))
-            return [future]
-        backend = self.backend
-        if self._fill_pool is None:
-            self._fill_pool = ThreadPoolExecutor(
-                backend.fill_threads, thread_name_prefix="batchrun-bitmask"
-            )
-        return [
-            self._fill_pool.submit(self._job, *share, backend.thread_batch_matcher)
-            for share in _shares(accepts, reqs, rows, backend.fill_threads)
-        ]
+            future.set_result(self._job(accepts, matchers, rows))
+            return future
+        if self._fill_thread is None:
+            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="batchrun-bitmask")
+        return self._fill_thread.submit(self._job, accepts, matchers, rows)
 
-    def _job(self, accepts: list[Rejected], matchers: list, rows: list[int], batch_matcher):
+    def _job(self, accepts: list[Rejected], matchers: list, rows: list[int]):
         rejected = []
         for batch in _rounds(accepts):
             matchers_now = [req.matcher for req, _, _ in batch]
             ok = self.backend.accept_tokens(matchers_now, [token for *_, token in batch])
             rejected.extend(a for a, accepted in zip(batch, ok) if not accepted)
         if rows:
-            self.backend.fill_rows(matchers, rows, batch_matcher() if batch_matcher else None)
+            self.backend.fill_rows(matchers, rows)
         return rows, rejected
 
-    def finish_fill(self, job: list[Future]) -> tuple[TokenMask | None, list[Rejected]]:
+    def finish_fill(self, future: Future) -> tuple[TokenMask | None, list[Rejected]]:
         """Wait for the fill job; start the bitmask's copy. Returns the mask and the recorded
         tokens a matcher rejected, (request, output index, token): the caller aborts those."""
-        rows: list[int] = []
-        rejected: list[Rejected] = []
-        for future in job:
-            share_rows, share_rejected = future.result()
-            rows.extend(share_rows)
-            rejected.extend(share_rejected)
-        return (self.backend.upload(sorted(rows)) if rows else None), rejected
-
-
-def _shares(accepts: list[Rejected], reqs: list[Req], rows: list[int], num: int):
-    """Split a fill job into at most `num` shares by request (a request's recorded tokens and
-    its bitmask row go to the same share, so its matcher is only ever touched by one thread):
-    yields (accepts, matchers, rows) per share."""
-    num = max(1, min(num, len(rows) or 1))
-    share_of: dict[int, int] = {}
-    parts = [([], [], []) for _ in range(num)]
-    for k, i in enumerate(rows):
-        req = reqs[i]
-        share_of[id(req)] = k % num
-        part = parts[k % num]
-        part[1].append(req.matcher)
-        part[2].append(i)
-    for a in accepts:
-        parts[share_of.get(id(a[0]), 0)][0].append(a)
-    return [p for p in parts if p[0] or p[2]]
+        rows, rejected = future.result()
+        return (self.backend.upload(rows) if rows else None), rejected
 
 
 def _rounds(accepts: list[Rejected]) -> list[list[Rejected]]:

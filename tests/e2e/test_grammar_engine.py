@@ -239,15 +239,3 @@ def test_a_rejected_token_aborts_that_request_only(model_dir, monkeypatch, overl
     for key, res in out.items():
         if key[0] != victim:
             assert res.output_ids == expected[key].output_ids, key
-
-
-def test_fill_job_split_over_threads_changes_nothing(model_dir):
-    """The fill job in shares over several threads (as on a many-core GPU host) gives the same
-    tokens as one share."""
-    reqs = workload(12)
-    one = run(make_engine(model_dir, overlap=True), reqs)
-    engine = make_engine(model_dir, overlap=True)
-    engine.grammar.fill_threads = 3
-    split = run(engine, reqs)
-    assert {k: r.output_ids for k, r in split.items()} == {k: r.output_ids for k, r in one.items()}
-    assert engine.structured._fill_pool._max_workers == 3

@@ -17,7 +17,7 @@ def test_ring_uploads_arrive_intact():
     rng = random.Random(0)
     staging = PinnedStaging(torch.device("cuda"), initial_bytes=64)
     sent, outs = [], []
-    for i in range(5 * RING_SLOTS):
+    for _ in range(5 * RING_SLOTS):
         n = rng.choice([1, 7, 300, 5000, 70000])  # grows the buffers while copies are in flight
         dtype = rng.choice([torch.int64, torch.int32, torch.float32])
         values = [rng.randrange(-(2**31), 2**31) for _ in range(n)]

@@ -88,24 +88,26 @@ def test_overlap_on_off_identical_and_valid(model_dir):
     assert stops >= 24
 
 
-def test_triton_mask_equals_torch_reference():
+@pytest.mark.parametrize("mask_vocab", [128256, 49152, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_mask_equals_torch_reference(mask_vocab, dtype):
+    """kernels/token_bitmask.py against the torch unpacking (+ -inf past the tokenizer)."""
+    from batchrun.kernels.token_bitmask import apply_token_bitmask_
+
     from batchrun.engine.grammar import apply_mask_torch
 
     g = torch.Generator(device="cuda").manual_seed(0)
     vocab = 128256
-    logits = torch.randn(64, vocab, device="cuda", generator=g)
-    words = (vocab + 31) // 32
+    logits = torch.randn(64, vocab, device="cuda", generator=g).to(dtype)
+    words = (mask_vocab + 31) // 32
     bitmask = torch.randint(-(2**31), 2**31 - 1, (64, words), device="cuda", generator=g)
     bitmask = bitmask.to(torch.int32)
     indices = torch.tensor([0, 5, 17, 63], dtype=torch.int32, device="cuda")
     want = logits.clone()
-    apply_mask_torch(want, bitmask, indices)
-    from xgrammar.kernels.apply_token_bitmask_inplace_triton import (
-        apply_token_bitmask_inplace_triton,
-    )
-
+    apply_mask_torch(want[:, :mask_vocab], bitmask, indices)
+    want[indices.long(), mask_vocab:] = float("-inf")
     got = logits.clone()
-    apply_token_bitmask_inplace_triton(got, bitmask, vocab, indices)
+    apply_token_bitmask_(got, bitmask, indices, mask_vocab)
     assert torch.equal(got, want)
     untouched = [i for i in range(64) if i not in (0, 5, 17, 63)]
     assert torch.equal(got[untouched], logits[untouched])

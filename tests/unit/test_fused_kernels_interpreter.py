@@ -171,6 +171,26 @@ def _check_model_wiring(tmp_dir: Path) -> None:
             assert rel <= 1e-5, (kind, rel)
 
 
+def _check_token_bitmask() -> None:
+    """kernels/token_bitmask.py vs the torch unpacking, -inf past the tokenizer's vocabulary."""
+    from batchrun.kernels.token_bitmask import apply_token_bitmask_
+
+    from batchrun.engine.grammar import apply_mask_torch
+
+    gen = torch.Generator().manual_seed(3)
+    for vocab, mask_vocab in ((5000, 5000), (5000, 3001), (70, 40)):
+        logits = torch.randn(9, vocab, generator=gen)
+        words = (mask_vocab + 31) // 32
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (9, words), generator=gen).to(torch.int32)
+        indices = torch.tensor([0, 4, 8], dtype=torch.int32)
+        want = logits.clone()
+        apply_mask_torch(want[:, :mask_vocab], bitmask, indices)
+        want[indices.long(), mask_vocab:] = float("-inf")
+        got = logits.clone()
+        apply_token_bitmask_(got, bitmask, indices, mask_vocab)
+        assert torch.equal(got, want), (vocab, mask_vocab)
+
+
 def _run_checks() -> None:
     # fp16: every kernel rounds where the torch code rounds, so at most one ulp from a different
     # fp32 reduction order / rsqrt / exp; rotary is exact (products of fp16 values are exact)
@@ -179,6 +199,7 @@ def _run_checks() -> None:
         _check_rotary(dtype, 0 if dtype == torch.float16 else ulps)
         _check_silu_and_mul(dtype, ulps)
         _check_store_kv(dtype)
+    _check_token_bitmask()
     with tempfile.TemporaryDirectory() as tmp_dir:
         _check_model_wiring(Path(tmp_dir))
     print("ok")

@@ -160,19 +160,3 @@ def test_rounds_keep_each_matchers_tokens_in_order():
     rounds = _rounds(accepts)
     assert rounds == [[(a, 0, 10), (b, 0, 20)], [(a, 1, 11), (b, 1, 21)], [(a, 2, 12)]]
     assert _rounds([]) == []
-
-
-def test_shares_keep_a_requests_tokens_and_row_together():
-    from types import SimpleNamespace
-
-    from batchrun.engine.structured import _shares
-
-    reqs = [SimpleNamespace(matcher=f"m{i}") for i in range(5)]
-    rows = [0, 1, 3, 4]  # request 2 has no live grammar
-    accepts = [(reqs[i], 7, 100 + i) for i in (4, 0, 2, 1, 4)]
-    shares = _shares(accepts, reqs, rows, 2)
-    assert [s[2] for s in shares] == [[0, 3], [1, 4]]
-    assert [s[1] for s in shares] == [["m0", "m3"], ["m1", "m4"]]
-    # each request's tokens in its row's share, in order; one without a row goes to share 0
-    assert [[a[2] for a in s[0]] for s in shares] == [[100, 102], [104, 101, 104]]
-    assert _shares([], reqs, [], 8) == []
