@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from array import array
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +30,8 @@ from batchrun.engine.params import GrammarSpec
 # compiled grammars kept (LRU); a JSON schema's compiled form holds per-token masks: ~MBs
 CACHE_SIZE = 512
 FILL_THREADS = 8  # at most; bitmask rows are filled on this many C++ threads
+# the GIL switch interval while structured output runs (Python's default is 5 ms)
+GIL_SWITCH_S = 0.0002
 # xgrammar prefixes its errors with a timestamp and a C++ source location: not for users
 _LOCATION = re.compile(r"^\s*(\[[0-9:]+\]\s*)?\S+\.(cc|h):\d+:\s*")
 
@@ -100,6 +103,11 @@ class GrammarBackend:
     ) -> None:
         import xgrammar as xgr
 
+        # NOTE: the fill job's thread needs the GIL for moments between its C++ calls (xgrammar's
+        # Python wrappers); at the default 5 ms switch interval it waited that long for the step
+        # loop's pure-Python stretches (process, schedule), and the sampling waited for it.
+        # Process-wide, and only where a grammar was ever used.
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocab)
         self.mask_vocab = min(vocab_size, _tokenizer_size(tokenizer, stop_token_ids))
         self.device = device

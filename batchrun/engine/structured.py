@@ -178,6 +178,8 @@ class StructuredOutput:
 def _rounds(accepts: list[Rejected]) -> list[list[Rejected]]:
     """Split the recorded tokens so that no matcher appears twice in one batch call (a request
     can hold two when a step without grammar rows came between fill jobs): in order."""
+    if len({id(a[0]) for a in accepts}) == len(accepts):
+        return [accepts] if accepts else []  # the usual job: one token per request
     rounds: list[list[Rejected]] = []
     seen: list[set[int]] = []
     for a in accepts:
