@@ -22,7 +22,7 @@ from batchrun.engine.request import Req
 
 # (request, output index, token): a token recorded for the matchers (and, if they reject it, why
 # the request aborts)
-Rejected = tuple[Req, int, int]
+Recorded = tuple[Req, int, int]
 
 # when nothing else runs, how long poll() waits for a compile (keeps the caller's loop alive:
 # it still feeds requests and sees signals)
@@ -43,7 +43,7 @@ class StructuredOutput:
         self._make_backend = make_backend
         self._stop_ids = frozenset(stop_token_ids)
         # tokens the host has seen and the matchers have not accepted yet (the next fill job's)
-        self._accepts: list[Rejected] = []
+        self._accepts: list[Recorded] = []
         self._wait_for_compiles = wait_for_compiles
         self._backend: GrammarBackend | None = None
         self._compiling: list[tuple[Req, Future]] = []
@@ -129,7 +129,7 @@ class StructuredOutput:
                 stopping.add(id(req))
         return stopping
 
-    def fill_mask(self, reqs: list[Req]) -> tuple[TokenMask | None, list[Rejected]]:
+    def fill_mask(self, reqs: list[Req]) -> tuple[TokenMask | None, list[Recorded]]:
         """The bitmask of a step's sampling requests (rows in their order; None if none of them
         has a live grammar), after the matchers accepted every token recorded so far."""
         return self.finish_fill(self.start_fill(reqs, background=False))
@@ -158,7 +158,7 @@ class StructuredOutput:
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="batchrun-bitmask")
         return self._fill_thread.submit(self._job, accepts, matchers, rows)
 
-    def _job(self, accepts: list[Rejected], matchers: list, rows: list[int]):
+    def _job(self, accepts: list[Recorded], matchers: list, rows: list[int]):
         rejected = []
         for batch in _rounds(accepts):
             matchers_now = [req.matcher for req, _, _ in batch]
@@ -168,19 +168,19 @@ class StructuredOutput:
             self.backend.fill_rows(matchers, rows)
         return rows, rejected
 
-    def finish_fill(self, future: Future) -> tuple[TokenMask | None, list[Rejected]]:
+    def finish_fill(self, future: Future) -> tuple[TokenMask | None, list[Recorded]]:
         """Wait for the fill job; start the bitmask's copy. Returns the mask and the recorded
         tokens a matcher rejected, (request, output index, token): the caller aborts those."""
         rows, rejected = future.result()
         return (self.backend.upload(rows) if rows else None), rejected
 
 
-def _rounds(accepts: list[Rejected]) -> list[list[Rejected]]:
+def _rounds(accepts: list[Recorded]) -> list[list[Recorded]]:
     """Split the recorded tokens so that no matcher appears twice in one batch call (a request
     can hold two when a step without grammar rows came between fill jobs): in order."""
     if len({id(a[0]) for a in accepts}) == len(accepts):
         return [accepts] if accepts else []  # the usual job: one token per request
-    rounds: list[list[Rejected]] = []
+    rounds: list[list[Recorded]] = []
     seen: list[set[int]] = []
     for a in accepts:
         depth = 0
