@@ -14,6 +14,7 @@ xgrammar is imported lazily: an engine that never sees a grammar neither imports
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -196,12 +197,21 @@ class GrammarBackend:
     # -- the matchers and the bitmask --------------------------------------------------------
 
     @staticmethod
-    def accept_tokens(matchers: list, tokens: list[int]) -> list[bool]:
-        """Each matcher accepts its token (one call into C++, which releases the GIL); False
-        where a matcher rejects it. No matcher may appear twice."""
-        import xgrammar as xgr
+    def accept_tokens(matchers: list, tokens: list[int]) -> list[bool] | None:
+        """Each matcher accepts its token (one call into C++, which releases the GIL). Returns
+        None when all of them accepted (the usual case), else a flag per matcher. No matcher
+        may appear twice."""
+        core_call = _core_batch_accept()
+        if core_call is None:
+            import xgrammar as xgr
 
-        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+            ok = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+            return None if all(ok) else ok
+        result = core_call([m._handle for m in matchers], tokens, False)
+        # NOTE: `in` on the result is one call into C++; the public wrapper converts the result
+        # element by element under the GIL (~2 µs each on the GPU host: 0.5 ms a step, while the
+        # step loop waits for this job)
+        return None if 0 not in result else [bool(x) for x in result]  # flags come as 0 / 1
 
     def fill_mask(self, matchers: list, rows: list[int]) -> TokenMask:
         """Fill bitmask row rows[i] from matchers[i] on the CPU and start its copy to the device.
@@ -259,6 +269,18 @@ class GrammarBackend:
         apply_mask_torch(logits[:, :vocab], mask.bitmask, mask.indices)
         if vocab < logits.shape[-1]:
             logits[:, vocab:].index_fill_(0, mask.indices.long(), float("-inf"))
+
+
+@functools.cache
+def _core_batch_accept():
+    """xgrammar's C++ batch accept without its Python wrapper, or None where this xgrammar lays
+    it out differently (then the public API is used). Checked against xgrammar 0.2.9."""
+    try:
+        from xgrammar.base import _core
+
+        return _core.BatchGrammarMatcher.batch_accept_token
+    except (ImportError, AttributeError):
+        return None
 
 
 def _tokenizer_size(tokenizer: Any, stop_token_ids: list[int]) -> int:

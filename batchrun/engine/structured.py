@@ -163,7 +163,8 @@ class StructuredOutput:
         for batch in _rounds(accepts):
             matchers_now = [req.matcher for req, _, _ in batch]
             ok = self.backend.accept_tokens(matchers_now, [token for *_, token in batch])
-            rejected.extend(a for a, accepted in zip(batch, ok) if not accepted)
+            if ok is not None:
+                rejected.extend(a for a, accepted in zip(batch, ok) if not accepted)
         if rows:
             self.backend.fill_rows(matchers, rows)
         return rows, rejected

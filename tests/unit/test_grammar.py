@@ -160,3 +160,17 @@ def test_rounds_keep_each_matchers_tokens_in_order():
     rounds = _rounds(accepts)
     assert rounds == [[(a, 0, 10), (b, 0, 20)], [(a, 1, 11), (b, 1, 21)], [(a, 2, 12)]]
     assert _rounds([]) == []
+
+
+@pytest.mark.parametrize("wrapper", [False, True])
+def test_accept_tokens_flags_only_rejections(backend, monkeypatch, wrapper):
+    """accept_tokens: None when every matcher accepts, else a flag per matcher; through the C++
+    call or (wrapper) xgrammar's public wrapper."""
+    if wrapper:
+        monkeypatch.setattr(G, "_core_batch_accept", lambda: None)
+    compiled = backend.compile(GrammarSpec("regex", "[ab]c")).result()
+    m1, m2, m3 = (backend.matcher(compiled) for _ in range(3))
+    a, b, c = (VOCAB.index(ch) for ch in "abc")
+    assert backend.accept_tokens([m1, m2], [a, b]) is None
+    assert backend.accept_tokens([m1, m2, m3], [c, a, c]) == [True, False, False]
+    assert m1.accept_token(EOS) and m1.is_terminated()
