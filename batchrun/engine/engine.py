@@ -327,9 +327,9 @@ class Engine:
         out = self.runner.wait(launched.handle)
         fill = None
         if fill_next is not None:
-            tokens = out.next_token_ids
-            stopping = self.structured.queue_step(launched.reqs, launched.out_index, tokens)
-            fill = self.structured.start_fill(fill_next.reqs, exclude=stopping)
+            fill = self.structured.start_fill_after(
+                launched.reqs, launched.out_index, out.next_token_ids, fill_next.reqs
+            )
         queued = fill is not None
         for i, (req, idx) in enumerate(zip(launched.reqs, launched.out_index)):
             if req.is_finished:

@@ -5,7 +5,8 @@ matchers advance with each token the host sees, and a step's bitmask rows are ch
                                                                          req aborted (error)
     process(n)  -> record(req, idx, token): queued for the matcher; True on a stop token
     step n+1    -> start_fill(sampling reqs): a job on the fill thread, the matchers accept the
-                   queued tokens, then the bitmask rows are filled
+                   queued tokens, then the bitmask rows are filled (with overlap, the engine
+                   starts it as step n's tokens arrive: start_fill_after, then process(n))
                 -> finish_fill -> TokenMask for the model runner (None: no rows), rejections
 
 The xgrammar side (compiling, the bitmask buffers, the kernels) is in grammar.py.
@@ -103,11 +104,11 @@ class StructuredOutput:
 
     def record(self, req: Req, idx: int, token: int, queued: bool = False) -> bool:
         """The host saw `token` at output index `idx` of a grammar request. Its matcher accepts
-        it in the next fill job (start_fill, off this thread; queued: queue_step has queued it
-        already). True when the token ends the request: a stop token (EOS), which the bitmask
-        allows only where the grammar may end, so accepting it terminates the matcher. A token
-        the matcher rejects (a bug, not the row's fault) aborts the request when that job's
-        result is read (finish_fill)."""
+        it in the next fill job (start_fill, off this thread; queued: start_fill_after's job
+        takes it already). True when the token ends the request: a stop token (EOS), which
+        the bitmask allows only where the grammar may end, so accepting it terminates the
+        matcher. A token the matcher rejects (a bug, not the row's fault) aborts the request
+        when that job's result is read (finish_fill)."""
         if not queued:
             self._accepts.append((req, idx, token))
         if token in self._stop_ids:
@@ -115,48 +116,61 @@ class StructuredOutput:
             return True
         return False
 
-    def queue_step(self, reqs: list[Req], out_index: list[int], tokens: list[int]) -> set[int]:
-        """Queue a step's tokens for the grammar requests among `reqs` before the host processes
-        them (so that the fill job can start at once); returns the ids of the requests whose
-        token is a stop token (they end, and their terminated matcher must not fill a row)."""
-        stopping: set[int] = set()
-        stop_ids = self._stop_ids
-        for req, idx, token in zip(reqs, out_index, tokens):
-            if req.matcher is None or req.is_finished:
-                continue
-            self._accepts.append((req, idx, token))
-            if token in stop_ids:
-                stopping.add(id(req))
-        return stopping
-
     def fill_mask(self, reqs: list[Req]) -> tuple[TokenMask | None, list[Recorded]]:
         """The bitmask of a step's sampling requests (rows in their order; None if none of them
         has a live grammar), after the matchers accepted every token recorded so far."""
         return self.finish_fill(self.start_fill(reqs, background=False))
 
-    def start_fill(
-        self, reqs: list[Req], background: bool = True, exclude: set[int] = frozenset()
-    ) -> Future:
+    def start_fill(self, reqs: list[Req], background: bool = True) -> Future:
         """The fill job: the matchers accept the recorded tokens, then the bitmask rows of
         `reqs` are filled; on the fill thread (background: xgrammar's batch calls release the
         GIL, so this thread goes on scheduling) or here. finish_fill(future) then starts the
-        copy. Nothing may touch the matchers until finish_fill returns. exclude: ids of requests
-        that end on a queued token (queue_step) and get no row."""
+        copy. Nothing may touch the matchers until finish_fill returns."""
         accepts, self._accepts = self._accepts, []
         # a request that finished on the previous token samples a wasted token: no mask
-        rows = [
-            i
-            for i, r in enumerate(reqs)
-            if r.matcher is not None and not r.is_finished and id(r) not in exclude
-        ]
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None and not r.is_finished]
         matchers = [reqs[i].matcher for i in rows]
         if not background or not (rows or accepts):
             future: Future = Future()
             future.set_result(self._job(accepts, matchers, rows))
             return future
+        return self._thread().submit(self._job, accepts, matchers, rows)
+
+    def start_fill_after(
+        self, step_reqs: list[Req], out_index: list[int], tokens: list[int], reqs: list[Req]
+    ) -> Future:
+        """start_fill(reqs) for the step launched after a step whose tokens (`tokens`, for
+        `step_reqs` at `out_index`) just reached the host, before the host processes them: the
+        job picks that step's grammar tokens itself, so it starts at once. The caller then
+        records those tokens with queued=True."""
+        earlier, self._accepts = self._accepts, []
+        return self._thread().submit(self._job_after, earlier, step_reqs, out_index, tokens, reqs)
+
+    def _job_after(self, earlier, step_reqs, out_index, tokens, reqs):
+        # NOTE: this runs while the step loop processes the same tokens, so is_finished may read
+        # before or after the loop ends a request at this step. Either is fine (an ended request
+        # needs no accept and no row) but for a stop token: its accept terminates the matcher,
+        # which must then not fill a row, so that is decided from the token itself.
+        stop_ids = self._stop_ids
+        accepts = list(earlier)
+        stopping: set[int] = set()
+        for req, idx, token in zip(step_reqs, out_index, tokens):
+            if req.matcher is None or req.is_finished:
+                continue
+            accepts.append((req, idx, token))
+            if token in stop_ids:
+                stopping.add(id(req))
+        rows = [
+            i
+            for i, r in enumerate(reqs)
+            if r.matcher is not None and not r.is_finished and id(r) not in stopping
+        ]
+        return self._job(accepts, [reqs[i].matcher for i in rows], rows)
+
+    def _thread(self) -> ThreadPoolExecutor:
         if self._fill_thread is None:
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="batchrun-bitmask")
-        return self._fill_thread.submit(self._job, accepts, matchers, rows)
+        return self._fill_thread
 
     def _job(self, accepts: list[Recorded], matchers: list, rows: list[int]):
         rejected = []
