@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import pytest
@@ -193,6 +194,32 @@ token_ids = st.tuples(
 ).map(lambda t: [x for block in t[0] for x in block] + t[1])
 
 
+def reference_evict_slots(cache: RadixCache, num_tokens: int) -> list[int]:
+    """The slots `cache.evict(num_tokens)` must free, in order, computed the plain way (without
+    touching the tree): a heap of every unlocked leaf by (last_access, id), popped in order, a
+    parent joining once its last child is gone and it is unlocked."""
+    if num_tokens <= 0:
+        return []
+    nodes, stack = [], [cache.root]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children.values())
+    heap = [(n.last_access, n.id, n) for n in nodes if n.parent and not n.children and n.ref == 0]
+    heapq.heapify(heap)
+    children_left = {id(n): len(n.children) for n in nodes}
+    freed, out = 0, []
+    while freed < num_tokens and heap:
+        _, _, node = heapq.heappop(heap)
+        out.extend(node.value.tolist())
+        freed += len(node.key)
+        parent = node.parent
+        children_left[id(parent)] -= 1
+        if parent.parent is not None and children_left[id(parent)] == 0 and parent.ref == 0:
+            heapq.heappush(heap, (parent.last_access, parent.id, parent))
+    return out
+
+
 @dataclass
 class SimRequest:
     ids: list[int]
@@ -260,9 +287,18 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 24))
     def evict(self, n: int) -> None:
         before = self.cache.evictable_size
-        freed = self.cache.evict(n)
+        expected = reference_evict_slots(self.cache, n)
+        freed_slots: list[torch.Tensor] = []
+        free = self.alloc.free
+        self.alloc.free = lambda slots: (freed_slots.append(slots.clone()), free(slots))[1]
+        try:
+            freed = self.cache.evict(n)
+        finally:
+            del self.alloc.free  # back to the class's method
         assert freed >= min(n, before)
         assert self.cache.evictable_size == before - freed
+        got = torch.cat(freed_slots).tolist() if freed_slots else []
+        assert got == expected, "eviction order differs from a fresh LRU heap of the leaves"
 
     @invariant()
     def integrity(self) -> None:
