@@ -427,9 +427,12 @@ class Engine:
             req.error = f"structured output: the grammar rejected sampled token {token}"
             del req.output_ids[idx + 1 :]
             req.num_inflight = 0
-            # with overlap, steps past that token are launched: their KV is not the request's
-            req.kv_len = min(req.kv_len, req.seq_len)
-            self.scheduler.finish(req)
+            if req.row is not None:  # running
+                # with overlap, steps past that token are launched: their KV is not the request's
+                req.kv_len = min(req.kv_len, req.seq_len)
+                self.scheduler.finish(req)
+            else:  # retracted since (its KV is released): waiting again
+                self.scheduler.waiting.remove(req)
             self._finished.append(self._result(req))
 
     def _collect_aborted(self) -> None:

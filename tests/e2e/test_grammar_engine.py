@@ -240,3 +240,22 @@ def test_a_rejected_token_aborts_that_request_only(model_dir, monkeypatch, overl
     for key, res in out.items():
         if key[0] != victim:
             assert res.output_ids == expected[key].output_ids, key
+
+
+def test_a_rejection_for_a_retracted_request_drops_it_from_the_queue(model_dir):
+    """Without overlap a token waits for the next fill job; the request may be retracted
+    meanwhile. Its rejection then takes it off the waiting queue (it holds no KV)."""
+    engine = make_engine(model_dir, overlap=False)
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, grammar=LONG)
+    prompt = random_prompts(1, seed=8)[0]
+    engine.add_request(GenerateRequest("r", prompt, params))
+    while not (engine.scheduler.running and engine.scheduler.running[0].output_ids[2:]):
+        assert not engine.step()
+    req = engine.scheduler.running[0]
+    engine.scheduler._retract(req)
+    engine._rejected.append((req, 1, req.output_ids[1]))
+    engine._abort_rejected()
+    (res,) = engine._take_finished()
+    assert res.finish_reason == "abort" and res.output_ids == req.output_ids[:2]
+    assert not engine.scheduler.waiting and not engine.has_work
+    engine.check_integrity()
