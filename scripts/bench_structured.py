@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 
 from bench_models import MODELS, write_model_dir  # noqa: E402
-from host_phases import HostPhases  # noqa: E402
+from host_phases import HostPhases, MethodTimers  # noqa: E402
 
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000  # prompt ids: inside the SmolLM2 vocabulary
 SCHEMA = {
@@ -75,43 +75,26 @@ def model_dir(name: str, root: Path, tokenizer_dir: Path | None = None) -> Path:
 
 
 class HostClock:
-    """Host seconds in the grammar's per-step work (wraps the engine's grammar backend and
-    StructuredOutput methods; bench-only instrumentation): the fill job on the fill thread (the
+    """Host seconds in the grammar's per-step work (timers on the engine's grammar backend and
+    StructuredOutput; bench-only instrumentation): the fill job on the fill thread (the
     matchers accepting the last step's tokens, then the bitmask fill), overlapping the next
     step's scheduling, and how long the main thread still waits for it (the part of the job
-    that is not hidden)."""
+    that is not hidden). Per fill job (finish_fill call)."""
 
-    def __init__(self, structured):
-        self.accept_s = self.fill_s = self.wait_s = 0.0
-        self.num_fills = 0
-        backend = structured.backend
-        accept, fill, finish = backend.accept_tokens, backend.fill_rows, structured.finish_fill
+    TARGETS = (
+        ("accept", "structured.backend", "accept_tokens"),
+        ("fill", "structured.backend", "fill_rows"),
+        ("fill_wait", "structured", "finish_fill"),
+    )
 
-        def timed(fn, field, count=False):
-            def wrapper(*args):
-                t = time.perf_counter()
-                try:
-                    return fn(*args)
-                finally:
-                    setattr(self, field, getattr(self, field) + time.perf_counter() - t)
-                    if count:
-                        self.num_fills += 1
-
-            return wrapper
-
-        backend.accept_tokens = timed(accept, "accept_s")
-        backend.fill_rows = timed(fill, "fill_s")
-        structured.finish_fill = timed(finish, "wait_s", count=True)
+    def __init__(self, engine):
+        self.timers = MethodTimers(engine, self.TARGETS)
 
     def take(self) -> dict:
-        n = max(self.num_fills, 1)
-        out = {
-            "accept_ms_per_step": 1e3 * self.accept_s / n,
-            "fill_ms_per_step": 1e3 * self.fill_s / n,
-            "fill_wait_ms_per_step": 1e3 * self.wait_s / n,
-        }
-        self.accept_s = self.fill_s = self.wait_s = 0.0
-        self.num_fills = 0
+        seconds = self.timers.seconds
+        n = max(self.timers.calls["fill_wait"], 1)
+        out = {f"{label}_ms_per_step": 1e3 * seconds[label] / n for label, _, _ in self.TARGETS}
+        self.timers.reset()
         return out
 
 
@@ -207,7 +190,7 @@ def main(argv=None) -> int:
         for params in (free, constrained):
             run_once(engine, warm, msgspec.structs.replace(params, max_new_tokens=8), sync)
         warmup = time.perf_counter() - t
-        clock = HostClock(engine.structured)
+        clock = HostClock(engine)
         phases = HostPhases(engine) if args.phases else None
         if phases:
             phases.take(1.0, 1)  # drop the warm-up's share

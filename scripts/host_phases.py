@@ -27,16 +27,19 @@ PHASES = (
     ("wait", "runner", "wait"),
     ("record", "structured", "record"),
     ("start_fill", "structured", "start_fill"),
+    ("start_fill_after", "structured", "start_fill_after"),
 )
 
 
-class HostPhases:
-    def __init__(self, engine, phases=PHASES):
-        self.engine = engine
-        self.seconds: dict[str, float] = {label: 0.0 for label, _, _ in phases}
-        self._forward0 = engine.runner.forward_time
-        for label, path, name in phases:
-            owner = engine
+class MethodTimers:
+    """Wraps methods under an object with timers: seconds and calls per label. targets:
+    (label, attribute path under root, method name); a path that leads nowhere is skipped."""
+
+    def __init__(self, root, targets):
+        self.seconds: dict[str, float] = {label: 0.0 for label, _, _ in targets}
+        self.calls: dict[str, int] = {label: 0 for label, _, _ in targets}
+        for label, path, name in targets:
+            owner = root
             for part in filter(None, path.split(".")):
                 owner = getattr(owner, part, None)
             if owner is None:  # e.g. no grammar backend: the engine never saw a grammar
@@ -44,7 +47,7 @@ class HostPhases:
             setattr(owner, name, self._timed(getattr(owner, name), label))
 
     def _timed(self, fn, label):
-        seconds = self.seconds
+        seconds, calls = self.seconds, self.calls
 
         def wrapper(*args, **kwargs):
             t = time.perf_counter()
@@ -52,8 +55,21 @@ class HostPhases:
                 return fn(*args, **kwargs)
             finally:
                 seconds[label] += time.perf_counter() - t
+                calls[label] += 1
 
         return wrapper
+
+    def reset(self) -> None:
+        for label in self.seconds:
+            self.seconds[label] = 0.0
+            self.calls[label] = 0
+
+
+class HostPhases(MethodTimers):
+    def __init__(self, engine, phases=PHASES):
+        super().__init__(engine, phases)
+        self.engine = engine
+        self._forward0 = engine.runner.forward_time
 
     def take(self, wall_s: float, num_steps: int) -> dict:
         """ms per step of each phase since the last take(), and the GPU forward occupancy."""
@@ -63,8 +79,7 @@ class HostPhases:
         out["gpu_forward_ms"] = 1e3 * (forward - self._forward0) / steps
         out["occupancy"] = (forward - self._forward0) / wall_s if wall_s else 0.0
         self._forward0 = forward
-        for label in self.seconds:
-            self.seconds[label] = 0.0
+        self.reset()
         return out
 
     @staticmethod
