@@ -228,14 +228,15 @@ class LatencyProbe:
         if not self.active:
             return
 
-        def process(launched):
-            original(launched)
+        def process(launched, *args):
+            fill = original(launched, *args)  # a grammar step's fill job, which step() needs
             out_index = getattr(launched, "out_index", None)
             if out_index and 0 in out_index:
                 now = time.perf_counter()
                 for req, idx in zip(launched.reqs, out_index):
                     if idx == 0:
                         self.first.setdefault((req.rid, req.index), now)
+            return fill
 
         engine._process = process
 

@@ -1,0 +1,50 @@
+"""The GPU benchmarks' own CPU smoke modes (their docstrings give the commands): they must run
+through the engine's current API, so that a session's GPU minutes are not lost to a script that
+broke on the CPU (bench_throughput's latency probe once did, after Engine._process changed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_script(name: str, *args: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / name), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_bench_throughput_cpu_smoke(tmp_path):
+    run_script(
+        "bench_throughput.py", "--device", "cpu", "--models", "tiny", "--workloads", "W1,W3",
+        "--scale", "0.005", "--variants", "batchrun,no-overlap", "--out", str(tmp_path),
+    )  # fmt: skip
+    results = json.loads((tmp_path / "bench_throughput.json").read_text())["results"]
+    assert len(results) == 4
+    for r in results:
+        assert r["status"] == "ok", r
+        assert r["output_tokens"] > 0 and r["ttft_p50_ms"] is not None, r
+
+
+def test_bench_structured_cpu_smoke(tmp_path):
+    pytest.importorskip("xgrammar")
+    run_script(
+        "bench_structured.py", "--device", "cpu", "--model", "tiny", "--num-prompts", "8",
+        "--prompt-len", "16", "--output-len", "16", "--repeats", "1", "--phases",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    report = json.loads((tmp_path / "bench_structured.json").read_text())
+    assert report["free_tok_s"] > 0 and report["json_schema_tok_s"] > 0
+    run = report["runs"]["json_schema"][0]
+    assert run["phases_ms_per_step"]["fill_wait"] >= 0 and "accept_ms_per_step" in run
