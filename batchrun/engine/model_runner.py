@@ -182,10 +182,6 @@ class ModelRunner:
         packed = self.staging.to_device(flat, torch.int64)
         return list(packed.split(sizes))
 
-    def launch(self, batch: ScheduledBatch, sampling: SamplingBatch | None) -> StepHandle:
-        """Enqueue the step on the device and the copy of its results to the host; no sync."""
-        return self.sample_or_skip(self.launch_forward(batch), sampling)
-
     def sample_or_skip(self, fwd: ForwardHandle, sampling: SamplingBatch | None) -> StepHandle:
         """launch_sample, or for a step that samples nothing (prefill chunks only) a handle
         with no results."""
@@ -193,14 +189,11 @@ class ModelRunner:
             return StepHandle(None, None, None, None, None, fwd.forward_start, fwd.forward_end)
         return self.launch_sample(fwd, sampling)
 
-    def launch_forward(self, batch: ScheduledBatch) -> ForwardHandle:
-        """Enqueue the step's forward; its logits stay on the device for launch_sample."""
-        return self.run_forward(self.stage_forward(batch))
-
     def stage_forward(self, batch: ScheduledBatch) -> StagedForward:
-        """The host half of launch_forward: the step's inputs, packed and on their way to the
-        device. Nothing it enqueues reads the device state of earlier steps, so a caller may
-        enqueue other work (the previous step's sampling) before run_forward."""
+        """A step's forward, host half: the step's inputs, packed and on their way to the
+        device; run_forward then enqueues the forward, whose logits stay on the device for
+        launch_sample (or sample_or_skip). Nothing staged reads the device state of earlier
+        steps, so a caller may enqueue other work (the previous step's sampling) in between."""
         seq_lens = batch.seq_lens
         rows = [r.row for r in batch.reqs]
         logits_indices: list[int] = []
@@ -237,7 +230,7 @@ class ModelRunner:
         )  # fmt: skip
 
     def run_forward(self, staged: StagedForward) -> ForwardHandle:
-        """The device half of launch_forward: table writes, placeholder ids, the forward."""
+        """A step's forward, device half: table writes, placeholder ids, the forward."""
         # queued request-to-token writes (admissions, new slots) land before attention reads
         self.req_pool.apply(*staged.table_writes)
         input_ids = staged.input_ids
