@@ -123,7 +123,7 @@ class GrammarBackend:
         )
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
         # NOTE: fills rows on C++ threads. "auto" (half the cores) measured slower on the 32-core
-        # GPU host than 8 (1.67 vs 1.06 ms for 256 JSON rows): more threads than rows' worth
+        # GPU host than 8 (1.67 vs 1.06 ms for 256 JSON rows)
         self._batch = xgr.BatchGrammarMatcher(max(1, min(FILL_THREADS, cpus // 2)))
         is_cuda = device.type == "cuda"
         width = (self.mask_vocab + 31) // 32

@@ -127,8 +127,7 @@ class StructuredOutput:
         GIL, so this thread goes on scheduling) or here. finish_fill(future) then starts the
         copy. Nothing may touch the matchers until finish_fill returns."""
         accepts, self._accepts = self._accepts, []
-        # a request that finished on the previous token samples a wasted token: no mask
-        rows = [i for i, r in enumerate(reqs) if r.matcher is not None and not r.is_finished]
+        rows = _mask_rows(reqs)
         matchers = [reqs[i].matcher for i in rows]
         if not background or not (rows or accepts):
             future: Future = Future()
@@ -160,11 +159,7 @@ class StructuredOutput:
             accepts.append((req, idx, token))
             if token in stop_ids:
                 stopping.add(id(req))
-        rows = [
-            i
-            for i, r in enumerate(reqs)
-            if r.matcher is not None and not r.is_finished and id(r) not in stopping
-        ]
+        rows = _mask_rows(reqs, stopping)
         return self._job(accepts, [reqs[i].matcher for i in rows], rows)
 
     def _thread(self) -> ThreadPoolExecutor:
@@ -188,6 +183,17 @@ class StructuredOutput:
         tokens a matcher rejected, (request, output index, token): the caller aborts those."""
         rows, rejected = future.result()
         return (self.backend.upload(rows) if rows else None), rejected
+
+
+def _mask_rows(reqs: list[Req], stopping: set[int] = frozenset()) -> list[int]:
+    """The rows of a step's sampling requests that get a bitmask: those with a live grammar. A
+    request that finished on its previous token samples a wasted token (no mask); `stopping`:
+    ids of requests ending on a stop token not yet accepted (no mask either)."""
+    return [
+        i
+        for i, r in enumerate(reqs)
+        if r.matcher is not None and not r.is_finished and id(r) not in stopping
+    ]
 
 
 def _rounds(accepts: list[Recorded]) -> list[list[Recorded]]:
