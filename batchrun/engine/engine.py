@@ -10,6 +10,7 @@ and yields each completion as it finishes. The loop is a plain `while has work: 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
@@ -22,6 +23,7 @@ import torch
 from batchrun.engine.allocator import TokenAllocator
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.grammar import GrammarBackend
+from batchrun.engine.host_gate import HostGate
 from batchrun.engine.kv_manager import KVManager
 from batchrun.engine.model_runner import ForwardHandle, ModelRunner, StepHandle
 from batchrun.engine.params import GenerateRequest, GenerateResult, TopLogprobs
@@ -30,7 +32,7 @@ from batchrun.engine.request import Req
 from batchrun.engine.sampler import SamplingBatch
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler
 from batchrun.engine.stop import StopStringChecker
-from batchrun.engine.structured import StructuredOutput
+from batchrun.engine.structured import GateRelease, StructuredOutput
 from batchrun.models.config import ModelConfig
 
 
@@ -55,6 +57,7 @@ class _Launched(NamedTuple):
     handle: StepHandle | ForwardHandle  # ForwardHandle: sampling waits for the token bitmask
     sampling: SamplingBatch | None = None  # set while the handle is a ForwardHandle
     fill: Future | None = None  # the bitmask fill running on the fill thread (overlap)
+    gate: GateRelease | None = None  # sampling enqueued behind a gate the fill job opens
 
 
 def drive(engine, requests: Iterable[GenerateRequest]) -> Iterator[GenerateResult]:
@@ -114,6 +117,9 @@ class Engine:
         )
         # overlap needs an asynchronous device; on the CPU every op is synchronous anyway
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
+        # with overlap on CUDA, a grammar step's sampling is enqueued at once behind a gate
+        # (host_gate.py) that its fill job opens; else it waits for the job as a pending step
+        self.gate = HostGate.create(self.device) if self.overlap else None
 
     @staticmethod
     def _resolve_model_dir(config: EngineConfig) -> Path:
@@ -232,6 +238,14 @@ class Engine:
             launch forward(n+1) -> wait(n) -> start job(n+1) -> process(n)
             -> schedule(n+2), stage(n+2) [job runs] -> launch sample(n+1) -> forward(n+2) -> ...
 
+        On CUDA the sampling of n+1 is enqueued right after forward(n+1) instead, behind a gate
+        on the stream that the job opens when the bitmask is filled (host_gate.py); the device
+        waits there only if the job is not done when forward(n+1) is. Then a grammar step flows
+        like any other (the step loop never waits for the job):
+
+            launch forward(n+1), gate, sample(n+1) -> wait(n) -> start job(n+1), which opens
+            the gate -> process(n) -> schedule(n+2) -> launch forward(n+2) ...
+
         Without overlap the job runs in line and each step is processed before the next.
         """
         sched = self.scheduler
@@ -253,12 +267,22 @@ class Engine:
         if batch is not None:
             launched = self._launch(batch)
         constrained = launched is not None and launched.sampling is not None
+        gated = launched is not None and launched.gate is not None
         fill = None
-        if self._inflight is not None:
-            # with overlap, the fill job of a constrained step n+1 starts as soon as step n's
-            # tokens are on the host, before this thread processes them
-            fill = self._process(self._inflight, launched if constrained and self.overlap else None)
-            self._inflight = None
+        try:
+            if self._inflight is not None:
+                # with overlap, the fill job of a constrained step n+1 starts as soon as step
+                # n's tokens are on the host, before this thread processes them
+                early = (constrained and self.overlap) or gated
+                fill = self._process(self._inflight, launched if early else None)
+                self._inflight = None
+            if gated:
+                fill = fill or self.structured.start_fill(launched.reqs, release=launched.gate)
+                launched = launched._replace(fill=fill)
+        except BaseException:
+            if gated:  # the job that would open the gate may never have started
+                self.gate.open_all()
+            raise
         if constrained:
             if self.overlap:
                 # fill n+1's bitmask while the next step() schedules and stages n+2; the
@@ -288,14 +312,28 @@ class Engine:
         # but before this forward, which reads the tokens it samples
         self._launch_pending_sample()
         fwd = self.runner.run_forward(staged)
-        if sampling is not None and any(r.matcher is not None for r in sampling_reqs):
-            handle = fwd  # sampled by _sample_constrained, once the bitmask is filled
-        else:
+        gate = None
+        if sampling is None or all(r.matcher is None for r in sampling_reqs):
             handle, sampling = self.runner.sample_or_skip(fwd, sampling), None
+        elif self.gate is not None:
+            handle, gate = self._sample_gated(fwd, sampling, sampling_reqs)
+            sampling = None
+        else:
+            handle = fwd  # sampled by _sample_constrained, once the bitmask is filled
         self.scheduler.advance(batch)
         self.stats.num_steps += 1
         self.stats.num_forward_tokens += batch.num_tokens
-        return _Launched(sampling_reqs, out_index, handle, sampling)
+        return _Launched(sampling_reqs, out_index, handle, sampling, gate=gate)
+
+    def _sample_gated(self, fwd, sampling: SamplingBatch, reqs: list[Req]):
+        """Enqueue a grammar step's sampling now, behind a gate: the bitmask's copy and
+        everything after it wait on the device until the step's fill job (started once the
+        previous step's tokens are here) has filled the rows and opens it."""
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        grammar, gate = self.grammar, self.gate
+        mask, ticket = grammar.upload_gated(rows, gate, self.runner.stream, self.runner.staging)
+        handle = self.runner.launch_sample(fwd, sampling, mask, grammar)
+        return handle, GateRelease(rows, functools.partial(gate.open, ticket))
 
     def _launch_pending_sample(self) -> None:
         """Launch the pending step's sampling (after its bitmask fill): it becomes in flight."""
@@ -325,10 +363,16 @@ class Engine:
         """Take a step's tokens: finish the requests they end. fill_next: the constrained step
         launched after this one; its fill job starts once the tokens are here (returned)."""
         out = self.runner.wait(launched.handle)
+        if launched.fill is not None:  # a gated step: its sampling ran after the job
+            self._rejected.extend(self.structured.finish_gated(launched.fill))
         fill = None
         if fill_next is not None:
             fill = self.structured.start_fill_after(
-                launched.reqs, launched.out_index, out.next_token_ids, fill_next.reqs
+                launched.reqs,
+                launched.out_index,
+                out.next_token_ids,
+                fill_next.reqs,
+                release=fill_next.gate,
             )
         queued = fill is not None
         for i, (req, idx) in enumerate(zip(launched.reqs, launched.out_index)):

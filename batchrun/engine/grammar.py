@@ -242,6 +242,26 @@ class GrammarBackend:
         self._copied.record()
         return TokenMask(dev, indices, rows)
 
+    def upload_gated(self, rows: list[int], gate, stream, staging) -> tuple[TokenMask, int]:
+        """upload() before the rows are filled: the copy is enqueued behind a closed gate
+        (host_gate.py) that the fill job opens once it has filled every row in `rows` (rows it
+        does not constrain it sets to all-allowed: allow_all). Returns the mask and the
+        gate's ticket. The row indices go through the staging ring: the next step's launch may
+        come before this copy runs."""
+        num_rows = max(rows) + 1
+        indices = staging.to_device(rows, torch.int32)
+        ticket = gate.close(stream)
+        dev = self._mask_dev[:num_rows]
+        # NOTE: no event: the next fill job rewrites the pinned rows only after this step's
+        # tokens reached the host, long after this copy ran
+        dev.copy_(self._mask_cpu[:num_rows], non_blocking=True)
+        return TokenMask(dev, indices, rows), ticket
+
+    def allow_all(self, rows: list[int]) -> None:
+        """Bitmask rows that allow every token (rows of a gated upload the job leaves alone)."""
+        for row in rows:
+            self._mask_cpu[row].fill_(-1)
+
     @torch.inference_mode()  # the logits are inference tensors (the model runs in that mode)
     def apply(self, logits: torch.Tensor, mask: TokenMask) -> None:
         """Set the logits [S, V] of disallowed tokens to -inf, in place (rows mask.indices)."""

@@ -8,6 +8,8 @@ matchers advance with each token the host sees, and a step's bitmask rows are ch
                    queued tokens, then the bitmask rows are filled (with overlap, the engine
                    starts it as step n's tokens arrive: start_fill_after, then process(n))
                 -> finish_fill -> TokenMask for the model runner (None: no rows), rejections
+                (gated, on CUDA with overlap: the sampling is enqueued before the job starts,
+                behind a gate the job opens, `release`; finish_gated reads the rejections)
 
 The xgrammar side (compiling, the bitmask buffers, the kernels) is in grammar.py.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import NamedTuple
 
 from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.params import GrammarSpec
@@ -24,6 +27,17 @@ from batchrun.engine.request import Req
 # (request, output index, token): a token recorded for the matchers (and, if they reject it, why
 # the request aborts)
 Recorded = tuple[Req, int, int]
+
+
+class GateRelease(NamedTuple):
+    """What a fill job does last for a gated sampling (host_gate.py): `rows` (the bitmask rows
+    the device will apply) are all written, those it does not constrain set to allow all, then
+    `open()` lets the device run on. Done whatever happens, errors included: a gate left closed
+    hangs the device."""
+
+    rows: list[int]
+    open: Callable[[], None]
+
 
 # when nothing else runs, how long poll() waits for a compile (keeps the caller's loop alive:
 # it still feeds requests and sees signals)
@@ -121,29 +135,38 @@ class StructuredOutput:
         has a live grammar), after the matchers accepted every token recorded so far."""
         return self.finish_fill(self.start_fill(reqs, background=False))
 
-    def start_fill(self, reqs: list[Req], background: bool = True) -> Future:
+    def start_fill(
+        self, reqs: list[Req], background: bool = True, release: GateRelease | None = None
+    ) -> Future:
         """The fill job: the matchers accept the recorded tokens, then the bitmask rows of
         `reqs` are filled; on the fill thread (background: xgrammar's batch calls release the
         GIL, so this thread goes on scheduling) or here. finish_fill(future) then starts the
-        copy. Nothing may touch the matchers until finish_fill returns."""
+        copy (release: the copy is enqueued already, behind a gate the job opens; then
+        finish_gated). Nothing may touch the matchers until finish_fill returns."""
         accepts, self._accepts = self._accepts, []
         rows = _mask_rows(reqs)
         matchers = [reqs[i].matcher for i in rows]
-        if not background or not (rows or accepts):
+        if not background or not (rows or accepts or release):
             future: Future = Future()
             future.set_result(self._job(accepts, matchers, rows))
             return future
-        return self._thread().submit(self._job, accepts, matchers, rows)
+        return self._thread().submit(self._released, release, self._job, accepts, matchers, rows)
 
     def start_fill_after(
-        self, step_reqs: list[Req], out_index: list[int], tokens: list[int], reqs: list[Req]
+        self,
+        step_reqs: list[Req],
+        out_index: list[int],
+        tokens: list[int],
+        reqs: list[Req],
+        release: GateRelease | None = None,
     ) -> Future:
         """start_fill(reqs) for the step launched after a step whose tokens (`tokens`, for
         `step_reqs` at `out_index`) just reached the host, before the host processes them: the
         job picks that step's grammar tokens itself, so it starts at once. The caller then
         records those tokens with queued=True."""
         earlier, self._accepts = self._accepts, []
-        return self._thread().submit(self._job_after, earlier, step_reqs, out_index, tokens, reqs)
+        args = (earlier, step_reqs, out_index, tokens, reqs)
+        return self._thread().submit(self._released, release, self._job_after, *args)
 
     def _job_after(self, earlier, step_reqs, out_index, tokens, reqs):
         # NOTE: this runs while the step loop processes the same tokens, so is_finished may read
@@ -167,6 +190,23 @@ class StructuredOutput:
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="batchrun-bitmask")
         return self._fill_thread
 
+    def _released(self, release: GateRelease | None, job, *args):
+        """Run a fill job; for a gated sampling, then set the rows no live grammar constrains
+        (a request that ended on this token, or before: its token is dropped anyway) to allow
+        all, and open the gate, whatever happened."""
+        if release is None:
+            return job(*args)
+        blank = release.rows  # on an error, no row of garbage reaches the sampler
+        try:
+            rows, rejected = job(*args)
+            live = set(rows)
+            blank = [i for i in release.rows if i not in live]
+            return rows, rejected
+        finally:
+            if blank:
+                self.backend.allow_all(blank)
+            release.open()
+
     def _job(self, accepts: list[Recorded], matchers: list, rows: list[int]):
         rejected = []
         for batch in _rounds(accepts):
@@ -177,6 +217,10 @@ class StructuredOutput:
         if rows:
             self.backend.fill_rows(matchers, rows)
         return rows, rejected
+
+    def finish_gated(self, future: Future) -> list[Recorded]:
+        """The rejections of a gated fill job (its mask is on the device already)."""
+        return future.result()[1]
 
     def finish_fill(self, future: Future) -> tuple[TokenMask | None, list[Recorded]]:
         """Wait for the fill job; start the bitmask's copy. Returns the mask and the recorded

@@ -69,12 +69,18 @@ def _run(model_dir: str, **kw):
     return engine, out
 
 
-def test_overlap_on_off_identical_and_valid(model_dir):
+def test_overlap_on_off_identical_and_valid(model_dir, monkeypatch):
     _, off = _run(model_dir, overlap=False)
     engine, on = _run(model_dir, overlap=True)
+    assert engine.gate is not None  # the sampling went in behind the host gate
     _, eager = _run(model_dir, overlap=True, cuda_graph_max_bs=0)
-    assert {k: r.output_ids for k, r in on.items()} == {k: r.output_ids for k, r in off.items()}
-    assert {k: r.output_ids for k, r in on.items()} == {k: r.output_ids for k, r in eager.items()}
+    monkeypatch.setenv("BATCHRUN_DISABLE_HOST_GATE", "1")
+    ungated_engine, ungated = _run(model_dir, overlap=True)
+    assert ungated_engine.gate is None  # the fallback: the step loop waits for the fill job
+    tokens = {k: r.output_ids for k, r in on.items()}
+    assert tokens == {k: r.output_ids for k, r in off.items()}
+    assert tokens == {k: r.output_ids for k, r in eager.items()}
+    assert tokens == {k: r.output_ids for k, r in ungated.items()}
     stops = 0
     for req in _requests():
         res = on[req.rid]
@@ -86,6 +92,63 @@ def test_overlap_on_off_identical_and_valid(model_dir):
             assert m.is_terminated()
             stops += 1
     assert stops >= 24
+
+
+def test_a_rejected_token_aborts_that_request_only_gated(model_dir, monkeypatch):
+    """A matcher that refuses a token (made up here) on a gated step: that request ends
+    `abort` at that token, the others are untouched, and the device never hangs."""
+    _, expected = _run(model_dir, overlap=True)
+    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=model_dir, device="cuda", dtype="float32", kv_budget=20000))
+    assert engine.gate is not None
+    real = engine.grammar.accept_tokens
+    victim = next(r.rid for r in _requests() if r.params.grammar is not None)
+    seen = {"n": 0}
+
+    def victim_matcher():
+        return next((r.matcher for r in engine.scheduler.running if r.rid == victim), None)
+
+    def accept(matchers, tokens):
+        ok = real(matchers, tokens)
+        ok = [True] * len(matchers) if ok is None else list(ok)
+        target = victim_matcher()
+        for i, m in enumerate(matchers):
+            if m is target:
+                seen["n"] += 1
+                if seen["n"] == 3:  # the victim's third output token
+                    m.rollback(1)
+                    ok[i] = False
+        return ok
+
+    monkeypatch.setattr(engine.grammar, "accept_tokens", accept)
+    out = {r.rid: r for r in engine.generate(_requests())}
+    engine.check_integrity()
+    bad = out[victim]
+    assert bad.finish_reason == "abort" and "rejected sampled token" in bad.error
+    assert bad.output_ids == expected[victim].output_ids[:3]
+    for rid, res in out.items():
+        if rid != victim:
+            assert res.output_ids == expected[rid].output_ids, rid
+
+
+def test_a_failing_fill_job_still_opens_the_gate(model_dir, monkeypatch):
+    """An error in the fill job surfaces from step(); the gate it would open is opened anyway,
+    so the device (and a sync on it) does not hang."""
+    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=model_dir, device="cuda", dtype="float32", kv_budget=20000))
+
+    def broken(matchers, rows):
+        raise RuntimeError("fill broke")
+
+    monkeypatch.setattr(engine.grammar, "fill_rows", broken)
+    with pytest.raises(RuntimeError, match="fill broke"):
+        for _ in engine.generate(_requests()):
+            pass
+    torch.cuda.synchronize()  # returns: nothing on the stream waits on a closed gate
 
 
 @pytest.mark.parametrize("mask_vocab", [128256, 49152, 1000])

@@ -1,0 +1,85 @@
+"""The host gate (engine/host_gate.py): a stream stops at close() and runs on at open(ticket)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _gate():
+    from batchrun.engine.host_gate import HostGate
+
+    gate = HostGate.create(torch.device("cuda"))
+    assert gate is not None, "cuStreamWaitValue32 should be available on this GPU"
+    return gate
+
+
+def _gated_copy(gate, stream, src, dst):
+    """close the gate, then a copy and an event behind it"""
+    with torch.cuda.stream(stream):
+        ticket = gate.close(stream)
+        dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return ticket, done
+
+
+def test_the_stream_waits_until_the_gate_opens():
+    gate = _gate()
+    stream = torch.cuda.Stream()
+    src = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
+    dst = torch.zeros(1 << 20, device="cuda")
+    ticket, done = _gated_copy(gate, stream, src, dst)
+    time.sleep(0.05)
+    assert not done.query()  # held at the gate
+    src.add_(1)  # written by the host after close(): the copy must see it
+    gate.open(ticket)
+    done.synchronize()
+    assert torch.equal(dst.cpu(), src)
+
+
+def test_an_older_ticket_does_not_open_a_newer_gate_and_tickets_wrap():
+    gate = _gate()
+    stream = torch.cuda.Stream()
+    src = torch.ones(16).pin_memory()
+    dst = torch.zeros(16, device="cuda")
+    first, done1 = _gated_copy(gate, stream, src, dst)
+    second, done2 = _gated_copy(gate, stream, src, dst)
+    gate.open(second)
+    gate.open(first)  # late: changes nothing
+    done2.synchronize()
+    assert done1.query()
+    # near the top of the 32-bit range the cyclic comparison still orders tickets
+    gate.open(0xFFFFFFF0)
+    gate._ticket = 0xFFFFFFF0
+    t1, _ = _gated_copy(gate, stream, src, dst)
+    t2, done = _gated_copy(gate, stream, src, dst)
+    assert (t1, t2) == (0xFFFFFFF1, 0xFFFFFFF2)
+    t3, done3 = _gated_copy(gate, stream, src, dst)
+    gate._ticket = 0xFFFFFFFF
+    t4, done4 = _gated_copy(gate, stream, src, dst)
+    assert t4 == 0  # wrapped
+    time.sleep(0.02)
+    assert not done4.query()
+    gate.open(t4)
+    done4.synchronize()
+    assert done.query() and done3.query()
+
+
+def test_open_all_releases_every_closed_gate():
+    gate = _gate()
+    stream = torch.cuda.Stream()
+    src = torch.ones(16).pin_memory()
+    dst = torch.zeros(16, device="cuda")
+    _gated_copy(gate, stream, src, dst)
+    _, done = _gated_copy(gate, stream, src, dst)
+    gate.open_all()
+    done.synchronize()
+    assert torch.equal(dst.cpu(), src)
