@@ -17,6 +17,8 @@ PHASES = (
     ("schedule", "scheduler", "schedule"),
     ("sample_pending", "", "_launch_pending_sample"),
     ("fill_wait", "structured", "finish_fill"),
+    ("gated_wait", "structured", "finish_gated"),
+    ("sample_gated", "", "_sample_gated"),
     ("launch", "", "_launch"),
     ("sampling_build", "", "_sampling_batch"),
     ("stage_forward", "runner", "stage_forward"),

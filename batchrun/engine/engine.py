@@ -10,7 +10,6 @@ and yields each completion as it finishes. The loop is a plain `while has work: 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
@@ -57,7 +56,7 @@ class _Launched(NamedTuple):
     handle: StepHandle | ForwardHandle  # ForwardHandle: sampling waits for the token bitmask
     sampling: SamplingBatch | None = None  # set while the handle is a ForwardHandle
     fill: Future | None = None  # the bitmask fill running on the fill thread (overlap)
-    gate: GateRelease | None = None  # sampling enqueued behind a gate the fill job opens
+    gate: GateRelease | None = None  # its sampling waits behind a gate the fill job opens
 
 
 def drive(engine, requests: Iterable[GenerateRequest]) -> Iterator[GenerateResult]:
@@ -238,13 +237,13 @@ class Engine:
             launch forward(n+1) -> wait(n) -> start job(n+1) -> process(n)
             -> schedule(n+2), stage(n+2) [job runs] -> launch sample(n+1) -> forward(n+2) -> ...
 
-        On CUDA the sampling of n+1 is enqueued right after forward(n+1) instead, behind a gate
+        On CUDA the sampling of n+1 is enqueued as soon as the job runs instead, behind a gate
         on the stream that the job opens when the bitmask is filled (host_gate.py); the device
         waits there only if the job is not done when forward(n+1) is. Then a grammar step flows
         like any other (the step loop never waits for the job):
 
-            launch forward(n+1), gate, sample(n+1) -> wait(n) -> start job(n+1), which opens
-            the gate -> process(n) -> schedule(n+2) -> launch forward(n+2) ...
+            launch forward(n+1) -> wait(n) -> start job(n+1), which opens the gate ->
+            process(n) -> gate, sample(n+1) -> schedule(n+2) -> launch forward(n+2) ...
 
         Without overlap the job runs in line and each step is processed before the next.
         """
@@ -267,24 +266,20 @@ class Engine:
         if batch is not None:
             launched = self._launch(batch)
         constrained = launched is not None and launched.sampling is not None
-        gated = launched is not None and launched.gate is not None
+        if constrained and self.gate is not None:
+            launched = launched._replace(gate=self._gate_release(launched.reqs))
         fill = None
-        try:
-            if self._inflight is not None:
-                # with overlap, the fill job of a constrained step n+1 starts as soon as step
-                # n's tokens are on the host, before this thread processes them
-                early = (constrained and self.overlap) or gated
-                fill = self._process(self._inflight, launched if early else None)
-                self._inflight = None
-            if gated:
-                fill = fill or self.structured.start_fill(launched.reqs, release=launched.gate)
-                launched = launched._replace(fill=fill)
-        except BaseException:
-            if gated:  # the job that would open the gate may never have started
-                self.gate.open_all()
-            raise
+        if self._inflight is not None:
+            # with overlap, the fill job of a constrained step n+1 starts as soon as step n's
+            # tokens are on the host, before this thread processes them
+            fill = self._process(self._inflight, launched if constrained and self.overlap else None)
+            self._inflight = None
         if constrained:
-            if self.overlap:
+            if launched.gate is not None:
+                fill = fill or self.structured.start_fill(launched.reqs, release=launched.gate)
+                # NOTE: only now that the job runs: see host_gate.py
+                launched = self._sample_gated(launched._replace(fill=fill))
+            elif self.overlap:
                 # fill n+1's bitmask while the next step() schedules and stages n+2; the
                 # sampling of n+1 is launched there
                 fill = fill or self.structured.start_fill(launched.reqs)
@@ -312,28 +307,29 @@ class Engine:
         # but before this forward, which reads the tokens it samples
         self._launch_pending_sample()
         fwd = self.runner.run_forward(staged)
-        gate = None
-        if sampling is None or all(r.matcher is None for r in sampling_reqs):
-            handle, sampling = self.runner.sample_or_skip(fwd, sampling), None
-        elif self.gate is not None:
-            handle, gate = self._sample_gated(fwd, sampling, sampling_reqs)
-            sampling = None
+        if sampling is not None and any(r.matcher is not None for r in sampling_reqs):
+            handle = fwd  # sampled once its fill job runs (_sample_gated, _sample_constrained)
         else:
-            handle = fwd  # sampled by _sample_constrained, once the bitmask is filled
+            handle, sampling = self.runner.sample_or_skip(fwd, sampling), None
         self.scheduler.advance(batch)
         self.stats.num_steps += 1
         self.stats.num_forward_tokens += batch.num_tokens
-        return _Launched(sampling_reqs, out_index, handle, sampling, gate=gate)
+        return _Launched(sampling_reqs, out_index, handle, sampling)
 
-    def _sample_gated(self, fwd, sampling: SamplingBatch, reqs: list[Req]):
-        """Enqueue a grammar step's sampling now, behind a gate: the bitmask's copy and
-        everything after it wait on the device until the step's fill job (started once the
-        previous step's tokens are here) has filled the rows and opens it."""
+    def _gate_release(self, reqs: list[Req]) -> GateRelease:
+        """What the fill job of a gated step must do last: the bitmask rows the device will
+        apply (those of requests with a grammar), and how to open the gate."""
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
-        grammar, gate = self.grammar, self.gate
-        mask, ticket = grammar.upload_gated(rows, gate, self.runner.stream, self.runner.staging)
-        handle = self.runner.launch_sample(fwd, sampling, mask, grammar)
-        return handle, GateRelease(rows, functools.partial(gate.open, ticket))
+        return GateRelease(rows, self.gate, self.gate.next_ticket())
+
+    def _sample_gated(self, launched: _Launched) -> _Launched:
+        """Enqueue a grammar step's sampling behind its gate: the bitmask's copy and all after
+        it wait on the device until the step's fill job (running now) has filled the rows."""
+        grammar, gate = self.grammar, launched.gate
+        stream, staging = self.runner.stream, self.runner.staging
+        mask = grammar.upload_gated(gate.rows, gate.gate, gate.ticket, stream, staging)
+        handle = self.runner.launch_sample(launched.handle, launched.sampling, mask, grammar)
+        return launched._replace(handle=handle, sampling=None)
 
     def _launch_pending_sample(self) -> None:
         """Launch the pending step's sampling (after its bitmask fill): it becomes in flight."""

@@ -242,20 +242,20 @@ class GrammarBackend:
         self._copied.record()
         return TokenMask(dev, indices, rows)
 
-    def upload_gated(self, rows: list[int], gate, stream, staging) -> tuple[TokenMask, int]:
-        """upload() before the rows are filled: the copy is enqueued behind a closed gate
-        (host_gate.py) that the fill job opens once it has filled every row in `rows` (rows it
-        does not constrain it sets to all-allowed: allow_all). Returns the mask and the
-        gate's ticket. The row indices go through the staging ring: the next step's launch may
-        come before this copy runs."""
+    def upload_gated(self, rows: list[int], gate, ticket: int, stream, staging) -> TokenMask:
+        """upload() while the rows may still be being filled: the copy is enqueued behind the
+        gate (host_gate.py) that the running fill job opens with `ticket` once it has filled
+        every row in `rows` (those it does not constrain it sets to allow all: allow_all).
+        The row indices go through the staging ring: the next step's launch may come before
+        this copy runs."""
         num_rows = max(rows) + 1
         indices = staging.to_device(rows, torch.int32)
-        ticket = gate.close(stream)
+        gate.close(stream, ticket)
         dev = self._mask_dev[:num_rows]
         # NOTE: no event: the next fill job rewrites the pinned rows only after this step's
         # tokens reached the host, long after this copy ran
         dev.copy_(self._mask_cpu[:num_rows], non_blocking=True)
-        return TokenMask(dev, indices, rows), ticket
+        return TokenMask(dev, indices, rows)
 
     def allow_all(self, rows: list[int]) -> None:
         """Bitmask rows that allow every token (rows of a gated upload the job leaves alone)."""

@@ -1,9 +1,10 @@
 """A CUDA stream that waits for a host thread: work enqueued now, run once the host says so.
 
     gate = HostGate.create(device)           # None where the driver call is unavailable
-    ticket = gate.close(stream)              # the stream stops here ...
-    ... enqueue work that reads what the host has not written yet ...
-    (another thread) ... write it ...; gate.open(ticket)   # ... and runs on from here
+    ticket = gate.next_ticket()
+    start a job (another thread) that writes ...; then calls gate.open(ticket)
+    gate.close(stream, ticket)               # the stream stops here ...
+    ... enqueue work that reads what the job writes ...   # ... and runs on once it is open
 
 Why: a grammar step's sampling needs a token bitmask that the fill job writes on the host while
 the device runs the step's forward. Without a gate, the step loop has to wait for that job before
@@ -17,8 +18,11 @@ host word: the stream waits until the word reaches the ticket; `open` is a plain
 host (x86 keeps the job's earlier stores, the bitmask, ahead of it). Tickets count up; the
 comparison is cyclic, so they may wrap.
 
-NOTE: a closed gate that nobody opens hangs the stream for good (and any host sync behind it):
-whoever closes it must make sure the opening job runs, error or not.
+NOTE: a closed gate that nobody opens hangs the stream for good, and any host sync behind it:
+close a gate only once the job that opens it runs, and have the job open it, error or not.
+The order matters beyond that: a CUDA call may synchronize the device implicitly (the first
+launch of a kernel, which loads its module, is one); made by the thread that would start the
+job, between close and that start, it would never return.
 """
 
 from __future__ import annotations
@@ -62,13 +66,17 @@ class HostGate:
         flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         return cls(device, wait_value, _device_pointer(lib, flag), flag)
 
-    def close(self, stream: torch.cuda.Stream) -> int:
-        """Make `stream` wait, from this point on, until open(ticket) with the returned ticket."""
+    def next_ticket(self) -> int:
+        """A new ticket: for a job to open, and for close() once that job runs."""
         self._ticket = (self._ticket + 1) & 0xFFFFFFFF
-        err = self._wait_value(stream.cuda_stream, self._addr, self._ticket, _WAIT_VALUE_GEQ)
+        return self._ticket
+
+    def close(self, stream: torch.cuda.Stream, ticket: int) -> None:
+        """Make `stream` wait, from this point on, until open(ticket) (or a later ticket); if
+        that happened already, the stream does not wait."""
+        err = self._wait_value(stream.cuda_stream, self._addr, ticket, _WAIT_VALUE_GEQ)
         if err != 0:
             raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {err}")
-        return self._ticket
 
     def open(self, ticket: int) -> None:
         """Let the stream run past the close() that returned `ticket` (and every earlier one);
@@ -80,7 +88,7 @@ class HostGate:
                 self._word.value = ticket
 
     def open_all(self) -> None:
-        """Open every gate closed so far (error paths: nothing may stay closed)."""
+        """Open every ticket handed out so far."""
         self.open(self._ticket)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.params import GrammarSpec
@@ -32,11 +32,15 @@ Recorded = tuple[Req, int, int]
 class GateRelease(NamedTuple):
     """What a fill job does last for a gated sampling (host_gate.py): `rows` (the bitmask rows
     the device will apply) are all written, those it does not constrain set to allow all, then
-    `open()` lets the device run on. Done whatever happens, errors included: a gate left closed
+    open() lets the device run on. Done whatever happens, errors included: a gate left closed
     hangs the device."""
 
     rows: list[int]
-    open: Callable[[], None]
+    gate: Any  # a HostGate
+    ticket: int
+
+    def open(self) -> None:
+        self.gate.open(self.ticket)
 
 
 # when nothing else runs, how long poll() waits for a compile (keeps the caller's loop alive:

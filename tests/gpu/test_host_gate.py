@@ -24,7 +24,8 @@ def _gate():
 def _gated_copy(gate, stream, src, dst):
     """close the gate, then a copy and an event behind it"""
     with torch.cuda.stream(stream):
-        ticket = gate.close(stream)
+        ticket = gate.next_ticket()
+        gate.close(stream, ticket)
         dst.copy_(src, non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
@@ -57,8 +58,7 @@ def test_an_older_ticket_does_not_open_a_newer_gate_and_tickets_wrap():
     done2.synchronize()
     assert done1.query()
     # near the top of the 32-bit range the cyclic comparison still orders tickets
-    gate.open(0xFFFFFFF0)
-    gate._ticket = 0xFFFFFFF0
+    gate._word.value = gate._ticket = 0xFFFFFFF0
     t1, _ = _gated_copy(gate, stream, src, dst)
     t2, done = _gated_copy(gate, stream, src, dst)
     assert (t1, t2) == (0xFFFFFFF1, 0xFFFFFFF2)
@@ -71,6 +71,20 @@ def test_an_older_ticket_does_not_open_a_newer_gate_and_tickets_wrap():
     gate.open(t4)
     done4.synchronize()
     assert done.query() and done3.query()
+
+
+def test_a_gate_opened_before_it_closes_does_not_stop_the_stream():
+    gate = _gate()
+    stream = torch.cuda.Stream()
+    ticket = gate.next_ticket()
+    gate.open(ticket)  # the job was quick
+    src = torch.ones(16).pin_memory()
+    dst = torch.zeros(16, device="cuda")
+    with torch.cuda.stream(stream):
+        gate.close(stream, ticket)
+        dst.copy_(src, non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(dst.cpu(), src)
 
 
 def test_open_all_releases_every_closed_gate():

@@ -94,6 +94,31 @@ def test_overlap_on_off_identical_and_valid(model_dir, monkeypatch):
     assert stops >= 24
 
 
+FRESH_PROCESS = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_structured_gpu import _run
+engine, out = _run({model!r}, overlap=True)
+assert engine.gate is not None and len(out) == 48
+print("ok")
+"""
+
+
+def test_a_fresh_process_whose_first_grammar_step_is_gated_finishes(model_dir):
+    """The first gated step of a process loads the mask kernel (an implicit device sync) while
+    its gate is closed; that must wait for the running fill job, not deadlock on one that the
+    same thread has yet to start (host_gate.py)."""
+    import subprocess
+
+    tests = str(Path(__file__).resolve().parent)
+    code = FRESH_PROCESS.format(tests=tests, model=model_dir)
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_a_rejected_token_aborts_that_request_only_gated(model_dir, monkeypatch):
     """A matcher that refuses a token (made up here) on a gated step: that request ends
     `abort` at that token, the others are untouched, and the device never hangs."""
