@@ -144,15 +144,31 @@ def main(argv=None) -> int:
     p.add_argument("--kv-budget", type=int, default=None)
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument(
+        "--fill-threads", type=int, default=None,
+        help="C++ threads of the bitmask fill (default: batchrun's FILL_THREADS)",
+    )  # fmt: skip
+    p.add_argument(
+        "--switch-interval-ms", type=float, default=None,
+        help="the GIL switch interval while grammars run (default: batchrun's GIL_SWITCH_S)",
+    )  # fmt: skip
+    p.add_argument(
         "--phases", action="store_true",
         help="time the main thread's phases per step (scripts/host_phases.py) and print them",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-out"))
     args = p.parse_args(argv)
 
+    from batchrun.engine import grammar as grammar_module
     from batchrun.engine.config import EngineConfig
     from batchrun.engine.engine import Engine
     from batchrun.engine.params import GrammarSpec, SamplingParams
+
+    # knobs to measure other settings against the defaults (read when the backend is made)
+    if args.fill_threads is not None:
+        grammar_module.FILL_THREADS = args.fill_threads
+    if args.switch_interval_ms is not None:
+        grammar_module.GIL_SWITCH_S = args.switch_interval_ms / 1e3
+        sys.setswitchinterval(grammar_module.GIL_SWITCH_S)  # also when it is above the default
 
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     is_cuda = args.device == "cuda"

@@ -137,6 +137,7 @@ class GrammarBackend:
         # the rows the mask applies to (pinned, and a device copy the kernel reads)
         self._rows_cpu = torch.zeros(max_rows, dtype=torch.int32, pin_memory=is_cuda)
         self._rows_dev = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self._all_rows = torch.arange(max_rows, dtype=torch.int32, device=device)
         self._triton = None  # kernels/token_bitmask.py, or False: unpack with torch ops
 
     @staticmethod
@@ -249,7 +250,10 @@ class GrammarBackend:
         The row indices go through the staging ring: the next step's launch may come before
         this copy runs."""
         num_rows = max(rows) + 1
-        indices = staging.to_device(rows, torch.int32)
+        if num_rows == len(rows):  # every row (rows ascend): the usual all-grammar batch
+            indices = self._all_rows[:num_rows]
+        else:
+            indices = staging.to_device(rows, torch.int32)
         gate.close(stream, ticket)
         dev = self._mask_dev[:num_rows]
         # NOTE: no event: the next fill job rewrites the pinned rows only after this step's
