@@ -327,7 +327,10 @@ class Engine:
         it wait on the device until the step's fill job (running now) has filled the rows."""
         grammar, gate = self.grammar, launched.gate
         stream, staging = self.runner.stream, self.runner.staging
-        mask = grammar.upload_gated(gate.rows, gate.gate, gate.ticket, stream, staging)
+        num_sampling = len(launched.reqs)
+        mask = grammar.upload_gated(
+            gate.rows, num_sampling, gate.gate, gate.ticket, stream, staging
+        )
         handle = self.runner.launch_sample(launched.handle, launched.sampling, mask, grammar)
         return launched._replace(handle=handle, sampling=None)
 

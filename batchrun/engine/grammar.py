@@ -30,7 +30,7 @@ from batchrun.engine.params import GrammarSpec
 
 # compiled grammars kept (LRU); a JSON schema's compiled form holds per-token masks: ~MBs
 CACHE_SIZE = 512
-FILL_THREADS = 8  # at most; bitmask rows are filled on this many C++ threads
+FILL_THREADS = 4  # at most; bitmask rows are filled on this many C++ threads
 # the GIL switch interval while structured output runs (Python's default is 5 ms)
 GIL_SWITCH_S = 0.0002
 # xgrammar prefixes its errors with a timestamp and a C++ source location: not for users
@@ -79,6 +79,7 @@ class TokenMask(NamedTuple):
     bitmask: torch.Tensor  # [S, ceil(V / 32)] int32, bit j of a row: token j allowed
     indices: torch.Tensor  # [G] int32 (on the device)
     indices_cpu: list[int]
+    row_flags: torch.Tensor | None = None  # [S] int32 on the device: 1 for the rows masked
 
 
 class GrammarBackend:
@@ -123,7 +124,8 @@ class GrammarBackend:
         )
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
         # NOTE: fills rows on C++ threads. "auto" (half the cores) measured slower on the 32-core
-        # GPU host than 8 (1.67 vs 1.06 ms for 256 JSON rows)
+        # GPU host than 8 (1.67 vs 1.06 ms for 256 JSON rows); 4 filled as fast as 8 on the
+        # 16-core one (1.06-1.09 vs 1.06-1.07 ms) and slowed the step loop less (W4)
         self._batch = xgr.BatchGrammarMatcher(max(1, min(FILL_THREADS, cpus // 2)))
         is_cuda = device.type == "cuda"
         width = (self.mask_vocab + 31) // 32
@@ -138,7 +140,9 @@ class GrammarBackend:
         self._rows_cpu = torch.zeros(max_rows, dtype=torch.int32, pin_memory=is_cuda)
         self._rows_dev = torch.zeros(max_rows, dtype=torch.int32, device=device)
         self._all_rows = torch.arange(max_rows, dtype=torch.int32, device=device)
+        self._all_flags = torch.ones(max_rows, dtype=torch.int32, device=device)
         self._triton = None  # kernels/token_bitmask.py, or False: unpack with torch ops
+        self._argmax = None  # its masked_argmax, or False
 
     @staticmethod
     def _make_compiler(tokenizer, vocab_size: int, stop_ids: list[int], threads: int):
@@ -243,23 +247,46 @@ class GrammarBackend:
         self._copied.record()
         return TokenMask(dev, indices, rows)
 
-    def upload_gated(self, rows: list[int], gate, ticket: int, stream, staging) -> TokenMask:
+    def upload_gated(
+        self, rows: list[int], num_sampling: int, gate, ticket: int, stream, staging
+    ) -> TokenMask:
         """upload() while the rows may still be being filled: the copy is enqueued behind the
         gate (host_gate.py) that the running fill job opens with `ticket` once it has filled
-        every row in `rows` (those it does not constrain it sets to allow all: allow_all).
-        The row indices go through the staging ring: the next step's launch may come before
-        this copy runs."""
+        every row in `rows` (those it does not constrain it sets to allow all: allow_all), of
+        a step that samples `num_sampling` rows. Row indices and flags go through the staging
+        ring: the next step's launch may come before this copy runs."""
         num_rows = max(rows) + 1
-        if num_rows == len(rows):  # every row (rows ascend): the usual all-grammar batch
-            indices = self._all_rows[:num_rows]
+        if len(rows) == num_sampling:  # every row (rows ascend): the usual all-grammar batch
+            indices, flags = self._all_rows[:num_rows], self._all_flags[:num_rows]
         else:
             indices = staging.to_device(rows, torch.int32)
+            marks = [0] * num_sampling
+            for r in rows:
+                marks[r] = 1
+            flags = staging.to_device(marks, torch.int32)
         gate.close(stream, ticket)
         dev = self._mask_dev[:num_rows]
         # NOTE: no event: the next fill job rewrites the pinned rows only after this step's
         # tokens reached the host, long after this copy ran
         dev.copy_(self._mask_cpu[:num_rows], non_blocking=True)
-        return TokenMask(dev, indices, rows)
+        return TokenMask(dev, indices, rows, flags)
+
+    def greedy(self, logits: torch.Tensor, mask: TokenMask) -> torch.Tensor | None:
+        """Each row's argmax over the tokens its mask allows (rows without a mask: over all),
+        in one pass over the logits; None where that kernel cannot run (then apply() and the
+        sampler). For a batch whose sampling is plain greedy (SamplingBatch.is_plain_greedy)."""
+        if mask.row_flags is None or logits.device.type != "cuda":
+            return None
+        if self._argmax is None:
+            try:
+                from batchrun.kernels.token_bitmask import masked_argmax
+
+                self._argmax = masked_argmax
+            except ImportError:
+                self._argmax = False
+        if not self._argmax:
+            return None
+        return self._argmax(logits, mask.bitmask, mask.row_flags, self.mask_vocab)
 
     def allow_all(self, rows: list[int]) -> None:
         """Bitmask rows that allow every token (rows of a gated upload the job leaves alone)."""

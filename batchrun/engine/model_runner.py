@@ -16,7 +16,7 @@ from batchrun.attention import AttentionInputs, create_backend
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.kv_pool import KVPool, ReqToTokenPool
-from batchrun.engine.sampler import PenaltyState, Sampler, SamplingBatch
+from batchrun.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingBatch
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.staging import PinnedStaging
 from batchrun.models.config import ModelConfig
@@ -261,9 +261,15 @@ class ModelRunner:
         """Enqueue sampling from a launched forward's logits (masked first by the grammar rows'
         token bitmask, if any) and the copy of the results to the host; no sync."""
         logits = fwd.logits
-        if mask is not None:
-            grammar.apply(logits, mask)  # in place: the logits are this step's own
-        out = self.sampler(logits, sampling, self.penalties)
+        out = None
+        if mask is not None and sampling.is_plain_greedy:
+            next_ids = grammar.greedy(logits, mask)  # the mask and the argmax in one pass
+            if next_ids is not None:
+                out = SampleOutput(next_ids, None, None, None)
+        if out is None:
+            if mask is not None:
+                grammar.apply(logits, mask)  # in place: the logits are this step's own
+            out = self.sampler(logits, sampling, self.penalties)
         if sampling.has_penalties:
             self.penalties.update(sampling.rows, out.next_token_ids)
         self.token_pool[fwd.sample_rows] = out.next_token_ids

@@ -93,6 +93,17 @@ class SamplingBatch:
     def has_penalties(self) -> bool:
         return self.has_repetition or self.has_frequency_presence
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Every row's token is the argmax of its logits as they come (no penalty, no banned
+        id, no logprobs): a caller may take the argmax itself (a grammar's fused kernel)."""
+        return (
+            self.all_greedy
+            and not self.has_penalties
+            and not self.needs_logprobs
+            and self.banned is None
+        )
+
     @classmethod
     def build(
         cls,

@@ -191,6 +191,25 @@ def _check_token_bitmask() -> None:
         assert torch.equal(got, want), (vocab, mask_vocab)
 
 
+def _check_masked_argmax() -> None:
+    """token_bitmask.masked_argmax vs the mask kernel + argmax: unmasked rows, ties, a row with
+    nothing allowed, a vocabulary longer than one block."""
+    from batchrun.kernels.token_bitmask import apply_token_bitmask_, masked_argmax
+
+    gen = torch.Generator().manual_seed(5)
+    for vocab, mask_vocab in ((5000, 5000), (9000, 4100), (300, 77)):
+        logits = (torch.randn(6, vocab, generator=gen) * 3).round()  # ties
+        words = (mask_vocab + 31) // 32
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (6, words), generator=gen).to(torch.int32)
+        bitmask[2] = 0
+        flags = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.int32)
+        want = logits.clone()
+        apply_token_bitmask_(want, bitmask, flags.nonzero().flatten().int(), mask_vocab)
+        got = masked_argmax(logits, bitmask, flags, mask_vocab)
+        assert torch.equal(got, want.argmax(dim=-1)), (vocab, got, want.argmax(dim=-1))
+        assert got[2] == 0
+
+
 def _run_checks() -> None:
     # fp16: every kernel rounds where the torch code rounds, so at most one ulp from a different
     # fp32 reduction order / rsqrt / exp; rotary is exact (products of fp16 values are exact)
@@ -200,6 +219,7 @@ def _run_checks() -> None:
         _check_silu_and_mul(dtype, ulps)
         _check_store_kv(dtype)
     _check_token_bitmask()
+    _check_masked_argmax()
     with tempfile.TemporaryDirectory() as tmp_dir:
         _check_model_wiring(Path(tmp_dir))
     print("ok")
