@@ -228,8 +228,9 @@ class LatencyProbe:
         if not self.active:
             return
 
-        def process(launched, *args):
-            fill = original(launched, *args)  # a grammar step's fill job, which step() needs
+        def process(launched, *args, **kwargs):
+            # (returns a grammar step's fill job, which step() needs)
+            fill = original(launched, *args, **kwargs)
             out_index = getattr(launched, "out_index", None)
             if out_index and 0 in out_index:
                 now = time.perf_counter()

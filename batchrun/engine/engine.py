@@ -10,6 +10,7 @@ and yields each completion as it finishes. The loop is a plain `while has work: 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
@@ -237,13 +238,15 @@ class Engine:
             launch forward(n+1) -> wait(n) -> start job(n+1) -> process(n)
             -> schedule(n+2), stage(n+2) [job runs] -> launch sample(n+1) -> forward(n+2) -> ...
 
-        On CUDA the sampling of n+1 is enqueued as soon as the job runs instead, behind a gate
-        on the stream that the job opens when the bitmask is filled (host_gate.py); the device
-        waits there only if the job is not done when forward(n+1) is. Then a grammar step flows
-        like any other (the step loop never waits for the job):
+        On CUDA a grammar step flows like any other instead (the step loop never waits for
+        the job): the job of n+1 starts right after n+1 is scheduled and waits for step n's
+        tokens itself (so it starts when they land, not when this thread gets to them), and
+        the sampling of n+1 is enqueued right after forward(n+1), behind a gate on the stream
+        that the job opens once the bitmask is filled (host_gate.py); the device waits there
+        only if the job is not done when forward(n+1) is:
 
-            launch forward(n+1) -> wait(n) -> start job(n+1), which opens the gate ->
-            process(n) -> gate, sample(n+1) -> schedule(n+2) -> launch forward(n+2) ...
+            schedule(n+1) -> start job(n+1) -> launch forward(n+1), gate, sample(n+1)
+            -> wait + process(n) -> schedule(n+2) -> ...
 
         Without overlap the job runs in line and each step is processed before the next.
         """
@@ -266,20 +269,19 @@ class Engine:
         if batch is not None:
             launched = self._launch(batch)
         constrained = launched is not None and launched.sampling is not None
-        if constrained and self.gate is not None:
-            launched = launched._replace(gate=self._gate_release(launched.reqs))
         fill = None
         if self._inflight is not None:
             # with overlap, the fill job of a constrained step n+1 starts as soon as step n's
-            # tokens are on the host, before this thread processes them
-            fill = self._process(self._inflight, launched if constrained and self.overlap else None)
+            # tokens are on the host, before this thread processes them (a gated step's job
+            # took them already)
+            fill = self._process(
+                self._inflight,
+                launched if constrained and self.overlap else None,
+                queued=launched is not None and launched.gate is not None,
+            )
             self._inflight = None
         if constrained:
-            if launched.gate is not None:
-                fill = fill or self.structured.start_fill(launched.reqs, release=launched.gate)
-                # NOTE: only now that the job runs: see host_gate.py
-                launched = self._sample_gated(launched._replace(fill=fill))
-            elif self.overlap:
+            if self.overlap:
                 # fill n+1's bitmask while the next step() schedules and stages n+2; the
                 # sampling of n+1 is launched there
                 fill = fill or self.structured.start_fill(launched.reqs)
@@ -302,37 +304,50 @@ class Engine:
         sampling = self._sampling_batch(sampling_reqs) if sampling_reqs else None
         # which output index each sampled token will fill
         out_index = [len(r.output_ids) for r in sampling_reqs]
+        constrained = sampling is not None and any(r.matcher is not None for r in sampling_reqs)
+        gate = fill = None
+        if constrained and self.gate is not None:
+            # NOTE: the job starts before the gate closes: see host_gate.py
+            gate, fill = self._start_gated_job(sampling_reqs)
         staged = self.runner.stage_forward(batch)
         # the pending step's sampling goes in as late as possible (its fill job ran meanwhile),
         # but before this forward, which reads the tokens it samples
         self._launch_pending_sample()
         fwd = self.runner.run_forward(staged)
-        if sampling is not None and any(r.matcher is not None for r in sampling_reqs):
-            handle = fwd  # sampled once its fill job runs (_sample_gated, _sample_constrained)
+        if gate is not None:
+            handle, sampling = self._sample_gated(fwd, sampling, gate, len(sampling_reqs)), None
+        elif constrained:
+            handle = fwd  # sampled once its fill job ran (_sample_constrained)
         else:
             handle, sampling = self.runner.sample_or_skip(fwd, sampling), None
         self.scheduler.advance(batch)
         self.stats.num_steps += 1
         self.stats.num_forward_tokens += batch.num_tokens
-        return _Launched(sampling_reqs, out_index, handle, sampling)
+        return _Launched(sampling_reqs, out_index, handle, sampling, fill, gate)
 
-    def _gate_release(self, reqs: list[Req]) -> GateRelease:
-        """What the fill job of a gated step must do last: the bitmask rows the device will
-        apply (those of requests with a grammar), and how to open the gate."""
+    def _start_gated_job(self, reqs: list[Req]) -> tuple[GateRelease, Future]:
+        """The fill job of a gated step sampling `reqs`: it takes the in-flight step's tokens
+        itself, as soon as they reach the host, fills the bitmask rows the device will apply
+        (those of requests with a grammar), and opens the gate."""
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
-        return GateRelease(rows, self.gate, self.gate.next_ticket())
+        release = GateRelease(rows, self.gate, self.gate.next_ticket())
+        prev = self._inflight
+        if prev is None:
+            return release, self.structured.start_fill(reqs, release=release)
+        tokens = functools.partial(self.runner.host_tokens, prev.handle)
+        fill = self.structured.start_fill_after(
+            prev.reqs, prev.out_index, tokens, reqs, release=release
+        )
+        return release, fill
 
-    def _sample_gated(self, launched: _Launched) -> _Launched:
+    def _sample_gated(self, fwd, sampling, gate: GateRelease, num_sampling: int) -> StepHandle:
         """Enqueue a grammar step's sampling behind its gate: the bitmask's copy and all after
-        it wait on the device until the step's fill job (running now) has filled the rows."""
-        grammar, gate = self.grammar, launched.gate
-        stream, staging = self.runner.stream, self.runner.staging
-        num_sampling = len(launched.reqs)
+        it wait on the device until the step's fill job (running) has filled the rows."""
+        grammar, stream, staging = self.grammar, self.runner.stream, self.runner.staging
         mask = grammar.upload_gated(
             gate.rows, num_sampling, gate.gate, gate.ticket, stream, staging
         )
-        handle = self.runner.launch_sample(launched.handle, launched.sampling, mask, grammar)
-        return launched._replace(handle=handle, sampling=None)
+        return self.runner.launch_sample(fwd, sampling, mask, grammar)
 
     def _launch_pending_sample(self) -> None:
         """Launch the pending step's sampling (after its bitmask fill): it becomes in flight."""
@@ -358,22 +373,22 @@ class Engine:
         handle = self.runner.launch_sample(launched.handle, launched.sampling, mask, grammar)
         return launched._replace(handle=handle, sampling=None, fill=None)
 
-    def _process(self, launched: _Launched, fill_next: _Launched | None = None) -> Future | None:
+    def _process(
+        self, launched: _Launched, fill_next: _Launched | None = None, queued: bool = False
+    ) -> Future | None:
         """Take a step's tokens: finish the requests they end. fill_next: the constrained step
-        launched after this one; its fill job starts once the tokens are here (returned)."""
+        launched after this one; its fill job starts once the tokens are here (returned).
+        queued: a job took this step's grammar tokens already (a gated step's)."""
         out = self.runner.wait(launched.handle)
         if launched.fill is not None:  # a gated step: its sampling ran after the job
             self._rejected.extend(self.structured.finish_gated(launched.fill))
         fill = None
         if fill_next is not None:
+            tokens = functools.partial(list, out.next_token_ids)
             fill = self.structured.start_fill_after(
-                launched.reqs,
-                launched.out_index,
-                out.next_token_ids,
-                fill_next.reqs,
-                release=fill_next.gate,
+                launched.reqs, launched.out_index, tokens, fill_next.reqs
             )
-        queued = fill is not None
+        queued = queued or fill is not None
         for i, (req, idx) in enumerate(zip(launched.reqs, launched.out_index)):
             if req.is_finished:
                 continue  # it finished on an earlier token; this one was a wasted decode

@@ -288,6 +288,13 @@ class ModelRunner:
         fwd = ForwardBatch(input_ids=input_ids, positions=positions, logits_indices=logits_idx)
         return self.model(fwd, self.backend)  # [S, V] fp32
 
+    def host_tokens(self, handle: StepHandle) -> list[int]:
+        """The step's sampled ids once they are on the host (blocks until then; the GIL is
+        released meanwhile). Safe from another thread; wait() still settles the step."""
+        if handle.event is not None:
+            handle.event.synchronize()
+        return [] if handle.next_ids_cpu is None else handle.next_ids_cpu.tolist()
+
     def wait(self, handle: StepHandle) -> StepOutput:
         """Block until the step's results are on the host (the one sync of a step)."""
         if handle.event is not None:

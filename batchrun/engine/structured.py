@@ -160,14 +160,14 @@ class StructuredOutput:
         self,
         step_reqs: list[Req],
         out_index: list[int],
-        tokens: list[int],
+        tokens: Callable[[], list[int]],
         reqs: list[Req],
         release: GateRelease | None = None,
     ) -> Future:
-        """start_fill(reqs) for the step launched after a step whose tokens (`tokens`, for
-        `step_reqs` at `out_index`) just reached the host, before the host processes them: the
-        job picks that step's grammar tokens itself, so it starts at once. The caller then
-        records those tokens with queued=True."""
+        """start_fill(reqs) for the step launched after a step whose tokens (`tokens()`, for
+        `step_reqs` at `out_index`; it may wait for them to reach the host) the host has not
+        processed yet: the job picks that step's grammar tokens itself, so it starts at once.
+        The caller then records those tokens with queued=True."""
         earlier, self._accepts = self._accepts, []
         args = (earlier, step_reqs, out_index, tokens, reqs)
         return self._thread().submit(self._released, release, self._job_after, *args)
@@ -180,7 +180,7 @@ class StructuredOutput:
         stop_ids = self._stop_ids
         accepts = list(earlier)
         stopping: set[int] = set()
-        for req, idx, token in zip(step_reqs, out_index, tokens):
+        for req, idx, token in zip(step_reqs, out_index, tokens()):
             if req.matcher is None or req.is_finished:
                 continue
             accepts.append((req, idx, token))
