@@ -123,3 +123,16 @@ def make_tiny_chat_model(path: Path, seed: int = 0):
     model.save_pretrained(path)
     save_byte_tokenizer(path)
     return model
+
+
+# a small JSON schema that the tiny chat model's byte vocabulary can complete (the grammar tests
+# on CPU and on the GPU)
+TINY_JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["a", "bb", "ccc"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["ok", "kind", "n"],
+}

@@ -14,21 +14,13 @@ import pytest
 pytest.importorskip("xgrammar")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import make_tiny_chat_model, random_prompts  # noqa: E402
+from tiny_models import TINY_JSON_SCHEMA, make_tiny_chat_model, random_prompts  # noqa: E402
 
 from batchrun.engine.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.engine.params import GenerateRequest, GrammarSpec, SamplingParams  # noqa: E402
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "kind": {"enum": ["a", "bb", "ccc"]},
-        "n": {"type": "integer", "minimum": 0, "maximum": 999},
-    },
-    "required": ["ok", "kind", "n"],
-}
+SCHEMA = TINY_JSON_SCHEMA
 SPECS = [
     GrammarSpec("json_schema", json.dumps(SCHEMA)),
     GrammarSpec("regex", r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"),

@@ -21,6 +21,11 @@ def _gate():
     return gate
 
 
+def _small():
+    """a gate, a side stream, a pinned source and a device destination"""
+    return _gate(), torch.cuda.Stream(), torch.ones(16).pin_memory(), torch.zeros(16, device="cuda")
+
+
 def _gated_copy(gate, stream, src, dst):
     """close the gate, then a copy and an event behind it"""
     with torch.cuda.stream(stream):
@@ -47,10 +52,7 @@ def test_the_stream_waits_until_the_gate_opens():
 
 
 def test_an_older_ticket_does_not_open_a_newer_gate_and_tickets_wrap():
-    gate = _gate()
-    stream = torch.cuda.Stream()
-    src = torch.ones(16).pin_memory()
-    dst = torch.zeros(16, device="cuda")
+    gate, stream, src, dst = _small()
     first, done1 = _gated_copy(gate, stream, src, dst)
     second, done2 = _gated_copy(gate, stream, src, dst)
     gate.open(second)
@@ -74,12 +76,9 @@ def test_an_older_ticket_does_not_open_a_newer_gate_and_tickets_wrap():
 
 
 def test_a_gate_opened_before_it_closes_does_not_stop_the_stream():
-    gate = _gate()
-    stream = torch.cuda.Stream()
+    gate, stream, src, dst = _small()
     ticket = gate.next_ticket()
     gate.open(ticket)  # the job was quick
-    src = torch.ones(16).pin_memory()
-    dst = torch.zeros(16, device="cuda")
     with torch.cuda.stream(stream):
         gate.close(stream, ticket)
         dst.copy_(src, non_blocking=True)
@@ -88,10 +87,7 @@ def test_a_gate_opened_before_it_closes_does_not_stop_the_stream():
 
 
 def test_open_all_releases_every_closed_gate():
-    gate = _gate()
-    stream = torch.cuda.Stream()
-    src = torch.ones(16).pin_memory()
-    dst = torch.zeros(16, device="cuda")
+    gate, stream, src, dst = _small()
     _gated_copy(gate, stream, src, dst)
     _, done = _gated_copy(gate, stream, src, dst)
     gate.open_all()

@@ -19,16 +19,6 @@ pytestmark = [
 pytest.importorskip("xgrammar")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "kind": {"enum": ["a", "bb", "ccc"]},
-        "n": {"type": "integer", "minimum": 0, "maximum": 999},
-    },
-    "required": ["ok", "kind", "n"],
-}
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -40,12 +30,12 @@ def model_dir(tmp_path_factory):
 
 
 def _requests():
-    from tiny_models import random_prompts
+    from tiny_models import TINY_JSON_SCHEMA, random_prompts
 
     from batchrun.engine.params import GenerateRequest, GrammarSpec, SamplingParams
 
     specs = [
-        GrammarSpec("json_schema", json.dumps(SCHEMA)),
+        GrammarSpec("json_schema", json.dumps(TINY_JSON_SCHEMA)),
         GrammarSpec("regex", r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"),
         GrammarSpec("choice", json.dumps(["alpha", "beta", "gamma"])),
         GrammarSpec("regex", "[a-z]{30}"),
