@@ -15,7 +15,6 @@ import time
 PHASES = (
     ("admit", "", "_admit_compiled"),
     ("schedule", "scheduler", "schedule"),
-    ("sample_pending", "", "_launch_pending_sample"),
     ("fill_wait", "structured", "finish_fill"),
     ("gated_wait", "structured", "finish_gated"),
     ("sample_gated", "", "_sample_gated"),

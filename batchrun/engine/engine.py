@@ -56,7 +56,7 @@ class _Launched(NamedTuple):
     out_index: list[int]  # the output index each of them fills
     handle: StepHandle | ForwardHandle  # ForwardHandle: sampling waits for the token bitmask
     sampling: SamplingBatch | None = None  # set while the handle is a ForwardHandle
-    fill: Future | None = None  # the bitmask fill running on the fill thread (overlap)
+    fill: Future | None = None  # a gated step's fill job (on the fill thread)
     gate: GateRelease | None = None  # its sampling waits behind a gate the fill job opens
 
 
@@ -106,9 +106,6 @@ class Engine:
         self._arrivals = 0
         self._finished: list[GenerateResult] = []
         self._inflight: _Launched | None = None
-        # overlap with grammar rows: a step whose forward is launched and whose bitmask is being
-        # filled on the fill thread; its sampling is launched by the next step()
-        self._pending: _Launched | None = None
         self._rejected: list = []  # (req, output index, token) a matcher refused
         self.structured = StructuredOutput(
             self._make_grammar_backend,
@@ -208,7 +205,6 @@ class Engine:
         return (
             self.scheduler.has_work
             or self._inflight is not None
-            or self._pending is not None
             or self.structured.num_compiling > 0
             or bool(self._finished)  # e.g. a grammar that failed to compile, not yet reported
         )
@@ -229,36 +225,28 @@ class Engine:
         The tokens of step n feed step n+1 on the device (runner.token_pool); the host sees
         them one step late. Without overlap, each step is processed right after its launch.
 
-        A step with grammar requests is launched in two parts, since its token bitmask needs
-        step n's tokens: the forward of n+1 runs on the device while the host processes step n;
-        a job on the fill thread then has the matchers accept step n's tokens and fills n+1's
-        bitmask, while this thread schedules n+2 and stages its inputs; the sampling of n+1
-        goes in just before forward(n+2):
-
-            launch forward(n+1) -> wait(n) -> start job(n+1) -> process(n)
-            -> schedule(n+2), stage(n+2) [job runs] -> launch sample(n+1) -> forward(n+2) -> ...
-
-        On CUDA a grammar step flows like any other instead (the step loop never waits for
-        the job): the job of n+1 starts right after n+1 is scheduled and waits for step n's
-        tokens itself (so it starts when they land, not when this thread gets to them), and
-        the sampling of n+1 is enqueued right after forward(n+1), behind a gate on the stream
-        that the job opens once the bitmask is filled (host_gate.py); the device waits there
-        only if the job is not done when forward(n+1) is:
+        A step with grammar requests needs step n's tokens for its token bitmask (the matchers
+        accept them first). With overlap on CUDA it flows like any other all the same (the
+        step loop never waits for the grammar work): its fill job starts right after n+1 is
+        scheduled, on the fill thread, and takes step n's tokens itself as they land; the
+        sampling of n+1 is enqueued right after forward(n+1), behind a gate on the stream that
+        the job opens once the bitmask is filled (host_gate.py), so the device waits there only
+        if the job is not done when forward(n+1) is:
 
             schedule(n+1) -> start job(n+1) -> launch forward(n+1), gate, sample(n+1)
             -> wait + process(n) -> schedule(n+2) -> ...
 
-        Without overlap the job runs in line and each step is processed before the next.
+        Without a gate (CPU, BATCHRUN_DISABLE_HOST_GATE) a grammar step is sampled in line,
+        once the step before it is processed; without overlap each step is processed before
+        the next.
         """
         sched = self.scheduler
-        in_flight = self._inflight is not None or self._pending is not None
+        in_flight = self._inflight is not None
         self._admit_compiled(idle=not sched.has_work and not in_flight)
         # nothing runs and nothing is in flight: if the head of the queue cannot be scheduled
         # now, it never can
         idle = not sched.running and not in_flight
-        batch = sched.schedule()  # overlaps the pending step's fill job
-        if batch is None:
-            self._launch_pending_sample()  # (else _launch does, once the batch is staged)
+        batch = sched.schedule()
         if batch is None and sched.needs_sync and self._inflight is not None:
             # only a request with tokens in flight could make room: settle them, try again
             self._process(self._inflight)
@@ -268,26 +256,13 @@ class Engine:
         launched = None
         if batch is not None:
             launched = self._launch(batch)
-        constrained = launched is not None and launched.sampling is not None
-        fill = None
         if self._inflight is not None:
-            # with overlap, the fill job of a constrained step n+1 starts as soon as step n's
-            # tokens are on the host, before this thread processes them (a gated step's job
-            # took them already)
-            fill = self._process(
-                self._inflight,
-                launched if constrained and self.overlap else None,
-                queued=launched is not None and launched.gate is not None,
-            )
+            # (a gated step's fill job took the grammar tokens of this one already)
+            self._process(self._inflight, queued=launched is not None and launched.gate is not None)
             self._inflight = None
-        if constrained:
-            if self.overlap:
-                # fill n+1's bitmask while the next step() schedules and stages n+2; the
-                # sampling of n+1 is launched there
-                fill = fill or self.structured.start_fill(launched.reqs)
-                self._pending, launched = launched._replace(fill=fill), None
-            else:
-                launched = self._sample_constrained(launched)
+        if launched is not None and launched.sampling is not None:
+            # a grammar step without a gate: its matchers need the tokens just processed
+            launched = self._sample_constrained(launched)
         if launched is not None:
             if self.overlap:
                 self._inflight = launched
@@ -310,14 +285,11 @@ class Engine:
             # NOTE: the job starts before the gate closes: see host_gate.py
             gate, fill = self._start_gated_job(sampling_reqs)
         staged = self.runner.stage_forward(batch)
-        # the pending step's sampling goes in as late as possible (its fill job ran meanwhile),
-        # but before this forward, which reads the tokens it samples
-        self._launch_pending_sample()
         fwd = self.runner.run_forward(staged)
         if gate is not None:
             handle, sampling = self._sample_gated(fwd, sampling, gate, len(sampling_reqs)), None
         elif constrained:
-            handle = fwd  # sampled once its fill job ran (_sample_constrained)
+            handle = fwd  # sampled once the step before is processed (_sample_constrained)
         else:
             handle, sampling = self.runner.sample_or_skip(fwd, sampling), None
         self.scheduler.advance(batch)
@@ -349,46 +321,21 @@ class Engine:
         )
         return self.runner.launch_sample(fwd, sampling, mask, grammar)
 
-    def _launch_pending_sample(self) -> None:
-        """Launch the pending step's sampling (after its bitmask fill): it becomes in flight."""
-        pending = self._pending
-        if pending is None:
-            return
-        self._pending = None
-        assert self._inflight is None, "a pending step always follows a processed one"
-        self._inflight = self._sample_constrained(pending)
-
     def _sample_constrained(self, launched: _Launched) -> _Launched:
-        """Fill the grammar rows' token bitmask (their matchers accept every earlier token
-        first; with launched.fill, that job ran on the fill thread) and launch the sampling
-        of the step's logits."""
-        if launched.fill is not None:
-            mask, rejected = self.structured.finish_fill(launched.fill)
-        else:
-            mask, rejected = self.structured.fill_mask(launched.reqs)
-        # NOTE: aborted at the end of step(): this may run inside _launch, before the staged
-        # batch (which may hold these requests) is advanced
-        self._rejected.extend(rejected)
+        """Fill the grammar rows' token bitmask in line (their matchers accept every earlier
+        token first) and launch the sampling of the step's logits."""
+        mask, rejected = self.structured.fill_mask(launched.reqs)
+        self._rejected.extend(rejected)  # aborted at the end of step()
         grammar = self.grammar if mask is not None else None
         handle = self.runner.launch_sample(launched.handle, launched.sampling, mask, grammar)
-        return launched._replace(handle=handle, sampling=None, fill=None)
+        return launched._replace(handle=handle, sampling=None)
 
-    def _process(
-        self, launched: _Launched, fill_next: _Launched | None = None, queued: bool = False
-    ) -> Future | None:
-        """Take a step's tokens: finish the requests they end. fill_next: the constrained step
-        launched after this one; its fill job starts once the tokens are here (returned).
-        queued: a job took this step's grammar tokens already (a gated step's)."""
+    def _process(self, launched: _Launched, queued: bool = False) -> None:
+        """Take a step's tokens: finish the requests they end. queued: a fill job took this
+        step's grammar tokens already (the gated step launched after it)."""
         out = self.runner.wait(launched.handle)
         if launched.fill is not None:  # a gated step: its sampling ran after the job
             self._rejected.extend(self.structured.finish_gated(launched.fill))
-        fill = None
-        if fill_next is not None:
-            tokens = functools.partial(list, out.next_token_ids)
-            fill = self.structured.start_fill_after(
-                launched.reqs, launched.out_index, tokens, fill_next.reqs
-            )
-        queued = queued or fill is not None
         for i, (req, idx) in enumerate(zip(launched.reqs, launched.out_index)):
             if req.is_finished:
                 continue  # it finished on an earlier token; this one was a wasted decode
@@ -402,7 +349,6 @@ class Engine:
                 self.scheduler.finish(req)
                 self._finished.append(self._result(req))
         self.stats.forward_time = self.runner.forward_time
-        return fill
 
     def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
         rows = [r.row for r in reqs]

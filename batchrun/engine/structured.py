@@ -4,12 +4,13 @@ matchers advance with each token the host sees, and a step's bitmask rows are ch
     add_request -> submit(reqs, spec) --compile on a worker--> poll() -> req.matcher set, or
                                                                          req aborted (error)
     process(n)  -> record(req, idx, token): queued for the matcher; True on a stop token
-    step n+1    -> start_fill(sampling reqs): a job on the fill thread, the matchers accept the
-                   queued tokens, then the bitmask rows are filled (with overlap, the engine
-                   starts it as step n's tokens arrive: start_fill_after, then process(n))
-                -> finish_fill -> TokenMask for the model runner (None: no rows), rejections
-                (gated, on CUDA with overlap: the sampling is enqueued before the job starts,
-                behind a gate the job opens, `release`; finish_gated reads the rejections)
+    step n+1    -> fill_mask(sampling reqs), in line: the matchers accept the queued tokens,
+                   then the bitmask rows are filled -> TokenMask for the model runner (None: no
+                   rows), and the tokens a matcher rejected
+    or, gated (CUDA with overlap: host_gate.py), as soon as step n+1 is scheduled:
+                   start_fill_after(step n's reqs, their tokens (waits for them), n+1's reqs,
+                   release): the same on the fill thread, which then opens the gate; step n's
+                   tokens are recorded with queued=True; finish_gated reads the rejections
 
 The xgrammar side (compiling, the bitmask buffers, the kernels) is in grammar.py.
 """
@@ -122,11 +123,11 @@ class StructuredOutput:
 
     def record(self, req: Req, idx: int, token: int, queued: bool = False) -> bool:
         """The host saw `token` at output index `idx` of a grammar request. Its matcher accepts
-        it in the next fill job (start_fill, off this thread; queued: start_fill_after's job
-        takes it already). True when the token ends the request: a stop token (EOS), which
-        the bitmask allows only where the grammar may end, so accepting it terminates the
-        matcher. A token the matcher rejects (a bug, not the row's fault) aborts the request
-        when that job's result is read (finish_fill)."""
+        it in the next fill job (queued: a job running start_fill_after took it already). True
+        when the token ends the request: a stop token (EOS), which the bitmask allows only
+        where the grammar may end, so accepting it terminates the matcher. A token the matcher
+        rejects (a bug, not the row's fault) aborts the request when that job's result is read
+        (finish_fill, finish_gated)."""
         if not queued:
             self._accepts.append((req, idx, token))
         if token in self._stop_ids:
