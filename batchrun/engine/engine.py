@@ -115,7 +115,7 @@ class Engine:
         # overlap needs an asynchronous device; on the CPU every op is synchronous anyway
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         # with overlap on CUDA, a grammar step's sampling is enqueued at once behind a gate
-        # (host_gate.py) that its fill job opens; else it waits for the job as a pending step
+        # (host_gate.py) that its fill job opens; else it is sampled in line (_sample_constrained)
         self.gate = HostGate.create(self.device) if self.overlap else None
 
     @staticmethod
