@@ -151,11 +151,12 @@ class StructuredOutput:
         accepts, self._accepts = self._accepts, []
         rows = _mask_rows(reqs)
         matchers = [reqs[i].matcher for i in rows]
+        args = (release, self._job, accepts, matchers, rows)
         if not background or not (rows or accepts or release):
             future: Future = Future()
-            future.set_result(self._job(accepts, matchers, rows))
+            future.set_result(self._released(*args))
             return future
-        return self._thread().submit(self._released, release, self._job, accepts, matchers, rows)
+        return self._thread().submit(self._released, *args)
 
     def start_fill_after(
         self,
