@@ -286,7 +286,7 @@ class ModelRunner:
             return self.graphs.replay(input_ids, positions, attn)
         self.backend.prepare(attn)
         fwd = ForwardBatch(input_ids=input_ids, positions=positions, logits_indices=logits_idx)
-        return self.model(fwd, self.backend)  # [S, V] fp32
+        return self.model(fwd, self.backend)  # [S, V] in the model's dtype
 
     def host_tokens(self, handle: StepHandle) -> list[int]:
         """The step's sampled ids once they are on the host (blocks until then; the GIL is
@@ -327,4 +327,4 @@ class ModelRunner:
         )
         self.backend.prepare(attn)
         fwd = ForwardBatch(self._to_device(input_ids), self._to_device(list(range(n))), None)
-        return self.model(fwd, self.backend)
+        return self.model(fwd, self.backend).float()
