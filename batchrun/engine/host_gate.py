@@ -34,7 +34,7 @@ import threading
 import torch
 
 _WAIT_VALUE_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
-ENV_DISABLE = "BATCHRUN_DISABLE_HOST_GATE"  # "1": never gate (the engine falls back to waiting)
+ENV_DISABLE = "BATCHRUN_DISABLE_HOST_GATE"  # "1": no gate (grammar steps are sampled in line)
 
 
 class HostGate:
@@ -79,17 +79,14 @@ class HostGate:
             raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {err}")
 
     def open(self, ticket: int) -> None:
-        """Let the stream run past the close() that returned `ticket` (and every earlier one);
-        from any thread. Opening an older ticket than the last opened one changes nothing."""
+        """Let the stream run past close(stream, ticket) and every close with an earlier
+        ticket; from any thread. Opening an older ticket than the last opened one changes
+        nothing."""
         with self._lock:
             current = self._word.value
             # cyclic: only move forward
             if ((ticket - current) & 0xFFFFFFFF) < 0x80000000:
                 self._word.value = ticket
-
-    def open_all(self) -> None:
-        """Open every ticket handed out so far."""
-        self.open(self._ticket)
 
 
 def _device_pointer(lib, flag: torch.Tensor) -> int:

@@ -86,10 +86,10 @@ def test_a_gate_opened_before_it_closes_does_not_stop_the_stream():
     assert torch.equal(dst.cpu(), src)
 
 
-def test_open_all_releases_every_closed_gate():
+def test_the_latest_ticket_releases_every_earlier_close():
     gate, stream, src, dst = _small()
     _gated_copy(gate, stream, src, dst)
-    _, done = _gated_copy(gate, stream, src, dst)
-    gate.open_all()
+    last, done = _gated_copy(gate, stream, src, dst)
+    gate.open(last)
     done.synchronize()
     assert torch.equal(dst.cpu(), src)
