@@ -27,6 +27,28 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and not os.environ.get("BATCHRUN_NO_FUSED") and _has_triton()
 
 
+# NOTE: opt-in until scripts/bench_gemv.py shows on the GPU that kernels/gemv.py beats cuBLAS at
+# these shapes; then a per-shape choice replaces the switch
+GEMV_ENV = "BATCHRUN_GEMV"  # "triton": decode-sized matmuls (<= 16 rows) take kernels/gemv.py
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear, or kernels/gemv.py for a decode-sized x on CUDA when BATCHRUN_GEMV=triton
+    (read on every call, as use_fused_kernels; a decode graph reads it once, at capture)."""
+    if (
+        bias is None
+        and x.dim() == 2
+        and x.shape[0] <= 16
+        and x.stride(-1) == 1
+        and os.environ.get(GEMV_ENV) == "triton"
+        and use_fused_kernels(x)
+    ):
+        from batchrun.kernels.gemv import gemv
+
+        return gemv(x, weight)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
         super().__init__()

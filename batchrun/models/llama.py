@@ -18,7 +18,7 @@ from torch import nn
 
 from batchrun.attention.base import AttentionBackend
 from batchrun.models.config import ModelConfig
-from batchrun.models.layers import RMSNorm, RotaryEmbedding, use_fused_kernels
+from batchrun.models.layers import RMSNorm, RotaryEmbedding, linear, use_fused_kernels
 from batchrun.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from batchrun.parallel.partition import ShardSpec, TPPartition, partition_model
 from batchrun.parallel.state import TPGroup
@@ -195,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
         if batch.logits_indices is not None:
             x, residual = x[batch.logits_indices], residual[batch.logits_indices]
         x, _ = self.norm.forward_with_residual(x, residual)
-        logits = F.linear(x, self.lm_head_weight)  # [S, vocab per rank]
+        logits = linear(x, self.lm_head_weight)  # [S, vocab per rank]
         if self.tp.is_parallel:
             # every rank gets the full logits, so all sample the same tokens
             logits = self.tp.all_gather(logits)[:, : self.config.vocab_size]

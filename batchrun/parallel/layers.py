@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchrun.models.layers import linear
 from batchrun.parallel.partition import ShardSpec
 from batchrun.parallel.state import TPGroup
 
@@ -37,7 +38,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def param_shards(self) -> dict[str, ShardSpec]:
         specs = {"weight": self.spec}
@@ -63,8 +64,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
     def param_shards(self) -> dict[str, ShardSpec]:

@@ -48,3 +48,19 @@ def test_bench_structured_cpu_smoke(tmp_path):
     assert report["free_tok_s"] > 0 and report["json_schema_tok_s"] > 0
     run = report["runs"]["json_schema"][0]
     assert run["phases_ms_per_step"]["fill_wait"] >= 0 and "accept_ms_per_step" in run
+
+
+def test_bench_gemv_shapes_and_no_gpu_exit(tmp_path):
+    """bench_gemv's matrices are the models' linear layers; without CUDA it says so and exits."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_gemv import shapes
+
+    one_b = {name: (n, k, count) for name, n, k, count in shapes("llama-1b")}
+    assert one_b["qkv"] == (3072, 2048, 16) and one_b["down"] == (2048, 8192, 16)
+    assert one_b["lm_head"] == (128256, 2048, 1)
+    eight_b = {name: (n, k) for name, n, k, _ in shapes("llama-8b")}
+    assert eight_b["gate_up"] == (28672, 4096) and eight_b["o"] == (4096, 4096)
+    import torch
+
+    if not torch.cuda.is_available():
+        run_script("bench_gemv.py", "--out", str(tmp_path))

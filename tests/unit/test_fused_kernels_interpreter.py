@@ -191,6 +191,24 @@ def _check_token_bitmask() -> None:
         assert torch.equal(got, want), (vocab, mask_vocab)
 
 
+def _check_gemv() -> None:
+    """kernels/gemv.py vs x @ w.T (fp32 and fp16; the interpreter's bf16 dot is wrong): M from
+    1 to 16, ragged N and K, split-K on and off."""
+    from batchrun.kernels.gemv import GemvConfig, gemv
+
+    gen = torch.Generator().manual_seed(6)
+    cases = [(1, 100, 300, None), (3, 64, 512, GemvConfig(32, 128, 2)),
+             (16, 50, 1000, GemvConfig(16, 64, 4)), (5, 33, 70, GemvConfig(16, 32, 1))]  # fmt: skip
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        for m, n, k, cfg in cases:
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            w = torch.randn(n, k, generator=gen).to(dtype)
+            got = gemv(x, w, cfg)
+            ref = x.float() @ w.float().T
+            assert got.shape == (m, n) and got.dtype == dtype
+            assert ((got.float() - ref).norm() / ref.norm()).item() <= tol, (dtype, m, n, k)
+
+
 def _check_masked_argmax() -> None:
     """token_bitmask.masked_argmax vs the mask kernel + argmax: unmasked rows, ties, a row with
     nothing allowed, a vocabulary longer than one block."""
@@ -220,6 +238,7 @@ def _run_checks() -> None:
         _check_store_kv(dtype)
     _check_token_bitmask()
     _check_masked_argmax()
+    _check_gemv()
     with tempfile.TemporaryDirectory() as tmp_dir:
         _check_model_wiring(Path(tmp_dir))
     print("ok")

@@ -1,0 +1,119 @@
+"""Skinny matmul for decode: y[M, N] = x[M, K] @ w[N, K]^T for M <= 16 (F.linear without bias).
+
+At batch 1 a decode step is GEMVs: on the H200, llama-1b's 64 cuBLAS GEMVs per step took 773 µs
+for 1.95 GB of weights (2.5 TB/s, 59 % of the copy ceiling), llama-8b's 4.0 TB/s (94 %). The
+small matrices of a 1b model (2048 x 2048, 2048 x 512) leave cuBLAS few blocks in flight. This
+kernel streams w in [BLOCK_N, BLOCK_K] tiles: a program owns BLOCK_N output columns and, with
+SPLIT_K > 1, one K-slice of them, so small N still fills the GPU; each slice writes its fp32
+partial sums to its own plane of a [SPLIT_K, M, N] buffer, summed and cast after (no atomics:
+the result must not depend on the order the slices finish in, or greedy tokens could differ
+from run to run).
+
+    y = gemv(x, w)                          # a config from pick_config(M, N, K)
+    y = gemv(x, w, config=GemvConfig(...))  # scripts/bench_gemv.py sweeps these on the device
+
+Accumulation is fp32 (tl.dot with x padded to 16 rows: the tensor cores do the padding rows for
+free, and w is read once whatever M is). Grid (cdiv(N, BLOCK_N), SPLIT_K).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_M = 16
+
+
+class GemvConfig(NamedTuple):
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _gemv_kernel(
+    X,
+    W,
+    Y,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    stride_ys,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, 16)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        in_k = offs_k < k_end
+        x = tl.load(
+            X + offs_m[:, None] * stride_xm + offs_k[None, :],
+            mask=(offs_m[:, None] < M) & in_k[None, :],
+            other=0.0,
+        )  # [16, BLOCK_K]
+        w = tl.load(
+            W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+            mask=(offs_n[:, None] < N) & in_k[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_K]
+        if IEEE:  # fp32 inputs: full precision, not tf32
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    out = Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(out, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+def pick_config(m: int, n: int, k: int) -> GemvConfig:
+    """A starting point, to be replaced by what scripts/bench_gemv.py measures on the GPU:
+    enough programs to fill ~132 SMs twice over, splitting K where N alone does not."""
+    block_n = 64 if n >= 8192 else 32
+    programs = triton.cdiv(n, block_n)
+    split_k = 1
+    while programs * split_k < 256 and k // (split_k * 2) >= 512:
+        split_k *= 2
+    return GemvConfig(block_n=block_n, block_k=256, split_k=split_k)
+
+
+def gemv(
+    x: torch.Tensor,  # [M, K], M <= 16, unit stride along K
+    w: torch.Tensor,  # [N, K], unit stride along K (an nn.Linear weight)
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """x @ w.T: [M, N] in x's dtype."""
+    m, k = x.shape
+    n, k_w = w.shape
+    assert k == k_w and m <= MAX_M and x.stride(1) == 1 and w.stride(1) == 1
+    assert x.dtype == w.dtype
+    cfg = config or pick_config(m, n, k)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split_k = triton.cdiv(k, k_per_split)
+    # one slice: the result in x's dtype straight away; else fp32 planes, summed below
+    dtype = x.dtype if split_k == 1 else torch.float32
+    y = torch.empty((split_k, m, n), dtype=dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y.sum(0).to(x.dtype)
+    grid = (triton.cdiv(n, cfg.block_n), split_k)
+    _gemv_kernel[grid](
+        x, w, y, m, n, k, k_per_split, x.stride(0), w.stride(0), y.stride(1), y.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return y[0] if split_k == 1 else y.sum(0).to(x.dtype)

@@ -1,0 +1,167 @@
+"""Decode GEMVs on the GPU: cuBLAS (F.linear) against kernels/gemv.py, per weight shape of the
+benchmark models, with a sweep of the kernel's tile configs. Answers whether the Triton kernel
+should replace cuBLAS at small M (batch-1 decode, W3), and with which config per shape.
+
+    python scripts/bench_gemv.py                              # llama-1b and llama-8b, M = 1, 4
+    python scripts/bench_gemv.py --models llama-1b --m 1 --no-sweep
+
+Each measurement replays a CUDA graph of many calls (no launch overhead, as in the engine's
+decode graphs) that cycle through enough copies of the weight to exceed the L2 cache, so every
+call reads its weight from HBM. Reports µs per call and the weight bytes per second, and per
+model the sum over one decode step (layers x [qkv, o, gate_up, down] + lm_head). Every config is
+checked against F.linear first (bf16: relative error <= 1e-2); one that is off is reported and
+skipped. Writes the figures as JSON under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
+
+from bench_models import MODELS  # noqa: E402
+
+L2_BYTES = 256 << 20  # read more than this per graph: the H200's L2 is 50 MB
+CALLS_PER_GRAPH = 64
+
+
+def shapes(name: str) -> list[tuple[str, int, int, int]]:
+    """(matrix, N, K, count per decode step) of a model's linear layers."""
+    cfg = MODELS[name]
+    hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim", hidden // cfg["num_attention_heads"])
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    return [
+        ("qkv", q + 2 * kv, hidden, layers),
+        ("o", hidden, q, layers),
+        ("gate_up", 2 * inter, hidden, layers),
+        ("down", hidden, inter, layers),
+        ("lm_head", cfg["vocab_size"], hidden, 1),
+    ]
+
+
+def graph_time_us(fn, weights: list[torch.Tensor]) -> float:
+    """µs per call of fn(w) over a captured graph that cycles through `weights`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights[:2]:
+            fn(w)  # warm-up: compiles, allocates
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    order = [weights[i % len(weights)] for i in range(CALLS_PER_GRAPH)]
+    with torch.cuda.graph(graph):
+        for w in order:
+            fn(w)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 5
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / (reps * CALLS_PER_GRAPH)
+
+
+def configs(sweep: bool):
+    from batchrun.kernels.gemv import GemvConfig
+
+    if not sweep:
+        return []
+    grid = itertools.product((16, 32, 64), (256, 512), (1, 2, 4, 8), (4,))
+    return [GemvConfig(bn, bk, sk, nw) for bn, bk, sk, nw in grid]
+
+
+def bench_shape(n: int, k: int, m: int, sweep: bool, dtype) -> dict:
+    from batchrun.kernels.gemv import gemv, pick_config
+
+    copies = max(2, -(-L2_BYTES // (n * k * dtype.itemsize)))
+    weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w0 = weights[0]
+    ref = F.linear(x, w0).float()
+    gb = n * k * dtype.itemsize / 1e9
+
+    def check(cfg) -> bool:
+        out = gemv(x, w0, cfg).float()
+        return ((out - ref).norm() / ref.norm()).item() <= 1e-2
+
+    out = {"cublas_us": graph_time_us(lambda w: F.linear(x, w), weights)}
+    default = pick_config(m, n, k)
+    out["default_config"] = list(default)
+    out["default_us"] = graph_time_us(lambda w: gemv(x, w, default), weights)
+    best, best_us, bad = default, out["default_us"], []
+    for cfg in configs(sweep):
+        if cfg.block_k * cfg.split_k > 4 * k and cfg.split_k > 1:
+            continue  # splits of nothing
+        if not check(cfg):
+            bad.append(list(cfg))
+            continue
+        us = graph_time_us(lambda w, cfg=cfg: gemv(x, w, cfg), weights)
+        if us < best_us:
+            best, best_us = cfg, us
+    out.update(best_config=list(best), best_us=best_us, wrong_configs=bad)
+    out["default_correct"] = check(default)
+    for key in ("cublas", "default", "best"):
+        out[f"{key}_tb_s"] = gb / (out[f"{key}_us"] * 1e-6) / 1e3
+    weights.clear()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--models", default="llama-1b,llama-8b")
+    p.add_argument("--m", default="1,4", help="rows of x (decode batch), comma-separated")
+    p.add_argument("--no-sweep", action="store_true", help="only cuBLAS and the default config")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-out"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gemv: needs a CUDA GPU (the kernel is Triton; cuBLAS is the baseline)")
+        return 0
+    dtype = torch.bfloat16
+    report = {"device": torch.cuda.get_device_name(), "results": []}
+    for model in args.models.split(","):
+        for m in (int(v) for v in args.m.split(",")):
+            totals = {"cublas": 0.0, "default": 0.0, "best": 0.0}
+            print(f"\n{model}, M = {m}")
+            print(
+                "| matrix | N x K | cuBLAS µs (TB/s) | default µs | best µs (TB/s) | best config |"
+            )
+            print("|---|---|---|---|---|---|")
+            for name, n, k, count in shapes(model):
+                r = bench_shape(n, k, m, not args.no_sweep, dtype)
+                r.update(model=model, m=m, matrix=name, n=n, k=k, count=count)
+                report["results"].append(r)
+                for key in totals:
+                    totals[key] += count * r[f"{key}_us"]
+                flag = "" if r["default_correct"] else " (WRONG)"
+                print(
+                    f"| {name} | {n} x {k} | {r['cublas_us']:.1f} ({r['cublas_tb_s']:.2f}) | "
+                    f"{r['default_us']:.1f}{flag} | {r['best_us']:.1f} ({r['best_tb_s']:.2f}) | "
+                    f"{tuple(r['best_config'])} |",
+                    flush=True,
+                )
+            print(
+                f"per decode step: cuBLAS {totals['cublas']:.0f} µs, default "
+                f"{totals['default']:.0f} µs, best per shape {totals['best']:.0f} µs"
+            )
+            report.setdefault("step_totals", []).append({"model": model, "m": m, **totals})
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_gemv.json").write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
