@@ -12,7 +12,7 @@ For a greedy batch, `masked_argmax` does the mask and the argmax in one pass ins
     next[r] = argmax_j logits[r, j] over the allowed j   (all j where row_flags[r] == 0)
 
 It reads the logits once; apply + argmax read them twice and write them once (256 rows of a
-128k vocabulary: 131 MB of fp32 each way, ~70 µs of a step on the H200). Ties go to the lowest
+128k vocabulary: 66 MB in bf16, 131 MB in fp32, each way). Ties go to the lowest
 id, as torch.argmax; a row with nothing allowed gets 0, as torch.argmax over all -inf.
 """
 
