@@ -11,7 +11,8 @@ Models (dummy weights, written as config.json to a temp dir): llama-8b, llama-1b
 for CPU smoke tests). Workloads as BENCH.md defines them (W1 random, W2 shared prefix, W3 single
 request; W2L: W2-large, whose distinct prefix tokens exceed a capped KV pool). Variants:
 batchrun (overlap + CUDA graphs), no-overlap, no-graph, no-radix, flashinfer (batchrun with the
-FlashInfer attention backend), hf, and prefix-order (batchrun fed in batchrun.order's DFS order,
+FlashInfer attention backend), gemv (batchrun with BATCHRUN_GEMV=triton: kernels/gemv.py for the
+decode matmuls), hf, and prefix-order (batchrun fed in batchrun.order's DFS order,
 ordering timed; every other variant takes the prompts in their given, shuffled, input order).
 
 Each engine is built once per (model, variant) (start-up reported apart), warmed up on each
@@ -45,7 +46,18 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 
-VARIANTS = ("batchrun", "no-overlap", "no-graph", "no-radix", "flashinfer", "hf", "prefix-order")
+from batchrun.models.layers import GEMV_ENV  # noqa: E402
+
+VARIANTS = (
+    "batchrun",
+    "no-overlap",
+    "no-graph",
+    "no-radix",
+    "flashinfer",
+    "gemv",
+    "hf",
+    "prefix-order",
+)
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000
 # BENCH.md targets: (workload, model) -> (figure, bound); W3 is ms per output token (lower is
 # better), the others output tok/s (higher is better)
@@ -207,6 +219,7 @@ def engine_config(args, model_dir: Path, variant: str):
         "no-graph": {"cuda_graph_max_bs": 0},
         "no-radix": {"enable_radix_cache": False},
         "flashinfer": {"attention_backend": "flashinfer"},
+        "gemv": {},  # BATCHRUN_GEMV=triton around the engine's life (main())
         "prefix-order": {},
     }[variant]
     return replace(cfg, **changes)
@@ -662,6 +675,11 @@ def main(argv=None) -> int:
                 skipped += [f"{model}/{w}/{variant}" for w in names]
                 continue
             target = None
+            # NOTE: the switch is read per call, and once at capture for the decode graphs, so it
+            # is set for the whole life of this variant's engine and cleared before the next
+            os.environ.pop(GEMV_ENV, None)
+            if variant == "gemv":
+                os.environ[GEMV_ENV] = "triton"
             try:
                 dev.sync()
                 t = time.perf_counter()
@@ -699,6 +717,7 @@ def main(argv=None) -> int:
                     res.status, res.note = "error", repr(e)[:200]
                 record(res)
             del target, probe
+            os.environ.pop(GEMV_ENV, None)
             dev.free()  # two 8b models never coexist
     text = write_report(args.out, env, results, args.variants, skipped)
     if skipped:
