@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
+from host_phases import PHASES, HostPhases  # noqa: E402
 
 from batchrun.models.layers import GEMV_ENV  # noqa: E402
 
@@ -297,6 +298,10 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
     run_engine_once(engine, warmup_prompts(wl, args.warmup_requests), args.warmup_tokens, dev, None)
     res.warmup_s = time.perf_counter() - t
     walls, last = [], None
+    # NOTE: no grammar phases: reaching engine.structured.backend would build a grammar backend
+    plain = [t for t in PHASES if not t[1].startswith("structured")]
+    phases = HostPhases(engine, plain) if args.phases else None
+    steps_at_start = engine.stats.num_steps
     for _ in range(args.repeats):
         if cache is not None:
             cache.reset()  # every timed run starts with a cold prefix cache
@@ -311,6 +316,13 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
         last = (wall, bad, done, ttfts, itls, before, fwd_before)
     wall, bad, done, ttfts, itls, before, fwd_before = last
     stats = engine.stats
+    if phases is not None:
+        phases.close()
+        took = phases.take(sum(walls), stats.num_steps - steps_at_start)
+        log(
+            f"  [{res.model} {wl.name} {res.variant}] main thread ms/step: "
+            + HostPhases.format(took)
+        )
     res.walls_s = walls
     res.wall_s = statistics.median(walls)
     res.num_requests = done
@@ -590,6 +602,11 @@ def parse_args(argv=None):
     p.add_argument("--hf-batch-size", type=int, default=256)
     p.add_argument("--hf-max-prompts", type=int, default=512, help="HF runs the first N prompts")
     p.add_argument("--hf-attn", default="eager", help="HF attn_implementation (BENCH.md: eager)")
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="time the engine's main-thread phases per step (scripts/host_phases.py); print them",
+    )
     p.add_argument("--no-latency-probe", action="store_true", help="no TTFT/ITL hook in batchrun")
     p.add_argument("--time-budget", type=float, default=None, help="seconds; skip runs after it")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-out"))

@@ -39,6 +39,7 @@ class MethodTimers:
     def __init__(self, root, targets):
         self.seconds: dict[str, float] = {label: 0.0 for label, _, _ in targets}
         self.calls: dict[str, int] = {label: 0 for label, _, _ in targets}
+        self._wrapped: list[tuple[object, str]] = []  # (owner, method name), for close()
         for label, path, name in targets:
             owner = root
             for part in filter(None, path.split(".")):
@@ -46,6 +47,14 @@ class MethodTimers:
             if owner is None:  # e.g. no grammar backend: the engine never saw a grammar
                 continue
             setattr(owner, name, self._timed(getattr(owner, name), label))
+            self._wrapped.append((owner, name))
+
+    def close(self) -> None:
+        """Take the timers off again (the instance attributes that shadow the methods)."""
+        for owner, name in self._wrapped:
+            if name in vars(owner):
+                delattr(owner, name)
+        self._wrapped = []
 
     def _timed(self, fn, label):
         seconds, calls = self.seconds, self.calls
