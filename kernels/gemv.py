@@ -82,14 +82,14 @@ def _gemv_kernel(
 
 
 def pick_config(m: int, n: int, k: int) -> GemvConfig:
-    """A starting point, to be replaced by what scripts/bench_gemv.py measures on the GPU:
-    enough programs to fill ~132 SMs twice over, splitting K where N alone does not."""
-    block_n = 64 if n >= 8192 else 32
-    programs = triton.cdiv(n, block_n)
-    split_k = 1
-    while programs * split_k < 256 and k // (split_k * 2) >= 512:
-        split_k *= 2
-    return GemvConfig(block_n=block_n, block_k=256, split_k=split_k)
+    """The best configs of scripts/bench_gemv.py on the H200 (M = 1 and 4, the matrices of
+    llama-1b and llama-8b; docs/benchmarks.md), as a rule: 64 columns per program for wide
+    matrices, 512-wide K tiles for narrow ones, and split-K only where N alone leaves the GPU
+    under-filled on a long K (llama-1b's down_proj, 2048 x 8192: 4 slices)."""
+    block_n = 64 if n >= 6144 else 32
+    block_k = 256 if n >= 8192 else 512
+    split_k = 4 if triton.cdiv(n, block_n) < 100 and k >= 8192 else 1
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k)
 
 
 def gemv(
@@ -103,6 +103,8 @@ def gemv(
     assert k == k_w and m <= MAX_M and x.stride(1) == 1 and w.stride(1) == 1
     assert x.dtype == w.dtype
     cfg = config or pick_config(m, n, k)
+    if x.dtype == torch.float32:  # 4-byte tiles: fit the shared memory (227 KB on the H200)
+        cfg = cfg._replace(block_k=min(cfg.block_k, 128), num_stages=min(cfg.num_stages, 2))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)
     # one slice: the result in x's dtype straight away; else fp32 planes, summed below

@@ -27,22 +27,29 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and not os.environ.get("BATCHRUN_NO_FUSED") and _has_triton()
 
 
-# NOTE: opt-in until scripts/bench_gemv.py shows on the GPU that kernels/gemv.py beats cuBLAS at
-# these shapes; then a per-shape choice replaces the switch
-GEMV_ENV = "BATCHRUN_GEMV"  # "triton": decode-sized matmuls (<= 16 rows) take kernels/gemv.py
+# NOTE: opt-in until the GPU shows the Triton decode matmuls (kernels/gemv.py, and
+# kernels/norm_gemv.py with the norms and the SwiGLU folded in) beat cuBLAS + separate kernels
+# end to end (scripts/bench_throughput.py --variants batchrun,gemv)
+GEMV_ENV = "BATCHRUN_GEMV"  # "triton": decode-sized matmuls (<= 16 rows) take the Triton kernels
+
+
+def use_decode_gemv(x: torch.Tensor) -> bool:
+    """Whether x (a [M, K] activation) takes the Triton decode matmuls: M <= 16, bf16 / fp16, on
+    CUDA, with BATCHRUN_GEMV=triton (read on every call, as use_fused_kernels; a decode graph
+    reads it once, at capture)."""
+    return (
+        x.dim() == 2
+        and x.shape[0] <= 16
+        and x.stride(-1) == 1
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and os.environ.get(GEMV_ENV) == "triton"
+        and use_fused_kernels(x)
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """F.linear, or kernels/gemv.py for a decode-sized x on CUDA when BATCHRUN_GEMV=triton
-    (read on every call, as use_fused_kernels; a decode graph reads it once, at capture)."""
-    if (
-        bias is None
-        and x.dim() == 2
-        and x.shape[0] <= 16
-        and x.stride(-1) == 1
-        and os.environ.get(GEMV_ENV) == "triton"
-        and use_fused_kernels(x)
-    ):
+    """F.linear, or kernels/gemv.py for a decode-sized x (use_decode_gemv)."""
+    if bias is None and use_decode_gemv(x):
         from batchrun.kernels.gemv import gemv
 
         return gemv(x, weight)

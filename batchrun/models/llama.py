@@ -18,7 +18,13 @@ from torch import nn
 
 from batchrun.attention.base import AttentionBackend
 from batchrun.models.config import ModelConfig
-from batchrun.models.layers import RMSNorm, RotaryEmbedding, linear, use_fused_kernels
+from batchrun.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    linear,
+    use_decode_gemv,
+    use_fused_kernels,
+)
 from batchrun.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from batchrun.parallel.partition import ShardSpec, TPPartition, partition_model
 from batchrun.parallel.state import TPGroup
@@ -63,7 +69,10 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, positions, rotary: RotaryEmbedding, backend: AttentionBackend):
-        qkv = self.qkv_proj(x)
+        return self.attend(self.qkv_proj(x), positions, rotary, backend)
+
+    def attend(self, qkv, positions, rotary: RotaryEmbedding, backend: AttentionBackend):
+        """Everything after the qkv projection: q/k norm, rotary, attention, o_proj."""
         # NOTE: q, k, v are strided views of qkv; rotary may rotate q and k in place, which is safe
         # because nothing reads qkv afterwards
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -123,13 +132,35 @@ class DecoderLayer(nn.Module):
         returns (hidden, residual) with out = hidden + residual, so each add fuses into the next
         norm. The first layer gets residual None and x = the embeddings.
         """
+        attn, mlp = self.self_attn, self.mlp
+        if (
+            use_decode_gemv(x)
+            and attn.qkv_proj.bias is None
+            and mlp.gate_up_proj.bias is None
+            and (residual is None or residual.stride(-1) == 1)
+        ):
+            return self._decode_forward(x, residual, positions, rotary, backend)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.forward_with_residual(x, residual)
-        x = self.self_attn(x, positions, rotary, backend)
+        x = attn(x, positions, rotary, backend)
         x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
-        return self.mlp(x), residual
+        return mlp(x), residual
+
+    def _decode_forward(self, x, residual, positions, rotary, backend):
+        """The same layer in 6 kernels instead of 11 (kernels/norm_gemv.py): each norm runs
+        inside the matmul after it, the SwiGLU inside gate_up's."""
+        from batchrun.kernels.norm_gemv import norm_gemv
+
+        attn, mlp = self.self_attn, self.mlp
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = norm_gemv(x, residual, norm_in.weight, norm_in.eps, attn.qkv_proj.weight)
+        x = attn.attend(qkv, positions, rotary, backend)
+        act, residual = norm_gemv(
+            x, residual, norm_post.weight, norm_post.eps, mlp.gate_up_proj.weight, swiglu=True
+        )
+        return mlp.down_proj(act), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -194,8 +225,13 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, batch.positions, self.rotary, backend)
         if batch.logits_indices is not None:
             x, residual = x[batch.logits_indices], residual[batch.logits_indices]
-        x, _ = self.norm.forward_with_residual(x, residual)
-        logits = linear(x, self.lm_head_weight)  # [S, vocab per rank]
+        if use_decode_gemv(x) and residual.stride(-1) == 1:
+            from batchrun.kernels.norm_gemv import norm_gemv
+
+            logits, _ = norm_gemv(x, residual, self.norm.weight, self.norm.eps, self.lm_head_weight)
+        else:
+            x, _ = self.norm.forward_with_residual(x, residual)
+            logits = linear(x, self.lm_head_weight)  # [S, vocab per rank]
         if self.tp.is_parallel:
             # every rank gets the full logits, so all sample the same tokens
             logits = self.tp.all_gather(logits)[:, : self.config.vocab_size]

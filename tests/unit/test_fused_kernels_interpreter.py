@@ -169,6 +169,36 @@ def _check_model_wiring(tmp_dir: Path) -> None:
                 layers.use_fused_kernels = llama.use_fused_kernels = use_fused
             rel = ((fused - ref).norm() / ref.norm()).item()
             assert rel <= 1e-5, (kind, rel)
+    _check_decode_gemv_wiring(tmp_dir)
+
+
+def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
+    """BATCHRUN_GEMV=triton: a forward of at most 16 tokens takes kernels/norm_gemv.py and
+    kernels/gemv.py for every matmul (fp16, the tiny llama) and gives the torch path's logits."""
+    import os
+
+    import batchrun.models.layers as layers
+    import batchrun.models.llama as llama
+    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.engine import Engine
+
+    from tiny_models import make_tiny_model, random_prompts
+
+    path = Path(tempfile.mkdtemp(dir=tmp_dir))
+    make_tiny_model("llama", path)
+    engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float16", kv_budget=512))
+    for prompt in random_prompts(3, seed=4, min_len=3, max_len=16):
+        ref = engine.score(prompt)
+        use_fused = layers.use_fused_kernels
+        layers.use_fused_kernels = llama.use_fused_kernels = lambda x: True
+        os.environ[layers.GEMV_ENV] = "triton"
+        try:
+            fused = engine.score(prompt)
+        finally:
+            layers.use_fused_kernels = llama.use_fused_kernels = use_fused
+            del os.environ[layers.GEMV_ENV]
+        rel = ((fused - ref).norm() / ref.norm()).item()
+        assert rel <= 5e-3, rel
 
 
 def _check_token_bitmask() -> None:
@@ -209,6 +239,38 @@ def _check_gemv() -> None:
             assert ((got.float() - ref).norm() / ref.norm()).item() <= tol, (dtype, m, n, k)
 
 
+def _check_norm_gemv() -> None:
+    """kernels/norm_gemv.py (fp16) vs the unfused torch path: residual add, RMSNorm, x @ w.T and
+    the SwiGLU; with and without a residual, ragged K, split-K."""
+    import torch.nn.functional as F
+
+    from batchrun.kernels.gemv import GemvConfig
+    from batchrun.kernels.norm_gemv import norm_gemv
+    from batchrun.models.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(7)
+    dtype = torch.float16
+    cases = [(1, 96, 300, None, False), (4, 64, 256, GemvConfig(32, 64, 2), False),
+             (16, 40, 130, GemvConfig(16, 64, 1), True), (2, 64, 512, None, True)]  # fmt: skip
+    for m, n, k, cfg, swiglu in cases:
+        norm = RMSNorm(k, 1e-5, dtype, "cpu")
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(k, generator=gen))
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        w = (torch.randn(2 * n if swiglu else n, k, generator=gen) * 0.1).to(dtype)
+        for residual in (None, torch.randn(m, k, generator=gen).to(dtype)):
+            want_res = x if residual is None else x + residual
+            y = F.linear(norm(want_res).float(), w.float())
+            if swiglu:
+                gate, up = y.to(dtype).float().chunk(2, dim=-1)
+                y = F.silu(gate).to(dtype).float() * up
+            got, got_res = norm_gemv(x, residual, norm.weight, 1e-5, w, swiglu=swiglu, config=cfg)
+            assert torch.equal(got_res, want_res), (m, n, k)
+            assert got.shape == (m, n) and got.dtype == dtype
+            rel = ((got.float() - y).norm() / y.norm()).item()
+            assert rel <= 2e-3, (m, n, k, swiglu, residual is None, rel)
+
+
 def _check_masked_argmax() -> None:
     """token_bitmask.masked_argmax vs the mask kernel + argmax: unmasked rows, ties, a row with
     nothing allowed, a vocabulary longer than one block."""
@@ -239,6 +301,7 @@ def _run_checks() -> None:
     _check_token_bitmask()
     _check_masked_argmax()
     _check_gemv()
+    _check_norm_gemv()
     with tempfile.TemporaryDirectory() as tmp_dir:
         _check_model_wiring(Path(tmp_dir))
     print("ok")
