@@ -23,6 +23,7 @@ import torch
 from batchrun.engine.params import SamplingParams
 from batchrun.engine.penalties import PenaltyState, apply_penalties, to_device
 from batchrun.engine.staging import PinnedStaging
+from batchrun.models.layers import use_fused_kernels
 
 _M32 = 0xFFFFFFFF
 # murmur3 fmix32 constants, shifted into (-2**31, 0) so that x * c with x < 2**32 never leaves the
@@ -248,6 +249,21 @@ class SampleOutput(NamedTuple):
     top_logprob_vals: torch.Tensor | None  # [B, K] fp32
 
 
+# above this many rows torch's argmax has a block per row and is fast enough
+ARGMAX_MAX_ROWS = 16
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1); for a few rows on CUDA kernels/argmax.py, which spreads each row over
+    the GPU (torch gives a row one block: 35.7 µs for a 128k vocabulary on the H200, against a
+    decode step of ~1 ms at batch 1). The same ids: ties go to the lowest."""
+    if logits.dim() == 2 and logits.shape[0] <= ARGMAX_MAX_ROWS and use_fused_kernels(logits):
+        from batchrun.kernels.argmax import argmax
+
+        return argmax(logits)
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     """Stateless apart from a cache of the per-token hash for each (vocab size, device)."""
 
@@ -267,7 +283,7 @@ class Sampler:
         if batch.is_plain_greedy:
             # the argmax of the logits as they come (bf16 on the GPU: the same ids as in fp32,
             # and half the bytes to read)
-            return SampleOutput(logits.argmax(dim=-1), None, None, None)
+            return SampleOutput(greedy_ids(logits), None, None, None)
         logits = logits.float()  # [B, V]; may alias the caller's tensor: no in-place edits
         num_rows, vocab_size = logits.shape
 
@@ -295,7 +311,7 @@ class Sampler:
             logits = logits.flatten().index_fill(0, flat, float("-inf")).view(num_rows, -1)
 
         if batch.all_greedy:
-            next_ids = logits.argmax(dim=-1)
+            next_ids = greedy_ids(logits)
         else:
             next_ids = self._sample(logits, batch)
             if batch.any_greedy:

@@ -47,9 +47,16 @@ def use_decode_gemv(x: torch.Tensor) -> bool:
     )
 
 
+# NOTE: where kernels/gemv.py beat cuBLAS on the H200 (scripts/bench_gemv.py, M = 1): llama-8b's
+# o_proj 4096 x 4096 11.2 vs 13.1 µs and down_proj 4096 x 14336 30.2 vs 31.2; on llama-1b's
+# smaller matrices cuBLAS was as fast or faster (o 6.0 vs 6.0, down 14.2 vs 13.9)
+GEMV_MIN_DIM = 4096
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """F.linear, or kernels/gemv.py for a decode-sized x (use_decode_gemv)."""
-    if bias is None and use_decode_gemv(x):
+    """F.linear, or kernels/gemv.py for a decode-sized x (use_decode_gemv) and a weight whose
+    sides are both >= GEMV_MIN_DIM."""
+    if bias is None and min(weight.shape) >= GEMV_MIN_DIM and use_decode_gemv(x):
         from batchrun.kernels.gemv import gemv
 
         return gemv(x, weight)

@@ -247,3 +247,18 @@ def test_model_logits_fused_vs_torch(tiny_dir, dtype, tol, monkeypatch):
         ref = engine.score(prompt)
         rel = ((fused - ref).norm() / ref.norm()).item()
         assert rel <= tol, f"relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("vocab", [128256, 49152, 32000, 1000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_kernel_matches_torch(rows, vocab, dtype):
+    """kernels/argmax.py (the sampler's greedy ids for <= 16 rows): torch's ids, ties included
+    (bf16 logits of a random model have many)."""
+    from batchrun.kernels.argmax import argmax
+
+    g = torch.Generator(device="cuda").manual_seed(rows + vocab)
+    logits = (torch.randn(rows, vocab, device="cuda", generator=g) * 4).round().to(dtype)
+    assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+    strided = torch.randn(rows, vocab + 64, device="cuda", generator=g).to(dtype)[:, :vocab]
+    assert torch.equal(argmax(strided), strided.argmax(dim=-1))

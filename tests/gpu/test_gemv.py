@@ -4,6 +4,7 @@ split-K on and off, every output element written; and the engine with BATCHRUN_G
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -58,19 +59,22 @@ def test_gemv_under_graph_capture_and_deterministic():
 
 def test_linear_takes_the_kernel_only_when_asked(monkeypatch):
     """models.layers.linear: F.linear by default; with BATCHRUN_GEMV=triton, kernels/gemv.py
-    for inputs of at most 16 rows (decode), F.linear above."""
+    for inputs of at most 16 rows (decode) and weights with both sides >= GEMV_MIN_DIM (where
+    it beat cuBLAS), F.linear otherwise."""
     from batchrun.kernels.gemv import gemv
 
-    from batchrun.models.layers import GEMV_ENV, linear
+    from batchrun.models.layers import GEMV_ENV, GEMV_MIN_DIM, linear
 
-    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
-    small = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
-    large = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(GEMV_MIN_DIM, GEMV_MIN_DIM, device="cuda", dtype=torch.bfloat16) * 0.05
+    narrow = torch.randn(512, GEMV_MIN_DIM, device="cuda", dtype=torch.bfloat16)
+    small = torch.randn(4, GEMV_MIN_DIM, device="cuda", dtype=torch.bfloat16)
+    large = torch.randn(64, GEMV_MIN_DIM, device="cuda", dtype=torch.bfloat16)
     monkeypatch.delenv(GEMV_ENV, raising=False)
     assert torch.equal(linear(small, w), F.linear(small, w))
     monkeypatch.setenv(GEMV_ENV, "triton")
     assert torch.equal(linear(small, w), gemv(small, w))
     assert torch.equal(linear(large, w), F.linear(large, w))
+    assert torch.equal(linear(small, narrow), F.linear(small, narrow))
 
 
 NORM_SHAPES = [(3072, 2048), (6144, 4096), (100, 300)]  # (N, K) of a qkv; swiglu: N = 2I
@@ -155,13 +159,21 @@ def test_engine_with_decode_gemv(kind, tmp_path, monkeypatch):
             monkeypatch.setenv(GEMV_ENV, "triton")
         else:
             monkeypatch.delenv(GEMV_ENV, raising=False)
-        engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="bfloat16"))
-        prompts = random_prompts(6, seed=2, min_len=4, max_len=16)
-        scores = [engine.score(p) for p in prompts]
-        params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-        reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
-        outs = {r.rid: r.output_ids for r in engine.generate(reqs)}
-        return scores, [outs[str(i)] for i in range(len(prompts))]
+        # NOTE: a small KV pool: by default an engine takes most of the GPU's free memory, and
+        # the tests after this one need some
+        config = EngineConfig(model=str(tmp_path), device="cuda", dtype="bfloat16", kv_budget=8192)
+        engine = Engine(config)
+        try:
+            prompts = random_prompts(6, seed=2, min_len=4, max_len=16)
+            scores = [engine.score(p) for p in prompts]
+            params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+            reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
+            outs = {r.rid: r.output_ids for r in engine.generate(reqs)}
+            return scores, [outs[str(i)] for i in range(len(prompts))]
+        finally:
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
 
     ref_scores, ref_tokens = run(False)
     scores, tokens = run(True)

@@ -177,12 +177,12 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
     kernels/gemv.py for every matmul (fp16, the tiny llama) and gives the torch path's logits."""
     import os
 
+    from tiny_models import make_tiny_model, random_prompts
+
     import batchrun.models.layers as layers
     import batchrun.models.llama as llama
     from batchrun.engine.config import EngineConfig
     from batchrun.engine.engine import Engine
-
-    from tiny_models import make_tiny_model, random_prompts
 
     path = Path(tempfile.mkdtemp(dir=tmp_dir))
     make_tiny_model("llama", path)
@@ -243,9 +243,9 @@ def _check_norm_gemv() -> None:
     """kernels/norm_gemv.py (fp16) vs the unfused torch path: residual add, RMSNorm, x @ w.T and
     the SwiGLU; with and without a residual, ragged K, split-K."""
     import torch.nn.functional as F
-
     from batchrun.kernels.gemv import GemvConfig
     from batchrun.kernels.norm_gemv import norm_gemv
+
     from batchrun.models.layers import RMSNorm
 
     gen = torch.Generator().manual_seed(7)
@@ -269,6 +269,21 @@ def _check_norm_gemv() -> None:
             assert got.shape == (m, n) and got.dtype == dtype
             rel = ((got.float() - y).norm() / y.norm()).item()
             assert rel <= 2e-3, (m, n, k, swiglu, residual is None, rel)
+
+
+def _check_argmax() -> None:
+    """kernels/argmax.py vs torch's argmax: ties across and within chunks go to the lowest id,
+    a vocabulary that is not a multiple of the chunk, a row of -inf."""
+    from batchrun.kernels.argmax import CHUNK, argmax
+
+    gen = torch.Generator().manual_seed(8)
+    for vocab in (5000, CHUNK, 3 * CHUNK + 7, 100):
+        for dtype in (torch.float32, torch.float16):
+            logits = (torch.randn(5, vocab, generator=gen) * 2).round().to(dtype)  # many ties
+            logits[1, :] = float("-inf")
+            logits[2, vocab - 1] = 50.0  # the max in the last, partial chunk
+            got = argmax(logits)
+            assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1)), vocab
 
 
 def _check_masked_argmax() -> None:
@@ -300,6 +315,7 @@ def _run_checks() -> None:
         _check_store_kv(dtype)
     _check_token_bitmask()
     _check_masked_argmax()
+    _check_argmax()
     _check_gemv()
     _check_norm_gemv()
     with tempfile.TemporaryDirectory() as tmp_dir:
