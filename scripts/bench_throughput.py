@@ -12,8 +12,9 @@ for CPU smoke tests). Workloads as BENCH.md defines them (W1 random, W2 shared p
 request; W2L: W2-large, whose distinct prefix tokens exceed a capped KV pool). Variants:
 batchrun (overlap + CUDA graphs), no-overlap, no-graph, no-radix, flashinfer (batchrun with the
 FlashInfer attention backend), gemv (batchrun with BATCHRUN_GEMV=triton: kernels/gemv.py for the
-decode matmuls), hf, and prefix-order (batchrun fed in batchrun.order's DFS order,
-ordering timed; every other variant takes the prompts in their given, shuffled, input order).
+large decode matmuls), fused-gemv (BATCHRUN_GEMV=fused: also kernels/norm_gemv.py), hf, and
+prefix-order (batchrun fed in batchrun.order's DFS order, ordering timed; every other variant
+takes the prompts in their given, shuffled, input order).
 
 Each engine is built once per (model, variant) (start-up reported apart), warmed up on each
 workload's shape outside the timed region, and timed on `engine.generate(requests)` between
@@ -221,6 +222,7 @@ def engine_config(args, model_dir: Path, variant: str):
         "no-radix": {"enable_radix_cache": False},
         "flashinfer": {"attention_backend": "flashinfer"},
         "gemv": {},  # BATCHRUN_GEMV=triton around the engine's life (main())
+        "fused-gemv": {},  # BATCHRUN_GEMV=fused
         "prefix-order": {},
     }[variant]
     return replace(cfg, **changes)
@@ -695,8 +697,8 @@ def main(argv=None) -> int:
             # NOTE: the switch is read per call, and once at capture for the decode graphs, so it
             # is set for the whole life of this variant's engine and cleared before the next
             os.environ.pop(GEMV_ENV, None)
-            if variant == "gemv":
-                os.environ[GEMV_ENV] = "triton"
+            if variant in ("gemv", "fused-gemv"):
+                os.environ[GEMV_ENV] = "triton" if variant == "gemv" else "fused"
             try:
                 dev.sync()
                 t = time.perf_counter()

@@ -27,24 +27,29 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and not os.environ.get("BATCHRUN_NO_FUSED") and _has_triton()
 
 
-# NOTE: opt-in until the GPU shows the Triton decode matmuls (kernels/gemv.py, and
-# kernels/norm_gemv.py with the norms and the SwiGLU folded in) beat cuBLAS + separate kernels
-# end to end (scripts/bench_throughput.py --variants batchrun,gemv)
-GEMV_ENV = "BATCHRUN_GEMV"  # "triton": decode-sized matmuls (<= 16 rows) take the Triton kernels
+# NOTE: opt-in, measured on the H200 (docs/benchmarks.md): "triton" sends the decode matmuls
+# of large matrices to kernels/gemv.py; "fused" also runs each decoder layer's norms and SwiGLU
+# inside its matmuls (kernels/norm_gemv.py). Read on every call, as use_fused_kernels; a decode
+# graph reads it once, at capture.
+GEMV_ENV = "BATCHRUN_GEMV"
 
 
 def use_decode_gemv(x: torch.Tensor) -> bool:
-    """Whether x (a [M, K] activation) takes the Triton decode matmuls: M <= 16, bf16 / fp16, on
-    CUDA, with BATCHRUN_GEMV=triton (read on every call, as use_fused_kernels; a decode graph
-    reads it once, at capture)."""
+    """Whether x (a [M, K] activation) may take the Triton decode matmuls: M <= 16, bf16 / fp16,
+    on CUDA, with BATCHRUN_GEMV=triton or fused."""
     return (
         x.dim() == 2
         and x.shape[0] <= 16
         and x.stride(-1) == 1
         and x.dtype in (torch.float16, torch.bfloat16)
-        and os.environ.get(GEMV_ENV) == "triton"
+        and os.environ.get(GEMV_ENV) in ("triton", "fused")
         and use_fused_kernels(x)
     )
+
+
+def use_fused_decode(x: torch.Tensor) -> bool:
+    """use_decode_gemv, and BATCHRUN_GEMV=fused: norm + matmul (+ SwiGLU) in one kernel."""
+    return os.environ.get(GEMV_ENV) == "fused" and use_decode_gemv(x)
 
 
 # NOTE: where kernels/gemv.py beat cuBLAS on the H200 (scripts/bench_gemv.py, M = 1): llama-8b's

@@ -22,7 +22,7 @@ from batchrun.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     linear,
-    use_decode_gemv,
+    use_fused_decode,
     use_fused_kernels,
 )
 from batchrun.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -134,7 +134,7 @@ class DecoderLayer(nn.Module):
         """
         attn, mlp = self.self_attn, self.mlp
         if (
-            use_decode_gemv(x)
+            use_fused_decode(x)
             and attn.qkv_proj.bias is None
             and mlp.gate_up_proj.bias is None
             and (residual is None or residual.stride(-1) == 1)
@@ -225,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, batch.positions, self.rotary, backend)
         if batch.logits_indices is not None:
             x, residual = x[batch.logits_indices], residual[batch.logits_indices]
-        if use_decode_gemv(x) and residual.stride(-1) == 1:
+        if use_fused_decode(x) and residual.stride(-1) == 1:
             from batchrun.kernels.norm_gemv import norm_gemv
 
             logits, _ = norm_gemv(x, residual, self.norm.weight, self.norm.eps, self.lm_head_weight)

@@ -1,6 +1,6 @@
 """kernels/gemv.py against F.linear and kernels/norm_gemv.py against the unfused kernels on the
 GPU: the decode shapes of the benchmark models, M from 1 to 16, bf16 / fp16 (gemv: fp32 too),
-split-K on and off, every output element written; and the engine with BATCHRUN_GEMV=triton."""
+split-K on and off, every output element written; and the engine with BATCHRUN_GEMV=fused."""
 
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def test_norm_gemv_under_graph_capture():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_engine_with_decode_gemv(kind, tmp_path, monkeypatch):
-    """BATCHRUN_GEMV=triton end to end: prompts of at most 16 tokens score like the default
+    """BATCHRUN_GEMV=fused end to end: prompts of at most 16 tokens score like the default
     path (bf16 tolerance), and a greedy batch decodes through CUDA graphs captured with the
     Triton decode kernels, mostly to the same tokens (bf16 near-ties on random weights may
     flip a token; after that the rest differs)."""
@@ -156,7 +156,7 @@ def test_engine_with_decode_gemv(kind, tmp_path, monkeypatch):
 
     def run(on: bool):
         if on:
-            monkeypatch.setenv(GEMV_ENV, "triton")
+            monkeypatch.setenv(GEMV_ENV, "fused")
         else:
             monkeypatch.delenv(GEMV_ENV, raising=False)
         # NOTE: a small KV pool: by default an engine takes most of the GPU's free memory, and

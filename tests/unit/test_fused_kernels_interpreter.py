@@ -173,8 +173,8 @@ def _check_model_wiring(tmp_dir: Path) -> None:
 
 
 def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
-    """BATCHRUN_GEMV=triton: a forward of at most 16 tokens takes kernels/norm_gemv.py and
-    kernels/gemv.py for every matmul (fp16, the tiny llama) and gives the torch path's logits."""
+    """BATCHRUN_GEMV=fused: a forward of at most 16 tokens takes kernels/norm_gemv.py for its
+    norm + matmul pairs (fp16, the tiny llama) and gives the torch path's logits."""
     import os
 
     from tiny_models import make_tiny_model, random_prompts
@@ -191,7 +191,7 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
         ref = engine.score(prompt)
         use_fused = layers.use_fused_kernels
         layers.use_fused_kernels = llama.use_fused_kernels = lambda x: True
-        os.environ[layers.GEMV_ENV] = "triton"
+        os.environ[layers.GEMV_ENV] = "fused"
         try:
             fused = engine.score(prompt)
         finally:
