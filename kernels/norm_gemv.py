@@ -15,11 +15,11 @@ input tiles (x + residual: a few KB from L2 at decode sizes), the rows' sums of 
 rows' 1 / rms scales the fp32 sums after the dot (rmsnorm(s) * g @ w.T = (s * g @ w.T) / rms(s)).
 A first pass for the norm cost more than the separate norm kernel it replaced (H200, llama-1b
 W3: 1.31 against 1.17 ms per token). x + residual goes to a new tensor (programs still read the
-old one), each K tile by one program. Numerics: the sum rounded to the activation
-dtype as torch's `x + residual` (bit-exact residual stream); the product s * g rounded to the
-dtype for the tensor cores, where the unfused path rounds the normalized row first: a
-different rounding, not bit-identical, and so is the fp32 accumulation order against cuBLAS.
-The SwiGLU rounds gate and up to the dtype first, as the [T, 2I] GEMV output would be. No
+old one), each K tile by one program, before the matmul loop. Numerics: the sum rounded to the
+activation dtype as torch's `x + residual` (bit-exact residual stream); the product s * g
+rounded to the dtype for the tensor cores, where the unfused path rounds the normalized row
+first: a different rounding, not bit-identical, and so is the fp32 accumulation order against
+cuBLAS. The SwiGLU rounds gate and up to the dtype first, as the [T, 2I] GEMV output would be. No
 split-K: every program needs whole rows for their 1 / rms.
 """
 
@@ -64,11 +64,19 @@ def _norm_gemv_kernel(
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     # NOTE: the rows' sums of squares come from the tensor cores (the diagonal of s @ s.T, exact
-    # products of the rounded sum, fp32 sums), and the residual is stored under a mask, not a
-    # branch: versions with a reduction across the tile, or an `if`, in the loop body ran 3x
-    # slower than the plain GEMV on the H200 (triton 3.6)
+    # products of the rounded sum, fp32 sums)
     sq = tl.zeros([16, 16], dtype=tl.float32)
-    num_programs = tl.num_programs(0)
+    if HAS_RES:
+        # x + residual to its new tensor, each K tile by one program (round robin), before the
+        # matmul loop: a store inside that loop stopped its loads being prefetched (they might
+        # alias it), and the kernel ran 4x slower than the plain GEMV
+        for k0 in range(pid_n * BLOCK_K, K, tl.num_programs(0) * BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask = in_m[:, None] & (offs_k < K)[None, :]
+            s = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+            r = tl.load(R + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mask, other=0.0)
+            s = (s.to(tl.float32) + r.to(tl.float32)).to(dtype)
+            tl.store(RES + offs_m[:, None] * stride_resm + offs_k[None, :], s, mask=mask)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         in_k = offs_k < K
@@ -77,15 +85,10 @@ def _norm_gemv_kernel(
         if HAS_RES:
             r = tl.load(R + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mask, other=0.0)
             s = (s.to(tl.float32) + r.to(tl.float32)).to(dtype)
-            # each K tile of x + residual is stored by one program, round robin
-            mine = ((offs_k // BLOCK_K) % num_programs) == pid_n
-            res_ptr = RES + offs_m[:, None] * stride_resm + offs_k[None, :]
-            tl.store(res_ptr, s, mask=mask & mine[None, :])
         sq = tl.dot(s, tl.trans(s), sq)
         g = tl.load(G + offs_k, mask=in_k, other=0.0).to(tl.float32)
-        a = (s.to(tl.float32) * g[None, :]).to(
-            dtype
-        )  # [16, BLOCK_K]; the row's 1 / rms comes after the dot
+        # [16, BLOCK_K]; the row's 1 / rms comes after the dot
+        a = (s.to(tl.float32) * g[None, :]).to(dtype)
         w_mask = in_n[:, None] & in_k[None, :]
         w = tl.load(W + w_rows + offs_k[None, :], mask=w_mask, other=0.0)
         acc = tl.dot(a, tl.trans(w), acc)

@@ -57,6 +57,7 @@ VARIANTS = (
     "no-radix",
     "flashinfer",
     "gemv",
+    "fused-gemv",
     "hf",
     "prefix-order",
 )
