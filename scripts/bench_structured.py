@@ -27,7 +27,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -102,32 +101,6 @@ class HostClock:
         return out
 
 
-def pin_main_thread() -> str:
-    """The calling (main) thread on the first CPU it may use, every other thread of the process
-    on the rest but that CPU's SMT siblings (threads started later inherit their starter's set:
-    the fill job's C++ threads start from the fill thread). Linux only; bench-only."""
-    main = threading.get_native_id()
-    cpus = sorted(os.sched_getaffinity(0))
-    cpu = cpus[0]
-    siblings_file = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-    siblings = {cpu}
-    if siblings_file.exists():
-        for part in siblings_file.read_text().strip().split(","):
-            lo, _, hi = part.partition("-")
-            siblings.update(range(int(lo), int(hi or lo) + 1))
-    others = set(cpus) - siblings
-    tids = [int(t) for t in os.listdir("/proc/self/task")]
-    for tid in tids:
-        try:
-            os.sched_setaffinity(tid, {cpu} if tid == main else others)
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return (
-        f"pinned: main thread on CPU {cpu} (core siblings {sorted(siblings)}), "
-        f"{len(tids) - 1} other threads on {len(others)} CPUs"
-    )
-
-
 def run_once(engine, prompts, params, sync, phases: HostPhases | None = None) -> dict:
     from batchrun.engine.params import GenerateRequest
 
@@ -181,12 +154,6 @@ def main(argv=None) -> int:
     p.add_argument(
         "--phases", action="store_true",
         help="time the main thread's phases per step (scripts/host_phases.py) and print them",
-    )  # fmt: skip
-    p.add_argument(
-        "--pin-main", action="store_true",
-        help="after the warm-up, pin the main thread to one CPU and every other thread of the "
-        "process off that CPU's core (its SMT siblings too): does the grammar work slow the step "
-        "loop by sharing its core?",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-out"))
     args = p.parse_args(argv)
@@ -250,8 +217,6 @@ def main(argv=None) -> int:
         for params in (free, constrained):
             run_once(engine, warm, msgspec.structs.replace(params, max_new_tokens=16), sync)
         warmup = time.perf_counter() - t
-        if args.pin_main:
-            print(pin_main_thread(), flush=True)
         clock = HostClock(engine)
         phases = HostPhases(engine) if args.phases else None
         if phases:
