@@ -22,6 +22,12 @@ PHASES = (
     ("sampling_build", "", "_sampling_batch"),
     ("stage_forward", "runner", "stage_forward"),
     ("run_forward", "runner", "run_forward"),
+    # inside run_forward: the queued table writes, a decode graph's replay (its input copies,
+    # the attention metadata copies and the launch) and an eager forward
+    ("table_apply", "runner.req_pool", "apply"),
+    ("graph_replay", "runner.graphs", "replay"),
+    ("graph_inputs", "runner.graphs.backend", "load_graph_inputs"),
+    ("eager_forward", "runner.model", "forward"),
     ("launch_sample", "runner", "launch_sample"),
     ("mask_apply", "structured.backend", "apply"),
     ("process", "", "_process"),
