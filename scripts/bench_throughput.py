@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
-from host_phases import PHASES, HostPhases  # noqa: E402
+from host_phases import HostPhases  # noqa: E402
 
 from batchrun.models.layers import GEMV_ENV  # noqa: E402
 
@@ -301,9 +301,7 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
     run_engine_once(engine, warmup_prompts(wl, args.warmup_requests), args.warmup_tokens, dev, None)
     res.warmup_s = time.perf_counter() - t
     walls, last = [], None
-    # NOTE: no grammar phases: reaching engine.structured.backend would build a grammar backend
-    plain = [t for t in PHASES if not t[1].startswith("structured")]
-    phases = HostPhases(engine, plain) if args.phases else None
+    phases = HostPhases(engine) if args.phases else None
     steps_at_start = engine.stats.num_steps
     for _ in range(args.repeats):
         if cache is not None:

@@ -38,6 +38,17 @@ PHASES = (
 )
 
 
+def _existing(owner, name: str):
+    """owner.name, or None; a lazy property (`name` backed by `_name`, e.g. the engine's grammar
+    backend) that was not built yet stays unbuilt: timing must not create it."""
+    if owner is None:
+        return None
+    if isinstance(getattr(type(owner), name, None), property) and hasattr(owner, f"_{name}"):
+        if getattr(owner, f"_{name}") is None:
+            return None
+    return getattr(owner, name, None)
+
+
 class MethodTimers:
     """Wraps methods under an object with timers: seconds and calls per label. targets:
     (label, attribute path under root, method name); a path that leads nowhere is skipped."""
@@ -49,7 +60,7 @@ class MethodTimers:
         for label, path, name in targets:
             owner = root
             for part in filter(None, path.split(".")):
-                owner = getattr(owner, part, None)
+                owner = _existing(owner, part)
             if owner is None:  # e.g. no grammar backend: the engine never saw a grammar
                 continue
             setattr(owner, name, self._timed(getattr(owner, name), label))
