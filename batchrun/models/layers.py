@@ -49,7 +49,9 @@ def use_decode_gemv(x: torch.Tensor) -> bool:
 
 def use_fused_decode(x: torch.Tensor) -> bool:
     """use_decode_gemv, and BATCHRUN_GEMV=fused: norm + matmul (+ SwiGLU) in one kernel."""
-    return os.environ.get(GEMV_ENV) == "fused" and use_decode_gemv(x)
+    # NOTE: the shape checks first: every decoder layer of every forward asks (a prefill is
+    # turned away before any environment lookup)
+    return use_decode_gemv(x) and os.environ.get(GEMV_ENV) == "fused"
 
 
 # NOTE: where kernels/gemv.py beat cuBLAS on the H200 (scripts/bench_gemv.py, M = 1): llama-8b's
