@@ -215,6 +215,7 @@ def engine_config(args, model_dir: Path, variant: str):
         kv_budget=args.kv_budget,
         overlap=True,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        chunked_prefill_size=args.chunked_prefill_size,
     )
     changes = {
         "batchrun": {},
@@ -597,6 +598,7 @@ def parse_args(argv=None):
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    p.add_argument("--chunked-prefill-size", type=int, default=4096, help="prefill tokens a step")
     p.add_argument("--kv-budget", type=int, default=None, help="KV tokens; default from memory")
     p.add_argument("--warmup-requests", type=int, default=32)
     p.add_argument("--warmup-tokens", type=int, default=8)
