@@ -20,6 +20,7 @@ shown. Prints a markdown row for BENCH.md and writes the figures as JSON under -
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -101,6 +102,16 @@ class HostClock:
         return out
 
 
+def gate_stats(before, after) -> dict:
+    """The device's time at the host gate and in the bitmask copy, per gated step."""
+    n = max(after.num_gated_steps - before.num_gated_steps, 1)
+    return {
+        "gated_steps": after.num_gated_steps - before.num_gated_steps,
+        "gate_wait_ms_per_step": 1e3 * (after.gate_wait_time - before.gate_wait_time) / n,
+        "mask_copy_ms_per_step": 1e3 * (after.mask_copy_time - before.mask_copy_time) / n,
+    }
+
+
 def run_once(engine, prompts, params, sync, phases: HostPhases | None = None) -> dict:
     from batchrun.engine.params import GenerateRequest
 
@@ -146,6 +157,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--fill-threads", type=int, default=None,
         help="C++ threads of the bitmask fill (default: batchrun's FILL_THREADS)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fill", default=None,
+        help="bitmask fill settings THREADSxSHARDS, comma-separated (e.g. 4x1,1x2): each "
+        "repeat runs the JSON schema once per setting, after one unconstrained run",
     )  # fmt: skip
     p.add_argument(
         "--switch-interval-ms", type=float, default=None,
@@ -221,44 +237,60 @@ def main(argv=None) -> int:
         phases = HostPhases(engine) if args.phases else None
         if phases:
             phases.take(1.0, 1)  # drop the warm-up's share
-        runs: dict[str, list[dict]] = {"free": [], "json_schema": []}
+        backend = engine.grammar
+        default_fill = f"{backend.fill_threads}x{backend.fill_shards}"
+        settings = args.fill.split(",") if args.fill else [default_fill]
+        runs: dict[str, list[dict]] = {"free": []}
+        runs.update({f"json_schema {s}": [] for s in settings})
         for _ in range(args.repeats):
-            for name, params in (("free", free), ("json_schema", constrained)):
+            plan = [("free", free, None)] + [(f"json_schema {s}", constrained, s) for s in settings]
+            for name, params, setting in plan:
+                if setting is not None:
+                    threads, shards = (int(x) for x in setting.split("x"))
+                    backend.set_fill_parallelism(threads, shards)
                 engine.kv.cache.reset()  # a cold prefix cache for every timed run
+                stats0 = copy.copy(engine.stats)
                 res = run_once(engine, prompts, params, sync, phases)
                 res.update(clock.take())
+                res.update(gate_stats(stats0, engine.stats))
                 runs[name].append(res)
                 print(
-                    f"{name:12s} {res['tok_s']:10,.0f} out tok/s  {res['output_tokens']:,} "
+                    f"{name:18s} {res['tok_s']:10,.0f} out tok/s  {res['output_tokens']:,} "
                     f"tokens in {res['wall_s']:.2f} s  {res['ms_per_step']:.2f} ms/step (grammar "
                     f"work per step on the fill thread: accept {res['accept_ms_per_step']:.2f} ms, "
                     f"fill {res['fill_ms_per_step']:.2f} ms; main thread waited for it "
-                    f"{res['fill_wait_ms_per_step'] + res['gated_wait_ms_per_step']:.2f} ms)  "
-                    f"finish {dict(res['finish'])}",
+                    f"{res['fill_wait_ms_per_step'] + res['gated_wait_ms_per_step']:.2f} ms; "
+                    f"device waited at the gate {res['gate_wait_ms_per_step']:.3f} ms, mask copy "
+                    f"{res['mask_copy_ms_per_step']:.3f} ms)  finish {dict(res['finish'])}",
                     flush=True,
                 )
                 if phases:
                     print(f"  main thread ms/step: {HostPhases.format(res['phases_ms_per_step'])}")
 
     free_tok_s = statistics.median(r["tok_s"] for r in runs["free"])
-    json_tok_s = statistics.median(r["tok_s"] for r in runs["json_schema"])
-    overhead = 100.0 * (free_tok_s - json_tok_s) / free_tok_s
     device = torch.cuda.get_device_name() if is_cuda else "cpu"
     print(f"\nmodel {args.model} on {device}; start-up {startup:.1f} s, warm-up {warmup:.1f} s")
-    print("| workload | unconstrained, output tok/s | JSON schema, output tok/s | overhead |")
-    print("|---|---|---|---|")
     print(
-        f"| W4, {args.model}, {args.num_prompts} x {args.prompt_len} in, {args.output_len} out "
-        f"| {free_tok_s:,.0f} | {json_tok_s:,.0f} | {overhead:.1f} % (target <= 10 %) |"
+        "| workload | fill threads x shards | unconstrained, output tok/s "
+        "| JSON schema, output tok/s | overhead |"
     )
+    print("|---|---|---|---|---|")
+    overheads = {}
+    for setting in settings:
+        json_tok_s = statistics.median(r["tok_s"] for r in runs[f"json_schema {setting}"])
+        overhead = overheads[setting] = 100.0 * (free_tok_s - json_tok_s) / free_tok_s
+        print(
+            f"| W4, {args.model}, {args.num_prompts} x {args.prompt_len} in, {args.output_len} "
+            f"out | {setting} | {free_tok_s:,.0f} | {json_tok_s:,.0f} | {overhead:.1f} % "
+            "(target <= 10 %) |"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "model": args.model,
         "device": device,
         "args": {k: str(v) for k, v in vars(args).items()},
         "free_tok_s": free_tok_s,
-        "json_schema_tok_s": json_tok_s,
-        "overhead_pct": overhead,
+        "overhead_pct": overheads,
         "runs": {k: [{**r, "finish": dict(r["finish"])} for r in v] for k, v in runs.items()},
     }
     (args.out / "bench_structured.json").write_text(json.dumps(report, indent=2) + "\n")

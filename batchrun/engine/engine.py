@@ -45,6 +45,11 @@ class EngineStats:
     num_steps: int = 0
     num_forward_tokens: int = 0
     forward_time: float = 0.0
+    # grammar steps sampled behind a host gate (CUDA with overlap): the device's seconds waiting
+    # at the gate for the fill job, and copying the bitmask after it
+    num_gated_steps: int = 0
+    gate_wait_time: float = 0.0
+    mask_copy_time: float = 0.0
 
     @property
     def cached_fraction(self) -> float:
@@ -58,6 +63,7 @@ class _Launched(NamedTuple):
     sampling: SamplingBatch | None = None  # set while the handle is a ForwardHandle
     fill: Future | None = None  # a gated step's fill job (on the fill thread)
     gate: GateRelease | None = None  # its sampling waits behind a gate the fill job opens
+    gate_events: tuple | None = None  # timing around that gate (EngineStats.gate_wait_time)
 
 
 def drive(engine, requests: Iterable[GenerateRequest]) -> Iterator[GenerateResult]:
@@ -280,14 +286,16 @@ class Engine:
         # which output index each sampled token will fill
         out_index = [len(r.output_ids) for r in sampling_reqs]
         constrained = sampling is not None and any(r.matcher is not None for r in sampling_reqs)
-        gate = fill = None
+        gate = fill = gate_events = None
         if constrained and self.gate is not None:
             # NOTE: the job starts before the gate closes: see host_gate.py
             gate, fill = self._start_gated_job(sampling_reqs)
         staged = self.runner.stage_forward(batch)
         fwd = self.runner.run_forward(staged)
         if gate is not None:
-            handle, sampling = self._sample_gated(fwd, sampling, gate, len(sampling_reqs)), None
+            gate_events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
+            handle = self._sample_gated(fwd, sampling, gate, len(sampling_reqs), gate_events)
+            sampling = None
         elif constrained:
             handle = fwd  # sampled once the step before is processed (_sample_constrained)
         else:
@@ -295,7 +303,7 @@ class Engine:
         self.scheduler.advance(batch)
         self.stats.num_steps += 1
         self.stats.num_forward_tokens += batch.num_tokens
-        return _Launched(sampling_reqs, out_index, handle, sampling, fill, gate)
+        return _Launched(sampling_reqs, out_index, handle, sampling, fill, gate, gate_events)
 
     def _start_gated_job(self, reqs: list[Req]) -> tuple[GateRelease, Future]:
         """The fill job of a gated step sampling `reqs`: it takes the in-flight step's tokens
@@ -312,12 +320,14 @@ class Engine:
         )
         return release, fill
 
-    def _sample_gated(self, fwd, sampling, gate: GateRelease, num_sampling: int) -> StepHandle:
+    def _sample_gated(
+        self, fwd, sampling, gate: GateRelease, num_sampling: int, events: tuple
+    ) -> StepHandle:
         """Enqueue a grammar step's sampling behind its gate: the bitmask's copy and all after
         it wait on the device until the step's fill job (running) has filled the rows."""
         grammar, stream, staging = self.grammar, self.runner.stream, self.runner.staging
         mask = grammar.upload_gated(
-            gate.rows, num_sampling, gate.gate, gate.ticket, stream, staging
+            gate.rows, num_sampling, gate.gate, gate.ticket, stream, staging, events
         )
         return self.runner.launch_sample(fwd, sampling, mask, grammar)
 
@@ -336,6 +346,12 @@ class Engine:
         out = self.runner.wait(launched.handle)
         if launched.fill is not None:  # a gated step: its sampling ran after the job
             self._rejected.extend(self.structured.finish_gated(launched.fill))
+        if launched.gate_events is not None:
+            # (recorded before the step's results, which the wait above saw on the host)
+            before, opened, copied = launched.gate_events
+            self.stats.num_gated_steps += 1
+            self.stats.gate_wait_time += before.elapsed_time(opened) / 1e3
+            self.stats.mask_copy_time += opened.elapsed_time(copied) / 1e3
         for i, (req, idx) in enumerate(zip(launched.reqs, launched.out_index)):
             if req.is_finished:
                 continue  # it finished on an earlier token; this one was a wasted decode

@@ -30,7 +30,10 @@ from batchrun.engine.params import GrammarSpec
 
 # compiled grammars kept (LRU); a JSON schema's compiled form holds per-token masks: ~MBs
 CACHE_SIZE = 512
-FILL_THREADS = 4  # at most; bitmask rows are filled on this many C++ threads
+FILL_THREADS = 4  # at most; C++ threads of each shard's bitmask fill
+# a fill job of many rows is split into this many shards, each accepting and then filling its own
+# requests' rows on a thread of its own (structured.py), so the accepts run in parallel too
+FILL_SHARDS = 1
 # the GIL switch interval while structured output runs (Python's default is 5 ms)
 GIL_SWITCH_S = 0.0002
 # xgrammar prefixes its errors with a timestamp and a C++ source location: not for users
@@ -126,7 +129,10 @@ class GrammarBackend:
         # NOTE: fills rows on C++ threads. "auto" (half the cores) measured slower on the 32-core
         # GPU host than 8 (1.67 vs 1.06 ms for 256 JSON rows); 4 filled as fast as 8 on the
         # 16-core one (1.06-1.09 vs 1.06-1.07 ms) and slowed the step loop less (W4)
-        self._batch = xgr.BatchGrammarMatcher(max(1, min(FILL_THREADS, cpus // 2)))
+        self._xgr_batch = xgr.BatchGrammarMatcher
+        self.set_fill_parallelism(
+            max(1, min(FILL_THREADS, cpus // 2)), max(1, min(FILL_SHARDS, cpus // 2))
+        )
         is_cuda = device.type == "cuda"
         width = (self.mask_vocab + 31) // 32
         self._mask_cpu = torch.full((max_rows, width), -1, dtype=torch.int32, pin_memory=is_cuda)
@@ -224,14 +230,23 @@ class GrammarBackend:
         self.fill_rows(matchers, rows)
         return self.upload(rows)
 
-    def fill_rows(self, matchers: list, rows: list[int]) -> None:
+    def set_fill_parallelism(self, threads: int, shards: int) -> None:
+        """Fill jobs from now on: `shards` parts on threads of their own (StructuredOutput),
+        each filling its rows on `threads` C++ threads. Not while a fill job runs."""
+        if threads < 1 or shards < 1:
+            raise ValueError(f"threads and shards must be >= 1; got {threads}, {shards}")
+        self.fill_threads, self.fill_shards = threads, shards
+        self._batches = [self._xgr_batch(threads) for _ in range(shards)]
+
+    def fill_rows(self, matchers: list, rows: list[int], shard: int = 0) -> None:
         """The CPU half of fill_mask; safe on another thread while the caller's thread does
-        other work (nothing else touches these matchers or the pinned buffer meanwhile)."""
+        other work (nothing else touches these matchers or the pinned buffer meanwhile), and
+        from the threads of different shards at once (disjoint rows)."""
         if self._copied is not None:
             # the previous step's copy must have left the pinned buffer before we rewrite it
             # (normally long done: the host has waited for that step's results since)
             self._copied.synchronize()
-        self._batch.batch_fill_next_token_bitmask(matchers, self._mask_cpu, rows)
+        self._batches[shard].batch_fill_next_token_bitmask(matchers, self._mask_cpu, rows)
 
     def upload(self, rows: list[int]) -> TokenMask:
         """The device half of fill_mask: start the copy of the filled rows (stream order)."""
@@ -248,13 +263,15 @@ class GrammarBackend:
         return TokenMask(dev, indices, rows)
 
     def upload_gated(
-        self, rows: list[int], num_sampling: int, gate, ticket: int, stream, staging
+        self, rows: list[int], num_sampling: int, gate, ticket: int, stream, staging,
+        events: tuple | None = None,
     ) -> TokenMask:
         """upload() while the rows may still be being filled: the copy is enqueued behind the
         gate (host_gate.py) that the running fill job opens with `ticket` once it has filled
         every row in `rows` (those it does not constrain it sets to allow all: allow_all), of
         a step that samples `num_sampling` rows. Row indices and flags go through the staging
-        ring: the next step's launch may come before this copy runs."""
+        ring: the next step's launch may come before this copy runs. events: three timing
+        events, recorded before the gate, after it and after the bitmask's copy."""
         num_rows = max(rows) + 1
         if len(rows) == num_sampling:  # every row (rows ascend): the usual all-grammar batch
             indices, flags = self._all_rows[:num_rows], self._all_flags[:num_rows]
@@ -264,11 +281,17 @@ class GrammarBackend:
             for r in rows:
                 marks[r] = 1
             flags = staging.to_device(marks, torch.int32)
+        if events is not None:  # timing: the device's wait at the gate, then the copy
+            events[0].record(stream)
         gate.close(stream, ticket)
+        if events is not None:
+            events[1].record(stream)
         dev = self._mask_dev[:num_rows]
         # NOTE: no event: the next fill job rewrites the pinned rows only after this step's
         # tokens reached the host, long after this copy ran
         dev.copy_(self._mask_cpu[:num_rows], non_blocking=True)
+        if events is not None:
+            events[2].record(stream)
         return TokenMask(dev, indices, rows, flags)
 
     def greedy(self, logits: torch.Tensor, mask: TokenMask) -> torch.Tensor | None:

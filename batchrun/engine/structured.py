@@ -47,6 +47,8 @@ class GateRelease(NamedTuple):
 # when nothing else runs, how long poll() waits for a compile (keeps the caller's loop alive:
 # it still feeds requests and sees signals)
 IDLE_WAIT_S = 0.05
+# a sharded fill job gives each part at least this many rows (a part costs a thread handoff)
+MIN_SHARD_ROWS = 16
 
 
 class StructuredOutput:
@@ -68,6 +70,7 @@ class StructuredOutput:
         self._backend: GrammarBackend | None = None
         self._compiling: list[tuple[Req, Future]] = []
         self._fill_thread: ThreadPoolExecutor | None = None  # bitmask fills (start_fill)
+        self._shard_threads: ThreadPoolExecutor | None = None  # a sharded job's parts 1..
 
     @property
     def backend(self) -> GrammarBackend:
@@ -214,15 +217,63 @@ class StructuredOutput:
             release.open()
 
     def _job(self, accepts: list[Recorded], matchers: list, rows: list[int]):
+        shards = getattr(self.backend, "fill_shards", 1)
+        shards = min(shards, len(rows) // MIN_SHARD_ROWS)
+        if shards > 1:
+            return rows, self._sharded_job(accepts, matchers, rows, shards)
+        rejected = self._accept(accepts)
+        if rows:
+            self.backend.fill_rows(matchers, rows)
+        return rows, rejected
+
+    def _accept(self, accepts: list[Recorded]) -> list[Recorded]:
+        """The matchers accept their recorded tokens; returns those rejected."""
         rejected = []
         for batch in _rounds(accepts):
             matchers_now = [req.matcher for req, _, _ in batch]
             ok = self.backend.accept_tokens(matchers_now, [token for *_, token in batch])
             if ok is not None:
                 rejected.extend(a for a, accepted in zip(batch, ok) if not accepted)
-        if rows:
-            self.backend.fill_rows(matchers, rows)
-        return rows, rejected
+        return rejected
+
+    def _sharded_job(self, accepts, matchers, rows, shards: int) -> list[Recorded]:
+        """_job in `shards` parts at once: part k accepts the tokens of the requests behind its
+        slice of the rows, then fills that slice (a row needs only its own matcher's accepts);
+        the accepts of requests without a row go to part 0. Part 0 runs on this thread."""
+        n = len(rows)
+        bounds = [n * k // shards for k in range(shards + 1)]
+        part_of = {id(m): k for k in range(shards) for m in matchers[bounds[k] : bounds[k + 1]]}
+        parts: list[list[Recorded]] = [[] for _ in range(shards)]
+        for a in accepts:
+            parts[part_of.get(id(a[0].matcher), 0)].append(a)
+
+        def run(k: int) -> list[Recorded]:
+            rejected = self._accept(parts[k])
+            lo, hi = bounds[k], bounds[k + 1]
+            self.backend.fill_rows(matchers[lo:hi], rows[lo:hi], shard=k)
+            return rejected
+
+        pool = self._shard_pool(shards - 1)
+        futures = [pool.submit(run, k) for k in range(1, shards)]
+        try:
+            rejected = run(0)
+        finally:
+            # NOTE: every part is done before the job returns or raises: the gate opens after
+            # it, and an error's allow_all must not race a part still writing its rows
+            wait(futures)
+        for f in futures:
+            rejected.extend(f.result())
+        return rejected
+
+    def _shard_pool(self, workers: int) -> ThreadPoolExecutor:
+        pool = self._shard_threads
+        if pool is None or pool._max_workers != workers:
+            if pool is not None:
+                pool.shutdown(wait=False)
+            pool = self._shard_threads = ThreadPoolExecutor(
+                workers, thread_name_prefix="batchrun-bitmask-shard"
+            )
+        return pool
 
     def finish_gated(self, future: Future) -> list[Recorded]:
         """The rejections of a gated fill job (its mask is on the device already)."""

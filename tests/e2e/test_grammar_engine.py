@@ -94,6 +94,41 @@ def test_overlap_on_off_and_free_rows(model_dir):
         assert on[key].output_ids == res.output_ids, key
 
 
+def sharded(engine: Engine, monkeypatch, shards: int = 3) -> dict:
+    """Fill jobs of this engine in `shards` parts, even for small batches; counts the jobs."""
+    from batchrun.engine import structured
+
+    monkeypatch.setattr(structured, "MIN_SHARD_ROWS", 2)
+    engine.grammar.set_fill_parallelism(1, shards)
+    calls = {"jobs": 0}
+    real = engine.structured._sharded_job
+
+    def counted(*args):
+        calls["jobs"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(engine.structured, "_sharded_job", counted)
+    return calls
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_fill_job_in_shards_gives_the_same_tokens(model_dir, monkeypatch, overlap):
+    """Each shard accepts its own requests' tokens and fills their rows, on threads of their
+    own: the same outputs as one job, every grammar output valid."""
+    reqs = workload(24)
+    whole = run(make_engine(model_dir, overlap=overlap), reqs)
+    engine = make_engine(model_dir, overlap=overlap)
+    calls = sharded(engine, monkeypatch)
+    parts = run(engine, reqs)
+    assert calls["jobs"] > 10
+    assert {k: r.output_ids for k, r in parts.items()} == {
+        k: r.output_ids for k, r in whole.items()
+    }
+    for req in reqs:
+        if req.params.grammar is not None:
+            check_valid(engine, req.params.grammar, parts[req.rid, 0])
+
+
 def test_retraction_keeps_matchers_valid(model_dir):
     # long outputs, so that decode growth runs the pool dry and requests get retracted
     params = SamplingParams(max_new_tokens=48, temperature=0.0, grammar=LONG)
@@ -196,13 +231,17 @@ def test_spec_that_does_not_compile_aborts_its_request_only(model_dir):
     assert out["ok", 0].finish_reason in ("stop", "length") and out["ok", 0].error is None
 
 
+@pytest.mark.parametrize("shards", [1, 3])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_rejected_token_aborts_that_request_only(model_dir, monkeypatch, overlap):
+def test_a_rejected_token_aborts_that_request_only(model_dir, monkeypatch, overlap, shards):
     """The matchers accept on the fill job; if one refuses a token its bitmask allowed (a bug,
-    made up here), that request ends `abort` at that token and the rest are untouched."""
+    made up here), that request ends `abort` at that token and the rest are untouched. Also
+    with the job in shards (the rejection comes from whichever part holds the request)."""
     reqs = workload(9)
     expected = run(make_engine(model_dir, overlap=overlap), reqs)
     engine = make_engine(model_dir, overlap=overlap)
+    if shards > 1:
+        sharded(engine, monkeypatch, shards)
     real = engine.grammar.accept_tokens
     victim = next(r.rid for r in reqs if r.params.grammar is not None)
     seen = {"n": 0}

@@ -156,7 +156,7 @@ def test_a_failing_fill_job_still_opens_the_gate(model_dir, monkeypatch):
 
     engine = Engine(EngineConfig(model=model_dir, device="cuda", dtype="float32", kv_budget=20000))
 
-    def broken(matchers, rows):
+    def broken(matchers, rows, shard=0):
         raise RuntimeError("fill broke")
 
     monkeypatch.setattr(engine.grammar, "fill_rows", broken)

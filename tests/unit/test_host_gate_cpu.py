@@ -76,7 +76,7 @@ class FakeBackend:
     def accept_tokens(self, matchers, tokens):
         return None
 
-    def fill_rows(self, matchers, rows):
+    def fill_rows(self, matchers, rows, shard=0):
         if self.fail:
             raise RuntimeError("fill broke")
         self.filled.extend(rows)
