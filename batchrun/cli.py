@@ -261,7 +261,13 @@ def _submit(config, server) -> None:
     default=None,
     help="KV pool size in tokens, to compare the need against.",
 )
-@click.option("--max-running", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option(
+    "--max-running",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Requests decoded together at most. Default: as the engine (256; 1024 for a model of "
+    "3B+ parameters on CUDA).",
+)
 @order_options
 @click.option(
     "--show-errors", type=int, default=10, show_default=True, help="How many failing rows to list."

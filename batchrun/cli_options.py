@@ -192,9 +192,9 @@ engine_options = option_group(
     click.option(
         "--max-running",
         type=click.IntRange(min=1),
-        default=256,
-        show_default=True,
-        help="Requests decoded together at most.",
+        default=None,
+        help="Requests decoded together at most. Default: 256, or 1024 for a model of 3B+ "
+        "parameters on CUDA (its decode matmuls need the rows).",
     ),
     click.option(
         "--kv-budget",

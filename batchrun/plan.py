@@ -56,7 +56,7 @@ def make_plan(
     defaults: SamplingParams,
     limit: int | None,
     kv_budget: int | None,
-    max_running: int,
+    max_running: int | None,
     show_errors: int = 10,
     order: str = "prefix",
     order_window: int = DEFAULT_WINDOW,
@@ -66,6 +66,10 @@ def make_plan(
     except BadInputError as e:
         raise PlanError(str(e), 3) from e
     tokenizer, cfg, _ = load_tokenizer_and_context(model)
+    if max_running is None:  # the engine's default on this machine
+        from batchrun.engine.config import EngineConfig, resolve_max_running
+
+        max_running = resolve_max_running(EngineConfig(), cfg).max_running
     pipeline = RowPipeline(source, spec, defaults, tokenizer, cfg.max_position_embeddings, limit)
     prompt_lens: list[int] = []
     max_new: list[int] = []

@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--dp", default="1,2")
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--warmup", type=int, default=64, help="warm-up requests per engine")
-    ap.add_argument("--max-running", type=int, default=256)
+    ap.add_argument("--max-running", type=int, default=None, help="default: the engine's")
     args = ap.parse_args()
     wl = make_workload(args.workload, args.scale)
     with tempfile.TemporaryDirectory() as tmp:

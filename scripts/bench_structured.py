@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--max-running", type=int, default=None, help="default: the engine's")
     p.add_argument("--kv-budget", type=int, default=None)
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument(
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
         # timed run of the first process on a fresh machine read 31-39k tok/s against 50k
         # after, and later processes did not: likely kernels compiled then (cold on-disk
         # caches); not yet measured with this warm-up
-        num_warm = min(args.max_running, args.num_prompts)
+        num_warm = min(engine.config.max_running, args.num_prompts)
         warm = [
             [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(args.prompt_len)]
             for _ in range(num_warm)

@@ -263,7 +263,13 @@ class GrammarBackend:
         return TokenMask(dev, indices, rows)
 
     def upload_gated(
-        self, rows: list[int], num_sampling: int, gate, ticket: int, stream, staging,
+        self,
+        rows: list[int],
+        num_sampling: int,
+        gate,
+        ticket: int,
+        stream,
+        staging,
         events: tuple | None = None,
     ) -> TokenMask:
         """upload() while the rows may still be being filled: the copy is enqueued behind the

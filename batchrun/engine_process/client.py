@@ -25,12 +25,13 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from batchrun.engine.config import EngineConfig
+from batchrun.engine.config import MAX_RUNNING, EngineConfig, resolve_max_running
 from batchrun.engine.params import GenerateRequest, GenerateResult
 from batchrun.engine_process import messages as m
 from batchrun.engine_process.notify import DEFAULT_MAX_DELAY, DEFAULT_NOTIFY_BATCH
 from batchrun.engine_process.worker import worker_main
 from batchrun.errors import ModelError, RunError
+from batchrun.models.config import ModelConfig, ModelConfigError
 
 _EOF = object()  # the reader thread's last item: the connection closed
 # NOTE: at exit, multiprocessing joins every non-daemonic child; an engine process that nobody
@@ -75,8 +76,13 @@ class EngineProcess:
         # GGUF conversion then happens once, and the tokenizer below loads from the same place.
         # A custom engine_factory (benchmarks) brings no model: no tokenizer either.
         self.model_dir = resolve_model_path(config.model) if engine_factory is None else None
+        if self.model_dir is not None:  # the engine's own default, known before it starts
+            try:
+                config = resolve_max_running(config, ModelConfig.from_dir(self.model_dir))
+            except (ModelConfigError, OSError, ValueError):
+                pass  # the engine process reports a model it cannot load (ModelError)
         self.config = config
-        self.window = window or config.max_pending + config.max_running
+        self.window = window or config.max_pending + (config.max_running or MAX_RUNNING)
         self.poll_interval = poll_interval
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 
-from batchrun.engine.config import EngineConfig
+from batchrun.engine.config import MAX_RUNNING, EngineConfig
 from batchrun.engine.params import GenerateRequest, GenerateResult
 from batchrun.engine_process.client import EngineProcess
 from batchrun.engine_process.notify import DEFAULT_NOTIFY_BATCH
@@ -72,7 +72,7 @@ class DataParallelEngine:
         self.num_kv_slots = first.num_kv_slots
         self.window = first.window
         # how far the sticky engine may run ahead of the least loaded one
-        self.slack = max(1, config.max_running // 2)
+        self.slack = max(1, (first.config.max_running or MAX_RUNNING) // 2)
         self._last: list[int] | None = None  # the previous request's tokens
         self._last_engine = 0
         self.routed = [0] * dp  # requests per engine (reported, tested)

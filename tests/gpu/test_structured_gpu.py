@@ -59,16 +59,36 @@ def _run(model_dir: str, **kw):
     return engine, out
 
 
+def _sharded_engine(model_dir: str, monkeypatch):
+    """An engine whose fill jobs run in 3 parts, even for small batches (structured.py)."""
+    from batchrun.engine import structured
+    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.engine import Engine
+
+    monkeypatch.setattr(structured, "MIN_SHARD_ROWS", 2)
+    cfg = EngineConfig(model=model_dir, device="cuda", dtype="float32", kv_budget=20000)
+    engine = Engine(cfg)
+    engine.grammar.set_fill_parallelism(1, 3)
+    return engine
+
+
 def test_overlap_on_off_identical_and_valid(model_dir, monkeypatch):
     _, off = _run(model_dir, overlap=False)
     engine, on = _run(model_dir, overlap=True)
     assert engine.gate is not None  # the sampling went in behind the host gate
+    stats = engine.stats  # ... and the device's time there was measured
+    assert stats.num_gated_steps > 10
+    assert stats.gate_wait_time >= 0.0 and stats.mask_copy_time > 0.0
     _, eager = _run(model_dir, overlap=True, cuda_graph_max_bs=0)
     monkeypatch.setenv("BATCHRUN_DISABLE_HOST_GATE", "1")
     ungated_engine, ungated = _run(model_dir, overlap=True)
     assert ungated_engine.gate is None  # the fallback: the step loop waits for the fill job
+    sharded_engine = _sharded_engine(model_dir, monkeypatch)
+    sharded = {r.rid: r for r in sharded_engine.generate(_requests())}
+    assert sharded_engine.stats.num_gated_steps > 10
     tokens = {k: r.output_ids for k, r in on.items()}
     assert tokens == {k: r.output_ids for k, r in off.items()}
+    assert tokens == {k: r.output_ids for k, r in sharded.items()}
     assert tokens == {k: r.output_ids for k, r in eager.items()}
     assert tokens == {k: r.output_ids for k, r in ungated.items()}
     stops = 0

@@ -1,0 +1,61 @@
+"""The engine's automatic max_running: 256, or 1024 for a 3B+ model on CUDA (the measured
+reasons are in batchrun/engine/config.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from bench_models import MODELS, write_model_dir  # noqa: E402
+
+from batchrun.engine.config import (  # noqa: E402
+    MAX_RUNNING,
+    MAX_RUNNING_LARGE,
+    EngineConfig,
+    auto_max_running,
+    resolve_max_running,
+)
+from batchrun.models.config import ModelConfig  # noqa: E402
+
+
+def model_config(name: str, tmp_path) -> ModelConfig:
+    return ModelConfig.from_dir(write_model_dir(name, tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("name", "device", "expected"),
+    [
+        ("llama-8b", "cuda", MAX_RUNNING_LARGE),
+        ("llama-8b", "cpu", MAX_RUNNING),
+        ("llama-1b", "cuda", MAX_RUNNING),
+        ("tiny", "cuda", MAX_RUNNING),
+    ],
+)
+def test_auto_max_running_by_model_and_device(name, device, expected, tmp_path):
+    assert name in MODELS
+    assert auto_max_running(model_config(name, tmp_path), device) == expected
+
+
+def test_an_explicit_max_running_is_kept(tmp_path):
+    cfg = model_config("llama-8b", tmp_path)
+    assert resolve_max_running(EngineConfig(max_running=7, device="cuda"), cfg).max_running == 7
+    auto = resolve_max_running(EngineConfig(device="cuda"), cfg)
+    assert auto.max_running == MAX_RUNNING_LARGE
+
+
+def test_the_engine_resolves_it(tmp_path):
+    from batchrun.engine.engine import Engine
+
+    engine = Engine(
+        EngineConfig(
+            model=str(write_model_dir("tiny", tmp_path)),
+            load_format="dummy",
+            device="cpu",
+            kv_budget=4096,
+        )
+    )
+    assert engine.config.max_running == MAX_RUNNING
+    assert engine.scheduler.max_running == MAX_RUNNING
