@@ -205,9 +205,9 @@ engine_options = option_group(
     click.option(
         "--chunked-prefill-size",
         type=click.IntRange(min=0),
-        default=4096,
-        show_default=True,
-        help="Prefill tokens per step (0: unlimited).",
+        default=None,
+        help="Prefill tokens per step (0: unlimited). Default: 4096, or 8192 for a model of 3B+ "
+        "parameters on CUDA.",
     ),
     click.option("--no-radix-cache", is_flag=True, help="Disable prefix caching."),
     click.option(
@@ -303,6 +303,14 @@ def build_defaults(o: dict) -> SamplingParams:
     return params
 
 
+def _chunk(value: int | None) -> int | str | None:
+    """--chunked-prefill-size: not given -> "auto" (the engine's default), 0 -> None
+    (unlimited)."""
+    if value is None:
+        return "auto"
+    return value or None
+
+
 def build_engine_config(o: dict) -> EngineConfig:
     cfg = EngineConfig(
         model=o["model"],
@@ -311,7 +319,7 @@ def build_engine_config(o: dict) -> EngineConfig:
         device=o["device"],
         max_running=o["max_running"],
         kv_budget=o["kv_budget"],
-        chunked_prefill_size=o["chunked_prefill_size"] or None,
+        chunked_prefill_size=_chunk(o["chunked_prefill_size"]),
         enable_radix_cache=not o["no_radix_cache"],
         attention_backend=o["attention_backend"],
         seed=o["seed"],

@@ -67,9 +67,9 @@ def make_plan(
         raise PlanError(str(e), 3) from e
     tokenizer, cfg, _ = load_tokenizer_and_context(model)
     if max_running is None:  # the engine's default on this machine
-        from batchrun.engine.config import EngineConfig, resolve_max_running
+        from batchrun.engine.config import EngineConfig, resolve_sizes
 
-        max_running = resolve_max_running(EngineConfig(), cfg).max_running
+        max_running = resolve_sizes(EngineConfig(), cfg).max_running
     pipeline = RowPipeline(source, spec, defaults, tokenizer, cfg.max_position_embeddings, limit)
     prompt_lens: list[int] = []
     max_new: list[int] = []

@@ -290,7 +290,13 @@ def main(argv=None) -> int:
         "device": device,
         "args": {k: str(v) for k, v in vars(args).items()},
         "free_tok_s": free_tok_s,
-        "overhead_pct": overheads,
+        "fill_settings": settings,  # THREADSxSHARDS; runs are keyed "json_schema SETTING"
+        # the first setting's figures (the engine's default when --fill is not given)
+        "json_schema_tok_s": statistics.median(
+            r["tok_s"] for r in runs[f"json_schema {settings[0]}"]
+        ),
+        "overhead_pct": overheads[settings[0]],
+        "overhead_pct_by_fill": overheads,
         "runs": {k: [{**r, "finish": dict(r["finish"])} for r in v] for k, v in runs.items()},
     }
     (args.out / "bench_structured.json").write_text(json.dumps(report, indent=2) + "\n")

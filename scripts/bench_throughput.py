@@ -598,7 +598,12 @@ def parse_args(argv=None):
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--max-running", type=int, default=None, help="default: the engine's")
     p.add_argument("--cuda-graph-max-bs", type=int, default=512)
-    p.add_argument("--chunked-prefill-size", type=int, default=4096, help="prefill tokens a step")
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=lambda v: v if v == "auto" else int(v),
+        default="auto",
+        help="prefill tokens a step (default: the engine's)",
+    )
     p.add_argument("--kv-budget", type=int, default=None, help="KV tokens; default from memory")
     p.add_argument("--warmup-requests", type=int, default=32)
     p.add_argument("--warmup-tokens", type=int, default=8)

@@ -9,41 +9,51 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
-# max_running when none is given (auto_max_running)
-MAX_RUNNING = 256
-MAX_RUNNING_LARGE = 1024
+# the defaults of max_running (None) and chunked_prefill_size ("auto"): auto_sizes
+MAX_RUNNING, MAX_RUNNING_LARGE = 256, 1024
+CHUNKED_PREFILL, CHUNKED_PREFILL_LARGE = 4096, 8192
 LARGE_MODEL_PARAMS = 3_000_000_000  # decoder parameters (no embeddings)
 
 
-def auto_max_running(model_cfg, device_type: str) -> int:
-    """The default cap on requests decoded together: MAX_RUNNING, or MAX_RUNNING_LARGE for a
+def is_large(model_cfg) -> bool:
+    """LARGE_MODEL_PARAMS or more in the decoder layers."""
+    c = model_cfg
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (2 * q + 2 * kv + 3 * c.intermediate_size)
+    return c.num_layers * per_layer >= LARGE_MODEL_PARAMS
+
+
+def auto_sizes(model_cfg, device_type: str) -> tuple[int, int]:
+    """The default (max_running, chunked_prefill_size): (256, 4096), or (1024, 8192) for a
     model of LARGE_MODEL_PARAMS or more on CUDA.
 
     NOTE: measured on the H200 (docs/benchmarks.md, sixth session), dummy weights, bf16: llama-8b
-    W1 read 9,888 / 10,827 / 10,942 output tok/s at 256 / 512 / 1024 (W2 11,456 / 12,009 /
-    12,255): its decode matmuls need more rows than 256 to run at the tensor cores' rate. On
+    W1 read 9,888 / 10,827 / 10,942 output tok/s at max_running 256 / 512 / 1024 (W2 11,456 /
+    12,009 / 12,255): its matmuls need more rows than 256 decodes to run at the tensor cores'
+    rate; 8,192-token prefill chunks added 0.6 % at 512 and at 1024 (10,987 -> 11,057). On
     llama-1b the step is host-bound and W1 lost at 512 and 1024 (44,874 / 40,624 / 41,761): a
     bigger batch only adds host work per step. The KV pool still bounds admission either way.
     """
-    c = model_cfg
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = (
-        2 * c.hidden_size * q + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
-    )
-    large = c.num_layers * per_layer >= LARGE_MODEL_PARAMS
-    return MAX_RUNNING_LARGE if device_type == "cuda" and large else MAX_RUNNING
+    if device_type == "cuda" and is_large(model_cfg):
+        return MAX_RUNNING_LARGE, CHUNKED_PREFILL_LARGE
+    return MAX_RUNNING, CHUNKED_PREFILL
 
 
-def resolve_max_running(config: EngineConfig, model_cfg) -> EngineConfig:
-    """config with max_running set (auto_max_running where it is None)."""
-    if config.max_running is not None:
+def resolve_sizes(config: EngineConfig, model_cfg) -> EngineConfig:
+    """config with max_running and chunked_prefill_size set where left to auto_sizes."""
+    if config.max_running is not None and config.chunked_prefill_size != "auto":
         return config
     device_type = config.device
     if device_type == "auto":
         import torch
 
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return replace(config, max_running=auto_max_running(model_cfg, device_type))
+    max_running, chunk = auto_sizes(model_cfg, device_type)
+    if config.max_running is not None:
+        max_running = config.max_running
+    if config.chunked_prefill_size != "auto":
+        chunk = config.chunked_prefill_size
+    return replace(config, max_running=max_running, chunked_prefill_size=chunk)
 
 
 @dataclass(frozen=True)
@@ -52,10 +62,11 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA (float16 if unsupported)
     device: str = "auto"  # auto: cuda when available
-    max_running: int | None = None  # requests decoded together at most; None: auto_max_running
+    max_running: int | None = None  # requests decoded together at most; None: auto_sizes
     kv_budget: int | None = None  # KV pool size in tokens; None: sized from free memory
     kv_memory_fraction: float = 0.85  # on CUDA, fraction of free memory after weights for KV
-    chunked_prefill_size: int | None = 4096  # prefill token budget per step; None: unlimited
+    # prefill token budget per step; None: unlimited; "auto": auto_sizes
+    chunked_prefill_size: int | str | None = "auto"
     page_size: int = 1
     enable_radix_cache: bool = True
     attention_backend: str = "auto"
@@ -85,8 +96,9 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1; got {self.page_size}")
         if self.kv_budget is not None and self.kv_budget < 16:
             raise ValueError(f"kv_budget must be >= 16 tokens; got {self.kv_budget}")
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
-            raise ValueError("chunked_prefill_size must be >= 1 or None (unlimited)")
+        chunk = self.chunked_prefill_size
+        if chunk is not None and chunk != "auto" and (not isinstance(chunk, int) or chunk < 1):
+            raise ValueError("chunked_prefill_size must be >= 1, None (unlimited) or 'auto'")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1; got {self.tp_size}")
         if not 0 <= self.tp_rank < self.tp_size:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from batchrun.engine.allocator import TokenAllocator
-from batchrun.engine.config import EngineConfig, resolve_max_running
+from batchrun.engine.config import EngineConfig, resolve_sizes
 from batchrun.engine.grammar import GrammarBackend
 from batchrun.engine.host_gate import HostGate
 from batchrun.engine.kv_manager import KVManager
@@ -95,7 +95,7 @@ class Engine:
         config.validate()
         self.model_dir = self._resolve_model_dir(config)
         self.model_config = ModelConfig.from_dir(self.model_dir)
-        config = resolve_max_running(config, self.model_config)
+        config = resolve_sizes(config, self.model_config)
         self.config = config
         self.context_len = config.context_len or self.model_config.max_position_embeddings
         self.runner = ModelRunner(config, self.model_config, self.model_dir, self.context_len)

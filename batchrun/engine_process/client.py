@@ -25,7 +25,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from batchrun.engine.config import MAX_RUNNING, EngineConfig, resolve_max_running
+from batchrun.engine.config import MAX_RUNNING, EngineConfig, resolve_sizes
 from batchrun.engine.params import GenerateRequest, GenerateResult
 from batchrun.engine_process import messages as m
 from batchrun.engine_process.notify import DEFAULT_MAX_DELAY, DEFAULT_NOTIFY_BATCH
@@ -78,7 +78,7 @@ class EngineProcess:
         self.model_dir = resolve_model_path(config.model) if engine_factory is None else None
         if self.model_dir is not None:  # the engine's own default, known before it starts
             try:
-                config = resolve_max_running(config, ModelConfig.from_dir(self.model_dir))
+                config = resolve_sizes(config, ModelConfig.from_dir(self.model_dir))
             except (ModelConfigError, OSError, ValueError):
                 pass  # the engine process reports a model it cannot load (ModelError)
         self.config = config

@@ -46,8 +46,9 @@ def test_bench_structured_cpu_smoke(tmp_path):
     )  # fmt: skip
     report = json.loads((tmp_path / "bench_structured.json").read_text())
     assert report["free_tok_s"] > 0 and report["json_schema_tok_s"] > 0
-    run = report["runs"]["json_schema"][0]
+    run = report["runs"][f"json_schema {report['fill_settings'][0]}"][0]
     assert run["phases_ms_per_step"]["fill_wait"] >= 0 and "accept_ms_per_step" in run
+    assert run["gated_steps"] == 0  # no host gate on the CPU
 
 
 def test_bench_gemv_shapes_and_no_gpu_exit(tmp_path):

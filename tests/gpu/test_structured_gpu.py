@@ -80,12 +80,12 @@ def test_overlap_on_off_identical_and_valid(model_dir, monkeypatch):
     assert stats.num_gated_steps > 10
     assert stats.gate_wait_time >= 0.0 and stats.mask_copy_time > 0.0
     _, eager = _run(model_dir, overlap=True, cuda_graph_max_bs=0)
-    monkeypatch.setenv("BATCHRUN_DISABLE_HOST_GATE", "1")
-    ungated_engine, ungated = _run(model_dir, overlap=True)
-    assert ungated_engine.gate is None  # the fallback: the step loop waits for the fill job
     sharded_engine = _sharded_engine(model_dir, monkeypatch)
     sharded = {r.rid: r for r in sharded_engine.generate(_requests())}
     assert sharded_engine.stats.num_gated_steps > 10
+    monkeypatch.setenv("BATCHRUN_DISABLE_HOST_GATE", "1")
+    ungated_engine, ungated = _run(model_dir, overlap=True)
+    assert ungated_engine.gate is None  # the fallback: the step loop waits for the fill job
     tokens = {k: r.output_ids for k, r in on.items()}
     assert tokens == {k: r.output_ids for k, r in off.items()}
     assert tokens == {k: r.output_ids for k, r in sharded.items()}

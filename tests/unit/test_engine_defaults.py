@@ -1,5 +1,5 @@
-"""The engine's automatic max_running: 256, or 1024 for a 3B+ model on CUDA (the measured
-reasons are in batchrun/engine/config.py)."""
+"""The engine's automatic sizes: max_running 256 and 4,096-token prefill chunks, or 1,024 and
+8,192 for a 3B+ model on CUDA (the measured reasons are in batchrun/engine/config.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from bench_models import MODELS, write_model_dir  # noqa: E402
 
 from batchrun.engine.config import (  # noqa: E402
+    CHUNKED_PREFILL,
+    CHUNKED_PREFILL_LARGE,
     MAX_RUNNING,
     MAX_RUNNING_LARGE,
     EngineConfig,
-    auto_max_running,
-    resolve_max_running,
+    auto_sizes,
+    resolve_sizes,
 )
 from batchrun.models.config import ModelConfig  # noqa: E402
 
@@ -28,21 +30,21 @@ def model_config(name: str, tmp_path) -> ModelConfig:
 @pytest.mark.parametrize(
     ("name", "device", "expected"),
     [
-        ("llama-8b", "cuda", MAX_RUNNING_LARGE),
-        ("llama-8b", "cpu", MAX_RUNNING),
-        ("llama-1b", "cuda", MAX_RUNNING),
-        ("tiny", "cuda", MAX_RUNNING),
+        ("llama-8b", "cuda", (MAX_RUNNING_LARGE, CHUNKED_PREFILL_LARGE)),
+        ("llama-8b", "cpu", (MAX_RUNNING, CHUNKED_PREFILL)),
+        ("llama-1b", "cuda", (MAX_RUNNING, CHUNKED_PREFILL)),
+        ("tiny", "cuda", (MAX_RUNNING, CHUNKED_PREFILL)),
     ],
 )
-def test_auto_max_running_by_model_and_device(name, device, expected, tmp_path):
+def test_auto_sizes_by_model_and_device(name, device, expected, tmp_path):
     assert name in MODELS
-    assert auto_max_running(model_config(name, tmp_path), device) == expected
+    assert auto_sizes(model_config(name, tmp_path), device) == expected
 
 
 def test_an_explicit_max_running_is_kept(tmp_path):
     cfg = model_config("llama-8b", tmp_path)
-    assert resolve_max_running(EngineConfig(max_running=7, device="cuda"), cfg).max_running == 7
-    auto = resolve_max_running(EngineConfig(device="cuda"), cfg)
+    assert resolve_sizes(EngineConfig(max_running=7, device="cuda"), cfg).max_running == 7
+    auto = resolve_sizes(EngineConfig(device="cuda"), cfg)
     assert auto.max_running == MAX_RUNNING_LARGE
 
 
@@ -59,3 +61,4 @@ def test_the_engine_resolves_it(tmp_path):
     )
     assert engine.config.max_running == MAX_RUNNING
     assert engine.scheduler.max_running == MAX_RUNNING
+    assert engine.scheduler.prefill_budget == CHUNKED_PREFILL
