@@ -42,6 +42,7 @@ from batchrun.engine.kv_pool import KVPool  # noqa: E402
 H, KV, D, DTYPE = 32, 8, 128, torch.bfloat16
 DEV = "cuda"
 DECODE_CONFIGS = [(bn, w, s) for bn in (32, 64) for w in (4, 8) for s in (2, 3)]
+DECODE_CONFIGS += [(128, w, 2) for w in (4, 8)]
 EXTEND_CONFIGS = [(bm, bn, w) for bm in (64, 128) for bn in (32, 64) for w in (4, 8)]
 
 
@@ -98,7 +99,7 @@ def bench_flashinfer(pool, table, inputs, q, k, v, add, graph: bool) -> None:
         add("flashinfer backend graph", ms)
 
 
-def bench_decode(batch_size, seq_len, rows, shuffle=False):
+def bench_decode(batch_size, seq_len, rows, shuffle=False, decode_only=False):
     pool, table, inputs, q, k, v = build(batch_size, seq_len, 1, shuffle)
     pool.store(0, inputs.out_cache_loc, k, v)
     k_buf, v_buf = pool.buffers(0)
@@ -126,6 +127,9 @@ def bench_decode(batch_size, seq_len, rows, shuffle=False):
         results[config] = bench(kernel(auto_splits, config))
         add(f"bn{config[0]} w{config[1]} st{config[2]} splits={auto_splits}", results[config])
     best = min(results, key=results.get)
+    print(f"BEST decode {batch_size}x{seq_len} {','.join(map(str, best))}", flush=True)
+    if decode_only:
+        return
     for splits in (1, 2, 4, 8, 16, 32):
         add(f"best config {best} splits={splits}", bench(kernel(splits, best)))
     default = kernel(auto_splits, (None,) * 3)
@@ -206,11 +210,21 @@ def summarize(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write all rows here")
+    parser.add_argument(
+        "--decode-cases",
+        default=None,
+        help="BxL,...: only the decode config sweep, for these batch x context sizes",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     print(f"device-to-device copy: {copy_bandwidth():.2f} TB/s (bytes read + written)")
     rows: list[dict] = []
+    if args.decode_cases:
+        for case in args.decode_cases.split(","):
+            batch_size, seq_len = (int(x) for x in case.split("x"))
+            bench_decode(batch_size, seq_len, rows, decode_only=True)
+        return
     for batch_size, seq_len in ((64, 1024), (256, 512), (1, 512)):
         bench_decode(batch_size, seq_len, rows)
     bench_decode(64, 1024, rows, shuffle=True)

@@ -155,6 +155,7 @@ class RunResult:
     peak_mem_gib: float | None = None
     num_steps: int | None = None
     kv_slots: int | None = None  # the engine's KV pool, in tokens
+    retractions: int | None = None  # requests sent back to the queue for KV (recomputed)
     startup_s: float | None = None
     warmup_s: float | None = None
 
@@ -309,14 +310,15 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
             cache.reset()  # every timed run starts with a cold prefix cache
         stats = engine.stats
         before = (stats.prompt_tokens, stats.cached_tokens, stats.output_tokens, stats.num_steps)
+        retracted_before = getattr(getattr(engine, "scheduler", None), "num_retractions", 0)
         fwd_before = engine.runner.forward_time
         dev.reset_peak()
         wall, bad, done, ttfts, itls = run_engine_once(
             engine, wl.prompts, wl.output_len, dev, probe, order=res.variant == "prefix-order"
         )
         walls.append(wall)
-        last = (wall, bad, done, ttfts, itls, before, fwd_before)
-    wall, bad, done, ttfts, itls, before, fwd_before = last
+        last = (wall, bad, done, ttfts, itls, before, fwd_before, retracted_before)
+    wall, bad, done, ttfts, itls, before, fwd_before, retracted_before = last
     stats = engine.stats
     if phases is not None:
         phases.close()
@@ -337,6 +339,8 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
     res.total_tok_s = (res.prompt_tokens + res.output_tokens) / res.wall_s
     res.peak_mem_gib = dev.peak_gib()
     res.kv_slots = getattr(engine, "num_kv_slots", None)
+    if getattr(engine, "scheduler", None) is not None:
+        res.retractions = engine.scheduler.num_retractions - retracted_before
     fill_latency(res, ttfts, itls, wl.output_len)
     if not probe or not probe.active:
         res.note = "TTFT/ITL not measured (no hook)"
@@ -604,6 +608,11 @@ def parse_args(argv=None):
         default="auto",
         help="prefill tokens a step (default: the engine's)",
     )
+    p.add_argument(
+        "--decode-config",
+        default=None,
+        help="BLOCK_N,WARPS,STAGES of the Triton decode attention kernel (default: its own)",
+    )
     p.add_argument("--kv-budget", type=int, default=None, help="KV tokens; default from memory")
     p.add_argument("--warmup-requests", type=int, default=32)
     p.add_argument("--warmup-tokens", type=int, default=8)
@@ -657,6 +666,10 @@ def format_run(r: RunResult) -> str:
         parts.append(f"peak {r.peak_mem_gib:.1f} GiB")
     if r.num_steps is not None:
         parts.append(f"{r.num_steps} steps")
+    if r.kv_slots is not None:
+        parts.append(f"KV pool {r.kv_slots:,} tokens")
+    if r.retractions is not None:
+        parts.append(f"{r.retractions} retractions")
     if r.warmup_s is not None:
         parts.append(f"warm-up {r.warmup_s:.1f}s")
     if r.note:
@@ -667,6 +680,13 @@ def format_run(r: RunResult) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
+    if args.decode_config:  # the kernel reads its module defaults at every launch
+        from batchrun.kernels import decode_attention
+
+        bn, warps, stages = (int(x) for x in args.decode_config.split(","))
+        decode_attention.DEFAULT_BLOCK_N = bn
+        decode_attention.DEFAULT_NUM_WARPS = warps
+        decode_attention.DEFAULT_NUM_STAGES = stages
     dev = Device(args.device)
     env = environment(args)
     log(json.dumps(env))

@@ -148,6 +148,7 @@ def test_extend_matches_reference(batch_size, heads, head_dim, dtype, prefix):
 
 # the configurations that scripts/bench_attention_kernels.py times
 DECODE_CONFIGS = [(bn, w, s) for bn in (32, 64) for w in (4, 8) for s in (2, 3)]
+DECODE_CONFIGS += [(128, w, 2) for w in (4, 8)]
 EXTEND_CONFIGS = [(bm, bn, w) for bm in (64, 128) for bn in (32, 64) for w in (4, 8)]
 
 
