@@ -71,6 +71,7 @@ class StructuredOutput:
         self._compiling: list[tuple[Req, Future]] = []
         self._fill_thread: ThreadPoolExecutor | None = None  # bitmask fills (start_fill)
         self._shard_threads: ThreadPoolExecutor | None = None  # a sharded job's parts 1..
+        self._shard_workers = 0
 
     @property
     def backend(self) -> GrammarBackend:
@@ -266,14 +267,14 @@ class StructuredOutput:
         return rejected
 
     def _shard_pool(self, workers: int) -> ThreadPoolExecutor:
-        pool = self._shard_threads
-        if pool is None or pool._max_workers != workers:
-            if pool is not None:
-                pool.shutdown(wait=False)
-            pool = self._shard_threads = ThreadPoolExecutor(
+        if self._shard_threads is None or self._shard_workers != workers:
+            if self._shard_threads is not None:
+                self._shard_threads.shutdown(wait=False)
+            self._shard_threads = ThreadPoolExecutor(
                 workers, thread_name_prefix="batchrun-bitmask-shard"
             )
-        return pool
+            self._shard_workers = workers
+        return self._shard_threads
 
     def finish_gated(self, future: Future) -> list[Recorded]:
         """The rejections of a gated fill job (its mask is on the device already)."""
