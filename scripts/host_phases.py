@@ -28,6 +28,9 @@ PHASES = (
     ("graph_replay", "runner.graphs", "replay"),
     ("graph_inputs", "runner.graphs.backend", "load_graph_inputs"),
     ("eager_forward", "runner.model", "forward"),
+    # inside eager_forward: each layer's attention (KV store + kernels; a graph replays these
+    # without Python)
+    ("eager_attention", "runner.backend", "forward"),
     ("launch_sample", "runner", "launch_sample"),
     ("mask_apply", "structured.backend", "apply"),
     ("process", "", "_process"),
@@ -56,20 +59,25 @@ class MethodTimers:
     def __init__(self, root, targets):
         self.seconds: dict[str, float] = {label: 0.0 for label, _, _ in targets}
         self.calls: dict[str, int] = {label: 0 for label, _, _ in targets}
-        self._wrapped: list[tuple[object, str]] = []  # (owner, method name), for close()
+        # (owner, method name, what owner itself held under that name or None), for close()
+        self._wrapped: list[tuple[object, str, object]] = []
         for label, path, name in targets:
             owner = root
             for part in filter(None, path.split(".")):
                 owner = _existing(owner, part)
             if owner is None:  # e.g. no grammar backend: the engine never saw a grammar
                 continue
+            own = vars(owner).get(name)  # a class's own method; None for an instance
             setattr(owner, name, self._timed(getattr(owner, name), label))
-            self._wrapped.append((owner, name))
+            self._wrapped.append((owner, name, own))
 
     def close(self) -> None:
-        """Take the timers off again (the instance attributes that shadow the methods)."""
-        for owner, name in self._wrapped:
-            if name in vars(owner):
+        """Take the timers off again: an instance's timer that shadows its class's method is
+        deleted, a class's own method (a timer on a class) is put back."""
+        for owner, name, own in self._wrapped:
+            if own is not None:
+                setattr(owner, name, own)
+            elif name in vars(owner):
                 delattr(owner, name)
         self._wrapped = []
 
@@ -92,16 +100,46 @@ class MethodTimers:
             self.calls[label] = 0
 
 
+# the host side of every Triton launch (argument binding, specialization, cache lookup, the
+# launcher): a class-level timer, so it counts every kernel of every caller
+TRITON_LAUNCH = (("triton_launch", "JITFunction", "run"),)
+
+
 class HostPhases(MethodTimers):
     def __init__(self, engine, phases=PHASES):
         super().__init__(engine, phases)
         self.engine = engine
         self._forward0 = engine.runner.forward_time
+        self._triton = None
+        if engine.runner.device.type == "cuda":
+            try:
+                import triton.runtime.jit as jit
+            except ImportError:
+                pass
+            else:
+                self._triton = MethodTimers(jit, TRITON_LAUNCH)
+                self.seconds["triton_launch"] = self.calls["triton_launch"] = 0
+
+    def close(self) -> None:
+        super().close()
+        if self._triton is not None:
+            self._triton.close()
+            self._triton = None
+
+    def reset(self) -> None:
+        super().reset()
+        if getattr(self, "_triton", None) is not None:
+            self._triton.reset()
 
     def take(self, wall_s: float, num_steps: int) -> dict:
         """ms per step of each phase since the last take(), and the GPU forward occupancy."""
         steps = max(num_steps, 1)
+        if self._triton is not None:
+            self.seconds["triton_launch"] = self._triton.seconds["triton_launch"]
+            self.calls["triton_launch"] = self._triton.calls["triton_launch"]
         out = {label: 1e3 * s / steps for label, s in self.seconds.items()}
+        if self._triton is not None:
+            out["triton_launches"] = self.calls["triton_launch"] / steps  # a count, not ms
         forward = self.engine.runner.forward_time
         out["gpu_forward_ms"] = 1e3 * (forward - self._forward0) / steps
         out["occupancy"] = (forward - self._forward0) / wall_s if wall_s else 0.0

@@ -65,3 +65,27 @@ def test_bench_gemv_shapes_and_no_gpu_exit(tmp_path):
 
     if not torch.cuda.is_available():
         run_script("bench_gemv.py", "--out", str(tmp_path))
+
+
+def test_method_timers_on_a_class_time_every_instance_and_restore_it():
+    """host_phases times Triton's launches with a timer on JITFunction itself; close() must put
+    the class's own method back, and an instance's timer must leave its class alone."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from host_phases import MethodTimers
+
+    class Kernel:
+        def run(self, x):
+            return x + 1
+
+    own = Kernel.__dict__["run"]
+    holder = type("Holder", (), {"Kernel": Kernel})()
+    timers = MethodTimers(holder, (("launch", "Kernel", "run"),))
+    assert Kernel().run(1) == 2 and Kernel().run(2) == 3
+    assert timers.calls["launch"] == 2 and timers.seconds["launch"] > 0
+    timers.close()
+    assert Kernel.__dict__["run"] is own
+    one = Kernel()
+    timers = MethodTimers(type("Root", (), {"k": one})(), (("one", "k", "run"),))
+    assert one.run(1) == 2 and timers.calls["one"] == 1
+    timers.close()
+    assert "run" not in vars(one) and Kernel.__dict__["run"] is own
