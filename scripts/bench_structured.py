@@ -153,6 +153,12 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--max-running", type=int, default=None, help="default: the engine's")
     p.add_argument("--kv-budget", type=int, default=None)
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=lambda v: v if v == "auto" else int(v),
+        default="auto",
+        help="prefill tokens a step (default: the engine's)",
+    )
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument(
         "--fill-threads", type=int, default=None,
@@ -214,6 +220,7 @@ def main(argv=None) -> int:
                 dtype=dtype,
                 max_running=args.max_running,
                 kv_budget=args.kv_budget,
+                chunked_prefill_size=args.chunked_prefill_size,
                 overlap=not args.no_overlap,
             )
         )
