@@ -12,7 +12,8 @@ for CPU smoke tests). Workloads as BENCH.md defines them (W1 random, W2 shared p
 request; W2L: W2-large, whose distinct prefix tokens exceed a capped KV pool). Variants:
 batchrun (overlap + CUDA graphs), no-overlap, no-graph, no-radix, flashinfer (batchrun with the
 FlashInfer attention backend), gemv (batchrun with BATCHRUN_GEMV=triton: kernels/gemv.py for the
-large decode matmuls), fused-gemv (BATCHRUN_GEMV=fused: also kernels/norm_gemv.py), hf, and
+large decode matmuls), fused-gemv (BATCHRUN_GEMV=fused: also kernels/norm_gemv.py), l2-prefetch
+(BATCHRUN_L2_PREFETCH_MB: kernels/l2_prefetch.py in each decoder layer of a small batch), hf, and
 prefix-order (batchrun fed in batchrun.order's DFS order, ordering timed; every other variant
 takes the prompts in their given, shuffled, input order).
 
@@ -48,7 +49,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
 
-from batchrun.models.layers import GEMV_ENV  # noqa: E402
+from batchrun.models.layers import GEMV_ENV, L2_PREFETCH_ENV  # noqa: E402
 
 VARIANTS = (
     "batchrun",
@@ -58,6 +59,7 @@ VARIANTS = (
     "flashinfer",
     "gemv",
     "fused-gemv",
+    "l2-prefetch",
     "hf",
     "prefix-order",
 )
@@ -226,6 +228,7 @@ def engine_config(args, model_dir: Path, variant: str):
         "flashinfer": {"attention_backend": "flashinfer"},
         "gemv": {},  # BATCHRUN_GEMV=triton around the engine's life (main())
         "fused-gemv": {},  # BATCHRUN_GEMV=fused
+        "l2-prefetch": {},  # BATCHRUN_L2_PREFETCH_MB=--l2-prefetch-mb
         "prefix-order": {},
     }[variant]
     return replace(cfg, **changes)
@@ -609,6 +612,12 @@ def parse_args(argv=None):
         help="prefill tokens a step (default: the engine's)",
     )
     p.add_argument(
+        "--l2-prefetch-mb",
+        type=float,
+        default=24.0,
+        help="the l2-prefetch variant's MB per decoder layer (o_proj, then gate_up)",
+    )
+    p.add_argument(
         "--decode-config",
         default=None,
         help="BLOCK_N,WARPS,STAGES of the Triton decode attention kernel (default: its own)",
@@ -723,8 +732,11 @@ def main(argv=None) -> int:
             # NOTE: the switch is read per call, and once at capture for the decode graphs, so it
             # is set for the whole life of this variant's engine and cleared before the next
             os.environ.pop(GEMV_ENV, None)
+            os.environ.pop(L2_PREFETCH_ENV, None)
             if variant in ("gemv", "fused-gemv"):
                 os.environ[GEMV_ENV] = "triton" if variant == "gemv" else "fused"
+            if variant == "l2-prefetch":
+                os.environ[L2_PREFETCH_ENV] = str(args.l2_prefetch_mb)
             try:
                 dev.sync()
                 t = time.perf_counter()
@@ -763,6 +775,7 @@ def main(argv=None) -> int:
                 record(res)
             del target, probe
             os.environ.pop(GEMV_ENV, None)
+            os.environ.pop(L2_PREFETCH_ENV, None)
             dev.free()  # two 8b models never coexist
     text = write_report(args.out, env, results, args.variants, skipped)
     if skipped:
