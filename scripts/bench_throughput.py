@@ -618,6 +618,11 @@ def parse_args(argv=None):
         help="the l2-prefetch variant's MB per decoder layer (o_proj, then gate_up)",
     )
     p.add_argument(
+        "--l2-prefetch-config",
+        default=None,
+        help="PROGRAMS,BLOCK[,CACHE_MODIFIER] of kernels/l2_prefetch.py (default: its own)",
+    )
+    p.add_argument(
         "--decode-config",
         default=None,
         help="BLOCK_N,WARPS,STAGES of the Triton decode attention kernel (default: its own)",
@@ -696,6 +701,13 @@ def main(argv=None) -> int:
         decode_attention.DEFAULT_BLOCK_N = bn
         decode_attention.DEFAULT_NUM_WARPS = warps
         decode_attention.DEFAULT_NUM_STAGES = stages
+    if args.l2_prefetch_config:  # read at every launch, as the decode config
+        from batchrun.kernels import l2_prefetch
+
+        parts = args.l2_prefetch_config.split(",")
+        l2_prefetch.NUM_PROGRAMS, l2_prefetch.BLOCK = int(parts[0]), int(parts[1])
+        if len(parts) > 2:
+            l2_prefetch.CACHE_MODIFIER = parts[2]
     dev = Device(args.device)
     env = environment(args)
     log(json.dumps(env))
