@@ -218,8 +218,7 @@ class StructuredOutput:
             release.open()
 
     def _job(self, accepts: list[Recorded], matchers: list, rows: list[int]):
-        shards = getattr(self.backend, "fill_shards", 1)
-        shards = min(shards, len(rows) // MIN_SHARD_ROWS)
+        shards = min(self.backend.fill_shards, len(rows) // MIN_SHARD_ROWS)
         if shards > 1:
             return rows, self._sharded_job(accepts, matchers, rows, shards)
         rejected = self._accept(accepts)

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("xgrammar")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from spies import count_calls  # noqa: E402
 from tiny_models import TINY_JSON_SCHEMA, make_tiny_chat_model, random_prompts  # noqa: E402
 
 from batchrun.engine.config import EngineConfig  # noqa: E402
@@ -100,15 +101,7 @@ def sharded(engine: Engine, monkeypatch, shards: int = 3) -> dict:
 
     monkeypatch.setattr(structured, "MIN_SHARD_ROWS", 2)
     engine.grammar.set_fill_parallelism(1, shards)
-    calls = {"jobs": 0}
-    real = engine.structured._sharded_job
-
-    def counted(*args):
-        calls["jobs"] += 1
-        return real(*args)
-
-    monkeypatch.setattr(engine.structured, "_sharded_job", counted)
-    return calls
+    return count_calls(monkeypatch, engine.structured, "_sharded_job")
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -120,7 +113,7 @@ def test_a_fill_job_in_shards_gives_the_same_tokens(model_dir, monkeypatch, over
     engine = make_engine(model_dir, overlap=overlap)
     calls = sharded(engine, monkeypatch)
     parts = run(engine, reqs)
-    assert calls["jobs"] > 10
+    assert calls["n"] > 10
     assert {k: r.output_ids for k, r in parts.items()} == {
         k: r.output_ids for k, r in whole.items()
     }

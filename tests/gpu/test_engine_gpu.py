@@ -108,17 +108,11 @@ def test_l2_prefetch_gives_the_same_tokens(model_dir, reference, monkeypatch, gr
     on a side stream, joined before the layer returns (captured as a fork in the graphs). The
     tokens do not change."""
     import batchrun.kernels.l2_prefetch as prefetch
+    from spies import count_calls
 
     from batchrun.models.layers import L2_PREFETCH_ENV
 
-    calls = {"n": 0}
-    real = prefetch.l2_prefetch
-
-    def counted(*args):
-        calls["n"] += 1
-        return real(*args)
-
-    monkeypatch.setattr(prefetch, "l2_prefetch", counted)
+    calls = count_calls(monkeypatch, prefetch, "l2_prefetch")
     monkeypatch.setenv(L2_PREFETCH_ENV, "0.05")  # cuts inside gate_up of the tiny model
     got = _run(model_dir, max_running=8, overlap=True, cuda_graph_max_bs=graphs)
     assert calls["n"] > 0

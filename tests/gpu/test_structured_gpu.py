@@ -241,15 +241,10 @@ def test_grammar_greedy_rows_take_the_fused_kernel(model_dir, monkeypatch):
     """A plain-greedy grammar batch samples through masked_argmax (checked by counting calls);
     the tokens equal the apply + sampler path's (test_overlap_on_off_identical_and_valid runs
     both: overlap off uploads without row flags, so it takes apply + sampler)."""
+    from spies import count_calls
+
     from batchrun.kernels import token_bitmask
 
-    calls = {"n": 0}
-    real = token_bitmask.masked_argmax
-
-    def counted(*args):
-        calls["n"] += 1
-        return real(*args)
-
-    monkeypatch.setattr(token_bitmask, "masked_argmax", counted)
+    calls = count_calls(monkeypatch, token_bitmask, "masked_argmax")
     _, out = _run(model_dir, overlap=True)
     assert calls["n"] > 10 and len(out) == 48

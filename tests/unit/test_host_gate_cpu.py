@@ -68,6 +68,8 @@ def test_opening_moves_forward_only_cyclically():
 
 
 class FakeBackend:
+    fill_shards = 1
+
     def __init__(self, fail: bool = False):
         self.fail = fail
         self.allowed: list[int] = []
