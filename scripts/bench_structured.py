@@ -241,7 +241,7 @@ def main(argv=None) -> int:
             run_once(engine, warm, msgspec.structs.replace(params, max_new_tokens=16), sync)
         warmup = time.perf_counter() - t
         clock = HostClock(engine)
-        phases = HostPhases(engine) if args.phases else None
+        phases = HostPhases(engine, cpu=True) if args.phases else None
         if phases:
             phases.take(1.0, 1)  # drop the warm-up's share
         backend = engine.grammar

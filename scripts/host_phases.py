@@ -56,8 +56,13 @@ class MethodTimers:
     """Wraps methods under an object with timers: seconds and calls per label. targets:
     (label, attribute path under root, method name); a path that leads nowhere is skipped."""
 
-    def __init__(self, root, targets):
+    def __init__(self, root, targets, cpu: bool = False):
         self.seconds: dict[str, float] = {label: 0.0 for label, _, _ in targets}
+        # cpu: also the calling thread's CPU time per label (time.thread_time, ~1 µs a call):
+        # a phase whose CPU time falls short of its wall time was off the CPU (GIL, preempted)
+        self.cpu_seconds: dict[str, float] | None = (
+            {label: 0.0 for label, _, _ in targets} if cpu else None
+        )
         self.calls: dict[str, int] = {label: 0 for label, _, _ in targets}
         # (owner, method name, what owner itself held under that name or None), for close()
         self._wrapped: list[tuple[object, str, object]] = []
@@ -82,7 +87,19 @@ class MethodTimers:
         self._wrapped = []
 
     def _timed(self, fn, label):
-        seconds, calls = self.seconds, self.calls
+        seconds, calls, cpu_seconds = self.seconds, self.calls, self.cpu_seconds
+        if cpu_seconds is not None:
+
+            def cpu_wrapper(*args, **kwargs):
+                t, c = time.perf_counter(), time.thread_time()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    cpu_seconds[label] += time.thread_time() - c
+                    seconds[label] += time.perf_counter() - t
+                    calls[label] += 1
+
+            return cpu_wrapper
 
         def wrapper(*args, **kwargs):
             t = time.perf_counter()
@@ -98,6 +115,9 @@ class MethodTimers:
         for label in self.seconds:
             self.seconds[label] = 0.0
             self.calls[label] = 0
+        if self.cpu_seconds is not None:
+            for label in self.cpu_seconds:
+                self.cpu_seconds[label] = 0.0
 
 
 # the host side of every Triton launch (argument binding, specialization, cache lookup, the
@@ -105,11 +125,32 @@ class MethodTimers:
 TRITON_LAUNCH = (("triton_launch", "JITFunction", "run"),)
 
 
+def _thread_switches() -> tuple[int, int]:
+    """The calling thread's (voluntary, involuntary) context switches so far; (0, 0) where
+    /proc does not say. Voluntary: it blocked (a lock such as the GIL, a sleep, an event wait);
+    involuntary: the kernel took its CPU away."""
+    counts = {}
+    try:
+        with open("/proc/thread-self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.endswith("ctxt_switches"):
+                    counts[key] = int(value)
+    except (OSError, ValueError):
+        pass
+    return counts.get("voluntary_ctxt_switches", 0), counts.get("nonvoluntary_ctxt_switches", 0)
+
+
 class HostPhases(MethodTimers):
-    def __init__(self, engine, phases=PHASES):
-        super().__init__(engine, phases)
+    """cpu: also each phase's CPU time on the calling thread, and that thread's CPU time and
+    context switches over the whole window (take() on the thread that runs the engine)."""
+
+    def __init__(self, engine, phases=PHASES, cpu: bool = False):
+        super().__init__(engine, phases, cpu=cpu)
         self.engine = engine
         self._forward0 = engine.runner.forward_time
+        self._cpu0 = time.thread_time()
+        self._switches0 = _thread_switches()
         self._triton = None
         if engine.runner.device.type == "cuda":
             try:
@@ -144,12 +185,30 @@ class HostPhases(MethodTimers):
         out["gpu_forward_ms"] = 1e3 * (forward - self._forward0) / steps
         out["occupancy"] = (forward - self._forward0) / wall_s if wall_s else 0.0
         self._forward0 = forward
+        cpu, switches = time.thread_time(), _thread_switches()
+        if self.cpu_seconds is not None:
+            out["cpu"] = {label: 1e3 * s / steps for label, s in self.cpu_seconds.items()}
+            out["main_cpu_ms"] = 1e3 * (cpu - self._cpu0) / steps
+            out["main_cpu_share"] = (cpu - self._cpu0) / wall_s if wall_s else 0.0
+            out["voluntary_switches"] = (switches[0] - self._switches0[0]) / steps
+            out["involuntary_switches"] = (switches[1] - self._switches0[1]) / steps
+        self._cpu0, self._switches0 = cpu, switches
         self.reset()
         return out
 
     @staticmethod
     def format(phases: dict) -> str:
-        return (
-            " | ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "occupancy" and v >= 0.005)
+        """One line: ms per step by phase, then (cpu=True) a second with each phase's CPU time."""
+        line = (
+            " | ".join(
+                f"{k} {v:.2f}"
+                for k, v in phases.items()
+                if k != "occupancy" and isinstance(v, float) and v >= 0.005
+            )
             + f" | occupancy {phases['occupancy']:.2f}"
         )
+        if "cpu" in phases:
+            line += "\n  main thread CPU ms/step: " + " | ".join(
+                f"{k} {v:.2f}" for k, v in phases["cpu"].items() if v >= 0.005
+            )
+        return line
