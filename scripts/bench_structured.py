@@ -174,6 +174,11 @@ def main(argv=None) -> int:
         help="the GIL switch interval while grammars run (default: batchrun's GIL_SWITCH_S)",
     )  # fmt: skip
     p.add_argument(
+        "--event-sync", default="spin",
+        help="comma-separated: spin (default) and/or block, how host threads wait for a step's "
+        "results (model_runner.BLOCKING_SYNC); each repeat runs every mode",
+    )  # fmt: skip
+    p.add_argument(
         "--phases", action="store_true",
         help="time the main thread's phases per step (scripts/host_phases.py) and print them",
     )  # fmt: skip
@@ -247,11 +252,22 @@ def main(argv=None) -> int:
         backend = engine.grammar
         default_fill = f"{backend.fill_threads}x{backend.fill_shards}"
         settings = args.fill.split(",") if args.fill else [default_fill]
-        runs: dict[str, list[dict]] = {"free": []}
-        runs.update({f"json_schema {s}": [] for s in settings})
+        modes = args.event_sync.split(",")
+        if not set(modes) <= {"spin", "block"}:
+            p.error(f"--event-sync takes spin and/or block; got {args.event_sync!r}")
+
+        def key(name: str, mode: str) -> str:  # the mode is named only when several run
+            return f"{name} {mode}" if len(modes) > 1 else name
+
+        runs: dict[str, list[dict]] = {}
+        plan = []
+        for mode in modes:
+            plan.append((key("free", mode), free, None, mode))
+            plan += [(key(f"json_schema {s}", mode), constrained, s, mode) for s in settings]
+        runs = {name: [] for name, *_ in plan}
         for _ in range(args.repeats):
-            plan = [("free", free, None)] + [(f"json_schema {s}", constrained, s) for s in settings]
-            for name, params, setting in plan:
+            for name, params, setting, mode in plan:
+                engine.runner.blocking_sync = mode == "block"
                 if setting is not None:
                     threads, shards = (int(x) for x in setting.split("x"))
                     backend.set_fill_parallelism(threads, shards)
@@ -274,7 +290,6 @@ def main(argv=None) -> int:
                 if phases:
                     print(f"  main thread ms/step: {HostPhases.format(res['phases_ms_per_step'])}")
 
-    free_tok_s = statistics.median(r["tok_s"] for r in runs["free"])
     device = torch.cuda.get_device_name() if is_cuda else "cpu"
     print(f"\nmodel {args.model} on {device}; start-up {startup:.1f} s, warm-up {warmup:.1f} s")
     print(
@@ -283,26 +298,34 @@ def main(argv=None) -> int:
     )
     print("|---|---|---|---|---|")
     overheads = {}
-    for setting in settings:
-        json_tok_s = statistics.median(r["tok_s"] for r in runs[f"json_schema {setting}"])
-        overhead = overheads[setting] = 100.0 * (free_tok_s - json_tok_s) / free_tok_s
-        print(
-            f"| W4, {args.model}, {args.num_prompts} x {args.prompt_len} in, {args.output_len} "
-            f"out | {setting} | {free_tok_s:,.0f} | {json_tok_s:,.0f} | {overhead:.1f} % "
-            "(target <= 10 %) |"
-        )
+    for mode in modes:
+        free_mode = statistics.median(r["tok_s"] for r in runs[key("free", mode)])
+        for setting in settings:
+            label = key(setting, mode)
+            json_tok_s = statistics.median(
+                r["tok_s"] for r in runs[key(f"json_schema {setting}", mode)]
+            )
+            overhead = overheads[label] = 100.0 * (free_mode - json_tok_s) / free_mode
+            print(
+                f"| W4, {args.model}, {args.num_prompts} x {args.prompt_len} in, "
+                f"{args.output_len} out | {label} | {free_mode:,.0f} | {json_tok_s:,.0f} | "
+                f"{overhead:.1f} % (target <= 10 %) |"
+            )
+    free_tok_s = statistics.median(r["tok_s"] for r in runs[key("free", modes[0])])
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "model": args.model,
         "device": device,
         "args": {k: str(v) for k, v in vars(args).items()},
         "free_tok_s": free_tok_s,
-        "fill_settings": settings,  # THREADSxSHARDS; runs are keyed "json_schema SETTING"
+        # THREADSxSHARDS; runs are keyed "json_schema SETTING" (and " MODE" with several modes)
+        "fill_settings": settings,
+        "event_sync": modes,
         # the first setting's figures (the engine's default when --fill is not given)
         "json_schema_tok_s": statistics.median(
-            r["tok_s"] for r in runs[f"json_schema {settings[0]}"]
+            r["tok_s"] for r in runs[key(f"json_schema {settings[0]}", modes[0])]
         ),
-        "overhead_pct": overheads[settings[0]],
+        "overhead_pct": overheads[key(settings[0], modes[0])],
         "overhead_pct_by_fill": overheads,
         "runs": {k: [{**r, "finish": dict(r["finish"])} for r in v] for k, v in runs.items()},
     }

@@ -150,6 +150,7 @@ class HostPhases(MethodTimers):
         self.engine = engine
         self._forward0 = engine.runner.forward_time
         self._cpu0 = time.thread_time()
+        self._process_cpu0 = time.process_time()
         self._switches0 = _thread_switches()
         self._triton = None
         if engine.runner.device.type == "cuda":
@@ -185,14 +186,16 @@ class HostPhases(MethodTimers):
         out["gpu_forward_ms"] = 1e3 * (forward - self._forward0) / steps
         out["occupancy"] = (forward - self._forward0) / wall_s if wall_s else 0.0
         self._forward0 = forward
-        cpu, switches = time.thread_time(), _thread_switches()
+        cpu, switches, process_cpu = time.thread_time(), _thread_switches(), time.process_time()
         if self.cpu_seconds is not None:
+            # every thread of the process: the step loop, the fill job, xgrammar's C++ threads
+            out["process_cpu_ms"] = 1e3 * (process_cpu - self._process_cpu0) / steps
             out["cpu"] = {label: 1e3 * s / steps for label, s in self.cpu_seconds.items()}
             out["main_cpu_ms"] = 1e3 * (cpu - self._cpu0) / steps
             out["main_cpu_share"] = (cpu - self._cpu0) / wall_s if wall_s else 0.0
             out["voluntary_switches"] = (switches[0] - self._switches0[0]) / steps
             out["involuntary_switches"] = (switches[1] - self._switches0[1]) / steps
-        self._cpu0, self._switches0 = cpu, switches
+        self._cpu0, self._switches0, self._process_cpu0 = cpu, switches, process_cpu
         self.reset()
         return out
 
