@@ -12,10 +12,9 @@ for CPU smoke tests). Workloads as BENCH.md defines them (W1 random, W2 shared p
 request; W2L: W2-large, whose distinct prefix tokens exceed a capped KV pool). Variants:
 batchrun (overlap + CUDA graphs), no-overlap, no-graph, no-radix, flashinfer (batchrun with the
 FlashInfer attention backend), gemv (batchrun with BATCHRUN_GEMV=triton: kernels/gemv.py for the
-large decode matmuls), fused-gemv (BATCHRUN_GEMV=fused: also kernels/norm_gemv.py), l2-prefetch
-(BATCHRUN_L2_PREFETCH_MB: kernels/l2_prefetch.py in each decoder layer of a small batch), hf, and
-prefix-order (batchrun fed in batchrun.order's DFS order, ordering timed; every other variant
-takes the prompts in their given, shuffled, input order).
+large decode matmuls), fused-gemv (BATCHRUN_GEMV=fused: also kernels/norm_gemv.py), hf, and
+prefix-order (batchrun fed in batchrun.order's DFS order, ordering timed; every other variant takes
+the prompts in their given, shuffled, input order).
 
 Each engine is built once per (model, variant) (start-up reported apart), warmed up on each
 workload's shape outside the timed region, and timed on `engine.generate(requests)` between
@@ -49,7 +48,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
 
-from batchrun.models.layers import GEMV_ENV, L2_PREFETCH_ENV  # noqa: E402
+from batchrun.models.layers import GEMV_ENV  # noqa: E402
 
 VARIANTS = (
     "batchrun",
@@ -59,7 +58,6 @@ VARIANTS = (
     "flashinfer",
     "gemv",
     "fused-gemv",
-    "l2-prefetch",
     "hf",
     "prefix-order",
 )
@@ -228,7 +226,6 @@ def engine_config(args, model_dir: Path, variant: str):
         "flashinfer": {"attention_backend": "flashinfer"},
         "gemv": {},  # BATCHRUN_GEMV=triton around the engine's life (main())
         "fused-gemv": {},  # BATCHRUN_GEMV=fused
-        "l2-prefetch": {},  # BATCHRUN_L2_PREFETCH_MB=--l2-prefetch-mb
         "prefix-order": {},
     }[variant]
     return replace(cfg, **changes)
@@ -612,17 +609,6 @@ def parse_args(argv=None):
         help="prefill tokens a step (default: the engine's)",
     )
     p.add_argument(
-        "--l2-prefetch-mb",
-        type=float,
-        default=24.0,
-        help="the l2-prefetch variant's MB per decoder layer (o_proj, then gate_up)",
-    )
-    p.add_argument(
-        "--l2-prefetch-config",
-        default=None,
-        help="PROGRAMS,BLOCK[,CACHE_MODIFIER] of kernels/l2_prefetch.py (default: its own)",
-    )
-    p.add_argument(
         "--decode-config",
         default=None,
         help="BLOCK_N,WARPS,STAGES of the Triton decode attention kernel (default: its own)",
@@ -701,13 +687,6 @@ def main(argv=None) -> int:
         decode_attention.DEFAULT_BLOCK_N = bn
         decode_attention.DEFAULT_NUM_WARPS = warps
         decode_attention.DEFAULT_NUM_STAGES = stages
-    if args.l2_prefetch_config:  # read at every launch, as the decode config
-        from batchrun.kernels import l2_prefetch
-
-        parts = args.l2_prefetch_config.split(",")
-        l2_prefetch.NUM_PROGRAMS, l2_prefetch.BLOCK = int(parts[0]), int(parts[1])
-        if len(parts) > 2:
-            l2_prefetch.CACHE_MODIFIER = parts[2]
     dev = Device(args.device)
     env = environment(args)
     log(json.dumps(env))
@@ -744,11 +723,8 @@ def main(argv=None) -> int:
             # NOTE: the switch is read per call, and once at capture for the decode graphs, so it
             # is set for the whole life of this variant's engine and cleared before the next
             os.environ.pop(GEMV_ENV, None)
-            os.environ.pop(L2_PREFETCH_ENV, None)
             if variant in ("gemv", "fused-gemv"):
                 os.environ[GEMV_ENV] = "triton" if variant == "gemv" else "fused"
-            if variant == "l2-prefetch":
-                os.environ[L2_PREFETCH_ENV] = str(args.l2_prefetch_mb)
             try:
                 dev.sync()
                 t = time.perf_counter()
@@ -787,7 +763,6 @@ def main(argv=None) -> int:
                 record(res)
             del target, probe
             os.environ.pop(GEMV_ENV, None)
-            os.environ.pop(L2_PREFETCH_ENV, None)
             dev.free()  # two 8b models never coexist
     text = write_report(args.out, env, results, args.variants, skipped)
     if skipped:

@@ -54,26 +54,6 @@ def use_fused_decode(x: torch.Tensor) -> bool:
     return use_decode_gemv(x) and os.environ.get(GEMV_ENV) == "fused"
 
 
-# NOTE: opt-in until measured (kernels/l2_prefetch.py): MB of each decoder layer's o_proj and
-# gate_up weights to pull into L2 on a side stream while the layer's first kernels run, for a
-# forward of at most 16 tokens. Read on every call; a decode graph reads it once, at capture.
-L2_PREFETCH_ENV = "BATCHRUN_L2_PREFETCH_MB"
-
-
-def l2_prefetch_bytes(x: torch.Tensor) -> int:
-    """How many bytes a decoder layer prefetches for activation x ([T, hidden]): 0 unless
-    T <= 16 on CUDA with triton and BATCHRUN_L2_PREFETCH_MB set to a positive number."""
-    if x.dim() != 2 or x.shape[0] > 16 or not use_fused_kernels(x):
-        return 0
-    value = os.environ.get(L2_PREFETCH_ENV)
-    if not value:
-        return 0
-    try:
-        return max(0, int(float(value) * (1 << 20)))
-    except ValueError:
-        raise ValueError(f"{L2_PREFETCH_ENV} must be a number of MB; got {value!r}") from None
-
-
 # NOTE: where kernels/gemv.py beat cuBLAS on the H200 (scripts/bench_gemv.py, M = 1): llama-8b's
 # o_proj 4096 x 4096 11.2 vs 13.1 µs and down_proj 4096 x 14336 30.2 vs 31.2; on llama-1b's
 # smaller matrices cuBLAS was as fast or faster (o 6.0 vs 6.0, down 14.2 vs 13.9)

@@ -10,7 +10,6 @@ and a slice of the vocabulary; logits are all-gathered, so every rank returns th
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -22,7 +21,6 @@ from batchrun.models.config import ModelConfig
 from batchrun.models.layers import (
     RMSNorm,
     RotaryEmbedding,
-    l2_prefetch_bytes,
     linear,
     use_fused_decode,
     use_fused_kernels,
@@ -128,33 +126,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, part, tp, layer_id, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, part, tp, dtype, device)
-        self._prefetch_sink: torch.Tensor | None = None  # l2_prefetch's output, made on first use
 
     def forward(self, x, residual, positions, rotary, backend):
         """Residual-stream form of `h = x + attn(norm(x)); out = h + mlp(norm(h))`: takes and
         returns (hidden, residual) with out = hidden + residual, so each add fuses into the next
         norm. The first layer gets residual None and x = the embeddings.
         """
-        prefetch = l2_prefetch_bytes(x)
-        if not prefetch:
-            return self._forward(x, residual, positions, rotary, backend)
-        # a side stream pulls o_proj and the head of gate_up into L2 while this stream runs the
-        # norm, qkv and attention (kernels/l2_prefetch.py); joined before the layer returns, as
-        # a CUDA graph capture needs
-        from batchrun.kernels.l2_prefetch import NUM_PROGRAMS, l2_prefetch
-
-        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-        if self._prefetch_sink is None:  # the eager warm-up before a capture makes it
-            self._prefetch_sink = torch.empty(2 * NUM_PROGRAMS, dtype=torch.int32, device=x.device)
-        weights = [self.self_attn.o_proj.weight, self.mlp.gate_up_proj.weight]
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            l2_prefetch(weights, prefetch, self._prefetch_sink)
-        out = self._forward(x, residual, positions, rotary, backend)
-        main.wait_stream(side)
-        return out
-
-    def _forward(self, x, residual, positions, rotary, backend):
         attn, mlp = self.self_attn, self.mlp
         if (
             use_fused_decode(x)
@@ -184,12 +161,6 @@ class DecoderLayer(nn.Module):
             x, residual, norm_post.weight, norm_post.eps, mlp.gate_up_proj.weight, swiglu=True
         )
         return mlp.down_proj(act), residual
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream the decoder layers' L2 prefetches run on (one per device)."""
-    return torch.cuda.Stream(device)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -305,30 +305,6 @@ def _check_masked_argmax() -> None:
         assert got[2] == 0
 
 
-def _check_l2_prefetch() -> None:
-    """kernels/l2_prefetch.py reads exactly the words it should: every word of the first tensor,
-    the second cut at max_bytes (xor of what each program read, against the host's xor)."""
-    from functools import reduce
-    from operator import xor
-
-    from batchrun.kernels.l2_prefetch import BLOCK, NUM_PROGRAMS, l2_prefetch, prefetch_words
-
-    gen = torch.Generator().manual_seed(11)
-    first = torch.randn(3 * BLOCK + 5, 2, generator=gen).to(torch.float16)  # odd word count
-    second = torch.randn(40 * BLOCK, generator=gen)
-    max_bytes = first.numel() * 2 + 17 * BLOCK * 4 + 6  # the cut falls inside the second
-    views = prefetch_words([first, second], max_bytes)
-    assert [v.numel() for v in views] == [first.numel() // 2, 17 * BLOCK + 1]
-    sink = torch.zeros(2 * NUM_PROGRAMS, dtype=torch.int32)
-    l2_prefetch([first, second], max_bytes, sink)
-    for i, words in enumerate(views):
-        programs = min(NUM_PROGRAMS, -(-words.numel() // BLOCK))
-        got = reduce(xor, sink[i * NUM_PROGRAMS : i * NUM_PROGRAMS + programs].tolist(), 0)
-        assert got == reduce(xor, words.tolist(), 0), i
-    assert prefetch_words([first, second], 8)[0].numel() == 2
-    assert not prefetch_words([first], 0)
-
-
 def _run_checks() -> None:
     # fp16: every kernel rounds where the torch code rounds, so at most one ulp from a different
     # fp32 reduction order / rsqrt / exp; rotary is exact (products of fp16 values are exact)
@@ -340,7 +316,6 @@ def _run_checks() -> None:
     _check_token_bitmask()
     _check_masked_argmax()
     _check_argmax()
-    _check_l2_prefetch()
     _check_gemv()
     _check_norm_gemv()
     with tempfile.TemporaryDirectory() as tmp_dir:
