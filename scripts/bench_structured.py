@@ -42,6 +42,8 @@ from bench_models import MODELS, write_model_dir  # noqa: E402
 from host_phases import HostPhases, MethodTimers  # noqa: E402
 
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000  # prompt ids: inside the SmolLM2 vocabulary
+MODES = ("default", "block", "no-piecewise")  # --modes
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -174,9 +176,10 @@ def main(argv=None) -> int:
         help="the GIL switch interval while grammars run (default: batchrun's GIL_SWITCH_S)",
     )  # fmt: skip
     p.add_argument(
-        "--event-sync", default="spin",
-        help="comma-separated: spin (default) and/or block, how host threads wait for a step's "
-        "results (model_runner.BLOCKING_SYNC); each repeat runs every mode",
+        "--modes", default="default",
+        help=f"comma-separated, of {', '.join(MODES)}: each repeat runs every mode (the engine's "
+        "defaults; a step's results event with blocking sync (model_runner.BLOCKING_SYNC); "
+        "prefill and mixed steps without piecewise CUDA graphs)",
     )  # fmt: skip
     p.add_argument(
         "--phases", action="store_true",
@@ -252,9 +255,10 @@ def main(argv=None) -> int:
         backend = engine.grammar
         default_fill = f"{backend.fill_threads}x{backend.fill_shards}"
         settings = args.fill.split(",") if args.fill else [default_fill]
-        modes = args.event_sync.split(",")
-        if not set(modes) <= {"spin", "block"}:
-            p.error(f"--event-sync takes spin and/or block; got {args.event_sync!r}")
+        modes = args.modes.split(",")
+        if not set(modes) <= set(MODES):
+            p.error(f"--modes takes {', '.join(MODES)}; got {args.modes!r}")
+        piecewise = engine.runner.piecewise
 
         def key(name: str, mode: str) -> str:  # the mode is named only when several run
             return f"{name} {mode}" if len(modes) > 1 else name
@@ -268,6 +272,7 @@ def main(argv=None) -> int:
         for _ in range(args.repeats):
             for name, params, setting, mode in plan:
                 engine.runner.blocking_sync = mode == "block"
+                engine.runner.piecewise = None if mode == "no-piecewise" else piecewise
                 if setting is not None:
                     threads, shards = (int(x) for x in setting.split("x"))
                     backend.set_fill_parallelism(threads, shards)
@@ -320,7 +325,7 @@ def main(argv=None) -> int:
         "free_tok_s": free_tok_s,
         # THREADSxSHARDS; runs are keyed "json_schema SETTING" (and " MODE" with several modes)
         "fill_settings": settings,
-        "event_sync": modes,
+        "modes": modes,
         # the first setting's figures (the engine's default when --fill is not given)
         "json_schema_tok_s": statistics.median(
             r["tok_s"] for r in runs[key(f"json_schema {settings[0]}", modes[0])]

@@ -12,9 +12,10 @@ for CPU smoke tests). Workloads as BENCH.md defines them (W1 random, W2 shared p
 request; W2L: W2-large, whose distinct prefix tokens exceed a capped KV pool). Variants:
 batchrun (overlap + CUDA graphs), no-overlap, no-graph, no-radix, flashinfer (batchrun with the
 FlashInfer attention backend), gemv (batchrun with BATCHRUN_GEMV=triton: kernels/gemv.py for the
-large decode matmuls), fused-gemv (BATCHRUN_GEMV=fused: also kernels/norm_gemv.py), hf, and
-prefix-order (batchrun fed in batchrun.order's DFS order, ordering timed; every other variant takes
-the prompts in their given, shuffled, input order).
+large decode matmuls), fused-gemv (BATCHRUN_GEMV=fused: also kernels/norm_gemv.py),
+no-piecewise / piecewise (batchrun with piecewise CUDA graphs for prefill and mixed steps off /
+on whatever the default), hf, and prefix-order (batchrun fed in batchrun.order's DFS order,
+ordering timed; every other variant takes the prompts in their given, shuffled, input order).
 
 Each engine is built once per (model, variant) (start-up reported apart), warmed up on each
 workload's shape outside the timed region, and timed on `engine.generate(requests)` between
@@ -58,6 +59,8 @@ VARIANTS = (
     "flashinfer",
     "gemv",
     "fused-gemv",
+    "no-piecewise",
+    "piecewise",
     "hf",
     "prefix-order",
 )
@@ -226,6 +229,8 @@ def engine_config(args, model_dir: Path, variant: str):
         "flashinfer": {"attention_backend": "flashinfer"},
         "gemv": {},  # BATCHRUN_GEMV=triton around the engine's life (main())
         "fused-gemv": {},  # BATCHRUN_GEMV=fused
+        "no-piecewise": {"piecewise_cuda_graph": False},
+        "piecewise": {"piecewise_cuda_graph": True},  # also where it is off by default
         "prefix-order": {},
     }[variant]
     return replace(cfg, **changes)

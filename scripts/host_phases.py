@@ -27,6 +27,8 @@ PHASES = (
     ("table_apply", "runner.req_pool", "apply"),
     ("graph_replay", "runner.graphs", "replay"),
     ("graph_inputs", "runner.graphs.backend", "load_graph_inputs"),
+    # a prefill or mixed step through piecewise graphs (engine/piecewise_graph.py)
+    ("piecewise_forward", "runner.piecewise", "run"),
     ("eager_forward", "runner.model", "forward"),
     # inside eager_forward: each layer's attention (KV store + kernels; a graph replays these
     # without Python)

@@ -36,12 +36,19 @@ class AttentionInputs:
 
 
 class AttentionBackend:
-    """Interface. `forward` returns [T, num_heads * head_dim]."""
+    """Interface. `forward` returns [T, num_heads * head_dim]; given `out` ([T, num_heads,
+    head_dim], contiguous), it writes there and returns out's view."""
 
     def prepare(self, inputs: AttentionInputs) -> None:
         raise NotImplementedError
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        scaling: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError

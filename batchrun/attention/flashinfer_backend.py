@@ -177,7 +177,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         self._wrapper = self._planned = None
 
-    def forward(self, q, k, v, layer_id: int, scaling: float) -> torch.Tensor:
+    def forward(self, q, k, v, layer_id: int, scaling: float, out=None) -> torch.Tensor:
         batch = self._batch
         assert batch is not None, "prepare() or prepare_graph() must run before forward()"
         num_tokens, num_heads, head_dim = q.shape
@@ -187,7 +187,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
         paged = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # [slots + 1, 1, KV, D] each
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         self._wrapper.run(q, paged, out=out)
         return out.view(num_tokens, num_heads * head_dim)
 

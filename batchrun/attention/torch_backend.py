@@ -70,7 +70,14 @@ class TorchAttentionBackend(AttentionBackend):
             start += n
         return per_req
 
-    def forward(self, q, k, v, layer_id: int, scaling: float) -> torch.Tensor:
+    def forward(self, q, k, v, layer_id: int, scaling: float, out=None) -> torch.Tensor:
+        result = self._forward(q, k, v, layer_id, scaling)
+        if out is None:
+            return result
+        out.view_as(result).copy_(result)
+        return out.view_as(result)
+
+    def _forward(self, q, k, v, layer_id: int, scaling: float) -> torch.Tensor:
         inputs = self._inputs
         assert inputs is not None, "prepare() must run before forward()"
         self.kv_pool.store(layer_id, inputs.out_cache_loc, k, v)

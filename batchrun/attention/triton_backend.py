@@ -124,7 +124,7 @@ class TritonAttentionBackend(AttentionBackend):
         programs = max(1, batch_size * self.num_kv_heads)
         return max(1, min(MAX_KV_SPLITS, -(-PROGRAMS_PER_SM * self.num_sms // programs)))
 
-    def forward(self, q, k, v, layer_id: int, scaling: float) -> torch.Tensor:
+    def forward(self, q, k, v, layer_id: int, scaling: float, out=None) -> torch.Tensor:
         plan = self._plan
         assert plan is not None, "prepare() or prepare_graph() must run before forward()"
         num_tokens, num_heads, head_dim = q.shape
@@ -136,7 +136,8 @@ class TritonAttentionBackend(AttentionBackend):
             loc = plan.out_cache_loc
         self.kv_pool.store(layer_id, loc, k, v)
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         if isinstance(plan, _MixedPlan):
             d = plan.num_decode_tokens
             self._decode(plan.decode, q[:d], k_buf, v_buf, out[:d], scaling)

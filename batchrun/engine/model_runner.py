@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from batchrun.attention import AttentionInputs, create_backend
-from batchrun.engine.config import EngineConfig
+from batchrun.engine.config import EngineConfig, is_large
 from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.kv_pool import KVPool, ReqToTokenPool
 from batchrun.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingBatch
@@ -147,6 +147,32 @@ class ModelRunner:
                 min(config.cuda_graph_max_bs, config.max_running),
                 self.device,
             )
+        self.piecewise = None  # piecewise graphs for the other steps
+        if self._use_piecewise():
+            from batchrun.engine.piecewise_graph import PiecewiseGraphRunner
+
+            self.piecewise = PiecewiseGraphRunner(
+                self.model,
+                self.backend,
+                config.chunked_prefill_size + config.max_running,
+                self.device,
+            )
+
+    def _use_piecewise(self) -> bool:
+        """config.piecewise_cuda_graph, where it can run: CUDA, a token budget per step (a
+        chunked prefill size) and a model built of pre_attention / post_attention halves."""
+        cfg = self.config
+        if (
+            self.device.type != "cuda"
+            or not isinstance(cfg.chunked_prefill_size, int)
+            or not hasattr(self.model.layers[0], "pre_attention")
+        ):
+            return False
+        if cfg.piecewise_cuda_graph is not None:
+            return cfg.piecewise_cuda_graph
+        # NOTE: on by default only where the host is the bottleneck: a small model's mixed steps
+        # (a large one's GPU time hides their launches, and the padding to a captured size costs)
+        return cfg.cuda_graph_max_bs > 0 and not is_large(self.model_cfg)
 
     def _kv_slots(self) -> int:
         cfg, page = self.config, self.config.page_size
@@ -290,6 +316,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(attn):
             return self.graphs.replay(input_ids, positions, attn)
         self.backend.prepare(attn)
+        if self.piecewise is not None and self.piecewise.can_run(input_ids.shape[0]):
+            return self.piecewise.run(input_ids, positions, logits_idx)
         fwd = ForwardBatch(input_ids=input_ids, positions=positions, logits_indices=logits_idx)
         return self.model(fwd, self.backend)  # [S, V] in the model's dtype
 

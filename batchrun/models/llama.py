@@ -73,6 +73,12 @@ class Attention(nn.Module):
 
     def attend(self, qkv, positions, rotary: RotaryEmbedding, backend: AttentionBackend):
         """Everything after the qkv projection: q/k norm, rotary, attention, o_proj."""
+        q, k, v = self.rotate(qkv, positions, rotary)
+        out = backend.forward(q, k, v, self.layer_id, self.scaling)  # [T, H * D]
+        return self.o_proj(out)
+
+    def rotate(self, qkv, positions, rotary: RotaryEmbedding):
+        """q [T, H, D], k and v [T, KV, D] from the qkv projection: q/k norm, rotary."""
         # NOTE: q, k, v are strided views of qkv; rotary may rotate q and k in place, which is safe
         # because nothing reads qkv afterwards
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -82,8 +88,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = backend.forward(q, k, v, self.layer_id, self.scaling)  # [T, H * D]
-        return self.o_proj(out)
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -140,13 +145,26 @@ class DecoderLayer(nn.Module):
             and (residual is None or residual.stride(-1) == 1)
         ):
             return self._decode_forward(x, residual, positions, rotary, backend)
+        q, k, v, residual = self.pre_attention(x, residual, positions, rotary)
+        out = backend.forward(q, k, v, attn.layer_id, attn.scaling)  # [T, H * D]
+        return self.post_attention(out, residual)
+
+    # the layer in two halves around its attention (what engine/piecewise_graph.py captures)
+
+    def pre_attention(self, x, residual, positions, rotary):
+        """(q, k, v, residual): the input norm, the qkv projection, q/k norm and rotary."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.forward_with_residual(x, residual)
-        x = attn(x, positions, rotary, backend)
+        q, k, v = self.self_attn.rotate(self.self_attn.qkv_proj(x), positions, rotary)
+        return q, k, v, residual
+
+    def post_attention(self, attn_out, residual):
+        """(hidden, residual) from the attention's output [T, H * D]: o_proj, the norm, the MLP."""
+        x = self.self_attn.o_proj(attn_out)
         x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
-        return mlp(x), residual
+        return self.mlp(x), residual
 
     def _decode_forward(self, x, residual, positions, rotary, backend):
         """The same layer in 6 kernels instead of 11 (kernels/norm_gemv.py): each norm runs
@@ -223,8 +241,13 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(batch.input_ids), None  # [T, hidden]
         for layer in self.layers:
             x, residual = layer(x, residual, batch.positions, self.rotary, backend)
-        if batch.logits_indices is not None:
-            x, residual = x[batch.logits_indices], residual[batch.logits_indices]
+        return self.logits(x, residual, batch.logits_indices)
+
+    def logits(self, x, residual, logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """The final norm and the LM head over the last layer's (hidden, residual), for the rows
+        `logits_indices` (all if None)."""
+        if logits_indices is not None:
+            x, residual = x[logits_indices], residual[logits_indices]
         if use_fused_decode(x) and residual.stride(-1) == 1:
             from batchrun.kernels.norm_gemv import norm_gemv
 

@@ -84,6 +84,54 @@ def test_same_greedy_tokens(model_dir, reference, kw):
     assert _run(model_dir, **kw) == reference
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(attention_backend="triton", overlap=False),
+        dict(attention_backend="triton", overlap=True, chunked_prefill_size=300),
+        dict(attention_backend="triton", overlap=True, cuda_graph_max_bs=16),
+        dict(attention_backend="triton", overlap=True, kv_budget=1200, new_token_ratio=0.05),
+        dict(attention_backend="torch", overlap=True),
+        dict(attention_backend="flashinfer", overlap=True),
+    ],
+    ids=["eager-loop", "overlap-small-chunks", "decode-graphs", "retract", "torch", "flashinfer"],
+)
+def test_piecewise_graphs_give_the_same_tokens(model_dir, reference, monkeypatch, kw):
+    """Prefill and mixed steps (and decodes past the decode graphs) replay piecewise graphs
+    around an eager attention (engine/piecewise_graph.py): the tokens do not change. Small
+    chunks make many mixed steps of odd sizes, padded up to a captured size."""
+    from spies import count_calls
+
+    from batchrun.engine.piecewise_graph import PiecewiseGraphRunner
+
+    if kw["attention_backend"] == "flashinfer":
+        pytest.importorskip("flashinfer")
+    calls = count_calls(monkeypatch, PiecewiseGraphRunner, "run")
+    kw = {"cuda_graph_max_bs": 0, **kw}
+    assert _run(model_dir, piecewise_cuda_graph=True, **kw) == reference
+    assert calls["n"] > 0
+
+
+def test_piecewise_graphs_default_on_small_models_only(model_dir):
+    """On by default for a small model with decode graphs on; off without them, or when asked."""
+    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.engine import Engine
+
+    base = dict(model=model_dir, device="cuda", dtype="float32", kv_budget=2000)
+    for kw, want in (
+        (dict(cuda_graph_max_bs=8), True),
+        (dict(cuda_graph_max_bs=0), False),
+        (dict(cuda_graph_max_bs=8, piecewise_cuda_graph=False), False),
+        (dict(cuda_graph_max_bs=8, chunked_prefill_size=None), False),
+    ):
+        engine = Engine(EngineConfig(**base, **kw))
+        assert (engine.runner.piecewise is not None) == want, kw
+        if want:  # chunk 4,096 + max_running 256, in steps of 256
+            assert engine.runner.piecewise.max_tokens == 4352
+        del engine
+        torch.cuda.empty_cache()
+
+
 def test_matches_hf_on_cuda(model_dir):
     from transformers import AutoModelForCausalLM
 
