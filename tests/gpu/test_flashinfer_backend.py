@@ -246,6 +246,8 @@ def triton_run(model_dir):
     ids=["graph-overlap", "eager"],
 )
 def test_engine_greedy_matches_triton(model_dir, triton_run, kw):
+    """graph-overlap: decode graphs, and prefill / mixed steps through piecewise graphs (on by
+    default for a small model) with FlashInfer's attention between them."""
     ours = _generate(model_dir, attention_backend="flashinfer", **kw)
     compared = total = 0
     for rid, ref in triton_run.items():
