@@ -216,6 +216,22 @@ engine_options = option_group(
         default="auto",
         show_default=True,
     ),
+    click.option(
+        "--disable-cuda-graph",
+        is_flag=True,
+        help="CUDA: run every step eagerly (no decode graphs, no piecewise graphs).",
+    ),
+    click.option(
+        "--disable-piecewise-cuda-graph",
+        is_flag=True,
+        help="CUDA: run prefill and mixed steps eagerly (decode graphs stay). Piecewise graphs "
+        "are on by default for models under 3B parameters.",
+    ),
+    click.option(
+        "--disable-overlap",
+        is_flag=True,
+        help="CUDA: process each step's results before scheduling the next (no overlap).",
+    ),
 )
 
 
@@ -322,6 +338,9 @@ def build_engine_config(o: dict) -> EngineConfig:
         chunked_prefill_size=_chunk(o["chunked_prefill_size"]),
         enable_radix_cache=not o["no_radix_cache"],
         attention_backend=o["attention_backend"],
+        cuda_graph_max_bs=0 if o["disable_cuda_graph"] else EngineConfig.cuda_graph_max_bs,
+        piecewise_cuda_graph=False if o["disable_piecewise_cuda_graph"] else None,
+        overlap=False if o["disable_overlap"] else None,
         seed=o["seed"],
         tp_size=o["tp"],
     )

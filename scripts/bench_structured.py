@@ -42,7 +42,7 @@ from bench_models import MODELS, write_model_dir  # noqa: E402
 from host_phases import HostPhases, MethodTimers  # noqa: E402
 
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000  # prompt ids: inside the SmolLM2 vocabulary
-MODES = ("default", "block", "no-piecewise")  # --modes
+MODES = ("default", "no-piecewise")  # --modes
 
 SCHEMA = {
     "type": "object",
@@ -178,8 +178,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--modes", default="default",
         help=f"comma-separated, of {', '.join(MODES)}: each repeat runs every mode (the engine's "
-        "defaults; a step's results event with blocking sync (model_runner.BLOCKING_SYNC); "
-        "prefill and mixed steps without piecewise CUDA graphs)",
+        "defaults; prefill and mixed steps without piecewise CUDA graphs)",
     )  # fmt: skip
     p.add_argument(
         "--phases", action="store_true",
@@ -271,7 +270,6 @@ def main(argv=None) -> int:
         runs = {name: [] for name, *_ in plan}
         for _ in range(args.repeats):
             for name, params, setting, mode in plan:
-                engine.runner.blocking_sync = mode == "block"
                 engine.runner.piecewise = None if mode == "no-piecewise" else piecewise
                 if setting is not None:
                     threads, shards = (int(x) for x in setting.split("x"))

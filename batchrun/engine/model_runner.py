@@ -24,10 +24,6 @@ from batchrun.models.llama import ForwardBatch
 from batchrun.models.loader import load_model
 from batchrun.parallel.state import tp_group_for
 
-# a step's results event: True makes the host threads that wait for it (the step loop, a fill
-# job) sleep in the driver instead of spinning on a CPU (cudaEventBlockingSync)
-BLOCKING_SYNC = False
-
 log = logging.getLogger(__name__)
 
 
@@ -125,7 +121,6 @@ class ModelRunner:
         # NOTE: the engine runs on the stream current at start-up; recording events on a stream
         # given by hand spares torch's current-stream lookup (Python, several µs) per event
         self.stream = torch.cuda.current_stream(self.device) if self._pin else None
-        self.blocking_sync = BLOCKING_SYNC
         self.staging = PinnedStaging(self.device, self.stream)  # the step's host-to-device copies
         # the latest sampled token of each request row, kept on the device so that the next
         # step can start before the host has seen it (overlap scheduling)
@@ -308,7 +303,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return StepHandle(*tensors, None, None, None)
         host = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
-        event = torch.cuda.Event(blocking=self.blocking_sync)
+        event = torch.cuda.Event()
         event.record(self.stream)
         return StepHandle(*host, event, fwd.forward_start, fwd.forward_end)
 

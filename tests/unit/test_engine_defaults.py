@@ -62,3 +62,35 @@ def test_the_engine_resolves_it(tmp_path):
     assert engine.config.max_running == MAX_RUNNING
     assert engine.scheduler.max_running == MAX_RUNNING
     assert engine.scheduler.prefill_budget == CHUNKED_PREFILL
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ([], dict(cuda_graph_max_bs=EngineConfig.cuda_graph_max_bs, piecewise_cuda_graph=None)),
+        (["--disable-cuda-graph"], dict(cuda_graph_max_bs=0, piecewise_cuda_graph=None)),
+        (["--disable-piecewise-cuda-graph"], dict(piecewise_cuda_graph=False)),
+        (["--disable-overlap"], dict(overlap=False)),
+    ],
+)
+def test_cli_switches_reach_the_engine_config(flags, expected):
+    """submit's --disable-cuda-graph / --disable-piecewise-cuda-graph / --disable-overlap."""
+    import click
+
+    from batchrun.cli_options import build_engine_config, engine_options
+
+    seen = {}
+
+    @click.command()
+    @engine_options
+    def cmd(**o):
+        seen["config"] = build_engine_config({**o, "model": None, "load_format": "auto", "seed": 0})
+
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(cmd, ["--device", "cpu", *flags])
+    assert result.exit_code == 0, result.output
+    config = seen["config"]
+    for name, value in expected.items():
+        assert getattr(config, name) == value, name
+    assert config.overlap is (False if "--disable-overlap" in flags else None)
