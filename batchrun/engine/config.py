@@ -77,8 +77,9 @@ class EngineConfig:
     overlap: bool | None = None  # overlap scheduling with the device; None: on for CUDA
     cuda_graph_max_bs: int = 512  # decode batches up to this size replay CUDA graphs; 0: off
     # other steps (prefill, mixed, decodes past cuda_graph_max_bs) replay graphs around an eager
-    # attention (engine/piecewise_graph.py), up to chunked_prefill_size + max_running tokens;
-    # None: on for CUDA models under LARGE_MODEL_PARAMS while cuda_graph_max_bs > 0
+    # attention (engine/piecewise_graph.py), up to chunked_prefill_size + max_running tokens
+    # (8,192 at most); None: on for CUDA models under LARGE_MODEL_PARAMS while
+    # cuda_graph_max_bs > 0
     piecewise_cuda_graph: bool | None = None
     # tensor parallel: this engine is rank tp_rank of tp_size lockstep engines, one per GPU
     # (batchrun.parallel.launcher.start_tp_engine starts them and sets tp_rank)

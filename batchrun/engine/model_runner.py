@@ -144,12 +144,12 @@ class ModelRunner:
             )
         self.piecewise = None  # piecewise graphs for the other steps
         if self._use_piecewise():
-            from batchrun.engine.piecewise_graph import PiecewiseGraphRunner
+            from batchrun.engine.piecewise_graph import MAX_TOKENS, PiecewiseGraphRunner
 
             self.piecewise = PiecewiseGraphRunner(
                 self.model,
                 self.backend,
-                config.chunked_prefill_size + config.max_running,
+                min(config.chunked_prefill_size + config.max_running, MAX_TOKENS),
                 self.device,
             )
 

@@ -33,6 +33,9 @@ import torch
 log = logging.getLogger(__name__)
 
 BUCKET = 256  # tokens: captured sizes are multiples of this (a step pads up to the next one)
+# the largest size captured: a bigger step runs eagerly (its GPU time dwarfs its launches), and
+# every size costs capture time (a graph per layer)
+MAX_TOKENS = 8192
 
 
 def token_buckets(max_tokens: int, step: int = BUCKET) -> list[int]:
