@@ -74,8 +74,7 @@ class TorchAttentionBackend(AttentionBackend):
         result = self._forward(q, k, v, layer_id, scaling)
         if out is None:
             return result
-        out.view_as(result).copy_(result)
-        return out.view_as(result)
+        return out.view_as(result).copy_(result)
 
     def _forward(self, q, k, v, layer_id: int, scaling: float) -> torch.Tensor:
         inputs = self._inputs

@@ -143,7 +143,7 @@ class PiecewiseGraphRunner:
         self.input_ids[:t].copy_(input_ids, non_blocking=True)
         self.positions[:t].copy_(positions, non_blocking=True)
         graphs = self.graphs.get(b)
-        q, k, v = (x[:t] for x in self._qkv_views(b))
+        q, k, v = self._qkv_views(t)
         out = self.attn_out[:t].view(t, self.num_heads, self.head_dim)
         forward = self.backend.forward
         for i, layer in enumerate(self.model.layers):
