@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import click
 
-from batchrun.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS, EngineConfig
+from batchrun.engine.config import (
+    ATTENTION_BACKENDS,
+    DECODE_GEMVS,
+    DEVICES,
+    DTYPES,
+    LOAD_FORMATS,
+    EngineConfig,
+)
 from batchrun.engine.params import SamplingParams
 from batchrun.order import DEFAULT_WINDOW, ORDERS
 
@@ -217,6 +224,15 @@ engine_options = option_group(
         show_default=True,
     ),
     click.option(
+        "--decode-gemv",
+        type=click.Choice(DECODE_GEMVS),
+        default="auto",
+        show_default=True,
+        help="CUDA: the matmuls of decode batches of up to 16 requests. triton: batchrun's "
+        "kernel, launched with programmatic dependent launch; cublas: torch's. auto: triton for "
+        "models under 3B parameters on sm_90+ GPUs (H100, H200), else cublas.",
+    ),
+    click.option(
         "--disable-cuda-graph",
         is_flag=True,
         help="CUDA: run every step eagerly (no decode graphs, no piecewise graphs).",
@@ -338,6 +354,7 @@ def build_engine_config(o: dict) -> EngineConfig:
         chunked_prefill_size=_chunk(o["chunked_prefill_size"]),
         enable_radix_cache=not o["no_radix_cache"],
         attention_backend=o["attention_backend"],
+        decode_gemv=o["decode_gemv"],
         cuda_graph_max_bs=0 if o["disable_cuda_graph"] else EngineConfig.cuda_graph_max_bs,
         piecewise_cuda_graph=False if o["disable_piecewise_cuda_graph"] else None,
         overlap=False if o["disable_overlap"] else None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 DEFAULT_BLOCK = 1024
 
@@ -24,7 +25,9 @@ def _silu_and_mul_kernel(
     stride_out,
     inter_size,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # every input is an earlier kernel's output
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter_size
@@ -50,7 +53,9 @@ def silu_and_mul(
         return out
     block = min(DEFAULT_BLOCK, triton.next_power_of_2(inter_size))
     grid = (num_tokens, triton.cdiv(inter_size, block))
+    pdl = pdl_launch_kwargs(x)
     _silu_and_mul_kernel[grid](
-        x, out, x.stride(0), out.stride(0), inter_size, BLOCK=block, num_warps=4
-    )
+        x, out, x.stride(0), out.stride(0), inter_size, BLOCK=block, PDL=bool(pdl), num_warps=4,
+        **pdl,
+    )  # fmt: skip
     return out

@@ -14,14 +14,23 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 CHUNK = 2048  # 63 programs per row for a 128k vocabulary
 
 
 @triton.jit
 def _argmax_chunks_kernel(
-    Logits, Vals, Idx, stride_row, vocab_size, num_chunks, CHUNK_SIZE: tl.constexpr
+    Logits,
+    Vals,
+    Idx,
+    stride_row,
+    vocab_size,
+    num_chunks,
+    CHUNK_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # every input is an earlier kernel's output
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)
@@ -35,7 +44,8 @@ def _argmax_chunks_kernel(
 
 
 @triton.jit
-def _argmax_rows_kernel(Vals, Idx, Out, num_chunks, BLOCK: tl.constexpr):
+def _argmax_rows_kernel(Vals, Idx, Out, num_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # every input is an earlier kernel's output
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < num_chunks
@@ -54,11 +64,13 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     num_chunks = triton.cdiv(vocab_size, CHUNK)
     vals = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=logits.device)
     idx = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=logits.device)
+    pdl = pdl_launch_kwargs(logits)
     _argmax_chunks_kernel[(num_rows, num_chunks)](
         logits, vals, idx, logits.stride(0), vocab_size, num_chunks, CHUNK_SIZE=CHUNK,
-        num_warps=4,
+        PDL=bool(pdl), num_warps=4, **pdl,
     )  # fmt: skip
     _argmax_rows_kernel[(num_rows,)](
-        vals, idx, out, num_chunks, BLOCK=triton.next_power_of_2(num_chunks), num_warps=1
-    )
+        vals, idx, out, num_chunks, BLOCK=triton.next_power_of_2(num_chunks), PDL=bool(pdl),
+        num_warps=1, **pdl,
+    )  # fmt: skip
     return out

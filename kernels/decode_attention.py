@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 LOG2E = 1.4426950408889634
 
@@ -66,7 +67,9 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: write the final output to Out, no partials
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # every input is an earlier kernel's output
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -142,7 +145,9 @@ def _decode_stage2_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # every input is an earlier kernel's output
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -200,6 +205,7 @@ def decode_attention_fwd(
     block_d = triton.next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
 
+    pdl = pdl_launch_kwargs(q)
     _decode_stage1_kernel[(batch_size, num_kv_heads, num_kv_splits)](
         q,
         k_buf,
@@ -229,8 +235,10 @@ def decode_attention_fwd(
         BLOCK_D=block_d,
         DOT_PRECISION=precision,
         DIRECT=num_kv_splits == 1,
+        PDL=bool(pdl),
         num_warps=num_warps or DEFAULT_NUM_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
+        **pdl,
     )
     if num_kv_splits == 1:
         return
@@ -245,5 +253,7 @@ def decode_attention_fwd(
         HEAD_DIM=head_dim,
         BLOCK_S=triton.next_power_of_2(num_kv_splits),
         BLOCK_D=block_d,
+        PDL=bool(pdl),
         num_warps=4,
+        **pdl,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 
 @triton.jit
@@ -34,7 +35,9 @@ def _rms_norm_kernel(
     n_cols,
     eps,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # every input is an earlier kernel's output
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -53,7 +56,9 @@ def _fused_add_rms_norm_kernel(
     n_cols,
     eps,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # every input is an earlier kernel's output
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -89,9 +94,11 @@ def rms_norm(
     if num_rows == 0:
         return out
     block, num_warps = _launch_config(n_cols)
+    pdl = pdl_launch_kwargs(x)
     _rms_norm_kernel[(num_rows,)](
-        x, weight, out, x.stride(0), out.stride(0), n_cols, eps, BLOCK=block, num_warps=num_warps
-    )
+        x, weight, out, x.stride(0), out.stride(0), n_cols, eps, BLOCK=block, PDL=bool(pdl),
+        num_warps=num_warps, **pdl,
+    )  # fmt: skip
     return out
 
 
@@ -109,6 +116,7 @@ def fused_add_rms_norm(
     if num_rows == 0:
         return x, residual
     block, num_warps = _launch_config(n_cols)
+    pdl = pdl_launch_kwargs(x)
     _fused_add_rms_norm_kernel[(num_rows,)](
         x,
         residual,
@@ -118,6 +126,8 @@ def fused_add_rms_norm(
         n_cols,
         eps,
         BLOCK=block,
+        PDL=bool(pdl),
         num_warps=num_warps,
+        **pdl,
     )
     return x, residual

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 
 @triton.jit
@@ -68,7 +69,9 @@ def _rotary_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # every input is an earlier kernel's output
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -106,6 +109,7 @@ def apply_rotary_(
     half = head_dim // 2
     block_hq = triton.next_power_of_2(num_q_heads)
     block_half = triton.next_power_of_2(half)
+    pdl = pdl_launch_kwargs(q)
     _rotary_kernel[(num_tokens,)](
         q,
         k,
@@ -124,5 +128,7 @@ def apply_rotary_(
         BLOCK_HALF=block_half,
         BLOCK_HQ=block_hq,
         BLOCK_HK=triton.next_power_of_2(num_k_heads),
+        PDL=bool(pdl),
         num_warps=4 if block_hq * block_half <= 2048 else 8,
+        **pdl,
     )

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 MAX_M = 16
 
@@ -33,6 +34,28 @@ class GemvConfig(NamedTuple):
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+
+
+@triton.jit
+def _w_tile(w_rows, in_n, k0, k_end, BLOCK_K: tl.constexpr):
+    """w [BLOCK_N, BLOCK_K] at K offset k0 (zeros past N and k_end)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_rows + offs_k[None, :], mask=in_n & (offs_k < k_end)[None, :], other=0.0)
+
+
+@triton.jit
+def _x_tile(X, offs_m, M, stride_xm, k0, k_end, BLOCK_K: tl.constexpr):
+    """x [16, BLOCK_K] at K offset k0 (zeros past M and k_end: the tensor cores' padding)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = (offs_m[:, None] < M) & (offs_k < k_end)[None, :]
+    return tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _mma(acc, x, w, IEEE: tl.constexpr):
+    if IEEE:  # fp32 inputs: full precision, not tf32
+        return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
 
 
 @triton.jit
@@ -51,45 +74,43 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, 16)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    in_n = offs_n[:, None] < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        in_k = offs_k < k_end
-        x = tl.load(
-            X + offs_m[:, None] * stride_xm + offs_k[None, :],
-            mask=(offs_m[:, None] < M) & in_k[None, :],
-            other=0.0,
-        )  # [16, BLOCK_K]
-        w = tl.load(
-            W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-            mask=(offs_n[:, None] < N) & in_k[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_K]
-        if IEEE:  # fp32 inputs: full precision, not tf32
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
+    # NOTE: the first tile is peeled off the loop so that its w load comes before the PDL wait:
+    # weights are no earlier kernel's output, so with PDL that load overlaps the kernel before
+    # (kernels/pdl.py); x is read after the wait
+    w = _w_tile(w_rows, in_n, k_start, k_end, BLOCK_K)
+    pdl_wait(PDL)
+    x = _x_tile(X, offs_m, M, stride_xm, k_start, k_end, BLOCK_K)
+    acc = _mma(tl.zeros([16, BLOCK_N], dtype=tl.float32), x, w, IEEE)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        w = _w_tile(w_rows, in_n, k0, k_end, BLOCK_K)
+        x = _x_tile(X, offs_m, M, stride_xm, k0, k_end, BLOCK_K)
+        acc = _mma(acc, x, w, IEEE)
     out = Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(out, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 def pick_config(m: int, n: int, k: int) -> GemvConfig:
-    """The best configs of scripts/bench_gemv.py on the H200 (M = 1 and 4, the matrices of
-    llama-1b and llama-8b; docs/benchmarks.md), as a rule: 64 columns per program for wide
-    matrices, 512-wide K tiles for narrow ones, and split-K only where N alone leaves the GPU
-    under-filled on a long K (llama-1b's down_proj, 2048 x 8192: 4 slices)."""
+    """The best configs of scripts/bench_gemv.py on the H200 (M = 1, the matrices of llama-1b
+    and llama-8b; docs/benchmarks.md), as a rule: 64 columns per program for wide matrices,
+    512-wide K tiles for narrow ones, and 16 columns where 32 leave the GPU under-filled on a
+    long K (llama-1b's down_proj, 2048 x 8192: 13.3 µs with PDL, against 16.2 in 4 K slices,
+    whose fp32 planes take two more kernels to sum). No split-K."""
     block_n = 64 if n >= 6144 else 32
+    if triton.cdiv(n, block_n) < 100 and k >= 8192:
+        block_n = 16
     block_k = 256 if n >= 8192 else 512
-    split_k = 4 if triton.cdiv(n, block_n) < 100 and k >= 8192 else 1
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k)
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=1)
 
 
 def gemv(
@@ -113,9 +134,10 @@ def gemv(
     if m == 0 or n == 0:
         return y.sum(0).to(x.dtype)
     grid = (triton.cdiv(n, cfg.block_n), split_k)
+    pdl = pdl_launch_kwargs(x)
     _gemv_kernel[grid](
         x, w, y, m, n, k, k_per_split, x.stride(0), w.stride(0), y.stride(1), y.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32, PDL=bool(pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return y[0] if split_k == 1 else y.sum(0).to(x.dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 
 @triton.jit
@@ -33,7 +34,9 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # every input is an earlier kernel's output
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Loc + t * stride_loc).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -70,6 +73,7 @@ def store_kv(
     block_d = triton.next_power_of_2(head_dim)
     # about 8 elements of each of k and v per thread (16-byte accesses in bf16/fp16)
     num_warps = min(max(block_h * block_d // 256, 1), 8)
+    pdl = pdl_launch_kwargs(k)
     _store_kv_kernel[(num_tokens,)](
         k_buf,
         v_buf,
@@ -86,5 +90,7 @@ def store_kv(
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        PDL=bool(pdl),
         num_warps=num_warps,
+        **pdl,
     )

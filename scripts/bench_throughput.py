@@ -46,6 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 
+from batchrun.kernels.pdl import PDL_ENV  # noqa: E402
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
 
@@ -58,12 +59,27 @@ VARIANTS = (
     "no-radix",
     "flashinfer",
     "gemv",
+    "gemv-all",
+    "cublas",
+    "triton-gemv",
     "fused-gemv",
+    "fused-all",
+    "no-pdl",
+    "gemv-all-no-pdl",
     "no-piecewise",
     "piecewise",
     "hf",
     "prefix-order",
 )
+# the variants that differ by a kernel switch (models/layers.py, kernels/pdl.py)
+VARIANT_ENV = {
+    "gemv": {GEMV_ENV: "triton"},
+    "gemv-all": {GEMV_ENV: "all"},
+    "fused-gemv": {GEMV_ENV: "fused"},
+    "fused-all": {GEMV_ENV: "fused-all"},
+    "no-pdl": {PDL_ENV: "0"},
+    "gemv-all-no-pdl": {GEMV_ENV: "all", PDL_ENV: "0"},
+}
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000
 # BENCH.md targets: (workload, model) -> (figure, bound); W3 is ms per output token (lower is
 # better), the others output tok/s (higher is better)
@@ -227,10 +243,17 @@ def engine_config(args, model_dir: Path, variant: str):
         "no-graph": {"cuda_graph_max_bs": 0},
         "no-radix": {"enable_radix_cache": False},
         "flashinfer": {"attention_backend": "flashinfer"},
-        "gemv": {},  # BATCHRUN_GEMV=triton around the engine's life (main())
-        "fused-gemv": {},  # BATCHRUN_GEMV=fused
+        # these set VARIANT_ENV around the engine's life (main())
+        "gemv": {},
+        "gemv-all": {},
+        "fused-gemv": {},
+        "fused-all": {},
+        "no-pdl": {},
+        "gemv-all-no-pdl": {},
         "no-piecewise": {"piecewise_cuda_graph": False},
         "piecewise": {"piecewise_cuda_graph": True},  # also where it is off by default
+        "cublas": {"decode_gemv": "cublas"},  # decode matmuls on cuBLAS (large models' default)
+        "triton-gemv": {"decode_gemv": "triton"},  # on kernels/gemv.py (small models' default)
         "prefix-order": {},
     }[variant]
     return replace(cfg, **changes)
@@ -725,11 +748,11 @@ def main(argv=None) -> int:
                 skipped += [f"{model}/{w}/{variant}" for w in names]
                 continue
             target = None
-            # NOTE: the switch is read per call, and once at capture for the decode graphs, so it
-            # is set for the whole life of this variant's engine and cleared before the next
-            os.environ.pop(GEMV_ENV, None)
-            if variant in ("gemv", "fused-gemv"):
-                os.environ[GEMV_ENV] = "triton" if variant == "gemv" else "fused"
+            # NOTE: the switches are read per call, and once at capture for the decode graphs, so
+            # they are set for the whole life of this variant's engine and cleared before the next
+            for key in (GEMV_ENV, PDL_ENV):
+                os.environ.pop(key, None)
+            os.environ.update(VARIANT_ENV.get(variant, {}))
             try:
                 dev.sync()
                 t = time.perf_counter()
@@ -767,7 +790,8 @@ def main(argv=None) -> int:
                     res.status, res.note = "error", repr(e)[:200]
                 record(res)
             del target, probe
-            os.environ.pop(GEMV_ENV, None)
+            for key in (GEMV_ENV, PDL_ENV):
+                os.environ.pop(key, None)
             dev.free()  # two 8b models never coexist
     text = write_report(args.out, env, results, args.variants, skipped)
     if skipped:

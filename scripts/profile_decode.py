@@ -4,6 +4,11 @@ time per step by kernel, the number of launches, and the GPU's busy fraction of 
     python scripts/profile_decode.py --model llama-8b --batch 1            # W3's step
     python scripts/profile_decode.py --model llama-1b --batch 256          # W1's decode step
     python scripts/profile_decode.py --device cpu --model tiny --batch 4   # CPU smoke test
+    python scripts/profile_decode.py --model llama-8b --workload W1 --scale 0.25   # a whole run
+
+With --workload, a whole run of a bench_throughput workload (prefills, mixed and decode steps,
+the engine's default sizes) is profiled instead, and the kernels are also summed by kind
+(matmuls, attention, norms, ...).
 
 Requests of --context prompt tokens decode (ignore_eos) until --warmup-steps steps have run
 (prefills done, CUDA graphs in use); the next --steps steps are profiled. The table lists each
@@ -52,6 +57,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--workload", help="profile a whole run of this bench_throughput workload")
+    p.add_argument("--scale", type=float, default=0.25, help="of the --workload's prompts")
     args = p.parse_args(argv)
 
     from batchrun.engine.config import EngineConfig
@@ -72,10 +79,12 @@ def main(argv=None) -> int:
                 load_format="dummy",
                 device=args.device,
                 dtype="bfloat16" if is_cuda else "float32",
-                max_running=max(args.batch, 1),
+                max_running=None if args.workload else max(args.batch, 1),
                 attention_backend=args.attention_backend,
             )
         )
+    if args.workload:
+        return profile_workload(args, engine)
     params = SamplingParams(
         max_new_tokens=args.warmup_steps + args.steps + 8, temperature=0.0, ignore_eos=True
     )
@@ -95,6 +104,22 @@ def main(argv=None) -> int:
             engine.step()
         sync()
         wall_us = (time.perf_counter() - t0) * 1e6
+    per_kernel, intervals = kernel_times(prof)
+    steps = args.steps
+    gpu_total = sum(v[0] for v in per_kernel.values())
+    launches = sum(v[1] for v in per_kernel.values())
+    print(
+        f"{args.model} batch {args.batch} context {args.context}: wall {wall_us / steps:.0f} µs"
+        f"/step, kernel time {gpu_total / steps:.0f} µs/step, {launches / steps:.0f} launches"
+        f"/step, GPU busy {busy_fraction(intervals, wall_us):.2f} of the wall"
+    )
+    print("| kernel | µs / step | launches / step | share |\n|---|---:|---:|---:|")
+    print_table(per_kernel.items(), steps, gpu_total, args.top)
+    return 0
+
+
+def kernel_times(prof) -> tuple[dict[str, list[float]], list[tuple[float, float]]]:
+    """(kernel name -> [µs, launches], the kernels' [start, end) intervals) of a profile."""
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     intervals = []
     for ev in prof.events():
@@ -107,26 +132,88 @@ def main(argv=None) -> int:
         per_kernel[name][1] += 1
         start = ev.time_range.start
         intervals.append((start, start + ev.device_time))
-    steps = args.steps
-    gpu_total = sum(v[0] for v in per_kernel.values())
-    launches = sum(v[1] for v in per_kernel.values())
-    print(
-        f"{args.model} batch {args.batch} context {args.context}: wall {wall_us / steps:.0f} µs"
-        f"/step, kernel time {gpu_total / steps:.0f} µs/step, {launches / steps:.0f} launches"
-        f"/step, GPU busy {busy_fraction(intervals, wall_us):.2f} of the wall"
-    )
-    print("| kernel | µs / step | launches / step | share |\n|---|---:|---:|---:|")
-    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
-    for name, (us, n) in ranked[: args.top]:
+    return per_kernel, intervals
+
+
+def print_table(items, steps: int, gpu_total: float, top: int) -> None:
+    """Rows of (name, (µs, launches)), largest first, per step, with their share of gpu_total."""
+    ranked = sorted(items, key=lambda kv: -kv[1][0])
+    for name, (us, n) in ranked[:top]:
         short = name if len(name) <= 90 else name[:87] + "..."
         print(f"| {short} | {us / steps:.1f} | {n / steps:.1f} | {us / max(gpu_total, 1e-9):.1%} |")
-    rest = ranked[args.top :]
+    rest = ranked[top:]
     if rest:
         us = sum(v[0] for _, v in rest)
         print(
             f"| ({len(rest)} more kernels) | {us / steps:.1f} | "
             f"{sum(v[1] for _, v in rest) / steps:.1f} | {us / max(gpu_total, 1e-9):.1%} |"
         )
+
+
+# kernel kinds by name fragments, first match wins (cuBLAS / CUTLASS matmuls have many names)
+KINDS = (
+    ("decode attention", ("_decode_stage",)),
+    ("extend attention", ("_extend_kernel", "_attend_block")),
+    ("flashinfer attention", ("flashinfer", "BatchPrefill", "BatchDecode")),
+    ("norm", ("rms_norm", "norm_kernel")),
+    ("rotary", ("rotary",)),
+    ("kv store", ("store_kv",)),
+    ("silu", ("silu",)),
+    ("argmax / sampling", ("argmax", "bitmask", "softmax", "topk", "sort")),
+    ("matmul", ("gemm", "gemv", "xmma", "cutlass", "sm90_", "splitKreduce", "nvjet", "cublas")),
+    ("copies / index", ("Memcpy", "Memset", "copy", "index", "fill", "gather", "scatter")),
+)
+
+
+def kind_of(name: str) -> str:
+    for kind, fragments in KINDS:
+        if any(f in name for f in fragments):
+            return kind
+    return "other"
+
+
+def profile_workload(args, engine) -> int:
+    """A whole run of a bench_throughput workload under the profiler: wall time, kernel time by
+    kind and by kernel, the GPU's busy fraction."""
+    from bench_throughput import make_workload
+
+    from batchrun.engine.params import GenerateRequest, SamplingParams
+
+    wl = make_workload(args.workload, args.scale)
+    params = SamplingParams(max_new_tokens=wl.output_len, temperature=0.0, ignore_eos=True)
+    warm = [GenerateRequest(f"w{i}", p, params) for i, p in enumerate(wl.prompts[:8])]
+    for _ in engine.generate(warm):  # compiles, warms the caches
+        pass
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    # NOTE: kernels only on CUDA: a whole run's host ops would swell the trace (and its overhead)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if args.device == "cuda":
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+    reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(wl.prompts)]
+    sync()
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in engine.generate(reqs):
+            pass
+        sync()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    per_kernel, intervals = kernel_times(prof)
+    gpu_total = sum(v[0] for v in per_kernel.values())
+    out_tokens = len(reqs) * wl.output_len
+    print(
+        f"{args.model} {args.workload} ({wl.note}, {wl.output_len} out): wall {wall_us / 1e6:.2f} s"
+        f" ({out_tokens / wall_us * 1e6:,.0f} output tok/s under the profiler), kernel time "
+        f"{gpu_total / 1e6:.2f} s, GPU busy {busy_fraction(intervals, wall_us):.2f} of the wall"
+    )
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, (us, n) in per_kernel.items():
+        by_kind[kind_of(name)][0] += us
+        by_kind[kind_of(name)][1] += n
+    print("| kind | ms | launches | share |\n|---|---:|---:|---:|")
+    for kind, (us, n) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
+        print(f"| {kind} | {us / 1e3:,.0f} | {n:,} | {us / max(gpu_total, 1e-9):.1%} |")
+    print("\n| kernel | µs (whole run) | launches | share |\n|---|---:|---:|---:|")
+    print_table(per_kernel.items(), 1, gpu_total, args.top)
     return 0
 
 

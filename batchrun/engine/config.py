@@ -8,6 +8,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+DECODE_GEMVS = ("auto", "cublas", "triton")
 
 # the defaults of max_running (None) and chunked_prefill_size ("auto"): auto_sizes
 MAX_RUNNING, MAX_RUNNING_LARGE = 256, 1024
@@ -81,6 +82,12 @@ class EngineConfig:
     # (8,192 at most); None: on for CUDA models under LARGE_MODEL_PARAMS while
     # cuda_graph_max_bs > 0
     piecewise_cuda_graph: bool | None = None
+    # the matmuls of decode-sized batches (at most 16 rows): "triton" runs every one on
+    # kernels/gemv.py, launched with PDL (kernels/pdl.py); "cublas" on torch's F.linear; "auto":
+    # triton for CUDA models under LARGE_MODEL_PARAMS on GPUs with PDL (sm_90+), else cublas.
+    # NOTE: measured on the H200 (docs/benchmarks.md, eighth session): W3 llama-1b 1.10 ms per
+    # token against 1.14 with cuBLAS; llama-8b 4.66 against 4.58, so large models keep cuBLAS
+    decode_gemv: str = "auto"
     # tensor parallel: this engine is rank tp_rank of tp_size lockstep engines, one per GPU
     # (batchrun.parallel.launcher.start_tp_engine starts them and sets tp_rank)
     tp_size: int = 1
@@ -95,6 +102,7 @@ class EngineConfig:
         one_of("dtype", self.dtype, DTYPES)
         one_of("device", self.device, DEVICES)
         one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        one_of("decode_gemv", self.decode_gemv, DECODE_GEMVS)
         if self.max_running is not None and self.max_running < 1:
             raise ValueError(f"max_running must be >= 1; got {self.max_running}")
         if self.page_size < 1:

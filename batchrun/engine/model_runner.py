@@ -102,6 +102,7 @@ class ModelRunner:
             seed=config.seed,
             tp=tp_group_for(config),  # the no-op group at tp_size 1
         )
+        self.model.set_decode_gemv("all" if self._use_decode_gemv() else None)
         self.num_slots = self._kv_slots()
         self.kv_pool = KVPool(
             model_cfg.num_layers,
@@ -152,6 +153,15 @@ class ModelRunner:
                 min(config.chunked_prefill_size + config.max_running, MAX_TOKENS),
                 self.device,
             )
+
+    def _use_decode_gemv(self) -> bool:
+        """config.decode_gemv, resolved: see EngineConfig (BATCHRUN_GEMV still overrides it)."""
+        mode = self.config.decode_gemv
+        if mode != "auto" or self.device.type != "cuda":
+            return mode == "triton"
+        from batchrun.kernels.pdl import device_supports_pdl
+
+        return device_supports_pdl(self.device) and not is_large(self.model_cfg)
 
     def _use_piecewise(self) -> bool:
         """config.piecewise_cuda_graph, where it can run: CUDA, a token budget per step (a

@@ -27,31 +27,40 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and not os.environ.get("BATCHRUN_NO_FUSED") and _has_triton()
 
 
-# NOTE: opt-in, measured on the H200 (docs/benchmarks.md): "triton" sends the decode matmuls
-# of large matrices to kernels/gemv.py; "fused" also runs each decoder layer's norms and SwiGLU
-# inside its matmuls (kernels/norm_gemv.py). Read on every call, as use_fused_kernels; a decode
-# graph reads it once, at capture.
+# NOTE: measured on the H200 (docs/benchmarks.md): "triton" sends the decode matmuls of large
+# matrices to kernels/gemv.py, "all" every decode matmul; "fused" also runs each decoder layer's
+# norms and SwiGLU inside its matmuls (kernels/norm_gemv.py), "fused-all" that and every other
+# decode matmul on kernels/gemv.py; any other value (e.g. "cublas"): none. Set, it overrides
+# the model's own default (`EngineConfig.decode_gemv`). Read on every call, as
+# use_fused_kernels; a decode graph reads it once, at capture.
 GEMV_ENV = "BATCHRUN_GEMV"
+GEMV_MODES = ("triton", "all", "fused", "fused-all")
 
 
-def use_decode_gemv(x: torch.Tensor) -> bool:
-    """Whether x (a [M, K] activation) may take the Triton decode matmuls: M <= 16, bf16 / fp16,
-    on CUDA, with BATCHRUN_GEMV=triton or fused."""
-    return (
+def decode_gemv_mode(x: torch.Tensor, default: str | None = None) -> str | None:
+    """The Triton decode-matmul mode (one of GEMV_MODES) for x, a [M, K] activation: M <= 16,
+    bf16 / fp16, on CUDA. BATCHRUN_GEMV if set, else `default`; None for any other x."""
+    # NOTE: the shape checks first: every matmul of every forward asks (a prefill is turned
+    # away before any environment lookup)
+    if not (
         x.dim() == 2
         and x.shape[0] <= 16
         and x.stride(-1) == 1
         and x.dtype in (torch.float16, torch.bfloat16)
-        and os.environ.get(GEMV_ENV) in ("triton", "fused")
-        and use_fused_kernels(x)
-    )
+    ):
+        return None
+    mode = os.environ.get(GEMV_ENV) or default
+    return mode if mode in GEMV_MODES and use_fused_kernels(x) else None
+
+
+def use_decode_gemv(x: torch.Tensor) -> bool:
+    """Whether BATCHRUN_GEMV sends x's matmuls to the Triton decode kernels (decode_gemv_mode)."""
+    return decode_gemv_mode(x) is not None
 
 
 def use_fused_decode(x: torch.Tensor) -> bool:
-    """use_decode_gemv, and BATCHRUN_GEMV=fused: norm + matmul (+ SwiGLU) in one kernel."""
-    # NOTE: the shape checks first: every decoder layer of every forward asks (a prefill is
-    # turned away before any environment lookup)
-    return use_decode_gemv(x) and os.environ.get(GEMV_ENV) == "fused"
+    """BATCHRUN_GEMV=fused or fused-all: norm + matmul (+ SwiGLU) in one kernel."""
+    return decode_gemv_mode(x) in ("fused", "fused-all")
 
 
 # NOTE: where kernels/gemv.py beat cuBLAS on the H200 (scripts/bench_gemv.py, M = 1): llama-8b's
@@ -60,13 +69,21 @@ def use_fused_decode(x: torch.Tensor) -> bool:
 GEMV_MIN_DIM = 4096
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """F.linear, or kernels/gemv.py for a decode-sized x (use_decode_gemv) and a weight whose
-    sides are both >= GEMV_MIN_DIM."""
-    if bias is None and min(weight.shape) >= GEMV_MIN_DIM and use_decode_gemv(x):
-        from batchrun.kernels.gemv import gemv
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    decode_gemv: str | None = None,
+):
+    """F.linear, or kernels/gemv.py for a decode-sized x in a decode_gemv_mode (BATCHRUN_GEMV,
+    else `decode_gemv`, the layer's default): any weight in "all" / "fused-all", one whose
+    sides are both >= GEMV_MIN_DIM in "triton" / "fused"."""
+    if bias is None:
+        mode = decode_gemv_mode(x, decode_gemv)
+        if mode in ("all", "fused-all") or (mode and min(weight.shape) >= GEMV_MIN_DIM):
+            from batchrun.kernels.gemv import gemv
 
-        return gemv(x, weight)
+            return gemv(x, weight)
     return torch.nn.functional.linear(x, weight, bias)
 
 

@@ -219,6 +219,16 @@ class LlamaForCausalLM(nn.Module):
             device,
         )
 
+    decode_gemv: str | None = None  # the LM head's default mode (models.layers.linear)
+
+    def set_decode_gemv(self, mode: str | None) -> None:
+        """The default mode of the Triton decode matmuls (models.layers.linear: "all",
+        "triton", or None for cuBLAS) for every projection and the LM head."""
+        self.decode_gemv = mode
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.decode_gemv = mode
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -254,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
             logits, _ = norm_gemv(x, residual, self.norm.weight, self.norm.eps, self.lm_head_weight)
         else:
             x, _ = self.norm.forward_with_residual(x, residual)
-            logits = linear(x, self.lm_head_weight)  # [S, vocab per rank]
+            logits = linear(x, self.lm_head_weight, decode_gemv=self.decode_gemv)  # [S, V / TP]
         if self.tp.is_parallel:
             # every rank gets the full logits, so all sample the same tokens
             logits = self.tp.all_gather(logits)[:, : self.config.vocab_size]

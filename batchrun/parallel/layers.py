@@ -26,6 +26,10 @@ class ColumnParallelLinear(nn.Module):
     """Output features split by `spec` (dim 0; several runs for fused projections). The local
     weight may be longer than the spec's runs (vocab padding); those rows stay zero."""
 
+    # the default mode of the Triton decode matmuls (models.layers.linear); the model runner
+    # sets it per model (LlamaForCausalLM.set_decode_gemv)
+    decode_gemv: str | None = None
+
     def __init__(
         self, in_features: int, spec: ShardSpec, local_rows: int, bias: bool, dtype, device
     ):
@@ -38,7 +42,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.decode_gemv)
 
     def param_shards(self) -> dict[str, ShardSpec]:
         specs = {"weight": self.spec}
@@ -50,6 +54,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Input features split by `spec` (dim 1); partial products are summed across ranks. The
     bias is replicated and added once, after the sum."""
+
+    decode_gemv: str | None = None  # as ColumnParallelLinear's
 
     def __init__(self, spec: ShardSpec, out_features: int, bias: bool, tp: TPGroup, dtype, device):
         super().__init__()
@@ -64,8 +70,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
-            return linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.decode_gemv)
+        y = self.tp.all_reduce(linear(x, self.weight, decode_gemv=self.decode_gemv))
         return y if self.bias is None else y + self.bias
 
     def param_shards(self) -> dict[str, ShardSpec]:

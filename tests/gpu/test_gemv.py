@@ -75,6 +75,9 @@ def test_linear_takes_the_kernel_only_when_asked(monkeypatch):
     assert torch.equal(linear(small, w), gemv(small, w))
     assert torch.equal(linear(large, w), F.linear(large, w))
     assert torch.equal(linear(small, narrow), F.linear(small, narrow))
+    monkeypatch.setenv(GEMV_ENV, "all")  # every weight
+    assert torch.equal(linear(small, narrow), gemv(small, narrow))
+    assert torch.equal(linear(large, narrow), F.linear(large, narrow))
 
 
 NORM_SHAPES = [(3072, 2048), (6144, 4096), (100, 300)]  # (N, K) of a qkv; swiglu: N = 2I
@@ -139,11 +142,12 @@ def test_norm_gemv_under_graph_capture():
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_engine_with_decode_gemv(kind, tmp_path, monkeypatch):
-    """BATCHRUN_GEMV=fused end to end: prompts of at most 16 tokens score like the default
-    path (bf16 tolerance), and a greedy batch decodes through CUDA graphs captured with the
-    Triton decode kernels, mostly to the same tokens (bf16 near-ties on random weights may
-    flip a token; after that the rest differs)."""
+@pytest.mark.parametrize("mode", ["fused", "fused-all", "all"])
+def test_engine_with_decode_gemv(kind, mode, tmp_path, monkeypatch):
+    """BATCHRUN_GEMV=fused, fused-all and all end to end: prompts of at most 16 tokens score like
+    the default path (bf16 tolerance), and a greedy batch decodes through CUDA graphs captured
+    with the Triton decode kernels, mostly to the same tokens (bf16 near-ties on random weights
+    may flip a token; after that the rest differs)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tiny_models import make_tiny_model, random_prompts
 
@@ -156,7 +160,7 @@ def test_engine_with_decode_gemv(kind, tmp_path, monkeypatch):
 
     def run(on: bool):
         if on:
-            monkeypatch.setenv(GEMV_ENV, "fused")
+            monkeypatch.setenv(GEMV_ENV, mode)
         else:
             monkeypatch.delenv(GEMV_ENV, raising=False)
         # NOTE: a small KV pool: by default an engine takes most of the GPU's free memory, and

@@ -71,10 +71,13 @@ def test_the_engine_resolves_it(tmp_path):
         (["--disable-cuda-graph"], dict(cuda_graph_max_bs=0, piecewise_cuda_graph=None)),
         (["--disable-piecewise-cuda-graph"], dict(piecewise_cuda_graph=False)),
         (["--disable-overlap"], dict(overlap=False)),
+        ([], dict(decode_gemv="auto")),
+        (["--decode-gemv", "cublas"], dict(decode_gemv="cublas")),
     ],
 )
 def test_cli_switches_reach_the_engine_config(flags, expected):
-    """submit's --disable-cuda-graph / --disable-piecewise-cuda-graph / --disable-overlap."""
+    """submit's --disable-cuda-graph / --disable-piecewise-cuda-graph / --disable-overlap /
+    --decode-gemv."""
     import click
 
     from batchrun.cli_options import build_engine_config, engine_options
@@ -94,3 +97,23 @@ def test_cli_switches_reach_the_engine_config(flags, expected):
     for name, value in expected.items():
         assert getattr(config, name) == value, name
     assert config.overlap is (False if "--disable-overlap" in flags else None)
+
+
+def test_decode_gemv_defaults_to_cublas_off_cuda(tmp_path):
+    """EngineConfig.decode_gemv "auto" picks kernels/gemv.py only on a PDL-capable GPU (CUDA
+    runs check the rest: tests/gpu/test_pdl.py); on the CPU nothing changes."""
+    from batchrun.engine.engine import Engine
+
+    base = dict(
+        model=str(write_model_dir("tiny", tmp_path)),
+        load_format="dummy",
+        device="cpu",
+        kv_budget=64,
+    )
+    for mode, want in (("auto", None), ("cublas", None), ("triton", "all")):
+        engine = Engine(EngineConfig(**base, decode_gemv=mode))
+        model = engine.runner.model
+        assert model.decode_gemv == want, mode
+        assert model.layers[0].mlp.down_proj.decode_gemv == want
+    with pytest.raises(ValueError, match="decode_gemv"):
+        EngineConfig(decode_gemv="fast").validate()

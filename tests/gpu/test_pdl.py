@@ -1,0 +1,203 @@
+"""Programmatic dependent launch (kernels/pdl.py) on the GPU: the kernels carry the grid
+dependency instructions when launched with it, and a decode step gives the same bits with it as
+without, eager and in CUDA graphs, with cuBLAS or kernels/gemv.py for the matmuls.
+
+A kernel that read an earlier kernel's output before its wait would race with it: the values it
+read would depend on timing, and the outputs would differ from the PDL-off run, from replay to
+replay. Chains of real model steps, replayed many times, are where such a race shows."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _hopper() -> bool:
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+def test_pdl_kwargs_follow_the_switch(monkeypatch):
+    from batchrun.kernels.pdl import PDL_ENV, pdl_launch_kwargs
+
+    x = torch.zeros(1, device="cuda")
+    monkeypatch.delenv(PDL_ENV, raising=False)
+    assert pdl_launch_kwargs(x) == ({"launch_pdl": True} if _hopper() else {})
+    monkeypatch.setenv(PDL_ENV, "0")
+    assert pdl_launch_kwargs(x) == {}
+    assert pdl_launch_kwargs(torch.zeros(1)) == {}
+
+
+@pytest.mark.skipif(not _hopper() if torch.cuda.is_available() else True, reason="needs sm_90+")
+def test_gemv_launched_with_pdl_waits_on_the_grid_dependency(monkeypatch):
+    """The compiled gemv carries griddepcontrol.wait (and the launch attribute) with PDL, and
+    not without: the flag and the instruction travel together."""
+    from batchrun.kernels.gemv import _gemv_kernel, gemv
+    from batchrun.kernels.pdl import PDL_ENV
+
+    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    for value, expect in ((None, True), ("0", False)):
+        if value is None:
+            monkeypatch.delenv(PDL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(PDL_ENV, value)
+        gemv(x, w)
+        torch.cuda.synchronize()
+        kernels = [k for cache in _gemv_kernel.device_caches.values() for k in cache[0].values()]
+        found = [
+            k
+            for k in kernels
+            if ("griddepcontrol.wait" in k.asm["ptx"]) == expect
+            and bool(getattr(k.metadata, "launch_pdl", False)) == expect
+        ]
+        assert found, f"no gemv compiled with launch_pdl={expect}"
+
+
+MODEL = dict(  # a small Llama 3: big enough that its kernels run for a while, 4 layers
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    hidden_act="silu",
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+)
+
+
+@pytest.mark.parametrize("gemv_mode", [None, "all"])
+def test_engine_tokens_and_logits_identical_with_and_without_pdl(gemv_mode, tmp_path, monkeypatch):
+    """Greedy tokens of batches of 1 and 5 (decode CUDA graphs, piecewise graphs for the
+    prefills) and teacher-forced logits: bit for bit the same with PDL on and off."""
+    from batchrun.kernels.pdl import PDL_ENV
+
+    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.engine import Engine
+    from batchrun.engine.params import GenerateRequest, SamplingParams
+    from batchrun.models.layers import GEMV_ENV
+
+    (tmp_path / "config.json").write_text(json.dumps(MODEL))
+    if gemv_mode is None:
+        monkeypatch.delenv(GEMV_ENV, raising=False)
+    else:
+        monkeypatch.setenv(GEMV_ENV, gemv_mode)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (300, 5, 77, 130, 9)]
+
+    def run(pdl: bool):
+        if pdl:
+            monkeypatch.delenv(PDL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(PDL_ENV, "0")
+        config = EngineConfig(
+            model=str(tmp_path),
+            load_format="dummy",
+            device="cuda",
+            dtype="bfloat16",
+            kv_budget=16384,
+            cuda_graph_max_bs=8,
+            piecewise_cuda_graph=True,
+        )
+        engine = Engine(config)
+        try:
+            params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+            (alone,) = [
+                r.output_ids for r in engine.generate([GenerateRequest("a", prompts[0], params)])
+            ]
+            reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
+            outs = {r.rid: r.output_ids for r in engine.generate(reqs)}
+            logits = engine.score(prompts[1] + alone[:10])
+            return alone, [outs[str(i)] for i in range(len(prompts))], logits
+        finally:
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    ref_alone, ref_batch, ref_logits = run(False)
+    for _ in range(2):  # a race would not show every time
+        alone, batch, logits = run(True)
+        assert alone == ref_alone
+        assert batch == ref_batch
+        assert torch.equal(logits, ref_logits)
+
+
+def test_decode_chain_replays_identical_with_pdl(monkeypatch):
+    """A chain of dependent kernels in one CUDA graph (norm -> gemv -> SwiGLU -> gemv, 24 times,
+    then the argmax), replayed with new inputs: the same bits as the chain without PDL."""
+    from batchrun.kernels.activation import silu_and_mul
+    from batchrun.kernels.argmax import argmax
+    from batchrun.kernels.fused_norm import fused_add_rms_norm
+    from batchrun.kernels.gemv import gemv
+    from batchrun.kernels.pdl import PDL_ENV
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden, inter, layers = 2048, 4096, 24
+    bf16 = torch.bfloat16
+    ups = [
+        torch.randn(2 * inter, hidden, device="cuda", generator=g).to(bf16) * 0.02 for _ in range(2)
+    ]
+    downs = [
+        torch.randn(hidden, inter, device="cuda", generator=g).to(bf16) * 0.02 for _ in range(2)
+    ]
+    norm_w = torch.ones(hidden, device="cuda", dtype=bf16)
+    head = torch.randn(32000, hidden, device="cuda", generator=g).to(bf16) * 0.02
+
+    def chain(x, residual):
+        for i in range(layers):
+            h, residual = fused_add_rms_norm(x, residual, norm_w, 1e-5)
+            x = gemv(silu_and_mul(gemv(h, ups[i % 2])), downs[i % 2])
+        h, _ = fused_add_rms_norm(x, residual, norm_w, 1e-5)
+        return argmax(gemv(h, head)), residual
+
+    def capture(pdl: bool):
+        if pdl:
+            monkeypatch.delenv(PDL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(PDL_ENV, "0")
+        x = torch.zeros(2, hidden, device="cuda", dtype=bf16)
+        res = torch.zeros(2, hidden, device="cuda", dtype=bf16)
+        x_in, res_in = x.clone(), res.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain(x.clone(), res.clone())  # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                x.copy_(x_in)
+                res.copy_(res_in)
+                out = chain(x, res)
+        torch.cuda.current_stream().wait_stream(stream)
+        return graph, x_in, res_in, out
+
+    runs = {}
+    for pdl in (False, True):
+        graph, x_in, res_in, out = capture(pdl)
+        results = []
+        for step in range(20):
+            gi = torch.Generator(device="cuda").manual_seed(100 + step)
+            x_in.copy_(torch.randn(x_in.shape, device="cuda", generator=gi).to(bf16))
+            res_in.copy_(torch.randn(res_in.shape, device="cuda", generator=gi).to(bf16))
+            graph.replay()
+            results.append((out[0].clone(), out[1].clone()))
+        torch.cuda.synchronize()
+        runs[pdl] = results
+    for (ids0, res0), (ids1, res1) in zip(runs[False], runs[True]):
+        assert torch.equal(ids0, ids1)
+        assert torch.equal(res0, res1)
