@@ -44,20 +44,11 @@ def _w_tile(w_rows, in_n, k0, k_end, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(X, offs_m, M, stride_xm, k0, k_end, K, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr):
-    """x [16, BLOCK_K] at K offset k0 (zeros past M and k_end: the tensor cores' padding). With
-    SWIGLU, X holds [gate | up] (2K columns) and x = silu(gate) * up, rounded as
-    kernels/activation.py rounds it (silu to the dtype, then the product)."""
+def _x_tile(X, offs_m, M, stride_xm, k0, k_end, BLOCK_K: tl.constexpr):
+    """x [16, BLOCK_K] at K offset k0 (zeros past M and k_end: the tensor cores' padding)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_m[:, None] < M) & (offs_k < k_end)[None, :]
-    ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
-    if SWIGLU:
-        dtype = X.dtype.element_ty
-        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-        return (silu.to(tl.float32) * up).to(dtype)
-    return tl.load(ptrs, mask=mask, other=0.0)
+    return tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -83,7 +74,6 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
-    SWIGLU: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -99,11 +89,11 @@ def _gemv_kernel(
     # (kernels/pdl.py); x is read after the wait
     w = _w_tile(w_rows, in_n, k_start, k_end, BLOCK_K)
     pdl_wait(PDL)
-    x = _x_tile(X, offs_m, M, stride_xm, k_start, k_end, K, BLOCK_K, SWIGLU)
+    x = _x_tile(X, offs_m, M, stride_xm, k_start, k_end, BLOCK_K)
     acc = _mma(tl.zeros([16, BLOCK_N], dtype=tl.float32), x, w, IEEE)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         w = _w_tile(w_rows, in_n, k0, k_end, BLOCK_K)
-        x = _x_tile(X, offs_m, M, stride_xm, k0, k_end, K, BLOCK_K, SWIGLU)
+        x = _x_tile(X, offs_m, M, stride_xm, k0, k_end, BLOCK_K)
         acc = _mma(acc, x, w, IEEE)
     out = Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -124,18 +114,12 @@ def pick_config(m: int, n: int, k: int) -> GemvConfig:
 
 
 def gemv(
-    x: torch.Tensor,  # [M, K] (swiglu: [M, 2K]), M <= 16, unit stride along K
+    x: torch.Tensor,  # [M, K], M <= 16, unit stride along K
     w: torch.Tensor,  # [N, K], unit stride along K (an nn.Linear weight)
     config: GemvConfig | None = None,
-    swiglu: bool = False,
 ) -> torch.Tensor:
-    """x @ w.T: [M, N] in x's dtype. With swiglu, x is [gate | up] and the product is
-    silu(gate) * up @ w.T, the SwiGLU computed as the tiles of x are read: the MLP's down_proj
-    without kernels/activation.py's kernel before it (the same values)."""
+    """x @ w.T: [M, N] in x's dtype."""
     m, k = x.shape
-    if swiglu:
-        assert k % 2 == 0
-        k //= 2
     n, k_w = w.shape
     assert k == k_w and m <= MAX_M and x.stride(1) == 1 and w.stride(1) == 1
     assert x.dtype == w.dtype
@@ -153,7 +137,7 @@ def gemv(
     pdl = pdl_launch_kwargs(x)
     _gemv_kernel[grid](
         x, w, y, m, n, k, k_per_split, x.stride(0), w.stride(0), y.stride(1), y.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32, SWIGLU=swiglu,
-        PDL=bool(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32, PDL=bool(pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return y[0] if split_k == 1 else y.sum(0).to(x.dtype)

@@ -69,25 +69,21 @@ def use_fused_decode(x: torch.Tensor) -> bool:
 GEMV_MIN_DIM = 4096
 
 
-def takes_decode_gemv(x: torch.Tensor, weight: torch.Tensor, decode_gemv: str | None) -> bool:
-    """Whether x @ weight.T runs on kernels/gemv.py: x is decode-sized in a decode_gemv_mode
-    (BATCHRUN_GEMV, else `decode_gemv`, the layer's default), and the mode is "all" /
-    "fused-all", or "triton" / "fused" with both sides of the weight >= GEMV_MIN_DIM."""
-    mode = decode_gemv_mode(x, decode_gemv)
-    return mode in ("all", "fused-all") or (mode is not None and min(weight.shape) >= GEMV_MIN_DIM)
-
-
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     decode_gemv: str | None = None,
 ):
-    """F.linear, or kernels/gemv.py where takes_decode_gemv (no bias)."""
-    if bias is None and takes_decode_gemv(x, weight, decode_gemv):
-        from batchrun.kernels.gemv import gemv
+    """F.linear, or kernels/gemv.py for a decode-sized x in a decode_gemv_mode (BATCHRUN_GEMV,
+    else `decode_gemv`, the layer's default): any weight in "all" / "fused-all", one whose
+    sides are both >= GEMV_MIN_DIM in "triton" / "fused"."""
+    if bias is None:
+        mode = decode_gemv_mode(x, decode_gemv)
+        if mode in ("all", "fused-all") or (mode and min(weight.shape) >= GEMV_MIN_DIM):
+            from batchrun.kernels.gemv import gemv
 
-        return gemv(x, weight)
+            return gemv(x, weight)
     return torch.nn.functional.linear(x, weight, bias)
 
 

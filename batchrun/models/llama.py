@@ -114,8 +114,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)  # [T, 2 * I]
-        if self.down_proj.takes_swiglu(gate_up):  # a decode batch: the SwiGLU in the matmul
-            return self.down_proj.forward_swiglu(gate_up)
         if use_fused_kernels(gate_up):
             from batchrun.kernels.activation import silu_and_mul
 

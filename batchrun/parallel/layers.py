@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.models.layers import linear, takes_decode_gemv
+from batchrun.models.layers import linear
 from batchrun.parallel.partition import ShardSpec
 from batchrun.parallel.state import TPGroup
 
@@ -71,23 +71,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
             return linear(x, self.weight, self.bias, self.decode_gemv)
-        return self._reduce(linear(x, self.weight, decode_gemv=self.decode_gemv))
-
-    def takes_swiglu(self, gate_up: torch.Tensor) -> bool:
-        """Whether forward_swiglu can take this [gate | up] input: no bias, and a matmul that
-        runs on kernels/gemv.py (models.layers.takes_decode_gemv)."""
-        return self.bias is None and takes_decode_gemv(gate_up, self.weight, self.decode_gemv)
-
-    def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """forward(silu(gate) * up) for gate_up = [gate | up] (this rank's columns of each),
-        the SwiGLU computed inside kernels/gemv.py's loads: one kernel less per layer."""
-        from batchrun.kernels.gemv import gemv
-
-        y = gemv(gate_up, self.weight, swiglu=True)
-        return self._reduce(y) if self.tp.is_parallel else y
-
-    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(y)
+        y = self.tp.all_reduce(linear(x, self.weight, decode_gemv=self.decode_gemv))
         return y if self.bias is None else y + self.bias
 
     def param_shards(self) -> dict[str, ShardSpec]:
