@@ -85,8 +85,10 @@ class EngineConfig:
     # the matmuls of decode-sized batches (at most 16 rows): "triton" runs every one on
     # kernels/gemv.py, launched with PDL (kernels/pdl.py); "cublas" on torch's F.linear; "auto":
     # triton for CUDA models under LARGE_MODEL_PARAMS on GPUs with PDL (sm_90+), else cublas.
-    # NOTE: measured on the H200 (docs/benchmarks.md, eighth session): W3 llama-1b 1.10 ms per
-    # token against 1.14 with cuBLAS; llama-8b 4.66 against 4.58, so large models keep cuBLAS
+    # NOTE: measured on the H200 (docs/benchmarks.md, eighth session), same calls: W3 llama-1b
+    # 1.10 ms per token against 1.14 with cuBLAS (call 3), 1.09-1.11 against 1.13 (call 4);
+    # llama-8b 4.66 against 4.58 (call 3) and 4.63 against 4.64 (call 1): no gain, so large
+    # models keep cuBLAS
     decode_gemv: str = "auto"
     # tensor parallel: this engine is rank tp_rank of tp_size lockstep engines, one per GPU
     # (batchrun.parallel.launcher.start_tp_engine starts them and sets tp_rank)
