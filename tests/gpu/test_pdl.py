@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from bench_models import LLAMA3_COMMON  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -61,9 +66,9 @@ def test_gemv_launched_with_pdl_waits_on_the_grid_dependency(monkeypatch):
         assert found, f"no gemv compiled with launch_pdl={expect}"
 
 
-MODEL = dict(  # a small Llama 3: big enough that its kernels run for a while, 4 layers
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
+# a small Llama 3: big enough that its kernels run for a while, 4 layers
+MODEL = dict(
+    LLAMA3_COMMON,
     vocab_size=32000,
     hidden_size=1024,
     intermediate_size=4096,
@@ -71,14 +76,10 @@ MODEL = dict(  # a small Llama 3: big enough that its kernels run for a while, 4
     num_attention_heads=16,
     num_key_value_heads=4,
     head_dim=64,
-    hidden_act="silu",
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
     max_position_embeddings=4096,
     bos_token_id=1,
     eos_token_id=2,
     tie_word_embeddings=False,
-    torch_dtype="bfloat16",
 )
 
 
