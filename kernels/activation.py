@@ -55,7 +55,7 @@ def silu_and_mul(
     grid = (num_tokens, triton.cdiv(inter_size, block))
     pdl = pdl_launch_kwargs(x)
     _silu_and_mul_kernel[grid](
-        x, out, x.stride(0), out.stride(0), inter_size, BLOCK=block, PDL=bool(pdl), num_warps=4,
+        x, out, x.stride(0), out.stride(0), inter_size, BLOCK=block, num_warps=4,
         **pdl,
     )  # fmt: skip
     return out

@@ -67,10 +67,10 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     pdl = pdl_launch_kwargs(logits)
     _argmax_chunks_kernel[(num_rows, num_chunks)](
         logits, vals, idx, logits.stride(0), vocab_size, num_chunks, CHUNK_SIZE=CHUNK,
-        PDL=bool(pdl), num_warps=4, **pdl,
+        num_warps=4, **pdl,
     )  # fmt: skip
     _argmax_rows_kernel[(num_rows,)](
-        vals, idx, out, num_chunks, BLOCK=triton.next_power_of_2(num_chunks), PDL=bool(pdl),
+        vals, idx, out, num_chunks, BLOCK=triton.next_power_of_2(num_chunks),
         num_warps=1, **pdl,
     )  # fmt: skip
     return out

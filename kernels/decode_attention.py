@@ -235,7 +235,6 @@ def decode_attention_fwd(
         BLOCK_D=block_d,
         DOT_PRECISION=precision,
         DIRECT=num_kv_splits == 1,
-        PDL=bool(pdl),
         num_warps=num_warps or DEFAULT_NUM_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
         **pdl,
@@ -253,7 +252,6 @@ def decode_attention_fwd(
         HEAD_DIM=head_dim,
         BLOCK_S=triton.next_power_of_2(num_kv_splits),
         BLOCK_D=block_d,
-        PDL=bool(pdl),
         num_warps=4,
         **pdl,
     )

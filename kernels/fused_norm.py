@@ -96,7 +96,7 @@ def rms_norm(
     block, num_warps = _launch_config(n_cols)
     pdl = pdl_launch_kwargs(x)
     _rms_norm_kernel[(num_rows,)](
-        x, weight, out, x.stride(0), out.stride(0), n_cols, eps, BLOCK=block, PDL=bool(pdl),
+        x, weight, out, x.stride(0), out.stride(0), n_cols, eps, BLOCK=block,
         num_warps=num_warps, **pdl,
     )  # fmt: skip
     return out
@@ -126,7 +126,6 @@ def fused_add_rms_norm(
         n_cols,
         eps,
         BLOCK=block,
-        PDL=bool(pdl),
         num_warps=num_warps,
         **pdl,
     )

@@ -128,7 +128,6 @@ def apply_rotary_(
         BLOCK_HALF=block_half,
         BLOCK_HQ=block_hq,
         BLOCK_HK=triton.next_power_of_2(num_k_heads),
-        PDL=bool(pdl),
         num_warps=4 if block_hq * block_half <= 2048 else 8,
         **pdl,
     )

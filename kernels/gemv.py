@@ -137,7 +137,7 @@ def gemv(
     pdl = pdl_launch_kwargs(x)
     _gemv_kernel[grid](
         x, w, y, m, n, k, k_per_split, x.stride(0), w.stride(0), y.stride(1), y.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32, PDL=bool(pdl),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return y[0] if split_k == 1 else y.sum(0).to(x.dtype)

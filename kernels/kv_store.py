@@ -90,7 +90,6 @@ def store_kv(
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
-        PDL=bool(pdl),
         num_warps=num_warps,
         **pdl,
     )

@@ -19,8 +19,7 @@ A kernel that is not ours (cuBLAS, torch's) never triggers early: the next PDL k
 when it completes, as without PDL, and a plain kernel after a PDL one waits for it in full. So PDL
 and non-PDL kernels mix freely on one stream and in one CUDA graph.
 
-    kw = pdl_launch_kwargs(x)       # {"launch_pdl": True} where it applies, else {}
-    _kernel[grid](..., PDL=bool(kw), **kw)
+    _kernel[grid](..., **pdl_launch_kwargs(x))    # the kernel's PDL constexpr and launch_pdl
 
 `BATCHRUN_PDL=0` turns it off (read on every launch, so tests can flip it; a CUDA graph keeps
 what it captured).
@@ -51,11 +50,13 @@ def device_supports_pdl(device: torch.device) -> bool:
 
 
 def pdl_launch_kwargs(x: torch.Tensor) -> dict:
-    """{"launch_pdl": True} for a launch on x's GPU if it supports PDL and BATCHRUN_PDL is not
-    "0"; {} otherwise (the CPU and Triton's interpreter included)."""
+    """A launch's kwargs on x's device: {"PDL": True, "launch_pdl": True} if the GPU supports
+    PDL and BATCHRUN_PDL is not "0"; {"PDL": False} otherwise (the CPU and Triton's interpreter
+    included). The kernel's PDL constexpr (its pdl_wait) and the launch attribute come together,
+    so neither is ever set without the other."""
     if not x.is_cuda or os.environ.get(PDL_ENV) == "0" or not device_supports_pdl(x.device):
-        return {}
-    return {"launch_pdl": True}
+        return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True}
 
 
 @triton.jit

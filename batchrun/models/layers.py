@@ -53,11 +53,6 @@ def decode_gemv_mode(x: torch.Tensor, default: str | None = None) -> str | None:
     return mode if mode in GEMV_MODES and use_fused_kernels(x) else None
 
 
-def use_decode_gemv(x: torch.Tensor) -> bool:
-    """Whether BATCHRUN_GEMV sends x's matmuls to the Triton decode kernels (decode_gemv_mode)."""
-    return decode_gemv_mode(x) is not None
-
-
 def use_fused_decode(x: torch.Tensor) -> bool:
     """BATCHRUN_GEMV=fused or fused-all: norm + matmul (+ SwiGLU) in one kernel."""
     return decode_gemv_mode(x) in ("fused", "fused-all")

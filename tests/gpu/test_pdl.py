@@ -34,10 +34,11 @@ def test_pdl_kwargs_follow_the_switch(monkeypatch):
 
     x = torch.zeros(1, device="cuda")
     monkeypatch.delenv(PDL_ENV, raising=False)
-    assert pdl_launch_kwargs(x) == ({"launch_pdl": True} if _hopper() else {})
+    on = {"PDL": True, "launch_pdl": True}
+    assert pdl_launch_kwargs(x) == (on if _hopper() else {"PDL": False})
     monkeypatch.setenv(PDL_ENV, "0")
-    assert pdl_launch_kwargs(x) == {}
-    assert pdl_launch_kwargs(torch.zeros(1)) == {}
+    assert pdl_launch_kwargs(x) == {"PDL": False}
+    assert pdl_launch_kwargs(torch.zeros(1)) == {"PDL": False}
 
 
 @pytest.mark.skipif(not _hopper() if torch.cuda.is_available() else True, reason="needs sm_90+")
