@@ -1,23 +1,38 @@
-"""Skinny matmul for decode: y[M, N] = x[M, K] @ w[N, K]^T for M <= 16 (F.linear without bias).
+"""Skinny matmul for decode: y[M, N] = x[M, K] @ w[N, K]^T for M <= 16 (F.linear without bias),
+optionally with the SwiGLU gate as its epilogue (gate_up -> silu(gate) * up in one kernel).
 
 At batch 1 a decode step is GEMVs: on the H200, llama-1b's 64 cuBLAS GEMVs per step took 773 µs
 for 1.95 GB of weights (2.5 TB/s, 59 % of the copy ceiling), llama-8b's 4.0 TB/s (94 %). The
 small matrices of a 1b model (2048 x 2048, 2048 x 512) leave cuBLAS few blocks in flight. This
 kernel streams w in [BLOCK_N, BLOCK_K] tiles: a program owns BLOCK_N output columns and, with
-SPLIT_K > 1, one K-slice of them, so small N still fills the GPU; each slice writes its fp32
-partial sums to its own plane of a [SPLIT_K, M, N] buffer, summed and cast after (no atomics:
-the result must not depend on the order the slices finish in, or greedy tokens could differ
-from run to run).
+SPLIT_K > 1, one K-slice of them, so small N still fills the GPU.
+
+Split-K reduces inside the kernel, deterministically: each slice stores its fp32 partial sums to
+its own plane of a [SPLIT_K, M, N] workspace, then bumps its column tile's counter; the slice
+that finds the counter at SPLIT_K - 1 is the last to finish, and sums every plane in slice order
+(so the result does not depend on which slice finished last: greedy tokens are the same from run
+to run), writes y and resets the counter to 0 for the next call. No second kernel: a torch sum of
+the planes cost two more launches a matmul and broke the PDL chain (kernels/pdl.py).
 
     y = gemv(x, w)                          # a config from pick_config(M, N, K)
     y = gemv(x, w, config=GemvConfig(...))  # scripts/bench_gemv.py sweeps these on the device
+    a = gemv(x, w_gate_up, swiglu=True)     # silu(x @ w_gate.T) * (x @ w_up.T), [M, N / 2]
+
+With swiglu, w is [2I, K] (gate rows, then up rows, as the fused gate_up projection) and a
+program owns BLOCK_N columns of both halves; gate and up are rounded to the activation dtype
+before silu * up, as the [M, 2I] matmul output is, and the gate is computed as
+kernels/activation.py computes it.
 
 Accumulation is fp32 (tl.dot with x padded to 16 rows: the tensor cores do the padding rows for
-free, and w is read once whatever M is). Grid (cdiv(N, BLOCK_N), SPLIT_K).
+free, and w is read once whatever M is). Grid (cdiv(N, BLOCK_N), SPLIT_K). The split counters
+are one int32 buffer per device, zeroed once and left zeroed by every call: calls on one stream
+never overlap past `pdl_wait`, where the counters are first touched. Run one call eagerly before
+capturing a CUDA graph (it allocates them).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -26,6 +41,9 @@ import triton.language as tl
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 MAX_M = 16
+# one counter per column tile of a split matmul: 128256 columns / 16 fits with room to spare
+NUM_COUNTERS = 32768
+SMEM_FOR_W = 160 << 10
 
 
 class GemvConfig(NamedTuple):
@@ -59,20 +77,45 @@ def _mma(acc, x, w, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _swiglu(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up from fp32 sums, rounded as the unfused path rounds: gate and up to the
+    dtype (the matmul's output), silu to the dtype, the product once."""
+    gate = gate.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+    return silu.to(tl.float32) * up.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _sum_planes(WS, plane_offs, mask, plane_stride, SPLIT_K: tl.constexpr):
+    """The fp32 planes of every K slice at plane_offs, summed in slice order. `.cg` loads: from
+    L2, where the other slices' stores are (this SM's L1 may hold stale lines of an earlier
+    call's planes)."""
+    total = tl.load(WS + plane_offs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLIT_K):
+        plane = WS + s * plane_stride + plane_offs
+        total += tl.load(plane, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
 def _gemv_kernel(
     X,
     W,
     Y,
+    WS,
+    Counters,
     M,
     N,
     K,
     k_per_split,
+    up_offset,
     stride_xm,
     stride_wn,
     stride_ym,
-    stride_ys,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SWIGLU: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -81,6 +124,7 @@ def _gemv_kernel(
     offs_m = tl.arange(0, 16)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    up_rows = w_rows + up_offset  # SWIGLU: the up half's rows, N below
     in_n = offs_n[:, None] < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -88,56 +132,134 @@ def _gemv_kernel(
     # weights are no earlier kernel's output, so with PDL that load overlaps the kernel before
     # (kernels/pdl.py); x is read after the wait
     w = _w_tile(w_rows, in_n, k_start, k_end, BLOCK_K)
+    if SWIGLU:
+        w_up = _w_tile(up_rows, in_n, k_start, k_end, BLOCK_K)
     pdl_wait(PDL)
     x = _x_tile(X, offs_m, M, stride_xm, k_start, k_end, BLOCK_K)
     acc = _mma(tl.zeros([16, BLOCK_N], dtype=tl.float32), x, w, IEEE)
+    acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    if SWIGLU:
+        acc_up = _mma(acc_up, x, w_up, IEEE)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        w = _w_tile(w_rows, in_n, k0, k_end, BLOCK_K)
         x = _x_tile(X, offs_m, M, stride_xm, k0, k_end, BLOCK_K)
-        acc = _mma(acc, x, w, IEEE)
-    out = Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+        acc = _mma(acc, x, _w_tile(w_rows, in_n, k0, k_end, BLOCK_K), IEEE)
+        if SWIGLU:
+            acc_up = _mma(acc_up, x, _w_tile(up_rows, in_n, k0, k_end, BLOCK_K), IEEE)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(out, acc.to(Y.dtype.element_ty), mask=mask)
+    out = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
+    dtype = Y.dtype.element_ty
+    if SPLIT_K == 1:
+        if SWIGLU:
+            tl.store(out, _swiglu(acc, acc_up, dtype).to(dtype), mask=mask)
+        else:
+            tl.store(out, acc.to(dtype), mask=mask)
+    else:
+        # planes [SPLIT_K, M, WS_N]: WS_N = N, or 2N with the up sums in the second half
+        ws_n = 2 * N if SWIGLU else N
+        plane_stride = M * ws_n
+        plane_offs = offs_m[:, None] * ws_n + offs_n[None, :]
+        tl.store(WS + pid_k * plane_stride + plane_offs, acc, mask=mask)
+        if SWIGLU:
+            tl.store(WS + pid_k * plane_stride + plane_offs + N, acc_up, mask=mask)
+        # NOTE: every thread's stores are issued before the one thread's release (bar.sync, then
+        # a gpu-scope acq_rel atomic): the last slice's acquire then sees all of them
+        tl.debug_barrier()
+        counter = Counters + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = _sum_planes(WS, plane_offs, mask, plane_stride, SPLIT_K)
+            if SWIGLU:
+                total_up = _sum_planes(WS, plane_offs + N, mask, plane_stride, SPLIT_K)
+                tl.store(out, _swiglu(total, total_up, dtype).to(dtype), mask=mask)
+            else:
+                tl.store(out, total.to(dtype), mask=mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
+# NOTE: K-split programs aimed at: about two per SM of the H200 (132 SMs)
+TARGET_PROGRAMS = 256
+MAX_SPLIT_K = 8
 
 
 def pick_config(m: int, n: int, k: int) -> GemvConfig:
     """The best configs of scripts/bench_gemv.py on the H200 (M = 1, the matrices of llama-1b
-    and llama-8b; docs/benchmarks.md), as a rule: 64 columns per program for wide matrices,
-    512-wide K tiles for narrow ones, and 16 columns where 32 leave the GPU under-filled on a
-    long K (llama-1b's down_proj, 2048 x 8192: 13.3 µs with PDL, against 16.2 in 4 K slices,
-    whose fp32 planes take two more kernels to sum). No split-K."""
-    block_n = 64 if n >= 6144 else 32
-    if triton.cdiv(n, block_n) < 100 and k >= 8192:
-        block_n = 16
-    block_k = 256 if n >= 8192 else 512
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=1)
+    and llama-8b, ninth session; docs/benchmarks.md), as a rule: 64 columns x 256-wide K tiles
+    a program, and matrices with few column tiles split along K until there are about
+    TARGET_PROGRAMS programs (a power of two, at most MAX_SPLIT_K slices of at least one tile).
+    llama-1b's down_proj (2048 x 8192) in 8 slices: 10.7 µs against 13.5 unsplit; its o_proj
+    4.9 against 5.3; llama-8b's o_proj and down_proj in 4: 10.5 and 29.4 against 11.7 and 30.6.
+    Wide matrices (gate_up, lm_head: 256 tiles and more) are not split."""
+    block_n, block_k = 64, 256
+    tiles = triton.cdiv(n, block_n)
+    split_k = 1
+    while (
+        split_k < MAX_SPLIT_K
+        and tiles * split_k * 2 <= TARGET_PROGRAMS
+        and k >= 2 * split_k * block_k
+    ):
+        split_k *= 2
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k)
+
+
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
+    # NOTE: allocated outside any CUDA graph capture (a graph would own it and its memset)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    assert not capturing, "run gemv once eagerly before capturing a CUDA graph"
+    return torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device)
+
+
+def split_counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K counters (allocated, zeroed, on first use)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _counters(device)
 
 
 def gemv(
     x: torch.Tensor,  # [M, K], M <= 16, unit stride along K
-    w: torch.Tensor,  # [N, K], unit stride along K (an nn.Linear weight)
+    w: torch.Tensor,  # [N, K], unit stride along K (an nn.Linear weight); swiglu: [2I, K]
     config: GemvConfig | None = None,
+    swiglu: bool = False,
 ) -> torch.Tensor:
-    """x @ w.T: [M, N] in x's dtype."""
+    """x @ w.T: [M, N] in x's dtype; with swiglu, silu(x @ w_gate.T) * (x @ w_up.T): [M, I]."""
     m, k = x.shape
-    n, k_w = w.shape
+    n_rows, k_w = w.shape
     assert k == k_w and m <= MAX_M and x.stride(1) == 1 and w.stride(1) == 1
     assert x.dtype == w.dtype
-    cfg = config or pick_config(m, n, k)
+    assert not swiglu or n_rows % 2 == 0
+    n = n_rows // 2 if swiglu else n_rows
+    # NOTE: with swiglu each program reads a tile of each half: the config of the whole matmul,
+    # half the columns per program
+    cfg = config or pick_config(m, n_rows, k)
+    if swiglu and config is None:
+        cfg = cfg._replace(block_n=max(16, cfg.block_n // 2))
     if x.dtype == torch.float32:  # 4-byte tiles: fit the shared memory (227 KB on the H200)
         cfg = cfg._replace(block_k=min(cfg.block_k, 128), num_stages=min(cfg.num_stages, 2))
+    # the w tiles in flight (two a stage with swiglu) within the shared memory, x's tiles aside
+    tile_bytes = (2 if swiglu else 1) * cfg.block_n * cfg.block_k * x.element_size()
+    while cfg.num_stages > 1 and tile_bytes * cfg.num_stages > SMEM_FOR_W:
+        cfg = cfg._replace(num_stages=cfg.num_stages - 1)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)
-    # one slice: the result in x's dtype straight away; else fp32 planes, summed below
-    dtype = x.dtype if split_k == 1 else torch.float32
-    y = torch.empty((split_k, m, n), dtype=dtype, device=x.device)
+    tiles = triton.cdiv(n, cfg.block_n)
+    if tiles > NUM_COUNTERS:
+        split_k, k_per_split = 1, k
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return y.sum(0).to(x.dtype)
-    grid = (triton.cdiv(n, cfg.block_n), split_k)
+        return y
+    counters = split_counters(x.device)
+    # fp32 planes of the K slices' partial sums (without split-K the kernel never reads them)
+    ws = (
+        y
+        if split_k == 1
+        else torch.empty(split_k * m * n_rows, dtype=torch.float32, device=x.device)
+    )
     pdl = pdl_launch_kwargs(x)
-    _gemv_kernel[grid](
-        x, w, y, m, n, k, k_per_split, x.stride(0), w.stride(0), y.stride(1), y.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+    _gemv_kernel[(tiles, split_k)](
+        x, w, y, ws, counters, m, n, k, k_per_split, n * w.stride(0), x.stride(0), w.stride(0),
+        y.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu,
+        IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
-    return y[0] if split_k == 1 else y.sum(0).to(x.dtype)
+    return y

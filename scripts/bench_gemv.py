@@ -8,7 +8,8 @@ should replace cuBLAS at small M (batch-1 decode, W3), and with which config per
 Each measurement replays a CUDA graph of many calls (no launch overhead, as in the engine's
 decode graphs) that cycle through enough copies of the weight to exceed the L2 cache, so every
 call reads its weight from HBM. Reports µs per call and the weight bytes per second, and per
-model the sum over one decode step (layers x [qkv, o, gate_up, down] + lm_head). The kernel runs
+model the sum over one decode step (layers x [qkv, o, gate_up, down] + lm_head); for gate_up also
+the SwiGLU as gemv's epilogue against the matmul + the gate's kernel. The kernel runs
 with programmatic dependent launch where the GPU has it (kernels/pdl.py); the default config is
 also timed without. A graph of GEMVs only overstates what PDL gives in a model, where small
 kernels (norms, rotary, attention) sit between the matmuls. Every config is
@@ -82,11 +83,45 @@ def configs(sweep: bool):
 
     if not sweep:
         return []
-    grid = itertools.product((16, 32, 64), (256, 512), (1, 2, 4, 8), (4,))
+    grid = itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 3, 4, 6, 8), (4,))
     return [GemvConfig(bn, bk, sk, nw) for bn, bk, sk, nw in grid]
 
 
-def bench_shape(n: int, k: int, m: int, sweep: bool, dtype) -> dict:
+def worth_sweeping(cfg, n: int, k: int) -> bool:
+    """Skip configs that split nothing (K slices of less than a tile) or split a matrix whose
+    column tiles alone fill the GPU twice over."""
+    if cfg.split_k == 1:
+        return True
+    return cfg.block_k * cfg.split_k <= k and -(-n // cfg.block_n) < 264
+
+
+def bench_swiglu(x, weights: list[torch.Tensor], sweep: bool) -> dict:
+    """gate_up with the SwiGLU as gemv's epilogue against the matmul then the gate's kernel
+    (cuBLAS, and gemv's default config); with sweep, the epilogue's configs too."""
+    from batchrun.kernels.activation import silu_and_mul
+    from batchrun.kernels.gemv import gemv
+
+    w0 = weights[0]
+    ref = silu_and_mul(F.linear(x, w0)).float()
+    fused_error = ((gemv(x, w0, swiglu=True).float() - ref).norm() / ref.norm()).item()
+    out = {
+        "swiglu_error": fused_error,
+        "cublas_silu_us": graph_time_us(lambda w: silu_and_mul(F.linear(x, w)), weights),
+        "gemv_silu_us": graph_time_us(lambda w: silu_and_mul(gemv(x, w)), weights),
+        "swiglu_us": graph_time_us(lambda w: gemv(x, w, swiglu=True), weights),
+    }
+    timed = []
+    n, k = w0.shape[0] // 2, w0.shape[1]
+    for cfg in configs(sweep):
+        if cfg.block_n > 32 or not worth_sweeping(cfg, n, k):
+            continue
+        us = graph_time_us(lambda w, cfg=cfg: gemv(x, w, cfg, swiglu=True), weights)
+        timed.append((list(cfg), us))
+    out["swiglu_top_configs"] = sorted(timed, key=lambda item: item[1])[:6]
+    return out
+
+
+def bench_shape(n: int, k: int, m: int, sweep: bool, dtype, swiglu: bool = False) -> dict:
     from batchrun.kernels.gemv import gemv, pick_config
     from batchrun.kernels.pdl import PDL_ENV
 
@@ -112,18 +147,22 @@ def bench_shape(n: int, k: int, m: int, sweep: bool, dtype) -> dict:
         out["default_no_pdl_us"] = graph_time_us(lambda w: gemv(x, w, default), weights)
     finally:
         os.environ.pop(PDL_ENV)
-    best, best_us, bad = default, out["default_us"], []
+    best, best_us, bad, timed = default, out["default_us"], [], []
     for cfg in configs(sweep):
-        if cfg.block_k * cfg.split_k > 4 * k and cfg.split_k > 1:
-            continue  # splits of nothing
+        if not worth_sweeping(cfg, n, k):
+            continue
         if not check(cfg):
             bad.append(list(cfg))
             continue
         us = graph_time_us(lambda w, cfg=cfg: gemv(x, w, cfg), weights)
+        timed.append((list(cfg), us))
         if us < best_us:
             best, best_us = cfg, us
     out.update(best_config=list(best), best_us=best_us, wrong_configs=bad)
+    out["top_configs"] = sorted(timed, key=lambda item: item[1])[:6]
     out["default_correct"] = check(default)
+    if swiglu:
+        out.update(bench_swiglu(x, weights, sweep))
     for key in ("cublas", "default", "best"):
         out[f"{key}_tb_s"] = gb / (out[f"{key}_us"] * 1e-6) / 1e3
     weights.clear()
@@ -211,7 +250,7 @@ def main(argv=None) -> int:
             for name, n, k, count in shapes(model):
                 if name not in args.matrices.split(","):
                     continue
-                r = bench_shape(n, k, m, not args.no_sweep, dtype)
+                r = bench_shape(n, k, m, not args.no_sweep, dtype, swiglu=name == "gate_up")
                 r.update(model=model, m=m, matrix=name, n=n, k=k, count=count)
                 report["results"].append(r)
                 for key in totals:
@@ -224,6 +263,16 @@ def main(argv=None) -> int:
                     f"{tuple(r['best_config'])} |",
                     flush=True,
                 )
+                top = ", ".join(f"{tuple(c)} {us:.1f}" for c, us in r["top_configs"])
+                print(f"    top: {top}", flush=True)
+                if "swiglu_us" in r:
+                    top = ", ".join(f"{tuple(c)} {us:.1f}" for c, us in r["swiglu_top_configs"])
+                    print(
+                        f"    SwiGLU: cuBLAS + gate {r['cublas_silu_us']:.1f}, gemv + gate "
+                        f"{r['gemv_silu_us']:.1f}, epilogue {r['swiglu_us']:.1f} µs "
+                        f"(rel. error {r['swiglu_error']:.1e}); top: {top}",
+                        flush=True,
+                    )
             print(
                 f"per decode step: cuBLAS {totals['cublas']:.0f} µs, default "
                 f"{totals['default']:.0f} µs, best per shape {totals['best']:.0f} µs"

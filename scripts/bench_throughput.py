@@ -50,7 +50,7 @@ from batchrun.kernels.pdl import PDL_ENV  # noqa: E402
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
 
-from batchrun.models.layers import GEMV_ENV  # noqa: E402
+from batchrun.models.layers import GEMV_ENV, GEMV_SWIGLU_ENV  # noqa: E402
 
 VARIANTS = (
     "batchrun",
@@ -79,6 +79,7 @@ VARIANT_ENV = {
     "fused-all": {GEMV_ENV: "fused-all"},
     "no-pdl": {PDL_ENV: "0"},
     "gemv-all-no-pdl": {GEMV_ENV: "all", PDL_ENV: "0"},
+    "no-swiglu-gemv": {GEMV_SWIGLU_ENV: "0"},  # the SwiGLU gate in its own kernel
 }
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000
 # BENCH.md targets: (workload, model) -> (figure, bound); W3 is ms per output token (lower is
@@ -250,6 +251,7 @@ def engine_config(args, model_dir: Path, variant: str):
         "fused-all": {},
         "no-pdl": {},
         "gemv-all-no-pdl": {},
+        "no-swiglu-gemv": {},
         "no-piecewise": {"piecewise_cuda_graph": False},
         "piecewise": {"piecewise_cuda_graph": True},  # also where it is off by default
         "cublas": {"decode_gemv": "cublas"},  # decode matmuls on cuBLAS (large models' default)

@@ -64,22 +64,50 @@ def use_fused_decode(x: torch.Tensor) -> bool:
 GEMV_MIN_DIM = 4096
 
 
+def takes_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, decode_gemv: str | None
+) -> bool:
+    """Whether x @ weight.T goes to kernels/gemv.py: a decode-sized x in a decode_gemv_mode
+    (BATCHRUN_GEMV, else `decode_gemv`, the layer's default), no bias, and any weight in "all" /
+    "fused-all", one whose sides are both >= GEMV_MIN_DIM in "triton" / "fused"."""
+    if bias is not None:
+        return False
+    mode = decode_gemv_mode(x, decode_gemv)
+    return mode in ("all", "fused-all") or (mode is not None and min(weight.shape) >= GEMV_MIN_DIM)
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     decode_gemv: str | None = None,
 ):
-    """F.linear, or kernels/gemv.py for a decode-sized x in a decode_gemv_mode (BATCHRUN_GEMV,
-    else `decode_gemv`, the layer's default): any weight in "all" / "fused-all", one whose
-    sides are both >= GEMV_MIN_DIM in "triton" / "fused"."""
-    if bias is None:
-        mode = decode_gemv_mode(x, decode_gemv)
-        if mode in ("all", "fused-all") or (mode and min(weight.shape) >= GEMV_MIN_DIM):
-            from batchrun.kernels.gemv import gemv
+    """F.linear, or kernels/gemv.py where `takes_gemv`."""
+    if takes_gemv(x, weight, bias, decode_gemv):
+        from batchrun.kernels.gemv import gemv
 
-            return gemv(x, weight)
+        return gemv(x, weight)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+# NOTE: "0" keeps the SwiGLU gate in its own kernel after a gemv gate_up (to measure the fusion)
+GEMV_SWIGLU_ENV = "BATCHRUN_GEMV_SWIGLU"
+
+
+def swiglu_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    decode_gemv: str | None = None,
+) -> torch.Tensor | None:
+    """silu(x @ w_gate.T) * (x @ w_up.T) in one kernel (kernels/gemv.py's SwiGLU epilogue)
+    where the gate_up matmul `takes_gemv`, for weight = [gate rows | up rows]; None otherwise
+    (the caller runs the matmul and the gate apart)."""
+    if os.environ.get(GEMV_SWIGLU_ENV) == "0" or not takes_gemv(x, weight, bias, decode_gemv):
+        return None
+    from batchrun.kernels.gemv import gemv
+
+    return gemv(x, weight, swiglu=True)
 
 
 class RMSNorm(nn.Module):

@@ -25,36 +25,80 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gemv_matches_linear(n, k, m, dtype):
-    from batchrun.kernels.gemv import GemvConfig, gemv
+    from batchrun.kernels.gemv import GemvConfig, gemv, split_counters
 
     g = torch.Generator(device="cuda").manual_seed(n + k + m)
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).to(dtype)
     ref = F.linear(x.float(), w.float())
-    for cfg in (None, GemvConfig(32, 256, 1), GemvConfig(16, 128, 4), GemvConfig(64, 512, 8)):
+    configs = (None, GemvConfig(32, 256, 1), GemvConfig(16, 128, 4), GemvConfig(64, 512, 8),
+               GemvConfig(32, 128, 3))  # fmt: skip
+    for cfg in configs:
         out = gemv(x, w, cfg)
         assert out.shape == (m, n) and out.dtype == dtype
         assert torch.isfinite(out).all()
         rel = ((out.float() - ref).norm() / ref.norm()).item()
         assert rel <= TOL[dtype], (cfg, rel)
+        assert not split_counters(x.device).any()  # left at zero for the next call
 
 
-def test_gemv_under_graph_capture_and_deterministic():
-    """Split-K allocates its fp32 planes inside the graph's pool; replays give the eager result
-    bit for bit (the planes are summed in a fixed order: no atomics)."""
-    from batchrun.kernels.gemv import GemvConfig, gemv
+@pytest.mark.parametrize("inter,k", [(8192, 2048), (14336, 4096), (1000, 300)])
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_swiglu_matches_gemv_then_the_gate(inter, k, m, dtype):
+    """The SwiGLU epilogue against the [M, 2I] gemv then silu_and_mul, with and without split-K:
+    the same rounding (gate and up to the dtype, then the gate's kernel's formula); the fp32 sums
+    may differ in order between configs, so within a few bf16 / fp16 ulps."""
+    from batchrun.kernels.activation import silu_and_mul
+    from batchrun.kernels.gemv import GemvConfig, gemv, split_counters
+
+    g = torch.Generator(device="cuda").manual_seed(inter + k + m)
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(2 * inter, k, device="cuda", generator=g) * 0.05).to(dtype)
+    for cfg in (None, GemvConfig(16, 256, 1), GemvConfig(32, 256, 4), GemvConfig(16, 128, 3)):
+        want = silu_and_mul(gemv(x, w, cfg))
+        got = gemv(x, w, cfg, swiglu=True)
+        assert got.shape == (m, inter) and got.dtype == dtype and torch.isfinite(got).all()
+        rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert rel <= TOL[dtype], (cfg, rel)
+        assert not split_counters(x.device).any()
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_gemv_under_graph_capture_and_deterministic(swiglu):
+    """Split-K allocates its fp32 planes inside the graph's pool and reduces in the kernel (the
+    last K slice of a column tile sums every plane in slice order): replays with new inputs give
+    the eager result bit for bit, and the counters stay at zero."""
+    from batchrun.kernels.gemv import GemvConfig, gemv, split_counters
 
     x = torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) * 0.05
-    cfg = GemvConfig(32, 256, 4)
-    eager = gemv(x, w, cfg)
+    w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16) * 0.05
+    static_x = x.clone()
+    cfgs = [GemvConfig(32, 256, 4), GemvConfig(16, 128, 3), GemvConfig(64, 512, 1)]
     graph = torch.cuda.CUDAGraph()
+    gemv(static_x, w, cfgs[0], swiglu=swiglu)  # eager first: allocates the counters
     with torch.cuda.graph(graph):
-        out = gemv(x, w, cfg)
-    for _ in range(3):
+        outs = [gemv(static_x, w, cfg, swiglu=swiglu) for cfg in cfgs]
+    for seed in range(3):
+        static_x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)))
         graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+        torch.cuda.synchronize()
+        for cfg, out in zip(cfgs, outs):
+            assert torch.equal(out, gemv(static_x, w, cfg, swiglu=swiglu)), cfg
+        assert not split_counters(x.device).any()
+
+
+def test_gemv_split_k_is_deterministic_under_contention():
+    """Many K slices per column tile, replayed many times: which slice finishes last varies, the
+    bits of the result do not."""
+    from batchrun.kernels.gemv import GemvConfig, gemv
+
+    x = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, 8192, device="cuda", dtype=torch.bfloat16) * 0.05
+    cfg = GemvConfig(16, 128, 8)
+    first = gemv(x, w, cfg)
+    for _ in range(50):
+        assert torch.equal(gemv(x, w, cfg), first)
 
 
 def test_linear_takes_the_kernel_only_when_asked(monkeypatch):

@@ -224,11 +224,12 @@ def _check_token_bitmask() -> None:
 def _check_gemv() -> None:
     """kernels/gemv.py vs x @ w.T (fp32 and fp16; the interpreter's bf16 dot is wrong): M from
     1 to 16, ragged N and K, split-K on and off."""
-    from batchrun.kernels.gemv import GemvConfig, gemv
+    from batchrun.kernels.gemv import GemvConfig, gemv, split_counters
 
     gen = torch.Generator().manual_seed(6)
     cases = [(1, 100, 300, None), (3, 64, 512, GemvConfig(32, 128, 2)),
-             (16, 50, 1000, GemvConfig(16, 64, 4)), (5, 33, 70, GemvConfig(16, 32, 1))]  # fmt: skip
+             (16, 50, 1000, GemvConfig(16, 64, 4)), (5, 33, 70, GemvConfig(16, 32, 1)),
+             (2, 40, 1000, GemvConfig(16, 64, 5)), (1, 20, 100, GemvConfig(16, 32, 8))]  # fmt: skip
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         for m, n, k, cfg in cases:
             x = torch.randn(m, k, generator=gen).to(dtype)
@@ -237,6 +238,31 @@ def _check_gemv() -> None:
             ref = x.float() @ w.float().T
             assert got.shape == (m, n) and got.dtype == dtype
             assert ((got.float() - ref).norm() / ref.norm()).item() <= tol, (dtype, m, n, k)
+            # the split counters are left at zero for the next call, which gives the same bits
+            assert not split_counters(x.device).any()
+            assert torch.equal(gemv(x, w, cfg), got)
+    _check_gemv_swiglu()
+
+
+def _check_gemv_swiglu() -> None:
+    """gemv(swiglu=True) vs the [M, 2I] matmul rounded to fp16 then silu_and_mul's numerics:
+    split-K on and off, ragged I and K."""
+    import torch.nn.functional as F
+    from batchrun.kernels.gemv import GemvConfig, gemv, split_counters
+
+    gen = torch.Generator().manual_seed(9)
+    dtype = torch.float16
+    cases = [(1, 48, 300, None), (3, 40, 512, GemvConfig(16, 128, 3)), (16, 32, 64, None),
+             (2, 70, 1000, GemvConfig(32, 64, 4))]  # fmt: skip
+    for m, inter, k, cfg in cases:
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        w = (torch.randn(2 * inter, k, generator=gen) * 0.1).to(dtype)
+        gate, up = (x.float() @ w.float().T).to(dtype).float().chunk(2, dim=-1)
+        ref = F.silu(gate).to(dtype).float() * up
+        got = gemv(x, w, cfg, swiglu=True)
+        assert got.shape == (m, inter) and got.dtype == dtype
+        assert ((got.float() - ref).norm() / ref.norm()).item() <= 2e-3, (m, inter, k, cfg)
+        assert not split_counters(x.device).any()
 
 
 def _check_norm_gemv() -> None:
