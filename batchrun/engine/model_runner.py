@@ -20,6 +20,7 @@ from batchrun.engine.sampler import PenaltyState, SampleOutput, Sampler, Samplin
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.staging import PinnedStaging
 from batchrun.models.config import ModelConfig
+from batchrun.models.layers import use_fused_kernels
 from batchrun.models.llama import ForwardBatch
 from batchrun.models.loader import load_model
 from batchrun.parallel.state import tp_group_for
@@ -103,6 +104,11 @@ class ModelRunner:
             tp=tp_group_for(config),  # the no-op group at tp_size 1
         )
         self.model.set_decode_gemv("all" if self._use_decode_gemv() else None)
+        if self.device.type == "cuda" and use_fused_kernels(torch.empty(0, device=self.device)):
+            from batchrun.kernels.gemv import split_counters
+
+            # NOTE: before any graph capture (BATCHRUN_GEMV may turn gemv on whatever the mode)
+            split_counters(self.device)
         self.num_slots = self._kv_slots()
         self.kv_pool = KVPool(
             model_cfg.num_layers,
