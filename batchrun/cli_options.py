@@ -229,8 +229,8 @@ engine_options = option_group(
         default="auto",
         show_default=True,
         help="CUDA: the matmuls of decode batches of up to 16 requests. triton: batchrun's "
-        "kernel, launched with programmatic dependent launch; cublas: torch's. auto: triton for "
-        "models under 3B parameters on sm_90+ GPUs (H100, H200), else cublas.",
+        "kernel, launched with programmatic dependent launch; cublas: torch's. auto: triton on "
+        "sm_90+ GPUs (H100, H200), else cublas.",
     ),
     click.option(
         "--disable-cuda-graph",

@@ -6,18 +6,30 @@
         device from seq_lens. The program reads that range once for all H / KV query heads of its
         KV head (GQA) and writes the normalized partial output acc / l and its base-2 log-sum-exp.
         An empty split writes acc = 0, lse = -1e30: weight 0 next to any non-empty split.
-    stage 2, grid (B, H)
+    combine (stage 2), per query head
         out = sum_s 2^(lse_s - max) * acc_s / sum_s 2^(lse_s - max)
-    With one split, stage 1 writes acc / l to out itself and stage 2 does not run: for a large
+    With one split, stage 1 writes acc / l to out itself and there is no combine: for a large
     batch (no split) stage 2 was a copy of every output, 1.7 % of a llama-8b decode step at
     batch 256 (profile_decode.py, sixth session).
 
+The combine is folded into stage 1 (default): every split program, after its partial stores,
+passes a CTA barrier and adds 1 to its (b, kv head) counter (acq_rel, GPU scope); the program
+that sees num_kv_splits - 1 is the last, combines the KV_GROUP heads of its KV head and resets
+the counter to 0. Why: at batch 1 the second small kernel cost ~1.5-2 us a layer on the H200.
+NOTE: the last program reads every split back from memory, its own included, and sums them in
+the fixed order of the separate stage 2 kernel (same code, `_combine_head`), so the result does
+not depend on which split finished last. `fold_stage2=False` launches stage 2 as its own kernel,
+grid (B, H), to benchmark one against the other.
+
 The grid depends only on B, the KV head count and num_kv_splits, and nothing is read back to the
-host, so both launches can be captured in a CUDA graph and replayed with other seq_lens.
+host, so the launches can be captured in a CUDA graph and replayed with other seq_lens.
 
     workspace (fp32, decode_workspace_numel(B, H, D, S) elements, reused between calls):
         [0, B*H*S*D)              partial outputs   [B, H, S, D]
         [B*H*S*D, B*H*S*(D+1))    partial lse       [B, H, S]
+    counters (int32, decode_counters(B, KV): zeros, >= B*KV elements, reused between calls):
+        [b * KV + kv_head]        splits of (b, kv_head) done; every call leaves them 0 again,
+                                  so one buffer serves every layer and graph replay, no memset
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import triton.language as tl
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 LOG2E = 1.4426950408889634
+FOLD_BLOCK_S = 16  # the folded combine's split tile (TritonAttentionBackend's MAX_KV_SPLITS)
 
 # defaults from scripts/bench_attention_kernels.py on the H200 (64 x 1024 tokens, GQA 32/8, D 128,
 # bf16): BLOCK_N 64, 4 warps, 3 stages read 3.3 TB/s; BLOCK_N 32 / 2 stages 2.7; 8 warps <= 2.9
@@ -48,6 +61,7 @@ def _decode_stage1_kernel(
     PartialOut,
     PartialLse,
     Out,
+    Counters,
     stride_qb,
     stride_qh,
     stride_ob,
@@ -67,6 +81,8 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: write the final output to Out, no partials
+    FOLDED: tl.constexpr,  # the last split program of (b, kvh) combines (stage 2 folded in)
+    BLOCK_S: tl.constexpr,  # >= num_kv_splits, a power of two, where FOLDED; else 1
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # every input is an earlier kernel's output
@@ -131,6 +147,88 @@ def _decode_stage1_kernel(
             mask=mask_h[:, None] & mask_d[None, :],
         )
         tl.store(PartialLse + part, lse, mask=mask_h)
+        if FOLDED:
+            _combine_if_last(
+                PartialOut, PartialLse, Out, Counters, b, kvh, stride_ob, stride_oh,
+                num_kv_splits, NUM_HEADS, KV_GROUP, HEAD_DIM, BLOCK_H, BLOCK_S, BLOCK_D,
+            )  # fmt: skip
+
+
+@triton.jit
+def _combine_if_last(
+    PartialOut,
+    PartialLse,
+    Out,
+    Counters,
+    b,
+    kvh,
+    stride_ob,
+    stride_oh,
+    num_kv_splits,
+    NUM_HEADS: tl.constexpr,
+    KV_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Count this split of (b, kvh) done; the last of them combines its KV_GROUP heads."""
+    # NOTE: the barrier orders every thread's partial stores before the atomic, whose release at
+    # GPU scope publishes them; the last program's acquire makes every other split's visible
+    tl.debug_barrier()
+    counter = Counters + b * (NUM_HEADS // KV_GROUP) + kvh
+    done_before = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if done_before == num_kv_splits - 1:
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        # NOTE: one store of every head's output at the end: behind a store per head, the next
+        # head's loads (may alias) waited, an L2 round trip a head; gathered, all heads' loads
+        # issue at once (sm_90 SASS)
+        out = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for i in tl.static_range(KV_GROUP):
+            part0 = (b * NUM_HEADS + kvh * KV_GROUP + i) * num_kv_splits
+            out_i = _combine_head(
+                PartialOut, PartialLse, part0, num_kv_splits, HEAD_DIM, BLOCK_S, BLOCK_D
+            )
+            out = tl.where(offs_h[:, None] == i, out_i[None, :], out)
+        heads = kvh * KV_GROUP + offs_h
+        tl.store(
+            Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=(offs_h[:, None] < KV_GROUP) & (offs_d[None, :] < HEAD_DIM),
+        )
+        # every split has counted (no one touches it again in this launch): ready for the next
+        # call; the kernel's end publishes it, and the next launch reads it after its pdl_wait
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _combine_head(
+    PartialOut,
+    PartialLse,
+    part0,
+    num_kv_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One query head's output, fp32 [BLOCK_D], from its partials at part0, part0 + 1, ..."""
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < num_kv_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    part = part0 + offs_s  # [BLOCK_S]
+    # NOTE: .cg (L2, not L1): in the folded kernel other CTAs wrote these during this launch, and
+    # L1 is not coherent; for the separate stage 2 it costs nothing (each value is read once)
+    lse = tl.load(PartialLse + part, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
+    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 always exists, so the max is finite
+    acc = tl.load(
+        PartialOut + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    return tl.sum(weight[:, None] * acc, 0) / tl.sum(weight, 0)
 
 
 @triton.jit(do_not_specialize=["num_kv_splits"])
@@ -150,26 +248,22 @@ def _decode_stage2_kernel(
     pdl_wait(PDL)  # every input is an earlier kernel's output
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < num_kv_splits
+    part0 = (b * NUM_HEADS + h) * num_kv_splits
+    out = _combine_head(PartialOut, PartialLse, part0, num_kv_splits, HEAD_DIM, BLOCK_S, BLOCK_D)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    part = (b * NUM_HEADS + h) * num_kv_splits + offs_s  # [BLOCK_S]
-    lse = tl.load(PartialLse + part, mask=mask_s, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 always exists, so the max is finite
-    acc = tl.load(
-        PartialOut + part[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=mask_s[:, None] & mask_d[None, :],
-        other=0.0,
-    )
-    out = tl.sum(weight[:, None] * acc, 0) / tl.sum(weight, 0)
     out_ptr = Out + b * stride_ob + h * stride_oh + offs_d
-    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=mask_d)
+    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 def decode_workspace_numel(batch_size: int, num_heads: int, head_dim: int, num_kv_splits: int):
     """fp32 elements the workspace needs for one call."""
     return batch_size * num_heads * num_kv_splits * (head_dim + 1)
+
+
+def decode_counters(batch_size: int, num_kv_heads: int, device) -> torch.Tensor:
+    """The zeroed int32 split counters for calls of up to batch_size requests (each call leaves
+    them zero again, so allocate once and reuse)."""
+    return torch.zeros(batch_size * num_kv_heads, dtype=torch.int32, device=device)
 
 
 def decode_attention_fwd(
@@ -183,7 +277,9 @@ def decode_attention_fwd(
     scaling: float,
     num_kv_splits: int,
     workspace: torch.Tensor,  # fp32, >= decode_workspace_numel(B, H, D, num_kv_splits)
+    counters: torch.Tensor,  # int32, zeros, >= B * num_kv_heads (decode_counters), left zero
     *,
+    fold_stage2: bool = True,  # False: the combine as a second kernel (to benchmark against)
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -196,6 +292,7 @@ def decode_attention_fwd(
     assert workspace.dtype == torch.float32
     numel = decode_workspace_numel(batch_size, num_heads, head_dim, num_kv_splits)
     assert workspace.numel() >= numel, "workspace too small"
+    assert counters.dtype == torch.int32 and counters.numel() >= batch_size * num_kv_heads
     if batch_size == 0:
         return
     kv_group = num_heads // num_kv_heads
@@ -204,6 +301,7 @@ def decode_attention_fwd(
     partial_lse = workspace[split_size * head_dim : numel]
     block_d = triton.next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    folded = fold_stage2 and num_kv_splits > 1
 
     pdl = pdl_launch_kwargs(q)
     _decode_stage1_kernel[(batch_size, num_kv_heads, num_kv_splits)](
@@ -216,6 +314,7 @@ def decode_attention_fwd(
         partial_out,
         partial_lse,
         out,
+        counters,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -235,11 +334,18 @@ def decode_attention_fwd(
         BLOCK_D=block_d,
         DOT_PRECISION=precision,
         DIRECT=num_kv_splits == 1,
+        FOLDED=folded,
+        # NOTE: one folded variant for every split count up to FOLD_BLOCK_S: mixed steps decode
+        # batches of any size eagerly, so a variant per power of two would compile mid-run. With
+        # one per power of two, W1 llama-1b read 33,217 tok/s against 47,219 with the combine
+        # apart (H200, ninth session, call 4; the run took 4.6 s longer, as one-off stalls
+        # would); with this one, 48,948 against 47,193 (call 5)
+        BLOCK_S=max(FOLD_BLOCK_S, triton.next_power_of_2(num_kv_splits)) if folded else 1,
         num_warps=num_warps or DEFAULT_NUM_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
         **pdl,
     )
-    if num_kv_splits == 1:
+    if num_kv_splits == 1 or folded:
         return
     _decode_stage2_kernel[(batch_size, num_heads)](
         partial_out,

@@ -5,12 +5,15 @@ token covers all of its q and k heads.
     out = [x1 * c1 - x2 * s1 | x2 * c2 + x1 * s2]
 
 Numerics are those of `batchrun.models.layers._apply_rotary` (HF transformers): every product and
-the sum are rounded to the activation dtype, as torch's unfused bf16/fp16 elementwise ops round
-each result. Products of two bf16/fp16 values are exact in fp32, so the bf16/fp16 results equal the
-torch path bit for bit; in fp32 the compiler may contract to an FMA (within an ulp).
+the sum are rounded to the activation dtype, as torch's unfused elementwise ops round each result.
+ROUNDING: the kernels are compiled with `enable_fp_fusion=False`. With FMA contraction on, sm_90
+code computed `x1 * c1 - x2 * s1` as one fma.rn.bf16 (one product unrounded), and which product
+went into the FMA differed between this kernel and kernels/rotary_kv_store.py (H200, ninth
+session: their bits differed). Without it the bits equal the torch path's in every dtype.
 
 q and k may be strided views (slices of the fused qkv projection): only the last dim must be
-contiguous.
+contiguous. kernels/rotary_kv_store.py reuses the jit helpers (`_load_cos_sin`, `_rotate_half`),
+so its rotation gives these bits.
 """
 
 from __future__ import annotations
@@ -19,6 +22,41 @@ import torch
 import triton
 import triton.language as tl
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
+
+
+@triton.jit
+def _load_cos_sin(
+    Cos, Sin, pos, stride_cos, stride_sin, offs_d, mask_d, dtype: tl.constexpr, HALF: tl.constexpr
+):
+    """(c1, s1, c2, s2): the halves of cos/sin at `pos`, each [1, BLOCK_HALF] fp32. Rounded to
+    the activation dtype first, as `cos.to(x.dtype)` in the torch path."""
+    cos_ptr = Cos + pos * stride_cos + offs_d
+    sin_ptr = Sin + pos * stride_sin + offs_d
+    c1 = tl.load(cos_ptr, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+    return c1, s1, c2, s2
+
+
+@triton.jit
+def _head_tile(stride_h, num_heads, offs_d, mask_d, BLOCK_H: tl.constexpr):
+    """(offsets, mask) of the first halves of heads [0, num_heads): [BLOCK_H, BLOCK_HALF]."""
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = (offs_h < num_heads)[:, None] & mask_d[None, :]
+    return offs_h[:, None] * stride_h + offs_d[None, :], mask
+
+
+@triton.jit
+def _rotate_half(x1, x2, c1, s1, c2, s2):
+    """(x1 * c1 - x2 * s1, x2 * c2 + x1 * s2) in x's dtype, from halves x1, x2 in that dtype."""
+    dtype = x1.dtype
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    # NOTE: round each product before the sum, as torch's `x * cos + rotated * sin` does
+    y1 = (a1 * c1).to(dtype).to(tl.float32) - (a2 * s1).to(dtype).to(tl.float32)
+    y2 = (a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)
+    return y1.to(dtype), y2.to(dtype)
 
 
 @triton.jit
@@ -35,19 +73,13 @@ def _rotate_heads(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """Rotate heads [0, num_heads) of one token; X points at head 0, dim 0. c/s: [1, BLOCK_HALF]."""
-    dtype = X.dtype.element_ty
-    offs_h = tl.arange(0, BLOCK_H)
-    mask = (offs_h < num_heads)[:, None] & mask_d[None, :]
-    ptr1 = X + offs_h[:, None] * stride_h + offs_d[None, :]  # [BLOCK_H, HALF]
-    ptr2 = ptr1 + HALF
-    x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr2, mask=mask, other=0.0).to(tl.float32)
-    # NOTE: round each product before the sum, as torch's `x * cos + rotated * sin` does
-    y1 = (x1 * c1).to(dtype).to(tl.float32) - (x2 * s1).to(dtype).to(tl.float32)
-    y2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
-    tl.store(ptr1, y1.to(dtype), mask=mask)
-    tl.store(ptr2, y2.to(dtype), mask=mask)
+    """Rotate heads [0, num_heads) of one token in place; X points at head 0, dim 0."""
+    offs, mask = _head_tile(stride_h, num_heads, offs_d, mask_d, BLOCK_H)
+    x1 = tl.load(X + offs, mask=mask, other=0.0)
+    x2 = tl.load(X + offs + HALF, mask=mask, other=0.0)
+    y1, y2 = _rotate_half(x1, x2, c1, s1, c2, s2)
+    tl.store(X + offs, y1, mask=mask)
+    tl.store(X + offs + HALF, y2, mask=mask)
 
 
 @triton.jit
@@ -77,17 +109,19 @@ def _rotary_kernel(
     offs_d = tl.arange(0, BLOCK_HALF)
     mask_d = offs_d < HALF
     dtype = Q.dtype.element_ty
-    # cos/sin rounded to the activation dtype first, as `cos.to(x.dtype)` in the torch path
-    cos_ptr = Cos + pos * stride_cos + offs_d
-    sin_ptr = Sin + pos * stride_sin + offs_d
-    c1 = tl.load(cos_ptr, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+    c1, s1, c2, s2 = _load_cos_sin(
+        Cos, Sin, pos, stride_cos, stride_sin, offs_d, mask_d, dtype, HALF
+    )
     q_ptr = Q + t * stride_qt
     _rotate_heads(q_ptr, stride_qh, num_q_heads, c1, s1, c2, s2, offs_d, mask_d, HALF, BLOCK_HQ)
     k_ptr = K + t * stride_kt
     _rotate_heads(k_ptr, stride_kh, num_k_heads, c1, s1, c2, s2, offs_d, mask_d, HALF, BLOCK_HK)
+
+
+def rotary_num_warps(num_q_heads: int, head_dim: int) -> int:
+    """Warps of a program that rotates one token's q heads (and its few k heads)."""
+    tile = triton.next_power_of_2(num_q_heads) * triton.next_power_of_2(head_dim // 2)
+    return 4 if tile <= 2048 else 8
 
 
 def apply_rotary_(
@@ -107,8 +141,6 @@ def apply_rotary_(
     if num_tokens == 0:
         return
     half = head_dim // 2
-    block_hq = triton.next_power_of_2(num_q_heads)
-    block_half = triton.next_power_of_2(half)
     pdl = pdl_launch_kwargs(q)
     _rotary_kernel[(num_tokens,)](
         q,
@@ -125,9 +157,10 @@ def apply_rotary_(
         num_q_heads,
         num_k_heads,
         HALF=half,
-        BLOCK_HALF=block_half,
-        BLOCK_HQ=block_hq,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HK=triton.next_power_of_2(num_k_heads),
-        num_warps=4 if block_hq * block_half <= 2048 else 8,
+        num_warps=rotary_num_warps(num_q_heads, head_dim),
+        enable_fp_fusion=False,  # see ROUNDING in kernels/fused_rotary.py
         **pdl,
     )

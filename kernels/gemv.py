@@ -176,8 +176,11 @@ def _gemv_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
-# NOTE: K-split programs aimed at: about two per SM of the H200 (132 SMs)
+# NOTE: K-split programs aimed at: about two per SM of the H200 (132 SMs); only matrices of at
+# most SPLIT_MAX_TILES column tiles split (llama-8b's qkv, 96 tiles, read 15.3 µs unsplit, and
+# no split of 256-wide tiles was among the sweep's six best)
 TARGET_PROGRAMS = 256
+SPLIT_MAX_TILES = 64
 MAX_SPLIT_K = 8
 
 
@@ -186,14 +189,18 @@ def pick_config(m: int, n: int, k: int) -> GemvConfig:
     and llama-8b, ninth session; docs/benchmarks.md), as a rule: 64 columns x 256-wide K tiles
     a program, and matrices with few column tiles split along K until there are about
     TARGET_PROGRAMS programs (a power of two, at most MAX_SPLIT_K slices of at least one tile).
-    llama-1b's down_proj (2048 x 8192) in 8 slices: 10.7 µs against 13.5 unsplit; its o_proj
-    4.9 against 5.3; llama-8b's o_proj and down_proj in 4: 10.5 and 29.4 against 11.7 and 30.6.
-    Wide matrices (gate_up, lm_head: 256 tiles and more) are not split."""
+    Against the eighth session's configs (unsplit, 16-32 columns x 512 for narrow matrices):
+    llama-1b's down_proj (2048 x 8192) in 8 slices 10.7 µs against 13.5, its o_proj 4.9
+    against 5.3; llama-8b's o_proj and down_proj in 4 slices 10.5 and 29.4 against 11.7 and
+    30.6 (cuBLAS: 13.9, 6.0, 13.2, 31.9).
+    Matrices of more than SPLIT_MAX_TILES tiles (llama-8b's qkv; gate_up, lm_head) are not
+    split."""
     block_n, block_k = 64, 256
     tiles = triton.cdiv(n, block_n)
     split_k = 1
     while (
-        split_k < MAX_SPLIT_K
+        tiles <= SPLIT_MAX_TILES
+        and split_k < MAX_SPLIT_K
         and tiles * split_k * 2 <= TARGET_PROGRAMS
         and k >= 2 * split_k * block_k
     ):

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 
 from batchrun.kernels.decode_attention import (  # noqa: E402
     decode_attention_fwd,
+    decode_counters,
     decode_workspace_numel,
 )
 from batchrun.kernels.extend_attention import extend_attention_fwd  # noqa: E402
@@ -106,13 +107,15 @@ def bench_decode(batch_size, seq_len, rows, shuffle=False, decode_only=False):
     gbytes = 2 * batch_size * seq_len * KV * D * k_buf.element_size() / 1e9
     out = torch.empty_like(q)
     workspace = torch.empty(decode_workspace_numel(batch_size, H, D, 32), device=DEV)
+    counters = decode_counters(batch_size, KV, DEV)
     name = f"decode {batch_size}x{seq_len}" + (" shuffled" if shuffle else "")
 
-    def kernel(splits, config):
+    def kernel(splits, config, fold_stage2=True):
         bn, w, s = config
         return lambda: decode_attention_fwd(
             q, k_buf, v_buf, out, table, inputs.req_pool_indices, inputs.seq_lens, D**-0.5,
-            splits, workspace, block_n=bn, num_warps=w, num_stages=s,
+            splits, workspace, counters, fold_stage2=fold_stage2, block_n=bn, num_warps=w,
+            num_stages=s,
         )  # fmt: skip
 
     def add(label, ms):
@@ -134,6 +137,8 @@ def bench_decode(batch_size, seq_len, rows, shuffle=False, decode_only=False):
         add(f"best config {best} splits={splits}", bench(kernel(splits, best)))
     default = kernel(auto_splits, (None,) * 3)
     add(f"default kernel, splits={auto_splits}, graph", bench(default, graph=True))
+    unfolded = kernel(auto_splits, (None,) * 3, fold_stage2=False)
+    add(f"default, splits={auto_splits}, stage 2 apart, graph", bench(unfolded, graph=True))
     add("triton backend (store + kernels), eager", time_backend(backend, inputs, q, k, v))
     backend.init_graph_buffers(batch_size)
     backend.load_graph_inputs(inputs, batch_size)

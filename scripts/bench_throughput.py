@@ -50,6 +50,8 @@ from batchrun.kernels.pdl import PDL_ENV  # noqa: E402
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
 
+from batchrun.attention.triton_backend import DECODE_FOLD_ENV  # noqa: E402
+from batchrun.engine.kv_pool import ROTARY_STORE_ENV  # noqa: E402
 from batchrun.models.layers import GEMV_ENV, GEMV_SWIGLU_ENV  # noqa: E402
 
 VARIANTS = (
@@ -66,6 +68,10 @@ VARIANTS = (
     "fused-all",
     "no-pdl",
     "gemv-all-no-pdl",
+    "no-swiglu-gemv",
+    "no-fold",
+    "no-rotary-store",
+    "unfused-decode",
     "no-piecewise",
     "piecewise",
     "hf",
@@ -77,9 +83,13 @@ VARIANT_ENV = {
     "gemv-all": {GEMV_ENV: "all"},
     "fused-gemv": {GEMV_ENV: "fused"},
     "fused-all": {GEMV_ENV: "fused-all"},
-    "no-pdl": {PDL_ENV: "0"},
+    "no-pdl": {PDL_ENV: "0"},  # and so cuBLAS decode matmuls (auto takes gemv only with PDL)
     "gemv-all-no-pdl": {GEMV_ENV: "all", PDL_ENV: "0"},
     "no-swiglu-gemv": {GEMV_SWIGLU_ENV: "0"},  # the SwiGLU gate in its own kernel
+    "no-fold": {DECODE_FOLD_ENV: "0"},  # decode attention's split combine as a second kernel
+    "no-rotary-store": {ROTARY_STORE_ENV: "0"},  # rotary and the KV store as two kernels
+    # the seventh session's decode kernels: each of this session's three fusions off
+    "unfused-decode": {GEMV_SWIGLU_ENV: "0", DECODE_FOLD_ENV: "0", ROTARY_STORE_ENV: "0"},
 }
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000
 # BENCH.md targets: (workload, model) -> (figure, bound); W3 is ms per output token (lower is
@@ -252,6 +262,9 @@ def engine_config(args, model_dir: Path, variant: str):
         "no-pdl": {},
         "gemv-all-no-pdl": {},
         "no-swiglu-gemv": {},
+        "no-fold": {},
+        "no-rotary-store": {},
+        "unfused-decode": {},
         "no-piecewise": {"piecewise_cuda_graph": False},
         "piecewise": {"piecewise_cuda_graph": True},  # also where it is off by default
         "cublas": {"decode_gemv": "cublas"},  # decode matmuls on cuBLAS (large models' default)

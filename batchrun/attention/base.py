@@ -7,13 +7,20 @@ attends each request's new queries over all of that request's KV (cached prefix 
     request i, KV positions:  [0 ........ prefix_len_i ........ seq_len_i)
                               |<- cached (radix / earlier) ->|<- new: extend_len_i ->|
     queries of request i are its extend_len_i new tokens, at positions prefix_len_i .. seq_len_i-1
+
+`forward_rotary` is `forward` of q and k before rotary: by default it rotates them and calls
+`forward`; a backend may do the rotation inside its KV store (TritonAttentionBackend: one kernel).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from batchrun.models.layers import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -52,3 +59,19 @@ class AttentionBackend:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    def forward_rotary(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        scaling: float,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`forward` of q and k before rotary: `rotary(positions, q, k)` first. q and k may be
+        rotated in place (strided views of the qkv projection included)."""
+        q, k = rotary(positions, q, k)
+        return self.forward(q, k, v, layer_id, scaling, out)

@@ -178,13 +178,31 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._wrapper = self._planned = None
 
     def forward(self, q, k, v, layer_id: int, scaling: float, out=None) -> torch.Tensor:
+        batch = self._planned_batch(q, scaling)
+        self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
+        return self._run(q, layer_id, out)
+
+    def forward_rotary(
+        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None
+    ) -> torch.Tensor:
+        """forward() of q and k before rotary, rotated in the KV store's kernel
+        (KVPool.store_rotated): k stays unrotated, which is safe because the wrappers read keys
+        only from the pool."""
+        batch = self._planned_batch(q, scaling)
+        q = self.kv_pool.store_rotated(layer_id, batch.out_cache_loc, q, k, v, positions, rotary)
+        return self._run(q, layer_id, out)
+
+    def _planned_batch(self, q, scaling: float) -> _Batch:
+        """The step's batch, its wrapper planned for q's heads and dtype (the first layer's)."""
         batch = self._batch
         assert batch is not None, "prepare() or prepare_graph() must run before forward()"
-        num_tokens, num_heads, head_dim = q.shape
-        params = (num_heads, q.dtype, scaling)
+        params = (q.shape[1], q.dtype, scaling)
         if self._planned != params:
             self._plan(batch, params)
-        self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
+        return batch
+
+    def _run(self, q, layer_id: int, out) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
         paged = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # [slots + 1, 1, KV, D] each
         if out is None:

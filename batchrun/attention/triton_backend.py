@@ -31,15 +31,23 @@ number of KV splits is fixed per bs and each split finds its KV range from seq_l
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from batchrun.attention.base import AttentionBackend, AttentionInputs
-from batchrun.kernels.decode_attention import decode_attention_fwd, decode_workspace_numel
+from batchrun.kernels.decode_attention import (
+    decode_attention_fwd,
+    decode_counters,
+    decode_workspace_numel,
+)
 from batchrun.kernels.extend_attention import extend_attention_fwd
 
 MAX_KV_SPLITS = 16
+# "0": the decode kernel's split combine as a second kernel, not folded into the first (read on
+# every call, to measure the fold; a CUDA graph keeps what it captured)
+DECODE_FOLD_ENV = "BATCHRUN_DECODE_FOLD"
 # split the KV until the decode grid has this many programs per SM. NOTE: measured on the H200,
 # 64 x 1024 tokens with 8 KV heads (512 programs unsplit) read 3.4 TB/s unsplit, 3.1 in 2 splits
 # and 2.8 in 16: splitting pays only where the grid would leave SMs idle
@@ -88,6 +96,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._workspace = torch.empty(0, dtype=torch.float32, device=self.device)  # eager, grows
         self.graph_max_bs = 0
         self._graph_workspace: torch.Tensor | None = None  # allocated once, never replaced
+        # the decode kernel's split counters (each call leaves them zero): as the workspaces
+        self._counters = decode_counters(0, self.num_kv_heads, self.device)  # eager, grows
+        self._graph_counters: torch.Tensor | None = None  # init_graph_buffers, never replaced
 
     # ---- eager steps -------------------------------------------------------------------------
 
@@ -125,16 +136,30 @@ class TritonAttentionBackend(AttentionBackend):
         return max(1, min(MAX_KV_SPLITS, -(-PROGRAMS_PER_SM * self.num_sms // programs)))
 
     def forward(self, q, k, v, layer_id: int, scaling: float, out=None) -> torch.Tensor:
+        self.kv_pool.store(layer_id, self._out_cache_loc(), k, v)
+        return self._attend(q, layer_id, scaling, out)
+
+    def forward_rotary(
+        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None
+    ) -> torch.Tensor:
+        """forward() of q and k before rotary: one kernel rotates q in place and stores the
+        rotated k with v (KVPool.store_rotated). k stays unrotated, which is safe because the
+        decode and extend kernels (mixed steps: both) read keys only from the pool."""
+        q = self.kv_pool.store_rotated(layer_id, self._out_cache_loc(), q, k, v, positions, rotary)
+        return self._attend(q, layer_id, scaling, out)
+
+    def _out_cache_loc(self) -> torch.Tensor:
+        """[T] KV slots of the step's new tokens (every plan stores all of them at once)."""
         plan = self._plan
         assert plan is not None, "prepare() or prepare_graph() must run before forward()"
+        if isinstance(plan, _ExtendPlan):
+            return plan.inputs.out_cache_loc
+        return plan.out_cache_loc
+
+    def _attend(self, q, layer_id: int, scaling: float, out) -> torch.Tensor:
+        """Attention of q over the pool, which holds the new tokens' KV already."""
+        plan = self._plan
         num_tokens, num_heads, head_dim = q.shape
-        if isinstance(plan, _DecodePlan):
-            loc = plan.out_cache_loc
-        elif isinstance(plan, _ExtendPlan):
-            loc = plan.inputs.out_cache_loc
-        else:
-            loc = plan.out_cache_loc
-        self.kv_pool.store(layer_id, loc, k, v)
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
         if out is None:
             out = torch.empty_like(q)
@@ -151,9 +176,11 @@ class TritonAttentionBackend(AttentionBackend):
     def _decode(self, plan: _DecodePlan, q, k_buf, v_buf, out, scaling: float) -> None:
         bs, num_heads, head_dim = q.shape
         workspace = self._get_workspace(plan, bs, num_heads, head_dim)
+        counters = self._get_counters(plan, bs)
         decode_attention_fwd(
             q, k_buf, v_buf, out, self.req_to_token, plan.req_pool_indices, plan.seq_lens,
-            scaling, plan.num_kv_splits, workspace,
+            scaling, plan.num_kv_splits, workspace, counters,
+            fold_stage2=os.environ.get(DECODE_FOLD_ENV) != "0",
         )  # fmt: skip
 
     def _extend(self, plan: _ExtendPlan, q, k_buf, v_buf, out, scaling: float) -> None:
@@ -179,6 +206,14 @@ class TritonAttentionBackend(AttentionBackend):
             self._workspace = torch.empty(numel, dtype=torch.float32, device=self.device)
         return self._workspace
 
+    def _get_counters(self, plan: _DecodePlan, bs: int) -> torch.Tensor:
+        if plan.is_graph:
+            assert self._graph_counters is not None, "init_graph_buffers() first"
+            return self._graph_counters
+        if self._counters.numel() < bs * self.num_kv_heads:
+            self._counters = decode_counters(bs, self.num_kv_heads, self.device)
+        return self._counters
+
     # ---- CUDA graphs (decode) ----------------------------------------------------------------
 
     def init_graph_buffers(self, max_bs: int) -> None:
@@ -186,6 +221,8 @@ class TritonAttentionBackend(AttentionBackend):
         dev = self.device
         self.graph_max_bs = max_bs
         self._graph_workspace = None  # re-sized at the next warm-up: recapture every graph
+        # NOTE: before any capture, sized for every graph batch size (like the workspace)
+        self._graph_counters = decode_counters(max_bs, self.num_kv_heads, dev)
         self.graph_req_pool_indices = torch.full(
             (max_bs,), self.req_to_token.shape[0] - 1, dtype=torch.int64, device=dev
         )

@@ -84,11 +84,11 @@ class EngineConfig:
     piecewise_cuda_graph: bool | None = None
     # the matmuls of decode-sized batches (at most 16 rows): "triton" runs every one on
     # kernels/gemv.py, launched with PDL (kernels/pdl.py); "cublas" on torch's F.linear; "auto":
-    # triton for CUDA models under LARGE_MODEL_PARAMS on GPUs with PDL (sm_90+), else cublas.
-    # NOTE: measured on the H200 (docs/benchmarks.md, eighth session), same calls: W3 llama-1b
-    # 1.10 ms per token against 1.14 with cuBLAS (call 3), 1.09-1.11 against 1.13 (call 4);
-    # llama-8b 4.66 against 4.58 (call 3) and 4.63 against 4.64 (call 1): no gain, so large
-    # models keep cuBLAS
+    # triton on CUDA GPUs with PDL (sm_90+, BATCHRUN_PDL not "0"), else cublas.
+    # NOTE: measured on the H200 (docs/benchmarks.md, ninth session: gemv's split-K reduced in
+    # the kernel, the SwiGLU as gate_up's epilogue), same calls: W3 llama-1b 1.04 ms per token
+    # against 1.13 with cuBLAS; llama-8b 4.49 against 4.60 (the eighth session's gemv, without
+    # those, had gained nothing on llama-8b, which then kept cuBLAS)
     decode_gemv: str = "auto"
     # tensor parallel: this engine is rank tp_rank of tp_size lockstep engines, one per GPU
     # (batchrun.parallel.launcher.start_tp_engine starts them and sets tp_rank)

@@ -4,13 +4,24 @@ KVPool           k/v buffers [num_slots + 1, num_kv_heads, head_dim] per layer; 
                  slot is a dummy that padded (graph) batches may write into harmlessly. Under
                  tensor parallelism num_kv_heads is this rank's (model.num_kv_heads), not the
                  model's: each rank stores only the KV heads its q heads attend with.
+                 `store_rotated` also applies rotary to q and k, in one kernel on CUDA
+                 (kernels/rotary_kv_store.py; BATCHRUN_ROTARY_STORE=0: rotary, then `store`).
 ReqToTokenPool   [max_reqs + 1, max_context] int32: row r, position p -> KV slot of that token.
                  Rows are handed out to running requests; the last row is the dummy request.
 """
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from batchrun.models.layers import RotaryEmbedding
+
+# "0" turns the rotary + KV-store kernel off (read on every call, so tests can flip it)
+ROTARY_STORE_ENV = "BATCHRUN_ROTARY_STORE"
 
 
 class KVPool:
@@ -52,6 +63,44 @@ class KVPool:
             return
         k_buf[loc] = k.to(k_buf.dtype)
         v_buf[loc] = v.to(v_buf.dtype)
+
+    def store_rotated(
+        self,
+        layer_id: int,
+        loc: torch.Tensor,  # [T]
+        q: torch.Tensor,  # [T, H, D], before rotary
+        k: torch.Tensor,  # [T, KV, D], before rotary
+        v: torch.Tensor,  # [T, KV, D]
+        positions: torch.Tensor,  # [T]
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
+        """`q, k = rotary(positions, q, k)`, then `store(layer_id, loc, k, v)`; returns the rotated
+        q. On the Triton path one kernel does both and rotates q in place. NOTE: there k is left
+        unrotated (only its copy in the pool is rotated): a caller must read keys from the pool."""
+        if self._fuses_rotary(layer_id, loc, q, k, v, positions, rotary):
+            from batchrun.kernels.rotary_kv_store import rotary_store_kv
+
+            k_buf, v_buf = self.buffers(layer_id)
+            cos, sin = rotary.cos_cache, rotary.sin_cache
+            rotary_store_kv(k_buf, v_buf, loc, q, k, v, positions, cos, sin)
+            return q
+        q, k = rotary(positions, q, k)
+        self.store(layer_id, loc, k, v)
+        return q
+
+    def _fuses_rotary(self, layer_id, loc, q, k, v, positions, rotary) -> bool:
+        """Whether rotary and store would both run their Triton kernels (the one kernel then
+        gives the same bits), unless BATCHRUN_ROTARY_STORE=0."""
+        from batchrun.models.layers import use_fused_kernels  # read at call time: tests patch it
+
+        return (
+            os.environ.get(ROTARY_STORE_ENV) != "0"
+            and use_fused_kernels(q)
+            and q.dtype == k.dtype == v.dtype == self.k_buffers[layer_id].dtype
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+            and loc.device == positions.device == q.device
+            and rotary.cos_cache.shape[-1] == q.shape[-1]
+        )
 
     def buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]

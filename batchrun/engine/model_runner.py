@@ -7,6 +7,7 @@ device-to-host transfer is the sampled tokens (and logprobs when asked).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import NamedTuple
 
@@ -165,9 +166,11 @@ class ModelRunner:
         mode = self.config.decode_gemv
         if mode != "auto" or self.device.type != "cuda":
             return mode == "triton"
-        from batchrun.kernels.pdl import device_supports_pdl
+        from batchrun.kernels.pdl import PDL_ENV, device_supports_pdl
 
-        return device_supports_pdl(self.device) and not is_large(self.model_cfg)
+        # NOTE: the Triton matmuls pay only with PDL: without it they lost to cuBLAS (W3
+        # llama-1b 1.28 against 1.16 ms, eighth session), so BATCHRUN_PDL=0 means cuBLAS too
+        return device_supports_pdl(self.device) and os.environ.get(PDL_ENV) != "0"
 
     def _use_piecewise(self) -> bool:
         """config.piecewise_cuda_graph, where it can run: CUDA, a token budget per step (a

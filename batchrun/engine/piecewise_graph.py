@@ -5,9 +5,10 @@ between them.
     step of T tokens (not all decodes) -> bucket b = smallest captured size >= T
     static input_ids / positions [0, T) <- batch   (rows T..b: stale ids and positions, computed
                                                     and never read)
-    piece 0           embed, layer 0's norm, qkv, rotary      -> static q, k, v, residual
-    attention 0       backend.forward(q[:T], k[:T], v[:T])    -> static attn_out[:T]  (eager)
-    piece i (1..L-1)  layer i-1's o_proj, norm, MLP, then layer i's norm, qkv, rotary
+    piece 0           embed, layer 0's norm, qkv (q/k norm)   -> static q, k, v, residual
+    attention 0       backend.forward_rotary(q[:T], k[:T], v[:T], positions[:T])
+                                                              -> static attn_out[:T]  (eager)
+    piece i (1..L-1)  layer i-1's o_proj, norm, MLP, then layer i's norm, qkv (q/k norm)
     attention i ...
     piece L           layer L-1's o_proj, norm, MLP            -> static hidden, residual
     logits            model.logits(hidden[:T], residual[:T])  (eager: the rows vary)
@@ -15,6 +16,9 @@ between them.
 Why: an eager forward of a mixed step launches ~10 kernels a layer from Python, and on the GPU
 host that cost ~8-17 ms of main-thread time per mixed step of llama-1b (docs/benchmarks.md), while
 the GPU ran the step in less. With pieces, a layer costs one replay and its attention's launches.
+Rotary is the attention's (forward_rotary): the Triton backend rotates inside its KV store, one
+kernel, the same one as a decode step's, so a token's keys have the same bits whichever step
+stored them.
 
 Every piece reads and writes only the static buffers (made outside the graph pool), so the
 memory a piece allocates while captured is free again when it ends: all pieces of all sizes
@@ -68,7 +72,7 @@ class PiecewiseGraphRunner:
 
         self.input_ids = zeros(n, dtype=torch.int64)
         self.positions = zeros(n, dtype=torch.int64)
-        self.qkv = zeros(n, self.q_size + 2 * self.kv_size)  # after q/k norm and rotary
+        self.qkv = zeros(n, self.q_size + 2 * self.kv_size)  # after q/k norm, before rotary
         self.residual = zeros(n, hidden)
         self.hidden = zeros(n, hidden)  # the last piece's output
         self.attn_out = zeros(n, self.q_size)  # the eager attention writes here
@@ -93,7 +97,7 @@ class PiecewiseGraphRunner:
     def _piece(self, b: int, i: int) -> None:
         """Piece i of a b-token forward, from and into the static buffers."""
         model, layers = self.model, self.model.layers
-        positions, residual = self.positions[:b], self.residual[:b]
+        residual = self.residual[:b]
         if i == 0:
             x, res = model.embed_tokens(self.input_ids[:b]), None
         else:
@@ -102,7 +106,7 @@ class PiecewiseGraphRunner:
             _store(x, self.hidden[:b])
             _store(res, residual)
             return
-        q, k, v, res = layers[i].pre_attention(x, res, positions, model.rotary)
+        q, k, v, res = layers[i].pre_attention(x, res)
         for got, static in zip((q, k, v), self._qkv_views(b)):
             _store(got, static)
         _store(res, residual)
@@ -145,11 +149,12 @@ class PiecewiseGraphRunner:
         graphs = self.graphs.get(b)
         q, k, v = self._qkv_views(t)
         out = self.attn_out[:t].view(t, self.num_heads, self.head_dim)
-        forward = self.backend.forward
+        forward, positions = self.backend.forward_rotary, self.positions[:t]
+        rotary = self.model.rotary
         for i, layer in enumerate(self.model.layers):
             self._replay(graphs, b, i)
             attn = layer.self_attn
-            forward(q, k, v, attn.layer_id, attn.scaling, out=out)
+            forward(q, k, v, attn.layer_id, attn.scaling, positions, rotary, out=out)
         self._replay(graphs, b, len(self.model.layers))
         return self.model.logits(self.hidden[:t], self.residual[:t], logits_indices)
 

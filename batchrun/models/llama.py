@@ -74,12 +74,17 @@ class Attention(nn.Module):
 
     def attend(self, qkv, positions, rotary: RotaryEmbedding, backend: AttentionBackend):
         """Everything after the qkv projection: q/k norm, rotary, attention, o_proj."""
-        q, k, v = self.rotate(qkv, positions, rotary)
-        out = backend.forward(q, k, v, self.layer_id, self.scaling)  # [T, H * D]
-        return self.o_proj(out)
+        return self.o_proj(self.attention(qkv, positions, rotary, backend))
 
-    def rotate(self, qkv, positions, rotary: RotaryEmbedding):
-        """q [T, H, D], k and v [T, KV, D] from the qkv projection: q/k norm, rotary."""
+    def attention(self, qkv, positions, rotary: RotaryEmbedding, backend: AttentionBackend):
+        """[T, H * D] from the qkv projection: q/k norm, then rotary and attention by the
+        backend, which may rotate inside its KV store (one kernel instead of two)."""
+        q, k, v = self.split_heads(qkv)
+        return backend.forward_rotary(q, k, v, self.layer_id, self.scaling, positions, rotary)
+
+    def split_heads(self, qkv):
+        """q [T, H, D], k and v [T, KV, D] from the qkv projection, q/k norm applied (Qwen3
+        normalizes before rotary)."""
         # NOTE: q, k, v are strided views of qkv; rotary may rotate q and k in place, which is safe
         # because nothing reads qkv afterwards
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -88,7 +93,6 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
         return q, k, v
 
 
@@ -152,19 +156,24 @@ class DecoderLayer(nn.Module):
             and (residual is None or residual.stride(-1) == 1)
         ):
             return self._decode_forward(x, residual, positions, rotary, backend)
-        q, k, v, residual = self.pre_attention(x, residual, positions, rotary)
-        out = backend.forward(q, k, v, attn.layer_id, attn.scaling)  # [T, H * D]
+        x, residual = self.input_norm(x, residual)
+        # NOTE: rotary goes to the backend, which may rotate inside its KV store (one kernel)
+        out = attn.attention(attn.qkv_proj(x), positions, rotary, backend)  # [T, H * D]
         return self.post_attention(out, residual)
+
+    def input_norm(self, x, residual):
+        """(norm(x + residual), x + residual); the first layer's residual is None (x alone)."""
+        if residual is None:
+            return self.input_layernorm(x), x
+        return self.input_layernorm.forward_with_residual(x, residual)
 
     # the layer in two halves around its attention (what engine/piecewise_graph.py captures)
 
-    def pre_attention(self, x, residual, positions, rotary):
-        """(q, k, v, residual): the input norm, the qkv projection, q/k norm and rotary."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm.forward_with_residual(x, residual)
-        q, k, v = self.self_attn.rotate(self.self_attn.qkv_proj(x), positions, rotary)
+    def pre_attention(self, x, residual):
+        """(q, k, v, residual): the input norm, the qkv projection and q/k norm; q and k before
+        rotary, which is the attention's (`backend.forward_rotary`, eager between the halves)."""
+        x, residual = self.input_norm(x, residual)
+        q, k, v = self.self_attn.split_heads(self.self_attn.qkv_proj(x))
         return q, k, v, residual
 
     def post_attention(self, attn_out, residual):

@@ -6,6 +6,7 @@ Every kernel output is NaN-filled first, so an element the kernel forgets to wri
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ pytest.importorskip("triton")
 
 from batchrun.kernels.decode_attention import (  # noqa: E402
     decode_attention_fwd,
+    decode_counters,
     decode_workspace_numel,
 )
 from batchrun.kernels.extend_attention import extend_attention_fwd  # noqa: E402
@@ -104,15 +106,109 @@ def test_decode_matches_reference(batch_size, heads, head_dim, dtype):
     )
     scaling = head_dim**-0.5
     ref = reference(pool, table, inputs, q, k, v, scaling)
+    counters = decode_counters(batch_size, num_kv_heads, DEV)
     for splits in (1, 5, 16):  # 16 leaves many splits of short requests empty
         numel = decode_workspace_numel(batch_size, num_heads, head_dim, splits)
         workspace = torch.empty(numel, dtype=torch.float32, device=DEV)
         out = torch.full_like(q, float("nan"))
         decode_attention_fwd(
             q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens,
-            scaling, splits, workspace,
+            scaling, splits, workspace, counters,
         )  # fmt: skip
         assert_close(out, ref, dtype)
+        assert not counters.any(), "the last split program left its counter set"
+
+
+def decode(pool, table, inputs, q, splits, scaling, counters=None, **kwargs):
+    """decode_attention_fwd into a NaN-filled output, on a NaN-filled workspace."""
+    batch_size, num_heads, head_dim = q.shape
+    numel = decode_workspace_numel(batch_size, num_heads, head_dim, splits)
+    workspace = torch.full((numel,), float("nan"), device=DEV)
+    if counters is None:
+        counters = decode_counters(batch_size, pool.k_buffers[0].shape[1], DEV)
+    out = torch.full_like(q, float("nan"))
+    decode_attention_fwd(
+        q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, scaling,
+        splits, workspace, counters, **kwargs,
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("num_warps", [4, 8], ids=["w4", "w8"])
+@pytest.mark.parametrize(
+    "shape", [(1, (32, 8), 128), (7, (9, 3), 64), (64, (32, 8), 128)], ids=["b1", "b7", "b64"]
+)
+def test_decode_folded_matches_two_kernels(shape, num_warps):
+    """The combine folded into stage 1 against the separate stage 2 kernel: the same
+    `_combine_head` code, but its [splits, D] tile may get another layout inside stage 1 (at 8
+    warps it spreads the splits over two warps; on the H200 at 4 warps, 64 requests, 16 splits
+    differed too), so the fp32 sums over the splits may be reassociated: within one ulp of the
+    output dtype. Run to run the folded result is the same bits."""
+    batch_size, (num_heads, num_kv_heads), head_dim = shape
+    rng = random.Random(batch_size + num_warps)
+    seq_lens = [777] if batch_size == 1 else [1, 33, *ragged(rng, batch_size - 2, 1, 1500)]
+    pool, table, inputs, q, k, v = make_batch(
+        seq_lens, [1] * batch_size, num_heads, num_kv_heads, head_dim, torch.bfloat16
+    )
+    pool.store(0, inputs.out_cache_loc, k, v)
+    counters = decode_counters(batch_size, num_kv_heads, DEV)
+    for splits in (2, 5, 16):
+        apart = decode(pool, table, inputs, q, splits, 0.1, fold_stage2=False, num_warps=num_warps)
+        first = None
+        for _ in range(3):  # the same counters again: reset, and the same bits run to run
+            folded = decode(pool, table, inputs, q, splits, 0.1, counters, num_warps=num_warps)
+            assert not counters.any(), "the last split program left its counter set"
+            assert not folded.isnan().any(), "the combine left elements unwritten"
+            eps = torch.finfo(folded.dtype).eps
+            torch.testing.assert_close(folded.float(), apart.float(), rtol=eps, atol=1e-5)
+            first = folded if first is None else first
+            assert torch.equal(folded, first), splits
+
+
+def test_decode_folded_graph_replay():
+    """decode_attention_fwd (folded) captured in a CUDA graph, replayed with other seq_lens: the
+    counters left zero by every replay and the output bit-identical to eager (folded)."""
+    num_heads, num_kv_heads, head_dim, bs, splits, scaling = 32, 8, 128, 4, 8, 128**-0.5
+    max_context = 1200
+    pool, table, inputs, _, _, _ = make_batch(
+        [max_context] * bs, [1] * bs, num_heads, num_kv_heads, head_dim, torch.bfloat16
+    )
+    k_buf, v_buf = pool.buffers(0)
+    q = torch.randn(bs, num_heads, head_dim, device=DEV).bfloat16()
+    seq_lens = inputs.seq_lens.clone()  # static: the graph reads it at replay
+    out = torch.empty_like(q)
+    workspace = torch.empty(decode_workspace_numel(bs, num_heads, head_dim, splits), device=DEV)
+    counters = decode_counters(bs, num_kv_heads, DEV)
+
+    def launch():
+        decode_attention_fwd(
+            q, k_buf, v_buf, out, table, inputs.req_pool_indices, seq_lens, scaling, splits,
+            workspace, counters,
+        )  # fmt: skip
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: compiles outside the capture
+        launch()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+
+    rng = random.Random(5)
+    for _ in range(3):
+        lens = [1, *ragged(rng, bs - 1, 2, max_context)]  # request 0: splits 1.. empty
+        seq_lens.copy_(torch.tensor(lens))
+        q.copy_(torch.randn(q.shape, device=DEV))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert not counters.any(), "a replay left a counter set"
+        replayed = replace(inputs, seq_lens=seq_lens.clone(), seq_lens_cpu=tuple(lens))
+        assert torch.equal(out, decode(pool, table, replayed, q, splits, scaling))
+        # the combine apart: within an ulp (test_decode_folded_matches_two_kernels says why)
+        apart = decode(pool, table, replayed, q, splits, scaling, fold_stage2=False)
+        eps = torch.finfo(out.dtype).eps
+        torch.testing.assert_close(out.float(), apart.float(), rtol=eps, atol=1e-5)
 
 
 @pytest.mark.parametrize("prefix", ["none", "mixed"])
@@ -159,12 +255,14 @@ def test_decode_configs(config):
     pool, table, inputs, q, k, v = make_batch(seq_lens, [1] * 5, 32, 8, 128, torch.bfloat16)
     ref = reference(pool, table, inputs, q, k, v, 0.1)
     workspace = torch.empty(decode_workspace_numel(5, 32, 128, 4), device=DEV)
+    counters = decode_counters(5, 8, DEV)
     out = torch.full_like(q, float("nan"))
     decode_attention_fwd(
         q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, 0.1, 4,
-        workspace, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+        workspace, counters, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     assert_close(out, ref, torch.bfloat16)
+    assert not counters.any()
 
 
 @pytest.mark.parametrize("config", EXTEND_CONFIGS)
@@ -239,6 +337,7 @@ def test_decode_cuda_graph_replay_matches_eager():
         backend.load_graph_inputs(inputs, bs)
         k_before = pool.k_buffers[0].clone()
         graph.replay()
+        assert not backend._graph_counters.any(), "a replay left a split counter set"
         changed = (pool.k_buffers[0] != k_before).flatten(1).any(1).nonzero().flatten()
         allowed = {*loc.tolist(), pool.dummy_slot}
         assert set(changed.tolist()) <= allowed, "a padding row wrote a real KV slot"
@@ -246,12 +345,7 @@ def test_decode_cuda_graph_replay_matches_eager():
 
         # eager with the graph's split count: bit-identical
         splits = backend._num_kv_splits(bs)
-        workspace = torch.empty(decode_workspace_numel(n, num_heads, head_dim, splits), device=DEV)
-        eager = torch.full_like(q, float("nan"))
-        decode_attention_fwd(
-            q, *pool.buffers(0), eager, table, inputs.req_pool_indices, inputs.seq_lens,
-            scaling, splits, workspace,
-        )  # fmt: skip
+        eager = decode(pool, table, inputs, q, splits, scaling)
         assert torch.equal(graph_out, eager)
         # the eager backend (its own split count) and the reference agree within bf16 bounds
         eager_backend = TritonAttentionBackend(pool, table)

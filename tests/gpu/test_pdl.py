@@ -87,7 +87,9 @@ MODEL = dict(
 @pytest.mark.parametrize("gemv_mode", [None, "all"])
 def test_engine_tokens_and_logits_identical_with_and_without_pdl(gemv_mode, tmp_path, monkeypatch):
     """Greedy tokens of batches of 1 and 5 (decode CUDA graphs, piecewise graphs for the
-    prefills) and teacher-forced logits: bit for bit the same with PDL on and off."""
+    prefills) and teacher-forced logits: bit for bit the same with PDL on and off, with the
+    decode matmuls on cuBLAS (None; `auto` would pick cuBLAS without PDL and Triton with it) and
+    on kernels/gemv.py (BATCHRUN_GEMV=all)."""
     from batchrun.kernels.pdl import PDL_ENV
 
     from batchrun.engine.config import EngineConfig
@@ -116,6 +118,7 @@ def test_engine_tokens_and_logits_identical_with_and_without_pdl(gemv_mode, tmp_
             kv_budget=16384,
             cuda_graph_max_bs=8,
             piecewise_cuda_graph=True,
+            decode_gemv="cublas",  # BATCHRUN_GEMV overrides it
         )
         engine = Engine(config)
         try:
@@ -142,12 +145,18 @@ def test_engine_tokens_and_logits_identical_with_and_without_pdl(gemv_mode, tmp_
 
 def test_decode_chain_replays_identical_with_pdl(monkeypatch):
     """A chain of dependent kernels in one CUDA graph (norm -> gemv -> SwiGLU -> gemv, 24 times,
-    then the argmax), replayed with new inputs: the same bits as the chain without PDL."""
+    then the argmax), replayed with new inputs: the same bits as the chain without PDL. The
+    gemvs of 2048 x 4096 split K in 8 (the slices' sums meet in the kernel): the split counters
+    are zero before and after."""
     from batchrun.kernels.activation import silu_and_mul
     from batchrun.kernels.argmax import argmax
     from batchrun.kernels.fused_norm import fused_add_rms_norm
-    from batchrun.kernels.gemv import gemv
+    from batchrun.kernels.gemv import gemv, pick_config, split_counters
     from batchrun.kernels.pdl import PDL_ENV
+
+    counters = split_counters(torch.device("cuda"))
+    assert pick_config(2, 2048, 4096).split_k > 1
+    assert not counters.any(), "an earlier call left a split counter set"
 
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden, inter, layers = 2048, 4096, 24
@@ -200,6 +209,7 @@ def test_decode_chain_replays_identical_with_pdl(monkeypatch):
             results.append((out[0].clone(), out[1].clone()))
         torch.cuda.synchronize()
         runs[pdl] = results
+    assert not counters.any()
     for (ids0, res0), (ids1, res1) in zip(runs[False], runs[True]):
         assert torch.equal(ids0, ids1)
         assert torch.equal(res0, res1)

@@ -80,22 +80,48 @@ def _check(out, ref, tol):
     assert err <= tol, err
 
 
-def _run_checks() -> None:
+def _decode(pool, table, inputs, q, splits, counters, workspace=None, fold=True):
     from batchrun.kernels.decode_attention import decode_attention_fwd, decode_workspace_numel
+
+    if workspace is None:
+        workspace = torch.full((decode_workspace_numel(*q.shape[:2], 32, splits),), float("nan"))
+    out = torch.full_like(q, float("nan"))
+    decode_attention_fwd(
+        q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, 0.2, splits,
+        workspace, counters, fold_stage2=fold, block_n=16,
+    )  # fmt: skip
+    return out
+
+
+def _check_decode(dtype, tol) -> None:
+    from batchrun.kernels.decode_attention import decode_counters, decode_workspace_numel
+
+    # block_n 16 and 4 splits: request 1 fills split 0 only, 37 splits 0-2, 70 splits 0-2
+    seq_lens = [1, 37, 70]
+    pool, table, inputs, q, k, v = _make_batch(seq_lens, [1, 1, 1], 6, 2, 32, dtype)
+    ref = _reference(pool, table, inputs, q, k, v, 0.2)
+    counters = decode_counters(3, 2, "cpu")
+    for splits in (1, 2, 3, 4):
+        apart = _decode(pool, table, inputs, q, splits, counters, fold=False)
+        _check(apart, ref, tol)
+        for _ in range(2):  # twice on the same counters: the last split program reset them
+            folded = _decode(pool, table, inputs, q, splits, counters)
+            assert torch.equal(folded, apart), splits
+            assert not counters.any(), counters
+    # the interpreter runs split S - 1 last; a counter that starts at 1 makes split S - 2 the
+    # combiner instead (split S - 1's partial is already in the workspace from the same call
+    # before): the same bits, because the combine reads every split from memory in split order
+    workspace = torch.empty(decode_workspace_numel(3, 6, 32, 4))
+    _decode(pool, table, inputs, q, 4, counters, workspace)
+    counters.fill_(1)
+    assert torch.equal(_decode(pool, table, inputs, q, 4, counters, workspace), folded)
+
+
+def _run_checks() -> None:
     from batchrun.kernels.extend_attention import extend_attention_fwd
 
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
-        seq_lens = [1, 37, 70]
-        pool, table, inputs, q, k, v = _make_batch(seq_lens, [1, 1, 1], 6, 2, 32, dtype)
-        ref = _reference(pool, table, inputs, q, k, v, 0.2)
-        for splits in (1, 3):
-            workspace = torch.empty(decode_workspace_numel(3, 6, 32, splits))
-            out = torch.full_like(q, float("nan"))
-            decode_attention_fwd(
-                q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, 0.2,
-                splits, workspace, block_n=16,
-            )  # fmt: skip
-            _check(out, ref, tol)
+        _check_decode(dtype, tol)
 
         extend_lens, prefix_lens = [1, 20, 40], [0, 17, 30]
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -110,16 +136,18 @@ def _run_checks() -> None:
         _check(out, ref, tol)
 
         # a mixed step through the backend: two decodes (decode kernel), then a prefill chunk
-        # over a cached prefix (extend kernel)
+        # over a cached prefix (extend kernel); 137 tokens: the decode part splits its KV
         from batchrun.attention.triton_backend import TritonAttentionBackend
 
-        extend_lens, prefix_lens = [1, 1, 20], [0, 36, 30]
+        extend_lens, prefix_lens = [1, 1, 20], [0, 136, 30]
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         pool, table, inputs, q, k, v = _make_batch(seq_lens, extend_lens, 6, 2, 32, dtype)
         ref = _reference(pool, table, inputs, q, k, v, 0.2)
         backend = TritonAttentionBackend(pool, table)
         backend.prepare(inputs)
+        assert backend._plan.decode.num_kv_splits > 1  # the folded combine ran
         _check(backend.forward(q, k, v, 0, 0.2).view(q.shape), ref, tol)
+        assert not backend._counters.any()
     print("ok")
 
 

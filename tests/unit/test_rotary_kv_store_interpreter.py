@@ -1,0 +1,340 @@
+"""kernels/rotary_kv_store.py under Triton's CPU interpreter: the one-launch rotary + KV store
+against the two kernels it replaces (`apply_rotary_` then `store_kv`) and the torch path, bit for
+bit; `KVPool.store_rotated` against rotary + store; the Triton and FlashInfer (over a torch
+stand-in) backends' `forward_rotary` against rotary + forward (decode, extend and mixed plans); a
+tiny model's tokens and logits with BATCHRUN_ROTARY_STORE on and off.
+
+Skipped where triton is not installed. The kernels run in a subprocess because TRITON_INTERPRET
+must be set before triton is first imported. The interpreter casts fp32 to bf16 by truncation
+(the GPU rounds to nearest even), so bf16 is compared with the two kernels only (same casts on
+both sides), not with torch; tests/gpu covers bf16 against torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# (T, H, KV, D): GQA, MHA, llama-1b's and llama-8b's heads, a D that is not a power of two
+SHAPES = ((1, 8, 2, 64), (5, 8, 2, 128), (5, 4, 4, 64), (1, 32, 8, 64), (1, 32, 8, 128),
+          (5, 6, 3, 80))  # fmt: skip
+NUM_POSITIONS = 300
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_rotary_kv_store_under_interpreter():
+    sys.path.insert(0, str(REPO / "tests"))
+    from triton_interpreter import run_under_interpreter
+
+    run_under_interpreter(__file__)
+
+
+def _qkv_views(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Strided q [T, H, D], k and v [T, KV, D] views of a fused qkv tensor, as llama.py's."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    num_tokens = qkv.shape[0]
+    return (
+        q.view(num_tokens, num_heads, head_dim),
+        k.view(num_tokens, num_kv_heads, head_dim),
+        v.view(num_tokens, num_kv_heads, head_dim),
+    )
+
+
+def _make_case(shape, dtype, seed: int):
+    """(qkv, positions, loc, k_buf, v_buf, rotary): loc out of order, the dummy slot among them."""
+    from batchrun.models.layers import RotaryEmbedding
+
+    num_tokens, num_heads, num_kv_heads, head_dim = shape
+    gen = torch.Generator().manual_seed(seed)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    # NOTE: a padded row stride, so the token stride is not the heads' extent
+    qkv = (torch.randn(num_tokens, width + 8, generator=gen) * 3).to(dtype)[:, :width]
+    positions = torch.randint(0, NUM_POSITIONS, (num_tokens,), generator=gen)
+    num_slots = 3 * num_tokens + 4
+    loc = torch.randperm(num_slots, generator=gen)[: num_tokens - 1]
+    loc = torch.cat([loc, torch.tensor([num_slots])])  # the dummy (last) slot
+    buf_shape = (num_slots + 1, num_kv_heads, head_dim)
+    k_buf = torch.randn(buf_shape, generator=gen).to(dtype)
+    v_buf = torch.randn(buf_shape, generator=gen).to(dtype)
+    rotary = RotaryEmbedding(head_dim, NUM_POSITIONS, 10000.0, {}, "cpu")
+    return qkv, positions, loc, k_buf, v_buf, rotary
+
+
+def _check_kernel(dtype) -> None:
+    from batchrun.kernels.fused_rotary import apply_rotary_
+    from batchrun.kernels.kv_store import store_kv
+    from batchrun.kernels.rotary_kv_store import rotary_store_kv
+
+    for seed, shape in enumerate(SHAPES):
+        qkv, positions, loc, k_buf, v_buf, rotary = _make_case(shape, dtype, seed)
+        cos, sin = rotary.cos_cache, rotary.sin_cache
+        heads = shape[1:]
+        # the two kernels
+        qkv_two = qkv.clone()
+        q2, k2, v2 = _qkv_views(qkv_two, *heads)
+        k_two, v_two = k_buf.clone(), v_buf.clone()
+        apply_rotary_(q2, k2, positions, cos, sin)
+        store_kv(k_two, v_two, loc, k2, v2)
+        # torch: RotaryEmbedding's CPU path and KVPool.store's index_put
+        q0, k0, v0 = _qkv_views(qkv, *heads)
+        q_torch, k_torch = rotary(positions, q0, k0)
+        k_torch_buf, v_torch_buf = k_buf.clone(), v_buf.clone()
+        k_torch_buf[loc], v_torch_buf[loc] = k_torch, v0
+        for loc_dtype in (torch.int64, torch.int32):
+            qkv_one = qkv.clone()
+            q1, k1, v1 = _qkv_views(qkv_one, *heads)
+            k_one, v_one = k_buf.clone(), v_buf.clone()
+            rotary_store_kv(k_one, v_one, loc.to(loc_dtype), q1, k1, v1, positions, cos, sin)
+            case = (dtype, shape, loc_dtype)
+            assert torch.equal(q1, q2), ("q", case)
+            assert torch.equal(k_one, k_two) and torch.equal(v_one, v_two), ("pool", case)
+            # NOTE: k is read, not written (nobody reads it after the store); v is read only
+            assert torch.equal(qkv_one[:, q1[0].numel() :], qkv[:, q1[0].numel() :]), case
+            if dtype != torch.bfloat16:  # the interpreter's bf16 casts truncate
+                assert torch.equal(q1, q_torch), ("q vs torch", case)
+                assert torch.equal(k_one, k_torch_buf), ("k_buf vs torch", case)
+                assert torch.equal(v_one, v_torch_buf), ("v_buf vs torch", case)
+
+
+def _check_empty() -> None:
+    from batchrun.kernels.rotary_kv_store import rotary_store_kv
+
+    qkv, positions, loc, k_buf, v_buf, rotary = _make_case((1, 4, 2, 64), torch.float16, 0)
+    q, k, v = _qkv_views(qkv[:0], 4, 2, 64)
+    k_before = k_buf.clone()
+    cos, sin = rotary.cos_cache, rotary.sin_cache
+    rotary_store_kv(k_buf, v_buf, loc[:0], q, k, v, positions[:0], cos, sin)
+    assert torch.equal(k_buf, k_before)
+
+
+class _FusedKernelsOn:
+    """`use_fused_kernels` forced True (CPU tensors run the kernels on the interpreter)."""
+
+    def __enter__(self):
+        import batchrun.models.layers as layers
+
+        self._layers, self._real = layers, layers.use_fused_kernels
+        layers.use_fused_kernels = lambda x: True
+
+    def __exit__(self, *exc):
+        self._layers.use_fused_kernels = self._real
+
+
+class _CountCalls:
+    """Counts calls of module.name while inside (a spy: the calls go through)."""
+
+    def __init__(self, module, name: str):
+        self.module, self.name, self.n = module, name, 0
+
+    def __enter__(self):
+        self.real = getattr(self.module, self.name)
+
+        def counted(*args, **kwargs):
+            self.n += 1
+            return self.real(*args, **kwargs)
+
+        setattr(self.module, self.name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.real)
+
+
+def _store_rotated(shape, dtype, seed: int, env: str | None):
+    """(q, k_buf, v_buf) after KVPool.store_rotated with BATCHRUN_ROTARY_STORE = env."""
+    from batchrun.engine.kv_pool import ROTARY_STORE_ENV, KVPool
+
+    qkv, positions, loc, k_buf, v_buf, rotary = _make_case(shape, dtype, seed)
+    pool = KVPool(2, k_buf.shape[0] - 1, shape[2], shape[3], dtype, "cpu")
+    pool.k_buffers[1].copy_(k_buf)
+    pool.v_buffers[1].copy_(v_buf)
+    q, k, v = _qkv_views(qkv, *shape[1:])
+    if env is None:
+        os.environ.pop(ROTARY_STORE_ENV, None)
+    else:
+        os.environ[ROTARY_STORE_ENV] = env
+    try:
+        q = pool.store_rotated(1, loc, q, k, v, positions, rotary)
+    finally:
+        os.environ.pop(ROTARY_STORE_ENV, None)
+    return q, *pool.buffers(1)
+
+
+def _check_pool(dtype) -> None:
+    """store_rotated: the kernel when the Triton path is on, else rotary + store; same bits."""
+    import batchrun.kernels.rotary_kv_store as rotary_kv_store
+
+    shape = (5, 8, 2, 64)
+    with _FusedKernelsOn():
+        with _CountCalls(rotary_kv_store, "rotary_store_kv") as calls:
+            fused = _store_rotated(shape, dtype, 3, None)
+            assert calls.n == 1, "store_rotated did not use the kernel"
+            two_kernels = _store_rotated(shape, dtype, 3, "0")
+            assert calls.n == 1, "BATCHRUN_ROTARY_STORE=0 used the kernel"
+    for got, want in zip(fused, two_kernels):
+        assert torch.equal(got, want), dtype
+    if dtype != torch.bfloat16:
+        for got, want in zip(fused, _store_rotated(shape, dtype, 3, None)):  # torch path
+            assert torch.equal(got, want), dtype
+
+
+def _make_batch(seq_lens, extend_lens, num_kv_heads: int, head_dim: int, dtype):
+    """(pool, req_to_token, inputs): requests in table rows out of order, KV in random slots."""
+    from batchrun.attention.base import AttentionInputs
+    from batchrun.engine.kv_pool import KVPool
+
+    gen = torch.Generator().manual_seed(0)
+    num_slots = sum(seq_lens) + 5
+    pool = KVPool(1, num_slots, num_kv_heads, head_dim, dtype, "cpu")
+    pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=gen))
+    pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=gen))
+    table = torch.zeros(len(seq_lens) + 2, max(seq_lens) + 3, dtype=torch.int32)
+    perm = torch.randperm(num_slots, generator=gen)
+    rows = [2, 0, 3][: len(seq_lens)]
+    locs, start = [], 0
+    for row, seq_len, ext in zip(rows, seq_lens, extend_lens):
+        table[row, :seq_len] = perm[start : start + seq_len].int()
+        locs.append(perm[start + seq_len - ext : start + seq_len])
+        start += seq_len
+    inputs = AttentionInputs(
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor(seq_lens),
+        extend_lens=torch.tensor(extend_lens),
+        out_cache_loc=torch.cat(locs).long(),
+        seq_lens_cpu=tuple(seq_lens),
+        extend_lens_cpu=tuple(extend_lens),
+    )
+    return pool, table, inputs
+
+
+def _check_backend(dtype, make_backend) -> None:
+    """backend.forward_rotary (one kernel for rotary + store) against rotary then forward, for
+    decode, extend and mixed plans: the same output and pool, bit for bit."""
+    from batchrun.models.layers import RotaryEmbedding
+
+    num_heads, num_kv_heads, head_dim = 4, 2, 64
+    rotary = RotaryEmbedding(head_dim, NUM_POSITIONS, 10000.0, {}, "cpu")
+    plans = {
+        "decode": ([9, 20, 4], [1, 1, 1]),
+        "extend": ([12, 7], [5, 7]),
+        "mixed": ([9, 20, 13], [1, 1, 6]),
+    }
+    for name, (seq_lens, extend_lens) in plans.items():
+        outs = []
+        for fused in (True, False):
+            pool, table, inputs = _make_batch(seq_lens, extend_lens, num_kv_heads, head_dim, dtype)
+            width = (num_heads + 2 * num_kv_heads) * head_dim
+            gen = torch.Generator().manual_seed(5)
+            qkv = torch.randn(len(inputs.out_cache_loc), width, generator=gen).to(dtype)
+            q, k, v = _qkv_views(qkv, num_heads, num_kv_heads, head_dim)
+            positions = torch.cat([torch.arange(s - e, s) for s, e in zip(seq_lens, extend_lens)])
+            backend = make_backend(pool, table)
+            backend.prepare(inputs)
+            with _FusedKernelsOn():
+                if fused:
+                    out = backend.forward_rotary(q, k, v, 0, 0.125, positions, rotary)
+                else:
+                    q, k = rotary(positions, q, k)
+                    out = backend.forward(q, k, v, 0, 0.125)
+            outs.append((out, *pool.buffers(0)))
+        for got, want in zip(*outs):
+            assert torch.equal(got, want), (name, dtype, type(backend).__name__)
+
+
+def _triton_backend(pool, table):
+    from batchrun.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend(pool, table)
+
+
+def _flashinfer_stand_in(pool, table):
+    """FlashInferAttentionBackend over test_flashinfer_backend_cpu.py's torch stand-in wrappers
+    (this process only: it runs under the interpreter, in its own subprocess)."""
+    import types
+
+    from batchrun.attention import flashinfer_backend
+
+    sys.path.insert(0, str(REPO / "tests" / "unit"))
+    from test_flashinfer_backend_cpu import _Decode, _Prefill
+
+    sys.modules["flashinfer"] = types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=_Decode, BatchPrefillWithPagedKVCacheWrapper=_Prefill
+    )
+    flashinfer_backend.WORKSPACE_BYTES = 1024
+    return flashinfer_backend.FlashInferAttentionBackend(pool, table)
+
+
+def _check_engine() -> None:
+    """The tiny llama and qwen3 (q/k norm before rotary) on the Triton backend, fp16: with
+    BATCHRUN_GEMV=fused, steps of at most 16 tokens go through Attention.attend, hence
+    forward_rotary; the greedy tokens and the logits equal those with BATCHRUN_ROTARY_STORE=0."""
+    import tempfile
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_models import make_tiny_model
+
+    from batchrun.engine.kv_pool import ROTARY_STORE_ENV
+    from batchrun.models.layers import GEMV_ENV
+
+    os.environ[GEMV_ENV] = "fused"
+    try:
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            for kind in ("llama", "qwen3"):
+                path = Path(tmp_dir) / kind
+                make_tiny_model(kind, path)
+                (two_kernels, n_off), (fused, n_on) = (_engine_run(path, env) for env in "01")
+                assert n_off == 0 and n_on > 0, (kind, n_off, n_on)
+                assert fused[0] == two_kernels[0], kind
+                assert torch.equal(fused[1], two_kernels[1]), kind
+    finally:
+        os.environ.pop(GEMV_ENV, None)
+        os.environ.pop(ROTARY_STORE_ENV, None)
+
+
+def _engine_run(path: Path, rotary_store: str):
+    """((greedy tokens, logits), calls of the fused kernel) with BATCHRUN_ROTARY_STORE set."""
+    import batchrun.kernels.rotary_kv_store as rotary_kv_store
+    from tiny_models import random_prompts
+
+    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.engine import Engine
+    from batchrun.engine.kv_pool import ROTARY_STORE_ENV
+    from batchrun.engine.params import GenerateRequest, SamplingParams
+
+    os.environ[ROTARY_STORE_ENV] = rotary_store
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(3, seed=5, min_len=2, max_len=10)
+    config = EngineConfig(
+        model=str(path), device="cpu", dtype="float16", kv_budget=512, attention_backend="triton"
+    )
+    engine = Engine(config)
+    reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
+    with _FusedKernelsOn(), _CountCalls(rotary_kv_store, "rotary_store_kv") as calls:
+        outs = {r.rid: r.output_ids for r in engine.generate(reqs)}
+        logits = engine.score(prompts[1] + outs["0"][:2])  # <= 16 tokens: through attend
+    return (outs, logits), calls.n
+
+
+def _run_checks() -> None:
+    for dtype in DTYPES:
+        _check_kernel(dtype)
+        _check_pool(dtype)
+    _check_empty()
+    # NOTE: the attention kernels' tl.dot is wrong for bf16 on the interpreter
+    for dtype in (torch.float32, torch.float16):
+        _check_backend(dtype, _triton_backend)
+    _check_backend(torch.float16, _flashinfer_stand_in)  # it runs in fp16 / bf16 only
+    _check_engine()
+    print("ok")
+
+
+if __name__ == "__main__":
+    _run_checks()
