@@ -118,10 +118,24 @@ def _rotary_kernel(
     _rotate_heads(k_ptr, stride_kh, num_k_heads, c1, s1, c2, s2, offs_d, mask_d, HALF, BLOCK_HK)
 
 
-def rotary_num_warps(num_q_heads: int, head_dim: int) -> int:
-    """Warps of a program that rotates one token's q heads (and its few k heads)."""
-    tile = triton.next_power_of_2(num_q_heads) * triton.next_power_of_2(head_dim // 2)
-    return 4 if tile <= 2048 else 8
+def check_cos_sin(cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int) -> None:
+    assert cos_cache.shape[1] == head_dim and sin_cache.shape == cos_cache.shape
+    assert cos_cache.stride(1) == 1 and sin_cache.stride(1) == 1
+
+
+def rotary_launch_options(num_q_heads: int, num_k_heads: int, head_dim: int) -> dict:
+    """The constexprs and options of a launch that rotates one token a program (this module's
+    kernel and kernels/rotary_kv_store.py's)."""
+    half = head_dim // 2
+    block_hq, block_half = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(half)
+    return dict(
+        HALF=half,
+        BLOCK_HALF=block_half,
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=triton.next_power_of_2(num_k_heads),
+        num_warps=4 if block_hq * block_half <= 2048 else 8,
+        enable_fp_fusion=False,  # see ROUNDING above
+    )
 
 
 def apply_rotary_(
@@ -136,11 +150,9 @@ def apply_rotary_(
     assert k.shape == (num_tokens, num_k_heads, head_dim) and k.dtype == q.dtype
     assert head_dim % 2 == 0 and positions.shape == (num_tokens,)
     assert q.stride(2) == 1 and k.stride(2) == 1
-    assert cos_cache.shape[1] == head_dim and sin_cache.shape == cos_cache.shape
-    assert cos_cache.stride(1) == 1 and sin_cache.stride(1) == 1
+    check_cos_sin(cos_cache, sin_cache, head_dim)
     if num_tokens == 0:
         return
-    half = head_dim // 2
     pdl = pdl_launch_kwargs(q)
     _rotary_kernel[(num_tokens,)](
         q,
@@ -156,11 +168,6 @@ def apply_rotary_(
         sin_cache.stride(0),
         num_q_heads,
         num_k_heads,
-        HALF=half,
-        BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HK=triton.next_power_of_2(num_k_heads),
-        num_warps=rotary_num_warps(num_q_heads, head_dim),
-        enable_fp_fusion=False,  # see ROUNDING in kernels/fused_rotary.py
+        **rotary_launch_options(num_q_heads, num_k_heads, head_dim),
         **pdl,
     )

@@ -30,7 +30,8 @@ from batchrun.kernels.fused_rotary import (
     _head_tile,
     _load_cos_sin,
     _rotate_half,
-    rotary_num_warps,
+    check_cos_sin,
+    rotary_launch_options,
 )
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
@@ -72,7 +73,7 @@ def _rotary_store_kv_kernel(
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
-    BLOCK_HKV: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # every input is an earlier kernel's output
@@ -80,9 +81,9 @@ def _rotary_store_kv_kernel(
     offs_d = tl.arange(0, BLOCK_HALF)
     mask_d = offs_d < HALF
     offs_q, mask_q = _head_tile(stride_qh, num_q_heads, offs_d, mask_d, BLOCK_HQ)
-    offs_k, mask_kv = _head_tile(stride_kh, num_kv_heads, offs_d, mask_d, BLOCK_HKV)
-    offs_v, _ = _head_tile(stride_vh, num_kv_heads, offs_d, mask_d, BLOCK_HKV)
-    offs_buf, _ = _head_tile(2 * HALF, num_kv_heads, offs_d, mask_d, BLOCK_HKV)
+    offs_k, mask_kv = _head_tile(stride_kh, num_kv_heads, offs_d, mask_d, BLOCK_HK)
+    offs_v, _ = _head_tile(stride_vh, num_kv_heads, offs_d, mask_d, BLOCK_HK)
+    offs_buf, _ = _head_tile(2 * HALF, num_kv_heads, offs_d, mask_d, BLOCK_HK)
     # NOTE: the token's q, k, v rows are loaded first, so that they are in flight together with
     # the position, the slot and then cos/sin (which wait for the position)
     q_ptr = Q + t * stride_qt
@@ -122,11 +123,9 @@ def rotary_store_kv(
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
     assert loc.shape == (num_tokens,) and loc.dtype in (torch.int32, torch.int64)
     assert positions.shape == (num_tokens,)
-    assert cos_cache.shape[1] == head_dim and sin_cache.shape == cos_cache.shape
-    assert cos_cache.stride(1) == 1 and sin_cache.stride(1) == 1
+    check_cos_sin(cos_cache, sin_cache, head_dim)
     if num_tokens == 0:
         return
-    half = head_dim // 2
     pdl = pdl_launch_kwargs(q)
     _rotary_store_kv_kernel[(num_tokens,)](
         q,
@@ -150,11 +149,6 @@ def rotary_store_kv(
         sin_cache.stride(0),
         num_q_heads,
         num_kv_heads,
-        HALF=half,
-        BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        num_warps=rotary_num_warps(num_q_heads, head_dim),
-        enable_fp_fusion=False,  # see ROUNDING in kernels/fused_rotary.py
+        **rotary_launch_options(num_q_heads, num_kv_heads, head_dim),
         **pdl,
     )
