@@ -60,6 +60,17 @@ def _rotate_half(x1, x2, c1, s1, c2, s2):
 
 
 @triton.jit
+def _load_halves(X, offs, mask, HALF: tl.constexpr):
+    return tl.load(X + offs, mask=mask, other=0.0), tl.load(X + offs + HALF, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_halves(X, offs, mask, x1, x2, HALF: tl.constexpr):
+    tl.store(X + offs, x1, mask=mask)
+    tl.store(X + offs + HALF, x2, mask=mask)
+
+
+@triton.jit
 def _rotate_heads(
     X,
     stride_h,
@@ -75,11 +86,9 @@ def _rotate_heads(
 ):
     """Rotate heads [0, num_heads) of one token in place; X points at head 0, dim 0."""
     offs, mask = _head_tile(stride_h, num_heads, offs_d, mask_d, BLOCK_H)
-    x1 = tl.load(X + offs, mask=mask, other=0.0)
-    x2 = tl.load(X + offs + HALF, mask=mask, other=0.0)
+    x1, x2 = _load_halves(X, offs, mask, HALF)
     y1, y2 = _rotate_half(x1, x2, c1, s1, c2, s2)
-    tl.store(X + offs, y1, mask=mask)
-    tl.store(X + offs + HALF, y2, mask=mask)
+    _store_halves(X, offs, mask, y1, y2, HALF)
 
 
 @triton.jit

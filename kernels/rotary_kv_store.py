@@ -29,22 +29,13 @@ import triton.language as tl
 from batchrun.kernels.fused_rotary import (
     _head_tile,
     _load_cos_sin,
+    _load_halves,
     _rotate_half,
+    _store_halves,
     check_cos_sin,
     rotary_launch_options,
 )
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
-
-
-@triton.jit
-def _load_halves(X, offs, mask, HALF: tl.constexpr):
-    return tl.load(X + offs, mask=mask, other=0.0), tl.load(X + offs + HALF, mask=mask, other=0.0)
-
-
-@triton.jit
-def _store_halves(X, offs, mask, x1, x2, HALF: tl.constexpr):
-    tl.store(X + offs, x1, mask=mask)
-    tl.store(X + offs + HALF, x2, mask=mask)
 
 
 @triton.jit
