@@ -46,16 +46,8 @@ class KVPool:
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # loc: [T], k/v: [T, KV, D] (possibly strided views of the fused qkv projection)
-        from batchrun.models.layers import use_fused_kernels  # read at call time: tests patch it
-
         k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
-        if (
-            use_fused_kernels(k)
-            and k.dtype == v.dtype == k_buf.dtype
-            and k.stride(-1) == 1
-            and v.stride(-1) == 1
-            and loc.device == k.device
-        ):
+        if self._stores_in_triton(layer_id, loc, k, v):
             from batchrun.kernels.kv_store import store_kv
 
             # NOTE: one launch writes both k and v (torch needs an index_put for each)
@@ -88,6 +80,17 @@ class KVPool:
         self.store(layer_id, loc, k, v)
         return q
 
+    def _stores_in_triton(self, layer_id: int, loc, k, v) -> bool:
+        """Whether `store` runs kernels/kv_store.py (else torch's index_put)."""
+        from batchrun.models.layers import use_fused_kernels  # read at call time: tests patch it
+
+        return (
+            use_fused_kernels(k)
+            and k.dtype == v.dtype == self.k_buffers[layer_id].dtype
+            and k.stride(-1) == v.stride(-1) == 1
+            and loc.device == k.device
+        )
+
     def _fuses_rotary(self, layer_id, loc, q, k, v, positions, rotary) -> bool:
         """Whether rotary and store would both run their Triton kernels (the one kernel then
         gives the same bits), unless BATCHRUN_ROTARY_STORE=0."""
@@ -95,10 +98,11 @@ class KVPool:
 
         return (
             os.environ.get(ROTARY_STORE_ENV) != "0"
+            and self._stores_in_triton(layer_id, loc, k, v)
             and use_fused_kernels(q)
-            and q.dtype == k.dtype == v.dtype == self.k_buffers[layer_id].dtype
-            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-            and loc.device == positions.device == q.device
+            and q.dtype == k.dtype
+            and q.stride(-1) == 1
+            and positions.device == q.device
             and rotary.cos_cache.shape[-1] == q.shape[-1]
         )
 
