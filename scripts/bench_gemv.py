@@ -170,50 +170,71 @@ def bench_shape(n: int, k: int, m: int, sweep: bool, dtype, swiglu: bool = False
     return out
 
 
-def bench_fused(n: int, k: int, m: int, swiglu: bool, dtype) -> dict:
-    """kernels/norm_gemv.py against what it replaces: fused_add_rms_norm + cuBLAS (+ the SwiGLU
-    kernel)."""
-    from batchrun.kernels.activation import silu_and_mul
+def bench_norm_fusion(model: str, m: int, dtype) -> list[dict]:
+    """A decoder layer's matmul pairs around its norms, as the engine runs them for a decode
+    batch: o_proj -> add + RMSNorm -> gate_up (+ SwiGLU), and down_proj -> add + RMSNorm -> qkv,
+    unfused (gemv, fused_add_rms_norm, gemv) against the norms inside the gemvs (gemv_residual,
+    then gemv with an InputNorm); and each of the four matmuls alone, plain and with its part of
+    the fusion (what the epilogue and the prologue cost)."""
+    dims = {name: (n, k) for name, n, k, _ in shapes(model)}
+    return [bench_norm_pair(dims, first, second, m, dtype)
+            for first, second in (("o", "gate_up"), ("down", "qkv"))]  # fmt: skip
+
+
+def bench_norm_pair(dims: dict, first: str, second: str, m: int, dtype) -> dict:
     from batchrun.kernels.fused_norm import fused_add_rms_norm
-    from batchrun.kernels.norm_gemv import norm_gemv
+    from batchrun.kernels.gemv import InputNorm, gemv, gemv_residual
 
-    copies = max(2, -(-L2_BYTES // (n * k * dtype.itemsize)))
-    weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
-    x = torch.randn(m, k, device="cuda", dtype=dtype)
-    residual = torch.randn(m, k, device="cuda", dtype=dtype)
-    norm_w = torch.ones(k, device="cuda", dtype=dtype)
+    (n1, k1), (n2, k2) = dims[first], dims[second]
+    swiglu = second == "gate_up"
+    copies = max(2, -(-L2_BYTES // ((n1 * k1 + n2 * k2) * dtype.itemsize)))
+    pairs = [
+        (torch.randn(n1, k1, device="cuda", dtype=dtype) * 0.02,
+         torch.randn(n2, k2, device="cuda", dtype=dtype) * 0.02)
+        for _ in range(copies)
+    ]  # fmt: skip
+    norm_w = torch.ones(n1, device="cuda", dtype=dtype)
+    residual = torch.randn(m, n1, device="cuda", dtype=dtype)
+    x = torch.randn(m, k1, device="cuda", dtype=dtype)
+    h, sq = gemv_residual(x, pairs[0][0], residual)
+    normed = torch.randn(m, n1, device="cuda", dtype=dtype)
 
-    def unfused(w):
-        # NOTE: in place on x and residual, as in the model; the values stay finite for the
-        # few hundred calls timed here
-        h, _ = fused_add_rms_norm(x, residual, norm_w, 1e-5)
-        y = F.linear(h, w)
-        return silu_and_mul(y) if swiglu else y
+    def unfused(ws):
+        # NOTE: in place on y and on a residual that grows by y every call: finite for the few
+        # hundred calls timed here
+        y, _ = fused_add_rms_norm(gemv(x, ws[0]), residual, norm_w, 1e-5)
+        return gemv(y, ws[1], swiglu=swiglu)
 
-    out = {
-        "unfused_us": graph_time_us(unfused, weights),
-        "fused_us": graph_time_us(
-            lambda w: norm_gemv(x, residual, norm_w, 1e-5, w, swiglu=swiglu), weights
+    def fused(ws):
+        h, sq = gemv_residual(x, ws[0], residual)
+        return gemv(h, ws[1], swiglu=swiglu, norm=InputNorm(norm_w, 1e-5, sq))
+
+    row = {
+        "pair": f"{first} -> {second}",
+        "unfused_us": graph_time_us(unfused, pairs),
+        "fused_us": graph_time_us(fused, pairs),
+        f"{first}_us": graph_time_us(lambda ws: gemv(x, ws[0]), pairs),
+        f"{first}_residual_us": graph_time_us(lambda ws: gemv_residual(x, ws[0], h), pairs),
+        f"{second}_us": graph_time_us(lambda ws: gemv(normed, ws[1], swiglu=swiglu), pairs),
+        f"{second}_norm_us": graph_time_us(
+            lambda ws: gemv(h, ws[1], swiglu=swiglu, norm=InputNorm(norm_w, 1e-5, sq)), pairs
         ),
     }
-    weights.clear()
+    pairs.clear()
     torch.cuda.empty_cache()
-    return out
+    return row
 
 
-def main_fused(args, dtype, report: dict) -> None:
+def main_norm_fusion(args, dtype, report: dict) -> None:
     for model in args.models.split(","):
         for m in (int(v) for v in args.m.split(",")):
-            print(f"\n{model}, M = {m}: norm (+ SwiGLU) fused into the matmul")
-            print("| matrix | N x K | unfused µs | norm_gemv µs |")
-            print("|---|---|---|---|")
-            for name, n, k, _ in shapes(model):
-                if name not in ("qkv", "gate_up", "lm_head"):
-                    continue
-                r = bench_fused(n, k, m, name == "gate_up", dtype)
-                r.update(model=model, m=m, matrix=name, n=n, k=k)
-                report.setdefault("fused", []).append(r)
-                print(f"| {name} | {n} x {k} | {r['unfused_us']:.1f} | {r['fused_us']:.1f} |")
+            print(f"\n{model}, M = {m}: residual add + RMSNorm inside the gemvs (µs a call)")
+            for r in bench_norm_fusion(model, m, dtype):
+                r.update(model=model, m=m)
+                report.setdefault("norm_fusion", []).append(r)
+                cells = [f"{k} {v:.1f}" if isinstance(v, float) else str(v)
+                         for k, v in r.items() if k not in ("model", "m")]  # fmt: skip
+                print("  " + ", ".join(cells), flush=True)
 
 
 def main(argv=None) -> int:
@@ -223,8 +244,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-sweep", action="store_true", help="only cuBLAS and the default config")
     p.add_argument("--matrices", default="qkv,o,gate_up,down,lm_head", help="which of each model's")
     p.add_argument(
-        "--fused", action="store_true",
-        help="only kernels/norm_gemv.py against norm + cuBLAS (+ SwiGLU): qkv, gate_up, lm_head",
+        "--norm-fusion", action="store_true",
+        help="only the norms inside the gemvs against gemv + norm kernel + gemv, per layer pair",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-out"))
     args = p.parse_args(argv)
@@ -233,8 +254,8 @@ def main(argv=None) -> int:
         return 0
     dtype = torch.bfloat16
     report = {"device": torch.cuda.get_device_name(), "results": []}
-    if args.fused:
-        main_fused(args, dtype, report)
+    if args.norm_fusion:
+        main_norm_fusion(args, dtype, report)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_gemv.json").write_text(json.dumps(report, indent=2) + "\n")
         return 0

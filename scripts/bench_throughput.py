@@ -52,7 +52,7 @@ from host_phases import HostPhases  # noqa: E402
 
 from batchrun.attention.triton_backend import DECODE_FOLD_ENV  # noqa: E402
 from batchrun.engine.kv_pool import ROTARY_STORE_ENV  # noqa: E402
-from batchrun.models.layers import GEMV_ENV, GEMV_SWIGLU_ENV  # noqa: E402
+from batchrun.models.layers import GEMV_ENV, GEMV_NORM_ENV, GEMV_SWIGLU_ENV  # noqa: E402
 
 VARIANTS = (
     "batchrun",
@@ -72,6 +72,7 @@ VARIANTS = (
     "no-fold",
     "no-rotary-store",
     "unfused-decode",
+    "no-norm-fusion",
     "no-piecewise",
     "piecewise",
     "hf",
@@ -90,7 +91,12 @@ VARIANT_ENV = {
     "no-rotary-store": {ROTARY_STORE_ENV: "0"},  # rotary and the KV store as two kernels
     # the seventh session's decode kernels: each of this session's three fusions off
     "unfused-decode": {GEMV_SWIGLU_ENV: "0", DECODE_FOLD_ENV: "0", ROTARY_STORE_ENV: "0"},
+    # the decoder's residual adds and norms in kernels of their own, not inside the gemvs
+    "no-norm-fusion": {GEMV_NORM_ENV: "0"},
 }
+# NOTE: every switch any variant sets is cleared around each engine (only GEMV and PDL were, so
+# a variant's other switches leaked into the engines after it in the same run)
+VARIANT_ENV_KEYS = sorted({key for env in VARIANT_ENV.values() for key in env})
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000
 # BENCH.md targets: (workload, model) -> (figure, bound); W3 is ms per output token (lower is
 # better), the others output tok/s (higher is better)
@@ -265,6 +271,7 @@ def engine_config(args, model_dir: Path, variant: str):
         "no-fold": {},
         "no-rotary-store": {},
         "unfused-decode": {},
+        "no-norm-fusion": {},
         "no-piecewise": {"piecewise_cuda_graph": False},
         "piecewise": {"piecewise_cuda_graph": True},  # also where it is off by default
         "cublas": {"decode_gemv": "cublas"},  # decode matmuls on cuBLAS (large models' default)
@@ -765,7 +772,7 @@ def main(argv=None) -> int:
             target = None
             # NOTE: the switches are read per call, and once at capture for the decode graphs, so
             # they are set for the whole life of this variant's engine and cleared before the next
-            for key in (GEMV_ENV, PDL_ENV):
+            for key in VARIANT_ENV_KEYS:
                 os.environ.pop(key, None)
             os.environ.update(VARIANT_ENV.get(variant, {}))
             try:
@@ -805,7 +812,7 @@ def main(argv=None) -> int:
                     res.status, res.note = "error", repr(e)[:200]
                 record(res)
             del target, probe
-            for key in (GEMV_ENV, PDL_ENV):
+            for key in VARIANT_ENV_KEYS:
                 os.environ.pop(key, None)
             dev.free()  # two 8b models never coexist
     text = write_report(args.out, env, results, args.variants, skipped)

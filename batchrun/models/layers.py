@@ -110,6 +110,18 @@ def swiglu_linear(
     return gemv(x, weight, swiglu=True)
 
 
+# NOTE: "0" keeps the residual adds and norms of a gemv decode batch in kernels of their own (to
+# measure their fusion into the matmuls: LlamaForCausalLM.forward_decode_gemv)
+GEMV_NORM_ENV = "BATCHRUN_GEMV_NORM"
+
+
+def fuses_norms_into_gemv(x: torch.Tensor, decode_gemv: str | None) -> bool:
+    """Whether a forward of x (the embeddings [T, hidden]) runs every decoder matmul on
+    kernels/gemv.py ("all") with each residual add in the epilogue of the matmul before it and
+    each RMSNorm in the prologue of the matmul after it."""
+    return decode_gemv_mode(x, decode_gemv) == "all" and os.environ.get(GEMV_NORM_ENV) != "0"
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
         super().__init__()

@@ -10,6 +10,7 @@ and a slice of the vocabulary; logits are all-gathered, so every rank returns th
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -19,8 +20,10 @@ from torch import nn
 from batchrun.attention.base import AttentionBackend
 from batchrun.models.config import ModelConfig
 from batchrun.models.layers import (
+    GEMV_SWIGLU_ENV,
     RMSNorm,
     RotaryEmbedding,
+    fuses_norms_into_gemv,
     linear,
     swiglu_linear,
     use_fused_decode,
@@ -196,6 +199,31 @@ class DecoderLayer(nn.Module):
         )
         return mlp.down_proj(act), residual
 
+    def forward_gemv(self, h, sq, positions, rotary, backend):
+        """The layer for a decode batch with every matmul on kernels/gemv.py, in 5 kernels: each
+        residual add in the epilogue of the matmul before it (o_proj, down_proj: gemv_residual),
+        each RMSNorm in the prologue of the matmul after it (qkv, gate_up: InputNorm), with the
+        SwiGLU gate as gate_up's epilogue. Takes and returns (h, sq): the residual stream and its
+        rows' sums of squares by column tile; sq None for the first layer's input (the
+        embeddings), which its own norm kernel normalizes."""
+        from batchrun.kernels.activation import silu_and_mul
+        from batchrun.kernels.gemv import InputNorm, gemv, gemv_residual
+
+        attn, mlp = self.self_attn, self.mlp
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        if sq is None:
+            qkv = gemv(norm_in(h), attn.qkv_proj.weight)
+        else:
+            qkv = gemv(h, attn.qkv_proj.weight, norm=InputNorm(norm_in.weight, norm_in.eps, sq))
+        out = attn.attention(qkv, positions, rotary, backend)  # [T, H * D]
+        h, sq = gemv_residual(out, attn.o_proj.weight, h)
+        norm = InputNorm(norm_post.weight, norm_post.eps, sq)
+        if os.environ.get(GEMV_SWIGLU_ENV) == "0":
+            act = silu_and_mul(gemv(h, mlp.gate_up_proj.weight, norm=norm))
+        else:
+            act = gemv(h, mlp.gate_up_proj.weight, swiglu=True, norm=norm)
+        return gemv_residual(act, mlp.down_proj.weight, h)
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
@@ -265,9 +293,36 @@ class LlamaForCausalLM(nn.Module):
         batch takes the argmax as they are (an fp32 copy of [256, 128k] logits costs ~200 MB of
         memory traffic a step)."""
         x, residual = self.embed_tokens(batch.input_ids), None  # [T, hidden]
+        if self._norms_in_gemv(x):
+            return self.forward_gemv(x, batch, backend)
         for layer in self.layers:
             x, residual = layer(x, residual, batch.positions, self.rotary, backend)
         return self.logits(x, residual, batch.logits_indices)
+
+    def _norms_in_gemv(self, x: torch.Tensor) -> bool:
+        """`fuses_norms_into_gemv` for a model whose matmuls are plain (no biases) and whole
+        (TP = 1: a row-parallel matmul's all-reduce comes between its sums and the residual)."""
+        cfg = self.config
+        return (
+            not self.tp.is_parallel
+            and not cfg.qkv_bias
+            and not cfg.mlp_bias
+            and fuses_norms_into_gemv(x, self.decode_gemv)
+        )
+
+    def forward_gemv(
+        self, x: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
+    ) -> torch.Tensor:
+        """`forward` of a decode batch on kernels/gemv.py (DecoderLayer.forward_gemv): the final
+        norm in the LM head's prologue. x: the embeddings."""
+        from batchrun.kernels.gemv import InputNorm, gemv
+
+        h, sq = x, None
+        for layer in self.layers:
+            h, sq = layer.forward_gemv(h, sq, batch.positions, self.rotary, backend)
+        if batch.logits_indices is not None:
+            h, sq = h[batch.logits_indices], sq[:, batch.logits_indices].contiguous()
+        return gemv(h, self.lm_head_weight, norm=InputNorm(self.norm.weight, self.norm.eps, sq))
 
     def logits(self, x, residual, logits_indices: torch.Tensor | None) -> torch.Tensor:
         """The final norm and the LM head over the last layer's (hidden, residual), for the rows

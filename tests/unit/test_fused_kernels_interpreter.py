@@ -173,8 +173,10 @@ def _check_model_wiring(tmp_dir: Path) -> None:
 
 
 def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
-    """BATCHRUN_GEMV=fused: a forward of at most 16 tokens takes kernels/norm_gemv.py for its
-    norm + matmul pairs (fp16, the tiny llama) and gives the torch path's logits."""
+    """A forward of at most 16 tokens on the gemv paths (fp16, the tiny llama) gives the torch
+    path's logits: BATCHRUN_GEMV=fused (kernels/norm_gemv.py), =all (the norms and residual adds
+    inside the gemvs: LlamaForCausalLM.forward_gemv, taken) and =all with BATCHRUN_GEMV_NORM=0
+    (not taken)."""
     import os
 
     from tiny_models import make_tiny_model, random_prompts
@@ -187,18 +189,36 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
     path = Path(tempfile.mkdtemp(dir=tmp_dir))
     make_tiny_model("llama", path)
     engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float16", kv_budget=512))
-    for prompt in random_prompts(3, seed=4, min_len=3, max_len=16):
-        ref = engine.score(prompt)
-        use_fused = layers.use_fused_kernels
-        layers.use_fused_kernels = llama.use_fused_kernels = lambda x: True
-        os.environ[layers.GEMV_ENV] = "fused"
-        try:
-            fused = engine.score(prompt)
-        finally:
-            layers.use_fused_kernels = llama.use_fused_kernels = use_fused
-            del os.environ[layers.GEMV_ENV]
-        rel = ((fused - ref).norm() / ref.norm()).item()
-        assert rel <= 5e-3, rel
+    calls = []
+    forward_gemv = llama.LlamaForCausalLM.forward_gemv
+
+    def counting(self, *args):
+        calls.append(1)
+        return forward_gemv(self, *args)
+
+    llama.LlamaForCausalLM.forward_gemv = counting
+    modes = (("fused", None, False), ("all", None, True), ("all", "0", False))
+    try:
+        for prompt in random_prompts(3, seed=4, min_len=3, max_len=16):
+            ref = engine.score(prompt)
+            for mode, norm_env, takes_forward_gemv in modes:
+                use_fused = layers.use_fused_kernels
+                layers.use_fused_kernels = llama.use_fused_kernels = lambda x: True
+                os.environ[layers.GEMV_ENV] = mode
+                if norm_env is not None:
+                    os.environ[layers.GEMV_NORM_ENV] = norm_env
+                calls.clear()
+                try:
+                    fused = engine.score(prompt)
+                finally:
+                    layers.use_fused_kernels = llama.use_fused_kernels = use_fused
+                    del os.environ[layers.GEMV_ENV]
+                    os.environ.pop(layers.GEMV_NORM_ENV, None)
+                assert bool(calls) == takes_forward_gemv, (mode, norm_env)
+                rel = ((fused - ref).norm() / ref.norm()).item()
+                assert rel <= 5e-3, (mode, norm_env, rel)
+    finally:
+        llama.LlamaForCausalLM.forward_gemv = forward_gemv
 
 
 def _check_token_bitmask() -> None:
@@ -263,6 +283,45 @@ def _check_gemv_swiglu() -> None:
         assert got.shape == (m, inter) and got.dtype == dtype
         assert ((got.float() - ref).norm() / ref.norm()).item() <= 2e-3, (m, inter, k, cfg)
         assert not split_counters(x.device).any()
+
+
+def _check_gemv_residual_and_norm() -> None:
+    """gemv_residual (fp16): h = gemv(x, w) + residual bit for bit, with each column tile's sum
+    of squares of h's rows; gemv with an InputNorm over h (plain and SwiGLU) vs the torch RMSNorm
+    then gemv. Split-K on and off, ragged N and K, M up to 16."""
+    from batchrun.kernels.gemv import GemvConfig, InputNorm, gemv, gemv_residual, split_counters
+
+    from batchrun.models.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(10)
+    dtype = torch.float16
+    cases = [(1, 300, 200, None, GemvConfig(32, 64, 1)), (3, 512, 130, GemvConfig(16, 64, 4), None),
+             (16, 64, 96, GemvConfig(32, 32, 1), GemvConfig(16, 32, 3))]  # fmt: skip
+    for m, k, hidden, cfg_res, cfg_norm in cases:
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        w = (torch.randn(hidden, k, generator=gen) * 0.1).to(dtype)
+        residual = torch.randn(m, hidden, generator=gen).to(dtype)
+        h, sq = gemv_residual(x, w, residual, cfg_res)
+        assert torch.equal(h, (gemv(x, w, cfg_res).float() + residual.float()).to(dtype))
+        block_n = (cfg_res or GemvConfig()).block_n
+        tiles = -(-hidden // block_n)
+        want_sq = torch.stack([
+            h[:, t * block_n : (t + 1) * block_n].float().pow(2).sum(-1) for t in range(tiles)
+        ])  # fmt: skip
+        assert sq.shape == (tiles, m) and torch.allclose(sq, want_sq, rtol=1e-5)
+        assert not split_counters(x.device).any()
+        norm = RMSNorm(hidden, 1e-5, dtype, "cpu")
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=gen))
+        for swiglu in (False, True):
+            w2 = (torch.randn(2 * 40 if swiglu else 70, hidden, generator=gen) * 0.1).to(dtype)
+            want = gemv(norm(h), w2, cfg_norm, swiglu=swiglu)
+            got = gemv(h, w2, cfg_norm, swiglu=swiglu, norm=InputNorm(norm.weight, 1e-5, sq))
+            assert got.shape == want.shape and got.dtype == dtype
+            # the same normalized input but for an fp32 sum of squares in another order
+            rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            assert rel <= 1e-3, (m, k, hidden, swiglu, rel)
+            assert not split_counters(x.device).any()
 
 
 def _check_norm_gemv() -> None:
@@ -343,6 +402,7 @@ def _run_checks() -> None:
     _check_masked_argmax()
     _check_argmax()
     _check_gemv()
+    _check_gemv_residual_and_norm()
     _check_norm_gemv()
     with tempfile.TemporaryDirectory() as tmp_dir:
         _check_model_wiring(Path(tmp_dir))
