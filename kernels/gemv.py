@@ -38,11 +38,14 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from batchrun.kernels.fused_norm import _normalize
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 MAX_M = 16
 # one counter per column tile of a split matmul: 128256 columns / 16 fits with room to spare
 NUM_COUNTERS = 32768
+# the index of gemv_residual's row counter (its in-kernel norm), past the split counters
+ROW_COUNTER = tl.constexpr(NUM_COUNTERS)
 SMEM_FOR_W = 160 << 10
 
 
@@ -98,81 +101,35 @@ def _sum_planes(WS, plane_offs, mask, plane_stride, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
-def _row_rstd(SqIn, M, num_sq_tiles, n_cols, eps, SQ_TILES: tl.constexpr, ROWS: tl.constexpr):
-    """[ROWS] fp32: each row's 1 / rms from the producer's sums of squares ([tiles, M], a column
-    tile's sum a row), reduced in a fixed order (the same bits run to run)."""
-    offs_t = tl.arange(0, SQ_TILES)
-    offs_m = tl.arange(0, ROWS)
-    mask = (offs_t[:, None] < num_sq_tiles) & (offs_m[None, :] < M)
-    sq = tl.load(SqIn + offs_t[:, None] * M + offs_m[None, :], mask=mask, other=0.0)
-    return tl.math.rsqrt(tl.sum(sq, 0) / n_cols + eps)
-
-
-@triton.jit
-def _norm_tile(x, rstd, G, k0, k_end, BLOCK_K: tl.constexpr):
-    """RMSNorm of an x tile [16, BLOCK_K], rounded as kernels/fused_norm.py rounds: the
-    normalized row to the dtype, then the weight product once."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    g = tl.load(G + offs_k, mask=offs_k < k_end, other=0.0)
-    normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
-    return (g.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
-def _x_in(
-    X,
-    offs_m,
-    M,
-    stride_xm,
-    k0,
-    k_end,
-    rstd,
-    G,
-    BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr,
-    ONE_ROW: tl.constexpr,
-):
-    """The matmul's input tile at k0: x, or rmsnorm(x) * g with NORM. With ONE_ROW (M = 1) the
-    norm runs on the one row and the tile is that row over zeros: every program normalizes the
-    whole input again, and 16 rows of it cost llama-8b's gate_up several µs of ALU."""
-    if NORM and ONE_ROW:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        row = tl.load(X + offs_k, mask=offs_k < k_end, other=0.0)
-        row = tl.reshape(_norm_tile(row[None, :], rstd, G, k0, k_end, BLOCK_K), [BLOCK_K])
-        return tl.where(offs_m[:, None] == 0, row[None, :], tl.zeros_like(row)[None, :])
-    x = _x_tile(X, offs_m, M, stride_xm, k0, k_end, BLOCK_K)
-    if NORM:
-        x = _norm_tile(x, rstd, G, k0, k_end, BLOCK_K)
-    return x
-
-
-@triton.jit
-def _write_y(
-    acc,
-    acc_up,
-    out,
-    mask,
-    res,
-    SqOut,
-    pid_n,
-    offs_m,
-    M,
-    dtype: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    ADD_RES: tl.constexpr,
-):
-    """y from the fp32 sums: the SwiGLU gate, or the residual added (rounded as torch's
-    `y + residual` of the dtype) with the tile's sums of squares of the new rows stored."""
+def _write_y(acc, acc_up, out, mask, res, dtype: tl.constexpr, SWIGLU: tl.constexpr,
+             ADD_RES: tl.constexpr):  # fmt: skip
+    """y from the fp32 sums: the SwiGLU gate, or the residual added, rounded as torch's
+    `linear(x, w) + residual` of the dtype rounds."""
     if SWIGLU:
         y = _swiglu(acc, acc_up, dtype).to(dtype)
     else:
         y = acc.to(dtype)
     if ADD_RES:
         y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
-        # masked columns and rows are zeros (zero weights and residual): they add nothing
-        yf = y.to(tl.float32)
-        tl.store(SqOut + pid_n * M + offs_m, tl.sum(yf * yf, 1), mask=offs_m < M)
     tl.store(out, y, mask=mask)
+
+
+@triton.jit
+def _norm_after_last_tile(Y, G, NormOut, RowCounter, N, eps, num_tiles, BLOCK_ROW: tl.constexpr):
+    """Once every column tile has written its part of the row y (M = 1): the tile that finished
+    last normalizes the whole row for the next matmul, as kernels/fused_norm.py does (the same
+    `_normalize`), and resets the row counter. Each tile's writer calls this after its store."""
+    # NOTE: the same release / acquire as split-K's: every thread's stores, a CTA barrier, one
+    # gpu-scope acq_rel atomic; the last tile then reads the others' parts from L2 (`.cg`)
+    tl.debug_barrier()
+    done = tl.atomic_add(RowCounter, 1, sem="acq_rel", scope="gpu")
+    if done == num_tiles - 1:
+        offs = tl.arange(0, BLOCK_ROW)
+        mask = offs < N
+        s = tl.load(Y + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        normed = _normalize(s, G, offs, mask, N, eps, NormOut.dtype.element_ty)
+        tl.store(NormOut + offs, normed, mask=mask)
+        tl.atomic_xchg(RowCounter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -183,9 +140,8 @@ def _gemv_kernel(
     WS,
     Counters,
     R,
-    SqOut,
     G,
-    SqIn,
+    NormOut,
     M,
     N,
     K,
@@ -195,16 +151,14 @@ def _gemv_kernel(
     stride_wn,
     stride_ym,
     stride_rm,
-    num_sq_tiles,
     eps,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SWIGLU: tl.constexpr,
     ADD_RES: tl.constexpr,
-    NORM: tl.constexpr,
-    SQ_TILES: tl.constexpr,
-    ROWS: tl.constexpr,
+    NORM_OUT: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -225,26 +179,26 @@ def _gemv_kernel(
     if SWIGLU:
         w_up = _w_tile(up_rows, in_n, k_start, k_end, BLOCK_K)
     pdl_wait(PDL)
-    rstd = tl.zeros([ROWS], dtype=tl.float32)
-    if NORM:
-        rstd = _row_rstd(SqIn, M, num_sq_tiles, K, eps, SQ_TILES, ROWS)
     res = tl.zeros([16, BLOCK_N], dtype=Y.dtype.element_ty)
     if ADD_RES:  # read by every slice now, where its latency hides behind the loop
         res = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
-    x = _x_in(X, offs_m, M, stride_xm, k_start, k_end, rstd, G, BLOCK_K, NORM, ROWS == 1)
+    x = _x_tile(X, offs_m, M, stride_xm, k_start, k_end, BLOCK_K)
     acc = _mma(tl.zeros([16, BLOCK_N], dtype=tl.float32), x, w, IEEE)
     acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     if SWIGLU:
         acc_up = _mma(acc_up, x, w_up, IEEE)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        x = _x_in(X, offs_m, M, stride_xm, k0, k_end, rstd, G, BLOCK_K, NORM, ROWS == 1)
+        x = _x_tile(X, offs_m, M, stride_xm, k0, k_end, BLOCK_K)
         acc = _mma(acc, x, _w_tile(w_rows, in_n, k0, k_end, BLOCK_K), IEEE)
         if SWIGLU:
             acc_up = _mma(acc_up, x, _w_tile(up_rows, in_n, k0, k_end, BLOCK_K), IEEE)
     out = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     dtype = Y.dtype.element_ty
+    row_counter = Counters + ROW_COUNTER
     if SPLIT_K == 1:
-        _write_y(acc, acc_up, out, mask, res, SqOut, pid_n, offs_m, M, dtype, SWIGLU, ADD_RES)
+        _write_y(acc, acc_up, out, mask, res, dtype, SWIGLU, ADD_RES)
+        if NORM_OUT:
+            _norm_after_last_tile(Y, G, NormOut, row_counter, N, eps, tl.num_programs(0), BLOCK_ROW)
     else:
         # planes [SPLIT_K, M, WS_N]: WS_N = N, or 2N with the up sums in the second half
         ws_n = 2 * N if SWIGLU else N
@@ -263,10 +217,12 @@ def _gemv_kernel(
             total_up = total
             if SWIGLU:
                 total_up = _sum_planes(WS, plane_offs + N, mask, plane_stride, SPLIT_K)
-            _write_y(
-                total, total_up, out, mask, res, SqOut, pid_n, offs_m, M, dtype, SWIGLU, ADD_RES
-            )
+            _write_y(total, total_up, out, mask, res, dtype, SWIGLU, ADD_RES)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
+            if NORM_OUT:
+                _norm_after_last_tile(
+                    Y, G, NormOut, row_counter, N, eps, tl.num_programs(0), BLOCK_ROW
+                )
 
 
 # NOTE: K-split programs aimed at: about two per SM of the H200 (132 SMs); only matrices of at
@@ -306,7 +262,7 @@ def _counters(device: torch.device) -> torch.Tensor:
     # NOTE: allocated outside any CUDA graph capture (a graph would own it and its memset)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     assert not capturing, "run gemv once eagerly before capturing a CUDA graph"
-    return torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device)
+    return torch.zeros(NUM_COUNTERS + 1, dtype=torch.int32, device=device)
 
 
 def split_counters(device: torch.device) -> torch.Tensor:
@@ -316,22 +272,12 @@ def split_counters(device: torch.device) -> torch.Tensor:
     return _counters(device)
 
 
-class InputNorm(NamedTuple):
-    """An RMSNorm of gemv's input rows done inside the matmul: the norm's weight [K] and eps,
-    and the rows' sums of squares by column tile (`ResidualStream.sq` of the gemv_residual that
-    wrote the rows)."""
-
-    weight: torch.Tensor
-    eps: float
-    sq: torch.Tensor
-
-
 class ResidualStream(NamedTuple):
-    """gemv_residual's output: h = x @ w.T + residual [M, N] (the new residual stream), and sq
-    [tiles, M] fp32, each column tile's sum of squares of h's rows (what the next norm needs)."""
+    """gemv_residual's output: h = x @ w.T + residual [M, N] (the new residual stream) and, when
+    asked for, normed = rmsnorm(h) * weight (the next matmul's input), else None."""
 
     h: torch.Tensor
-    sq: torch.Tensor
+    normed: torch.Tensor | None
 
 
 def gemv(
@@ -339,38 +285,38 @@ def gemv(
     w: torch.Tensor,  # [N, K], unit stride along K (an nn.Linear weight); swiglu: [2I, K]
     config: GemvConfig | None = None,
     swiglu: bool = False,
-    norm: InputNorm | None = None,
 ) -> torch.Tensor:
-    """x @ w.T: [M, N] in x's dtype; with swiglu, silu(x @ w_gate.T) * (x @ w_up.T): [M, I].
-    With norm, x is first normalized row by row (rmsnorm(x) * norm.weight) as it is read."""
-    return _launch(x, w, config, swiglu, norm, None)[0]
+    """x @ w.T: [M, N] in x's dtype; with swiglu, silu(x @ w_gate.T) * (x @ w_up.T): [M, I]."""
+    return _launch(x, w, config, swiglu, None, None)[0]
 
 
 def gemv_residual(
     x: torch.Tensor,  # [M, K], as gemv's
     w: torch.Tensor,  # [N, K]
     residual: torch.Tensor,  # [M, N], x's dtype, unit stride along N; not written
+    norm: tuple[torch.Tensor, float] | None = None,  # (weight [N], eps); only for M = 1
     config: GemvConfig | None = None,
-    norm: InputNorm | None = None,
 ) -> ResidualStream:
-    """x @ w.T + residual, rounded as torch's `linear(x, w) + residual`, with the rows' sums of
-    squares for the RMSNorm that reads it next (`gemv(h, w2, norm=InputNorm(g, eps, sq))`)."""
-    assert residual.shape == (x.shape[0], w.shape[0]) and residual.dtype == x.dtype
-    assert residual.stride(1) == 1
-    return ResidualStream(*_launch(x, w, config, False, norm, residual))
+    """h = x @ w.T + residual, rounded as torch's `linear(x, w) + residual`; with norm, also
+    rmsnorm(h) * weight computed inside the kernel by the column tile that finishes last (the
+    numerics of kernels/fused_norm.py), for a single row: the residual add and the norm that
+    sit between two decode matmuls without a kernel of their own."""
+    m, n = x.shape[0], w.shape[0]
+    assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1
+    if norm is not None:
+        weight, _ = norm
+        assert m == 1, "the in-kernel norm takes one row (decode batch 1)"
+        assert weight.shape == (n,) and weight.dtype == x.dtype and weight.is_contiguous()
+    return ResidualStream(*_launch(x, w, config, False, residual, norm))
 
 
-def _launch(x, w, config, swiglu, norm, residual) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(y, sq): sq the sums of squares when residual is given, else None."""
+def _launch(x, w, config, swiglu, residual, norm) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y, normed): normed when norm is given, else None."""
     m, k = x.shape
     n_rows, k_w = w.shape
     assert k == k_w and m <= MAX_M and x.stride(1) == 1 and w.stride(1) == 1
     assert x.dtype == w.dtype
     assert not swiglu or n_rows % 2 == 0
-    if norm is not None:
-        assert norm.weight.shape == (k,) and norm.weight.dtype == x.dtype
-        assert norm.weight.is_contiguous() and norm.sq.shape[1:] == (m,)
-        assert norm.sq.dtype == torch.float32 and norm.sq.is_contiguous()
     n = n_rows // 2 if swiglu else n_rows
     # NOTE: with swiglu each program reads a tile of each half: the config of the whole matmul,
     # half the columns per program
@@ -389,13 +335,9 @@ def _launch(x, w, config, swiglu, norm, residual) -> tuple[torch.Tensor, torch.T
     if tiles > NUM_COUNTERS:
         split_k, k_per_split = 1, k
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    sq = None
-    if residual is not None:
-        sq = torch.empty((tiles, m), dtype=torch.float32, device=x.device)
+    normed = None if norm is None else torch.empty_like(y)
     if m == 0 or n == 0:
-        if sq is not None:
-            sq.zero_()
-        return y, sq
+        return y, normed
     counters = split_counters(x.device)
     # fp32 planes of the K slices' partial sums (without split-K the kernel never reads them)
     ws = (
@@ -405,16 +347,14 @@ def _launch(x, w, config, swiglu, norm, residual) -> tuple[torch.Tensor, torch.T
     )
     # NOTE: absent operands get y as a stand-in pointer: their constexpr flag prunes every access
     r = y if residual is None else residual
-    norm_w, eps, sq_in = (y, 0.0, y) if norm is None else norm
-    num_sq_tiles = 1 if norm is None else sq_in.shape[0]
+    norm_w, eps = (y, 0.0) if norm is None else norm
     pdl = pdl_launch_kwargs(x)
     _gemv_kernel[(tiles, split_k)](
-        x, w, y, ws, counters, r, y if sq is None else sq, norm_w, sq_in, m, n, k, k_per_split,
-        n * w.stride(0), x.stride(0), w.stride(0), y.stride(0), r.stride(0), num_sq_tiles, eps,
+        x, w, y, ws, counters, r, norm_w, y if normed is None else normed, m, n, k, k_per_split,
+        n * w.stride(0), x.stride(0), w.stride(0), y.stride(0), r.stride(0), eps,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu,
-        ADD_RES=residual is not None, NORM=norm is not None,
-        SQ_TILES=triton.next_power_of_2(num_sq_tiles), ROWS=1 if m == 1 else 16,
-        IEEE=x.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        ADD_RES=residual is not None, NORM_OUT=norm is not None,
+        BLOCK_ROW=triton.next_power_of_2(n) if norm is not None else 1,
+        IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
-    return y, sq
+    return y, normed

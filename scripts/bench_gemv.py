@@ -4,6 +4,7 @@ should replace cuBLAS at small M (batch-1 decode, W3), and with which config per
 
     python scripts/bench_gemv.py                              # llama-1b and llama-8b, M = 1, 4
     python scripts/bench_gemv.py --models llama-1b --m 1 --no-sweep
+    python scripts/bench_gemv.py --norm-fusion               # the add + norm inside the matmul
 
 Each measurement replays a CUDA graph of many calls (no launch overhead, as in the engine's
 decode graphs) that cycle through enough copies of the weight to exceed the L2 cache, so every
@@ -170,20 +171,20 @@ def bench_shape(n: int, k: int, m: int, sweep: bool, dtype, swiglu: bool = False
     return out
 
 
-def bench_norm_fusion(model: str, m: int, dtype) -> list[dict]:
-    """A decoder layer's matmul pairs around its norms, as the engine runs them for a decode
-    batch: o_proj -> add + RMSNorm -> gate_up (+ SwiGLU), and down_proj -> add + RMSNorm -> qkv,
-    unfused (gemv, fused_add_rms_norm, gemv) against the norms inside the gemvs (gemv_residual,
-    then gemv with an InputNorm); and each of the four matmuls alone, plain and with its part of
-    the fusion (what the epilogue and the prologue cost)."""
+def bench_norm_fusion(model: str, dtype) -> list[dict]:
+    """A decoder layer's matmul pairs around its norms, as the engine runs a one-row decode
+    batch: o_proj -> add + RMSNorm -> gate_up (+ SwiGLU), and down_proj -> add + RMSNorm -> qkv;
+    unfused (gemv, fused_add_rms_norm, gemv) against the add and the norm inside the first
+    matmul (gemv_residual: its last column tile normalizes the row); and the first matmul alone,
+    plain and as gemv_residual (what the in-kernel norm adds to it)."""
     dims = {name: (n, k) for name, n, k, _ in shapes(model)}
-    return [bench_norm_pair(dims, first, second, m, dtype)
+    return [bench_norm_pair(dims, first, second, dtype)
             for first, second in (("o", "gate_up"), ("down", "qkv"))]  # fmt: skip
 
 
-def bench_norm_pair(dims: dict, first: str, second: str, m: int, dtype) -> dict:
+def bench_norm_pair(dims: dict, first: str, second: str, dtype) -> dict:
     from batchrun.kernels.fused_norm import fused_add_rms_norm
-    from batchrun.kernels.gemv import InputNorm, gemv, gemv_residual
+    from batchrun.kernels.gemv import gemv, gemv_residual
 
     (n1, k1), (n2, k2) = dims[first], dims[second]
     swiglu = second == "gate_up"
@@ -193,31 +194,27 @@ def bench_norm_pair(dims: dict, first: str, second: str, m: int, dtype) -> dict:
          torch.randn(n2, k2, device="cuda", dtype=dtype) * 0.02)
         for _ in range(copies)
     ]  # fmt: skip
-    norm_w = torch.ones(n1, device="cuda", dtype=dtype)
-    residual = torch.randn(m, n1, device="cuda", dtype=dtype)
-    x = torch.randn(m, k1, device="cuda", dtype=dtype)
-    h, sq = gemv_residual(x, pairs[0][0], residual)
-    normed = torch.randn(m, n1, device="cuda", dtype=dtype)
+    norm = (torch.ones(n1, device="cuda", dtype=dtype), 1e-5)
+    residual = torch.randn(1, n1, device="cuda", dtype=dtype)
+    x = torch.randn(1, k1, device="cuda", dtype=dtype)
 
     def unfused(ws):
         # NOTE: in place on y and on a residual that grows by y every call: finite for the few
         # hundred calls timed here
-        y, _ = fused_add_rms_norm(gemv(x, ws[0]), residual, norm_w, 1e-5)
+        y, _ = fused_add_rms_norm(gemv(x, ws[0]), residual, *norm)
         return gemv(y, ws[1], swiglu=swiglu)
 
     def fused(ws):
-        h, sq = gemv_residual(x, ws[0], residual)
-        return gemv(h, ws[1], swiglu=swiglu, norm=InputNorm(norm_w, 1e-5, sq))
+        _, normed = gemv_residual(x, ws[0], residual, norm=norm)
+        return gemv(normed, ws[1], swiglu=swiglu)
 
     row = {
         "pair": f"{first} -> {second}",
         "unfused_us": graph_time_us(unfused, pairs),
         "fused_us": graph_time_us(fused, pairs),
         f"{first}_us": graph_time_us(lambda ws: gemv(x, ws[0]), pairs),
-        f"{first}_residual_us": graph_time_us(lambda ws: gemv_residual(x, ws[0], h), pairs),
-        f"{second}_us": graph_time_us(lambda ws: gemv(normed, ws[1], swiglu=swiglu), pairs),
-        f"{second}_norm_us": graph_time_us(
-            lambda ws: gemv(h, ws[1], swiglu=swiglu, norm=InputNorm(norm_w, 1e-5, sq)), pairs
+        f"{first}_add_norm_us": graph_time_us(
+            lambda ws: gemv_residual(x, ws[0], residual, norm=norm), pairs
         ),
     }
     pairs.clear()
@@ -227,14 +224,13 @@ def bench_norm_pair(dims: dict, first: str, second: str, m: int, dtype) -> dict:
 
 def main_norm_fusion(args, dtype, report: dict) -> None:
     for model in args.models.split(","):
-        for m in (int(v) for v in args.m.split(",")):
-            print(f"\n{model}, M = {m}: residual add + RMSNorm inside the gemvs (µs a call)")
-            for r in bench_norm_fusion(model, m, dtype):
-                r.update(model=model, m=m)
-                report.setdefault("norm_fusion", []).append(r)
-                cells = [f"{k} {v:.1f}" if isinstance(v, float) else str(v)
-                         for k, v in r.items() if k not in ("model", "m")]  # fmt: skip
-                print("  " + ", ".join(cells), flush=True)
+        print(f"\n{model}, M = 1: residual add + RMSNorm inside the matmul before (µs a call)")
+        for r in bench_norm_fusion(model, dtype):
+            r.update(model=model, m=1)
+            report.setdefault("norm_fusion", []).append(r)
+            cells = [f"{k} {v:.1f}" if isinstance(v, float) else str(v)
+                     for k, v in r.items() if k not in ("model", "m")]  # fmt: skip
+            print("  " + ", ".join(cells), flush=True)
 
 
 def main(argv=None) -> int:
@@ -245,7 +241,7 @@ def main(argv=None) -> int:
     p.add_argument("--matrices", default="qkv,o,gate_up,down,lm_head", help="which of each model's")
     p.add_argument(
         "--norm-fusion", action="store_true",
-        help="only the norms inside the gemvs against gemv + norm kernel + gemv, per layer pair",
+        help="only the add + norm inside the gemv before it against its own kernel (M = 1)",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-out"))
     args = p.parse_args(argv)

@@ -51,6 +51,7 @@ from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
 
 from batchrun.attention.triton_backend import DECODE_FOLD_ENV  # noqa: E402
+from batchrun.engine.cuda_graph import GRAPH_INPUTS_ENV  # noqa: E402
 from batchrun.engine.kv_pool import ROTARY_STORE_ENV  # noqa: E402
 from batchrun.models.layers import GEMV_ENV, GEMV_NORM_ENV, GEMV_SWIGLU_ENV  # noqa: E402
 
@@ -73,6 +74,8 @@ VARIANTS = (
     "no-rotary-store",
     "unfused-decode",
     "no-norm-fusion",
+    "norm-fusion",
+    "graph-input-copies",
     "no-piecewise",
     "piecewise",
     "hf",
@@ -93,6 +96,9 @@ VARIANT_ENV = {
     "unfused-decode": {GEMV_SWIGLU_ENV: "0", DECODE_FOLD_ENV: "0", ROTARY_STORE_ENV: "0"},
     # the decoder's residual adds and norms in kernels of their own, not inside the gemvs
     "no-norm-fusion": {GEMV_NORM_ENV: "0"},
+    "norm-fusion": {GEMV_NORM_ENV: "1"},  # also for models wider than GEMV_NORM_MAX_HIDDEN
+    # the decode graphs' inputs by copies and index kernels, not kernels/graph_inputs.py
+    "graph-input-copies": {GRAPH_INPUTS_ENV: "0"},
 }
 # NOTE: every switch any variant sets is cleared around each engine (only GEMV and PDL were, so
 # a variant's other switches leaked into the engines after it in the same run)
@@ -272,6 +278,8 @@ def engine_config(args, model_dir: Path, variant: str):
         "no-rotary-store": {},
         "unfused-decode": {},
         "no-norm-fusion": {},
+        "norm-fusion": {},
+        "graph-input-copies": {},
         "no-piecewise": {"piecewise_cuda_graph": False},
         "piecewise": {"piecewise_cuda_graph": True},  # also where it is off by default
         "cublas": {"decode_gemv": "cublas"},  # decode matmuls on cuBLAS (large models' default)

@@ -75,3 +75,10 @@ class AttentionBackend:
         rotated in place (strided views of the qkv projection included)."""
         q, k = rotary(positions, q, k)
         return self.forward(q, k, v, layer_id, scaling, out)
+
+    def graph_static_inputs(self) -> tuple[tuple[torch.Tensor, ...], int, int] | None:
+        """For CUDA-graph runners that fill the decode graphs' inputs themselves, in one kernel
+        (kernels/graph_inputs.py): the static (req_pool_indices, seq_lens, out_cache_loc)
+        buffers, the padding rows' request row and KV slot. None: the runner calls
+        `load_graph_inputs` (a backend with more to prepare per replay, or none)."""
+        return None

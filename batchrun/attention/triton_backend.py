@@ -242,6 +242,10 @@ class TritonAttentionBackend(AttentionBackend):
             True,
         )
 
+    def graph_static_inputs(self) -> tuple[tuple[torch.Tensor, ...], int, int]:
+        buffers = (self.graph_req_pool_indices, self.graph_seq_lens, self.graph_out_cache_loc)
+        return buffers, self.req_to_token.shape[0] - 1, self.kv_pool.dummy_slot
+
     def load_graph_inputs(self, inputs: AttentionInputs, bs: int) -> None:
         """Copy a decode batch of n <= bs requests into the static buffers, padding to bs."""
         n = inputs.batch_size

@@ -6,12 +6,18 @@ with a dummy request (dummy req-to-token row whose only KV slot is the pool's du
     static input_ids / positions [0, n) <- batch, [n, bs) <- 0
     attention buffers via backend.load_graph_inputs (same rule for the padding rows)
     replay; logits rows [0, n) are the batch's
+
+With a token pool and a backend that exposes its static buffers (`graph_static_inputs`), all
+of it is one kernel (kernels/graph_inputs.py), which also resolves the ids the previous step
+sampled on the device (placeholders, id < 0): `resolves_placeholders`. BATCHRUN_GRAPH_INPUTS=0
+keeps the copies (to measure the kernel).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 
 import torch
@@ -21,6 +27,8 @@ from batchrun.models.llama import ForwardBatch
 
 log = logging.getLogger(__name__)
 
+GRAPH_INPUTS_ENV = "BATCHRUN_GRAPH_INPUTS"
+
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(80, 257, 16))
@@ -29,7 +37,16 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model, backend, req_pool, kv_pool, max_bs: int, device: torch.device):
+    def __init__(
+        self,
+        model,
+        backend,
+        req_pool,
+        kv_pool,
+        max_bs: int,
+        device: torch.device,
+        token_pool: torch.Tensor | None = None,
+    ):
         self.model = model
         self.backend = backend
         self.device = device
@@ -44,6 +61,22 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_time = 0.0
         self._capture()
+        self.token_pool = token_pool
+        static = backend.graph_static_inputs()
+        self._one_kernel_inputs = None  # (static buffers, padding row, padding slot)
+        if (
+            token_pool is not None
+            and static is not None
+            and os.environ.get(GRAPH_INPUTS_ENV) != "0"
+        ):
+            buffers, pad_row, pad_slot = static
+            dst = (self.input_ids, self.positions, *buffers)
+            self._one_kernel_inputs = (dst, pad_row, pad_slot)
+
+    @property
+    def resolves_placeholders(self) -> bool:
+        """Whether replay takes ids with placeholders (< 0: token_pool[the request's row])."""
+        return self._one_kernel_inputs is not None
 
     def _capture(self) -> None:
         t0 = time.perf_counter()
@@ -71,6 +104,14 @@ class CudaGraphRunner:
     def replay(self, input_ids, positions, attn: AttentionInputs) -> torch.Tensor:
         n = attn.batch_size
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        if self._one_kernel_inputs is not None:
+            from batchrun.kernels.graph_inputs import load_decode_graph_inputs
+
+            dst, pad_row, pad_slot = self._one_kernel_inputs
+            src = (input_ids, positions, attn.req_pool_indices, attn.seq_lens, attn.out_cache_loc)
+            load_decode_graph_inputs(src, dst, self.token_pool, n, bs, pad_row, pad_slot)
+            self.graphs[bs].replay()
+            return self.outputs[bs][:n]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         if bs > n:

@@ -149,6 +149,9 @@ class ModelRunner:
                 self.kv_pool,
                 min(config.cuda_graph_max_bs, config.max_running),
                 self.device,
+                # the graphs' inputs in one Triton kernel (kernels/graph_inputs.py), where the
+                # Triton kernels are on
+                token_pool=self.token_pool if use_fused_kernels(self.token_pool) else None,
             )
         self.piecewise = None  # piecewise graphs for the other steps
         if self._use_piecewise():
@@ -279,7 +282,7 @@ class ModelRunner:
         # queued request-to-token writes (admissions, new slots) land before attention reads
         self.req_pool.apply(*staged.table_writes)
         input_ids = staged.input_ids
-        if staged.has_placeholders:
+        if staged.has_placeholders and not self._graph_resolves_placeholders(staged.attn):
             # the previous step sampled these tokens; they never left the device
             input_ids[staged.ph_pos] = self.token_pool[staged.ph_rows]
         is_cuda = self.device.type == "cuda"
@@ -325,6 +328,12 @@ class ModelRunner:
         event = torch.cuda.Event()
         event.record(self.stream)
         return StepHandle(*host, event, fwd.forward_start, fwd.forward_end)
+
+    def _graph_resolves_placeholders(self, attn: AttentionInputs) -> bool:
+        """Whether this step replays a decode graph whose input kernel reads the placeholder ids
+        from the token pool itself (then run_forward leaves them)."""
+        graphs = self.graphs
+        return graphs is not None and graphs.resolves_placeholders and graphs.can_run(attn)
 
     def _forward(self, input_ids, positions, logits_idx, attn: AttentionInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(attn):

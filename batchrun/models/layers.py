@@ -110,16 +110,23 @@ def swiglu_linear(
     return gemv(x, weight, swiglu=True)
 
 
-# NOTE: "0" keeps the residual adds and norms of a gemv decode batch in kernels of their own (to
-# measure their fusion into the matmuls: LlamaForCausalLM.forward_decode_gemv)
+# NOTE: "0" keeps the residual adds and norms of a one-row gemv decode batch in kernels of their
+# own, "1" moves them into the matmuls whatever the model's width; unset: for hidden sizes up to
+# GEMV_NORM_MAX_HIDDEN. On the H200 (W3, docs/benchmarks.md) the in-kernel norm took llama-1b
+# (hidden 2048) from 1.03-1.04 to 1.00 ms per token, and llama-8b (4096) from 4.40-4.41 to
+# 4.44-4.47: the last column tile's norm of a 4096-wide row cost more than the kernel it saved.
 GEMV_NORM_ENV = "BATCHRUN_GEMV_NORM"
+GEMV_NORM_MAX_HIDDEN = 2048
 
 
 def fuses_norms_into_gemv(x: torch.Tensor, decode_gemv: str | None) -> bool:
     """Whether a forward of x (the embeddings [T, hidden]) runs every decoder matmul on
-    kernels/gemv.py ("all") with each residual add in the epilogue of the matmul before it and
-    each RMSNorm in the prologue of the matmul after it."""
-    return decode_gemv_mode(x, decode_gemv) == "all" and os.environ.get(GEMV_NORM_ENV) != "0"
+    kernels/gemv.py ("all") with each residual add and the RMSNorm after it inside the matmul
+    before them (kernels/gemv.py's gemv_residual)."""
+    switch = os.environ.get(GEMV_NORM_ENV)
+    if switch == "0" or decode_gemv_mode(x, decode_gemv) != "all":
+        return False
+    return switch == "1" or x.shape[-1] <= GEMV_NORM_MAX_HIDDEN
 
 
 class RMSNorm(nn.Module):

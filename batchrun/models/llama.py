@@ -199,30 +199,23 @@ class DecoderLayer(nn.Module):
         )
         return mlp.down_proj(act), residual
 
-    def forward_gemv(self, h, sq, positions, rotary, backend):
-        """The layer for a decode batch with every matmul on kernels/gemv.py, in 5 kernels: each
-        residual add in the epilogue of the matmul before it (o_proj, down_proj: gemv_residual),
-        each RMSNorm in the prologue of the matmul after it (qkv, gate_up: InputNorm), with the
-        SwiGLU gate as gate_up's epilogue. Takes and returns (h, sq): the residual stream and its
-        rows' sums of squares by column tile; sq None for the first layer's input (the
-        embeddings), which its own norm kernel normalizes."""
+    def forward_gemv(self, h, normed, next_norm: RMSNorm, positions, rotary, backend):
+        """The layer for a decode batch of one row with every matmul on kernels/gemv.py, in 6
+        kernels instead of 8: each residual add and the norm after it run inside the matmul
+        before (o_proj, down_proj: gemv_residual), the SwiGLU gate inside gate_up's. Takes h
+        (the residual stream) and normed (this layer's input norm of it); returns the next h and
+        next_norm (the next layer's input norm, or the final norm) of it."""
         from batchrun.kernels.activation import silu_and_mul
-        from batchrun.kernels.gemv import InputNorm, gemv, gemv_residual
+        from batchrun.kernels.gemv import gemv, gemv_residual
 
-        attn, mlp = self.self_attn, self.mlp
-        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
-        if sq is None:
-            qkv = gemv(norm_in(h), attn.qkv_proj.weight)
-        else:
-            qkv = gemv(h, attn.qkv_proj.weight, norm=InputNorm(norm_in.weight, norm_in.eps, sq))
-        out = attn.attention(qkv, positions, rotary, backend)  # [T, H * D]
-        h, sq = gemv_residual(out, attn.o_proj.weight, h)
-        norm = InputNorm(norm_post.weight, norm_post.eps, sq)
+        attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
+        out = attn.attention(gemv(normed, attn.qkv_proj.weight), positions, rotary, backend)
+        h, normed = gemv_residual(out, attn.o_proj.weight, h, norm=(post.weight, post.eps))
         if os.environ.get(GEMV_SWIGLU_ENV) == "0":
-            act = silu_and_mul(gemv(h, mlp.gate_up_proj.weight, norm=norm))
+            act = silu_and_mul(gemv(normed, mlp.gate_up_proj.weight))
         else:
-            act = gemv(h, mlp.gate_up_proj.weight, swiglu=True, norm=norm)
-        return gemv_residual(act, mlp.down_proj.weight, h)
+            act = gemv(normed, mlp.gate_up_proj.weight, swiglu=True)
+        return gemv_residual(act, mlp.down_proj.weight, h, norm=(next_norm.weight, next_norm.eps))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -300,11 +293,14 @@ class LlamaForCausalLM(nn.Module):
         return self.logits(x, residual, batch.logits_indices)
 
     def _norms_in_gemv(self, x: torch.Tensor) -> bool:
-        """`fuses_norms_into_gemv` for a model whose matmuls are plain (no biases) and whole
-        (TP = 1: a row-parallel matmul's all-reduce comes between its sums and the residual)."""
+        """`fuses_norms_into_gemv` for one row (the norm's last-tile reduction holds one), a
+        model whose matmuls are plain (no biases) and whole (TP = 1: a row-parallel matmul's
+        all-reduce comes between its sums and the residual), with at least one layer."""
         cfg = self.config
         return (
-            not self.tp.is_parallel
+            x.shape[0] == 1
+            and len(self.layers) > 0
+            and not self.tp.is_parallel
             and not cfg.qkv_bias
             and not cfg.mlp_bias
             and fuses_norms_into_gemv(x, self.decode_gemv)
@@ -313,16 +309,21 @@ class LlamaForCausalLM(nn.Module):
     def forward_gemv(
         self, x: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
     ) -> torch.Tensor:
-        """`forward` of a decode batch on kernels/gemv.py (DecoderLayer.forward_gemv): the final
-        norm in the LM head's prologue. x: the embeddings."""
-        from batchrun.kernels.gemv import InputNorm, gemv
+        """`forward` of a one-row decode batch on kernels/gemv.py (DecoderLayer.forward_gemv):
+        the first layer's input norm is a kernel, every later norm runs inside the matmul
+        before it. x: the embeddings [1, hidden]."""
+        from batchrun.kernels.gemv import gemv
 
-        h, sq = x, None
-        for layer in self.layers:
-            h, sq = layer.forward_gemv(h, sq, batch.positions, self.rotary, backend)
+        layers = self.layers
+        h, normed = x, layers[0].input_layernorm(x)
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        for layer, next_norm in zip(layers, next_norms):
+            h, normed = layer.forward_gemv(
+                h, normed, next_norm, batch.positions, self.rotary, backend
+            )
         if batch.logits_indices is not None:
-            h, sq = h[batch.logits_indices], sq[:, batch.logits_indices].contiguous()
-        return gemv(h, self.lm_head_weight, norm=InputNorm(self.norm.weight, self.norm.eps, sq))
+            normed = normed[batch.logits_indices]
+        return gemv(normed, self.lm_head_weight)
 
     def logits(self, x, residual, logits_indices: torch.Tensor | None) -> torch.Tensor:
         """The final norm and the LM head over the last layer's (hidden, residual), for the rows

@@ -84,6 +84,26 @@ def test_same_greedy_tokens(model_dir, reference, kw):
     assert _run(model_dir, **kw) == reference
 
 
+@pytest.mark.parametrize("one_kernel", [True, False], ids=["one-kernel", "copies"])
+def test_decode_graph_inputs_in_one_kernel_or_by_copies(
+    model_dir, reference, monkeypatch, one_kernel
+):
+    """The decode graphs' inputs, placeholder ids included (overlap), loaded by
+    kernels/graph_inputs.py (the default with the Triton backend) or by the copies
+    (BATCHRUN_GRAPH_INPUTS=0): the same tokens; the kernel ran where it was on."""
+    import batchrun.kernels.graph_inputs as graph_inputs
+    from spies import count_calls
+
+    from batchrun.engine.cuda_graph import GRAPH_INPUTS_ENV
+
+    if not one_kernel:
+        monkeypatch.setenv(GRAPH_INPUTS_ENV, "0")
+    calls = count_calls(monkeypatch, graph_inputs, "load_decode_graph_inputs")
+    kw = dict(attention_backend="triton", overlap=True, cuda_graph_max_bs=64, kv_budget=1200)
+    assert _run(model_dir, new_token_ratio=0.05, **kw) == reference
+    assert (calls["n"] > 0) == one_kernel
+
+
 @pytest.mark.parametrize(
     "kw",
     [
