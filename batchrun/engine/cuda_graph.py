@@ -72,6 +72,15 @@ class CudaGraphRunner:
             buffers, pad_row, pad_slot = static
             dst = (self.input_ids, self.positions, *buffers)
             self._one_kernel_inputs = (dst, pad_row, pad_slot)
+            self._compile_input_kernel(pad_row, pad_slot)
+
+    def _compile_input_kernel(self, pad_row: int, pad_slot: int) -> None:
+        """Compile kernels/graph_inputs.py's one variant now, on scratch tensors: not at the
+        first replay, which may be inside a timed run."""
+        from batchrun.kernels.graph_inputs import load_decode_graph_inputs
+
+        scratch = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(10)]
+        load_decode_graph_inputs(scratch[:5], scratch[5:], self.token_pool, 1, 1, pad_row, pad_slot)
 
     @property
     def resolves_placeholders(self) -> bool:
