@@ -9,8 +9,8 @@ with a dummy request (dummy req-to-token row whose only KV slot is the pool's du
 
 With a token pool and a backend that exposes its static buffers (`graph_static_inputs`), all
 of it is one kernel (kernels/graph_inputs.py), which also resolves the ids the previous step
-sampled on the device (placeholders, id < 0): `resolves_placeholders`. BATCHRUN_GRAPH_INPUTS=0
-keeps the copies (to measure the kernel).
+sampled on the device (placeholders, id < 0), for batches up to GRAPH_INPUTS_MAX_BS:
+`resolves_placeholders_of`. BATCHRUN_GRAPH_INPUTS=0 keeps the copies (to measure the kernel).
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ from batchrun.models.llama import ForwardBatch
 log = logging.getLogger(__name__)
 
 GRAPH_INPUTS_ENV = "BATCHRUN_GRAPH_INPUTS"
+# NOTE: the input kernel serves decode batches up to this size: at batch 1 it took llama-1b W3
+# from 1.01-1.07 to 0.99-1.00 ms per token (H200, docs/benchmarks.md), where six copies and index
+# kernels were ~1 % of a step; a 256-row step is several ms, and there the one measurement (with
+# the kernel still compiling new variants mid-run, since fixed) lost 22 % of W1's throughput
+GRAPH_INPUTS_MAX_BS = 16
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -82,11 +87,6 @@ class CudaGraphRunner:
         scratch = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(10)]
         load_decode_graph_inputs(scratch[:5], scratch[5:], self.token_pool, 1, 1, pad_row, pad_slot)
 
-    @property
-    def resolves_placeholders(self) -> bool:
-        """Whether replay takes ids with placeholders (< 0: token_pool[the request's row])."""
-        return self._one_kernel_inputs is not None
-
     def _capture(self) -> None:
         t0 = time.perf_counter()
         self.backend.init_graph_buffers(self.max_bs)
@@ -110,10 +110,15 @@ class CudaGraphRunner:
     def can_run(self, attn: AttentionInputs) -> bool:
         return attn.is_decode and attn.batch_size <= self.max_bs
 
+    def resolves_placeholders_of(self, attn: AttentionInputs) -> bool:
+        """Whether replay(..., attn) takes ids with placeholders (< 0: token_pool[the request's
+        row]): it loads this batch's inputs in one kernel."""
+        return self._one_kernel_inputs is not None and attn.batch_size <= GRAPH_INPUTS_MAX_BS
+
     def replay(self, input_ids, positions, attn: AttentionInputs) -> torch.Tensor:
         n = attn.batch_size
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
-        if self._one_kernel_inputs is not None:
+        if self.resolves_placeholders_of(attn):
             from batchrun.kernels.graph_inputs import load_decode_graph_inputs
 
             dst, pad_row, pad_slot = self._one_kernel_inputs

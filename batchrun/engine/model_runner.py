@@ -333,7 +333,7 @@ class ModelRunner:
         """Whether this step replays a decode graph whose input kernel reads the placeholder ids
         from the token pool itself (then run_forward leaves them)."""
         graphs = self.graphs
-        return graphs is not None and graphs.resolves_placeholders and graphs.can_run(attn)
+        return graphs is not None and graphs.can_run(attn) and graphs.resolves_placeholders_of(attn)
 
     def _forward(self, input_ids, positions, logits_idx, attn: AttentionInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(attn):

@@ -89,8 +89,9 @@ def test_decode_graph_inputs_in_one_kernel_or_by_copies(
     model_dir, reference, monkeypatch, one_kernel
 ):
     """The decode graphs' inputs, placeholder ids included (overlap), loaded by
-    kernels/graph_inputs.py (the default with the Triton backend) or by the copies
-    (BATCHRUN_GRAPH_INPUTS=0): the same tokens; the kernel ran where it was on."""
+    kernels/graph_inputs.py (the default with the Triton backend, for batches up to
+    GRAPH_INPUTS_MAX_BS: the tail of this run) or by the copies (BATCHRUN_GRAPH_INPUTS=0): the
+    same tokens; the kernel ran where it was on."""
     import batchrun.kernels.graph_inputs as graph_inputs
     from spies import count_calls
 
