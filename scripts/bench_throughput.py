@@ -12,10 +12,11 @@ for CPU smoke tests). Workloads as BENCH.md defines them (W1 random, W2 shared p
 request; W2L: W2-large, whose distinct prefix tokens exceed a capped KV pool). Variants:
 batchrun (overlap + CUDA graphs), no-overlap, no-graph, no-radix, flashinfer (batchrun with the
 FlashInfer attention backend), gemv (batchrun with BATCHRUN_GEMV=triton: kernels/gemv.py for the
-large decode matmuls), fused-gemv (BATCHRUN_GEMV=fused: also kernels/norm_gemv.py),
-no-piecewise / piecewise (batchrun with piecewise CUDA graphs for prefill and mixed steps off /
-on whatever the default), hf, and prefix-order (batchrun fed in batchrun.order's DFS order,
-ordering timed; every other variant takes the prompts in their given, shuffled, input order).
+large decode matmuls), the decode kernel switches of VARIANT_ENV (no-norm-fusion,
+graph-input-copies, no-fold, ...: each turns one fusion off), no-piecewise / piecewise
+(batchrun with piecewise CUDA graphs for prefill and mixed steps off / on whatever the
+default), hf, and prefix-order (batchrun fed in batchrun.order's DFS order, ordering timed;
+every other variant takes the prompts in their given, shuffled, input order).
 
 Each engine is built once per (model, variant) (start-up reported apart), warmed up on each
 workload's shape outside the timed region, and timed on `engine.generate(requests)` between
@@ -65,8 +66,6 @@ VARIANTS = (
     "gemv-all",
     "cublas",
     "triton-gemv",
-    "fused-gemv",
-    "fused-all",
     "no-pdl",
     "gemv-all-no-pdl",
     "no-swiglu-gemv",
@@ -85,8 +84,6 @@ VARIANTS = (
 VARIANT_ENV = {
     "gemv": {GEMV_ENV: "triton"},
     "gemv-all": {GEMV_ENV: "all"},
-    "fused-gemv": {GEMV_ENV: "fused"},
-    "fused-all": {GEMV_ENV: "fused-all"},
     "no-pdl": {PDL_ENV: "0"},  # and so cuBLAS decode matmuls (auto takes gemv only with PDL)
     "gemv-all-no-pdl": {GEMV_ENV: "all", PDL_ENV: "0"},
     "no-swiglu-gemv": {GEMV_SWIGLU_ENV: "0"},  # the SwiGLU gate in its own kernel
@@ -269,8 +266,6 @@ def engine_config(args, model_dir: Path, variant: str):
         # these set VARIANT_ENV around the engine's life (main())
         "gemv": {},
         "gemv-all": {},
-        "fused-gemv": {},
-        "fused-all": {},
         "no-pdl": {},
         "gemv-all-no-pdl": {},
         "no-swiglu-gemv": {},

@@ -28,13 +28,13 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
 
 
 # NOTE: measured on the H200 (docs/benchmarks.md): "triton" sends the decode matmuls of large
-# matrices to kernels/gemv.py, "all" every decode matmul; "fused" also runs each decoder layer's
-# norms and SwiGLU inside its matmuls (kernels/norm_gemv.py), "fused-all" that and every other
-# decode matmul on kernels/gemv.py; any other value (e.g. "cublas"): none. Set, it overrides
-# the model's own default (`EngineConfig.decode_gemv`). Read on every call, as
-# use_fused_kernels; a decode graph reads it once, at capture.
+# matrices to kernels/gemv.py, "all" every decode matmul; any other value (e.g. "cublas"): none.
+# Set, it overrides the model's own default (`EngineConfig.decode_gemv`). Read on every call, as
+# use_fused_kernels; a decode graph reads it once, at capture. (The eighth session's "fused" and
+# "fused-all", the norms inside the following matmul's loop, lost to the separate kernels and
+# are gone: the tenth's in-kernel norm, `fuses_norms_into_gemv`, sits in the matmul before.)
 GEMV_ENV = "BATCHRUN_GEMV"
-GEMV_MODES = ("triton", "all", "fused", "fused-all")
+GEMV_MODES = ("triton", "all")
 
 
 def decode_gemv_mode(x: torch.Tensor, default: str | None = None) -> str | None:
@@ -53,11 +53,6 @@ def decode_gemv_mode(x: torch.Tensor, default: str | None = None) -> str | None:
     return mode if mode in GEMV_MODES and use_fused_kernels(x) else None
 
 
-def use_fused_decode(x: torch.Tensor) -> bool:
-    """BATCHRUN_GEMV=fused or fused-all: norm + matmul (+ SwiGLU) in one kernel."""
-    return decode_gemv_mode(x) in ("fused", "fused-all")
-
-
 # NOTE: where kernels/gemv.py beat cuBLAS on the H200 (scripts/bench_gemv.py, M = 1): llama-8b's
 # o_proj 4096 x 4096 11.2 vs 13.1 µs and down_proj 4096 x 14336 30.2 vs 31.2; on llama-1b's
 # smaller matrices cuBLAS was as fast or faster (o 6.0 vs 6.0, down 14.2 vs 13.9)
@@ -68,12 +63,12 @@ def takes_gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, decode_gemv: str | None
 ) -> bool:
     """Whether x @ weight.T goes to kernels/gemv.py: a decode-sized x in a decode_gemv_mode
-    (BATCHRUN_GEMV, else `decode_gemv`, the layer's default), no bias, and any weight in "all" /
-    "fused-all", one whose sides are both >= GEMV_MIN_DIM in "triton" / "fused"."""
+    (BATCHRUN_GEMV, else `decode_gemv`, the layer's default), no bias, and any weight in "all",
+    one whose sides are both >= GEMV_MIN_DIM in "triton"."""
     if bias is not None:
         return False
     mode = decode_gemv_mode(x, decode_gemv)
-    return mode in ("all", "fused-all") or (mode is not None and min(weight.shape) >= GEMV_MIN_DIM)
+    return mode == "all" or (mode is not None and min(weight.shape) >= GEMV_MIN_DIM)
 
 
 def linear(

@@ -26,7 +26,6 @@ from batchrun.models.layers import (
     fuses_norms_into_gemv,
     linear,
     swiglu_linear,
-    use_fused_decode,
     use_fused_kernels,
 )
 from batchrun.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -151,14 +150,7 @@ class DecoderLayer(nn.Module):
         returns (hidden, residual) with out = hidden + residual, so each add fuses into the next
         norm. The first layer gets residual None and x = the embeddings.
         """
-        attn, mlp = self.self_attn, self.mlp
-        if (
-            use_fused_decode(x)
-            and attn.qkv_proj.bias is None
-            and mlp.gate_up_proj.bias is None
-            and (residual is None or residual.stride(-1) == 1)
-        ):
-            return self._decode_forward(x, residual, positions, rotary, backend)
+        attn = self.self_attn
         x, residual = self.input_norm(x, residual)
         # NOTE: rotary goes to the backend, which may rotate inside its KV store (one kernel)
         out = attn.attention(attn.qkv_proj(x), positions, rotary, backend)  # [T, H * D]
@@ -184,20 +176,6 @@ class DecoderLayer(nn.Module):
         x = self.self_attn.o_proj(attn_out)
         x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
         return self.mlp(x), residual
-
-    def _decode_forward(self, x, residual, positions, rotary, backend):
-        """The same layer in 6 kernels instead of 11 (kernels/norm_gemv.py): each norm runs
-        inside the matmul after it, the SwiGLU inside gate_up's."""
-        from batchrun.kernels.norm_gemv import norm_gemv
-
-        attn, mlp = self.self_attn, self.mlp
-        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
-        qkv, residual = norm_gemv(x, residual, norm_in.weight, norm_in.eps, attn.qkv_proj.weight)
-        x = attn.attend(qkv, positions, rotary, backend)
-        act, residual = norm_gemv(
-            x, residual, norm_post.weight, norm_post.eps, mlp.gate_up_proj.weight, swiglu=True
-        )
-        return mlp.down_proj(act), residual
 
     def forward_gemv(self, h, normed, next_norm: RMSNorm, positions, rotary, backend):
         """The layer for a decode batch of one row with every matmul on kernels/gemv.py, in 6
@@ -330,13 +308,8 @@ class LlamaForCausalLM(nn.Module):
         `logits_indices` (all if None)."""
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
-        if use_fused_decode(x) and residual.stride(-1) == 1:
-            from batchrun.kernels.norm_gemv import norm_gemv
-
-            logits, _ = norm_gemv(x, residual, self.norm.weight, self.norm.eps, self.lm_head_weight)
-        else:
-            x, _ = self.norm.forward_with_residual(x, residual)
-            logits = linear(x, self.lm_head_weight, decode_gemv=self.decode_gemv)  # [S, V / TP]
+        x, _ = self.norm.forward_with_residual(x, residual)
+        logits = linear(x, self.lm_head_weight, decode_gemv=self.decode_gemv)  # [S, V / TP]
         if self.tp.is_parallel:
             # every rank gets the full logits, so all sample the same tokens
             logits = self.tp.all_gather(logits)[:, : self.config.vocab_size]

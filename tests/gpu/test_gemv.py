@@ -1,6 +1,6 @@
-"""kernels/gemv.py against F.linear and kernels/norm_gemv.py against the unfused kernels on the
+"""kernels/gemv.py against F.linear, and gemv_residual against gemv + add + norm, on the
 GPU: the decode shapes of the benchmark models, M from 1 to 16, bf16 / fp16 (gemv: fp32 too),
-split-K on and off, every output element written; and the engine with BATCHRUN_GEMV=fused."""
+split-K on and off, every output element written; and the engine with BATCHRUN_GEMV=all."""
 
 from __future__ import annotations
 
@@ -198,72 +198,11 @@ def test_gemv_residual_norm_under_graph_capture():
         assert not split_counters(attn_out.device).any()
 
 
-NORM_SHAPES = [(3072, 2048), (6144, 4096), (100, 300)]  # (N, K) of a qkv; swiglu: N = 2I
-SWIGLU_SHAPES = [(16384, 2048), (28672, 4096), (96, 200)]
-
-
-def unfused(x, residual, norm_w, eps, w, swiglu):
-    """The unfused CUDA path: fused_add_rms_norm (or rms_norm), F.linear, silu_and_mul."""
-    from batchrun.kernels.activation import silu_and_mul
-    from batchrun.kernels.fused_norm import fused_add_rms_norm, rms_norm
-
-    if residual is None:
-        h, res = rms_norm(x, norm_w, eps), x
-    else:
-        h, res = fused_add_rms_norm(x.clone(), residual.clone(), norm_w, eps)
-    y = F.linear(h, w)
-    return (silu_and_mul(y) if swiglu else y), res
-
-
-@pytest.mark.parametrize(
-    "n,k,swiglu", [(*s, False) for s in NORM_SHAPES] + [(*s, True) for s in SWIGLU_SHAPES]
-)
-@pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("with_residual", [True, False])
-def test_norm_gemv_matches_the_unfused_path(n, k, swiglu, m, dtype, with_residual):
-    from batchrun.kernels.gemv import GemvConfig
-    from batchrun.kernels.norm_gemv import norm_gemv
-
-    g = torch.Generator(device="cuda").manual_seed(n + k + m)
-    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
-    residual = torch.randn(m, k, device="cuda", generator=g).to(dtype) if with_residual else None
-    norm_w = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).to(dtype)
-    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).to(dtype)
-    x0 = x.clone()
-    want, want_res = unfused(x, residual, norm_w, 1e-5, w, swiglu)
-    configs = [None, GemvConfig(16, 128, 1)] + ([] if swiglu else [GemvConfig(32, 256, 4)])
-    for cfg in configs:
-        got, got_res = norm_gemv(x, residual, norm_w, 1e-5, w, swiglu=swiglu, config=cfg)
-        assert torch.equal(x, x0)  # inputs untouched
-        assert torch.equal(got_res, want_res)
-        assert got.shape == want.shape and got.dtype == dtype and torch.isfinite(got).all()
-        rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
-        assert rel <= TOL[dtype], (cfg, rel)
-
-
-def test_norm_gemv_under_graph_capture():
-    from batchrun.kernels.norm_gemv import norm_gemv
-
-    x = torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16)
-    res = torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16)
-    norm_w = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(16384, 2048, device="cuda", dtype=torch.bfloat16) * 0.05
-    eager = norm_gemv(x, res, norm_w, 1e-5, w, swiglu=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = norm_gemv(x, res, norm_w, 1e-5, w, swiglu=True)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-@pytest.mark.parametrize("mode", ["fused", "fused-all", "all", "all:no-norm-fusion"])
+@pytest.mark.parametrize("mode", ["all", "all:no-norm-fusion"])
 def test_engine_with_decode_gemv(kind, mode, tmp_path, monkeypatch):
-    """BATCHRUN_GEMV=fused, fused-all and all (with the norms and residual adds inside the
-    gemvs for one row, and with BATCHRUN_GEMV_NORM=0) end to end: prompts of at most 16 tokens
+    """BATCHRUN_GEMV=all (with the norms and residual adds inside the gemvs for one row, and
+    with BATCHRUN_GEMV_NORM=0) end to end: prompts of at most 16 tokens
     and of one token score like cuBLAS (bf16 tolerance), and a greedy batch and a lone request
     (decode batches of one row) decode through CUDA graphs captured with the Triton decode
     kernels, mostly to the same tokens (bf16 near-ties on random weights may flip a token;

@@ -196,8 +196,8 @@ def tiny_dir(request, tmp_path_factory):
 
 @pytest.mark.parametrize("cuda_graph_max_bs", [0, 16])
 def test_engine_same_tokens_with_and_without_fusion(tiny_dir, cuda_graph_max_bs, monkeypatch):
-    """BATCHRUN_GEMV=fused sends steps of at most 16 tokens through Attention.attend, hence
-    forward_rotary (decode, short prefills, mixed steps): greedy tokens and logits are the
+    """Every step's attention goes through the backend's forward_rotary (decode, short
+    prefills, mixed steps; one-row decodes through forward_gemv): greedy tokens and logits are the
     same bits with the fused kernel as with rotary + store."""
     import batchrun.kernels.rotary_kv_store as rotary_kv_store
     from spies import count_calls
@@ -207,9 +207,7 @@ def test_engine_same_tokens_with_and_without_fusion(tiny_dir, cuda_graph_max_bs,
     from batchrun.engine.engine import Engine
     from batchrun.engine.kv_pool import ROTARY_STORE_ENV
     from batchrun.engine.params import GenerateRequest, SamplingParams
-    from batchrun.models.layers import GEMV_ENV
 
-    monkeypatch.setenv(GEMV_ENV, "fused")
     monkeypatch.delenv("BATCHRUN_NO_FUSED", raising=False)
     calls = count_calls(monkeypatch, rotary_kv_store, "rotary_store_kv")
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)

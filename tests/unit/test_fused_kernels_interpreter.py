@@ -173,10 +173,9 @@ def _check_model_wiring(tmp_dir: Path) -> None:
 
 
 def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
-    """Forwards of a few tokens and of one token on the gemv paths (fp16, the tiny llama) give
-    the torch path's logits: BATCHRUN_GEMV=fused (kernels/norm_gemv.py), =all (one row: the
-    residual adds and norms inside the gemvs, LlamaForCausalLM.forward_gemv, taken) and =all
-    with BATCHRUN_GEMV_NORM=0 (not taken)."""
+    """Forwards of a few tokens and of one token with BATCHRUN_GEMV=all (fp16, the tiny llama)
+    give the torch path's logits: one row takes LlamaForCausalLM.forward_gemv (the residual
+    adds and norms inside the gemvs), more rows or BATCHRUN_GEMV_NORM=0 the layers' forward."""
     import os
 
     from tiny_models import make_tiny_model, random_prompts
@@ -197,7 +196,7 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
         return forward_gemv(self, *args)
 
     llama.LlamaForCausalLM.forward_gemv = counting
-    modes = (("fused", None), ("all", None), ("all", "0"))
+    modes = (("all", None), ("all", "0"))
     prompts = random_prompts(3, seed=4, min_len=3, max_len=16) + [[5], [60]]
     try:
         for prompt in prompts:
@@ -315,38 +314,6 @@ def _check_gemv_residual_and_norm() -> None:
         assert not split_counters(x.device).any()
 
 
-def _check_norm_gemv() -> None:
-    """kernels/norm_gemv.py (fp16) vs the unfused torch path: residual add, RMSNorm, x @ w.T and
-    the SwiGLU; with and without a residual, ragged K, split-K."""
-    import torch.nn.functional as F
-    from batchrun.kernels.gemv import GemvConfig
-    from batchrun.kernels.norm_gemv import norm_gemv
-
-    from batchrun.models.layers import RMSNorm
-
-    gen = torch.Generator().manual_seed(7)
-    dtype = torch.float16
-    cases = [(1, 96, 300, None, False), (4, 64, 256, GemvConfig(32, 64, 2), False),
-             (16, 40, 130, GemvConfig(16, 64, 1), True), (2, 64, 512, None, True)]  # fmt: skip
-    for m, n, k, cfg, swiglu in cases:
-        norm = RMSNorm(k, 1e-5, dtype, "cpu")
-        with torch.no_grad():
-            norm.weight.copy_(1 + 0.1 * torch.randn(k, generator=gen))
-        x = torch.randn(m, k, generator=gen).to(dtype)
-        w = (torch.randn(2 * n if swiglu else n, k, generator=gen) * 0.1).to(dtype)
-        for residual in (None, torch.randn(m, k, generator=gen).to(dtype)):
-            want_res = x if residual is None else x + residual
-            y = F.linear(norm(want_res).float(), w.float())
-            if swiglu:
-                gate, up = y.to(dtype).float().chunk(2, dim=-1)
-                y = F.silu(gate).to(dtype).float() * up
-            got, got_res = norm_gemv(x, residual, norm.weight, 1e-5, w, swiglu=swiglu, config=cfg)
-            assert torch.equal(got_res, want_res), (m, n, k)
-            assert got.shape == (m, n) and got.dtype == dtype
-            rel = ((got.float() - y).norm() / y.norm()).item()
-            assert rel <= 2e-3, (m, n, k, swiglu, residual is None, rel)
-
-
 def _check_graph_inputs() -> None:
     """kernels/graph_inputs.py: ids (placeholders < 0 read from the token pool by request row),
     positions, rows, sequence lengths and slots copied into larger static buffers, the rows
@@ -417,7 +384,6 @@ def _run_checks() -> None:
     _check_graph_inputs()
     _check_gemv()
     _check_gemv_residual_and_norm()
-    _check_norm_gemv()
     with tempfile.TemporaryDirectory() as tmp_dir:
         _check_model_wiring(Path(tmp_dir))
     print("ok")

@@ -273,18 +273,16 @@ def _flashinfer_stand_in(pool, table):
 
 
 def _check_engine() -> None:
-    """The tiny llama and qwen3 (q/k norm before rotary) on the Triton backend, fp16: with
-    BATCHRUN_GEMV=fused, steps of at most 16 tokens go through Attention.attend, hence
-    forward_rotary; the greedy tokens and the logits equal those with BATCHRUN_ROTARY_STORE=0."""
+    """The tiny llama and qwen3 (q/k norm before rotary) on the Triton backend, fp16: every
+    step's attention goes through the backend's forward_rotary; the greedy tokens and the
+    logits equal those with BATCHRUN_ROTARY_STORE=0."""
     import tempfile
 
     sys.path.insert(0, str(REPO / "tests"))
     from tiny_models import make_tiny_model
 
     from batchrun.engine.kv_pool import ROTARY_STORE_ENV
-    from batchrun.models.layers import GEMV_ENV
 
-    os.environ[GEMV_ENV] = "fused"
     try:
         with tempfile.TemporaryDirectory() as tmp_dir:
             for kind in ("llama", "qwen3"):
@@ -295,7 +293,6 @@ def _check_engine() -> None:
                 assert fused[0] == two_kernels[0], kind
                 assert torch.equal(fused[1], two_kernels[1]), kind
     finally:
-        os.environ.pop(GEMV_ENV, None)
         os.environ.pop(ROTARY_STORE_ENV, None)
 
 
