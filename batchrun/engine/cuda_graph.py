@@ -124,13 +124,12 @@ class CudaGraphRunner:
             dst, pad_row, pad_slot = self._one_kernel_inputs
             src = (input_ids, positions, attn.req_pool_indices, attn.seq_lens, attn.out_cache_loc)
             load_decode_graph_inputs(src, dst, self.token_pool, n, bs, pad_row, pad_slot)
-            self.graphs[bs].replay()
-            return self.outputs[bs][:n]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        if bs > n:
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-        self.backend.load_graph_inputs(attn, bs)
+        else:
+            self.input_ids[:n].copy_(input_ids, non_blocking=True)
+            self.positions[:n].copy_(positions, non_blocking=True)
+            if bs > n:
+                self.input_ids[n:bs].zero_()
+                self.positions[n:bs].zero_()
+            self.backend.load_graph_inputs(attn, bs)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

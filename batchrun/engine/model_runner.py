@@ -332,8 +332,9 @@ class ModelRunner:
     def _graph_resolves_placeholders(self, attn: AttentionInputs) -> bool:
         """Whether this step replays a decode graph whose input kernel reads the placeholder ids
         from the token pool itself (then run_forward leaves them)."""
+        # NOTE: the batch-size test first: can_run scans every request's extend length
         graphs = self.graphs
-        return graphs is not None and graphs.can_run(attn) and graphs.resolves_placeholders_of(attn)
+        return graphs is not None and graphs.resolves_placeholders_of(attn) and graphs.can_run(attn)
 
     def _forward(self, input_ids, positions, logits_idx, attn: AttentionInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(attn):
