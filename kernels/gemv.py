@@ -39,7 +39,6 @@ capturing a CUDA graph (it allocates them).
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -62,15 +61,6 @@ class GemvConfig(NamedTuple):
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    # K tiles of w that each program asks L2 to fetch ahead of its loads (0: none); see
-    # _prefetch_rows. Only on sm_90+ (the bulk prefetch) with PDL, where the first ones overlap
-    # the kernel before
-    prefetch: int = 0
-
-
-# NOTE: BATCHRUN_GEMV_PREFETCH=D sets pick_config's prefetch distance (tiles; 0 turns it off)
-PREFETCH_ENV = "BATCHRUN_GEMV_PREFETCH"
-DEFAULT_PREFETCH = 0
 
 
 @triton.jit
@@ -78,38 +68,6 @@ def _w_tile(w_rows, in_n, k0, k_end, BLOCK_K: tl.constexpr):
     """w [BLOCK_N, BLOCK_K] at K offset k0 (zeros past N and k_end)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     return tl.load(w_rows + offs_k[None, :], mask=in_n & (offs_k < k_end)[None, :], other=0.0)
-
-
-@triton.jit
-def _prefetch_rows(w_rows, n_bytes):
-    """Ask L2 for n_bytes of each row from w_rows ([BLOCK_N] pointers, 16-byte aligned; rows
-    with n_bytes <= 0 are skipped): one bulk prefetch (sm_90's TMA unit) per row, which returns
-    nothing and holds no register or shared memory while in flight. A hint, never an error."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        constraints="=r,l,r",
-        args=[w_rows, n_bytes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def _prefetch_tiles(rows, n_live, k0, k_end, n_tiles, BLOCK_K: tl.constexpr, PARTS: tl.constexpr):
-    """Prefetch n_tiles K tiles of w from K offset k0 (to k_end at most) into L2, for the rows
-    ([BLOCK_N] pointers) where n_live (rows past N ask for nothing). Each row's range goes out
-    in PARTS pieces, so that every thread of the program issues one prefetch and none repeats
-    another's. Whole 16-byte units: a ragged K tail is left to the loads."""
-    elem_bytes: tl.constexpr = rows.dtype.element_ty.primitive_bitwidth // 8
-    units = ((tl.minimum(k0 + n_tiles * BLOCK_K, k_end) - k0) * elem_bytes) // 16
-    per_part = units // PARTS
-    part = tl.arange(0, PARTS)
-    first = part * per_part
-    n_units = tl.where(part == PARTS - 1, units - first, per_part)
-    ptrs = rows[:, None] + k0 + (first * (16 // elem_bytes))[None, :]
-    _prefetch_rows(ptrs, tl.where(n_live[:, None], n_units * 16, 0))
 
 
 @triton.jit
@@ -209,8 +167,6 @@ def _gemv_kernel(
     BLOCK_ROW: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PF_PARTS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -228,17 +184,6 @@ def _gemv_kernel(
     w = _w_tile(w_rows, in_n, k_start, k_end, BLOCK_K)
     if SWIGLU:
         w_up = _w_tile(up_rows, in_n, k_start, k_end, BLOCK_K)
-    # the rows as one pointer each, for the bulk prefetches
-    n_live = offs_n < N
-    pf_rows = W + offs_n.to(tl.int64) * stride_wn
-    if PREFETCH > 0:
-        # NOTE: tiles 1..PREFETCH are asked of L2 before the wait: the HBM is mostly idle while
-        # the small kernels between two matmuls (norm, rotary, attention) run, and this
-        # program's loads of them then hit L2. In the loop, tile i asks for tile i + PREFETCH.
-        k_pf = k_start + BLOCK_K
-        _prefetch_tiles(pf_rows, n_live, k_pf, k_end, PREFETCH, BLOCK_K, PF_PARTS)
-        if SWIGLU:
-            _prefetch_tiles(pf_rows + up_offset, n_live, k_pf, k_end, PREFETCH, BLOCK_K, PF_PARTS)
     pdl_wait(PDL)
     res = tl.zeros([16, BLOCK_N], dtype=Y.dtype.element_ty)
     if ADD_RES:  # read by every slice now, where its latency hides behind the loop
@@ -249,11 +194,6 @@ def _gemv_kernel(
     if SWIGLU:
         acc_up = _mma(acc_up, x, w_up, IEEE)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        if PREFETCH > 0:
-            k_pf = k0 + PREFETCH * BLOCK_K
-            _prefetch_tiles(pf_rows, n_live, k_pf, k_end, 1, BLOCK_K, PF_PARTS)
-            if SWIGLU:
-                _prefetch_tiles(pf_rows + up_offset, n_live, k_pf, k_end, 1, BLOCK_K, PF_PARTS)
         x = _x_tile(X, offs_m, M, stride_xm, k0, k_end, BLOCK_K)
         acc = _mma(acc, x, _w_tile(w_rows, in_n, k0, k_end, BLOCK_K), IEEE)
         if SWIGLU:
@@ -320,14 +260,7 @@ def pick_config(m: int, n: int, k: int) -> GemvConfig:
         and k >= 2 * split_k * block_k
     ):
         split_k *= 2
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, prefetch=gemv_prefetch())
-
-
-def gemv_prefetch() -> int:
-    """pick_config's L2 prefetch distance in K tiles: BATCHRUN_GEMV_PREFETCH, else
-    DEFAULT_PREFETCH (read on every call, so tests and benchmarks can flip it)."""
-    value = os.environ.get(PREFETCH_ENV)
-    return DEFAULT_PREFETCH if value is None else int(value)
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k)
 
 
 @functools.cache
@@ -422,17 +355,12 @@ def _launch(x, w, config, swiglu, residual, norm) -> tuple[torch.Tensor, torch.T
     r = y if residual is None else residual
     norm_w, eps = (y, 0.0) if norm is None else norm
     pdl = pdl_launch_kwargs(x)
-    # NOTE: the bulk prefetch takes 16-byte aligned rows and exists from sm_90 on, as PDL does
-    aligned = w.data_ptr() % 16 == 0 and w.stride(0) * w.element_size() % 16 == 0
-    prefetch = cfg.prefetch if pdl["PDL"] and aligned else 0
     _gemv_kernel[(tiles, split_k)](
         x, w, y, ws, counters, r, norm_w, y if normed is None else normed, m, n, k, k_per_split,
         n * w.stride(0), x.stride(0), w.stride(0), y.stride(0), r.stride(0), eps,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu,
         ADD_RES=residual is not None, NORM_OUT=norm is not None,
         BLOCK_ROW=triton.next_power_of_2(n) if norm is not None else 1,
-        IEEE=x.dtype == torch.float32, PREFETCH=prefetch,
-        PF_PARTS=max(1, 32 * cfg.num_warps // cfg.block_n), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl,
+        IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     return y, normed

@@ -5,7 +5,6 @@ should replace cuBLAS at small M (batch-1 decode, W3), and with which config per
     python scripts/bench_gemv.py                              # llama-1b and llama-8b, M = 1, 4
     python scripts/bench_gemv.py --models llama-1b --m 1 --no-sweep
     python scripts/bench_gemv.py --norm-fusion               # the add + norm inside the matmul
-    python scripts/bench_gemv.py --prefetch 0,2,4,8          # the L2 prefetch distance (M = 1)
 
 Each measurement replays a CUDA graph of many calls (no launch overhead, as in the engine's
 decode graphs) that cycle through enough copies of the weight to exceed the L2 cache, so every
@@ -234,49 +233,6 @@ def main_norm_fusion(args, dtype, report: dict) -> None:
             print("  " + ", ".join(cells), flush=True)
 
 
-def bench_prefetch(n: int, k: int, distances: list[int], dtype, swiglu: bool) -> dict:
-    """µs a call of the default config (M = 1) at each L2 prefetch distance: in a chain of the
-    matmul alone, and with an RMSNorm kernel before each call, as in a decoder layer, where
-    the prefetch before the PDL wait overlaps the norm."""
-    from batchrun.kernels.fused_norm import rms_norm
-    from batchrun.kernels.gemv import gemv, pick_config
-
-    copies = max(2, -(-L2_BYTES // (n * k * dtype.itemsize)))
-    weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
-    x = torch.randn(1, k, device="cuda", dtype=dtype)
-    g = torch.ones(k, device="cuda", dtype=dtype)
-    default = pick_config(1, n, k)
-    row = {}
-    for d in distances:
-        cfg = default._replace(prefetch=d)
-        row[f"chain_{d}"] = graph_time_us(lambda w, c=cfg: gemv(x, w, c, swiglu=swiglu), weights)
-        row[f"norm_{d}"] = graph_time_us(
-            lambda w, c=cfg: gemv(rms_norm(x, g, 1e-5), w, c, swiglu=swiglu), weights
-        )
-    weights.clear()
-    torch.cuda.empty_cache()
-    return row
-
-
-def main_prefetch(args, dtype, report: dict) -> None:
-    distances = [int(v) for v in args.prefetch.split(",")]
-    for model in args.models.split(","):
-        print(f"\n{model}, M = 1: µs a call by L2 prefetch distance (tiles), alone / after a norm")
-        print("| matrix | " + " | ".join(str(d) for d in distances) + " |")
-        print("|---|" + "---|" * len(distances))
-        totals = dict.fromkeys(distances, 0.0)
-        for name, n, k, count in shapes(model):
-            if name not in args.matrices.split(","):
-                continue
-            r = bench_prefetch(n, k, distances, dtype, swiglu=name == "gate_up")
-            report.setdefault("prefetch", []).append({"model": model, "matrix": name, **r})
-            for d in distances:
-                totals[d] += count * r[f"norm_{d}"]
-            cells = " | ".join(f"{r[f'chain_{d}']:.1f} / {r[f'norm_{d}']:.1f}" for d in distances)
-            print(f"| {name} | {cells} |", flush=True)
-        print("per step, after a norm: " + ", ".join(f"{d}: {totals[d]:.0f} µs" for d in distances))
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", default="llama-1b,llama-8b")
@@ -287,7 +243,6 @@ def main(argv=None) -> int:
         "--norm-fusion", action="store_true",
         help="only the add + norm inside the gemv before it against its own kernel (M = 1)",
     )  # fmt: skip
-    p.add_argument("--prefetch", help="only the default config at these L2 prefetch distances")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-out"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -295,8 +250,8 @@ def main(argv=None) -> int:
         return 0
     dtype = torch.bfloat16
     report = {"device": torch.cuda.get_device_name(), "results": []}
-    if args.norm_fusion or args.prefetch:
-        (main_prefetch if args.prefetch else main_norm_fusion)(args, dtype, report)
+    if args.norm_fusion:
+        main_norm_fusion(args, dtype, report)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_gemv.json").write_text(json.dumps(report, indent=2) + "\n")
         return 0

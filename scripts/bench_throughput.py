@@ -47,7 +47,6 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 
-from batchrun.kernels.gemv import PREFETCH_ENV  # noqa: E402
 from batchrun.kernels.pdl import PDL_ENV  # noqa: E402
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
@@ -76,7 +75,6 @@ VARIANTS = (
     "no-norm-fusion",
     "norm-fusion",
     "graph-input-copies",
-    "no-gemv-prefetch",
     "no-piecewise",
     "piecewise",
     "hf",
@@ -98,8 +96,6 @@ VARIANT_ENV = {
     "norm-fusion": {GEMV_NORM_ENV: "1"},  # also for models wider than GEMV_NORM_MAX_HIDDEN
     # the decode graphs' inputs by copies and index kernels, not kernels/graph_inputs.py
     "graph-input-copies": {GRAPH_INPUTS_ENV: "0"},
-    # gemv without its L2 prefetch (kernels/gemv.py)
-    "no-gemv-prefetch": {PREFETCH_ENV: "0"},
 }
 # NOTE: every switch any variant sets is cleared around each engine (only GEMV and PDL were, so
 # a variant's other switches leaked into the engines after it in the same run)
@@ -279,7 +275,6 @@ def engine_config(args, model_dir: Path, variant: str):
         "no-norm-fusion": {},
         "norm-fusion": {},
         "graph-input-copies": {},
-        "no-gemv-prefetch": {},
         "no-piecewise": {"piecewise_cuda_graph": False},
         "piecewise": {"piecewise_cuda_graph": True},  # also where it is off by default
         "cublas": {"decode_gemv": "cublas"},  # decode matmuls on cuBLAS (large models' default)
@@ -671,12 +666,6 @@ def parse_args(argv=None):
         default=None,
         help="BLOCK_N,WARPS,STAGES of the Triton decode attention kernel (default: its own)",
     )
-    p.add_argument(
-        "--gemv-prefetch",
-        type=int,
-        default=None,
-        help="gemv's L2 prefetch distance in tiles for every variant but no-gemv-prefetch",
-    )
     p.add_argument("--kv-budget", type=int, default=None, help="KV tokens; default from memory")
     p.add_argument("--warmup-requests", type=int, default=32)
     p.add_argument("--warmup-tokens", type=int, default=8)
@@ -789,8 +778,6 @@ def main(argv=None) -> int:
             for key in VARIANT_ENV_KEYS:
                 os.environ.pop(key, None)
             os.environ.update(VARIANT_ENV.get(variant, {}))
-            if args.gemv_prefetch is not None and PREFETCH_ENV not in VARIANT_ENV.get(variant, {}):
-                os.environ[PREFETCH_ENV] = str(args.gemv_prefetch)
             try:
                 dev.sync()
                 t = time.perf_counter()

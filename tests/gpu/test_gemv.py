@@ -64,31 +64,6 @@ def test_gemv_swiglu_matches_gemv_then_the_gate(inter, k, m, dtype):
         assert not split_counters(x.device).any()
 
 
-@pytest.mark.parametrize("n,k", [(6144, 4096), (2048, 8192), (4095, 1000), (100, 300), (64, 1001)])
-@pytest.mark.parametrize("m", [1, 4])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gemv_l2_prefetch_changes_no_bit(n, k, m, dtype):
-    """The L2 prefetch is a hint: every distance (0 off, 1, 4, past the slice) gives gemv's bits
-    without it, for plain, SwiGLU (bf16), split and unsplit configs, and rows whose bytes are not
-    16-byte aligned (K = 1001: the kernel takes no prefetch)."""
-    from batchrun.kernels.gemv import GemvConfig, gemv, split_counters
-
-    g = torch.Generator(device="cuda").manual_seed(n + k + m)
-    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
-    w = (torch.randn(2 * n, k, device="cuda", generator=g) * 0.05).to(dtype)
-    cases = [(GemvConfig(64, 256, 1), False), (GemvConfig(64, 256, 4), False),
-             (GemvConfig(16, 128, 3), False), (GemvConfig(32, 256, 1), True),
-             (GemvConfig(32, 256, 4), True)]  # fmt: skip
-    for cfg, swiglu in cases:
-        if swiglu and dtype == torch.float32:
-            continue
-        want = gemv(x, w, cfg, swiglu=swiglu)
-        for distance in (1, 4, 64):
-            got = gemv(x, w, cfg._replace(prefetch=distance), swiglu=swiglu)
-            assert torch.equal(got, want), (cfg, swiglu, distance)
-        assert not split_counters(x.device).any()
-
-
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_gemv_under_graph_capture_and_deterministic(swiglu):
     """Split-K allocates its fp32 planes inside the graph's pool and reduces in the kernel (the

@@ -262,30 +262,7 @@ def _check_gemv() -> None:
             # the split counters are left at zero for the next call, which gives the same bits
             assert not split_counters(x.device).any()
             assert torch.equal(gemv(x, w, cfg), got)
-    _check_gemv_prefetch_switch()
     _check_gemv_swiglu()
-
-
-def _check_gemv_prefetch_switch() -> None:
-    """The L2 prefetch (a GPU hint, sm_90+) is dropped here and changes nothing; pick_config
-    takes its distance from BATCHRUN_GEMV_PREFETCH, else DEFAULT_PREFETCH."""
-    import os
-
-    from batchrun.kernels.gemv import DEFAULT_PREFETCH, PREFETCH_ENV, GemvConfig, gemv, pick_config
-
-    gen = torch.Generator().manual_seed(7)
-    x, w = torch.randn(2, 300, generator=gen), torch.randn(40, 300, generator=gen)
-    cfg = GemvConfig(16, 64, 2)
-    assert torch.equal(gemv(x, w, cfg._replace(prefetch=4)), gemv(x, w, cfg))
-    saved = os.environ.pop(PREFETCH_ENV, None)
-    try:
-        assert pick_config(1, 4096, 4096).prefetch == DEFAULT_PREFETCH
-        os.environ[PREFETCH_ENV] = "3"
-        assert pick_config(1, 4096, 4096).prefetch == 3
-    finally:
-        os.environ.pop(PREFETCH_ENV, None)
-        if saved is not None:
-            os.environ[PREFETCH_ENV] = saved
 
 
 def _check_gemv_swiglu() -> None:
