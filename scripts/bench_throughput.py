@@ -74,6 +74,7 @@ VARIANTS = (
     "unfused-decode",
     "no-norm-fusion",
     "norm-fusion",
+    "post-norm-fusion",
     "graph-input-copies",
     "no-piecewise",
     "piecewise",
@@ -94,6 +95,7 @@ VARIANT_ENV = {
     # the decoder's residual adds and norms in kernels of their own, not inside the gemvs
     "no-norm-fusion": {GEMV_NORM_ENV: "0"},
     "norm-fusion": {GEMV_NORM_ENV: "1"},  # also for models wider than GEMV_NORM_MAX_HIDDEN
+    "post-norm-fusion": {GEMV_NORM_ENV: "post"},  # only the norm after the attention
     # the decode graphs' inputs by copies and index kernels, not kernels/graph_inputs.py
     "graph-input-copies": {GRAPH_INPUTS_ENV: "0"},
 }
@@ -274,6 +276,7 @@ def engine_config(args, model_dir: Path, variant: str):
         "unfused-decode": {},
         "no-norm-fusion": {},
         "norm-fusion": {},
+        "post-norm-fusion": {},
         "graph-input-copies": {},
         "no-piecewise": {"piecewise_cuda_graph": False},
         "piecewise": {"piecewise_cuda_graph": True},  # also where it is off by default

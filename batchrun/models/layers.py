@@ -32,7 +32,7 @@ def use_fused_kernels(x: torch.Tensor) -> bool:
 # Set, it overrides the model's own default (`EngineConfig.decode_gemv`). Read on every call, as
 # use_fused_kernels; a decode graph reads it once, at capture. (The eighth session's "fused" and
 # "fused-all", the norms inside the following matmul's loop, lost to the separate kernels and
-# are gone: the tenth's in-kernel norm, `fuses_norms_into_gemv`, sits in the matmul before.)
+# are gone: the tenth's in-kernel norm, `gemv_norm_fusion`, sits in the matmul before.)
 GEMV_ENV = "BATCHRUN_GEMV"
 GEMV_MODES = ("triton", "all")
 
@@ -106,22 +106,27 @@ def swiglu_linear(
 
 
 # NOTE: "0" keeps the residual adds and norms of a one-row gemv decode batch in kernels of their
-# own, "1" moves them into the matmuls whatever the model's width; unset: for hidden sizes up to
-# GEMV_NORM_MAX_HIDDEN. On the H200 (W3, docs/benchmarks.md) the in-kernel norm took llama-1b
-# (hidden 2048) from 1.03-1.04 to 1.00 ms per token, and llama-8b (4096) from 4.40-4.41 to
-# 4.44-4.47: the last column tile's norm of a 4096-wide row cost more than the kernel it saved.
+# own, "1" moves both of a layer into the matmuls before them, "post" only the one after the
+# attention (into o_proj); unset: both for hidden sizes up to GEMV_NORM_MAX_HIDDEN, else none.
+# On the H200 (W3, docs/benchmarks.md) the in-kernel norm took llama-1b (hidden 2048) from
+# 1.03-1.04 to 1.00 ms per token, and llama-8b (4096) from 4.40-4.41 to 4.44-4.47: there the
+# last column tile's norm of a 4096-wide row cost more than the kernel it saved after down_proj
+# (bench_gemv: down -> qkv 46.8 -> 48.8 µs), though less after o_proj (o -> gate_up 69.2 -> 67.9).
 GEMV_NORM_ENV = "BATCHRUN_GEMV_NORM"
 GEMV_NORM_MAX_HIDDEN = 2048
 
 
-def fuses_norms_into_gemv(x: torch.Tensor, decode_gemv: str | None) -> bool:
-    """Whether a forward of x (the embeddings [T, hidden]) runs every decoder matmul on
-    kernels/gemv.py ("all") with each residual add and the RMSNorm after it inside the matmul
-    before them (kernels/gemv.py's gemv_residual)."""
+def gemv_norm_fusion(x: torch.Tensor, decode_gemv: str | None) -> str | None:
+    """Which of a layer's residual adds and RMSNorms a forward of x (the embeddings [T, hidden])
+    runs inside the decoder matmul before them (kernels/gemv.py's gemv_residual), every matmul
+    on kernels/gemv.py ("all" decode_gemv mode): "all" (after o_proj and after down_proj),
+    "post" (after o_proj only), or None."""
     switch = os.environ.get(GEMV_NORM_ENV)
     if switch == "0" or decode_gemv_mode(x, decode_gemv) != "all":
-        return False
-    return switch == "1" or x.shape[-1] <= GEMV_NORM_MAX_HIDDEN
+        return None
+    if switch == "post":
+        return "post"
+    return "all" if switch == "1" or x.shape[-1] <= GEMV_NORM_MAX_HIDDEN else None
 
 
 class RMSNorm(nn.Module):

@@ -23,7 +23,7 @@ from batchrun.models.layers import (
     GEMV_SWIGLU_ENV,
     RMSNorm,
     RotaryEmbedding,
-    fuses_norms_into_gemv,
+    gemv_norm_fusion,
     linear,
     swiglu_linear,
     use_fused_kernels,
@@ -177,12 +177,15 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
         return self.mlp(x), residual
 
-    def forward_gemv(self, h, normed, next_norm: RMSNorm, positions, rotary, backend):
+    def forward_gemv(
+        self, h, normed, next_norm: RMSNorm, positions, rotary, backend, fuse_next: bool = True
+    ):
         """The layer for a decode batch of one row with every matmul on kernels/gemv.py, in 6
         kernels instead of 8: each residual add and the norm after it run inside the matmul
         before (o_proj, down_proj: gemv_residual), the SwiGLU gate inside gate_up's. Takes h
         (the residual stream) and normed (this layer's input norm of it); returns the next h and
-        next_norm (the next layer's input norm, or the final norm) of it."""
+        next_norm (the next layer's input norm, or the final norm) of it. With fuse_next False
+        that norm is a kernel of its own after down_proj (which still adds the residual)."""
         from batchrun.kernels.activation import silu_and_mul
         from batchrun.kernels.gemv import gemv, gemv_residual
 
@@ -193,7 +196,12 @@ class DecoderLayer(nn.Module):
             act = silu_and_mul(gemv(normed, mlp.gate_up_proj.weight))
         else:
             act = gemv(normed, mlp.gate_up_proj.weight, swiglu=True)
-        return gemv_residual(act, mlp.down_proj.weight, h, norm=(next_norm.weight, next_norm.eps))
+        if fuse_next:
+            return gemv_residual(
+                act, mlp.down_proj.weight, h, norm=(next_norm.weight, next_norm.eps)
+            )
+        h = gemv_residual(act, mlp.down_proj.weight, h).h
+        return h, next_norm(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -264,32 +272,35 @@ class LlamaForCausalLM(nn.Module):
         batch takes the argmax as they are (an fp32 copy of [256, 128k] logits costs ~200 MB of
         memory traffic a step)."""
         x, residual = self.embed_tokens(batch.input_ids), None  # [T, hidden]
-        if self._norms_in_gemv(x):
-            return self.forward_gemv(x, batch, backend)
+        fusion = self._norms_in_gemv(x)
+        if fusion is not None:
+            return self.forward_gemv(x, batch, backend, fuse_input_norms=fusion == "all")
         for layer in self.layers:
             x, residual = layer(x, residual, batch.positions, self.rotary, backend)
         return self.logits(x, residual, batch.logits_indices)
 
-    def _norms_in_gemv(self, x: torch.Tensor) -> bool:
-        """`fuses_norms_into_gemv` for one row (the norm's last-tile reduction holds one), a
-        model whose matmuls are plain (no biases) and whole (TP = 1: a row-parallel matmul's
+    def _norms_in_gemv(self, x: torch.Tensor) -> str | None:
+        """`gemv_norm_fusion` for one row (the norm's last-tile reduction holds one), a model
+        whose matmuls are plain (no biases) and whole (TP = 1: a row-parallel matmul's
         all-reduce comes between its sums and the residual), with at least one layer."""
         cfg = self.config
-        return (
-            x.shape[0] == 1
-            and len(self.layers) > 0
-            and not self.tp.is_parallel
-            and not cfg.qkv_bias
-            and not cfg.mlp_bias
-            and fuses_norms_into_gemv(x, self.decode_gemv)
-        )
+        if x.shape[0] != 1 or not self.layers or self.tp.is_parallel:
+            return None
+        if cfg.qkv_bias or cfg.mlp_bias:
+            return None
+        return gemv_norm_fusion(x, self.decode_gemv)
 
     def forward_gemv(
-        self, x: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+        fuse_input_norms: bool = True,
     ) -> torch.Tensor:
         """`forward` of a one-row decode batch on kernels/gemv.py (DecoderLayer.forward_gemv):
         the first layer's input norm is a kernel, every later norm runs inside the matmul
-        before it. x: the embeddings [1, hidden]."""
+        before it (without fuse_input_norms: only the post-attention norms; the input norms and
+        the final norm are kernels after down_proj). x: the embeddings [1, hidden]."""
         from batchrun.kernels.gemv import gemv
 
         layers = self.layers
@@ -297,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
         next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         for layer, next_norm in zip(layers, next_norms):
             h, normed = layer.forward_gemv(
-                h, normed, next_norm, batch.positions, self.rotary, backend
+                h, normed, next_norm, batch.positions, self.rotary, backend, fuse_input_norms
             )
         if batch.logits_indices is not None:
             normed = normed[batch.logits_indices]

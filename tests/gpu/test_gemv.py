@@ -199,10 +199,11 @@ def test_gemv_residual_norm_under_graph_capture():
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-@pytest.mark.parametrize("mode", ["all", "all:no-norm-fusion"])
+@pytest.mark.parametrize("mode", ["all", "all:no-norm-fusion", "all:post-norm-fusion"])
 def test_engine_with_decode_gemv(kind, mode, tmp_path, monkeypatch):
-    """BATCHRUN_GEMV=all (with the norms and residual adds inside the gemvs for one row, and
-    with BATCHRUN_GEMV_NORM=0) end to end: prompts of at most 16 tokens
+    """BATCHRUN_GEMV=all (with the norms and residual adds inside the gemvs for one row, with
+    only the post-attention ones (BATCHRUN_GEMV_NORM=post), and with BATCHRUN_GEMV_NORM=0) end
+    to end: prompts of at most 16 tokens
     and of one token score like cuBLAS (bf16 tolerance), and a greedy batch and a lone request
     (decode batches of one row) decode through CUDA graphs captured with the Triton decode
     kernels, mostly to the same tokens (bf16 near-ties on random weights may flip a token;
@@ -216,9 +217,11 @@ def test_engine_with_decode_gemv(kind, mode, tmp_path, monkeypatch):
     from batchrun.models.layers import GEMV_ENV, GEMV_NORM_ENV
 
     make_tiny_model(kind, tmp_path)
-    if mode.endswith(":no-norm-fusion"):
-        mode = mode.split(":")[0]
-        monkeypatch.setenv(GEMV_NORM_ENV, "0")
+    if ":" in mode:
+        mode, fusion = mode.split(":")
+        monkeypatch.setenv(
+            GEMV_NORM_ENV, {"no-norm-fusion": "0", "post-norm-fusion": "post"}[fusion]
+        )
 
     def run(on: bool):
         # NOTE: any other value is cuBLAS (the default, `auto`, may pick gemv)

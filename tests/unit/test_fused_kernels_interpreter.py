@@ -175,7 +175,8 @@ def _check_model_wiring(tmp_dir: Path) -> None:
 def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
     """Forwards of a few tokens and of one token with BATCHRUN_GEMV=all (fp16, the tiny llama)
     give the torch path's logits: one row takes LlamaForCausalLM.forward_gemv (the residual
-    adds and norms inside the gemvs), more rows or BATCHRUN_GEMV_NORM=0 the layers' forward."""
+    adds and norms inside the gemvs; BATCHRUN_GEMV_NORM=post: only the post-attention ones),
+    more rows or BATCHRUN_GEMV_NORM=0 the layers' forward."""
     import os
 
     from tiny_models import make_tiny_model, random_prompts
@@ -191,12 +192,12 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
     calls = []
     forward_gemv = llama.LlamaForCausalLM.forward_gemv
 
-    def counting(self, *args):
+    def counting(self, *args, **kwargs):
         calls.append(1)
-        return forward_gemv(self, *args)
+        return forward_gemv(self, *args, **kwargs)
 
     llama.LlamaForCausalLM.forward_gemv = counting
-    modes = (("all", None), ("all", "0"))
+    modes = (("all", None), ("all", "0"), ("all", "post"))
     prompts = random_prompts(3, seed=4, min_len=3, max_len=16) + [[5], [60]]
     try:
         for prompt in prompts:
@@ -214,7 +215,7 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
                     layers.use_fused_kernels = llama.use_fused_kernels = use_fused
                     del os.environ[layers.GEMV_ENV]
                     os.environ.pop(layers.GEMV_NORM_ENV, None)
-                takes = mode == "all" and norm_env is None and len(prompt) == 1
+                takes = mode == "all" and norm_env != "0" and len(prompt) == 1
                 assert bool(calls) == takes, (mode, norm_env, len(prompt))
                 rel = ((fused - ref).norm() / ref.norm()).item()
                 assert rel <= 5e-3, (mode, norm_env, rel)
