@@ -34,9 +34,12 @@ host, so the launches can be captured in a CUDA graph and replayed with other se
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+from batchrun.kernels.fused_rotary import check_cos_sin
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 LOG2E = 1.4426950408889634
@@ -47,6 +50,72 @@ FOLD_BLOCK_S = 16  # the folded combine's split tile (TritonAttentionBackend's M
 DEFAULT_BLOCK_N = 64
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
+
+
+class DecodeRope(NamedTuple):
+    """The new tokens' k and v before rotary, for the decode kernel that rotates q and k itself
+    and stores the new KV (decode_attention_fwd(..., rope=)): kernels/rotary_kv_store.py's work
+    inside the attention, one launch a layer fewer."""
+
+    k: torch.Tensor  # [B, KV, D], unit stride along D
+    v: torch.Tensor  # [B, KV, D], unit stride along D
+    loc: torch.Tensor  # [B] int64 / int32: the KV slot of each request's new token
+    positions: torch.Tensor  # [B] int64
+    cos: torch.Tensor  # [P, D] fp32
+    sin: torch.Tensor  # [P, D] fp32
+
+
+@triton.jit
+def _mul_rn(a, b, EXACT: tl.constexpr):
+    """a * b in fp32, never contracted into an FMA with what follows (the rotary kernels are
+    compiled without FMA contraction; this kernel keeps it for the attention). The interpreter
+    has no inline asm, and numpy never contracts."""
+    if EXACT:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return a * b
+
+
+@triton.jit
+def _rope_rows(X, offs_rows, mask_rows, c, s, offs_d, mask_d, HALF: tl.constexpr,
+               EXACT: tl.constexpr):  # fmt: skip
+    """Rows X + offs_rows [R, BLOCK_D] rotated (neox, rotate-half) with c, s ([BLOCK_D] fp32
+    holding the dtype's values): every product and the sum rounded to the dtype, the bits of
+    kernels/fused_rotary.py's `_rotate_half`."""
+    partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+    mask = mask_rows[:, None] & mask_d[None, :]
+    x = tl.load(X + offs_rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    xp = tl.load(X + offs_rows[:, None] + partner[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    zeros = tl.zeros(x.shape, dtype=tl.float32)  # the asm's operands of one shape
+    p1 = _mul_rn(x.to(tl.float32), c[None, :] + zeros, EXACT).to(dtype).to(tl.float32)
+    p2 = _mul_rn(xp.to(tl.float32), s[None, :] + zeros, EXACT).to(dtype).to(tl.float32)
+    return tl.where((offs_d < HALF)[None, :], p1 - p2, p1 + p2).to(dtype)
+
+
+@triton.jit
+def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION: tl.constexpr):
+    """One BLOCK_N block of KV folded into the running (max, sum, acc) of the online softmax."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+    qk = tl.where(mask_n[None, :], qk, float("-inf"))  # [BLOCK_H, BLOCK_N]
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _kv_block(r2t, k_head, v_head, offs_n, load_mask, mask_d, stride_kt, stride_vt, offs_d):
+    """K and V [BLOCK_N, BLOCK_D] at positions offs_n of the request (zeros where not load_mask)."""
+    # int64: slot * stride overflows int32 on large pools
+    slots = tl.load(r2t + offs_n, mask=load_mask, other=0).to(tl.int64)
+    kv_mask = load_mask[:, None] & mask_d[None, :]
+    k = tl.load(k_head + slots[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_head + slots[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v
 
 
 # NOTE: no specialization on the split count, so 1 / 16 / others share one compiled kernel
@@ -84,8 +153,24 @@ def _decode_stage1_kernel(
     FOLDED: tl.constexpr,  # the last split program of (b, kvh) combines (stage 2 folded in)
     BLOCK_S: tl.constexpr,  # >= num_kv_splits, a power of two, where FOLDED; else 1
     PDL: tl.constexpr,
+    KNew,  # ROTARY: the new tokens' k and v before rotary [B, KV, D], their slots, positions
+    VNew,
+    Loc,
+    Positions,
+    Cos,
+    Sin,
+    stride_knb,
+    stride_knh,
+    stride_vnb,
+    stride_vnh,
+    stride_cos,
+    stride_sin,
+    ROTARY: tl.constexpr,  # q and the new k raw: rotate them here, store the new k and v
+    HALF: tl.constexpr,
+    EXACT_MUL: tl.constexpr,
 ):
-    pdl_wait(PDL)  # every input is an earlier kernel's output
+    if not ROTARY:
+        pdl_wait(PDL)  # every input is an earlier kernel's output
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -101,12 +186,6 @@ def _decode_stage1_kernel(
     mask_h = offs_h < KV_GROUP
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(
-        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
-    )  # [BLOCK_H, BLOCK_D]
-
     # NOTE: finite initial max, so that exp2(m_i - m_new) never sees -inf - -inf
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -114,22 +193,69 @@ def _decode_stage1_kernel(
     r2t = ReqToToken + row * stride_r2t
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+    if ROTARY:
+        # NOTE: the split's first KV block is read before the PDL wait: the pool's older tokens,
+        # req_to_token and seq_lens were written two or more kernels back (the kernel before
+        # this one passed its own wait before letting this one launch), and the HBM idles while
+        # the qkv matmul drains. Only the new token (this step's, stored by this kernel) is
+        # left out of every load and put in from registers.
+        newest = seq_len - 1
+        offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        # int64: slot * stride overflows int32 on large pools
-        slots = tl.load(r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_head + slots[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + slots[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n & (offs_n != newest), mask_d,
+                         stride_kt, stride_vt, offs_d)  # fmt: skip
+        pdl_wait(PDL)
+        pos = tl.load(Positions + b).to(tl.int64)
+        dtype = Q.dtype.element_ty
+        c = tl.load(Cos + pos * stride_cos + offs_d, mask=mask_d, other=0.0).to(dtype)
+        sn = tl.load(Sin + pos * stride_sin + offs_d, mask=mask_d, other=0.0).to(dtype)
+        c, sn = c.to(tl.float32), sn.to(tl.float32)
+        q = _rope_rows(Q + b * stride_qb, heads * stride_qh, mask_h, c, sn, offs_d, mask_d,
+                       HALF, EXACT_MUL)  # fmt: skip
+        one = tl.arange(0, 1)
+        k_new = _rope_rows(
+            KNew + b * stride_knb + kvh * stride_knh,
+            one,
+            one == 0,
+            c,
+            sn,
+            offs_d,
+            mask_d,
+            HALF,
+            EXACT_MUL,
+        )  # fmt: skip  [1, BLOCK_D]
+        v_new = tl.load(VNew + b * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d, other=0.0)
+        v_new = v_new[None, :]
+        if (newest >= start) & (newest < end):  # this split holds the new token: store it
+            slot = tl.load(Loc + b).to(tl.int64)
+            tl.store(k_head + slot * stride_kt + offs_d[None, :], k_new, mask=mask_d[None, :])
+            tl.store(v_head + slot * stride_vt + offs_d[None, :], v_new, mask=mask_d[None, :])
+        is_new = (offs_n == newest)[:, None]
+        k, v = tl.where(is_new, k_new, k), tl.where(is_new, v_new, v)
+        m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
+                                      DOT_PRECISION)  # fmt: skip
+        for n0 in range(start + BLOCK_N, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n & (offs_n != newest), mask_d,
+                             stride_kt, stride_vt, offs_d)  # fmt: skip
+            is_new = (offs_n == newest)[:, None]
+            k, v = tl.where(is_new, k_new, k), tl.where(is_new, v_new, v)
+            m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
+                                          DOT_PRECISION)  # fmt: skip
+    else:
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_h[:, None] & mask_d[None, :],
+            other=0.0,
+        )  # [BLOCK_H, BLOCK_D]
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n, mask_d, stride_kt, stride_vt,
+                             offs_d)  # fmt: skip
+            m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
+                                          DOT_PRECISION)  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     if DIRECT:
@@ -280,6 +406,7 @@ def decode_attention_fwd(
     counters: torch.Tensor,  # int32, zeros, >= B * num_kv_heads (decode_counters), left zero
     *,
     fold_stage2: bool = True,  # False: the combine as a second kernel (to benchmark against)
+    rope: DecodeRope | None = None,  # q (and rope.k) before rotary: rotate and store here
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -302,6 +429,14 @@ def decode_attention_fwd(
     block_d = triton.next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     folded = fold_stage2 and num_kv_splits > 1
+    if rope is not None:
+        assert rope.k.shape == rope.v.shape == (batch_size, num_kv_heads, head_dim)
+        assert rope.k.stride(2) == 1 and rope.v.stride(2) == 1 and head_dim % 2 == 0
+        assert rope.k.dtype == rope.v.dtype == q.dtype == k_buf.dtype
+        assert rope.loc.shape == rope.positions.shape == (batch_size,)
+        check_cos_sin(rope.cos, rope.sin, head_dim)
+    # NOTE: without rope, its tensors' slots get stand-ins that the ROTARY constexpr prunes
+    r = rope or DecodeRope(q, q, seq_lens, seq_lens, workspace[None, :], workspace[None, :])
 
     pdl = pdl_launch_kwargs(q)
     _decode_stage1_kernel[(batch_size, num_kv_heads, num_kv_splits)](
@@ -344,6 +479,21 @@ def decode_attention_fwd(
         num_warps=num_warps or DEFAULT_NUM_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
         **pdl,
+        KNew=r.k,
+        VNew=r.v,
+        Loc=r.loc,
+        Positions=r.positions,
+        Cos=r.cos,
+        Sin=r.sin,
+        stride_knb=r.k.stride(0),
+        stride_knh=r.k.stride(1),
+        stride_vnb=r.v.stride(0),
+        stride_vnh=r.v.stride(1),
+        stride_cos=r.cos.stride(0),
+        stride_sin=r.sin.stride(0),
+        ROTARY=rope is not None,
+        HALF=head_dim // 2,
+        EXACT_MUL=q.is_cuda,
     )
     if num_kv_splits == 1 or folded:
         return

@@ -51,7 +51,7 @@ from batchrun.kernels.pdl import PDL_ENV  # noqa: E402
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
 
-from batchrun.attention.triton_backend import DECODE_FOLD_ENV  # noqa: E402
+from batchrun.attention.triton_backend import DECODE_FOLD_ENV, DECODE_ROPE_ENV  # noqa: E402
 from batchrun.engine.cuda_graph import GRAPH_INPUTS_ENV  # noqa: E402
 from batchrun.engine.kv_pool import ROTARY_STORE_ENV  # noqa: E402
 from batchrun.models.layers import GEMV_ENV, GEMV_NORM_ENV, GEMV_SWIGLU_ENV  # noqa: E402
@@ -71,6 +71,7 @@ VARIANTS = (
     "no-swiglu-gemv",
     "no-fold",
     "no-rotary-store",
+    "no-decode-rope",
     "unfused-decode",
     "no-norm-fusion",
     "norm-fusion",
@@ -90,6 +91,8 @@ VARIANT_ENV = {
     "no-swiglu-gemv": {GEMV_SWIGLU_ENV: "0"},  # the SwiGLU gate in its own kernel
     "no-fold": {DECODE_FOLD_ENV: "0"},  # decode attention's split combine as a second kernel
     "no-rotary-store": {ROTARY_STORE_ENV: "0"},  # rotary and the KV store as two kernels
+    # decode steps rotate and store in kernels/rotary_kv_store.py, not in the decode kernel
+    "no-decode-rope": {DECODE_ROPE_ENV: "0"},
     # the seventh session's decode kernels: each of this session's three fusions off
     "unfused-decode": {GEMV_SWIGLU_ENV: "0", DECODE_FOLD_ENV: "0", ROTARY_STORE_ENV: "0"},
     # the decoder's residual adds and norms in kernels of their own, not inside the gemvs
@@ -273,6 +276,7 @@ def engine_config(args, model_dir: Path, variant: str):
         "no-swiglu-gemv": {},
         "no-fold": {},
         "no-rotary-store": {},
+        "no-decode-rope": {},
         "unfused-decode": {},
         "no-norm-fusion": {},
         "norm-fusion": {},

@@ -38,6 +38,7 @@ import torch
 
 from batchrun.attention.base import AttentionBackend, AttentionInputs
 from batchrun.kernels.decode_attention import (
+    DecodeRope,
     decode_attention_fwd,
     decode_counters,
     decode_workspace_numel,
@@ -48,6 +49,9 @@ MAX_KV_SPLITS = 16
 # "0": the decode kernel's split combine as a second kernel, not folded into the first (read on
 # every call, to measure the fold; a CUDA graph keeps what it captured)
 DECODE_FOLD_ENV = "BATCHRUN_DECODE_FOLD"
+# "0": decode steps rotate and store the new tokens' q/k/v in kernels/rotary_kv_store.py before
+# the decode kernel, not inside it (DecodeRope); read on every call, as the fold's switch
+DECODE_ROPE_ENV = "BATCHRUN_DECODE_ROPE"
 # split the KV until the decode grid has this many programs per SM. NOTE: measured on the H200,
 # 64 x 1024 tokens with 8 KV heads (512 programs unsplit) read 3.4 TB/s unsplit, 3.1 in 2 splits
 # and 2.8 in 16: splitting pays only where the grid would leave SMs idle
@@ -142,11 +146,43 @@ class TritonAttentionBackend(AttentionBackend):
     def forward_rotary(
         self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None
     ) -> torch.Tensor:
-        """forward() of q and k before rotary: one kernel rotates q in place and stores the
-        rotated k with v (KVPool.store_rotated). k stays unrotated, which is safe because the
-        decode and extend kernels (mixed steps: both) read keys only from the pool."""
-        q = self.kv_pool.store_rotated(layer_id, self._out_cache_loc(), q, k, v, positions, rotary)
-        return self._attend(q, layer_id, scaling, out)
+        """forward() of q and k before rotary. Decode requests (a decode step, or a mixed step's
+        leading decodes): the decode kernel rotates q and the new k itself and stores the new
+        k and v (kernels/decode_attention.py's DecodeRope), reading the older KV before its PDL
+        wait. Other tokens: one kernel rotates q in place and stores the rotated k with v
+        (KVPool.store_rotated), then the attention. k stays unrotated either way, which is safe
+        because the decode and extend kernels read keys only from the pool."""
+        loc = self._out_cache_loc()
+        if not self._rotates_in_decode(layer_id, loc, q, k, v, positions, rotary):
+            q = self.kv_pool.store_rotated(layer_id, loc, q, k, v, positions, rotary)
+            return self._attend(q, layer_id, scaling, out)
+        plan = self._plan
+        num_tokens, num_heads, head_dim = q.shape
+        out = torch.empty_like(q) if out is None else out
+        k_buf, v_buf = self.kv_pool.buffers(layer_id)
+        decode, d = plan, num_tokens
+        if isinstance(plan, _MixedPlan):
+            decode, d = plan.decode, plan.num_decode_tokens
+        cos, sin = rotary.cos_cache, rotary.sin_cache
+        rope = DecodeRope(k[:d], v[:d], decode.out_cache_loc, positions[:d], cos, sin)
+        self._decode(decode, q[:d], k_buf, v_buf, out[:d], scaling, rope)
+        if d < num_tokens:  # a mixed step's extends
+            ext = plan.extend
+            q_ext = self.kv_pool.store_rotated(
+                layer_id, ext.inputs.out_cache_loc, q[d:], k[d:], v[d:], positions[d:], rotary
+            )
+            self._extend(ext, q_ext, k_buf, v_buf, out[d:], scaling)
+        return out.view(num_tokens, num_heads * head_dim)
+
+    def _rotates_in_decode(self, layer_id, loc, q, k, v, positions, rotary) -> bool:
+        """Whether forward_rotary takes the decode kernel's own rotary and store: a plan with
+        decode requests, the Triton rotary-store conditions (KVPool.fuses_rotary: the same
+        bits), and BATCHRUN_DECODE_ROPE not "0"."""
+        return (
+            isinstance(self._plan, (_DecodePlan, _MixedPlan))
+            and os.environ.get(DECODE_ROPE_ENV) != "0"
+            and self.kv_pool.fuses_rotary(layer_id, loc, q, k, v, positions, rotary)
+        )
 
     def _out_cache_loc(self) -> torch.Tensor:
         """[T] KV slots of the step's new tokens (every plan stores all of them at once)."""
@@ -173,14 +209,14 @@ class TritonAttentionBackend(AttentionBackend):
             self._extend(plan, q, k_buf, v_buf, out, scaling)
         return out.view(num_tokens, num_heads * head_dim)
 
-    def _decode(self, plan: _DecodePlan, q, k_buf, v_buf, out, scaling: float) -> None:
+    def _decode(self, plan: _DecodePlan, q, k_buf, v_buf, out, scaling: float, rope=None) -> None:
         bs, num_heads, head_dim = q.shape
         workspace = self._get_workspace(plan, bs, num_heads, head_dim)
         counters = self._get_counters(plan, bs)
         decode_attention_fwd(
             q, k_buf, v_buf, out, self.req_to_token, plan.req_pool_indices, plan.seq_lens,
             scaling, plan.num_kv_splits, workspace, counters,
-            fold_stage2=os.environ.get(DECODE_FOLD_ENV) != "0",
+            fold_stage2=os.environ.get(DECODE_FOLD_ENV) != "0", rope=rope,
         )  # fmt: skip
 
     def _extend(self, plan: _ExtendPlan, q, k_buf, v_buf, out, scaling: float) -> None:

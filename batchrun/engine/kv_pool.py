@@ -69,7 +69,7 @@ class KVPool:
         """`q, k = rotary(positions, q, k)`, then `store(layer_id, loc, k, v)`; returns the rotated
         q. On the Triton path one kernel does both and rotates q in place. NOTE: there k is left
         unrotated (only its copy in the pool is rotated): a caller must read keys from the pool."""
-        if self._fuses_rotary(layer_id, loc, q, k, v, positions, rotary):
+        if self.fuses_rotary(layer_id, loc, q, k, v, positions, rotary):
             from batchrun.kernels.rotary_kv_store import rotary_store_kv
 
             k_buf, v_buf = self.buffers(layer_id)
@@ -91,7 +91,7 @@ class KVPool:
             and loc.device == k.device
         )
 
-    def _fuses_rotary(self, layer_id, loc, q, k, v, positions, rotary) -> bool:
+    def fuses_rotary(self, layer_id, loc, q, k, v, positions, rotary) -> bool:
         """Whether rotary and store would both run their Triton kernels (the one kernel then
         gives the same bits), unless BATCHRUN_ROTARY_STORE=0."""
         from batchrun.models.layers import use_fused_kernels  # read at call time: tests patch it

@@ -107,11 +107,12 @@ def swiglu_linear(
 
 # NOTE: "0" keeps the residual adds and norms of a one-row gemv decode batch in kernels of their
 # own, "1" moves both of a layer into the matmuls before them, "post" only the one after the
-# attention (into o_proj); unset: both for hidden sizes up to GEMV_NORM_MAX_HIDDEN, else none.
-# On the H200 (W3, docs/benchmarks.md) the in-kernel norm took llama-1b (hidden 2048) from
-# 1.03-1.04 to 1.00 ms per token, and llama-8b (4096) from 4.40-4.41 to 4.44-4.47: there the
-# last column tile's norm of a 4096-wide row cost more than the kernel it saved after down_proj
-# (bench_gemv: down -> qkv 46.8 -> 48.8 µs), though less after o_proj (o -> gate_up 69.2 -> 67.9).
+# attention (into o_proj); unset: both for hidden sizes up to GEMV_NORM_MAX_HIDDEN, "post" above.
+# On the H200 (W3, docs/benchmarks.md) both took llama-1b (hidden 2048) from 1.03-1.04 to 1.00
+# ms per token; on llama-8b (4096) both read 4.44-4.47 against 4.40-4.41 without (the last
+# column tile's norm of a 4096-wide row cost more than the kernel it saved after down_proj;
+# bench_gemv: down -> qkv 46.8 -> 48.8 µs, o -> gate_up 69.2 -> 67.9), and "post" 4.34 / 4.34
+# against 4.38-4.39 (eleventh session).
 GEMV_NORM_ENV = "BATCHRUN_GEMV_NORM"
 GEMV_NORM_MAX_HIDDEN = 2048
 
@@ -124,9 +125,9 @@ def gemv_norm_fusion(x: torch.Tensor, decode_gemv: str | None) -> str | None:
     switch = os.environ.get(GEMV_NORM_ENV)
     if switch == "0" or decode_gemv_mode(x, decode_gemv) != "all":
         return None
-    if switch == "post":
-        return "post"
-    return "all" if switch == "1" or x.shape[-1] <= GEMV_NORM_MAX_HIDDEN else None
+    if switch == "1" or (switch != "post" and x.shape[-1] <= GEMV_NORM_MAX_HIDDEN):
+        return "all"
+    return "post"
 
 
 class RMSNorm(nn.Module):

@@ -165,6 +165,104 @@ def test_decode_folded_matches_two_kernels(shape, num_warps):
             assert torch.equal(folded, first), splits
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("heads", HEADS, ids=["gqa32_8", "gqa9_3"])
+@pytest.mark.parametrize("batch_size", [1, 7, 64], ids=["b1", "b7", "b64"])
+def test_decode_rope_matches_rotary_store_then_decode(batch_size, heads, head_dim, dtype):
+    """The decode kernel that rotates q and the new k itself, stores the new k and v, and reads
+    the older KV before its PDL wait (DecodeRope), against kernels/rotary_kv_store.py then the
+    plain decode kernel: the same output and the same pool, bit for bit, at 1 / 5 / 16 splits
+    (folded), with the combine apart, and in a CUDA graph replayed with new inputs."""
+    from batchrun.kernels.decode_attention import DecodeRope
+    from batchrun.kernels.rotary_kv_store import rotary_store_kv
+
+    from batchrun.models.layers import RotaryEmbedding
+
+    rng = random.Random(batch_size * 7 + head_dim)
+    seq_lens = [777] if batch_size == 1 else [1, 64, 65, *ragged(rng, batch_size - 3, 1, 1500)]
+    num_heads, num_kv_heads = heads
+    pool, table, inputs, q, k, v = make_batch(
+        seq_lens, [1] * batch_size, num_heads, num_kv_heads, head_dim, dtype, seed=3
+    )
+    rotary = RotaryEmbedding(head_dim, 2048, 500000.0, {}, DEV)
+    positions = inputs.seq_lens - 1
+    loc, scaling = inputs.out_cache_loc, head_dim**-0.5
+    rope = DecodeRope(k, v, loc, positions, rotary.cos_cache, rotary.sin_cache)
+    for splits, fold in ((1, True), (5, True), (16, True), (5, False)):
+        pools = [tuple(b.clone() for b in pool.buffers(0)) for _ in range(2)]
+        q_rot = q.clone()
+        rotary_store_kv(*pools[0], loc, q_rot, k, v, positions, rotary.cos_cache, rotary.sin_cache)
+        outs = []
+        for query, bufs, r in ((q_rot, pools[0], None), (q, pools[1], rope)):
+            numel = decode_workspace_numel(batch_size, num_heads, head_dim, splits)
+            workspace = torch.full((numel,), float("nan"), device=DEV)
+            counters = decode_counters(batch_size, num_kv_heads, DEV)
+            out = torch.full_like(q, float("nan"))
+            decode_attention_fwd(
+                query, *bufs, out, table, inputs.req_pool_indices, inputs.seq_lens, scaling,
+                splits, workspace, counters, fold_stage2=fold, rope=r,
+            )  # fmt: skip
+            assert not counters.any()
+            outs.append(out)
+        assert not outs[1].isnan().any()
+        assert torch.equal(outs[1], outs[0]), (splits, fold)
+        assert torch.equal(pools[1][0], pools[0][0]) and torch.equal(pools[1][1], pools[0][1])
+
+
+def test_decode_rope_graph_replay():
+    """The rope decode kernel in a CUDA graph (as the decode graphs capture it), replayed with
+    new seq_lens, slots and raw q/k/v: the eager rope kernel's output and pool, bit for bit."""
+    from batchrun.kernels.decode_attention import DecodeRope
+
+    from batchrun.models.layers import RotaryEmbedding
+
+    num_heads, num_kv_heads, head_dim, bs, splits, scaling = 32, 8, 128, 4, 8, 128**-0.5
+    max_context = 1200
+    pool, table, inputs, q, k, v = make_batch(
+        [max_context] * bs, [1] * bs, num_heads, num_kv_heads, head_dim, torch.bfloat16
+    )
+    rotary = RotaryEmbedding(head_dim, 2048, 500000.0, {}, DEV)
+    k_buf, v_buf = pool.buffers(0)
+    seq_lens, loc = inputs.seq_lens.clone(), inputs.out_cache_loc.clone()
+    positions = seq_lens - 1
+    out = torch.empty_like(q)
+    workspace = torch.empty(decode_workspace_numel(bs, num_heads, head_dim, splits), device=DEV)
+    counters = decode_counters(bs, num_kv_heads, DEV)
+    rope = DecodeRope(k, v, loc, positions, rotary.cos_cache, rotary.sin_cache)
+
+    def launch(bufs, dst):
+        decode_attention_fwd(
+            q, *bufs, dst, table, inputs.req_pool_indices, seq_lens, scaling, splits, workspace,
+            counters, rope=rope,
+        )  # fmt: skip
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        launch((k_buf.clone(), v_buf.clone()), torch.empty_like(q))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch((k_buf, v_buf), out)
+    rng = random.Random(9)
+    for _ in range(3):
+        lens = [1, *ragged(rng, bs - 1, 2, max_context)]
+        seq_lens.copy_(torch.tensor(lens))
+        positions.copy_(seq_lens - 1)
+        for i, (row, length) in enumerate(zip(inputs.req_pool_indices.tolist(), lens)):
+            loc[i] = table[row, length - 1]  # the new token's slot
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, device=DEV))
+        eager_pool = (k_buf.clone(), v_buf.clone())
+        eager = torch.full_like(q, float("nan"))
+        launch(eager_pool, eager)
+        graph.replay()
+        assert not counters.any()
+        assert torch.equal(out, eager)
+        assert torch.equal(k_buf, eager_pool[0]) and torch.equal(v_buf, eager_pool[1])
+
+
 def test_decode_folded_graph_replay():
     """decode_attention_fwd (folded) captured in a CUDA graph, replayed with other seq_lens: the
     counters left zero by every replay and the output bit-identical to eager (folded)."""

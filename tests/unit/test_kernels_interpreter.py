@@ -117,11 +117,77 @@ def _check_decode(dtype, tol) -> None:
     assert torch.equal(_decode(pool, table, inputs, q, 4, counters, workspace), folded)
 
 
+def _check_decode_rope(dtype) -> None:
+    """The decode kernel that rotates q and the new k itself and stores the new k and v
+    (DecodeRope) against kernels/rotary_kv_store.py then the plain decode kernel: the same
+    output and the same pool, bit for bit, for 1-4 splits, folded or not; and a mixed step
+    through the backend's forward_rotary with BATCHRUN_DECODE_ROPE on and off."""
+    import os
+
+    from batchrun.kernels.decode_attention import (
+        DecodeRope,
+        decode_attention_fwd,
+        decode_counters,
+        decode_workspace_numel,
+    )
+    from batchrun.kernels.rotary_kv_store import rotary_store_kv
+
+    import batchrun.models.layers as layers
+    from batchrun.attention.triton_backend import DECODE_ROPE_ENV, TritonAttentionBackend
+    from batchrun.models.layers import RotaryEmbedding
+
+    rotary = RotaryEmbedding(32, 256, 10000.0, {}, "cpu")
+    cos, sin = rotary.cos_cache, rotary.sin_cache
+    seq_lens = [1, 37, 70]
+    pool, table, inputs, q, k, v = _make_batch(seq_lens, [1, 1, 1], 6, 2, 32, dtype)
+    positions = inputs.seq_lens - 1
+    loc = inputs.out_cache_loc
+    counters = decode_counters(3, 2, "cpu")
+    for splits in (1, 2, 4):
+        for fold in (True, False):
+            bufs = [tuple(b.clone() for b in pool.buffers(0)) for _ in range(2)]
+            outs = [torch.full_like(q, float("nan")) for _ in range(2)]
+            workspace = torch.empty(decode_workspace_numel(3, 6, 32, splits))
+            q_rot = q.clone()
+            rotary_store_kv(*bufs[0], loc, q_rot, k, v, positions, cos, sin)
+            for i, (query, rope) in enumerate(
+                ((q_rot, None), (q, DecodeRope(k, v, loc, positions, cos, sin)))
+            ):
+                decode_attention_fwd(
+                    query, *bufs[i], outs[i], table, inputs.req_pool_indices, inputs.seq_lens,
+                    0.2, splits, workspace, counters, fold_stage2=fold, rope=rope, block_n=16,
+                )  # fmt: skip
+            assert torch.equal(outs[1], outs[0]), (splits, fold)
+            assert torch.equal(bufs[1][0], bufs[0][0]) and torch.equal(bufs[1][1], bufs[0][1])
+            assert not counters.any()
+
+    extend_lens, prefix_lens = [1, 1, 20], [0, 136, 30]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    pool, table, inputs, q, k, v = _make_batch(seq_lens, extend_lens, 6, 2, 32, dtype)
+    positions = torch.cat([torch.arange(s - e, s) for s, e in zip(seq_lens, extend_lens)])
+    results = []
+    use_fused = layers.use_fused_kernels
+    layers.use_fused_kernels = lambda x: True
+    try:
+        for switch in ("0", "1"):
+            os.environ[DECODE_ROPE_ENV] = switch
+            run_pool = _make_batch(seq_lens, extend_lens, 6, 2, 32, dtype)[0]
+            backend = TritonAttentionBackend(run_pool, table)
+            backend.prepare(inputs)
+            out = backend.forward_rotary(q.clone(), k, v, 0, 0.2, positions, rotary)
+            results.append((out, *run_pool.buffers(0)))
+    finally:
+        layers.use_fused_kernels = use_fused
+        os.environ.pop(DECODE_ROPE_ENV, None)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def _run_checks() -> None:
     from batchrun.kernels.extend_attention import extend_attention_fwd
 
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
         _check_decode(dtype, tol)
+        _check_decode_rope(dtype)
 
         extend_lens, prefix_lens = [1, 20, 40], [0, 17, 30]
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
