@@ -52,6 +52,12 @@ DECODE_FOLD_ENV = "BATCHRUN_DECODE_FOLD"
 # "0": decode steps rotate and store the new tokens' q/k/v in kernels/rotary_kv_store.py before
 # the decode kernel, not inside it (DecodeRope); read on every call, as the fold's switch
 DECODE_ROPE_ENV = "BATCHRUN_DECODE_ROPE"
+# NOTE: the decode kernel's own rotary and store serve CUDA-graph decode batches up to this size
+# (their variant compiles at capture, never mid-run). On the H200 it took W3 llama-1b from
+# 0.99 to 0.97 ms per token; for every batch size it cost W1 llama-1b 20 % and llama-8b 19 %
+# (36,083 against 44,962 and 8,584 against 10,640 tok/s: eleventh session, call 3), where the
+# decode kernel is the KV stream of hundreds of requests and the bigger kernel runs it slower
+DECODE_ROPE_MAX_BS = 16
 # split the KV until the decode grid has this many programs per SM. NOTE: measured on the H200,
 # 64 x 1024 tokens with 8 KV heads (512 programs unsplit) read 3.4 TB/s unsplit, 3.1 in 2 splits
 # and 2.8 in 16: splitting pays only where the grid would leave SMs idle
@@ -146,40 +152,34 @@ class TritonAttentionBackend(AttentionBackend):
     def forward_rotary(
         self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None
     ) -> torch.Tensor:
-        """forward() of q and k before rotary. Decode requests (a decode step, or a mixed step's
-        leading decodes): the decode kernel rotates q and the new k itself and stores the new
-        k and v (kernels/decode_attention.py's DecodeRope), reading the older KV before its PDL
-        wait. Other tokens: one kernel rotates q in place and stores the rotated k with v
-        (KVPool.store_rotated), then the attention. k stays unrotated either way, which is safe
-        because the decode and extend kernels read keys only from the pool."""
+        """forward() of q and k before rotary. A CUDA-graph decode batch of up to
+        DECODE_ROPE_MAX_BS rows: the decode kernel rotates q and the new k itself and stores
+        the new k and v (kernels/decode_attention.py's DecodeRope), reading the older KV before
+        its PDL wait. Otherwise one kernel rotates q in place and stores the rotated k with v
+        (KVPool.store_rotated), then the attention; the same bits. k stays unrotated either
+        way, which is safe because the decode and extend kernels read keys only from the
+        pool."""
         loc = self._out_cache_loc()
+        plan = self._plan
         if not self._rotates_in_decode(layer_id, loc, q, k, v, positions, rotary):
             q = self.kv_pool.store_rotated(layer_id, loc, q, k, v, positions, rotary)
             return self._attend(q, layer_id, scaling, out)
-        plan = self._plan
-        num_tokens, num_heads, head_dim = q.shape
         out = torch.empty_like(q) if out is None else out
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
-        decode, d = plan, num_tokens
-        if isinstance(plan, _MixedPlan):
-            decode, d = plan.decode, plan.num_decode_tokens
-        cos, sin = rotary.cos_cache, rotary.sin_cache
-        rope = DecodeRope(k[:d], v[:d], decode.out_cache_loc, positions[:d], cos, sin)
-        self._decode(decode, q[:d], k_buf, v_buf, out[:d], scaling, rope)
-        if d < num_tokens:  # a mixed step's extends
-            ext = plan.extend
-            q_ext = self.kv_pool.store_rotated(
-                layer_id, ext.inputs.out_cache_loc, q[d:], k[d:], v[d:], positions[d:], rotary
-            )
-            self._extend(ext, q_ext, k_buf, v_buf, out[d:], scaling)
+        rope = DecodeRope(k, v, loc, positions, rotary.cos_cache, rotary.sin_cache)
+        self._decode(plan, q, k_buf, v_buf, out, scaling, rope)
+        num_tokens, num_heads, head_dim = q.shape
         return out.view(num_tokens, num_heads * head_dim)
 
     def _rotates_in_decode(self, layer_id, loc, q, k, v, positions, rotary) -> bool:
-        """Whether forward_rotary takes the decode kernel's own rotary and store: a plan with
-        decode requests, the Triton rotary-store conditions (KVPool.fuses_rotary: the same
-        bits), and BATCHRUN_DECODE_ROPE not "0"."""
+        """Whether forward_rotary takes the decode kernel's own rotary and store: a CUDA-graph
+        decode plan of at most DECODE_ROPE_MAX_BS rows, the Triton rotary-store conditions
+        (KVPool.fuses_rotary: the same bits), and BATCHRUN_DECODE_ROPE not "0"."""
+        plan = self._plan
         return (
-            isinstance(self._plan, (_DecodePlan, _MixedPlan))
+            isinstance(plan, _DecodePlan)
+            and plan.is_graph
+            and q.shape[0] <= DECODE_ROPE_MAX_BS
             and os.environ.get(DECODE_ROPE_ENV) != "0"
             and self.kv_pool.fuses_rotary(layer_id, loc, q, k, v, positions, rotary)
         )

@@ -120,8 +120,8 @@ def _check_decode(dtype, tol) -> None:
 def _check_decode_rope(dtype) -> None:
     """The decode kernel that rotates q and the new k itself and stores the new k and v
     (DecodeRope) against kernels/rotary_kv_store.py then the plain decode kernel: the same
-    output and the same pool, bit for bit, for 1-4 splits, folded or not; and a mixed step
-    through the backend's forward_rotary with BATCHRUN_DECODE_ROPE on and off."""
+    output and the same pool, bit for bit, for 1-4 splits, folded or not; and the backend's
+    forward_rotary on a graph plan with BATCHRUN_DECODE_ROPE on and off, and on an eager one."""
     import os
 
     from batchrun.kernels.decode_attention import (
@@ -161,25 +161,31 @@ def _check_decode_rope(dtype) -> None:
             assert torch.equal(bufs[1][0], bufs[0][0]) and torch.equal(bufs[1][1], bufs[0][1])
             assert not counters.any()
 
-    extend_lens, prefix_lens = [1, 1, 20], [0, 136, 30]
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    pool, table, inputs, q, k, v = _make_batch(seq_lens, extend_lens, 6, 2, 32, dtype)
-    positions = torch.cat([torch.arange(s - e, s) for s, e in zip(seq_lens, extend_lens)])
+    # through the backend: a CUDA-graph decode plan (static buffers) takes the kernel's own
+    # rotary and store, an eager one the two kernels; both give these bits
     results = []
     use_fused = layers.use_fused_kernels
     layers.use_fused_kernels = lambda x: True
     try:
-        for switch in ("0", "1"):
+        for switch, graph in (("0", True), ("1", True), ("1", False)):
             os.environ[DECODE_ROPE_ENV] = switch
-            run_pool = _make_batch(seq_lens, extend_lens, 6, 2, 32, dtype)[0]
+            run_pool = _make_batch(seq_lens, [1, 1, 1], 6, 2, 32, dtype)[0]
             backend = TritonAttentionBackend(run_pool, table)
-            backend.prepare(inputs)
+            if graph:
+                backend.init_graph_buffers(4)
+                backend.prepare_graph(3)
+                backend.load_graph_inputs(inputs, 3)
+            else:
+                backend.prepare(inputs)
+            args = (0, loc, q, k, v, positions, rotary)
+            assert backend._rotates_in_decode(*args) == (switch == "1" and graph)
             out = backend.forward_rotary(q.clone(), k, v, 0, 0.2, positions, rotary)
             results.append((out, *run_pool.buffers(0)))
     finally:
         layers.use_fused_kernels = use_fused
         os.environ.pop(DECODE_ROPE_ENV, None)
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 
 
 def _run_checks() -> None:
