@@ -53,10 +53,10 @@ DECODE_FOLD_ENV = "BATCHRUN_DECODE_FOLD"
 # the decode kernel, not inside it (DecodeRope); read on every call, as the fold's switch
 DECODE_ROPE_ENV = "BATCHRUN_DECODE_ROPE"
 # NOTE: the decode kernel's own rotary and store serve CUDA-graph decode batches up to this size
-# (their variant compiles at capture, never mid-run). On the H200 it took W3 llama-1b from
-# 0.99 to 0.97 ms per token; for every batch size it cost W1 llama-1b 20 % and llama-8b 19 %
-# (36,083 against 44,962 and 8,584 against 10,640 tok/s: eleventh session, call 3), where the
-# decode kernel is the KV stream of hundreds of requests and the bigger kernel runs it slower
+# (their variant compiles at capture, never mid-run), where it was measured: W3 llama-1b 0.97-0.98
+# against 0.99 ms per token on the H200 (eleventh session). Larger batches keep the two kernels:
+# the one measurement with it on for every batch size (W1 -20 %) ran first on a cold Triton
+# cache, which alone cost the same whichever variant ran first (calls 4-5), so it is unmeasured
 DECODE_ROPE_MAX_BS = 16
 # split the KV until the decode grid has this many programs per SM. NOTE: measured on the H200,
 # 64 x 1024 tokens with 8 KV heads (512 programs unsplit) read 3.4 TB/s unsplit, 3.1 in 2 splits
