@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 from batchrun.kernels.pdl import PDL_ENV  # noqa: E402
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
+from triton_compiles import CompileLog  # noqa: E402
 
 from batchrun.attention.triton_backend import DECODE_FOLD_ENV, DECODE_ROPE_ENV  # noqa: E402
 from batchrun.engine.cuda_graph import GRAPH_INPUTS_ENV  # noqa: E402
@@ -359,9 +360,14 @@ def run_engine_once(
 
 def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe) -> None:
     cache = getattr(getattr(engine, "kv", None), "cache", None)
+    compiles = getattr(args, "compile_log", None)
+    if compiles is not None:
+        compiles.phase = "warm-up"
     t = time.perf_counter()
     run_engine_once(engine, warmup_prompts(wl, args.warmup_requests), args.warmup_tokens, dev, None)
     res.warmup_s = time.perf_counter() - t
+    if compiles is not None:
+        compiles.phase = "timed"
     walls, last = [], None
     phases = HostPhases(engine) if args.phases else None
     steps_at_start = engine.stats.num_steps
@@ -410,6 +416,18 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
     if bad or done != len(wl.prompts):
         res.status = "bad"
         res.note = f"{bad} results with an error or a wrong length; {done}/{len(wl.prompts)} back"
+    if compiles is not None:
+        # NOTE: a Triton compile inside the timed run stalls it (scripts/triton_compiles.py):
+        # such a row measures the compiler too, and says so
+        log(
+            f"  [{res.model} {wl.name} {res.variant}] Triton variants built: start-up "
+            f"{compiles.summary('start-up')}; warm-up {compiles.summary('warm-up')}; timed "
+            f"{compiles.summary('timed')}"
+        )
+        if compiles.take("timed"):
+            res.note = f"{res.note}; compiled in the timed run: {compiles.summary('timed')}"
+        compiles.reset()
+        compiles.phase = "between runs"
 
 
 # -- HF transformers baseline ------------------------------------------------------------------
@@ -685,6 +703,11 @@ def parse_args(argv=None):
         help="time the engine's main-thread phases per step (scripts/host_phases.py); print them",
     )
     p.add_argument("--no-latency-probe", action="store_true", help="no TTFT/ITL hook in batchrun")
+    p.add_argument(
+        "--no-compile-log",
+        action="store_true",
+        help="do not hook Triton's JIT to report the kernel variants built in each phase",
+    )
     p.add_argument("--time-budget", type=float, default=None, help="seconds; skip runs after it")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-out"))
     args = p.parse_args(argv)
@@ -740,6 +763,9 @@ def format_run(r: RunResult) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
+    args.compile_log = None
+    if args.device == "cuda" and not args.no_compile_log:
+        args.compile_log = CompileLog.install()
     if args.decode_config:  # the kernel reads its module defaults at every launch
         from batchrun.kernels import decode_attention
 
@@ -785,6 +811,8 @@ def main(argv=None) -> int:
             for key in VARIANT_ENV_KEYS:
                 os.environ.pop(key, None)
             os.environ.update(VARIANT_ENV.get(variant, {}))
+            if args.compile_log is not None:
+                args.compile_log.reset()  # phase "start-up"
             try:
                 dev.sync()
                 t = time.perf_counter()
@@ -825,6 +853,8 @@ def main(argv=None) -> int:
             for key in VARIANT_ENV_KEYS:
                 os.environ.pop(key, None)
             dev.free()  # two 8b models never coexist
+    if args.compile_log is not None:
+        args.compile_log.close()
     text = write_report(args.out, env, results, args.variants, skipped)
     if skipped:
         log(f"skipped (time budget {args.time_budget}s exceeded): {', '.join(skipped)}")

@@ -89,3 +89,32 @@ def test_method_timers_on_a_class_time_every_instance_and_restore_it():
     assert one.run(1) == 2 and timers.calls["one"] == 1
     timers.close()
     assert "run" not in vars(one) and Kernel.__dict__["run"] is own
+
+
+def test_compile_log_phases_and_hooks():
+    """scripts/triton_compiles.py: the variants Triton builds, by phase (fed by hand here: the
+    CPU has no compiler), and its hooks in Triton's runtime knobs put back on close."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from triton_compiles import CompileLog
+
+    class Fn:
+        name = "_kernel"
+
+    log = CompileLog()
+    for phase, key in (("warm-up", "a"), ("timed", "b"), ("timed", "c")):
+        log.phase = phase
+        assert log.before_compile(key=key, repr="") is False  # never skips the compile
+        log.after_compile(key=key, fn=Fn())
+    assert log.summary("start-up") == "none"
+    assert [e.phase for e in log.events] == ["warm-up", "timed", "timed"]
+    assert log.summary("timed").startswith("2 variants") and "_kernel x2" in log.summary("timed")
+    log.reset()
+    assert not log.events and log.phase == "start-up"
+
+    knobs = pytest.importorskip("triton").knobs
+    before = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    installed = CompileLog.install()
+    assert installed is not None
+    assert knobs.runtime.jit_post_compile_hook == installed.after_compile
+    installed.close()
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
