@@ -21,6 +21,13 @@ the fixed order of the separate stage 2 kernel (same code, `_combine_head`), so 
 not depend on which split finished last. `fold_stage2=False` launches stage 2 as its own kernel,
 grid (B, H), to benchmark one against the other.
 
+With `rope=DecodeRope(...)`, q and the new tokens' k come unrotated (straight from the qkv
+matmul): every split program rotates its q heads and the new k in registers (the bits of
+kernels/rotary_kv_store.py), the program whose split holds the new token stores it in the pool,
+and each program reads its first KV block before its PDL wait (the older tokens were written
+two or more kernels back), leaving the new token out of every load. One launch a layer fewer
+than rotary_kv_store + this kernel; the backend takes it for decode graphs of up to 16 rows.
+
 The grid depends only on B, the KV head count and num_kv_splits, and nothing is read back to the
 host, so the launches can be captured in a CUDA graph and replayed with other seq_lens.
 

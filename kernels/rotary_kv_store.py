@@ -12,7 +12,9 @@ is fused_rotary.py's jit helpers, the same expressions, compiled without FMA con
 there (ROUNDING in fused_rotary.py), so the bits equal the two-kernel path's and the torch path's.
 
 `KVPool.store_rotated` launches it; `BATCHRUN_ROTARY_STORE=0` sends it back to the two kernels
-(read on every call, so tests can flip it; a CUDA graph keeps what it captured).
+(read on every call, so tests can flip it; a CUDA graph keeps what it captured). Decode graphs of
+up to 16 rows skip it: the decode kernel rotates and stores itself (decode_attention.DecodeRope,
+the same bits).
 
 The grid depends only on T and nothing is allocated, so the launch can be captured in a CUDA
 graph. NOTE: one program per token, as the two kernels it replaces. At batch-1 decode the launch
