@@ -15,37 +15,21 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import batchrun.kernels.gemv as G
-from batchrun.kernels.activation import silu_and_mul
-from batchrun.kernels.argmax import argmax
-from batchrun.kernels.fused_norm import fused_add_rms_norm
-from batchrun.kernels.pdl import PDL_ENV
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+import batchrun.kernels.gemv as G  # noqa: E402
+from batchrun.kernels.pdl import PDL_ENV  # noqa: E402
 
 
 def main() -> int:
     if not torch.cuda.is_available():
         print("check_pdl_chain: needs a CUDA GPU")
         return 0
-    orig_pick = G.pick_config
-    g = torch.Generator(device="cuda").manual_seed(0)
-    hidden, inter, layers = 2048, 4096, 24
-    bf16 = torch.bfloat16
-    ups = [
-        torch.randn(2 * inter, hidden, device="cuda", generator=g).to(bf16) * 0.02 for _ in range(2)
-    ]
-    downs = [
-        torch.randn(hidden, inter, device="cuda", generator=g).to(bf16) * 0.02 for _ in range(2)
-    ]
-    norm_w = torch.ones(hidden, device="cuda", dtype=bf16)
-    head = torch.randn(32000, hidden, device="cuda", generator=g).to(bf16) * 0.02
+    from test_pdl import CHAIN_HIDDEN, capture_chain, feed_chain_inputs, make_decode_chain
 
-    def chain(x, residual):
-        for i in range(layers):
-            h, residual = fused_add_rms_norm(x, residual, norm_w, 1e-5)
-            x = G.gemv(silu_and_mul(G.gemv(h, ups[i % 2])), downs[i % 2])
-        h, _ = fused_add_rms_norm(x, residual, norm_w, 1e-5)
-        return argmax(G.gemv(h, head)), residual
+    orig_pick = G.pick_config
+    chain = make_decode_chain()
 
     def run(pdl, split, graph_mode=True):
         os.environ.pop(PDL_ENV, None)
@@ -54,25 +38,14 @@ def main() -> int:
         G.pick_config = (
             orig_pick if split else (lambda m, n, k: orig_pick(m, n, k)._replace(split_k=1))
         )
-        x = torch.zeros(2, hidden, device="cuda", dtype=bf16)
-        res = torch.zeros(2, hidden, device="cuda", dtype=bf16)
-        x_in, res_in = x.clone(), res.clone()
-        outs = []
         if graph_mode:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                chain(x.clone(), res.clone())
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=stream):
-                    x.copy_(x_in)
-                    res.copy_(res_in)
-                    out = chain(x, res)
-            torch.cuda.current_stream().wait_stream(stream)
+            graph, x_in, res_in, out = capture_chain(chain)
+        else:
+            x_in = torch.zeros(2, CHAIN_HIDDEN, device="cuda", dtype=torch.bfloat16)
+            res_in = torch.zeros_like(x_in)
+        outs = []
         for step in range(20):
-            gi = torch.Generator(device="cuda").manual_seed(100 + step)
-            x_in.copy_(torch.randn(x_in.shape, device="cuda", generator=gi).to(bf16))
-            res_in.copy_(torch.randn(res_in.shape, device="cuda", generator=gi).to(bf16))
+            feed_chain_inputs(x_in, res_in, step)
             if graph_mode:
                 graph.replay()
             else:

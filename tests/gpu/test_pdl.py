@@ -25,6 +25,68 @@ pytestmark = [
 ]
 
 
+CHAIN_HIDDEN = 2048
+
+
+def make_decode_chain(layers: int = 24, inter: int = 4096):
+    """chain(x, residual) -> (argmax ids, residual) over [2, CHAIN_HIDDEN] bf16 rows: norm ->
+    gemv -> SwiGLU -> gemv, `layers` times, then the norm, an LM-head gemv and the argmax, on
+    seeded weights (scripts/check_pdl_chain.py runs the same chain). gemv is looked up in its
+    module at every call, so a patched pick_config applies."""
+    import batchrun.kernels.gemv as gemv_module
+    from batchrun.kernels.activation import silu_and_mul
+    from batchrun.kernels.argmax import argmax
+    from batchrun.kernels.fused_norm import fused_add_rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden, bf16 = CHAIN_HIDDEN, torch.bfloat16
+    ups = [
+        torch.randn(2 * inter, hidden, device="cuda", generator=g).to(bf16) * 0.02 for _ in range(2)
+    ]
+    downs = [
+        torch.randn(hidden, inter, device="cuda", generator=g).to(bf16) * 0.02 for _ in range(2)
+    ]
+    norm_w = torch.ones(hidden, device="cuda", dtype=bf16)
+    head = torch.randn(32000, hidden, device="cuda", generator=g).to(bf16) * 0.02
+
+    def chain(x, residual):
+        gemv = gemv_module.gemv
+        for i in range(layers):
+            h, residual = fused_add_rms_norm(x, residual, norm_w, 1e-5)
+            x = gemv(silu_and_mul(gemv(h, ups[i % 2])), downs[i % 2])
+        h, _ = fused_add_rms_norm(x, residual, norm_w, 1e-5)
+        return argmax(gemv(h, head)), residual
+
+    return chain
+
+
+def capture_chain(chain):
+    """(graph, x_in, res_in, out): chain captured in a CUDA graph that first copies the static
+    inputs x_in and res_in (zeros; write new ones before each replay) into its own buffers;
+    out is the graph's (ids, residual). One eager call first compiles outside the capture."""
+    x = torch.zeros(2, CHAIN_HIDDEN, device="cuda", dtype=torch.bfloat16)
+    res = torch.zeros_like(x)
+    x_in, res_in = x.clone(), res.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(x.clone(), res.clone())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            x.copy_(x_in)
+            res.copy_(res_in)
+            out = chain(x, res)
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, x_in, res_in, out
+
+
+def feed_chain_inputs(x_in, res_in, step: int) -> None:
+    """Step `step`'s seeded random inputs into the chain's static x_in and res_in."""
+    gi = torch.Generator(device="cuda").manual_seed(100 + step)
+    x_in.copy_(torch.randn(x_in.shape, device="cuda", generator=gi).to(x_in.dtype))
+    res_in.copy_(torch.randn(res_in.shape, device="cuda", generator=gi).to(res_in.dtype))
+
+
 def _hopper() -> bool:
     return torch.cuda.get_device_capability()[0] >= 9
 
@@ -148,63 +210,27 @@ def test_decode_chain_replays_identical_with_pdl(monkeypatch):
     then the argmax), replayed with new inputs: the same bits as the chain without PDL. The
     gemvs of 2048 x 4096 split K in 8 (the slices' sums meet in the kernel): the split counters
     are zero before and after."""
-    from batchrun.kernels.activation import silu_and_mul
-    from batchrun.kernels.argmax import argmax
-    from batchrun.kernels.fused_norm import fused_add_rms_norm
-    from batchrun.kernels.gemv import gemv, pick_config, split_counters
+    from batchrun.kernels.gemv import pick_config, split_counters
     from batchrun.kernels.pdl import PDL_ENV
 
     counters = split_counters(torch.device("cuda"))
     assert pick_config(2, 2048, 4096).split_k > 1
     assert not counters.any(), "an earlier call left a split counter set"
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    hidden, inter, layers = 2048, 4096, 24
-    bf16 = torch.bfloat16
-    ups = [
-        torch.randn(2 * inter, hidden, device="cuda", generator=g).to(bf16) * 0.02 for _ in range(2)
-    ]
-    downs = [
-        torch.randn(hidden, inter, device="cuda", generator=g).to(bf16) * 0.02 for _ in range(2)
-    ]
-    norm_w = torch.ones(hidden, device="cuda", dtype=bf16)
-    head = torch.randn(32000, hidden, device="cuda", generator=g).to(bf16) * 0.02
-
-    def chain(x, residual):
-        for i in range(layers):
-            h, residual = fused_add_rms_norm(x, residual, norm_w, 1e-5)
-            x = gemv(silu_and_mul(gemv(h, ups[i % 2])), downs[i % 2])
-        h, _ = fused_add_rms_norm(x, residual, norm_w, 1e-5)
-        return argmax(gemv(h, head)), residual
+    chain = make_decode_chain()
 
     def capture(pdl: bool):
         if pdl:
             monkeypatch.delenv(PDL_ENV, raising=False)
         else:
             monkeypatch.setenv(PDL_ENV, "0")
-        x = torch.zeros(2, hidden, device="cuda", dtype=bf16)
-        res = torch.zeros(2, hidden, device="cuda", dtype=bf16)
-        x_in, res_in = x.clone(), res.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            chain(x.clone(), res.clone())  # compile outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                x.copy_(x_in)
-                res.copy_(res_in)
-                out = chain(x, res)
-        torch.cuda.current_stream().wait_stream(stream)
-        return graph, x_in, res_in, out
+        return capture_chain(chain)
 
     runs = {}
     for pdl in (False, True):
         graph, x_in, res_in, out = capture(pdl)
         results = []
         for step in range(20):
-            gi = torch.Generator(device="cuda").manual_seed(100 + step)
-            x_in.copy_(torch.randn(x_in.shape, device="cuda", generator=gi).to(bf16))
-            res_in.copy_(torch.randn(res_in.shape, device="cuda", generator=gi).to(bf16))
+            feed_chain_inputs(x_in, res_in, step)
             graph.replay()
             results.append((out[0].clone(), out[1].clone()))
         torch.cuda.synchronize()

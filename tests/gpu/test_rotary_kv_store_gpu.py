@@ -21,22 +21,11 @@ pytestmark = [
 ]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from qkv_layout import qkv_views  # noqa: E402
 
 DEV = "cuda"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 NUM_POSITIONS = 4096
-
-
-def _qkv_views(qkv, num_heads, num_kv_heads, head_dim):
-    """Strided q [T, H, D], k and v [T, KV, D] views of a fused qkv tensor, as llama.py's."""
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    num_tokens = qkv.shape[0]
-    return (
-        q.view(num_tokens, num_heads, head_dim),
-        k.view(num_tokens, num_kv_heads, head_dim),
-        v.view(num_tokens, num_kv_heads, head_dim),
-    )
 
 
 def _make_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed=0):
@@ -62,7 +51,7 @@ def _two_kernels(qkv, positions, loc, k_buf, v_buf, rotary, heads):
     from batchrun.kernels.fused_rotary import apply_rotary_
     from batchrun.kernels.kv_store import store_kv
 
-    q, k, v = _qkv_views(qkv.clone(), *heads)
+    q, k, v = qkv_views(qkv.clone(), *heads)
     k_buf, v_buf = k_buf.clone(), v_buf.clone()
     apply_rotary_(q, k, positions, rotary.cos_cache, rotary.sin_cache)
     store_kv(k_buf, v_buf, loc, k, v)
@@ -91,7 +80,7 @@ def test_matches_rotary_then_store(dtype, num_tokens, num_heads, num_kv_heads, h
     want_q, want_k_buf, want_v_buf = _two_kernels(qkv, positions, loc, k_buf, v_buf, rotary, heads)
     for loc_dtype in (torch.int64, torch.int32):
         qkv_one = qkv.clone()
-        q, k, v = _qkv_views(qkv_one, *heads)
+        q, k, v = qkv_views(qkv_one, *heads)
         k_one, v_one = k_buf.clone(), v_buf.clone()
         rotary_store_kv(
             k_one, v_one, loc.to(loc_dtype), q, k, v, positions, rotary.cos_cache, rotary.sin_cache
@@ -101,7 +90,7 @@ def test_matches_rotary_then_store(dtype, num_tokens, num_heads, num_kv_heads, h
         kv_cols = slice(num_heads * head_dim, None)
         assert torch.equal(qkv_one[:, kv_cols], qkv[:, kv_cols]), "k or v was written"
     # the torch path (RotaryEmbedding's formula), as the two kernels are held to it
-    q0, k0, v0 = _qkv_views(qkv, *heads)
+    q0, k0, v0 = qkv_views(qkv, *heads)
     cos = rotary.cos_cache[positions].unsqueeze(1)
     sin = rotary.sin_cache[positions].unsqueeze(1)
     assert _within_fma_bound(q, _apply_rotary(q0, cos, sin), q0, head_dim)
@@ -115,7 +104,7 @@ def test_cuda_graph_replays_with_new_inputs():
 
     heads = (32, 8, 128)
     qkv, positions, loc, k_buf, v_buf, rotary = _make_case(4, *heads, torch.bfloat16)
-    q, k, v = _qkv_views(qkv, *heads)
+    q, k, v = qkv_views(qkv, *heads)
     cos, sin = rotary.cos_cache, rotary.sin_cache
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -151,7 +140,7 @@ def test_launched_with_pdl(monkeypatch):
     monkeypatch.delenv(PDL_ENV, raising=False)
     heads = (32, 8, 64)
     qkv, positions, loc, k_buf, v_buf, rotary = _make_case(1, *heads, torch.bfloat16)
-    q, k, v = _qkv_views(qkv, *heads)
+    q, k, v = qkv_views(qkv, *heads)
     rotary_store_kv(k_buf, v_buf, loc, q, k, v, positions, rotary.cos_cache, rotary.sin_cache)
     torch.cuda.synchronize()
     kernels = [
@@ -177,7 +166,7 @@ def test_kv_pool_store_rotated_switch(monkeypatch):
             monkeypatch.setenv(ROTARY_STORE_ENV, env)
         qkv, positions, loc, _, _, rotary = _make_case(37, 32, 8, 128, torch.bfloat16)
         pool = KVPool(2, 200, 8, 128, torch.bfloat16, DEV)
-        q, k, v = _qkv_views(qkv, 32, 8, 128)
+        q, k, v = qkv_views(qkv, 32, 8, 128)
         q = pool.store_rotated(1, loc, q, k, v, positions, rotary)
         results.append((q, *pool.buffers(0), *pool.buffers(1)))
         assert calls["n"] == 1, env

@@ -21,6 +21,9 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+from qkv_layout import qkv_views  # noqa: E402
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # (T, H, KV, D): GQA, MHA, llama-1b's and llama-8b's heads, a D that is not a power of two
 SHAPES = ((1, 8, 2, 64), (5, 8, 2, 128), (5, 4, 4, 64), (1, 32, 8, 64), (1, 32, 8, 128),
@@ -34,18 +37,6 @@ def test_rotary_kv_store_under_interpreter():
     from triton_interpreter import run_under_interpreter
 
     run_under_interpreter(__file__)
-
-
-def _qkv_views(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
-    """Strided q [T, H, D], k and v [T, KV, D] views of a fused qkv tensor, as llama.py's."""
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    num_tokens = qkv.shape[0]
-    return (
-        q.view(num_tokens, num_heads, head_dim),
-        k.view(num_tokens, num_kv_heads, head_dim),
-        v.view(num_tokens, num_kv_heads, head_dim),
-    )
 
 
 def _make_case(shape, dtype, seed: int):
@@ -79,18 +70,18 @@ def _check_kernel(dtype) -> None:
         heads = shape[1:]
         # the two kernels
         qkv_two = qkv.clone()
-        q2, k2, v2 = _qkv_views(qkv_two, *heads)
+        q2, k2, v2 = qkv_views(qkv_two, *heads)
         k_two, v_two = k_buf.clone(), v_buf.clone()
         apply_rotary_(q2, k2, positions, cos, sin)
         store_kv(k_two, v_two, loc, k2, v2)
         # torch: RotaryEmbedding's CPU path and KVPool.store's index_put
-        q0, k0, v0 = _qkv_views(qkv, *heads)
+        q0, k0, v0 = qkv_views(qkv, *heads)
         q_torch, k_torch = rotary(positions, q0, k0)
         k_torch_buf, v_torch_buf = k_buf.clone(), v_buf.clone()
         k_torch_buf[loc], v_torch_buf[loc] = k_torch, v0
         for loc_dtype in (torch.int64, torch.int32):
             qkv_one = qkv.clone()
-            q1, k1, v1 = _qkv_views(qkv_one, *heads)
+            q1, k1, v1 = qkv_views(qkv_one, *heads)
             k_one, v_one = k_buf.clone(), v_buf.clone()
             rotary_store_kv(k_one, v_one, loc.to(loc_dtype), q1, k1, v1, positions, cos, sin)
             case = (dtype, shape, loc_dtype)
@@ -108,7 +99,7 @@ def _check_empty() -> None:
     from batchrun.kernels.rotary_kv_store import rotary_store_kv
 
     qkv, positions, loc, k_buf, v_buf, rotary = _make_case((1, 4, 2, 64), torch.float16, 0)
-    q, k, v = _qkv_views(qkv[:0], 4, 2, 64)
+    q, k, v = qkv_views(qkv[:0], 4, 2, 64)
     k_before = k_buf.clone()
     cos, sin = rotary.cos_cache, rotary.sin_cache
     rotary_store_kv(k_buf, v_buf, loc[:0], q, k, v, positions[:0], cos, sin)
@@ -156,7 +147,7 @@ def _store_rotated(shape, dtype, seed: int, env: str | None):
     pool = KVPool(2, k_buf.shape[0] - 1, shape[2], shape[3], dtype, "cpu")
     pool.k_buffers[1].copy_(k_buf)
     pool.v_buffers[1].copy_(v_buf)
-    q, k, v = _qkv_views(qkv, *shape[1:])
+    q, k, v = qkv_views(qkv, *shape[1:])
     if env is None:
         os.environ.pop(ROTARY_STORE_ENV, None)
     else:
@@ -186,38 +177,12 @@ def _check_pool(dtype) -> None:
             assert torch.equal(got, want), dtype
 
 
-def _make_batch(seq_lens, extend_lens, num_kv_heads: int, head_dim: int, dtype):
-    """(pool, req_to_token, inputs): requests in table rows out of order, KV in random slots."""
-    from batchrun.attention.base import AttentionInputs
-    from batchrun.engine.kv_pool import KVPool
-
-    gen = torch.Generator().manual_seed(0)
-    num_slots = sum(seq_lens) + 5
-    pool = KVPool(1, num_slots, num_kv_heads, head_dim, dtype, "cpu")
-    pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=gen))
-    pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=gen))
-    table = torch.zeros(len(seq_lens) + 2, max(seq_lens) + 3, dtype=torch.int32)
-    perm = torch.randperm(num_slots, generator=gen)
-    rows = [2, 0, 3][: len(seq_lens)]
-    locs, start = [], 0
-    for row, seq_len, ext in zip(rows, seq_lens, extend_lens):
-        table[row, :seq_len] = perm[start : start + seq_len].int()
-        locs.append(perm[start + seq_len - ext : start + seq_len])
-        start += seq_len
-    inputs = AttentionInputs(
-        req_pool_indices=torch.tensor(rows),
-        seq_lens=torch.tensor(seq_lens),
-        extend_lens=torch.tensor(extend_lens),
-        out_cache_loc=torch.cat(locs).long(),
-        seq_lens_cpu=tuple(seq_lens),
-        extend_lens_cpu=tuple(extend_lens),
-    )
-    return pool, table, inputs
-
-
 def _check_backend(dtype, make_backend) -> None:
     """backend.forward_rotary (one kernel for rotary + store) against rotary then forward, for
     decode, extend and mixed plans: the same output and pool, bit for bit."""
+    sys.path.insert(0, str(REPO / "tests" / "unit"))
+    from test_kernels_interpreter import _make_batch
+
     from batchrun.models.layers import RotaryEmbedding
 
     num_heads, num_kv_heads, head_dim = 4, 2, 64
@@ -230,11 +195,12 @@ def _check_backend(dtype, make_backend) -> None:
     for name, (seq_lens, extend_lens) in plans.items():
         outs = []
         for fused in (True, False):
-            pool, table, inputs = _make_batch(seq_lens, extend_lens, num_kv_heads, head_dim, dtype)
+            batch = _make_batch(seq_lens, extend_lens, num_heads, num_kv_heads, head_dim, dtype)
+            pool, table, inputs = batch[:3]
             width = (num_heads + 2 * num_kv_heads) * head_dim
             gen = torch.Generator().manual_seed(5)
             qkv = torch.randn(len(inputs.out_cache_loc), width, generator=gen).to(dtype)
-            q, k, v = _qkv_views(qkv, num_heads, num_kv_heads, head_dim)
+            q, k, v = qkv_views(qkv, num_heads, num_kv_heads, head_dim)
             positions = torch.cat([torch.arange(s - e, s) for s, e in zip(seq_lens, extend_lens)])
             backend = make_backend(pool, table)
             backend.prepare(inputs)
