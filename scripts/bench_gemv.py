@@ -79,34 +79,24 @@ def graph_time_us(fn, weights: list[torch.Tensor]) -> float:
     return 1e3 * start.elapsed_time(end) / (reps * CALLS_PER_GRAPH)
 
 
-def configs(sweep: str | None):
-    """The configs a sweep times: "tiles" the tile grid's (columns, K tile, K slices), "stream"
-    the stream-K grid's (columns, K tile, stages, programs an SM), None none."""
-    from batchrun.kernels.gemv import GemvConfig, sm_count
+def configs(sweep: bool):
+    from batchrun.kernels.gemv import GemvConfig
 
-    if sweep == "tiles":
-        grid = itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 3, 4, 6, 8), (4,))
-        return [GemvConfig(bn, bk, sk, nw) for bn, bk, sk, nw in grid]
-    if sweep == "stream":
-        sms = sm_count(torch.device("cuda"))
-        # NOTE: two programs an SM only at 3 stages (two 4-stage programs outgrow the SM's
-        # shared memory, so would run as two waves)
-        grid = [(bn, bk, stages, per_sm) for bn, bk, stages, per_sm in
-                itertools.product((32, 64), (128, 256), (3, 4), (1, 2))
-                if per_sm == 1 or stages == 3]  # fmt: skip
-        return [GemvConfig(bn, bk, 1, 4, stages, per_sm * sms) for bn, bk, stages, per_sm in grid]
-    return []
+    if not sweep:
+        return []
+    grid = itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 3, 4, 6, 8), (4,))
+    return [GemvConfig(bn, bk, sk, nw) for bn, bk, sk, nw in grid]
 
 
 def worth_sweeping(cfg, n: int, k: int) -> bool:
     """Skip configs that split nothing (K slices of less than a tile) or split a matrix whose
     column tiles alone fill the GPU twice over."""
-    if cfg.split_k == 1 or cfg.programs:
+    if cfg.split_k == 1:
         return True
     return cfg.block_k * cfg.split_k <= k and -(-n // cfg.block_n) < 264
 
 
-def bench_swiglu(x, weights: list[torch.Tensor], sweep: str | None) -> dict:
+def bench_swiglu(x, weights: list[torch.Tensor], sweep: bool) -> dict:
     """gate_up with the SwiGLU as gemv's epilogue against the matmul then the gate's kernel
     (cuBLAS, and gemv's default config); with sweep, the epilogue's configs too."""
     from batchrun.kernels.activation import silu_and_mul
@@ -132,7 +122,7 @@ def bench_swiglu(x, weights: list[torch.Tensor], sweep: str | None) -> dict:
     return out
 
 
-def bench_shape(n: int, k: int, m: int, sweep: str | None, dtype, swiglu: bool = False) -> dict:
+def bench_shape(n: int, k: int, m: int, sweep: bool, dtype, swiglu: bool = False) -> dict:
     from batchrun.kernels.gemv import gemv, pick_config
     from batchrun.kernels.pdl import PDL_ENV
 
@@ -248,10 +238,6 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="llama-1b,llama-8b")
     p.add_argument("--m", default="1,4", help="rows of x (decode batch), comma-separated")
     p.add_argument("--no-sweep", action="store_true", help="only cuBLAS and the default config")
-    p.add_argument(
-        "--sweep", choices=("tiles", "stream"), default="tiles",
-        help="the tile grid's configs (columns, K tile, K slices) or the stream-K grid's",
-    )  # fmt: skip
     p.add_argument("--matrices", default="qkv,o,gate_up,down,lm_head", help="which of each model's")
     p.add_argument(
         "--norm-fusion", action="store_true",
@@ -281,8 +267,7 @@ def main(argv=None) -> int:
             for name, n, k, count in shapes(model):
                 if name not in args.matrices.split(","):
                     continue
-                sweep = None if args.no_sweep else args.sweep
-                r = bench_shape(n, k, m, sweep, dtype, swiglu=name == "gate_up")
+                r = bench_shape(n, k, m, not args.no_sweep, dtype, swiglu=name == "gate_up")
                 r.update(model=model, m=m, matrix=name, n=n, k=k, count=count)
                 report["results"].append(r)
                 for key in totals:

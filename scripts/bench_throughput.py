@@ -47,7 +47,6 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 
-from batchrun.kernels.gemv import GEMV_STREAM_ENV  # noqa: E402
 from batchrun.kernels.pdl import PDL_ENV  # noqa: E402
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
@@ -79,10 +78,6 @@ VARIANTS = (
     "norm-fusion",
     "post-norm-fusion",
     "graph-input-copies",
-    "stream-k",
-    "stream-k-4st",
-    "stream-k-2",
-    "no-stream-k",
     "no-piecewise",
     "piecewise",
     "hf",
@@ -107,11 +102,6 @@ VARIANT_ENV = {
     "post-norm-fusion": {GEMV_NORM_ENV: "post"},  # only the norm after the attention
     # the decode graphs' inputs by copies and index kernels, not kernels/graph_inputs.py
     "graph-input-copies": {GRAPH_INPUTS_ENV: "0"},
-    # the decode gemvs on the stream-K grid: one program an SM (3 or 4 stages), two; or not
-    "stream-k": {GEMV_STREAM_ENV: "1"},
-    "stream-k-4st": {GEMV_STREAM_ENV: "1:4"},
-    "stream-k-2": {GEMV_STREAM_ENV: "2"},
-    "no-stream-k": {GEMV_STREAM_ENV: "0"},
 }
 # NOTE: every switch any variant sets is cleared around each engine (only GEMV and PDL were, so
 # a variant's other switches leaked into the engines after it in the same run)
@@ -293,10 +283,6 @@ def engine_config(args, model_dir: Path, variant: str):
         "norm-fusion": {},
         "post-norm-fusion": {},
         "graph-input-copies": {},
-        "stream-k": {},
-        "stream-k-4st": {},
-        "stream-k-2": {},
-        "no-stream-k": {},
         "no-piecewise": {"piecewise_cuda_graph": False},
         "piecewise": {"piecewise_cuda_graph": True},  # also where it is off by default
         "cublas": {"decode_gemv": "cublas"},  # decode matmuls on cuBLAS (large models' default)

@@ -19,16 +19,6 @@ pytestmark = [
 
 SHAPES = [(3072, 2048), (2048, 8192), (16384, 2048), (6144, 4096), (100, 300), (4095, 1000)]
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-# stream-K grids (GemvConfig.programs): one and two programs an H200 SM, a few programs (many
-# parts a tile), more programs than some matrices have units; GemvConfig's fields
-STREAM = [(64, 256, 1, 4, 3, 132), (64, 256, 1, 4, 4, 264), (32, 128, 1, 4, 3, 7),
-          (16, 256, 1, 4, 3, 2000)]  # fmt: skip
-
-
-def stream_configs():
-    from batchrun.kernels.gemv import GemvConfig
-
-    return [GemvConfig(*fields) for fields in STREAM]
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -42,7 +32,7 @@ def test_gemv_matches_linear(n, k, m, dtype):
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).to(dtype)
     ref = F.linear(x.float(), w.float())
     configs = (None, GemvConfig(32, 256, 1), GemvConfig(16, 128, 4), GemvConfig(64, 512, 8),
-               GemvConfig(32, 128, 3), *stream_configs())  # fmt: skip
+               GemvConfig(32, 128, 3))  # fmt: skip
     for cfg in configs:
         out = gemv(x, w, cfg)
         assert out.shape == (m, n) and out.dtype == dtype
@@ -65,9 +55,7 @@ def test_gemv_swiglu_matches_gemv_then_the_gate(inter, k, m, dtype):
     g = torch.Generator(device="cuda").manual_seed(inter + k + m)
     x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
     w = (torch.randn(2 * inter, k, device="cuda", generator=g) * 0.05).to(dtype)
-    stream = [cfg._replace(block_n=min(cfg.block_n, 32)) for cfg in stream_configs()]
-    for cfg in (None, GemvConfig(16, 256, 1), GemvConfig(32, 256, 4), GemvConfig(16, 128, 3),
-                *stream):  # fmt: skip
+    for cfg in (None, GemvConfig(16, 256, 1), GemvConfig(32, 256, 4), GemvConfig(16, 128, 3)):
         want = silu_and_mul(gemv(x, w, cfg))
         got = gemv(x, w, cfg, swiglu=True)
         assert got.shape == (m, inter) and got.dtype == dtype and torch.isfinite(got).all()
@@ -86,8 +74,7 @@ def test_gemv_under_graph_capture_and_deterministic(swiglu):
     x = torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16) * 0.05
     static_x = x.clone()
-    cfgs = [GemvConfig(32, 256, 4), GemvConfig(16, 128, 3), GemvConfig(64, 512, 1),
-            *stream_configs()]  # fmt: skip
+    cfgs = [GemvConfig(32, 256, 4), GemvConfig(16, 128, 3), GemvConfig(64, 512, 1)]
     graph = torch.cuda.CUDAGraph()
     gemv(static_x, w, cfgs[0], swiglu=swiglu)  # eager first: allocates the counters
     with torch.cuda.graph(graph):
@@ -108,10 +95,10 @@ def test_gemv_split_k_is_deterministic_under_contention():
 
     x = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2048, 8192, device="cuda", dtype=torch.bfloat16) * 0.05
-    for cfg in (GemvConfig(16, 128, 8), GemvConfig(16, 128, programs=264)):
-        first = gemv(x, w, cfg)
-        for _ in range(50):
-            assert torch.equal(gemv(x, w, cfg), first), cfg
+    cfg = GemvConfig(16, 128, 8)
+    first = gemv(x, w, cfg)
+    for _ in range(50):
+        assert torch.equal(gemv(x, w, cfg), first)
 
 
 def test_linear_takes_the_kernel_only_when_asked(monkeypatch):
@@ -159,7 +146,7 @@ def test_gemv_residual_matches_gemv_add_and_norm(hidden, k, m, dtype):
     norm_w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(dtype)
     residual0 = residual.clone()
     eps = torch.finfo(dtype).eps
-    for cfg in (None, GemvConfig(32, 128, 4), GemvConfig(64, 256, 1), *stream_configs()):
+    for cfg in (None, GemvConfig(32, 128, 4), GemvConfig(64, 256, 1)):
         want = gemv(x, w, cfg) + residual
         h, normed = gemv_residual(x, w, residual, config=cfg)
         assert torch.equal(h, want) and normed is None
@@ -212,19 +199,16 @@ def test_gemv_residual_norm_under_graph_capture():
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-@pytest.mark.parametrize(
-    "mode", ["all", "all:no-norm-fusion", "all:post-norm-fusion", "all:stream-k"]
-)
+@pytest.mark.parametrize("mode", ["all", "all:no-norm-fusion", "all:post-norm-fusion"])
 def test_engine_with_decode_gemv(kind, mode, tmp_path, monkeypatch):
     """BATCHRUN_GEMV=all (with the norms and residual adds inside the gemvs for one row, with
-    only the post-attention ones (BATCHRUN_GEMV_NORM=post), with BATCHRUN_GEMV_NORM=0, and on
-    the stream-K grid (BATCHRUN_GEMV_STREAM=1)) end to end: prompts of at most 16 tokens
+    only the post-attention ones (BATCHRUN_GEMV_NORM=post), and with BATCHRUN_GEMV_NORM=0) end
+    to end: prompts of at most 16 tokens
     and of one token score like cuBLAS (bf16 tolerance), and a greedy batch and a lone request
     (decode batches of one row) decode through CUDA graphs captured with the Triton decode
     kernels, mostly to the same tokens (bf16 near-ties on random weights may flip a token;
     after that the rest differs)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from batchrun.kernels.gemv import GEMV_STREAM_ENV
     from tiny_models import make_tiny_model, random_prompts
 
     from batchrun.engine.config import EngineConfig
@@ -234,10 +218,10 @@ def test_engine_with_decode_gemv(kind, mode, tmp_path, monkeypatch):
 
     make_tiny_model(kind, tmp_path)
     if ":" in mode:
-        mode, switch = mode.split(":")
-        env = {"no-norm-fusion": (GEMV_NORM_ENV, "0"), "post-norm-fusion": (GEMV_NORM_ENV, "post"),
-               "stream-k": (GEMV_STREAM_ENV, "1")}[switch]  # fmt: skip
-        monkeypatch.setenv(*env)
+        mode, fusion = mode.split(":")
+        monkeypatch.setenv(
+            GEMV_NORM_ENV, {"no-norm-fusion": "0", "post-norm-fusion": "post"}[fusion]
+        )
 
     def run(on: bool):
         # NOTE: any other value is cuBLAS (the default, `auto`, may pick gemv)
