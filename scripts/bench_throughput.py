@@ -426,6 +426,8 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
         )
         if compiles.take("timed"):
             res.note = f"{res.note}; compiled in the timed run: {compiles.summary('timed')}"
+            for event in compiles.take("timed"):  # what start-up would have to build
+                log(f"    timed-run compile, {event.seconds:.2f} s: {event.detail or event.kernel}")
         compiles.reset()
         compiles.phase = "between runs"
 

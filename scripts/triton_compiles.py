@@ -28,13 +28,16 @@ class CompileEvent(NamedTuple):
     phase: str
     kernel: str
     seconds: float
+    # Triton's description of the variant: launch options, then each argument's type or
+    # specialization (a constexpr's value, an integer's "1" / divisibility)
+    detail: str = ""
 
 
 class CompileLog:
     def __init__(self) -> None:
         self.phase = "start-up"
         self.events: list[CompileEvent] = []
-        self._started: dict[str, float] = {}
+        self._started: dict[str, tuple[float, str]] = {}
         self._saved: tuple | None = None
 
     @classmethod
@@ -61,14 +64,15 @@ class CompileLog:
             knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
             self._saved = None
 
-    def before_compile(self, *, key=None, **_) -> bool:
-        self._started[str(key)] = time.perf_counter()
+    def before_compile(self, *, key=None, repr=None, **_) -> bool:  # noqa: A002 (Triton's name)
+        self._started[str(key)] = (time.perf_counter(), str(repr or ""))
         return False  # a true value would tell Triton to skip the compile
 
     def after_compile(self, *, key=None, fn=None, **_) -> None:
-        start = self._started.pop(str(key), None)
+        start, detail = self._started.pop(str(key), (None, ""))
         seconds = 0.0 if start is None else time.perf_counter() - start
-        self.events.append(CompileEvent(self.phase, getattr(fn, "name", str(fn)), seconds))
+        name = getattr(fn, "name", str(fn))
+        self.events.append(CompileEvent(self.phase, name, seconds, detail))
 
     def take(self, phase: str) -> list[CompileEvent]:
         return [e for e in self.events if e.phase == phase]

@@ -103,9 +103,10 @@ def test_compile_log_phases_and_hooks():
     log = CompileLog()
     for phase, key in (("warm-up", "a"), ("timed", "b"), ("timed", "c")):
         log.phase = phase
-        assert log.before_compile(key=key, repr="") is False  # never skips the compile
+        assert log.before_compile(key=key, repr=f"_kernel[{key}]") is False  # never skips
         log.after_compile(key=key, fn=Fn())
     assert log.summary("start-up") == "none"
+    assert [e.detail for e in log.take("timed")] == ["_kernel[b]", "_kernel[c]"]
     assert [e.phase for e in log.events] == ["warm-up", "timed", "timed"]
     assert log.summary("timed").startswith("2 variants") and "_kernel x2" in log.summary("timed")
     log.reset()
