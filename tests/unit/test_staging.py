@@ -30,3 +30,18 @@ def test_staging_on_cpu_makes_independent_tensors():
     outs = [staging.to_device(list(range(i, i + 7)), torch.int64) for i in range(RING_SLOTS + 3)]
     for i, out in enumerate(outs):
         assert out.tolist() == list(range(i, i + 7))
+
+
+def test_pack_to_device_views_are_16_byte_aligned():
+    """ModelRunner._pack_to_device: one copy for a step's int arrays, each view holding its
+    values and starting 16-byte aligned whatever the lengths before it (Triton compiles a
+    variant per pointer alignment: unaligned views made variants compile mid-run)."""
+    from types import SimpleNamespace
+
+    from batchrun.engine.model_runner import ModelRunner
+
+    runner = SimpleNamespace(staging=PinnedStaging(torch.device("cpu")))
+    arrays = [[1, 2, 3], [], [4], torch.tensor([5, 6]), [7, 8, 9, 10, 11]]
+    views = ModelRunner._pack_to_device(runner, *arrays)
+    assert [v.tolist() for v in views] == [[1, 2, 3], [], [4], [5, 6], [7, 8, 9, 10, 11]]
+    assert all(v.dtype == torch.int64 and v.data_ptr() % 16 == 0 for v in views)
