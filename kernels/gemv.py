@@ -39,6 +39,7 @@ capturing a CUDA graph (it allocates them).
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -53,6 +54,9 @@ NUM_COUNTERS = 32768
 # the index of gemv_residual's row counter (its in-kernel norm), past the split counters
 ROW_COUNTER = tl.constexpr(NUM_COUNTERS)
 SMEM_FOR_W = 160 << 10
+# NOTE: "2": each program loads its first two weight tiles before the PDL wait, not one (an
+# experiment, session 12; read at every launch, a decode graph keeps what it captured)
+GEMV_PEEL_ENV = "BATCHRUN_GEMV_PEEL"
 
 
 class GemvConfig(NamedTuple):
@@ -167,6 +171,7 @@ def _gemv_kernel(
     BLOCK_ROW: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    PEEL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -184,6 +189,10 @@ def _gemv_kernel(
     w = _w_tile(w_rows, in_n, k_start, k_end, BLOCK_K)
     if SWIGLU:
         w_up = _w_tile(up_rows, in_n, k_start, k_end, BLOCK_K)
+    if PEEL == 2:  # the second tile too (zeros past k_end)
+        w2 = _w_tile(w_rows, in_n, k_start + BLOCK_K, k_end, BLOCK_K)
+        if SWIGLU:
+            w2_up = _w_tile(up_rows, in_n, k_start + BLOCK_K, k_end, BLOCK_K)
     pdl_wait(PDL)
     res = tl.zeros([16, BLOCK_N], dtype=Y.dtype.element_ty)
     if ADD_RES:  # read by every slice now, where its latency hides behind the loop
@@ -193,7 +202,12 @@ def _gemv_kernel(
     acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     if SWIGLU:
         acc_up = _mma(acc_up, x, w_up, IEEE)
-    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+    if PEEL == 2:
+        x = _x_tile(X, offs_m, M, stride_xm, k_start + BLOCK_K, k_end, BLOCK_K)
+        acc = _mma(acc, x, w2, IEEE)
+        if SWIGLU:
+            acc_up = _mma(acc_up, x, w2_up, IEEE)
+    for k0 in range(k_start + PEEL * BLOCK_K, k_end, BLOCK_K):
         x = _x_tile(X, offs_m, M, stride_xm, k0, k_end, BLOCK_K)
         acc = _mma(acc, x, _w_tile(w_rows, in_n, k0, k_end, BLOCK_K), IEEE)
         if SWIGLU:
@@ -361,6 +375,7 @@ def _launch(x, w, config, swiglu, residual, norm) -> tuple[torch.Tensor, torch.T
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu,
         ADD_RES=residual is not None, NORM_OUT=norm is not None,
         BLOCK_ROW=triton.next_power_of_2(n) if norm is not None else 1,
-        IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PEEL=2 if os.environ.get(GEMV_PEEL_ENV) == "2" else 1, **pdl,
     )  # fmt: skip
     return y, normed

@@ -47,6 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 
+from batchrun.kernels.gemv import GEMV_PEEL_ENV  # noqa: E402
 from batchrun.kernels.pdl import PDL_ENV  # noqa: E402
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
@@ -78,6 +79,7 @@ VARIANTS = (
     "norm-fusion",
     "post-norm-fusion",
     "graph-input-copies",
+    "gemv-peel-2",
     "no-piecewise",
     "piecewise",
     "hf",
@@ -102,6 +104,7 @@ VARIANT_ENV = {
     "post-norm-fusion": {GEMV_NORM_ENV: "post"},  # only the norm after the attention
     # the decode graphs' inputs by copies and index kernels, not kernels/graph_inputs.py
     "graph-input-copies": {GRAPH_INPUTS_ENV: "0"},
+    "gemv-peel-2": {GEMV_PEEL_ENV: "2"},  # two weight tiles a gemv program before its PDL wait
 }
 # NOTE: every switch any variant sets is cleared around each engine (only GEMV and PDL were, so
 # a variant's other switches leaked into the engines after it in the same run)
@@ -283,6 +286,7 @@ def engine_config(args, model_dir: Path, variant: str):
         "norm-fusion": {},
         "post-norm-fusion": {},
         "graph-input-copies": {},
+        "gemv-peel-2": {},
         "no-piecewise": {"piecewise_cuda_graph": False},
         "piecewise": {"piecewise_cuda_graph": True},  # also where it is off by default
         "cublas": {"decode_gemv": "cublas"},  # decode matmuls on cuBLAS (large models' default)
