@@ -54,8 +54,10 @@ NUM_COUNTERS = 32768
 # the index of gemv_residual's row counter (its in-kernel norm), past the split counters
 ROW_COUNTER = tl.constexpr(NUM_COUNTERS)
 SMEM_FOR_W = 160 << 10
-# NOTE: "2": each program loads its first two weight tiles before the PDL wait, not one (an
-# experiment, session 12; read at every launch, a decode graph keeps what it captured)
+# NOTE: each program loads its first two weight tiles before the PDL wait: W3 on the H200 read
+# llama-8b 4.30 / 4.30 ms per token against 4.32 / 4.32 with one, llama-1b 0.96 / 0.96 against
+# 0.97 / 0.97 (session 12, call 2). "1": one tile (read at every launch; a decode graph keeps
+# what it captured)
 GEMV_PEEL_ENV = "BATCHRUN_GEMV_PEEL"
 
 
@@ -183,9 +185,9 @@ def _gemv_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    # NOTE: the first tile is peeled off the loop so that its w load comes before the PDL wait:
-    # weights are no earlier kernel's output, so with PDL that load overlaps the kernel before
-    # (kernels/pdl.py); x is read after the wait
+    # NOTE: the first PEEL tiles are peeled off the loop so that their w loads come before the
+    # PDL wait: weights are no earlier kernel's output, so with PDL those loads overlap the
+    # kernel before (kernels/pdl.py); x is read after the wait
     w = _w_tile(w_rows, in_n, k_start, k_end, BLOCK_K)
     if SWIGLU:
         w_up = _w_tile(up_rows, in_n, k_start, k_end, BLOCK_K)
@@ -376,6 +378,6 @@ def _launch(x, w, config, swiglu, residual, norm) -> tuple[torch.Tensor, torch.T
         ADD_RES=residual is not None, NORM_OUT=norm is not None,
         BLOCK_ROW=triton.next_power_of_2(n) if norm is not None else 1,
         IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PEEL=2 if os.environ.get(GEMV_PEEL_ENV) == "2" else 1, **pdl,
+        PEEL=1 if os.environ.get(GEMV_PEEL_ENV) == "1" else 2, **pdl,
     )  # fmt: skip
     return y, normed

@@ -53,7 +53,11 @@ from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
 from triton_compiles import CompileLog  # noqa: E402
 
-from batchrun.attention.triton_backend import DECODE_FOLD_ENV, DECODE_ROPE_ENV  # noqa: E402
+from batchrun.attention.triton_backend import (  # noqa: E402
+    DECODE_FOLD_ENV,
+    DECODE_ROPE_ENV,
+    DECODE_SPLITS_ENV,
+)
 from batchrun.engine.cuda_graph import GRAPH_INPUTS_ENV  # noqa: E402
 from batchrun.engine.kv_pool import ROTARY_STORE_ENV  # noqa: E402
 from batchrun.models.layers import GEMV_ENV, GEMV_NORM_ENV, GEMV_SWIGLU_ENV  # noqa: E402
@@ -79,7 +83,9 @@ VARIANTS = (
     "norm-fusion",
     "post-norm-fusion",
     "graph-input-copies",
-    "gemv-peel-2",
+    "gemv-peel-1",
+    "decode-splits-8",
+    "decode-splits-4",
     "no-piecewise",
     "piecewise",
     "hf",
@@ -104,7 +110,10 @@ VARIANT_ENV = {
     "post-norm-fusion": {GEMV_NORM_ENV: "post"},  # only the norm after the attention
     # the decode graphs' inputs by copies and index kernels, not kernels/graph_inputs.py
     "graph-input-copies": {GRAPH_INPUTS_ENV: "0"},
-    "gemv-peel-2": {GEMV_PEEL_ENV: "2"},  # two weight tiles a gemv program before its PDL wait
+    "gemv-peel-1": {GEMV_PEEL_ENV: "1"},  # one weight tile a gemv program before its PDL wait
+    # at most 8 / 4 KV splits a decode batch (batch 1: 16 by default)
+    "decode-splits-8": {DECODE_SPLITS_ENV: "8"},
+    "decode-splits-4": {DECODE_SPLITS_ENV: "4"},
 }
 # NOTE: every switch any variant sets is cleared around each engine (only GEMV and PDL were, so
 # a variant's other switches leaked into the engines after it in the same run)
@@ -286,7 +295,9 @@ def engine_config(args, model_dir: Path, variant: str):
         "norm-fusion": {},
         "post-norm-fusion": {},
         "graph-input-copies": {},
-        "gemv-peel-2": {},
+        "gemv-peel-1": {},
+        "decode-splits-8": {},
+        "decode-splits-4": {},
         "no-piecewise": {"piecewise_cuda_graph": False},
         "piecewise": {"piecewise_cuda_graph": True},  # also where it is off by default
         "cublas": {"decode_gemv": "cublas"},  # decode matmuls on cuBLAS (large models' default)

@@ -63,6 +63,9 @@ DECODE_ROPE_MAX_BS = 16
 # and 2.8 in 16: splitting pays only where the grid would leave SMs idle
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_LEN = 64  # ... but give no split fewer KV tokens than this (eager only)
+# a cap below MAX_KV_SPLITS on every decode batch's splits (an experiment, session 12: set for
+# an engine's whole life, as its graphs' workspace is sized with it)
+DECODE_SPLITS_ENV = "BATCHRUN_DECODE_SPLITS"
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _num_kv_splits(self, batch_size: int) -> int:
         programs = max(1, batch_size * self.num_kv_heads)
-        return max(1, min(MAX_KV_SPLITS, -(-PROGRAMS_PER_SM * self.num_sms // programs)))
+        most = int(os.environ.get(DECODE_SPLITS_ENV) or MAX_KV_SPLITS)
+        return max(1, min(most, -(-PROGRAMS_PER_SM * self.num_sms // programs)))
 
     def forward(self, q, k, v, layer_id: int, scaling: float, out=None) -> torch.Tensor:
         self.kv_pool.store(layer_id, self._out_cache_loc(), k, v)
