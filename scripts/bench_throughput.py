@@ -56,7 +56,6 @@ from triton_compiles import CompileLog  # noqa: E402
 from batchrun.attention.triton_backend import (  # noqa: E402
     DECODE_FOLD_ENV,
     DECODE_ROPE_ENV,
-    DECODE_SPLITS_ENV,
 )
 from batchrun.engine.cuda_graph import GRAPH_INPUTS_ENV  # noqa: E402
 from batchrun.engine.kv_pool import ROTARY_STORE_ENV  # noqa: E402
@@ -84,9 +83,6 @@ VARIANTS = (
     "post-norm-fusion",
     "graph-input-copies",
     "gemv-peel-1",
-    "decode-splits-8",
-    "decode-splits-4",
-    "decode-splits-32",
     "no-piecewise",
     "piecewise",
     "hf",
@@ -112,10 +108,6 @@ VARIANT_ENV = {
     # the decode graphs' inputs by copies and index kernels, not kernels/graph_inputs.py
     "graph-input-copies": {GRAPH_INPUTS_ENV: "0"},
     "gemv-peel-1": {GEMV_PEEL_ENV: "1"},  # one weight tile a gemv program before its PDL wait
-    # at most 8 / 4 KV splits a decode batch (batch 1: 16 by default), or up to 32
-    "decode-splits-8": {DECODE_SPLITS_ENV: "8"},
-    "decode-splits-4": {DECODE_SPLITS_ENV: "4"},
-    "decode-splits-32": {DECODE_SPLITS_ENV: "32"},  # up to 32 (above MAX_KV_SPLITS)
 }
 # NOTE: every switch any variant sets is cleared around each engine (only GEMV and PDL were, so
 # a variant's other switches leaked into the engines after it in the same run)
@@ -298,9 +290,6 @@ def engine_config(args, model_dir: Path, variant: str):
         "post-norm-fusion": {},
         "graph-input-copies": {},
         "gemv-peel-1": {},
-        "decode-splits-8": {},
-        "decode-splits-4": {},
-        "decode-splits-32": {},
         "no-piecewise": {"piecewise_cuda_graph": False},
         "piecewise": {"piecewise_cuda_graph": True},  # also where it is off by default
         "cublas": {"decode_gemv": "cublas"},  # decode matmuls on cuBLAS (large models' default)

@@ -45,6 +45,9 @@ from batchrun.kernels.decode_attention import (
 )
 from batchrun.kernels.extend_attention import extend_attention_fwd
 
+# NOTE: W3 on the H200 (batch 1, 8 KV heads: 16 splits) read llama-8b 4.30 ms per token against
+# 4.37-4.40 with at most 8 splits, 4.45 with 4, and 4.35 against 4.37-4.38 with up to 32;
+# llama-1b 0.97 against 0.98 / 1.00-1.01 / 0.97 (twelfth session, calls 3-4)
 MAX_KV_SPLITS = 16
 # "0": the decode kernel's split combine as a second kernel, not folded into the first (read on
 # every call, to measure the fold; a CUDA graph keeps what it captured)
@@ -63,9 +66,6 @@ DECODE_ROPE_MAX_BS = 16
 # and 2.8 in 16: splitting pays only where the grid would leave SMs idle
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_LEN = 64  # ... but give no split fewer KV tokens than this (eager only)
-# a cap below MAX_KV_SPLITS on every decode batch's splits (an experiment, session 12: set for
-# an engine's whole life, as its graphs' workspace is sized with it)
-DECODE_SPLITS_ENV = "BATCHRUN_DECODE_SPLITS"
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _num_kv_splits(self, batch_size: int) -> int:
         programs = max(1, batch_size * self.num_kv_heads)
-        most = int(os.environ.get(DECODE_SPLITS_ENV) or MAX_KV_SPLITS)
-        return max(1, min(most, -(-PROGRAMS_PER_SM * self.num_sms // programs)))
+        return max(1, min(MAX_KV_SPLITS, -(-PROGRAMS_PER_SM * self.num_sms // programs)))
 
     def forward(self, q, k, v, layer_id: int, scaling: float, out=None) -> torch.Tensor:
         self.kv_pool.store(layer_id, self._out_cache_loc(), k, v)
