@@ -4,9 +4,10 @@ results differ, run to run and between modes (GPU only).
 
     python scripts/check_pdl_chain.py
 
-On the H200 (ninth session, call 3, a fresh process) every comparison was equal. The test fails
-when tests/gpu/test_kernels.py runs before it in the same process (docs/benchmarks.md): run this
-after other GPU work in one process to chase that.
+Written to chase the test's failure after other GPU tests in one process (ninth session). The
+cause was the harness, not PDL (twelfth session): capture_chain dropped the graph's own x buffer,
+whose memory the allocator then gave to the replay loop's clones, and later replays overwrote
+them. capture_chain now hands the buffers back to be kept with the graph.
 """
 
 import os
@@ -39,7 +40,7 @@ def main() -> int:
             orig_pick if split else (lambda m, n, k: orig_pick(m, n, k)._replace(split_k=1))
         )
         if graph_mode:
-            graph, x_in, res_in, out = capture_chain(chain)
+            graph, x_in, res_in, out, _buffers = capture_chain(chain)  # live with the graph
         else:
             x_in = torch.zeros(2, CHAIN_HIDDEN, device="cuda", dtype=torch.bfloat16)
             res_in = torch.zeros_like(x_in)
