@@ -53,10 +53,7 @@ from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
 from triton_compiles import CompileLog  # noqa: E402
 
-from batchrun.attention.triton_backend import (  # noqa: E402
-    DECODE_FOLD_ENV,
-    DECODE_ROPE_ENV,
-)
+from batchrun.attention.triton_backend import DECODE_FOLD_ENV, DECODE_ROPE_ENV  # noqa: E402
 from batchrun.engine.cuda_graph import GRAPH_INPUTS_ENV  # noqa: E402
 from batchrun.engine.kv_pool import ROTARY_STORE_ENV  # noqa: E402
 from batchrun.models.layers import GEMV_ENV, GEMV_NORM_ENV, GEMV_SWIGLU_ENV  # noqa: E402
