@@ -19,7 +19,6 @@ import datetime as dt
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,9 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 from batchrun.engine.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.engine.params import GenerateRequest, SamplingParams  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from source_tree import git_commit  # noqa: E402
 
 
 def load_conversations(num_prompts: int) -> list[list[dict]]:
@@ -49,17 +51,6 @@ def load_conversations(num_prompts: int) -> list[list[dict]]:
             conv[-1]["content"] = f"({i // len(convs)}) {conv[-1]['content']}"
         out.append(conv)
     return out
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True
-        ).strip()
-        dirty = subprocess.check_output(["git", "status", "--porcelain"], cwd=ROOT, text=True)
-        return head + ("+dirty" if dirty.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 # -- the two sides -----------------------------------------------------------------------------

@@ -34,7 +34,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ from batchrun.kernels.gemv import GEMV_PEEL_ENV  # noqa: E402
 from batchrun.kernels.pdl import PDL_ENV  # noqa: E402
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
+from source_tree import git_commit  # noqa: E402
 from triton_compiles import CompileLog  # noqa: E402
 
 from batchrun.attention.triton_backend import DECODE_FOLD_ENV, DECODE_ROPE_ENV  # noqa: E402
@@ -618,17 +618,6 @@ def summary_table(results: list[RunResult], variants: list[str], skipped: list[s
         tcell = "—" if target is None else (f"≤ {target}" if wl == "W3" else f"≥ {target:,}")
         lines.append(f"| {wl}, {model}, {what} | " + " | ".join(cells) + f" | {tcell} |")
     return "\n".join(lines)
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True, stderr=subprocess.DEVNULL
-        ).strip()
-        dirty = subprocess.check_output(["git", "status", "--porcelain"], cwd=ROOT, text=True)
-        return head + ("+dirty" if dirty.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("BATCHRUN_COMMIT", "unknown")
 
 
 def environment(args) -> dict:

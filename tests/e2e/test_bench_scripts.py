@@ -119,3 +119,30 @@ def test_compile_log_phases_and_hooks():
     assert knobs.runtime.jit_post_compile_hook == installed.after_compile
     installed.close()
     assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
+
+
+def test_source_tree_names_the_commit_or_the_dirty_tree(tmp_path):
+    """scripts/source_tree.py: a clean checkout is its short HEAD; one with changes (edited and
+    untracked files) is "HEAD+dirty (tree T)" with T the tree its commit will have, hashed in a
+    scratch index that leaves the repository's own untouched."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from source_tree import git_commit
+
+    def git(*args):
+        return subprocess.check_output(["git", *args], cwd=tmp_path, text=True).strip()
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "a.py").write_text("one\n")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    assert git_commit(tmp_path) == git("rev-parse", "--short", "HEAD")
+    (tmp_path / "a.py").write_text("two\n")
+    (tmp_path / "b.py").write_text("new\n")
+    got = git_commit(tmp_path)
+    assert got.startswith(git("rev-parse", "--short", "HEAD") + "+dirty (tree ")
+    assert "?? b.py" in git("status", "--porcelain")  # the real index is untouched
+    git("add", "-A")
+    git("commit", "-qm", "two")
+    assert got.endswith(f"(tree {git('log', '-1', '--format=%T')[:10]})")

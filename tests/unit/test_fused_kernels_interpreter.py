@@ -264,6 +264,32 @@ def _check_gemv() -> None:
             assert not split_counters(x.device).any()
             assert torch.equal(gemv(x, w, cfg), got)
     _check_gemv_swiglu()
+    _check_gemv_peel()
+
+
+def _check_gemv_peel() -> None:
+    """One weight tile loaded before the PDL wait (BATCHRUN_GEMV_PEEL=1) or two (the default):
+    the same sums in the same order, so the same bits; K slices of one tile and of several,
+    with and without the SwiGLU epilogue."""
+    import os
+
+    from batchrun.kernels.gemv import GEMV_PEEL_ENV, GemvConfig, gemv
+
+    gen = torch.Generator().manual_seed(12)
+    cases = [(1, 100, 300, GemvConfig(16, 64, 1)), (3, 64, 512, GemvConfig(16, 64, 4)),
+             (2, 40, 100, GemvConfig(16, 128, 1)),
+             (1, 48, 1000, GemvConfig(16, 64, 8))]  # fmt: skip
+    for m, n, k, cfg in cases:
+        x = torch.randn(m, k, generator=gen).to(torch.float16)
+        w = (torch.randn(2 * n, k, generator=gen) * 0.1).to(torch.float16)
+        got = {}
+        for peel in ("1", "2"):
+            os.environ[GEMV_PEEL_ENV] = peel
+            try:
+                got[peel] = (gemv(x, w, cfg), gemv(x, w, cfg, swiglu=True))
+            finally:
+                os.environ.pop(GEMV_PEEL_ENV)
+        assert all(torch.equal(a, b) for a, b in zip(got["1"], got["2"])), (m, n, k, cfg)
 
 
 def _check_gemv_swiglu() -> None:
