@@ -6,7 +6,7 @@ of kernels in a 1,237 µs step on the H200, fifth session). Each boundary costs 
 drain of the last wave and the first loads' latency, because nothing of kernel n + 1 runs before
 the last block of kernel n exits. With PDL (`launch_pdl=True`), kernel n + 1 is launched once
 every block of kernel n has called `gdc_launch_dependents`; its blocks then do what does not
-depend on kernel n (load their first tile of weights) and block in `gdc_wait` until kernel n has
+depend on kernel n (load their first weight tiles) and block in `gdc_wait` until kernel n has
 finished and its writes are visible.
 
 Every kernel of ours that is launched with PDL follows one rule, `pdl_wait` first (after the
