@@ -24,8 +24,9 @@ grid (B, H), to benchmark one against the other.
 With `rope=DecodeRope(...)`, q and the new tokens' k come unrotated (straight from the qkv
 matmul): every split program rotates its q heads and the new k in registers (the bits of
 kernels/rotary_kv_store.py), the program whose split holds the new token stores it in the pool,
-and each program reads its first KV block before its PDL wait (the older tokens were written
-two or more kernels back), leaving the new token out of every load. One launch a layer fewer
+and each program reads its first KV block, its position's cos / sin and the new token's slot
+before its PDL wait (the older tokens and the step's inputs were written two or more kernels
+back), leaving the new token out of every load. One launch a layer fewer
 than rotary_kv_store + this kernel; the backend takes it for decode graphs of up to 16 rows.
 
 The grid depends only on B, the KV head count and num_kv_splits, and nothing is read back to the
@@ -211,12 +212,16 @@ def _decode_stage1_kernel(
         mask_n = offs_n < end
         k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n & (offs_n != newest), mask_d,
                          stride_kt, stride_vt, offs_d)  # fmt: skip
-        pdl_wait(PDL)
+        # NOTE: the position, its cos / sin row and the new token's slot before the wait too:
+        # the step's inputs (written at the step's start) and constant tables, so the two
+        # dependent loads (position, then its row) leave the chain after the wait
         pos = tl.load(Positions + b).to(tl.int64)
         dtype = Q.dtype.element_ty
         c = tl.load(Cos + pos * stride_cos + offs_d, mask=mask_d, other=0.0).to(dtype)
         sn = tl.load(Sin + pos * stride_sin + offs_d, mask=mask_d, other=0.0).to(dtype)
         c, sn = c.to(tl.float32), sn.to(tl.float32)
+        slot = tl.load(Loc + b).to(tl.int64)
+        pdl_wait(PDL)
         q = _rope_rows(Q + b * stride_qb, heads * stride_qh, mask_h, c, sn, offs_d, mask_d,
                        HALF, EXACT_MUL)  # fmt: skip
         one = tl.arange(0, 1)
@@ -234,7 +239,6 @@ def _decode_stage1_kernel(
         v_new = tl.load(VNew + b * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d, other=0.0)
         v_new = v_new[None, :]
         if (newest >= start) & (newest < end):  # this split holds the new token: store it
-            slot = tl.load(Loc + b).to(tl.int64)
             tl.store(k_head + slot * stride_kt + offs_d[None, :], k_new, mask=mask_d[None, :])
             tl.store(v_head + slot * stride_vt + offs_d[None, :], v_new, mask=mask_d[None, :])
         is_new = (offs_n == newest)[:, None]
