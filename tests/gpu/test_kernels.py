@@ -309,6 +309,84 @@ def test_decode_folded_graph_replay():
         torch.testing.assert_close(out.float(), apart.float(), rtol=eps, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "heads,head_dim", [((32, 8), 128), ((32, 8), 64), ((9, 3), 64)], ids=["8b", "1b", "smol"]
+)
+def test_oproj_combine_matches_decode_combine(heads, head_dim, dtype):
+    """One row's splits left uncombined (defer_combine) and combined by o_proj's gemv as it
+    reads them, against the decode kernel's own combine then the same gemv (residual and norm):
+    within an ulp of the combine's rounding, at 1 / 17 / 64 / 777 tokens (empty splits among
+    them); and both captured in a CUDA graph with the rope decode before (PDL where the GPU has
+    it), replayed with new inputs: the eager bits."""
+    from batchrun.kernels.decode_attention import DecodeRope
+    from batchrun.kernels.gemv import gemv_residual
+
+    from batchrun.models.layers import RotaryEmbedding
+
+    num_heads, num_kv_heads = heads
+    hidden, splits, scaling = 2048, 16, head_dim**-0.5
+    g = torch.Generator(device=DEV).manual_seed(head_dim)
+    w = (torch.randn(hidden, num_heads * head_dim, device=DEV, generator=g) * 0.05).to(dtype)
+    norm = (torch.randn(hidden, device=DEV, generator=g).to(dtype), 1e-5)
+    residual = torch.randn(1, hidden, device=DEV, generator=g).to(dtype)
+    numel = decode_workspace_numel(1, num_heads, head_dim, splits)
+    workspace = torch.full((numel,), float("nan"), device=DEV)
+    counters = decode_counters(1, num_kv_heads, DEV)
+    rotary = RotaryEmbedding(head_dim, 2048, 500000.0, {}, DEV)
+    pool, table, inputs, q, k, v = make_batch([1200], [1], num_heads, num_kv_heads, head_dim, dtype)
+    k_buf, v_buf = pool.buffers(0)
+    seq_lens, loc = inputs.seq_lens.clone(), inputs.out_cache_loc.clone()
+    positions = seq_lens - 1
+    rope = DecodeRope(k, v, loc, positions, rotary.cos_cache, rotary.sin_cache)
+
+    def layer(defer: bool, out: torch.Tensor):
+        parts = decode_attention_fwd(
+            q, k_buf, v_buf, None if defer else out, table, inputs.req_pool_indices, seq_lens,
+            scaling, splits, workspace, counters, rope=rope, defer_combine=defer,
+        )  # fmt: skip
+        x = parts if defer else out.view(1, -1)
+        return gemv_residual(x, w, residual, norm=norm)
+
+    def set_inputs(length: int, seed: int):
+        seq_lens.fill_(length)
+        positions.copy_(seq_lens - 1)
+        loc[0] = table[inputs.req_pool_indices[0], length - 1]
+        gen = torch.Generator(device=DEV).manual_seed(seed)
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, device=DEV, generator=gen))
+
+    attn_out = torch.empty_like(q)
+    for length in (1, 17, 64, 777):
+        set_inputs(length, length)
+        want = layer(False, attn_out)
+        got = layer(True, attn_out)
+        for a, b in zip(got, want):
+            assert torch.isfinite(a).all()
+            rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            assert rel <= 2 * torch.finfo(dtype).eps, (length, rel)
+        assert not counters.any()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: compiles outside the capture
+        layer(True, attn_out), layer(False, attn_out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graphs, outs = {}, {}
+    for defer in (True, False):
+        graphs[defer] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[defer]):
+            outs[defer] = layer(defer, attn_out)
+    for seed, length in enumerate((5, 1200, 300)):
+        for defer in (True, False):
+            set_inputs(length, seed)
+            graphs[defer].replay()
+            eager = layer(defer, attn_out)
+            torch.cuda.synchronize()
+            assert torch.equal(outs[defer].h, eager.h), (defer, length)
+            assert torch.equal(outs[defer].normed, eager.normed), (defer, length)
+
+
 @pytest.mark.parametrize("prefix", ["none", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128], ids=["d64", "d128"])
