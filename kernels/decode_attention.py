@@ -21,10 +21,6 @@ the fixed order of the separate stage 2 kernel (same code, `_combine_head`), so 
 not depend on which split finished last. `fold_stage2=False` launches stage 2 as its own kernel,
 grid (B, H), to benchmark one against the other.
 
-With `defer_combine=True` the splits are left to the consumer: the call returns them
-(SplitPartials) and o_proj's gemv combines them as it reads its x (kernels/gemv.py), so the
-store-barrier-counter-combine tail leaves every layer's chain (one row: the batch-1 decode).
-
 With `rope=DecodeRope(...)`, q and the new tokens' k come unrotated (straight from the qkv
 matmul): every split program rotates its q heads and the new k in registers (the bits of
 kernels/rotary_kv_store.py), the program whose split holds the new token stores it in the pool,
@@ -62,23 +58,6 @@ FOLD_BLOCK_S = 16  # the folded combine's split tile (TritonAttentionBackend's M
 DEFAULT_BLOCK_N = 64
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
-
-
-class SplitPartials(NamedTuple):
-    """A decode call's split outputs left for the consumer to combine
-    (decode_attention_fwd(..., defer_combine=True)): kernels/gemv.py's o_proj reads them as
-    its x (`gemv_residual(SplitPartials, ...)`), one row, instead of the last split program
-    combining them after a counter. Element (b, h, s, d) of the [B, H, D] output's splits is
-    out[((b * H + h) * num_splits + s) * head_dim + d], its log-sum-exp lse[(b * H + h) *
-    num_splits + s] (base 2; an empty split has -1e30 and zeros)."""
-
-    out: torch.Tensor  # fp32, the partial outputs acc / l
-    lse: torch.Tensor  # fp32
-    num_splits: int
-    batch_size: int
-    num_heads: int
-    head_dim: int
-    dtype: torch.dtype  # the attention output's (q's) dtype: the combined x is rounded to it
 
 
 class DecodeRope(NamedTuple):
@@ -428,7 +407,7 @@ def decode_attention_fwd(
     q: torch.Tensor,  # [B, H, D]
     k_buf: torch.Tensor,  # [num_slots + 1, KV, D]
     v_buf: torch.Tensor,  # [num_slots + 1, KV, D]
-    out: torch.Tensor | None,  # [B, H, D], written; None only where defer_combine defers
+    out: torch.Tensor,  # [B, H, D], written
     req_to_token: torch.Tensor,  # [max_reqs + 1, max_context] int32
     req_pool_indices: torch.Tensor,  # [B] int64
     seq_lens: torch.Tensor,  # [B] int64, KV length including the new token
@@ -438,19 +417,13 @@ def decode_attention_fwd(
     counters: torch.Tensor,  # int32, zeros, >= B * num_kv_heads (decode_counters), left zero
     *,
     fold_stage2: bool = True,  # False: the combine as a second kernel (to benchmark against)
-    defer_combine: bool = False,  # with splits: leave them to the consumer (SplitPartials)
     rope: DecodeRope | None = None,  # q (and rope.k) before rotary: rotate and store here
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-) -> SplitPartials | None:
-    """out = attention of q over the paged KV; with defer_combine and more than one split, out
-    is not written and the partials are returned instead (the consumer combines them)."""
+) -> None:
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
-    deferred = defer_combine and num_kv_splits > 1
-    assert out is not None or deferred, "out=None only where the combine is deferred"
-    out = q if out is None else out  # NOTE: a stand-in pointer, never written when deferred
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert q.stride(2) == 1 and out.stride(2) == 1
     assert k_buf.stride(2) == 1 and v_buf.stride(2) == 1 and req_to_token.stride(1) == 1
@@ -466,7 +439,7 @@ def decode_attention_fwd(
     partial_lse = workspace[split_size * head_dim : numel]
     block_d = triton.next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    folded = fold_stage2 and num_kv_splits > 1 and not deferred
+    folded = fold_stage2 and num_kv_splits > 1
     if rope is not None:
         assert rope.k.shape == rope.v.shape == (batch_size, num_kv_heads, head_dim)
         assert rope.k.stride(2) == 1 and rope.v.stride(2) == 1 and head_dim % 2 == 0
@@ -533,12 +506,8 @@ def decode_attention_fwd(
         HALF=head_dim // 2,
         EXACT_MUL=q.is_cuda,
     )
-    if deferred:
-        return SplitPartials(
-            partial_out, partial_lse, num_kv_splits, batch_size, num_heads, head_dim, q.dtype
-        )
     if num_kv_splits == 1 or folded:
-        return None
+        return
     _decode_stage2_kernel[(batch_size, num_heads)](
         partial_out,
         partial_lse,
@@ -553,4 +522,3 @@ def decode_attention_fwd(
         num_warps=4,
         **pdl,
     )
-    return None

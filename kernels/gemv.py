@@ -45,7 +45,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from batchrun.kernels.decode_attention import SplitPartials
 from batchrun.kernels.fused_norm import _normalize
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
@@ -78,48 +77,11 @@ def _w_tile(w_rows, in_n, k0, k_end, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(X, Lse, offs_m, M, stride_xm, k0, k_end, num_splits, BLOCK_K: tl.constexpr,
-            COMBINE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-            dtype: tl.constexpr):  # fmt: skip
-    """x [16, BLOCK_K] at K offset k0 (zeros past M and k_end: the tensor cores' padding); with
-    COMBINE, row 0 combined from the decode attention's splits (X, Lse: SplitPartials)."""
+def _x_tile(X, offs_m, M, stride_xm, k0, k_end, BLOCK_K: tl.constexpr):
+    """x [16, BLOCK_K] at K offset k0 (zeros past M and k_end: the tensor cores' padding)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    if COMBINE:
-        x = _combined_x_tile(X, Lse, offs_m, k0, k_end, num_splits, BLOCK_K, HEAD_DIM, BLOCK_S,
-                             dtype)  # fmt: skip
-    else:
-        mask = (offs_m[:, None] < M) & (offs_k < k_end)[None, :]
-        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
-    return x
-
-
-@triton.jit
-def _combined_x_tile(Parts, Lse, offs_m, k0, k_end, num_splits, BLOCK_K: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-                     dtype: tl.constexpr):  # fmt: skip
-    """Columns [k0, k0 + BLOCK_K) of the one-row attention output (whole heads: BLOCK_K a
-    multiple of HEAD_DIM, k0 of BLOCK_K), each head the combine of its splits as
-    kernels/decode_attention.py's `_combine_head` computes it (weights 2^(lse - max), the
-    weighted mean of the partials), rounded to dtype as its output is; put in row 0 of a
-    [16, BLOCK_K] tile over zero rows."""
-    HEADS: tl.constexpr = BLOCK_K // HEAD_DIM
-    offs_s = tl.arange(0, BLOCK_S)
-    heads = k0 // HEAD_DIM + tl.arange(0, HEADS)
-    in_k = heads * HEAD_DIM < k_end
-    part = heads[None, :] * num_splits + offs_s[:, None]  # [BLOCK_S, HEADS]
-    mask = (offs_s < num_splits)[:, None] & in_k[None, :]
-    # NOTE: .cg (L2): the decode kernel before wrote them, and this SM's L1 may hold an earlier
-    # layer's lines of the same workspace. One log-sum-exp a (split, head), not a column: as
-    # [BLOCK_S, BLOCK_K] tiles they took 16 KB of shared memory a pipeline stage (sm_90)
-    lse = tl.load(Lse + part, mask=mask, other=float("-inf"), cache_modifier=".cg")
-    lse = tl.where(in_k[None, :], lse, 0.0)  # past k_end: equal weights over zeros, x = 0
-    offs_d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(Parts + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                  mask=mask[:, :, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-    weight = tl.exp2(lse - tl.max(lse, 0)[None, :])  # split 0 always exists: a finite max
-    x = tl.sum(weight[:, :, None] * acc, 0) / tl.sum(weight, 0)[:, None]  # [HEADS, HEAD_DIM]
-    x = tl.reshape(x.to(dtype), [BLOCK_K])
-    return tl.where((offs_m == 0)[:, None], x[None, :], tl.zeros([16, 1], dtype=dtype))
+    mask = (offs_m[:, None] < M) & (offs_k < k_end)[None, :]
+    return tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -202,8 +164,6 @@ def _gemv_kernel(
     stride_ym,
     stride_rm,
     eps,
-    Lse,  # COMBINE: X is the decode attention's partial outputs, these their log-sum-exps
-    num_splits,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -214,9 +174,6 @@ def _gemv_kernel(
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
     PEEL: tl.constexpr,
-    COMBINE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -242,21 +199,18 @@ def _gemv_kernel(
     res = tl.zeros([16, BLOCK_N], dtype=Y.dtype.element_ty)
     if ADD_RES:  # read by every slice now, where its latency hides behind the loop
         res = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
-    x = _x_tile(X, Lse, offs_m, M, stride_xm, k_start, k_end, num_splits, BLOCK_K, COMBINE,
-                HEAD_DIM, BLOCK_S, W.dtype.element_ty)  # fmt: skip
+    x = _x_tile(X, offs_m, M, stride_xm, k_start, k_end, BLOCK_K)
     acc = _mma(tl.zeros([16, BLOCK_N], dtype=tl.float32), x, w, IEEE)
     acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     if SWIGLU:
         acc_up = _mma(acc_up, x, w_up, IEEE)
     if PEEL == 2:
-        x = _x_tile(X, Lse, offs_m, M, stride_xm, k_start + BLOCK_K, k_end, num_splits,
-                    BLOCK_K, COMBINE, HEAD_DIM, BLOCK_S, W.dtype.element_ty)  # fmt: skip
+        x = _x_tile(X, offs_m, M, stride_xm, k_start + BLOCK_K, k_end, BLOCK_K)
         acc = _mma(acc, x, w2, IEEE)
         if SWIGLU:
             acc_up = _mma(acc_up, x, w2_up, IEEE)
     for k0 in range(k_start + PEEL * BLOCK_K, k_end, BLOCK_K):
-        x = _x_tile(X, Lse, offs_m, M, stride_xm, k0, k_end, num_splits, BLOCK_K, COMBINE,
-                    HEAD_DIM, BLOCK_S, W.dtype.element_ty)  # fmt: skip
+        x = _x_tile(X, offs_m, M, stride_xm, k0, k_end, BLOCK_K)
         acc = _mma(acc, x, _w_tile(w_rows, in_n, k0, k_end, BLOCK_K), IEEE)
         if SWIGLU:
             acc_up = _mma(acc_up, x, _w_tile(up_rows, in_n, k0, k_end, BLOCK_K), IEEE)
@@ -359,7 +313,7 @@ def gemv(
 
 
 def gemv_residual(
-    x: torch.Tensor | SplitPartials,  # [M, K], as gemv's; or one row's attention splits
+    x: torch.Tensor,  # [M, K], as gemv's
     w: torch.Tensor,  # [N, K]
     residual: torch.Tensor,  # [M, N], x's dtype, unit stride along N; not written
     norm: tuple[torch.Tensor, float] | None = None,  # (weight [N], eps); only for M = 1
@@ -368,39 +322,22 @@ def gemv_residual(
     """h = x @ w.T + residual, rounded as torch's `linear(x, w) + residual`; with norm, also
     rmsnorm(h) * weight computed inside the kernel by the column tile that finishes last (the
     numerics of kernels/fused_norm.py), for a single row: the residual add and the norm that
-    sit between two decode matmuls without a kernel of their own. x may be the decode
-    attention's uncombined splits of one row (o_proj after `defer_combine`): each program
-    combines the columns it reads, as the attention's own combine would."""
-    (m, dtype), n = _rows_and_dtype(x), w.shape[0]
-    assert residual.shape == (m, n) and residual.dtype == dtype and residual.stride(1) == 1
+    sit between two decode matmuls without a kernel of their own."""
+    m, n = x.shape[0], w.shape[0]
+    assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1
     if norm is not None:
         weight, _ = norm
         assert m == 1, "the in-kernel norm takes one row (decode batch 1)"
-        assert weight.shape == (n,) and weight.dtype == dtype and weight.is_contiguous()
+        assert weight.shape == (n,) and weight.dtype == x.dtype and weight.is_contiguous()
     return ResidualStream(*_launch(x, w, config, False, residual, norm))
-
-
-def _rows_and_dtype(x: torch.Tensor | SplitPartials) -> tuple[int, torch.dtype]:
-    if isinstance(x, SplitPartials):
-        return x.batch_size, x.dtype
-    return x.shape[0], x.dtype
 
 
 def _launch(x, w, config, swiglu, residual, norm) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, normed): normed when norm is given, else None."""
-    parts = x if isinstance(x, SplitPartials) else None
-    if parts is not None:  # x is read as the combine of these (COMBINE)
-        assert parts.batch_size == 1, "the combine in o_proj takes one row (decode batch 1)"
-        assert parts.out.is_contiguous() and parts.lse.is_contiguous()
-        assert parts.head_dim & (parts.head_dim - 1) == 0, "head_dim: a power of two"
-        m, k, x = 1, parts.num_heads * parts.head_dim, parts.out
-        dtype, stride_xm = parts.dtype, k
-    else:
-        (m, k), dtype, stride_xm = x.shape, x.dtype, x.stride(0)
-        assert x.stride(1) == 1
+    m, k = x.shape
     n_rows, k_w = w.shape
-    assert k == k_w and m <= MAX_M and w.stride(1) == 1
-    assert dtype == w.dtype
+    assert k == k_w and m <= MAX_M and x.stride(1) == 1 and w.stride(1) == 1
+    assert x.dtype == w.dtype
     assert not swiglu or n_rows % 2 == 0
     n = n_rows // 2 if swiglu else n_rows
     # NOTE: with swiglu each program reads a tile of each half: the config of the whole matmul,
@@ -408,12 +345,10 @@ def _launch(x, w, config, swiglu, residual, norm) -> tuple[torch.Tensor, torch.T
     cfg = config or pick_config(m, n_rows, k)
     if swiglu and config is None:
         cfg = cfg._replace(block_n=max(16, cfg.block_n // 2))
-    if dtype == torch.float32:  # 4-byte tiles: fit the shared memory (227 KB on the H200)
+    if x.dtype == torch.float32:  # 4-byte tiles: fit the shared memory (227 KB on the H200)
         cfg = cfg._replace(block_k=min(cfg.block_k, 128), num_stages=min(cfg.num_stages, 2))
-    if parts is not None:  # K tiles of whole heads (block_k and head_dim: powers of two)
-        cfg = cfg._replace(block_k=max(cfg.block_k, parts.head_dim))
     # the w tiles in flight (two a stage with swiglu) within the shared memory, x's tiles aside
-    tile_bytes = (2 if swiglu else 1) * cfg.block_n * cfg.block_k * w.element_size()
+    tile_bytes = (2 if swiglu else 1) * cfg.block_n * cfg.block_k * x.element_size()
     while cfg.num_stages > 1 and tile_bytes * cfg.num_stages > SMEM_FOR_W:
         cfg = cfg._replace(num_stages=cfg.num_stages - 1)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -421,31 +356,28 @@ def _launch(x, w, config, swiglu, residual, norm) -> tuple[torch.Tensor, torch.T
     tiles = triton.cdiv(n, cfg.block_n)
     if tiles > NUM_COUNTERS:
         split_k, k_per_split = 1, k
-    y = torch.empty((m, n), dtype=dtype, device=w.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     normed = None if norm is None else torch.empty_like(y)
     if m == 0 or n == 0:
         return y, normed
-    counters = split_counters(w.device)
+    counters = split_counters(x.device)
     # fp32 planes of the K slices' partial sums (without split-K the kernel never reads them)
     ws = (
         y
         if split_k == 1
-        else torch.empty(split_k * m * n_rows, dtype=torch.float32, device=w.device)
+        else torch.empty(split_k * m * n_rows, dtype=torch.float32, device=x.device)
     )
     # NOTE: absent operands get y as a stand-in pointer: their constexpr flag prunes every access
     r = y if residual is None else residual
     norm_w, eps = (y, 0.0) if norm is None else norm
-    pdl = pdl_launch_kwargs(w)
+    pdl = pdl_launch_kwargs(x)
     _gemv_kernel[(tiles, split_k)](
         x, w, y, ws, counters, r, norm_w, y if normed is None else normed, m, n, k, k_per_split,
-        n * w.stride(0), stride_xm, w.stride(0), y.stride(0), r.stride(0), eps,
-        y if parts is None else parts.lse, 1 if parts is None else parts.num_splits,
+        n * w.stride(0), x.stride(0), w.stride(0), y.stride(0), r.stride(0), eps,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu,
         ADD_RES=residual is not None, NORM_OUT=norm is not None,
         BLOCK_ROW=triton.next_power_of_2(n) if norm is not None else 1,
-        IEEE=dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PEEL=1 if os.environ.get(GEMV_PEEL_ENV) == "1" else 2, COMBINE=parts is not None,
-        HEAD_DIM=1 if parts is None else parts.head_dim,
-        BLOCK_S=1 if parts is None else triton.next_power_of_2(parts.num_splits), **pdl,
+        IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PEEL=1 if os.environ.get(GEMV_PEEL_ENV) == "1" else 2, **pdl,
     )  # fmt: skip
     return y, normed

@@ -10,7 +10,6 @@ attends each request's new queries over all of that request's KV (cached prefix 
 
 `forward_rotary` is `forward` of q and k before rotary: by default it rotates them and calls
 `forward`; a backend may do the rotation inside its KV store (TritonAttentionBackend: one kernel).
-`forward_rotary_splits` may leave a one-row decode's KV splits for the caller to combine.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from batchrun.kernels.decode_attention import SplitPartials
     from batchrun.models.layers import RotaryEmbedding
 
 
@@ -77,21 +75,6 @@ class AttentionBackend:
         rotated in place (strided views of the qkv projection included)."""
         q, k = rotary(positions, q, k)
         return self.forward(q, k, v, layer_id, scaling, out)
-
-    def forward_rotary_splits(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer_id: int,
-        scaling: float,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-    ) -> torch.Tensor | SplitPartials:
-        """`forward_rotary`, for a caller that combines a one-row decode's KV splits itself
-        (kernels/gemv.py's o_proj, `gemv_residual`): a backend may return the splits uncombined
-        (SplitPartials) instead of the [T, H * D] output. This default combines."""
-        return self.forward_rotary(q, k, v, layer_id, scaling, positions, rotary)
 
     def graph_static_inputs(self) -> tuple[tuple[torch.Tensor, ...], int, int] | None:
         """For CUDA-graph runners that fill the decode graphs' inputs themselves, in one kernel

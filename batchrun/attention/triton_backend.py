@@ -39,7 +39,6 @@ import torch
 from batchrun.attention.base import AttentionBackend, AttentionInputs
 from batchrun.kernels.decode_attention import (
     DecodeRope,
-    SplitPartials,
     decode_attention_fwd,
     decode_counters,
     decode_workspace_numel,
@@ -62,9 +61,6 @@ DECODE_ROPE_ENV = "BATCHRUN_DECODE_ROPE"
 # the one measurement with it on for every batch size (W1 -20 %) ran first on a cold Triton
 # cache, which alone cost the same whichever variant ran first (calls 4-5), so it is unmeasured
 DECODE_ROPE_MAX_BS = 16
-# "0": a one-row graph decode combines its KV splits in the decode kernel (its fold), not in
-# o_proj's gemv as o_proj reads them (forward_rotary_splits); read on every call, as the fold's
-OPROJ_COMBINE_ENV = "BATCHRUN_OPROJ_COMBINE"
 # split the KV until the decode grid has this many programs per SM. NOTE: measured on the H200,
 # 64 x 1024 tokens with 8 KV heads (512 programs unsplit) read 3.4 TB/s unsplit, 3.1 in 2 splits
 # and 2.8 in 16: splitting pays only where the grid would leave SMs idle
@@ -178,28 +174,6 @@ class TritonAttentionBackend(AttentionBackend):
         num_tokens, num_heads, head_dim = q.shape
         return out.view(num_tokens, num_heads * head_dim)
 
-    def forward_rotary_splits(
-        self, q, k, v, layer_id: int, scaling: float, positions, rotary
-    ) -> torch.Tensor | SplitPartials:
-        """forward_rotary, with a one-row CUDA-graph decode's KV splits left uncombined
-        (decode_attention_fwd's defer_combine) where the decode kernel rotates and stores
-        itself: the caller's o_proj combines them as it reads them (kernels/gemv.py), so the
-        decode kernel's split counter and last-program combine leave the layer's chain.
-        BATCHRUN_OPROJ_COMBINE=0 combines here (the decode kernel's fold)."""
-        loc = self._out_cache_loc()
-        plan = self._plan
-        if (
-            os.environ.get(OPROJ_COMBINE_ENV) == "0"
-            or q.shape[0] != 1
-            or q.shape[2] & (q.shape[2] - 1)  # the gemv's combine takes power-of-two heads
-            or not self._rotates_in_decode(layer_id, loc, q, k, v, positions, rotary)
-            or plan.num_kv_splits == 1
-        ):
-            return self.forward_rotary(q, k, v, layer_id, scaling, positions, rotary)
-        k_buf, v_buf = self.kv_pool.buffers(layer_id)
-        rope = DecodeRope(k, v, loc, positions, rotary.cos_cache, rotary.sin_cache)
-        return self._decode(plan, q, k_buf, v_buf, None, scaling, rope, defer_combine=True)
-
     def _rotates_in_decode(self, layer_id, loc, q, k, v, positions, rotary) -> bool:
         """Whether forward_rotary takes the decode kernel's own rotary and store: a CUDA-graph
         decode plan of at most DECODE_ROPE_MAX_BS rows, the Triton rotary-store conditions
@@ -238,18 +212,14 @@ class TritonAttentionBackend(AttentionBackend):
             self._extend(plan, q, k_buf, v_buf, out, scaling)
         return out.view(num_tokens, num_heads * head_dim)
 
-    def _decode(
-        self, plan: _DecodePlan, q, k_buf, v_buf, out, scaling: float, rope=None,
-        defer_combine: bool = False,
-    ) -> SplitPartials | None:  # fmt: skip
+    def _decode(self, plan: _DecodePlan, q, k_buf, v_buf, out, scaling: float, rope=None) -> None:
         bs, num_heads, head_dim = q.shape
         workspace = self._get_workspace(plan, bs, num_heads, head_dim)
         counters = self._get_counters(plan, bs)
-        return decode_attention_fwd(
+        decode_attention_fwd(
             q, k_buf, v_buf, out, self.req_to_token, plan.req_pool_indices, plan.seq_lens,
             scaling, plan.num_kv_splits, workspace, counters,
-            fold_stage2=os.environ.get(DECODE_FOLD_ENV) != "0", defer_combine=defer_combine,
-            rope=rope,
+            fold_stage2=os.environ.get(DECODE_FOLD_ENV) != "0", rope=rope,
         )  # fmt: skip
 
     def _extend(self, plan: _ExtendPlan, q, k_buf, v_buf, out, scaling: float) -> None:

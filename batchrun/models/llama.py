@@ -84,14 +84,6 @@ class Attention(nn.Module):
         q, k, v = self.split_heads(qkv)
         return backend.forward_rotary(q, k, v, self.layer_id, self.scaling, positions, rotary)
 
-    def attention_splits(self, qkv, positions, rotary: RotaryEmbedding, backend):
-        """`attention`, where the caller's o_proj may combine the KV splits of a one-row decode
-        itself (`backend.forward_rotary_splits`): [T, H * D] or SplitPartials."""
-        q, k, v = self.split_heads(qkv)
-        return backend.forward_rotary_splits(
-            q, k, v, self.layer_id, self.scaling, positions, rotary
-        )
-
     def split_heads(self, qkv):
         """q [T, H, D], k and v [T, KV, D] from the qkv projection, q/k norm applied (Qwen3
         normalizes before rotary)."""
@@ -198,9 +190,7 @@ class DecoderLayer(nn.Module):
         from batchrun.kernels.gemv import gemv, gemv_residual
 
         attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
-        # NOTE: out may be the attention's uncombined splits, which o_proj's gemv combines
-        qkv = gemv(normed, attn.qkv_proj.weight)
-        out = attn.attention_splits(qkv, positions, rotary, backend)
+        out = attn.attention(gemv(normed, attn.qkv_proj.weight), positions, rotary, backend)
         h, normed = gemv_residual(out, attn.o_proj.weight, h, norm=(post.weight, post.eps))
         if os.environ.get(GEMV_SWIGLU_ENV) == "0":
             act = silu_and_mul(gemv(normed, mlp.gate_up_proj.weight))

@@ -188,81 +188,12 @@ def _check_decode_rope(dtype) -> None:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 
 
-def _check_combine_in_gemv(dtype) -> None:
-    """The decode attention's splits left uncombined (defer_combine) and combined by o_proj's
-    gemv as it reads them (gemv_residual of SplitPartials) against the decode kernel's own
-    combine then gemv_residual: the same bits, for K tiles of one head and several (a ragged
-    last tile among them), with and without split-K; and through the backend's
-    forward_rotary_splits on a one-row graph plan (BATCHRUN_OPROJ_COMBINE on and off)."""
-    import os
-
-    from batchrun.kernels.decode_attention import (
-        SplitPartials,
-        decode_attention_fwd,
-        decode_counters,
-        decode_workspace_numel,
-    )
-    from batchrun.kernels.gemv import GemvConfig, gemv_residual
-
-    import batchrun.models.layers as layers
-    from batchrun.attention.triton_backend import OPROJ_COMBINE_ENV, TritonAttentionBackend
-    from batchrun.models.layers import RotaryEmbedding
-
-    gen = torch.Generator().manual_seed(13)
-    pool, table, inputs, q, k, v = _make_batch([70], [1], 6, 2, 32, dtype)
-    pool.store(0, inputs.out_cache_loc, k, v)
-    w = (torch.randn(40, 6 * 32, generator=gen) * 0.1).to(dtype)
-    residual = torch.randn(1, 40, generator=gen).to(dtype)
-    counters = decode_counters(1, 2, "cpu")
-    # K tiles of one head, two, four (ragged: 6 heads), the default (one ragged tile)
-    configs = (GemvConfig(16, 32, 1), GemvConfig(16, 32, 2), GemvConfig(16, 64, 2),
-               GemvConfig(16, 128, 1), None)  # fmt: skip
-    for splits in (2, 3, 4):
-        workspace = torch.full((decode_workspace_numel(1, 6, 32, splits),), float("nan"))
-        out = torch.full_like(q, float("nan"))
-        args = (table, inputs.req_pool_indices, inputs.seq_lens, 0.2, splits, workspace, counters)
-        decode_attention_fwd(q, *pool.buffers(0), out, *args, block_n=16)
-        parts = decode_attention_fwd(q, *pool.buffers(0), None, *args, block_n=16,
-                                     defer_combine=True)  # fmt: skip
-        assert isinstance(parts, SplitPartials) and parts.num_splits == splits
-        for cfg in configs:
-            want = gemv_residual(out.view(1, -1), w, residual, config=cfg).h
-            got = gemv_residual(parts, w, residual, config=cfg).h
-            assert torch.equal(got, want), (splits, cfg)
-            assert not counters.any()
-        # K tiles narrower than a head are widened to one
-        got = gemv_residual(parts, w, residual, config=GemvConfig(16, 16, 1)).h
-        assert torch.equal(got, gemv_residual(parts, w, residual, config=configs[0]).h)
-
-    # through the backend: a one-row graph plan returns the splits, which o_proj combines
-    rotary = RotaryEmbedding(32, 256, 10000.0, {}, "cpu")
-    positions = inputs.seq_lens - 1
-    results = []
-    use_fused = layers.use_fused_kernels
-    layers.use_fused_kernels = lambda x: True
-    try:
-        for switch in ("0", "1"):
-            os.environ[OPROJ_COMBINE_ENV] = switch
-            backend = TritonAttentionBackend(pool, table)
-            backend.init_graph_buffers(1)
-            backend.prepare_graph(1)
-            backend.load_graph_inputs(inputs, 1)
-            out = backend.forward_rotary_splits(q.clone(), k, v, 0, 0.2, positions, rotary)
-            assert isinstance(out, SplitPartials) == (switch == "1")
-            results.append(gemv_residual(out, w, residual).h)
-    finally:
-        layers.use_fused_kernels = use_fused
-        os.environ.pop(OPROJ_COMBINE_ENV, None)
-    assert torch.equal(results[0], results[1])
-
-
 def _run_checks() -> None:
     from batchrun.kernels.extend_attention import extend_attention_fwd
 
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
         _check_decode(dtype, tol)
         _check_decode_rope(dtype)
-        _check_combine_in_gemv(dtype)
 
         extend_lens, prefix_lens = [1, 20, 40], [0, 17, 30]
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
