@@ -29,10 +29,6 @@ before its PDL wait (the older tokens and the step's inputs were written two or 
 back), leaving the new token out of every load. One launch a layer fewer
 than rotary_kv_store + this kernel; the backend takes it for decode graphs of up to 16 rows.
 
-With `l2_prefetch=` (the rope path on sm_90), the programs also ask L2 for a tensor the caller
-reads next (o_proj's weight), in bulk prefetches right after the PDL wait: the qkv matmul is
-done then, and the memory bus would idle while the attention computes.
-
 The grid depends only on B, the KV head count and num_kv_splits, and nothing is read back to the
 host, so the launches can be captured in a CUDA graph and replayed with other seq_lens.
 
@@ -104,31 +100,6 @@ def _rope_rows(X, offs_rows, mask_rows, c, s, offs_d, mask_d, HALF: tl.constexpr
     p1 = _mul_rn(x.to(tl.float32), c[None, :] + zeros, EXACT).to(dtype).to(tl.float32)
     p2 = _mul_rn(xp.to(tl.float32), s[None, :] + zeros, EXACT).to(dtype).to(tl.float32)
     return tl.where((offs_d < HALF)[None, :], p1 - p2, p1 + p2).to(dtype)
-
-
-@triton.jit
-def _l2_prefetch_share(Base, total_units, program, num_programs, PARTS: tl.constexpr):
-    """Ask L2 for this program's share of the total_units 16-byte units at Base (16-byte
-    aligned): a contiguous range a program, in PARTS bulk prefetches (sm_90's TMA unit; one a
-    thread), which hold no register or shared memory while in flight. A hint: never an error,
-    and nothing waits for it."""
-    elem_units: tl.constexpr = 16 // (Base.dtype.element_ty.primitive_bitwidth // 8)
-    per_program = tl.cdiv(total_units, num_programs)
-    first = program.to(tl.int64) * per_program
-    units = tl.maximum(tl.minimum(per_program, total_units - first), 0)
-    per_part = tl.cdiv(units, PARTS)
-    part = tl.arange(0, PARTS).to(tl.int64)
-    n_units = tl.maximum(tl.minimum(per_part, units - part * per_part), 0)
-    ptrs = Base + (first + part * per_part) * elem_units
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        constraints="=r,l,r",
-        args=[ptrs, (n_units * 16).to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @triton.jit
@@ -205,10 +176,6 @@ def _decode_stage1_kernel(
     ROTARY: tl.constexpr,  # q and the new k raw: rotate them here, store the new k and v
     HALF: tl.constexpr,
     EXACT_MUL: tl.constexpr,
-    Prefetch,  # PREFETCH: a tensor the caller reads next (o_proj's weight), asked of L2 here
-    prefetch_units,  # its 16-byte units
-    PREFETCH: tl.constexpr,
-    PREFETCH_PARTS: tl.constexpr,
 ):
     if not ROTARY:
         pdl_wait(PDL)  # every input is an earlier kernel's output
@@ -255,10 +222,6 @@ def _decode_stage1_kernel(
         c, sn = c.to(tl.float32), sn.to(tl.float32)
         slot = tl.load(Loc + b).to(tl.int64)
         pdl_wait(PDL)
-        if PREFETCH:  # the qkv matmul is done: the memory bus idles while this kernel computes
-            program = (b * tl.num_programs(1) + kvh) * tl.num_programs(2) + split
-            num_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-            _l2_prefetch_share(Prefetch, prefetch_units, program, num_programs, PREFETCH_PARTS)
         q = _rope_rows(Q + b * stride_qb, heads * stride_qh, mask_h, c, sn, offs_d, mask_d,
                        HALF, EXACT_MUL)  # fmt: skip
         one = tl.arange(0, 1)
@@ -455,7 +418,6 @@ def decode_attention_fwd(
     *,
     fold_stage2: bool = True,  # False: the combine as a second kernel (to benchmark against)
     rope: DecodeRope | None = None,  # q (and rope.k) before rotary: rotate and store here
-    l2_prefetch: torch.Tensor | None = None,  # rope only: read next by the caller (a hint)
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -488,16 +450,6 @@ def decode_attention_fwd(
     r = rope or DecodeRope(q, q, seq_lens, seq_lens, workspace[None, :], workspace[None, :])
 
     pdl = pdl_launch_kwargs(q)
-    # NOTE: the bulk prefetch needs sm_90, as PDL does (and no interpreter); whole 16-byte units
-    prefetch = (
-        l2_prefetch is not None
-        and rope is not None
-        and pdl["PDL"]
-        and l2_prefetch.is_contiguous()
-        and l2_prefetch.data_ptr() % 16 == 0
-    )
-    pf = l2_prefetch if prefetch else q
-    pf_units = pf.numel() * pf.element_size() // 16 if prefetch else 0
     _decode_stage1_kernel[(batch_size, num_kv_heads, num_kv_splits)](
         q,
         k_buf,
@@ -553,10 +505,6 @@ def decode_attention_fwd(
         ROTARY=rope is not None,
         HALF=head_dim // 2,
         EXACT_MUL=q.is_cuda,
-        Prefetch=pf,
-        prefetch_units=pf_units,
-        PREFETCH=prefetch,
-        PREFETCH_PARTS=32 * (num_warps or DEFAULT_NUM_WARPS),
     )
     if num_kv_splits == 1 or folded:
         return

@@ -53,11 +53,7 @@ from host_phases import HostPhases  # noqa: E402
 from source_tree import git_commit  # noqa: E402
 from triton_compiles import CompileLog  # noqa: E402
 
-from batchrun.attention.triton_backend import (  # noqa: E402
-    DECODE_FOLD_ENV,
-    DECODE_PREFETCH_ENV,
-    DECODE_ROPE_ENV,
-)
+from batchrun.attention.triton_backend import DECODE_FOLD_ENV, DECODE_ROPE_ENV  # noqa: E402
 from batchrun.engine.cuda_graph import GRAPH_INPUTS_ENV  # noqa: E402
 from batchrun.engine.kv_pool import ROTARY_STORE_ENV  # noqa: E402
 from batchrun.models.layers import GEMV_ENV, GEMV_NORM_ENV, GEMV_SWIGLU_ENV  # noqa: E402
@@ -84,7 +80,6 @@ VARIANTS = (
     "post-norm-fusion",
     "graph-input-copies",
     "gemv-peel-1",
-    "decode-prefetch",
     "no-piecewise",
     "piecewise",
     "hf",
@@ -110,8 +105,6 @@ VARIANT_ENV = {
     # the decode graphs' inputs by copies and index kernels, not kernels/graph_inputs.py
     "graph-input-copies": {GRAPH_INPUTS_ENV: "0"},
     "gemv-peel-1": {GEMV_PEEL_ENV: "1"},  # one weight tile a gemv program before its PDL wait
-    # the rope decode kernel asks L2 for o_proj's weight once the qkv matmul is done
-    "decode-prefetch": {DECODE_PREFETCH_ENV: "1"},
 }
 # NOTE: every switch any variant sets is cleared around each engine (only GEMV and PDL were, so
 # a variant's other switches leaked into the engines after it in the same run)

@@ -70,12 +70,9 @@ class AttentionBackend:
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         out: torch.Tensor | None = None,
-        l2_prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` of q and k before rotary: `rotary(positions, q, k)` first. q and k may be
-        rotated in place (strided views of the qkv projection included). l2_prefetch: a hint,
-        the tensor the caller reads next (o_proj's weight), which a backend may ask L2 for
-        while it attends; this default ignores it."""
+        rotated in place (strided views of the qkv projection included)."""
         q, k = rotary(positions, q, k)
         return self.forward(q, k, v, layer_id, scaling, out)
 

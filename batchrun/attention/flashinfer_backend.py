@@ -183,9 +183,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         return self._run(q, layer_id, out)
 
     def forward_rotary(
-        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None,
-        l2_prefetch=None,
-    ) -> torch.Tensor:  # fmt: skip
+        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None
+    ) -> torch.Tensor:
         """forward() of q and k before rotary, rotated in the KV store's kernel
         (KVPool.store_rotated): k stays unrotated, which is safe because the wrappers read keys
         only from the pool."""

@@ -61,9 +61,6 @@ DECODE_ROPE_ENV = "BATCHRUN_DECODE_ROPE"
 # the one measurement with it on for every batch size (W1 -20 %) ran first on a cold Triton
 # cache, which alone cost the same whichever variant ran first (calls 4-5), so it is unmeasured
 DECODE_ROPE_MAX_BS = 16
-# "1": the rope decode kernel asks L2 for o_proj's weight once the qkv matmul is done (read on
-# every call, as the fold's switch; a CUDA graph keeps what it captured)
-DECODE_PREFETCH_ENV = "BATCHRUN_DECODE_PREFETCH"
 # split the KV until the decode grid has this many programs per SM. NOTE: measured on the H200,
 # 64 x 1024 tokens with 8 KV heads (512 programs unsplit) read 3.4 TB/s unsplit, 3.1 in 2 splits
 # and 2.8 in 16: splitting pays only where the grid would leave SMs idle
@@ -156,17 +153,15 @@ class TritonAttentionBackend(AttentionBackend):
         return self._attend(q, layer_id, scaling, out)
 
     def forward_rotary(
-        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None,
-        l2_prefetch=None,
-    ) -> torch.Tensor:  # fmt: skip
+        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None
+    ) -> torch.Tensor:
         """forward() of q and k before rotary. A CUDA-graph decode batch of up to
         DECODE_ROPE_MAX_BS rows: the decode kernel rotates q and the new k itself and stores
         the new k and v (kernels/decode_attention.py's DecodeRope), reading the older KV before
         its PDL wait. Otherwise one kernel rotates q in place and stores the rotated k with v
         (KVPool.store_rotated), then the attention; the same bits. k stays unrotated either
         way, which is safe because the decode and extend kernels read keys only from the
-        pool. On that decode kernel's path, with BATCHRUN_DECODE_PREFETCH=1, its programs ask
-        L2 for l2_prefetch (o_proj's weight) once the qkv matmul is done."""
+        pool."""
         loc = self._out_cache_loc()
         plan = self._plan
         if not self._rotates_in_decode(layer_id, loc, q, k, v, positions, rotary):
@@ -175,9 +170,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q) if out is None else out
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
         rope = DecodeRope(k, v, loc, positions, rotary.cos_cache, rotary.sin_cache)
-        if os.environ.get(DECODE_PREFETCH_ENV) != "1":
-            l2_prefetch = None
-        self._decode(plan, q, k_buf, v_buf, out, scaling, rope, l2_prefetch)
+        self._decode(plan, q, k_buf, v_buf, out, scaling, rope)
         num_tokens, num_heads, head_dim = q.shape
         return out.view(num_tokens, num_heads * head_dim)
 
@@ -219,10 +212,7 @@ class TritonAttentionBackend(AttentionBackend):
             self._extend(plan, q, k_buf, v_buf, out, scaling)
         return out.view(num_tokens, num_heads * head_dim)
 
-    def _decode(
-        self, plan: _DecodePlan, q, k_buf, v_buf, out, scaling: float, rope=None,
-        l2_prefetch=None,
-    ) -> None:  # fmt: skip
+    def _decode(self, plan: _DecodePlan, q, k_buf, v_buf, out, scaling: float, rope=None) -> None:
         bs, num_heads, head_dim = q.shape
         workspace = self._get_workspace(plan, bs, num_heads, head_dim)
         counters = self._get_counters(plan, bs)
@@ -230,7 +220,6 @@ class TritonAttentionBackend(AttentionBackend):
             q, k_buf, v_buf, out, self.req_to_token, plan.req_pool_indices, plan.seq_lens,
             scaling, plan.num_kv_splits, workspace, counters,
             fold_stage2=os.environ.get(DECODE_FOLD_ENV) != "0", rope=rope,
-            l2_prefetch=l2_prefetch,
         )  # fmt: skip
 
     def _extend(self, plan: _ExtendPlan, q, k_buf, v_buf, out, scaling: float) -> None:

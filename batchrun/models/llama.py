@@ -82,10 +82,7 @@ class Attention(nn.Module):
         """[T, H * D] from the qkv projection: q/k norm, then rotary and attention by the
         backend, which may rotate inside its KV store (one kernel instead of two)."""
         q, k, v = self.split_heads(qkv)
-        return backend.forward_rotary(
-            q, k, v, self.layer_id, self.scaling, positions, rotary,
-            l2_prefetch=self.o_proj.weight,  # what the caller reads next
-        )  # fmt: skip
+        return backend.forward_rotary(q, k, v, self.layer_id, self.scaling, positions, rotary)
 
     def split_heads(self, qkv):
         """q [T, H, D], k and v [T, KV, D] from the qkv projection, q/k norm applied (Qwen3

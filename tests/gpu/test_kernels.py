@@ -263,49 +263,6 @@ def test_decode_rope_graph_replay():
         assert torch.equal(k_buf, eager_pool[0]) and torch.equal(v_buf, eager_pool[1])
 
 
-@pytest.mark.parametrize("weight_shape", [(4096, 4096), (2048, 2048), (3, 1001)])
-def test_decode_l2_prefetch_changes_nothing(weight_shape):
-    """The rope decode kernel asking L2 for a weight (l2_prefetch; bulk prefetches on sm_90)
-    gives the bits and the pool it gives without, eagerly and replayed in a CUDA graph; a
-    weight of a ragged byte count (not whole 16-byte units) included."""
-    from batchrun.kernels.decode_attention import DecodeRope
-
-    from batchrun.models.layers import RotaryEmbedding
-
-    num_heads, num_kv_heads, head_dim, splits, scaling = 32, 8, 128, 16, 128**-0.5
-    pool, table, inputs, q, k, v = make_batch(
-        [700], [1], num_heads, num_kv_heads, head_dim, torch.bfloat16
-    )
-    rotary = RotaryEmbedding(head_dim, 2048, 500000.0, {}, DEV)
-    positions = inputs.seq_lens - 1
-    rope = DecodeRope(k, v, inputs.out_cache_loc, positions, rotary.cos_cache, rotary.sin_cache)
-    weight = torch.randn(weight_shape, device=DEV).bfloat16()
-    workspace = torch.empty(decode_workspace_numel(1, num_heads, head_dim, splits), device=DEV)
-    counters = decode_counters(1, num_kv_heads, DEV)
-
-    def launch(bufs, out, prefetch):
-        decode_attention_fwd(
-            q, *bufs, out, table, inputs.req_pool_indices, inputs.seq_lens, scaling, splits,
-            workspace, counters, rope=rope, l2_prefetch=prefetch,
-        )  # fmt: skip
-
-    results = []
-    for prefetch in (None, weight):
-        bufs = tuple(b.clone() for b in pool.buffers(0))
-        out = torch.full_like(q, float("nan"))
-        launch(bufs, out, prefetch)
-        results.append((out, *bufs))
-    assert all(torch.equal(a, b) for a, b in zip(*results))
-    bufs, out = tuple(b.clone() for b in pool.buffers(0)), torch.full_like(q, float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch(bufs, out, weight)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip((out, *bufs), results[0]))
-    assert not counters.any()
-
-
 def test_decode_folded_graph_replay():
     """decode_attention_fwd (folded) captured in a CUDA graph, replayed with other seq_lens: the
     counters left zero by every replay and the output bit-identical to eager (folded)."""
