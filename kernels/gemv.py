@@ -18,6 +18,7 @@ the planes cost two more launches a matmul and broke the PDL chain (kernels/pdl.
     y = gemv(x, w, config=GemvConfig(...))  # scripts/bench_gemv.py sweeps these on the device
     a = gemv(x, w_gate_up, swiglu=True)     # silu(x @ w_gate.T) * (x @ w_up.T), [M, N / 2]
     h, normed = gemv_residual(x, w, residual, norm=(g, eps))  # x @ w.T + residual; rmsnorm(h) * g
+    y = gemv_rms(h, rms_fold_weight(w, g), eps)  # rmsnorm(h) * g @ w.T, the norm in the matmul
 
 gemv_residual adds the residual in the epilogue and, for one row, normalizes it in the column
 tile that finishes last (a second counter, past the split counters, the same release / acquire):
@@ -170,6 +171,7 @@ def _gemv_kernel(
     SWIGLU: tl.constexpr,
     ADD_RES: tl.constexpr,
     NORM_OUT: tl.constexpr,
+    NORM_IN: tl.constexpr,  # x is the raw residual row, w the weight times the norm's: rstd last
     BLOCK_ROW: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
@@ -199,6 +201,9 @@ def _gemv_kernel(
     res = tl.zeros([16, BLOCK_N], dtype=Y.dtype.element_ty)
     if ADD_RES:  # read by every slice now, where its latency hides behind the loop
         res = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+    if NORM_IN:  # the whole row (one, unsplit), summed after the loop, where its latency hides
+        offs_row = tl.arange(0, BLOCK_ROW)
+        row = tl.load(X + offs_row, mask=offs_row < K, other=0.0).to(tl.float32)
     x = _x_tile(X, offs_m, M, stride_xm, k_start, k_end, BLOCK_K)
     acc = _mma(tl.zeros([16, BLOCK_N], dtype=tl.float32), x, w, IEEE)
     acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
@@ -214,6 +219,8 @@ def _gemv_kernel(
         acc = _mma(acc, x, _w_tile(w_rows, in_n, k0, k_end, BLOCK_K), IEEE)
         if SWIGLU:
             acc_up = _mma(acc_up, x, _w_tile(up_rows, in_n, k0, k_end, BLOCK_K), IEEE)
+    if NORM_IN:  # rmsnorm(x) * g @ w.T = rstd * (x @ (w * g).T): the norm's scale, last
+        acc = acc * tl.math.rsqrt(tl.sum(row * row, 0) / K + eps)
     out = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     dtype = Y.dtype.element_ty
     row_counter = Counters + ROW_COUNTER
@@ -312,6 +319,29 @@ def gemv(
     return _launch(x, w, config, swiglu, None, None)[0]
 
 
+def gemv_rms(
+    h: torch.Tensor,  # [1, K], the residual stream (unnormalized), unit stride
+    w_normed: torch.Tensor,  # [N, K]: w * g[None, :] (rms_fold_weight), h's dtype
+    eps: float,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """rmsnorm(h) * g @ w.T for one row, as rstd * (h @ (w * g).T): the RMSNorm before a matmul
+    inside it. Each program streams the whole row anyway (no K split), so it also sums its
+    squares, and the scale rstd multiplies the fp32 sums at the end: no kernel, no store and no
+    reload of the normalized row between the matmul before and this one. Rounding differs from
+    the norm kernel then gemv by the bf16 of w * g and of the unscaled sums (a relative 2^-8
+    or so per term), as any other reduction order would."""
+    assert h.shape[0] == 1 and w_normed.dtype == h.dtype
+    return _launch(h, w_normed, config, False, None, None, eps)[0]
+
+
+def rms_fold_weight(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """w * g[None, :] in w's dtype (computed in fp32): gemv_rms's weight for the RMSNorm of
+    weight g before the matmul of w."""
+    assert w.shape[1] == g.shape[0]
+    return (w.float() * g.float()[None, :]).to(w.dtype)
+
+
 def gemv_residual(
     x: torch.Tensor,  # [M, K], as gemv's
     w: torch.Tensor,  # [N, K]
@@ -332,8 +362,10 @@ def gemv_residual(
     return ResidualStream(*_launch(x, w, config, False, residual, norm))
 
 
-def _launch(x, w, config, swiglu, residual, norm) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(y, normed): normed when norm is given, else None."""
+def _launch(
+    x, w, config, swiglu, residual, norm, norm_in_eps: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y, normed): normed when norm is given, else None. norm_in_eps: gemv_rms."""
     m, k = x.shape
     n_rows, k_w = w.shape
     assert k == k_w and m <= MAX_M and x.stride(1) == 1 and w.stride(1) == 1
@@ -351,6 +383,8 @@ def _launch(x, w, config, swiglu, residual, norm) -> tuple[torch.Tensor, torch.T
     tile_bytes = (2 if swiglu else 1) * cfg.block_n * cfg.block_k * x.element_size()
     while cfg.num_stages > 1 and tile_bytes * cfg.num_stages > SMEM_FOR_W:
         cfg = cfg._replace(num_stages=cfg.num_stages - 1)
+    if norm_in_eps is not None:  # every program reads the whole row
+        cfg = cfg._replace(split_k=1)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)
     tiles = triton.cdiv(n, cfg.block_n)
@@ -370,13 +404,17 @@ def _launch(x, w, config, swiglu, residual, norm) -> tuple[torch.Tensor, torch.T
     # NOTE: absent operands get y as a stand-in pointer: their constexpr flag prunes every access
     r = y if residual is None else residual
     norm_w, eps = (y, 0.0) if norm is None else norm
+    if norm_in_eps is not None:
+        eps = norm_in_eps
     pdl = pdl_launch_kwargs(x)
     _gemv_kernel[(tiles, split_k)](
         x, w, y, ws, counters, r, norm_w, y if normed is None else normed, m, n, k, k_per_split,
         n * w.stride(0), x.stride(0), w.stride(0), y.stride(0), r.stride(0), eps,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu,
         ADD_RES=residual is not None, NORM_OUT=norm is not None,
-        BLOCK_ROW=triton.next_power_of_2(n) if norm is not None else 1,
+        NORM_IN=norm_in_eps is not None,
+        BLOCK_ROW=triton.next_power_of_2(n if norm_in_eps is None else k)
+        if norm is not None or norm_in_eps is not None else 1,
         IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         PEEL=1 if os.environ.get(GEMV_PEEL_ENV) == "1" else 2, **pdl,
     )  # fmt: skip

@@ -78,6 +78,7 @@ VARIANTS = (
     "no-norm-fusion",
     "norm-fusion",
     "post-norm-fusion",
+    "fold-norm-fusion",
     "graph-input-copies",
     "gemv-peel-1",
     "no-piecewise",
@@ -102,6 +103,8 @@ VARIANT_ENV = {
     "no-norm-fusion": {GEMV_NORM_ENV: "0"},
     "norm-fusion": {GEMV_NORM_ENV: "1"},  # also for models wider than GEMV_NORM_MAX_HIDDEN
     "post-norm-fusion": {GEMV_NORM_ENV: "post"},  # only the norm after the attention
+    # "post", and each input norm inside the qkv matmul (gemv_rms on folded weights)
+    "fold-norm-fusion": {GEMV_NORM_ENV: "fold"},
     # the decode graphs' inputs by copies and index kernels, not kernels/graph_inputs.py
     "graph-input-copies": {GRAPH_INPUTS_ENV: "0"},
     "gemv-peel-1": {GEMV_PEEL_ENV: "1"},  # one weight tile a gemv program before its PDL wait

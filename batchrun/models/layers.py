@@ -107,27 +107,39 @@ def swiglu_linear(
 
 # NOTE: "0" keeps the residual adds and norms of a one-row gemv decode batch in kernels of their
 # own, "1" moves both of a layer into the matmuls before them, "post" only the one after the
-# attention (into o_proj); unset: both for hidden sizes up to GEMV_NORM_MAX_HIDDEN, "post" above.
+# attention (into o_proj); unset: both for hidden sizes up to GEMV_NORM_MAX_HIDDEN, "fold" above.
 # On the H200 (W3, docs/benchmarks.md) both took llama-1b (hidden 2048) from 1.03-1.04 to 1.00
 # ms per token; on llama-8b (4096) both read 4.44-4.47 against 4.40-4.41 without (the last
 # column tile's norm of a 4096-wide row cost more than the kernel it saved after down_proj;
 # bench_gemv: down -> qkv 46.8 -> 48.8 µs, o -> gate_up 69.2 -> 67.9), and "post" 4.34 / 4.34
-# against 4.38-4.39 (eleventh session).
+# against 4.38-4.39 (eleventh session). "fold": "post", and each input norm inside the qkv
+# matmul after it (kernels/gemv.py's gemv_rms, on a copy of qkv's weight times the norm's):
+# llama-8b 4.29 / 4.29 / 4.29 against 4.33 / 4.33 / 4.33 for "post"; llama-1b 0.99 / 0.98
+# against 0.96 / 0.96 for "all" (thirteenth session, call 3), hence the width rule.
 GEMV_NORM_ENV = "BATCHRUN_GEMV_NORM"
 GEMV_NORM_MAX_HIDDEN = 2048
 
 
+def norm_fusion_mode(hidden: int) -> str | None:
+    """BATCHRUN_GEMV_NORM, else the width rule: "all" up to GEMV_NORM_MAX_HIDDEN, "fold" above;
+    None for "0"."""
+    switch = os.environ.get(GEMV_NORM_ENV)
+    if switch == "0":
+        return None
+    if switch == "1" or (switch not in ("post", "fold") and hidden <= GEMV_NORM_MAX_HIDDEN):
+        return "all"
+    return "post" if switch == "post" else "fold"
+
+
 def gemv_norm_fusion(x: torch.Tensor, decode_gemv: str | None) -> str | None:
     """Which of a layer's residual adds and RMSNorms a forward of x (the embeddings [T, hidden])
-    runs inside the decoder matmul before them (kernels/gemv.py's gemv_residual), every matmul
-    on kernels/gemv.py ("all" decode_gemv mode): "all" (after o_proj and after down_proj),
-    "post" (after o_proj only), or None."""
-    switch = os.environ.get(GEMV_NORM_ENV)
-    if switch == "0" or decode_gemv_mode(x, decode_gemv) != "all":
+    runs inside the decoder matmuls next to them, every matmul on kernels/gemv.py ("all"
+    decode_gemv mode): "all" (after o_proj and after down_proj, gemv_residual), "post" (after
+    o_proj only), "fold" ("post", and each input norm inside qkv's matmul: gemv_rms), or
+    None."""
+    if decode_gemv_mode(x, decode_gemv) != "all":
         return None
-    if switch == "1" or (switch != "post" and x.shape[-1] <= GEMV_NORM_MAX_HIDDEN):
-        return "all"
-    return "post"
+    return norm_fusion_mode(x.shape[-1])
 
 
 class RMSNorm(nn.Module):

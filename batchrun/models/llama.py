@@ -25,6 +25,7 @@ from batchrun.models.layers import (
     RotaryEmbedding,
     gemv_norm_fusion,
     linear,
+    norm_fusion_mode,
     swiglu_linear,
     use_fused_kernels,
 )
@@ -178,19 +179,27 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
     def forward_gemv(
-        self, h, normed, next_norm: RMSNorm, positions, rotary, backend, fuse_next: bool = True
-    ):
+        self, h, normed, next_norm: RMSNorm | None, positions, rotary, backend,
+        fuse_next: bool = True,
+    ):  # fmt: skip
         """The layer for a decode batch of one row with every matmul on kernels/gemv.py, in 6
-        kernels instead of 8: each residual add and the norm after it run inside the matmul
-        before (o_proj, down_proj: gemv_residual), the SwiGLU gate inside gate_up's. Takes h
-        (the residual stream) and normed (this layer's input norm of it); returns the next h and
-        next_norm (the next layer's input norm, or the final norm) of it. With fuse_next False
-        that norm is a kernel of its own after down_proj (which still adds the residual)."""
+        kernels instead of 8 (5 with "fold"): each residual add and the norm after it run
+        inside the matmul before (o_proj, down_proj: gemv_residual), the SwiGLU gate inside
+        gate_up's. Takes h (the residual stream) and normed (this layer's input norm of it);
+        returns the next h and next_norm (the next layer's input norm, or the final norm) of
+        it. With fuse_next False
+        that norm is a kernel of its own after down_proj (which still adds the residual).
+        "fold" (`fold_input_norms`): normed None means this layer's input norm runs inside its
+        qkv matmul (gemv_rms), and next_norm None that the next layer's does (returns h, None)."""
         from batchrun.kernels.activation import silu_and_mul
-        from batchrun.kernels.gemv import gemv, gemv_residual
+        from batchrun.kernels.gemv import gemv, gemv_residual, gemv_rms
 
         attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
-        out = attn.attention(gemv(normed, attn.qkv_proj.weight), positions, rotary, backend)
+        if normed is None:  # "fold": this layer's input norm inside the qkv matmul
+            qkv = gemv_rms(h, attn.qkv_weight_rms, self.input_layernorm.eps)
+        else:
+            qkv = gemv(normed, attn.qkv_proj.weight)
+        out = attn.attention(qkv, positions, rotary, backend)
         h, normed = gemv_residual(out, attn.o_proj.weight, h, norm=(post.weight, post.eps))
         if os.environ.get(GEMV_SWIGLU_ENV) == "0":
             act = silu_and_mul(gemv(normed, mlp.gate_up_proj.weight))
@@ -201,7 +210,7 @@ class DecoderLayer(nn.Module):
                 act, mlp.down_proj.weight, h, norm=(next_norm.weight, next_norm.eps)
             )
         h = gemv_residual(act, mlp.down_proj.weight, h).h
-        return h, next_norm(h)
+        return h, None if next_norm is None else next_norm(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -251,6 +260,15 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.decode_gemv = mode
+        cfg = self.config
+        if (
+            mode == "all"
+            and norm_fusion_mode(cfg.hidden_size) == "fold"
+            and self.layers
+            and not self.tp.is_parallel
+            and not (cfg.qkv_bias or cfg.mlp_bias)
+        ):
+            self.fold_input_norms()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -274,7 +292,9 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(batch.input_ids), None  # [T, hidden]
         fusion = self._norms_in_gemv(x)
         if fusion is not None:
-            return self.forward_gemv(x, batch, backend, fuse_input_norms=fusion == "all")
+            return self.forward_gemv(
+                x, batch, backend, fuse_input_norms=fusion == "all", fold=fusion == "fold"
+            )
         for layer in self.layers:
             x, residual = layer(x, residual, batch.positions, self.rotary, backend)
         return self.logits(x, residual, batch.logits_indices)
@@ -288,7 +308,22 @@ class LlamaForCausalLM(nn.Module):
             return None
         if cfg.qkv_bias or cfg.mlp_bias:
             return None
-        return gemv_norm_fusion(x, self.decode_gemv)
+        fusion = gemv_norm_fusion(x, self.decode_gemv)
+        if fusion == "fold" and not hasattr(self.layers[0].self_attn, "qkv_weight_rms"):
+            return "post"  # the folded weights were not made (fold_input_norms)
+        return fusion
+
+    def fold_input_norms(self) -> None:
+        """Each layer's qkv weight times its input norm's, for "fold" (gemv_rms): a copy, so
+        the other paths keep theirs (llama-8b: 1.6 GB; made with the model, before the KV pool
+        takes the free memory)."""
+        from batchrun.kernels.gemv import rms_fold_weight
+
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.qkv_weight_rms = rms_fold_weight(
+                attn.qkv_proj.weight.detach(), layer.input_layernorm.weight.detach()
+            )
 
     def forward_gemv(
         self,
@@ -296,16 +331,22 @@ class LlamaForCausalLM(nn.Module):
         batch: ForwardBatch,
         backend: AttentionBackend,
         fuse_input_norms: bool = True,
+        fold: bool = False,
     ) -> torch.Tensor:
         """`forward` of a one-row decode batch on kernels/gemv.py (DecoderLayer.forward_gemv):
         the first layer's input norm is a kernel, every later norm runs inside the matmul
         before it (without fuse_input_norms: only the post-attention norms; the input norms and
-        the final norm are kernels after down_proj). x: the embeddings [1, hidden]."""
+        the final norm are kernels after down_proj; with fold, the input norms run inside the
+        qkv matmul after them instead). x: the embeddings [1, hidden]."""
         from batchrun.kernels.gemv import gemv
 
         layers = self.layers
-        h, normed = x, layers[0].input_layernorm(x)
-        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        if fold:  # every input norm inside its qkv matmul; the final norm stays a kernel
+            h, normed = x, None
+            next_norms = [None] * (len(layers) - 1) + [self.norm]
+        else:
+            h, normed = x, layers[0].input_layernorm(x)
+            next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         for layer, next_norm in zip(layers, next_norms):
             h, normed = layer.forward_gemv(
                 h, normed, next_norm, batch.positions, self.rotary, backend, fuse_input_norms

@@ -198,8 +198,50 @@ def test_gemv_residual_norm_under_graph_capture():
         assert not split_counters(attn_out.device).any()
 
 
+@pytest.mark.parametrize("n,k", [(6144, 4096), (3072, 2048), (100, 300)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_rms_matches_norm_then_gemv(n, k, dtype):
+    """gemv_rms (the input RMSNorm inside the qkv matmul, on the folded weight) against the norm
+    kernel then gemv, in fp32 terms (bf16 / fp16 tolerance), every element written; and captured
+    in a CUDA graph after a gemv_residual (as a decode layer runs it), replayed with new inputs:
+    the eager bits."""
+    from batchrun.kernels.fused_norm import rms_norm
+    from batchrun.kernels.gemv import gemv_residual, gemv_rms, rms_fold_weight
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    h = (torch.randn(1, k, device="cuda", generator=g) * 4).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).to(dtype)
+    norm_w = (torch.rand(k, device="cuda", generator=g) + 0.5).to(dtype)
+    folded = rms_fold_weight(w, norm_w)
+    ref = F.linear(rms_norm(h, norm_w, 1e-5).float(), w.float())
+    out = gemv_rms(h, folded, 1e-5)
+    assert out.shape == (1, n) and torch.isfinite(out).all()
+    assert ((out.float() - ref).norm() / ref.norm()).item() <= TOL[dtype]
+
+    w_down = (torch.randn(k, 512, device="cuda", generator=g) * 0.05).to(dtype)
+    act, residual = torch.randn(1, 512, device="cuda", dtype=dtype), h.clone()
+
+    def chain():
+        return gemv_rms(gemv_residual(act, w_down, residual).h, folded, 1e-5)
+
+    chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = chain()
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        act.copy_(torch.randn(act.shape, device="cuda", generator=gen))
+        residual.copy_(torch.randn(residual.shape, device="cuda", generator=gen) * 4)
+        graph.replay()
+        want = chain()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, want)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-@pytest.mark.parametrize("mode", ["all", "all:no-norm-fusion", "all:post-norm-fusion"])
+@pytest.mark.parametrize(
+    "mode", ["all", "all:no-norm-fusion", "all:post-norm-fusion", "all:fold-norm-fusion"]
+)
 def test_engine_with_decode_gemv(kind, mode, tmp_path, monkeypatch):
     """BATCHRUN_GEMV=all (with the norms and residual adds inside the gemvs for one row, with
     only the post-attention ones (BATCHRUN_GEMV_NORM=post), and with BATCHRUN_GEMV_NORM=0) end
@@ -220,7 +262,8 @@ def test_engine_with_decode_gemv(kind, mode, tmp_path, monkeypatch):
     if ":" in mode:
         mode, fusion = mode.split(":")
         monkeypatch.setenv(
-            GEMV_NORM_ENV, {"no-norm-fusion": "0", "post-norm-fusion": "post"}[fusion]
+            GEMV_NORM_ENV,
+            {"no-norm-fusion": "0", "post-norm-fusion": "post", "fold-norm-fusion": "fold"}[fusion],
         )
 
     def run(on: bool):

@@ -175,8 +175,9 @@ def _check_model_wiring(tmp_dir: Path) -> None:
 def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
     """Forwards of a few tokens and of one token with BATCHRUN_GEMV=all (fp16, the tiny llama)
     give the torch path's logits: one row takes LlamaForCausalLM.forward_gemv (the residual
-    adds and norms inside the gemvs; BATCHRUN_GEMV_NORM=post: only the post-attention ones),
-    more rows or BATCHRUN_GEMV_NORM=0 the layers' forward."""
+    adds and norms inside the gemvs; BATCHRUN_GEMV_NORM=post: only the post-attention ones;
+    =fold: those, and the input norms inside the qkv matmuls on the folded weights), more rows
+    or BATCHRUN_GEMV_NORM=0 the layers' forward."""
     import os
 
     from tiny_models import make_tiny_model, random_prompts
@@ -193,11 +194,12 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
     forward_gemv = llama.LlamaForCausalLM.forward_gemv
 
     def counting(self, *args, **kwargs):
-        calls.append(1)
+        calls.append(kwargs.get("fold", False))
         return forward_gemv(self, *args, **kwargs)
 
     llama.LlamaForCausalLM.forward_gemv = counting
-    modes = (("all", None), ("all", "0"), ("all", "post"))
+    engine.runner.model.fold_input_norms()  # as set_decode_gemv("all") does under "fold"
+    modes = (("all", None), ("all", "0"), ("all", "post"), ("all", "fold"))
     prompts = random_prompts(3, seed=4, min_len=3, max_len=16) + [[5], [60]]
     try:
         for prompt in prompts:
@@ -217,6 +219,7 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
                     os.environ.pop(layers.GEMV_NORM_ENV, None)
                 takes = mode == "all" and norm_env != "0" and len(prompt) == 1
                 assert bool(calls) == takes, (mode, norm_env, len(prompt))
+                assert calls == [norm_env == "fold"] * len(calls), (calls, norm_env)
                 rel = ((fused - ref).norm() / ref.norm()).item()
                 assert rel <= 5e-3, (mode, norm_env, rel)
     finally:
@@ -265,6 +268,28 @@ def _check_gemv() -> None:
             assert torch.equal(gemv(x, w, cfg), got)
     _check_gemv_swiglu()
     _check_gemv_peel()
+    _check_gemv_rms()
+
+
+def _check_gemv_rms() -> None:
+    """gemv_rms (the RMSNorm inside the matmul: rstd * (h @ (w * g).T)) against rms_norm then
+    x @ w.T in fp32 (fp32 and fp16): ragged N and K, configs that ask for a K split (gemv_rms
+    takes none)."""
+    from batchrun.kernels.fused_norm import rms_norm
+    from batchrun.kernels.gemv import GemvConfig, gemv_rms, rms_fold_weight, split_counters
+
+    gen = torch.Generator().manual_seed(14)
+    cases = [(100, 300, None), (64, 512, GemvConfig(32, 128, 4)), (40, 1000, GemvConfig(16, 64))]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        for n, k, cfg in cases:
+            h = (torch.randn(1, k, generator=gen) * 3).to(dtype)
+            w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype)
+            g = (torch.rand(k, generator=gen) + 0.5).to(dtype)
+            ref = rms_norm(h, g, 1e-5).float() @ w.float().T
+            got = gemv_rms(h, rms_fold_weight(w, g), 1e-5, cfg)
+            assert got.shape == (1, n) and got.dtype == dtype
+            assert ((got.float() - ref).norm() / ref.norm()).item() <= tol, (dtype, n, k, cfg)
+            assert not split_counters(h.device).any()
 
 
 def _check_gemv_peel() -> None:
