@@ -329,8 +329,9 @@ def gemv_rms(
     inside it. Each program streams the whole row anyway (no K split), so it also sums its
     squares, and the scale rstd multiplies the fp32 sums at the end: no kernel, no store and no
     reload of the normalized row between the matmul before and this one. Rounding differs from
-    the norm kernel then gemv by the bf16 of w * g and of the unscaled sums (a relative 2^-8
-    or so per term), as any other reduction order would."""
+    the norm kernel then gemv: w * g is rounded to the dtype (a relative 2^-9 or so a term)
+    where the norm kernel rounds h * rstd and then its product with g, and rstd scales the
+    fp32 sums, not each term."""
     assert h.shape[0] == 1 and w_normed.dtype == h.dtype
     return _launch(h, w_normed, config, False, None, None, eps)[0]
 

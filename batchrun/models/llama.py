@@ -187,10 +187,10 @@ class DecoderLayer(nn.Module):
         inside the matmul before (o_proj, down_proj: gemv_residual), the SwiGLU gate inside
         gate_up's. Takes h (the residual stream) and normed (this layer's input norm of it);
         returns the next h and next_norm (the next layer's input norm, or the final norm) of
-        it. With fuse_next False
-        that norm is a kernel of its own after down_proj (which still adds the residual).
-        "fold" (`fold_input_norms`): normed None means this layer's input norm runs inside its
-        qkv matmul (gemv_rms), and next_norm None that the next layer's does (returns h, None)."""
+        it. With fuse_next False that norm is a kernel of its own after down_proj (which still
+        adds the residual). "fold" (`fold_input_norms`): normed None means this layer's input
+        norm runs inside its qkv matmul (gemv_rms), and next_norm None that the next layer's
+        does (returns h, None)."""
         from batchrun.kernels.activation import silu_and_mul
         from batchrun.kernels.gemv import gemv, gemv_residual, gemv_rms
 
