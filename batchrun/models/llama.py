@@ -324,6 +324,8 @@ class LlamaForCausalLM(nn.Module):
             attn.qkv_weight_rms = rms_fold_weight(
                 attn.qkv_proj.weight.detach(), layer.input_layernorm.weight.detach()
             )
+        if self.lm_head_weight.is_cuda:  # the fp32 temporaries back to the driver, whose free
+            torch.cuda.empty_cache()  # memory sizes the KV pool
 
     def forward_gemv(
         self,
