@@ -26,8 +26,8 @@ matmul): every split program rotates its q heads and the new k in registers (the
 kernels/rotary_kv_store.py), the program whose split holds the new token stores it in the pool,
 and each program reads its first KV block, its position's cos / sin and the new token's slot
 before its PDL wait (the older tokens and the step's inputs were written two or more kernels
-back), leaving the new token out of every load. One launch a layer fewer
-than rotary_kv_store + this kernel; the backend takes it for decode graphs of up to 16 rows.
+back), leaving the new token out of every load. One launch a layer fewer than rotary_kv_store +
+this kernel; the backend takes it for decode graphs of up to 16 rows.
 
 The grid depends only on B, the KV head count and num_kv_splits, and nothing is read back to the
 host, so the launches can be captured in a CUDA graph and replayed with other seq_lens.

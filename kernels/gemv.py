@@ -405,6 +405,8 @@ def _launch(
     # NOTE: absent operands get y as a stand-in pointer: their constexpr flag prunes every access
     r = y if residual is None else residual
     norm_w, eps = (y, 0.0) if norm is None else norm
+    # the row a program reduces whole: x's (NORM_IN) or y's (NORM_OUT)
+    row_len = k if norm_in_eps is not None else n if norm is not None else 1
     if norm_in_eps is not None:
         eps = norm_in_eps
     pdl = pdl_launch_kwargs(x)
@@ -413,9 +415,7 @@ def _launch(
         n * w.stride(0), x.stride(0), w.stride(0), y.stride(0), r.stride(0), eps,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu,
         ADD_RES=residual is not None, NORM_OUT=norm is not None,
-        NORM_IN=norm_in_eps is not None,
-        BLOCK_ROW=triton.next_power_of_2(n if norm_in_eps is None else k)
-        if norm is not None or norm_in_eps is not None else 1,
+        NORM_IN=norm_in_eps is not None, BLOCK_ROW=triton.next_power_of_2(row_len),
         IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         PEEL=1 if os.environ.get(GEMV_PEEL_ENV) == "1" else 2, **pdl,
     )  # fmt: skip

@@ -260,13 +260,10 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.decode_gemv = mode
-        cfg = self.config
         if (
             mode == "all"
-            and norm_fusion_mode(cfg.hidden_size) == "fold"
-            and self.layers
-            and not self.tp.is_parallel
-            and not (cfg.qkv_bias or cfg.mlp_bias)
+            and norm_fusion_mode(self.config.hidden_size) == "fold"
+            and self._plain_layers()
         ):
             self.fold_input_norms()
 
@@ -299,14 +296,17 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, batch.positions, self.rotary, backend)
         return self.logits(x, residual, batch.logits_indices)
 
-    def _norms_in_gemv(self, x: torch.Tensor) -> str | None:
-        """`gemv_norm_fusion` for one row (the norm's last-tile reduction holds one), a model
-        whose matmuls are plain (no biases) and whole (TP = 1: a row-parallel matmul's
-        all-reduce comes between its sums and the residual), with at least one layer."""
+    def _plain_layers(self) -> bool:
+        """Whether the decoder's matmuls are plain (no biases) and whole (TP = 1: a
+        row-parallel matmul's all-reduce comes between its sums and the residual), with at
+        least one layer: what forward_gemv's fused norms need."""
         cfg = self.config
-        if x.shape[0] != 1 or not self.layers or self.tp.is_parallel:
-            return None
-        if cfg.qkv_bias or cfg.mlp_bias:
+        return bool(self.layers) and not self.tp.is_parallel and not (cfg.qkv_bias or cfg.mlp_bias)
+
+    def _norms_in_gemv(self, x: torch.Tensor) -> str | None:
+        """`gemv_norm_fusion` for one row (the norm's last-tile reduction holds one) of a model
+        with `_plain_layers`."""
+        if x.shape[0] != 1 or not self._plain_layers():
             return None
         fusion = gemv_norm_fusion(x, self.decode_gemv)
         if fusion == "fold" and not hasattr(self.layers[0].self_attn, "qkv_weight_rms"):
