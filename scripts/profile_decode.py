@@ -59,6 +59,11 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--workload", help="profile a whole run of this bench_throughput workload")
     p.add_argument("--scale", type=float, default=0.25, help="of the --workload's prompts")
+    p.add_argument(
+        "--chain",
+        action="store_true",
+        help="also each kernel's added time in the step's chain (end after the ends before it)",
+    )
     args = p.parse_args(argv)
 
     from batchrun.engine.config import EngineConfig
@@ -115,7 +120,62 @@ def main(argv=None) -> int:
     )
     print("| kernel | µs / step | launches / step | share |\n|---|---:|---:|---:|")
     print_table(per_kernel.items(), steps, gpu_total, args.top)
+    if args.chain:
+        print_chain(cuda_events(prof), steps)
     return 0
+
+
+def cuda_events(prof) -> list[tuple[float, float, str]]:
+    """(start, end, name) of every kernel and copy of a profile, by start (µs)."""
+    out = []
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            start = ev.time_range.start
+            out.append((start, start + ev.device_time, ev.name))
+    return sorted(out)
+
+
+def chain_increments(events: list[tuple[float, float, str]]) -> list[float]:
+    """Each event's end minus the latest end before it (0 when it ends inside an earlier one):
+    what it adds to the chain. With PDL a kernel starts early and waits, so its duration counts
+    the wait; the increments of a step still sum to its busy span."""
+    out, last_end = [], None
+    for _, end, _ in events:
+        out.append(0.0 if last_end is None else max(end - last_end, 0.0))
+        last_end = end if last_end is None else max(last_end, end)
+    return out
+
+
+def print_chain(events: list[tuple[float, float, str]], steps: int) -> None:
+    """The steady step's kernels in order, each with what it adds to the chain (µs, mean over the
+    steps): a step of the same kernels repeats, so position i of every step is the same kernel.
+    The decoder layers are folded into one row per kernel of a layer (the layer's period found
+    from the decode attention's positions)."""
+    if not events or len(events) % steps:
+        print(f"chain: {len(events)} events do not split into {steps} equal steps")
+        return
+    period = len(events) // steps
+    names = [e[2] for e in events]
+    if any(names[i] != names[i % period] for i in range(len(names))):
+        print("chain: the steps' kernels differ; no chain report")
+        return
+    inc = chain_increments(events)
+    # the first step's first kernel has no end before it: the mean is of the steps after it
+    counted = range(1, steps) if steps > 1 else range(steps)
+    mean = [sum(inc[s * period + i] for s in counted) / len(counted) for i in range(period)]
+    attn = [i for i in range(period) if "_decode_stage" in names[i] or "BatchDecode" in names[i]]
+    layer = attn[1] - attn[0] if len(attn) > 1 else period
+    first = attn[0] - 1 if attn else 0  # the layer starts with the matmul before the attention
+    last = first + layer * len(attn) if attn else period
+    print(f"\n| chain position | kernel | adds µs / step (mean of {len(counted)}) |\n|---|---|---:|")
+    for i in list(range(first)) + list(range(last, period)):
+        print(f"| {i} | {names[i][:80]} | {mean[i]:.2f} |")
+    if attn:
+        print(f"\n| layer kernel ({len(attn)} layers) | kernel | adds µs / layer |\n|---|---|---:|")
+        for j in range(layer):
+            vals = [mean[first + n * layer + j] for n in range(len(attn))]
+            print(f"| {j} | {names[first + j][:80]} | {sum(vals) / len(vals):.2f} |")
+    print(f"| step | | {sum(mean):.1f} |")
 
 
 def kernel_times(prof) -> tuple[dict[str, list[float]], list[tuple[float, float]]]:

@@ -1,0 +1,30 @@
+"""scripts/profile_decode.py's chain report: what each kernel adds to a step's chain."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from profile_decode import chain_increments, print_chain  # noqa: E402
+
+
+def test_increments_count_only_what_ends_after_the_ends_before():
+    # b starts early (PDL) and ends 3 after a; c ends inside b; d starts after a gap
+    events = [(0, 10, "a"), (2, 13, "b"), (11, 12, "c"), (20, 21, "d")]
+    assert chain_increments(events) == [0.0, 3.0, 0.0, 8.0]
+
+
+def test_layers_fold_into_one_row_per_kernel(capsys):
+    # a step: embed, two layers of (gemv, attention, gemv), the head; two steps
+    step = ["embed", "_gemv", "_decode_stage1", "_gemv", "_gemv", "_decode_stage1", "_gemv", "head"]
+    events, t = [], 0.0
+    for _ in range(2):
+        for name in step:
+            events.append((t, t + 2.0, name))
+            t += 2.0
+    print_chain(events, steps=2)
+    out = capsys.readouterr().out
+    assert "| 1 | _decode_stage1 | 2.00 |" in out  # the layer's second kernel, 2 µs a layer
+    assert "| 7 | head | 2.00 |" in out
+    assert "| step | | 16.0 |" in out
