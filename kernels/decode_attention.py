@@ -17,9 +17,11 @@ passes a CTA barrier and adds 1 to its (b, kv head) counter (acq_rel, GPU scope)
 that sees num_kv_splits - 1 is the last, combines the KV_GROUP heads of its KV head and resets
 the counter to 0. Why: at batch 1 the second small kernel cost ~1.5-2 us a layer on the H200.
 NOTE: the last program reads every split back from memory, its own included, and sums them in
-the fixed order of the separate stage 2 kernel (same code, `_combine_head`), so the result does
-not depend on which split finished last. `fold_stage2=False` launches stage 2 as its own kernel,
-grid (B, H), to benchmark one against the other.
+a fixed order, so the result does not depend on which split finished last. It loads all its
+heads' partials at once ([KV_GROUP, splits, D]); the separate stage 2 kernel combines one head a
+program (`_combine_head`), so the two may round the fp32 sums differently (within an ulp of the
+output). `fold_stage2=False` launches stage 2 as its own kernel, grid (B, H), to benchmark one
+against the other.
 
 With `rope=DecodeRope(...)`, q and the new tokens' k come unrotated (straight from the qkv
 matmul): every split program rotates its q heads and the new k in registers (the bits of
@@ -160,6 +162,7 @@ def _decode_stage1_kernel(
     DIRECT: tl.constexpr,  # one split: write the final output to Out, no partials
     FOLDED: tl.constexpr,  # the last split program of (b, kvh) combines (stage 2 folded in)
     BLOCK_S: tl.constexpr,  # >= num_kv_splits, a power of two, where FOLDED; else 1
+    BLOCK_G: tl.constexpr,  # KV_GROUP's power of two (the folded combine's heads)
     PDL: tl.constexpr,
     KNew,  # ROTARY: the new tokens' k and v before rotary [B, KV, D], their slots, positions
     VNew,
@@ -287,7 +290,7 @@ def _decode_stage1_kernel(
         if FOLDED:
             _combine_if_last(
                 PartialOut, PartialLse, Out, Counters, b, kvh, stride_ob, stride_oh,
-                num_kv_splits, NUM_HEADS, KV_GROUP, HEAD_DIM, BLOCK_H, BLOCK_S, BLOCK_D,
+                num_kv_splits, NUM_HEADS, KV_GROUP, HEAD_DIM, BLOCK_G, BLOCK_S, BLOCK_D,
             )  # fmt: skip
 
 
@@ -305,7 +308,7 @@ def _combine_if_last(
     NUM_HEADS: tl.constexpr,
     KV_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -316,23 +319,34 @@ def _combine_if_last(
     counter = Counters + b * (NUM_HEADS // KV_GROUP) + kvh
     done_before = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if done_before == num_kv_splits - 1:
-        offs_h = tl.arange(0, BLOCK_H)
+        # NOTE: every head's partials in one load, before any reduction: loaded head by head
+        # (`_combine_head` each), a head's loads waited behind the reductions (bar.sync) of the
+        # head before, an L2 round trip a head: the last program's combine took ~4 µs of a
+        # llama-8b layer's 11 µs of attention (globaltimer probes, H200, fourteenth session)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
-        # NOTE: one store of every head's output at the end: behind a store per head, the next
-        # head's loads (may alias) waited, an L2 round trip a head; gathered, all heads' loads
-        # issue at once (sm_90 SASS)
-        out = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for i in tl.static_range(KV_GROUP):
-            part0 = (b * NUM_HEADS + kvh * KV_GROUP + i) * num_kv_splits
-            out_i = _combine_head(
-                PartialOut, PartialLse, part0, num_kv_splits, HEAD_DIM, BLOCK_S, BLOCK_D
-            )
-            out = tl.where(offs_h[:, None] == i, out_i[None, :], out)
-        heads = kvh * KV_GROUP + offs_h
+        mask_g = offs_g < KV_GROUP
+        mask_gs = mask_g[:, None] & (offs_s < num_kv_splits)[None, :]
+        heads = kvh * KV_GROUP + offs_g
+        part = (b * NUM_HEADS + heads)[:, None] * num_kv_splits + offs_s[None, :]  # [G, S]
+        # .cg (L2, not L1): other CTAs wrote these during this launch, and L1 is not coherent
+        lse = tl.load(PartialLse + part, mask=mask_gs, other=float("-inf"), cache_modifier=".cg")
+        acc = tl.load(
+            PartialOut + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+            mask=mask_gs[:, :, None] & (offs_d < HEAD_DIM)[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # [G, S, D]
+        # split 0 always exists, so a real head's max is finite; padding heads get 0
+        top = tl.where(mask_g, tl.max(lse, 1), 0.0)
+        weight = tl.exp2(lse - top[:, None])
+        total = tl.sum(weight, 1)
+        out = tl.sum(weight[:, :, None] * acc, 1) / tl.where(total > 0.0, total, 1.0)[:, None]
         tl.store(
             Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
             out.to(Out.dtype.element_ty),
-            mask=(offs_h[:, None] < KV_GROUP) & (offs_d[None, :] < HEAD_DIM),
+            mask=mask_g[:, None] & (offs_d < HEAD_DIM)[None, :],
         )
         # every split has counted (no one touches it again in this launch): ready for the next
         # call; the kernel's end publishes it, and the next launch reads it after its pdl_wait
@@ -487,6 +501,7 @@ def decode_attention_fwd(
         # apart (H200, ninth session, call 4; the run took 4.6 s longer, as one-off stalls
         # would); with this one, 48,948 against 47,193 (call 5)
         BLOCK_S=max(FOLD_BLOCK_S, triton.next_power_of_2(num_kv_splits)) if folded else 1,
+        BLOCK_G=triton.next_power_of_2(kv_group),
         num_warps=num_warps or DEFAULT_NUM_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
         **pdl,

@@ -60,6 +60,8 @@ SMEM_FOR_W = 160 << 10
 # 0.97 / 0.97 (session 12, call 2). "1": one tile (read at every launch; a decode graph keeps
 # what it captured)
 GEMV_PEEL_ENV = "BATCHRUN_GEMV_PEEL"
+# gemv_rms's K split (an experiment: its default is pick_config's)
+GEMV_RMS_SPLIT_ENV = "BATCHRUN_GEMV_RMS_SPLIT"
 
 
 class GemvConfig(NamedTuple):
@@ -201,7 +203,7 @@ def _gemv_kernel(
     res = tl.zeros([16, BLOCK_N], dtype=Y.dtype.element_ty)
     if ADD_RES:  # read by every slice now, where its latency hides behind the loop
         res = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
-    if NORM_IN:  # the whole row (one, unsplit), summed after the loop, where its latency hides
+    if NORM_IN:  # the whole row (every K slice's too), summed after the loop: latency hidden
         offs_row = tl.arange(0, BLOCK_ROW)
         row = tl.load(X + offs_row, mask=offs_row < K, other=0.0).to(tl.float32)
     x = _x_tile(X, offs_m, M, stride_xm, k_start, k_end, BLOCK_K)
@@ -219,8 +221,11 @@ def _gemv_kernel(
         acc = _mma(acc, x, _w_tile(w_rows, in_n, k0, k_end, BLOCK_K), IEEE)
         if SWIGLU:
             acc_up = _mma(acc_up, x, _w_tile(up_rows, in_n, k0, k_end, BLOCK_K), IEEE)
-    if NORM_IN:  # rmsnorm(x) * g @ w.T = rstd * (x @ (w * g).T): the norm's scale, last
-        acc = acc * tl.math.rsqrt(tl.sum(row * row, 0) / K + eps)
+    if NORM_IN:  # rmsnorm(x) * g @ w.T = rstd * (x @ (w * g).T): the norm's scale, last (a K
+        rstd = tl.math.rsqrt(tl.sum(row * row, 0) / K + eps)  # slice scales its partial sums)
+        acc = acc * rstd
+        if SWIGLU:
+            acc_up = acc_up * rstd
     out = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     dtype = Y.dtype.element_ty
     row_counter = Counters + ROW_COUNTER
@@ -324,16 +329,18 @@ def gemv_rms(
     w_normed: torch.Tensor,  # [N, K]: w * g[None, :] (rms_fold_weight), h's dtype
     eps: float,
     config: GemvConfig | None = None,
+    swiglu: bool = False,
 ) -> torch.Tensor:
     """rmsnorm(h) * g @ w.T for one row, as rstd * (h @ (w * g).T): the RMSNorm before a matmul
-    inside it. Each program streams the whole row anyway (no K split), so it also sums its
-    squares, and the scale rstd multiplies the fp32 sums at the end: no kernel, no store and no
-    reload of the normalized row between the matmul before and this one. Rounding differs from
-    the norm kernel then gemv: w * g is rounded to the dtype (a relative 2^-9 or so a term)
-    where the norm kernel rounds h * rstd and then its product with g, and rstd scales the
-    fp32 sums, not each term."""
+    inside it (with swiglu, before gate_up: silu(gate) * up of those sums, [1, N / 2]). Each
+    program also loads the whole row (8 KB on llama-8b, from L2) after its wait, sums its
+    squares after the loop, and the scale rstd multiplies its fp32 sums (a K slice's partial
+    sums) at the end: no kernel, no store and no reload of the normalized row between the
+    matmul before and this one. Rounding differs from the norm kernel then gemv: w * g is
+    rounded to the dtype (a relative 2^-9 or so a term) where the norm kernel rounds h * rstd
+    and then its product with g, and rstd scales the fp32 sums, not each term."""
     assert h.shape[0] == 1 and w_normed.dtype == h.dtype
-    return _launch(h, w_normed, config, False, None, None, eps)[0]
+    return _launch(h, w_normed, config, swiglu, None, None, eps)[0]
 
 
 def rms_fold_weight(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -384,8 +391,13 @@ def _launch(
     tile_bytes = (2 if swiglu else 1) * cfg.block_n * cfg.block_k * x.element_size()
     while cfg.num_stages > 1 and tile_bytes * cfg.num_stages > SMEM_FOR_W:
         cfg = cfg._replace(num_stages=cfg.num_stages - 1)
-    if norm_in_eps is not None:  # every program reads the whole row
-        cfg = cfg._replace(split_k=1)
+    if (
+        norm_in_eps is not None
+        and not swiglu
+        and config is None
+        and os.environ.get(GEMV_RMS_SPLIT_ENV)
+    ):
+        cfg = cfg._replace(split_k=int(os.environ[GEMV_RMS_SPLIT_ENV]))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)
     tiles = triton.cdiv(n, cfg.block_n)

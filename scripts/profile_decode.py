@@ -167,7 +167,9 @@ def print_chain(events: list[tuple[float, float, str]], steps: int) -> None:
     layer = attn[1] - attn[0] if len(attn) > 1 else period
     first = attn[0] - 1 if attn else 0  # the layer starts with the matmul before the attention
     last = first + layer * len(attn) if attn else period
-    print(f"\n| chain position | kernel | adds µs / step (mean of {len(counted)}) |\n|---|---|---:|")
+    print(
+        f"\n| chain position | kernel | adds µs / step (mean of {len(counted)}) |\n|---|---|---:|"
+    )
     for i in list(range(first)) + list(range(last, period)):
         print(f"| {i} | {names[i][:80]} | {mean[i]:.2f} |")
     if attn:

@@ -117,6 +117,9 @@ def swiglu_linear(
 # llama-8b 4.29 / 4.29 / 4.29 against 4.33 / 4.33 / 4.33 for "post"; llama-1b 0.99 / 0.98
 # against 0.96 / 0.96 for "all" (thirteenth session, call 3), hence the width rule.
 GEMV_NORM_ENV = "BATCHRUN_GEMV_NORM"
+# the modes with folded weights (LlamaForCausalLM.fold_norms): "fold-all" folds the
+# post-attention norm too, into gate_up's matmul (o_proj then only adds the residual)
+FOLD_MODES = ("fold", "fold-all")
 GEMV_NORM_MAX_HIDDEN = 2048
 
 
@@ -126,17 +129,17 @@ def norm_fusion_mode(hidden: int) -> str | None:
     switch = os.environ.get(GEMV_NORM_ENV)
     if switch == "0":
         return None
-    if switch == "1" or (switch not in ("post", "fold") and hidden <= GEMV_NORM_MAX_HIDDEN):
+    if switch == "1" or (switch not in FOLD_MODES + ("post",) and hidden <= GEMV_NORM_MAX_HIDDEN):
         return "all"
-    return "post" if switch == "post" else "fold"
+    return switch if switch in FOLD_MODES + ("post",) else "fold"
 
 
 def gemv_norm_fusion(x: torch.Tensor, decode_gemv: str | None) -> str | None:
     """Which of a layer's residual adds and RMSNorms a forward of x (the embeddings [T, hidden])
     runs inside the decoder matmuls next to them, every matmul on kernels/gemv.py ("all"
     decode_gemv mode): "all" (after o_proj and after down_proj, gemv_residual), "post" (after
-    o_proj only), "fold" ("post", and each input norm inside qkv's matmul: gemv_rms), or
-    None."""
+    o_proj only), "fold" ("post", and each input norm inside qkv's matmul: gemv_rms),
+    "fold-all" (both norms inside the matmul after them: qkv's and gate_up's), or None."""
     if decode_gemv_mode(x, decode_gemv) != "all":
         return None
     return norm_fusion_mode(x.shape[-1])

@@ -20,6 +20,7 @@ from torch import nn
 from batchrun.attention.base import AttentionBackend
 from batchrun.models.config import ModelConfig
 from batchrun.models.layers import (
+    FOLD_MODES,
     GEMV_SWIGLU_ENV,
     RMSNorm,
     RotaryEmbedding,
@@ -180,7 +181,7 @@ class DecoderLayer(nn.Module):
 
     def forward_gemv(
         self, h, normed, next_norm: RMSNorm | None, positions, rotary, backend,
-        fuse_next: bool = True,
+        fuse_next: bool = True, fold_post: bool = False,
     ):  # fmt: skip
         """The layer for a decode batch of one row with every matmul on kernels/gemv.py, in 6
         kernels instead of 8 (5 with "fold"): each residual add and the norm after it run
@@ -188,9 +189,10 @@ class DecoderLayer(nn.Module):
         gate_up's. Takes h (the residual stream) and normed (this layer's input norm of it);
         returns the next h and next_norm (the next layer's input norm, or the final norm) of
         it. With fuse_next False that norm is a kernel of its own after down_proj (which still
-        adds the residual). "fold" (`fold_input_norms`): normed None means this layer's input
+        adds the residual). "fold" (`fold_norms`): normed None means this layer's input
         norm runs inside its qkv matmul (gemv_rms), and next_norm None that the next layer's
-        does (returns h, None)."""
+        does (returns h, None). fold_post ("fold-all"): the post-attention norm runs inside
+        gate_up's matmul (gemv_rms with the SwiGLU gate), and o_proj only adds the residual."""
         from batchrun.kernels.activation import silu_and_mul
         from batchrun.kernels.gemv import gemv, gemv_residual, gemv_rms
 
@@ -200,10 +202,14 @@ class DecoderLayer(nn.Module):
         else:
             qkv = gemv(normed, attn.qkv_proj.weight)
         out = attn.attention(qkv, positions, rotary, backend)
-        h, normed = gemv_residual(out, attn.o_proj.weight, h, norm=(post.weight, post.eps))
-        if os.environ.get(GEMV_SWIGLU_ENV) == "0":
+        if fold_post:
+            h = gemv_residual(out, attn.o_proj.weight, h).h
+            act = gemv_rms(h, mlp.gate_up_weight_rms, post.eps, swiglu=True)
+        elif os.environ.get(GEMV_SWIGLU_ENV) == "0":
+            h, normed = gemv_residual(out, attn.o_proj.weight, h, norm=(post.weight, post.eps))
             act = silu_and_mul(gemv(normed, mlp.gate_up_proj.weight))
         else:
+            h, normed = gemv_residual(out, attn.o_proj.weight, h, norm=(post.weight, post.eps))
             act = gemv(normed, mlp.gate_up_proj.weight, swiglu=True)
         if fuse_next:
             return gemv_residual(
@@ -260,12 +266,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.decode_gemv = mode
-        if (
-            mode == "all"
-            and norm_fusion_mode(self.config.hidden_size) == "fold"
-            and self._plain_layers()
-        ):
-            self.fold_input_norms()
+        fusion = norm_fusion_mode(self.config.hidden_size)
+        if mode == "all" and fusion in FOLD_MODES and self._plain_layers():
+            self.fold_norms(post=fusion == "fold-all")
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -290,8 +293,9 @@ class LlamaForCausalLM(nn.Module):
         fusion = self._norms_in_gemv(x)
         if fusion is not None:
             return self.forward_gemv(
-                x, batch, backend, fuse_input_norms=fusion == "all", fold=fusion == "fold"
-            )
+                x, batch, backend, fuse_input_norms=fusion == "all", fold=fusion in FOLD_MODES,
+                fold_post=fusion == "fold-all",
+            )  # fmt: skip
         for layer in self.layers:
             x, residual = layer(x, residual, batch.positions, self.rotary, backend)
         return self.logits(x, residual, batch.logits_indices)
@@ -309,21 +313,30 @@ class LlamaForCausalLM(nn.Module):
         if x.shape[0] != 1 or not self._plain_layers():
             return None
         fusion = gemv_norm_fusion(x, self.decode_gemv)
+        # the folded weights that were not made (fold_norms) fall back to the mode before
+        if fusion == "fold-all" and not hasattr(self.layers[0].mlp, "gate_up_weight_rms"):
+            fusion = "fold"
         if fusion == "fold" and not hasattr(self.layers[0].self_attn, "qkv_weight_rms"):
-            return "post"  # the folded weights were not made (fold_input_norms)
+            fusion = "post"
         return fusion
 
-    def fold_input_norms(self) -> None:
-        """Each layer's qkv weight times its input norm's, for "fold" (gemv_rms): a copy, so
-        the other paths keep theirs (llama-8b: 1.6 GB; made with the model, before the KV pool
-        takes the free memory)."""
+    def fold_norms(self, post: bool = False) -> None:
+        """Each layer's qkv weight times its input norm's, for "fold" (gemv_rms), and with post
+        its gate_up weight times its post-attention norm's ("fold-all"): copies, so the other
+        paths keep theirs (llama-8b: 1.6 GB for qkv, 7.5 GB for gate_up; made with the model,
+        before the KV pool takes the free memory)."""
         from batchrun.kernels.gemv import rms_fold_weight
 
         for layer in self.layers:
-            attn = layer.self_attn
+            attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_weight_rms = rms_fold_weight(
                 attn.qkv_proj.weight.detach(), layer.input_layernorm.weight.detach()
             )
+            if post:
+                mlp.gate_up_weight_rms = rms_fold_weight(
+                    mlp.gate_up_proj.weight.detach(),
+                    layer.post_attention_layernorm.weight.detach(),
+                )
         if self.lm_head_weight.is_cuda:  # the fp32 temporaries back to the driver, whose free
             torch.cuda.empty_cache()  # memory sizes the KV pool
 
@@ -334,12 +347,14 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         fuse_input_norms: bool = True,
         fold: bool = False,
+        fold_post: bool = False,
     ) -> torch.Tensor:
         """`forward` of a one-row decode batch on kernels/gemv.py (DecoderLayer.forward_gemv):
         the first layer's input norm is a kernel, every later norm runs inside the matmul
         before it (without fuse_input_norms: only the post-attention norms; the input norms and
         the final norm are kernels after down_proj; with fold, the input norms run inside the
-        qkv matmul after them instead). x: the embeddings [1, hidden]."""
+        qkv matmul after them instead; with fold_post, the post-attention norms inside gate_up's).
+        x: the embeddings [1, hidden]."""
         from batchrun.kernels.gemv import gemv
 
         layers = self.layers
@@ -351,8 +366,9 @@ class LlamaForCausalLM(nn.Module):
             next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         for layer, next_norm in zip(layers, next_norms):
             h, normed = layer.forward_gemv(
-                h, normed, next_norm, batch.positions, self.rotary, backend, fuse_input_norms
-            )
+                h, normed, next_norm, batch.positions, self.rotary, backend, fuse_input_norms,
+                fold_post,
+            )  # fmt: skip
         if batch.logits_indices is not None:
             normed = normed[batch.logits_indices]
         return gemv(normed, self.lm_head_weight)

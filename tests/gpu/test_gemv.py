@@ -238,9 +238,42 @@ def test_gemv_rms_matches_norm_then_gemv(n, k, dtype):
         assert torch.equal(replayed, want)
 
 
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
+def test_gemv_rms_split_and_swiglu(split, swiglu):
+    """gemv_rms with its K split (each slice scales its partial sums by rstd) and with the SwiGLU
+    gate (the post-attention norm inside gate_up, "fold-all") against the norm kernel, then
+    F.linear and the gate in bf16 terms; the same bits call to call."""
+    from batchrun.kernels.activation import silu_and_mul
+    from batchrun.kernels.fused_norm import rms_norm
+    from batchrun.kernels.gemv import gemv_rms, pick_config, rms_fold_weight, split_counters
+
+    n, k = (2 * 1792, 4096) if swiglu else (6144, 4096)
+    g = torch.Generator(device="cuda").manual_seed(split)
+    h = (torch.randn(1, k, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    norm_w = (torch.rand(k, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+    ref = F.linear(rms_norm(h, norm_w, 1e-5).float(), w.float())
+    if swiglu:
+        ref = silu_and_mul(ref.to(torch.bfloat16)).float()
+    cfg = pick_config(1, n, k)._replace(split_k=split, block_n=32 if swiglu else 64)
+    out = gemv_rms(h, rms_fold_weight(w, norm_w), 1e-5, cfg, swiglu=swiglu)
+    assert out.shape == (1, n // 2 if swiglu else n) and torch.isfinite(out).all()
+    assert ((out.float() - ref).norm() / ref.norm()).item() <= TOL[torch.bfloat16]
+    assert not split_counters(h.device).any()
+    assert torch.equal(gemv_rms(h, rms_fold_weight(w, norm_w), 1e-5, cfg, swiglu=swiglu), out)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize(
-    "mode", ["all", "all:no-norm-fusion", "all:post-norm-fusion", "all:fold-norm-fusion"]
+    "mode",
+    [
+        "all",
+        "all:no-norm-fusion",
+        "all:post-norm-fusion",
+        "all:fold-norm-fusion",
+        "all:fold-all-norm-fusion",
+    ],
 )
 def test_engine_with_decode_gemv(kind, mode, tmp_path, monkeypatch):
     """BATCHRUN_GEMV=all (with the norms and residual adds inside the gemvs for one row, with
@@ -263,7 +296,12 @@ def test_engine_with_decode_gemv(kind, mode, tmp_path, monkeypatch):
         mode, fusion = mode.split(":")
         monkeypatch.setenv(
             GEMV_NORM_ENV,
-            {"no-norm-fusion": "0", "post-norm-fusion": "post", "fold-norm-fusion": "fold"}[fusion],
+            {
+                "no-norm-fusion": "0",
+                "post-norm-fusion": "post",
+                "fold-norm-fusion": "fold",
+                "fold-all-norm-fusion": "fold-all",
+            }[fusion],
         )
 
     def run(on: bool):

@@ -139,11 +139,10 @@ def decode(pool, table, inputs, q, splits, scaling, counters=None, **kwargs):
     "shape", [(1, (32, 8), 128), (7, (9, 3), 64), (64, (32, 8), 128)], ids=["b1", "b7", "b64"]
 )
 def test_decode_folded_matches_two_kernels(shape, num_warps):
-    """The combine folded into stage 1 against the separate stage 2 kernel: the same
-    `_combine_head` code, but its [splits, D] tile may get another layout inside stage 1 (at 8
-    warps it spreads the splits over two warps; on the H200 at 4 warps, 64 requests, 16 splits
-    differed too), so the fp32 sums over the splits may be reassociated: within one ulp of the
-    output dtype. Run to run the folded result is the same bits."""
+    """The combine folded into stage 1 against the separate stage 2 kernel: the folded one sums
+    a [heads, splits, D] tile, stage 2 a [splits, D] tile a head, in layouts of their own, so
+    the fp32 sums over the splits may be reassociated: within one ulp of the output dtype. Run
+    to run the folded result is the same bits."""
     batch_size, (num_heads, num_kv_heads), head_dim = shape
     rng = random.Random(batch_size + num_warps)
     seq_lens = [777] if batch_size == 1 else [1, 33, *ragged(rng, batch_size - 2, 1, 1500)]

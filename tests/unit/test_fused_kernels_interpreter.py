@@ -176,8 +176,9 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
     """Forwards of a few tokens and of one token with BATCHRUN_GEMV=all (fp16, the tiny llama)
     give the torch path's logits: one row takes LlamaForCausalLM.forward_gemv (the residual
     adds and norms inside the gemvs; BATCHRUN_GEMV_NORM=post: only the post-attention ones;
-    =fold: those, and the input norms inside the qkv matmuls on the folded weights), more rows
-    or BATCHRUN_GEMV_NORM=0 the layers' forward."""
+    =fold: those, and the input norms inside the qkv matmuls on the folded weights; =fold-all:
+    both norms inside the matmuls after them, qkv's and gate_up's), more rows or
+    BATCHRUN_GEMV_NORM=0 the layers' forward."""
     import os
 
     from tiny_models import make_tiny_model, random_prompts
@@ -194,12 +195,12 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
     forward_gemv = llama.LlamaForCausalLM.forward_gemv
 
     def counting(self, *args, **kwargs):
-        calls.append(kwargs.get("fold", False))
+        calls.append((kwargs.get("fold", False), kwargs.get("fold_post", False)))
         return forward_gemv(self, *args, **kwargs)
 
     llama.LlamaForCausalLM.forward_gemv = counting
-    engine.runner.model.fold_input_norms()  # as set_decode_gemv("all") does under "fold"
-    modes = (("all", None), ("all", "0"), ("all", "post"), ("all", "fold"))
+    engine.runner.model.fold_norms(post=True)  # as set_decode_gemv("all") does in "fold-all"
+    modes = (("all", None), ("all", "0"), ("all", "post"), ("all", "fold"), ("all", "fold-all"))
     prompts = random_prompts(3, seed=4, min_len=3, max_len=16) + [[5], [60]]
     try:
         for prompt in prompts:
@@ -219,7 +220,8 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
                     os.environ.pop(layers.GEMV_NORM_ENV, None)
                 takes = mode == "all" and norm_env != "0" and len(prompt) == 1
                 assert bool(calls) == takes, (mode, norm_env, len(prompt))
-                assert calls == [norm_env == "fold"] * len(calls), (calls, norm_env)
+                folds = (norm_env in ("fold", "fold-all"), norm_env == "fold-all")
+                assert calls == [folds] * len(calls), (calls, norm_env)
                 rel = ((fused - ref).norm() / ref.norm()).item()
                 assert rel <= 5e-3, (mode, norm_env, rel)
     finally:
@@ -273,23 +275,29 @@ def _check_gemv() -> None:
 
 def _check_gemv_rms() -> None:
     """gemv_rms (the RMSNorm inside the matmul: rstd * (h @ (w * g).T)) against rms_norm then
-    x @ w.T in fp32 (fp32 and fp16): ragged N and K, configs that ask for a K split (gemv_rms
-    takes none)."""
+    x @ w.T in fp32 (fp32 and fp16): ragged N and K, K splits (each slice scales its partial
+    sums), and with the SwiGLU epilogue (silu(gate) * up of the normed row's sums)."""
     from batchrun.kernels.fused_norm import rms_norm
     from batchrun.kernels.gemv import GemvConfig, gemv_rms, rms_fold_weight, split_counters
 
     gen = torch.Generator().manual_seed(14)
-    cases = [(100, 300, None), (64, 512, GemvConfig(32, 128, 4)), (40, 1000, GemvConfig(16, 64))]
+    cases = [(100, 300, None), (64, 512, GemvConfig(32, 128, 4)), (40, 1000, GemvConfig(16, 64)),
+             (48, 1000, GemvConfig(16, 128, 3))]  # fmt: skip
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         for n, k, cfg in cases:
-            h = (torch.randn(1, k, generator=gen) * 3).to(dtype)
-            w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype)
-            g = (torch.rand(k, generator=gen) + 0.5).to(dtype)
-            ref = rms_norm(h, g, 1e-5).float() @ w.float().T
-            got = gemv_rms(h, rms_fold_weight(w, g), 1e-5, cfg)
-            assert got.shape == (1, n) and got.dtype == dtype
-            assert ((got.float() - ref).norm() / ref.norm()).item() <= tol, (dtype, n, k, cfg)
-            assert not split_counters(h.device).any()
+            for swiglu in (False, True):
+                h = (torch.randn(1, k, generator=gen) * 3).to(dtype)
+                w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype)
+                g = (torch.rand(k, generator=gen) + 0.5).to(dtype)
+                ref = rms_norm(h, g, 1e-5).float() @ w.float().T
+                if swiglu:  # the rounding of the unfused path: gate, up, silu to the dtype
+                    gate, up = ref[:, : n // 2].to(dtype).float(), ref[:, n // 2 :].to(dtype)
+                    ref = (gate * torch.sigmoid(gate)).to(dtype).float() * up.float()
+                got = gemv_rms(h, rms_fold_weight(w, g), 1e-5, cfg, swiglu=swiglu)
+                assert got.shape == (1, n // 2 if swiglu else n) and got.dtype == dtype
+                err = ((got.float() - ref).norm() / ref.norm()).item()
+                assert err <= tol, (dtype, n, k, cfg, swiglu, err)
+                assert not split_counters(h.device).any()
 
 
 def _check_gemv_peel() -> None:
