@@ -60,8 +60,6 @@ SMEM_FOR_W = 160 << 10
 # 0.97 / 0.97 (session 12, call 2). "1": one tile (read at every launch; a decode graph keeps
 # what it captured)
 GEMV_PEEL_ENV = "BATCHRUN_GEMV_PEEL"
-# gemv_rms's K split (an experiment: its default is pick_config's)
-GEMV_RMS_SPLIT_ENV = "BATCHRUN_GEMV_RMS_SPLIT"
 
 
 class GemvConfig(NamedTuple):
@@ -260,10 +258,12 @@ def _gemv_kernel(
 
 
 # NOTE: K-split programs aimed at: about two per SM of the H200 (132 SMs); only matrices of at
-# most SPLIT_MAX_TILES column tiles split (llama-8b's qkv, 96 tiles, read 15.3 µs unsplit, and
-# no split of 256-wide tiles was among the sweep's six best)
+# most SPLIT_MAX_TILES column tiles split. llama-8b's qkv (96 tiles) splits in 2: alone it read
+# 15.3 µs unsplit (ninth session's sweep), but in the decode chain its 96 programs, one an SM,
+# keep too few bytes in flight (2.6 TB/s after the wait, globaltimer probes); split in 2 it
+# added 14.5 µs a layer against 17.7, and W3 read 4.14 ms against 4.20 (fourteenth session)
 TARGET_PROGRAMS = 256
-SPLIT_MAX_TILES = 64
+SPLIT_MAX_TILES = 128
 MAX_SPLIT_K = 8
 
 
@@ -276,8 +276,7 @@ def pick_config(m: int, n: int, k: int) -> GemvConfig:
     llama-1b's down_proj (2048 x 8192) in 8 slices 10.7 µs against 13.5, its o_proj 4.9
     against 5.3; llama-8b's o_proj and down_proj in 4 slices 10.5 and 29.4 against 11.7 and
     30.6 (cuBLAS: 13.9, 6.0, 13.2, 31.9).
-    Matrices of more than SPLIT_MAX_TILES tiles (llama-8b's qkv; gate_up, lm_head) are not
-    split."""
+    Matrices of more than SPLIT_MAX_TILES tiles (gate_up, lm_head) are not split."""
     block_n, block_k = 64, 256
     tiles = triton.cdiv(n, block_n)
     split_k = 1
@@ -391,13 +390,6 @@ def _launch(
     tile_bytes = (2 if swiglu else 1) * cfg.block_n * cfg.block_k * x.element_size()
     while cfg.num_stages > 1 and tile_bytes * cfg.num_stages > SMEM_FOR_W:
         cfg = cfg._replace(num_stages=cfg.num_stages - 1)
-    if (
-        norm_in_eps is not None
-        and not swiglu
-        and config is None
-        and os.environ.get(GEMV_RMS_SPLIT_ENV)
-    ):
-        cfg = cfg._replace(split_k=int(os.environ[GEMV_RMS_SPLIT_ENV]))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)
     tiles = triton.cdiv(n, cfg.block_n)

@@ -46,7 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 
-from batchrun.kernels.gemv import GEMV_PEEL_ENV, GEMV_RMS_SPLIT_ENV  # noqa: E402
+from batchrun.kernels.gemv import GEMV_PEEL_ENV  # noqa: E402
 from batchrun.kernels.pdl import PDL_ENV  # noqa: E402
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
@@ -80,9 +80,6 @@ VARIANTS = (
     "post-norm-fusion",
     "fold-norm-fusion",
     "fold-all-norm-fusion",
-    "rms-split2",
-    "rms-split4",
-    "fold-all-rms-split2",
     "graph-input-copies",
     "gemv-peel-1",
     "no-piecewise",
@@ -111,10 +108,6 @@ VARIANT_ENV = {
     "fold-norm-fusion": {GEMV_NORM_ENV: "fold"},
     # "fold", and each post-attention norm inside gate_up's matmul (o_proj adds the residual)
     "fold-all-norm-fusion": {GEMV_NORM_ENV: "fold-all"},
-    # gemv_rms (qkv's matmul in "fold") split along K (experiments)
-    "rms-split2": {GEMV_RMS_SPLIT_ENV: "2"},
-    "rms-split4": {GEMV_RMS_SPLIT_ENV: "4"},
-    "fold-all-rms-split2": {GEMV_NORM_ENV: "fold-all", GEMV_RMS_SPLIT_ENV: "2"},
     # the decode graphs' inputs by copies and index kernels, not kernels/graph_inputs.py
     "graph-input-copies": {GRAPH_INPUTS_ENV: "0"},
     "gemv-peel-1": {GEMV_PEEL_ENV: "1"},  # one weight tile a gemv program before its PDL wait

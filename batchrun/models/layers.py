@@ -107,7 +107,8 @@ def swiglu_linear(
 
 # NOTE: "0" keeps the residual adds and norms of a one-row gemv decode batch in kernels of their
 # own, "1" moves both of a layer into the matmuls before them, "post" only the one after the
-# attention (into o_proj); unset: both for hidden sizes up to GEMV_NORM_MAX_HIDDEN, "fold" above.
+# attention (into o_proj); unset: both for hidden sizes up to GEMV_NORM_MAX_HIDDEN, "fold-all"
+# above.
 # On the H200 (W3, docs/benchmarks.md) both took llama-1b (hidden 2048) from 1.03-1.04 to 1.00
 # ms per token; on llama-8b (4096) both read 4.44-4.47 against 4.40-4.41 without (the last
 # column tile's norm of a 4096-wide row cost more than the kernel it saved after down_proj;
@@ -115,23 +116,25 @@ def swiglu_linear(
 # against 4.38-4.39 (eleventh session). "fold": "post", and each input norm inside the qkv
 # matmul after it (kernels/gemv.py's gemv_rms, on a copy of qkv's weight times the norm's):
 # llama-8b 4.29 / 4.29 / 4.29 against 4.33 / 4.33 / 4.33 for "post"; llama-1b 0.99 / 0.98
-# against 0.96 / 0.96 for "all" (thirteenth session, call 3), hence the width rule.
+# against 0.96 / 0.96 for "all" (thirteenth session, call 3), hence the width rule. "fold-all":
+# each post-attention norm inside the gate_up matmul after it too (o_proj then only adds the
+# residual; gate_up's folded copy is 7.5 GB on llama-8b): W3 llama-8b 4.16 against 4.20 for
+# "fold", and 4.07 against 4.14 with qkv's matmul split in two (fourteenth session, call 3).
 GEMV_NORM_ENV = "BATCHRUN_GEMV_NORM"
-# the modes with folded weights (LlamaForCausalLM.fold_norms): "fold-all" folds the
-# post-attention norm too, into gate_up's matmul (o_proj then only adds the residual)
+# the modes with folded weights (LlamaForCausalLM.fold_norms)
 FOLD_MODES = ("fold", "fold-all")
 GEMV_NORM_MAX_HIDDEN = 2048
 
 
 def norm_fusion_mode(hidden: int) -> str | None:
-    """BATCHRUN_GEMV_NORM, else the width rule: "all" up to GEMV_NORM_MAX_HIDDEN, "fold" above;
-    None for "0"."""
+    """BATCHRUN_GEMV_NORM, else the width rule: "all" up to GEMV_NORM_MAX_HIDDEN, "fold-all"
+    above; None for "0"."""
     switch = os.environ.get(GEMV_NORM_ENV)
     if switch == "0":
         return None
     if switch == "1" or (switch not in FOLD_MODES + ("post",) and hidden <= GEMV_NORM_MAX_HIDDEN):
         return "all"
-    return switch if switch in FOLD_MODES + ("post",) else "fold"
+    return switch if switch in FOLD_MODES + ("post",) else "fold-all"
 
 
 def gemv_norm_fusion(x: torch.Tensor, decode_gemv: str | None) -> str | None:

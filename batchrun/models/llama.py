@@ -10,6 +10,7 @@ and a slice of the vocabulary; logits are all-gathered, so every rank returns th
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import NamedTuple
 
@@ -33,6 +34,22 @@ from batchrun.models.layers import (
 from batchrun.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from batchrun.parallel.partition import ShardSpec, TPPartition, partition_model
 from batchrun.parallel.state import TPGroup
+
+log = logging.getLogger(__name__)
+
+# NOTE: the folded decode weights ("fold", "fold-all") are copies; they may take at most this
+# share of the device's free memory after the model is loaded (an H200 with llama-8b: 9.1 GB of
+# ~124; a 24 GB GPU would fold none of gate_up's 7.5 GB and keep its memory for the KV pool)
+FOLD_MAX_FREE_SHARE = 0.25
+
+
+def fold_budget(device: torch.device) -> float:
+    """Bytes the folded weights may take on device: FOLD_MAX_FREE_SHARE of its free memory on a
+    GPU, unbounded elsewhere."""
+    if device.type != "cuda":
+        return float("inf")
+    free, _ = torch.cuda.mem_get_info(device)
+    return FOLD_MAX_FREE_SHARE * free
 
 
 class ForwardBatch(NamedTuple):
@@ -324,9 +341,23 @@ class LlamaForCausalLM(nn.Module):
         """Each layer's qkv weight times its input norm's, for "fold" (gemv_rms), and with post
         its gate_up weight times its post-attention norm's ("fold-all"): copies, so the other
         paths keep theirs (llama-8b: 1.6 GB for qkv, 7.5 GB for gate_up; made with the model,
-        before the KV pool takes the free memory)."""
+        before the KV pool takes the free memory). Copies that would take more than
+        FOLD_MAX_FREE_SHARE of the device's free memory are not made: gate_up's first, then
+        qkv's (the decode then runs the mode before, `_norms_in_gemv`)."""
         from batchrun.kernels.gemv import rms_fold_weight
 
+        qkv = sum(layer.self_attn.qkv_proj.weight.nbytes for layer in self.layers)
+        gate_up = sum(layer.mlp.gate_up_proj.weight.nbytes for layer in self.layers)
+        budget = fold_budget(self.lm_head_weight.device)
+        if post and qkv + gate_up > budget:
+            log.info("gate_up's folded weights (%.1f GB) left out: over %.1f GB", gate_up / 1e9,
+                     budget / 1e9)  # fmt: skip
+            post = False
+        if qkv > budget:
+            log.info(
+                "qkv's folded weights (%.1f GB) left out: over %.1f GB", qkv / 1e9, budget / 1e9
+            )
+            return
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_weight_rms = rms_fold_weight(
