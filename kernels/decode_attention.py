@@ -369,8 +369,8 @@ def _combine_head(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     part = part0 + offs_s  # [BLOCK_S]
-    # NOTE: .cg (L2, not L1): in the folded kernel other CTAs wrote these during this launch, and
-    # L1 is not coherent; for the separate stage 2 it costs nothing (each value is read once)
+    # NOTE: .cg (L2, not L1), as the folded combine reads them: it costs nothing here (each
+    # value is read once)
     lse = tl.load(PartialLse + part, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
     weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 always exists, so the max is finite
     acc = tl.load(

@@ -349,14 +349,12 @@ class LlamaForCausalLM(nn.Module):
         qkv = sum(layer.self_attn.qkv_proj.weight.nbytes for layer in self.layers)
         gate_up = sum(layer.mlp.gate_up_proj.weight.nbytes for layer in self.layers)
         budget = fold_budget(self.lm_head_weight.device)
+        skipped = "%s's folded weights (%.1f GB) left out: over the budget of %.1f GB"
         if post and qkv + gate_up > budget:
-            log.info("gate_up's folded weights (%.1f GB) left out: over %.1f GB", gate_up / 1e9,
-                     budget / 1e9)  # fmt: skip
+            log.info(skipped, "gate_up", gate_up / 1e9, budget / 1e9)
             post = False
         if qkv > budget:
-            log.info(
-                "qkv's folded weights (%.1f GB) left out: over %.1f GB", qkv / 1e9, budget / 1e9
-            )
+            log.info(skipped, "qkv", qkv / 1e9, budget / 1e9)
             return
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp

@@ -276,10 +276,10 @@ def test_gemv_rms_split_and_swiglu(split, swiglu):
     ],
 )
 def test_engine_with_decode_gemv(kind, mode, tmp_path, monkeypatch):
-    """BATCHRUN_GEMV=all (with the norms and residual adds inside the gemvs for one row, with
-    only the post-attention ones (BATCHRUN_GEMV_NORM=post), and with BATCHRUN_GEMV_NORM=0) end
-    to end: prompts of at most 16 tokens
-    and of one token score like cuBLAS (bf16 tolerance), and a greedy batch and a lone request
+    """BATCHRUN_GEMV=all (with the norms and residual adds inside the gemvs for one row, and in
+    every other BATCHRUN_GEMV_NORM mode: 0, post, fold, fold-all) end to end: prompts of at
+    most 16 tokens and of one token score like cuBLAS (bf16 tolerance), and a greedy batch and
+    a lone request
     (decode batches of one row) decode through CUDA graphs captured with the Triton decode
     kernels, mostly to the same tokens (bf16 near-ties on random weights may flip a token;
     after that the rest differs)."""
