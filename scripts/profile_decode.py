@@ -5,6 +5,11 @@ time per step by kernel, the number of launches, and the GPU's busy fraction of 
     python scripts/profile_decode.py --model llama-1b --batch 256          # W1's decode step
     python scripts/profile_decode.py --device cpu --model tiny --batch 4   # CPU smoke test
     python scripts/profile_decode.py --model llama-8b --workload W1 --scale 0.25   # a whole run
+    python scripts/profile_decode.py --model llama-8b --batch 1 --chain   # each kernel's cost
+
+With --chain, each kernel of the steady step is also given what its end adds after the ends
+before it: its cost in the chain, where PDL kernels start early and wait (their durations count
+the wait).
 
 With --workload, a whole run of a bench_throughput workload (prefills, mixed and decode steps,
 the engine's default sizes) is profiled instead, and the kernels are also summed by kind
