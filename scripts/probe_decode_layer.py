@@ -218,7 +218,8 @@ def run(args, dev, G, D) -> torch.Tensor:
     newest = torch.full((1,), ctx - 1, dtype=torch.int64, device=dev)
     inv = 1.0 / (500000 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim))
     angles = torch.outer(torch.arange(8192, device=dev).float(), inv)
-    cos, sin = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin())
+    angles = torch.cat([angles, angles], -1)
+    cos, sin = angles.cos(), angles.sin()
     workspace = torch.empty(
         D.decode_workspace_numel(1, heads, head_dim, args.splits), dtype=torch.float32, device=dev
     )

@@ -132,9 +132,9 @@ def norm_fusion_mode(hidden: int) -> str | None:
     switch = os.environ.get(GEMV_NORM_ENV)
     if switch == "0":
         return None
-    if switch == "1" or (switch not in FOLD_MODES + ("post",) and hidden <= GEMV_NORM_MAX_HIDDEN):
-        return "all"
-    return switch if switch in FOLD_MODES + ("post",) else "fold-all"
+    if switch in (*FOLD_MODES, "post"):
+        return switch
+    return "all" if switch == "1" or hidden <= GEMV_NORM_MAX_HIDDEN else "fold-all"
 
 
 def gemv_norm_fusion(x: torch.Tensor, decode_gemv: str | None) -> str | None:

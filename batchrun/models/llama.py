@@ -222,12 +222,12 @@ class DecoderLayer(nn.Module):
         if fold_post:
             h = gemv_residual(out, attn.o_proj.weight, h).h
             act = gemv_rms(h, mlp.gate_up_weight_rms, post.eps, swiglu=True)
-        elif os.environ.get(GEMV_SWIGLU_ENV) == "0":
-            h, normed = gemv_residual(out, attn.o_proj.weight, h, norm=(post.weight, post.eps))
-            act = silu_and_mul(gemv(normed, mlp.gate_up_proj.weight))
         else:
             h, normed = gemv_residual(out, attn.o_proj.weight, h, norm=(post.weight, post.eps))
-            act = gemv(normed, mlp.gate_up_proj.weight, swiglu=True)
+            if os.environ.get(GEMV_SWIGLU_ENV) == "0":
+                act = silu_and_mul(gemv(normed, mlp.gate_up_proj.weight))
+            else:
+                act = gemv(normed, mlp.gate_up_proj.weight, swiglu=True)
         if fuse_next:
             return gemv_residual(
                 act, mlp.down_proj.weight, h, norm=(next_norm.weight, next_norm.eps)

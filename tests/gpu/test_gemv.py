@@ -257,11 +257,12 @@ def test_gemv_rms_split_and_swiglu(split, swiglu):
     if swiglu:
         ref = silu_and_mul(ref.to(torch.bfloat16)).float()
     cfg = pick_config(1, n, k)._replace(split_k=split, block_n=32 if swiglu else 64)
-    out = gemv_rms(h, rms_fold_weight(w, norm_w), 1e-5, cfg, swiglu=swiglu)
+    folded = rms_fold_weight(w, norm_w)
+    out = gemv_rms(h, folded, 1e-5, cfg, swiglu=swiglu)
     assert out.shape == (1, n // 2 if swiglu else n) and torch.isfinite(out).all()
     assert ((out.float() - ref).norm() / ref.norm()).item() <= TOL[torch.bfloat16]
     assert not split_counters(h.device).any()
-    assert torch.equal(gemv_rms(h, rms_fold_weight(w, norm_w), 1e-5, cfg, swiglu=swiglu), out)
+    assert torch.equal(gemv_rms(h, folded, 1e-5, cfg, swiglu=swiglu), out)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -279,10 +280,9 @@ def test_engine_with_decode_gemv(kind, mode, tmp_path, monkeypatch):
     """BATCHRUN_GEMV=all (with the norms and residual adds inside the gemvs for one row, and in
     every other BATCHRUN_GEMV_NORM mode: 0, post, fold, fold-all) end to end: prompts of at
     most 16 tokens and of one token score like cuBLAS (bf16 tolerance), and a greedy batch and
-    a lone request
-    (decode batches of one row) decode through CUDA graphs captured with the Triton decode
-    kernels, mostly to the same tokens (bf16 near-ties on random weights may flip a token;
-    after that the rest differs)."""
+    a lone request (decode batches of one row) decode through CUDA graphs captured with the
+    Triton decode kernels, mostly to the same tokens (bf16 near-ties on random weights may flip
+    a token; after that the rest differs)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tiny_models import make_tiny_model, random_prompts
 
