@@ -51,6 +51,7 @@ from batchrun.kernels.pdl import PDL_ENV  # noqa: E402
 from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
 from host_phases import HostPhases  # noqa: E402
 from source_tree import git_commit  # noqa: E402
+from step_trace import StepTrace  # noqa: E402
 from triton_compiles import CompileLog  # noqa: E402
 
 from batchrun.attention.triton_backend import DECODE_FOLD_ENV, DECODE_ROPE_ENV  # noqa: E402
@@ -368,6 +369,7 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
         compiles.phase = "timed"
     walls, last = [], None
     phases = HostPhases(engine) if args.phases else None
+    trace = StepTrace(engine) if getattr(args, "step_trace", False) else None
     steps_at_start = engine.stats.num_steps
     for _ in range(args.repeats):
         if cache is not None:
@@ -384,6 +386,9 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
         last = (wall, bad, done, ttfts, itls, before, fwd_before, retracted_before)
     wall, bad, done, ttfts, itls, before, fwd_before, retracted_before = last
     stats = engine.stats
+    if trace is not None:
+        trace.close()
+        log(f"  [{res.model} {wl.name} {res.variant}] " + trace.report())
     if phases is not None:
         phases.close()
         took = phases.take(sum(walls), stats.num_steps - steps_at_start)
@@ -690,6 +695,11 @@ def parse_args(argv=None):
         "--phases",
         action="store_true",
         help="time the engine's main-thread phases per step (scripts/host_phases.py); print them",
+    )
+    p.add_argument(
+        "--step-trace",
+        action="store_true",
+        help="each step's forward and the device's gap before it, by kind (scripts/step_trace.py)",
     )
     p.add_argument("--no-latency-probe", action="store_true", help="no TTFT/ITL hook in batchrun")
     p.add_argument(

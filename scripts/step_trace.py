@@ -1,0 +1,125 @@
+"""Where the GPU waits in a run: each step's forward on the device (its CUDA events) and the gap
+before it, by the kind of step (a decode graph, a piecewise-graph or eager forward), with the
+host's time between launches. Bench-only instrumentation (wraps runner.run_forward).
+
+The gap before a forward holds the step before's sampling and copies and this step's input
+kernels as well as any idle time; the smallest gaps of a kind are that work alone, so the
+report gives each kind's idle as the sum of (gap - the kind's 10th-percentile gap).
+
+    trace = StepTrace(engine)
+    ... run ...
+    trace.close()
+    print(trace.report())
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+
+
+def step_kind(runner, staged) -> str:
+    """How runner.run_forward will run this staged step (mirrors ModelRunner._forward)."""
+    attn = staged.attn
+    graphs = runner.graphs
+    if graphs is not None and graphs.can_run(attn):
+        return "decode-graph"
+    piecewise = runner.piecewise
+    if piecewise is not None and piecewise.can_run(staged.input_ids.shape[0]):
+        return "piecewise"
+    return "eager"
+
+
+def size_bucket(n: int) -> str:
+    """A power-of-two bucket label for a batch size or a token count."""
+    top = 1
+    while top < n:
+        top *= 2
+    return f"<={top}"
+
+
+class StepTrace:
+    def __init__(self, engine):
+        self.runner = engine.runner
+        # (kind, tokens, requests, host time of the launch, start event, end event)
+        self.steps: list[tuple[str, int, int, float, object, object]] = []
+        runner = self.runner
+        inner = runner.run_forward
+
+        def traced(staged):
+            kind = step_kind(runner, staged)
+            t = time.perf_counter()
+            fwd = inner(staged)
+            if fwd.forward_start is not None:
+                tokens = staged.input_ids.shape[0]
+                self.steps.append(
+                    (kind, tokens, len(staged.attn.seq_lens_cpu), t, fwd.forward_start,
+                     fwd.forward_end)
+                )  # fmt: skip
+            return fwd
+
+        runner.run_forward = traced
+
+    def close(self) -> None:
+        if "run_forward" in vars(self.runner):
+            del self.runner.run_forward
+        if self.steps:
+            import torch
+
+            torch.cuda.synchronize(self.runner.device)
+
+    def rows(self) -> list[dict]:
+        """One dict per step: kind, tokens, requests, fwd_ms, gap_ms (None for the first), and
+        host_ms (host time since the previous launch)."""
+        out = []
+        prev = None
+        for kind, tokens, reqs, t, start, end in self.steps:
+            row = {"kind": kind, "tokens": tokens, "requests": reqs}
+            row["fwd_ms"] = start.elapsed_time(end)
+            row["gap_ms"] = prev[5].elapsed_time(start) if prev is not None else None
+            row["host_ms"] = 1e3 * (t - prev[3]) if prev is not None else None
+            out.append(row)
+            prev = (kind, tokens, reqs, t, start, end)
+        return out
+
+    def report(self) -> str:
+        rows = self.rows()
+        if not rows:
+            return "step trace: no CUDA steps"
+        groups: dict[str, list[dict]] = defaultdict(list)
+        for r in rows[1:]:
+            kind = r["kind"]
+            label = f"{kind} {size_bucket(r['requests'])}" if kind == "decode-graph" else kind
+            groups[label].append(r)
+        span = rows[0]["fwd_ms"] + sum(r["gap_ms"] + r["fwd_ms"] for r in rows[1:])
+        lines = [
+            f"step trace: {len(rows)} steps over {span:.1f} ms of device time (first start to "
+            f"last end); forwards {sum(r['fwd_ms'] for r in rows):.1f} ms",
+            "kind | steps | fwd ms (mean) | gap before: sum / p10 / p50 / p90 ms | idle est. ms "
+            "| host ms between launches (p50)",
+        ]
+        total_idle = 0.0
+        for label in sorted(groups, key=lambda k: -sum(r["fwd_ms"] for r in groups[k])):
+            g = groups[label]
+            fwd = [r["fwd_ms"] for r in g]
+            gaps = sorted(r["gap_ms"] for r in g)
+            p10 = gaps[len(gaps) // 10]
+            idle = sum(x - p10 for x in gaps)
+            total_idle += idle
+            host = statistics.median(r["host_ms"] for r in g)
+            lines.append(
+                f"{label} | {len(g)} | {sum(fwd):.1f} ({statistics.mean(fwd):.3f}) | "
+                f"{sum(gaps):.1f} / {p10:.3f} / {gaps[len(gaps) // 2]:.3f} / "
+                f"{gaps[9 * len(gaps) // 10]:.3f} | {idle:.1f} | {host:.3f}"
+            )
+        lines.append(f"idle (est.) {total_idle:.1f} ms = {total_idle / span:.3f} of the span")
+        # the longest gaps, with the steps on either side: where the host fell behind
+        worst = sorted(range(1, len(rows)), key=lambda i: -rows[i]["gap_ms"])[:8]
+        for i in sorted(worst):
+            a, b = rows[i - 1], rows[i]
+            lines.append(
+                f"  gap {b['gap_ms']:.2f} ms before step {i} ({b['kind']}, {b['tokens']} tokens, "
+                f"{b['requests']} reqs) after ({a['kind']}, {a['tokens']} tokens)"
+            )
+        return "\n".join(lines)
