@@ -54,19 +54,20 @@ def _argmax_rows_kernel(Vals, Idx, Out, num_chunks, BLOCK: tl.constexpr, PDL: tl
     tl.store(Out + row, tl.load(Idx + row * num_chunks + pick).to(tl.int64))
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax, [S] int64 (the lowest id among equal maxima)."""
+def argmax(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """Each row's argmax, [S] int64 (the lowest id among equal maxima); `chunk` ids a program
+    (a power of two)."""
     num_rows, vocab_size = logits.shape
     assert logits.stride(-1) == 1
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
-    num_chunks = triton.cdiv(vocab_size, CHUNK)
+    num_chunks = triton.cdiv(vocab_size, chunk)
     vals = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=logits.device)
     idx = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=logits.device)
     pdl = pdl_launch_kwargs(logits)
     _argmax_chunks_kernel[(num_rows, num_chunks)](
-        logits, vals, idx, logits.stride(0), vocab_size, num_chunks, CHUNK_SIZE=CHUNK,
+        logits, vals, idx, logits.stride(0), vocab_size, num_chunks, CHUNK_SIZE=chunk,
         num_warps=4, **pdl,
     )  # fmt: skip
     _argmax_rows_kernel[(num_rows,)](

@@ -57,6 +57,7 @@ from triton_compiles import CompileLog  # noqa: E402
 from batchrun.attention.triton_backend import DECODE_FOLD_ENV, DECODE_ROPE_ENV  # noqa: E402
 from batchrun.engine.cuda_graph import GRAPH_INPUTS_ENV  # noqa: E402
 from batchrun.engine.kv_pool import ROTARY_STORE_ENV  # noqa: E402
+from batchrun.engine.sampler import ARGMAX_MAX_ROWS_ENV  # noqa: E402
 from batchrun.models.layers import GEMV_ENV, GEMV_NORM_ENV, GEMV_SWIGLU_ENV  # noqa: E402
 
 VARIANTS = (
@@ -83,6 +84,7 @@ VARIANTS = (
     "fold-all-norm-fusion",
     "graph-input-copies",
     "gemv-peel-1",
+    "torch-argmax",
     "no-piecewise",
     "piecewise",
     "hf",
@@ -112,6 +114,8 @@ VARIANT_ENV = {
     # the decode graphs' inputs by copies and index kernels, not kernels/graph_inputs.py
     "graph-input-copies": {GRAPH_INPUTS_ENV: "0"},
     "gemv-peel-1": {GEMV_PEEL_ENV: "1"},  # one weight tile a gemv program before its PDL wait
+    # greedy steps of more than 16 rows take torch's argmax (the default before 2026-12-01)
+    "torch-argmax": {ARGMAX_MAX_ROWS_ENV: "16"},
 }
 # NOTE: every switch any variant sets is cleared around each engine (only GEMV and PDL were, so
 # a variant's other switches leaked into the engines after it in the same run)

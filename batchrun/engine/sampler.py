@@ -14,6 +14,7 @@ softmax(logit / T) restricted to that set without normalizing it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple
@@ -249,15 +250,17 @@ class SampleOutput(NamedTuple):
     top_logprob_vals: torch.Tensor | None  # [B, K] fp32
 
 
-# above this many rows torch's argmax has a block per row and is fast enough
-ARGMAX_MAX_ROWS = 16
+# greedy batches of at most this many rows take kernels/argmax.py, larger ones torch's argmax
+# (BATCHRUN_ARGMAX_MAX_ROWS overrides it; read when a Sampler is built)
+ARGMAX_MAX_ROWS = 1 << 30
+ARGMAX_MAX_ROWS_ENV = "BATCHRUN_ARGMAX_MAX_ROWS"
 
 
-def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(-1); for a few rows on CUDA kernels/argmax.py, which spreads each row over
-    the GPU (torch gives a row one block: 35.7 µs for a 128k vocabulary on the H200, against a
+def greedy_ids(logits: torch.Tensor, max_rows: int = ARGMAX_MAX_ROWS) -> torch.Tensor:
+    """logits.argmax(-1); on CUDA kernels/argmax.py, which spreads each row over many programs:
+    torch gives a row one block (35.7 µs for one 128k-vocabulary row on the H200, against a
     decode step of ~1 ms at batch 1). The same ids: ties go to the lowest."""
-    if logits.dim() == 2 and logits.shape[0] <= ARGMAX_MAX_ROWS and use_fused_kernels(logits):
+    if logits.dim() == 2 and logits.shape[0] <= max_rows and use_fused_kernels(logits):
         from batchrun.kernels.argmax import argmax
 
         return argmax(logits)
@@ -269,6 +272,7 @@ class Sampler:
 
     def __init__(self) -> None:
         self._vocab_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self.argmax_max_rows = int(os.environ.get(ARGMAX_MAX_ROWS_ENV, ARGMAX_MAX_ROWS))
 
     def vocab_hash(self, vocab_size: int, device: torch.device) -> torch.Tensor:
         key = (vocab_size, device)
@@ -283,7 +287,7 @@ class Sampler:
         if batch.is_plain_greedy:
             # the argmax of the logits as they come (bf16 on the GPU: the same ids as in fp32,
             # and half the bytes to read)
-            return SampleOutput(greedy_ids(logits), None, None, None)
+            return SampleOutput(greedy_ids(logits, self.argmax_max_rows), None, None, None)
         logits = logits.float()  # [B, V]; may alias the caller's tensor: no in-place edits
         num_rows, vocab_size = logits.shape
 
@@ -311,7 +315,7 @@ class Sampler:
             logits = logits.flatten().index_fill(0, flat, float("-inf")).view(num_rows, -1)
 
         if batch.all_greedy:
-            next_ids = greedy_ids(logits)
+            next_ids = greedy_ids(logits, self.argmax_max_rows)
         else:
             next_ids = self._sample(logits, batch)
             if batch.any_greedy:
