@@ -288,6 +288,9 @@ class Sampler:
             # the argmax of the logits as they come (bf16 on the GPU: the same ids as in fp32,
             # and half the bytes to read)
             return SampleOutput(greedy_ids(logits, self.argmax_max_rows), None, None, None)
+        if batch.all_greedy and not batch.has_penalties and not batch.needs_logprobs:
+            # greedy rows with banned ids (min_new_tokens), the usual fixed-length batch job
+            return SampleOutput(self._greedy_banned(logits, batch.banned), None, None, None)
         logits = logits.float()  # [B, V]; may alias the caller's tensor: no in-place edits
         num_rows, vocab_size = logits.shape
 
@@ -324,6 +327,25 @@ class Sampler:
         if batch.needs_logprobs:
             logprobs = raw_logprobs.gather(1, next_ids[:, None]).squeeze(1)
         return SampleOutput(next_ids, logprobs, top_ids, top_vals)
+
+    def _greedy_banned(self, logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+        """The argmax of each row with its banned ids ([2, N]: batch row, token id) left out.
+
+        NOTE: no copy of the logits: the banned entries go to -inf in place for the argmax and
+        get their values back after it, so the caller's tensor ends as it came. The general
+        path's fp32 copy and out-of-place fill took ~150 µs a step at [256, 128k] bf16 on the
+        H200 (a W1 llama-1b decode step is ~3 ms; its requests all ban EOS until their last
+        token). An overlapping view (an expanded row) is filled out of place instead."""
+        flat_ids = banned[0] * logits.shape[1] + banned[1]
+        if not logits.is_contiguous():
+            masked = logits.flatten().index_fill(0, flat_ids, float("-inf"))
+            return greedy_ids(masked.view(logits.shape), self.argmax_max_rows)
+        flat = logits.view(-1)
+        saved = flat[flat_ids]
+        flat.index_fill_(0, flat_ids, float("-inf"))
+        ids = greedy_ids(logits, self.argmax_max_rows)
+        flat.index_put_((flat_ids,), saved)  # duplicates put the same value back
+        return ids
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         vocab_size = logits.shape[1]

@@ -249,12 +249,12 @@ def test_model_logits_fused_vs_torch(tiny_dir, dtype, tol, monkeypatch):
         assert rel <= tol, f"relative error {rel:.2e}"
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 256, 1000])
 @pytest.mark.parametrize("vocab", [128256, 49152, 32000, 1000])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_argmax_kernel_matches_torch(rows, vocab, dtype):
-    """kernels/argmax.py (the sampler's greedy ids for <= 16 rows): torch's ids, ties included
-    (bf16 logits of a random model have many)."""
+    """kernels/argmax.py (the sampler's greedy ids at every batch size): torch's ids, ties
+    included (bf16 logits of a random model have many)."""
     from batchrun.kernels.argmax import argmax
 
     g = torch.Generator(device="cuda").manual_seed(rows + vocab)
@@ -262,3 +262,28 @@ def test_argmax_kernel_matches_torch(rows, vocab, dtype):
     assert torch.equal(argmax(logits), logits.argmax(dim=-1))
     strided = torch.randn(rows, vocab + 64, device="cuda", generator=g).to(dtype)[:, :vocab]
     assert torch.equal(argmax(strided), strided.argmax(dim=-1))
+
+
+def test_sampler_greedy_banned_on_cuda():
+    """A greedy batch with banned ids (min_new_tokens) on bf16 CUDA logits: the argmax of the
+    masked logits, and the logits as they came (the ids are -inf only for the argmax)."""
+    from batchrun.engine.params import SamplingParams
+    from batchrun.engine.sampler import Sampler, SamplingBatch
+
+    rows, vocab, eos = 256, 128256, 128001
+    g = torch.Generator(device="cuda").manual_seed(7)
+    logits = torch.randn(rows, vocab, device="cuda", generator=g).to(torch.bfloat16)
+    logits[::2, eos] = 50.0  # the ban decides these rows
+    params = SamplingParams(temperature=0.0, min_new_tokens=4, stop_token_ids=(7,))
+    steps = [i % 6 for i in range(rows)]  # rows at step >= 4 are past their min_new_tokens
+    batch = SamplingBatch.build(
+        [params] * rows, list(range(rows)), steps, list(range(rows)), vocab, [eos], "cuda"
+    )
+    before = logits.clone()
+    ids = Sampler()(logits, batch, None).next_token_ids
+    masked = logits.clone()
+    banned = torch.tensor([s < 4 for s in steps], device="cuda")
+    masked[banned, eos] = float("-inf")
+    masked[banned, 7] = float("-inf")
+    assert torch.equal(ids, masked.argmax(dim=-1))
+    assert torch.equal(logits, before)

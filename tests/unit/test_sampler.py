@@ -295,6 +295,33 @@ def test_min_new_tokens_masks_eos_and_stop_ids() -> None:
     assert not torch.isin(tokens, torch.tensor([eos, 1, 7])).any()
 
 
+def test_greedy_with_banned_ids_leaves_the_logits_as_they_came() -> None:
+    """A greedy batch that bans ids (min_new_tokens) takes its argmax without copying the
+    logits: the banned entries are -inf only for the argmax, and the caller's tensor ends as it
+    came. An expanded (overlapping) view takes the out-of-place fill."""
+    torch.manual_seed(5)
+    vocab_size, eos = 50, 4
+    logits = torch.randn(5, vocab_size)
+    logits[:, eos] = 9.0
+    logits[:, 11] = 8.0  # a stop id, banned in rows 0-1 (row 2 is past min_new_tokens)
+    params = [SamplingParams(temperature=0.0, min_new_tokens=3, stop_token_ids=(11, eos))] * 3
+    params += [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, min_new_tokens=1)]
+    batch = make_batch(params, vocab_size, steps=[0, 1, 3, 0, 0], eos_token_ids=(eos,))
+    assert batch.all_greedy and batch.banned is not None and not batch.is_plain_greedy
+    before = logits.clone()
+    out = Sampler()(logits, batch, None).next_token_ids.tolist()
+    masked = logits.clone()
+    masked[:2, [eos, 11]] = float("-inf")
+    masked[4, eos] = float("-inf")
+    assert out == masked.argmax(-1).tolist()
+    assert out[2] == eos and out[3] == eos and out[4] == 11
+    assert torch.equal(logits, before)
+    row = logits[0:1].expand(3, -1)
+    same = make_batch([params[0]] * 3, vocab_size, eos_token_ids=(eos,))
+    assert Sampler()(row, same, None).next_token_ids.tolist() == [masked[0].argmax().item()] * 3
+    assert torch.equal(logits, before)
+
+
 def test_logprobs_are_of_the_raw_distribution() -> None:
     torch.manual_seed(3)
     vocab_size = 64
