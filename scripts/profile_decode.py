@@ -281,7 +281,67 @@ def profile_workload(args, engine) -> int:
         print(f"| {kind} | {us / 1e3:,.0f} | {n:,} | {us / max(gpu_total, 1e-9):.1%} |")
     print("\n| kernel | µs (whole run) | launches | share |\n|---|---:|---:|---:|")
     print_table(per_kernel.items(), 1, gpu_total, args.top)
+    print_step_kinds(cuda_events(prof))
     return 0
+
+
+def split_steps(events: list[tuple[float, float, str]]) -> list[list[tuple[float, float, str]]]:
+    """A run's events (by start; one stream, so in stream order) cut into steps: a step ends
+    with the copy of its sampled ids to the host (the one device-to-host copy of a step)."""
+    steps, current = [], []
+    for ev in events:
+        current.append(ev)
+        if ev[2].startswith("Memcpy DtoH"):
+            steps.append(current)
+            current = []
+    return steps
+
+
+def step_kind(names: list[str]) -> str:
+    """ "mixed" (prefill chunks with or without decodes: an extend kernel ran) or "decode"."""
+    return "mixed" if any("_extend" in n or "BatchPrefill" in n for n in names) else "decode"
+
+
+def step_kind_rows(events: list[tuple[float, float, str]]) -> dict[str, dict]:
+    """Per step kind: steps, span (from the step before's last end to this one's), busy (the
+    union of its kernels' intervals within that span) and kernel µs by kind, summed."""
+    out: dict[str, dict] = {}
+    prev_end = None
+    for step in split_steps(events):
+        end = max(e for _, e, _ in step)
+        if prev_end is not None:
+            kind = step_kind([n for _, _, n in step])
+            row = out.setdefault(kind, {"steps": 0, "span": 0.0, "busy": 0.0, "kinds": {}})
+            row["steps"] += 1
+            row["span"] += end - prev_end
+            clipped = [(max(s, prev_end), e) for s, e, _ in step if e > prev_end]
+            row["busy"] += busy_fraction(clipped, 1.0)
+            for s, e, n in step:
+                k = kind_of(n)
+                row["kinds"][k] = row["kinds"].get(k, 0.0) + (e - s)
+        prev_end = end
+    return out
+
+
+def print_step_kinds(events: list[tuple[float, float, str]]) -> None:
+    """ms per step of each step kind: span, busy, idle, and kernel time by kind."""
+    rows = step_kind_rows(events)
+    if not rows:
+        return
+    kinds = sorted({k for r in rows.values() for k in r["kinds"]})
+    print(
+        "\n| step kind | steps | span ms | busy ms | idle ms (run) | "
+        + " | ".join(kinds)
+        + " |\n|---|---:|---:|---:|---:|"
+        + "---:|" * len(kinds)
+    )
+    for kind, r in sorted(rows.items()):
+        n = r["steps"]
+        cells = " | ".join(f"{r['kinds'].get(k, 0.0) / n / 1e3:.3f}" for k in kinds)
+        print(
+            f"| {kind} | {n} | {r['span'] / n / 1e3:.3f} | {r['busy'] / n / 1e3:.3f} | "
+            f"{(r['span'] - r['busy']) / 1e3:,.1f} | {cells} |"
+        )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from profile_decode import chain_increments, print_chain  # noqa: E402
+from profile_decode import chain_increments, print_chain, step_kind_rows  # noqa: E402
 
 
 def test_increments_count_only_what_ends_after_the_ends_before():
@@ -28,3 +28,19 @@ def test_layers_fold_into_one_row_per_kernel(capsys):
     assert "| 1 | _decode_stage1 | 2.00 |" in out  # the layer's second kernel, 2 µs a layer
     assert "| 7 | head | 2.00 |" in out
     assert "| step | | 16.0 |" in out
+
+
+def test_steps_split_at_the_ids_copy_and_count_their_idle():
+    # a decode step (10 busy of a 12 span), then a mixed one with a 3 µs hole inside it
+    events = [
+        (0, 8, "_decode_stage1"), (8, 9, "nvjet_gemm"), (9, 10, "Memcpy DtoH (Device -> Pinned)"),
+        (12, 20, "nvjet_gemm"), (20, 22, "_decode_stage1"), (22, 26, "_extend_kernel"),
+        (29, 30, "nvjet_gemm"), (30, 32, "Memcpy DtoH (Device -> Pinned)"),
+        (34, 40, "nvjet_gemm"), (40, 42, "Memcpy DtoH (Device -> Pinned)"),
+    ]  # fmt: skip
+    rows = step_kind_rows(events)  # the first step has no end before it: not counted
+    assert rows["mixed"]["steps"] == 1 and rows["mixed"]["span"] == 22.0
+    assert rows["mixed"]["busy"] == 17.0  # 22 of span less the 2 before it and the 3 hole
+    assert rows["mixed"]["kinds"]["extend attention"] == 4.0
+    assert rows["decode"]["steps"] == 1 and rows["decode"]["span"] == 10.0
+    assert rows["decode"]["busy"] == 8.0
