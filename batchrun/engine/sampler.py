@@ -340,11 +340,14 @@ class Sampler:
         if not logits.is_contiguous():
             masked = logits.flatten().index_fill(0, flat_ids, float("-inf"))
             return greedy_ids(masked.view(logits.shape), self.argmax_max_rows)
-        flat = logits.view(-1)
-        saved = flat[flat_ids]
-        flat.index_fill_(0, flat_ids, float("-inf"))
-        ids = greedy_ids(logits, self.argmax_max_rows)
-        flat.index_put_((flat_ids,), saved)  # duplicates put the same value back
+        # (inference mode: a CUDA graph's logits are an inference tensor, which only takes
+        # in-place writes there)
+        with torch.inference_mode():
+            flat = logits.view(-1)
+            saved = flat[flat_ids]
+            flat.index_fill_(0, flat_ids, float("-inf"))
+            ids = greedy_ids(logits, self.argmax_max_rows)
+            flat.index_put_((flat_ids,), saved)  # duplicates put the same value back
         return ids
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -272,8 +272,9 @@ def test_sampler_greedy_banned_on_cuda():
 
     rows, vocab, eos = 256, 128256, 128001
     g = torch.Generator(device="cuda").manual_seed(7)
-    logits = torch.randn(rows, vocab, device="cuda", generator=g).to(torch.bfloat16)
-    logits[::2, eos] = 50.0  # the ban decides these rows
+    with torch.inference_mode():  # as a CUDA graph's logits are
+        logits = torch.randn(rows, vocab, device="cuda", generator=g).to(torch.bfloat16)
+        logits[::2, eos] = 50.0  # the ban decides these rows
     params = SamplingParams(temperature=0.0, min_new_tokens=4, stop_token_ids=(7,))
     steps = [i % 6 for i in range(rows)]  # rows at step >= 4 are past their min_new_tokens
     batch = SamplingBatch.build(

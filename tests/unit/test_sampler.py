@@ -301,15 +301,17 @@ def test_greedy_with_banned_ids_leaves_the_logits_as_they_came() -> None:
     came. An expanded (overlapping) view takes the out-of-place fill."""
     torch.manual_seed(5)
     vocab_size, eos = 50, 4
-    logits = torch.randn(5, vocab_size)
-    logits[:, eos] = 9.0
-    logits[:, 11] = 8.0  # a stop id, banned in rows 0-1 (row 2 is past min_new_tokens)
+    with torch.inference_mode():  # as a CUDA graph's logits are
+        logits = torch.randn(5, vocab_size)
+        logits[:, eos] = 9.0
+        logits[:, 11] = 8.0  # a stop id, banned in rows 0-1 (row 2 is past min_new_tokens)
     params = [SamplingParams(temperature=0.0, min_new_tokens=3, stop_token_ids=(11, eos))] * 3
     params += [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, min_new_tokens=1)]
     batch = make_batch(params, vocab_size, steps=[0, 1, 3, 0, 0], eos_token_ids=(eos,))
     assert batch.all_greedy and batch.banned is not None and not batch.is_plain_greedy
     before = logits.clone()
     out = Sampler()(logits, batch, None).next_token_ids.tolist()
+    assert torch.equal(Sampler()(before, batch, None).next_token_ids, torch.tensor(out))
     masked = logits.clone()
     masked[:2, [eos, 11]] = float("-inf")
     masked[4, eos] = float("-inf")
