@@ -281,8 +281,40 @@ def profile_workload(args, engine) -> int:
         print(f"| {kind} | {us / 1e3:,.0f} | {n:,} | {us / max(gpu_total, 1e-9):.1%} |")
     print("\n| kernel | µs (whole run) | launches | share |\n|---|---:|---:|---:|")
     print_table(per_kernel.items(), 1, gpu_total, args.top)
-    print_step_kinds(cuda_events(prof))
+    events = cuda_events(prof)
+    print_step_kinds(events)
+    print_step_gaps(events, "mixed")
     return 0
+
+
+def print_step_gaps(events: list[tuple[float, float, str]], kind: str, min_gap: float = 10.0):
+    """Where the device waits inside the steps of a kind: the gaps of at least min_gap µs
+    before an event, summed by the event they precede (mean per step), and one such step's
+    gaps in order (its middle one of the kind)."""
+    steps = [s for s in split_steps(events) if step_kind([n for _, _, n in s]) == kind]
+    if not steps:
+        return
+    by_next: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    timelines = []
+    for step in steps:
+        last_end, t0, lines = step[0][1], step[0][0], []
+        for start, end, name in step[1:]:
+            gap = start - last_end
+            if gap >= min_gap:
+                by_next[name[:60]][0] += gap
+                by_next[name[:60]][1] += 1
+                at = (start - t0) / 1e3
+                lines.append(f"  +{at:8.3f} ms  gap {gap:7.1f} µs  before {name[:60]}")
+            last_end = max(last_end, end)
+        timelines.append(lines)
+    n = len(steps)
+    print(f"\n{kind} steps ({n}): gaps of {min_gap:.0f} µs or more, by the event after them")
+    print("| event after the gap | µs per step | gaps per step |\n|---|---:|---:|")
+    for name, (us, c) in sorted(by_next.items(), key=lambda kv: -kv[1][0])[:15]:
+        print(f"| {name} | {us / n:.1f} | {c / n:.1f} |")
+    middle = timelines[n // 2]
+    print(f"one {kind} step's gaps ({len(middle)}):")
+    print("\n".join(middle[:60]))
 
 
 def split_steps(events: list[tuple[float, float, str]]) -> list[list[tuple[float, float, str]]]:

@@ -6,7 +6,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from profile_decode import chain_increments, print_chain, step_kind_rows  # noqa: E402
+from profile_decode import (  # noqa: E402
+    chain_increments,
+    print_chain,
+    print_step_gaps,
+    step_kind_rows,
+)
 
 
 def test_increments_count_only_what_ends_after_the_ends_before():
@@ -44,3 +49,14 @@ def test_steps_split_at_the_ids_copy_and_count_their_idle():
     assert rows["mixed"]["kinds"]["extend attention"] == 4.0
     assert rows["decode"]["steps"] == 1 and rows["decode"]["span"] == 10.0
     assert rows["decode"]["busy"] == 8.0
+
+
+def test_step_gaps_name_the_event_after_them(capsys):
+    events = [
+        (0, 1, "Memcpy DtoH"), (2, 5, "nvjet_gemm"), (30, 31, "_extend_kernel"),
+        (31, 40, "nvjet_gemm"), (40, 41, "Memcpy DtoH"),
+    ]  # fmt: skip
+    print_step_gaps(events, "mixed")
+    out = capsys.readouterr().out
+    assert "| _extend_kernel | 25.0 | 1.0 |" in out
+    assert "gap    25.0 µs  before _extend_kernel" in out
