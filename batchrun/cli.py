@@ -265,8 +265,8 @@ def _submit(config, server) -> None:
     "--max-running",
     type=click.IntRange(min=1),
     default=None,
-    help="Requests decoded together at most. Default: as the engine (256; 1024 for a model of "
-    "3B+ parameters on CUDA).",
+    help="Requests decoded together at most. Default: as the engine (512 on CUDA, 1024 for a "
+    "model of 3B+ parameters there, 256 on the CPU).",
 )
 @order_options
 @click.option(

@@ -200,8 +200,8 @@ engine_options = option_group(
         "--max-running",
         type=click.IntRange(min=1),
         default=None,
-        help="Requests decoded together at most. Default: 256, or 1024 for a model of 3B+ "
-        "parameters on CUDA (its decode matmuls need the rows).",
+        help="Requests decoded together at most. Default: 512 on CUDA, 1024 for a model of 3B+ "
+        "parameters there (its decode matmuls need the rows), 256 on the CPU.",
     ),
     click.option(
         "--kv-budget",

@@ -96,7 +96,8 @@ class StepTrace:
         lines = [
             f"step trace: {len(rows)} steps over {span:.1f} ms of device time (first start to "
             f"last end); forwards {sum(r['fwd_ms'] for r in rows):.1f} ms",
-            "kind | steps | fwd ms (mean) | gap before: sum / p10 / p50 / p90 ms | idle est. ms "
+            "kind | steps | fwd ms (mean / p50 / p90) | gap before: sum / p10 / p50 / p90 ms "
+            "| idle est. ms "
             "| host ms between launches (p50)",
         ]
         total_idle = 0.0
@@ -109,7 +110,8 @@ class StepTrace:
             total_idle += idle
             host = statistics.median(r["host_ms"] for r in g)
             lines.append(
-                f"{label} | {len(g)} | {sum(fwd):.1f} ({statistics.mean(fwd):.3f}) | "
+                f"{label} | {len(g)} | {sum(fwd):.1f} ({statistics.mean(fwd):.3f} / "
+                f"{sorted(fwd)[len(fwd) // 2]:.3f} / {sorted(fwd)[9 * len(fwd) // 10]:.3f}) | "
                 f"{sum(gaps):.1f} / {p10:.3f} / {gaps[len(gaps) // 2]:.3f} / "
                 f"{gaps[9 * len(gaps) // 10]:.3f} | {idle:.1f} | {host:.3f}"
             )

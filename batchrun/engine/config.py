@@ -11,7 +11,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 DECODE_GEMVS = ("auto", "cublas", "triton")
 
 # the defaults of max_running (None) and chunked_prefill_size ("auto"): auto_sizes
-MAX_RUNNING, MAX_RUNNING_LARGE = 256, 1024
+MAX_RUNNING, MAX_RUNNING_CUDA, MAX_RUNNING_LARGE = 256, 512, 1024
 CHUNKED_PREFILL, CHUNKED_PREFILL_LARGE = 4096, 8192
 LARGE_MODEL_PARAMS = 3_000_000_000  # decoder parameters (no embeddings)
 
@@ -25,19 +25,24 @@ def is_large(model_cfg) -> bool:
 
 
 def auto_sizes(model_cfg, device_type: str) -> tuple[int, int]:
-    """The default (max_running, chunked_prefill_size): (256, 4096), or (1024, 8192) for a
-    model of LARGE_MODEL_PARAMS or more on CUDA.
+    """The default (max_running, chunked_prefill_size): on CUDA (512, 4096), or (1024, 8192)
+    for a model of LARGE_MODEL_PARAMS or more; on the CPU (256, 4096).
 
-    NOTE: measured on the H200 (docs/benchmarks.md, sixth session), dummy weights, bf16: llama-8b
-    W1 read 9,888 / 10,827 / 10,942 output tok/s at max_running 256 / 512 / 1024 (W2 11,456 /
-    12,009 / 12,255): its matmuls need more rows than 256 decodes to run at the tensor cores'
-    rate; 8,192-token prefill chunks added 0.6 % at 512 and at 1024 (10,987 -> 11,057). On
-    llama-1b the step is host-bound and W1 lost at 512 and 1024 (44,874 / 40,624 / 41,761): a
-    bigger batch only adds host work per step. The KV pool still bounds admission either way.
+    NOTE: measured on the H200 (docs/benchmarks.md), dummy weights, bf16. Sixth session:
+    llama-8b W1 read 9,888 / 10,827 / 10,942 output tok/s at max_running 256 / 512 / 1024 (W2
+    11,456 / 12,009 / 12,255): its matmuls need more rows than 256 decodes to run at the tensor
+    cores' rate; 8,192-token prefill chunks added 0.6 % at 512 and at 1024 (10,987 -> 11,057).
+    llama-1b then lost W1 at 512 (44,874 -> 40,624, occupancy 0.85 -> 0.72): its steps were
+    host-bound. Fifteenth session, with the host's step work since cut: llama-1b W1 read 55,597
+    at 512 against 51,664 / 51,596 at 256 (occupancy 0.98 / 0.97): a decode step of 512 rows
+    costs 10.0 µs a token against 11.3 at 256, and the host keeps up with it. The KV pool still
+    bounds admission either way.
     """
-    if device_type == "cuda" and is_large(model_cfg):
+    if device_type != "cuda":
+        return MAX_RUNNING, CHUNKED_PREFILL
+    if is_large(model_cfg):
         return MAX_RUNNING_LARGE, CHUNKED_PREFILL_LARGE
-    return MAX_RUNNING, CHUNKED_PREFILL
+    return MAX_RUNNING_CUDA, CHUNKED_PREFILL
 
 
 def resolve_sizes(config: EngineConfig, model_cfg) -> EngineConfig:

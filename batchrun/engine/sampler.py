@@ -81,7 +81,8 @@ class SamplingBatch:
     steps: torch.Tensor  # [B] int64: tokens generated so far
     rows: torch.Tensor  # [B] int64: PenaltyState rows (req-pool indices)
     is_greedy: torch.Tensor  # [B] bool
-    banned: torch.Tensor | None  # [2, N] int64 (batch index, token id): EOS / stop ids masked
+    # [N] int64, batch index * V + token id: the EOS / stop ids masked (min_new_tokens)
+    banned: torch.Tensor | None
     all_greedy: bool
     any_greedy: bool
     needs_sort: bool  # some sampled row has top-k or top-p
@@ -160,10 +161,12 @@ class SamplingBatch:
             )
         banned = None
         if banned_ids:
+            # flat indices into the [B, V] logits, so that the device adds no index arithmetic
+            flat = [r * vocab_size + t for r, t in zip(banned_rows, banned_ids, strict=True)]
             banned = (
-                staging.to_device(banned_rows + banned_ids, torch.int64).view(2, -1)
+                staging.to_device(flat, torch.int64)
                 if staging is not None
-                else to_device([banned_rows, banned_ids], torch.int64, device)
+                else to_device(flat, torch.int64, device)
             )
         if plain:
             # plain argmax reads none of the per-row columns: nothing else goes to the device
@@ -314,8 +317,8 @@ class Sampler:
                 batch.has_frequency_presence,
             )
         if batch.banned is not None:
-            flat = batch.banned[0] * vocab_size + batch.banned[1]
-            logits = logits.flatten().index_fill(0, flat, float("-inf")).view(num_rows, -1)
+            logits = logits.flatten().index_fill(0, batch.banned, float("-inf"))
+            logits = logits.view(num_rows, -1)
 
         if batch.all_greedy:
             next_ids = greedy_ids(logits, self.argmax_max_rows)
@@ -328,15 +331,14 @@ class Sampler:
             logprobs = raw_logprobs.gather(1, next_ids[:, None]).squeeze(1)
         return SampleOutput(next_ids, logprobs, top_ids, top_vals)
 
-    def _greedy_banned(self, logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
-        """The argmax of each row with its banned ids ([2, N]: batch row, token id) left out.
+    def _greedy_banned(self, logits: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
+        """The argmax of each row with its banned ids (flat indices into logits) left out.
 
         NOTE: no copy of the logits: the banned entries go to -inf in place for the argmax and
         get their values back after it, so the caller's tensor ends as it came. The general
         path's fp32 copy and out-of-place fill took ~150 µs a step at [256, 128k] bf16 on the
         H200 (a W1 llama-1b decode step is ~3 ms; its requests all ban EOS until their last
         token). An overlapping view (an expanded row) is filled out of place instead."""
-        flat_ids = banned[0] * logits.shape[1] + banned[1]
         if not logits.is_contiguous():
             masked = logits.flatten().index_fill(0, flat_ids, float("-inf"))
             return greedy_ids(masked.view(logits.shape), self.argmax_max_rows)

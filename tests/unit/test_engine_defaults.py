@@ -15,6 +15,7 @@ from batchrun.engine.config import (  # noqa: E402
     CHUNKED_PREFILL,
     CHUNKED_PREFILL_LARGE,
     MAX_RUNNING,
+    MAX_RUNNING_CUDA,
     MAX_RUNNING_LARGE,
     EngineConfig,
     auto_sizes,
@@ -32,8 +33,9 @@ def model_config(name: str, tmp_path) -> ModelConfig:
     [
         ("llama-8b", "cuda", (MAX_RUNNING_LARGE, CHUNKED_PREFILL_LARGE)),
         ("llama-8b", "cpu", (MAX_RUNNING, CHUNKED_PREFILL)),
-        ("llama-1b", "cuda", (MAX_RUNNING, CHUNKED_PREFILL)),
-        ("tiny", "cuda", (MAX_RUNNING, CHUNKED_PREFILL)),
+        ("llama-1b", "cuda", (MAX_RUNNING_CUDA, CHUNKED_PREFILL)),
+        ("llama-1b", "cpu", (MAX_RUNNING, CHUNKED_PREFILL)),
+        ("tiny", "cuda", (MAX_RUNNING_CUDA, CHUNKED_PREFILL)),
     ],
 )
 def test_auto_sizes_by_model_and_device(name, device, expected, tmp_path):

@@ -1,0 +1,49 @@
+"""scripts/step_trace.py's report: each step's forward and the device's gap before it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from step_trace import StepTrace, size_bucket  # noqa: E402
+
+
+class FakeEvent:
+    """A CUDA event recorded at t ms on the device."""
+
+    def __init__(self, t: float):
+        self.t = t
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return other.t - self.t
+
+
+def trace_of(steps) -> StepTrace:
+    trace = StepTrace.__new__(StepTrace)  # no engine: the steps are given
+    trace.steps = [
+        (kind, tokens, reqs, host, FakeEvent(start), FakeEvent(end))
+        for kind, tokens, reqs, host, start, end in steps
+    ]
+    return trace
+
+
+def test_rows_give_forwards_gaps_and_host_time():
+    trace = trace_of(
+        [
+            ("piecewise", 4352, 256, 0.000, 0.0, 17.0),
+            ("decode-graph", 256, 256, 0.004, 17.2, 20.0),
+            ("decode-graph", 256, 256, 0.007, 20.3, 23.0),
+        ]
+    )
+    rows = trace.rows()
+    assert rows[0]["gap_ms"] is None and rows[0]["fwd_ms"] == 17.0
+    assert abs(rows[1]["gap_ms"] - 0.2) < 1e-9 and abs(rows[2]["gap_ms"] - 0.3) < 1e-9
+    assert abs(rows[2]["host_ms"] - 3.0) < 1e-6
+    report = trace.report()
+    assert "3 steps over 23.0 ms" in report
+    assert "decode-graph <=256 | 2 |" in report
+
+
+def test_size_bucket_is_the_next_power_of_two():
+    assert [size_bucket(n) for n in (1, 3, 256, 257)] == ["<=1", "<=4", "<=256", "<=512"]
