@@ -276,6 +276,7 @@ def engine_config(args, model_dir: Path, variant: str):
         overlap=True,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         chunked_prefill_size=args.chunked_prefill_size,
+        page_size=args.page_size,
     )
     # NOTE: the variants of VARIANT_ENV change no config: main() sets their switches around the
     # engine's life (each had to be listed here too, and one left out failed at start-up)
@@ -690,6 +691,7 @@ def parse_args(argv=None):
         help="BLOCK_N,WARPS,STAGES of the Triton decode attention kernel (default: its own)",
     )
     p.add_argument("--kv-budget", type=int, default=None, help="KV tokens; default from memory")
+    p.add_argument("--page-size", type=int, default=1, help="KV slots allocated together")
     p.add_argument("--warmup-requests", type=int, default=32)
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--hf-batch-size", type=int, default=256)
