@@ -133,7 +133,7 @@ def test_piecewise_graphs_give_the_same_tokens(model_dir, reference, monkeypatch
 
 def test_piecewise_graphs_default_on_small_models_only(model_dir):
     """On by default for a small model with decode graphs on; off without them, or when asked."""
-    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.config import CHUNKED_PREFILL, MAX_RUNNING_CUDA, EngineConfig
     from batchrun.engine.engine import Engine
 
     base = dict(model=model_dir, device="cuda", dtype="float32", kv_budget=2000)
@@ -145,8 +145,8 @@ def test_piecewise_graphs_default_on_small_models_only(model_dir):
     ):
         engine = Engine(EngineConfig(**base, **kw))
         assert (engine.runner.piecewise is not None) == want, kw
-        if want:  # chunk 4,096 + max_running 256, in steps of 256
-            assert engine.runner.piecewise.max_tokens == 4352
+        if want:  # the default chunk + max_running (4,096 + 512 on CUDA), in steps of 256
+            assert engine.runner.piecewise.max_tokens == CHUNKED_PREFILL + MAX_RUNNING_CUDA == 4608
         del engine
         torch.cuda.empty_cache()
 
