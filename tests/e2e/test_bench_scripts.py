@@ -101,7 +101,7 @@ def test_bench_throughput_has_a_config_for_every_engine_variant():
 
     args = argparse.Namespace(
         device="cpu", dtype="float32", attention_backend="auto", max_running=8, kv_budget=1024,
-        cuda_graph_max_bs=4, chunked_prefill_size=256,
+        cuda_graph_max_bs=4, chunked_prefill_size=256, page_size=1,
     )  # fmt: skip
     for variant in bench_throughput.VARIANTS:
         if variant != "hf":
