@@ -1,6 +1,9 @@
 """Greedy sampling's argmax by row count: torch's `argmax(-1)` against kernels/argmax.py on
 [rows, vocab] logits (µs per call, CUDA events, median of 5 runs of --iters calls, each call on
-its own logits tensor so that the L2 holds none of them).
+its own logits tensor so that the L2 holds none of them). A plain loop, no graph: where the
+host's side of a call (the kernel's allocations and two Triton launches, ~50 µs) is longer
+than the device's, the figure is the host's; the engine's step trace is the measure that
+counts (docs/benchmarks.md, fifteenth session).
 
     python scripts/bench_argmax.py --rows 1,16,64,256,512,1024 --vocab 128256
 """
@@ -9,31 +12,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from batchrun.kernels.argmax import argmax  # noqa: E402
-
-
-def time_us(fn, inputs, iters: int) -> float:
-    for x in inputs:
-        fn(x)
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(iters):
-            fn(inputs[i % len(inputs)])
-        end.record()
-        end.synchronize()
-        runs.append(1e3 * start.elapsed_time(end) / iters)
-    return statistics.median(runs)
+from cuda_timing import cycled_time_us  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -59,7 +47,7 @@ def main(argv=None) -> int:
         nbytes = rows * args.vocab * dtype.itemsize
         cells = []
         for fn in fns:
-            us = time_us(fn, inputs, args.iters)
+            us = cycled_time_us(fn, inputs, args.iters)
             cells.append(f"{us:.1f} ({nbytes / us / 1e3:.0f})")
         print(f"{rows} | " + " | ".join(cells) + f" | {same}")
     return 0

@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_models import MODELS  # noqa: E402
+from cuda_timing import cycled_time_us  # noqa: E402
 
 
 def matrices(cfg: dict) -> dict[str, tuple[int, int]]:
@@ -32,19 +33,7 @@ def time_linear(m: int, n: int, k: int, dtype, iters: int) -> float:
     copies = max(2, (200 << 20) // (n * k * 2) + 1)
     ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(copies)]
     x = torch.randn(m, k, device="cuda", dtype=dtype)
-    for w in ws:
-        torch.nn.functional.linear(x, w)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for j in range(iters):
-            torch.nn.functional.linear(x, ws[j % copies])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / iters)
-    return sorted(times)[1]
+    return cycled_time_us(lambda w: torch.nn.functional.linear(x, w), ws, iters, runs=3) / 1e6
 
 
 def main(argv=None) -> int:
