@@ -9,7 +9,7 @@ ids) a program that writes the chunk's max and the lowest id reaching it; stage 
 row, the first chunk holding the row's max. So ties resolve to the lowest id, as torch's argmax
 does.
 
-    ids = argmax(logits)        # [S] int64; logits [S, V], any float dtype, finite values
+    ids = argmax(logits)        # [S] int64; logits [S, V], any float dtype, no NaN (-inf ok)
 """
 
 from __future__ import annotations
