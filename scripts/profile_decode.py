@@ -13,7 +13,8 @@ the wait).
 
 With --workload, a whole run of a bench_throughput workload (prefills, mixed and decode steps,
 the engine's default sizes) is profiled instead, and the kernels are also summed by kind
-(matmuls, attention, norms, ...).
+(matmuls, attention, norms, ...); then per kind of step (decode, mixed) its span, busy and idle
+time, and where inside the mixed steps the device waited.
 
 Requests of --context prompt tokens decode (ignore_eos) until --warmup-steps steps have run
 (prefills done, CUDA graphs in use); the next --steps steps are profiled. The table lists each
@@ -289,15 +290,15 @@ def profile_workload(args, engine) -> int:
 
 def print_step_gaps(events: list[tuple[float, float, str]], kind: str, min_gap: float = 10.0):
     """Where the device waits inside the steps of a kind: the gaps of at least min_gap µs
-    before an event, summed by the event they precede (mean per step), and one such step's
-    gaps in order (its middle one of the kind)."""
+    before an event, summed by the event they precede (mean per step), and the gaps in order
+    of the step of that kind that waited longest."""
     steps = [s for s in split_steps(events) if step_kind([n for _, _, n in s]) == kind]
     if not steps:
         return
     by_next: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    timelines = []
+    timelines = []  # (the step's gaps summed, its gap lines)
     for step in steps:
-        last_end, t0, lines = step[0][1], step[0][0], []
+        last_end, t0, lines, waited = step[0][1], step[0][0], [], 0.0
         for start, end, name in step[1:]:
             gap = start - last_end
             if gap >= min_gap:
@@ -305,16 +306,17 @@ def print_step_gaps(events: list[tuple[float, float, str]], kind: str, min_gap: 
                 by_next[name[:60]][1] += 1
                 at = (start - t0) / 1e3
                 lines.append(f"  +{at:8.3f} ms  gap {gap:7.1f} µs  before {name[:60]}")
+                waited += gap
             last_end = max(last_end, end)
-        timelines.append(lines)
+        timelines.append((waited, lines))
     n = len(steps)
     print(f"\n{kind} steps ({n}): gaps of {min_gap:.0f} µs or more, by the event after them")
     print("| event after the gap | µs per step | gaps per step |\n|---|---:|---:|")
     for name, (us, c) in sorted(by_next.items(), key=lambda kv: -kv[1][0])[:15]:
         print(f"| {name} | {us / n:.1f} | {c / n:.1f} |")
-    middle = timelines[n // 2]
-    print(f"one {kind} step's gaps ({len(middle)}):")
-    print("\n".join(middle[:60]))
+    waited, worst = max(timelines, key=lambda t: t[0])
+    print(f"the {kind} step that waited longest ({waited / 1e3:.3f} ms in {len(worst)} gaps):")
+    print("\n".join(worst[:60]))
 
 
 def split_steps(events: list[tuple[float, float, str]]) -> list[list[tuple[float, float, str]]]:
@@ -330,7 +332,8 @@ def split_steps(events: list[tuple[float, float, str]]) -> list[list[tuple[float
 
 
 def step_kind(names: list[str]) -> str:
-    """ "mixed" (prefill chunks with or without decodes: an extend kernel ran) or "decode"."""
+    """The kind of a step from its kernels' names: mixed (prefill chunks, with or without
+    decodes: an extend kernel ran) or decode."""
     return "mixed" if any("_extend" in n or "BatchPrefill" in n for n in names) else "decode"
 
 

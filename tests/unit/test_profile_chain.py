@@ -59,4 +59,5 @@ def test_step_gaps_name_the_event_after_them(capsys):
     print_step_gaps(events, "mixed")
     out = capsys.readouterr().out
     assert "| _extend_kernel | 25.0 | 1.0 |" in out
+    assert "waited longest (0.025 ms in 1 gaps)" in out
     assert "gap    25.0 µs  before _extend_kernel" in out
