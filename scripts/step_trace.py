@@ -39,6 +39,13 @@ def size_bucket(n: int) -> str:
     return f"<={top}"
 
 
+def deciles(values: list[float]) -> tuple[float, float, float]:
+    """(p10, p50, p90) of values, each the element at that rank (no interpolation)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 10], ordered[n // 2], ordered[9 * n // 10]
+
+
 class StepTrace:
     def __init__(self, engine):
         self.runner = engine.runner
@@ -73,14 +80,14 @@ class StepTrace:
         """One dict per step: kind, tokens, requests, fwd_ms, gap_ms (None for the first), and
         host_ms (host time since the previous launch)."""
         out = []
-        prev = None
+        prev_t = prev_end = None
         for kind, tokens, reqs, t, start, end in self.steps:
             row = {"kind": kind, "tokens": tokens, "requests": reqs}
             row["fwd_ms"] = start.elapsed_time(end)
-            row["gap_ms"] = prev[5].elapsed_time(start) if prev is not None else None
-            row["host_ms"] = 1e3 * (t - prev[3]) if prev is not None else None
+            row["gap_ms"] = prev_end.elapsed_time(start) if prev_end is not None else None
+            row["host_ms"] = 1e3 * (t - prev_t) if prev_t is not None else None
             out.append(row)
-            prev = (kind, tokens, reqs, t, start, end)
+            prev_t, prev_end = t, end
         return out
 
     def report(self) -> str:
@@ -97,23 +104,22 @@ class StepTrace:
             f"step trace: {len(rows)} steps over {span:.1f} ms of device time (first start to "
             f"last end); forwards {sum(r['fwd_ms'] for r in rows):.1f} ms",
             "kind | steps | fwd ms (mean / p50 / p90) | gap before: sum / p10 / p50 / p90 ms "
-            "| idle est. ms "
-            "| host ms between launches (p50)",
+            "| idle est. ms | host ms between launches (p50)",
         ]
         total_idle = 0.0
         for label in sorted(groups, key=lambda k: -sum(r["fwd_ms"] for r in groups[k])):
             g = groups[label]
             fwd = [r["fwd_ms"] for r in g]
-            gaps = sorted(r["gap_ms"] for r in g)
-            p10 = gaps[len(gaps) // 10]
-            idle = sum(x - p10 for x in gaps)
+            gaps = [r["gap_ms"] for r in g]
+            _, fwd50, fwd90 = deciles(fwd)
+            gap10, gap50, gap90 = deciles(gaps)
+            idle = sum(x - gap10 for x in gaps)
             total_idle += idle
             host = statistics.median(r["host_ms"] for r in g)
             lines.append(
                 f"{label} | {len(g)} | {sum(fwd):.1f} ({statistics.mean(fwd):.3f} / "
-                f"{sorted(fwd)[len(fwd) // 2]:.3f} / {sorted(fwd)[9 * len(fwd) // 10]:.3f}) | "
-                f"{sum(gaps):.1f} / {p10:.3f} / {gaps[len(gaps) // 2]:.3f} / "
-                f"{gaps[9 * len(gaps) // 10]:.3f} | {idle:.1f} | {host:.3f}"
+                f"{fwd50:.3f} / {fwd90:.3f}) | {sum(gaps):.1f} / {gap10:.3f} / {gap50:.3f} / "
+                f"{gap90:.3f} | {idle:.1f} | {host:.3f}"
             )
         lines.append(f"idle (est.) {total_idle:.1f} ms = {total_idle / span:.3f} of the span")
         # the longest gaps, with the steps on either side: where the host fell behind
