@@ -118,13 +118,16 @@ def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION: 
 
 
 @triton.jit
-def _kv_block(r2t, k_head, v_head, offs_n, load_mask, mask_d, stride_kt, stride_vt, offs_d):
+def _kv_block(r2t, k_head, v_head, offs_n, load_mask, mask_d, stride_kt, stride_vt, offs_d,
+              EVICT: tl.constexpr):  # fmt: skip
     """K and V [BLOCK_N, BLOCK_D] at positions offs_n of the request (zeros where not load_mask)."""
     # int64: slot * stride overflows int32 on large pools
     slots = tl.load(r2t + offs_n, mask=load_mask, other=0).to(tl.int64)
     kv_mask = load_mask[:, None] & mask_d[None, :]
-    k = tl.load(k_head + slots[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_head + slots[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+    k_ptr = k_head + slots[:, None] * stride_kt + offs_d[None, :]
+    v_ptr = v_head + slots[:, None] * stride_vt + offs_d[None, :]
+    k = tl.load(k_ptr, mask=kv_mask, other=0.0, eviction_policy=EVICT)
+    v = tl.load(v_ptr, mask=kv_mask, other=0.0, eviction_policy=EVICT)
     return k, v
 
 
@@ -179,11 +182,17 @@ def _decode_stage1_kernel(
     ROTARY: tl.constexpr,  # q and the new k raw: rotate them here, store the new k and v
     HALF: tl.constexpr,
     EXACT_MUL: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,  # grid (KV, B, S): a request's KV heads in adjacent programs
+    EVICT: tl.constexpr,  # the KV loads' L2 eviction policy ("" for the default)
 ):
     if not ROTARY:
         pdl_wait(PDL)  # every input is an earlier kernel's output
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
 
     row = tl.load(ReqPoolIndices + b).to(tl.int64)
@@ -214,7 +223,7 @@ def _decode_stage1_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n & (offs_n != newest), mask_d,
-                         stride_kt, stride_vt, offs_d)  # fmt: skip
+                         stride_kt, stride_vt, offs_d, EVICT)  # fmt: skip
         # NOTE: the position, its cos / sin row and the new token's slot before the wait too:
         # the step's inputs (written at the step's start) and constant tables, so the two
         # dependent loads (position, then its row) leave the chain after the wait
@@ -252,7 +261,7 @@ def _decode_stage1_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n & (offs_n != newest), mask_d,
-                             stride_kt, stride_vt, offs_d)  # fmt: skip
+                             stride_kt, stride_vt, offs_d, EVICT)  # fmt: skip
             is_new = (offs_n == newest)[:, None]
             k, v = tl.where(is_new, k_new, k), tl.where(is_new, v_new, v)
             m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
@@ -267,7 +276,7 @@ def _decode_stage1_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n, mask_d, stride_kt, stride_vt,
-                             offs_d)  # fmt: skip
+                             offs_d, EVICT)  # fmt: skip
             m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
                                           DOT_PRECISION)  # fmt: skip
 
@@ -435,6 +444,8 @@ def decode_attention_fwd(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    heads_first: bool = False,  # grid (KV, B, S), not (B, KV, S)
+    evict: str = "",  # the KV loads' eviction_policy: "", "evict_first" or "evict_last"
 ) -> None:
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -464,7 +475,8 @@ def decode_attention_fwd(
     r = rope or DecodeRope(q, q, seq_lens, seq_lens, workspace[None, :], workspace[None, :])
 
     pdl = pdl_launch_kwargs(q)
-    _decode_stage1_kernel[(batch_size, num_kv_heads, num_kv_splits)](
+    grid = (num_kv_heads, batch_size) if heads_first else (batch_size, num_kv_heads)
+    _decode_stage1_kernel[(*grid, num_kv_splits)](
         q,
         k_buf,
         v_buf,
@@ -520,6 +532,8 @@ def decode_attention_fwd(
         ROTARY=rope is not None,
         HALF=head_dim // 2,
         EXACT_MUL=q.is_cuda,
+        HEADS_FIRST=heads_first,
+        EVICT=evict,
     )
     if num_kv_splits == 1 or folded:
         return

@@ -151,6 +151,56 @@ def bench_decode(batch_size, seq_len, rows, shuffle=False, decode_only=False):
     add("torch reference backend", time_backend(reference, inputs, q, k, v))
 
 
+def bench_decode_run(batch_size, mean_len, pool_slots, rows):
+    """Decode as a W1 step sees it: context lengths uniform in [mean_len - 128, mean_len + 128),
+    each request's slots drawn at random from a pool of pool_slots (no two alike). The kernel's
+    grid order and its KV loads' eviction policy as variants, the backend's split count."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    lens = torch.randint(mean_len - 128, mean_len + 128, (batch_size,), generator=gen)
+    total = int(lens.sum())
+    pool_slots = max(pool_slots, total)
+    pool = KVPool(1, pool_slots, KV, D, DTYPE, DEV)
+    k_buf, v_buf = pool.buffers(0)
+    k_buf.normal_()
+    v_buf.normal_()
+    slots = torch.randperm(pool_slots, generator=gen)[:total].int()
+    table = torch.zeros(batch_size + 1, int(lens.max()), dtype=torch.int32)
+    for b, row in enumerate(torch.split(slots, lens.tolist())):
+        table[b, : len(row)] = row
+    table = table.to(DEV)
+    seq_lens = lens.to(DEV)
+    pool_idx = torch.arange(batch_size, device=DEV)
+    q = torch.randn(batch_size, H, D, device=DEV, dtype=DTYPE)
+    out = torch.empty_like(q)
+    gbytes = 2 * total * KV * D * k_buf.element_size() / 1e9
+    backend = TritonAttentionBackend(pool, table)
+    splits = backend._num_kv_splits(batch_size)
+    workspace = torch.empty(decode_workspace_numel(batch_size, H, D, splits), device=DEV)
+    counters = decode_counters(batch_size, KV, DEV)
+    name = f"decode run {batch_size}x~{mean_len} pool {pool_slots}"
+    variants = {
+        "default": {},
+        "heads first": {"heads_first": True},
+        "evict_first": {"evict": "evict_first"},
+        "heads first, evict_first": {"heads_first": True, "evict": "evict_first"},
+        "bn128 w4 st2": {"block_n": 128, "num_warps": 4, "num_stages": 2},
+        "bn128 w4 st2, heads first": {
+            "block_n": 128,
+            "num_warps": 4,
+            "num_stages": 2,
+            "heads_first": True,
+        },
+    }
+    for label, kwargs in variants.items():
+        fn = functools.partial(
+            decode_attention_fwd, q, k_buf, v_buf, out, table, pool_idx, seq_lens, D**-0.5,
+            splits, workspace, counters, **kwargs,
+        )  # fmt: skip
+        ms = bench(fn)
+        rows.append({"case": name, "variant": label, "ms": ms, "TB/s": gbytes / ms})
+        print(f"{name:36s} {label:28s} {ms * 1e3:9.1f} us {gbytes / ms:6.2f} TB/s", flush=True)
+
+
 def bench_extend(prefix_len, rows):
     batch_size, extend_len = 8, 1024
     seq_len = prefix_len + extend_len
@@ -220,11 +270,23 @@ def main() -> None:
         default=None,
         help="BxL,...: only the decode config sweep, for these batch x context sizes",
     )
+    parser.add_argument(
+        "--decode-run",
+        default=None,
+        help="BxL[:POOL],...: only decode as a W1 step sees it (ragged lengths around L, slots "
+        "scattered over a pool of POOL slots), by grid order and eviction policy",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     print(f"device-to-device copy: {copy_bandwidth():.2f} TB/s (bytes read + written)")
     rows: list[dict] = []
+    if args.decode_run:
+        for case in args.decode_run.split(","):
+            shape, _, pool = case.partition(":")
+            batch_size, mean_len = (int(x) for x in shape.split("x"))
+            bench_decode_run(batch_size, mean_len, int(pool or 0), rows)
+        return
     if args.decode_cases:
         for case in args.decode_cases.split(","):
             batch_size, seq_len = (int(x) for x in case.split("x"))

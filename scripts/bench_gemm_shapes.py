@@ -3,12 +3,23 @@ much a decode-only step's matmuls (M = the running batch) lose against a mixed s
 prefill chunk + the batch), which says whether spreading prefill tokens over more steps pays.
 
     python scripts/bench_gemm_shapes.py --model llama-8b --rows 256,1024,2048,3072,9216
+
+--sustain SECONDS times a whole forward's matmuls instead (every layer on its own weights, as
+in a step), for that long a variant, the variants in turn over --rounds: how the step's M rows
+go through cuBLAS, whole (`full`), in chunks of R rows (`chunk:R`), or through cuBLASLt
+(`lt`). A per-call figure can flatter a shape: a short loop runs at clocks a forward's
+sustained matmuls do not keep.
+
+    python scripts/bench_gemm_shapes.py --model llama-8b --rows 9216,1008 --sustain 3 \
+        --variants full,chunk:1024,chunk:2048,chunk:4608,lt
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,11 +47,64 @@ def time_linear(m: int, n: int, k: int, dtype, iters: int) -> float:
     return cycled_time_us(lambda w: torch.nn.functional.linear(x, w), ws, iters, runs=3) / 1e6
 
 
+def run_variant(variant: str, xs: dict, layers: list, outs: dict) -> None:
+    """One forward's matmuls: every layer's four weights against the rows of xs[name]."""
+    m = next(iter(xs.values())).shape[0]
+    chunk = int(variant.split(":")[1]) if variant.startswith("chunk:") else m
+    for layer in layers:
+        for name, w in layer.items():
+            a, out = xs[name], outs[name]
+            for r0 in range(0, m, chunk):
+                torch.matmul(a[r0 : r0 + chunk], w.t(), out=out[r0 : r0 + chunk])
+
+
+def sustained(cfg: dict, m: int, variants: list[str], seconds: float, rounds: int) -> None:
+    """TFLOP/s of a forward's matmuls run back to back for `seconds` a variant, in turn."""
+    mats = matrices(cfg)
+    n_layers = cfg["num_hidden_layers"]
+    layers = [
+        {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+         for name, (n, k) in mats.items()}
+        for _ in range(n_layers)
+    ]  # fmt: skip
+    xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+          for name, (_, k) in mats.items()}  # fmt: skip
+    outs = {name: torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            for name, (n, _) in mats.items()}  # fmt: skip
+    flops = n_layers * sum(2.0 * m * n * k for n, k in mats.values())
+    lib = torch.backends.cuda.preferred_blas_library()
+    figures: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(rounds):
+        for v in variants:
+            torch.backends.cuda.preferred_blas_library("cublaslt" if v == "lt" else lib)
+            run_variant(v, xs, layers, outs)  # warm-up (heuristics, workspace)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            steps, t0 = 0, time.perf_counter()
+            start.record()
+            while time.perf_counter() - t0 < seconds:
+                run_variant(v, xs, layers, outs)
+                steps += 1
+                if steps % 4 == 0:
+                    torch.cuda.synchronize()  # keep the host within a few forwards
+            end.record()
+            end.synchronize()
+            figures[v].append(flops * steps / (start.elapsed_time(end) / 1e3) / 1e12)
+    torch.backends.cuda.preferred_blas_library(lib)
+    print(f"{m} rows, {n_layers} layers, TFLOP/s by round ({seconds:g} s a variant a round):")
+    for v, fs in figures.items():
+        cells = " ".join(f"{f:6.1f}" for f in fs)
+        print(f"  {v:12s} {cells} | median {statistics.median(fs):.1f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="llama-8b", help=f"of {', '.join(MODELS)}")
     p.add_argument("--rows", default="256,512,1024,2048,3072,4096,9216")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--sustain", type=float, default=0.0, help="seconds a variant (see above)")
+    p.add_argument("--variants", default="full,chunk:1024,lt", help="with --sustain")
+    p.add_argument("--rounds", type=int, default=3, help="with --sustain")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA")
@@ -48,6 +112,10 @@ def main(argv=None) -> int:
     cfg = MODELS[args.model]
     mats = matrices(cfg)
     rows = [int(r) for r in args.rows.split(",")]
+    if args.sustain > 0:
+        for m in rows:
+            sustained(cfg, m, args.variants.split(","), args.sustain, args.rounds)
+        return 0
     print(f"{args.model}: TFLOP/s of F.linear (bf16), per matrix and for the layer")
     print("rows | " + " | ".join(mats) + " | layer")
     for m in rows:

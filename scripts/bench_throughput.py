@@ -54,7 +54,12 @@ from source_tree import git_commit  # noqa: E402
 from step_trace import StepTrace  # noqa: E402
 from triton_compiles import CompileLog  # noqa: E402
 
-from batchrun.attention.triton_backend import DECODE_FOLD_ENV, DECODE_ROPE_ENV  # noqa: E402
+from batchrun.attention.triton_backend import (  # noqa: E402
+    DECODE_EVICT_ENV,
+    DECODE_FOLD_ENV,
+    DECODE_GRID_ENV,
+    DECODE_ROPE_ENV,
+)
 from batchrun.engine.cuda_graph import GRAPH_INPUTS_ENV  # noqa: E402
 from batchrun.engine.kv_pool import ROTARY_STORE_ENV  # noqa: E402
 from batchrun.engine.sampler import ARGMAX_MAX_ROWS_ENV  # noqa: E402
@@ -85,6 +90,8 @@ VARIANTS = (
     "graph-input-copies",
     "gemv-peel-1",
     "torch-argmax",
+    "decode-heads-first",
+    "decode-evict-first",
     "no-piecewise",
     "piecewise",
     "hf",
@@ -116,6 +123,9 @@ VARIANT_ENV = {
     "gemv-peel-1": {GEMV_PEEL_ENV: "1"},  # one weight tile a gemv program before its PDL wait
     # greedy steps of more than 16 rows take torch's argmax (the default before 2026-12-01)
     "torch-argmax": {ARGMAX_MAX_ROWS_ENV: "16"},
+    # the decode attention's grid with a request's KV heads adjacent; its KV loads evict first
+    "decode-heads-first": {DECODE_GRID_ENV: "heads"},
+    "decode-evict-first": {DECODE_EVICT_ENV: "evict_first"},
 }
 # NOTE: every switch any variant sets is cleared around each engine (only GEMV and PDL were, so
 # a variant's other switches leaked into the engines after it in the same run)

@@ -82,11 +82,16 @@ GEMV_EDITS = [
 # the decode attention's: 0 entry, 1 after the wait, 2 q / k / v rotated, 3 attended, 4 counted,
 # 5 combined (the last split), 6 exit
 ATTENTION_EDITS = [
-    ("    EXACT_MUL: tl.constexpr,\n):", "    EXACT_MUL: tl.constexpr,\n    Probe,\n):"),
+    (
+        '    EVICT: tl.constexpr,  # the KV loads\' L2 eviction policy ("" for the default)\n):',
+        '    EVICT: tl.constexpr,  # the KV loads\' L2 eviction policy ("" for the default)\n'
+        "    Probe,\n):",
+    ),
     (
         "    split = tl.program_id(2)\n",
         "    split = tl.program_id(2)\n"
-        "    _pid = (b * tl.num_programs(1) + kvh) * tl.num_programs(2) + split\n"
+        "    _pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1))"
+        " * tl.num_programs(2) + split\n"
         "    _probe(Probe, _pid, 0, _pid)\n",
     ),
     (
@@ -125,8 +130,8 @@ ATTENTION_EDITS = [
         "def _combine_head",
     ),
     (
-        "        EXACT_MUL=q.is_cuda,\n    )",
-        "        EXACT_MUL=q.is_cuda,\n        Probe=PROBE[0],\n    )",
+        "        EVICT=evict,\n    )",
+        "        EVICT=evict,\n        Probe=PROBE[0],\n    )",
     ),
 ]
 KERNELS = {"gemv": ("kernels/gemv.py", GEMV_EDITS), "attention": ("kernels/decode_attention.py",

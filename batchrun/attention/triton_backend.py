@@ -55,6 +55,12 @@ DECODE_FOLD_ENV = "BATCHRUN_DECODE_FOLD"
 # "0": decode steps rotate and store the new tokens' q/k/v in kernels/rotary_kv_store.py before
 # the decode kernel, not inside it (DecodeRope); read on every call, as the fold's switch
 DECODE_ROPE_ENV = "BATCHRUN_DECODE_ROPE"
+# "heads": the decode grid puts a request's KV heads in adjacent programs (KV, B, S), so that
+# the programs running together read whole KV rows; else (B, KV, S). Read on every call.
+DECODE_GRID_ENV = "BATCHRUN_DECODE_GRID"
+# the decode kernel's KV loads' L2 eviction policy ("evict_first": the KV is read once a step);
+# unset: the default policy. Read on every call.
+DECODE_EVICT_ENV = "BATCHRUN_DECODE_EVICT"
 # NOTE: the decode kernel's own rotary and store serve CUDA-graph decode batches up to this size
 # (their variant compiles at capture, never mid-run), where it was measured: W3 llama-1b 0.97-0.98
 # against 0.99 ms per token on the H200 (eleventh session). Larger batches keep the two kernels:
@@ -220,6 +226,8 @@ class TritonAttentionBackend(AttentionBackend):
             q, k_buf, v_buf, out, self.req_to_token, plan.req_pool_indices, plan.seq_lens,
             scaling, plan.num_kv_splits, workspace, counters,
             fold_stage2=os.environ.get(DECODE_FOLD_ENV) != "0", rope=rope,
+            heads_first=os.environ.get(DECODE_GRID_ENV) == "heads",
+            evict=os.environ.get(DECODE_EVICT_ENV, ""),
         )  # fmt: skip
 
     def _extend(self, plan: _ExtendPlan, q, k_buf, v_buf, out, scaling: float) -> None:

@@ -362,6 +362,24 @@ def test_decode_configs(config):
     assert not counters.any()
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("evict", ["", "evict_first", "evict_last"])
+def test_decode_grid_order_and_eviction(evict, splits):
+    """The grid (KV, B, S) and the KV loads' eviction policies: the same bits as (B, KV, S)."""
+    seq_lens = [1, 100, 1025, 64, 513]
+    pool, table, inputs, q, k, v = make_batch(seq_lens, [1] * 5, 32, 8, 128, torch.bfloat16)
+    ref = reference(pool, table, inputs, q, k, v, 0.1)
+    counters = decode_counters(5, 8, DEV)
+    outs = []
+    for heads_first in (False, True):
+        out = decode(pool, table, inputs, q, splits, 0.1, counters, heads_first=heads_first,
+                     evict=evict)  # fmt: skip
+        assert_close(out, ref, torch.bfloat16)
+        assert not counters.any()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("config", EXTEND_CONFIGS)
 def test_extend_configs(config):
     block_m, block_n, num_warps = config

@@ -80,7 +80,7 @@ def _check(out, ref, tol):
     assert err <= tol, err
 
 
-def _decode(pool, table, inputs, q, splits, counters, workspace=None, fold=True):
+def _decode(pool, table, inputs, q, splits, counters, workspace=None, fold=True, **kwargs):
     from batchrun.kernels.decode_attention import decode_attention_fwd, decode_workspace_numel
 
     if workspace is None:
@@ -88,7 +88,7 @@ def _decode(pool, table, inputs, q, splits, counters, workspace=None, fold=True)
     out = torch.full_like(q, float("nan"))
     decode_attention_fwd(
         q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, 0.2, splits,
-        workspace, counters, fold_stage2=fold, block_n=16,
+        workspace, counters, fold_stage2=fold, block_n=16, **kwargs,
     )  # fmt: skip
     return out
 
@@ -108,6 +108,11 @@ def _check_decode(dtype, tol) -> None:
             folded = _decode(pool, table, inputs, q, splits, counters)
             assert torch.equal(folded, apart), splits
             assert not counters.any(), counters
+        # the grid's order and the loads' eviction policy change no program's arithmetic
+        other = _decode(pool, table, inputs, q, splits, counters, heads_first=True,
+                        evict="evict_first")  # fmt: skip
+        assert torch.equal(other, apart), splits
+        assert not counters.any(), counters
     # the interpreter runs split S - 1 last; a counter that starts at 1 makes split S - 2 the
     # combiner instead (split S - 1's partial is already in the workspace from the same call
     # before): the same bits, because the combine reads every split from memory in split order
