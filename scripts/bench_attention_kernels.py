@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -151,18 +153,44 @@ def bench_decode(batch_size, seq_len, rows, shuffle=False, decode_only=False):
     add("torch reference backend", time_backend(reference, inputs, q, k, v))
 
 
-def bench_decode_run(batch_size, mean_len, pool_slots, rows):
+DECODE_RUN_VARIANTS = {
+    "default": {},
+    "heads first": {"heads_first": True},
+    "evict_first": {"evict": "evict_first"},
+    "heads first, evict_first": {"heads_first": True, "evict": "evict_first"},
+    "bn128 w4 st2": {"block_n": 128, "num_warps": 4, "num_stages": 2},
+    "bn128 w4 st2, heads first": {
+        "block_n": 128,
+        "num_warps": 4,
+        "num_stages": 2,
+        "heads_first": True,
+    },
+    "bn64 w4 st4": {"block_n": 64, "num_warps": 4, "num_stages": 4},
+    "bn32 w4 st4": {"block_n": 32, "num_warps": 4, "num_stages": 4},
+    "bn64 w8 st3": {"block_n": 64, "num_warps": 8, "num_stages": 3},
+}
+
+
+def bench_decode_run(batch_size, mean_len, pool_slots, rows, layers=1, seconds=0.0):
     """Decode as a W1 step sees it: context lengths uniform in [mean_len - 128, mean_len + 128),
     each request's slots drawn at random from a pool of pool_slots (no two alike). The kernel's
-    grid order and its KV loads' eviction policy as variants, the backend's split count."""
+    grid order, its KV loads' eviction policy and tile configs as variants, the backend's split
+    count.
+
+    With layers > 1 and seconds > 0, each variant runs as a forward would: layer after layer,
+    each on its own KV, each after a gate_up and a down matmul of batch_size rows (llama-8b's),
+    for `seconds`; the attention alone is timed by CUDA events around it. Back-to-back matmuls
+    hold the H200 at its power cap (SM clocks ~1,450 MHz in W1 llama-8b, against 1,980 idle),
+    which a lone kernel under do_bench never reaches."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     lens = torch.randint(mean_len - 128, mean_len + 128, (batch_size,), generator=gen)
     total = int(lens.sum())
     pool_slots = max(pool_slots, total)
-    pool = KVPool(1, pool_slots, KV, D, DTYPE, DEV)
+    pool = KVPool(layers, pool_slots, KV, D, DTYPE, DEV)
+    for layer in range(layers):
+        for buf in pool.buffers(layer):
+            buf.normal_()
     k_buf, v_buf = pool.buffers(0)
-    k_buf.normal_()
-    v_buf.normal_()
     slots = torch.randperm(pool_slots, generator=gen)[:total].int()
     table = torch.zeros(batch_size + 1, int(lens.max()), dtype=torch.int32)
     for b, row in enumerate(torch.split(slots, lens.tolist())):
@@ -178,27 +206,51 @@ def bench_decode_run(batch_size, mean_len, pool_slots, rows):
     workspace = torch.empty(decode_workspace_numel(batch_size, H, D, splits), device=DEV)
     counters = decode_counters(batch_size, KV, DEV)
     name = f"decode run {batch_size}x~{mean_len} pool {pool_slots}"
-    variants = {
-        "default": {},
-        "heads first": {"heads_first": True},
-        "evict_first": {"evict": "evict_first"},
-        "heads first, evict_first": {"heads_first": True, "evict": "evict_first"},
-        "bn128 w4 st2": {"block_n": 128, "num_warps": 4, "num_stages": 2},
-        "bn128 w4 st2, heads first": {
-            "block_n": 128,
-            "num_warps": 4,
-            "num_stages": 2,
-            "heads_first": True,
-        },
-    }
-    for label, kwargs in variants.items():
-        fn = functools.partial(
-            decode_attention_fwd, q, k_buf, v_buf, out, table, pool_idx, seq_lens, D**-0.5,
-            splits, workspace, counters, **kwargs,
-        )  # fmt: skip
-        ms = bench(fn)
+    if layers > 1 and seconds > 0:
+        name += f", {layers} layers under matmuls"
+    for label, kwargs in DECODE_RUN_VARIANTS.items():
+
+        def attend(layer, kwargs=kwargs):
+            decode_attention_fwd(
+                q, *pool.buffers(layer), out, table, pool_idx, seq_lens, D**-0.5, splits,
+                workspace, counters, **kwargs,
+            )  # fmt: skip
+
+        if layers > 1 and seconds > 0:
+            ms = loaded_time(attend, batch_size, layers, seconds)
+        else:
+            ms = bench(functools.partial(attend, 0))
         rows.append({"case": name, "variant": label, "ms": ms, "TB/s": gbytes / ms})
-        print(f"{name:36s} {label:28s} {ms * 1e3:9.1f} us {gbytes / ms:6.2f} TB/s", flush=True)
+        print(f"{name:54s} {label:26s} {ms * 1e3:9.1f} us {gbytes / ms:6.2f} TB/s", flush=True)
+
+
+def loaded_time(attend, batch_size, layers, seconds) -> float:
+    """Mean ms of attend(layer) run layer after layer between a gate_up and a down matmul of
+    batch_size rows (llama-8b's shapes), for `seconds` (see bench_decode_run)."""
+    hidden, inter = 4096, 14336
+    x = torch.randn(batch_size, hidden, device=DEV, dtype=DTYPE)
+    w_up = torch.randn(2 * inter, hidden, device=DEV, dtype=DTYPE)
+    w_down = torch.randn(hidden, inter, device=DEV, dtype=DTYPE)
+    h = torch.empty(batch_size, 2 * inter, device=DEV, dtype=DTYPE)
+    y = torch.empty(batch_size, hidden, device=DEV, dtype=DTYPE)
+    events = []
+    t0 = time.perf_counter()
+    passes = 0
+    while time.perf_counter() - t0 < seconds or passes < 2:
+        for layer in range(layers):
+            torch.matmul(x, w_up.t(), out=h)
+            torch.matmul(h[:, :inter], w_down.t(), out=y)
+            if passes > 0:  # the first pass warms up (compiles, clocks)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+                start.record()
+                attend(layer)
+                end.record()
+                events.append((start, end))
+            else:
+                attend(layer)
+        passes += 1
+        torch.cuda.synchronize()
+    return statistics.mean(s.elapsed_time(e) for s, e in events)
 
 
 def bench_extend(prefix_len, rows):
@@ -274,7 +326,13 @@ def main() -> None:
         "--decode-run",
         default=None,
         help="BxL[:POOL],...: only decode as a W1 step sees it (ragged lengths around L, slots "
-        "scattered over a pool of POOL slots), by grid order and eviction policy",
+        "scattered over a pool of POOL slots), by grid order, eviction policy and tile config",
+    )
+    parser.add_argument(
+        "--loaded",
+        default=None,
+        help="LAYERS:SECONDS: with --decode-run, time each variant layer after layer between "
+        "matmuls, at the power cap a forward holds (see bench_decode_run)",
     )
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -285,7 +343,10 @@ def main() -> None:
         for case in args.decode_run.split(","):
             shape, _, pool = case.partition(":")
             batch_size, mean_len = (int(x) for x in shape.split("x"))
-            bench_decode_run(batch_size, mean_len, int(pool or 0), rows)
+            layers, _, seconds = (args.loaded or "1:0").partition(":")
+            bench_decode_run(
+                batch_size, mean_len, int(pool or 0), rows, int(layers), float(seconds or 0)
+            )
         return
     if args.decode_cases:
         for case in args.decode_cases.split(","):
