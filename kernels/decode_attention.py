@@ -444,7 +444,7 @@ def decode_attention_fwd(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    heads_first: bool = False,  # grid (KV, B, S), not (B, KV, S)
+    heads_first: bool = True,  # grid (KV, B, S); False: (B, KV, S)
     evict: str = "",  # the KV loads' eviction_policy: "", "evict_first" or "evict_last"
 ) -> None:
     batch_size, num_heads, head_dim = q.shape

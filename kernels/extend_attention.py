@@ -1,7 +1,12 @@
 """Causal attention of new tokens (prefill / extend) over the token-indexed paged KV.
 
-Grid (B, ceil(max_extend_len / BLOCK_M), H): one program per (request, query block, head). The
-request's KV (cached prefix + new tokens, already stored in the pool) is read through req_to_token:
+Grid (B, ceil(max_extend_len / BLOCK_M), KV): one program per (request, query block, KV head),
+which attends all of that KV head's query heads at once (GQA packing): its query tile holds
+BLOCK_M tokens x PACK heads (PACK = the group size's power of two, the padding heads masked),
+row r being token m0 + r // PACK, head kv_head * group + r % PACK. Each K / V block is read once
+for the group, not once per query head. With pack_heads=False the grid is (B, blocks, H), one
+query head a program (the kernel before 2026-12-01, to benchmark against). The request's KV
+(cached prefix + new tokens, already stored in the pool) is read through req_to_token:
 
     KV positions of request b:  [0 ............ prefix_len ............ seq_len)
                                                 |<- queries: extend_len ->|
@@ -28,6 +33,9 @@ DEFAULT_BLOCK_M = 64
 DEFAULT_BLOCK_N = 64
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
+# packed (GQA) programs: query rows (tokens x PACK heads) a program
+DEFAULT_PACKED_ROWS = 128
+DEFAULT_PACKED_WARPS = 8
 
 
 @triton.jit
@@ -96,14 +104,14 @@ def _extend_kernel(
     sm_scale_log2,
     KV_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query tokens a program
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PACK: tl.constexpr,  # query heads a program: 1, or KV_GROUP's power of two (grid axis 2: KV)
 ):
     b = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
-    h = tl.program_id(2)
     extend_len = tl.load(ExtendLens + b).to(tl.int32)
     if m0 >= extend_len:
         return
@@ -111,23 +119,32 @@ def _extend_kernel(
     prefix_len = seq_len - extend_len
     q_start = tl.load(ExtendStartLoc + b).to(tl.int64)
     row = tl.load(ReqPoolIndices + b).to(tl.int64)
-    kvh = h // KV_GROUP
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < extend_len
+    # row r of the query tile: token m0 + r // PACK, head r % PACK of the program's group
+    offs_r = tl.arange(0, BLOCK_M * PACK)
+    offs_m = m0 + offs_r // PACK
+    if PACK == 1:
+        kvh = tl.program_id(2) // KV_GROUP
+        heads = tl.program_id(2) + offs_r * 0
+        mask_m = offs_m < extend_len
+    else:
+        kvh = tl.program_id(2)
+        sub = offs_r % PACK
+        heads = kvh * KV_GROUP + sub
+        mask_m = (offs_m < extend_len) & (sub < KV_GROUP)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     q_rows = q_start + offs_m.to(tl.int64)
     q = tl.load(
-        Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        Q + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=mask_m[:, None] & mask_d[None, :],
         other=0.0,
-    )  # [BLOCK_M, BLOCK_D]
+    )  # [BLOCK_M * PACK, BLOCK_D]
     q_pos = prefix_len + offs_m  # padded rows sit past seq_len and see every key: finite
 
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M * PACK], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M * PACK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * PACK, BLOCK_D], dtype=tl.float32)
     r2t = ReqToToken + row * stride_r2t
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
@@ -146,7 +163,7 @@ def _extend_kernel(
 
     out = acc / l_i[:, None]
     tl.store(
-        Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
         out.to(Out.dtype.element_ty),
         mask=mask_m[:, None] & mask_d[None, :],
     )
@@ -165,10 +182,11 @@ def extend_attention_fwd(
     max_extend_len: int,
     scaling: float,
     *,
-    block_m: int | None = None,
+    block_m: int | None = None,  # query tokens a program (a power of two)
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    pack_heads: bool = True,  # a KV head's query heads in one program (see the docstring)
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     batch_size = req_pool_indices.shape[0]
@@ -178,8 +196,16 @@ def extend_attention_fwd(
     assert k_buf.stride(2) == 1 and v_buf.stride(2) == 1 and req_to_token.stride(1) == 1
     if batch_size == 0 or max_extend_len == 0:
         return
-    block_m = block_m or DEFAULT_BLOCK_M
-    grid = (batch_size, triton.cdiv(max_extend_len, block_m), num_heads)
+    kv_group = num_heads // num_kv_heads
+    if pack_heads:
+        pack = triton.next_power_of_2(kv_group)
+        block_m = block_m or max(1, DEFAULT_PACKED_ROWS // pack)
+        num_warps = num_warps or DEFAULT_PACKED_WARPS
+        programs_h = num_kv_heads
+    else:
+        pack, block_m, programs_h = 1, block_m or DEFAULT_BLOCK_M, num_heads
+    assert block_m * pack >= 16, "tl.dot needs 16 query rows a program"
+    grid = (batch_size, triton.cdiv(max_extend_len, block_m), programs_h)
     _extend_kernel[grid](
         q,
         k_buf,
@@ -200,12 +226,13 @@ def extend_attention_fwd(
         out.stride(1),
         req_to_token.stride(0),
         scaling * LOG2E,
-        KV_GROUP=num_heads // num_kv_heads,
+        KV_GROUP=kv_group,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n or DEFAULT_BLOCK_N,
         BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PACK=pack,
         num_warps=num_warps or DEFAULT_NUM_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
     )

@@ -47,6 +47,9 @@ DEV = "cuda"
 DECODE_CONFIGS = [(bn, w, s) for bn in (32, 64) for w in (4, 8) for s in (2, 3)]
 DECODE_CONFIGS += [(128, w, 2) for w in (4, 8)]
 EXTEND_CONFIGS = [(bm, bn, w) for bm in (64, 128) for bn in (32, 64) for w in (4, 8)]
+# packed (GQA) programs: (query tokens, BLOCK_N, warps, stages); GQA 32 / 8 packs 4 heads
+PACKED_CONFIGS = [(16, 64, 4, 2), (32, 64, 4, 2), (32, 64, 8, 2), (32, 64, 8, 3), (32, 128, 8, 2),
+                  (64, 64, 8, 2)]  # fmt: skip
 
 
 def bench(fn, graph: bool = False) -> float:
@@ -154,20 +157,17 @@ def bench_decode(batch_size, seq_len, rows, shuffle=False, decode_only=False):
 
 
 DECODE_RUN_VARIANTS = {
-    "default": {},
-    "heads first": {"heads_first": True},
+    "default (heads first)": {},
+    "rows first": {"heads_first": False},
     "evict_first": {"evict": "evict_first"},
-    "heads first, evict_first": {"heads_first": True, "evict": "evict_first"},
     "bn128 w4 st2": {"block_n": 128, "num_warps": 4, "num_stages": 2},
-    "bn128 w4 st2, heads first": {
+    "bn128 w4 st2, rows first": {
         "block_n": 128,
         "num_warps": 4,
         "num_stages": 2,
-        "heads_first": True,
+        "heads_first": False,
     },
     "bn64 w4 st4": {"block_n": 64, "num_warps": 4, "num_stages": 4},
-    "bn32 w4 st4": {"block_n": 32, "num_warps": 4, "num_stages": 4},
-    "bn64 w8 st3": {"block_n": 64, "num_warps": 8, "num_stages": 3},
 }
 
 
@@ -253,8 +253,7 @@ def loaded_time(attend, batch_size, layers, seconds) -> float:
     return statistics.mean(s.elapsed_time(e) for s, e in events)
 
 
-def bench_extend(prefix_len, rows):
-    batch_size, extend_len = 8, 1024
+def bench_extend(prefix_len, rows, batch_size=8, extend_len=1024, sweep_only=False):
     seq_len = prefix_len + extend_len
     pool, table, inputs, q, k, v = build(batch_size, seq_len, extend_len)
     pool.store(0, inputs.out_cache_loc, k, v)
@@ -265,7 +264,7 @@ def bench_extend(prefix_len, rows):
     ext = inputs.extend_lens
     start_loc = torch.cumsum(ext, 0) - ext
     out = torch.empty_like(q)
-    name = f"extend 8x1024 prefix {prefix_len}"
+    name = f"extend {batch_size}x{extend_len} prefix {prefix_len}"
 
     def add(label, ms):
         rows.append({"case": name, "variant": label, "ms": ms, "TFLOP/s": tflop / ms * 1e3})
@@ -275,9 +274,18 @@ def bench_extend(prefix_len, rows):
         fn = functools.partial(
             extend_attention_fwd, q, k_buf, v_buf, out, table, inputs.req_pool_indices,
             inputs.seq_lens, ext, start_loc, extend_len, D**-0.5, block_m=bm, block_n=bn,
-            num_warps=w,
+            num_warps=w, pack_heads=False,
         )  # fmt: skip
-        add(f"bm{bm} bn{bn} w{w}", bench(fn))
+        add(f"head a program: bm{bm} bn{bn} w{w}", bench(fn))
+    for bm, bn, w, st in PACKED_CONFIGS:
+        fn = functools.partial(
+            extend_attention_fwd, q, k_buf, v_buf, out, table, inputs.req_pool_indices,
+            inputs.seq_lens, ext, start_loc, extend_len, D**-0.5, block_m=bm, block_n=bn,
+            num_warps=w, num_stages=st,
+        )  # fmt: skip
+        add(f"packed: {bm} tokens bn{bn} w{w} st{st}", bench(fn))
+    if sweep_only:
+        return
     for label, cls in (("triton backend (store + kernel)", TritonAttentionBackend),
                        ("torch reference backend", TorchAttentionBackend)):  # fmt: skip
         add(label, time_backend(cls(pool, table), inputs, q, k, v))
@@ -334,11 +342,24 @@ def main() -> None:
         help="LAYERS:SECONDS: with --decode-run, time each variant layer after layer between "
         "matmuls, at the power cap a forward holds (see bench_decode_run)",
     )
+    parser.add_argument(
+        "--extend-cases",
+        default=None,
+        help="BxE[+P],...: only the extend config sweep, B requests of E new tokens over a "
+        "P-token prefix (W1's mixed steps: 16x512)",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     print(f"device-to-device copy: {copy_bandwidth():.2f} TB/s (bytes read + written)")
     rows: list[dict] = []
+    if args.extend_cases:
+        for case in args.extend_cases.split(","):
+            shape, _, prefix = case.partition("+")
+            batch_size, extend_len = (int(x) for x in shape.split("x"))
+            bench_extend(int(prefix or 0), rows, batch_size, extend_len, sweep_only=True)
+        if not args.decode_run:
+            return
     if args.decode_run:
         for case in args.decode_run.split(","):
             shape, _, pool = case.partition(":")

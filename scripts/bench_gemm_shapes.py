@@ -6,9 +6,10 @@ prefill chunk + the batch), which says whether spreading prefill tokens over mor
 
 --sustain SECONDS times a whole forward's matmuls instead (every layer on its own weights, as
 in a step), for that long a variant, the variants in turn over --rounds: how the step's M rows
-go through cuBLAS, whole (`full`), in chunks of R rows (`chunk:R`), or through cuBLASLt
-(`lt`). A per-call figure can flatter a shape: a short loop runs at clocks a forward's
-sustained matmuls do not keep.
+go through cuBLAS, whole (`full`), in chunks of R rows (`chunk:R`), through cuBLASLt (`lt`),
+or as the transposed product (`swap`: w @ x^T). A per-call figure can flatter a shape: a short
+loop runs at clocks that a forward's sustained matmuls do not keep (the H200 holds its 700 W
+cap at ~1,450 MHz through W1 llama-8b).
 
     python scripts/bench_gemm_shapes.py --model llama-8b --rows 9216,1008 --sustain 3 \
         --variants full,chunk:1024,chunk:2048,chunk:4608,lt
@@ -48,12 +49,17 @@ def time_linear(m: int, n: int, k: int, dtype, iters: int) -> float:
 
 
 def run_variant(variant: str, xs: dict, layers: list, outs: dict) -> None:
-    """One forward's matmuls: every layer's four weights against the rows of xs[name]."""
+    """One forward's matmuls: every layer's four weights against the rows of xs[name].
+    `swap` computes the transposed product w @ x^T ([N, M]), which cuBLAS sees as a problem of
+    other sizes and may give another kernel."""
     m = next(iter(xs.values())).shape[0]
     chunk = int(variant.split(":")[1]) if variant.startswith("chunk:") else m
     for layer in layers:
         for name, w in layer.items():
             a, out = xs[name], outs[name]
+            if variant == "swap":
+                torch.matmul(w, a.t(), out=out.view(out.shape[1], out.shape[0]))
+                continue
             for r0 in range(0, m, chunk):
                 torch.matmul(a[r0 : r0 + chunk], w.t(), out=out[r0 : r0 + chunk])
 

@@ -90,7 +90,7 @@ VARIANTS = (
     "graph-input-copies",
     "gemv-peel-1",
     "torch-argmax",
-    "decode-heads-first",
+    "decode-rows-first",
     "decode-evict-first",
     "no-piecewise",
     "piecewise",
@@ -123,8 +123,9 @@ VARIANT_ENV = {
     "gemv-peel-1": {GEMV_PEEL_ENV: "1"},  # one weight tile a gemv program before its PDL wait
     # greedy steps of more than 16 rows take torch's argmax (the default before 2026-12-01)
     "torch-argmax": {ARGMAX_MAX_ROWS_ENV: "16"},
-    # the decode attention's grid with a request's KV heads adjacent; its KV loads evict first
-    "decode-heads-first": {DECODE_GRID_ENV: "heads"},
+    # the decode attention's grid with a KV head's requests adjacent (the order before
+    # 2026-12-01); its KV loads evicting first
+    "decode-rows-first": {DECODE_GRID_ENV: "rows"},
     "decode-evict-first": {DECODE_EVICT_ENV: "evict_first"},
 }
 # NOTE: every switch any variant sets is cleared around each engine (only GEMV and PDL were, so

@@ -55,8 +55,12 @@ DECODE_FOLD_ENV = "BATCHRUN_DECODE_FOLD"
 # "0": decode steps rotate and store the new tokens' q/k/v in kernels/rotary_kv_store.py before
 # the decode kernel, not inside it (DecodeRope); read on every call, as the fold's switch
 DECODE_ROPE_ENV = "BATCHRUN_DECODE_ROPE"
-# "heads": the decode grid puts a request's KV heads in adjacent programs (KV, B, S), so that
-# the programs running together read whole KV rows; else (B, KV, S). Read on every call.
+# "rows": the decode grid (B, KV, S), a KV head's requests in adjacent programs (the order before
+# 2026-12-01); else (KV, B, S), a request's KV heads adjacent, so that the programs running
+# together read whole KV rows (2 KiB a token on llama-8b, not 256-byte pieces of many). On the
+# H200 at 1,008 x ~640 tokens, ragged and scattered over the pool, it read 4.28 TB/s against
+# 4.25 alone and 4.23 against 4.22 between matmuls (bench_attention_kernels --decode-run,
+# sixteenth session). Read on every call.
 DECODE_GRID_ENV = "BATCHRUN_DECODE_GRID"
 # the decode kernel's KV loads' L2 eviction policy ("evict_first": the KV is read once a step);
 # unset: the default policy. Read on every call.
@@ -226,7 +230,7 @@ class TritonAttentionBackend(AttentionBackend):
             q, k_buf, v_buf, out, self.req_to_token, plan.req_pool_indices, plan.seq_lens,
             scaling, plan.num_kv_splits, workspace, counters,
             fold_stage2=os.environ.get(DECODE_FOLD_ENV) != "0", rope=rope,
-            heads_first=os.environ.get(DECODE_GRID_ENV) == "heads",
+            heads_first=os.environ.get(DECODE_GRID_ENV) != "rows",
             evict=os.environ.get(DECODE_EVICT_ENV, ""),
         )  # fmt: skip
 

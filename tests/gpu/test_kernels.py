@@ -313,7 +313,8 @@ def test_decode_folded_graph_replay():
 @pytest.mark.parametrize("head_dim", [64, 128], ids=["d64", "d128"])
 @pytest.mark.parametrize("heads", HEADS, ids=["gqa32_8", "gqa9_3"])
 @pytest.mark.parametrize("batch_size", [1, 7, 64], ids=["b1", "b7", "b64"])
-def test_extend_matches_reference(batch_size, heads, head_dim, dtype, prefix):
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "head"])
+def test_extend_matches_reference(batch_size, heads, head_dim, dtype, prefix, pack):
     rng = random.Random(batch_size * 1000 + head_dim + 1)
     if batch_size == 1:
         extend_lens = [333]
@@ -334,7 +335,7 @@ def test_extend_matches_reference(batch_size, heads, head_dim, dtype, prefix):
     out = torch.full_like(q, float("nan"))
     extend_attention_fwd(
         q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, ext,
-        torch.cumsum(ext, 0) - ext, max(extend_lens), scaling,
+        torch.cumsum(ext, 0) - ext, max(extend_lens), scaling, pack_heads=pack,
     )  # fmt: skip
     assert_close(out, ref, dtype)
 
@@ -343,6 +344,9 @@ def test_extend_matches_reference(batch_size, heads, head_dim, dtype, prefix):
 DECODE_CONFIGS = [(bn, w, s) for bn in (32, 64) for w in (4, 8) for s in (2, 3)]
 DECODE_CONFIGS += [(128, w, 2) for w in (4, 8)]
 EXTEND_CONFIGS = [(bm, bn, w) for bm in (64, 128) for bn in (32, 64) for w in (4, 8)]
+# packed (GQA) programs: (query tokens, BLOCK_N, warps, stages); GQA 32 / 8 packs 4 heads
+PACKED_CONFIGS = [(16, 64, 4, 2), (32, 64, 4, 2), (32, 64, 8, 2), (32, 64, 8, 3), (32, 128, 8, 2),
+                  (64, 64, 8, 2)]  # fmt: skip
 
 
 @pytest.mark.parametrize("config", DECODE_CONFIGS)
@@ -392,7 +396,24 @@ def test_extend_configs(config):
     extend_attention_fwd(
         q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, ext,
         torch.cumsum(ext, 0) - ext, 200, 0.1, block_m=block_m, block_n=block_n,
-        num_warps=num_warps,
+        num_warps=num_warps, pack_heads=False,
+    )  # fmt: skip
+    assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("config", PACKED_CONFIGS)
+def test_extend_packed_configs(config):
+    block_m, block_n, num_warps, num_stages = config
+    extend_lens, prefix_lens = [1, 200, 129, 64], [0, 300, 0, 65]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    pool, table, inputs, q, k, v = make_batch(seq_lens, extend_lens, 32, 8, 128, torch.bfloat16)
+    ref = reference(pool, table, inputs, q, k, v, 0.1)
+    ext = inputs.extend_lens
+    out = torch.full_like(q, float("nan"))
+    extend_attention_fwd(
+        q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, ext,
+        torch.cumsum(ext, 0) - ext, 200, 0.1, block_m=block_m, block_n=block_n,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     assert_close(out, ref, torch.bfloat16)
 

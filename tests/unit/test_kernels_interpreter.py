@@ -109,7 +109,7 @@ def _check_decode(dtype, tol) -> None:
             assert torch.equal(folded, apart), splits
             assert not counters.any(), counters
         # the grid's order and the loads' eviction policy change no program's arithmetic
-        other = _decode(pool, table, inputs, q, splits, counters, heads_first=True,
+        other = _decode(pool, table, inputs, q, splits, counters, heads_first=False,
                         evict="evict_first")  # fmt: skip
         assert torch.equal(other, apart), splits
         assert not counters.any(), counters
@@ -205,12 +205,15 @@ def _run_checks() -> None:
         pool, table, inputs, q, k, v = _make_batch(seq_lens, extend_lens, 6, 2, 32, dtype)
         ref = _reference(pool, table, inputs, q, k, v, 0.2)
         ext = inputs.extend_lens
-        out = torch.full_like(q, float("nan"))
-        extend_attention_fwd(
-            q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, ext,
-            torch.cumsum(ext, 0) - ext, max(extend_lens), 0.2, block_m=16, block_n=16,
-        )  # fmt: skip
-        _check(out, ref, tol)
+        # GQA 6 / 2: packed programs hold 3 heads padded to 4 (16 or 64 query rows), unpacked 1
+        for pack, block_m in ((True, 4), (True, 16), (False, 16)):
+            out = torch.full_like(q, float("nan"))
+            extend_attention_fwd(
+                q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, ext,
+                torch.cumsum(ext, 0) - ext, max(extend_lens), 0.2, block_m=block_m, block_n=16,
+                pack_heads=pack,
+            )  # fmt: skip
+            _check(out, ref, tol)
 
         # a mixed step through the backend: two decodes (decode kernel), then a prefill chunk
         # over a cached prefix (extend kernel); 137 tokens: the decode part splits its KV
