@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,7 +38,10 @@ from batchrun.kernels.decode_attention import (  # noqa: E402
 from batchrun.kernels.extend_attention import extend_attention_fwd  # noqa: E402
 
 from batchrun.attention.base import AttentionInputs  # noqa: E402
-from batchrun.attention.flashinfer_backend import unavailable_reason  # noqa: E402
+from batchrun.attention.flashinfer_backend import (  # noqa: E402
+    PREFILL_KERNELS_ENV,
+    unavailable_reason,
+)
 from batchrun.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from batchrun.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from batchrun.engine.kv_pool import KVPool  # noqa: E402
@@ -88,13 +92,14 @@ def time_backend(backend, inputs, q, k, v):
     return bench(lambda: backend.forward(q, k, v, 0, D**-0.5))
 
 
-def bench_flashinfer(pool, table, inputs, q, k, v, add, graph: bool) -> None:
+def bench_flashinfer(pool, table, inputs, q, k, v, add, graph: bool, label: str = "") -> None:
     if unavailable_reason(DEV) is not None:
         return
     from batchrun.attention.flashinfer_backend import FlashInferAttentionBackend
 
     backend = FlashInferAttentionBackend(pool, table)
-    add("flashinfer backend (store + kernels), eager", time_backend(backend, inputs, q, k, v))
+    name = f"flashinfer backend {label} (store + kernels), eager".replace("  ", " ")
+    add(name, time_backend(backend, inputs, q, k, v))
     if graph:
         bs = inputs.batch_size
         backend.init_graph_buffers(bs)
@@ -285,6 +290,14 @@ def bench_extend(prefix_len, rows, batch_size=8, extend_len=1024, sweep_only=Fal
         )  # fmt: skip
         add(f"packed: {bm} tokens bn{bn} w{w} st{st}", bench(fn))
     if sweep_only:
+        for kernels in ("fa2", "fa3"):  # FlashInfer's prefill wrapper, page size 1
+            os.environ[PREFILL_KERNELS_ENV] = kernels
+            try:
+                bench_flashinfer(pool, table, inputs, q, k, v, add, graph=False, label=kernels)
+            except Exception as e:  # noqa: BLE001 (a kernel this build lacks: say so, go on)
+                print(f"flashinfer {kernels}: {type(e).__name__}: {e}"[:300])
+            finally:
+                os.environ.pop(PREFILL_KERNELS_ENV, None)
         return
     for label, cls in (("triton backend (store + kernel)", TritonAttentionBackend),
                        ("torch reference backend", TorchAttentionBackend)):  # fmt: skip

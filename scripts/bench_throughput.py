@@ -54,6 +54,7 @@ from source_tree import git_commit  # noqa: E402
 from step_trace import StepTrace  # noqa: E402
 from triton_compiles import CompileLog  # noqa: E402
 
+from batchrun.attention.flashinfer_backend import PREFILL_KERNELS_ENV  # noqa: E402
 from batchrun.attention.triton_backend import (  # noqa: E402
     DECODE_EVICT_ENV,
     DECODE_FOLD_ENV,
@@ -71,6 +72,7 @@ VARIANTS = (
     "no-graph",
     "no-radix",
     "flashinfer",
+    "flashinfer-fa3",
     "gemv",
     "gemv-all",
     "cublas",
@@ -127,6 +129,8 @@ VARIANT_ENV = {
     # 2026-12-01); its KV loads evicting first
     "decode-rows-first": {DECODE_GRID_ENV: "rows"},
     "decode-evict-first": {DECODE_EVICT_ENV: "evict_first"},
+    # the flashinfer backend with its prefill wrapper on FlashAttention-3 kernels
+    "flashinfer-fa3": {PREFILL_KERNELS_ENV: "fa3"},
 }
 # NOTE: every switch any variant sets is cleared around each engine (only GEMV and PDL were, so
 # a variant's other switches leaked into the engines after it in the same run)
@@ -297,12 +301,13 @@ def engine_config(args, model_dir: Path, variant: str):
         "no-graph": {"cuda_graph_max_bs": 0},
         "no-radix": {"enable_radix_cache": False},
         "flashinfer": {"attention_backend": "flashinfer"},
+        "flashinfer-fa3": {"attention_backend": "flashinfer"},  # and FA3 prefill (VARIANT_ENV)
         "no-piecewise": {"piecewise_cuda_graph": False},
         "piecewise": {"piecewise_cuda_graph": True},  # also where it is off by default
         "cublas": {"decode_gemv": "cublas"},  # decode matmuls on cuBLAS (large models' default)
         "triton-gemv": {"decode_gemv": "triton"},  # on kernels/gemv.py (small models' default)
         "prefix-order": {},
-        **{name: {} for name in VARIANT_ENV},
+        **{name: {} for name in VARIANT_ENV if name != "flashinfer-fa3"},
     }[variant]
     return replace(cfg, **changes)
 

@@ -43,6 +43,7 @@ token is stored into the dummy slot: they read and write no real KV; their outpu
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,9 @@ TENSOR_CORE_MIN_GROUP = 4  # decode on tensor cores from this GQA group size on 
 # NOTE: FlashAttention-2 kernels on every GPU, as SGLang runs its paged wrappers; FlashInfer's
 # 'auto' would pick its FA3 kernels on Hopper, not measured here with page size 1
 KERNELS = "fa2"
+# the prefill wrapper's kernels instead: "fa3" (FlashAttention-3, Hopper) or "auto"; read when
+# the wrapper is built, to measure them against fa2 (bench_throughput's flashinfer-fa3)
+PREFILL_KERNELS_ENV = "BATCHRUN_FLASHINFER_PREFILL"
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -230,7 +234,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         else:
             if self._prefill_wrapper is None:
                 self._prefill_wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", backend=KERNELS
+                    self.workspace, "NHD", backend=os.environ.get(PREFILL_KERNELS_ENV, KERNELS)
                 )
             wrapper = self._prefill_wrapper
         self._plan_wrapper(wrapper, batch, params)
