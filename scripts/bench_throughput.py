@@ -400,9 +400,13 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
         retracted_before = getattr(getattr(engine, "scheduler", None), "num_retractions", 0)
         fwd_before = engine.runner.forward_time
         dev.reset_peak()
+        if trace is not None:
+            trace.run_start = time.perf_counter()
         wall, bad, done, ttfts, itls = run_engine_once(
             engine, wl.prompts, wl.output_len, dev, probe, order=res.variant == "prefix-order"
         )
+        if trace is not None:
+            trace.run_end = time.perf_counter()
         walls.append(wall)
         last = (wall, bad, done, ttfts, itls, before, fwd_before, retracted_before)
     wall, bad, done, ttfts, itls, before, fwd_before, retracted_before = last

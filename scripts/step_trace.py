@@ -51,6 +51,10 @@ class StepTrace:
         self.runner = engine.runner
         # (kind, tokens, requests, host time of the launch, start event, end event)
         self.steps: list[tuple[str, int, int, float, object, object]] = []
+        # host times of the timed run's start and end (set by the caller): how long the host
+        # took to the first launch, and from the last launch to the end
+        self.run_start: float | None = None
+        self.run_end: float | None = None
         runner = self.runner
         inner = runner.run_forward
 
@@ -122,6 +126,12 @@ class StepTrace:
                 f"{gap90:.3f} | {idle:.1f} | {host:.3f}"
             )
         lines.append(f"idle (est.) {total_idle:.1f} ms = {total_idle / span:.3f} of the span")
+        if self.run_start is not None and self.run_end is not None:
+            first, last = self.steps[0][3], self.steps[-1][3]
+            lines.append(
+                f"host: first launch {1e3 * (first - self.run_start):.1f} ms after the run's "
+                f"start, the run's end {1e3 * (self.run_end - last):.1f} ms after the last launch"
+            )
         # the longest gaps, with the steps on either side: where the host fell behind
         worst = sorted(range(1, len(rows)), key=lambda i: -rows[i]["gap_ms"])[:8]
         for i in sorted(worst):

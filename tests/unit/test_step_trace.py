@@ -25,6 +25,7 @@ def trace_of(steps) -> StepTrace:
         (kind, tokens, reqs, host, FakeEvent(start), FakeEvent(end))
         for kind, tokens, reqs, host, start, end in steps
     ]
+    trace.run_start = trace.run_end = None
     return trace
 
 
@@ -43,6 +44,11 @@ def test_rows_give_forwards_gaps_and_host_time():
     report = trace.report()
     assert "3 steps over 23.0 ms" in report
     assert "decode-graph <=256 | 2 |" in report
+    assert "host: first launch" not in report  # no run times given
+    trace.run_start, trace.run_end = -0.0125, 0.010
+    assert "first launch 12.5 ms after the run's start, the run's end 3.0 ms after" in (
+        trace.report()
+    )
 
 
 def test_size_bucket_is_the_next_power_of_two():
