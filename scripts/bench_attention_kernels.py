@@ -275,20 +275,21 @@ def bench_extend(prefix_len, rows, batch_size=8, extend_len=1024, sweep_only=Fal
         rows.append({"case": name, "variant": label, "ms": ms, "TFLOP/s": tflop / ms * 1e3})
         print(f"{name:28s} {label:40s} {ms * 1e3:9.1f} us {tflop / ms * 1e3:6.1f} TFLOP/s")
 
-    for bm, bn, w in EXTEND_CONFIGS:
+    configs = [
+        (f"head a program: bm{bm} bn{bn} w{w}",
+         dict(block_m=bm, block_n=bn, num_warps=w, pack_heads=False))
+        for bm, bn, w in EXTEND_CONFIGS
+    ] + [
+        (f"packed: {bm} tokens bn{bn} w{w} st{st}",
+         dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st))
+        for bm, bn, w, st in PACKED_CONFIGS
+    ]  # fmt: skip
+    for label, kwargs in configs:
         fn = functools.partial(
             extend_attention_fwd, q, k_buf, v_buf, out, table, inputs.req_pool_indices,
-            inputs.seq_lens, ext, start_loc, extend_len, D**-0.5, block_m=bm, block_n=bn,
-            num_warps=w, pack_heads=False,
+            inputs.seq_lens, ext, start_loc, extend_len, D**-0.5, **kwargs,
         )  # fmt: skip
-        add(f"head a program: bm{bm} bn{bn} w{w}", bench(fn))
-    for bm, bn, w, st in PACKED_CONFIGS:
-        fn = functools.partial(
-            extend_attention_fwd, q, k_buf, v_buf, out, table, inputs.req_pool_indices,
-            inputs.seq_lens, ext, start_loc, extend_len, D**-0.5, block_m=bm, block_n=bn,
-            num_warps=w, num_stages=st,
-        )  # fmt: skip
-        add(f"packed: {bm} tokens bn{bn} w{w} st{st}", bench(fn))
+        add(label, bench(fn))
     if sweep_only:
         for kernels in ("fa2", "fa3"):  # FlashInfer's prefill wrapper, page size 1
             os.environ[PREFILL_KERNELS_ENV] = kernels

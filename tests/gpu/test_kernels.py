@@ -384,9 +384,14 @@ def test_decode_grid_order_and_eviction(evict, splits):
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("config", EXTEND_CONFIGS)
-def test_extend_configs(config):
-    block_m, block_n, num_warps = config
+# every extend configuration the bench times, as extend_attention_fwd's keyword arguments
+EXTEND_KWARGS = [
+    dict(block_m=bm, block_n=bn, num_warps=w, pack_heads=False) for bm, bn, w in EXTEND_CONFIGS
+] + [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st) for bm, bn, w, st in PACKED_CONFIGS]
+
+
+@pytest.mark.parametrize("kwargs", EXTEND_KWARGS, ids=lambda kw: "-".join(map(str, kw.values())))
+def test_extend_configs(kwargs):
     extend_lens, prefix_lens = [1, 200, 129, 64], [0, 300, 0, 65]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     pool, table, inputs, q, k, v = make_batch(seq_lens, extend_lens, 32, 8, 128, torch.bfloat16)
@@ -395,25 +400,7 @@ def test_extend_configs(config):
     out = torch.full_like(q, float("nan"))
     extend_attention_fwd(
         q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, ext,
-        torch.cumsum(ext, 0) - ext, 200, 0.1, block_m=block_m, block_n=block_n,
-        num_warps=num_warps, pack_heads=False,
-    )  # fmt: skip
-    assert_close(out, ref, torch.bfloat16)
-
-
-@pytest.mark.parametrize("config", PACKED_CONFIGS)
-def test_extend_packed_configs(config):
-    block_m, block_n, num_warps, num_stages = config
-    extend_lens, prefix_lens = [1, 200, 129, 64], [0, 300, 0, 65]
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    pool, table, inputs, q, k, v = make_batch(seq_lens, extend_lens, 32, 8, 128, torch.bfloat16)
-    ref = reference(pool, table, inputs, q, k, v, 0.1)
-    ext = inputs.extend_lens
-    out = torch.full_like(q, float("nan"))
-    extend_attention_fwd(
-        q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, ext,
-        torch.cumsum(ext, 0) - ext, 200, 0.1, block_m=block_m, block_n=block_n,
-        num_warps=num_warps, num_stages=num_stages,
+        torch.cumsum(ext, 0) - ext, 200, 0.1, **kwargs,
     )  # fmt: skip
     assert_close(out, ref, torch.bfloat16)
 
