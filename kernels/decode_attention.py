@@ -1,6 +1,7 @@
 """Flash-decoding over the token-indexed paged KV: one query token per request, split KV.
 
-    stage 1, grid (B, num_kv_heads, num_kv_splits)
+    stage 1, grid (num_kv_heads, B, num_kv_splits): a request's KV heads in adjacent programs,
+        which then read its tokens' whole KV rows together (heads_first=False: (B, KV, S))
         split s of request b covers KV positions [s * split_len, min((s + 1) * split_len, seq_len))
         with split_len = ceil(seq_len / num_kv_splits) rounded up to BLOCK_N, computed on the
         device from seq_lens. The program reads that range once for all H / KV query heads of its
