@@ -400,7 +400,7 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
         retracted_before = getattr(getattr(engine, "scheduler", None), "num_retractions", 0)
         fwd_before = engine.runner.forward_time
         dev.reset_peak()
-        if trace is not None:
+        if trace is not None and trace.run_start is None:  # the first repeat's (steps add up)
             trace.run_start = time.perf_counter()
         wall, bad, done, ttfts, itls = run_engine_once(
             engine, wl.prompts, wl.output_len, dev, probe, order=res.variant == "prefix-order"
