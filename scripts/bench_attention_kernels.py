@@ -195,7 +195,6 @@ def bench_decode_run(batch_size, mean_len, pool_slots, rows, layers=1, seconds=0
     for layer in range(layers):
         for buf in pool.buffers(layer):
             buf.normal_()
-    k_buf, v_buf = pool.buffers(0)
     slots = torch.randperm(pool_slots, generator=gen)[:total].int()
     table = torch.zeros(batch_size + 1, int(lens.max()), dtype=torch.int32)
     for b, row in enumerate(torch.split(slots, lens.tolist())):
@@ -205,14 +204,16 @@ def bench_decode_run(batch_size, mean_len, pool_slots, rows, layers=1, seconds=0
     pool_idx = torch.arange(batch_size, device=DEV)
     q = torch.randn(batch_size, H, D, device=DEV, dtype=DTYPE)
     out = torch.empty_like(q)
-    gbytes = 2 * total * KV * D * k_buf.element_size() / 1e9
+    gbytes = 2 * total * KV * D * DTYPE.itemsize / 1e9
     backend = TritonAttentionBackend(pool, table)
     splits = backend._num_kv_splits(batch_size)
     workspace = torch.empty(decode_workspace_numel(batch_size, H, D, splits), device=DEV)
     counters = decode_counters(batch_size, KV, DEV)
     name = f"decode run {batch_size}x~{mean_len} pool {pool_slots}"
-    if layers > 1 and seconds > 0:
+    loaded = layers > 1 and seconds > 0
+    if loaded:
         name += f", {layers} layers under matmuls"
+        matmuls = loaded_matmuls(batch_size)  # built once, shared by the variants
     for label, kwargs in DECODE_RUN_VARIANTS.items():
 
         def attend(layer, kwargs=kwargs):
@@ -221,30 +222,39 @@ def bench_decode_run(batch_size, mean_len, pool_slots, rows, layers=1, seconds=0
                 workspace, counters, **kwargs,
             )  # fmt: skip
 
-        if layers > 1 and seconds > 0:
-            ms = loaded_time(attend, batch_size, layers, seconds)
+        if loaded:
+            ms = loaded_time(attend, matmuls, layers, seconds)
         else:
             ms = bench(functools.partial(attend, 0))
         rows.append({"case": name, "variant": label, "ms": ms, "TB/s": gbytes / ms})
         print(f"{name:54s} {label:26s} {ms * 1e3:9.1f} us {gbytes / ms:6.2f} TB/s", flush=True)
 
 
-def loaded_time(attend, batch_size, layers, seconds) -> float:
-    """Mean ms of attend(layer) run layer after layer between a gate_up and a down matmul of
-    batch_size rows (llama-8b's shapes), for `seconds` (see bench_decode_run)."""
+def loaded_matmuls(batch_size):
+    """A gate_up and a down matmul of batch_size rows (llama-8b's shapes), into fixed outputs."""
     hidden, inter = 4096, 14336
     x = torch.randn(batch_size, hidden, device=DEV, dtype=DTYPE)
     w_up = torch.randn(2 * inter, hidden, device=DEV, dtype=DTYPE)
     w_down = torch.randn(hidden, inter, device=DEV, dtype=DTYPE)
     h = torch.empty(batch_size, 2 * inter, device=DEV, dtype=DTYPE)
     y = torch.empty(batch_size, hidden, device=DEV, dtype=DTYPE)
+
+    def run():
+        torch.matmul(x, w_up.t(), out=h)
+        torch.matmul(h[:, :inter], w_down.t(), out=y)
+
+    return run
+
+
+def loaded_time(attend, matmuls, layers, seconds) -> float:
+    """Mean ms of attend(layer) run layer after layer, each after matmuls(), for `seconds`
+    (see bench_decode_run)."""
     events = []
     t0 = time.perf_counter()
     passes = 0
     while time.perf_counter() - t0 < seconds or passes < 2:
         for layer in range(layers):
-            torch.matmul(x, w_up.t(), out=h)
-            torch.matmul(h[:, :inter], w_down.t(), out=y)
+            matmuls()
             if passes > 0:  # the first pass warms up (compiles, clocks)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
                 start.record()
@@ -367,21 +377,18 @@ def main() -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     print(f"device-to-device copy: {copy_bandwidth():.2f} TB/s (bytes read + written)")
     rows: list[dict] = []
-    if args.extend_cases:
-        for case in args.extend_cases.split(","):
-            shape, _, prefix = case.partition("+")
-            batch_size, extend_len = (int(x) for x in shape.split("x"))
-            bench_extend(int(prefix or 0), rows, batch_size, extend_len, sweep_only=True)
-        if not args.decode_run:
-            return
-    if args.decode_run:
-        for case in args.decode_run.split(","):
-            shape, _, pool = case.partition(":")
-            batch_size, mean_len = (int(x) for x in shape.split("x"))
-            layers, _, seconds = (args.loaded or "1:0").partition(":")
-            bench_decode_run(
-                batch_size, mean_len, int(pool or 0), rows, int(layers), float(seconds or 0)
-            )
+    for case in args.extend_cases.split(",") if args.extend_cases else ():
+        shape, _, prefix = case.partition("+")
+        batch_size, extend_len = (int(x) for x in shape.split("x"))
+        bench_extend(int(prefix or 0), rows, batch_size, extend_len, sweep_only=True)
+    layers, _, seconds = (args.loaded or "1:0").partition(":")
+    for case in args.decode_run.split(",") if args.decode_run else ():
+        shape, _, pool = case.partition(":")
+        batch_size, mean_len = (int(x) for x in shape.split("x"))
+        bench_decode_run(
+            batch_size, mean_len, int(pool or 0), rows, int(layers), float(seconds or 0)
+        )
+    if args.extend_cases or args.decode_run:
         return
     if args.decode_cases:
         for case in args.decode_cases.split(","):
