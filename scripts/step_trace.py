@@ -14,6 +14,7 @@ report gives each kind's idle as the sum of (gap - the kind's 10th-percentile ga
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections import defaultdict
@@ -55,6 +56,21 @@ class StepTrace:
         # took to the first launch, and from the last launch to the end
         self.run_start: float | None = None
         self.run_end: float | None = None
+        # Python's garbage collections (generation, start, end), and the host time of the first
+        # engine.step() call: where the time before the first launch goes
+        self.collections: list[tuple[int, float, float]] = []
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
+        self.engine = engine
+        self.first_step: float | None = None
+        inner_step = engine.step
+
+        def step():
+            if self.first_step is None and self.run_start is not None:
+                self.first_step = time.perf_counter()
+            return inner_step()
+
+        engine.step = step
         runner = self.runner
         inner = runner.run_forward
 
@@ -72,9 +88,19 @@ class StepTrace:
 
         runner.run_forward = traced
 
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.collections.append((info["generation"], self._gc_start, time.perf_counter()))
+
     def close(self) -> None:
         if "run_forward" in vars(self.runner):
             del self.runner.run_forward
+        if "step" in vars(self.engine):
+            del self.engine.step
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         if self.steps:
             import torch
 
@@ -93,6 +119,22 @@ class StepTrace:
             out.append(row)
             prev_t, prev_end = t, end
         return out
+
+    def _gc_report(self, first_launch: float) -> str:
+        """Python's collections inside the run, by generation: count and ms, and those before
+        the first launch."""
+        inside = [c for c in self.collections if self.run_start <= c[1] <= self.run_end]
+        parts = []
+        for gen in (0, 1, 2):
+            ours = [(start, end) for g, start, end in inside if g == gen]
+            took = [end - start for start, end in ours]
+            before = sum(end - start for start, end in ours if end <= first_launch)
+            if took:
+                parts.append(
+                    f"gen{gen} {len(took)} x, {1e3 * sum(took):.1f} ms (max {1e3 * max(took):.1f}; "
+                    f"{1e3 * before:.1f} before the first launch)"
+                )
+        return "gc in the run: " + ("; ".join(parts) or "none")
 
     def report(self) -> str:
         rows = self.rows()
@@ -132,6 +174,12 @@ class StepTrace:
                 f"host: first launch {1e3 * (first - self.run_start):.1f} ms after the run's "
                 f"start, the run's end {1e3 * (self.run_end - last):.1f} ms after the last launch"
             )
+            if self.first_step is not None:
+                lines.append(
+                    f"host: first engine.step() {1e3 * (self.first_step - self.run_start):.1f} ms "
+                    "after the run's start (requests fed before it)"
+                )
+            lines.append(self._gc_report(first))
         # the longest gaps, with the steps on either side: where the host fell behind
         worst = sorted(range(1, len(rows)), key=lambda i: -rows[i]["gap_ms"])[:8]
         for i in sorted(worst):

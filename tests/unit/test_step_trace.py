@@ -25,7 +25,8 @@ def trace_of(steps) -> StepTrace:
         (kind, tokens, reqs, host, FakeEvent(start), FakeEvent(end))
         for kind, tokens, reqs, host, start, end in steps
     ]
-    trace.run_start = trace.run_end = None
+    trace.run_start = trace.run_end = trace.first_step = None
+    trace.collections = []
     return trace
 
 
@@ -49,6 +50,14 @@ def test_rows_give_forwards_gaps_and_host_time():
     assert "first launch 12.5 ms after the run's start, the run's end 3.0 ms after" in (
         trace.report()
     )
+    assert "gc in the run: none" in trace.report()
+    trace.first_step = -0.0025
+    # a gen2 collection of 8 ms before the first launch, a gen0 of 1 ms after, one outside
+    trace.collections = [(2, -0.011, -0.003), (0, 0.002, 0.003), (2, 0.5, 0.6)]
+    report = trace.report()
+    assert "first engine.step() 10.0 ms after the run's start" in report
+    assert "gen0 1 x, 1.0 ms (max 1.0; 0.0 before the first launch)" in report
+    assert "gen2 1 x, 8.0 ms (max 8.0; 8.0 before the first launch)" in report
 
 
 def test_size_bucket_is_the_next_power_of_two():
