@@ -26,10 +26,6 @@ from batchrun.models.llama import ForwardBatch
 from batchrun.models.loader import load_model
 from batchrun.parallel.state import tp_group_for
 
-# BATCHRUN_WARMUP_LARGEST=0: no start-up forward at the largest step's size (to measure it)
-WARMUP_LARGEST_ENV = "BATCHRUN_WARMUP_LARGEST"
-WARMUP_PROMPT = 512  # tokens a request in that forward's prefill chunk
-
 log = logging.getLogger(__name__)
 
 
@@ -167,55 +163,6 @@ class ModelRunner:
                 min(config.chunked_prefill_size + config.max_running, MAX_TOKENS),
                 self.device,
             )
-        self.warmup_time = 0.0
-        if (
-            self.device.type == "cuda"
-            and isinstance(config.chunked_prefill_size, int)
-            and os.environ.get(WARMUP_LARGEST_ENV) != "0"
-        ):
-            self._warm_up_largest_step(config.chunked_prefill_size, config.max_running)
-
-    @torch.inference_mode()
-    def _warm_up_largest_step(self, chunk: int, max_running: int) -> None:
-        """One eager forward of the largest step the scheduler can make: max_running - 1 decode
-        rows and a prefill chunk (as requests of WARMUP_PROMPT tokens), every token on the dummy
-        request and its KV in the dummy slot. Its activations are the largest a run allocates,
-        so the caching allocator holds blocks for every later step from here on."""
-        # NOTE: W1 llama-8b's mixed steps grow by 16 tokens a step up to this size; each new
-        # largest size took a cudaMalloc of ~0.5 GB inside the timed run: gaps of 5-8 ms on the
-        # device at six of its ramp-up steps (docs/benchmarks.md, sixteenth session)
-        t0 = time.perf_counter()
-        width = self.req_pool.table.shape[1]
-        prompt = min(WARMUP_PROMPT, width)
-        ext = [prompt] * (chunk // prompt) + ([chunk % prompt] if chunk % prompt else [])
-        lens = [1] * max(max_running - 1, 0) + ext
-        row, slot = self.req_pool.dummy_row, self.kv_pool.dummy_slot
-        saved = self.req_pool.table[row, :prompt].clone()
-        self.req_pool.table[row, :prompt] = slot
-        positions = [p for n in lens for p in range(n)]
-        attn = AttentionInputs(
-            req_pool_indices=self._to_device([row] * len(lens)),
-            seq_lens=self._to_device(lens),
-            extend_lens=self._to_device(lens),
-            out_cache_loc=self._to_device([slot] * len(positions)),
-            seq_lens_cpu=tuple(lens),
-            extend_lens_cpu=tuple(lens),
-        )
-        ends = torch.tensor(lens).cumsum(0) - 1
-        self.backend.prepare(attn)
-        fwd = ForwardBatch(
-            self._to_device([0] * len(positions)), self._to_device(positions), ends.to(self.device)
-        )
-        self.model(fwd, self.backend)
-        self.req_pool.table[row, :prompt] = saved
-        torch.cuda.synchronize(self.device)
-        self.warmup_time = time.perf_counter() - t0
-        log.info(
-            "warmed up the largest step (%d tokens, %d requests) in %.2f s",
-            len(positions),
-            len(lens),
-            self.warmup_time,
-        )
 
     def _use_decode_gemv(self) -> bool:
         """config.decode_gemv, resolved: see EngineConfig (BATCHRUN_GEMV still overrides it)."""

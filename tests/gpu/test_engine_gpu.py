@@ -151,24 +151,6 @@ def test_piecewise_graphs_default_on_small_models_only(model_dir):
         torch.cuda.empty_cache()
 
 
-def test_warm_up_at_the_largest_step(model_dir, reference, monkeypatch):
-    """Start-up runs one forward of the largest step (max_running - 1 decodes and a prefill
-    chunk) on the dummy request, and leaves its table row as it was: the same tokens with or
-    without it (BATCHRUN_WARMUP_LARGEST=0)."""
-    from batchrun.engine.config import EngineConfig
-    from batchrun.engine.engine import Engine
-    from batchrun.engine.model_runner import WARMUP_LARGEST_ENV
-
-    cfg = dict(model=model_dir, device="cuda", dtype="float32", kv_budget=20000)
-    runner = Engine(EngineConfig(**cfg, chunked_prefill_size=1100)).runner
-    assert runner.warmup_time > 0
-    row = runner.req_pool.table[runner.req_pool.dummy_row]
-    assert row[0].item() == runner.kv_pool.dummy_slot and not row[1:].any()
-    del runner
-    monkeypatch.setenv(WARMUP_LARGEST_ENV, "0")
-    assert _run(model_dir, attention_backend="triton", overlap=True) == reference
-
-
 def test_matches_hf_on_cuda(model_dir):
     from transformers import AutoModelForCausalLM
 
