@@ -7,16 +7,12 @@ prefill chunk + the batch), which says whether spreading prefill tokens over mor
 --sustain SECONDS times a whole forward's matmuls instead (every layer on its own weights, as
 in a step), for that long a variant, the variants in turn over --rounds: how the step's M rows
 go through cuBLAS, whole (`full`), in chunks of R rows (`chunk:R`), through cuBLASLt (`lt`),
-or as the transposed product (`swap`: w @ x^T); with the SwiGLU gate after gate_up, as the engine
-runs it (`silu`: cuBLAS, then kernels/activation.py), or inside gate_up's matmul
-(`swiglu[:BM/BN/BK/GROUP_M/WARPS/STAGES]`: kernels/swiglu_matmul.py, the rest cuBLAS). A
-per-call figure can flatter a shape: a short loop runs at clocks that a forward's sustained
-matmuls do not keep (the H200 holds its 700 W cap at ~1,450 MHz through W1 llama-8b).
+or as the transposed product (`swap`: w @ x^T). A per-call figure can flatter a shape: a short
+loop runs at clocks that a forward's sustained matmuls do not keep (the H200 holds its 700 W
+cap at ~1,450 MHz through W1 llama-8b).
 
     python scripts/bench_gemm_shapes.py --model llama-8b --rows 9216,1008 --sustain 3 \
         --variants full,chunk:1024,chunk:2048,chunk:4608,lt
-    python scripts/bench_gemm_shapes.py --model llama-8b --rows 9216,1008 --sustain 3 \
-        --variants silu,swiglu,swiglu:128/64/64/8/4/4
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # batchrun, from a checkout
 
 from bench_models import MODELS  # noqa: E402
 from cuda_timing import cycled_time_us  # noqa: E402
@@ -59,48 +54,14 @@ def run_variant(variant: str, xs: dict, layers: list, outs: dict) -> None:
     other sizes and may give another kernel."""
     m = next(iter(xs.values())).shape[0]
     chunk = int(variant.split(":")[1]) if variant.startswith("chunk:") else m
-    gate = variant.split(":")[0] in ("silu", "swiglu")
     for layer in layers:
         for name, w in layer.items():
             a, out = xs[name], outs[name]
-            if gate and name == "gate_up":
-                swiglu_gate_up(variant, a, w, out, outs["act"])
-                continue
             if variant == "swap":
                 torch.matmul(w, a.t(), out=out.view(out.shape[1], out.shape[0]))
                 continue
             for r0 in range(0, m, chunk):
                 torch.matmul(a[r0 : r0 + chunk], w.t(), out=out[r0 : r0 + chunk])
-
-
-def swiglu_config(variant: str) -> tuple[int, ...] | None:
-    """The kernel config of a `swiglu:BM/BN/BK/GROUP_M/WARPS/STAGES` variant (None: default)."""
-    _, _, spec = variant.partition(":")
-    return tuple(int(v) for v in spec.split("/")) if spec else None
-
-
-def swiglu_gate_up(variant: str, x, w, gate_up_out, act) -> None:
-    """gate_up and the SwiGLU gate: cuBLAS then the gate kernel (`silu`), or one kernel."""
-    from batchrun.kernels.activation import silu_and_mul
-    from batchrun.kernels.swiglu_matmul import DEFAULT_CONFIG, swiglu_matmul
-
-    if variant == "silu":
-        torch.matmul(x, w.t(), out=gate_up_out)
-        silu_and_mul(gate_up_out, act)
-    else:
-        swiglu_matmul(x, w, act, swiglu_config(variant) or DEFAULT_CONFIG)
-
-
-def check_swiglu(variants: list[str], xs: dict, layer: dict, outs: dict) -> None:
-    """Each swiglu variant's output against the engine's path (cuBLAS + the gate kernel)."""
-    x, w, act = xs["gate_up"], layer["gate_up"], outs["act"]
-    swiglu_gate_up("silu", x, w, outs["gate_up"], act)
-    want = act.float()
-    for v in variants:
-        if v.startswith("swiglu"):
-            swiglu_gate_up(v, x, w, outs["gate_up"], act)
-            err = ((act.float() - want).norm() / want.norm()).item()
-            print(f"  {v}: relative error against cuBLAS + gate {err:.2e}", flush=True)
 
 
 def sustained(cfg: dict, m: int, variants: list[str], seconds: float, rounds: int) -> None:
@@ -116,8 +77,6 @@ def sustained(cfg: dict, m: int, variants: list[str], seconds: float, rounds: in
           for name, (_, k) in mats.items()}  # fmt: skip
     outs = {name: torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             for name, (n, _) in mats.items()}  # fmt: skip
-    outs["act"] = torch.empty(m, mats["gate_up"][0] // 2, device="cuda", dtype=torch.bfloat16)
-    check_swiglu(variants, xs, layers[0], outs)
     flops = n_layers * sum(2.0 * m * n * k for n, k in mats.values())
     lib = torch.backends.cuda.preferred_blas_library()
     figures: dict[str, list[float]] = {v: [] for v in variants}

@@ -64,12 +64,7 @@ from batchrun.attention.triton_backend import (  # noqa: E402
 from batchrun.engine.cuda_graph import GRAPH_INPUTS_ENV  # noqa: E402
 from batchrun.engine.kv_pool import ROTARY_STORE_ENV  # noqa: E402
 from batchrun.engine.sampler import ARGMAX_MAX_ROWS_ENV  # noqa: E402
-from batchrun.models.layers import (  # noqa: E402
-    GEMV_ENV,
-    GEMV_NORM_ENV,
-    GEMV_SWIGLU_ENV,
-    SWIGLU_MATMUL_ENV,
-)
+from batchrun.models.layers import GEMV_ENV, GEMV_NORM_ENV, GEMV_SWIGLU_ENV  # noqa: E402
 
 VARIANTS = (
     "batchrun",
@@ -85,7 +80,6 @@ VARIANTS = (
     "no-pdl",
     "gemv-all-no-pdl",
     "no-swiglu-gemv",
-    "cublas-gate-up",
     "no-fold",
     "no-rotary-store",
     "no-decode-rope",
@@ -112,8 +106,6 @@ VARIANT_ENV = {
     "no-pdl": {PDL_ENV: "0"},  # and so cuBLAS decode matmuls (auto takes gemv only with PDL)
     "gemv-all-no-pdl": {GEMV_ENV: "all", PDL_ENV: "0"},
     "no-swiglu-gemv": {GEMV_SWIGLU_ENV: "0"},  # the SwiGLU gate in its own kernel
-    # a batch's gate_up on cuBLAS and the gate in its own kernel, not kernels/swiglu_matmul.py
-    "cublas-gate-up": {SWIGLU_MATMUL_ENV: "0"},
     "no-fold": {DECODE_FOLD_ENV: "0"},  # decode attention's split combine as a second kernel
     "no-rotary-store": {ROTARY_STORE_ENV: "0"},  # rotary and the KV store as two kernels
     # decode steps rotate and store in kernels/rotary_kv_store.py, not in the decode kernel

@@ -22,6 +22,7 @@ import torch
 
 from batchrun.engine.allocator import TokenAllocator
 from batchrun.engine.config import EngineConfig, resolve_sizes
+from batchrun.engine.gc_pause import frozen_gc
 from batchrun.engine.grammar import GrammarBackend
 from batchrun.engine.host_gate import HostGate
 from batchrun.engine.kv_manager import KVManager
@@ -68,21 +69,24 @@ class _Launched(NamedTuple):
 
 def drive(engine, requests: Iterable[GenerateRequest]) -> Iterator[GenerateResult]:
     """Feed `engine` (anything with add_request / wants_requests / has_work / step) from an
-    iterable, a bounded look-ahead at a time, and yield every result until all are done."""
+    iterable, a bounded look-ahead at a time, and yield every result until all are done. The
+    objects alive at the start stay out of the garbage collector's passes until the end
+    (gc_pause.frozen_gc)."""
     pending = iter(requests)
     exhausted = False
-    while True:
-        while not exhausted and engine.wants_requests:
-            request = next(pending, None)
-            if request is None:
-                exhausted = True
-                break
-            engine.add_request(request)
-        if not engine.has_work:
-            if exhausted:
-                return
-            continue
-        yield from engine.step()
+    with frozen_gc():
+        while True:
+            while not exhausted and engine.wants_requests:
+                request = next(pending, None)
+                if request is None:
+                    exhausted = True
+                    break
+                engine.add_request(request)
+            if not engine.has_work:
+                if exhausted:
+                    return
+                continue
+            yield from engine.step()
 
 
 def derive_seed(base: int, rid: str, index: int = 0) -> int:

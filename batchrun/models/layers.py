@@ -89,60 +89,20 @@ def linear(
 GEMV_SWIGLU_ENV = "BATCHRUN_GEMV_SWIGLU"
 
 
-# NOTE: "0" keeps a batch's gate_up on cuBLAS with the gate in its own kernel, "1" sends every
-# batch of at least SWIGLU_MATMUL_MIN_ROWS rows to kernels/swiglu_matmul.py (the gate as the
-# matmul's epilogue); a config "BM/BN/BK/GROUP_M/WARPS/STAGES" sets its tiles
-SWIGLU_MATMUL_ENV = "BATCHRUN_SWIGLU_MATMUL"
-SWIGLU_MATMUL_MIN_ROWS = 128
-
-
-def swiglu_matmul_config(x: torch.Tensor, weight: torch.Tensor, bias) -> tuple | None:
-    """The kernels/swiglu_matmul.py config for this batch's gate_up, or None: it stays on
-    cuBLAS. Needs a batch of SWIGLU_MATMUL_MIN_ROWS+ rows, bf16 / fp16, no bias, and rows of
-    16-byte multiples (the kernel's TMA descriptors)."""
-    mode = os.environ.get(SWIGLU_MATMUL_ENV, "1")
-    if (
-        mode == "0"
-        or bias is not None
-        or x.dim() != 2
-        or x.shape[0] < SWIGLU_MATMUL_MIN_ROWS
-        or x.dtype not in (torch.float16, torch.bfloat16)
-        or weight.dtype != x.dtype
-        or x.shape[1] % 8
-        or weight.shape[0] % 16
-        or x.stride(1) != 1
-        or x.stride(0) % 8
-        or x.data_ptr() % 16
-        or not use_fused_kernels(x)
-    ):
-        return None
-    from batchrun.kernels.swiglu_matmul import DEFAULT_CONFIG
-
-    return tuple(int(v) for v in mode.split("/")) if "/" in mode else DEFAULT_CONFIG
-
-
 def swiglu_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     decode_gemv: str | None = None,
 ) -> torch.Tensor | None:
-    """silu(x @ w_gate.T) * (x @ w_up.T) in one kernel, for weight = [gate rows | up rows]:
-    kernels/gemv.py's SwiGLU epilogue where the gate_up matmul `takes_gemv`, a decode batch's
-    (unless BATCHRUN_GEMV_SWIGLU=0), kernels/swiglu_matmul.py's for a larger batch
-    (`swiglu_matmul_config`); None otherwise (the caller runs the matmul and the gate apart)."""
-    if takes_gemv(x, weight, bias, decode_gemv):
-        if os.environ.get(GEMV_SWIGLU_ENV) == "0":
-            return None
-        from batchrun.kernels.gemv import gemv
-
-        return gemv(x, weight, swiglu=True)
-    config = swiglu_matmul_config(x, weight, bias)
-    if config is None:
+    """silu(x @ w_gate.T) * (x @ w_up.T) in one kernel (kernels/gemv.py's SwiGLU epilogue)
+    where the gate_up matmul `takes_gemv`, for weight = [gate rows | up rows]; None otherwise
+    (the caller runs the matmul and the gate apart)."""
+    if os.environ.get(GEMV_SWIGLU_ENV) == "0" or not takes_gemv(x, weight, bias, decode_gemv):
         return None
-    from batchrun.kernels.swiglu_matmul import swiglu_matmul
+    from batchrun.kernels.gemv import gemv
 
-    return swiglu_matmul(x, weight, config=config)
+    return gemv(x, weight, swiglu=True)
 
 
 # NOTE: "0" keeps the residual adds and norms of a one-row gemv decode batch in kernels of their

@@ -129,55 +129,6 @@ def test_silu_and_mul(dtype, shape):
         assert max_ulps(out, ref) <= bound, max_ulps(out, ref)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "m,inter,k,config",
-    [
-        (1008, 14336, 4096, None),  # llama-8b's gate_up at W1's decode batch
-        (300, 1536, 576, None),  # ragged rows (SmolLM2-135M's shapes)
-        (129, 8192, 2048, (128, 64, 64, 8, 4, 4)),
-        (640, 1000, 256, (64, 128, 64, 4, 4, 4)),  # I not a multiple of the tile
-        (200, 512, 4096, (128, 128, 128, 8, 8, 2)),
-    ],
-)
-def test_swiglu_matmul(dtype, m, inter, k, config):
-    """kernels/swiglu_matmul.py against cuBLAS's matmul then silu_and_mul: every element
-    written, the difference that of two fp32 sums' order (a rounding of gate or up may flip)."""
-    from batchrun.kernels.swiglu_matmul import DEFAULT_CONFIG, swiglu_matmul
-
-    x = randn(m, k, dtype=dtype)
-    w = randn(2 * inter, k, dtype=dtype) * k**-0.5
-    out = torch.full((m, inter), float("nan"), dtype=dtype, device=DEV)
-    swiglu_matmul(x, w, out, config=config or DEFAULT_CONFIG)
-    ref = silu_and_mul(x @ w.T)
-    assert not out.isnan().any()
-    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert rel <= (4e-3 if dtype == torch.bfloat16 else 1e-3), rel
-
-
-def test_swiglu_linear_dispatch(monkeypatch):
-    """A batch of SWIGLU_MATMUL_MIN_ROWS+ rows goes to kernels/swiglu_matmul.py (a config from
-    BATCHRUN_SWIGLU_MATMUL too); fewer rows, fp32, or the switch at 0: None (cuBLAS + gate)."""
-    from batchrun.models.layers import (
-        SWIGLU_MATMUL_ENV,
-        SWIGLU_MATMUL_MIN_ROWS,
-        swiglu_linear,
-    )
-
-    w = randn(2 * 512, 256, dtype=torch.bfloat16) * 0.06
-    x = randn(SWIGLU_MATMUL_MIN_ROWS + 3, 256, dtype=torch.bfloat16)
-    ref = silu_and_mul(x @ w.T).float()
-    for mode in (None, "64/64/64/8/4/3"):
-        if mode:
-            monkeypatch.setenv(SWIGLU_MATMUL_ENV, mode)
-        got = swiglu_linear(x, w)
-        assert got is not None and ((got.float() - ref).norm() / ref.norm()).item() <= 4e-3
-    assert swiglu_linear(x[:100], w) is None
-    assert swiglu_linear(x.float(), w.float()) is None
-    monkeypatch.setenv(SWIGLU_MATMUL_ENV, "0")
-    assert swiglu_linear(x, w) is None
-
-
 def test_rmsnorm_module_dispatch(monkeypatch):
     """The module path (reshape of a 3D strided q view, as Qwen3's q_norm sees) and the switch."""
     norm = RMSNorm(64, 1e-6, torch.bfloat16, DEV)
