@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 from triton.testing import do_bench, do_bench_cudagraph
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,7 +177,28 @@ DECODE_RUN_VARIANTS = {
 }
 
 
-def bench_decode_run(batch_size, mean_len, pool_slots, rows, layers=1, seconds=0.0):
+def decode_slots(lens: torch.Tensor, pool_slots: int, layout: str, gen) -> torch.Tensor:
+    """The requests' KV slots, concatenated: `random` scatters every token over the pool;
+    `seq` gives each request one run of slots (the runs in random order); `runs:N` runs of N
+    slots each, scattered."""
+    total = int(lens.sum())
+    if layout == "random":
+        return torch.randperm(pool_slots, generator=gen)[:total].int()
+    run = int(layout.split(":")[1]) if layout.startswith("runs:") else int(lens.max())
+    num_runs = pool_slots // run
+    starts = torch.randperm(num_runs, generator=gen) * run
+    slots, used = [], 0
+    for n in lens.tolist():
+        k = -(-n // run)
+        mine = (starts[used : used + k, None] + torch.arange(run)).flatten()[:n]
+        slots.append(mine)
+        used += k
+    return torch.cat(slots).int()
+
+
+def bench_decode_run(
+    batch_size, mean_len, pool_slots, rows, layers=1, seconds=0.0, layout="random"
+):
     """Decode as a W1 step sees it: context lengths uniform in [mean_len - 128, mean_len + 128),
     each request's slots drawn at random from a pool of pool_slots (no two alike). The kernel's
     grid order, its KV loads' eviction policy and tile configs as variants, the backend's split
@@ -190,12 +212,13 @@ def bench_decode_run(batch_size, mean_len, pool_slots, rows, layers=1, seconds=0
     gen = torch.Generator(device="cpu").manual_seed(0)
     lens = torch.randint(mean_len - 128, mean_len + 128, (batch_size,), generator=gen)
     total = int(lens.sum())
-    pool_slots = max(pool_slots, total)
+    run = int(lens.max()) if layout == "seq" else int(layout.partition(":")[2] or 1)
+    pool_slots = max(pool_slots, total + batch_size * run)  # room for the runs' rounding
     pool = KVPool(layers, pool_slots, KV, D, DTYPE, DEV)
     for layer in range(layers):
         for buf in pool.buffers(layer):
             buf.normal_()
-    slots = torch.randperm(pool_slots, generator=gen)[:total].int()
+    slots = decode_slots(lens, pool_slots, layout, gen)
     table = torch.zeros(batch_size + 1, int(lens.max()), dtype=torch.int32)
     for b, row in enumerate(torch.split(slots, lens.tolist())):
         table[b, : len(row)] = row
@@ -209,7 +232,7 @@ def bench_decode_run(batch_size, mean_len, pool_slots, rows, layers=1, seconds=0
     splits = backend._num_kv_splits(batch_size)
     workspace = torch.empty(decode_workspace_numel(batch_size, H, D, splits), device=DEV)
     counters = decode_counters(batch_size, KV, DEV)
-    name = f"decode run {batch_size}x~{mean_len} pool {pool_slots}"
+    name = f"decode run {batch_size}x~{mean_len} pool {pool_slots} {layout}"
     loaded = layers > 1 and seconds > 0
     if loaded:
         name += f", {layers} layers under matmuls"
@@ -328,6 +351,23 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / bench(functools.partial(dst.copy_, src)) / 1e9
 
 
+@triton.jit
+def _read_kernel(X, Out, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    x = tl.load(X + pid * BLOCK + tl.arange(0, BLOCK))
+    tl.store(Out + pid, tl.sum(x.to(tl.float32)))
+
+
+def read_bandwidth(gib: int = 4, block: int = 8192) -> float:
+    """TB/s of a streaming read (each program sums 16 KB of bf16; one float written a program):
+    the ceiling a read-only kernel such as the decode attention can reach, which a copy's
+    (reads and writes) may understate."""
+    x = torch.ones((gib << 30) // 2, dtype=DTYPE, device=DEV)
+    out = torch.empty(x.numel() // block, device=DEV)
+    ms = bench(lambda: _read_kernel[(out.numel(),)](x, out, BLOCK=block, num_warps=8))
+    return x.numel() * 2 / ms / 1e9
+
+
 def summarize(rows: list[dict]) -> None:
     print("\nsummary: best Triton variant per case vs the torch reference (and FlashInfer)")
     for case in dict.fromkeys(r["case"] for r in rows):
@@ -357,8 +397,9 @@ def main() -> None:
     parser.add_argument(
         "--decode-run",
         default=None,
-        help="BxL[:POOL],...: only decode as a W1 step sees it (ragged lengths around L, slots "
-        "scattered over a pool of POOL slots), by grid order, eviction policy and tile config",
+        help="BxL[:POOL[:LAYOUT]],...: only decode as a W1 step sees it (ragged lengths around "
+        "L, slots over a pool of POOL slots: LAYOUT random (default), seq or runs:N, see "
+        "decode_slots), by grid order, eviction policy and tile config",
     )
     parser.add_argument(
         "--loaded",
@@ -376,6 +417,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     print(f"device-to-device copy: {copy_bandwidth():.2f} TB/s (bytes read + written)")
+    print(f"streaming read: {read_bandwidth():.2f} TB/s")
     rows: list[dict] = []
     for case in args.extend_cases.split(",") if args.extend_cases else ():
         shape, _, prefix = case.partition("+")
@@ -383,11 +425,13 @@ def main() -> None:
         bench_extend(int(prefix or 0), rows, batch_size, extend_len, sweep_only=True)
     layers, _, seconds = (args.loaded or "1:0").partition(":")
     for case in args.decode_run.split(",") if args.decode_run else ():
-        shape, _, pool = case.partition(":")
+        shape, _, rest = case.partition(":")
+        pool, _, layout = rest.partition(":")
         batch_size, mean_len = (int(x) for x in shape.split("x"))
         bench_decode_run(
-            batch_size, mean_len, int(pool or 0), rows, int(layers), float(seconds or 0)
-        )
+            batch_size, mean_len, int(pool or 0), rows, int(layers), float(seconds or 0),
+            layout or "random",
+        )  # fmt: skip
     if args.extend_cases or args.decode_run:
         return
     if args.decode_cases:
