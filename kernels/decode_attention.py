@@ -185,8 +185,6 @@ def _decode_stage1_kernel(
     EXACT_MUL: tl.constexpr,
     HEADS_FIRST: tl.constexpr,  # grid (KV, B, S): a request's KV heads in adjacent programs
     EVICT: tl.constexpr,  # the KV loads' L2 eviction policy ("" for the default)
-    Order,  # ORDERED: [B], the request that grid row i serves
-    ORDERED: tl.constexpr,
 ):
     if not ROTARY:
         pdl_wait(PDL)  # every input is an earlier kernel's output
@@ -197,8 +195,6 @@ def _decode_stage1_kernel(
         b = tl.program_id(0)
         kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if ORDERED:
-        b = tl.load(Order + b).to(tl.int32)
 
     row = tl.load(ReqPoolIndices + b).to(tl.int64)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
@@ -451,7 +447,6 @@ def decode_attention_fwd(
     num_stages: int | None = None,
     heads_first: bool = True,  # grid (KV, B, S); False: (B, KV, S)
     evict: str = "",  # the KV loads' eviction_policy: "", "evict_first" or "evict_last"
-    order: torch.Tensor | None = None,  # [B]: grid row i serves request order[i]
 ) -> None:
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -540,8 +535,6 @@ def decode_attention_fwd(
         EXACT_MUL=q.is_cuda,
         HEADS_FIRST=heads_first,
         EVICT=evict,
-        Order=seq_lens if order is None else order,
-        ORDERED=order is not None,
     )
     if num_kv_splits == 1 or folded:
         return

@@ -174,13 +174,6 @@ DECODE_RUN_VARIANTS = {
         "heads_first": False,
     },
     "bn64 w4 st4": {"block_n": 64, "num_warps": 4, "num_stages": 4},
-    # how much of the kernel is its last wave: programs longest first (the last wave then holds
-    # the shortest), and split counts above the backend's (shorter programs, partials combined)
-    "longest first": {"order": "longest"},
-    "splits 2": {"num_kv_splits": 2},
-    "splits 3": {"num_kv_splits": 3},
-    "splits 4": {"num_kv_splits": 4},
-    "splits 2, longest first": {"num_kv_splits": 2, "order": "longest"},
 }
 
 
@@ -237,24 +230,18 @@ def bench_decode_run(
     gbytes = 2 * total * KV * D * DTYPE.itemsize / 1e9
     backend = TritonAttentionBackend(pool, table)
     splits = backend._num_kv_splits(batch_size)
-    most = max([splits] + [v.get("num_kv_splits", 1) for v in DECODE_RUN_VARIANTS.values()])
-    workspace = torch.empty(decode_workspace_numel(batch_size, H, D, most), device=DEV)
+    workspace = torch.empty(decode_workspace_numel(batch_size, H, D, splits), device=DEV)
     counters = decode_counters(batch_size, KV, DEV)
-    longest = torch.argsort(lens, descending=True).to(DEV)
     name = f"decode run {batch_size}x~{mean_len} pool {pool_slots} {layout}"
     loaded = layers > 1 and seconds > 0
     if loaded:
         name += f", {layers} layers under matmuls"
         matmuls = loaded_matmuls(batch_size)  # built once, shared by the variants
     for label, kwargs in DECODE_RUN_VARIANTS.items():
-        kwargs = dict(kwargs)
-        n_splits = kwargs.pop("num_kv_splits", splits)
-        if kwargs.get("order") == "longest":
-            kwargs["order"] = longest
 
-        def attend(layer, kwargs=kwargs, n_splits=n_splits):
+        def attend(layer, kwargs=kwargs):
             decode_attention_fwd(
-                q, *pool.buffers(layer), out, table, pool_idx, seq_lens, D**-0.5, n_splits,
+                q, *pool.buffers(layer), out, table, pool_idx, seq_lens, D**-0.5, splits,
                 workspace, counters, **kwargs,
             )  # fmt: skip
 

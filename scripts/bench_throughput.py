@@ -59,7 +59,6 @@ from batchrun.attention.triton_backend import (  # noqa: E402
     DECODE_EVICT_ENV,
     DECODE_FOLD_ENV,
     DECODE_GRID_ENV,
-    DECODE_ORDER_ENV,
     DECODE_ROPE_ENV,
 )
 from batchrun.engine.cuda_graph import GRAPH_INPUTS_ENV  # noqa: E402
@@ -95,7 +94,6 @@ VARIANTS = (
     "torch-argmax",
     "decode-rows-first",
     "decode-evict-first",
-    "decode-batch-order",
     "no-piecewise",
     "piecewise",
     "hf",
@@ -131,8 +129,6 @@ VARIANT_ENV = {
     # 2026-12-01); its KV loads evicting first
     "decode-rows-first": {DECODE_GRID_ENV: "rows"},
     "decode-evict-first": {DECODE_EVICT_ENV: "evict_first"},
-    # the decode programs in batch order, not longest request first
-    "decode-batch-order": {DECODE_ORDER_ENV: "batch"},
     # the flashinfer backend with its prefill wrapper on FlashAttention-3 kernels
     "flashinfer-fa3": {PREFILL_KERNELS_ENV: "fa3"},
 }

@@ -77,12 +77,6 @@ DECODE_ROPE_MAX_BS = 16
 # and 2.8 in 16: splitting pays only where the grid would leave SMs idle
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_LEN = 64  # ... but give no split fewer KV tokens than this (eager only)
-# "batch": the decode programs in batch order; else, for batches of DECODE_ORDER_MIN_BS+ rows,
-# longest request first (one argsort of the sequence lengths a step), so that the launch's last
-# wave holds its shortest programs and the SMs run out of work closer together. Read when a step
-# is prepared (a CUDA graph keeps what it captured).
-DECODE_ORDER_ENV = "BATCHRUN_DECODE_ORDER"
-DECODE_ORDER_MIN_BS = 64
 
 
 @dataclass(frozen=True)
@@ -92,7 +86,6 @@ class _DecodePlan:
     out_cache_loc: torch.Tensor  # [B]
     num_kv_splits: int
     is_graph: bool
-    order: torch.Tensor | None = None  # [B]: the request each grid row serves (None: batch order)
 
 
 @dataclass(frozen=True)
@@ -152,11 +145,8 @@ class TritonAttentionBackend(AttentionBackend):
         splits = self._num_kv_splits(inputs.batch_size)
         max_splits = -(-max(inputs.seq_lens_cpu, default=1) // MIN_SPLIT_LEN)
         splits = max(1, min(splits, max_splits))
-        order = None
-        if _longest_first(inputs.batch_size):
-            order = torch.argsort(inputs.seq_lens, descending=True)
         return _DecodePlan(
-            inputs.req_pool_indices, inputs.seq_lens, inputs.out_cache_loc, splits, False, order
+            inputs.req_pool_indices, inputs.seq_lens, inputs.out_cache_loc, splits, False
         )
 
     @staticmethod
@@ -242,7 +232,7 @@ class TritonAttentionBackend(AttentionBackend):
             scaling, plan.num_kv_splits, workspace, counters,
             fold_stage2=os.environ.get(DECODE_FOLD_ENV) != "0", rope=rope,
             heads_first=os.environ.get(DECODE_GRID_ENV) != "rows",
-            evict=os.environ.get(DECODE_EVICT_ENV, ""), order=plan.order,
+            evict=os.environ.get(DECODE_EVICT_ENV, ""),
         )  # fmt: skip
 
     def _extend(self, plan: _ExtendPlan, q, k_buf, v_buf, out, scaling: float) -> None:
@@ -292,7 +282,6 @@ class TritonAttentionBackend(AttentionBackend):
         self.graph_out_cache_loc = torch.full(
             (max_bs,), self.kv_pool.dummy_slot, dtype=torch.int64, device=dev
         )
-        self.graph_order = torch.arange(max_bs, dtype=torch.int64, device=dev)
 
     def prepare_graph(self, bs: int) -> None:
         """Switch forward() to the static buffers [:bs], with a num_kv_splits fixed per bs."""
@@ -303,7 +292,6 @@ class TritonAttentionBackend(AttentionBackend):
             self.graph_out_cache_loc[:bs],
             self._num_kv_splits(bs),
             True,
-            self.graph_order[:bs] if _longest_first(bs) else None,
         )
 
     def graph_static_inputs(self) -> tuple[tuple[torch.Tensor, ...], int, int]:
@@ -321,13 +309,6 @@ class TritonAttentionBackend(AttentionBackend):
             self.graph_req_pool_indices[n:bs].fill_(self.req_to_token.shape[0] - 1)
             self.graph_seq_lens[n:bs].fill_(1)
             self.graph_out_cache_loc[n:bs].fill_(self.kv_pool.dummy_slot)
-        if _longest_first(bs):  # the graph's order buffer, outside the graph
-            self.graph_order[:bs] = torch.argsort(self.graph_seq_lens[:bs], descending=True)
-
-
-def _longest_first(batch_size: int) -> bool:
-    """Whether a decode batch of this size runs its programs longest request first."""
-    return batch_size >= DECODE_ORDER_MIN_BS and os.environ.get(DECODE_ORDER_ENV) != "batch"
 
 
 def _leading_ones(extend_lens: tuple[int, ...]) -> int:

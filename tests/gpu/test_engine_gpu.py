@@ -39,13 +39,13 @@ def _requests(num: int, new: int):
     return [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
 
 
-def _run(model_dir: str, num: int = 40, **kw) -> dict[str, list[int]]:
+def _run(model_dir: str, **kw) -> dict[str, list[int]]:
     from batchrun.engine.config import EngineConfig
     from batchrun.engine.engine import Engine
 
     cfg = dict(model=model_dir, device="cuda", dtype="float32", kv_budget=20000)
     engine = Engine(EngineConfig(**{**cfg, **kw}))
-    out = {r.rid: r.output_ids for r in engine.generate(_requests(num, 48))}
+    out = {r.rid: r.output_ids for r in engine.generate(_requests(40, 48))}
     engine.check_integrity()
     return out
 
@@ -149,23 +149,6 @@ def test_piecewise_graphs_default_on_small_models_only(model_dir):
             assert engine.runner.piecewise.max_tokens == CHUNKED_PREFILL + MAX_RUNNING_CUDA == 4608
         del engine
         torch.cuda.empty_cache()
-
-
-@pytest.mark.parametrize("graphs", [0, 128], ids=["eager", "graphs"])
-def test_decode_order_gives_the_same_tokens(model_dir, monkeypatch, graphs):
-    """Decode batches of DECODE_ORDER_MIN_BS+ rows run their programs longest request first
-    (BATCHRUN_DECODE_ORDER unset) or in batch order ("batch"): the same tokens, eager (mixed
-    steps too) and from CUDA graphs."""
-    from spies import count_calls
-
-    import batchrun.attention.triton_backend as tb
-
-    calls = count_calls(monkeypatch, tb.torch, "argsort")
-    kw = dict(attention_backend="triton", overlap=True, cuda_graph_max_bs=graphs)
-    longest = _run(model_dir, num=150, **kw)
-    assert calls["n"] > 0
-    monkeypatch.setenv(tb.DECODE_ORDER_ENV, "batch")
-    assert _run(model_dir, num=150, **kw) == longest
 
 
 def test_matches_hf_on_cuda(model_dir):
