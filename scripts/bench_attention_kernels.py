@@ -174,6 +174,9 @@ DECODE_RUN_VARIANTS = {
         "heads_first": False,
     },
     "bn64 w4 st4": {"block_n": 64, "num_warps": 4, "num_stages": 4},
+    # more splits than the backend's: shorter programs, a shorter last wave, partials combined
+    "splits 2": {"num_kv_splits": 2},
+    "splits 4": {"num_kv_splits": 4},
 }
 
 
@@ -230,7 +233,8 @@ def bench_decode_run(
     gbytes = 2 * total * KV * D * DTYPE.itemsize / 1e9
     backend = TritonAttentionBackend(pool, table)
     splits = backend._num_kv_splits(batch_size)
-    workspace = torch.empty(decode_workspace_numel(batch_size, H, D, splits), device=DEV)
+    most = max([splits] + [v.get("num_kv_splits", 1) for v in DECODE_RUN_VARIANTS.values()])
+    workspace = torch.empty(decode_workspace_numel(batch_size, H, D, most), device=DEV)
     counters = decode_counters(batch_size, KV, DEV)
     name = f"decode run {batch_size}x~{mean_len} pool {pool_slots} {layout}"
     loaded = layers > 1 and seconds > 0
@@ -238,10 +242,12 @@ def bench_decode_run(
         name += f", {layers} layers under matmuls"
         matmuls = loaded_matmuls(batch_size)  # built once, shared by the variants
     for label, kwargs in DECODE_RUN_VARIANTS.items():
+        kwargs = dict(kwargs)
+        n_splits = kwargs.pop("num_kv_splits", splits)
 
-        def attend(layer, kwargs=kwargs):
+        def attend(layer, kwargs=kwargs, n_splits=n_splits):
             decode_attention_fwd(
-                q, *pool.buffers(layer), out, table, pool_idx, seq_lens, D**-0.5, splits,
+                q, *pool.buffers(layer), out, table, pool_idx, seq_lens, D**-0.5, n_splits,
                 workspace, counters, **kwargs,
             )  # fmt: skip
 
