@@ -213,7 +213,7 @@ engine_options = option_group(
         "--chunked-prefill-size",
         type=click.IntRange(min=0),
         default=None,
-        help="Prefill tokens per step (0: unlimited). Default: 4096, or 8192 for a model of 3B+ "
+        help="Prefill tokens per step (0: unlimited). Default: 4096, or 12288 for a model of 3B+ "
         "parameters on CUDA.",
     ),
     click.option("--no-radix-cache", is_flag=True, help="Disable prefix caching."),

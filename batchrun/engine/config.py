@@ -12,7 +12,7 @@ DECODE_GEMVS = ("auto", "cublas", "triton")
 
 # the defaults of max_running (None) and chunked_prefill_size ("auto"): auto_sizes
 MAX_RUNNING, MAX_RUNNING_CUDA, MAX_RUNNING_LARGE = 256, 512, 1024
-CHUNKED_PREFILL, CHUNKED_PREFILL_LARGE = 4096, 8192
+CHUNKED_PREFILL, CHUNKED_PREFILL_LARGE = 4096, 12288
 LARGE_MODEL_PARAMS = 3_000_000_000  # decoder parameters (no embeddings)
 
 
@@ -25,13 +25,16 @@ def is_large(model_cfg) -> bool:
 
 
 def auto_sizes(model_cfg, device_type: str) -> tuple[int, int]:
-    """The default (max_running, chunked_prefill_size): on CUDA (512, 4096), or (1024, 8192)
+    """The default (max_running, chunked_prefill_size): on CUDA (512, 4096), or (1024, 12288)
     for a model of LARGE_MODEL_PARAMS or more; on the CPU (256, 4096).
 
     NOTE: measured on the H200 (docs/benchmarks.md), dummy weights, bf16. Sixth session:
     llama-8b W1 read 9,888 / 10,827 / 10,942 output tok/s at max_running 256 / 512 / 1024 (W2
     11,456 / 12,009 / 12,255): its matmuls need more rows than 256 decodes to run at the tensor
     cores' rate; 8,192-token prefill chunks added 0.6 % at 512 and at 1024 (10,987 -> 11,057).
+    Seventeenth session, two machines, each chunk in its own process: W1 11,293 / 11,273 /
+    11,249 at 12,288 / 16,384 / 8,192 (call 5), 11,071 against 11,027 at 12,288 / 8,192 run in
+    the other order (call 6); W2 11,712 against 11,650 (call 6).
     llama-1b then lost W1 at 512 (44,874 -> 40,624, occupancy 0.85 -> 0.72): its steps were
     host-bound. Fifteenth session, with the host's step work since cut: llama-1b W1 read 55,597
     at 512 against 51,664 / 51,596 at 256 (occupancy 0.98 / 0.97): a decode step of 512 rows

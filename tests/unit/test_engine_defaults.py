@@ -1,5 +1,5 @@
 """The engine's automatic sizes: max_running 512 and 4,096-token prefill chunks on CUDA, 1,024
-and 8,192 for a 3B+ model there, 256 and 4,096 on the CPU (the measured reasons are in
+and 12,288 for a 3B+ model there, 256 and 4,096 on the CPU (the measured reasons are in
 batchrun/engine/config.py)."""
 
 from __future__ import annotations
