@@ -180,6 +180,14 @@ DECODE_RUN_VARIANTS = {
 }
 
 
+def slot_run(lens: torch.Tensor, layout: str) -> int:
+    """Consecutive slots a run of `layout` holds: 1 (random), the longest request (seq), N
+    (runs:N)."""
+    if layout == "seq":
+        return int(lens.max())
+    return int(layout.partition(":")[2] or 1)
+
+
 def decode_slots(lens: torch.Tensor, pool_slots: int, layout: str, gen) -> torch.Tensor:
     """The requests' KV slots, concatenated: `random` scatters every token over the pool;
     `seq` gives each request one run of slots (the runs in random order); `runs:N` runs of N
@@ -187,7 +195,7 @@ def decode_slots(lens: torch.Tensor, pool_slots: int, layout: str, gen) -> torch
     total = int(lens.sum())
     if layout == "random":
         return torch.randperm(pool_slots, generator=gen)[:total].int()
-    run = int(layout.split(":")[1]) if layout.startswith("runs:") else int(lens.max())
+    run = slot_run(lens, layout)
     num_runs = pool_slots // run
     starts = torch.randperm(num_runs, generator=gen) * run
     slots, used = [], 0
@@ -197,6 +205,25 @@ def decode_slots(lens: torch.Tensor, pool_slots: int, layout: str, gen) -> torch
         slots.append(mine)
         used += k
     return torch.cat(slots).int()
+
+
+def decode_run_kv(batch_size, mean_len, pool_slots, layers, layout="random", seed=0):
+    """Context lengths uniform in [mean_len - 128, mean_len + 128), a pool of `layers` layers of
+    noise KV (at least pool_slots slots), and the requests' slots in it by `layout`
+    (decode_slots): (lens, pool, req-to-token table on DEV)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    lens = torch.randint(mean_len - 128, mean_len + 128, (batch_size,), generator=gen)
+    # room for the runs' rounding
+    pool_slots = max(pool_slots, int(lens.sum()) + batch_size * slot_run(lens, layout))
+    pool = KVPool(layers, pool_slots, KV, D, DTYPE, DEV)
+    for layer in range(layers):
+        for buf in pool.buffers(layer):
+            buf.normal_()
+    slots = decode_slots(lens, pool_slots, layout, gen)
+    table = torch.zeros(batch_size + 1, int(lens.max()), dtype=torch.int32)
+    for b, row in enumerate(torch.split(slots, lens.tolist())):
+        table[b, : len(row)] = row
+    return lens, pool, table.to(DEV)
 
 
 def bench_decode_run(
@@ -212,20 +239,8 @@ def bench_decode_run(
     for `seconds`; the attention alone is timed by CUDA events around it. Back-to-back matmuls
     hold the H200 at its power cap (SM clocks ~1,450 MHz in W1 llama-8b, against 1,980 idle),
     which a lone kernel under do_bench never reaches."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    lens = torch.randint(mean_len - 128, mean_len + 128, (batch_size,), generator=gen)
+    lens, pool, table = decode_run_kv(batch_size, mean_len, pool_slots, layers, layout)
     total = int(lens.sum())
-    run = int(lens.max()) if layout == "seq" else int(layout.partition(":")[2] or 1)
-    pool_slots = max(pool_slots, total + batch_size * run)  # room for the runs' rounding
-    pool = KVPool(layers, pool_slots, KV, D, DTYPE, DEV)
-    for layer in range(layers):
-        for buf in pool.buffers(layer):
-            buf.normal_()
-    slots = decode_slots(lens, pool_slots, layout, gen)
-    table = torch.zeros(batch_size + 1, int(lens.max()), dtype=torch.int32)
-    for b, row in enumerate(torch.split(slots, lens.tolist())):
-        table[b, : len(row)] = row
-    table = table.to(DEV)
     seq_lens = lens.to(DEV)
     pool_idx = torch.arange(batch_size, device=DEV)
     q = torch.randn(batch_size, H, D, device=DEV, dtype=DTYPE)
@@ -236,7 +251,7 @@ def bench_decode_run(
     most = max([splits] + [v.get("num_kv_splits", 1) for v in DECODE_RUN_VARIANTS.values()])
     workspace = torch.empty(decode_workspace_numel(batch_size, H, D, most), device=DEV)
     counters = decode_counters(batch_size, KV, DEV)
-    name = f"decode run {batch_size}x~{mean_len} pool {pool_slots} {layout}"
+    name = f"decode run {batch_size}x~{mean_len} pool {pool.num_slots} {layout}"
     loaded = layers > 1 and seconds > 0
     if loaded:
         name += f", {layers} layers under matmuls"

@@ -31,17 +31,18 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "scripts"))
 
 from batchrun.kernels.decode_attention import (  # noqa: E402
     decode_attention_fwd,
     decode_counters,
     decode_workspace_numel,
 )
+from bench_attention_kernels import DEV, DTYPE, KV, D, H, decode_run_kv  # noqa: E402
 
 from batchrun.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from batchrun.engine.kv_pool import KVPool  # noqa: E402
 
-HIDDEN, INTER, H, KV, D, DTYPE, DEV = 4096, 14336, 32, 8, 128, torch.bfloat16, "cuda"
+HIDDEN, INTER = 4096, 14336  # llama-8b's (H, KV, D: bench_attention_kernels's, llama-8b's too)
 QKV = (H + 2 * KV) * D
 
 
@@ -51,19 +52,9 @@ class Decode:
     larger than the L2)."""
 
     def __init__(self, batch: int, mean_len: int, kv_layers: int, seed: int):
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        lens = torch.randint(mean_len - 128, mean_len + 128, (batch,), generator=gen)
-        total = int(lens.sum())
         self.kv_layers = kv_layers
-        self.pool = KVPool(kv_layers, total, KV, D, DTYPE, DEV)
-        for layer in range(kv_layers):
-            for buf in self.pool.buffers(layer):
-                buf.normal_()
-        slots = torch.randperm(total, generator=gen).int()
-        table = torch.zeros(batch + 1, int(lens.max()), dtype=torch.int32)
-        for b, row in enumerate(torch.split(slots, lens.tolist())):
-            table[b, : len(row)] = row
-        self.table, self.seq_lens = table.to(DEV), lens.to(DEV)
+        lens, self.pool, self.table = decode_run_kv(batch, mean_len, 0, kv_layers, seed=seed)
+        self.seq_lens = lens.to(DEV)
         self.rows = torch.arange(batch, device=DEV)
         self.q = torch.randn(batch, H, D, device=DEV, dtype=DTYPE)
         self.out = torch.empty_like(self.q)
