@@ -7,9 +7,11 @@ prefill chunk + the batch), which says whether spreading prefill tokens over mor
 --sustain SECONDS times a whole forward's matmuls instead (every layer on its own weights, as
 in a step), for that long a variant, the variants in turn over --rounds: how the step's M rows
 go through cuBLAS, whole (`full`), in chunks of R rows (`chunk:R`), through cuBLASLt (`lt`),
-or as the transposed product (`swap`: w @ x^T). A per-call figure can flatter a shape: a short
-loop runs at clocks that a forward's sustained matmuls do not keep (the H200 holds its 700 W
-cap at ~1,450 MHz through W1 llama-8b).
+or as the transposed product (`swap`: w @ x^T); `uniform` runs `full` on weights drawn from
+U(-1e-3, 1e-3) (vLLM's and SGLang's dummy weights; the others' are normal(0, 0.02)) and
+`uniform-x` also scales the inputs by 1e-3 (a norm whose weights are drawn so). A per-call
+figure can flatter a shape: a short loop runs at clocks that a forward's sustained matmuls do
+not keep (the H200 holds its 700 W cap at ~1,450 MHz through W1 llama-8b).
 
     python scripts/bench_gemm_shapes.py --model llama-8b --rows 9216,1008 --sustain 3 \
         --variants full,chunk:1024,chunk:2048,chunk:4608,lt
@@ -48,6 +50,9 @@ def time_linear(m: int, n: int, k: int, dtype, iters: int) -> float:
     return cycled_time_us(lambda w: torch.nn.functional.linear(x, w), ws, iters, runs=3) / 1e6
 
 
+DATA_VARIANTS = ("uniform", "uniform-x")  # `full` on other values (see the docstring)
+
+
 def run_variant(variant: str, xs: dict, layers: list, outs: dict) -> None:
     """One forward's matmuls: every layer's four weights against the rows of xs[name].
     `swap` computes the transposed product w @ x^T ([N, M]), which cuBLAS sees as a problem of
@@ -78,18 +83,26 @@ def sustained(cfg: dict, m: int, variants: list[str], seconds: float, rounds: in
     outs = {name: torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             for name, (n, _) in mats.items()}  # fmt: skip
     flops = n_layers * sum(2.0 * m * n * k for n, k in mats.values())
+    data = {}  # variant -> (xs, layers) on other values, drawn once
+    if any(v in DATA_VARIANTS for v in variants):
+        u_layers = [{name: torch.empty_like(w).uniform_(-1e-3, 1e-3) for name, w in layer.items()}
+                    for layer in layers]  # fmt: skip
+        data["uniform"] = (xs, u_layers)
+        data["uniform-x"] = ({name: x * 1e-3 for name, x in xs.items()}, u_layers)
     lib = torch.backends.cuda.preferred_blas_library()
     figures: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(rounds):
         for v in variants:
             torch.backends.cuda.preferred_blas_library("cublaslt" if v == "lt" else lib)
-            run_variant(v, xs, layers, outs)  # warm-up (heuristics, workspace)
+            v_xs, v_layers = data.get(v, (xs, layers))
+            how = "full" if v in DATA_VARIANTS else v
+            run_variant(how, v_xs, v_layers, outs)  # warm-up (heuristics, workspace)
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             steps, t0 = 0, time.perf_counter()
             start.record()
             while time.perf_counter() - t0 < seconds:
-                run_variant(v, xs, layers, outs)
+                run_variant(how, v_xs, v_layers, outs)
                 steps += 1
                 if steps % 4 == 0:
                     torch.cuda.synchronize()  # keep the host within a few forwards

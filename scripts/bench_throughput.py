@@ -64,7 +64,12 @@ from batchrun.attention.triton_backend import (  # noqa: E402
 from batchrun.engine.cuda_graph import GRAPH_INPUTS_ENV  # noqa: E402
 from batchrun.engine.kv_pool import ROTARY_STORE_ENV  # noqa: E402
 from batchrun.engine.sampler import ARGMAX_MAX_ROWS_ENV  # noqa: E402
-from batchrun.models.layers import GEMV_ENV, GEMV_NORM_ENV, GEMV_SWIGLU_ENV  # noqa: E402
+from batchrun.models.layers import (  # noqa: E402
+    DUMMY_INIT_ENV,
+    GEMV_ENV,
+    GEMV_NORM_ENV,
+    GEMV_SWIGLU_ENV,
+)
 
 VARIANTS = (
     "batchrun",
@@ -94,6 +99,7 @@ VARIANTS = (
     "torch-argmax",
     "decode-rows-first",
     "decode-evict-first",
+    "dummy-uniform",
     "no-piecewise",
     "piecewise",
     "hf",
@@ -129,6 +135,8 @@ VARIANT_ENV = {
     # 2026-12-01); its KV loads evicting first
     "decode-rows-first": {DECODE_GRID_ENV: "rows"},
     "decode-evict-first": {DECODE_EVICT_ENV: "evict_first"},
+    # every weight U(-1e-3, 1e-3), as vLLM's and SGLang's dummy loaders draw them (models/layers.py)
+    "dummy-uniform": {DUMMY_INIT_ENV: "uniform"},
     # the flashinfer backend with its prefill wrapper on FlashAttention-3 kernels
     "flashinfer-fa3": {PREFILL_KERNELS_ENV: "fa3"},
 }

@@ -241,18 +241,42 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
-def init_dummy_(module: nn.Module, seed: int = 0, std: float = 0.02, shards=None) -> None:
-    """Random weights for benchmarks (`load_format="dummy"`): normal(0, std), norms at 1.
+# NOTE: "uniform" draws every floating parameter (the norms too) from U(-1e-3, 1e-3), as the
+# dummy loaders of vLLM and SGLang do, the engines BENCH.md's targets were measured with; the
+# default ("normal") draws normal(0, 0.02) with the norms at 1. At the H200's power cap the
+# matmuls' speed can depend on the values they multiply, so the two may read differently.
+DUMMY_INIT_ENV = "BATCHRUN_DUMMY_INIT"
+DUMMY_INITS = ("normal", "uniform")
+UNIFORM_DUMMY_BOUND = 1e-3
+
+
+def dummy_init_kind(kind: str | None = None) -> str:
+    """`kind`, else BATCHRUN_DUMMY_INIT, else "normal"; an unknown name raises with the choices."""
+    kind = kind or os.environ.get(DUMMY_INIT_ENV) or "normal"
+    if kind not in DUMMY_INITS:
+        raise ValueError(
+            f"dummy init {kind!r} (from {DUMMY_INIT_ENV}?) is not one of {', '.join(DUMMY_INITS)}"
+        )
+    return kind
+
+
+def init_dummy_(
+    module: nn.Module, seed: int = 0, std: float = 0.02, shards=None, kind: str | None = None
+) -> None:
+    """Random weights for benchmarks (`load_format="dummy"`): normal(0, std), norms at 1; or,
+    with kind "uniform" (see DUMMY_INIT_ENV), every parameter U(-1e-3, 1e-3).
 
     `shards` (name -> ShardSpec, from a tensor-parallel model's `param_shards()`): such a
     parameter holds a slice of a full tensor; the full tensor is drawn as at TP=1 and sliced, so
     every TP size gets the same logical weights.
     """
+    uniform = dummy_init_kind(kind) == "uniform"
+    bound = UNIFORM_DUMMY_BOUND
     shards = shards or {}
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") and not uniform:
                 p.fill_(1.0)
                 continue
             spec = shards.get(name)
@@ -260,17 +284,22 @@ def init_dummy_(module: nn.Module, seed: int = 0, std: float = 0.02, shards=None
             if spec is not None:
                 shape[spec.dim] = spec.full_size
             if p.device.type == "cpu":
-                full = torch.randn(shape, generator=gen, dtype=torch.float32) * std
+                if uniform:
+                    full = torch.rand(shape, generator=gen, dtype=torch.float32) * 2 * bound - bound
+                else:
+                    full = torch.randn(shape, generator=gen, dtype=torch.float32) * std
             else:
                 # NOTE: generate on the device: an 8B model is too slow to make on the host.
                 dev_gen = torch.Generator(device=p.device).manual_seed(
                     seed + zlib.crc32(name.encode())
                 )
+                full = p if spec is None else torch.empty(shape, dtype=p.dtype, device=p.device)
+                if uniform:
+                    full.uniform_(-bound, bound, generator=dev_gen)
+                else:
+                    full.normal_(0.0, std, generator=dev_gen)
                 if spec is None:
-                    p.normal_(0.0, std, generator=dev_gen)
                     continue
-                full = torch.empty(shape, dtype=p.dtype, device=p.device)
-                full.normal_(0.0, std, generator=dev_gen)
             if spec is None:
                 p.copy_(full)
                 continue

@@ -239,6 +239,24 @@ def test_dummy_load_format_needs_only_config_json(model_dir):
     assert torch.equal(again, logits)
 
 
+def test_dummy_uniform_draws_every_weight_as_the_engines_do(model_dir, monkeypatch):
+    """BATCHRUN_DUMMY_INIT=uniform: every parameter, the norms too, in U(-1e-3, 1e-3) (vLLM's
+    and SGLang's dummy loaders); an unknown name fails at start-up with the choices."""
+    from batchrun.models.layers import DUMMY_INIT_ENV, UNIFORM_DUMMY_BOUND
+
+    monkeypatch.setenv(DUMMY_INIT_ENV, "uniform")
+    eng = engine(model_dir, load_format="dummy")
+    params = dict(eng.runner.model.named_parameters())
+    for name, p in params.items():
+        assert p.abs().max() <= UNIFORM_DUMMY_BOUND, name
+        assert p.std() > UNIFORM_DUMMY_BOUND / 4, name  # drawn, not left at 0 or 1
+    assert any(name.endswith("norm.weight") for name in params)
+    assert torch.isfinite(eng.score(list(range(3, 40)))).all()
+    monkeypatch.setenv(DUMMY_INIT_ENV, "zeros")
+    with pytest.raises(ValueError, match="normal, uniform"):
+        engine(model_dir, load_format="dummy")
+
+
 def test_model_config_reads_transformers_5_rope_parameters(tmp_path):
     raw = json.loads(json.dumps(dict(
         architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
