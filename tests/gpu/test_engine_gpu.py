@@ -167,3 +167,25 @@ def test_matches_hf_on_cuda(model_dir):
             pad_token_id=0,
         )
         assert ours[req.rid] == out[0, ids.shape[1] :].tolist(), req.rid
+
+
+@pytest.mark.parametrize("kind", ["normal", "uniform"])
+def test_dummy_weights_drawn_on_the_device(model_dir, monkeypatch, kind):
+    """load_format="dummy" draws on the GPU: normal(0, 0.02) with the norms at 1, or with
+    BATCHRUN_DUMMY_INIT=uniform every parameter in U(-1e-3, 1e-3); seeded, so equal twice."""
+    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.engine import Engine
+    from batchrun.models.layers import DUMMY_INIT_ENV, UNIFORM_DUMMY_BOUND
+
+    monkeypatch.setenv(DUMMY_INIT_ENV, kind)
+    cfg = EngineConfig(model=model_dir, device="cuda", load_format="dummy", kv_budget=2000)
+    first = {n: p.detach().clone() for n, p in Engine(cfg).runner.model.named_parameters()}
+    again = dict(Engine(cfg).runner.model.named_parameters())
+    for name, p in first.items():
+        assert p.is_cuda and torch.equal(p, again[name]), name
+        if kind == "uniform":
+            assert p.abs().max() <= UNIFORM_DUMMY_BOUND and p.float().std() > 2e-4, name
+        elif name.endswith("norm.weight"):
+            assert bool((p == 1).all()), name
+        else:
+            assert 0.015 < p.float().std() < 0.025, name
