@@ -242,9 +242,10 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 # NOTE: "uniform" draws every floating parameter (the norms too) from U(-1e-3, 1e-3), as the
-# dummy loaders of vLLM and SGLang do, the engines BENCH.md's targets were measured with; the
-# default ("normal") draws normal(0, 0.02) with the norms at 1. At the H200's power cap the
-# matmuls' speed can depend on the values they multiply, so the two may read differently.
+# dummy loaders of vLLM and SGLang do, for figures comparable with theirs; the default
+# ("normal") draws normal(0, 0.02) with the norms at 1, nearer a real checkpoint's spread. At
+# the H200's power cap the matmuls' speed depends a little on the values they multiply: W1
+# llama-8b read 0.3-0.6 % higher with "uniform" (docs/benchmarks.md, eighteenth session).
 DUMMY_INIT_ENV = "BATCHRUN_DUMMY_INIT"
 DUMMY_INITS = ("normal", "uniform")
 UNIFORM_DUMMY_BOUND = 1e-3

@@ -239,7 +239,7 @@ def test_dummy_load_format_needs_only_config_json(model_dir):
     assert torch.equal(again, logits)
 
 
-def test_dummy_uniform_draws_every_weight_as_the_engines_do(model_dir, monkeypatch):
+def test_dummy_uniform_draws_every_weight_as_vllm_and_sglang_do(model_dir, monkeypatch):
     """BATCHRUN_DUMMY_INIT=uniform: every parameter, the norms too, in U(-1e-3, 1e-3) (vLLM's
     and SGLang's dummy loaders); an unknown name fails at start-up with the choices."""
     from batchrun.models.layers import DUMMY_INIT_ENV, UNIFORM_DUMMY_BOUND
