@@ -251,9 +251,9 @@ DUMMY_INITS = ("normal", "uniform")
 UNIFORM_DUMMY_BOUND = 1e-3
 
 
-def dummy_init_kind(kind: str | None = None) -> str:
-    """`kind`, else BATCHRUN_DUMMY_INIT, else "normal"; an unknown name raises with the choices."""
-    kind = kind or os.environ.get(DUMMY_INIT_ENV) or "normal"
+def dummy_init_kind() -> str:
+    """BATCHRUN_DUMMY_INIT, else "normal"; an unknown name raises with the choices."""
+    kind = os.environ.get(DUMMY_INIT_ENV) or "normal"
     if kind not in DUMMY_INITS:
         raise ValueError(
             f"dummy init {kind!r} (from {DUMMY_INIT_ENV}?) is not one of {', '.join(DUMMY_INITS)}"
@@ -261,17 +261,15 @@ def dummy_init_kind(kind: str | None = None) -> str:
     return kind
 
 
-def init_dummy_(
-    module: nn.Module, seed: int = 0, std: float = 0.02, shards=None, kind: str | None = None
-) -> None:
+def init_dummy_(module: nn.Module, seed: int = 0, std: float = 0.02, shards=None) -> None:
     """Random weights for benchmarks (`load_format="dummy"`): normal(0, std), norms at 1; or,
-    with kind "uniform" (see DUMMY_INIT_ENV), every parameter U(-1e-3, 1e-3).
+    with BATCHRUN_DUMMY_INIT=uniform (see DUMMY_INIT_ENV), every parameter U(-1e-3, 1e-3).
 
     `shards` (name -> ShardSpec, from a tensor-parallel model's `param_shards()`): such a
     parameter holds a slice of a full tensor; the full tensor is drawn as at TP=1 and sliced, so
     every TP size gets the same logical weights.
     """
-    uniform = dummy_init_kind(kind) == "uniform"
+    uniform = dummy_init_kind() == "uniform"
     bound = UNIFORM_DUMMY_BOUND
     shards = shards or {}
     gen = torch.Generator(device="cpu").manual_seed(seed)
