@@ -1,4 +1,4 @@
-"""Errors that end a run; each carries the CLI exit code (batchrun/cli.py's table)."""
+"""Errors that end a run; each carries the CLI exit code (batchrun/cli/main.py's table)."""
 
 from __future__ import annotations
 
@@ -15,3 +15,7 @@ class InputError(RunError):
 
 class ModelError(RunError):
     exit_code = 4
+
+
+class ModelConfigError(ValueError):
+    """A config.json batchrun cannot run; the message says what is supported."""

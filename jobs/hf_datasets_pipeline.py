@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-budget", type=int, default=None, help="KV pool size in tokens")
     args = p.parse_args(argv)
 
-    from batchrun.datasets_api import generate_dataset
-    from batchrun.engine.params import SamplingParams
+    from batchrun.job.datasets_api import generate_dataset
+    from batchrun.params import SamplingParams
 
     ds = load(args.source, args.split)
     if args.limit is not None:

@@ -42,6 +42,8 @@ def _silu_and_mul_kernel(
 def silu_and_mul(
     x: torch.Tensor,  # [T, 2 * I], unit stride along the last dim
     out: torch.Tensor | None = None,  # [T, I] of x's dtype; None: a new tensor
+    *,
+    pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ) -> torch.Tensor:
     num_tokens, two_inter = x.shape
     assert two_inter % 2 == 0 and x.stride(1) == 1
@@ -53,9 +55,9 @@ def silu_and_mul(
         return out
     block = min(DEFAULT_BLOCK, triton.next_power_of_2(inter_size))
     grid = (num_tokens, triton.cdiv(inter_size, block))
-    pdl = pdl_launch_kwargs(x)
+    launch = pdl_launch_kwargs(pdl, x)
     _silu_and_mul_kernel[grid](
         x, out, x.stride(0), out.stride(0), inter_size, BLOCK=block, num_warps=4,
-        **pdl,
+        **launch,
     )  # fmt: skip
     return out

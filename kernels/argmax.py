@@ -57,9 +57,9 @@ def _argmax_rows_kernel(Vals, Idx, Out, num_chunks, BLOCK: tl.constexpr, PDL: tl
     tl.store(Out + row, tl.load(Idx + row * num_chunks + pick).to(tl.int64))
 
 
-def argmax(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+def argmax(logits: torch.Tensor, chunk: int = CHUNK, *, pdl: bool = False) -> torch.Tensor:
     """Each row's argmax, [S] int64 (the lowest id among equal maxima); `chunk` ids a program
-    (a power of two)."""
+    (a power of two). pdl: launched with programmatic dependent launch (kernels/pdl.py)."""
     num_rows, vocab_size = logits.shape
     assert logits.stride(-1) == 1
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
@@ -68,13 +68,13 @@ def argmax(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     num_chunks = triton.cdiv(vocab_size, chunk)
     vals = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=logits.device)
     idx = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=logits.device)
-    pdl = pdl_launch_kwargs(logits)
+    launch = pdl_launch_kwargs(pdl, logits)
     _argmax_chunks_kernel[(num_rows, num_chunks)](
         logits, vals, idx, logits.stride(0), vocab_size, num_chunks, CHUNK_SIZE=chunk,
-        num_warps=4, **pdl,
+        num_warps=4, **launch,
     )  # fmt: skip
     _argmax_rows_kernel[(num_rows,)](
         vals, idx, out, num_chunks, BLOCK=triton.next_power_of_2(num_chunks),
-        num_warps=1, **pdl,
+        num_warps=1, **launch,
     )  # fmt: skip
     return out

@@ -1,7 +1,8 @@
 """Flash-decoding over the token-indexed paged KV: one query token per request, split KV.
 
     stage 1, grid (num_kv_heads, B, num_kv_splits): a request's KV heads in adjacent programs,
-        which then read its tokens' whole KV rows together (heads_first=False: (B, KV, S))
+        which then read its tokens' whole KV rows together (2 KiB a token on llama-8b, not
+        256-byte pieces of many requests)
         split s of request b covers KV positions [s * split_len, min((s + 1) * split_len, seq_len))
         with split_len = ceil(seq_len / num_kv_splits) rounded up to BLOCK_N, computed on the
         device from seq_lens. The program reads that range once for all H / KV query heads of its
@@ -9,20 +10,18 @@
         An empty split writes acc = 0, lse = -1e30: weight 0 next to any non-empty split.
     combine (stage 2), per query head
         out = sum_s 2^(lse_s - max) * acc_s / sum_s 2^(lse_s - max)
-    With one split, stage 1 writes acc / l to out itself and there is no combine: for a large
-    batch (no split) stage 2 was a copy of every output, 1.7 % of a llama-8b decode step at
-    batch 256 (profile_decode.py, sixth session).
+    With one split, stage 1 writes acc / l to out itself and there is no combine (for a large
+    batch, with no split, a combine would copy every output: 1.7 % of a llama-8b decode step at
+    batch 256, `scripts/profile_decode.py --model llama-8b --batch 256`).
 
-The combine is folded into stage 1 (default): every split program, after its partial stores,
-passes a CTA barrier and adds 1 to its (b, kv head) counter (acq_rel, GPU scope); the program
-that sees num_kv_splits - 1 is the last, combines the KV_GROUP heads of its KV head and resets
-the counter to 0. Why: at batch 1 the second small kernel cost ~1.5-2 us a layer on the H200.
+The combine runs inside stage 1: every split program, after its partial stores, passes a CTA
+barrier and adds 1 to its (b, kv head) counter (acq_rel, GPU scope); the program that sees
+num_kv_splits - 1 is the last, combines the KV_GROUP heads of its KV head and resets the counter
+to 0. Why: at batch 1 a second small kernel costs ~1.5-2 µs a layer on the H200.
 NOTE: the last program reads every split back from memory, its own included, and sums them in
 a fixed order, so the result does not depend on which split finished last. It loads all its
-heads' partials at once ([KV_GROUP, splits, D]); the separate stage 2 kernel combines one head a
-program (`_combine_head`), so the two may round the fp32 sums differently (within an ulp of the
-output). `fold_stage2=False` launches stage 2 as its own kernel, grid (B, H), to benchmark one
-against the other.
+heads' partials at once ([KV_GROUP, splits, D]) before any reduction: head by head, each head's
+loads would wait behind the reductions of the head before, an L2 round trip a head.
 
 With `rope=DecodeRope(...)`, q and the new tokens' k come unrotated (straight from the qkv
 matmul): every split program rotates its q heads and the new k in registers (the bits of
@@ -119,16 +118,15 @@ def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION: 
 
 
 @triton.jit
-def _kv_block(r2t, k_head, v_head, offs_n, load_mask, mask_d, stride_kt, stride_vt, offs_d,
-              EVICT: tl.constexpr):  # fmt: skip
+def _kv_block(r2t, k_head, v_head, offs_n, load_mask, mask_d, stride_kt, stride_vt, offs_d):
     """K and V [BLOCK_N, BLOCK_D] at positions offs_n of the request (zeros where not load_mask)."""
     # int64: slot * stride overflows int32 on large pools
     slots = tl.load(r2t + offs_n, mask=load_mask, other=0).to(tl.int64)
     kv_mask = load_mask[:, None] & mask_d[None, :]
     k_ptr = k_head + slots[:, None] * stride_kt + offs_d[None, :]
     v_ptr = v_head + slots[:, None] * stride_vt + offs_d[None, :]
-    k = tl.load(k_ptr, mask=kv_mask, other=0.0, eviction_policy=EVICT)
-    v = tl.load(v_ptr, mask=kv_mask, other=0.0, eviction_policy=EVICT)
+    k = tl.load(k_ptr, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr, mask=kv_mask, other=0.0)
     return k, v
 
 
@@ -183,17 +181,11 @@ def _decode_stage1_kernel(
     ROTARY: tl.constexpr,  # q and the new k raw: rotate them here, store the new k and v
     HALF: tl.constexpr,
     EXACT_MUL: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,  # grid (KV, B, S): a request's KV heads in adjacent programs
-    EVICT: tl.constexpr,  # the KV loads' L2 eviction policy ("" for the default)
 ):
     if not ROTARY:
         pdl_wait(PDL)  # every input is an earlier kernel's output
-    if HEADS_FIRST:
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
     split = tl.program_id(2)
 
     row = tl.load(ReqPoolIndices + b).to(tl.int64)
@@ -224,7 +216,7 @@ def _decode_stage1_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n & (offs_n != newest), mask_d,
-                         stride_kt, stride_vt, offs_d, EVICT)  # fmt: skip
+                         stride_kt, stride_vt, offs_d)  # fmt: skip
         # NOTE: the position, its cos / sin row and the new token's slot before the wait too:
         # the step's inputs (written at the step's start) and constant tables, so the two
         # dependent loads (position, then its row) leave the chain after the wait
@@ -262,7 +254,7 @@ def _decode_stage1_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n & (offs_n != newest), mask_d,
-                             stride_kt, stride_vt, offs_d, EVICT)  # fmt: skip
+                             stride_kt, stride_vt, offs_d)  # fmt: skip
             is_new = (offs_n == newest)[:, None]
             k, v = tl.where(is_new, k_new, k), tl.where(is_new, v_new, v)
             m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
@@ -277,7 +269,7 @@ def _decode_stage1_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n, mask_d, stride_kt, stride_vt,
-                             offs_d, EVICT)  # fmt: skip
+                             offs_d)  # fmt: skip
             m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
                                           DOT_PRECISION)  # fmt: skip
 
@@ -329,10 +321,7 @@ def _combine_if_last(
     counter = Counters + b * (NUM_HEADS // KV_GROUP) + kvh
     done_before = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if done_before == num_kv_splits - 1:
-        # NOTE: every head's partials in one load, before any reduction: loaded head by head
-        # (`_combine_head` each), a head's loads waited behind the reductions (bar.sync) of the
-        # head before, an L2 round trip a head: the last program's combine took ~4 µs of a
-        # llama-8b layer's 11 µs of attention (globaltimer probes, H200, fourteenth session)
+        # NOTE: every head's partials in one load, before any reduction (the module docstring)
         offs_g = tl.arange(0, BLOCK_G)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
@@ -363,59 +352,6 @@ def _combine_if_last(
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit
-def _combine_head(
-    PartialOut,
-    PartialLse,
-    part0,
-    num_kv_splits,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """One query head's output, fp32 [BLOCK_D], from its partials at part0, part0 + 1, ..."""
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < num_kv_splits
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    part = part0 + offs_s  # [BLOCK_S]
-    # NOTE: .cg (L2, not L1), as the folded combine reads them: it costs nothing here (each
-    # value is read once)
-    lse = tl.load(PartialLse + part, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 always exists, so the max is finite
-    acc = tl.load(
-        PartialOut + part[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=mask_s[:, None] & mask_d[None, :],
-        other=0.0,
-        cache_modifier=".cg",
-    )
-    return tl.sum(weight[:, None] * acc, 0) / tl.sum(weight, 0)
-
-
-@triton.jit(do_not_specialize=["num_kv_splits"])
-def _decode_stage2_kernel(
-    PartialOut,
-    PartialLse,
-    Out,
-    stride_ob,
-    stride_oh,
-    num_kv_splits,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl_wait(PDL)  # every input is an earlier kernel's output
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    part0 = (b * NUM_HEADS + h) * num_kv_splits
-    out = _combine_head(PartialOut, PartialLse, part0, num_kv_splits, HEAD_DIM, BLOCK_S, BLOCK_D)
-    offs_d = tl.arange(0, BLOCK_D)
-    out_ptr = Out + b * stride_ob + h * stride_oh + offs_d
-    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
-
-
 def decode_workspace_numel(batch_size: int, num_heads: int, head_dim: int, num_kv_splits: int):
     """fp32 elements the workspace needs for one call."""
     return batch_size * num_heads * num_kv_splits * (head_dim + 1)
@@ -440,13 +376,11 @@ def decode_attention_fwd(
     workspace: torch.Tensor,  # fp32, >= decode_workspace_numel(B, H, D, num_kv_splits)
     counters: torch.Tensor,  # int32, zeros, >= B * num_kv_heads (decode_counters), left zero
     *,
-    fold_stage2: bool = True,  # False: the combine as a second kernel (to benchmark against)
     rope: DecodeRope | None = None,  # q (and rope.k) before rotary: rotate and store here
-    block_n: int | None = None,
+    pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
+    block_n: int | None = None,  # tile configs for scripts/bench_attention_kernels.py's sweep
     num_warps: int | None = None,
     num_stages: int | None = None,
-    heads_first: bool = True,  # grid (KV, B, S); False: (B, KV, S)
-    evict: str = "",  # the KV loads' eviction_policy: "", "evict_first" or "evict_last"
 ) -> None:
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -465,7 +399,7 @@ def decode_attention_fwd(
     partial_lse = workspace[split_size * head_dim : numel]
     block_d = triton.next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    folded = fold_stage2 and num_kv_splits > 1
+    folded = num_kv_splits > 1
     if rope is not None:
         assert rope.k.shape == rope.v.shape == (batch_size, num_kv_heads, head_dim)
         assert rope.k.stride(2) == 1 and rope.v.stride(2) == 1 and head_dim % 2 == 0
@@ -475,9 +409,8 @@ def decode_attention_fwd(
     # NOTE: without rope, its tensors' slots get stand-ins that the ROTARY constexpr prunes
     r = rope or DecodeRope(q, q, seq_lens, seq_lens, workspace[None, :], workspace[None, :])
 
-    pdl = pdl_launch_kwargs(q)
-    grid = (num_kv_heads, batch_size) if heads_first else (batch_size, num_kv_heads)
-    _decode_stage1_kernel[(*grid, num_kv_splits)](
+    launch = pdl_launch_kwargs(pdl, q)
+    _decode_stage1_kernel[(num_kv_heads, batch_size, num_kv_splits)](
         q,
         k_buf,
         v_buf,
@@ -509,15 +442,13 @@ def decode_attention_fwd(
         DIRECT=num_kv_splits == 1,
         FOLDED=folded,
         # NOTE: one folded variant for every split count up to FOLD_BLOCK_S: mixed steps decode
-        # batches of any size eagerly, so a variant per power of two would compile mid-run. With
-        # one per power of two, W1 llama-1b read 33,217 tok/s against 47,219 with the combine
-        # apart (H200, ninth session, call 4; the run took 4.6 s longer, as one-off stalls
-        # would); with this one, 48,948 against 47,193 (call 5)
+        # batches of any size eagerly, so a variant per power of two would compile mid-run
+        # (W1 llama-1b then reads ~30 % lower on the H200, as one-off compile stalls would)
         BLOCK_S=max(FOLD_BLOCK_S, triton.next_power_of_2(num_kv_splits)) if folded else 1,
         BLOCK_G=triton.next_power_of_2(kv_group),
         num_warps=num_warps or DEFAULT_NUM_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
-        **pdl,
+        **launch,
         KNew=r.k,
         VNew=r.v,
         Loc=r.loc,
@@ -533,22 +464,4 @@ def decode_attention_fwd(
         ROTARY=rope is not None,
         HALF=head_dim // 2,
         EXACT_MUL=q.is_cuda,
-        HEADS_FIRST=heads_first,
-        EVICT=evict,
-    )
-    if num_kv_splits == 1 or folded:
-        return
-    _decode_stage2_kernel[(batch_size, num_heads)](
-        partial_out,
-        partial_lse,
-        out,
-        out.stride(0),
-        out.stride(1),
-        num_kv_splits,
-        NUM_HEADS=num_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_S=triton.next_power_of_2(num_kv_splits),
-        BLOCK_D=block_d,
-        num_warps=4,
-        **pdl,
     )

@@ -84,6 +84,8 @@ def rms_norm(
     weight: torch.Tensor,  # [N]
     eps: float,
     out: torch.Tensor | None = None,  # [T, N] of x's dtype; None: a new tensor
+    *,
+    pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ) -> torch.Tensor:
     num_rows, n_cols = x.shape
     assert x.stride(1) == 1 and weight.shape == (n_cols,) and weight.is_contiguous()
@@ -94,10 +96,10 @@ def rms_norm(
     if num_rows == 0:
         return out
     block, num_warps = _launch_config(n_cols)
-    pdl = pdl_launch_kwargs(x)
+    launch = pdl_launch_kwargs(pdl, x)
     _rms_norm_kernel[(num_rows,)](
         x, weight, out, x.stride(0), out.stride(0), n_cols, eps, BLOCK=block,
-        num_warps=num_warps, **pdl,
+        num_warps=num_warps, **launch,
     )  # fmt: skip
     return out
 
@@ -107,6 +109,8 @@ def fused_add_rms_norm(
     residual: torch.Tensor,  # [T, N], same dtype; overwritten with residual + x
     weight: torch.Tensor,  # [N]
     eps: float,
+    *,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: residual += x; x = rms_norm(residual) * weight. Returns (x, residual)."""
     num_rows, n_cols = x.shape
@@ -116,7 +120,7 @@ def fused_add_rms_norm(
     if num_rows == 0:
         return x, residual
     block, num_warps = _launch_config(n_cols)
-    pdl = pdl_launch_kwargs(x)
+    launch = pdl_launch_kwargs(pdl, x)
     _fused_add_rms_norm_kernel[(num_rows,)](
         x,
         residual,
@@ -127,6 +131,6 @@ def fused_add_rms_norm(
         eps,
         BLOCK=block,
         num_warps=num_warps,
-        **pdl,
+        **launch,
     )
     return x, residual

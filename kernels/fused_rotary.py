@@ -153,6 +153,8 @@ def apply_rotary_(
     positions: torch.Tensor,  # [T] int64
     cos_cache: torch.Tensor,  # [P, D] fp32
     sin_cache: torch.Tensor,  # [P, D] fp32
+    *,
+    pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
@@ -162,7 +164,7 @@ def apply_rotary_(
     check_cos_sin(cos_cache, sin_cache, head_dim)
     if num_tokens == 0:
         return
-    pdl = pdl_launch_kwargs(q)
+    launch = pdl_launch_kwargs(pdl, q)
     _rotary_kernel[(num_tokens,)](
         q,
         k,
@@ -178,5 +180,5 @@ def apply_rotary_(
         num_q_heads,
         num_k_heads,
         **rotary_launch_options(num_q_heads, num_k_heads, head_dim),
-        **pdl,
+        **launch,
     )

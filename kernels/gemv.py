@@ -1,18 +1,18 @@
 """Skinny matmul for decode: y[M, N] = x[M, K] @ w[N, K]^T for M <= 16 (F.linear without bias),
 optionally with the SwiGLU gate as its epilogue (gate_up -> silu(gate) * up in one kernel).
 
-At batch 1 a decode step is GEMVs: on the H200, llama-1b's 64 cuBLAS GEMVs per step took 773 µs
-for 1.95 GB of weights (2.5 TB/s, 59 % of the copy ceiling), llama-8b's 4.0 TB/s (94 %). The
-small matrices of a 1b model (2048 x 2048, 2048 x 512) leave cuBLAS few blocks in flight. This
-kernel streams w in [BLOCK_N, BLOCK_K] tiles: a program owns BLOCK_N output columns and, with
-SPLIT_K > 1, one K-slice of them, so small N still fills the GPU.
+At batch 1 a decode step is GEMVs: on the H200, llama-1b's 64 cuBLAS GEMVs per step read 1.95 GB
+of weights at 2.5 TB/s (59 % of the copy ceiling), llama-8b's at 4.0 TB/s (94 %;
+`scripts/bench_gemv.py`). The small matrices of a 1b model (2048 x 2048, 2048 x 512) leave cuBLAS
+few blocks in flight. This kernel streams w in [BLOCK_N, BLOCK_K] tiles: a program owns BLOCK_N
+output columns and, with SPLIT_K > 1, one K-slice of them, so small N still fills the GPU.
 
 Split-K reduces inside the kernel, deterministically: each slice stores its fp32 partial sums to
 its own plane of a [SPLIT_K, M, N] workspace, then bumps its column tile's counter; the slice
 that finds the counter at SPLIT_K - 1 is the last to finish, and sums every plane in slice order
 (so the result does not depend on which slice finished last: greedy tokens are the same from run
 to run), writes y and resets the counter to 0 for the next call. No second kernel: a torch sum of
-the planes cost two more launches a matmul and broke the PDL chain (kernels/pdl.py).
+the planes would cost two more launches a matmul and break the PDL chain (kernels/pdl.py).
 
     y = gemv(x, w)                          # a config from pick_config(M, N, K)
     y = gemv(x, w, config=GemvConfig(...))  # scripts/bench_gemv.py sweeps these on the device
@@ -23,7 +23,8 @@ the planes cost two more launches a matmul and broke the PDL chain (kernels/pdl.
 gemv_residual adds the residual in the epilogue and, for one row, normalizes it in the column
 tile that finishes last (a second counter, past the split counters, the same release / acquire):
 a decoder layer's residual add and the RMSNorm after it cost no kernel of their own (llama-1b
-W3 on the H200: 1.00 against 1.03-1.04 ms per token; docs/benchmarks.md, tenth session).
+W3 on the H200: 1.00 against 1.03-1.04 ms per token; `scripts/bench_throughput.py --workloads
+W3 --variants batchrun,no-norm-fusion`).
 
 With swiglu, w is [2I, K] (gate rows, then up rows, as the fused gate_up projection) and a
 program owns BLOCK_N columns of both halves; gate and up are rounded to the activation dtype
@@ -40,7 +41,6 @@ capturing a CUDA graph (it allocates them).
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -55,11 +55,6 @@ NUM_COUNTERS = 32768
 # the index of gemv_residual's row counter (its in-kernel norm), past the split counters
 ROW_COUNTER = tl.constexpr(NUM_COUNTERS)
 SMEM_FOR_W = 160 << 10
-# NOTE: each program loads its first two weight tiles before the PDL wait: W3 on the H200 read
-# llama-8b 4.30 / 4.30 ms per token against 4.32 / 4.32 with one, llama-1b 0.96 / 0.96 against
-# 0.97 / 0.97 (session 12, call 2). "1": one tile (read at every launch; a decode graph keeps
-# what it captured)
-GEMV_PEEL_ENV = "BATCHRUN_GEMV_PEEL"
 
 
 class GemvConfig(NamedTuple):
@@ -175,7 +170,6 @@ def _gemv_kernel(
     BLOCK_ROW: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
-    PEEL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -187,16 +181,17 @@ def _gemv_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    # NOTE: the first PEEL tiles are peeled off the loop so that their w loads come before the
+    # NOTE: the first two tiles are peeled off the loop so that their w loads come before the
     # PDL wait: weights are no earlier kernel's output, so with PDL those loads overlap the
-    # kernel before (kernels/pdl.py); x is read after the wait
+    # kernel before (kernels/pdl.py); x is read after the wait. Two tiles, not one: W3 on the
+    # H200 (`scripts/bench_throughput.py --workloads W3`) reads 0.5 % (llama-8b) and 1 %
+    # (llama-1b) fewer ms per token than with one
     w = _w_tile(w_rows, in_n, k_start, k_end, BLOCK_K)
     if SWIGLU:
         w_up = _w_tile(up_rows, in_n, k_start, k_end, BLOCK_K)
-    if PEEL == 2:  # the second tile too (zeros past k_end)
-        w2 = _w_tile(w_rows, in_n, k_start + BLOCK_K, k_end, BLOCK_K)
-        if SWIGLU:
-            w2_up = _w_tile(up_rows, in_n, k_start + BLOCK_K, k_end, BLOCK_K)
+    w2 = _w_tile(w_rows, in_n, k_start + BLOCK_K, k_end, BLOCK_K)  # zeros past k_end
+    if SWIGLU:
+        w2_up = _w_tile(up_rows, in_n, k_start + BLOCK_K, k_end, BLOCK_K)
     pdl_wait(PDL)
     res = tl.zeros([16, BLOCK_N], dtype=Y.dtype.element_ty)
     if ADD_RES:  # read by every slice now, where its latency hides behind the loop
@@ -209,12 +204,11 @@ def _gemv_kernel(
     acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     if SWIGLU:
         acc_up = _mma(acc_up, x, w_up, IEEE)
-    if PEEL == 2:
-        x = _x_tile(X, offs_m, M, stride_xm, k_start + BLOCK_K, k_end, BLOCK_K)
-        acc = _mma(acc, x, w2, IEEE)
-        if SWIGLU:
-            acc_up = _mma(acc_up, x, w2_up, IEEE)
-    for k0 in range(k_start + PEEL * BLOCK_K, k_end, BLOCK_K):
+    x = _x_tile(X, offs_m, M, stride_xm, k_start + BLOCK_K, k_end, BLOCK_K)
+    acc = _mma(acc, x, w2, IEEE)
+    if SWIGLU:
+        acc_up = _mma(acc_up, x, w2_up, IEEE)
+    for k0 in range(k_start + 2 * BLOCK_K, k_end, BLOCK_K):
         x = _x_tile(X, offs_m, M, stride_xm, k0, k_end, BLOCK_K)
         acc = _mma(acc, x, _w_tile(w_rows, in_n, k0, k_end, BLOCK_K), IEEE)
         if SWIGLU:
@@ -258,25 +252,24 @@ def _gemv_kernel(
 
 
 # NOTE: K-split programs aimed at: about two per SM of the H200 (132 SMs); only matrices of at
-# most SPLIT_MAX_TILES column tiles split. llama-8b's qkv (96 tiles) splits in 2: alone it read
-# 15.3 µs unsplit (ninth session's sweep), but in the decode chain its 96 programs, one an SM,
-# keep too few bytes in flight (2.6 TB/s after the wait, globaltimer probes); split in 2 it
-# added 14.5 µs a layer against 17.7, and W3 read 4.14 ms against 4.20 (fourteenth session)
+# most SPLIT_MAX_TILES column tiles split. llama-8b's qkv (96 tiles) splits in 2: alone it reads
+# fastest unsplit (15.3 µs, `scripts/bench_gemv.py`), but in the decode chain its 96 programs,
+# one an SM, keep too few bytes in flight; split in 2 it adds 14.5 µs a layer against 17.7, and
+# W3 llama-8b reads 1.4 % fewer ms per token
 TARGET_PROGRAMS = 256
 SPLIT_MAX_TILES = 128
 MAX_SPLIT_K = 8
 
 
 def pick_config(m: int, n: int, k: int) -> GemvConfig:
-    """The best configs of scripts/bench_gemv.py on the H200 (M = 1, the matrices of llama-1b
-    and llama-8b, ninth session; docs/benchmarks.md), as a rule: 64 columns x 256-wide K tiles
-    a program, and matrices with few column tiles split along K until there are about
-    TARGET_PROGRAMS programs (a power of two, at most MAX_SPLIT_K slices of at least one tile).
-    Against the eighth session's configs (unsplit, 16-32 columns x 512 for narrow matrices):
-    llama-1b's down_proj (2048 x 8192) in 8 slices 10.7 µs against 13.5, its o_proj 4.9
-    against 5.3; llama-8b's o_proj and down_proj in 4 slices 10.5 and 29.4 against 11.7 and
-    30.6 (cuBLAS: 13.9, 6.0, 13.2, 31.9).
-    Matrices of more than SPLIT_MAX_TILES tiles (gate_up, lm_head) are not split."""
+    """The best configs of `scripts/bench_gemv.py` on the H200 (M = 1, the matrices of llama-1b
+    and llama-8b), as a rule: 64 columns x 256-wide K tiles a program, and matrices with few
+    column tiles split along K until there are about TARGET_PROGRAMS programs (a power of two,
+    at most MAX_SPLIT_K slices of at least one tile). llama-1b's down_proj (2048 x 8192) in 8
+    slices reads 10.7 µs (unsplit 13.5, cuBLAS 13.9), its o_proj 4.9 (5.3, cuBLAS 6.0);
+    llama-8b's o_proj and down_proj in 4 slices 10.5 and 29.4 (unsplit 11.7 and 30.6, cuBLAS
+    13.2 and 31.9). Matrices of more than SPLIT_MAX_TILES tiles (gate_up, lm_head) are not
+    split."""
     block_n, block_k = 64, 256
     tiles = triton.cdiv(n, block_n)
     split_k = 1
@@ -318,9 +311,11 @@ def gemv(
     w: torch.Tensor,  # [N, K], unit stride along K (an nn.Linear weight); swiglu: [2I, K]
     config: GemvConfig | None = None,
     swiglu: bool = False,
+    *,
+    pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ) -> torch.Tensor:
     """x @ w.T: [M, N] in x's dtype; with swiglu, silu(x @ w_gate.T) * (x @ w_up.T): [M, I]."""
-    return _launch(x, w, config, swiglu, None, None)[0]
+    return _launch(x, w, config, swiglu, None, None, pdl=pdl)[0]
 
 
 def gemv_rms(
@@ -329,6 +324,8 @@ def gemv_rms(
     eps: float,
     config: GemvConfig | None = None,
     swiglu: bool = False,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """rmsnorm(h) * g @ w.T for one row, as rstd * (h @ (w * g).T): the RMSNorm before a matmul
     inside it (with swiglu, before gate_up: silu(gate) * up of those sums, [1, N / 2]). Each
@@ -339,7 +336,7 @@ def gemv_rms(
     rounded to the dtype (a relative 2^-9 or so a term) where the norm kernel rounds h * rstd
     and then its product with g, and rstd scales the fp32 sums, not each term."""
     assert h.shape[0] == 1 and w_normed.dtype == h.dtype
-    return _launch(h, w_normed, config, swiglu, None, None, eps)[0]
+    return _launch(h, w_normed, config, swiglu, None, None, eps, pdl=pdl)[0]
 
 
 def rms_fold_weight(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -355,6 +352,8 @@ def gemv_residual(
     residual: torch.Tensor,  # [M, N], x's dtype, unit stride along N; not written
     norm: tuple[torch.Tensor, float] | None = None,  # (weight [N], eps); only for M = 1
     config: GemvConfig | None = None,
+    *,
+    pdl: bool = False,
 ) -> ResidualStream:
     """h = x @ w.T + residual, rounded as torch's `linear(x, w) + residual`; with norm, also
     rmsnorm(h) * weight computed inside the kernel by the column tile that finishes last (the
@@ -366,11 +365,11 @@ def gemv_residual(
         weight, _ = norm
         assert m == 1, "the in-kernel norm takes one row (decode batch 1)"
         assert weight.shape == (n,) and weight.dtype == x.dtype and weight.is_contiguous()
-    return ResidualStream(*_launch(x, w, config, False, residual, norm))
+    return ResidualStream(*_launch(x, w, config, False, residual, norm, pdl=pdl))
 
 
 def _launch(
-    x, w, config, swiglu, residual, norm, norm_in_eps: float | None = None
+    x, w, config, swiglu, residual, norm, norm_in_eps: float | None = None, *, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, normed): normed when norm is given, else None. norm_in_eps: gemv_rms."""
     m, k = x.shape
@@ -413,7 +412,7 @@ def _launch(
     row_len = k if norm_in_eps is not None else n if norm is not None else 1
     if norm_in_eps is not None:
         eps = norm_in_eps
-    pdl = pdl_launch_kwargs(x)
+    launch = pdl_launch_kwargs(pdl, x)
     _gemv_kernel[(tiles, split_k)](
         x, w, y, ws, counters, r, norm_w, y if normed is None else normed, m, n, k, k_per_split,
         n * w.stride(0), x.stride(0), w.stride(0), y.stride(0), r.stride(0), eps,
@@ -421,6 +420,6 @@ def _launch(
         ADD_RES=residual is not None, NORM_OUT=norm is not None,
         NORM_IN=norm_in_eps is not None, BLOCK_ROW=triton.next_power_of_2(row_len),
         IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PEEL=1 if os.environ.get(GEMV_PEEL_ENV) == "1" else 2, **pdl,
+        **launch,
     )  # fmt: skip
     return y, normed

@@ -60,6 +60,8 @@ def store_kv(
     loc: torch.Tensor,  # [T] int64 or int32, slot per token, on the buffers' device
     k: torch.Tensor,  # [T, KV, D] of the buffers' dtype, unit stride along D
     v: torch.Tensor,  # [T, KV, D] of the buffers' dtype, unit stride along D
+    *,
+    pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ) -> None:
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k_buf.shape == v_buf.shape and k_buf.shape[1:] == (num_kv_heads, head_dim)
@@ -73,7 +75,7 @@ def store_kv(
     block_d = triton.next_power_of_2(head_dim)
     # about 8 elements of each of k and v per thread (16-byte accesses in bf16/fp16)
     num_warps = min(max(block_h * block_d // 256, 1), 8)
-    pdl = pdl_launch_kwargs(k)
+    launch = pdl_launch_kwargs(pdl, k)
     _store_kv_kernel[(num_tokens,)](
         k_buf,
         v_buf,
@@ -91,5 +93,5 @@ def store_kv(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         num_warps=num_warps,
-        **pdl,
+        **launch,
     )

@@ -106,6 +106,8 @@ def rotary_store_kv(
     positions: torch.Tensor,  # [T] int64
     cos_cache: torch.Tensor,  # [P, D] fp32
     sin_cache: torch.Tensor,  # [P, D] fp32
+    *,
+    pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -119,7 +121,7 @@ def rotary_store_kv(
     check_cos_sin(cos_cache, sin_cache, head_dim)
     if num_tokens == 0:
         return
-    pdl = pdl_launch_kwargs(q)
+    launch = pdl_launch_kwargs(pdl, q)
     _rotary_store_kv_kernel[(num_tokens,)](
         q,
         k,
@@ -143,5 +145,5 @@ def rotary_store_kv(
         num_q_heads,
         num_kv_heads,
         **rotary_launch_options(num_q_heads, num_kv_heads, head_dim),
-        **pdl,
+        **launch,
     )

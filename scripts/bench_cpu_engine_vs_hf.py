@@ -28,9 +28,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
 
-from batchrun.engine.config import EngineConfig  # noqa: E402
+from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.engine.params import GenerateRequest, SamplingParams  # noqa: E402
+from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from source_tree import git_commit  # noqa: E402

@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_models import write_model_dir  # noqa: E402
 from bench_throughput import make_workload, warmup_prompts  # noqa: E402
 
-from batchrun.engine.config import EngineConfig  # noqa: E402
+from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import drive  # noqa: E402
-from batchrun.engine.params import GenerateRequest, SamplingParams  # noqa: E402
+from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
 from batchrun.engine_process.data_parallel import DataParallelEngine  # noqa: E402
 
 

@@ -16,7 +16,7 @@ import msgspec
 from pydantic import BaseModel
 
 from batchrun.io.records import ResultRecord, Usage
-from batchrun.progress_hub import Snapshot
+from batchrun.progress.hub import Snapshot
 
 
 class PUsage(BaseModel):

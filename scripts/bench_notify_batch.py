@@ -22,9 +22,9 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from batchrun.engine.config import EngineConfig  # noqa: E402
-from batchrun.engine.params import GenerateRequest, GenerateResult, SamplingParams  # noqa: E402
-from batchrun.engine_process import EngineProcess  # noqa: E402
+from batchrun.config import EngineConfig  # noqa: E402
+from batchrun.params import GenerateRequest, GenerateResult, SamplingParams  # noqa: E402
+from batchrun.engine_process.client import EngineProcess  # noqa: E402
 
 FINISH_PATTERN = (1, 0, 2, 1, 0, 3, 1, 0)  # rows finished per step: 1 on average
 

@@ -1,4 +1,4 @@
-"""Time and memory of prefix ordering (batchrun.order) on synthetic token-id prompts.
+"""Time and memory of prefix ordering (batchrun.job.order) on synthetic token-id prompts.
 
     python scripts/bench_order.py                       # 1,000,000 prompts of ~300 tokens
     python scripts/bench_order.py --num 100000 --json   # one JSON line (used by the slow test)
@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from batchrun.order import dfs_order, packed_keys, reuse_lens  # noqa: E402
+from batchrun.job.order import dfs_order, packed_keys, reuse_lens  # noqa: E402
 
 GiB = 2**30
 

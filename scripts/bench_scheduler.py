@@ -31,7 +31,7 @@ import torch
 from batchrun.engine.allocator import TokenAllocator
 from batchrun.engine.kv_manager import KVManager
 from batchrun.engine.kv_pool import ReqToTokenPool
-from batchrun.engine.params import SamplingParams
+from batchrun.params import SamplingParams
 from batchrun.engine.radix_cache import RadixCache
 from batchrun.engine.request import Req
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler

@@ -115,7 +115,7 @@ def gate_stats(before, after) -> dict:
 
 
 def run_once(engine, prompts, params, sync, phases: HostPhases | None = None) -> dict:
-    from batchrun.engine.params import GenerateRequest
+    from batchrun.params import GenerateRequest
 
     requests = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
     reasons: Counter = Counter()
@@ -188,9 +188,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from batchrun.engine import grammar as grammar_module
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
-    from batchrun.engine.params import GrammarSpec, SamplingParams
+    from batchrun.params import GrammarSpec, SamplingParams
 
     # knobs to measure other settings against the defaults (read when the backend is made)
     if args.fill_threads is not None:

@@ -15,7 +15,7 @@ FlashInfer attention backend), gemv (batchrun with BATCHRUN_GEMV=triton: kernels
 large decode matmuls), the decode kernel switches of VARIANT_ENV (no-norm-fusion,
 graph-input-copies, no-fold, ...: each turns one fusion off), no-piecewise / piecewise
 (batchrun with piecewise CUDA graphs for prefill and mixed steps off / on whatever the
-default), hf, and prefix-order (batchrun fed in batchrun.order's DFS order, ordering timed;
+default), hf, and prefix-order (batchrun fed in batchrun.job.order's DFS order, ordering timed;
 every other variant takes the prompts in their given, shuffled, input order).
 
 Each engine is built once per (model, variant) (start-up reported apart), warmed up on each
@@ -286,7 +286,7 @@ class Device:
 
 
 def engine_config(args, model_dir: Path, variant: str):
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
 
     cfg = EngineConfig(
         model=str(model_dir),
@@ -353,8 +353,8 @@ class LatencyProbe:
 def run_engine_once(
     engine, prompts, out_len: int, dev: Device, probe: LatencyProbe | None, order: bool = False
 ):
-    from batchrun.engine.params import GenerateRequest, SamplingParams
-    from batchrun.order import order_items
+    from batchrun.params import GenerateRequest, SamplingParams
+    from batchrun.job.order import order_items
 
     params = SamplingParams(
         max_new_tokens=out_len, min_new_tokens=out_len, temperature=0.0, ignore_eos=True

@@ -4,7 +4,7 @@
     python scripts/bench_tp.py --models llama-1b,llama-8b --repeats 5
     python scripts/bench_tp.py --device cpu --models tiny --dtype float32 --output-len 16  # smoke
 
-Every TP size runs through batchrun.parallel.launcher.start_tp_engine (TP=1 too: the same
+Every TP size runs through batchrun.engine_process.tp_launcher.start_tp_engine (TP=1 too: the same
 wrapper, a plain Engine inside), with overlap and CUDA graphs on and the radix cache off, so each
 repeat of the one W3 prompt starts cold. Start-up (weights, graph capture, NCCL) is reported
 apart from the timed runs. The greedy tokens of each TP size are compared with TP=1's: bf16
@@ -46,7 +46,7 @@ HEADER = (
 
 
 def engine_config(args, model_dir: Path):
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
 
     return EngineConfig(
         model=str(model_dir),
@@ -63,7 +63,7 @@ def engine_config(args, model_dir: Path):
 
 
 def greedy_tokens(engine, prompt: list[int], out_len: int) -> list[int]:
-    from batchrun.engine.params import GenerateRequest, SamplingParams
+    from batchrun.params import GenerateRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=out_len, temperature=0.0, ignore_eos=True)
     (result,) = list(engine.generate([GenerateRequest("check", prompt, params)]))
@@ -73,7 +73,7 @@ def greedy_tokens(engine, prompt: list[int], out_len: int) -> list[int]:
 def bench_one(
     args, model: str, model_dir: Path, tp: int, dev: Device, wl
 ) -> tuple[RunResult, list]:
-    from batchrun.parallel.launcher import start_tp_engine
+    from batchrun.engine_process.tp_launcher import start_tp_engine
 
     res = RunResult(model, "W3", f"tp{tp}")
     dev.sync()

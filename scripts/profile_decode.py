@@ -72,9 +72,9 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
 
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
-    from batchrun.engine.params import GenerateRequest, SamplingParams
+    from batchrun.params import GenerateRequest, SamplingParams
 
     is_cuda = args.device == "cuda"
     if is_cuda:
@@ -245,7 +245,7 @@ def profile_workload(args, engine) -> int:
     kind and by kernel, the GPU's busy fraction."""
     from bench_throughput import make_workload
 
-    from batchrun.engine.params import GenerateRequest, SamplingParams
+    from batchrun.params import GenerateRequest, SamplingParams
 
     wl = make_workload(args.workload, args.scale)
     params = SamplingParams(max_new_tokens=wl.output_len, temperature=0.0, ignore_eos=True)

@@ -43,7 +43,6 @@ token is stored into the dummy slot: they read and write no real KV; their outpu
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -53,12 +52,9 @@ from batchrun.attention.base import AttentionBackend, AttentionInputs
 WORKSPACE_BYTES = 384 << 20  # float workspace (split-KV partial results), shared by all wrappers;
 # NOTE: 128 MiB overflowed for a 32-head, head-dim-128 prefill over a long cached prefix (H200)
 TENSOR_CORE_MIN_GROUP = 4  # decode on tensor cores from this GQA group size on (as SGLang does)
-# NOTE: FlashAttention-2 kernels on every GPU, as SGLang runs its paged wrappers; FlashInfer's
-# 'auto' would pick its FA3 kernels on Hopper, not measured here with page size 1
+# NOTE: FlashAttention-2 kernels on every GPU, as SGLang runs its paged wrappers (FlashInfer's
+# 'auto' picks its FA3 kernels on Hopper)
 KERNELS = "fa2"
-# the prefill wrapper's kernels instead: "fa3" (FlashAttention-3, Hopper) or "auto"; read when
-# the wrapper is built, to measure them against fa2 (bench_throughput's flashinfer-fa3)
-PREFILL_KERNELS_ENV = "BATCHRUN_FLASHINFER_PREFILL"
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -234,7 +230,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         else:
             if self._prefill_wrapper is None:
                 self._prefill_wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", backend=os.environ.get(PREFILL_KERNELS_ENV, KERNELS)
+                    self.workspace, "NHD", backend=KERNELS
                 )
             wrapper = self._prefill_wrapper
         self._plan_wrapper(wrapper, batch, params)

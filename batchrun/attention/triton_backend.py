@@ -31,12 +31,12 @@ number of KV splits is fixed per bs and each split finds its KV range from seq_l
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from batchrun.attention.base import AttentionBackend, AttentionInputs
+from batchrun.config import KernelConfig
 from batchrun.kernels.decode_attention import (
     DecodeRope,
     decode_attention_fwd,
@@ -45,36 +45,18 @@ from batchrun.kernels.decode_attention import (
 )
 from batchrun.kernels.extend_attention import extend_attention_fwd
 
-# NOTE: W3 on the H200 (batch 1, 8 KV heads: 16 splits) read llama-8b 4.30 ms per token against
-# 4.37-4.40 with at most 8 splits, 4.45 with 4, and 4.35 against 4.37-4.38 with up to 32;
-# llama-1b 0.97 against 0.98 / 1.00-1.01 / 0.97 (twelfth session, calls 3-4)
+# NOTE: W3 on the H200 (batch 1, 8 KV heads: 16 splits) reads llama-8b 1.6-2.3 % and llama-1b
+# 1 % fewer ms per token than with at most 8 splits; up to 32 splits reads no better
 MAX_KV_SPLITS = 16
-# "0": the decode kernel's split combine as a second kernel, not folded into the first (read on
-# every call, to measure the fold; a CUDA graph keeps what it captured)
-DECODE_FOLD_ENV = "BATCHRUN_DECODE_FOLD"
-# "0": decode steps rotate and store the new tokens' q/k/v in kernels/rotary_kv_store.py before
-# the decode kernel, not inside it (DecodeRope); read on every call, as the fold's switch
-DECODE_ROPE_ENV = "BATCHRUN_DECODE_ROPE"
-# "rows": the decode grid (B, KV, S), a KV head's requests in adjacent programs (the order before
-# 2026-12-01); else (KV, B, S), a request's KV heads adjacent, so that the programs running
-# together read whole KV rows (2 KiB a token on llama-8b, not 256-byte pieces of many). On the
-# H200 at 1,008 x ~640 tokens, ragged and scattered over the pool, it read 4.28 TB/s against
-# 4.25 alone and 4.23 against 4.22 between matmuls (bench_attention_kernels --decode-run,
-# sixteenth session). Read on every call.
-DECODE_GRID_ENV = "BATCHRUN_DECODE_GRID"
-# the decode kernel's KV loads' L2 eviction policy ("evict_first": the KV is read once a step);
-# unset: the default policy. Read on every call. Not a default: at 1,008 x ~640 tokens on the H200
-# it read 4.25 TB/s against 4.25 alone and 4.19 against 4.22 between matmuls (sixteenth session)
-DECODE_EVICT_ENV = "BATCHRUN_DECODE_EVICT"
-# NOTE: the decode kernel's own rotary and store serve CUDA-graph decode batches up to this size
-# (their variant compiles at capture, never mid-run), where it was measured: W3 llama-1b 0.97-0.98
-# against 0.99 ms per token on the H200 (eleventh session). Larger batches keep the two kernels:
-# the one measurement with it on for every batch size (W1 -20 %) ran first on a cold Triton
-# cache, which alone cost the same whichever variant ran first (calls 4-5), so it is unmeasured
+# NOTE: the decode kernel's own rotary and store (DecodeRope) serve CUDA-graph decode batches up
+# to this size, whose variant compiles at capture, never mid-run: W3 llama-1b reads 0.97-0.98
+# against 0.99 ms per token with the rotary-store kernel apart. Larger batches, eager ones
+# included, keep the two kernels.
 DECODE_ROPE_MAX_BS = 16
-# split the KV until the decode grid has this many programs per SM. NOTE: measured on the H200,
-# 64 x 1024 tokens with 8 KV heads (512 programs unsplit) read 3.4 TB/s unsplit, 3.1 in 2 splits
-# and 2.8 in 16: splitting pays only where the grid would leave SMs idle
+# split the KV until the decode grid has this many programs per SM. NOTE: on the H200, 64 x 1024
+# tokens with 8 KV heads (512 programs unsplit) read 3.4 TB/s unsplit, 3.1 in 2 splits and 2.8
+# in 16 (`scripts/bench_attention_kernels.py`): splitting pays only where the grid would leave
+# SMs idle
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_LEN = 64  # ... but give no split fewer KV tokens than this (eager only)
 
@@ -104,8 +86,9 @@ class _MixedPlan:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    def __init__(self, kv_pool, req_to_token: torch.Tensor):
+    def __init__(self, kv_pool, req_to_token: torch.Tensor, kernels: KernelConfig):
         self.kv_pool = kv_pool
+        self.pdl = kernels.pdl
         self.req_to_token = req_to_token
         k0 = kv_pool.k_buffers[0]
         self.device = k0.device
@@ -169,8 +152,8 @@ class TritonAttentionBackend(AttentionBackend):
         """forward() of q and k before rotary. A CUDA-graph decode batch of up to
         DECODE_ROPE_MAX_BS rows: the decode kernel rotates q and the new k itself and stores
         the new k and v (kernels/decode_attention.py's DecodeRope), reading the older KV before
-        its PDL wait. Otherwise one kernel rotates q in place and stores the rotated k with v
-        (KVPool.store_rotated), then the attention; the same bits. k stays unrotated either
+        its PDL wait. Otherwise KVPool.store_rotated (one kernel rotates q in place and stores
+        the rotated k with v), then the attention; the same bits. k stays unrotated either
         way, which is safe because the decode and extend kernels read keys only from the
         pool."""
         loc = self._out_cache_loc()
@@ -187,14 +170,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _rotates_in_decode(self, layer_id, loc, q, k, v, positions, rotary) -> bool:
         """Whether forward_rotary takes the decode kernel's own rotary and store: a CUDA-graph
-        decode plan of at most DECODE_ROPE_MAX_BS rows, the Triton rotary-store conditions
-        (KVPool.fuses_rotary: the same bits), and BATCHRUN_DECODE_ROPE not "0"."""
+        decode plan of at most DECODE_ROPE_MAX_BS rows and the Triton rotary-store conditions
+        (KVPool.fuses_rotary: the same bits)."""
         plan = self._plan
         return (
             isinstance(plan, _DecodePlan)
             and plan.is_graph
             and q.shape[0] <= DECODE_ROPE_MAX_BS
-            and os.environ.get(DECODE_ROPE_ENV) != "0"
             and self.kv_pool.fuses_rotary(layer_id, loc, q, k, v, positions, rotary)
         )
 
@@ -229,10 +211,7 @@ class TritonAttentionBackend(AttentionBackend):
         counters = self._get_counters(plan, bs)
         decode_attention_fwd(
             q, k_buf, v_buf, out, self.req_to_token, plan.req_pool_indices, plan.seq_lens,
-            scaling, plan.num_kv_splits, workspace, counters,
-            fold_stage2=os.environ.get(DECODE_FOLD_ENV) != "0", rope=rope,
-            heads_first=os.environ.get(DECODE_GRID_ENV) != "rows",
-            evict=os.environ.get(DECODE_EVICT_ENV, ""),
+            scaling, plan.num_kv_splits, workspace, counters, rope=rope, pdl=self.pdl,
         )  # fmt: skip
 
     def _extend(self, plan: _ExtendPlan, q, k_buf, v_buf, out, scaling: float) -> None:

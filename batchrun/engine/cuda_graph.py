@@ -7,31 +7,33 @@ with a dummy request (dummy req-to-token row whose only KV slot is the pool's du
     attention buffers via backend.load_graph_inputs (same rule for the padding rows)
     replay; logits rows [0, n) are the batch's
 
-With a token pool and a backend that exposes its static buffers (`graph_static_inputs`), all
-of it is one kernel (kernels/graph_inputs.py), which also resolves the ids the previous step
-sampled on the device (placeholders, id < 0), for batches up to GRAPH_INPUTS_MAX_BS:
-`resolves_placeholders_of`. BATCHRUN_GRAPH_INPUTS=0 keeps the copies (to measure the kernel).
+With the Triton kernels on and a backend that exposes its static buffers
+(`graph_static_inputs`), all of it is one kernel (kernels/graph_inputs.py), which also resolves
+the ids the previous step sampled on the device (placeholders, id < 0), for batches up to
+GRAPH_INPUTS_MAX_BS: `resolves_placeholders_of`.
+
+Captures run with the garbage collector off (gc_pause.no_gc: a collection inside a capture can
+invalidate it).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 
 import torch
 
 from batchrun.attention.base import AttentionInputs
+from batchrun.engine.gc_pause import no_gc
+from batchrun.kernels.graph_inputs import load_decode_graph_inputs
 from batchrun.models.llama import ForwardBatch
 
 log = logging.getLogger(__name__)
 
-GRAPH_INPUTS_ENV = "BATCHRUN_GRAPH_INPUTS"
-# NOTE: the input kernel serves decode batches up to this size: at batch 1 it took llama-1b W3
-# from 1.01-1.07 to 0.99-1.00 ms per token (H200, docs/benchmarks.md), where six copies and index
-# kernels were ~1 % of a step; a 256-row step is several ms, and there the one measurement (with
-# the kernel still compiling new variants mid-run, since fixed) lost 22 % of W1's throughput
+# NOTE: the input kernel serves decode batches up to this size: at batch 1 it takes llama-1b W3
+# from 1.01-1.07 to 0.99-1.00 ms per token on the H200, where six copies and index kernels are
+# ~1 % of a step; a 256-row step is several ms, where the copies cost nothing that shows
 GRAPH_INPUTS_MAX_BS = 16
 
 
@@ -52,6 +54,7 @@ class CudaGraphRunner:
         device: torch.device,
         token_pool: torch.Tensor | None = None,
     ):
+        """token_pool: the sampled tokens' pool, for the one-kernel inputs (None: copies)."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -69,11 +72,7 @@ class CudaGraphRunner:
         self.token_pool = token_pool
         static = backend.graph_static_inputs()
         self._one_kernel_inputs = None  # (static buffers, padding row, padding slot)
-        if (
-            token_pool is not None
-            and static is not None
-            and os.environ.get(GRAPH_INPUTS_ENV) != "0"
-        ):
+        if token_pool is not None and static is not None:
             buffers, pad_row, pad_slot = static
             dst = (self.input_ids, self.positions, *buffers)
             self._one_kernel_inputs = (dst, pad_row, pad_slot)
@@ -82,8 +81,6 @@ class CudaGraphRunner:
     def _compile_input_kernel(self, pad_row: int, pad_slot: int) -> None:
         """Compile kernels/graph_inputs.py's one variant now, on scratch tensors: not at the
         first replay, which may be inside a timed run."""
-        from batchrun.kernels.graph_inputs import load_decode_graph_inputs
-
         scratch = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(10)]
         load_decode_graph_inputs(scratch[:5], scratch[5:], self.token_pool, 1, 1, pad_row, pad_slot)
 
@@ -92,17 +89,18 @@ class CudaGraphRunner:
         self.backend.init_graph_buffers(self.max_bs)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        for bs in reversed(self.batch_sizes):
-            self.backend.prepare_graph(bs)
-            batch = ForwardBatch(self.input_ids[:bs], self.positions[:bs], None)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self.model(batch, self.backend)  # warm up: compiles kernels, sizes workspaces
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self.model(batch, self.backend)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            self.graphs[bs], self.outputs[bs] = graph, out
+        with no_gc():
+            for bs in reversed(self.batch_sizes):
+                self.backend.prepare_graph(bs)
+                batch = ForwardBatch(self.input_ids[:bs], self.positions[:bs], None)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self.model(batch, self.backend)  # warm up: compiles, sizes workspaces
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        out = self.model(batch, self.backend)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                self.graphs[bs], self.outputs[bs] = graph, out
         torch.cuda.synchronize(self.device)
         self.capture_time = time.perf_counter() - t0
         log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), self.capture_time)
@@ -119,8 +117,6 @@ class CudaGraphRunner:
         n = attn.batch_size
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         if self.resolves_placeholders_of(attn):
-            from batchrun.kernels.graph_inputs import load_decode_graph_inputs
-
             dst, pad_row, pad_slot = self._one_kernel_inputs
             src = (input_ids, positions, attn.req_pool_indices, attn.seq_lens, attn.out_cache_loc)
             load_decode_graph_inputs(src, dst, self.token_pool, n, bs, pad_row, pad_slot)

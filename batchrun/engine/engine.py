@@ -14,20 +14,20 @@ import functools
 import hashlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from batchrun.config import EngineConfig, KernelConfig, resolve_sizes
 from batchrun.engine.allocator import TokenAllocator
-from batchrun.engine.config import EngineConfig, resolve_sizes
 from batchrun.engine.gc_pause import frozen_gc
 from batchrun.engine.grammar import GrammarBackend
 from batchrun.engine.host_gate import HostGate
+from batchrun.engine.kernel_choice import resolve_kernels
 from batchrun.engine.kv_manager import KVManager
-from batchrun.engine.model_runner import ForwardHandle, ModelRunner, StepHandle
-from batchrun.engine.params import GenerateRequest, GenerateResult, TopLogprobs
+from batchrun.engine.model_runner import ModelRunner, StepHandle, resolve_device
 from batchrun.engine.radix_cache import RadixCache
 from batchrun.engine.request import Req
 from batchrun.engine.sampler import SamplingBatch
@@ -35,6 +35,7 @@ from batchrun.engine.scheduler import ScheduledBatch, Scheduler
 from batchrun.engine.stop import StopStringChecker
 from batchrun.engine.structured import GateRelease, StructuredOutput
 from batchrun.models.config import ModelConfig
+from batchrun.params import GenerateRequest, GenerateResult, TopLogprobs
 
 
 @dataclass
@@ -60,8 +61,7 @@ class EngineStats:
 class _Launched(NamedTuple):
     reqs: list[Req]  # the requests that sample a token in this step
     out_index: list[int]  # the output index each of them fills
-    handle: StepHandle | ForwardHandle  # ForwardHandle: sampling waits for the token bitmask
-    sampling: SamplingBatch | None = None  # set while the handle is a ForwardHandle
+    handle: StepHandle  # with `pending` set: the sampling waits for the token bitmask
     fill: Future | None = None  # a gated step's fill job (on the fill thread)
     gate: GateRelease | None = None  # its sampling waits behind a gate the fill job opens
     gate_events: tuple | None = None  # timing around that gate (EngineStats.gate_wait_time)
@@ -99,10 +99,16 @@ class Engine:
         config.validate()
         self.model_dir = self._resolve_model_dir(config)
         self.model_config = ModelConfig.from_dir(self.model_dir)
+        device = resolve_device(config.device)
         config = resolve_sizes(config, self.model_config)
-        self.config = config
+        # overlap needs an asynchronous device; on the CPU every op is synchronous anyway
+        overlap = config.overlap if config.overlap is not None else device.type == "cuda"
+        config = replace(config, overlap=overlap)
+        config = replace(config, kernels=resolve_kernels(config, self.model_config, device))
         self.context_len = config.context_len or self.model_config.max_position_embeddings
         self.runner = ModelRunner(config, self.model_config, self.model_dir, self.context_len)
+        # the kernels as the model made them (KernelConfig.decode_norms may step down)
+        self.config = config = replace(config, kernels=self.runner.kernels)
         self.device = self.runner.device
         allocator = TokenAllocator(self.runner.num_slots, config.page_size)
         cache = RadixCache(allocator, config.page_size, disable=not config.enable_radix_cache)
@@ -123,11 +129,15 @@ class Engine:
             self.eos_token_ids,
             wait_for_compiles=config.tp_size > 1,
         )
-        # overlap needs an asynchronous device; on the CPU every op is synchronous anyway
-        self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
+        self.overlap = overlap
         # with overlap on CUDA, a grammar step's sampling is enqueued at once behind a gate
         # (host_gate.py) that its fill job opens; else it is sampled in line (_sample_constrained)
-        self.gate = HostGate.create(self.device) if self.overlap else None
+        self.gate = HostGate.create(self.device) if config.kernels.host_gate else None
+
+    @property
+    def kernels(self) -> KernelConfig:
+        """The kernel config this engine runs (resolved)."""
+        return self.config.kernels
 
     @staticmethod
     def _resolve_model_dir(config: EngineConfig) -> Path:
@@ -247,7 +257,7 @@ class Engine:
             schedule(n+1) -> start job(n+1) -> launch forward(n+1), gate, sample(n+1)
             -> wait + process(n) -> schedule(n+2) -> ...
 
-        Without a gate (CPU, BATCHRUN_DISABLE_HOST_GATE) a grammar step is sampled in line,
+        Without a gate (CPU, KernelConfig.host_gate off) a grammar step is sampled in line,
         once the step before it is processed; without overlap each step is processed before
         the next.
         """
@@ -271,7 +281,7 @@ class Engine:
             # (a gated step's fill job took the grammar tokens of this one already)
             self._process(self._inflight, queued=launched is not None and launched.gate is not None)
             self._inflight = None
-        if launched is not None and launched.sampling is not None:
+        if launched is not None and launched.handle.pending is not None:
             # a grammar step without a gate: its matchers need the tokens just processed
             launched = self._sample_constrained(launched)
         if launched is not None:
@@ -291,24 +301,20 @@ class Engine:
         # which output index each sampled token will fill
         out_index = [len(r.output_ids) for r in sampling_reqs]
         constrained = sampling is not None and any(r.matcher is not None for r in sampling_reqs)
-        gate = fill = gate_events = None
+        gate = fill = gate_events = mask = None
         if constrained and self.gate is not None:
             # NOTE: the job starts before the gate closes: see host_gate.py
             gate, fill = self._start_gated_job(sampling_reqs)
-        staged = self.runner.stage_forward(batch)
-        fwd = self.runner.run_forward(staged)
-        if gate is not None:
             gate_events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
-            handle = self._sample_gated(fwd, sampling, gate, len(sampling_reqs), gate_events)
-            sampling = None
-        elif constrained:
-            handle = fwd  # sampled once the step before is processed (_sample_constrained)
-        else:
-            handle, sampling = self.runner.sample_or_skip(fwd, sampling), None
+            mask = functools.partial(self._gated_mask, gate, len(sampling_reqs), gate_events)
+        # without a gate, a grammar step is sampled once the step before is processed
+        # (_sample_constrained)
+        defer = constrained and gate is None
+        handle = self.runner.launch(batch, sampling, mask, defer)
         self.scheduler.advance(batch)
         self.stats.num_steps += 1
         self.stats.num_forward_tokens += batch.num_tokens
-        return _Launched(sampling_reqs, out_index, handle, sampling, fill, gate, gate_events)
+        return _Launched(sampling_reqs, out_index, handle, fill, gate, gate_events)
 
     def _start_gated_job(self, reqs: list[Req]) -> tuple[GateRelease, Future]:
         """The fill job of a gated step sampling `reqs`: it takes the in-flight step's tokens
@@ -325,16 +331,15 @@ class Engine:
         )
         return release, fill
 
-    def _sample_gated(
-        self, fwd, sampling, gate: GateRelease, num_sampling: int, events: tuple
-    ) -> StepHandle:
-        """Enqueue a grammar step's sampling behind its gate: the bitmask's copy and all after
-        it wait on the device until the step's fill job (running) has filled the rows."""
+    def _gated_mask(self, gate: GateRelease, num_sampling: int, events: tuple):
+        """(mask, grammar) of a gated grammar step, enqueued after its forward: the bitmask's
+        copy and all after it wait on the device until the step's fill job (running) has
+        filled the rows."""
         grammar, stream, staging = self.grammar, self.runner.stream, self.runner.staging
         mask = grammar.upload_gated(
             gate.rows, num_sampling, gate.gate, gate.ticket, stream, staging, events
         )
-        return self.runner.launch_sample(fwd, sampling, mask, grammar)
+        return mask, grammar
 
     def _sample_constrained(self, launched: _Launched) -> _Launched:
         """Fill the grammar rows' token bitmask in line (their matchers accept every earlier
@@ -342,8 +347,8 @@ class Engine:
         mask, rejected = self.structured.fill_mask(launched.reqs)
         self._rejected.extend(rejected)  # aborted at the end of step()
         grammar = self.grammar if mask is not None else None
-        handle = self.runner.launch_sample(launched.handle, launched.sampling, mask, grammar)
-        return launched._replace(handle=handle, sampling=None)
+        handle = self.runner.sample_pending(launched.handle, mask, grammar)
+        return launched._replace(handle=handle)
 
     def _process(self, launched: _Launched, queued: bool = False) -> None:
         """Take a step's tokens: finish the requests they end. queued: a fill job took this

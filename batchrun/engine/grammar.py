@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import msgspec
 import torch
 
-from batchrun.engine.params import GrammarSpec
+from batchrun.params import GrammarSpec
 
 # compiled grammars kept (LRU); a JSON schema's compiled form holds per-token masks: ~MBs
 CACHE_SIZE = 512

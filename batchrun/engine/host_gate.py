@@ -1,6 +1,6 @@
 """A CUDA stream that waits for a host thread: work enqueued now, run once the host says so.
 
-    gate = HostGate.create(device)           # None where the driver call is unavailable
+    gate = HostGate.create(device)           # where HostGate.available() (KernelConfig.host_gate)
     ticket = gate.next_ticket()
     start a job (another thread) that writes ...; then calls gate.open(ticket)
     gate.close(stream, ticket)               # the stream stops here ...
@@ -28,13 +28,29 @@ job, between close and that start, it would never return.
 from __future__ import annotations
 
 import ctypes
-import os
+import functools
 import threading
 
 import torch
 
 _WAIT_VALUE_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
-ENV_DISABLE = "BATCHRUN_DISABLE_HOST_GATE"  # "1": no gate (grammar steps are sampled in line)
+
+
+@functools.cache
+def _driver():
+    """(libcuda, cuStreamWaitValue32) or None where the driver or the call is missing."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    wait_value = getattr(lib, "cuStreamWaitValue32_v2", None) or getattr(
+        lib, "cuStreamWaitValue32", None
+    )
+    if wait_value is None:
+        return None
+    wait_value.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    wait_value.restype = ctypes.c_int
+    return lib, wait_value
 
 
 class HostGate:
@@ -47,22 +63,15 @@ class HostGate:
         self._ticket = 0
         self._lock = threading.Lock()  # open() may race with itself (jobs of two steps)
 
+    @staticmethod
+    def available() -> bool:
+        """Whether the CUDA driver has the stream wait call a gate needs."""
+        return _driver() is not None
+
     @classmethod
-    def create(cls, device: torch.device) -> HostGate | None:
-        """A gate on `device`, or None: not CUDA, no driver symbol, or the env switch is "1"."""
-        if device.type != "cuda" or os.environ.get(ENV_DISABLE) == "1":
-            return None
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-        except OSError:
-            return None
-        wait_value = getattr(lib, "cuStreamWaitValue32_v2", None) or getattr(
-            lib, "cuStreamWaitValue32", None
-        )
-        if wait_value is None:
-            return None
-        wait_value.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        wait_value.restype = ctypes.c_int
+    def create(cls, device: torch.device) -> HostGate:
+        """A gate on `device` (a CUDA device, with `available()`)."""
+        lib, wait_value = _driver()
         flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         return cls(device, wait_value, _device_pointer(lib, flag), flag)
 

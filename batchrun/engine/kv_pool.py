@@ -4,24 +4,28 @@ KVPool           k/v buffers [num_slots + 1, num_kv_heads, head_dim] per layer; 
                  slot is a dummy that padded (graph) batches may write into harmlessly. Under
                  tensor parallelism num_kv_heads is this rank's (model.num_kv_heads), not the
                  model's: each rank stores only the KV heads its q heads attend with.
-                 `store_rotated` also applies rotary to q and k, in one kernel on CUDA
-                 (kernels/rotary_kv_store.py; BATCHRUN_ROTARY_STORE=0: rotary, then `store`).
+                 `store_rotated` also applies rotary to q and k, in one kernel with the Triton
+                 kernels on (kernels/rotary_kv_store.py; else rotary, then `store`).
 ReqToTokenPool   [max_reqs + 1, max_context] int32: row r, position p -> KV slot of that token.
                  Rows are handed out to running requests; the last row is the dummy request.
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from batchrun.models.layers import RotaryEmbedding
+from batchrun.config import KernelConfig
 
-# "0" turns the rotary + KV-store kernel off (read on every call, so tests can flip it)
-ROTARY_STORE_ENV = "BATCHRUN_ROTARY_STORE"
+try:
+    from batchrun.kernels.kv_store import store_kv
+    from batchrun.kernels.rotary_kv_store import rotary_store_kv
+except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is off
+    store_kv = rotary_store_kv = None
+
+if TYPE_CHECKING:
+    from batchrun.layers.rotary import RotaryEmbedding
 
 
 class KVPool:
@@ -33,7 +37,9 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kernels: KernelConfig | None = None,
     ):
+        self.kernels = kernels or KernelConfig.reference()
         self.num_slots = num_slots
         self.dummy_slot = num_slots
         shape = (num_slots + 1, num_kv_heads, head_dim)
@@ -48,10 +54,8 @@ class KVPool:
         # loc: [T], k/v: [T, KV, D] (possibly strided views of the fused qkv projection)
         k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
         if self._stores_in_triton(layer_id, loc, k, v):
-            from batchrun.kernels.kv_store import store_kv
-
             # NOTE: one launch writes both k and v (torch needs an index_put for each)
-            store_kv(k_buf, v_buf, loc, k, v)
+            store_kv(k_buf, v_buf, loc, k, v, pdl=self.kernels.pdl)
             return
         k_buf[loc] = k.to(k_buf.dtype)
         v_buf[loc] = v.to(v_buf.dtype)
@@ -70,11 +74,9 @@ class KVPool:
         q. On the Triton path one kernel does both and rotates q in place. NOTE: there k is left
         unrotated (only its copy in the pool is rotated): a caller must read keys from the pool."""
         if self.fuses_rotary(layer_id, loc, q, k, v, positions, rotary):
-            from batchrun.kernels.rotary_kv_store import rotary_store_kv
-
             k_buf, v_buf = self.buffers(layer_id)
             cos, sin = rotary.cos_cache, rotary.sin_cache
-            rotary_store_kv(k_buf, v_buf, loc, q, k, v, positions, cos, sin)
+            rotary_store_kv(k_buf, v_buf, loc, q, k, v, positions, cos, sin, pdl=self.kernels.pdl)
             return q
         q, k = rotary(positions, q, k)
         self.store(layer_id, loc, k, v)
@@ -82,10 +84,8 @@ class KVPool:
 
     def _stores_in_triton(self, layer_id: int, loc, k, v) -> bool:
         """Whether `store` runs kernels/kv_store.py (else torch's index_put)."""
-        from batchrun.models.layers import use_fused_kernels  # read at call time: tests patch it
-
         return (
-            use_fused_kernels(k)
+            self.kernels.triton_ops
             and k.dtype == v.dtype == self.k_buffers[layer_id].dtype
             and k.stride(-1) == v.stride(-1) == 1
             and loc.device == k.device
@@ -93,13 +93,10 @@ class KVPool:
 
     def fuses_rotary(self, layer_id, loc, q, k, v, positions, rotary) -> bool:
         """Whether rotary and store would both run their Triton kernels (the one kernel then
-        gives the same bits), unless BATCHRUN_ROTARY_STORE=0."""
-        from batchrun.models.layers import use_fused_kernels  # read at call time: tests patch it
-
+        gives the same bits)."""
         return (
-            os.environ.get(ROTARY_STORE_ENV) != "0"
-            and self._stores_in_triton(layer_id, loc, k, v)
-            and use_fused_kernels(q)
+            self._stores_in_triton(layer_id, loc, k, v)
+            and rotary.kernels.triton_ops
             and q.dtype == k.dtype
             and q.stride(-1) == 1
             and positions.device == q.device

@@ -1,5 +1,12 @@
 """The device side of a step: turns a ScheduledBatch into tensors, runs the model and the sampler.
 
+    handle = runner.launch(batch, sampling)      # the forward and the sampling, enqueued
+    out = runner.wait(handle)                    # the one sync: the sampled ids on the host
+
+A step whose sampling needs its grammar rows' token bitmask, with no host gate to hold the
+device until the host has filled it, launches with `defer=True`: its handle keeps the logits
+until `sample_pending(handle, mask, grammar)` enqueues the sampling.
+
 All host-to-device copies go through pinned buffers with non_blocking=True on CUDA; the only
 device-to-host transfer is the sampled tokens (and logprobs when asked).
 """
@@ -7,24 +14,29 @@ device-to-host transfer is the sampled tokens (and logprobs when asked).
 from __future__ import annotations
 
 import logging
-import os
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 
 from batchrun.attention import AttentionInputs, create_backend
-from batchrun.engine.config import EngineConfig, is_large
+from batchrun.config import EngineConfig
 from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.kv_pool import KVPool, ReqToTokenPool
 from batchrun.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingBatch
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.staging import PinnedStaging
 from batchrun.models.config import ModelConfig
-from batchrun.models.layers import use_fused_kernels
 from batchrun.models.llama import ForwardBatch
 from batchrun.models.loader import load_model
 from batchrun.parallel.state import tp_group_for
+
+try:
+    from batchrun.kernels.gemv import split_counters
+except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is off
+    split_counters = None
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +47,16 @@ class StepOutput(NamedTuple):
     top_logprobs: list[tuple[list[int], list[float]]] | None
 
 
-class ForwardHandle(NamedTuple):
-    """A launched forward whose logits wait for their sampler (a step with grammar requests
-    samples only once the host has filled the token bitmask)."""
+class PendingSample(NamedTuple):
+    """A launched forward's logits waiting for their sampling (launch(..., defer=True))."""
 
-    logits: torch.Tensor  # [S, V] fp32, on the device
+    logits: torch.Tensor  # [S, V] in the model's dtype, on the device
     sample_rows: torch.Tensor  # [S] int64: the sampling requests' rows
-    forward_start: object | None
-    forward_end: object | None
+    sampling: SamplingBatch
 
 
-class StagedForward(NamedTuple):
-    """A step's inputs on their way to the device (ModelRunner.stage_forward)."""
+class _Staged(NamedTuple):
+    """A step's inputs on their way to the device (ModelRunner._stage)."""
 
     input_ids: torch.Tensor  # [T]; placeholders (< 0) where the id is still in token_pool
     positions: torch.Tensor
@@ -59,8 +69,18 @@ class StagedForward(NamedTuple):
     has_placeholders: bool
 
 
+class _Forward(NamedTuple):
+    """A launched forward (ModelRunner._run_forward)."""
+
+    logits: torch.Tensor  # [S, V] in the model's dtype, on the device
+    sample_rows: torch.Tensor  # [S] int64: the sampling requests' rows
+    forward_start: object | None
+    forward_end: object | None
+
+
 class StepHandle(NamedTuple):
-    """A launched step: its device->host copies are in flight until `event` completes."""
+    """A launched step: its device->host copies are in flight until `event` completes. A step
+    launched with defer=True has no results yet: `pending` holds its logits."""
 
     next_ids_cpu: torch.Tensor | None  # [S] int64 (pinned on CUDA)
     logprobs_cpu: torch.Tensor | None
@@ -69,6 +89,7 @@ class StepHandle(NamedTuple):
     event: object | None  # torch.cuda.Event, None on CPU
     forward_start: object | None  # CUDA events bracketing the forward, for GPU occupancy
     forward_end: object | None
+    pending: PendingSample | None = None
 
 
 def resolve_dtype(name: str, device: torch.device, model_cfg: ModelConfig) -> torch.dtype:
@@ -88,12 +109,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
+    """config: resolved (sizes, overlap, and config.kernels by engine/kernel_choice.py). The
+    runner's `kernels` is that config as the model made it (decode_norms may step down when
+    its folded weights do not fit: LlamaForCausalLM.prepare_decode_norms)."""
+
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model_dir, context_len: int):
+        assert config.kernels.is_resolved, "resolve the kernel config first (kernel_choice)"
         self.config = config
         self.model_cfg = model_cfg
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
         self.context_len = context_len
+        kernels = config.kernels
         self.model = load_model(
             model_dir,
             model_cfg,
@@ -103,13 +130,13 @@ class ModelRunner:
             max_positions=context_len,
             seed=config.seed,
             tp=tp_group_for(config),  # the no-op group at tp_size 1
+            kernels=kernels,
+            dummy_init=config.dummy_init,
         )
-        self.model.set_decode_gemv("all" if self._use_decode_gemv() else None)
-        if self.device.type == "cuda" and use_fused_kernels(torch.empty(0, device=self.device)):
-            from batchrun.kernels.gemv import split_counters
-
-            # NOTE: before any graph capture (BATCHRUN_GEMV may turn gemv on whatever the mode)
-            split_counters(self.device)
+        self.kernels = kernels = replace(kernels, decode_norms=self.model.prepare_decode_norms())
+        log.info("kernels: %s", kernels.describe())
+        if kernels.decode_gemv == "triton":
+            split_counters(self.device)  # NOTE: allocated before any graph capture
         self.num_slots = self._kv_slots()
         self.kv_pool = KVPool(
             model_cfg.num_layers,
@@ -118,12 +145,11 @@ class ModelRunner:
             model_cfg.head_dim,
             self.dtype,
             self.device,
+            kernels,
         )
         self.req_pool = ReqToTokenPool(config.max_running, context_len, self.device)
-        self.backend = create_backend(
-            config.attention_backend, self.kv_pool, self.req_pool.table, self.device
-        )
-        self.sampler = Sampler()
+        self.backend = create_backend(kernels, self.kv_pool, self.req_pool.table)
+        self.sampler = Sampler(kernels)
         self.penalties = PenaltyState(config.max_running + 1, model_cfg.vocab_size, self.device)
         self._pin = self.device.type == "cuda"
         # NOTE: the engine runs on the stream current at start-up; recording events on a stream
@@ -135,11 +161,7 @@ class ModelRunner:
         self.token_pool = torch.zeros(config.max_running + 1, dtype=torch.int64, device=self.device)
         self.forward_time = 0.0  # GPU time inside forwards (CUDA events), seconds
         self.graphs = None  # CUDA-graph runner for decode batches
-        if (
-            self.device.type == "cuda"
-            and config.cuda_graph_max_bs > 0
-            and hasattr(self.backend, "init_graph_buffers")
-        ):
+        if kernels.cuda_graph_max_bs > 0 and hasattr(self.backend, "init_graph_buffers"):
             from batchrun.engine.cuda_graph import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(
@@ -147,14 +169,13 @@ class ModelRunner:
                 self.backend,
                 self.req_pool,
                 self.kv_pool,
-                min(config.cuda_graph_max_bs, config.max_running),
+                min(kernels.cuda_graph_max_bs, config.max_running),
                 self.device,
-                # the graphs' inputs in one Triton kernel (kernels/graph_inputs.py), where the
-                # Triton kernels are on
-                token_pool=self.token_pool if use_fused_kernels(self.token_pool) else None,
+                # the graphs' inputs in one Triton kernel (kernels/graph_inputs.py)
+                token_pool=self.token_pool if kernels.triton_ops else None,
             )
         self.piecewise = None  # piecewise graphs for the other steps
-        if self._use_piecewise():
+        if kernels.piecewise_graphs:
             from batchrun.engine.piecewise_graph import MAX_TOKENS, PiecewiseGraphRunner
 
             self.piecewise = PiecewiseGraphRunner(
@@ -163,33 +184,6 @@ class ModelRunner:
                 min(config.chunked_prefill_size + config.max_running, MAX_TOKENS),
                 self.device,
             )
-
-    def _use_decode_gemv(self) -> bool:
-        """config.decode_gemv, resolved: see EngineConfig (BATCHRUN_GEMV still overrides it)."""
-        mode = self.config.decode_gemv
-        if mode != "auto" or self.device.type != "cuda":
-            return mode == "triton"
-        from batchrun.kernels.pdl import PDL_ENV, device_supports_pdl
-
-        # NOTE: the Triton matmuls pay only with PDL: without it they lost to cuBLAS (W3
-        # llama-1b 1.28 against 1.16 ms, eighth session), so BATCHRUN_PDL=0 means cuBLAS too
-        return device_supports_pdl(self.device) and os.environ.get(PDL_ENV) != "0"
-
-    def _use_piecewise(self) -> bool:
-        """config.piecewise_cuda_graph, where it can run: CUDA, a token budget per step (a
-        chunked prefill size) and a model built of pre_attention / post_attention halves."""
-        cfg = self.config
-        if (
-            self.device.type != "cuda"
-            or not isinstance(cfg.chunked_prefill_size, int)
-            or not hasattr(self.model.layers[0], "pre_attention")
-        ):
-            return False
-        if cfg.piecewise_cuda_graph is not None:
-            return cfg.piecewise_cuda_graph
-        # NOTE: on by default only where the host is the bottleneck: a small model's mixed steps
-        # (a large one's GPU time hides their launches, and the padding to a captured size costs)
-        return cfg.cuda_graph_max_bs > 0 and not is_large(self.model_cfg)
 
     def _kv_slots(self) -> int:
         cfg, page = self.config, self.config.page_size
@@ -237,18 +231,40 @@ class ModelRunner:
         packed = self.staging.to_device(flat, torch.int64)
         return list(packed.split(sizes)[::2])
 
-    def sample_or_skip(self, fwd: ForwardHandle, sampling: SamplingBatch | None) -> StepHandle:
-        """launch_sample, or for a step that samples nothing (prefill chunks only) a handle
-        with no results."""
-        if sampling is None:
-            return StepHandle(None, None, None, None, None, fwd.forward_start, fwd.forward_end)
-        return self.launch_sample(fwd, sampling)
+    def launch(
+        self,
+        batch: ScheduledBatch,
+        sampling: SamplingBatch | None,
+        mask: Callable[[], tuple[TokenMask, GrammarBackend]] | None = None,
+        defer: bool = False,
+    ) -> StepHandle:
+        """Enqueue a step: its forward, then its sampling (none for a step of prefill chunks
+        only) and the copy of the sampled ids to the host; no sync. `mask`, called once the
+        forward is enqueued, enqueues the grammar rows' token bitmask (behind a host gate) and
+        returns it with its backend, to mask the logits before sampling. With `defer` the
+        sampling waits for sample_pending (the handle's `pending` holds the logits)."""
+        fwd = self._run_forward(self._stage(batch))
+        if sampling is None or defer:
+            pending = None
+            if sampling is not None:
+                pending = PendingSample(fwd.logits, fwd.sample_rows, sampling)
+            events = (fwd.forward_start, fwd.forward_end)
+            return StepHandle(None, None, None, None, None, *events, pending)
+        token_mask, grammar = (None, None) if mask is None else mask()
+        return self._sample(fwd, sampling, token_mask, grammar)
 
-    def stage_forward(self, batch: ScheduledBatch) -> StagedForward:
+    def sample_pending(
+        self, handle: StepHandle, mask: TokenMask | None, grammar: GrammarBackend | None
+    ) -> StepHandle:
+        """Enqueue the sampling of a step launched with defer=True (its logits masked first by
+        the grammar rows' token bitmask, if any)."""
+        p = handle.pending
+        fwd = _Forward(p.logits, p.sample_rows, handle.forward_start, handle.forward_end)
+        return self._sample(fwd, p.sampling, mask, grammar)
+
+    def _stage(self, batch: ScheduledBatch) -> _Staged:
         """A step's forward, host half: the step's inputs, packed and on their way to the
-        device; run_forward then enqueues the forward, whose logits stay on the device for
-        launch_sample (or sample_or_skip). Nothing staged reads the device state of earlier
-        steps, so a caller may enqueue other work (the previous step's sampling) in between."""
+        device (nothing staged reads the device state of earlier steps)."""
         seq_lens = batch.seq_lens
         rows = [r.row for r in batch.reqs]
         logits_indices: list[int] = []
@@ -279,12 +295,12 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             extend_lens_cpu=batch.extend_lens,
         )
-        return StagedForward(
+        return _Staged(
             input_ids, positions, logits_idx, attn, sample_rows_t, ph_pos, ph_row,
             (t_rows, t_cols, t_slots), bool(ph_positions),
         )  # fmt: skip
 
-    def run_forward(self, staged: StagedForward) -> ForwardHandle:
+    def _run_forward(self, staged: _Staged) -> _Forward:
         """A step's forward, device half: table writes, placeholder ids, the forward."""
         # queued request-to-token writes (admissions, new slots) land before attention reads
         self.req_pool.apply(*staged.table_writes)
@@ -304,14 +320,14 @@ class ModelRunner:
             end_ev.record(self.stream)
         else:
             self.forward_time += time.perf_counter() - t0
-        return ForwardHandle(logits, staged.sample_rows, start_ev, end_ev)
+        return _Forward(logits, staged.sample_rows, start_ev, end_ev)
 
-    def launch_sample(
+    def _sample(
         self,
-        fwd: ForwardHandle,
+        fwd: _Forward,
         sampling: SamplingBatch,
-        mask: TokenMask | None = None,
-        grammar: GrammarBackend | None = None,
+        mask: TokenMask | None,
+        grammar: GrammarBackend | None,
     ) -> StepHandle:
         """Enqueue sampling from a launched forward's logits (masked first by the grammar rows'
         token bitmask, if any) and the copy of the results to the host; no sync."""
@@ -338,7 +354,7 @@ class ModelRunner:
 
     def _graph_resolves_placeholders(self, attn: AttentionInputs) -> bool:
         """Whether this step replays a decode graph whose input kernel reads the placeholder ids
-        from the token pool itself (then run_forward leaves them)."""
+        from the token pool itself (then _run_forward leaves them)."""
         # NOTE: the batch-size test first: can_run scans every request's extend length
         graphs = self.graphs
         return graphs is not None and graphs.resolves_placeholders_of(attn) and graphs.can_run(attn)

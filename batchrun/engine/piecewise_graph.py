@@ -14,8 +14,9 @@ between them.
     logits            model.logits(hidden[:T], residual[:T])  (eager: the rows vary)
 
 Why: an eager forward of a mixed step launches ~10 kernels a layer from Python, and on the GPU
-host that cost ~8-17 ms of main-thread time per mixed step of llama-1b (docs/benchmarks.md), while
-the GPU ran the step in less. With pieces, a layer costs one replay and its attention's launches.
+machine's host that costs ~8-17 ms of main-thread time per mixed step of llama-1b, while the GPU
+runs the step in less (`scripts/bench_throughput.py --models llama-1b --variants
+batchrun,no-piecewise`). With pieces, a layer costs one replay and its attention's launches.
 Rotary is the attention's (forward_rotary): the Triton backend rotates inside its KV store, one
 kernel, the same one as a decode step's, so a token's keys have the same bits whichever step
 stored them.
@@ -33,6 +34,8 @@ import logging
 import time
 
 import torch
+
+from batchrun.engine.gc_pause import no_gc
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +121,7 @@ class PiecewiseGraphRunner:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         num_pieces = len(self.model.layers) + 1
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), no_gc():
             for b in reversed(self.buckets):  # largest first: the pool's size is set at once
                 graphs = []
                 for i in range(num_pieces):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchrun.engine.params import SamplingParams
+from batchrun.params import SamplingParams
 
 PLACEHOLDER = -1  # an output token that is sampled on the device but not yet seen by the host
 

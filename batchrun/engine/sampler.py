@@ -14,17 +14,21 @@ softmax(logit / T) restricted to that set without normalizing it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple
 
 import torch
 
-from batchrun.engine.params import SamplingParams
+from batchrun.config import KernelConfig
 from batchrun.engine.penalties import PenaltyState, apply_penalties, to_device
 from batchrun.engine.staging import PinnedStaging
-from batchrun.models.layers import use_fused_kernels
+from batchrun.params import SamplingParams
+
+try:
+    from batchrun.kernels.argmax import argmax
+except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is off
+    argmax = None
 
 _M32 = 0xFFFFFFFF
 # murmur3 fmix32 constants, shifted into (-2**31, 0) so that x * c with x < 2**32 never leaves the
@@ -253,29 +257,21 @@ class SampleOutput(NamedTuple):
     top_logprob_vals: torch.Tensor | None  # [B, K] fp32
 
 
-# greedy batches of at most this many rows take kernels/argmax.py, larger ones torch's argmax
-# (BATCHRUN_ARGMAX_MAX_ROWS overrides it; read when a Sampler is built)
-ARGMAX_MAX_ROWS = 1 << 30
-ARGMAX_MAX_ROWS_ENV = "BATCHRUN_ARGMAX_MAX_ROWS"
-
-
-def greedy_ids(logits: torch.Tensor, max_rows: int = ARGMAX_MAX_ROWS) -> torch.Tensor:
-    """logits.argmax(-1); on CUDA kernels/argmax.py, which spreads each row over many programs:
-    torch gives a row one block (35.7 µs for one 128k-vocabulary row on the H200, against a
-    decode step of ~1 ms at batch 1). The same ids: ties go to the lowest."""
-    if logits.dim() == 2 and logits.shape[0] <= max_rows and use_fused_kernels(logits):
-        from batchrun.kernels.argmax import argmax
-
-        return argmax(logits)
+def greedy_ids(logits: torch.Tensor, kernels: KernelConfig | None = None) -> torch.Tensor:
+    """logits.argmax(-1); with the Triton kernels kernels/argmax.py, which spreads each row over
+    many programs: torch gives a row one block (35.7 µs for one 128k-vocabulary row on the H200,
+    against a decode step of ~1 ms at batch 1). The same ids: ties go to the lowest."""
+    if kernels is not None and kernels.triton_ops and logits.dim() == 2:
+        return argmax(logits, pdl=kernels.pdl)
     return logits.argmax(dim=-1)
 
 
 class Sampler:
     """Stateless apart from a cache of the per-token hash for each (vocab size, device)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: KernelConfig | None = None) -> None:
+        self.kernels = kernels or KernelConfig.reference()
         self._vocab_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
-        self.argmax_max_rows = int(os.environ.get(ARGMAX_MAX_ROWS_ENV, ARGMAX_MAX_ROWS))
 
     def vocab_hash(self, vocab_size: int, device: torch.device) -> torch.Tensor:
         key = (vocab_size, device)
@@ -290,7 +286,7 @@ class Sampler:
         if batch.is_plain_greedy:
             # the argmax of the logits as they come (bf16 on the GPU: the same ids as in fp32,
             # and half the bytes to read)
-            return SampleOutput(greedy_ids(logits, self.argmax_max_rows), None, None, None)
+            return SampleOutput(greedy_ids(logits, self.kernels), None, None, None)
         if batch.all_greedy and not batch.has_penalties and not batch.needs_logprobs:
             # greedy rows with banned ids (min_new_tokens), the usual fixed-length batch job
             return SampleOutput(self._greedy_banned(logits, batch.banned), None, None, None)
@@ -321,7 +317,7 @@ class Sampler:
             logits = logits.view(num_rows, -1)
 
         if batch.all_greedy:
-            next_ids = greedy_ids(logits, self.argmax_max_rows)
+            next_ids = greedy_ids(logits, self.kernels)
         else:
             next_ids = self._sample(logits, batch)
             if batch.any_greedy:
@@ -341,14 +337,14 @@ class Sampler:
         token). An overlapping view (an expanded row) is filled out of place instead."""
         if not logits.is_contiguous():
             masked = logits.flatten().index_fill(0, flat_ids, float("-inf"))
-            return greedy_ids(masked.view(logits.shape), self.argmax_max_rows)
+            return greedy_ids(masked.view(logits.shape), self.kernels)
         # (inference mode: a CUDA graph's logits are an inference tensor, which only takes
         # in-place writes there)
         with torch.inference_mode():
             flat = logits.view(-1)
             saved = flat[flat_ids]
             flat.index_fill_(0, flat_ids, float("-inf"))
-            ids = greedy_ids(logits, self.argmax_max_rows)
+            ids = greedy_ids(logits, self.kernels)
             flat.index_put_((flat_ids,), saved)  # duplicates put the same value back
         return ids
 

@@ -7,7 +7,7 @@ with the least progress is retracted: its KV goes to the radix cache (or is free
 again at the front of the queue, to resume with its output so far as part of its prompt.
 
 Admission takes the queue in the order given (`batchrun submit` feeds it in prefix DFS order,
-batchrun/order.py), lets the longest cached prefix among the first few go first, and locks the
+batchrun/job/order.py), lets the longest cached prefix among the first few go first, and locks the
 cached prefixes of the next few between steps so that decode growth evicts other leaves first.
 """
 
@@ -284,7 +284,7 @@ class Scheduler:
             self.new_token_ratio = max(0.1, self.new_token_ratio - 0.001)
         self._pin_heads()
 
-    # -- prefix-aware admission (the queue arrives in batchrun.order's DFS order) --------------
+    # -- prefix-aware admission (the queue arrives in batchrun.job.order's DFS order) --------------
 
     def _prefer_cached(self) -> None:
         """Among the first CACHE_AWARE_WINDOW waiting requests, the longest cached prefix goes

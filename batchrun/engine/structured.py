@@ -22,8 +22,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, NamedTuple
 
 from batchrun.engine.grammar import GrammarBackend, TokenMask
-from batchrun.engine.params import GrammarSpec
 from batchrun.engine.request import Req
+from batchrun.params import GrammarSpec
 
 # (request, output index, token): a token recorded for the matchers (and, if they reject it, why
 # the request aborts)

@@ -1,5 +1,10 @@
-"""The engine in its own process (see client.py for the surface, worker.py for the loop)."""
+"""The engine in its own process.
 
-from batchrun.engine_process.client import EngineProcess, EngineProcessError
-
-__all__ = ["EngineProcess", "EngineProcessError"]
+    client.py         EngineProcess: the main process's side (the engine surface, over a pipe)
+    worker.py         the engine process's loop
+    messages.py       what the two say to each other (msgspec, batched both ways)
+    notify.py         how finished completions are batched into messages
+    data_parallel.py  DataParallelEngine: one engine process per GPU, fed from one reader
+    tp_launcher.py    start_tp_engine: a tensor-parallel group of engines, one per GPU
+    lockstep.py       LockstepEngine (rank 0) and the followers' loop: the group in lockstep
+"""

@@ -25,13 +25,13 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from batchrun.engine.config import MAX_RUNNING, EngineConfig, resolve_sizes
-from batchrun.engine.params import GenerateRequest, GenerateResult
-from batchrun.engine_process import messages as m
+import batchrun.engine_process.messages as m
+from batchrun.config import MAX_RUNNING, EngineConfig, KernelConfig, resolve_sizes
 from batchrun.engine_process.notify import DEFAULT_MAX_DELAY, DEFAULT_NOTIFY_BATCH
 from batchrun.engine_process.worker import worker_main
 from batchrun.errors import ModelError, RunError
 from batchrun.models.config import ModelConfig, ModelConfigError
+from batchrun.params import GenerateRequest, GenerateResult
 
 _EOF = object()  # the reader thread's last item: the connection closed
 # NOTE: at exit, multiprocessing joins every non-daemonic child; an engine process that nobody
@@ -133,6 +133,7 @@ class EngineProcess:
         self.num_kv_slots = ready.num_kv_slots
         self.vocab_size = ready.vocab_size
         self.device = ready.device
+        self.kernels = KernelConfig(**ready.kernels)  # as the engine process resolved them
 
     def _load_tokenizer(self):
         from transformers import AutoTokenizer

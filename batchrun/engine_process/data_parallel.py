@@ -21,10 +21,10 @@ from __future__ import annotations
 import threading
 import time
 
-from batchrun.engine.config import MAX_RUNNING, EngineConfig
-from batchrun.engine.params import GenerateRequest, GenerateResult
+from batchrun.config import MAX_RUNNING, EngineConfig
 from batchrun.engine_process.client import EngineProcess
 from batchrun.engine_process.notify import DEFAULT_NOTIFY_BATCH
+from batchrun.params import GenerateRequest, GenerateResult
 
 STICKY_PREFIX = 32  # tokens a request must share with the previous one to follow it
 
@@ -70,6 +70,7 @@ class DataParallelEngine:
         self.tokenizer = first.tokenizer
         self.context_len = first.context_len
         self.num_kv_slots = first.num_kv_slots
+        self.kernels = first.kernels  # every engine resolves the same on the same GPUs
         self.window = first.window
         # how far the sticky engine may run ahead of the least loaded one
         self.slack = max(1, (first.config.max_running or MAX_RUNNING) // 2)

@@ -11,9 +11,11 @@ more steps as one `Results` (at most one per step, see notify.py).
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
-from batchrun.engine.params import GenerateRequest, GenerateResult
+from batchrun.params import GenerateRequest, GenerateResult
 
 
 class Submit(msgspec.Struct, tag=True, omit_defaults=True):
@@ -33,6 +35,7 @@ class Ready(msgspec.Struct, tag=True):
     num_kv_slots: int
     vocab_size: int
     device: str
+    kernels: dict[str, Any]  # the engine's resolved KernelConfig, field by field
 
 
 class EngineCounters(msgspec.Struct, omit_defaults=True):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from batchrun.engine.params import GenerateResult
+from batchrun.params import GenerateResult
 
 DEFAULT_NOTIFY_BATCH = 16
 DEFAULT_MAX_DELAY = 0.5  # seconds

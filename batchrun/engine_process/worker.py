@@ -16,15 +16,16 @@ died) ends it too.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from batchrun.engine.config import EngineConfig
-from batchrun.engine.params import GenerateRequest, GenerateResult
-from batchrun.engine_process import messages as m
+import batchrun.engine_process.messages as m
+from batchrun.config import EngineConfig
 from batchrun.engine_process.notify import NotifyBatcher
+from batchrun.params import GenerateRequest, GenerateResult
 
 GPU_ENGINE_THREADS = 4
 
@@ -56,6 +57,7 @@ def worker_main(
             num_kv_slots=engine.num_kv_slots,
             vocab_size=engine.model_config.vocab_size,
             device=str(engine.device),
+            kernels=dataclasses.asdict(engine.kernels),
         ),
     )
     try:
@@ -80,7 +82,7 @@ def load_engine(config: EngineConfig, device_index: int | None):
     import torch
 
     if config.tp_size > 1:
-        from batchrun.parallel.launcher import start_tp_engine
+        from batchrun.engine_process.tp_launcher import start_tp_engine
 
         return start_tp_engine(config, config.tp_size, base_device_index=device_index or 0)
     from batchrun.engine.engine import Engine

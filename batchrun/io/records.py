@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from batchrun.engine.params import TopLogprobs
 from batchrun.io.rows import PreparedRow, RowError
+from batchrun.params import TopLogprobs
 
 
 class Completion(NamedTuple):

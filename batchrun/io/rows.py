@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from batchrun.engine.params import GrammarSpec, SamplingParams
 from batchrun.io.readers import RawRow
+from batchrun.params import GrammarSpec, SamplingParams
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")

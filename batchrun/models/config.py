@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchrun.errors import ModelConfigError
+
 # architecture name in config.json -> (qkv bias by default, q/k RMSNorm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
@@ -15,10 +17,6 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen3ForCausalLM": (False, True),
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-
-
-class ModelConfigError(ValueError):
-    """A config.json batchrun cannot run; the message says what is supported."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ and a slice of the vocabulary; logits are all-gathered, so every rank returns th
 from __future__ import annotations
 
 import logging
-import os
 from typing import NamedTuple
 
 import torch
@@ -19,27 +18,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchrun.attention.base import AttentionBackend
-from batchrun.models.config import ModelConfig
-from batchrun.models.layers import (
-    FOLD_MODES,
-    GEMV_SWIGLU_ENV,
-    RMSNorm,
-    RotaryEmbedding,
-    gemv_norm_fusion,
+from batchrun.config import KernelConfig
+from batchrun.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
     linear,
-    norm_fusion_mode,
-    swiglu_linear,
-    use_fused_kernels,
+    takes_gemv,
 )
-from batchrun.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from batchrun.layers.norm import RMSNorm
+from batchrun.layers.rotary import RotaryEmbedding
+from batchrun.models.config import ModelConfig
 from batchrun.parallel.partition import ShardSpec, TPPartition, partition_model
 from batchrun.parallel.state import TPGroup
 
+try:
+    from batchrun.kernels.activation import silu_and_mul
+    from batchrun.kernels.gemv import gemv, gemv_residual, gemv_rms, rms_fold_weight
+except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is off
+    silu_and_mul = gemv = gemv_residual = gemv_rms = rms_fold_weight = None
+
 log = logging.getLogger(__name__)
 
-# NOTE: the folded decode weights ("fold", "fold-all") are copies; they may take at most this
-# share of the device's free memory after the model is loaded (an H200 with llama-8b: 9.1 GB of
-# ~124; a 24 GB GPU would fold none of gate_up's 7.5 GB and keep its memory for the KV pool)
+# the decode_norms modes with folded weights (LlamaForCausalLM.prepare_decode_norms)
+FOLD_MODES = ("fold", "fold-all")
+# NOTE: the folded decode weights are copies; they may take at most this share of the device's
+# free memory after the model is loaded (an H200 with llama-8b: 9.1 GB of ~124; a 24 GB GPU
+# folds none of gate_up's 7.5 GB and keeps its memory for the KV pool)
 FOLD_MAX_FREE_SHARE = 0.25
 
 
@@ -60,7 +65,14 @@ class ForwardBatch(NamedTuple):
 
 class Attention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, part: TPPartition, tp: TPGroup, layer_id: int, dtype, device
+        self,
+        cfg: ModelConfig,
+        part: TPPartition,
+        tp: TPGroup,
+        layer_id: int,
+        dtype,
+        device,
+        kernels: KernelConfig,
     ):
         super().__init__()
         self.layer_id = layer_id
@@ -79,14 +91,15 @@ class Attention(nn.Module):
             bias=cfg.qkv_bias,
             dtype=dtype,
             device=device,
+            kernels=kernels,
         )
         self.o_proj = RowParallelLinear(
-            part.o_spec(cfg), cfg.hidden_size, bias=False, tp=tp, dtype=dtype, device=device
+            part.o_spec(cfg), cfg.hidden_size, False, tp, dtype, device, kernels
         )
         # NOTE: q/k norms are per head (weight [head_dim]): replicated, whatever the split
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, kernels)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, kernels)
         else:
             self.q_norm = self.k_norm = None
 
@@ -118,8 +131,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, part: TPPartition, tp: TPGroup, dtype, device):
+    def __init__(
+        self, cfg: ModelConfig, part: TPPartition, tp: TPGroup, dtype, device, kernels: KernelConfig
+    ):
         super().__init__()
+        self.kernels = kernels
         self.intermediate_size = part.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(  # local rows [gate of this rank | up of it]
             cfg.hidden_size,
@@ -128,41 +144,43 @@ class MLP(nn.Module):
             bias=cfg.mlp_bias,
             dtype=dtype,
             device=device,
+            kernels=kernels,
         )
         self.down_proj = RowParallelLinear(
-            part.down_spec(cfg),
-            cfg.hidden_size,
-            bias=cfg.mlp_bias,
-            tp=tp,
-            dtype=dtype,
-            device=device,
+            part.down_spec(cfg), cfg.hidden_size, cfg.mlp_bias, tp, dtype, device, kernels
         )
 
     def forward(self, x):
-        proj = self.gate_up_proj
-        # NOTE: a decode batch on kernels/gemv.py: the gate as the matmul's epilogue, one kernel
-        # a layer less (the gate's kernel costs ~1.5 µs at batch 1 on the H200)
-        act = swiglu_linear(x, proj.weight, proj.bias, proj.decode_gemv)
-        if act is not None:
-            return self.down_proj(act)
+        proj, kernels = self.gate_up_proj, self.kernels
+        if takes_gemv(x, proj.bias, kernels):
+            # NOTE: a decode batch on kernels/gemv.py: the gate as the matmul's epilogue, one
+            # kernel a layer less (the gate's kernel costs ~1.5 µs at batch 1 on the H200)
+            return self.down_proj(gemv(x, proj.weight, swiglu=True, pdl=kernels.pdl))
         gate_up = proj(x)  # [T, 2 * I]
-        if use_fused_kernels(gate_up):
-            from batchrun.kernels.activation import silu_and_mul
-
-            return self.down_proj(silu_and_mul(gate_up))
+        if kernels.triton_ops:
+            return self.down_proj(silu_and_mul(gate_up, pdl=kernels.pdl))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, part: TPPartition, tp: TPGroup, layer_id: int, dtype, device
+        self,
+        cfg: ModelConfig,
+        part: TPPartition,
+        tp: TPGroup,
+        layer_id: int,
+        dtype,
+        device,
+        kernels: KernelConfig,
     ):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, part, tp, layer_id, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, part, tp, dtype, device)
+        self.pdl = kernels.pdl
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, kernels)
+        self.self_attn = Attention(cfg, part, tp, layer_id, dtype, device, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, kernels)
+        self.mlp = MLP(cfg, part, tp, dtype, device, kernels)
 
     def forward(self, x, residual, positions, rotary, backend):
         """Residual-stream form of `h = x + attn(norm(x)); out = h + mlp(norm(h))`: takes and
@@ -206,33 +224,29 @@ class DecoderLayer(nn.Module):
         gate_up's. Takes h (the residual stream) and normed (this layer's input norm of it);
         returns the next h and next_norm (the next layer's input norm, or the final norm) of
         it. With fuse_next False that norm is a kernel of its own after down_proj (which still
-        adds the residual). "fold" (`fold_norms`): normed None means this layer's input
-        norm runs inside its qkv matmul (gemv_rms), and next_norm None that the next layer's
-        does (returns h, None). fold_post ("fold-all"): the post-attention norm runs inside
-        gate_up's matmul (gemv_rms with the SwiGLU gate), and o_proj only adds the residual."""
-        from batchrun.kernels.activation import silu_and_mul
-        from batchrun.kernels.gemv import gemv, gemv_residual, gemv_rms
-
-        attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
+        adds the residual). "fold" (`prepare_decode_norms`): normed None means this layer's
+        input norm runs inside its qkv matmul (gemv_rms), and next_norm None that the next
+        layer's does (returns h, None). fold_post ("fold-all"): the post-attention norm runs
+        inside gate_up's matmul (gemv_rms with the SwiGLU gate), and o_proj only adds the
+        residual."""
+        attn, mlp, post, pdl = self.self_attn, self.mlp, self.post_attention_layernorm, self.pdl
         if normed is None:  # "fold": this layer's input norm inside the qkv matmul
-            qkv = gemv_rms(h, attn.qkv_weight_rms, self.input_layernorm.eps)
+            qkv = gemv_rms(h, attn.qkv_weight_rms, self.input_layernorm.eps, pdl=pdl)
         else:
-            qkv = gemv(normed, attn.qkv_proj.weight)
+            qkv = gemv(normed, attn.qkv_proj.weight, pdl=pdl)
         out = attn.attention(qkv, positions, rotary, backend)
         if fold_post:
-            h = gemv_residual(out, attn.o_proj.weight, h).h
-            act = gemv_rms(h, mlp.gate_up_weight_rms, post.eps, swiglu=True)
+            h = gemv_residual(out, attn.o_proj.weight, h, pdl=pdl).h
+            act = gemv_rms(h, mlp.gate_up_weight_rms, post.eps, swiglu=True, pdl=pdl)
         else:
-            h, normed = gemv_residual(out, attn.o_proj.weight, h, norm=(post.weight, post.eps))
-            if os.environ.get(GEMV_SWIGLU_ENV) == "0":
-                act = silu_and_mul(gemv(normed, mlp.gate_up_proj.weight))
-            else:
-                act = gemv(normed, mlp.gate_up_proj.weight, swiglu=True)
-        if fuse_next:
-            return gemv_residual(
-                act, mlp.down_proj.weight, h, norm=(next_norm.weight, next_norm.eps)
+            h, normed = gemv_residual(
+                out, attn.o_proj.weight, h, norm=(post.weight, post.eps), pdl=pdl
             )
-        h = gemv_residual(act, mlp.down_proj.weight, h).h
+            act = gemv(normed, mlp.gate_up_proj.weight, swiglu=True, pdl=pdl)
+        if fuse_next:
+            norm = (next_norm.weight, next_norm.eps)
+            return gemv_residual(act, mlp.down_proj.weight, h, norm=norm, pdl=pdl)
+        h = gemv_residual(act, mlp.down_proj.weight, h, pdl=pdl).h
         return h, None if next_norm is None else next_norm(h)
 
 
@@ -244,9 +258,14 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str,
         max_positions: int | None = None,
         tp: TPGroup | None = None,
+        kernels: KernelConfig | None = None,
     ):
         super().__init__()
         self.config = cfg
+        self.kernels = kernels = kernels or KernelConfig.reference()
+        # the one-row decode's norms in the gemvs: the kernel config's, until
+        # prepare_decode_norms says which of its folded weights fit
+        self.decode_norms = kernels.decode_norms
         self.tp = tp = tp or TPGroup()
         self.partition = part = partition_model(cfg, tp.rank, tp.size)
         self.num_kv_heads = part.num_kv_heads  # per rank: what the KV pool holds
@@ -255,15 +274,15 @@ class LlamaForCausalLM(nn.Module):
             vocab, part.vocab_per_rank, cfg.hidden_size, tp, dtype, device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, part, tp, i, dtype, device) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, part, tp, i, dtype, device, kernels) for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, kernels)
         # SmolLM2 and other tied models reuse embed_tokens, whose vocab slice is the same
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
             else ColumnParallelLinear(
-                cfg.hidden_size, vocab, part.vocab_per_rank, bias=False, dtype=dtype, device=device
+                cfg.hidden_size, vocab, part.vocab_per_rank, False, dtype, device, kernels
             )
         )
         self.rotary = RotaryEmbedding(
@@ -272,20 +291,8 @@ class LlamaForCausalLM(nn.Module):
             cfg.rope_theta,
             cfg.rope_scaling,
             device,
+            kernels,
         )
-
-    decode_gemv: str | None = None  # the LM head's default mode (models.layers.linear)
-
-    def set_decode_gemv(self, mode: str | None) -> None:
-        """The default mode of the Triton decode matmuls (models.layers.linear: "all",
-        "triton", or None for cuBLAS) for every projection and the LM head."""
-        self.decode_gemv = mode
-        for module in self.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                module.decode_gemv = mode
-        fusion = norm_fusion_mode(self.config.hidden_size)
-        if mode == "all" and fusion in FOLD_MODES and self._plain_layers():
-            self.fold_norms(post=fusion == "fold-all")
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -307,87 +314,61 @@ class LlamaForCausalLM(nn.Module):
         batch takes the argmax as they are (an fp32 copy of [256, 128k] logits costs ~200 MB of
         memory traffic a step)."""
         x, residual = self.embed_tokens(batch.input_ids), None  # [T, hidden]
-        fusion = self._norms_in_gemv(x)
-        if fusion is not None:
-            return self.forward_gemv(
-                x, batch, backend, fuse_input_norms=fusion == "all", fold=fusion in FOLD_MODES,
-                fold_post=fusion == "fold-all",
-            )  # fmt: skip
+        if x.shape[0] == 1 and self.decode_norms != "off" and takes_gemv(x, None, self.kernels):
+            return self.forward_gemv(x, batch, backend)
         for layer in self.layers:
             x, residual = layer(x, residual, batch.positions, self.rotary, backend)
         return self.logits(x, residual, batch.logits_indices)
 
-    def _plain_layers(self) -> bool:
-        """Whether the decoder's matmuls are plain (no biases) and whole (TP = 1: a
-        row-parallel matmul's all-reduce comes between its sums and the residual), with at
-        least one layer: what forward_gemv's fused norms need."""
-        cfg = self.config
-        return bool(self.layers) and not self.tp.is_parallel and not (cfg.qkv_bias or cfg.mlp_bias)
-
-    def _norms_in_gemv(self, x: torch.Tensor) -> str | None:
-        """`gemv_norm_fusion` for one row (the norm's last-tile reduction holds one) of a model
-        with `_plain_layers`."""
-        if x.shape[0] != 1 or not self._plain_layers():
-            return None
-        fusion = gemv_norm_fusion(x, self.decode_gemv)
-        # the folded weights that were not made (fold_norms) fall back to the mode before
-        if fusion == "fold-all" and not hasattr(self.layers[0].mlp, "gate_up_weight_rms"):
-            fusion = "fold"
-        if fusion == "fold" and not hasattr(self.layers[0].self_attn, "qkv_weight_rms"):
-            fusion = "post"
-        return fusion
-
-    def fold_norms(self, post: bool = False) -> None:
-        """Each layer's qkv weight times its input norm's, for "fold" (gemv_rms), and with post
-        its gate_up weight times its post-attention norm's ("fold-all"): copies, so the other
-        paths keep theirs (llama-8b: 1.6 GB for qkv, 7.5 GB for gate_up; made with the model,
-        before the KV pool takes the free memory). Copies that would take more than
-        FOLD_MAX_FREE_SHARE of the device's free memory are not made: gate_up's first, then
-        qkv's (the decode then runs the mode before, `_norms_in_gemv`)."""
-        from batchrun.kernels.gemv import rms_fold_weight
-
+    def prepare_decode_norms(self) -> str:
+        """Make the folded weights decode_norms needs ("fold": each layer's qkv weight times
+        its input norm's, for gemv_rms; "fold-all": also gate_up's times its post-attention
+        norm's): copies, so the other paths keep theirs (llama-8b: 1.6 GB for qkv, 7.5 GB for
+        gate_up), made after the weights are loaded and before the KV pool takes the free
+        memory. Copies that would take more than FOLD_MAX_FREE_SHARE of the device's free
+        memory are not made: gate_up's first ("fold-all" becomes "fold"), then qkv's ("fold"
+        becomes "post"). Returns the mode the decode runs."""
+        mode = self.decode_norms
+        if mode not in FOLD_MODES:
+            return mode
         qkv = sum(layer.self_attn.qkv_proj.weight.nbytes for layer in self.layers)
         gate_up = sum(layer.mlp.gate_up_proj.weight.nbytes for layer in self.layers)
         budget = fold_budget(self.lm_head_weight.device)
         skipped = "%s's folded weights (%.1f GB) left out: over the budget of %.1f GB"
-        if post and qkv + gate_up > budget:
+        if mode == "fold-all" and qkv + gate_up > budget:
             log.info(skipped, "gate_up", gate_up / 1e9, budget / 1e9)
-            post = False
+            mode = "fold"
         if qkv > budget:
             log.info(skipped, "qkv", qkv / 1e9, budget / 1e9)
-            return
-        for layer in self.layers:
+            mode = "post"
+        for layer in self.layers if mode in FOLD_MODES else ():
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_weight_rms = rms_fold_weight(
                 attn.qkv_proj.weight.detach(), layer.input_layernorm.weight.detach()
             )
-            if post:
+            if mode == "fold-all":
                 mlp.gate_up_weight_rms = rms_fold_weight(
                     mlp.gate_up_proj.weight.detach(),
                     layer.post_attention_layernorm.weight.detach(),
                 )
-        if self.lm_head_weight.is_cuda:  # the fp32 temporaries back to the driver, whose free
-            torch.cuda.empty_cache()  # memory sizes the KV pool
+        if mode in FOLD_MODES and self.lm_head_weight.is_cuda:
+            torch.cuda.empty_cache()  # the fp32 temporaries back to the driver, whose free
+            # memory sizes the KV pool
+        self.decode_norms = mode
+        return mode
 
     def forward_gemv(
-        self,
-        x: torch.Tensor,
-        batch: ForwardBatch,
-        backend: AttentionBackend,
-        fuse_input_norms: bool = True,
-        fold: bool = False,
-        fold_post: bool = False,
+        self, x: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
     ) -> torch.Tensor:
-        """`forward` of a one-row decode batch on kernels/gemv.py (DecoderLayer.forward_gemv):
-        the first layer's input norm is a kernel, every later norm runs inside the matmul
-        before it (without fuse_input_norms: only the post-attention norms; the input norms and
-        the final norm are kernels after down_proj; with fold, the input norms run inside the
-        qkv matmul after them instead; with fold_post, the post-attention norms inside gate_up's).
-        x: the embeddings [1, hidden]."""
-        from batchrun.kernels.gemv import gemv
-
-        layers = self.layers
-        if fold:  # every input norm inside its qkv matmul; the final norm stays a kernel
+        """`forward` of a one-row decode batch on kernels/gemv.py (DecoderLayer.forward_gemv),
+        by decode_norms: "all": the first layer's input norm is a kernel, every later norm runs
+        inside the matmul before it; "post": only the post-attention norms do, the input norms
+        and the final norm are kernels after down_proj; "fold": the input norms run inside the
+        qkv matmul after them instead; "fold-all": also the post-attention norms inside
+        gate_up's. x: the embeddings [1, hidden]."""
+        mode, layers = self.decode_norms, self.layers
+        fuse_input_norms, fold_post = mode == "all", mode == "fold-all"
+        if mode in FOLD_MODES:  # every input norm inside its qkv matmul; the final norm a kernel
             h, normed = x, None
             next_norms = [None] * (len(layers) - 1) + [self.norm]
         else:
@@ -400,7 +381,7 @@ class LlamaForCausalLM(nn.Module):
             )  # fmt: skip
         if batch.logits_indices is not None:
             normed = normed[batch.logits_indices]
-        return gemv(normed, self.lm_head_weight)
+        return gemv(normed, self.lm_head_weight, pdl=self.kernels.pdl)
 
     def logits(self, x, residual, logits_indices: torch.Tensor | None) -> torch.Tensor:
         """The final norm and the LM head over the last layer's (hidden, residual), for the rows
@@ -408,7 +389,7 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.norm.forward_with_residual(x, residual)
-        logits = linear(x, self.lm_head_weight, decode_gemv=self.decode_gemv)  # [S, V / TP]
+        logits = linear(x, self.lm_head_weight, kernels=self.kernels)  # [S, V / TP]
         if self.tp.is_parallel:
             # every rank gets the full logits, so all sample the same tokens
             logits = self.tp.all_gather(logits)[:, : self.config.vocab_size]

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
+from batchrun.config import KernelConfig
+from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.config import ModelConfig
-from batchrun.models.layers import RotaryEmbedding, init_dummy_
+from batchrun.models.dummy import init_dummy_
 from batchrun.models.llama import LlamaForCausalLM
 from batchrun.parallel.partition import ShardSpec, replicated
 from batchrun.parallel.state import TPGroup
@@ -39,10 +41,11 @@ def build_model(
     device: torch.device | str,
     max_positions: int,
     tp: TPGroup | None = None,
+    kernels: KernelConfig | None = None,
 ) -> LlamaForCausalLM:
     """An uninitialized model on `device` (no time spent on random init of real weights), but
     for the vocabulary padding of the last TP rank, which is zeroed."""
-    model = LlamaForCausalLM(cfg, dtype, "meta", max_positions, tp)
+    model = LlamaForCausalLM(cfg, dtype, "meta", max_positions, tp, kernels)
     model.to_empty(device=device)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -53,7 +56,7 @@ def build_model(
                 param.narrow(spec.dim, spec.local_len, pad).zero_()
     # meta construction left the rotary tables empty: build them for real
     model.rotary = RotaryEmbedding(
-        cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
+        cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device, model.kernels
     )
     return model
 
@@ -67,10 +70,12 @@ def load_model(
     max_positions: int,
     seed: int = 0,
     tp: TPGroup | None = None,
+    kernels: KernelConfig | None = None,
+    dummy_init: str = "normal",
 ) -> LlamaForCausalLM:
-    model = build_model(cfg, dtype, device, max_positions, tp)
+    model = build_model(cfg, dtype, device, max_positions, tp, kernels)
     if load_format == "dummy":
-        init_dummy_(model, seed=seed, shards=model.param_shards())
+        init_dummy_(model, dummy_init, seed=seed, shards=model.param_shards())
     else:
         load_safetensors(model, Path(model_dir), cfg)
     return model.eval()

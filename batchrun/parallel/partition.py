@@ -20,9 +20,12 @@ The vocabulary splits into ceil(V / tp) rows per rank; the last rank's tail is z
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from batchrun.models.config import ModelConfig, ModelConfigError
+from batchrun.errors import ModelConfigError
+
+if TYPE_CHECKING:
+    from batchrun.models.config import ModelConfig
 
 
 class Run(NamedTuple):

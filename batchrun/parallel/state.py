@@ -102,7 +102,7 @@ def tp_group_for(config) -> TPGroup:
     if not dist.is_initialized():
         raise RuntimeError(
             f"tp_size={size} needs torch.distributed to be initialized in every rank's process; "
-            "start the engine with batchrun.parallel.launcher.start_tp_engine"
+            "start the engine with batchrun.engine_process.tp_launcher.start_tp_engine"
         )
     if dist.get_world_size() != size or dist.get_rank() != rank:
         raise RuntimeError(

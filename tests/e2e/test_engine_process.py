@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import make_tiny_chat_model  # noqa: E402
 
 from batchrun.cli import main  # noqa: E402
-from batchrun.engine.config import EngineConfig  # noqa: E402
+from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.engine.params import GenerateRequest, SamplingParams  # noqa: E402
-from batchrun.engine_process import EngineProcess  # noqa: E402
+from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
+from batchrun.engine_process.client import EngineProcess  # noqa: E402
 from batchrun.errors import ModelError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

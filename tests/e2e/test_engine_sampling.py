@@ -15,9 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import make_tiny_model, random_prompts  # noqa: E402
 
-from batchrun.engine.config import EngineConfig  # noqa: E402
+from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine, derive_seed  # noqa: E402
-from batchrun.engine.params import GenerateRequest, GenerateResult, SamplingParams  # noqa: E402
+from batchrun.params import GenerateRequest, GenerateResult, SamplingParams  # noqa: E402
 from batchrun.engine.stop import cut_at_stop  # noqa: E402
 
 VOCAB = 256

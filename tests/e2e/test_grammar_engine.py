@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from spies import count_calls  # noqa: E402
 from tiny_models import TINY_JSON_SCHEMA, make_tiny_chat_model, random_prompts  # noqa: E402
 
-from batchrun.engine.config import EngineConfig  # noqa: E402
+from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.engine.params import GenerateRequest, GrammarSpec, SamplingParams  # noqa: E402
+from batchrun.params import GenerateRequest, GrammarSpec, SamplingParams  # noqa: E402
 
 SCHEMA = TINY_JSON_SCHEMA
 SPECS = [

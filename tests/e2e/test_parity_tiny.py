@@ -11,9 +11,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import make_tiny_model, random_prompts  # noqa: E402
 
-from batchrun.engine.config import EngineConfig  # noqa: E402
+from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.engine.params import GenerateRequest, SamplingParams  # noqa: E402
+from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
 
 KINDS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "tied"]
 NEW_TOKENS = 64

@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import make_tiny_chat_model, make_tiny_model  # noqa: E402
 
 from batchrun.cli import main  # noqa: E402
-from batchrun.engine.config import EngineConfig  # noqa: E402
+from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.engine.params import GenerateRequest, SamplingParams  # noqa: E402
-from batchrun.order import order_items, reuse_lens, sort_key  # noqa: E402
+from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
+from batchrun.job.order import order_items, reuse_lens, sort_key  # noqa: E402
 
 GROUPS, PER_GROUP, PREFIX = 24, 6, 128
 BUDGET = 400  # KV tokens; the distinct prefixes alone are 24 * 128 = 3072

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchrun.engine.config import EngineConfig
+from batchrun.config import EngineConfig
 from batchrun.engine.engine import Engine
-from batchrun.engine.params import GenerateRequest, SamplingParams
+from batchrun.params import GenerateRequest, SamplingParams
 
 CHATS = [
     "What is the capital of France?",

@@ -22,10 +22,11 @@ import pytest
 from click.testing import CliRunner
 
 from batchrun.cli import main
-from batchrun.engine.config import EngineConfig
+from batchrun.config import EngineConfig
 from batchrun.engine.engine import Engine
-from batchrun.engine.params import SamplingParams
-from batchrun.runner import RunConfig, Runner
+from batchrun.params import SamplingParams
+from batchrun.job.config import RunConfig
+from batchrun.job.runner import Runner
 
 jsonschema = pytest.importorskip("jsonschema")
 

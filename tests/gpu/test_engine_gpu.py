@@ -29,7 +29,7 @@ def model_dir(tmp_path_factory):
 def _requests(num: int, new: int):
     from tiny_models import random_prompts
 
-    from batchrun.engine.params import GenerateRequest, SamplingParams
+    from batchrun.params import GenerateRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(num, seed=11, min_len=4, max_len=120)
@@ -40,7 +40,7 @@ def _requests(num: int, new: int):
 
 
 def _run(model_dir: str, **kw) -> dict[str, list[int]]:
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
 
     cfg = dict(model=model_dir, device="cuda", dtype="float32", kv_budget=20000)
@@ -133,7 +133,7 @@ def test_piecewise_graphs_give_the_same_tokens(model_dir, reference, monkeypatch
 
 def test_piecewise_graphs_default_on_small_models_only(model_dir):
     """On by default for a small model with decode graphs on; off without them, or when asked."""
-    from batchrun.engine.config import CHUNKED_PREFILL, MAX_RUNNING_CUDA, EngineConfig
+    from batchrun.config import CHUNKED_PREFILL, MAX_RUNNING_CUDA, EngineConfig
     from batchrun.engine.engine import Engine
 
     base = dict(model=model_dir, device="cuda", dtype="float32", kv_budget=2000)
@@ -173,7 +173,7 @@ def test_matches_hf_on_cuda(model_dir):
 def test_dummy_weights_drawn_on_the_device(model_dir, monkeypatch, kind):
     """load_format="dummy" draws on the GPU: normal(0, 0.02) with the norms at 1, or with
     BATCHRUN_DUMMY_INIT=uniform every parameter in U(-1e-3, 1e-3); seeded, so equal twice."""
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
     from batchrun.models.layers import DUMMY_INIT_ENV, UNIFORM_DUMMY_BOUND
 

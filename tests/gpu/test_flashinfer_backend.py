@@ -216,9 +216,9 @@ def model_dir(tmp_path_factory):
 def _generate(model_dir: str, **kw):
     from tiny_models import random_prompts
 
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
-    from batchrun.engine.params import GenerateRequest, SamplingParams
+    from batchrun.params import GenerateRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True, top_logprobs=2)
     prompts = random_prompts(40, seed=11, min_len=4, max_len=120)

@@ -232,7 +232,7 @@ def tiny_dir(request, tmp_path_factory):
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 3e-2), ("float16", 5e-3)])
 def test_model_logits_fused_vs_torch(tiny_dir, dtype, tol, monkeypatch):
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
 
     engine = Engine(
@@ -267,7 +267,7 @@ def test_argmax_kernel_matches_torch(rows, vocab, dtype):
 def test_sampler_greedy_banned_on_cuda():
     """A greedy batch with banned ids (min_new_tokens) on bf16 CUDA logits: the argmax of the
     masked logits, and the logits as they came (the ids are -inf only for the argmax)."""
-    from batchrun.engine.params import SamplingParams
+    from batchrun.params import SamplingParams
     from batchrun.engine.sampler import Sampler, SamplingBatch
 
     rows, vocab, eos = 256, 128256, 128001

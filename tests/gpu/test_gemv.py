@@ -286,9 +286,9 @@ def test_engine_with_decode_gemv(kind, mode, tmp_path, monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tiny_models import make_tiny_model, random_prompts
 
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
-    from batchrun.engine.params import GenerateRequest, SamplingParams
+    from batchrun.params import GenerateRequest, SamplingParams
     from batchrun.models.layers import GEMV_ENV, GEMV_NORM_ENV
 
     make_tiny_model(kind, tmp_path)

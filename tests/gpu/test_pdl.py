@@ -159,9 +159,9 @@ def test_engine_tokens_and_logits_identical_with_and_without_pdl(gemv_mode, tmp_
     on kernels/gemv.py (BATCHRUN_GEMV=all)."""
     from batchrun.kernels.pdl import PDL_ENV
 
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
-    from batchrun.engine.params import GenerateRequest, SamplingParams
+    from batchrun.params import GenerateRequest, SamplingParams
     from batchrun.models.layers import GEMV_ENV
 
     (tmp_path / "config.json").write_text(json.dumps(MODEL))

@@ -192,10 +192,10 @@ def test_engine_same_tokens_with_and_without_fusion(tiny_dir, cuda_graph_max_bs,
     from spies import count_calls
     from tiny_models import random_prompts
 
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
     from batchrun.engine.kv_pool import ROTARY_STORE_ENV
-    from batchrun.engine.params import GenerateRequest, SamplingParams
+    from batchrun.params import GenerateRequest, SamplingParams
 
     monkeypatch.delenv("BATCHRUN_NO_FUSED", raising=False)
     calls = count_calls(monkeypatch, rotary_kv_store, "rotary_store_kv")

@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory):
 def _requests():
     from tiny_models import TINY_JSON_SCHEMA, random_prompts
 
-    from batchrun.engine.params import GenerateRequest, GrammarSpec, SamplingParams
+    from batchrun.params import GenerateRequest, GrammarSpec, SamplingParams
 
     specs = [
         GrammarSpec("json_schema", json.dumps(TINY_JSON_SCHEMA)),
@@ -49,7 +49,7 @@ def _requests():
 
 
 def _run(model_dir: str, **kw):
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
 
     cfg = dict(model=model_dir, device="cuda", dtype="float32", kv_budget=20000)
@@ -62,7 +62,7 @@ def _run(model_dir: str, **kw):
 def _sharded_engine(model_dir: str, monkeypatch):
     """An engine whose fill jobs run in 3 parts, even for small batches (structured.py)."""
     from batchrun.engine import structured
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
 
     monkeypatch.setattr(structured, "MIN_SHARD_ROWS", 2)
@@ -133,7 +133,7 @@ def test_a_rejected_token_aborts_that_request_only_gated(model_dir, monkeypatch)
     """A matcher that refuses a token (made up here) on a gated step: that request ends
     `abort` at that token, the others are untouched, and the device never hangs."""
     _, expected = _run(model_dir, overlap=True)
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
 
     engine = Engine(EngineConfig(model=model_dir, device="cuda", dtype="float32", kv_budget=20000))
@@ -171,7 +171,7 @@ def test_a_rejected_token_aborts_that_request_only_gated(model_dir, monkeypatch)
 def test_a_failing_fill_job_still_opens_the_gate(model_dir, monkeypatch):
     """An error in the fill job surfaces from step(); the gate it would open is opened anyway,
     so the device (and a sync on it) does not hang."""
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
 
     engine = Engine(EngineConfig(model=model_dir, device="cuda", dtype="float32", kv_budget=20000))

@@ -63,7 +63,7 @@ def model_dir(tmp_path_factory):
 
 
 def _config(model_dir: str, graphs: bool):
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
 
     return EngineConfig(
         model=model_dir,
@@ -79,7 +79,7 @@ def _config(model_dir: str, graphs: bool):
 def _requests():
     import random
 
-    from batchrun.engine.params import GenerateRequest, SamplingParams
+    from batchrun.params import GenerateRequest, SamplingParams
 
     rng = random.Random(5)
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
@@ -101,7 +101,7 @@ def _run(engine) -> dict[str, list[int]]:
 @pytest.mark.parametrize("graphs", [True], ids=["graphs"])
 def test_tp2_matches_tp1_bf16(model_dir, graphs):
     from batchrun.engine.engine import Engine
-    from batchrun.parallel.launcher import start_tp_engine
+    from batchrun.engine_process.tp_launcher import start_tp_engine
 
     torch.cuda.set_device(0)
     ref_engine = Engine(_config(model_dir, graphs))

@@ -10,12 +10,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from batchrun.commit import RunOutput
+from batchrun.job.commit import RunOutput
 from batchrun.errors import RunError
 from batchrun.io.manifest import Counts, InputInfo, Manifest, read_manifest, utc_now
 from batchrun.io.writer import RowLedger, ShardedWriter, read_ledger
-from batchrun.resume import fingerprint_diff
-from batchrun.shards import ShardOptionError, error_shard_of, resolve_shards, shard_dir
+from batchrun.job.resume import fingerprint_diff
+from batchrun.job.shards import ShardOptionError, error_shard_of, resolve_shards, shard_dir
 
 
 def make_manifest(**fp) -> Manifest:
@@ -164,7 +164,7 @@ def test_fingerprint_diff_names_what_changed() -> None:
 def test_stop_signals_flag_and_restore() -> None:
     import signal
 
-    from batchrun.signals import StopSignals
+    from batchrun.job.signals import StopSignals
 
     before = signal.getsignal(signal.SIGUSR1)
     with StopSignals(drain_timeout=0.0) as stop:

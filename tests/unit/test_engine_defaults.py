@@ -1,6 +1,6 @@
 """The engine's automatic sizes: max_running 512 and 4,096-token prefill chunks on CUDA, 1,024
 and 12,288 for a 3B+ model there, 256 and 4,096 on the CPU (the measured reasons are in
-batchrun/engine/config.py)."""
+batchrun/config.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from bench_models import MODELS, write_model_dir  # noqa: E402
 
-from batchrun.engine.config import (  # noqa: E402
+from batchrun.config import (  # noqa: E402
     CHUNKED_PREFILL,
     CHUNKED_PREFILL_LARGE,
     MAX_RUNNING,
@@ -83,7 +83,7 @@ def test_cli_switches_reach_the_engine_config(flags, expected):
     --decode-gemv."""
     import click
 
-    from batchrun.cli_options import build_engine_config, engine_options
+    from batchrun.cli.options import build_engine_config, engine_options
 
     seen = {}
 

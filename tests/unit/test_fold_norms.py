@@ -13,7 +13,7 @@ from batchrun.kernels.gemv import pick_config  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 import batchrun.models.llama as llama  # noqa: E402
-from batchrun.engine.config import EngineConfig  # noqa: E402
+from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.models.layers import GEMV_NORM_ENV, norm_fusion_mode  # noqa: E402
 

@@ -149,7 +149,7 @@ def _check_model_wiring(tmp_dir: Path) -> None:
     KV store from qkv views (KVPool.store reads the patched switch)."""
     import batchrun.models.layers as layers
     import batchrun.models.llama as llama
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -185,7 +185,7 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
 
     import batchrun.models.layers as layers
     import batchrun.models.llama as llama
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
 
     path = Path(tempfile.mkdtemp(dir=tmp_dir))

@@ -11,7 +11,7 @@ import torch
 xgr = pytest.importorskip("xgrammar")
 
 from batchrun.engine import grammar as G  # noqa: E402
-from batchrun.engine.params import GrammarSpec  # noqa: E402
+from batchrun.params import GrammarSpec  # noqa: E402
 
 # id 0 is the stop token; then single characters and a few longer tokens
 CHARS = list('{}[]":, abcdefghijklmnopqrstuvwxyz0123456789-.\\\n') + ['"a"', "true", "yes", "no"]

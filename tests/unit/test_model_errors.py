@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import make_tiny_model  # noqa: E402
 
-from batchrun.engine.config import EngineConfig  # noqa: E402
+from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.models.config import (  # noqa: E402
     SUPPORTED_ARCHITECTURES,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from batchrun.engine.params import GenerateRequest, GenerateResult, SamplingParams
-from batchrun.engine_process import messages as m
+from batchrun.params import GenerateRequest, GenerateResult, SamplingParams
+import batchrun.engine_process.messages as m
 from batchrun.engine_process.notify import NotifyBatcher
 
 

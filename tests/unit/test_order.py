@@ -1,4 +1,4 @@
-"""batchrun.order: DFS order over token ids, windows, reuse figures, splits that keep prefix
+"""batchrun.job.order: DFS order over token ids, windows, reuse figures, splits that keep prefix
 groups together, and (slow) the 1,000,000-prompt time and memory budget."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from batchrun.order import (
+from batchrun.job.order import (
     LRUEstimate,
     common_prefix_len,
     dfs_order,
@@ -194,7 +194,7 @@ def test_splits_keep_prefix_groups_together() -> None:
             by_group.setdefault(g, set()).add(shard_of(p, num_shards, depth=64))
         assert all(len(s) == 1 for s in by_group.values())
         assert len(set().union(*by_group.values())) == num_shards
-    code = "from batchrun.order import prefix_group_key; print(prefix_group_key([1, 2, 3]))"
+    code = "from batchrun.job.order import prefix_group_key; print(prefix_group_key([1, 2, 3]))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert int(other.stdout) == prefix_group_key([1, 2, 3])  # no per-process hash salt
 

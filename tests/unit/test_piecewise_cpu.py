@@ -32,9 +32,9 @@ def model_dir(tmp_path_factory):
 def _generate(model_dir: str, piecewise_bucket: int | None, calls: dict | None = None):
     from tiny_models import random_prompts
 
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
-    from batchrun.engine.params import GenerateRequest, SamplingParams
+    from batchrun.params import GenerateRequest, SamplingParams
     from batchrun.engine.piecewise_graph import PiecewiseGraphRunner
 
     # small chunks and a small batch: many mixed steps of odd sizes

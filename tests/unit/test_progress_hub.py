@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchrun.progress_server import (
+from batchrun.progress.server import (
     CLIENT_QUEUE,
     ProgressHub,
     ProgressServer,
@@ -20,8 +20,8 @@ from batchrun.progress_server import (
     metrics_text,
     parse_bind,
 )
-from batchrun.summary import RunSummary
-from batchrun.tail import events_url, read_events, snapshot_line
+from batchrun.job.summary import RunSummary
+from batchrun.progress.tail import events_url, read_events, snapshot_line
 
 
 def test_parse_bind_and_loopback():

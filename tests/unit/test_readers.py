@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchrun.engine.params import SamplingParams
+from batchrun.params import SamplingParams
 from batchrun.io.readers import BadInputError, RawRow, open_dataset
 from batchrun.io.rows import PreparedRow, RowSpec, prepare_row
 

@@ -267,10 +267,10 @@ def _engine_run(path: Path, rotary_store: str):
     import batchrun.kernels.rotary_kv_store as rotary_kv_store
     from tiny_models import random_prompts
 
-    from batchrun.engine.config import EngineConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
     from batchrun.engine.kv_pool import ROTARY_STORE_ENV
-    from batchrun.engine.params import GenerateRequest, SamplingParams
+    from batchrun.params import GenerateRequest, SamplingParams
 
     os.environ[ROTARY_STORE_ENV] = rotary_store
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)

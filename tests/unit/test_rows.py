@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from batchrun.engine.params import GrammarSpec, SamplingParams
+from batchrun.params import GrammarSpec, SamplingParams
 from batchrun.io.readers import RawRow, open_dataset
 from batchrun.io.rows import (
     PreparedRow,
@@ -19,7 +19,7 @@ from batchrun.io.rows import (
     prepare_row,
     structured_from_options,
 )
-from batchrun.tokenize import TokenizedRow, tokenize_rows
+from batchrun.job.tokenize import TokenizedRow, tokenize_rows
 
 SPEC = RowSpec()
 DEFAULTS = SamplingParams(max_new_tokens=16, temperature=0.0)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from batchrun.engine.params import SamplingParams
+from batchrun.params import SamplingParams
 from batchrun.engine.penalties import PenaltyState, apply_penalties
 from batchrun.engine.sampler import SampleOutput, Sampler, SamplingBatch, row_keys, uniforms
 
@@ -429,7 +429,7 @@ def test_uniforms_never_hit_zero_or_one() -> None:
 
 
 def test_shared_params_columns_equal_row_by_row():
-    from batchrun.engine.params import SamplingParams
+    from batchrun.params import SamplingParams
     from batchrun.engine.sampler import _columns, _columns_shared
 
     for p in (

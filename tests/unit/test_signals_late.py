@@ -10,7 +10,7 @@ import pytest
 
 SCRIPT = """
 import os, signal, sys
-from batchrun.signals import StopSignals
+from batchrun.job.signals import StopSignals
 stop = StopSignals().install()
 stop.finish(int(sys.argv[1]))
 os.kill(os.getpid(), signal.SIGUSR1)

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import make_tiny_model  # noqa: E402
 
-from batchrun.engine.config import EngineConfig  # noqa: E402
+from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.models.config import ModelConfig, ModelConfigError  # noqa: E402
 from batchrun.models.loader import load_model  # noqa: E402
 from batchrun.parallel.partition import partition_model  # noqa: E402

@@ -9,7 +9,7 @@ import msgspec
 import pyarrow.json as pa_json
 import pytest
 
-from batchrun.engine.params import SamplingParams, TopLogprobs
+from batchrun.params import SamplingParams, TopLogprobs
 from batchrun.io.manifest import Counts, InputInfo, Manifest, read_manifest, utc_now, write_manifest
 from batchrun.io.readers import RawRow, open_dataset
 from batchrun.io.records import (

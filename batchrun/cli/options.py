@@ -1,20 +1,21 @@
 """The option groups of `batchrun submit` / `plan` and what they build (EngineConfig, sampling
-defaults, row spec, grammar). batchrun/cli.py holds the commands."""
+defaults, row spec, grammar). batchrun/cli/main.py holds the commands."""
 
 from __future__ import annotations
 
 import click
 
-from batchrun.engine.config import (
+from batchrun.config import (
     ATTENTION_BACKENDS,
     DECODE_GEMVS,
     DEVICES,
     DTYPES,
     LOAD_FORMATS,
     EngineConfig,
+    KernelConfig,
 )
-from batchrun.engine.params import SamplingParams
-from batchrun.order import DEFAULT_WINDOW, ORDERS
+from batchrun.job.order import DEFAULT_WINDOW, ORDERS
+from batchrun.params import SamplingParams
 
 
 def option_group(*options):
@@ -222,6 +223,8 @@ engine_options = option_group(
         type=click.Choice(ATTENTION_BACKENDS),
         default="auto",
         show_default=True,
+        help="torch: the reference (any device); triton: batchrun's kernels; flashinfer: "
+        "FlashInfer's (when installed). auto: triton on CUDA, torch on the CPU.",
     ),
     click.option(
         "--decode-gemv",
@@ -247,6 +250,20 @@ engine_options = option_group(
         "--disable-overlap",
         is_flag=True,
         help="CUDA: process each step's results before scheduling the next (no overlap).",
+    ),
+    click.option(
+        "--disable-pdl",
+        is_flag=True,
+        help="CUDA: launch batchrun's kernels without programmatic dependent launch (on by "
+        "default on sm_90+ GPUs), for drivers that reject it; decode matmuls then take cuBLAS "
+        "unless --decode-gemv triton.",
+    ),
+    click.option(
+        "--disable-host-gate",
+        is_flag=True,
+        help="CUDA: sample a structured-output step once the host has its token bitmask, "
+        "instead of queueing it behind a stream wait (for drivers without stream memory "
+        "operations).",
     ),
 )
 
@@ -353,10 +370,14 @@ def build_engine_config(o: dict) -> EngineConfig:
         kv_budget=o["kv_budget"],
         chunked_prefill_size=_chunk(o["chunked_prefill_size"]),
         enable_radix_cache=not o["no_radix_cache"],
-        attention_backend=o["attention_backend"],
-        decode_gemv=o["decode_gemv"],
-        cuda_graph_max_bs=0 if o["disable_cuda_graph"] else EngineConfig.cuda_graph_max_bs,
-        piecewise_cuda_graph=False if o["disable_piecewise_cuda_graph"] else None,
+        kernels=KernelConfig(
+            attention=o["attention_backend"],
+            decode_gemv=o["decode_gemv"],
+            pdl=False if o["disable_pdl"] else None,
+            cuda_graph_max_bs=0 if o["disable_cuda_graph"] else KernelConfig.cuda_graph_max_bs,
+            piecewise_graphs=False if o["disable_piecewise_cuda_graph"] else None,
+            host_gate=False if o["disable_host_gate"] else None,
+        ),
         overlap=False if o["disable_overlap"] else None,
         seed=o["seed"],
         tp_size=o["tp"],
@@ -370,17 +391,18 @@ def build_engine_config(o: dict) -> EngineConfig:
 
         if not torch.cuda.is_available():
             raise click.UsageError("--device cuda: CUDA is not available here; use --device cpu")
-    if cfg.attention_backend in ("triton", "flashinfer"):
+    attention = cfg.kernels.attention
+    if attention in ("triton", "flashinfer"):
         import importlib.util
 
         import torch
 
         if o["device"] == "cpu" or not torch.cuda.is_available():
             raise click.UsageError(
-                f"--attention-backend {cfg.attention_backend} needs a CUDA device; "
+                f"--attention-backend {attention} needs a CUDA device; "
                 "use --attention-backend torch (or auto) on the CPU"
             )
-        if cfg.attention_backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
+        if attention == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
             raise click.UsageError(
                 "--attention-backend flashinfer: the flashinfer package is not installed "
                 "(pip install flashinfer-python); or use triton (or auto)"

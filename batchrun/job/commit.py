@@ -27,7 +27,7 @@ from batchrun.io.writer import (
     ShardFile,
     fsync_dir,
 )
-from batchrun.resume import fingerprint_diff
+from batchrun.job.resume import fingerprint_diff
 
 OUR_FILES = ("results-", "errors-", ".results-", ".errors-", RowLedger.NAME, MANIFEST_NAME)
 

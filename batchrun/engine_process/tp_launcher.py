@@ -1,6 +1,6 @@
 """Start a tensor-parallel engine: rank 0 in the calling process, ranks 1.. in spawned ones.
 
-    from batchrun.parallel.launcher import start_tp_engine
+    from batchrun.engine_process.tp_launcher import start_tp_engine
 
     with start_tp_engine(EngineConfig(model=...), tp_size=2) as engine:   # a LockstepEngine
         for result in engine.generate(requests):
@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from batchrun.engine.config import EngineConfig
-from batchrun.parallel.lockstep import LockstepEngine, follower_loop, stop_processes
+from batchrun.config import EngineConfig
+from batchrun.engine_process.lockstep import LockstepEngine, follower_loop, stop_processes
 from batchrun.parallel.state import disable_nvls, init_distributed
 
 # NOTE: followers wait on the control group for as long as rank 0 has nothing to run (a job

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
-from batchrun.engine.params import SamplingParams
 from batchrun.io.manifest import Counts, Manifest, read_manifest, write_manifest
 from batchrun.io.readers import BadInputError, open_dataset
 from batchrun.io.rows import RowError, RowSpec, detect_openai_batch, prepare_row
 from batchrun.io.writer import RowLedger, ShardFile, fsync_dir, read_ledger
-from batchrun.pipeline import read_rows
-from batchrun.resume import fingerprint_diff
-from batchrun.shards import SHARD_DIR_PREFIX
+from batchrun.job.pipeline import read_rows
+from batchrun.job.resume import fingerprint_diff
+from batchrun.job.shards import SHARD_DIR_PREFIX
+from batchrun.params import SamplingParams
 
 MERGED_DIR = "merged"
 _SHARD_RE = re.compile(rf"^{SHARD_DIR_PREFIX}(\d+)$")

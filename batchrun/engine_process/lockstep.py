@@ -30,8 +30,8 @@ Interface (what the job runner / engine process uses; the same surface as Engine
     engine.generate(requests) -> Iterator[GenerateResult]
     engine.score(input_ids: list[int]) -> Tensor [T, vocab]  (idle engine; tests, scoring)
     engine.close() -> None           # also a context manager
-    engine.config / model_config / context_len / num_kv_slots / device / stats / tokenizer /
-        eos_token_ids / model_dir / runner / check_integrity: rank 0's, read-only
+    engine.config / kernels / model_config / context_len / num_kv_slots / device / stats /
+        tokenizer / eos_token_ids / model_dir / runner / check_integrity: rank 0's, read-only
 
 Mutating rank 0's Engine other than through these (say, resetting its radix cache) desyncs the
 ranks: their next collectives mismatch. So does anything in Engine.step that depends on timing
@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from batchrun.engine.engine import drive
-from batchrun.engine.params import GenerateRequest, GenerateResult
+from batchrun.params import GenerateRequest, GenerateResult
 
 OP_STEP, OP_SCORE, OP_SHUTDOWN = 1, 2, 3
 _OPS = {OP_STEP: "step", OP_SCORE: "score", OP_SHUTDOWN: "shutdown"}
@@ -78,6 +78,7 @@ _decoder = msgspec.msgpack.Decoder(Replay)
 _PASSTHROUGH = frozenset(
     (
         "config",
+        "kernels",
         "model_config",
         "context_len",
         "num_kv_slots",

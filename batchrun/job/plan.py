@@ -11,10 +11,9 @@ from collections import Counter
 
 import numpy as np
 
-from batchrun.engine.params import SamplingParams
 from batchrun.io.readers import BadInputError, open_dataset
 from batchrun.io.rows import RowError, RowSpec
-from batchrun.order import (
+from batchrun.job.order import (
     DEFAULT_WINDOW,
     LRUEstimate,
     dfs_order,
@@ -22,7 +21,8 @@ from batchrun.order import (
     reuse_lens,
     sort_key,
 )
-from batchrun.pipeline import RowPipeline
+from batchrun.job.pipeline import RowPipeline
+from batchrun.params import SamplingParams
 
 
 class PlanError(Exception):
@@ -67,7 +67,7 @@ def make_plan(
         raise PlanError(str(e), 3) from e
     tokenizer, cfg, _ = load_tokenizer_and_context(model)
     if max_running is None:  # the engine's default on this machine
-        from batchrun.engine.config import EngineConfig, resolve_sizes
+        from batchrun.config import EngineConfig, resolve_sizes
 
         max_running = resolve_sizes(EngineConfig(), cfg).max_running
     pipeline = RowPipeline(source, spec, defaults, tokenizer, cfg.max_position_embeddings, limit)
@@ -133,7 +133,7 @@ def make_plan(
 
 
 class PrefixReuse:
-    """Prefix-cache reuse of a run, window by window as the run orders it (batchrun.order)."""
+    """Prefix-cache reuse of a run, window by window as the run orders it (batchrun.job.order)."""
 
     def __init__(self, kv_budget: int | None, order: str):
         self.order = order

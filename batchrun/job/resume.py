@@ -22,7 +22,7 @@ import msgspec
 from batchrun import __version__
 
 if TYPE_CHECKING:
-    from batchrun.runner import RunConfig
+    from batchrun.job.config import RunConfig
 
 EDGE_BYTES = 64 * 1024
 MAX_HASHED = 64

@@ -1,7 +1,7 @@
 """A HuggingFace `datasets.Dataset` in, the same Dataset with completion columns out.
 
-    from batchrun.datasets_api import generate_dataset
-    from batchrun.engine.params import SamplingParams
+    from batchrun.job.datasets_api import generate_dataset
+    from batchrun.params import SamplingParams
 
     ds = datasets.load_dataset("json", data_files="prompts.jsonl", split="train")
     out = generate_dataset(ds, prompt_column="prompt", model="~/models/Llama-3.1-8B-Instruct",
@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from batchrun.engine.config import EngineConfig
+from batchrun.config import EngineConfig
 from batchrun.engine.engine import Engine
-from batchrun.engine.params import GenerateRequest, SamplingParams
+from batchrun.params import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
     import datasets

@@ -16,7 +16,7 @@ from typing import TextIO
 
 import msgspec
 
-from batchrun.progress_hub import Snapshot
+from batchrun.progress.hub import Snapshot
 
 
 class TailError(Exception):

@@ -17,20 +17,16 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from batchrun.commit import RunOutput
-from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine, derive_seed
-from batchrun.engine.params import GenerateRequest, GenerateResult, SamplingParams
 from batchrun.engine.stop import cut_at_stop
-from batchrun.engine_process import EngineProcess, EngineProcessError
+from batchrun.engine_process.client import EngineProcess, EngineProcessError
 from batchrun.engine_process.data_parallel import DataParallelEngine, device_indices
-from batchrun.engine_process.notify import DEFAULT_NOTIFY_BATCH
 from batchrun.errors import InputError, ModelError, RunError
 from batchrun.io.manifest import InputInfo, Manifest, utc_now
 from batchrun.io.readers import DatasetSource, open_dataset
@@ -42,64 +38,23 @@ from batchrun.io.records import (
     openai_result_record,
     result_records,
 )
-from batchrun.io.rows import PreparedRow, RowError, RowSpec
-from batchrun.order import DEFAULT_WINDOW, ORDERS, ordered_windows, shard_of
-from batchrun.pipeline import RowPipeline
-from batchrun.progress import Progress
-from batchrun.resume import make_fingerprint
-from batchrun.shards import error_shard_of, shard_dir
-from batchrun.signals import EXIT_INTERRUPTED, StopSignals
-from batchrun.summary import RunSummary
-from batchrun.tokenize import TokenizedRow
+from batchrun.io.rows import PreparedRow, RowError
+from batchrun.job.commit import RunOutput
+from batchrun.job.config import RunConfig
+from batchrun.job.order import ordered_windows, shard_of
+from batchrun.job.pipeline import RowPipeline
+from batchrun.job.resume import make_fingerprint
+from batchrun.job.shards import error_shard_of, shard_dir
+from batchrun.job.signals import EXIT_INTERRUPTED, StopSignals
+from batchrun.job.summary import RunSummary
+from batchrun.job.tokenize import TokenizedRow
+from batchrun.params import GenerateRequest, GenerateResult
+from batchrun.progress.bar import Progress
 
 if TYPE_CHECKING:
-    from batchrun.progress_hub import ProgressHub
+    from batchrun.progress.hub import ProgressHub
 
-__all__ = ["InputError", "ModelError", "RunConfig", "RunError", "RunSummary", "Runner"]
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    dataset: str
-    out: str
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    defaults: SamplingParams = SamplingParams()
-    spec: RowSpec = field(default_factory=RowSpec)
-    split: str | None = None
-    limit: int | None = None
-    shard_size: int = 10_000
-    with_token_ids: bool = False
-    overwrite: bool = False
-    quiet: bool = False
-    read_batch_size: int = 256
-    order: str = "prefix"  # prefix: DFS order over token ids per window; input: as read
-    order_window: int = DEFAULT_WINDOW  # rows ordered together (held in memory at once)
-    commit_every: int = 1000  # rows between commits
-    commit_interval: float = 30.0  # seconds between commits (when rows are waiting)
-    drain_timeout: float = 30.0  # after a stop signal, seconds to finish the rows in flight
-    num_shards: int = 1
-    shard_index: int = 0
-    handle_signals: bool = True  # install SIGTERM/SIGINT/SIGUSR1 handlers (main thread only)
-    keep_signal_handlers: bool = False  # the CLI: after the run, a signal exits with its code
-    engine_process: bool = True  # the engine in its own process (False: in this one)
-    notify_batch: int = DEFAULT_NOTIFY_BATCH  # engine process: completions per wake-up
-    dp: int = 1  # data parallel: engine processes, one per GPU (or tensor-parallel group)
-
-    def __post_init__(self) -> None:
-        if self.order not in ORDERS:
-            raise ValueError(f"order must be one of {', '.join(ORDERS)}; got {self.order!r}")
-        if self.order_window < 1:
-            raise ValueError(f"order_window must be >= 1; got {self.order_window}")
-        if self.commit_every < 1 or self.commit_interval < 0 or self.drain_timeout < 0:
-            raise ValueError("commit_every must be >= 1, commit_interval and drain_timeout >= 0")
-        if self.notify_batch < 1:
-            raise ValueError(f"notify_batch must be >= 1; got {self.notify_batch}")
-        if self.dp < 1:
-            raise ValueError(f"dp must be >= 1; got {self.dp}")
-        if self.dp > 1 and not self.engine_process:
-            raise ValueError("data parallel (dp > 1) runs engine processes; drop --in-process")
-        if not 0 <= self.shard_index < self.num_shards:
-            raise ValueError(f"shard_index {self.shard_index} not in 0..{self.num_shards - 1}")
+__all__ = ["InputError", "ModelError", "RunError", "RunSummary", "Runner"]
 
 
 class Runner:
@@ -133,6 +88,7 @@ class Runner:
         try:
             self.engine = engine or self._start_engine()
             self.tokenizer = self.engine.tokenizer
+            self._manifest.kernels = asdict(self.engine.kernels)
         except BaseException:
             self._stop.restore()
             raise
@@ -146,7 +102,7 @@ class Runner:
         cfg = self.config
         if not cfg.engine_process:
             if cfg.engine.tp_size > 1:
-                from batchrun.parallel.launcher import start_tp_engine
+                from batchrun.engine_process.tp_launcher import start_tp_engine
 
                 return start_tp_engine(cfg.engine, cfg.engine.tp_size)
             return Engine(cfg.engine)

@@ -20,7 +20,7 @@ import sys
 import click
 
 from batchrun import __version__
-from batchrun.cli_options import (
+from batchrun.cli.options import (
     build_defaults,
     build_engine_config,
     build_spec,
@@ -141,8 +141,8 @@ def submit(dataset: str, out: str, **o) -> None:
     Exit codes: 0 done (bad rows are in errors-*.jsonl), 1 failed, 2 bad option, 3 bad input,
     4 model cannot be loaded, 5 interrupted by a signal (resumable: run the same command again).
     """
-    from batchrun.runner import RunConfig
-    from batchrun.shards import ShardOptionError, resolve_shards
+    from batchrun.job.config import RunConfig
+    from batchrun.job.shards import ShardOptionError, resolve_shards
 
     try:
         num_shards, shard_index = resolve_shards(o["num_shards"], o["shard_index"])
@@ -195,7 +195,7 @@ def _progress_server(bind: str | None, token: str | None):
     """Bind before the model loads, so a bad address or a busy port fails at once."""
     if bind is None:
         return None
-    from batchrun.progress_server import ProgressHub, ProgressServer, parse_bind
+    from batchrun.progress.server import ProgressHub, ProgressServer, parse_bind
 
     try:
         host, port = parse_bind(bind)
@@ -212,7 +212,7 @@ def _progress_server(bind: str | None, token: str | None):
 
 
 def _submit(config, server) -> None:
-    from batchrun.runner import RunError, Runner
+    from batchrun.job.runner import RunError, Runner
 
     try:
         runner = Runner(config, hub=server.hub if server is not None else None)
@@ -276,7 +276,7 @@ def plan(dataset: str, **o) -> None:
     """Dry run: read and tokenize DATASET, report rows, token statistics, rows that would fail
     and why, the KV cache the run needs, and the prompt tokens a prefix cache would reuse
     (unlimited, and predicted for --kv-budget). Loads the tokenizer only, not the weights."""
-    from batchrun.plan import PlanError, make_plan
+    from batchrun.job.plan import PlanError, make_plan
 
     try:
         report = make_plan(
@@ -307,7 +307,7 @@ def merge(out: str, show: int) -> None:
     view OUT/merged/ (results-*.jsonl, errors-*.jsonl, manifest.json; hard links to the shard
     files). Exit 0 when complete and exactly once; 1 with a report of missing shards, missing ids
     and duplicate ids otherwise (nothing merged); 3 when OUT or the input cannot be read."""
-    from batchrun.merge import MergeError, merge_run
+    from batchrun.job.merge import MergeError, merge_run
 
     try:
         report = merge_run(out, show=show)
@@ -326,8 +326,8 @@ def tail(url: str, token: str | None, rows: bool) -> None:
     """Follow a run started with --serve-progress (URL: e.g. http://127.0.0.1:8765/) until it
     ends: snapshots on stderr (one updating line on a terminal), rows on stdout with --rows.
     Exit 0 at the run's end, 1 when the server cannot be reached or goes away, 130 on Ctrl-C."""
-    from batchrun.tail import TailError
-    from batchrun.tail import tail as follow
+    from batchrun.progress.tail import TailError
+    from batchrun.progress.tail import tail as follow
 
     try:
         follow(url, token=token, rows=rows)
@@ -341,7 +341,7 @@ def tail(url: str, token: str | None, rows: bool) -> None:
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
 def inspect(out: str) -> None:
     """Summary of a run directory: status, counts, tokens, files (checked against the disk)."""
-    from batchrun.inspect_run import InspectError, inspect_run
+    from batchrun.job.inspect_run import InspectError, inspect_run
 
     try:
         click.echo(inspect_run(out))

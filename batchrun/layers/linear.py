@@ -1,6 +1,6 @@
-"""Tensor-parallel layers. Each holds only this rank's slice of its weight and says, through
-`param_shards()`, which slice of the full (TP=1) tensor that is, so the loaders fill it from a
-checkpoint or from full-size random weights. At TP=1 the slice is the whole tensor and the
+"""Linear layers, tensor-parallel. Each holds only this rank's slice of its weight and says,
+through `param_shards()`, which slice of the full (TP=1) tensor that is, so the loaders fill it
+from a checkpoint or from full-size random weights. At TP=1 the slice is the whole tensor and the
 collectives are no-ops: these are then plain Linear / Embedding layers.
 
     ColumnParallelLinear   y[:, local outputs] = x @ W[local rows]^T     no communication
@@ -9,6 +9,12 @@ collectives are no-ops: these are then plain Linear / Embedding layers.
 
 A column-parallel layer feeding a row-parallel one (qkv -> attention -> o_proj, gate_up -> down)
 costs one all-reduce per pair.
+
+The matmuls of decode batches (at most GEMV_MAX_ROWS rows, bf16 / fp16, no bias) run on
+kernels/gemv.py where the kernel config's decode_gemv is "triton", else on cuBLAS (F.linear).
+NOTE: on the H200 at M = 1 (`scripts/bench_gemv.py`) the kernel reads llama-1b's down_proj in
+10.7 µs against cuBLAS's 13.9 and llama-8b's o_proj in 10.5 against 13.2; W3 llama-1b 1.04 ms per
+token against 1.13 (`scripts/bench_throughput.py --workloads W3 --variants batchrun,cublas`).
 """
 
 from __future__ import annotations
@@ -17,32 +23,68 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.models.layers import linear
+from batchrun.config import KernelConfig
 from batchrun.parallel.partition import ShardSpec
 from batchrun.parallel.state import TPGroup
+
+try:
+    from batchrun.kernels.gemv import gemv
+except ImportError:  # no Triton (CPU-only installs): KernelConfig.decode_gemv is "cublas"
+    gemv = None
+
+GEMV_MAX_ROWS = 16  # kernels/gemv.py's MAX_M
+
+
+def takes_gemv(x: torch.Tensor, bias: torch.Tensor | None, kernels: KernelConfig) -> bool:
+    """Whether x @ w.T runs on kernels/gemv.py: a decode-sized x ([M, K], M <= GEMV_MAX_ROWS,
+    unit stride along K, bf16 / fp16), no bias, decode_gemv "triton"."""
+    return (
+        kernels.decode_gemv == "triton"
+        and bias is None
+        and x.dim() == 2
+        and x.shape[0] <= GEMV_MAX_ROWS
+        and x.stride(-1) == 1
+        and x.dtype in (torch.float16, torch.bfloat16)
+    )
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    kernels: KernelConfig | None = None,
+) -> torch.Tensor:
+    """F.linear, or kernels/gemv.py where `takes_gemv`."""
+    if kernels is not None and takes_gemv(x, bias, kernels):
+        return gemv(x, weight, pdl=kernels.pdl)
+    return F.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
     """Output features split by `spec` (dim 0; several runs for fused projections). The local
     weight may be longer than the spec's runs (vocab padding); those rows stay zero."""
 
-    # the default mode of the Triton decode matmuls (models.layers.linear); the model runner
-    # sets it per model (LlamaForCausalLM.set_decode_gemv)
-    decode_gemv: str | None = None
-
     def __init__(
-        self, in_features: int, spec: ShardSpec, local_rows: int, bias: bool, dtype, device
+        self,
+        in_features: int,
+        spec: ShardSpec,
+        local_rows: int,
+        bias: bool,
+        dtype,
+        device,
+        kernels: KernelConfig | None = None,
     ):
         super().__init__()
         assert spec.dim == 0
         self.spec = spec
+        self.kernels = kernels or KernelConfig.reference()
         self.weight = nn.Parameter(torch.empty(local_rows, in_features, dtype=dtype, device=device))
         self.bias = (
             nn.Parameter(torch.empty(local_rows, dtype=dtype, device=device)) if bias else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.decode_gemv)
+        return linear(x, self.weight, self.bias, self.kernels)
 
     def param_shards(self) -> dict[str, ShardSpec]:
         specs = {"weight": self.spec}
@@ -55,12 +97,20 @@ class RowParallelLinear(nn.Module):
     """Input features split by `spec` (dim 1); partial products are summed across ranks. The
     bias is replicated and added once, after the sum."""
 
-    decode_gemv: str | None = None  # as ColumnParallelLinear's
-
-    def __init__(self, spec: ShardSpec, out_features: int, bias: bool, tp: TPGroup, dtype, device):
+    def __init__(
+        self,
+        spec: ShardSpec,
+        out_features: int,
+        bias: bool,
+        tp: TPGroup,
+        dtype,
+        device,
+        kernels: KernelConfig | None = None,
+    ):
         super().__init__()
         assert spec.dim == 1
         self.spec, self.tp = spec, tp
+        self.kernels = kernels or KernelConfig.reference()
         self.weight = nn.Parameter(
             torch.empty(out_features, spec.local_len, dtype=dtype, device=device)
         )
@@ -70,8 +120,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
-            return linear(x, self.weight, self.bias, self.decode_gemv)
-        y = self.tp.all_reduce(linear(x, self.weight, decode_gemv=self.decode_gemv))
+            return linear(x, self.weight, self.bias, self.kernels)
+        y = self.tp.all_reduce(linear(x, self.weight, kernels=self.kernels))
         return y if self.bias is None else y + self.bias
 
     def param_shards(self) -> dict[str, ShardSpec]:

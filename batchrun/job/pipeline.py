@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from batchrun.engine.params import SamplingParams
 from batchrun.io.readers import DatasetSource, RawRow
 from batchrun.io.rows import PreparedRow, RowError, RowSpec, detect_openai_batch, prepare_row
-from batchrun.tokenize import TokenizedRow, tokenize_rows
+from batchrun.job.tokenize import TokenizedRow, tokenize_rows
+from batchrun.params import SamplingParams
 
 
 def read_rows(source: DatasetSource, limit: int | None, batch_size: int) -> Iterator[list[RawRow]]:

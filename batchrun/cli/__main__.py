@@ -1,0 +1,3 @@
+from batchrun.cli.main import main
+
+main()

@@ -1,0 +1,195 @@
+"""Engine configuration: EngineConfig, with the GPU path's kernel choices in KernelConfig.
+
+Both are frozen (build a new one with dataclasses.replace). Fields left at "auto" / None are
+resolved once, when the engine starts: the step sizes by `resolve_sizes`, the kernels by
+`engine/kernel_choice.py` from the device, the GPU's capability and the model's shape. The
+resolved KernelConfig is logged at start-up and written into a run's manifest.json.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+DUMMY_INITS = ("normal", "uniform")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+DECODE_GEMVS = ("auto", "cublas", "triton")
+# how a one-row decode step on kernels/gemv.py runs the residual adds and RMSNorms between its
+# matmuls (models/llama.py's forward_gemv): "off" kernels of their own; "all" each inside the
+# matmul before it (o_proj, down_proj); "post" only the post-attention one; "fold" "post" and
+# each input norm inside the qkv matmul after it, on weights times the norm's; "fold-all" both
+# norms inside the matmul after them (qkv's, gate_up's)
+DECODE_NORMS = ("auto", "off", "all", "post", "fold", "fold-all")
+
+# the defaults of max_running (None) and chunked_prefill_size ("auto"): auto_sizes
+MAX_RUNNING, MAX_RUNNING_CUDA, MAX_RUNNING_LARGE = 256, 512, 1024
+CHUNKED_PREFILL, CHUNKED_PREFILL_LARGE = 4096, 12288
+LARGE_MODEL_PARAMS = 3_000_000_000  # decoder parameters (no embeddings)
+
+
+def is_large(model_cfg) -> bool:
+    """LARGE_MODEL_PARAMS or more in the decoder layers."""
+    c = model_cfg
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (2 * q + 2 * kv + 3 * c.intermediate_size)
+    return c.num_layers * per_layer >= LARGE_MODEL_PARAMS
+
+
+def auto_sizes(model_cfg, device_type: str) -> tuple[int, int]:
+    """The default (max_running, chunked_prefill_size): on CUDA (512, 4096), or (1024, 12288)
+    for a model of LARGE_MODEL_PARAMS or more; on the CPU (256, 4096).
+
+    NOTE: on the H200 (docs/benchmarks.md, `scripts/bench_throughput.py --workloads W1,W2
+    --max-running N --chunked-prefill-size C`): a large model's matmuls need more rows than 256
+    or 512 decodes to run at the tensor cores' rate (llama-8b W1 9,888 / 10,827 / 10,942 output
+    tok/s at 256 / 512 / 1024 running), and 12,288-token chunks read 0.4 % above 8,192. A small
+    model's step is short enough that the host's work per row counts: llama-1b W1 reads 55,597
+    at 512 against 51,664 at 256. The KV pool bounds admission either way.
+    """
+    if device_type != "cuda":
+        return MAX_RUNNING, CHUNKED_PREFILL
+    if is_large(model_cfg):
+        return MAX_RUNNING_LARGE, CHUNKED_PREFILL_LARGE
+    return MAX_RUNNING_CUDA, CHUNKED_PREFILL
+
+
+def resolve_sizes(config: EngineConfig, model_cfg) -> EngineConfig:
+    """config with max_running and chunked_prefill_size set where left to auto_sizes."""
+    if config.max_running is not None and config.chunked_prefill_size != "auto":
+        return config
+    device_type = config.device
+    if device_type == "auto":
+        import torch
+
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    max_running, chunk = auto_sizes(model_cfg, device_type)
+    if config.max_running is not None:
+        max_running = config.max_running
+    if config.chunked_prefill_size != "auto":
+        chunk = config.chunked_prefill_size
+    return replace(config, max_running=max_running, chunked_prefill_size=chunk)
+
+
+def _one_of(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """What the GPU path runs. On the CPU everything resolves to plain PyTorch.
+
+    attention           attention backend: "torch" (reference, any device), "triton"
+                        (kernels/decode_attention.py, extend_attention.py), "flashinfer"
+    triton_ops          the small Triton kernels: RMSNorm (with the residual add), rotary with
+                        the KV store, the SwiGLU gate, the greedy argmax, the decode graphs'
+                        inputs; auto: on CUDA where Triton imports
+    pdl                 programmatic dependent launch of those kernels (kernels/pdl.py); auto:
+                        on sm_90+ GPUs. Off is for drivers that reject the launch attribute
+    decode_gemv         the matmuls of decode batches of up to 16 rows on kernels/gemv.py
+                        ("triton") or cuBLAS; auto: triton where PDL is on
+    decode_norms        one of DECODE_NORMS for one-row decode steps on kernels/gemv.py; auto:
+                        "all" for hidden sizes up to 2048, "fold-all" above (its folded weights
+                        only within a quarter of the free memory, else "fold", else "post")
+    cuda_graph_max_bs   decode batches up to this size replay CUDA graphs; 0: no graphs at all
+    piecewise_graphs    prefill and mixed steps replay graphs around an eager attention
+                        (engine/piecewise_graph.py); auto: on for models under
+                        LARGE_MODEL_PARAMS while cuda_graph_max_bs > 0
+    host_gate           a grammar step's sampling waits on the device for the host's token
+                        bitmask (engine/host_gate.py); auto: where the driver has stream memory
+                        operations. Off: such a step is sampled once the bitmask is filled
+    """
+
+    attention: str = "auto"
+    triton_ops: bool | None = None
+    pdl: bool | None = None
+    decode_gemv: str = "auto"
+    decode_norms: str = "auto"
+    cuda_graph_max_bs: int = 512
+    piecewise_graphs: bool | None = None
+    host_gate: bool | None = None
+
+    @classmethod
+    def reference(cls) -> KernelConfig:
+        """Plain PyTorch everywhere: what the CPU resolves to, and the reference on CUDA."""
+        return cls(
+            attention="torch",
+            triton_ops=False,
+            pdl=False,
+            decode_gemv="cublas",
+            decode_norms="off",
+            cuda_graph_max_bs=0,
+            piecewise_graphs=False,
+            host_gate=False,
+        )
+
+    def validate(self) -> None:
+        _one_of("attention backend", self.attention, ATTENTION_BACKENDS)
+        _one_of("decode_gemv", self.decode_gemv, DECODE_GEMVS)
+        _one_of("decode_norms", self.decode_norms, DECODE_NORMS)
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs must be >= 0; got {self.cuda_graph_max_bs}")
+
+    @property
+    def is_resolved(self) -> bool:
+        auto = {"attention", "decode_gemv", "decode_norms"}
+        return all(
+            getattr(self, f.name) != "auto" if f.name in auto else getattr(self, f.name) is not None
+            for f in fields(self)
+        )
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF directory, .gguf file, or None for the embedded SmolLM2-135M
+    load_format: str = "auto"
+    # load_format "dummy": "normal" draws normal(0, 0.02) with the norms at 1; "uniform" every
+    # parameter from U(-1e-3, 1e-3), as vLLM's and SGLang's dummy loaders draw them
+    dummy_init: str = "normal"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA (float16 if unsupported)
+    device: str = "auto"  # auto: cuda when available
+    max_running: int | None = None  # requests decoded together at most; None: auto_sizes
+    kv_budget: int | None = None  # KV pool size in tokens; None: sized from free memory
+    kv_memory_fraction: float = 0.85  # on CUDA, fraction of free memory after weights for KV
+    # prefill token budget per step; None: unlimited; "auto": auto_sizes
+    chunked_prefill_size: int | str | None = "auto"
+    page_size: int = 1
+    enable_radix_cache: bool = True
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    seed: int = 0  # base of per-request seeds when a request has none
+    max_pending: int = 4096  # requests pulled from the input iterator ahead of admission
+    new_token_ratio: float = 0.4  # expected decode growth as a fraction of max_new_tokens
+    context_len: int | None = None  # override the model's max_position_embeddings
+    overlap: bool | None = None  # overlap scheduling with the device; None: on for CUDA
+    # tensor parallel: this engine is rank tp_rank of tp_size lockstep engines, one per GPU
+    # (batchrun.engine_process.tp_launcher.start_tp_engine starts them and sets tp_rank)
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    def validate(self) -> None:
+        _one_of("load_format", self.load_format, LOAD_FORMATS)
+        _one_of("dummy_init", self.dummy_init, DUMMY_INITS)
+        _one_of("dtype", self.dtype, DTYPES)
+        _one_of("device", self.device, DEVICES)
+        self.kernels.validate()
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1; got {self.max_running}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1; got {self.page_size}")
+        if self.kv_budget is not None and self.kv_budget < 16:
+            raise ValueError(f"kv_budget must be >= 16 tokens; got {self.kv_budget}")
+        chunk = self.chunked_prefill_size
+        if chunk is not None and chunk != "auto" and (not isinstance(chunk, int) or chunk < 1):
+            raise ValueError("chunked_prefill_size must be >= 1, None (unlimited) or 'auto'")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1; got {self.tp_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, tp_size={self.tp_size}); got {self.tp_rank}")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1]; got {self.kv_memory_fraction}")

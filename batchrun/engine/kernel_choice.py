@@ -1,0 +1,130 @@
+"""The kernel config an engine runs, resolved once at start-up (batchrun/config.py's KernelConfig
+says what each field is).
+
+    requested = config.kernels                 # "auto" / None where the user left the choice
+    kernels = resolve_kernels(config, model_cfg, device)   # every field concrete
+
+Auto fields follow the device, what is installed, the GPU's capability and the model's shape;
+a field set by hand is kept, or refused with a message when it cannot run here. Nothing here is
+read again on the step path: every block is built with the resolved config.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+
+import torch
+
+from batchrun.config import EngineConfig, KernelConfig, is_large
+from batchrun.engine.host_gate import HostGate
+
+# NOTE: decode_norms' width rule. On the H200 (W3, `scripts/bench_throughput.py --workloads W3
+# --variants batchrun,no-norm-fusion`): llama-1b (hidden 2048) reads 1.00 ms per token with "all"
+# against 1.03-1.04 without; on llama-8b (4096) the last column tile's norm of a 4096-wide row
+# costs more than the kernel it saves, and "fold-all" (both norms inside the matmul after them,
+# on folded weights) reads 4.07 against 4.14 for "fold"; on llama-1b "fold" loses to "all"
+# (0.98 against 0.96)
+NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN = 2048
+
+
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def supports_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: sm_90 (Hopper) and later; older GPUs reject the launch
+    attribute."""
+    if device.type != "cuda":
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> KernelConfig:
+    """config.kernels with every auto field decided for `device` and the model. `config` has
+    its sizes resolved (chunked_prefill_size) and its overlap decided."""
+    want = config.kernels
+    want.validate()
+    cuda = device.type == "cuda"
+    triton = has_triton()
+
+    attention = want.attention
+    if attention == "auto":
+        attention = "triton" if cuda and triton else "torch"
+    elif attention == "triton" and not triton:
+        raise ValueError("attention backend 'triton' needs the triton package; use torch or auto")
+    elif attention == "flashinfer":
+        from batchrun.attention.flashinfer_backend import unavailable_reason
+
+        reason = unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"attention backend 'flashinfer' cannot run here: {reason}")
+
+    triton_ops = want.triton_ops
+    if triton_ops is None:
+        triton_ops = cuda and triton
+    elif triton_ops and not triton:
+        raise ValueError("triton_ops needs the triton package")
+
+    pdl = want.pdl
+    if pdl is None:
+        pdl = triton_ops and supports_pdl(device)
+    elif pdl and not (triton_ops and supports_pdl(device)):
+        raise ValueError("pdl needs the Triton kernels on an sm_90+ GPU (H100, H200 or later)")
+
+    decode_gemv = want.decode_gemv
+    if decode_gemv == "auto":
+        # NOTE: the Triton matmuls pay only with PDL: without it they read W3 llama-1b 1.28 ms
+        # per token against cuBLAS's 1.16 on the H200
+        decode_gemv = "triton" if pdl else "cublas"
+    elif decode_gemv == "triton" and not (cuda and triton):
+        raise ValueError("decode_gemv 'triton' needs CUDA and the triton package")
+
+    # the norms inside the matmuls need every matmul whole and plain: a row-parallel matmul's
+    # all-reduce comes between its sums and the residual, and a bias between them too
+    plain = config.tp_size == 1 and not (model_cfg.qkv_bias or model_cfg.mlp_bias)
+    decode_norms = want.decode_norms
+    if decode_norms == "auto":
+        if decode_gemv != "triton" or not plain:
+            decode_norms = "off"
+        elif model_cfg.hidden_size <= NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN:
+            decode_norms = "all"
+        else:
+            decode_norms = "fold-all"
+    elif decode_norms != "off" and not (decode_gemv == "triton" and plain):
+        raise ValueError(
+            f"decode_norms {decode_norms!r} needs decode_gemv 'triton' and a model without "
+            "biases at tensor parallel size 1; use 'off' or 'auto'"
+        )
+
+    graphs = want.cuda_graph_max_bs if cuda else 0
+    piecewise = want.piecewise_graphs
+    if not cuda or not isinstance(config.chunked_prefill_size, int):
+        piecewise = False  # graphs need CUDA, and a step's tokens bounded by a chunk size
+    elif piecewise is None:
+        # NOTE: on by default only where the host is the bottleneck: a small model's mixed steps
+        # (a large one's GPU time hides their launches, and the padding to a captured size costs)
+        piecewise = graphs > 0 and not is_large(model_cfg)
+
+    host_gate = want.host_gate
+    available = cuda and bool(config.overlap) and HostGate.available()
+    if host_gate is None:
+        host_gate = available
+    elif host_gate and not available:
+        raise ValueError(
+            "host_gate needs CUDA, overlap and a driver with stream memory operations "
+            "(cuStreamWaitValue32)"
+        )
+
+    return replace(
+        want,
+        attention=attention,
+        triton_ops=triton_ops,
+        pdl=pdl,
+        decode_gemv=decode_gemv,
+        decode_norms=decode_norms,
+        cuda_graph_max_bs=graphs,
+        piecewise_graphs=piecewise,
+        host_gate=host_gate,
+    )

@@ -1,0 +1,55 @@
+"""What a `batchrun submit` run is asked to do: RunConfig, built by the CLI or a caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchrun.config import EngineConfig
+from batchrun.engine_process.notify import DEFAULT_NOTIFY_BATCH
+from batchrun.io.rows import RowSpec
+from batchrun.job.order import DEFAULT_WINDOW, ORDERS
+from batchrun.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dataset: str
+    out: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    defaults: SamplingParams = SamplingParams()
+    spec: RowSpec = field(default_factory=RowSpec)
+    split: str | None = None
+    limit: int | None = None
+    shard_size: int = 10_000
+    with_token_ids: bool = False
+    overwrite: bool = False
+    quiet: bool = False
+    read_batch_size: int = 256
+    order: str = "prefix"  # prefix: DFS order over token ids per window; input: as read
+    order_window: int = DEFAULT_WINDOW  # rows ordered together (held in memory at once)
+    commit_every: int = 1000  # rows between commits
+    commit_interval: float = 30.0  # seconds between commits (when rows are waiting)
+    drain_timeout: float = 30.0  # after a stop signal, seconds to finish the rows in flight
+    num_shards: int = 1
+    shard_index: int = 0
+    handle_signals: bool = True  # install SIGTERM/SIGINT/SIGUSR1 handlers (main thread only)
+    keep_signal_handlers: bool = False  # the CLI: after the run, a signal exits with its code
+    engine_process: bool = True  # the engine in its own process (False: in this one)
+    notify_batch: int = DEFAULT_NOTIFY_BATCH  # engine process: completions per wake-up
+    dp: int = 1  # data parallel: engine processes, one per GPU (or tensor-parallel group)
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}; got {self.order!r}")
+        if self.order_window < 1:
+            raise ValueError(f"order_window must be >= 1; got {self.order_window}")
+        if self.commit_every < 1 or self.commit_interval < 0 or self.drain_timeout < 0:
+            raise ValueError("commit_every must be >= 1, commit_interval and drain_timeout >= 0")
+        if self.notify_batch < 1:
+            raise ValueError(f"notify_batch must be >= 1; got {self.notify_batch}")
+        if self.dp < 1:
+            raise ValueError(f"dp must be >= 1; got {self.dp}")
+        if self.dp > 1 and not self.engine_process:
+            raise ValueError("data parallel (dp > 1) runs engine processes; drop --in-process")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"shard_index {self.shard_index} not in 0..{self.num_shards - 1}")

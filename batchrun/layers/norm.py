@@ -1,0 +1,53 @@
+"""RMSNorm, with the residual add before it fused into one kernel on the GPU."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchrun.config import KernelConfig
+
+try:
+    from batchrun.kernels.fused_norm import fused_add_rms_norm, rms_norm
+except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is off
+    fused_add_rms_norm = rms_norm = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kernels: KernelConfig | None = None,
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps = eps
+        self.kernels = kernels or KernelConfig.reference()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels.triton_ops and x.dtype == self.weight.dtype:
+            # NOTE: reshape copies a strided view (q/k norm of Qwen3); the kernel writes a new
+            # tensor anyway
+            x2d = x.reshape(-1, x.shape[-1])
+            return rms_norm(x2d, self.weight, self.eps, pdl=self.kernels.pdl).view(x.shape)
+        # NOTE: normalize in fp32 and cast back before the weight, as HF transformers does, so
+        # bf16/fp16 results match the reference bit for bit where possible.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def forward_with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) for x, residual [T, N]. With the Triton kernels
+        one kernel writes both in place, into x and residual: callers must not read them
+        afterwards.
+        """
+        if self.kernels.triton_ops and x.dtype == residual.dtype == self.weight.dtype:
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, pdl=self.kernels.pdl)
+        residual = x + residual
+        return self(residual), residual

@@ -1,0 +1,17 @@
+"""batchrun's Triton kernels, installed as `batchrun.kernels` (pyproject.toml maps this folder).
+
+    decode_attention   flash-decoding over the paged KV, split combine in the same kernel
+    extend_attention   prefill / extend attention over the paged KV
+    gemv               decode matmuls (M <= 16): split-K, SwiGLU epilogue, residual + RMSNorm
+    fused_norm         RMSNorm, residual add + RMSNorm
+    fused_rotary       rotary embedding in place
+    kv_store           the KV store; rotary_kv_store: rotary and the KV store in one kernel
+    activation         SwiGLU gate (silu(gate) * up)
+    argmax             greedy sampling's argmax over the vocabulary
+    token_bitmask      structured output's token bitmask (apply, masked argmax)
+    graph_inputs       a decode CUDA graph's inputs in one kernel
+    pdl                programmatic dependent launch helpers
+
+Each module imports triton at its top: import them only where Triton is installed
+(engine/kernel_choice.py turns every Triton path off where it is not).
+"""
