@@ -61,7 +61,7 @@ def resolve_sizes(config: EngineConfig, model_cfg) -> EngineConfig:
         return config
     device_type = config.device
     if device_type == "auto":
-        import torch
+        import torch  # not at the top: the CLI imports this module before it needs torch
 
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     max_running, chunk = auto_sizes(model_cfg, device_type)
@@ -93,10 +93,11 @@ class KernelConfig:
     decode_norms        one of DECODE_NORMS for one-row decode steps on kernels/gemv.py; auto:
                         "all" for hidden sizes up to 2048, "fold-all" above (its folded weights
                         only within a quarter of the free memory, else "fold", else "post")
-    cuda_graph_max_bs   decode batches up to this size replay CUDA graphs; 0: no graphs at all
+    cuda_graph_max_bs   decode batches up to this size replay CUDA graphs; 0: none
     piecewise_graphs    prefill and mixed steps replay graphs around an eager attention
                         (engine/piecewise_graph.py); auto: on for models under
-                        LARGE_MODEL_PARAMS while cuda_graph_max_bs > 0
+                        LARGE_MODEL_PARAMS while cuda_graph_max_bs > 0 (so 0 means no graphs
+                        at all unless this is set); needs a chunked prefill size
     host_gate           a grammar step's sampling waits on the device for the host's token
                         bitmask (engine/host_gate.py); auto: where the driver has stream memory
                         operations. Off: such a step is sampled once the bitmask is filled

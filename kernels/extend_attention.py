@@ -4,9 +4,9 @@ Grid (B, ceil(max_extend_len / BLOCK_M), KV): one program per (request, query bl
 which attends all of that KV head's query heads at once (GQA packing): its query tile holds
 BLOCK_M tokens x PACK heads (PACK = the group size's power of two, the padding heads masked),
 row r being token m0 + r // PACK, head kv_head * group + r % PACK. Each K / V block is read once
-for the group, not once per query head. With pack_heads=False the grid is (B, blocks, H), one
-query head a program (the kernel before 2026-12-01, to benchmark against). The request's KV
-(cached prefix + new tokens, already stored in the pool) is read through req_to_token:
+for the group, not once per query head (a model without GQA packs one head: PACK 1). The
+request's KV (cached prefix + new tokens, already stored in the pool) is read through
+req_to_token:
 
     KV positions of request b:  [0 ............ prefix_len ............ seq_len)
                                                 |<- queries: extend_len ->|
@@ -29,15 +29,14 @@ LOG2E = 1.4426950408889634
 
 # defaults from scripts/bench_attention_kernels.py on the H200 (8 x 1024 new tokens, GQA 32/8,
 # D 128, bf16): the best of 8 (BLOCK_M, BLOCK_N, warps) configurations at prefix 0 and 1024
-DEFAULT_BLOCK_M = 64
 DEFAULT_BLOCK_N = 64
-DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
 # packed (GQA) programs: query rows (tokens x PACK heads) a program. H200, GQA 32/8, D 128, bf16
-# (bench_attention_kernels --extend-cases, sixteenth session): 16 tokens x 4 heads, BLOCK_N 64,
-# 4 warps, 2 stages took 16 x 512 new tokens in 179.5 µs against 186.0 one head a program (the
-# old default), 8 x 1,024 in 270 against 279, and over a 1,024 prefix 645 against 654; 32 tokens
-# (4 or 8 warps, 2-3 stages) and 64 tokens read 195-203 µs at 16 x 512
+# (`scripts/bench_attention_kernels.py --extend-cases`): 16 tokens x 4 heads, BLOCK_N 64, 4 warps,
+# 2 stages take 16 x 512 new tokens in 179.5 µs against 186.0 for one head a program (64 tokens
+# x 1 head, the unpacked grid), 8 x 1,024 in
+# 270 against 279, and over a 1,024 prefix 645 against 654; 32 tokens (4 or 8 warps, 2-3 stages)
+# and 64 tokens read 195-203 µs at 16 x 512
 DEFAULT_PACKED_ROWS = 64
 DEFAULT_PACKED_WARPS = 4
 
@@ -112,7 +111,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PACK: tl.constexpr,  # query heads a program: 1, or KV_GROUP's power of two (grid axis 2: KV)
+    PACK: tl.constexpr,  # query heads a program: KV_GROUP's power of two (grid axis 2: KV)
 ):
     b = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
@@ -127,15 +126,10 @@ def _extend_kernel(
     # row r of the query tile: token m0 + r // PACK, head r % PACK of the program's group
     offs_r = tl.arange(0, BLOCK_M * PACK)
     offs_m = m0 + offs_r // PACK
-    if PACK == 1:
-        kvh = tl.program_id(2) // KV_GROUP
-        heads = tl.program_id(2) + offs_r * 0
-        mask_m = offs_m < extend_len
-    else:
-        kvh = tl.program_id(2)
-        sub = offs_r % PACK
-        heads = kvh * KV_GROUP + sub
-        mask_m = (offs_m < extend_len) & (sub < KV_GROUP)
+    kvh = tl.program_id(2)
+    sub = offs_r % PACK
+    heads = kvh * KV_GROUP + sub
+    mask_m = (offs_m < extend_len) & (sub < KV_GROUP)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     q_rows = q_start + offs_m.to(tl.int64)
@@ -190,7 +184,6 @@ def extend_attention_fwd(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    pack_heads: bool = True,  # a KV head's query heads in one program (see the docstring)
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     batch_size = req_pool_indices.shape[0]
@@ -201,15 +194,10 @@ def extend_attention_fwd(
     if batch_size == 0 or max_extend_len == 0:
         return
     kv_group = num_heads // num_kv_heads
-    if pack_heads:
-        pack = triton.next_power_of_2(kv_group)
-        block_m = block_m or max(1, DEFAULT_PACKED_ROWS // pack)
-        num_warps = num_warps or DEFAULT_PACKED_WARPS
-        programs_h = num_kv_heads
-    else:
-        pack, block_m, programs_h = 1, block_m or DEFAULT_BLOCK_M, num_heads
+    pack = triton.next_power_of_2(kv_group)
+    block_m = block_m or max(1, DEFAULT_PACKED_ROWS // pack)
     assert block_m * pack >= 16, "tl.dot needs 16 query rows a program"
-    grid = (batch_size, triton.cdiv(max_extend_len, block_m), programs_h)
+    grid = (batch_size, triton.cdiv(max_extend_len, block_m), num_kv_heads)
     _extend_kernel[grid](
         q,
         k_buf,
@@ -237,6 +225,6 @@ def extend_attention_fwd(
         BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PACK=pack,
-        num_warps=num_warps or DEFAULT_NUM_WARPS,
+        num_warps=num_warps or DEFAULT_PACKED_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
     )

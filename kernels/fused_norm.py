@@ -1,6 +1,6 @@
 """RMSNorm and residual-add + RMSNorm in one kernel each: one program per row, the row in registers.
 
-Numerics are those of `batchrun.models.layers.RMSNorm` (HF transformers):
+Numerics are those of `batchrun.layers.norm.RMSNorm` (HF transformers):
     y = weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(dtype)
 the sum of squares in fp32, the normalized row rounded to the activation dtype BEFORE the weight
 multiply, and that product rounded once (as torch's bf16 `a * b`). The residual add of

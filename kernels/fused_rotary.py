@@ -4,12 +4,12 @@ token covers all of its q and k heads.
     x = [x1 | x2] (halves of D), c = cos_cache[pos].to(dtype), s = sin_cache[pos].to(dtype)
     out = [x1 * c1 - x2 * s1 | x2 * c2 + x1 * s2]
 
-Numerics are those of `batchrun.models.layers._apply_rotary` (HF transformers): every product and
-the sum are rounded to the activation dtype, as torch's unfused elementwise ops round each result.
-ROUNDING: the kernels are compiled with `enable_fp_fusion=False`. With FMA contraction on, sm_90
-code computed `x1 * c1 - x2 * s1` as one fma.rn.bf16 (one product unrounded), and which product
-went into the FMA differed between this kernel and kernels/rotary_kv_store.py (H200, ninth
-session: their bits differed). Without it the bits equal the torch path's in every dtype.
+Numerics are those of `batchrun.layers.rotary._apply_rotary` (HF transformers): every product
+and the sum are rounded to the activation dtype, as torch's unfused elementwise ops round each
+result. ROUNDING: the kernels are compiled with `enable_fp_fusion=False`. With FMA contraction
+on, sm_90 code computes `x1 * c1 - x2 * s1` as one fma.rn.bf16 (one product unrounded), and which
+product goes into the FMA can differ between this kernel and kernels/rotary_kv_store.py, whose
+bits then differ. Without it the bits equal the torch path's in every dtype.
 
 q and k may be strided views (slices of the fused qkv projection): only the last dim must be
 contiguous. kernels/rotary_kv_store.py reuses the jit helpers (`_load_cos_sin`, `_rotate_half`),

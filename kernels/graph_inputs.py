@@ -2,7 +2,7 @@
 sampled still on the device, read from the token pool), positions and attention inputs, copied
 from the step's packed device tensors into the graph's static buffers, padding rows included.
 
-Before, a batch-1 decode step ran seven small operations outside its graph for this: the
+Without it, a batch-1 decode step runs seven small operations outside its graph for this: the
 placeholder gather and scatter (two index kernels), five device-to-device copies (ids,
 positions, request rows, sequence lengths, cache slots); each costs its launch and a kernel
 boundary (~1-2 µs at batch 1 on the H200, where a llama-1b step is ~1 ms).

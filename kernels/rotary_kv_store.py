@@ -11,16 +11,15 @@ wrappers from the paged pool), so writing it back would cost a store for nothing
 is fused_rotary.py's jit helpers, the same expressions, compiled without FMA contraction as
 there (ROUNDING in fused_rotary.py), so the bits equal the two-kernel path's and the torch path's.
 
-`KVPool.store_rotated` launches it; `BATCHRUN_ROTARY_STORE=0` sends it back to the two kernels
-(read on every call, so tests can flip it; a CUDA graph keeps what it captured). Decode graphs of
-up to 16 rows skip it: the decode kernel rotates and stores itself (decode_attention.DecodeRope,
-the same bits).
+`KVPool.store_rotated` launches it whenever the Triton kernels are on. Decode graphs of up to 16
+rows skip it: the decode kernel rotates and stores itself (decode_attention.DecodeRope, the same
+bits).
 
 The grid depends only on T and nothing is allocated, so the launch can be captured in a CUDA
 graph. NOTE: one program per token, as the two kernels it replaces. At batch-1 decode the launch
 is one program moving ~48 KB (llama-8b, bf16: 48 heads of D=128 in, 48 out), whose time is
 the latency of its chain (loads, rotate, stores); more programs over the heads would issue the
-same loads side by side without shortening that chain (not measured).
+same loads side by side without shortening that chain.
 """
 
 from __future__ import annotations

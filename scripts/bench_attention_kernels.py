@@ -1,6 +1,8 @@
 """Micro-benchmark of the Triton attention kernels over the paged KV (GPU only).
 
-    python3 scripts/bench_attention_kernels.py [--json OUT.json]
+    python scripts/bench_attention_kernels.py [--json OUT.json]
+    python scripts/bench_attention_kernels.py --decode-run 1008x640 --loaded 32:2
+    python scripts/bench_attention_kernels.py --extend-cases 16x512,8x1024,8x1024+1024
 
 Decode (one query token per request, GQA 32/8, head dim 128, bf16): achieved KV-read bandwidth
 (K and V bytes of every request's context / kernel time) against the 4.27 TB/s copy ceiling, for
@@ -10,6 +12,7 @@ the causal attention against the torch reference backend and, for prefix 0, torc
 scaled_dot_product_attention on contiguous (unpaged) tensors. The FlashInfer backend (eager, and
 graph for decode; plan() untimed, as the backends' prepare()) where flashinfer is importable.
 Timings are medians of triton.testing.do_bench (L2 flushed between runs) unless marked "graph".
+The kernels run as the engine runs them on this GPU (KERNELS).
 """
 
 from __future__ import annotations
@@ -17,41 +20,40 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench, do_bench_cudagraph
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
-
-from batchrun.kernels.decode_attention import (  # noqa: E402
+from batchrun.kernels.decode_attention import (
     decode_attention_fwd,
     decode_counters,
     decode_workspace_numel,
 )
-from batchrun.kernels.extend_attention import extend_attention_fwd  # noqa: E402
+from batchrun.kernels.extend_attention import extend_attention_fwd
+from triton.testing import do_bench, do_bench_cudagraph
 
-from batchrun.attention.base import AttentionInputs  # noqa: E402
-from batchrun.attention.flashinfer_backend import (  # noqa: E402
-    PREFILL_KERNELS_ENV,
-    unavailable_reason,
-)
-from batchrun.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from batchrun.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from batchrun.engine.kv_pool import KVPool  # noqa: E402
+from batchrun.attention.base import AttentionInputs
+from batchrun.attention.flashinfer_backend import unavailable_reason
+from batchrun.attention.torch_backend import TorchAttentionBackend
+from batchrun.attention.triton_backend import TritonAttentionBackend
+from batchrun.config import KernelConfig
+from batchrun.engine.kernel_choice import supports_pdl
+from batchrun.engine.kv_pool import KVPool
 
 H, KV, D, DTYPE = 32, 8, 128, torch.bfloat16
 DEV = "cuda"
+# what the engine resolves on this GPU for the attention's path: Triton ops, PDL on sm_90+
+KERNELS = replace(
+    KernelConfig.reference(),
+    attention="triton",
+    triton_ops=True,
+    pdl=torch.cuda.is_available() and supports_pdl(torch.device(DEV)),
+)
 DECODE_CONFIGS = [(bn, w, s) for bn in (32, 64) for w in (4, 8) for s in (2, 3)]
 DECODE_CONFIGS += [(128, w, 2) for w in (4, 8)]
-EXTEND_CONFIGS = [(bm, bn, w) for bm in (64, 128) for bn in (32, 64) for w in (4, 8)]
 # packed (GQA) programs: (query tokens, BLOCK_N, warps, stages); GQA 32 / 8 packs 4 heads
 PACKED_CONFIGS = [(16, 64, 4, 2), (32, 64, 4, 2), (32, 64, 8, 2), (32, 64, 8, 3), (32, 128, 8, 2),
                   (64, 64, 8, 2)]  # fmt: skip
@@ -66,7 +68,7 @@ def bench(fn, graph: bool = False) -> float:
 
 def build(batch_size, seq_len, extend_len, shuffle=False):
     total = batch_size * seq_len
-    pool = KVPool(1, total, KV, D, DTYPE, DEV)
+    pool = KVPool(1, total, KV, D, DTYPE, DEV, KERNELS)
     pool.k_buffers[0].normal_()
     pool.v_buffers[0].normal_()
     slots = torch.randperm(total, device=DEV) if shuffle else torch.arange(total, device=DEV)
@@ -121,19 +123,18 @@ def bench_decode(batch_size, seq_len, rows, shuffle=False, decode_only=False):
     counters = decode_counters(batch_size, KV, DEV)
     name = f"decode {batch_size}x{seq_len}" + (" shuffled" if shuffle else "")
 
-    def kernel(splits, config, fold_stage2=True):
+    def kernel(splits, config):
         bn, w, s = config
         return lambda: decode_attention_fwd(
             q, k_buf, v_buf, out, table, inputs.req_pool_indices, inputs.seq_lens, D**-0.5,
-            splits, workspace, counters, fold_stage2=fold_stage2, block_n=bn, num_warps=w,
-            num_stages=s,
+            splits, workspace, counters, pdl=KERNELS.pdl, block_n=bn, num_warps=w, num_stages=s,
         )  # fmt: skip
 
     def add(label, ms):
         rows.append({"case": name, "variant": label, "ms": ms, "TB/s": gbytes / ms})
         print(f"{name:28s} {label:40s} {ms * 1e3:9.1f} us {gbytes / ms:6.2f} TB/s", flush=True)
 
-    backend = TritonAttentionBackend(pool, table)
+    backend = TritonAttentionBackend(pool, table, KERNELS)
     backend.prepare(inputs)
     auto_splits = backend._plan.num_kv_splits
     results = {}
@@ -148,8 +149,6 @@ def bench_decode(batch_size, seq_len, rows, shuffle=False, decode_only=False):
         add(f"best config {best} splits={splits}", bench(kernel(splits, best)))
     default = kernel(auto_splits, (None,) * 3)
     add(f"default kernel, splits={auto_splits}, graph", bench(default, graph=True))
-    unfolded = kernel(auto_splits, (None,) * 3, fold_stage2=False)
-    add(f"default, splits={auto_splits}, stage 2 apart, graph", bench(unfolded, graph=True))
     add("triton backend (store + kernels), eager", time_backend(backend, inputs, q, k, v))
     backend.init_graph_buffers(batch_size)
     backend.load_graph_inputs(inputs, batch_size)
@@ -163,16 +162,8 @@ def bench_decode(batch_size, seq_len, rows, shuffle=False, decode_only=False):
 
 
 DECODE_RUN_VARIANTS = {
-    "default (heads first)": {},
-    "rows first": {"heads_first": False},
-    "evict_first": {"evict": "evict_first"},
+    "default": {},
     "bn128 w4 st2": {"block_n": 128, "num_warps": 4, "num_stages": 2},
-    "bn128 w4 st2, rows first": {
-        "block_n": 128,
-        "num_warps": 4,
-        "num_stages": 2,
-        "heads_first": False,
-    },
     "bn64 w4 st4": {"block_n": 64, "num_warps": 4, "num_stages": 4},
     # more splits than the backend's: shorter programs, a shorter last wave, partials combined
     "splits 2": {"num_kv_splits": 2},
@@ -231,8 +222,7 @@ def bench_decode_run(
 ):
     """Decode as a W1 step sees it: context lengths uniform in [mean_len - 128, mean_len + 128),
     each request's slots drawn at random from a pool of pool_slots (no two alike). The kernel's
-    grid order, its KV loads' eviction policy and tile configs as variants, the backend's split
-    count.
+    tile configs and split counts as variants (DECODE_RUN_VARIANTS), beside the backend's own.
 
     With layers > 1 and seconds > 0, each variant runs as a forward would: layer after layer,
     each on its own KV, each after a gate_up and a down matmul of batch_size rows (llama-8b's),
@@ -246,7 +236,7 @@ def bench_decode_run(
     q = torch.randn(batch_size, H, D, device=DEV, dtype=DTYPE)
     out = torch.empty_like(q)
     gbytes = 2 * total * KV * D * DTYPE.itemsize / 1e9
-    backend = TritonAttentionBackend(pool, table)
+    backend = TritonAttentionBackend(pool, table, KERNELS)
     splits = backend._num_kv_splits(batch_size)
     most = max([splits] + [v.get("num_kv_splits", 1) for v in DECODE_RUN_VARIANTS.values()])
     workspace = torch.empty(decode_workspace_numel(batch_size, H, D, most), device=DEV)
@@ -263,7 +253,7 @@ def bench_decode_run(
         def attend(layer, kwargs=kwargs, n_splits=n_splits):
             decode_attention_fwd(
                 q, *pool.buffers(layer), out, table, pool_idx, seq_lens, D**-0.5, n_splits,
-                workspace, counters, **kwargs,
+                workspace, counters, pdl=KERNELS.pdl, **kwargs,
             )  # fmt: skip
 
         if loaded:
@@ -330,10 +320,6 @@ def bench_extend(prefix_len, rows, batch_size=8, extend_len=1024, sweep_only=Fal
         print(f"{name:28s} {label:40s} {ms * 1e3:9.1f} us {tflop / ms * 1e3:6.1f} TFLOP/s")
 
     configs = [
-        (f"head a program: bm{bm} bn{bn} w{w}",
-         dict(block_m=bm, block_n=bn, num_warps=w, pack_heads=False))
-        for bm, bn, w in EXTEND_CONFIGS
-    ] + [
         (f"packed: {bm} tokens bn{bn} w{w} st{st}",
          dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st))
         for bm, bn, w, st in PACKED_CONFIGS
@@ -345,18 +331,12 @@ def bench_extend(prefix_len, rows, batch_size=8, extend_len=1024, sweep_only=Fal
         )  # fmt: skip
         add(label, bench(fn))
     if sweep_only:
-        for kernels in ("fa2", "fa3"):  # FlashInfer's prefill wrapper, page size 1
-            os.environ[PREFILL_KERNELS_ENV] = kernels
-            try:
-                bench_flashinfer(pool, table, inputs, q, k, v, add, graph=False, label=kernels)
-            except Exception as e:  # noqa: BLE001 (a kernel this build lacks: say so, go on)
-                print(f"flashinfer {kernels}: {type(e).__name__}: {e}"[:300])
-            finally:
-                os.environ.pop(PREFILL_KERNELS_ENV, None)
+        bench_flashinfer(pool, table, inputs, q, k, v, add, graph=False)  # page size 1
         return
-    for label, cls in (("triton backend (store + kernel)", TritonAttentionBackend),
-                       ("torch reference backend", TorchAttentionBackend)):  # fmt: skip
-        add(label, time_backend(cls(pool, table), inputs, q, k, v))
+    triton_backend = TritonAttentionBackend(pool, table, KERNELS)
+    add("triton backend (store + kernel)", time_backend(triton_backend, inputs, q, k, v))
+    reference = TorchAttentionBackend(pool, table)
+    add("torch reference backend", time_backend(reference, inputs, q, k, v))
     bench_flashinfer(pool, table, inputs, q, k, v, add, graph=False)
     if prefix_len == 0:  # the unpaged ceiling: torch SDPA (flash) on contiguous tensors
         qc = q.view(batch_size, extend_len, H, D).transpose(1, 2).contiguous()
@@ -420,7 +400,7 @@ def main() -> None:
         default=None,
         help="BxL[:POOL[:LAYOUT]],...: only decode as a W1 step sees it (ragged lengths around "
         "L, slots over a pool of POOL slots: LAYOUT random (default), seq or runs:N, see "
-        "decode_slots), by grid order, eviction policy and tile config",
+        "decode_slots), by tile config and split count",
     )
     parser.add_argument(
         "--loaded",
@@ -435,6 +415,9 @@ def main() -> None:
         "P-token prefix (W1's mixed steps: 16x512)",
     )
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_attention_kernels: needs a CUDA GPU (the kernels are Triton's)")
+        return
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     print(f"device-to-device copy: {copy_bandwidth():.2f} TB/s (bytes read + written)")

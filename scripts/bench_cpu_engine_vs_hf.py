@@ -15,25 +15,19 @@ real job). Absolute figures from a CPU machine mean little (BENCH.md); the ratio
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import benchlib
 import torch
+from benchlib import ROOT, greedy_params, hf_generate
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
-
-from batchrun.config import EngineConfig  # noqa: E402
-from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from source_tree import git_commit  # noqa: E402
+from batchrun.config import EngineConfig
+from batchrun.engine.engine import Engine
+from batchrun.params import GenerateRequest
 
 
 def load_conversations(num_prompts: int) -> list[list[dict]]:
@@ -57,9 +51,7 @@ def load_conversations(num_prompts: int) -> list[list[dict]]:
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    params = SamplingParams(
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0, ignore_eos=True
-    )
+    params = greedy_params(new_tokens)
     requests = [GenerateRequest(str(i), ids, params) for i, ids in enumerate(prompts)]
     outputs: dict[str, list[int]] = {}
     for result in engine.generate(requests):
@@ -75,18 +67,7 @@ def run_hf(
 ) -> list[list[int]]:
     outputs: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        width = max(len(p) for p in chunk)
-        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])  # left pad
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=mask,
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            pad_token_id=pad_id,
-        )
+        out, width = hf_generate(model, prompts[start : start + batch_size], new_tokens, pad_id)
         new = out[:, width:]
         if new.shape[1] != new_tokens:
             raise RuntimeError(f"HF generated {new.shape[1]} tokens, expected {new_tokens}")
@@ -111,7 +92,7 @@ def timed(fn, cpu_util: list[float]) -> tuple[float, object]:
 # -- main --------------------------------------------------------------------------------------
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -121,12 +102,12 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (both sides)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per side")
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    commit = git_commit()  # read before the run: the engine code is imported now
+    env = benchlib.environment("cpu")  # read before the run: the engine code is imported now
     torch.manual_seed(0)
 
     t0 = time.perf_counter()
@@ -134,6 +115,7 @@ def main() -> int:
     # than num_prompts x (prompt + new tokens) needs; 512 tokens per prompt is plenty here.
     kv_budget = max(4096, args.num_prompts * (512 + args.new_tokens))
     engine = Engine(EngineConfig(model=None, device="cpu", kv_budget=kv_budget))
+    print(f"kernels: {engine.kernels.describe()}", flush=True)
     tok = engine.tokenizer
     from transformers import AutoModelForCausalLM
 
@@ -203,7 +185,7 @@ def main() -> int:
             "| engine tok/s | HF tok/s | ratio | torch threads | HF batch | date | commit |",
             "|---|---|---|---|---|---|---|",
             f"| {engine_tps:.1f} | {hf_tps:.1f} | {engine_tps / hf_tps:.2f}x | {threads} "
-            f"| {args.hf_batch_size} | {dt.date.today().isoformat()} | {commit} |",
+            f"| {args.hf_batch_size} | {env['date'][:10]} | {env['commit']} |",
             "",
             f"median of {args.repeats} runs each; engine runs "
             + ", ".join(f"{t:.2f}s" for t in engine_times)
@@ -214,8 +196,7 @@ def main() -> int:
             + f"; engine prompt tokens from the prefix cache {cached_fraction:.0%}; "
             f"identical greedy outputs {same}/{args.num_prompts} "
             f"(mean agreeing prefix {agree:.0%}); "
-            f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-            f"command: `python {' '.join(sys.argv)}`",
+            f"torch {env['torch']}, {env['cpu']}, command: `{env['command']}`",
         ]
     )
     print()

@@ -1,74 +1,72 @@
 """Data parallel throughput: --dp 1 vs 2 (vs N) engine processes on one node, same workload.
 
     python scripts/bench_dp.py --model llama-1b --workload W1 --dp 1,2
+    python scripts/bench_dp.py --device cpu --model tiny --scale 0.002 --dp 1 --warmup 2   # smoke
 
 Every setting runs through the same path: DataParallelEngine (batchrun/engine_process/) with dp
-engine processes on GPUs 0..dp-1, fed from this process with the workload's requests, routed by
-prefix group and load. Each setting is warmed up (kernels compiled, graphs captured at start-up)
-before the timed region; the figure is output tok/s over the whole workload, tail included.
-Prints a markdown table with the speed-up over the first setting.
+engine processes (on GPUs 0..dp-1), fed from this process with the workload's requests, routed by
+prefix group and load. The engine options are bench_throughput's (--attention-backend, --kernel
+FIELD=VALUE, ...); the engines' resolved KernelConfig is printed. Each setting is warmed up
+(kernels compiled, graphs captured at start-up) before the timed region; the figure is output
+tok/s over the whole workload, tail included. Prints a markdown table with the speed-up over the
+first setting.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+import benchlib
+from benchlib import greedy_params, make_workload, warmup_prompts
 
-from bench_models import write_model_dir  # noqa: E402
-from bench_throughput import make_workload, warmup_prompts  # noqa: E402
-
-from batchrun.config import EngineConfig  # noqa: E402
-from batchrun.engine.engine import drive  # noqa: E402
-from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
-from batchrun.engine_process.data_parallel import DataParallelEngine  # noqa: E402
+from batchrun.config import EngineConfig
+from batchrun.engine.engine import drive
+from batchrun.engine_process.data_parallel import DataParallelEngine
+from batchrun.params import GenerateRequest
 
 
 def drive_workload(dp: DataParallelEngine, prompts: list[list[int]], out_len: int, tag: str):
     """Every prompt through the engines; returns the output tokens generated."""
-    params = SamplingParams(max_new_tokens=out_len, ignore_eos=True, temperature=0)
+    params = greedy_params(out_len)
     requests = (GenerateRequest(f"{tag}{i}", p, params) for i, p in enumerate(prompts))
     return sum(r.completion_tokens for r in drive(dp, requests))
 
 
 def run(cfg: EngineConfig, dp: int, wl, warm: int) -> dict:
+    devices = list(range(dp)) if cfg.device == "cuda" else None
     t0 = time.perf_counter()
-    with DataParallelEngine(cfg, dp, device_indices=list(range(dp)), load_tokenizer=False) as eng:
+    with DataParallelEngine(cfg, dp, device_indices=devices, load_tokenizer=False) as eng:
         start_s = time.perf_counter() - t0
         drive_workload(eng, warmup_prompts(wl, warm * dp), 32, "w")
         t = time.perf_counter()
         tokens = drive_workload(eng, wl.prompts, wl.output_len, "r")
         elapsed = time.perf_counter() - t
         routed = list(eng.routed)
+        kernels = eng.kernels.describe()
     return {"dp": dp, "tok_s": tokens / elapsed, "elapsed": elapsed, "start_s": start_s,
-            "routed": routed}  # fmt: skip
+            "routed": routed, "kernels": kernels}  # fmt: skip
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--workload", default="W1")
     ap.add_argument("--dp", default="1,2")
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--warmup", type=int, default=64, help="warm-up requests per engine")
-    ap.add_argument("--max-running", type=int, default=None, help="default: the engine's")
-    args = ap.parse_args()
+    benchlib.add_engine_args(ap)
+    args = ap.parse_args(argv)
     wl = make_workload(args.workload, args.scale)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_model_dir(args.model, Path(tmp))
-        cfg = EngineConfig(
-            model=str(model_dir), load_format="dummy", device="cuda", dtype="bfloat16",
-            max_running=args.max_running,
-        )  # fmt: skip
+        model_dir = benchlib.write_model_dir(args.model, Path(tmp))
+        cfg = benchlib.engine_config(args, model_dir)
         rows = [run(cfg, int(d), wl, args.warmup) for d in args.dp.split(",")]
     base = rows[0]["tok_s"]
-    print(f"\n{args.workload} ({wl.note}, {wl.output_len} out), {args.model}, dummy bf16\n")
+    dtype = benchlib.dtype_name(args)
+    print(f"\n{args.workload} ({wl.note}, {wl.output_len} out), {args.model}, dummy {dtype}\n")
     print(
         "| engines (--dp) | output tok/s | vs first | wall s | start-up s | requests per engine |"
     )
@@ -76,6 +74,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['dp']} | {r['tok_s']:,.0f} | {r['tok_s'] / base:.2f}x | {r['elapsed']:.1f} | "
               f"{r['start_s']:.0f} | {r['routed']} |")  # fmt: skip
+    print(f"\nkernels (resolved): {rows[0]['kernels']}")
 
 
 if __name__ == "__main__":

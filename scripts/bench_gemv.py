@@ -10,12 +10,12 @@ Each measurement replays a CUDA graph of many calls (no launch overhead, as in t
 decode graphs) that cycle through enough copies of the weight to exceed the L2 cache, so every
 call reads its weight from HBM. Reports µs per call and the weight bytes per second, and per
 model the sum over one decode step (layers x [qkv, o, gate_up, down] + lm_head); for gate_up also
-the SwiGLU as gemv's epilogue against the matmul + the gate's kernel. The kernel runs
-with programmatic dependent launch where the GPU has it (kernels/pdl.py); the default config is
-also timed without. A graph of GEMVs only overstates what PDL gives in a model, where small
-kernels (norms, rotary, attention) sit between the matmuls. Every config is
-checked against F.linear first (bf16: relative error <= 1e-2); one that is off is reported and
-skipped. Writes the figures as JSON under --out.
+the SwiGLU as gemv's epilogue against cuBLAS's matmul + the gate's kernel (what decode_gemv
+"cublas" runs). The kernel runs with programmatic dependent launch where the GPU has it
+(`pdl=`, kernels/pdl.py; sm_90+); the default config is also timed without. A graph of GEMVs
+only overstates what PDL gives in a model, where small kernels (norms, rotary, attention) sit
+between the matmuls. Every config is checked against F.linear first (bf16: relative error
+<= 1e-2); one that is off is reported and skipped. Writes the figures as JSON under --out.
 """
 
 from __future__ import annotations
@@ -23,35 +23,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 from pathlib import Path
 
+import benchlib
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
-
-from bench_models import MODELS  # noqa: E402
+from batchrun.engine.kernel_choice import supports_pdl
 
 L2_BYTES = 256 << 20  # read more than this per graph: the H200's L2 is 50 MB
 CALLS_PER_GRAPH = 64
-
-
-def shapes(name: str) -> list[tuple[str, int, int, int]]:
-    """(matrix, N, K, count per decode step) of a model's linear layers."""
-    cfg = MODELS[name]
-    hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    head_dim = cfg.get("head_dim", hidden // cfg["num_attention_heads"])
-    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
-    return [
-        ("qkv", q + 2 * kv, hidden, layers),
-        ("o", hidden, q, layers),
-        ("gate_up", 2 * inter, hidden, layers),
-        ("down", hidden, inter, layers),
-        ("lm_head", cfg["vocab_size"], hidden, 1),
-    ]
 
 
 def graph_time_us(fn, weights: list[torch.Tensor]) -> float:
@@ -96,35 +78,33 @@ def worth_sweeping(cfg, n: int, k: int) -> bool:
     return cfg.block_k * cfg.split_k <= k and -(-n // cfg.block_n) < 264
 
 
-def bench_swiglu(x, weights: list[torch.Tensor], sweep: bool) -> dict:
-    """gate_up with the SwiGLU as gemv's epilogue against the matmul then the gate's kernel
-    (cuBLAS, and gemv's default config); with sweep, the epilogue's configs too."""
+def bench_swiglu(x, weights: list[torch.Tensor], sweep: bool, pdl: bool) -> dict:
+    """gate_up with the SwiGLU as gemv's epilogue against cuBLAS's matmul then the gate's
+    kernel; with sweep, the epilogue's configs too."""
     from batchrun.kernels.activation import silu_and_mul
     from batchrun.kernels.gemv import gemv
 
     w0 = weights[0]
     ref = silu_and_mul(F.linear(x, w0)).float()
-    fused_error = ((gemv(x, w0, swiglu=True).float() - ref).norm() / ref.norm()).item()
+    fused = gemv(x, w0, swiglu=True, pdl=pdl).float()
     out = {
-        "swiglu_error": fused_error,
-        "cublas_silu_us": graph_time_us(lambda w: silu_and_mul(F.linear(x, w)), weights),
-        "gemv_silu_us": graph_time_us(lambda w: silu_and_mul(gemv(x, w)), weights),
-        "swiglu_us": graph_time_us(lambda w: gemv(x, w, swiglu=True), weights),
+        "swiglu_error": ((fused - ref).norm() / ref.norm()).item(),
+        "cublas_silu_us": graph_time_us(lambda w: silu_and_mul(F.linear(x, w), pdl=pdl), weights),
+        "swiglu_us": graph_time_us(lambda w: gemv(x, w, swiglu=True, pdl=pdl), weights),
     }
     timed = []
     n, k = w0.shape[0] // 2, w0.shape[1]
     for cfg in configs(sweep):
         if cfg.block_n > 32 or not worth_sweeping(cfg, n, k):
             continue
-        us = graph_time_us(lambda w, cfg=cfg: gemv(x, w, cfg, swiglu=True), weights)
+        us = graph_time_us(lambda w, cfg=cfg: gemv(x, w, cfg, swiglu=True, pdl=pdl), weights)
         timed.append((list(cfg), us))
     out["swiglu_top_configs"] = sorted(timed, key=lambda item: item[1])[:6]
     return out
 
 
-def bench_shape(n: int, k: int, m: int, sweep: bool, dtype, swiglu: bool = False) -> dict:
+def bench_shape(n: int, k: int, m: int, sweep: bool, dtype, pdl: bool, swiglu=False) -> dict:
     from batchrun.kernels.gemv import gemv, pick_config
-    from batchrun.kernels.pdl import PDL_ENV
 
     copies = max(2, -(-L2_BYTES // (n * k * dtype.itemsize)))
     weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
@@ -134,20 +114,16 @@ def bench_shape(n: int, k: int, m: int, sweep: bool, dtype, swiglu: bool = False
     gb = n * k * dtype.itemsize / 1e9
 
     def check(cfg) -> bool:
-        out = gemv(x, w0, cfg).float()
+        out = gemv(x, w0, cfg, pdl=pdl).float()
         return ((out - ref).norm() / ref.norm()).item() <= 1e-2
 
     out = {"cublas_us": graph_time_us(lambda w: F.linear(x, w), weights)}
     default = pick_config(m, n, k)
     out["default_config"] = list(default)
-    out["default_us"] = graph_time_us(lambda w: gemv(x, w, default), weights)
+    out["default_us"] = graph_time_us(lambda w: gemv(x, w, default, pdl=pdl), weights)
     # the same config without programmatic dependent launch (kernels/pdl.py): each call of the
     # graph then starts only once the one before has drained
-    os.environ[PDL_ENV] = "0"
-    try:
-        out["default_no_pdl_us"] = graph_time_us(lambda w: gemv(x, w, default), weights)
-    finally:
-        os.environ.pop(PDL_ENV)
+    out["default_no_pdl_us"] = graph_time_us(lambda w: gemv(x, w, default, pdl=False), weights)
     best, best_us, bad, timed = default, out["default_us"], [], []
     for cfg in configs(sweep):
         if not worth_sweeping(cfg, n, k):
@@ -155,7 +131,7 @@ def bench_shape(n: int, k: int, m: int, sweep: bool, dtype, swiglu: bool = False
         if not check(cfg):
             bad.append(list(cfg))
             continue
-        us = graph_time_us(lambda w, cfg=cfg: gemv(x, w, cfg), weights)
+        us = graph_time_us(lambda w, cfg=cfg: gemv(x, w, cfg, pdl=pdl), weights)
         timed.append((list(cfg), us))
         if us < best_us:
             best, best_us = cfg, us
@@ -163,7 +139,7 @@ def bench_shape(n: int, k: int, m: int, sweep: bool, dtype, swiglu: bool = False
     out["top_configs"] = sorted(timed, key=lambda item: item[1])[:6]
     out["default_correct"] = check(default)
     if swiglu:
-        out.update(bench_swiglu(x, weights, sweep))
+        out.update(bench_swiglu(x, weights, sweep, pdl))
     for key in ("cublas", "default", "best"):
         out[f"{key}_tb_s"] = gb / (out[f"{key}_us"] * 1e-6) / 1e3
     weights.clear()
@@ -171,18 +147,18 @@ def bench_shape(n: int, k: int, m: int, sweep: bool, dtype, swiglu: bool = False
     return out
 
 
-def bench_norm_fusion(model: str, dtype) -> list[dict]:
+def bench_norm_fusion(model: str, dtype, pdl: bool) -> list[dict]:
     """A decoder layer's matmul pairs around its norms, as the engine runs a one-row decode
     batch: o_proj -> add + RMSNorm -> gate_up (+ SwiGLU), and down_proj -> add + RMSNorm -> qkv;
     unfused (gemv, fused_add_rms_norm, gemv) against the add and the norm inside the first
     matmul (gemv_residual: its last column tile normalizes the row); and the first matmul alone,
     plain and as gemv_residual (what the in-kernel norm adds to it)."""
-    dims = {name: (n, k) for name, n, k, _ in shapes(model)}
-    return [bench_norm_pair(dims, first, second, dtype)
+    dims = {name: (n, k) for name, n, k, _ in benchlib.linear_shapes(model)}
+    return [bench_norm_pair(dims, first, second, dtype, pdl)
             for first, second in (("o", "gate_up"), ("down", "qkv"))]  # fmt: skip
 
 
-def bench_norm_pair(dims: dict, first: str, second: str, dtype) -> dict:
+def bench_norm_pair(dims: dict, first: str, second: str, dtype, pdl: bool) -> dict:
     from batchrun.kernels.fused_norm import fused_add_rms_norm
     from batchrun.kernels.gemv import gemv, gemv_residual
 
@@ -201,20 +177,20 @@ def bench_norm_pair(dims: dict, first: str, second: str, dtype) -> dict:
     def unfused(ws):
         # NOTE: in place on y and on a residual that grows by y every call: finite for the few
         # hundred calls timed here
-        y, _ = fused_add_rms_norm(gemv(x, ws[0]), residual, *norm)
-        return gemv(y, ws[1], swiglu=swiglu)
+        y, _ = fused_add_rms_norm(gemv(x, ws[0], pdl=pdl), residual, *norm, pdl=pdl)
+        return gemv(y, ws[1], swiglu=swiglu, pdl=pdl)
 
     def fused(ws):
-        _, normed = gemv_residual(x, ws[0], residual, norm=norm)
-        return gemv(normed, ws[1], swiglu=swiglu)
+        _, normed = gemv_residual(x, ws[0], residual, norm=norm, pdl=pdl)
+        return gemv(normed, ws[1], swiglu=swiglu, pdl=pdl)
 
     row = {
         "pair": f"{first} -> {second}",
         "unfused_us": graph_time_us(unfused, pairs),
         "fused_us": graph_time_us(fused, pairs),
-        f"{first}_us": graph_time_us(lambda ws: gemv(x, ws[0]), pairs),
+        f"{first}_us": graph_time_us(lambda ws: gemv(x, ws[0], pdl=pdl), pairs),
         f"{first}_add_norm_us": graph_time_us(
-            lambda ws: gemv_residual(x, ws[0], residual, norm=norm), pairs
+            lambda ws: gemv_residual(x, ws[0], residual, norm=norm, pdl=pdl), pairs
         ),
     }
     pairs.clear()
@@ -222,10 +198,10 @@ def bench_norm_pair(dims: dict, first: str, second: str, dtype) -> dict:
     return row
 
 
-def main_norm_fusion(args, dtype, report: dict) -> None:
+def main_norm_fusion(args, dtype, pdl: bool, report: dict) -> None:
     for model in args.models.split(","):
         print(f"\n{model}, M = 1: residual add + RMSNorm inside the matmul before (µs a call)")
-        for r in bench_norm_fusion(model, dtype):
+        for r in bench_norm_fusion(model, dtype, pdl):
             r.update(model=model, m=1)
             report.setdefault("norm_fusion", []).append(r)
             cells = [f"{k} {v:.1f}" if isinstance(v, float) else str(v)
@@ -243,15 +219,16 @@ def main(argv=None) -> int:
         "--norm-fusion", action="store_true",
         help="only the add + norm inside the gemv before it against its own kernel (M = 1)",
     )  # fmt: skip
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-out"))
+    p.add_argument("--out", type=Path, default=benchlib.OUT_DIR)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemv: needs a CUDA GPU (the kernel is Triton; cuBLAS is the baseline)")
         return 0
     dtype = torch.bfloat16
-    report = {"device": torch.cuda.get_device_name(), "results": []}
+    pdl = supports_pdl(torch.device("cuda"))
+    report = {"device": torch.cuda.get_device_name(), "pdl": pdl, "results": []}
     if args.norm_fusion:
-        main_norm_fusion(args, dtype, report)
+        main_norm_fusion(args, dtype, pdl, report)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_gemv.json").write_text(json.dumps(report, indent=2) + "\n")
         return 0
@@ -264,10 +241,11 @@ def main(argv=None) -> int:
                 "| best config |"
             )
             print("|---|---|---|---|---|---|")
-            for name, n, k, count in shapes(model):
+            for name, n, k, count in benchlib.linear_shapes(model):
                 if name not in args.matrices.split(","):
                     continue
-                r = bench_shape(n, k, m, not args.no_sweep, dtype, swiglu=name == "gate_up")
+                sweep = not args.no_sweep
+                r = bench_shape(n, k, m, sweep, dtype, pdl, swiglu=name == "gate_up")
                 r.update(model=model, m=m, matrix=name, n=n, k=k, count=count)
                 report["results"].append(r)
                 for key in totals:
@@ -285,9 +263,8 @@ def main(argv=None) -> int:
                 if "swiglu_us" in r:
                     top = ", ".join(f"{tuple(c)} {us:.1f}" for c, us in r["swiglu_top_configs"])
                     print(
-                        f"    SwiGLU: cuBLAS + gate {r['cublas_silu_us']:.1f}, gemv + gate "
-                        f"{r['gemv_silu_us']:.1f}, epilogue {r['swiglu_us']:.1f} µs "
-                        f"(rel. error {r['swiglu_error']:.1e}); top: {top}",
+                        f"    SwiGLU: cuBLAS + gate {r['cublas_silu_us']:.1f}, epilogue "
+                        f"{r['swiglu_us']:.1f} µs (rel. error {r['swiglu_error']:.1e}); top: {top}",
                         flush=True,
                     )
             print(

@@ -66,11 +66,11 @@ def best_of(fn, n: int, repeats: int = 3) -> float:
     return best
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=100_000)
     ap.add_argument("--token-ids", action="store_true", help="include 64 token ids")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     fields = dict(
         id="chat-concise",
         text="The Earth's seasons are caused by the tilt of its axis and elliptical orbit "

@@ -1,4 +1,4 @@
-"""Wake-ups and CPU time per finished row with --notify-batch 1 vs 16 (issue 8).
+"""Wake-ups and CPU time per finished row with --notify-batch 1 vs 16.
 
 The real transport end to end: a spawned engine process running batchrun's worker loop
 (batchrun/engine_process/worker.py with its NotifyBatcher) and the real EngineProcess client in
@@ -15,16 +15,12 @@ process and in the engine process, and wall time.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from batchrun.config import EngineConfig  # noqa: E402
-from batchrun.params import GenerateRequest, GenerateResult, SamplingParams  # noqa: E402
-from batchrun.engine_process.client import EngineProcess  # noqa: E402
+from batchrun.config import EngineConfig, KernelConfig
+from batchrun.engine_process.client import EngineProcess
+from batchrun.params import GenerateRequest, GenerateResult, SamplingParams
 
 FINISH_PATTERN = (1, 0, 2, 1, 0, 3, 1, 0)  # rows finished per step: 1 on average
 
@@ -36,6 +32,7 @@ class StandInEngine:
         self.context_len = 4096
         self.num_kv_slots = 1 << 20
         self.device = "cpu"
+        self.kernels = KernelConfig.reference()  # what a CPU engine resolves to
         self.model_config = SimpleNamespace(vocab_size=32000)
         self.stats = SimpleNamespace(num_steps=0, num_forward_tokens=0, forward_time=0.0)
         self._queue: list[GenerateRequest] = []
@@ -105,11 +102,11 @@ def run(rows: int, notify_batch: int) -> dict:
     }
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=100_000)
     ap.add_argument("--batches", default="1,16")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     print(f"{args.rows:,} finished rows through a real engine process (stand-in model)\n")
     print(
         "| --notify-batch | wake-ups | rows / wake-up | main CPU µs / row | "

@@ -17,13 +17,10 @@ import json
 import resource
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from batchrun.job.order import dfs_order, packed_keys, reuse_lens  # noqa: E402
+from batchrun.job.order import dfs_order, packed_keys, reuse_lens
 
 GiB = 2**30
 

@@ -7,7 +7,7 @@ KVManager, TokenAllocator, RadixCache and ReqToTokenPool driven through a W4-lik
 
 The loop is Engine.step's with overlap (as on CUDA): schedule(n+1) -> advance(n+1) -> process(n),
 where process sets the sampled ids over the placeholders and finishes the requests that reached
-max_new_tokens (scheduler.finish). Request-to-token writes are queued as on CUDA and dropped
+max_new_tokens (scheduler.finish). Request-to-token writes are queued as on CUDA and discarded
 (take_pending) after each schedule. Prints microseconds per step of schedule / advance / finish
 (finish: the scheduler.finish calls of a step; process: the whole simulated result loop): means
 over all steps, and medians per kind of step (decode-only; prefill chunks beside at least
@@ -27,16 +27,16 @@ import statistics
 import time
 
 import torch
+from benchlib import TOKEN_HIGH, TOKEN_LOW, random_tokens
 
 from batchrun.engine.allocator import TokenAllocator
 from batchrun.engine.kv_manager import KVManager
 from batchrun.engine.kv_pool import ReqToTokenPool
-from batchrun.params import SamplingParams
 from batchrun.engine.radix_cache import RadixCache
 from batchrun.engine.request import Req
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler
+from batchrun.params import SamplingParams
 
-TOKEN_LOW, TOKEN_HIGH = 1000, 30000
 # kinds of steps timed apart (W4's steady state: a wave of 8 admissions beside ~248 decodes,
 # then decode-only steps until the wave's requests finish)
 KINDS = {
@@ -191,7 +191,7 @@ def median_us(values: list[int]) -> float:
     return statistics.median(values) / 1e3 if values else float("nan")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--prompt-len", type=int, default=512)
@@ -213,14 +213,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--digest", action="store_true", help="print a hash of every batch")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
-    head = [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(args.shared_prefix)]
+    head = random_tokens(rng, args.shared_prefix)
     prompts = [
-        head + [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(args.prompt_len - len(head))]
-        for _ in range(args.num_requests)
+        head + random_tokens(rng, args.prompt_len - len(head)) for _ in range(args.num_requests)
     ]
     res = [run_once(args, prompts) for _ in range(args.repeats)]
     runs = [summarize(r) for r in res]

@@ -6,7 +6,7 @@ prompts unconstrained, in one process on one engine; output tok/s of both and th
     python scripts/bench_structured.py --device cpu --model tiny --num-prompts 16 \
         --prompt-len 32 --output-len 32                         # CPU smoke test
 
-The model has dummy weights (config.json from bench_models.py) and the embedded SmolLM2
+The model has dummy weights (config.json from benchlib.py) and the embedded SmolLM2
 tokenizer (the grammar needs one; no download): its 49,152 ids are the only ones a grammar may
 allow, ids above stay masked. NOTE: the host's grammar work per token (accept, bitmask fill)
 grows with the tokenizer; a real Llama-3 tokenizer (128k ids) costs more than this one. The
@@ -14,15 +14,17 @@ per-step host times printed show how much room is left. Random weights write gar
 grammar-valid garbage: string fields rarely close, so most constrained rows run to
 --output-len, like the unconstrained ones (ignore_eos). Both runs are warmed up first (CUDA
 graphs, the compile, Triton's JIT), then timed alternately --repeats times; the medians are
-shown. Prints a markdown row for BENCH.md and writes the figures as JSON under --out.
+shown. The engine options are bench_throughput's (--attention-backend, --kernel FIELD=VALUE,
+...; the resolved KernelConfig goes into the JSON). Prints a markdown row for BENCH.md and
+writes the figures as JSON under --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
-import os
 import random
 import shutil
 import statistics
@@ -32,16 +34,17 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import benchlib
 import msgspec
 import torch
+from benchlib import MODELS, random_tokens
+from host_phases import HostPhases, MethodTimers
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
+from batchrun.engine import grammar as grammar_module
+from batchrun.engine.engine import Engine
+from batchrun.models.embedded import resolve_model_path
+from batchrun.params import GenerateRequest, GrammarSpec, SamplingParams
 
-from bench_models import MODELS, write_model_dir  # noqa: E402
-from host_phases import HostPhases, MethodTimers  # noqa: E402
-
-TOKEN_LOW, TOKEN_HIGH = 1000, 30000  # prompt ids: inside the SmolLM2 vocabulary
 MODES = ("default", "no-piecewise")  # --modes
 
 SCHEMA = {
@@ -62,9 +65,7 @@ def model_dir(name: str, root: Path, tokenizer_dir: Path | None = None) -> Path:
     """Dummy-weight model dir with the embedded SmolLM2 tokenizer (EOS 2, BOS 1), copied from
     tokenizer_dir when given (a machine without the embedded model's package: its tokenizer
     files alone are enough)."""
-    from batchrun.models.embedded import resolve_model_path
-
-    path = write_model_dir(name, root)
+    path = benchlib.write_model_dir(name, root)
     config = json.loads((path / "config.json").read_text())
     # the tokenizer's ids must fit the logits; ours end at 49,152 (the tiny shape is smaller)
     config["vocab_size"] = max(config["vocab_size"], 49152)
@@ -115,8 +116,6 @@ def gate_stats(before, after) -> dict:
 
 
 def run_once(engine, prompts, params, sync, phases: HostPhases | None = None) -> dict:
-    from batchrun.params import GenerateRequest
-
     requests = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
     reasons: Counter = Counter()
     tokens = 0
@@ -151,16 +150,7 @@ def main(argv=None) -> int:
         help="directory with the SmolLM2 tokenizer files (default: the embedded model's)",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--max-running", type=int, default=None, help="default: the engine's")
-    p.add_argument("--kv-budget", type=int, default=None)
-    p.add_argument(
-        "--chunked-prefill-size",
-        type=lambda v: v if v == "auto" else int(v),
-        default="auto",
-        help="prefill tokens a step (default: the engine's)",
-    )
+    benchlib.add_engine_args(p)
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument(
         "--fill-threads", type=int, default=None,
@@ -184,13 +174,8 @@ def main(argv=None) -> int:
         "--phases", action="store_true",
         help="time the main thread's phases per step (scripts/host_phases.py) and print them",
     )  # fmt: skip
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-out"))
+    p.add_argument("--out", type=Path, default=benchlib.OUT_DIR)
     args = p.parse_args(argv)
-
-    from batchrun.engine import grammar as grammar_module
-    from batchrun.config import EngineConfig
-    from batchrun.engine.engine import Engine
-    from batchrun.params import GrammarSpec, SamplingParams
 
     # knobs to measure other settings against the defaults (read when the backend is made)
     if args.fill_threads is not None:
@@ -199,19 +184,12 @@ def main(argv=None) -> int:
         grammar_module.GIL_SWITCH_S = args.switch_interval_ms / 1e3
         sys.setswitchinterval(grammar_module.GIL_SWITCH_S)  # also when it is above the default
 
-    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     is_cuda = args.device == "cuda"
-    if is_cuda:
-        from batchrun.engine_process.worker import GPU_ENGINE_THREADS
-
-        torch.set_num_threads(GPU_ENGINE_THREADS)  # as in the product's engine process
+    benchlib.set_engine_threads(args.device)
     sync = torch.cuda.synchronize if is_cuda else (lambda: None)
     schema = json.loads(args.schema.read_text()) if args.schema else SCHEMA
     rng = random.Random(4)
-    prompts = [
-        [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(args.prompt_len)]
-        for _ in range(args.num_prompts)
-    ]
+    prompts = [random_tokens(rng, args.prompt_len) for _ in range(args.num_prompts)]
     free = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     grammar = GrammarSpec("json_schema", json.dumps(schema))
     constrained = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, grammar=grammar)
@@ -219,30 +197,15 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(args.model, Path(tmp), args.tokenizer)
         t = time.perf_counter()
-        engine = Engine(
-            EngineConfig(
-                model=str(path),
-                load_format="dummy",
-                device=args.device,
-                dtype=dtype,
-                max_running=args.max_running,
-                kv_budget=args.kv_budget,
-                chunked_prefill_size=args.chunked_prefill_size,
-                overlap=not args.no_overlap,
-            )
-        )
+        engine = Engine(benchlib.engine_config(args, path, overlap=not args.no_overlap))
         startup = time.perf_counter() - t
+        print(f"kernels: {engine.kernels.describe()}", flush=True)
         # warm-up: CUDA graphs, the grammar compile, Triton's JIT (other prompts: no cache hits).
-        # NOTE: a full batch of distinct prompts, so the prefill chunks and the decode steps
-        # have the timed runs' shapes. With 32 copies of one prompt (one prefill), the first
-        # timed run of the first process on a fresh machine read 31-39k tok/s against 50k
-        # after, and later processes did not: likely kernels compiled then (cold on-disk
-        # caches); not yet measured with this warm-up
+        # NOTE: a full batch of distinct prompts, so that the prefill chunks and the decode
+        # steps have the timed runs' shapes, and every kernel variant they need is built here
+        # (a variant first built inside a timed run stalls it: scripts/triton_compiles.py)
         num_warm = min(engine.config.max_running, args.num_prompts)
-        warm = [
-            [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(args.prompt_len)]
-            for _ in range(num_warm)
-        ]
+        warm = [random_tokens(rng, args.prompt_len) for _ in range(num_warm)]
         t = time.perf_counter()
         for params in (free, constrained):
             run_once(engine, warm, msgspec.structs.replace(params, max_new_tokens=16), sync)
@@ -257,6 +220,9 @@ def main(argv=None) -> int:
         modes = args.modes.split(",")
         if not set(modes) <= set(MODES):
             p.error(f"--modes takes {', '.join(MODES)}; got {args.modes!r}")
+        # NOTE: the no-piecewise mode detaches the runner's piecewise graph runner (an internal,
+        # for measurement only) for its runs: one engine serves both modes, alternating, where a
+        # second engine would have to share the first one's KV memory
         piecewise = engine.runner.piecewise
 
         def key(name: str, mode: str) -> str:  # the mode is named only when several run
@@ -320,6 +286,7 @@ def main(argv=None) -> int:
         "model": args.model,
         "device": device,
         "args": {k: str(v) for k, v in vars(args).items()},
+        "kernels": dataclasses.asdict(engine.kernels),
         "free_tok_s": free_tok_s,
         # THREADSxSHARDS; runs are keyed "json_schema SETTING" (and " MODE" with several modes)
         "fill_settings": settings,

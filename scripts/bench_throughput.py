@@ -1,4 +1,4 @@
-"""Throughput sweep on the GPU machine: batchrun (and switched-off variants) vs HF `generate`.
+"""Throughput sweep on the GPU machine: batchrun (and variants of its config) vs HF `generate`.
 
     python scripts/bench_throughput.py                                  # the full sweep (BENCH.md)
     python scripts/bench_throughput.py --scale 0.1 --models llama-1b    # a quick check
@@ -6,146 +6,80 @@
         --scale 0.005 --variants batchrun,no-overlap,hf                 # CPU smoke test
     python scripts/bench_throughput.py --models llama-8b --workloads W2L --kv-budget 65536 \
         --variants batchrun,prefix-order                                # prefix vs input order
+    python scripts/bench_throughput.py --models llama-8b --workloads W3 --repeats 3 \
+        --kernel decode_norms=fold                                      # one kernel field set
 
 Models (dummy weights, written as config.json to a temp dir): llama-8b, llama-1b (and `tiny`,
-for CPU smoke tests). Workloads as BENCH.md defines them (W1 random, W2 shared prefix, W3 single
-request; W2L: W2-large, whose distinct prefix tokens exceed a capped KV pool). Variants:
-batchrun (overlap + CUDA graphs), no-overlap, no-graph, no-radix, flashinfer (batchrun with the
-FlashInfer attention backend), gemv (batchrun with BATCHRUN_GEMV=triton: kernels/gemv.py for the
-large decode matmuls), the decode kernel switches of VARIANT_ENV (no-norm-fusion,
-graph-input-copies, no-fold, ...: each turns one fusion off), no-piecewise / piecewise
-(batchrun with piecewise CUDA graphs for prefill and mixed steps off / on whatever the
-default), hf, and prefix-order (batchrun fed in batchrun.job.order's DFS order, ordering timed;
-every other variant takes the prompts in their given, shuffled, input order).
+for CPU smoke tests). Workloads as BENCH.md defines them (benchlib.make_workload: W1 random, W2
+shared prefix, W3 single request, W2L a shared prefix whose distinct tokens exceed a capped KV
+pool). Variants (VARIANTS): batchrun, the engine as configured by the options (--attention-backend,
+--cuda-graph-max-bs, --kernel FIELD=VALUE, ...), and each other variant that config with one
+EngineConfig or KernelConfig field changed; hf; prefix-order, batchrun fed in
+batchrun.job.order's DFS order with the ordering timed (every other variant takes the prompts in
+their given, shuffled, input order). A variant may be named twice (`batchrun,cublas,batchrun`)
+to see the drift between runs of one process.
 
-Each engine is built once per (model, variant) (start-up reported apart), warmed up on each
-workload's shape outside the timed region, and timed on `engine.generate(requests)` between
-device syncs, with a cold prefix cache. Each run's figures are printed when it completes and the
-table + JSON are rewritten under --out after every run, so a timeout still leaves a partial log.
+Each engine is built once per (model, variant) (start-up reported apart; its resolved
+KernelConfig is logged and written into each row), warmed up on each workload's shape outside
+the timed region, and timed on `engine.generate(requests)` between device syncs, with a cold
+prefix cache. Each run's figures are printed when it completes and the table + JSON are
+rewritten under --out after every run, so a timeout still leaves a partial log.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import gc
+import dataclasses
 import json
-import os
-import platform
-import random
 import statistics
 import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import benchlib
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing batchrun
-
-from batchrun.kernels.gemv import GEMV_PEEL_ENV  # noqa: E402
-from batchrun.kernels.pdl import PDL_ENV  # noqa: E402
-from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
-from host_phases import HostPhases  # noqa: E402
-from source_tree import git_commit  # noqa: E402
-from step_trace import StepTrace  # noqa: E402
-from triton_compiles import CompileLog  # noqa: E402
-
-from batchrun.attention.flashinfer_backend import PREFILL_KERNELS_ENV  # noqa: E402
-from batchrun.attention.triton_backend import (  # noqa: E402
-    DECODE_EVICT_ENV,
-    DECODE_FOLD_ENV,
-    DECODE_GRID_ENV,
-    DECODE_ROPE_ENV,
+from benchlib import (
+    MODELS,
+    Device,
+    LatencyProbe,
+    RunResult,
+    Workload,
+    fill_latency,
+    hf_generate,
+    make_workload,
+    run_engine_once,
+    warmup_prompts,
 )
-from batchrun.engine.cuda_graph import GRAPH_INPUTS_ENV  # noqa: E402
-from batchrun.engine.kv_pool import ROTARY_STORE_ENV  # noqa: E402
-from batchrun.engine.sampler import ARGMAX_MAX_ROWS_ENV  # noqa: E402
-from batchrun.models.layers import (  # noqa: E402
-    DUMMY_INIT_ENV,
-    GEMV_ENV,
-    GEMV_NORM_ENV,
-    GEMV_SWIGLU_ENV,
-)
+from host_phases import HostPhases
+from step_trace import StepTrace
+from triton_compiles import CompileLog
 
-VARIANTS = (
-    "batchrun",
-    "no-overlap",
-    "no-graph",
-    "no-radix",
-    "flashinfer",
-    "flashinfer-fa3",
-    "gemv",
-    "gemv-all",
-    "cublas",
-    "triton-gemv",
-    "no-pdl",
-    "gemv-all-no-pdl",
-    "no-swiglu-gemv",
-    "no-fold",
-    "no-rotary-store",
-    "no-decode-rope",
-    "unfused-decode",
-    "no-norm-fusion",
-    "norm-fusion",
-    "post-norm-fusion",
-    "fold-norm-fusion",
-    "fold-all-norm-fusion",
-    "graph-input-copies",
-    "gemv-peel-1",
-    "torch-argmax",
-    "decode-rows-first",
-    "decode-evict-first",
-    "dummy-uniform",
-    "no-piecewise",
-    "piecewise",
-    "hf",
-    "prefix-order",
-)
-# the variants that differ by a kernel switch (models/layers.py, kernels/pdl.py)
-VARIANT_ENV = {
-    "gemv": {GEMV_ENV: "triton"},
-    "gemv-all": {GEMV_ENV: "all"},
-    "no-pdl": {PDL_ENV: "0"},  # and so cuBLAS decode matmuls (auto takes gemv only with PDL)
-    "gemv-all-no-pdl": {GEMV_ENV: "all", PDL_ENV: "0"},
-    "no-swiglu-gemv": {GEMV_SWIGLU_ENV: "0"},  # the SwiGLU gate in its own kernel
-    "no-fold": {DECODE_FOLD_ENV: "0"},  # decode attention's split combine as a second kernel
-    "no-rotary-store": {ROTARY_STORE_ENV: "0"},  # rotary and the KV store as two kernels
-    # decode steps rotate and store in kernels/rotary_kv_store.py, not in the decode kernel
-    "no-decode-rope": {DECODE_ROPE_ENV: "0"},
-    # the seventh session's decode kernels: each of this session's three fusions off
-    "unfused-decode": {GEMV_SWIGLU_ENV: "0", DECODE_FOLD_ENV: "0", ROTARY_STORE_ENV: "0"},
+# each engine variant: (EngineConfig fields, KernelConfig fields) over the options' config
+VARIANTS: dict[str, tuple[dict, dict]] = {
+    "batchrun": ({}, {}),
+    "no-overlap": ({"overlap": False}, {}),
+    "no-graph": ({}, {"cuda_graph_max_bs": 0}),
+    "no-radix": ({"enable_radix_cache": False}, {}),
+    "flashinfer": ({}, {"attention": "flashinfer"}),
+    # prefill and mixed steps without / with piecewise CUDA graphs, whatever the default
+    "no-piecewise": ({}, {"piecewise_graphs": False}),
+    "piecewise": ({}, {"piecewise_graphs": True}),
+    # decode matmuls of <= 16 rows on cuBLAS / on kernels/gemv.py
+    "cublas": ({}, {"decode_gemv": "cublas"}),
+    "triton-gemv": ({}, {"decode_gemv": "triton"}),
+    # without programmatic dependent launch; decode_gemv "auto" then takes cuBLAS
+    "no-pdl": ({}, {"pdl": False}),
     # the decoder's residual adds and norms in kernels of their own, not inside the gemvs
-    "no-norm-fusion": {GEMV_NORM_ENV: "0"},
-    "norm-fusion": {GEMV_NORM_ENV: "1"},  # also for models wider than GEMV_NORM_MAX_HIDDEN
-    "post-norm-fusion": {GEMV_NORM_ENV: "post"},  # only the norm after the attention
-    # "post", and each input norm inside the qkv matmul (gemv_rms on folded weights)
-    "fold-norm-fusion": {GEMV_NORM_ENV: "fold"},
-    # "fold", and each post-attention norm inside gate_up's matmul (o_proj adds the residual)
-    "fold-all-norm-fusion": {GEMV_NORM_ENV: "fold-all"},
-    # the decode graphs' inputs by copies and index kernels, not kernels/graph_inputs.py
-    "graph-input-copies": {GRAPH_INPUTS_ENV: "0"},
-    "gemv-peel-1": {GEMV_PEEL_ENV: "1"},  # one weight tile a gemv program before its PDL wait
-    # greedy steps of more than 16 rows take torch's argmax (the default before 2026-12-01)
-    "torch-argmax": {ARGMAX_MAX_ROWS_ENV: "16"},
-    # the decode attention's grid with a KV head's requests adjacent (the order before
-    # 2026-12-01); its KV loads evicting first
-    "decode-rows-first": {DECODE_GRID_ENV: "rows"},
-    "decode-evict-first": {DECODE_EVICT_ENV: "evict_first"},
-    # every weight U(-1e-3, 1e-3), as vLLM's and SGLang's dummy loaders draw them (models/layers.py)
-    "dummy-uniform": {DUMMY_INIT_ENV: "uniform"},
-    # the flashinfer backend with its prefill wrapper on FlashAttention-3 kernels
-    "flashinfer-fa3": {PREFILL_KERNELS_ENV: "fa3"},
+    "no-norm-fusion": ({}, {"decode_norms": "off"}),
+    # every weight U(-1e-3, 1e-3), as vLLM's and SGLang's dummy loaders draw them
+    "dummy-uniform": ({"dummy_init": "uniform"}, {}),
+    "prefix-order": ({}, {}),
 }
-# NOTE: every switch any variant sets is cleared around each engine (only GEMV and PDL were, so
-# a variant's other switches leaked into the engines after it in the same run)
-VARIANT_ENV_KEYS = sorted({key for env in VARIANT_ENV.values() for key in env})
-TOKEN_LOW, TOKEN_HIGH = 1000, 30000
-# BENCH.md targets: (workload, model) -> (figure, bound); W3 is ms per output token (lower is
-# better), the others output tok/s (higher is better)
+ALL_VARIANTS = (*VARIANTS, "hf")
+# BENCH.md targets: (workload, model) -> bound; W3 is ms per output token (lower is better), the
+# others output tok/s (higher is better)
 TARGETS = {
     ("W1", "llama-8b"): 11000,
     ("W1", "llama-1b"): 50000,
@@ -156,239 +90,20 @@ TARGETS = {
 }
 
 
-# -- workloads ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    output_len: int
-    note: str
-
-
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(n)]
-
-
-def make_workload(name: str, scale: float) -> Workload:
-    """BENCH.md's workloads; --scale shrinks the number of prompts (W2: groups), never lengths."""
-    if name == "W1":
-        rng = random.Random(0)
-        n = max(1, round(2000 * scale))
-        return Workload(name, [_tokens(rng, 512) for _ in range(n)], 256, f"{n} x 512 in")
-    if name == "W2":
-        rng = random.Random(1)
-        groups = max(1, round(32 * scale))
-        prompts = []
-        for _ in range(groups):
-            prefix = _tokens(rng, 1024)
-            prompts.extend(prefix + _tokens(rng, 128) for _ in range(32))
-        rng.shuffle(prompts)
-        return Workload(name, prompts, 128, f"{groups} groups x 32, 1024+128 in")
-    if name == "W3":
-        return Workload(name, [_tokens(random.Random(3), 512)], 256, "1 x 512 in")
-    if name == "W2L":
-        # W2-large: 64 groups x 32 questions over 2,048-token prefixes = 131,072 distinct prefix
-        # tokens; run it with --kv-budget 65536 (or less) so that they cannot all stay cached:
-        # prefix order (variant prefix-order) vs input order (batchrun) is then the figure
-        rng = random.Random(2)
-        groups = max(1, round(64 * scale))
-        prompts = []
-        for _ in range(groups):
-            prefix = _tokens(rng, 2048)
-            prompts.extend(prefix + _tokens(rng, 128) for _ in range(32))
-        rng.shuffle(prompts)
-        return Workload(name, prompts, 128, f"{groups} groups x 32, 2048+128 in, shuffled")
-    raise ValueError(f"unknown workload {name!r}; known: W1, W2, W3, W2L")
-
-
-def warmup_prompts(workload: Workload, num: int) -> list[list[int]]:
-    """Prompts of the workload's lengths with other tokens (no prefix-cache hits on the real
-    ones)."""
-    rng = random.Random(1234)
-    return [_tokens(rng, len(p)) for p in workload.prompts[:num]]
-
-
-# -- figures -------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunResult:
-    model: str
-    workload: str
-    variant: str
-    status: str = "ok"  # ok | skipped | error | bad (wrong output lengths)
-    note: str = ""
-    num_requests: int = 0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    wall_s: float | None = None  # median over repeats
-    walls_s: list[float] = field(default_factory=list)
-    output_tok_s: float | None = None
-    total_tok_s: float | None = None
-    ttft_p50_ms: float | None = None
-    ttft_p99_ms: float | None = None
-    itl_p50_ms: float | None = None
-    ms_per_token: float | None = None  # W3: wall / output_len
-    decode_ms_per_token: float | None = None  # W3: (wall - TTFT) / (output_len - 1)
-    forward_occupancy: float | None = None
-    cached_fraction: float | None = None
-    peak_mem_gib: float | None = None
-    num_steps: int | None = None
-    kv_slots: int | None = None  # the engine's KV pool, in tokens
-    retractions: int | None = None  # requests sent back to the queue for KV (recomputed)
-    startup_s: float | None = None
-    warmup_s: float | None = None
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100])."""
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
-
-
-def fill_latency(res: RunResult, ttfts: list[float], itls: list[float], out_len: int) -> None:
-    if ttfts:
-        res.ttft_p50_ms = 1e3 * statistics.median(ttfts)
-        res.ttft_p99_ms = 1e3 * percentile(ttfts, 99)
-    if itls:
-        res.itl_p50_ms = 1e3 * statistics.median(itls)
-    if res.workload == "W3" and res.wall_s:
-        res.ms_per_token = 1e3 * res.wall_s / out_len
-        if ttfts and out_len > 1:
-            res.decode_ms_per_token = 1e3 * (res.wall_s - ttfts[0]) / (out_len - 1)
-
-
-class Device:
-    def __init__(self, name: str):
-        self.type = name
-        self.is_cuda = name == "cuda"
-
-    def sync(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize()
-
-    def reset_peak(self) -> None:
-        if self.is_cuda:
-            torch.cuda.reset_peak_memory_stats()
-
-    def peak_gib(self) -> float | None:
-        return torch.cuda.max_memory_allocated() / 2**30 if self.is_cuda else None
-
-    def free(self) -> None:
-        gc.collect()
-        if self.is_cuda:
-            torch.cuda.empty_cache()
-
-
 # -- batchrun -------------------------------------------------------------------------------------
 
 
 def engine_config(args, model_dir: Path, variant: str):
-    from batchrun.config import EngineConfig
-
-    cfg = EngineConfig(
-        model=str(model_dir),
-        load_format="dummy",
-        device=args.device,
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-        max_running=args.max_running,
-        kv_budget=args.kv_budget,
-        overlap=True,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-        chunked_prefill_size=args.chunked_prefill_size,
-        page_size=args.page_size,
+    """The variant's EngineConfig: the options' config (overlap on) with its fields changed."""
+    engine_fields, kernel_fields = VARIANTS[variant]
+    return benchlib.engine_config(
+        args, model_dir, kernels=kernel_fields, **{"overlap": True, **engine_fields}
     )
-    # NOTE: the variants of VARIANT_ENV change no config: main() sets their switches around the
-    # engine's life (each had to be listed here too, and one left out failed at start-up)
-    changes = {
-        "batchrun": {},
-        "no-overlap": {"overlap": False},
-        "no-graph": {"cuda_graph_max_bs": 0},
-        "no-radix": {"enable_radix_cache": False},
-        "flashinfer": {"attention_backend": "flashinfer"},
-        "flashinfer-fa3": {"attention_backend": "flashinfer"},  # and FA3 prefill (VARIANT_ENV)
-        "no-piecewise": {"piecewise_cuda_graph": False},
-        "piecewise": {"piecewise_cuda_graph": True},  # also where it is off by default
-        "cublas": {"decode_gemv": "cublas"},  # decode matmuls on cuBLAS (large models' default)
-        "triton-gemv": {"decode_gemv": "triton"},  # on kernels/gemv.py (small models' default)
-        "prefix-order": {},
-        **{name: {} for name in VARIANT_ENV if name != "flashinfer-fa3"},
-    }[variant]
-    return replace(cfg, **changes)
-
-
-class LatencyProbe:
-    """Host time at which each request's first token reached the host.
-
-    NOTE: GenerateResult carries no timestamps and results arrive only at finish, so this wraps
-    the engine's per-step result processing (`_process`, once per step; a scan of the step's
-    output indices). Under overlap, step n is processed after step n+1 is launched: that is when
-    the host sees the token, so it is what a caller would measure too.
-    """
-
-    def __init__(self, engine):
-        self.first: dict[tuple[str, int], float] = {}
-        original = getattr(engine, "_process", None)
-        self.active = callable(original)
-        if not self.active:
-            return
-
-        def process(launched, *args, **kwargs):
-            # (returns a grammar step's fill job, which step() needs)
-            fill = original(launched, *args, **kwargs)
-            out_index = getattr(launched, "out_index", None)
-            if out_index and 0 in out_index:
-                now = time.perf_counter()
-                for req, idx in zip(launched.reqs, out_index):
-                    if idx == 0:
-                        self.first.setdefault((req.rid, req.index), now)
-            return fill
-
-        engine._process = process
-
-
-def run_engine_once(
-    engine, prompts, out_len: int, dev: Device, probe: LatencyProbe | None, order: bool = False
-):
-    from batchrun.params import GenerateRequest, SamplingParams
-    from batchrun.job.order import order_items
-
-    params = SamplingParams(
-        max_new_tokens=out_len, min_new_tokens=out_len, temperature=0.0, ignore_eos=True
-    )
-    requests = [GenerateRequest(str(i), ids, params) for i, ids in enumerate(prompts)]
-    if probe is not None:
-        probe.first.clear()
-    finish: dict[tuple[str, int], float] = {}
-    bad = 0
-    dev.sync()
-    t0 = time.perf_counter()
-    if order:  # what `batchrun submit --order prefix` does, timed with the run
-        requests = order_items(requests, lambda r: r.input_ids)
-    for result in engine.generate(requests):
-        finish[(result.rid, result.index)] = time.perf_counter()
-        if result.error or result.completion_tokens != out_len:
-            bad += 1
-    dev.sync()
-    wall = time.perf_counter() - t0
-    ttfts, itls = [], []
-    if probe is not None and probe.active:
-        for key, t_end in finish.items():
-            t_first = probe.first.get(key)
-            if t_first is None:
-                continue
-            ttfts.append(t_first - t0)
-            if out_len > 1:
-                itls.append((t_end - t_first) / (out_len - 1))
-    return wall, bad, len(finish), ttfts, itls
 
 
 def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe) -> None:
     cache = getattr(getattr(engine, "kv", None), "cache", None)
-    compiles = getattr(args, "compile_log", None)
+    compiles = args.compile_log
     if compiles is not None:
         compiles.phase = "warm-up"
     t = time.perf_counter()
@@ -398,7 +113,7 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
         compiles.phase = "timed"
     walls, last = [], None
     phases = HostPhases(engine) if args.phases else None
-    trace = StepTrace(engine) if getattr(args, "step_trace", False) else None
+    trace = StepTrace(engine) if args.step_trace else None
     steps_at_start = engine.stats.num_steps
     for _ in range(args.repeats):
         if cache is not None:
@@ -475,8 +190,7 @@ def load_hf(model_dir: Path, args, dev: Device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(model_dir))
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else None
-    dtype = dtype or (torch.bfloat16 if dev.is_cuda else torch.float32)
+    dtype = getattr(torch, benchlib.dtype_name(args))
     # random weights, built on the device directly (an 8B init on the CPU takes minutes)
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(
@@ -527,19 +241,9 @@ def run_hf_once(model, prompts, out_len: int, batch_size: int, dev: Device, cloc
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        width = max(len(p) for p in chunk)
-        input_ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=dev.type)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=dev.type)
         first = len(clock.marks) if clock is not None else 0
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=mask,
-            do_sample=False,
-            max_new_tokens=out_len,
-            min_new_tokens=out_len,
-            pad_token_id=0,
-            logits_processor=LogitsProcessorList([clock] if clock is not None else []),
-        )
+        processors = LogitsProcessorList([clock] if clock is not None else [])
+        out, width = hf_generate(model, chunk, out_len, 0, logits_processor=processors)
         bad += len(chunk) * (out.shape[1] - width != out_len)
         spans.append((len(chunk), first, len(clock.marks) if clock is not None else 0))
     dev.sync()
@@ -621,58 +325,50 @@ def detail_table(results: list[RunResult]) -> str:
 
 
 def summary_table(results: list[RunResult], variants: list[str], skipped: list[str]) -> str:
-    """BENCH.md's layout: one row per (workload, model), one column per variant."""
+    """BENCH.md's layout: one row per (workload, model), one column per variant (a variant run
+    more than once shows each run's figure, in order)."""
+    columns = list(dict.fromkeys(variants))
     keys = list(dict.fromkeys((r.workload, r.model) for r in results))
     lines = [
-        "| workload | " + " | ".join(variants) + " | target |",
-        "|---|" + "---|" * (len(variants) + 1),
+        "| workload | " + " | ".join(columns) + " | target |",
+        "|---|" + "---|" * (len(columns) + 1),
     ]
     for wl, model in keys:
         what = "ms / output token" if wl == "W3" else "output tok/s"
         if wl.startswith("W2"):
             what += " (cached fraction)"
         cells = []
-        for v in variants:
-            r = next(
-                (r for r in results if (r.workload, r.model, r.variant) == (wl, model, v)), None
-            )
-            if r is None or r.wall_s is None:
-                gone = f"{model}/{wl}/{v}" in skipped
-                cells.append(r.status if r is not None else ("skipped" if gone else "—"))
+        for v in columns:
+            runs = [r for r in results if (r.workload, r.model, r.variant) == (wl, model, v)]
+            if not runs:
+                cells.append("skipped" if f"{model}/{wl}/{v}" in skipped else "—")
                 continue
-            cell = f"{r.ms_per_token:.2f}" if wl == "W3" else f"{r.output_tok_s:,.0f}"
-            if wl.startswith("W2") and r.cached_fraction is not None:
-                cell += f" ({r.cached_fraction:.3f})"
-            if r.status != "ok":
-                cell += f" [{r.status}]"
-            cells.append(cell)
+            cells.append(", ".join(summary_cell(r) for r in runs))
         target = TARGETS.get((wl, model))
         tcell = "—" if target is None else (f"≤ {target}" if wl == "W3" else f"≥ {target:,}")
         lines.append(f"| {wl}, {model}, {what} | " + " | ".join(cells) + f" | {tcell} |")
     return "\n".join(lines)
 
 
-def environment(args) -> dict:
-    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "none (CPU)"
-    return {
-        "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "gpu": gpu,
-        "cpu": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "commit": git_commit(),
-        "command": "python " + " ".join(sys.argv),
-    }
+def summary_cell(r: RunResult) -> str:
+    if r.wall_s is None:
+        return r.status
+    cell = f"{r.ms_per_token:.2f}" if r.workload == "W3" else f"{r.output_tok_s:,.0f}"
+    if r.workload.startswith("W2") and r.cached_fraction is not None:
+        cell += f" ({r.cached_fraction:.3f})"
+    return cell if r.status == "ok" else f"{cell} [{r.status}]"
 
 
-def _version(package: str) -> str:
-    try:
-        from importlib.metadata import version
-
-        return version(package)
-    except Exception:
-        return "not installed"
+def kernel_lines(results: list[RunResult]) -> str:
+    """Each engine's resolved KernelConfig, once per (model, variant)."""
+    seen = {}
+    for r in results:
+        if r.kernels is not None:
+            seen.setdefault((r.model, r.variant), r.kernels)
+    return "\n".join(
+        f"- {model} {variant}: " + ", ".join(f"{k}={v}" for k, v in kernels.items())
+        for (model, variant), kernels in seen.items()
+    )
 
 
 def write_report(out: Path, env: dict, results, variants, skipped: list[str]) -> str:
@@ -681,13 +377,15 @@ def write_report(out: Path, env: dict, results, variants, skipped: list[str]) ->
         f"transformers {env['transformers']}, commit {env['commit']}\n\n"
         f"Command: `{env['command']}`"
     )
+    kernels = kernel_lines(results)
     text = "\n\n".join(
         [header, detail_table(results), summary_table(results, variants, skipped)]
+        + ([f"Kernel configs (resolved):\n{kernels}"] if kernels else [])
         + ([f"Skipped (time budget): {', '.join(skipped)}"] if skipped else [])
     )
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_throughput.md").write_text(text + "\n")
-    payload = {"env": env, "results": [asdict(r) for r in results], "skipped": skipped}
+    payload = {"env": env, "results": [dataclasses.asdict(r) for r in results], "skipped": skipped}
     (out / "bench_throughput.json").write_text(json.dumps(payload, indent=2) + "\n")
     return text
 
@@ -699,27 +397,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="llama-1b,llama-8b", help=f"of {', '.join(MODELS)}")
     p.add_argument("--workloads", default="W1,W2,W3")
-    p.add_argument("--variants", default="batchrun,no-overlap,no-graph,hf", help=f"of {VARIANTS}")
+    p.add_argument(
+        "--variants", default="batchrun,no-overlap,no-graph,hf",
+        help=f"comma-separated, of {', '.join(ALL_VARIANTS)}",
+    )  # fmt: skip
     p.add_argument("--scale", type=float, default=1.0, help="fraction of prompts (W2: groups)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs each; the median is shown")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--max-running", type=int, default=None, help="default: the engine's")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=512)
-    p.add_argument(
-        "--chunked-prefill-size",
-        type=lambda v: v if v == "auto" else int(v),
-        default="auto",
-        help="prefill tokens a step (default: the engine's)",
-    )
-    p.add_argument(
-        "--decode-config",
-        default=None,
-        help="BLOCK_N,WARPS,STAGES of the Triton decode attention kernel (default: its own)",
-    )
-    p.add_argument("--kv-budget", type=int, default=None, help="KV tokens; default from memory")
-    p.add_argument("--page-size", type=int, default=1, help="KV slots allocated together")
+    benchlib.add_engine_args(p)
     p.add_argument("--warmup-requests", type=int, default=32)
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--hf-batch-size", type=int, default=256)
@@ -742,13 +426,12 @@ def parse_args(argv=None):
         help="do not hook Triton's JIT to report the kernel variants built in each phase",
     )
     p.add_argument("--time-budget", type=float, default=None, help="seconds; skip runs after it")
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-out"))
+    p.add_argument("--out", type=Path, default=benchlib.OUT_DIR)
     args = p.parse_args(argv)
-    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.models = args.models.split(",")
     args.workloads = args.workloads.split(",")
     args.variants = args.variants.split(",")
-    for name, allowed in (("model", MODELS), ("variant", VARIANTS)):
+    for name, allowed in (("model", MODELS), ("variant", ALL_VARIANTS)):
         for v in getattr(args, name + "s"):
             if v not in allowed:
                 p.error(f"unknown {name} {v!r}; known: {', '.join(allowed)}")
@@ -793,21 +476,29 @@ def format_run(r: RunResult) -> str:
     return ", ".join(parts)
 
 
+def start(args, model_dir: Path, variant: str, dev: Device):
+    """The variant's engine (or HF model), its start-up seconds and its resolved kernels."""
+    from batchrun.engine.engine import Engine
+
+    dev.sync()
+    t = time.perf_counter()
+    if variant == "hf":
+        target, kernels = load_hf(model_dir, args, dev), None
+    else:
+        target = Engine(engine_config(args, model_dir, variant))
+        kernels = dataclasses.asdict(target.kernels)
+    dev.sync()
+    return target, time.perf_counter() - t, kernels
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
     args.compile_log = None
     if args.device == "cuda" and not args.no_compile_log:
         args.compile_log = CompileLog.install()
-    if args.decode_config:  # the kernel reads its module defaults at every launch
-        from batchrun.kernels import decode_attention
-
-        bn, warps, stages = (int(x) for x in args.decode_config.split(","))
-        decode_attention.DEFAULT_BLOCK_N = bn
-        decode_attention.DEFAULT_NUM_WARPS = warps
-        decode_attention.DEFAULT_NUM_STAGES = stages
     dev = Device(args.device)
-    env = environment(args)
+    env = benchlib.environment(args.device)
     log(json.dumps(env))
     workloads = {}
     for name in args.workloads:
@@ -826,8 +517,8 @@ def main(argv=None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-models-"))
     for model in args.models:
-        model_dir = write_model_dir(model, tmp)
-        log(f"model {model}: {num_params(model) / 1e9:.2f} B params, {model_dir}")
+        model_dir = benchlib.write_model_dir(model, tmp)
+        log(f"model {model}: {benchlib.num_params(model) / 1e9:.2f} B params, {model_dir}")
         for variant in args.variants:
             names = [w for w in args.workloads if not (variant == "hf" and w.startswith("W2"))]
             for w in args.workloads:
@@ -838,33 +529,18 @@ def main(argv=None) -> int:
             if over_budget():
                 skipped += [f"{model}/{w}/{variant}" for w in names]
                 continue
-            target = None
-            # NOTE: the switches are read per call, and once at capture for the decode graphs, so
-            # they are set for the whole life of this variant's engine and cleared before the next
-            for key in VARIANT_ENV_KEYS:
-                os.environ.pop(key, None)
-            os.environ.update(VARIANT_ENV.get(variant, {}))
             if args.compile_log is not None:
                 args.compile_log.reset()  # phase "start-up"
             try:
-                dev.sync()
-                t = time.perf_counter()
-                if variant == "hf":
-                    target = load_hf(model_dir, args, dev)
-                else:
-                    from batchrun.engine.engine import Engine
-
-                    target = Engine(engine_config(args, model_dir, variant))
-                dev.sync()
-                startup = time.perf_counter() - t
-                log(f"[{model} {variant}] start-up {startup:.1f}s")
+                target, startup, kernels = start(args, model_dir, variant, dev)
             except Exception as e:  # report and go on with the sweep
                 traceback.print_exc()
                 for w in names:
                     record(RunResult(model, w, variant, "error", f"start-up: {e!r}"[:200]))
-                del target
                 dev.free()
                 continue
+            described = "" if kernels is None else f"; kernels: {target.kernels.describe()}"
+            log(f"[{model} {variant}] start-up {startup:.1f}s{described}")
             probe = None
             if variant != "hf" and not args.no_latency_probe:
                 probe = LatencyProbe(target)
@@ -872,7 +548,7 @@ def main(argv=None) -> int:
                 if over_budget():
                     skipped.append(f"{model}/{w}/{variant}")
                     continue
-                res = RunResult(model, w, variant, startup_s=startup)
+                res = RunResult(model, w, variant, startup_s=startup, kernels=kernels)
                 try:
                     if variant == "hf":
                         bench_hf(args, target, res, workloads[w], dev)
@@ -883,8 +559,6 @@ def main(argv=None) -> int:
                     res.status, res.note = "error", repr(e)[:200]
                 record(res)
             del target, probe
-            for key in VARIANT_ENV_KEYS:
-                os.environ.pop(key, None)
             dev.free()  # two 8b models never coexist
     if args.compile_log is not None:
         args.compile_log.close()

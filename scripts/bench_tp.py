@@ -4,9 +4,11 @@
     python scripts/bench_tp.py --models llama-1b,llama-8b --repeats 5
     python scripts/bench_tp.py --device cpu --models tiny --dtype float32 --output-len 16  # smoke
 
-Every TP size runs through batchrun.engine_process.tp_launcher.start_tp_engine (TP=1 too: the same
-wrapper, a plain Engine inside), with overlap and CUDA graphs on and the radix cache off, so each
-repeat of the one W3 prompt starts cold. Start-up (weights, graph capture, NCCL) is reported
+Every TP size runs through batchrun.engine_process.tp_launcher.start_tp_engine (TP=1 too: the
+same wrapper, a plain Engine inside), with overlap and CUDA graphs on and the radix cache off, so
+each repeat of the one W3 prompt starts cold; the engine options are bench_throughput's
+(--attention-backend, --kernel FIELD=VALUE, ...), and each row's resolved KernelConfig is
+printed with it. Start-up (weights, graph capture, NCCL) is reported
 apart from the timed runs. The greedy tokens of each TP size are compared with TP=1's: bf16
 TP=2 may legitimately leave TP=1's path at a near-tie (see tests/gpu/test_tensor_parallel_gpu.py
 for the tolerance policy), so the table reports how many leading tokens agree instead of failing.
@@ -17,26 +19,28 @@ Prints one markdown row per (model, TP size); the table also goes to --out/bench
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import sys
 import tempfile
 import time
-from dataclasses import replace
+import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_models import MODELS, num_params, write_model_dir  # noqa: E402
-from bench_throughput import (  # noqa: E402
+import benchlib
+from benchlib import (
+    MODELS,
     Device,
     LatencyProbe,
     RunResult,
-    environment,
     fill_latency,
     make_workload,
     run_engine_once,
     warmup_prompts,
 )
+
+from batchrun.engine_process.tp_launcher import start_tp_engine
+from batchrun.params import GenerateRequest, SamplingParams
 
 HEADER = (
     "| model | TP | ms / output token | decode ms / token | TTFT ms | wall s (repeats) "
@@ -46,25 +50,11 @@ HEADER = (
 
 
 def engine_config(args, model_dir: Path):
-    from batchrun.config import EngineConfig
-
-    return EngineConfig(
-        model=str(model_dir),
-        load_format="dummy",
-        device=args.device,
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-        max_running=8,
-        kv_budget=args.kv_budget,
-        enable_radix_cache=False,  # every repeat of the one prompt is a cold run
-        overlap=True,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-    )
+    # the radix cache off: every repeat of the one prompt is a cold run
+    return benchlib.engine_config(args, model_dir, enable_radix_cache=False, overlap=True)
 
 
 def greedy_tokens(engine, prompt: list[int], out_len: int) -> list[int]:
-    from batchrun.params import GenerateRequest, SamplingParams
-
     params = SamplingParams(max_new_tokens=out_len, temperature=0.0, ignore_eos=True)
     (result,) = list(engine.generate([GenerateRequest("check", prompt, params)]))
     return result.output_ids
@@ -73,14 +63,13 @@ def greedy_tokens(engine, prompt: list[int], out_len: int) -> list[int]:
 def bench_one(
     args, model: str, model_dir: Path, tp: int, dev: Device, wl
 ) -> tuple[RunResult, list]:
-    from batchrun.engine_process.tp_launcher import start_tp_engine
-
     res = RunResult(model, "W3", f"tp{tp}")
     dev.sync()
     t = time.perf_counter()
     engine = start_tp_engine(engine_config(args, model_dir), tp, args.base_device)
     dev.sync()
     res.startup_s = time.perf_counter() - t
+    res.kernels = dataclasses.asdict(engine.kernels)
     probe = None
     try:
         # NOTE: the probe wraps rank 0's Engine, the one that reports results
@@ -133,43 +122,37 @@ def parse_args(argv=None):
     p.add_argument("--tp-sizes", default="1,2")
     p.add_argument("--repeats", type=int, default=3, help="timed runs each; the median is shown")
     p.add_argument("--output-len", type=int, default=None, help="default: W3's 256")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--base-device", type=int, default=0, help="rank k runs on cuda:base+k")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=8)
-    p.add_argument("--kv-budget", type=int, default=16384, help="KV tokens per rank")
+    # --kv-budget: KV tokens per rank
+    benchlib.add_engine_args(p, max_running=8, kv_budget=16384, cuda_graph_max_bs=8)
     p.add_argument("--warmup-tokens", type=int, default=32)
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-out"))
+    p.add_argument("--out", type=Path, default=benchlib.OUT_DIR)
     args = p.parse_args(argv)
-    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.models = args.models.split(",")
     args.tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
     return args
 
 
 def main(argv=None) -> int:
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # also set by the launcher; stated here for the log
     args = parse_args(argv)
     dev = Device(args.device)
-    env = environment(args)
+    env = benchlib.environment(args.device)
     print(json.dumps(env), flush=True)
     wl = make_workload("W3", 1.0)
     if args.output_len:
-        wl = replace(wl, output_len=args.output_len)
+        wl = dataclasses.replace(wl, output_len=args.output_len)
     tmp = Path(tempfile.mkdtemp(prefix="bench-tp-"))
     lines = [HEADER]
+    kernel_lines = []
     ok = True
     for model in args.models:
-        model_dir = write_model_dir(model, tmp)
-        print(f"model {model}: {num_params(model) / 1e9:.2f} B params", flush=True)
+        model_dir = benchlib.write_model_dir(model, tmp)
+        print(f"model {model}: {benchlib.num_params(model) / 1e9:.2f} B params", flush=True)
         ref_tokens = None
         for tp in args.tp_sizes:
             try:
                 res, tokens = bench_one(args, model, model_dir, tp, dev, wl)
             except Exception as e:  # report and go on
-                import traceback
-
                 traceback.print_exc()
                 lines.append(f"| {model} | {tp} | error: {e!r} |"[:300])
                 ok = False
@@ -182,11 +165,15 @@ def main(argv=None) -> int:
                 agree += f" of {len(tokens)}"
             ok &= res.status == "ok"
             lines.append(row(res, agree))
-            print(lines[-1], flush=True)
+            kernels = ", ".join(f"{k}={v}" for k, v in res.kernels.items())
+            kernel_lines.append(f"- {model} TP={tp}: {kernels}")
+            print(lines[-1] + "\n" + kernel_lines[-1], flush=True)
     text = (
         f"W3 latency, TP=1 vs TP=2, {env['date']}, GPU: {env['gpu']} x {max(args.tp_sizes)}, "
         f"torch {env['torch']}, commit {env['commit']}\n\nCommand: `{env['command']}`\n\n"
         + "\n".join(lines)
+        + "\n\nKernel configs (resolved):\n"
+        + "\n".join(kernel_lines)
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_tp.md").write_text(text + "\n")

@@ -1,6 +1,10 @@
 """Where the engine's main thread spends a step: wraps Engine methods with timers (bench-only
 instrumentation; ~1 µs per call) and reports milliseconds per step, plus the GPU's forward
 occupancy over the same wall time. Phases nest (a process includes its wait), so they do not sum.
+Most of the methods timed are the engine's and the runner's internals (batchrun/engine/
+engine.py, model_runner.py), wrapped for measurement only. An object that is missing (no CUDA
+graphs on the CPU, no grammar backend before a grammar) is skipped, a method that is missing
+raises; tests/e2e/test_bench_scripts.py checks every target against the engine's classes.
 
     phases = HostPhases(engine)
     ... run ...
@@ -17,11 +21,12 @@ PHASES = (
     ("schedule", "scheduler", "schedule"),
     ("fill_wait", "structured", "finish_fill"),
     ("gated_wait", "structured", "finish_gated"),
-    ("sample_gated", "", "_sample_gated"),
+    ("sample_constrained", "", "_sample_constrained"),
     ("launch", "", "_launch"),
     ("sampling_build", "", "_sampling_batch"),
-    ("stage_forward", "runner", "stage_forward"),
-    ("run_forward", "runner", "run_forward"),
+    # inside launch: the step's inputs staged for the device, then its forward
+    ("stage", "runner", "_stage"),
+    ("run_forward", "runner", "_run_forward"),
     # inside run_forward: the queued table writes, a decode graph's replay (its input copies,
     # the attention metadata copies and the launch) and an eager forward
     ("table_apply", "runner.req_pool", "apply"),
@@ -32,8 +37,8 @@ PHASES = (
     ("eager_forward", "runner.model", "forward"),
     # inside eager_forward: each layer's attention (KV store + kernels; a graph replays these
     # without Python)
-    ("eager_attention", "runner.backend", "forward"),
-    ("launch_sample", "runner", "launch_sample"),
+    ("eager_attention", "runner.backend", "forward_rotary"),
+    ("sample", "runner", "_sample"),
     ("mask_apply", "structured.backend", "apply"),
     ("process", "", "_process"),
     ("wait", "runner", "wait"),
@@ -45,7 +50,7 @@ PHASES = (
 
 def _existing(owner, name: str):
     """owner.name, or None; a lazy property (`name` backed by `_name`, e.g. the engine's grammar
-    backend) that was not built yet stays unbuilt: timing must not create it."""
+    backend) that is not built yet stays unbuilt: timing must not create it."""
     if owner is None:
         return None
     if isinstance(getattr(type(owner), name, None), property) and hasattr(owner, f"_{name}"):
@@ -61,13 +66,14 @@ class MethodTimers:
     def __init__(self, root, targets, cpu: bool = False):
         self.seconds: dict[str, float] = {label: 0.0 for label, _, _ in targets}
         # cpu: also the calling thread's CPU time per label (time.thread_time, ~1 µs a call):
-        # a phase whose CPU time falls short of its wall time was off the CPU (GIL, preempted)
+        # a phase whose CPU time falls short of its wall time is off the CPU (GIL, preempted)
         self.cpu_seconds: dict[str, float] | None = (
             {label: 0.0 for label, _, _ in targets} if cpu else None
         )
         self.calls: dict[str, int] = {label: 0 for label, _, _ in targets}
         # (owner, method name, what owner itself held under that name or None), for close()
         self._wrapped: list[tuple[object, str, object]] = []
+        self.labels: list[str] = []  # the targets found and timed
         for label, path, name in targets:
             owner = root
             for part in filter(None, path.split(".")):
@@ -77,6 +83,7 @@ class MethodTimers:
             own = vars(owner).get(name)  # a class's own method; None for an instance
             setattr(owner, name, self._timed(getattr(owner, name), label))
             self._wrapped.append((owner, name, own))
+            self.labels.append(label)
 
     def close(self) -> None:
         """Take the timers off again: an instance's timer that shadows its class's method is

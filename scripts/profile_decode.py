@@ -6,6 +6,7 @@ time per step by kernel, the number of launches, and the GPU's busy fraction of 
     python scripts/profile_decode.py --device cpu --model tiny --batch 4   # CPU smoke test
     python scripts/profile_decode.py --model llama-8b --workload W1 --scale 0.25   # a whole run
     python scripts/profile_decode.py --model llama-8b --batch 1 --chain   # each kernel's cost
+    python scripts/profile_decode.py --model llama-1b --batch 1 --kernel pdl=false   # a variant
 
 With --chain, each kernel of the steady step is also given what its end adds after the ends
 before it: its cost in the chain, where PDL kernels start early and wait (their durations count
@@ -19,7 +20,9 @@ time, and where inside the mixed steps the device waited.
 Requests of --context prompt tokens decode (ignore_eos) until --warmup-steps steps have run
 (prefills done, CUDA graphs in use); the next --steps steps are profiled. The table lists each
 kernel's GPU µs per step; "busy" is the union of the GPU's kernel intervals over the wall time
-of the profiled steps (1.0: the GPU never waited for the host).
+of the profiled steps (1.0: the GPU never waited for the host). The engine takes
+bench_throughput's options (--attention-backend, --cuda-graph-max-bs, --kernel FIELD=VALUE, ...);
+its resolved KernelConfig is printed first.
 """
 
 from __future__ import annotations
@@ -32,12 +35,12 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import benchlib
 import torch
+from benchlib import MODELS, make_workload, random_tokens
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench_models import MODELS, write_model_dir  # noqa: E402
+from batchrun.engine.engine import Engine
+from batchrun.params import GenerateRequest, SamplingParams
 
 
 def busy_fraction(intervals: list[tuple[float, float]], wall: float) -> float:
@@ -60,8 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--warmup-steps", type=int, default=40)
     p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--attention-backend", default="auto")
+    benchlib.add_engine_args(p)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--workload", help="profile a whole run of this bench_throughput workload")
     p.add_argument("--scale", type=float, default=0.25, help="of the --workload's prompts")
@@ -72,36 +74,21 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
 
-    from batchrun.config import EngineConfig
-    from batchrun.engine.engine import Engine
-    from batchrun.params import GenerateRequest, SamplingParams
-
     is_cuda = args.device == "cuda"
-    if is_cuda:
-        from batchrun.engine_process.worker import GPU_ENGINE_THREADS
-
-        torch.set_num_threads(GPU_ENGINE_THREADS)  # as in the product's engine process
+    benchlib.set_engine_threads(args.device)
     rng = random.Random(0)
+    max_running = args.max_running or (None if args.workload else max(args.batch, 1))
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_model_dir(args.model, Path(tmp))
-        engine = Engine(
-            EngineConfig(
-                model=str(path),
-                load_format="dummy",
-                device=args.device,
-                dtype="bfloat16" if is_cuda else "float32",
-                max_running=None if args.workload else max(args.batch, 1),
-                attention_backend=args.attention_backend,
-            )
-        )
+        path = benchlib.write_model_dir(args.model, Path(tmp))
+        engine = Engine(benchlib.engine_config(args, path, max_running=max_running))
+    print(f"kernels: {engine.kernels.describe()}")
     if args.workload:
         return profile_workload(args, engine)
     params = SamplingParams(
         max_new_tokens=args.warmup_steps + args.steps + 8, temperature=0.0, ignore_eos=True
     )
     for i in range(args.batch):
-        prompt = [rng.randrange(1000, 30000) for _ in range(args.context)]
-        engine.add_request(GenerateRequest(str(i), prompt, params))
+        engine.add_request(GenerateRequest(str(i), random_tokens(rng, args.context), params))
     for _ in range(args.warmup_steps):
         engine.step()
     sync = torch.cuda.synchronize if is_cuda else (lambda: None)
@@ -243,10 +230,6 @@ def kind_of(name: str) -> str:
 def profile_workload(args, engine) -> int:
     """A whole run of a bench_throughput workload under the profiler: wall time, kernel time by
     kind and by kernel, the GPU's busy fraction."""
-    from bench_throughput import make_workload
-
-    from batchrun.params import GenerateRequest, SamplingParams
-
     wl = make_workload(args.workload, args.scale)
     params = SamplingParams(max_new_tokens=wl.output_len, temperature=0.0, ignore_eos=True)
     warm = [GenerateRequest(f"w{i}", p, params) for i, p in enumerate(wl.prompts[:8])]

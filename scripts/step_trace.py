@@ -1,6 +1,7 @@
 """Where the GPU waits in a run: each step's forward on the device (its CUDA events) and the gap
 before it, by the kind of step (a decode graph, a piecewise-graph or eager forward), with the
-host's time between launches. Bench-only instrumentation (wraps runner.run_forward).
+host's time between launches. Bench-only instrumentation: it wraps the runner's internal
+`_run_forward` (batchrun/engine/model_runner.py), for measurement only.
 
 The gap before a forward holds the step before's sampling and copies and this step's input
 kernels as well as any idle time; the smallest gaps of a kind are that work alone, so the
@@ -21,7 +22,7 @@ from collections import defaultdict
 
 
 def step_kind(runner, staged) -> str:
-    """How runner.run_forward will run this staged step (mirrors ModelRunner._forward)."""
+    """How runner._run_forward will run this staged step (mirrors ModelRunner._forward)."""
     attn = staged.attn
     graphs = runner.graphs
     if graphs is not None and graphs.can_run(attn):
@@ -63,6 +64,9 @@ class StepTrace:
         gc.callbacks.append(self._on_gc)
         self.engine = engine
         self.first_step: float | None = None
+        # what the instances themselves held under the wrapped names (None: the class's
+        # method), put back by close()
+        self._saved = (vars(engine).get("step"), vars(self.runner).get("_run_forward"))
         inner_step = engine.step
 
         def step():
@@ -72,7 +76,9 @@ class StepTrace:
 
         engine.step = step
         runner = self.runner
-        inner = runner.run_forward
+        # NOTE: the runner's internals (ModelRunner.launch calls self._run_forward), wrapped for
+        # measurement only
+        inner = runner._run_forward
 
         def traced(staged):
             kind = step_kind(runner, staged)
@@ -86,7 +92,7 @@ class StepTrace:
                 )  # fmt: skip
             return fwd
 
-        runner.run_forward = traced
+        runner._run_forward = traced
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -95,10 +101,13 @@ class StepTrace:
             self.collections.append((info["generation"], self._gc_start, time.perf_counter()))
 
     def close(self) -> None:
-        if "run_forward" in vars(self.runner):
-            del self.runner.run_forward
-        if "step" in vars(self.engine):
-            del self.engine.step
+        for owner, name, saved in zip(
+            (self.engine, self.runner), ("step", "_run_forward"), self._saved
+        ):
+            if saved is not None:
+                setattr(owner, name, saved)
+            elif name in vars(owner):
+                delattr(owner, name)
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         if self.steps:

@@ -3,9 +3,10 @@
 Triton compiles a kernel once per specialization (constexprs, and integer arguments equal to 1
 or divisible by 16) and keeps the binary in its on-disk cache (~/.triton/cache). A variant that
 is first needed in the middle of a timed run stalls it for the compile, ~0.5-2 s each. On the
-H200 the first W1 process of a fresh machine read 20-26 % below the same engine run after it,
-whichever variant ran first, and its warm-up took 1.1 s against 0.2 s (eleventh session, calls
-3-5): such a row measures the compiler, not the engine.
+H200 the first W1 run on a fresh machine (an empty disk cache) reads 20-26 % below the same
+engine's run after it, whichever variant runs first, and its warm-up takes 1.1 s against 0.2 s
+(`python scripts/bench_throughput.py --workloads W1 --variants batchrun,batchrun` on a fresh
+machine): such a row measures the compiler, not the engine.
 
     log = CompileLog.install()        # None where triton (or its runtime hooks) is missing
     log.phase = "timed"

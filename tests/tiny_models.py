@@ -65,6 +65,61 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0):
     return model
 
 
+# config.json of Llama 3 shapes, for dummy weights (load_format "dummy") or a ModelConfig alone:
+# batchrun/config.py's sizes and engine/kernel_choice.py's rules are stated for these. "tiny" is a
+# CPU-sized model of the same family.
+LLAMA3_COMMON = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=128256,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    hidden_act="silu",
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    bos_token_id=128000,
+    eos_token_id=128001,
+    attention_bias=False,
+    mlp_bias=False,
+    torch_dtype="bfloat16",
+)
+LLAMA3_SHAPES: dict[str, dict] = {
+    "llama-8b": dict(  # 7.0B decoder parameters
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, head_dim=128
+    ),
+    "llama-1b": dict(  # 1.0B decoder parameters
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2,
+    ),
+}  # fmt: skip
+
+
+def llama3_config_json(name: str, **changes) -> dict:
+    """config.json of LLAMA3_SHAPES[name], with `changes` (config.json keys) applied."""
+    return {**LLAMA3_COMMON, **LLAMA3_SHAPES[name], **changes}
+
+
+def write_config_dir(name: str, root: Path, **changes) -> Path:
+    """root/name/config.json of llama3_config_json(name, **changes); returns root/name."""
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(llama3_config_json(name, **changes)))
+    return path
+
+
+def llama3_model_config(name: str, **changes):
+    """The ModelConfig of llama3_config_json(name, **changes)."""
+    from batchrun.models.config import ModelConfig
+
+    return ModelConfig.from_dict(llama3_config_json(name, **changes))
+
+
 def random_prompts(num: int, seed: int, min_len: int = 4, max_len: int = 40) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     out = []

@@ -1,5 +1,11 @@
 """Run a test module's `__main__` under Triton's CPU interpreter, in a subprocess: TRITON_INTERPRET
-must be set before triton is first imported, so it cannot run in the pytest process."""
+must be set before triton is first imported, so it cannot run in the pytest process.
+
+INTERPRETER_KERNELS is the kernel config such a module builds its blocks, pools, backends and
+engines with: the Triton kernels on CPU tensors (the interpreter runs them), no PDL (a CUDA launch
+attribute), no graphs, no host gate, the decode matmuls on torch (`replace(INTERPRETER_KERNELS,
+decode_gemv="triton", decode_norms=...)` for kernels/gemv.py).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+from batchrun.config import KernelConfig
+
 REPO = Path(__file__).resolve().parents[1]
+
+INTERPRETER_KERNELS = KernelConfig(
+    attention="triton",
+    triton_ops=True,
+    pdl=False,
+    decode_gemv="cublas",
+    decode_norms="off",
+    cuda_graph_max_bs=0,
+    piecewise_graphs=False,
+    host_gate=False,
+)
 
 
 def run_under_interpreter(script: str) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from batchrun.models.layers import RotaryEmbedding
+    from batchrun.layers.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ import torch
 from batchrun.attention.base import AttentionBackend, AttentionInputs
 
 WORKSPACE_BYTES = 384 << 20  # float workspace (split-KV partial results), shared by all wrappers;
-# NOTE: 128 MiB overflowed for a 32-head, head-dim-128 prefill over a long cached prefix (H200)
+# NOTE: 128 MiB is too small for a 32-head, head-dim-128 prefill over a long cached prefix (H200)
 TENSOR_CORE_MIN_GROUP = 4  # decode on tensor cores from this GQA group size on (as SGLang does)
 # NOTE: FlashAttention-2 kernels on every GPU, as SGLang runs its paged wrappers (FlashInfer's
 # 'auto' picks its FA3 kernels on Hopper)

@@ -33,6 +33,14 @@ from batchrun.cli.options import (
     structured_options,
 )
 from batchrun.engine_process.notify import DEFAULT_MAX_DELAY, DEFAULT_NOTIFY_BATCH
+from batchrun.job.config import RunConfig
+from batchrun.job.inspect_run import InspectError, inspect_run
+from batchrun.job.merge import MergeError, merge_run
+from batchrun.job.shards import ShardOptionError, resolve_shards
+
+# NOTE: a module that loads torch, transformers, aiohttp or urllib (the runner, the engine
+# processes, plan, the progress server and its client) is imported inside the command that needs
+# it, so `batchrun --help`, `merge` and `inspect` start without them
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INPUT, EXIT_MODEL, EXIT_INTERRUPTED = 1, 2, 3, 4, 5
 
@@ -141,9 +149,6 @@ def submit(dataset: str, out: str, **o) -> None:
     Exit codes: 0 done (bad rows are in errors-*.jsonl), 1 failed, 2 bad option, 3 bad input,
     4 model cannot be loaded, 5 interrupted by a signal (resumable: run the same command again).
     """
-    from batchrun.job.config import RunConfig
-    from batchrun.job.shards import ShardOptionError, resolve_shards
-
     try:
         num_shards, shard_index = resolve_shards(o["num_shards"], o["shard_index"])
     except ShardOptionError as e:
@@ -231,6 +236,8 @@ def _submit(config, server) -> None:
             err=True,
         )
         return
+    if not config.quiet:
+        click.echo(f"kernels: {runner.engine.kernels.describe()}", err=True)
     for note in runner.repairs:
         click.echo(f"resume: {note}", err=True)
     if runner.summary.resumed_rows:
@@ -307,8 +314,6 @@ def merge(out: str, show: int) -> None:
     view OUT/merged/ (results-*.jsonl, errors-*.jsonl, manifest.json; hard links to the shard
     files). Exit 0 when complete and exactly once; 1 with a report of missing shards, missing ids
     and duplicate ids otherwise (nothing merged); 3 when OUT or the input cannot be read."""
-    from batchrun.job.merge import MergeError, merge_run
-
     try:
         report = merge_run(out, show=show)
     except MergeError as e:
@@ -341,8 +346,6 @@ def tail(url: str, token: str | None, rows: bool) -> None:
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
 def inspect(out: str) -> None:
     """Summary of a run directory: status, counts, tokens, files (checked against the disk)."""
-    from batchrun.job.inspect_run import InspectError, inspect_run
-
     try:
         click.echo(inspect_run(out))
     except InspectError as e:

@@ -3,6 +3,8 @@ defaults, row spec, grammar). batchrun/cli/main.py holds the commands."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import click
 
 from batchrun.config import (
@@ -14,6 +16,7 @@ from batchrun.config import (
     EngineConfig,
     KernelConfig,
 )
+from batchrun.io.rows import RowSpec, structured_from_options
 from batchrun.job.order import DEFAULT_WINDOW, ORDERS
 from batchrun.params import SamplingParams
 
@@ -29,7 +32,7 @@ def option_group(*options):
     return apply
 
 
-# NOTE: listed as shown in --help (the order the stacked decorators had)
+# NOTE: listed in the order --help shows them
 model_options = option_group(
     click.option(
         "--load-format",
@@ -156,8 +159,6 @@ structured_options = option_group(
 def build_grammar(o: dict):
     """The structured-output default from the options (None without one); exit 2 if it does
     not parse or compile."""
-    from batchrun.io.rows import structured_from_options
-
     try:
         spec = structured_from_options(
             o.get("response_format"),
@@ -169,6 +170,7 @@ def build_grammar(o: dict):
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     if spec is not None:
+        # local: batchrun.engine.grammar imports torch, which `batchrun --help` never loads
         from batchrun.engine.grammar import GrammarError, check_spec
 
         try:
@@ -387,14 +389,12 @@ def build_engine_config(o: dict) -> EngineConfig:
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     if o["device"] == "cuda":
-        import torch
+        import torch  # local, here and below: only the options that need CUDA load torch
 
         if not torch.cuda.is_available():
             raise click.UsageError("--device cuda: CUDA is not available here; use --device cpu")
     attention = cfg.kernels.attention
     if attention in ("triton", "flashinfer"):
-        import importlib.util
-
         import torch
 
         if o["device"] == "cpu" or not torch.cuda.is_available():
@@ -411,8 +411,6 @@ def build_engine_config(o: dict) -> EngineConfig:
 
 
 def build_spec(o: dict):
-    from batchrun.io.rows import RowSpec
-
     return RowSpec(
         prompt_column=o["prompt_column"] or None,
         messages_column=o["messages_column"] or None,

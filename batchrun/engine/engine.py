@@ -35,6 +35,7 @@ from batchrun.engine.scheduler import ScheduledBatch, Scheduler
 from batchrun.engine.stop import StopStringChecker
 from batchrun.engine.structured import GateRelease, StructuredOutput
 from batchrun.models.config import ModelConfig
+from batchrun.models.embedded import resolve_model_path
 from batchrun.params import GenerateRequest, GenerateResult, TopLogprobs
 
 
@@ -141,15 +142,13 @@ class Engine:
 
     @staticmethod
     def _resolve_model_dir(config: EngineConfig) -> Path:
-        from batchrun.models.embedded import resolve_model_path
-
         return resolve_model_path(config.model)
 
     @property
     def tokenizer(self):
         """The model directory's tokenizer (loaded on first use)."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # seconds to import: only when asked for
 
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         return self._tokenizer

@@ -93,8 +93,8 @@ class GrammarBackend:
     tokens that end a completed grammar (the model's EOS ids); max_rows: sampling rows per step.
 
     NOTE: xgrammar sees the tokenizer's own vocabulary, not the padded logits width: padding ids
-    made accept_token and the bitmask fill ~10x slower in a measurement (49k tokenizer, 128k
-    logits). The ids past the tokenizer are masked apart, on the device.
+    make accept_token and the bitmask fill ~10x slower (49k tokenizer, 128k logits). The ids
+    past the tokenizer are masked apart, on the device.
     """
 
     def __init__(
@@ -109,9 +109,9 @@ class GrammarBackend:
         import xgrammar as xgr
 
         # NOTE: the fill job's thread needs the GIL for moments between its C++ calls (xgrammar's
-        # Python wrappers); at the default 5 ms switch interval it waited that long for the step
-        # loop's pure-Python stretches (process, schedule), and the sampling waited for it.
-        # Process-wide, and only where a grammar was ever used.
+        # Python wrappers); at the default 5 ms switch interval it waits that long for the step
+        # loop's pure-Python stretches (process, schedule), and the sampling waits for it.
+        # Process-wide, and set only in a process that uses a grammar.
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocab)
         self.mask_vocab = min(vocab_size, _tokenizer_size(tokenizer, stop_token_ids))
@@ -126,9 +126,10 @@ class GrammarBackend:
             self._make_compiler, tokenizer, self.mask_vocab, list(stop_token_ids), min(8, cpus)
         )
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
-        # NOTE: fills rows on C++ threads. "auto" (half the cores) measured slower on the 32-core
-        # GPU host than 8 (1.67 vs 1.06 ms for 256 JSON rows); 4 filled as fast as 8 on the
-        # 16-core one (1.06-1.09 vs 1.06-1.07 ms) and slowed the step loop less (W4)
+        # NOTE: fills rows on C++ threads. "auto" (half the cores) is slower on the 32-core GPU
+        # host than 8 (1.67 vs 1.06 ms for 256 JSON rows); 4 fill as fast as 8 on the 16-core
+        # one (1.06-1.09 vs 1.06-1.07 ms) and slow the step loop less (W4 of docs/benchmarks.md:
+        # `python scripts/bench_structured.py --fill 8x1,4x1`)
         self._xgr_batch = xgr.BatchGrammarMatcher
         self.set_fill_parallelism(
             max(1, min(FILL_THREADS, cpus // 2)), max(1, min(FILL_SHARDS, cpus // 2))

@@ -11,11 +11,13 @@ read again on the step path: every block is built with the resolved config.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from dataclasses import replace
 
 import torch
 
+from batchrun.attention.flashinfer_backend import unavailable_reason
 from batchrun.config import EngineConfig, KernelConfig, is_large
 from batchrun.engine.host_gate import HostGate
 
@@ -30,6 +32,17 @@ NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN = 2048
 
 def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def _check_kernels_import() -> None:
+    """batchrun's Triton kernels import (an install without them fails here, not mid-start)."""
+    try:
+        importlib.import_module("batchrun.kernels.gemv")
+    except ImportError as e:
+        raise ImportError(
+            f"batchrun's Triton kernels (batchrun.kernels) do not import ({e}); install batchrun "
+            "(pip install ., or pip install -e . in a checkout) so that they are part of it"
+        ) from e
 
 
 def supports_pdl(device: torch.device) -> bool:
@@ -55,8 +68,6 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     elif attention == "triton" and not triton:
         raise ValueError("attention backend 'triton' needs the triton package; use torch or auto")
     elif attention == "flashinfer":
-        from batchrun.attention.flashinfer_backend import unavailable_reason
-
         reason = unavailable_reason(device)
         if reason is not None:
             raise ValueError(f"attention backend 'flashinfer' cannot run here: {reason}")
@@ -78,8 +89,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         # NOTE: the Triton matmuls pay only with PDL: without it they read W3 llama-1b 1.28 ms
         # per token against cuBLAS's 1.16 on the H200
         decode_gemv = "triton" if pdl else "cublas"
-    elif decode_gemv == "triton" and not (cuda and triton):
-        raise ValueError("decode_gemv 'triton' needs CUDA and the triton package")
+    elif decode_gemv == "triton" and not triton:
+        raise ValueError("decode_gemv 'triton' needs the triton package")
 
     # the norms inside the matmuls need every matmul whole and plain: a row-parallel matmul's
     # all-reduce comes between its sums and the residual, and a bias between them too
@@ -100,8 +111,13 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
 
     graphs = want.cuda_graph_max_bs if cuda else 0
     piecewise = want.piecewise_graphs
-    if not cuda or not isinstance(config.chunked_prefill_size, int):
-        piecewise = False  # graphs need CUDA, and a step's tokens bounded by a chunk size
+    runs_piecewise = cuda and isinstance(config.chunked_prefill_size, int)
+    if piecewise and not runs_piecewise:
+        raise ValueError(
+            "piecewise CUDA graphs need CUDA and a chunked prefill size (a step's tokens bounded)"
+        )
+    if not runs_piecewise:
+        piecewise = False
     elif piecewise is None:
         # NOTE: on by default only where the host is the bottleneck: a small model's mixed steps
         # (a large one's GPU time hides their launches, and the padding to a captured size costs)
@@ -117,6 +133,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             "(cuStreamWaitValue32)"
         )
 
+    if triton_ops or decode_gemv == "triton" or attention == "triton":
+        _check_kernels_import()
     return replace(
         want,
         attention=attention,

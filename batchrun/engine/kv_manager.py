@@ -136,8 +136,8 @@ class KVManager:
         key = req.tokens(0, aligned)
         num_existing, node = self._insert(req, key, aligned)
         # point our row at the tree's slots: only [prefix_len, num_existing) can differ (ours
-        # were duplicates, now freed); below prefix_len the row holds the tree's slots already
-        # (a locked path keeps its values) and from num_existing on the tree took ours
+        # are duplicates, which _insert freed); below prefix_len the row holds the tree's slots
+        # already (a locked path keeps its values) and from num_existing on the tree took ours
         # NOTE: no re-match: insert stamped the same path with the newest LRU time
         if num_existing > req.prefix_len:
             match = self.cache.match_prefix(key)

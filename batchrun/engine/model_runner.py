@@ -19,12 +19,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
 
+import psutil
 import torch
 
 from batchrun.attention import AttentionInputs, create_backend
 from batchrun.config import EngineConfig
 from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.kv_pool import KVPool, ReqToTokenPool
+from batchrun.engine.piecewise_graph import MAX_TOKENS, PiecewiseGraphRunner
 from batchrun.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingBatch
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.staging import PinnedStaging
@@ -162,7 +164,7 @@ class ModelRunner:
         self.forward_time = 0.0  # GPU time inside forwards (CUDA events), seconds
         self.graphs = None  # CUDA-graph runner for decode batches
         if kernels.cuda_graph_max_bs > 0 and hasattr(self.backend, "init_graph_buffers"):
-            from batchrun.engine.cuda_graph import CudaGraphRunner
+            from batchrun.engine.cuda_graph import CudaGraphRunner  # imports Triton: CUDA only
 
             self.graphs = CudaGraphRunner(
                 self.model,
@@ -176,8 +178,6 @@ class ModelRunner:
             )
         self.piecewise = None  # piecewise graphs for the other steps
         if kernels.piecewise_graphs:
-            from batchrun.engine.piecewise_graph import MAX_TOKENS, PiecewiseGraphRunner
-
             self.piecewise = PiecewiseGraphRunner(
                 self.model,
                 self.backend,
@@ -199,8 +199,6 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cfg.kv_memory_fraction)
         else:
-            import psutil
-
             # NOTE: a CPU run is a demo or a test: an eighth of available memory, at most 32k
             # tokens (the pool is zeroed up front, so a huge one costs seconds at start-up)
             budget = min(psutil.virtual_memory().available // 8, per_token << 15)

@@ -116,9 +116,9 @@ class RadixCache:
         self._clock = 0
         # NOTE: the eviction heap lives with the tree: an entry (last_access, id, seq, node) is
         # pushed whenever a node may be an unlocked leaf with that access time, and checked when
-        # popped (still in the tree, a leaf, unlocked, not touched since). Walking the whole tree
-        # on every eviction cost O(tree) per step once the pool was full (~1 ms per 1,000 nodes
-        # on the GPU host). seq breaks ties between two entries of one node.
+        # popped (still in the tree, a leaf, unlocked, not touched since), so an eviction costs
+        # O(log n) per entry popped; a walk of the whole tree would cost O(tree) on every step
+        # once the pool is full. seq breaks ties between two entries of one node.
         self._heap: list[tuple[int, int, int, TreeNode]] = []
         self._seq = itertools.count()
         self._num_nodes = 0

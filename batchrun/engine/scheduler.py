@@ -219,7 +219,7 @@ class Scheduler:
         req.num_retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(req)
-        # we were too optimistic about decode growth: be more careful for a while
+        # decode growth outran the reservation: reserve more for a while
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
 
     def _reserved(self) -> int:

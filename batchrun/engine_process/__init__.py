@@ -7,4 +7,7 @@
     data_parallel.py  DataParallelEngine: one engine process per GPU, fed from one reader
     tp_launcher.py    start_tp_engine: a tensor-parallel group of engines, one per GPU
     lockstep.py       LockstepEngine (rank 0) and the followers' loop: the group in lockstep
+
+Import from the modules (this package's __init__ imports nothing, so no module of it imports
+another through it).
 """

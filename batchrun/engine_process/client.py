@@ -31,6 +31,7 @@ from batchrun.engine_process.notify import DEFAULT_MAX_DELAY, DEFAULT_NOTIFY_BAT
 from batchrun.engine_process.worker import worker_main
 from batchrun.errors import ModelError, RunError
 from batchrun.models.config import ModelConfig, ModelConfigError
+from batchrun.models.embedded import resolve_model_path
 from batchrun.params import GenerateRequest, GenerateResult
 
 _EOF = object()  # the reader thread's last item: the connection closed
@@ -69,8 +70,6 @@ class EngineProcess:
         """Starts the engine process. With wait=False the caller calls finish_start() later
         (data parallel starts every engine first, then waits for all). `wakeup` is set whenever
         a message arrives (one event can watch several engine processes)."""
-        from batchrun.models.embedded import resolve_model_path
-
         config.validate()
         # NOTE: resolved here, before the engine process starts: the embedded model's one-time
         # GGUF conversion then happens once, and the tokenizer below loads from the same place.
@@ -136,7 +135,7 @@ class EngineProcess:
         self.kernels = KernelConfig(**ready.kernels)  # as the engine process resolved them
 
     def _load_tokenizer(self):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # local: ~1 s to import, only when a model loads
 
         return AutoTokenizer.from_pretrained(str(self.model_dir))
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
+
 from batchrun.config import MAX_RUNNING, EngineConfig
 from batchrun.engine_process.client import EngineProcess
 from batchrun.engine_process.notify import DEFAULT_NOTIFY_BATCH
@@ -137,8 +139,6 @@ def device_indices(config: EngineConfig, dp: int) -> list[int | None]:
     tp = getattr(config, "tp_size", 1)
     if config.device == "cpu":
         return [None] * dp
-    import torch
-
     if not torch.cuda.is_available():
         return [None] * dp  # device auto on a machine without CUDA: CPU engines
     have, need = torch.cuda.device_count(), dp * tp

@@ -22,7 +22,7 @@ decode step with no new requests costs one 16-byte broadcast.
 
 Interface (what the job runner / engine process uses; the same surface as Engine):
 
-    engine = start_tp_engine(config, tp_size, base_device_index=0)   # launcher.py
+    engine = start_tp_engine(config, tp_size, base_device_index=0)   # tp_launcher.py
     engine.add_request(request: GenerateRequest) -> None    # raises ValueError like Engine's
     engine.step() -> list[GenerateResult]
     engine.wants_requests -> bool;  engine.has_work -> bool
@@ -198,13 +198,13 @@ class LockstepEngine:
             pass
         # NOTE: NCCL's group teardown pairs up across ranks: rank 0 tears down while the
         # followers do (right after the shutdown message), before joining them. Joining first
-        # hung on the H200 pair (each side waiting for the other). Without a shutdown (a dead
+        # hangs on the H200 pair (each side waits for the other). Without a shutdown (a dead
         # rank) the followers are stopped first; the teardown gives up after a timeout.
         if self._on_close is not None and shutdown_sent:
             self._on_close(True)
         stop_processes(self.followers, self._join_timeout_s)
         if self._on_close is not None and not shutdown_sent:
-            self._on_close(False)  # peers gone: see launcher._destroy_groups
+            self._on_close(False)  # peers gone: see tp_launcher._destroy_groups
 
     def __enter__(self) -> LockstepEngine:
         return self
@@ -312,7 +312,7 @@ def gather_fingerprints(engine, group) -> list[tuple]:
 
 def stop_processes(processes: Sequence, timeout_s: float) -> None:
     """Join each process; kill the ones still running after timeout_s (followers ignore
-    SIGTERM, see launcher.py)."""
+    SIGTERM, see tp_launcher.py)."""
     for p in processes:
         p.join(timeout=timeout_s)
     for p in processes:

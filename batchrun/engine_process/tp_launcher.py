@@ -33,7 +33,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from batchrun.config import EngineConfig
+from batchrun.engine.engine import Engine
+from batchrun.engine.model_runner import resolve_device
 from batchrun.engine_process.lockstep import LockstepEngine, follower_loop, stop_processes
+from batchrun.models.config import ModelConfig
+from batchrun.models.embedded import resolve_model_path
+from batchrun.parallel.partition import partition_model
 from batchrun.parallel.state import disable_nvls, init_distributed
 
 # NOTE: followers wait on the control group for as long as rank 0 has nothing to run (a job
@@ -55,9 +60,6 @@ def start_tp_engine(
     file:///path); default a free local port. `timeout_s` bounds start-up and every collective.
     `check_sync`: compare the ranks' engine state after every step (tests; see lockstep.py).
     tp_size 1 builds a plain Engine in this process (no torch.distributed)."""
-    from batchrun.engine.engine import Engine
-    from batchrun.engine.model_runner import resolve_device
-
     replace(config, tp_size=tp_size, tp_rank=0).validate()
     device = resolve_device(config.device)
     is_cuda = device.type == "cuda"
@@ -131,8 +133,6 @@ def _follower_main(
     check_sync: bool,
 ) -> None:
     """Entry point of rank config.tp_rank > 0 (a spawned process)."""
-    from batchrun.engine.engine import Engine
-
     # NOTE: a Ctrl-C or a Slurm SIGTERM/USR1 is rank 0's to handle (stop admitting, drain,
     # commit); a follower that died of it would break the drain. Followers end by rank 0's
     # shutdown message, by rank 0's death (the broadcast fails), or by SIGKILL.
@@ -176,10 +176,6 @@ def _exchange_status(error: str, group, size: int) -> list[str]:
 
 def _check_model(config: EngineConfig, tp_size: int):
     """Fail before spawning anything when the model does not split tp_size ways."""
-    from batchrun.models.config import ModelConfig
-    from batchrun.models.embedded import resolve_model_path
-    from batchrun.parallel.partition import partition_model
-
     model_dir = resolve_model_path(config.model)
     partition_model(ModelConfig.from_dir(model_dir), 0, tp_size)
     return model_dir
@@ -203,8 +199,8 @@ def _free_port() -> int:
 
 def _destroy_groups(peers_alive: bool = True) -> None:
     """Tear down the process groups. NOTE: only gloo's. On the H200 pair (torch 2.11, NCCL
-    2.28) destroy_process_group() hung with the NCCL model group, whether rank 0 called it
-    before or after joining the followers (and refused from another thread with "invalid
+    2.28) destroy_process_group() hangs with the NCCL model group, whether rank 0 calls it
+    before or after joining the followers (and from another thread it fails with "invalid
     argument"), so NCCL's communicators are left to the process's exit: one tensor-parallel
     group per process (an engine process, or a test's subprocess)."""
     if not dist.is_initialized() or dist.get_backend() == "nccl":

@@ -79,6 +79,8 @@ def load_engine(config: EngineConfig, device_index: int | None):
     """batchrun's Engine on `device_index`; with tp_size > 1, rank 0 of a tensor-parallel group
     on GPUs device_index .. device_index + tp_size - 1 (its other ranks are this process's
     children, and go with it)."""
+    # NOTE: local imports: the spawned process imports this module before worker_main ignores
+    # the stop signals, and torch and the engine take seconds to import
     import torch
 
     if config.tp_size > 1:
@@ -89,9 +91,10 @@ def load_engine(config: EngineConfig, device_index: int | None):
 
     if device_index is not None:
         torch.cuda.set_device(device_index)
-        # NOTE: a GPU engine's host work is single-threaded Python and small tensors; torch's
-        # default of one thread per core made data-parallel engine processes on one host
-        # oversubscribe it (two engines: 1.36x one on the H200 pair)
+        # NOTE: a GPU engine's host work is single-threaded Python and small tensors; with
+        # torch's default of one thread per core, data-parallel engine processes on one host
+        # oversubscribe it: two engines on the H200 pair give 1.36x one, 2.14x with these
+        # threads (`python scripts/bench_dp.py --model llama-1b --workload W1 --dp 1,2`)
         torch.set_num_threads(GPU_ENGINE_THREADS)
     return Engine(config)
 

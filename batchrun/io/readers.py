@@ -114,6 +114,8 @@ class ParquetSource(DatasetSource):
     format = "parquet"
 
     def __init__(self, path: Path) -> None:
+        # local: pyarrow takes ~150 ms to import and only Parquet needs it; io.rows imports
+        # this module, and through it the CLI's option parsing
         import pyarrow.parquet as pq
 
         super().__init__(path)
@@ -135,7 +137,7 @@ class ParquetSource(DatasetSource):
         self.num_rows = num_rows
 
     def iter_batches(self, batch_size: int = 1024) -> Iterator[list[RawRow]]:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # local: see __init__
 
         row = 0
         for file in self.files:

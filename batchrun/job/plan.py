@@ -11,6 +11,7 @@ from collections import Counter
 
 import numpy as np
 
+from batchrun.config import EngineConfig, resolve_sizes
 from batchrun.io.readers import BadInputError, open_dataset
 from batchrun.io.rows import RowError, RowSpec
 from batchrun.job.order import (
@@ -22,6 +23,8 @@ from batchrun.job.order import (
     sort_key,
 )
 from batchrun.job.pipeline import RowPipeline
+from batchrun.models.config import ModelConfig
+from batchrun.models.embedded import resolve_model_path
 from batchrun.params import SamplingParams
 
 
@@ -33,10 +36,7 @@ class PlanError(Exception):
 
 def load_tokenizer_and_context(model: str | None):
     """Tokenizer and context length of a model directory (converting a GGUF once if needed)."""
-    from transformers import AutoTokenizer
-
-    from batchrun.models.config import ModelConfig
-    from batchrun.models.embedded import resolve_model_path
+    from transformers import AutoTokenizer  # local: ~1 s to import, after the input is checked
 
     try:
         path = resolve_model_path(model)
@@ -67,8 +67,6 @@ def make_plan(
         raise PlanError(str(e), 3) from e
     tokenizer, cfg, _ = load_tokenizer_and_context(model)
     if max_running is None:  # the engine's default on this machine
-        from batchrun.config import EngineConfig, resolve_sizes
-
         max_running = resolve_sizes(EngineConfig(), cfg).max_running
     pipeline = RowPipeline(source, spec, defaults, tokenizer, cfg.max_position_embeddings, limit)
     prompt_lens: list[int] = []

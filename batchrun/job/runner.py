@@ -27,9 +27,10 @@ from batchrun.engine.engine import Engine, derive_seed
 from batchrun.engine.stop import cut_at_stop
 from batchrun.engine_process.client import EngineProcess, EngineProcessError
 from batchrun.engine_process.data_parallel import DataParallelEngine, device_indices
+from batchrun.engine_process.tp_launcher import start_tp_engine
 from batchrun.errors import InputError, ModelError, RunError
 from batchrun.io.manifest import InputInfo, Manifest, utc_now
-from batchrun.io.readers import DatasetSource, open_dataset
+from batchrun.io.readers import BadInputError, DatasetSource, open_dataset
 from batchrun.io.records import (
     Completion,
     encode_line,
@@ -102,8 +103,6 @@ class Runner:
         cfg = self.config
         if not cfg.engine_process:
             if cfg.engine.tp_size > 1:
-                from batchrun.engine_process.tp_launcher import start_tp_engine
-
                 return start_tp_engine(cfg.engine, cfg.engine.tp_size)
             return Engine(cfg.engine)
         indices = device_indices(cfg.engine, cfg.dp)
@@ -120,8 +119,6 @@ class Runner:
             close()
 
     def _open_source(self) -> DatasetSource:
-        from batchrun.io.readers import BadInputError
-
         try:
             return open_dataset(self.config.dataset, self.config.split)
         except BadInputError as e:

@@ -23,6 +23,8 @@ def init_dummy_(
     parameter holds a slice of a full tensor; the full tensor is drawn as at TP=1 and sliced, so
     every TP size gets the same logical weights.
     """
+    if kind not in ("normal", "uniform"):
+        raise ValueError(f"dummy init {kind!r} is not one of normal, uniform")
     uniform = kind == "uniform"
     bound = UNIFORM_DUMMY_BOUND
     shards = shards or {}

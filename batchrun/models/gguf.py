@@ -16,8 +16,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 # Written last; its presence means the directory is complete.
 MARKER_FILE = "batchrun_gguf.json"
@@ -47,8 +49,6 @@ class GGUFConversionError(ValueError):
 
 
 def _supported_qtypes() -> set[str]:
-    import gguf
-
     # NOTE: `_type_traits` is the registry of quant types gguf.quants.dequantize knows about.
     traits = getattr(gguf.quants, "_type_traits", {})
     return {"F32", "F16"} | {t.name for t in traits}
@@ -76,8 +76,6 @@ def reverse_rope_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _dequantize(tensor: Any, path: Path) -> np.ndarray:
-    import gguf
-
     qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
     if qtype == gguf.GGMLQuantizationType.F32:
         return np.array(tensor.data, dtype=np.float32)  # copy: the reader's data is read-only
@@ -192,7 +190,7 @@ def load_hf_state_dict(
 
 
 def _save_tokenizer(reader: Any, gguf_path: Path, out_dir: Path) -> None:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # local: ~1 s to import, only for a conversion
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     template = _field(reader, "tokenizer.chat_template")
@@ -216,9 +214,6 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torc
     Raises GGUFConversionError for unsupported files and FileExistsError when `out_dir` exists
     (also when another process renamed its result into place first).
     """
-    import gguf
-    from safetensors.torch import save_file
-
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists")

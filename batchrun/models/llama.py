@@ -263,10 +263,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.kernels = kernels = kernels or KernelConfig.reference()
-        # the one-row decode's norms in the gemvs: the kernel config's, until
-        # prepare_decode_norms says which of its folded weights fit
-        self.decode_norms = kernels.decode_norms
+        # the one-row decode's norms in the gemvs: the kernel config's; a mode with folded
+        # weights runs as "post" (which needs none) until prepare_decode_norms has made them
+        self._wanted_norms = kernels.decode_norms
+        self.decode_norms = "post" if kernels.decode_norms in FOLD_MODES else kernels.decode_norms
         self.tp = tp = tp or TPGroup()
+        if self.decode_norms != "off" and (tp.is_parallel or cfg.qkv_bias or cfg.mlp_bias):
+            # a bias or a row-parallel all-reduce sits between a matmul's sums and the residual
+            raise ValueError("decode_norms other than 'off' need a model without biases at TP=1")
         self.partition = part = partition_model(cfg, tp.rank, tp.size)
         self.num_kv_heads = part.num_kv_heads  # per rank: what the KV pool holds
         vocab = part.vocab_spec()
@@ -328,7 +332,7 @@ class LlamaForCausalLM(nn.Module):
         memory. Copies that would take more than FOLD_MAX_FREE_SHARE of the device's free
         memory are not made: gate_up's first ("fold-all" becomes "fold"), then qkv's ("fold"
         becomes "post"). Returns the mode the decode runs."""
-        mode = self.decode_norms
+        mode = self._wanted_norms
         if mode not in FOLD_MODES:
             return mode
         qkv = sum(layer.self_attn.qkv_proj.weight.nbytes for layer in self.layers)

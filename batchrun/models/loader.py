@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from batchrun.config import KernelConfig
 from batchrun.layers.rotary import RotaryEmbedding
@@ -130,8 +131,6 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int] | None:
 
 
 def load_safetensors(model: LlamaForCausalLM, model_dir: Path, cfg: ModelConfig) -> None:
-    from safetensors import safe_open
-
     params = dict(model.named_parameters())
     specs = model.param_shards()
 

@@ -1,13 +1,10 @@
-"""Tensor parallelism on one node (issue 9).
+"""Tensor parallelism on one node: the state and the partition the model's layers use.
 
     state.py      TPGroup (rank, size, group; TPGroup() is the no-op TP=1), init, collectives
     partition.py  which heads / MLP columns / vocab rows a rank holds (ShardSpec per parameter)
-    layers.py     column- and row-parallel linear layers, vocab-parallel embedding
-    lockstep.py   LockstepEngine (rank 0) + follower_loop (ranks > 0): one Engine per rank
-    launcher.py   start_tp_engine(config, tp_size, base_device_index) -> LockstepEngine
 
-lockstep and launcher import the engine; import them by module path (not from here), since the
-engine's model runner imports this package.
+The parallel layers are in batchrun/layers/linear.py; the engines in lockstep and their launcher
+in batchrun/engine_process/ (lockstep.py, tp_launcher.py), which import the engine.
 """
 
 from batchrun.parallel.partition import ShardSpec, TPPartition, partition_model

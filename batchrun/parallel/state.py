@@ -56,9 +56,9 @@ class TPGroup:
 
 
 def disable_nvls() -> None:
-    """NCCL's NVLink multicast (NVLS) stays off in every process batchrun starts (issue 9): it
-    costs extra device memory per communicator, and plain ring/tree all-reduce is enough for
-    the small activations tensor parallelism moves. Set before any communicator exists."""
+    """NCCL's NVLink multicast (NVLS) stays off in every process batchrun starts: it costs
+    extra device memory per communicator, and plain ring/tree all-reduce is enough for the
+    small activations tensor parallelism moves. Set before any communicator exists."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import sys
 import time
 
+from tqdm import tqdm
+
 
 class Progress:
     def __init__(self, total: int | None, quiet: bool, desc: str = "rows"):
         self.start = time.perf_counter()
         self.bar = None
         if not quiet:
-            from tqdm import tqdm
-
             self.bar = tqdm(
                 total=total,
                 desc=desc,

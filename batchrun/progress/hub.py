@@ -1,7 +1,7 @@
 """What a running `submit` publishes for `--serve-progress`, with no server dependency: the
 thread-safe ProgressHub the runner writes to, the Snapshot it is summed up in, and the metrics
-text. The runner only ever takes the hub's one short lock; the server (progress_server.py) drains
-the hub on its own thread every 0.5 s. Policy: see progress_server.py.
+text. The runner only ever takes the hub's one short lock; the server (server.py) drains the
+hub on its own thread every 0.5 s. Policy: see server.py.
 """
 
 from __future__ import annotations

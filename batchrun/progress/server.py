@@ -226,7 +226,7 @@ class ProgressServer:
         return await handler(request)
 
     async def _page(self, request: web.Request) -> web.Response:
-        page = resources.files("batchrun.progress").joinpath("static/index.html").read_bytes()
+        page = resources.files("batchrun.progress").joinpath("index.html").read_bytes()
         return web.Response(body=page, content_type="text/html", charset="utf-8")
 
     async def _events(self, request: web.Request) -> web.StreamResponse:

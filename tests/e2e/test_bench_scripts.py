@@ -1,40 +1,126 @@
-"""The GPU benchmarks' own CPU smoke modes (their docstrings give the commands): they must run
-through the engine's current API, so that a session's GPU minutes are not lost to a script that
-broke on the CPU (bench_throughput's latency probe once did, after Engine._process changed)."""
+"""The benchmark scripts on the CPU: each one that can run there runs its smoke command (its
+docstring gives it) as `python scripts/NAME.py` from the checkout, through the engine's current
+API, with the tiny model; the GPU-only ones say so and exit. Their shared helpers (benchlib.py)
+and instrumentation (host_phases.py, triton_compiles.py) are checked against the engine's
+classes, so that a GPU run does not find a script broken by a change to the engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from batchrun.config import EngineConfig, KernelConfig
+from batchrun.engine.engine import Engine
+
 REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import benchlib  # noqa: E402
+from host_phases import PHASES, HostPhases, MethodTimers  # noqa: E402
+from triton_compiles import CompileLog  # noqa: E402
+
+CPU_KERNELS = dataclasses.asdict(KernelConfig.reference())  # what every CPU engine resolves to
 
 
-def run_script(name: str, *args: str) -> None:
+def run_script(name: str, *args: str) -> str:
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / name), *args],
+        [sys.executable, str(SCRIPTS / name), *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def tiny_engine(tmp_path: Path) -> Engine:
+    model_dir = benchlib.write_model_dir("tiny", tmp_path)
+    return Engine(EngineConfig(model=str(model_dir), load_format="dummy", device="cpu"))
+
+
+# -- bench_throughput ----------------------------------------------------------------------------
 
 
 def test_bench_throughput_cpu_smoke(tmp_path):
     run_script(
         "bench_throughput.py", "--device", "cpu", "--models", "tiny", "--workloads", "W1,W3",
-        "--scale", "0.005", "--variants", "batchrun,no-overlap", "--out", str(tmp_path),
+        "--scale", "0.002", "--variants", "batchrun,no-overlap,hf", "--warmup-requests", "2",
+        "--out", str(tmp_path),
     )  # fmt: skip
     results = json.loads((tmp_path / "bench_throughput.json").read_text())["results"]
-    assert len(results) == 4
+    assert [(r["variant"], r["workload"]) for r in results] == [
+        (v, w) for v in ("batchrun", "no-overlap", "hf") for w in ("W1", "W3")
+    ]
     for r in results:
         assert r["status"] == "ok", r
         assert r["output_tokens"] > 0 and r["ttft_p50_ms"] is not None, r
+        # each engine's resolved kernel config is in its rows; HF has none
+        assert r["kernels"] == (None if r["variant"] == "hf" else CPU_KERNELS), r
+    w3 = next(r for r in results if r["workload"] == "W3")
+    assert w3["ms_per_token"] > 0 and w3["num_requests"] == 1
+    report = (tmp_path / "bench_throughput.md").read_text()
+    assert "Kernel configs (resolved):\n- tiny batchrun: attention=torch, triton_ops" in report
+
+
+def test_bench_throughput_variants_change_only_the_config():
+    """Every engine variant is its options' EngineConfig with the fields VARIANTS names changed
+    (the CLI's kernel options feed the KernelConfig; a variant's fields win over them)."""
+    import bench_throughput
+
+    args = bench_throughput.parse_args(
+        ["--device", "cpu", "--attention-backend", "torch", "--cuda-graph-max-bs", "4",
+         "--max-running", "8", "--kv-budget", "1024", "--kernel", "decode_norms=fold",
+         "--kernel", "pdl=auto", "--kernel", "triton_ops=false"]
+    )  # fmt: skip
+    base = bench_throughput.engine_config(args, REPO, "batchrun")
+    assert base.kernels == KernelConfig(
+        attention="torch", cuda_graph_max_bs=4, decode_norms="fold", pdl=None, triton_ops=False
+    )
+    assert (base.model, base.load_format, base.device, base.dtype) == (
+        str(REPO), "dummy", "cpu", "float32"
+    )  # fmt: skip
+    assert (base.max_running, base.kv_budget, base.overlap) == (8, 1024, True)
+    for variant, (engine_fields, kernel_fields) in bench_throughput.VARIANTS.items():
+        cfg = bench_throughput.engine_config(args, REPO, variant)
+        cfg.validate()
+        kernels = dataclasses.replace(base.kernels, **kernel_fields)
+        assert cfg == dataclasses.replace(base, kernels=kernels, **engine_fields), variant
+    no_pdl = bench_throughput.engine_config(args, REPO, "no-pdl")
+    assert no_pdl.kernels.pdl is False and no_pdl.kernels.decode_gemv == "auto"
+    assert bench_throughput.engine_config(args, REPO, "no-graph").kernels.cuda_graph_max_bs == 0
+    assert bench_throughput.engine_config(args, REPO, "dummy-uniform").dummy_init == "uniform"
+    assert set(bench_throughput.ALL_VARIANTS) == {*bench_throughput.VARIANTS, "hf"}
+
+
+def test_kernel_option_takes_kernel_config_fields_only():
+    import bench_throughput
+
+    for bad in ("bogus=1", "pdl=maybe", "decode_norms"):
+        with pytest.raises(SystemExit):
+            bench_throughput.parse_args(["--kernel", bad])
+    with pytest.raises(SystemExit):
+        bench_throughput.parse_args(["--variants", "batchrun,gemv-peel-1"])
+
+
+def test_scripts_select_variants_through_the_config_only():
+    """No script reads or sets an environment switch: benchlib alone reads the environment, for
+    $OUT (where a device run's figures come back), BATCHRUN_COMMIT and git's scratch index."""
+    for path in sorted(SCRIPTS.glob("*.py")):
+        for line in path.read_text().splitlines():
+            if "os.environ" in line or "BATCHRUN_" in line:
+                assert path.name == "benchlib.py", (path.name, line)
+                assert re.search(r"\bOUT\b|BATCHRUN_COMMIT|GIT_INDEX_FILE", line), line
+
+
+# -- the other engine benchmarks -------------------------------------------------------------
 
 
 def test_bench_structured_cpu_smoke(tmp_path):
@@ -46,32 +132,183 @@ def test_bench_structured_cpu_smoke(tmp_path):
     )  # fmt: skip
     report = json.loads((tmp_path / "bench_structured.json").read_text())
     assert report["free_tok_s"] > 0 and report["json_schema_tok_s"] > 0
+    assert report["kernels"] == CPU_KERNELS
     run = report["runs"][f"json_schema {report['fill_settings'][0]}"][0]
-    assert run["phases_ms_per_step"]["fill_wait"] >= 0 and "accept_ms_per_step" in run
+    phases = run["phases_ms_per_step"]
+    assert phases["fill_wait"] >= 0 and "accept_ms_per_step" in run
+    assert phases["run_forward"] > 0 and phases["sample"] > 0  # the runner's internals, timed
     assert run["gated_steps"] == 0  # no host gate on the CPU
 
 
-def test_bench_gemv_shapes_and_no_gpu_exit(tmp_path):
-    """bench_gemv's matrices are the models' linear layers; without CUDA it says so and exits."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from bench_gemv import shapes
+def test_bench_tp_cpu_smoke(tmp_path):
+    out = run_script(
+        "bench_tp.py", "--device", "cpu", "--models", "tiny", "--output-len", "8",
+        "--repeats", "1", "--tp-sizes", "1,2", "--out", str(tmp_path),
+    )  # fmt: skip
+    table = (tmp_path / "bench_tp.md").read_text()
+    assert "| tiny | 1 |" in table and "(reference)" in table and "| tiny | 2 |" in table
+    assert "- tiny TP=2: attention=torch" in table and "error" not in out
 
-    one_b = {name: (n, k, count) for name, n, k, count in shapes("llama-1b")}
-    assert one_b["qkv"] == (3072, 2048, 16) and one_b["down"] == (2048, 8192, 16)
-    assert one_b["lm_head"] == (128256, 2048, 1)
-    eight_b = {name: (n, k) for name, n, k, _ in shapes("llama-8b")}
-    assert eight_b["gate_up"] == (28672, 4096) and eight_b["o"] == (4096, 4096)
+
+def test_bench_dp_cpu_smoke():
+    out = run_script(
+        "bench_dp.py", "--device", "cpu", "--model", "tiny", "--workload", "W3", "--dp", "1",
+        "--warmup", "1",
+    )  # fmt: skip
+    assert "| 1 |" in out and "1.00x" in out and "kernels (resolved): attention=torch" in out
+
+
+def test_profile_decode_cpu_smoke():
+    out = run_script(
+        "profile_decode.py", "--device", "cpu", "--model", "tiny", "--batch", "2",
+        "--warmup-steps", "2", "--steps", "2", "--context", "16",
+    )  # fmt: skip
+    assert "kernels: attention=torch" in out and "tiny batch 2 context 16" in out
+
+
+def test_bench_notify_batch_stand_in_engine():
+    """The stand-in engine goes through a real engine process (its Ready message carries the
+    engine's kernels)."""
+    out = run_script("bench_notify_batch.py", "--rows", "200", "--batches", "1,16")
+    rows = [line for line in out.splitlines() if re.match(r"\| (1|16) \|", line)]
+    assert len(rows) == 2
+
+
+def test_bench_scheduler_cpu_smoke():
+    out = run_script(
+        "bench_scheduler.py", "--num-requests", "20", "--prompt-len", "32", "--output-len", "8",
+        "--max-running", "8", "--chunk", "64", "--repeats", "1", "--digest",
+    )  # fmt: skip
+    assert "20 requests x 32 in, 8 out" in out and re.search(r"digest [0-9a-f]{16}", out)
+
+
+def test_bench_order_json():
+    out = run_script("bench_order.py", "--num", "2000", "--groups", "20", "--json")
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["num_prompts"] == 2000 and 280 <= result["mean_len"] <= 320
+    assert 0 < result["reusable_fraction"] < 1
+
+
+def test_bench_msgspec_vs_pydantic():
+    pytest.importorskip("pydantic")
+    out = run_script("bench_msgspec_vs_pydantic.py", "--n", "50")
+    assert "result record" in out and "snapshot" in out
+
+
+def test_make_examples_parquet_is_current():
+    pytest.importorskip("pyarrow")
+    assert "matches" in run_script("make_examples.py", "--check")
+
+
+def test_bench_cpu_engine_vs_hf_prompts_are_distinct():
+    """Its prompts: the example conversations, numbered beyond them so that no two match (a
+    whole run on the embedded model takes minutes on two cores: its command is the test)."""
+    from bench_cpu_engine_vs_hf import load_conversations
+
+    convs = load_conversations(80)
+    assert len(convs) == 80
+    assert len({json.dumps(c) for c in convs}) == 80
+
+
+# -- GPU-only scripts --------------------------------------------------------------------------
+
+
+def test_gpu_scripts_exit_cleanly_without_cuda(tmp_path):
     import torch
 
-    if not torch.cuda.is_available():
-        run_script("bench_gemv.py", "--out", str(tmp_path))
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: tests/gpu runs these")
+    assert "needs a CUDA GPU" in run_script("bench_gemv.py", "--out", str(tmp_path))
+    pytest.importorskip("triton")
+    assert "needs a CUDA GPU" in run_script("bench_attention_kernels.py")
+
+
+# -- benchlib ----------------------------------------------------------------------------------
+
+
+def test_model_shapes():
+    """bench_gemv's matrices are the models' linear layers; the parameter counts follow."""
+    one_b = {name: (n, k, count) for name, n, k, count in benchlib.linear_shapes("llama-1b")}
+    assert one_b["qkv"] == (3072, 2048, 16) and one_b["down"] == (2048, 8192, 16)
+    assert one_b["lm_head"] == (128256, 2048, 1)
+    eight_b = {name: (n, k) for name, n, k, _ in benchlib.linear_shapes("llama-8b")}
+    assert eight_b["gate_up"] == (28672, 4096) and eight_b["o"] == (4096, 4096)
+    assert benchlib.num_params("llama-8b") == 8_030_261_248  # Llama-3.1-8B's count
+    assert benchlib.num_params("llama-1b") == 1_235_814_400  # Llama-3.2-1B's
+
+
+def test_workloads_keep_their_lengths_at_any_scale():
+    w1, w2 = benchlib.make_workload("W1", 0.01), benchlib.make_workload("W2", 0.1)
+    assert len(w1.prompts) == 20 and {len(p) for p in w1.prompts} == {512}
+    assert len(w2.prompts) == 3 * 32 and {len(p) for p in w2.prompts} == {1024 + 128}
+    assert len({tuple(p[:1024]) for p in w2.prompts}) == 3  # three shared prefixes
+    assert benchlib.make_workload("W1", 0.01).prompts == w1.prompts  # seeded
+    warm = benchlib.warmup_prompts(w1, 4)  # the same lengths, other tokens
+    assert [len(p) for p in warm] == [512] * 4
+    assert not {tuple(p) for p in warm} & {tuple(p) for p in w1.prompts}
+
+
+def test_source_tree_names_the_commit_or_the_dirty_tree(tmp_path):
+    """A clean checkout is its short HEAD; one with changes (edited and untracked files) is
+    "HEAD+dirty (tree T)" with T the tree its commit will have, hashed in a scratch index that
+    leaves the repository's own untouched."""
+
+    def git(*args):
+        return subprocess.check_output(["git", *args], cwd=tmp_path, text=True).strip()
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "a.py").write_text("one\n")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    assert benchlib.git_commit(tmp_path) == git("rev-parse", "--short", "HEAD")
+    (tmp_path / "a.py").write_text("two\n")
+    (tmp_path / "b.py").write_text("new\n")
+    got = benchlib.git_commit(tmp_path)
+    assert got.startswith(git("rev-parse", "--short", "HEAD") + "+dirty (tree ")
+    assert "?? b.py" in git("status", "--porcelain")  # the real index is untouched
+    git("add", "-A")
+    git("commit", "-qm", "two")
+    assert got.endswith(f"(tree {git('log', '-1', '--format=%T')[:10]})")
+
+
+# -- instrumentation ---------------------------------------------------------------------------
+
+
+def test_host_phases_find_every_target(tmp_path):
+    """Every phase host_phases times is a method of the engine's objects: on the CPU all but
+    those of CUDA graphs and of a grammar backend not made yet are found and count calls, and
+    those exist on their classes; close() takes every timer off."""
+    from batchrun.attention.triton_backend import TritonAttentionBackend
+    from batchrun.engine.cuda_graph import CudaGraphRunner
+    from batchrun.engine.grammar import GrammarBackend
+    from batchrun.engine.piecewise_graph import PiecewiseGraphRunner
+
+    engine = tiny_engine(tmp_path)
+    phases = HostPhases(engine)
+    elsewhere = {
+        "graph_replay": (CudaGraphRunner, "replay"),
+        "graph_inputs": (TritonAttentionBackend, "load_graph_inputs"),
+        "piecewise_forward": (PiecewiseGraphRunner, "run"),
+        "mask_apply": (GrammarBackend, "apply"),
+    }
+    assert set(phases.labels) == {label for label, _, _ in PHASES} - set(elsewhere)
+    for cls, name in elsewhere.values():
+        assert callable(getattr(cls, name))
+    prompts = benchlib.make_workload("W1", 0.001).prompts
+    benchlib.run_engine_once(engine, prompts, 4, benchlib.Device("cpu"), None)
+    for label in ("schedule", "launch", "stage", "run_forward", "eager_forward", "sample"):
+        assert phases.calls[label] >= 4, label
+    took = phases.take(1.0, engine.stats.num_steps)
+    assert took["run_forward"] > 0 and "occupancy" in took
+    phases.close()
+    assert not {"_run_forward", "_stage", "_sample", "wait"} & set(vars(engine.runner))
 
 
 def test_method_timers_on_a_class_time_every_instance_and_restore_it():
     """host_phases times Triton's launches with a timer on JITFunction itself; close() must put
     the class's own method back, and an instance's timer must leave its class alone."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from host_phases import MethodTimers
 
     class Kernel:
         def run(self, x):
@@ -91,28 +328,23 @@ def test_method_timers_on_a_class_time_every_instance_and_restore_it():
     assert "run" not in vars(one) and Kernel.__dict__["run"] is own
 
 
-def test_bench_throughput_has_a_config_for_every_engine_variant():
-    """Every variant but HF's gives an engine config (one switch variant missing from the
-    config table once failed at start-up on the GPU, a device call's row lost)."""
-    import argparse
-
-    sys.path.insert(0, str(REPO / "scripts"))
-    import bench_throughput
-
-    args = argparse.Namespace(
-        device="cpu", dtype="float32", attention_backend="auto", max_running=8, kv_budget=1024,
-        cuda_graph_max_bs=4, chunked_prefill_size=256, page_size=1,
-    )  # fmt: skip
-    for variant in bench_throughput.VARIANTS:
-        if variant != "hf":
-            assert bench_throughput.engine_config(args, REPO, variant).model == str(REPO)
+def test_latency_probe_sees_each_first_token(tmp_path):
+    """The probe on the engine's result processing: one first-token time per request, between
+    the run's start and its end."""
+    engine = tiny_engine(tmp_path)
+    probe = benchlib.LatencyProbe(engine)
+    assert probe.active
+    prompts = benchlib.make_workload("W1", 0.002).prompts
+    wall, bad, done, ttfts, itls = benchlib.run_engine_once(
+        engine, prompts, 3, benchlib.Device("cpu"), probe
+    )
+    assert (bad, done) == (0, 4) and len(probe.first) == 4
+    assert len(ttfts) == len(itls) == 4 and all(0 < t <= wall for t in ttfts)
 
 
 def test_compile_log_phases_and_hooks():
-    """scripts/triton_compiles.py: the variants Triton builds, by phase (fed by hand here: the
-    CPU has no compiler), and its hooks in Triton's runtime knobs put back on close."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from triton_compiles import CompileLog
+    """The variants Triton builds, by phase (fed by hand here: the CPU has no compiler), and
+    its hooks in Triton's runtime knobs put back on close."""
 
     class Fn:
         name = "_kernel"
@@ -136,30 +368,3 @@ def test_compile_log_phases_and_hooks():
     assert knobs.runtime.jit_post_compile_hook == installed.after_compile
     installed.close()
     assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
-
-
-def test_source_tree_names_the_commit_or_the_dirty_tree(tmp_path):
-    """scripts/source_tree.py: a clean checkout is its short HEAD; one with changes (edited and
-    untracked files) is "HEAD+dirty (tree T)" with T the tree its commit will have, hashed in a
-    scratch index that leaves the repository's own untouched."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from source_tree import git_commit
-
-    def git(*args):
-        return subprocess.check_output(["git", *args], cwd=tmp_path, text=True).strip()
-
-    git("init", "-q")
-    git("config", "user.email", "t@example.com")
-    git("config", "user.name", "t")
-    (tmp_path / "a.py").write_text("one\n")
-    git("add", "a.py")
-    git("commit", "-qm", "one")
-    assert git_commit(tmp_path) == git("rev-parse", "--short", "HEAD")
-    (tmp_path / "a.py").write_text("two\n")
-    (tmp_path / "b.py").write_text("new\n")
-    got = git_commit(tmp_path)
-    assert got.startswith(git("rev-parse", "--short", "HEAD") + "+dirty (tree ")
-    assert "?? b.py" in git("status", "--porcelain")  # the real index is untouched
-    git("add", "-A")
-    git("commit", "-qm", "two")
-    assert got.endswith(f"(tree {git('log', '-1', '--format=%T')[:10]})")

@@ -1,5 +1,5 @@
-"""Data parallel (issue 9) on the CPU: two engine processes give the same per-id outputs as
-one, prefix groups stay on one engine, and load spreads over both."""
+"""Data parallel on the CPU: two engine processes give the same per-id outputs as one, prefix
+groups stay on one engine, and load spreads over both."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from tiny_models import make_tiny_chat_model  # noqa: E402
 from batchrun.cli import main  # noqa: E402
 from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
 from batchrun.engine_process.data_parallel import STICKY_PREFIX, DataParallelEngine  # noqa: E402
+from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
 
 
 @pytest.fixture(scope="module")

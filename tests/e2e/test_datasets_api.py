@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from tiny_models import make_tiny_chat_model  # noqa: E402
 
-from batchrun.job.datasets_api import generate_dataset  # noqa: E402
 from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
+from batchrun.job.datasets_api import generate_dataset  # noqa: E402
 from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
 
 PROMPTS = ["Hello there", "What is two plus two?", "Name a color.", "Count to three", "Hi"]

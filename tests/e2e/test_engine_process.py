@@ -1,4 +1,4 @@
-"""The engine in its own process (issue 8): same outputs as in-process, batched notifications,
+"""The engine in its own process: same outputs as in-process, batched notifications,
 a graceful drop, and a clear error with a consistent out directory when the process is killed."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from tiny_models import make_tiny_chat_model  # noqa: E402
 from batchrun.cli import main  # noqa: E402
 from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
 from batchrun.engine_process.client import EngineProcess  # noqa: E402
 from batchrun.errors import ModelError  # noqa: E402
+from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

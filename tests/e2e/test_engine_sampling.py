@@ -17,8 +17,8 @@ from tiny_models import make_tiny_model, random_prompts  # noqa: E402
 
 from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine, derive_seed  # noqa: E402
-from batchrun.params import GenerateRequest, GenerateResult, SamplingParams  # noqa: E402
 from batchrun.engine.stop import cut_at_stop  # noqa: E402
+from batchrun.params import GenerateRequest, GenerateResult, SamplingParams  # noqa: E402
 
 VOCAB = 256
 PROMPT = [5, 17, 42, 99, 7, 130, 64, 3, 250, 18, 77, 201]

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import make_tiny_chat_model  # noqa: E402
 
 from batchrun.cli import main  # noqa: E402
-from batchrun.progress.server import ProgressHub, ProgressServer, Snapshot  # noqa: E402
 from batchrun.job.summary import RunSummary  # noqa: E402
+from batchrun.progress.server import ProgressHub, ProgressServer, Snapshot  # noqa: E402
 from batchrun.progress.tail import read_events  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or (

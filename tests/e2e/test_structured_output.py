@@ -1,4 +1,4 @@
-"""Structured output (issue 6) on the embedded SmolLM2-135M, CPU, greedy.
+"""Structured output on the embedded SmolLM2-135M, CPU, greedy.
 
 One run of 50 JSON-schema rows over 5 schemas, regex rows, choice rows, free rows and an invalid
 schema (the Runner, as `batchrun submit` uses it, sharing one engine between runs):
@@ -24,9 +24,9 @@ from click.testing import CliRunner
 from batchrun.cli import main
 from batchrun.config import EngineConfig
 from batchrun.engine.engine import Engine
-from batchrun.params import SamplingParams
 from batchrun.job.config import RunConfig
 from batchrun.job.runner import Runner
+from batchrun.params import SamplingParams
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -17,10 +17,10 @@ from tiny_models import COMMON, make_tiny_model, random_prompts  # noqa: E402
 
 from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
-from batchrun.models.config import ModelConfigError  # noqa: E402
-from batchrun.engine_process.tp_launcher import start_tp_engine  # noqa: E402
 from batchrun.engine_process.lockstep import FollowerDiedError  # noqa: E402
+from batchrun.engine_process.tp_launcher import start_tp_engine  # noqa: E402
+from batchrun.models.config import ModelConfigError  # noqa: E402
+from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
 
 # fp32 on the CPU: the split matmuls only reorder sums
 LOGITS_ATOL = 1e-4

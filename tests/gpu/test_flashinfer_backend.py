@@ -22,6 +22,7 @@ import torch
 
 from batchrun.attention.base import AttentionInputs
 from batchrun.attention.flashinfer_backend import unavailable_reason
+from batchrun.config import KernelConfig
 from batchrun.engine.kv_pool import KVPool
 
 REASON = unavailable_reason("cuda")
@@ -114,7 +115,8 @@ def test_backends_agree(batch, head_dim, heads):
     scaling = head_dim**-0.5
     ref = reference(pool, table, inputs, q, k, v, scaling)
     fi_out = run_backend(FlashInferAttentionBackend(pool, table), pool, inputs, q, k, v, scaling)
-    tr_out = run_backend(TritonAttentionBackend(pool, table), pool, inputs, q, k, v, scaling)
+    triton = TritonAttentionBackend(pool, table, KernelConfig(attention="triton", pdl=False))
+    tr_out = run_backend(triton, pool, inputs, q, k, v, scaling)
     assert_close(fi_out, ref, "flashinfer")
     assert_close(tr_out, ref, "triton")
 
@@ -213,7 +215,7 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def _generate(model_dir: str, **kw):
+def _generate(model_dir: str, kernels: dict, **kw):
     from tiny_models import random_prompts
 
     from batchrun.config import EngineConfig
@@ -226,7 +228,8 @@ def _generate(model_dir: str, **kw):
     prompts = [shared + p if i % 2 else p for i, p in enumerate(prompts)]
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
     cfg = dict(model=model_dir, device="cuda", dtype="bfloat16", kv_budget=20000)
-    engine = Engine(EngineConfig(**{**cfg, **kw}))
+    engine = Engine(EngineConfig(**{**cfg, **kw}, kernels=KernelConfig(**kernels)))
+    assert engine.kernels.attention == kernels["attention"]
     out = {r.rid: r for r in engine.generate(reqs)}
     engine.check_integrity()
     return out
@@ -234,21 +237,19 @@ def _generate(model_dir: str, **kw):
 
 @pytest.fixture(scope="module")
 def triton_run(model_dir):
-    return _generate(model_dir, attention_backend="triton", overlap=True, cuda_graph_max_bs=64)
+    return _generate(model_dir, dict(attention="triton", cuda_graph_max_bs=64), overlap=True)
 
 
 @pytest.mark.parametrize(
-    "kw",
-    [
-        dict(overlap=True, cuda_graph_max_bs=64),
-        dict(overlap=False, cuda_graph_max_bs=0),
-    ],
+    "graphs,overlap",
+    [(64, True), (0, False)],
     ids=["graph-overlap", "eager"],
 )
-def test_engine_greedy_matches_triton(model_dir, triton_run, kw):
+def test_engine_greedy_matches_triton(model_dir, triton_run, graphs, overlap):
     """graph-overlap: decode graphs, and prefill / mixed steps through piecewise graphs (on by
     default for a small model) with FlashInfer's attention between them."""
-    ours = _generate(model_dir, attention_backend="flashinfer", **kw)
+    kernels = dict(attention="flashinfer", cuda_graph_max_bs=graphs)
+    ours = _generate(model_dir, kernels, overlap=overlap)
     compared = total = 0
     for rid, ref in triton_run.items():
         tokens = ours[rid].output_ids
@@ -260,6 +261,6 @@ def test_engine_greedy_matches_triton(model_dir, triton_run, kw):
         if clear < len(margins):  # a near-tie: either of the top two is a correct greedy pick
             assert tokens[clear] in {tops[clear][0][1], tops[clear][1][1]}, rid
         compared, total = compared + clear, total + len(margins)
-    # NOTE: dummy weights give flat logits: on the H200 21 % of the steps (271 of 1,280) had a
-    # margin above MARGIN before each request's first near-tie; all of those agreed
+    # NOTE: random weights give flat logits: on the H200, 271 of the 1,280 steps (21 %) have a
+    # margin above MARGIN before each request's first near-tie, and all of those agree
     assert compared >= total // 8, f"only {compared} of {total} steps had a clear margin"

@@ -1,5 +1,6 @@
-"""Fused RMSNorm / rotary / SiLU-and-mul / KV-store kernels against batchrun's torch code on CUDA,
-and a tiny model's logits with the kernels against BATCHRUN_NO_FUSED=1.
+"""Fused RMSNorm / rotary / SiLU-and-mul / KV-store / argmax kernels against batchrun's torch code
+on CUDA, and a tiny model's logits with the Triton kernels (KernelConfig.triton_ops) against the
+torch reference (triton_ops=False).
 
 Kernel outputs are NaN-filled first where the kernel writes a new tensor, so an element the kernel
 forgets to write fails the test. Tolerances are in ulps of the torch result: the kernels round
@@ -22,8 +23,10 @@ from batchrun.kernels.fused_norm import fused_add_rms_norm, rms_norm  # noqa: E4
 from batchrun.kernels.fused_rotary import apply_rotary_  # noqa: E402
 from batchrun.kernels.kv_store import store_kv  # noqa: E402
 
+from batchrun.config import KernelConfig  # noqa: E402
 from batchrun.engine.kv_pool import KVPool  # noqa: E402
-from batchrun.models.layers import RMSNorm, RotaryEmbedding, _apply_rotary  # noqa: E402
+from batchrun.layers.norm import RMSNorm  # noqa: E402
+from batchrun.layers.rotary import RotaryEmbedding, _apply_rotary  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import make_tiny_model, random_prompts  # noqa: E402
@@ -37,6 +40,8 @@ DEV = "cuda"
 MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 MAX_ULPS = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 8}
+# the blocks with the Triton kernels (launched without PDL: tests/gpu/test_pdl.py covers it)
+TRITON = KernelConfig(triton_ops=True, pdl=False)
 
 
 def max_ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -53,7 +58,7 @@ def randn(*shape, dtype, seed=0, scale=3.0):
 
 
 def torch_rms_norm(x, weight, eps):
-    """RMSNorm.forward's torch formula (layers.py), independent of the fused switch."""
+    """RMSNorm.forward's torch formula (layers/norm.py), written out here."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -102,8 +107,9 @@ def test_rotary(dtype, num_tokens, num_heads, num_kv_heads, head_dim):
     cos = rotary.cos_cache[positions].unsqueeze(1)
     sin = rotary.sin_cache[positions].unsqueeze(1)
     ref_q, ref_k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
-    # an FMA may contract x1 * c - x2 * s, skipping one rounding (seen on the H200 in bf16): allow
-    # two roundings of the products' size, which cancellation can make large next to the result
+    # an FMA may contract x1 * c - x2 * s, skipping one rounding (sm_90 code does in bf16 where
+    # contraction is on): allow two roundings of the products' size, which cancellation can make
+    # large next to the result
     eps = torch.finfo(dtype).eps
     bound_q = 2 * eps * (q.float().abs() + q.float().abs().roll(head_dim // 2, -1)) + 1e-30
     bound_k = 2 * eps * (k.float().abs() + k.float().abs().roll(head_dim // 2, -1)) + 1e-30
@@ -122,21 +128,34 @@ def test_silu_and_mul(dtype, shape):
     silu_and_mul(x, out=out)
     gate, up = x.chunk(2, dim=-1)
     ref = F.silu(gate) * up
-    # fp32: Triton's fast exp in silu differs from torch's by up to ~13 ulps (1e-6 relative),
-    # measured on the H200
+    # fp32: Triton's fast exp in silu differs from torch's by up to ~13 ulps (1e-6 relative) on
+    # the H200
     bound = 32 if dtype == torch.float32 else MAX_ULPS[dtype]
     if num_tokens:
         assert max_ulps(out, ref) <= bound, max_ulps(out, ref)
 
 
 def test_rmsnorm_module_dispatch(monkeypatch):
-    """The module path (reshape of a 3D strided q view, as Qwen3's q_norm sees) and the switch."""
-    norm = RMSNorm(64, 1e-6, torch.bfloat16, DEV)
+    """The module path (reshape of a 3D strided q view, as Qwen3's q_norm sees): the Triton
+    kernel with triton_ops on, within the kernel's ulps of the torch path with it off."""
+    from spies import count_calls
+
+    import batchrun.layers.norm as norm_module
+
+    calls = count_calls(monkeypatch, norm_module, "rms_norm")
+    weight = randn(64, dtype=torch.bfloat16, seed=1, scale=1.0)
+    fused_norm, torch_norm = (
+        RMSNorm(64, 1e-6, torch.bfloat16, DEV, kernels) for kernels in (TRITON, None)
+    )
+    for norm in (fused_norm, torch_norm):
+        norm.weight.data.copy_(weight)
     qkv = randn(7, 3 * 4 * 64, dtype=torch.bfloat16)
     q = qkv[:, : 4 * 64].view(7, 4, 64)
-    fused = norm(q)
-    monkeypatch.setenv("BATCHRUN_NO_FUSED", "1")
-    assert max_ulps(fused, norm(q)) <= MAX_ULPS[torch.bfloat16]
+    fused = fused_norm(q)
+    assert calls["n"] == 1 and fused.shape == q.shape
+    ref = torch_norm(q)
+    assert calls["n"] == 1
+    assert max_ulps(fused, ref) <= MAX_ULPS[torch.bfloat16]
 
 
 def kv_views(num_tokens, num_kv_heads, head_dim, dtype, num_heads=4, seed=0):
@@ -173,20 +192,23 @@ def test_store_kv(dtype, num_tokens, num_kv_heads, head_dim):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kv_pool_store_fused_vs_torch(dtype, monkeypatch):
-    import batchrun.kernels.kv_store as kv_store
+    """KVPool.store with triton_ops (kernels/kv_store.py) and without (torch's index_put): the
+    same pool, bit for bit."""
+    from spies import count_calls
 
-    calls = []
-    monkeypatch.setattr(kv_store, "store_kv", lambda *args: calls.append(1) or store_kv(*args))
+    import batchrun.engine.kv_pool as kv_pool
+
+    calls = count_calls(monkeypatch, kv_pool, "store_kv")
     num_tokens, num_kv_heads, head_dim = 37, 8, 128
-    pools = [KVPool(2, 100, num_kv_heads, head_dim, dtype, DEV) for _ in range(2)]
+    pools = [
+        KVPool(2, 100, num_kv_heads, head_dim, dtype, DEV, kernels) for kernels in (TRITON, None)
+    ]
     k, v = kv_views(num_tokens, num_kv_heads, head_dim, dtype)
     loc = random_loc(num_tokens, 100)
-    monkeypatch.delenv("BATCHRUN_NO_FUSED", raising=False)
     pools[0].store(1, loc, k, v)
-    assert calls, "KVPool.store did not use the kernel"
-    monkeypatch.setenv("BATCHRUN_NO_FUSED", "1")
+    assert calls["n"] == 1, "KVPool.store did not use the kernel"
     pools[1].store(1, loc, k, v)
-    assert len(calls) == 1
+    assert calls["n"] == 1
     for layer_id in range(2):
         for fused, ref in zip(pools[0].buffers(layer_id), pools[1].buffers(layer_id)):
             assert torch.equal(fused, ref)
@@ -231,20 +253,30 @@ def tiny_dir(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 3e-2), ("float16", 5e-3)])
-def test_model_logits_fused_vs_torch(tiny_dir, dtype, tol, monkeypatch):
+def test_model_logits_fused_vs_torch(tiny_dir, dtype, tol):
+    """Teacher-forced logits of an engine with the defaults on CUDA (the Triton kernels, and
+    kernels/gemv.py for prompts of up to 16 tokens in bf16 / fp16 where PDL is on) against one
+    with triton_ops=False (torch's norms, rotary, KV store, gate and cuBLAS matmuls); both on
+    the Triton attention."""
     from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
 
-    engine = Engine(
-        EngineConfig(
-            model=str(tiny_dir), device="cuda", dtype=dtype, kv_budget=8192, cuda_graph_max_bs=0
+    engines = [
+        Engine(
+            EngineConfig(
+                model=str(tiny_dir),
+                device="cuda",
+                dtype=dtype,
+                kv_budget=8192,
+                kernels=KernelConfig(cuda_graph_max_bs=0, triton_ops=triton_ops),
+            )
         )
-    )
+        for triton_ops in (None, False)
+    ]
+    assert engines[0].kernels.triton_ops and not engines[1].kernels.triton_ops
+    assert engines[1].kernels.decode_gemv == "cublas"
     for prompt in random_prompts(3, seed=1, min_len=8, max_len=60):
-        monkeypatch.delenv("BATCHRUN_NO_FUSED", raising=False)
-        fused = engine.score(prompt)
-        monkeypatch.setenv("BATCHRUN_NO_FUSED", "1")
-        ref = engine.score(prompt)
+        fused, ref = (engine.score(prompt) for engine in engines)
         rel = ((fused - ref).norm() / ref.norm()).item()
         assert rel <= tol, f"relative error {rel:.2e}"
 
@@ -264,11 +296,13 @@ def test_argmax_kernel_matches_torch(rows, vocab, dtype):
     assert torch.equal(argmax(strided), strided.argmax(dim=-1))
 
 
-def test_sampler_greedy_banned_on_cuda():
-    """A greedy batch with banned ids (min_new_tokens) on bf16 CUDA logits: the argmax of the
-    masked logits, and the logits as they came (the ids are -inf only for the argmax)."""
-    from batchrun.params import SamplingParams
+@pytest.mark.parametrize("triton_ops", [True, False], ids=["triton-argmax", "torch-argmax"])
+def test_sampler_greedy_banned_on_cuda(triton_ops):
+    """A greedy batch with banned ids (min_new_tokens) on bf16 CUDA logits, with the Triton
+    argmax and with torch's: the argmax of the masked logits, and the logits as they came (the
+    ids are -inf only for the argmax)."""
     from batchrun.engine.sampler import Sampler, SamplingBatch
+    from batchrun.params import SamplingParams
 
     rows, vocab, eos = 256, 128256, 128001
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -281,7 +315,8 @@ def test_sampler_greedy_banned_on_cuda():
         [params] * rows, list(range(rows)), steps, list(range(rows)), vocab, [eos], "cuda"
     )
     before = logits.clone()
-    ids = Sampler()(logits, batch, None).next_token_ids
+    kernels = TRITON if triton_ops else KernelConfig.reference()
+    ids = Sampler(kernels)(logits, batch, None).next_token_ids
     masked = logits.clone()
     banned = torch.tensor([s < 4 for s in steps], device="cuda")
     masked[banned, eos] = float("-inf")

@@ -1,6 +1,7 @@
 """kernels/gemv.py against F.linear, and gemv_residual against gemv + add + norm, on the
 GPU: the decode shapes of the benchmark models, M from 1 to 16, bf16 / fp16 (gemv: fp32 too),
-split-K on and off, every output element written; and the engine with BATCHRUN_GEMV=all."""
+split-K on and off, every output element written; and the engine with decode_gemv "triton"
+against "cublas", in every decode_norms mode."""
 
 from __future__ import annotations
 
@@ -101,27 +102,37 @@ def test_gemv_split_k_is_deterministic_under_contention():
         assert torch.equal(gemv(x, w, cfg), first)
 
 
-def test_linear_takes_the_kernel_only_when_asked(monkeypatch):
-    """models.layers.linear: F.linear by default; with BATCHRUN_GEMV=triton, kernels/gemv.py
-    for inputs of at most 16 rows (decode) and weights with both sides >= GEMV_MIN_DIM (where
-    it beat cuBLAS), F.linear otherwise."""
+def test_linear_takes_the_kernel_only_when_asked():
+    """layers/linear.py's linear: F.linear without a kernel config and with decode_gemv
+    "cublas"; with "triton", kernels/gemv.py for every bf16 / fp16 input of at most
+    GEMV_MAX_ROWS rows (decode) without a bias, whatever the weight's shape; F.linear for more
+    rows, a bias or fp32."""
     from batchrun.kernels.gemv import gemv
 
-    from batchrun.models.layers import GEMV_ENV, GEMV_MIN_DIM, linear
+    from batchrun.config import KernelConfig
+    from batchrun.layers.linear import GEMV_MAX_ROWS, linear, takes_gemv
 
-    w = torch.randn(GEMV_MIN_DIM, GEMV_MIN_DIM, device="cuda", dtype=torch.bfloat16) * 0.05
-    narrow = torch.randn(512, GEMV_MIN_DIM, device="cuda", dtype=torch.bfloat16)
-    small = torch.randn(4, GEMV_MIN_DIM, device="cuda", dtype=torch.bfloat16)
-    large = torch.randn(64, GEMV_MIN_DIM, device="cuda", dtype=torch.bfloat16)
-    monkeypatch.delenv(GEMV_ENV, raising=False)
+    triton, cublas = (KernelConfig(decode_gemv=name, pdl=False) for name in ("triton", "cublas"))
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, **bf16) * 0.05
+    narrow = torch.randn(512, 2048, **bf16) * 0.05
+    bias = torch.randn(512, **bf16)
+    small = torch.randn(4, 4096, **bf16)
+    decode = torch.randn(GEMV_MAX_ROWS, 2048, **bf16)
+    large = torch.randn(GEMV_MAX_ROWS + 1, 2048, **bf16)
     assert torch.equal(linear(small, w), F.linear(small, w))
-    monkeypatch.setenv(GEMV_ENV, "triton")
-    assert torch.equal(linear(small, w), gemv(small, w))
-    assert torch.equal(linear(large, w), F.linear(large, w))
-    assert torch.equal(linear(small, narrow), F.linear(small, narrow))
-    monkeypatch.setenv(GEMV_ENV, "all")  # every weight
-    assert torch.equal(linear(small, narrow), gemv(small, narrow))
-    assert torch.equal(linear(large, narrow), F.linear(large, narrow))
+    assert torch.equal(linear(small, w, kernels=cublas), F.linear(small, w))
+    assert not takes_gemv(small, None, cublas)
+    assert takes_gemv(small, None, triton) and takes_gemv(decode, None, triton)
+    assert torch.equal(linear(small, w, kernels=triton), gemv(small, w))
+    assert torch.equal(linear(decode, narrow, kernels=triton), gemv(decode, narrow))
+    assert not takes_gemv(large, None, triton)
+    assert torch.equal(linear(large, narrow, kernels=triton), F.linear(large, narrow))
+    assert not takes_gemv(decode, bias, triton)
+    assert torch.equal(linear(decode, narrow, bias, triton), F.linear(decode, narrow, bias))
+    fp32 = decode.float()
+    assert not takes_gemv(fp32, None, triton)
+    assert torch.equal(linear(fp32, narrow.float(), kernels=triton), F.linear(fp32, narrow.float()))
 
 
 # (hidden, K) of the matmuls that write the residual stream: llama-1b's o_proj and down_proj,
@@ -266,52 +277,39 @@ def test_gemv_rms_split_and_swiglu(split, swiglu):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-@pytest.mark.parametrize(
-    "mode",
-    [
-        "all",
-        "all:no-norm-fusion",
-        "all:post-norm-fusion",
-        "all:fold-norm-fusion",
-        "all:fold-all-norm-fusion",
-    ],
-)
-def test_engine_with_decode_gemv(kind, mode, tmp_path, monkeypatch):
-    """BATCHRUN_GEMV=all (with the norms and residual adds inside the gemvs for one row, and in
-    every other BATCHRUN_GEMV_NORM mode: 0, post, fold, fold-all) end to end: prompts of at
-    most 16 tokens and of one token score like cuBLAS (bf16 tolerance), and a greedy batch and
-    a lone request (decode batches of one row) decode through CUDA graphs captured with the
-    Triton decode kernels, mostly to the same tokens (bf16 near-ties on random weights may flip
-    a token; after that the rest differs)."""
+@pytest.mark.parametrize("norms", ["all", "off", "post", "fold", "fold-all"])
+def test_engine_with_decode_gemv(kind, norms, tmp_path):
+    """decode_gemv "triton" (every decode matmul of up to 16 rows on kernels/gemv.py), with the
+    one-row decode's norms and residual adds in each decode_norms mode (all, off, post, fold,
+    fold-all), end to end against decode_gemv "cublas": prompts of at most 16 tokens and of
+    one token score like cuBLAS (bf16 tolerance), and a greedy batch and a lone request (decode
+    batches of one row) decode through CUDA graphs captured with the Triton decode kernels,
+    mostly to the same tokens (bf16 near-ties on random weights may flip a token; after that
+    the rest differs)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tiny_models import make_tiny_model, random_prompts
 
-    from batchrun.config import EngineConfig
+    from batchrun.config import EngineConfig, KernelConfig
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
-    from batchrun.models.layers import GEMV_ENV, GEMV_NORM_ENV
 
     make_tiny_model(kind, tmp_path)
-    if ":" in mode:
-        mode, fusion = mode.split(":")
-        monkeypatch.setenv(
-            GEMV_NORM_ENV,
-            {
-                "no-norm-fusion": "0",
-                "post-norm-fusion": "post",
-                "fold-norm-fusion": "fold",
-                "fold-all-norm-fusion": "fold-all",
-            }[fusion],
-        )
 
     def run(on: bool):
-        # NOTE: any other value is cuBLAS (the default, `auto`, may pick gemv)
-        monkeypatch.setenv(GEMV_ENV, mode if on else "cublas")
+        kernels = (
+            KernelConfig(decode_gemv="triton", decode_norms=norms)
+            if on
+            else KernelConfig(decode_gemv="cublas")
+        )
         # NOTE: a small KV pool: by default an engine takes most of the GPU's free memory, and
         # the tests after this one need some
-        config = EngineConfig(model=str(tmp_path), device="cuda", dtype="bfloat16", kv_budget=8192)
+        config = EngineConfig(
+            model=str(tmp_path), device="cuda", dtype="bfloat16", kv_budget=8192, kernels=kernels
+        )
         engine = Engine(config)
         try:
+            assert engine.kernels.decode_gemv == ("triton" if on else "cublas")
+            assert engine.kernels.decode_norms == (norms if on else "off")
             prompts = random_prompts(6, seed=2, min_len=4, max_len=16)
             scores = [engine.score(p) for p in prompts + [[5], [60]]]
             params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)

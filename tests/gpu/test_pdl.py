@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import gc
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from bench_models import LLAMA3_COMMON  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,14 +20,20 @@ pytestmark = [
 ]
 
 
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="PDL needs sm_90+")
+
 CHAIN_HIDDEN = 2048
 
 
 def make_decode_chain(layers: int = 24, inter: int = 4096):
-    """chain(x, residual) -> (argmax ids, residual) over [2, CHAIN_HIDDEN] bf16 rows: norm ->
-    gemv -> SwiGLU -> gemv, `layers` times, then the norm, an LM-head gemv and the argmax, on
-    seeded weights (scripts/check_pdl_chain.py runs the same chain). gemv is looked up in its
-    module at every call, so a patched pick_config applies."""
+    """chain(x, residual, pdl) -> (argmax ids, residual) over [2, CHAIN_HIDDEN] bf16 rows: norm
+    -> gemv -> SwiGLU -> gemv, `layers` times, then the norm, an LM-head gemv and the argmax, on
+    seeded weights, every kernel launched with PDL or without. gemv is looked up in its module
+    at every call, so a patched pick_config applies."""
     import batchrun.kernels.gemv as gemv_module
     from batchrun.kernels.activation import silu_and_mul
     from batchrun.kernels.argmax import argmax
@@ -49,38 +50,39 @@ def make_decode_chain(layers: int = 24, inter: int = 4096):
     norm_w = torch.ones(hidden, device="cuda", dtype=bf16)
     head = torch.randn(32000, hidden, device="cuda", generator=g).to(bf16) * 0.02
 
-    def chain(x, residual):
+    def chain(x, residual, pdl: bool):
         gemv = gemv_module.gemv
         for i in range(layers):
-            h, residual = fused_add_rms_norm(x, residual, norm_w, 1e-5)
-            x = gemv(silu_and_mul(gemv(h, ups[i % 2])), downs[i % 2])
-        h, _ = fused_add_rms_norm(x, residual, norm_w, 1e-5)
-        return argmax(gemv(h, head)), residual
+            h, residual = fused_add_rms_norm(x, residual, norm_w, 1e-5, pdl=pdl)
+            up = gemv(h, ups[i % 2], pdl=pdl)
+            x = gemv(silu_and_mul(up, pdl=pdl), downs[i % 2], pdl=pdl)
+        h, _ = fused_add_rms_norm(x, residual, norm_w, 1e-5, pdl=pdl)
+        return argmax(gemv(h, head, pdl=pdl), pdl=pdl), residual
 
     return chain
 
 
-def capture_chain(chain):
-    """(graph, x_in, res_in, out, buffers): chain captured in a CUDA graph that first copies
-    the static inputs x_in and res_in (zeros; write new ones before each replay) into its own
-    buffers; out is the graph's (ids, residual). One eager call first compiles outside the
-    capture. Keep `buffers` as long as the graph: every replay writes into them."""
-    # NOTE: the ninth session's "unexplained" failure of the chain test was this: the graph's x
-    # buffer (written in place by its first norm) was a local dropped on return, so the caching
-    # allocator handed its memory to the replay loop's clones, which later replays overwrote
-    # (session 12: ids clones read bf16 activations; copies into buffers made before did not)
+def capture_chain(chain, pdl: bool):
+    """(graph, x_in, res_in, out, buffers): chain (launched with PDL or without) captured in a
+    CUDA graph that first copies the static inputs x_in and res_in (zeros; write new ones before
+    each replay) into its own buffers; out is the graph's (ids, residual). One eager call first
+    compiles outside the capture. Keep `buffers` as long as the graph: every replay writes into
+    them."""
+    # NOTE: the graph's x buffer is written in place by its first norm: were it a local dropped
+    # on return, the caching allocator would hand its memory to the caller's later tensors (the
+    # replay loop's clones), which every later replay would overwrite
     x = torch.zeros(2, CHAIN_HIDDEN, device="cuda", dtype=torch.bfloat16)
     res = torch.zeros_like(x)
     x_in, res_in = x.clone(), res.clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        chain(x.clone(), res.clone())
+        chain(x.clone(), res.clone(), pdl)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             x.copy_(x_in)
             res.copy_(res_in)
-            out = chain(x, res)
+            out = chain(x, res, pdl)
     torch.cuda.current_stream().wait_stream(stream)
     return graph, x_in, res_in, out, (x, res)
 
@@ -92,51 +94,53 @@ def feed_chain_inputs(x_in, res_in, step: int) -> None:
     res_in.copy_(torch.randn(res_in.shape, device="cuda", generator=gi).to(res_in.dtype))
 
 
-def _hopper() -> bool:
-    return torch.cuda.get_device_capability()[0] >= 9
+def test_pdl_kwargs_follow_the_flag():
+    """pdl_launch_kwargs: the PDL constexpr and the launch attribute together for a CUDA tensor
+    when asked; neither without, nor for a CPU tensor. supports_pdl: sm_90+."""
+    from batchrun.kernels.pdl import pdl_launch_kwargs
 
-
-def test_pdl_kwargs_follow_the_switch(monkeypatch):
-    from batchrun.kernels.pdl import PDL_ENV, pdl_launch_kwargs
+    from batchrun.engine.kernel_choice import supports_pdl
 
     x = torch.zeros(1, device="cuda")
-    monkeypatch.delenv(PDL_ENV, raising=False)
-    on = {"PDL": True, "launch_pdl": True}
-    assert pdl_launch_kwargs(x) == (on if _hopper() else {"PDL": False})
-    monkeypatch.setenv(PDL_ENV, "0")
-    assert pdl_launch_kwargs(x) == {"PDL": False}
-    assert pdl_launch_kwargs(torch.zeros(1)) == {"PDL": False}
+    assert pdl_launch_kwargs(True, x) == {"PDL": True, "launch_pdl": True}
+    assert pdl_launch_kwargs(False, x) == {"PDL": False}
+    assert pdl_launch_kwargs(True, torch.zeros(1)) == {"PDL": False}
+    assert supports_pdl(torch.device("cuda")) == _hopper()
+    assert not supports_pdl(torch.device("cpu"))
 
 
-@pytest.mark.skipif(not _hopper() if torch.cuda.is_available() else True, reason="needs sm_90+")
-def test_gemv_launched_with_pdl_waits_on_the_grid_dependency(monkeypatch):
+@needs_hopper
+def test_gemv_launched_with_pdl_waits_on_the_grid_dependency():
     """The compiled gemv carries griddepcontrol.wait (and the launch attribute) with PDL, and
     not without: the flag and the instruction travel together."""
     from batchrun.kernels.gemv import _gemv_kernel, gemv
-    from batchrun.kernels.pdl import PDL_ENV
 
     x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
-    for value, expect in ((None, True), ("0", False)):
-        if value is None:
-            monkeypatch.delenv(PDL_ENV, raising=False)
-        else:
-            monkeypatch.setenv(PDL_ENV, value)
-        gemv(x, w)
+    for pdl in (True, False):
+        gemv(x, w, pdl=pdl)
         torch.cuda.synchronize()
         kernels = [k for cache in _gemv_kernel.device_caches.values() for k in cache[0].values()]
         found = [
             k
             for k in kernels
-            if ("griddepcontrol.wait" in k.asm["ptx"]) == expect
-            and bool(getattr(k.metadata, "launch_pdl", False)) == expect
+            if ("griddepcontrol.wait" in k.asm["ptx"]) == pdl
+            and bool(getattr(k.metadata, "launch_pdl", False)) == pdl
         ]
-        assert found, f"no gemv compiled with launch_pdl={expect}"
+        assert found, f"no gemv compiled with launch_pdl={pdl}"
 
 
 # a small Llama 3: big enough that its kernels run for a while, 4 layers
 MODEL = dict(
-    LLAMA3_COMMON,
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_act="silu",
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    attention_bias=False,
+    mlp_bias=False,
+    initializer_range=0.02,
+    torch_dtype="bfloat16",
     vocab_size=32000,
     hidden_size=1024,
     intermediate_size=4096,
@@ -151,44 +155,38 @@ MODEL = dict(
 )
 
 
-@pytest.mark.parametrize("gemv_mode", [None, "all"])
-def test_engine_tokens_and_logits_identical_with_and_without_pdl(gemv_mode, tmp_path, monkeypatch):
+@needs_hopper
+@pytest.mark.parametrize("decode_gemv", ["cublas", "triton"])
+def test_engine_tokens_and_logits_identical_with_and_without_pdl(decode_gemv, tmp_path):
     """Greedy tokens of batches of 1 and 5 (decode CUDA graphs, piecewise graphs for the
-    prefills) and teacher-forced logits: bit for bit the same with PDL on and off, with the
-    decode matmuls on cuBLAS (None; `auto` would pick cuBLAS without PDL and Triton with it) and
-    on kernels/gemv.py (BATCHRUN_GEMV=all)."""
-    from batchrun.kernels.pdl import PDL_ENV
-
-    from batchrun.config import EngineConfig
+    prefills) and teacher-forced logits: bit for bit the same with PDL on and off
+    (KernelConfig.pdl), with the decode matmuls on cuBLAS and on kernels/gemv.py (with the
+    one-row decode's norms inside the matmuls, decode_norms "all" for this hidden size)."""
+    from batchrun.config import EngineConfig, KernelConfig
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
-    from batchrun.models.layers import GEMV_ENV
 
     (tmp_path / "config.json").write_text(json.dumps(MODEL))
-    if gemv_mode is None:
-        monkeypatch.delenv(GEMV_ENV, raising=False)
-    else:
-        monkeypatch.setenv(GEMV_ENV, gemv_mode)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (300, 5, 77, 130, 9)]
 
     def run(pdl: bool):
-        if pdl:
-            monkeypatch.delenv(PDL_ENV, raising=False)
-        else:
-            monkeypatch.setenv(PDL_ENV, "0")
+        kernels = KernelConfig(
+            pdl=pdl, decode_gemv=decode_gemv, cuda_graph_max_bs=8, piecewise_graphs=True
+        )
         config = EngineConfig(
             model=str(tmp_path),
             load_format="dummy",
             device="cuda",
             dtype="bfloat16",
             kv_budget=16384,
-            cuda_graph_max_bs=8,
-            piecewise_cuda_graph=True,
-            decode_gemv="cublas",  # BATCHRUN_GEMV overrides it
+            kernels=kernels,
         )
         engine = Engine(config)
         try:
+            assert engine.kernels.pdl is pdl and engine.kernels.decode_gemv == decode_gemv
+            norms = "all" if decode_gemv == "triton" else "off"
+            assert engine.kernels.decode_norms == norms
             params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
             (alone,) = [
                 r.output_ids for r in engine.generate([GenerateRequest("a", prompts[0], params)])
@@ -210,29 +208,22 @@ def test_engine_tokens_and_logits_identical_with_and_without_pdl(gemv_mode, tmp_
         assert torch.equal(logits, ref_logits)
 
 
-def test_decode_chain_replays_identical_with_pdl(monkeypatch):
+@needs_hopper
+def test_decode_chain_replays_identical_with_pdl():
     """A chain of dependent kernels in one CUDA graph (norm -> gemv -> SwiGLU -> gemv, 24 times,
     then the argmax), replayed with new inputs: the same bits as the chain without PDL. The
     gemvs of 2048 x 4096 split K in 8 (the slices' sums meet in the kernel): the split counters
     are zero before and after."""
     from batchrun.kernels.gemv import pick_config, split_counters
-    from batchrun.kernels.pdl import PDL_ENV
 
     counters = split_counters(torch.device("cuda"))
     assert pick_config(2, 2048, 4096).split_k > 1
     assert not counters.any(), "an earlier call left a split counter set"
     chain = make_decode_chain()
 
-    def capture(pdl: bool):
-        if pdl:
-            monkeypatch.delenv(PDL_ENV, raising=False)
-        else:
-            monkeypatch.setenv(PDL_ENV, "0")
-        return capture_chain(chain)
-
     runs = {}
     for pdl in (False, True):
-        graph, x_in, res_in, out, _buffers = capture(pdl)  # the buffers live with the graph
+        graph, x_in, res_in, out, _buffers = capture_chain(chain, pdl)  # buffers live with it
         results = []
         for step in range(20):
             feed_chain_inputs(x_in, res_in, step)

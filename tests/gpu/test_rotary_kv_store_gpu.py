@@ -1,12 +1,14 @@
 """kernels/rotary_kv_store.py on CUDA: the one-launch rotary + KV store against the two kernels it
-replaces (`apply_rotary_` then `store_kv`) bit for bit, and against the torch path within the
+stands for (`apply_rotary_` then `store_kv`) bit for bit, and against the torch path within the
 FMA bound of tests/gpu/test_fused_kernels.py's test_rotary; captured in a CUDA graph; launched
-with PDL on Hopper; and a tiny model's greedy tokens and logits with BATCHRUN_ROTARY_STORE on
-and off.
+with PDL on Hopper; KVPool.store_rotated with the Triton kernels and without; and a tiny model's
+greedy tokens and logits with the decode graphs' rotary inside the decode kernel
+(kernels/decode_attention.py's DecodeRope) and with the rotary-store kernel before it.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -30,7 +32,7 @@ NUM_POSITIONS = 4096
 
 def _make_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed=0):
     """(qkv, positions, loc, k_buf, v_buf, rotary): loc out of order, the dummy slot among them."""
-    from batchrun.models.layers import RotaryEmbedding
+    from batchrun.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -73,7 +75,7 @@ def _within_fma_bound(got, ref, x, head_dim) -> bool:
 def test_matches_rotary_then_store(dtype, num_tokens, num_heads, num_kv_heads, head_dim):
     from batchrun.kernels.rotary_kv_store import rotary_store_kv
 
-    from batchrun.models.layers import _apply_rotary
+    from batchrun.layers.rotary import _apply_rotary
 
     heads = (num_heads, num_kv_heads, head_dim)
     qkv, positions, loc, k_buf, v_buf, rotary = _make_case(num_tokens, *heads, dtype)
@@ -132,46 +134,56 @@ def test_cuda_graph_replays_with_new_inputs():
 @pytest.mark.skipif(
     torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90+"
 )
-def test_launched_with_pdl(monkeypatch):
-    """With PDL the compiled kernel waits on the grid dependency (griddepcontrol.wait)."""
-    from batchrun.kernels.pdl import PDL_ENV
+def test_launched_with_pdl():
+    """With pdl=True the compiled kernel waits on the grid dependency (griddepcontrol.wait);
+    with pdl=False it does not."""
     from batchrun.kernels.rotary_kv_store import _rotary_store_kv_kernel, rotary_store_kv
 
-    monkeypatch.delenv(PDL_ENV, raising=False)
     heads = (32, 8, 64)
-    qkv, positions, loc, k_buf, v_buf, rotary = _make_case(1, *heads, torch.bfloat16)
-    q, k, v = qkv_views(qkv, *heads)
-    rotary_store_kv(k_buf, v_buf, loc, q, k, v, positions, rotary.cos_cache, rotary.sin_cache)
-    torch.cuda.synchronize()
-    kernels = [
-        k for cache in _rotary_store_kv_kernel.device_caches.values() for k in cache[0].values()
-    ]
-    assert any("griddepcontrol.wait" in k.asm["ptx"] for k in kernels)
+    for pdl in (True, False):
+        qkv, positions, loc, k_buf, v_buf, rotary = _make_case(1, *heads, torch.bfloat16)
+        q, k, v = qkv_views(qkv, *heads)
+        cos, sin = rotary.cos_cache, rotary.sin_cache
+        rotary_store_kv(k_buf, v_buf, loc, q, k, v, positions, cos, sin, pdl=pdl)
+        torch.cuda.synchronize()
+        kernels = [
+            k for cache in _rotary_store_kv_kernel.device_caches.values() for k in cache[0].values()
+        ]
+        assert any(("griddepcontrol.wait" in k.asm["ptx"]) == pdl for k in kernels), pdl
 
 
-def test_kv_pool_store_rotated_switch(monkeypatch):
-    """KVPool.store_rotated runs the kernel unless BATCHRUN_ROTARY_STORE=0; same bits."""
-    import batchrun.kernels.rotary_kv_store as rotary_kv_store
+@pytest.mark.parametrize("triton_ops", [True, False], ids=["triton", "torch"])
+def test_kv_pool_store_rotated(monkeypatch, triton_ops):
+    """KVPool.store_rotated with the Triton kernels runs kernels/rotary_kv_store.py once, with
+    the bits of apply_rotary_ then store_kv; with the torch reference, rotary then index_put,
+    within the FMA bound of the torch formula. Only the layer asked for is written."""
     from spies import count_calls
 
-    from batchrun.engine.kv_pool import ROTARY_STORE_ENV, KVPool
+    import batchrun.engine.kv_pool as kv_pool
+    from batchrun.config import KernelConfig
+    from batchrun.layers.rotary import RotaryEmbedding
 
-    calls = count_calls(monkeypatch, rotary_kv_store, "rotary_store_kv")
-    monkeypatch.delenv("BATCHRUN_NO_FUSED", raising=False)
-    results = []
-    for env in (None, "0"):
-        if env is None:
-            monkeypatch.delenv(ROTARY_STORE_ENV, raising=False)
-        else:
-            monkeypatch.setenv(ROTARY_STORE_ENV, env)
-        qkv, positions, loc, _, _, rotary = _make_case(37, 32, 8, 128, torch.bfloat16)
-        pool = KVPool(2, 200, 8, 128, torch.bfloat16, DEV)
-        q, k, v = qkv_views(qkv, 32, 8, 128)
-        q = pool.store_rotated(1, loc, q, k, v, positions, rotary)
-        results.append((q, *pool.buffers(0), *pool.buffers(1)))
-        assert calls["n"] == 1, env
-    for got, want in zip(*results):
-        assert torch.equal(got, want)
+    calls = count_calls(monkeypatch, kv_pool, "rotary_store_kv")
+    kernels = KernelConfig(triton_ops=True, pdl=False) if triton_ops else KernelConfig.reference()
+    heads = (32, 8, 128)
+    qkv, positions, loc, _, _, _ = _make_case(37, *heads, torch.bfloat16)
+    rotary = RotaryEmbedding(128, NUM_POSITIONS, 500000.0, {}, DEV, kernels)
+    pool = kv_pool.KVPool(2, 200, 8, 128, torch.bfloat16, DEV, kernels)
+    empty = [torch.zeros_like(b) for b in pool.buffers(1)]
+    want_q, want_k_buf, want_v_buf = _two_kernels(qkv, positions, loc, *empty, rotary, heads)
+    q, k, v = qkv_views(qkv.clone(), *heads)
+    q = pool.store_rotated(1, loc, q, k, v, positions, rotary)
+    assert calls["n"] == (1 if triton_ops else 0)
+    k_buf, v_buf = pool.buffers(1)
+    assert torch.equal(v_buf, want_v_buf)
+    if triton_ops:
+        assert torch.equal(q, want_q)
+        assert torch.equal(k_buf, want_k_buf)
+    else:
+        q0, k0, _ = qkv_views(qkv, *heads)
+        assert _within_fma_bound(q, want_q, q0, 128)
+        assert _within_fma_bound(k_buf[loc], want_k_buf[loc], k0, 128)
+    assert not any(b.any() for b in pool.buffers(0)), "layer 0 was written"
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -183,38 +195,37 @@ def tiny_dir(request, tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("cuda_graph_max_bs", [0, 16])
-def test_engine_same_tokens_with_and_without_fusion(tiny_dir, cuda_graph_max_bs, monkeypatch):
-    """Every step's attention goes through the backend's forward_rotary (decode, short
-    prefills, mixed steps; one-row decodes through forward_gemv): greedy tokens and logits are the
-    same bits with the fused kernel as with rotary + store."""
-    import batchrun.kernels.rotary_kv_store as rotary_kv_store
+def test_engine_same_tokens_with_the_decode_kernels_rotary_or_the_rotary_store(
+    tiny_dir, monkeypatch
+):
+    """Decode graphs of up to DECODE_ROPE_MAX_BS rows rotate q and the new k inside the decode
+    kernel and store the new KV there (DecodeRope); every other step rotates and stores in
+    kernels/rotary_kv_store.py. Built with the decode kernel's own rotary turned off
+    (TritonAttentionBackend._rotates_in_decode), the graphs run the rotary-store kernel then
+    the plain decode kernel instead: greedy tokens (batches of 6 and of 1, one-row decodes
+    through forward_gemv) and logits are the same bits."""
     from spies import count_calls
     from tiny_models import random_prompts
 
-    from batchrun.config import EngineConfig
+    import batchrun.attention.triton_backend as triton_backend
+    import batchrun.engine.kv_pool as kv_pool
+    from batchrun.config import EngineConfig, KernelConfig
     from batchrun.engine.engine import Engine
-    from batchrun.engine.kv_pool import ROTARY_STORE_ENV
     from batchrun.params import GenerateRequest, SamplingParams
 
-    monkeypatch.delenv("BATCHRUN_NO_FUSED", raising=False)
-    calls = count_calls(monkeypatch, rotary_kv_store, "rotary_store_kv")
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(6, seed=5, min_len=2, max_len=14)
 
-    def run(fused: bool):
-        if fused:
-            monkeypatch.delenv(ROTARY_STORE_ENV, raising=False)
-        else:
-            monkeypatch.setenv(ROTARY_STORE_ENV, "0")
+    def run(decode_rope: bool):
+        rope = count_calls(monkeypatch, triton_backend, "DecodeRope")
+        store = count_calls(monkeypatch, kv_pool, "rotary_store_kv")
+        if not decode_rope:
+            monkeypatch.setattr(
+                triton_backend.TritonAttentionBackend, "_rotates_in_decode", lambda *a: False
+            )
+        kernels = KernelConfig(attention="triton", cuda_graph_max_bs=16, piecewise_graphs=False)
         config = EngineConfig(
-            model=tiny_dir,
-            device="cuda",
-            dtype="bfloat16",
-            kv_budget=4096,
-            attention_backend="triton",
-            cuda_graph_max_bs=cuda_graph_max_bs,
-            piecewise_cuda_graph=False,
+            model=tiny_dir, device="cuda", dtype="bfloat16", kv_budget=4096, kernels=kernels
         )
         engine = Engine(config)
         (alone,) = [
@@ -224,13 +235,15 @@ def test_engine_same_tokens_with_and_without_fusion(tiny_dir, cuda_graph_max_bs,
         outs = {r.rid: r.output_ids for r in engine.generate(reqs)}
         logits = engine.score(prompts[1] + alone[:2])  # <= 16 tokens: through attend
         engine.check_integrity()
+        assert (rope["n"] > 0) == decode_rope, rope
+        assert store["n"] > 0  # the prefills
         del engine
+        gc.collect()
         torch.cuda.empty_cache()
+        monkeypatch.undo()
         return alone, outs, logits
 
     ref = run(False)
-    assert calls["n"] == 0
     got = run(True)
-    assert calls["n"] > 0, "the fused kernel never ran"
     assert got[0] == ref[0] and got[1] == ref[1]
     assert torch.equal(got[2], ref[2])

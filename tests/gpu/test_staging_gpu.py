@@ -10,7 +10,10 @@ import torch
 
 from batchrun.engine.staging import RING_SLOTS, PinnedStaging
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 def test_ring_uploads_arrive_intact():

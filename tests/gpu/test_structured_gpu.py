@@ -48,12 +48,14 @@ def _requests():
     return reqs
 
 
-def _run(model_dir: str, **kw):
-    from batchrun.config import EngineConfig
+def _run(model_dir: str, kernels=None, **kw):
+    """(engine, results) of the requests on an fp32 engine; kernels: a KernelConfig, else the
+    defaults; kw: other EngineConfig fields."""
+    from batchrun.config import EngineConfig, KernelConfig
     from batchrun.engine.engine import Engine
 
     cfg = dict(model=model_dir, device="cuda", dtype="float32", kv_budget=20000)
-    engine = Engine(EngineConfig(**{**cfg, **kw}))
+    engine = Engine(EngineConfig(**{**cfg, **kw}, kernels=kernels or KernelConfig()))
     out = {r.rid: r for r in engine.generate(_requests())}
     engine.check_integrity()
     return engine, out
@@ -61,8 +63,8 @@ def _run(model_dir: str, **kw):
 
 def _sharded_engine(model_dir: str, monkeypatch):
     """An engine whose fill jobs run in 3 parts, even for small batches (structured.py)."""
-    from batchrun.engine import structured
     from batchrun.config import EngineConfig
+    from batchrun.engine import structured
     from batchrun.engine.engine import Engine
 
     monkeypatch.setattr(structured, "MIN_SHARD_ROWS", 2)
@@ -73,19 +75,25 @@ def _sharded_engine(model_dir: str, monkeypatch):
 
 
 def test_overlap_on_off_identical_and_valid(model_dir, monkeypatch):
+    """Grammar requests give the same tokens with overlap off, with overlap (the sampling behind
+    the host gate), with the fill jobs in parts, without graphs, and with the host gate off
+    (host_gate=False: the step loop waits for the fill job); every output is accepted by its
+    grammar."""
+    from batchrun.config import KernelConfig
+
     _, off = _run(model_dir, overlap=False)
     engine, on = _run(model_dir, overlap=True)
     assert engine.gate is not None  # the sampling went in behind the host gate
     stats = engine.stats  # ... and the device's time there was measured
     assert stats.num_gated_steps > 10
     assert stats.gate_wait_time >= 0.0 and stats.mask_copy_time > 0.0
-    _, eager = _run(model_dir, overlap=True, cuda_graph_max_bs=0)
+    _, eager = _run(model_dir, KernelConfig(cuda_graph_max_bs=0), overlap=True)
     sharded_engine = _sharded_engine(model_dir, monkeypatch)
     sharded = {r.rid: r for r in sharded_engine.generate(_requests())}
     assert sharded_engine.stats.num_gated_steps > 10
-    monkeypatch.setenv("BATCHRUN_DISABLE_HOST_GATE", "1")
-    ungated_engine, ungated = _run(model_dir, overlap=True)
-    assert ungated_engine.gate is None  # the fallback: the step loop waits for the fill job
+    ungated_engine, ungated = _run(model_dir, KernelConfig(host_gate=False), overlap=True)
+    assert ungated_engine.kernels.host_gate is False
+    assert ungated_engine.gate is None  # the step loop waits for the fill job
     tokens = {k: r.output_ids for k, r in on.items()}
     assert tokens == {k: r.output_ids for k, r in off.items()}
     assert tokens == {k: r.output_ids for k, r in sharded.items()}
@@ -241,9 +249,8 @@ def test_grammar_greedy_rows_take_the_fused_kernel(model_dir, monkeypatch):
     """A plain-greedy grammar batch samples through masked_argmax (checked by counting calls);
     the tokens equal the apply + sampler path's (test_overlap_on_off_identical_and_valid runs
     both: overlap off uploads without row flags, so it takes apply + sampler)."""
-    from spies import count_calls
-
     from batchrun.kernels import token_bitmask
+    from spies import count_calls
 
     calls = count_calls(monkeypatch, token_bitmask, "masked_argmax")
     _, out = _run(model_dir, overlap=True)

@@ -63,7 +63,7 @@ def model_dir(tmp_path_factory):
 
 
 def _config(model_dir: str, graphs: bool):
-    from batchrun.config import EngineConfig
+    from batchrun.config import EngineConfig, KernelConfig
 
     return EngineConfig(
         model=model_dir,
@@ -72,7 +72,7 @@ def _config(model_dir: str, graphs: bool):
         dtype="bfloat16",
         kv_budget=65536,
         max_running=64,
-        cuda_graph_max_bs=64 if graphs else 0,
+        kernels=KernelConfig(cuda_graph_max_bs=64 if graphs else 0),
     )
 
 
@@ -95,9 +95,9 @@ def _run(engine) -> dict[str, list[int]]:
     return out
 
 
-# NOTE: one variant: NCCL groups live until their process exits (launcher._destroy_groups), so
-# one test process runs one tensor-parallel group. Graphs on covers both paths: decode steps
-# replay graphs, prefill and mixed steps run eagerly.
+# NOTE: one variant: NCCL groups live until their process exits (tp_launcher._destroy_groups),
+# so one test process runs one tensor-parallel group. With graphs on, decode steps replay decode
+# graphs, and prefill and mixed steps piecewise graphs (on by default for this small model).
 @pytest.mark.parametrize("graphs", [True], ids=["graphs"])
 def test_tp2_matches_tp1_bf16(model_dir, graphs):
     from batchrun.engine.engine import Engine

@@ -10,10 +10,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from batchrun.job.commit import RunOutput
 from batchrun.errors import RunError
 from batchrun.io.manifest import Counts, InputInfo, Manifest, read_manifest, utc_now
 from batchrun.io.writer import RowLedger, ShardedWriter, read_ledger
+from batchrun.job.commit import RunOutput
 from batchrun.job.resume import fingerprint_diff
 from batchrun.job.shards import ShardOptionError, error_shard_of, resolve_shards, shard_dir
 

@@ -1,16 +1,18 @@
 """The engine's automatic sizes: max_running 512 and 4,096-token prefill chunks on CUDA, 1,024
 and 12,288 for a 3B+ model there, 256 and 4,096 on the CPU (the measured reasons are in
-batchrun/config.py)."""
+batchrun/config.py); the CLI's kernel options as EngineConfig.kernels; the kernel config an
+engine on the CPU resolves and hands to its blocks."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from bench_models import MODELS, write_model_dir  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import LLAMA3_SHAPES, llama3_model_config, write_config_dir  # noqa: E402
 
 from batchrun.config import (  # noqa: E402
     CHUNKED_PREFILL,
@@ -19,14 +21,10 @@ from batchrun.config import (  # noqa: E402
     MAX_RUNNING_CUDA,
     MAX_RUNNING_LARGE,
     EngineConfig,
+    KernelConfig,
     auto_sizes,
     resolve_sizes,
 )
-from batchrun.models.config import ModelConfig  # noqa: E402
-
-
-def model_config(name: str, tmp_path) -> ModelConfig:
-    return ModelConfig.from_dir(write_model_dir(name, tmp_path))
 
 
 @pytest.mark.parametrize(
@@ -39,29 +37,27 @@ def model_config(name: str, tmp_path) -> ModelConfig:
         ("tiny", "cuda", (MAX_RUNNING_CUDA, CHUNKED_PREFILL)),
     ],
 )
-def test_auto_sizes_by_model_and_device(name, device, expected, tmp_path):
-    assert name in MODELS
-    assert auto_sizes(model_config(name, tmp_path), device) == expected
+def test_auto_sizes_by_model_and_device(name, device, expected):
+    assert name in LLAMA3_SHAPES
+    assert auto_sizes(llama3_model_config(name), device) == expected
 
 
-def test_an_explicit_max_running_is_kept(tmp_path):
-    cfg = model_config("llama-8b", tmp_path)
+def test_an_explicit_max_running_is_kept():
+    cfg = llama3_model_config("llama-8b")
     assert resolve_sizes(EngineConfig(max_running=7, device="cuda"), cfg).max_running == 7
     auto = resolve_sizes(EngineConfig(device="cuda"), cfg)
     assert auto.max_running == MAX_RUNNING_LARGE
 
 
-def test_the_engine_resolves_it(tmp_path):
+def tiny_engine(tmp_path, **config):
     from batchrun.engine.engine import Engine
 
-    engine = Engine(
-        EngineConfig(
-            model=str(write_model_dir("tiny", tmp_path)),
-            load_format="dummy",
-            device="cpu",
-            kv_budget=4096,
-        )
-    )
+    model = str(write_config_dir("tiny", tmp_path))
+    return Engine(EngineConfig(model=model, load_format="dummy", device="cpu", **config))
+
+
+def test_the_engine_resolves_it(tmp_path):
+    engine = tiny_engine(tmp_path, kv_budget=4096)
     assert engine.config.max_running == MAX_RUNNING
     assert engine.scheduler.max_running == MAX_RUNNING
     assert engine.scheduler.prefill_budget == CHUNKED_PREFILL
@@ -70,18 +66,35 @@ def test_the_engine_resolves_it(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        ([], dict(cuda_graph_max_bs=EngineConfig.cuda_graph_max_bs, piecewise_cuda_graph=None)),
-        (["--disable-cuda-graph"], dict(cuda_graph_max_bs=0, piecewise_cuda_graph=None)),
-        (["--disable-piecewise-cuda-graph"], dict(piecewise_cuda_graph=False)),
-        (["--disable-overlap"], dict(overlap=False)),
-        ([], dict(decode_gemv="auto")),
+        ([], {}),
+        (["--attention-backend", "torch"], dict(attention="torch")),
         (["--decode-gemv", "cublas"], dict(decode_gemv="cublas")),
+        (["--decode-gemv", "triton"], dict(decode_gemv="triton")),
+        (["--disable-cuda-graph"], dict(cuda_graph_max_bs=0)),
+        (["--disable-piecewise-cuda-graph"], dict(piecewise_graphs=False)),
+        (["--disable-pdl"], dict(pdl=False)),
+        (["--disable-host-gate"], dict(host_gate=False)),
+        (["--disable-overlap"], {}),
     ],
 )
 def test_cli_switches_reach_the_engine_config(flags, expected):
-    """submit's --disable-cuda-graph / --disable-piecewise-cuda-graph / --disable-overlap /
-    --decode-gemv."""
+    """submit's kernel options set their KernelConfig field (every other field stays auto, for
+    the engine to resolve) and --disable-overlap sets overlap."""
+    config = _cli_config(["--device", "cpu", *flags])
+    assert asdict(config.kernels) == {**asdict(KernelConfig()), **expected}
+    assert config.overlap is (False if "--disable-overlap" in flags else None)
+
+
+def test_the_cli_refuses_gpu_attention_on_the_cpu():
+    result = _cli_config(["--device", "cpu", "--attention-backend", "triton"], exit_code=2)
+    assert "--attention-backend triton needs a CUDA device" in result
+
+
+def _cli_config(args: list[str], exit_code: int = 0):
+    """The EngineConfig that build_engine_config makes of submit's engine options `args`; with
+    an exit_code other than 0, the CLI's output instead."""
     import click
+    from click.testing import CliRunner
 
     from batchrun.cli.options import build_engine_config, engine_options
 
@@ -92,31 +105,22 @@ def test_cli_switches_reach_the_engine_config(flags, expected):
     def cmd(**o):
         seen["config"] = build_engine_config({**o, "model": None, "load_format": "auto", "seed": 0})
 
-    from click.testing import CliRunner
-
-    result = CliRunner().invoke(cmd, ["--device", "cpu", *flags])
-    assert result.exit_code == 0, result.output
-    config = seen["config"]
-    for name, value in expected.items():
-        assert getattr(config, name) == value, name
-    assert config.overlap is (False if "--disable-overlap" in flags else None)
+    result = CliRunner().invoke(cmd, args)
+    assert result.exit_code == exit_code, result.output
+    return seen["config"] if exit_code == 0 else result.output
 
 
 def test_decode_gemv_defaults_to_cublas_off_cuda(tmp_path):
-    """EngineConfig.decode_gemv "auto" picks kernels/gemv.py only on a PDL-capable GPU (CUDA
-    runs check the rest: tests/gpu/test_pdl.py); on the CPU nothing changes."""
-    from batchrun.engine.engine import Engine
-
-    base = dict(
-        model=str(write_model_dir("tiny", tmp_path)),
-        load_format="dummy",
-        device="cpu",
-        kv_budget=64,
-    )
-    for mode, want in (("auto", None), ("cublas", None), ("triton", "all")):
-        engine = Engine(EngineConfig(**base, decode_gemv=mode))
+    """decode_gemv "auto" picks kernels/gemv.py only where PDL is on (a CUDA GPU of sm_90+:
+    tests/unit/test_kernel_choice.py, tests/gpu/test_pdl.py); on the CPU the engine resolves it
+    to cuBLAS, as every other kernel field to plain torch, and the model's blocks carry that
+    config."""
+    for mode in ("auto", "cublas"):
+        engine = tiny_engine(tmp_path, kv_budget=64, kernels=KernelConfig(decode_gemv=mode))
+        assert engine.kernels.decode_gemv == "cublas", mode
+        assert engine.kernels == KernelConfig.reference()
         model = engine.runner.model
-        assert model.decode_gemv == want, mode
-        assert model.layers[0].mlp.down_proj.decode_gemv == want
+        assert model.layers[0].mlp.down_proj.kernels == engine.kernels
+        assert model.kernels == engine.runner.kernels == engine.kernels
     with pytest.raises(ValueError, match="decode_gemv"):
-        EngineConfig(decode_gemv="fast").validate()
+        EngineConfig(kernels=KernelConfig(decode_gemv="fast")).validate()

@@ -1,5 +1,7 @@
-"""The fused RMSNorm / rotary / SiLU-and-mul / KV-store Triton kernels under Triton's CPU
-interpreter, against batchrun's torch code (the CPU path of `batchrun.models.layers`).
+"""The fused RMSNorm / rotary / SiLU-and-mul / KV-store / gemv Triton kernels under Triton's CPU
+interpreter, against batchrun's torch code (the blocks of `batchrun.layers` built with
+KernelConfig.reference()), and a tiny model built with the Triton kernels against the same model
+on the torch path.
 
 Skipped where triton is not installed (CI does not install it). The kernels run in a subprocess
 because TRITON_INTERPRET must be set before triton is first imported. The interpreter casts fp32 to
@@ -18,12 +20,15 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+from spies import count_calls  # noqa: E402
+from triton_interpreter import INTERPRETER_KERNELS  # noqa: E402
+
 MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_fused_kernels_under_interpreter():
-    sys.path.insert(0, str(REPO / "tests"))
     from triton_interpreter import run_under_interpreter
 
     run_under_interpreter(__file__)
@@ -48,7 +53,7 @@ def _strided(shape, dtype, gen, pad: int = 7) -> torch.Tensor:
 def _check_norm(dtype, max_ulp) -> None:
     from batchrun.kernels.fused_norm import fused_add_rms_norm, rms_norm
 
-    from batchrun.models.layers import RMSNorm
+    from batchrun.layers.norm import RMSNorm
 
     gen = torch.Generator().manual_seed(0)
     for num_rows, n_cols in ((5, 576), (3, 64), (2, 1000), (1, 2048)):
@@ -61,7 +66,7 @@ def _check_norm(dtype, max_ulp) -> None:
         out = rms_norm(x, norm.weight.detach(), norm.eps)
         assert max_ulps(out, ref) <= max_ulp, ("rms_norm", dtype, n_cols, max_ulps(out, ref))
 
-        ref_x, ref_residual = norm.forward_with_residual(x, residual)  # torch path on the CPU
+        ref_x, ref_residual = norm.forward_with_residual(x, residual)  # the torch path
         x_, residual_ = x.clone(), residual.clone()
         out_x, out_residual = fused_add_rms_norm(x_, residual_, norm.weight.detach(), norm.eps)
         assert out_x is x_ and out_residual is residual_
@@ -72,7 +77,7 @@ def _check_norm(dtype, max_ulp) -> None:
 def _check_rotary(dtype, max_ulp) -> None:
     from batchrun.kernels.fused_rotary import apply_rotary_
 
-    from batchrun.models.layers import RotaryEmbedding
+    from batchrun.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(1)
     for num_tokens, num_heads, num_kv_heads, head_dim in (
@@ -88,7 +93,7 @@ def _check_rotary(dtype, max_ulp) -> None:
         k = k.view(num_tokens, num_kv_heads, head_dim)
         v_before = v.clone()
         positions = torch.randint(0, 300, (num_tokens,), generator=gen)
-        ref_q, ref_k = rotary(positions, q, k)  # CPU: the torch path, new tensors
+        ref_q, ref_k = rotary(positions, q, k)  # the torch path: new tensors
         apply_rotary_(q, k, positions, rotary.cos_cache, rotary.sin_cache)
         assert torch.equal(v, v_before), "v was written"
         for name, out, ref in (("q", q, ref_q), ("k", k, ref_k)):
@@ -144,88 +149,92 @@ def _check_store_kv(dtype) -> None:
 
 
 def _check_model_wiring(tmp_dir: Path) -> None:
-    """The tiny model with the kernels forced on (CPU tensors, interpreter) against the torch
-    path: checks the residual-stream restructuring, the in-place rotary on qkv views and the
-    KV store from qkv views (KVPool.store reads the patched switch)."""
-    import batchrun.models.layers as layers
-    import batchrun.models.llama as llama
-    from batchrun.config import EngineConfig
-    from batchrun.engine.engine import Engine
+    """The tiny model on an engine with the Triton kernels (CPU tensors, interpreter) and the
+    torch attention against one on the torch path: checks the residual-stream restructuring,
+    the in-place rotary on qkv views and the KV store from qkv views."""
+    from dataclasses import replace
 
-    sys.path.insert(0, str(REPO / "tests"))
     from tiny_models import make_tiny_model, random_prompts
 
+    from batchrun.config import EngineConfig, KernelConfig
+    from batchrun.engine.engine import Engine
+
+    triton = replace(INTERPRETER_KERNELS, attention="torch")
     for kind in ("llama", "qwen3"):
         path = Path(tempfile.mkdtemp(dir=tmp_dir))
         make_tiny_model(kind, path)
-        engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", kv_budget=512))
+        base = dict(model=str(path), device="cpu", dtype="float32", kv_budget=512)
+        ref_engine = Engine(EngineConfig(**base, kernels=KernelConfig.reference()))
+        engine = Engine(EngineConfig(**base, kernels=triton))
+        assert engine.kernels == triton == engine.runner.model.norm.kernels
         for prompt in random_prompts(2, seed=3, min_len=5, max_len=20):
-            ref = engine.score(prompt)
-            use_fused = layers.use_fused_kernels
-            layers.use_fused_kernels = llama.use_fused_kernels = lambda x: True
-            try:
-                fused = engine.score(prompt)
-            finally:
-                layers.use_fused_kernels = llama.use_fused_kernels = use_fused
+            ref, fused = ref_engine.score(prompt), engine.score(prompt)
             rel = ((fused - ref).norm() / ref.norm()).item()
             assert rel <= 1e-5, (kind, rel)
     _check_decode_gemv_wiring(tmp_dir)
 
 
+def _runner(path: Path, kernels):
+    """A ModelRunner (model, KV pool, attention backend) of the model at `path` in fp16, built
+    with `kernels` as given: an Engine on the CPU refuses decode_gemv "triton", which runs here
+    on the interpreter."""
+    from batchrun.config import EngineConfig, resolve_sizes
+    from batchrun.engine.model_runner import ModelRunner
+    from batchrun.models.config import ModelConfig
+
+    model_cfg = ModelConfig.from_dir(path)
+    config = EngineConfig(
+        model=str(path), device="cpu", dtype="float16", kv_budget=512, overlap=False,
+        kernels=kernels,
+    )  # fmt: skip
+    config = resolve_sizes(config, model_cfg)
+    return ModelRunner(config, model_cfg, path, model_cfg.max_position_embeddings)
+
+
 def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
-    """Forwards of a few tokens and of one token with BATCHRUN_GEMV=all (fp16, the tiny llama)
-    give the torch path's logits: one row takes LlamaForCausalLM.forward_gemv (the residual
-    adds and norms inside the gemvs; BATCHRUN_GEMV_NORM=post: only the post-attention ones;
-    =fold: those, and the input norms inside the qkv matmuls on the folded weights; =fold-all:
-    both norms inside the matmuls after them, qkv's and gate_up's), more rows or
-    BATCHRUN_GEMV_NORM=0 the layers' forward."""
-    import os
+    """Forwards of a few tokens and of one token with decode_gemv "triton" (fp16, the tiny
+    llama, the torch attention) give the torch path's logits. Rows of up to 16 take
+    kernels/gemv.py for every matmul; one row, with decode_norms other than "off", takes
+    LlamaForCausalLM.forward_gemv: "all" the residual adds and norms inside the gemvs before
+    them, "post" only the post-attention ones, "fold" those and each input norm inside the
+    qkv matmul after it, on the folded weights that prepare_decode_norms makes, "fold-all"
+    both norms inside the matmuls after them (qkv's and gate_up's)."""
+    from dataclasses import replace
 
     from tiny_models import make_tiny_model, random_prompts
 
-    import batchrun.models.layers as layers
+    import batchrun.layers.linear as linear
     import batchrun.models.llama as llama
-    from batchrun.config import EngineConfig
-    from batchrun.engine.engine import Engine
+    from batchrun.config import KernelConfig
 
     path = Path(tempfile.mkdtemp(dir=tmp_dir))
     make_tiny_model("llama", path)
-    engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float16", kv_budget=512))
-    calls = []
-    forward_gemv = llama.LlamaForCausalLM.forward_gemv
-
-    def counting(self, *args, **kwargs):
-        calls.append((kwargs.get("fold", False), kwargs.get("fold_post", False)))
-        return forward_gemv(self, *args, **kwargs)
-
-    llama.LlamaForCausalLM.forward_gemv = counting
-    engine.runner.model.fold_norms(post=True)  # as set_decode_gemv("all") does in "fold-all"
-    modes = (("all", None), ("all", "0"), ("all", "post"), ("all", "fold"), ("all", "fold-all"))
+    ref_runner = _runner(path, KernelConfig.reference())
     prompts = random_prompts(3, seed=4, min_len=3, max_len=16) + [[5], [60]]
-    try:
-        for prompt in prompts:
-            ref = engine.score(prompt)
-            for mode, norm_env in modes:
-                use_fused = layers.use_fused_kernels
-                layers.use_fused_kernels = llama.use_fused_kernels = lambda x: True
-                os.environ[layers.GEMV_ENV] = mode
-                if norm_env is not None:
-                    os.environ[layers.GEMV_NORM_ENV] = norm_env
-                calls.clear()
-                try:
-                    fused = engine.score(prompt)
-                finally:
-                    layers.use_fused_kernels = llama.use_fused_kernels = use_fused
-                    del os.environ[layers.GEMV_ENV]
-                    os.environ.pop(layers.GEMV_NORM_ENV, None)
-                takes = mode == "all" and norm_env != "0" and len(prompt) == 1
-                assert bool(calls) == takes, (mode, norm_env, len(prompt))
-                folds = (norm_env in ("fold", "fold-all"), norm_env == "fold-all")
-                assert calls == [folds] * len(calls), (calls, norm_env)
-                rel = ((fused - ref).norm() / ref.norm()).item()
-                assert rel <= 5e-3, (mode, norm_env, rel)
-    finally:
-        llama.LlamaForCausalLM.forward_gemv = forward_gemv
+    refs = [ref_runner.all_logits(p, torch.arange(len(p))) for p in prompts]
+    for mode in ("off", "all", "post", "fold", "fold-all"):
+        kernels = replace(
+            INTERPRETER_KERNELS, attention="torch", decode_gemv="triton", decode_norms=mode
+        )
+        runner = _runner(path, kernels)
+        model = runner.model
+        assert runner.kernels.decode_norms == model.decode_norms == mode  # folds fit the CPU
+        layer = model.layers[0]
+        folds = (
+            hasattr(layer.self_attn, "qkv_weight_rms"),
+            hasattr(layer.mlp, "gate_up_weight_rms"),
+        )
+        assert folds == (mode in ("fold", "fold-all"), mode == "fold-all"), (mode, folds)
+        for prompt, ref in zip(prompts, refs):
+            with pytest.MonkeyPatch.context() as mp:
+                one_row = count_calls(mp, llama.LlamaForCausalLM, "forward_gemv")
+                matmuls = count_calls(mp, linear, "gemv")
+                fused = runner.all_logits(prompt, torch.arange(len(prompt)))
+            takes = mode != "off" and len(prompt) == 1
+            assert bool(one_row["n"]) == takes, (mode, len(prompt))
+            assert bool(matmuls["n"]) == (not takes), (mode, len(prompt))
+            rel = ((fused - ref).norm() / ref.norm()).item()
+            assert rel <= 5e-3, (mode, len(prompt), rel)
 
 
 def _check_token_bitmask() -> None:
@@ -269,7 +278,6 @@ def _check_gemv() -> None:
             assert not split_counters(x.device).any()
             assert torch.equal(gemv(x, w, cfg), got)
     _check_gemv_swiglu()
-    _check_gemv_peel()
     _check_gemv_rms()
 
 
@@ -298,31 +306,6 @@ def _check_gemv_rms() -> None:
                 err = ((got.float() - ref).norm() / ref.norm()).item()
                 assert err <= tol, (dtype, n, k, cfg, swiglu, err)
                 assert not split_counters(h.device).any()
-
-
-def _check_gemv_peel() -> None:
-    """One weight tile loaded before the PDL wait (BATCHRUN_GEMV_PEEL=1) or two (the default):
-    the same sums in the same order, so the same bits; K slices of one tile and of several,
-    with and without the SwiGLU epilogue."""
-    import os
-
-    from batchrun.kernels.gemv import GEMV_PEEL_ENV, GemvConfig, gemv
-
-    gen = torch.Generator().manual_seed(12)
-    cases = [(1, 100, 300, GemvConfig(16, 64, 1)), (3, 64, 512, GemvConfig(16, 64, 4)),
-             (2, 40, 100, GemvConfig(16, 128, 1)),
-             (1, 48, 1000, GemvConfig(16, 64, 8))]  # fmt: skip
-    for m, n, k, cfg in cases:
-        x = torch.randn(m, k, generator=gen).to(torch.float16)
-        w = (torch.randn(2 * n, k, generator=gen) * 0.1).to(torch.float16)
-        got = {}
-        for peel in ("1", "2"):
-            os.environ[GEMV_PEEL_ENV] = peel
-            try:
-                got[peel] = (gemv(x, w, cfg), gemv(x, w, cfg, swiglu=True))
-            finally:
-                os.environ.pop(GEMV_PEEL_ENV)
-        assert all(torch.equal(a, b) for a, b in zip(got["1"], got["2"])), (m, n, k, cfg)
 
 
 def _check_gemv_swiglu() -> None:

@@ -1,15 +1,24 @@
 """The host gate's bookkeeping on the CPU (engine/host_gate.py; the device side is in
-tests/gpu/test_host_gate.py) and the fill job's promise to a gated sampling (structured.py):
-the rows it does not fill are set to allow all, and the gate opens, error or not."""
+tests/gpu/test_host_gate.py), where the kernel config turns it on, and the fill job's promise to
+a gated sampling (structured.py): the rows it does not fill are set to allow all, and the gate
+opens, error or not."""
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
 
-from batchrun.engine.host_gate import ENV_DISABLE, HostGate
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import llama3_model_config, write_config_dir  # noqa: E402
+
+from batchrun.config import EngineConfig, KernelConfig  # noqa: E402
+from batchrun.engine import host_gate  # noqa: E402
+from batchrun.engine.host_gate import HostGate  # noqa: E402
+from batchrun.engine.kernel_choice import resolve_kernels  # noqa: E402
 
 
 class FakeStream:
@@ -27,10 +36,29 @@ def _gate(result: int = 0):
     return HostGate(torch.device("cpu"), wait_value, flag.data_ptr(), flag), calls, flag
 
 
-def test_no_gate_off_cuda_or_when_disabled(monkeypatch):
-    assert HostGate.create(torch.device("cpu")) is None
-    monkeypatch.setenv(ENV_DISABLE, "1")
-    assert HostGate.create(torch.device("cuda")) is None
+def test_available_follows_the_driver(monkeypatch):
+    """A gate needs libcuda's cuStreamWaitValue32: available() says whether the driver has it."""
+    monkeypatch.setattr(host_gate, "_driver", lambda: None)
+    assert HostGate.available() is False
+    monkeypatch.setattr(host_gate, "_driver", lambda: (object(), lambda *args: 0))
+    assert HostGate.available() is True
+
+
+def test_the_cpu_resolves_no_gate():
+    """On the CPU (every op synchronous, no overlap) host_gate resolves to False, and asking
+    for one there fails at start-up with what it needs."""
+    cpu, model_cfg = torch.device("cpu"), llama3_model_config("tiny")
+    assert resolve_kernels(EngineConfig(), model_cfg, cpu).host_gate is False
+    with pytest.raises(ValueError, match="host_gate needs CUDA, overlap and a driver"):
+        resolve_kernels(EngineConfig(kernels=KernelConfig(host_gate=True)), model_cfg, cpu)
+
+
+def test_an_engine_without_the_gate_has_none(tmp_path):
+    from batchrun.engine.engine import Engine
+
+    model = str(write_config_dir("tiny", tmp_path))
+    engine = Engine(EngineConfig(model=model, load_format="dummy", device="cpu", kv_budget=64))
+    assert engine.kernels.host_gate is False and engine.gate is None
 
 
 def test_close_waits_for_the_ticket_on_the_stream():

@@ -239,22 +239,50 @@ def test_dummy_load_format_needs_only_config_json(model_dir):
     assert torch.equal(again, logits)
 
 
-def test_dummy_uniform_draws_every_weight_as_vllm_and_sglang_do(model_dir, monkeypatch):
-    """BATCHRUN_DUMMY_INIT=uniform: every parameter, the norms too, in U(-1e-3, 1e-3) (vLLM's
-    and SGLang's dummy loaders); an unknown name fails at start-up with the choices."""
-    from batchrun.models.layers import DUMMY_INIT_ENV, UNIFORM_DUMMY_BOUND
+def test_dummy_uniform_draws_every_weight_as_vllm_and_sglang_do(model_dir):
+    """dummy_init "uniform": every parameter, the norms too, in U(-1e-3, 1e-3) (vLLM's and
+    SGLang's dummy loaders)."""
+    from batchrun.models.dummy import UNIFORM_DUMMY_BOUND
 
-    monkeypatch.setenv(DUMMY_INIT_ENV, "uniform")
-    eng = engine(model_dir, load_format="dummy")
+    eng = engine(model_dir, load_format="dummy", dummy_init="uniform")
     params = dict(eng.runner.model.named_parameters())
     for name, p in params.items():
         assert p.abs().max() <= UNIFORM_DUMMY_BOUND, name
         assert p.std() > UNIFORM_DUMMY_BOUND / 4, name  # drawn, not left at 0 or 1
     assert any(name.endswith("norm.weight") for name in params)
     assert torch.isfinite(eng.score(list(range(3, 40)))).all()
-    monkeypatch.setenv(DUMMY_INIT_ENV, "zeros")
+
+
+@pytest.mark.parametrize("kind", ["normal", "uniform"])
+def test_init_dummy_draws_by_kind(kind):
+    """init_dummy_ on any module: "normal" draws normal(0, 0.02) with the norms at 1,
+    "uniform" every parameter from U(-1e-3, 1e-3); the same seed, the same weights."""
+    from batchrun.layers.norm import RMSNorm
+    from batchrun.models.dummy import UNIFORM_DUMMY_BOUND, init_dummy_
+
+    def module():
+        m = torch.nn.Module()
+        m.proj = torch.nn.Linear(64, 256, bias=False)
+        m.norm = RMSNorm(64, 1e-5, torch.float32, "cpu")
+        return m
+
+    a, b = module(), module()
+    init_dummy_(a, kind, seed=3)
+    init_dummy_(b, kind, seed=3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    if kind == "uniform":
+        assert a.norm.weight.abs().max() <= UNIFORM_DUMMY_BOUND
+        assert a.proj.weight.abs().max() <= UNIFORM_DUMMY_BOUND
+    else:
+        assert torch.equal(a.norm.weight, torch.ones(64))
+        assert abs(a.proj.weight.std().item() - 0.02) < 0.002
+
+
+def test_an_unknown_dummy_init_fails_validation_with_the_choices(model_dir):
+    with pytest.raises(ValueError, match="dummy_init must be one of normal, uniform; got 'zeros'"):
+        EngineConfig(load_format="dummy", dummy_init="zeros").validate()
     with pytest.raises(ValueError, match="normal, uniform"):
-        engine(model_dir, load_format="dummy")
+        engine(model_dir, load_format="dummy", dummy_init="zeros")
 
 
 def test_model_config_reads_transformers_5_rope_parameters(tmp_path):

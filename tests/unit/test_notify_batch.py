@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from batchrun.params import GenerateRequest, GenerateResult, SamplingParams
 import batchrun.engine_process.messages as m
 from batchrun.engine_process.notify import NotifyBatcher
+from batchrun.params import GenerateRequest, GenerateResult, SamplingParams
 
 
 def result(i: int) -> GenerateResult:

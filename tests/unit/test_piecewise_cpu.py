@@ -34,8 +34,8 @@ def _generate(model_dir: str, piecewise_bucket: int | None, calls: dict | None =
 
     from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
-    from batchrun.params import GenerateRequest, SamplingParams
     from batchrun.engine.piecewise_graph import PiecewiseGraphRunner
+    from batchrun.params import GenerateRequest, SamplingParams
 
     # small chunks and a small batch: many mixed steps of odd sizes
     cfg = EngineConfig(

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from batchrun.job.summary import RunSummary
 from batchrun.progress.server import (
     CLIENT_QUEUE,
     ProgressHub,
@@ -20,7 +21,6 @@ from batchrun.progress.server import (
     metrics_text,
     parse_bind,
 )
-from batchrun.job.summary import RunSummary
 from batchrun.progress.tail import events_url, read_events, snapshot_line
 
 

@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchrun.params import SamplingParams
 from batchrun.io.readers import BadInputError, RawRow, open_dataset
 from batchrun.io.rows import PreparedRow, RowSpec, prepare_row
+from batchrun.params import SamplingParams
 
 ROWS = [{"prompt": f"question {i}", "max_tokens": 8 + i} for i in range(10)]
 

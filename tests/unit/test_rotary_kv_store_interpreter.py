@@ -1,8 +1,8 @@
 """kernels/rotary_kv_store.py under Triton's CPU interpreter: the one-launch rotary + KV store
 against the two kernels it replaces (`apply_rotary_` then `store_kv`) and the torch path, bit for
-bit; `KVPool.store_rotated` against rotary + store; the Triton and FlashInfer (over a torch
-stand-in) backends' `forward_rotary` against rotary + forward (decode, extend and mixed plans); a
-tiny model's tokens and logits with BATCHRUN_ROTARY_STORE on and off.
+bit; `KVPool.store_rotated` with the Triton kernels against rotary + store; the Triton and
+FlashInfer (over a torch stand-in) backends' `forward_rotary` against rotary + forward (decode,
+extend and mixed plans); a tiny model's tokens and logits on the one kernel against the two.
 
 Skipped where triton is not installed. The kernels run in a subprocess because TRITON_INTERPRET
 must be set before triton is first imported. The interpreter casts fp32 to bf16 by truncation
@@ -13,7 +13,6 @@ both sides), not with torch; tests/gpu covers bf16 against torch.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
@@ -23,6 +22,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 from qkv_layout import qkv_views  # noqa: E402
+from spies import count_calls  # noqa: E402
+from triton_interpreter import INTERPRETER_KERNELS  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # (T, H, KV, D): GQA, MHA, llama-1b's and llama-8b's heads, a D that is not a power of two
@@ -33,15 +34,15 @@ NUM_POSITIONS = 300
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_rotary_kv_store_under_interpreter():
-    sys.path.insert(0, str(REPO / "tests"))
     from triton_interpreter import run_under_interpreter
 
     run_under_interpreter(__file__)
 
 
-def _make_case(shape, dtype, seed: int):
-    """(qkv, positions, loc, k_buf, v_buf, rotary): loc out of order, the dummy slot among them."""
-    from batchrun.models.layers import RotaryEmbedding
+def _make_case(shape, dtype, seed: int, kernels=None):
+    """(qkv, positions, loc, k_buf, v_buf, rotary): loc out of order, the dummy slot among them;
+    the rotary with `kernels` (the torch path by default)."""
+    from batchrun.layers.rotary import RotaryEmbedding
 
     num_tokens, num_heads, num_kv_heads, head_dim = shape
     gen = torch.Generator().manual_seed(seed)
@@ -55,7 +56,7 @@ def _make_case(shape, dtype, seed: int):
     buf_shape = (num_slots + 1, num_kv_heads, head_dim)
     k_buf = torch.randn(buf_shape, generator=gen).to(dtype)
     v_buf = torch.randn(buf_shape, generator=gen).to(dtype)
-    rotary = RotaryEmbedding(head_dim, NUM_POSITIONS, 10000.0, {}, "cpu")
+    rotary = RotaryEmbedding(head_dim, NUM_POSITIONS, 10000.0, {}, "cpu", kernels)
     return qkv, positions, loc, k_buf, v_buf, rotary
 
 
@@ -74,7 +75,7 @@ def _check_kernel(dtype) -> None:
         k_two, v_two = k_buf.clone(), v_buf.clone()
         apply_rotary_(q2, k2, positions, cos, sin)
         store_kv(k_two, v_two, loc, k2, v2)
-        # torch: RotaryEmbedding's CPU path and KVPool.store's index_put
+        # torch: RotaryEmbedding's torch path and KVPool.store's index_put
         q0, k0, v0 = qkv_views(qkv, *heads)
         q_torch, k_torch = rotary(positions, q0, k0)
         k_torch_buf, v_torch_buf = k_buf.clone(), v_buf.clone()
@@ -106,87 +107,53 @@ def _check_empty() -> None:
     assert torch.equal(k_buf, k_before)
 
 
-class _FusedKernelsOn:
-    """`use_fused_kernels` forced True (CPU tensors run the kernels on the interpreter)."""
+def _store_rotated(shape, dtype, seed: int, pool_kernels, rotary_kernels):
+    """(q, k_buf, v_buf) after KVPool.store_rotated, the pool and the rotary built with the
+    given kernel configs."""
+    from batchrun.engine.kv_pool import KVPool
 
-    def __enter__(self):
-        import batchrun.models.layers as layers
-
-        self._layers, self._real = layers, layers.use_fused_kernels
-        layers.use_fused_kernels = lambda x: True
-
-    def __exit__(self, *exc):
-        self._layers.use_fused_kernels = self._real
-
-
-class _CountCalls:
-    """Counts calls of module.name while inside (a spy: the calls go through)."""
-
-    def __init__(self, module, name: str):
-        self.module, self.name, self.n = module, name, 0
-
-    def __enter__(self):
-        self.real = getattr(self.module, self.name)
-
-        def counted(*args, **kwargs):
-            self.n += 1
-            return self.real(*args, **kwargs)
-
-        setattr(self.module, self.name, counted)
-        return self
-
-    def __exit__(self, *exc):
-        setattr(self.module, self.name, self.real)
-
-
-def _store_rotated(shape, dtype, seed: int, env: str | None):
-    """(q, k_buf, v_buf) after KVPool.store_rotated with BATCHRUN_ROTARY_STORE = env."""
-    from batchrun.engine.kv_pool import ROTARY_STORE_ENV, KVPool
-
-    qkv, positions, loc, k_buf, v_buf, rotary = _make_case(shape, dtype, seed)
-    pool = KVPool(2, k_buf.shape[0] - 1, shape[2], shape[3], dtype, "cpu")
+    qkv, positions, loc, k_buf, v_buf, rotary = _make_case(shape, dtype, seed, rotary_kernels)
+    pool = KVPool(2, k_buf.shape[0] - 1, shape[2], shape[3], dtype, "cpu", pool_kernels)
     pool.k_buffers[1].copy_(k_buf)
     pool.v_buffers[1].copy_(v_buf)
     q, k, v = qkv_views(qkv, *shape[1:])
-    if env is None:
-        os.environ.pop(ROTARY_STORE_ENV, None)
-    else:
-        os.environ[ROTARY_STORE_ENV] = env
-    try:
-        q = pool.store_rotated(1, loc, q, k, v, positions, rotary)
-    finally:
-        os.environ.pop(ROTARY_STORE_ENV, None)
+    q = pool.store_rotated(1, loc, q, k, v, positions, rotary)
     return q, *pool.buffers(1)
 
 
 def _check_pool(dtype) -> None:
-    """store_rotated: the kernel when the Triton path is on, else rotary + store; same bits."""
-    import batchrun.kernels.rotary_kv_store as rotary_kv_store
+    """store_rotated runs the one kernel where the pool and the rotary both have the Triton
+    kernels; the same bits as the Triton rotary then torch's store (every dtype: a store is a
+    copy), and as the torch path (fp32, fp16)."""
+    import batchrun.engine.kv_pool as kv_pool
+    from batchrun.config import KernelConfig
 
-    shape = (5, 8, 2, 64)
-    with _FusedKernelsOn():
-        with _CountCalls(rotary_kv_store, "rotary_store_kv") as calls:
-            fused = _store_rotated(shape, dtype, 3, None)
-            assert calls.n == 1, "store_rotated did not use the kernel"
-            two_kernels = _store_rotated(shape, dtype, 3, "0")
-            assert calls.n == 1, "BATCHRUN_ROTARY_STORE=0 used the kernel"
-    for got, want in zip(fused, two_kernels):
+    shape, triton, torch_path = (5, 8, 2, 64), INTERPRETER_KERNELS, KernelConfig.reference()
+    with pytest.MonkeyPatch.context() as mp:
+        calls = count_calls(mp, kv_pool, "rotary_store_kv")
+        fused = _store_rotated(shape, dtype, 3, triton, triton)
+        assert calls["n"] == 1, "store_rotated did not use the kernel"
+        rotary_apart = _store_rotated(shape, dtype, 3, torch_path, triton)
+        reference = _store_rotated(shape, dtype, 3, torch_path, torch_path)
+        assert calls["n"] == 1, "store_rotated used the kernel without the Triton store"
+    for got, want in zip(fused, rotary_apart):
         assert torch.equal(got, want), dtype
     if dtype != torch.bfloat16:
-        for got, want in zip(fused, _store_rotated(shape, dtype, 3, None)):  # torch path
+        for got, want in zip(fused, reference):
             assert torch.equal(got, want), dtype
 
 
 def _check_backend(dtype, make_backend) -> None:
-    """backend.forward_rotary (one kernel for rotary + store) against rotary then forward, for
-    decode, extend and mixed plans: the same output and pool, bit for bit."""
+    """backend.forward_rotary (one kernel for rotary + store) against rotary then forward (the
+    Triton rotary, then the Triton store), for decode, extend and mixed plans: the same output
+    and pool, bit for bit."""
     sys.path.insert(0, str(REPO / "tests" / "unit"))
     from test_kernels_interpreter import _make_batch
 
-    from batchrun.models.layers import RotaryEmbedding
+    from batchrun.layers.rotary import RotaryEmbedding
 
     num_heads, num_kv_heads, head_dim = 4, 2, 64
-    rotary = RotaryEmbedding(head_dim, NUM_POSITIONS, 10000.0, {}, "cpu")
+    rotary = RotaryEmbedding(head_dim, NUM_POSITIONS, 10000.0, {}, "cpu", INTERPRETER_KERNELS)
     plans = {
         "decode": ([9, 20, 4], [1, 1, 1]),
         "extend": ([12, 7], [5, 7]),
@@ -195,7 +162,10 @@ def _check_backend(dtype, make_backend) -> None:
     for name, (seq_lens, extend_lens) in plans.items():
         outs = []
         for fused in (True, False):
-            batch = _make_batch(seq_lens, extend_lens, num_heads, num_kv_heads, head_dim, dtype)
+            batch = _make_batch(
+                seq_lens, extend_lens, num_heads, num_kv_heads, head_dim, dtype,
+                INTERPRETER_KERNELS,
+            )  # fmt: skip
             pool, table, inputs = batch[:3]
             width = (num_heads + 2 * num_kv_heads) * head_dim
             gen = torch.Generator().manual_seed(5)
@@ -204,12 +174,11 @@ def _check_backend(dtype, make_backend) -> None:
             positions = torch.cat([torch.arange(s - e, s) for s, e in zip(seq_lens, extend_lens)])
             backend = make_backend(pool, table)
             backend.prepare(inputs)
-            with _FusedKernelsOn():
-                if fused:
-                    out = backend.forward_rotary(q, k, v, 0, 0.125, positions, rotary)
-                else:
-                    q, k = rotary(positions, q, k)
-                    out = backend.forward(q, k, v, 0, 0.125)
+            if fused:
+                out = backend.forward_rotary(q, k, v, 0, 0.125, positions, rotary)
+            else:
+                q, k = rotary(positions, q, k)
+                out = backend.forward(q, k, v, 0, 0.125)
             outs.append((out, *pool.buffers(0)))
         for got, want in zip(*outs):
             assert torch.equal(got, want), (name, dtype, type(backend).__name__)
@@ -218,7 +187,7 @@ def _check_backend(dtype, make_backend) -> None:
 def _triton_backend(pool, table):
     from batchrun.attention.triton_backend import TritonAttentionBackend
 
-    return TritonAttentionBackend(pool, table)
+    return TritonAttentionBackend(pool, table, INTERPRETER_KERNELS)
 
 
 def _flashinfer_stand_in(pool, table):
@@ -239,51 +208,59 @@ def _flashinfer_stand_in(pool, table):
 
 
 def _check_engine() -> None:
-    """The tiny llama and qwen3 (q/k norm before rotary) on the Triton backend, fp16: every
-    step's attention goes through the backend's forward_rotary; the greedy tokens and the
-    logits equal those with BATCHRUN_ROTARY_STORE=0."""
+    """The tiny llama and qwen3 (q/k norm before rotary) on the Triton kernels and the Triton
+    attention backend, fp16: every step's rotary and KV store run as the one kernel, and the
+    greedy tokens and the logits equal those of the Triton rotary and store apart (the pool
+    told that it cannot fuse them), bit for bit; the greedy tokens equal the torch path's and
+    the logits are within fp16 rounding of them."""
     import tempfile
 
-    sys.path.insert(0, str(REPO / "tests"))
     from tiny_models import make_tiny_model
 
-    from batchrun.engine.kv_pool import ROTARY_STORE_ENV
+    from batchrun.config import KernelConfig
 
-    try:
-        with tempfile.TemporaryDirectory() as tmp_dir:
-            for kind in ("llama", "qwen3"):
-                path = Path(tmp_dir) / kind
-                make_tiny_model(kind, path)
-                (two_kernels, n_off), (fused, n_on) = (_engine_run(path, env) for env in "01")
-                assert n_off == 0 and n_on > 0, (kind, n_off, n_on)
-                assert fused[0] == two_kernels[0], kind
-                assert torch.equal(fused[1], two_kernels[1]), kind
-    finally:
-        os.environ.pop(ROTARY_STORE_ENV, None)
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        for kind in ("llama", "qwen3"):
+            path = Path(tmp_dir) / kind
+            make_tiny_model(kind, path)
+            fused, n_fused = _engine_run(path, INTERPRETER_KERNELS, fuse=True)
+            apart, n_apart = _engine_run(path, INTERPRETER_KERNELS, fuse=False)
+            reference, _ = _engine_run(path, KernelConfig.reference(), fuse=True)
+            assert n_apart == 0 and n_fused > 0, (kind, n_apart, n_fused)
+            assert fused[0] == apart[0], kind
+            assert torch.equal(fused[1], apart[1]), kind
+            assert fused[0] == reference[0], kind
+            rel = ((fused[1] - reference[1]).norm() / reference[1].norm()).item()
+            assert rel <= 5e-3, (kind, rel)
 
 
-def _engine_run(path: Path, rotary_store: str):
-    """((greedy tokens, logits), calls of the fused kernel) with BATCHRUN_ROTARY_STORE set."""
-    import batchrun.kernels.rotary_kv_store as rotary_kv_store
+def _engine_run(path: Path, kernels, fuse: bool):
+    """((greedy tokens, logits), calls of the one kernel) of an engine with `kernels`; with
+    fuse False KVPool.fuses_rotary answers no, so store_rotated runs the rotary and the store
+    apart."""
     from tiny_models import random_prompts
 
+    import batchrun.engine.kv_pool as kv_pool
     from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
-    from batchrun.engine.kv_pool import ROTARY_STORE_ENV
     from batchrun.params import GenerateRequest, SamplingParams
 
-    os.environ[ROTARY_STORE_ENV] = rotary_store
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(3, seed=5, min_len=2, max_len=10)
     config = EngineConfig(
-        model=str(path), device="cpu", dtype="float16", kv_budget=512, attention_backend="triton"
+        model=str(path), device="cpu", dtype="float16", kv_budget=512, kernels=kernels
     )
     engine = Engine(config)
+    assert engine.kernels.attention == kernels.attention
+    assert engine.kernels.triton_ops == kernels.triton_ops
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
-    with _FusedKernelsOn(), _CountCalls(rotary_kv_store, "rotary_store_kv") as calls:
+    with pytest.MonkeyPatch.context() as mp:
+        calls = count_calls(mp, kv_pool, "rotary_store_kv")
+        if not fuse:
+            mp.setattr(kv_pool.KVPool, "fuses_rotary", lambda self, *args: False)
         outs = {r.rid: r.output_ids for r in engine.generate(reqs)}
         logits = engine.score(prompts[1] + outs["0"][:2])  # <= 16 tokens: through attend
-    return (outs, logits), calls.n
+    return (outs, logits), calls["n"]
 
 
 def _run_checks() -> None:

@@ -9,7 +9,6 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from batchrun.params import GrammarSpec, SamplingParams
 from batchrun.io.readers import RawRow, open_dataset
 from batchrun.io.rows import (
     PreparedRow,
@@ -20,6 +19,7 @@ from batchrun.io.rows import (
     structured_from_options,
 )
 from batchrun.job.tokenize import TokenizedRow, tokenize_rows
+from batchrun.params import GrammarSpec, SamplingParams
 
 SPEC = RowSpec()
 DEFAULTS = SamplingParams(max_new_tokens=16, temperature=0.0)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from batchrun.params import SamplingParams
 from batchrun.engine.penalties import PenaltyState, apply_penalties
 from batchrun.engine.sampler import SampleOutput, Sampler, SamplingBatch, row_keys, uniforms
+from batchrun.params import SamplingParams
 
 NUM_DRAWS = 20_000
 # The RNG is a deterministic hash, so these tests cannot flake; the bounds are still the ones a
@@ -429,8 +429,8 @@ def test_uniforms_never_hit_zero_or_one() -> None:
 
 
 def test_shared_params_columns_equal_row_by_row():
-    from batchrun.params import SamplingParams
     from batchrun.engine.sampler import _columns, _columns_shared
+    from batchrun.params import SamplingParams
 
     for p in (
         SamplingParams(temperature=0.0, min_new_tokens=3, stop_token_ids=(7, 2)),

@@ -6,9 +6,9 @@ small enough to force retractions, a prompt that never fits) runs through the re
 KVManager, TokenAllocator, RadixCache and ReqToTokenPool with an engine-like loop (overlap:
 results are processed one step late). Every batch (requests, extend/prefix lengths, input ids,
 positions, out_cache_loc, sample mask), every retraction, abort and finish goes into a digest.
-DIGESTS were recorded with the straightforward implementation the fast paths replaced (the one
-whose _admit rebuilt `prefill = [...]` per admission); a legitimate change of scheduling policy
-has to record them again. Invariants are checked every step.
+DIGESTS hold the decisions of a plain scheduler without those fast paths, which must reproduce
+them exactly; a legitimate change of scheduling policy has to record them again. Invariants are
+checked every step.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import torch
 from batchrun.engine.allocator import TokenAllocator
 from batchrun.engine.kv_manager import KVManager
 from batchrun.engine.kv_pool import ReqToTokenPool
-from batchrun.params import SamplingParams
 from batchrun.engine.radix_cache import RadixCache
 from batchrun.engine.request import Req
 from batchrun.engine.scheduler import Scheduler
+from batchrun.params import SamplingParams
 
 TOKEN_HIGH = 400  # small vocabulary: random prompts often share a first token
 MAX_NEW = 80
@@ -91,7 +91,8 @@ def token_for(req: Req, idx: int) -> int:
 
 def check_tables(kv: KVManager, running: list[Req]) -> None:
     """The device table mirrors the host table, and a request's cached prefix in its row is the
-    tree's path to its last_node (the slots cache_unfinished no longer rewrites)."""
+    tree's path to its last_node (cache_unfinished rewrites a row only from prefix_len on: below
+    it the row must hold the tree's slots already)."""
     for req in running:
         row, n = req.row, req.alloc_len
         assert torch.equal(kv.req_pool.table[row, :n].long(), kv.table_cpu[row, :n])

@@ -1,4 +1,5 @@
-"""scripts/step_trace.py's report: each step's forward and the device's gap before it."""
+"""scripts/step_trace.py: each step's forward and the device's gap before it, from the wrapper
+around the runner's internal _run_forward."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from step_trace import StepTrace, size_bucket  # noqa: E402
+import benchlib  # noqa: E402
+from step_trace import StepTrace, size_bucket, step_kind  # noqa: E402
+
+from batchrun.config import EngineConfig  # noqa: E402
+from batchrun.engine.engine import Engine  # noqa: E402
 
 
 class FakeEvent:
@@ -62,3 +67,26 @@ def test_rows_give_forwards_gaps_and_host_time():
 
 def test_size_bucket_is_the_next_power_of_two():
     assert [size_bucket(n) for n in (1, 3, 256, 257)] == ["<=1", "<=4", "<=256", "<=512"]
+
+
+def test_trace_wraps_the_runner_and_comes_off_on_close(tmp_path):
+    """On the CPU the forwards have no CUDA events: the trace sees every forward (an eager one)
+    and records none; close() leaves the runner and the engine as they were."""
+    model_dir = benchlib.write_model_dir("tiny", tmp_path)
+    engine = Engine(EngineConfig(model=str(model_dir), load_format="dummy", device="cpu"))
+    runner = engine.runner
+    kinds = []
+    inner = runner._run_forward
+
+    def spy(staged):
+        kinds.append(step_kind(runner, staged))
+        return inner(staged)
+
+    runner._run_forward = spy
+    trace = StepTrace(engine)
+    prompts = benchlib.make_workload("W1", 0.001).prompts
+    benchlib.run_engine_once(engine, prompts, 3, benchlib.Device("cpu"), None)
+    assert kinds == ["eager"] * 3 and trace.first_step is None  # run_start not set
+    assert trace.report() == "step trace: no CUDA steps"
+    trace.close()
+    assert runner._run_forward is spy and "step" not in vars(engine)

@@ -9,7 +9,6 @@ import msgspec
 import pyarrow.json as pa_json
 import pytest
 
-from batchrun.params import SamplingParams, TopLogprobs
 from batchrun.io.manifest import Counts, InputInfo, Manifest, read_manifest, utc_now, write_manifest
 from batchrun.io.readers import RawRow, open_dataset
 from batchrun.io.records import (
@@ -22,6 +21,7 @@ from batchrun.io.records import (
 )
 from batchrun.io.rows import PreparedRow, RowError, RowSpec, prepare_row
 from batchrun.io.writer import ShardedWriter, ShardFile, write_json_atomic
+from batchrun.params import SamplingParams, TopLogprobs
 
 
 def make_prepared(data: dict, row: int = 0, openai: bool = False, **params) -> PreparedRow:

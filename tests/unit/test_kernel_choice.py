@@ -1,0 +1,272 @@
+"""engine/kernel_choice.py's resolve_kernels: what each auto field of KernelConfig becomes on the
+CPU and on a simulated GPU, and the requests it refuses with a message.
+
+The GPU cases run without CUDA: `supports_pdl` (the device's compute capability), `has_triton`
+and `HostGate.available` (the driver's stream wait call) are patched to describe an H200 (sm_90,
+PDL) or an A100 (sm_80), and resolve_kernels reads nothing else of the device. ModelConfigs of
+the Llama 3 shapes stand in for the models (no weights): llama-1b (hidden 2048, 1.0B decoder
+parameters) and llama-8b (hidden 4096, 7.0B: batchrun.config.is_large).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import llama3_model_config  # noqa: E402
+
+from batchrun.config import EngineConfig, KernelConfig, is_large, resolve_sizes  # noqa: E402
+from batchrun.engine import kernel_choice  # noqa: E402
+from batchrun.engine.kernel_choice import (  # noqa: E402
+    NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN,
+    has_triton,
+    resolve_kernels,
+)
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+SMALL, LARGE = llama3_model_config("llama-1b"), llama3_model_config("llama-8b")
+
+
+def resolve(model_cfg=SMALL, device=CPU, kernels: KernelConfig | None = None, **config):
+    """resolve_kernels as the engine calls it: sizes resolved, overlap decided (on for CUDA)."""
+    config.setdefault("overlap", device.type == "cuda")
+    engine_config = EngineConfig(device=device.type, kernels=kernels or KernelConfig(), **config)
+    return resolve_kernels(resolve_sizes(engine_config, model_cfg), model_cfg, device)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A GPU with triton and the driver's stream wait: call with pdl=True for sm_90+ (an H200),
+    pdl=False for sm_80 (an A100)."""
+
+    def make(pdl: bool) -> None:
+        monkeypatch.setattr(kernel_choice, "has_triton", lambda: True)
+        monkeypatch.setattr(kernel_choice, "supports_pdl", lambda device: pdl)
+        monkeypatch.setattr(kernel_choice.HostGate, "available", staticmethod(lambda: True))
+
+    return make
+
+
+def test_the_shapes_are_what_the_rules_are_stated_for():
+    assert SMALL.hidden_size == NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN < LARGE.hidden_size
+    assert not is_large(SMALL) and is_large(LARGE)
+
+
+# -- the CPU -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_cfg", [SMALL, LARGE, llama3_model_config("tiny")])
+def test_the_cpu_resolves_to_plain_torch(model_cfg):
+    kernels = resolve(model_cfg)
+    assert kernels == KernelConfig.reference()
+    assert asdict(kernels) == dict(
+        attention="torch",
+        triton_ops=False,
+        pdl=False,
+        decode_gemv="cublas",
+        decode_norms="off",
+        cuda_graph_max_bs=0,
+        piecewise_graphs=False,
+        host_gate=False,
+    )
+    assert kernels.is_resolved
+
+
+def test_the_cpu_has_no_decode_graphs():
+    resolved = resolve(kernels=KernelConfig(cuda_graph_max_bs=64))
+    assert resolved.cuda_graph_max_bs == 0 and resolved.piecewise_graphs is False
+
+
+@pytest.mark.skipif(not has_triton(), reason="triton not installed")
+def test_the_cpu_keeps_the_triton_kernels_set_by_hand():
+    """Explicit Triton attention and kernels run on CPU tensors under Triton's interpreter (the
+    *_interpreter tests); everything left auto still resolves to torch."""
+    kernels = resolve(kernels=KernelConfig(attention="triton", triton_ops=True))
+    assert kernels == replace(KernelConfig.reference(), attention="triton", triton_ops=True)
+    kernels = resolve(kernels=KernelConfig(decode_gemv="triton"))
+    assert (kernels.decode_gemv, kernels.decode_norms, kernels.pdl) == ("triton", "all", False)
+
+
+def test_is_resolved_only_without_auto_fields():
+    assert not KernelConfig().is_resolved
+    assert not replace(KernelConfig.reference(), attention="auto").is_resolved
+    assert not replace(KernelConfig.reference(), host_gate=None).is_resolved
+    assert KernelConfig.reference().is_resolved
+
+
+# -- requests that cannot run --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kernels", "message"),
+    [
+        (KernelConfig(pdl=True), "pdl needs the Triton kernels on an sm_90"),
+        (KernelConfig(triton_ops=True, pdl=True), "pdl needs the Triton kernels on an sm_90"),
+        (KernelConfig(host_gate=True), "host_gate needs CUDA, overlap and a driver"),
+        (KernelConfig(piecewise_graphs=True), "piecewise CUDA graphs need CUDA"),
+        (KernelConfig(decode_norms="all"), "decode_norms 'all' needs decode_gemv 'triton'"),
+        (KernelConfig(attention="flashinfer"), "'flashinfer' cannot run here: it needs a CUDA"),
+    ],
+)
+def test_the_cpu_refuses(kernels, message):
+    with pytest.raises(ValueError, match=message):
+        resolve(kernels=kernels)
+
+
+def test_the_triton_fields_need_triton(monkeypatch):
+    monkeypatch.setattr(kernel_choice, "has_triton", lambda: False)
+    with pytest.raises(ValueError, match="attention backend 'triton' needs the triton package"):
+        resolve(kernels=KernelConfig(attention="triton"))
+    with pytest.raises(ValueError, match="triton_ops needs the triton package"):
+        resolve(kernels=KernelConfig(triton_ops=True))
+
+
+@pytest.mark.parametrize(
+    ("kernels", "message"),
+    [
+        (KernelConfig(attention="fast"), "attention backend must be one of auto, torch"),
+        (KernelConfig(decode_gemv="fast"), "decode_gemv must be one of auto, cublas, triton"),
+        (KernelConfig(decode_norms="some"), "decode_norms must be one of auto, off, all, post"),
+        (KernelConfig(cuda_graph_max_bs=-1), "cuda_graph_max_bs must be >= 0"),
+    ],
+)
+def test_unknown_values_fail_validation(kernels, message):
+    with pytest.raises(ValueError, match=message):
+        resolve(kernels=kernels)
+
+
+@pytest.mark.parametrize("mode", ["all", "post", "fold", "fold-all"])
+def test_norms_in_the_matmuls_need_the_triton_matmuls(gpu, mode):
+    gpu(pdl=True)
+    with pytest.raises(ValueError, match=f"decode_norms {mode!r} needs decode_gemv 'triton'"):
+        resolve(device=CUDA, kernels=KernelConfig(decode_gemv="cublas", decode_norms=mode))
+
+
+@pytest.mark.parametrize(
+    ("model_cfg", "tp_size"),
+    [
+        (llama3_model_config("llama-1b", attention_bias=True), 1),  # qkv bias (Qwen2's)
+        (llama3_model_config("llama-1b", mlp_bias=True), 1),
+        (SMALL, 2),  # o_proj's and down_proj's all-reduce between the sums and the residual
+    ],
+)
+def test_norms_in_the_matmuls_need_plain_whole_matmuls(gpu, model_cfg, tp_size):
+    gpu(pdl=True)
+    auto = resolve(model_cfg, CUDA, tp_size=tp_size)
+    assert auto.decode_gemv == "triton" and auto.decode_norms == "off"
+    kernels = KernelConfig(decode_norms="all")
+    with pytest.raises(ValueError, match="a model without biases at tensor parallel size 1"):
+        resolve(model_cfg, CUDA, kernels, tp_size=tp_size)
+
+
+def test_pdl_needs_the_triton_kernels_and_sm_90(gpu):
+    gpu(pdl=True)
+    with pytest.raises(ValueError, match="pdl needs the Triton kernels"):
+        resolve(device=CUDA, kernels=KernelConfig(triton_ops=False, pdl=True))
+    gpu(pdl=False)
+    with pytest.raises(ValueError, match="pdl needs the Triton kernels on an sm_90"):
+        resolve(device=CUDA, kernels=KernelConfig(pdl=True))
+
+
+def test_the_host_gate_needs_overlap_and_the_driver(gpu, monkeypatch):
+    gpu(pdl=True)
+    assert resolve(device=CUDA, overlap=False).host_gate is False
+    with pytest.raises(ValueError, match="host_gate needs CUDA, overlap"):
+        resolve(device=CUDA, kernels=KernelConfig(host_gate=True), overlap=False)
+    monkeypatch.setattr(kernel_choice.HostGate, "available", staticmethod(lambda: False))
+    assert resolve(device=CUDA).host_gate is False
+    with pytest.raises(ValueError, match="a driver with stream memory operations"):
+        resolve(device=CUDA, kernels=KernelConfig(host_gate=True))
+
+
+# -- a GPU ---------------------------------------------------------------------------------------
+
+
+def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
+    gpu(pdl=True)
+    kernels = resolve(SMALL, CUDA)
+    assert asdict(kernels) == dict(
+        attention="triton",
+        triton_ops=True,
+        pdl=True,
+        decode_gemv="triton",
+        decode_norms="all",  # hidden 2048: each norm inside the matmul before it
+        cuda_graph_max_bs=KernelConfig.cuda_graph_max_bs,
+        piecewise_graphs=True,  # a small model's mixed steps are bound by the host
+        host_gate=True,
+    )
+    assert kernels.is_resolved
+
+
+def test_an_h200_folds_the_norms_of_a_wide_model_and_keeps_its_mixed_steps_eager(gpu):
+    gpu(pdl=True)
+    kernels = resolve(LARGE, CUDA)
+    assert kernels.decode_gemv == "triton" and kernels.pdl is True
+    assert kernels.decode_norms == "fold-all"  # hidden 4096: both norms in the matmul after
+    assert kernels.piecewise_graphs is False  # 3B+ decoder parameters
+    assert kernels.cuda_graph_max_bs == KernelConfig.cuda_graph_max_bs
+
+
+def test_piecewise_graphs_need_decode_graphs_and_a_chunk_size(gpu):
+    gpu(pdl=True)
+    no_graphs = resolve(SMALL, CUDA, KernelConfig(cuda_graph_max_bs=0))
+    assert no_graphs.cuda_graph_max_bs == 0 and no_graphs.piecewise_graphs is False
+    # an unlimited prefill (chunked_prefill_size None) bounds no step's tokens
+    assert resolve(SMALL, CUDA, chunked_prefill_size=None).piecewise_graphs is False
+    kernels = KernelConfig(piecewise_graphs=None)
+    assert resolve(SMALL, CUDA, kernels, chunked_prefill_size=None).piecewise_graphs is False
+    with pytest.raises(ValueError, match="need CUDA and a chunked prefill size"):
+        resolve(SMALL, CUDA, KernelConfig(piecewise_graphs=True), chunked_prefill_size=None)
+    assert resolve(LARGE, CUDA, KernelConfig(piecewise_graphs=True)).piecewise_graphs is True
+    assert resolve(SMALL, CUDA, KernelConfig(piecewise_graphs=False)).piecewise_graphs is False
+
+
+def test_without_pdl_the_decode_matmuls_take_cublas(gpu):
+    """--disable-pdl on an H200: the Triton matmuls pay only with PDL, so auto gives cuBLAS and
+    no norms in the matmuls; asked for by hand they stay, with the norms by the width rule."""
+    gpu(pdl=True)
+    kernels = resolve(SMALL, CUDA, KernelConfig(pdl=False))
+    assert (kernels.triton_ops, kernels.pdl) == (True, False)
+    assert (kernels.decode_gemv, kernels.decode_norms) == ("cublas", "off")
+    kernels = resolve(SMALL, CUDA, KernelConfig(pdl=False, decode_gemv="triton"))
+    assert (kernels.decode_gemv, kernels.decode_norms) == ("triton", "all")
+
+
+def test_an_sm_80_gpu_has_no_pdl_and_keeps_cublas(gpu):
+    gpu(pdl=False)
+    for model_cfg in (SMALL, LARGE):
+        kernels = resolve(model_cfg, CUDA)
+        assert kernels.attention == "triton" and kernels.triton_ops is True
+        assert kernels.pdl is False
+        assert kernels.decode_gemv == "cublas" and kernels.decode_norms == "off"
+    explicit = resolve(LARGE, CUDA, KernelConfig(decode_gemv="triton"))
+    assert (explicit.decode_gemv, explicit.decode_norms) == ("triton", "fold-all")
+
+
+def test_a_gpu_without_triton_runs_torch_and_cublas(gpu, monkeypatch):
+    gpu(pdl=True)
+    monkeypatch.setattr(kernel_choice, "has_triton", lambda: False)
+    kernels = resolve(SMALL, CUDA)
+    assert (kernels.attention, kernels.triton_ops, kernels.pdl) == ("torch", False, False)
+    assert (kernels.decode_gemv, kernels.decode_norms) == ("cublas", "off")
+    assert kernels.cuda_graph_max_bs == KernelConfig.cuda_graph_max_bs
+
+
+def test_fields_set_by_hand_are_kept(gpu):
+    gpu(pdl=True)
+    want = KernelConfig(
+        attention="torch",
+        triton_ops=True,
+        pdl=True,
+        decode_gemv="triton",
+        decode_norms="post",
+        cuda_graph_max_bs=64,
+        piecewise_graphs=False,
+        host_gate=False,
+    )
+    assert resolve(SMALL, CUDA, want) == want
