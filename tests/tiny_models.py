@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -65,44 +67,21 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0):
     return model
 
 
-# config.json of Llama 3 shapes, for dummy weights (load_format "dummy") or a ModelConfig alone:
-# batchrun/config.py's sizes and engine/kernel_choice.py's rules are stated for these. "tiny" is a
-# CPU-sized model of the same family.
-LLAMA3_COMMON = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    vocab_size=128256,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    hidden_act="silu",
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=8192,
-    bos_token_id=128000,
-    eos_token_id=128001,
-    attention_bias=False,
-    mlp_bias=False,
-    torch_dtype="bfloat16",
-)
-LLAMA3_SHAPES: dict[str, dict] = {
-    "llama-8b": dict(  # 7.0B decoder parameters
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, head_dim=128
-    ),
-    "llama-1b": dict(  # 1.0B decoder parameters
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
-        tie_word_embeddings=True,
-    ),
-    "tiny": dict(
-        vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-        bos_token_id=1, eos_token_id=2,
-    ),
-}  # fmt: skip
+# config.json of the benchmark's Llama 3 shapes (scripts/benchlib.py's MODELS: llama-8b,
+# llama-1b, and the CPU-sized "tiny"), for dummy weights or a ModelConfig alone:
+# batchrun/config.py's sizes and engine/kernel_choice.py's rules are stated for these
+_BENCHLIB = Path(__file__).resolve().parents[1] / "scripts" / "benchlib.py"
+benchlib = sys.modules.get("benchlib")
+if benchlib is None:  # the scripts folder is no package: load the module from its file
+    _spec = importlib.util.spec_from_file_location("benchlib", _BENCHLIB)
+    benchlib = sys.modules["benchlib"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(benchlib)
+LLAMA3_SHAPES: dict[str, dict] = benchlib.MODELS
 
 
 def llama3_config_json(name: str, **changes) -> dict:
     """config.json of LLAMA3_SHAPES[name], with `changes` (config.json keys) applied."""
-    return {**LLAMA3_COMMON, **LLAMA3_SHAPES[name], **changes}
+    return {**LLAMA3_SHAPES[name], **changes}
 
 
 def write_config_dir(name: str, root: Path, **changes) -> Path:

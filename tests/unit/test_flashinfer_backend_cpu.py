@@ -4,13 +4,19 @@ where it cannot run says what to do, and the KV page indices it hands to plan() 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from batchrun.attention import create_backend
-from batchrun.attention import flashinfer_backend as fib
-from batchrun.engine.kv_pool import KVPool
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import llama3_model_config  # noqa: E402
+
+from batchrun.attention import create_backend  # noqa: E402
+from batchrun.attention import flashinfer_backend as fib  # noqa: E402
+from batchrun.config import EngineConfig, KernelConfig  # noqa: E402
+from batchrun.engine.kernel_choice import resolve_kernels  # noqa: E402
+from batchrun.engine.kv_pool import KVPool  # noqa: E402
 
 
 def test_module_imports_without_flashinfer(monkeypatch):
@@ -23,14 +29,21 @@ def test_module_imports_without_flashinfer(monkeypatch):
 
 
 def test_selecting_flashinfer_on_cpu_says_what_to_do():
+    model_cfg, cpu = llama3_model_config("tiny"), torch.device("cpu")
+
+    def resolve(attention: str) -> KernelConfig:
+        config = EngineConfig(kernels=KernelConfig(attention=attention), chunked_prefill_size=64)
+        return resolve_kernels(config, model_cfg, cpu)
+
+    with pytest.raises(ValueError, match="flashinfer.*CUDA device.*--attention-backend torch"):
+        resolve("flashinfer")
+    # auto never picks it on the CPU
     pool = KVPool(1, 8, 2, 64, torch.float32, "cpu")
     table = torch.zeros(3, 16, dtype=torch.int32)
-    with pytest.raises(ValueError, match="flashinfer.*CUDA device.*--attention-backend torch"):
-        create_backend("flashinfer", pool, table, "cpu")
-    # auto never picks it on the CPU
-    assert type(create_backend("auto", pool, table, "cpu")).__name__ == "TorchAttentionBackend"
-    with pytest.raises(ValueError, match="unknown attention backend"):
-        create_backend("flashattn", pool, table, "cpu")
+    backend = create_backend(resolve("auto"), pool, table)
+    assert type(backend).__name__ == "TorchAttentionBackend"
+    with pytest.raises(ValueError, match="attention backend must be one of"):
+        resolve("flashattn")
 
 
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
