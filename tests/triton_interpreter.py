@@ -12,22 +12,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from batchrun.config import KernelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
-INTERPRETER_KERNELS = KernelConfig(
-    attention="triton",
-    triton_ops=True,
-    pdl=False,
-    decode_gemv="cublas",
-    decode_norms="off",
-    cuda_graph_max_bs=0,
-    piecewise_graphs=False,
-    host_gate=False,
-)
+# the Triton attention and small kernels on CPU tensors; everything else plain torch
+INTERPRETER_KERNELS = replace(KernelConfig.reference(), attention="triton", triton_ops=True)
 
 
 def run_under_interpreter(script: str) -> None:
