@@ -130,9 +130,13 @@ def test_a_fresh_process_whose_first_grammar_step_is_gated_finishes(model_dir):
 
     tests = str(Path(__file__).resolve().parent)
     code = FRESH_PROCESS.format(tests=tests, model=model_dir)
-    root = Path(__file__).resolve().parents[2]
+    # NOTE: not the checkout's root as cwd: its batchrun/ would shadow an installed wheel's
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code],
+        cwd=Path(model_dir).parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
