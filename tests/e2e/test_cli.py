@@ -187,6 +187,36 @@ def test_openai_batch_in_openai_batch_out(model, tmp_path):
     assert errors[0]["error"]["message"]
 
 
+def openai_rows(*bodies: tuple[str, str, dict]) -> list[dict]:
+    return [
+        {"custom_id": cid, "method": "POST", "url": url, "body": body} for cid, url, body in bodies
+    ]
+
+
+def test_openai_completions_rows_run_as_raw_text(model, tmp_path):
+    from transformers import AutoTokenizer
+
+    prompt = "The capital of France is"
+    rows = openai_rows(
+        ("text", "/v1/completions", {"prompt": prompt, "max_tokens": 3}),
+        ("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}),
+    )
+    tok = AutoTokenizer.from_pretrained(model)
+    raw = tok(prompt, add_special_tokens=True)["input_ids"]
+    templated = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
+    templated = tok(templated, add_special_tokens=False)["input_ids"]
+    assert len(templated) > len(raw)
+    ds = write_jsonl(tmp_path / "batch.jsonl", rows)
+    for i, extra in enumerate([(), ("--no-chat-template",)]):
+        out = tmp_path / f"o{i}"
+        submit(model, ds, out, *extra)
+        usage = {r["custom_id"]: r["response"]["body"]["usage"] for r in read_jsonl(out, "results")}
+        assert usage["text"]["prompt_tokens"] == len(raw)  # the text itself, as a server runs it
+        assert usage["chat"]["prompt_tokens"] == len(templated)  # chat rows keep the template
+
+
 def test_bad_rows_go_to_errors_and_job_goes_on(model, tmp_path):
     lines = [
         json.dumps({"id": "ok1", "prompt": "fine"}),
