@@ -185,6 +185,7 @@ def submit(dataset: str, out: str, **o) -> None:
         engine_process=o["engine_process"],
         notify_batch=o["notify_batch"],
         dp=o["dp"],
+        served_model_name=o["served_model_name"],
         num_shards=num_shards,
         shard_index=shard_index,
     )
@@ -298,6 +299,7 @@ def plan(dataset: str, **o) -> None:
             show_errors=o["show_errors"],
             order=o["order"],
             order_window=o["order_window"],
+            served_model_name=o["served_model_name"],
         )
     except PlanError as e:
         _fail(str(e), e.exit_code)

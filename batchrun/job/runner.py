@@ -142,6 +142,7 @@ class Runner:
             "spec": asdict(cfg.spec),
             "defaults": msgspec.to_builtins(cfg.defaults),
             "engine": asdict(cfg.engine),
+            "served_model_name": cfg.model_name,
         }
 
     @property
@@ -337,7 +338,7 @@ class Runner:
             record = openai_result_record(
                 prepared,
                 done,
-                model=prepared.extra.get("model") or self._manifest.model,
+                model=self.config.model_name,  # the model that ran, as a server writes it
                 token_str=token_str,
             )
             lines = [encode_line(record)]

@@ -217,6 +217,34 @@ def test_openai_completions_rows_run_as_raw_text(model, tmp_path):
         assert usage["chat"]["prompt_tokens"] == len(templated)  # chat rows keep the template
 
 
+def test_openai_output_names_the_model_that_ran(model, tmp_path):
+    asked = "meta-llama/Meta-Llama-3-8B-Instruct"
+    rows = openai_rows(
+        (
+            "chat",
+            "/v1/chat/completions",
+            {"model": asked, "messages": [{"role": "user", "content": "Hi"}]},
+        ),
+        ("text", "/v1/completions", {"model": asked, "prompt": "Hi"}),
+    )
+    ds = write_jsonl(tmp_path / "batch.jsonl", rows)
+    for extra, name in [((), Path(model).name), (("--served-model-name", "my-llm"), "my-llm")]:
+        out = tmp_path / name
+        submit(model, ds, out, *extra)
+        results = read_jsonl(out, "results")
+        assert [r["response"]["body"]["model"] for r in results] == [name, name]
+        assert (
+            json.loads((out / "manifest.json").read_text())["config"]["served_model_name"] == name
+        )
+    # the name is not part of what the output depends on: the complete run is not refused
+    r = submit(model, ds, tmp_path / "my-llm", "--served-model-name", "other")
+    assert "already complete" in r.output
+    r = submit(model, ds, tmp_path / "o", "--served-model-name", " ", code=2)
+    assert "--served-model-name" in r.output
+    r = CliRunner().invoke(main, ["plan", str(ds), "--model", model, "--served-model-name", "x"])
+    assert r.exit_code == 0 and "OpenAI output names it 'x'" in r.output
+
+
 def test_bad_rows_go_to_errors_and_job_goes_on(model, tmp_path):
     lines = [
         json.dumps({"id": "ok1", "prompt": "fine"}),
