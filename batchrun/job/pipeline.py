@@ -1,7 +1,8 @@
 """Rows from a dataset to tokenized requests: the part `submit` and `plan` share.
 
-source.iter_batches -> prepare_row (id, prompt | messages, per-row params) -> tokenize_rows
-yields TokenizedRow or RowError, in input order within a batch.
+source.iter_batches -> duplicate ids (a row whose id an earlier row has fails as duplicate_id)
+-> prepare_row (id, prompt | messages, per-row params) -> tokenize_rows
+yields TokenizedRow or RowError; every pass reads the input from its first row.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 from batchrun.io.readers import DatasetSource, RawRow
 from batchrun.io.rows import PreparedRow, RowError, RowSpec, detect_openai_batch, prepare_row
+from batchrun.job.duplicates import DuplicateIds
 from batchrun.job.tokenize import TokenizedRow, tokenize_rows
 from batchrun.params import SamplingParams
 
@@ -38,16 +40,21 @@ class RowPipeline:
     limit: int | None = None
     batch_size: int = 256
     openai: bool | None = None  # decided from the first row that parses
+    duplicates: DuplicateIds | None = None  # the ids of the pass under way
 
     def __iter__(self) -> Iterator[TokenizedRow | RowError]:
+        self.duplicates = DuplicateIds(self.spec)
         for raw_batch in read_rows(self.source, self.limit, self.batch_size):
             if self.openai is None:
                 first = next((r.data for r in raw_batch if r.data is not None), None)
                 if first is not None:
                     self.openai = detect_openai_batch(first)
+            repeats = self.duplicates.check(raw_batch, bool(self.openai))
             prepared: list[PreparedRow] = []
-            for raw in raw_batch:
-                item = prepare_row(raw, self.spec, self.defaults, bool(self.openai))
+            for raw, repeat in zip(raw_batch, repeats, strict=True):
+                item = repeat
+                if item is None:
+                    item = prepare_row(raw, self.spec, self.defaults, bool(self.openai))
                 if isinstance(item, RowError):
                     yield item
                 else:

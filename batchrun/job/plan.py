@@ -130,6 +130,17 @@ def make_plan(
             )
             lines.append(f"KV budget    {kv_budget:,} tokens: {verdict}")
         lines += reuse.report(order_window)
+    repeats = errors["duplicate_id"]
+    if repeats and pipeline.openai:
+        lines.append(
+            f"duplicates   {repeats:,} requests repeat an earlier custom_id: submit refuses this "
+            "OpenAI Batch file (exit 3) until every custom_id is unique"
+        )
+    elif repeats:
+        lines.append(
+            f"duplicates   {repeats:,} rows repeat an earlier row's id: they would fail as "
+            "duplicate_id (the first row with an id runs)"
+        )
     if errors:
         lines.append("would fail   " + ", ".join(f"{k}: {v}" for k, v in errors.most_common()))
         for e in examples:

@@ -42,8 +42,9 @@ from batchrun.io.records import (
 from batchrun.io.rows import PreparedRow, RowError
 from batchrun.job.commit import RunOutput
 from batchrun.job.config import RunConfig
+from batchrun.job.duplicates import find_openai_duplicates
 from batchrun.job.order import ordered_windows, shard_of
-from batchrun.job.pipeline import RowPipeline
+from batchrun.job.pipeline import RowPipeline, read_rows
 from batchrun.job.resume import make_fingerprint
 from batchrun.job.shards import error_shard_of, shard_dir
 from batchrun.job.signals import EXIT_INTERRUPTED, StopSignals
@@ -66,6 +67,7 @@ class Runner:
         self.hub = hub  # --serve-progress: gets counts and encoded rows; never blocks the loop
         self.out = shard_dir(config.out, config.num_shards, config.shard_index)
         self.source = self._open_source()
+        self._refuse_repeated_custom_ids()
         fresh = Manifest(
             created=utc_now(),
             model=config.engine.model or "embedded:SmolLM2-135M-Instruct",
@@ -123,6 +125,17 @@ class Runner:
             return open_dataset(self.config.dataset, self.config.split)
         except BadInputError as e:
             raise InputError(str(e)) from e
+
+    def _refuse_repeated_custom_ids(self) -> None:
+        """OpenAI Batch input that gives a custom_id twice is refused whole, before the model
+        loads and before --out is touched, as the service refuses it (other inputs: one batch
+        is read to know)."""
+        try:
+            found = find_openai_duplicates(read_rows(self.source, self.config.limit, 8192))
+        except BadInputError as e:
+            raise InputError(str(e)) from e
+        if found is not None:
+            raise InputError(found.message(self.config.dataset))
 
     def _fingerprint(self) -> dict:
         try:
