@@ -7,8 +7,8 @@ pass over the input (each resumed attempt, each shard, ``plan``) starts a new se
 the first row, so all of them find the same duplicates and name the same first rows. The set
 (batchrun/io/id_set.py) keeps 16 bytes a slot, 2 GiB for 100M ids.
 
-OpenAI Batch input is refused as a whole when ids repeat (the service rejects such a file):
-`find_openai_duplicates` reads only the ids, before the model loads.
+OpenAI Batch input is refused as a whole when ids repeat (the service rejects such a file): a
+pass before the model loads (pipeline.openai_duplicates) decodes nothing but the custom_ids.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 
 from batchrun.io.id_set import IdSet
 from batchrun.io.readers import RawRow
-from batchrun.io.rows import RowError, RowSpec, detect_openai_batch, given_id
+from batchrun.io.rows import RowError, RowSpec, given_id
 
 OPENAI_ID = "custom_id"
 
@@ -96,22 +96,11 @@ class OpenAIDuplicates:
         )
 
 
-def find_openai_duplicates(
-    batches: Iterable[list[RawRow]], show: int = 10
-) -> OpenAIDuplicates | None:
-    """Repeated custom_ids of an OpenAI Batch input: None when there are none, or when the input
-    is not OpenAI Batch (known from its first row, so other inputs cost one batch)."""
+def find_repeats(batches: Iterable[list[RawRow]], show: int = 10) -> OpenAIDuplicates | None:
+    """The rows of OpenAI Batch input whose custom_id repeats an earlier row's (None: none)."""
     found = OpenAIDuplicates()
     seen = DuplicateIds(RowSpec())
-    openai = None
     for batch in batches:
-        if openai is None:
-            first = next((r.data for r in batch if r.data is not None), None)
-            if first is None:
-                continue
-            openai = detect_openai_batch(first)
-            if not openai:
-                return None
         for i, row_id, first_row in seen.repeats(batch, openai=True):
             if len(found.examples) < show:
                 found.examples.append((row_id, first_row, batch[i].row))

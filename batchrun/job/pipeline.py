@@ -12,15 +12,21 @@ from dataclasses import dataclass
 
 from batchrun.io.readers import DatasetSource, RawRow
 from batchrun.io.rows import PreparedRow, RowError, RowSpec, detect_openai_batch, prepare_row
-from batchrun.job.duplicates import DuplicateIds
+from batchrun.job.duplicates import OPENAI_ID, DuplicateIds, OpenAIDuplicates, find_repeats
 from batchrun.job.tokenize import TokenizedRow, tokenize_rows
 from batchrun.params import SamplingParams
 
 
-def read_rows(source: DatasetSource, limit: int | None, batch_size: int) -> Iterator[list[RawRow]]:
-    """Batches of raw rows, stopping after `limit` rows (never reads further than needed)."""
+def read_rows(
+    source: DatasetSource, limit: int | None, batch_size: int, field: str | None = None
+) -> Iterator[list[RawRow]]:
+    """Batches of raw rows, stopping after `limit` rows (never reads further than needed); with
+    `field`, each row's data holds only that field."""
     seen = 0
-    for batch in source.iter_batches(batch_size):
+    batches = (
+        source.iter_batches(batch_size) if field is None else source.iter_field(field, batch_size)
+    )
+    for batch in batches:
         if limit is not None and seen + len(batch) > limit:
             batch = batch[: limit - seen]
         seen += len(batch)
@@ -60,3 +66,18 @@ class RowPipeline:
                 else:
                     prepared.append(item)
             yield from tokenize_rows(self.tokenizer, prepared, self.spec, self.context_len)
+
+
+def openai_duplicates(
+    source: DatasetSource, limit: int | None, show: int = 10
+) -> OpenAIDuplicates | None:
+    """The repeated custom_ids of OpenAI Batch input; None when there are none or the input is
+    not OpenAI Batch (known from its first row that parses: other inputs cost one batch)."""
+    first = None
+    for batch in read_rows(source, limit, 64):
+        first = next((r.data for r in batch if r.data is not None), None)
+        if first is not None:
+            break
+    if first is None or not detect_openai_batch(first):
+        return None
+    return find_repeats(read_rows(source, limit, 8192, field=OPENAI_ID), show)

@@ -42,9 +42,8 @@ from batchrun.io.records import (
 from batchrun.io.rows import PreparedRow, RowError
 from batchrun.job.commit import RunOutput
 from batchrun.job.config import RunConfig
-from batchrun.job.duplicates import find_openai_duplicates
 from batchrun.job.order import ordered_windows, shard_of
-from batchrun.job.pipeline import RowPipeline, read_rows
+from batchrun.job.pipeline import RowPipeline, openai_duplicates
 from batchrun.job.resume import make_fingerprint
 from batchrun.job.shards import error_shard_of, shard_dir
 from batchrun.job.signals import EXIT_INTERRUPTED, StopSignals
@@ -131,7 +130,7 @@ class Runner:
         loads and before --out is touched, as the service refuses it (other inputs: one batch
         is read to know)."""
         try:
-            found = find_openai_duplicates(read_rows(self.source, self.config.limit, 8192))
+            found = openai_duplicates(self.source, self.config.limit)
         except BadInputError as e:
             raise InputError(str(e)) from e
         if found is not None:

@@ -3,11 +3,13 @@ Batch pre-pass."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
-from batchrun.io.readers import RawRow
+from batchrun.io.readers import DatasetSource, RawRow, open_dataset
 from batchrun.io.rows import RowSpec
-from batchrun.job.duplicates import DuplicateIds, find_openai_duplicates
+from batchrun.job.duplicates import DuplicateIds, find_repeats
+from batchrun.job.pipeline import openai_duplicates
 
 
 def raws(*datas: dict | None, start: int = 0) -> list[RawRow]:
@@ -46,25 +48,61 @@ def openai(cid: str) -> dict:
     return {"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
 
 
-def test_openai_pre_pass_lists_the_first_duplicates() -> None:
+def test_repeated_custom_ids_listed_first_ones_first() -> None:
     batches = [
         raws(None, openai("a"), openai("b"), openai("a")),
         raws(*[openai(f"c{i % 5}") for i in range(20)], start=4),
     ]
-    found = find_openai_duplicates(iter(batches), show=3)
+    found = find_repeats(iter(batches), show=3)
     assert found.count == 1 + 15
     assert found.examples == [("a", 1, 3), ("c0", 4, 9), ("c1", 5, 10)]
     text = found.message("in.jsonl")
     assert "16 request(s) repeat" in text and "'a' in rows 1 and 3" in text
     assert "and 13 more" in text and "custom_id" in text
-    assert find_openai_duplicates(iter(batches[1:2][:0])) is None  # no rows
-    assert find_openai_duplicates(iter([raws(openai("a"), openai("b"))])) is None
+    assert find_repeats(iter([])) is None
+    assert find_repeats(iter([raws(openai("a"), openai("b"))])) is None
+
+
+class Source(DatasetSource):
+    """Batches as given; fails when read past `readable` batches."""
+
+    def __init__(self, batches: list[list[RawRow]], readable: int) -> None:
+        super().__init__(None)
+        self.batches, self.readable = batches, readable
+
+    def iter_batches(self, batch_size: int = 1024) -> Iterator[list[RawRow]]:
+        for i, batch in enumerate(self.batches):
+            assert i < self.readable, "read past the first row that parses"
+            yield batch
 
 
 def test_openai_pre_pass_reads_one_batch_of_other_inputs() -> None:
-    def batches() -> Iterator[list[RawRow]]:
-        yield raws(None)
-        yield raws({"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}, start=1)
-        raise AssertionError("read past the first row that parses")
+    rows = [raws(None), raws({"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}, start=1)]
+    assert openai_duplicates(Source(rows + [raws(None)], readable=2), None) is None
+    rows = [raws(None), raws(openai("a"), openai("b"), start=1), raws(openai("a"), start=3)]
+    found = openai_duplicates(Source(rows, readable=99), None)
+    assert found.count == 1 and found.examples == [("a", 1, 3)]
+    assert openai_duplicates(Source(rows, readable=99), limit=2) is None  # --limit: 2 rows
 
-    assert find_openai_duplicates(batches()) is None
+
+def test_jsonl_field_pass_numbers_rows_as_the_full_read(tmp_path) -> None:
+    lines = [
+        b"\xef\xbb\xbf" + json.dumps(openai("a")).encode(),
+        b"",
+        b"{not json",
+        b"[1, 2]",
+        json.dumps({"custom_id": {"nested": 1}}).encode(),
+        json.dumps({"body": {"custom_id": "inner"}, "custom_id": 7}).encode(),
+        b"   ",
+        json.dumps({"x": 1}).encode(),
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    source = open_dataset(path)
+    full = [(r.row, r.data and r.data.get("custom_id")) for b in source.iter_batches(3) for r in b]
+    only = [
+        (r.row, r.data and r.data["custom_id"])
+        for b in source.iter_field("custom_id", 3)
+        for r in b
+    ]
+    assert only == full == [(0, "a"), (2, None), (3, None), (4, {"nested": 1}), (5, 7), (7, None)]
