@@ -3,6 +3,7 @@
     python scripts/bench_duplicate_ids.py                       # 100M ids, table only (below)
     python scripts/bench_duplicate_ids.py --num 10000000 --strings  # 10M string ids, hashed
     python scripts/bench_duplicate_ids.py --num 20000 --json    # one JSON line (the smoke test)
+    python scripts/bench_duplicate_ids.py --num 0 --openai-rows 300000   # the OpenAI Batch pass
 
 Id i is the string "req-<i>"; one id in --dup-every repeats the id 1,000 before it, so the run
 also checks that exactly those are found, each with its first row. Default: the set is fed
@@ -11,7 +12,10 @@ the 96-bit hashes of ids generated in numpy (SplitMix64 of i), which times the t
 --hash-sample real string ids gives the hashing rate, and `total_us_per_id` adds the two.
 --strings feeds every id as a string through IdSet.add (hashing included). --batch-size: 8192
 is the OpenAI Batch pre-pass's batch, 256 the row pipeline's. Peak memory is the process's peak
-RSS (ru_maxrss), the interpreter and numpy included.
+RSS (ru_maxrss), the interpreter and numpy included. --openai-rows N also writes N OpenAI Batch
+request lines of ~780 bytes to a temporary JSONL file and times the pass over their custom_ids
+that runs before the model loads (batchrun.job.pipeline.openai_duplicates) against reading the
+same rows whole (read_rows).
 """
 
 from __future__ import annotations
@@ -20,11 +24,15 @@ import argparse
 import json
 import resource
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
 from batchrun.io.id_set import IdSet, hash_ids
+from batchrun.io.readers import open_dataset
+from batchrun.job.pipeline import openai_duplicates, read_rows
 
 GiB = 2**30
 DUP_DISTANCE = 1000
@@ -50,6 +58,43 @@ def id_numbers(start: int, end: int, dup_every: int) -> np.ndarray:
     return ids
 
 
+def openai_pass(num_rows: int) -> dict:
+    """Seconds a row of the custom_id pass and of a whole read, over `num_rows` request lines."""
+    words = "lorem ipsum dolor sit amet " * 15
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "batch.jsonl"
+        with open(path, "w") as f:
+            for i in range(num_rows):
+                body = {
+                    "model": "gpt-4o-mini",
+                    "messages": [
+                        {"role": "system", "content": "You are a helpful assistant. " * 3},
+                        {"role": "user", "content": f"Summarize in one sentence: {i} {words}"},
+                    ],
+                    "max_tokens": 256,
+                    "temperature": 0.2,
+                }
+                line = {
+                    "custom_id": f"request-{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                }
+                f.write(json.dumps({**line, "body": body}) + "\n")
+        source = open_dataset(path)
+        t = time.perf_counter()
+        assert openai_duplicates(source, None) is None
+        pass_s = time.perf_counter() - t
+        t = time.perf_counter()
+        assert sum(len(b) for b in read_rows(source, None, 8192)) == num_rows
+        read_s = time.perf_counter() - t
+        return {
+            "openai_rows": num_rows,
+            "openai_bytes_per_row": round(path.stat().st_size / max(num_rows, 1)),
+            "openai_pass_us_per_row": round(pass_s / max(num_rows, 1) * 1e6, 2),
+            "whole_read_us_per_row": round(read_s / max(num_rows, 1) * 1e6, 2),
+        }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num", type=int, default=100_000_000)
@@ -57,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--dup-every", type=int, default=10_000)
     p.add_argument("--strings", action="store_true", help="feed string ids (hashing included)")
     p.add_argument("--hash-sample", type=int, default=1_000_000)
+    p.add_argument("--openai-rows", type=int, default=0, help="also time the OpenAI Batch pass")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     args = p.parse_args(argv)
 
@@ -90,7 +136,7 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     hash_ids(sample)
     hash_us = (time.perf_counter() - t) / max(args.hash_sample, 1) * 1e6
-    add_us = add_s / args.num * 1e6
+    add_us = add_s / max(args.num, 1) * 1e6
     result = {
         "num_ids": args.num,
         "duplicates_found": found,
@@ -107,6 +153,8 @@ def main(argv=None) -> int:
         "peak_rss_gib": round(peak_rss_gib(), 3),
         "peak_rss_before_gib": round(rss_start, 3),
     }
+    if args.openai_rows:
+        result.update(openai_pass(args.openai_rows))
     if args.json:
         print(json.dumps(result))
     else:

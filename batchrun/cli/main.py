@@ -4,7 +4,8 @@ Exit codes:
     0  the run completed (rows that could not run are in errors-*.jsonl)
     1  the run failed (an engine or I/O error; the message says why)
     2  a bad option or argument (nothing was started)
-    3  bad input: the dataset is missing, unreadable, empty or of an unknown format
+    3  bad input: the dataset is missing, unreadable, empty or of an unknown format, or OpenAI
+       Batch input repeats a custom_id (refused before the model loads)
     4  the model cannot be loaded (unsupported architecture, missing or mismatched weights)
     5  interrupted (SIGTERM, SIGINT or SIGUSR1): the committed rows are kept; resumable, run the
        same command again (Slurm: requeue the task)

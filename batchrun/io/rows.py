@@ -53,7 +53,7 @@ class PreparedRow(NamedTuple):
 class RowError(NamedTuple):
     id: str
     row: int
-    type: str  # "invalid_json" | "invalid_request" | "context_length_exceeded"
+    type: str  # "invalid_json" | "invalid_request" | "context_length_exceeded" | "duplicate_id"
     message: str
 
 
