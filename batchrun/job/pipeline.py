@@ -8,7 +8,7 @@ yields TokenizedRow or RowError; every pass reads the input from its first row.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from batchrun.io.readers import DatasetSource, RawRow
 from batchrun.io.rows import PreparedRow, RowError, RowSpec, detect_openai_batch, prepare_row
@@ -46,7 +46,7 @@ class RowPipeline:
     limit: int | None = None
     batch_size: int = 256
     openai: bool | None = None  # decided from the first row that parses
-    duplicates: DuplicateIds | None = None  # the ids of the pass under way
+    duplicates: DuplicateIds | None = field(default=None, init=False)  # of the pass under way
 
     def __iter__(self) -> Iterator[TokenizedRow | RowError]:
         self.duplicates = DuplicateIds(self.spec)
