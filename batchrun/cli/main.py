@@ -4,7 +4,8 @@ Exit codes:
     0  the run completed (rows that could not run are in errors-*.jsonl)
     1  the run failed (an engine or I/O error; the message says why)
     2  a bad option or argument (nothing was started)
-    3  bad input: the dataset is missing, unreadable, empty or of an unknown format
+    3  bad input: the dataset is missing, unreadable, empty or of an unknown format, or OpenAI
+       Batch input repeats a custom_id (refused before the model loads)
     4  the model cannot be loaded (unsupported architecture, missing or mismatched weights)
     5  interrupted (SIGTERM, SIGINT or SIGUSR1): the committed rows are kept; resumable, run the
        same command again (Slurm: requeue the task)
@@ -185,6 +186,7 @@ def submit(dataset: str, out: str, **o) -> None:
         engine_process=o["engine_process"],
         notify_batch=o["notify_batch"],
         dp=o["dp"],
+        served_model_name=o["served_model_name"],
         num_shards=num_shards,
         shard_index=shard_index,
     )
@@ -298,6 +300,7 @@ def plan(dataset: str, **o) -> None:
             show_errors=o["show_errors"],
             order=o["order"],
             order_window=o["order_window"],
+            served_model_name=o["served_model_name"],
         )
     except PlanError as e:
         _fail(str(e), e.exit_code)

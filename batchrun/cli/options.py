@@ -32,6 +32,12 @@ def option_group(*options):
     return apply
 
 
+def _not_blank(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not value.strip():
+        raise click.BadParameter("give a name (it is empty)", ctx=ctx, param=param)
+    return value
+
+
 # NOTE: listed in the order --help shows them
 model_options = option_group(
     click.option(
@@ -48,6 +54,15 @@ model_options = option_group(
         metavar="PATH",
         help="HF model directory (config.json + safetensors) or a .gguf file. "
         "Default: the embedded SmolLM2-135M-Instruct.",
+    ),
+    click.option(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        callback=_not_blank,
+        help='The "model" of every OpenAI Batch output line, as a server names the model it '
+        "runs. Default: the model directory's name (a .gguf file's stem; SmolLM2-135M-Instruct "
+        "for the embedded model).",
     ),
 )
 

@@ -50,6 +50,15 @@ class DatasetSource:
     def iter_batches(self, batch_size: int = 1024) -> Iterator[list[RawRow]]:
         raise NotImplementedError
 
+    def iter_field(self, name: str, batch_size: int = 8192) -> Iterator[list[RawRow]]:
+        """As iter_batches, with a row's data holding only the field `name` (null when absent),
+        for a pass that needs one field (JSONL decodes nothing else)."""
+        for batch in self.iter_batches(batch_size):
+            yield [
+                RawRow(r.row, {name: r.data.get(name)} if r.data is not None else None, r.error)
+                for r in batch
+            ]
+
     def count_rows(self) -> int:
         """Rows the input holds; for JSONL this is one pass over the file (non-blank lines)."""
         if self.num_rows is not None:
@@ -76,25 +85,46 @@ class JsonlSource(DatasetSource):
         with self._open() as f:
             return sum(1 for line in f if line.strip())
 
-    def iter_batches(self, batch_size: int = 1024) -> Iterator[list[RawRow]]:
-        batch: list[RawRow] = []
+    def _lines(self) -> Iterator[tuple[int, bytes]]:
+        """(line index, line) of the non-blank lines: the line index is the row number."""
         index = -1
         with self._open() as f:
             try:
                 for index, line in enumerate(f):
                     if index == 0 and line.startswith(b"\xef\xbb\xbf"):
                         line = line[3:]  # a UTF-8 BOM some editors write
-                    if not line.strip():
-                        continue
-                    batch.append(_parse_line(index, line))
-                    if len(batch) >= batch_size:
-                        yield batch
-                        batch = []
+                    if line.strip():
+                        yield index, line
             except (OSError, EOFError) as e:  # truncated or corrupt gzip stream
                 raise BadInputError(
                     f"{self.path}: cannot read past line {index + 1}: {e}; "
                     "the file is truncated or corrupt, re-create or re-download it"
                 ) from e
+
+    def iter_batches(self, batch_size: int = 1024) -> Iterator[list[RawRow]]:
+        batch: list[RawRow] = []
+        for index, line in self._lines():
+            batch.append(_parse_line(index, line))
+            if len(batch) >= batch_size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    def iter_field(self, name: str, batch_size: int = 8192) -> Iterator[list[RawRow]]:
+        # NOTE: a Struct of one field skips the rest of the line unparsed: ~10x faster than
+        # decoding a whole OpenAI Batch request line
+        field = msgspec.defstruct("Field", [("value", Any, None)], rename={"value": name})
+        decode = msgspec.json.Decoder(field).decode
+        batch: list[RawRow] = []
+        for index, line in self._lines():
+            try:
+                batch.append(RawRow(index, {name: decode(line).value}, None))
+            except msgspec.DecodeError:  # not JSON, or not an object (a ValidationError)
+                batch.append(RawRow(index, None, f"line {index + 1}: not a JSON object"))
+            if len(batch) >= batch_size:
+                yield batch
+                batch = []
         if batch:
             yield batch
 

@@ -53,7 +53,7 @@ class PreparedRow(NamedTuple):
 class RowError(NamedTuple):
     id: str
     row: int
-    type: str  # "invalid_json" | "invalid_request" | "context_length_exceeded"
+    type: str  # "invalid_json" | "invalid_request" | "context_length_exceeded" | "duplicate_id"
     message: str
 
 
@@ -94,17 +94,26 @@ def prepare_row(
         return RowError(row_id, raw.row, "invalid_request", f"row {raw.row}: {e}")
 
 
-def _row_id(data: dict, column: str | None, row: int) -> str:
+def given_id(data: dict, column: str | None) -> str | None:
+    """The id a row gives itself in `column` (None: an "id" field, if the row has one), or None
+    when it gives none that can be used (then its row number is its id, or the row fails)."""
     if not column:
-        # no --id-column: a scalar "id" field is the id when present, else the row number
         value = data.get("id")
-        return str(value) if isinstance(value, (str, int)) and value != "" else str(row)
+        return str(value) if isinstance(value, (str, int)) and value != "" else None
+    value = data.get(column)
+    return None if value is None or isinstance(value, (dict, list)) else str(value)
+
+
+def _row_id(data: dict, column: str | None, row: int) -> str:
+    row_id = given_id(data, column)
+    if row_id is not None:
+        return row_id
+    if not column:
+        return str(row)  # no --id-column and no "id" field: the row number
     value = data.get(column)
     if value is None:
         raise _Invalid(f"no value in id column {column!r}; row has columns {_columns(data)}")
-    if isinstance(value, (dict, list)):
-        raise _Invalid(f"{column!r} must be a string or number, got {type(value).__name__}")
-    return str(value)
+    raise _Invalid(f"{column!r} must be a string or number, got {type(value).__name__}")
 
 
 def _prepare_plain(

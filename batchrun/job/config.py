@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from batchrun.config import EngineConfig
 from batchrun.engine_process.notify import DEFAULT_NOTIFY_BATCH
 from batchrun.io.rows import RowSpec
 from batchrun.job.order import DEFAULT_WINDOW, ORDERS
 from batchrun.params import SamplingParams
+
+EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_served_model_name(model: str | None) -> str:
+    """The name a server would give `model`: the directory's name (``org/name`` for a HF hub
+    cache snapshot), a .gguf file's stem, the embedded model's name for None."""
+    if model is None:
+        return EMBEDDED_SERVED_NAME
+    # NOTE: abspath, not resolve: a symlink's own name is the one the user chose
+    path = Path(os.path.abspath(Path(model).expanduser()))
+    if path.suffix.lower() == ".gguf":
+        return path.stem
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/", 1)
+    return path.name or str(path)
 
 
 @dataclass(frozen=True)
@@ -37,6 +56,8 @@ class RunConfig:
     engine_process: bool = True  # the engine in its own process (False: in this one)
     notify_batch: int = DEFAULT_NOTIFY_BATCH  # engine process: completions per wake-up
     dp: int = 1  # data parallel: engine processes, one per GPU (or tensor-parallel group)
+    # "model" of every OpenAI Batch output line; None: default_served_model_name(engine.model)
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
@@ -51,5 +72,12 @@ class RunConfig:
             raise ValueError(f"dp must be >= 1; got {self.dp}")
         if self.dp > 1 and not self.engine_process:
             raise ValueError("data parallel (dp > 1) runs engine processes; drop --in-process")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty")
         if not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"shard_index {self.shard_index} not in 0..{self.num_shards - 1}")
+
+    @property
+    def model_name(self) -> str:
+        """The model's name in the output: served_model_name, else its default."""
+        return self.served_model_name or default_served_model_name(self.engine.model)

@@ -14,6 +14,7 @@ import numpy as np
 from batchrun.config import EngineConfig, resolve_sizes
 from batchrun.io.readers import BadInputError, open_dataset
 from batchrun.io.rows import RowError, RowSpec
+from batchrun.job.config import default_served_model_name
 from batchrun.job.order import (
     DEFAULT_WINDOW,
     LRUEstimate,
@@ -60,6 +61,7 @@ def make_plan(
     show_errors: int = 10,
     order: str = "prefix",
     order_window: int = DEFAULT_WINDOW,
+    served_model_name: str | None = None,
 ) -> str:
     try:
         source = open_dataset(dataset, split)
@@ -91,10 +93,15 @@ def make_plan(
     rows = len(prompt_lens) + sum(errors.values())
     if rows == 0:
         raise PlanError(f"{dataset}: the input has no rows; nothing to do", 3)
+    served = ""
+    if pipeline.openai:
+        served = (
+            f"; OpenAI output names it {served_model_name or default_served_model_name(model)!r}"
+        )
     lines = [
         f"dataset      {dataset} ({source.format}{', OpenAI batch' if pipeline.openai else ''})",
         f"model        {model or 'embedded SmolLM2-135M-Instruct'} "
-        f"(context {cfg.max_position_embeddings})",
+        f"(context {cfg.max_position_embeddings}{served})",
         f"rows         {rows}: {len(prompt_lens)} would run, {sum(errors.values())} would fail",
     ]
     if prompt_lens:
@@ -123,6 +130,17 @@ def make_plan(
             )
             lines.append(f"KV budget    {kv_budget:,} tokens: {verdict}")
         lines += reuse.report(order_window)
+    repeats = errors["duplicate_id"]
+    if repeats and pipeline.openai:
+        lines.append(
+            f"duplicates   {repeats:,} requests repeat an earlier custom_id: submit refuses this "
+            "OpenAI Batch file (exit 3) until every custom_id is unique"
+        )
+    elif repeats:
+        lines.append(
+            f"duplicates   {repeats:,} rows repeat an earlier row's id: they would fail as "
+            "duplicate_id (the first row with an id runs)"
+        )
     if errors:
         lines.append("would fail   " + ", ".join(f"{k}: {v}" for k, v in errors.most_common()))
         for e in examples:

@@ -43,7 +43,7 @@ from batchrun.io.rows import PreparedRow, RowError
 from batchrun.job.commit import RunOutput
 from batchrun.job.config import RunConfig
 from batchrun.job.order import ordered_windows, shard_of
-from batchrun.job.pipeline import RowPipeline
+from batchrun.job.pipeline import RowPipeline, openai_duplicates
 from batchrun.job.resume import make_fingerprint
 from batchrun.job.shards import error_shard_of, shard_dir
 from batchrun.job.signals import EXIT_INTERRUPTED, StopSignals
@@ -66,6 +66,7 @@ class Runner:
         self.hub = hub  # --serve-progress: gets counts and encoded rows; never blocks the loop
         self.out = shard_dir(config.out, config.num_shards, config.shard_index)
         self.source = self._open_source()
+        self._refuse_repeated_custom_ids()
         fresh = Manifest(
             created=utc_now(),
             model=config.engine.model or "embedded:SmolLM2-135M-Instruct",
@@ -124,6 +125,17 @@ class Runner:
         except BadInputError as e:
             raise InputError(str(e)) from e
 
+    def _refuse_repeated_custom_ids(self) -> None:
+        """OpenAI Batch input that gives a custom_id twice is refused whole, before the model
+        loads and before --out is touched, as the service refuses it (other inputs: one batch
+        is read to know)."""
+        try:
+            found = openai_duplicates(self.source, self.config.limit)
+        except BadInputError as e:
+            raise InputError(str(e)) from e
+        if found is not None:
+            raise InputError(found.message(self.config.dataset))
+
     def _fingerprint(self) -> dict:
         try:
             return make_fingerprint(self.config, self.source.format)
@@ -142,6 +154,7 @@ class Runner:
             "spec": asdict(cfg.spec),
             "defaults": msgspec.to_builtins(cfg.defaults),
             "engine": asdict(cfg.engine),
+            "served_model_name": cfg.model_name,
         }
 
     @property
@@ -337,7 +350,7 @@ class Runner:
             record = openai_result_record(
                 prepared,
                 done,
-                model=prepared.extra.get("model") or self._manifest.model,
+                model=self.config.model_name,  # the model that ran, as a server writes it
                 token_str=token_str,
             )
             lines = [encode_line(record)]

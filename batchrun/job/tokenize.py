@@ -4,7 +4,9 @@ Chat rows (and prompt rows when a chat template is used) are rendered to text wi
 tokenizer's chat template one row at a time, so one broken conversation fails alone, then all
 rendered texts go through ONE batched fast-tokenizer call with ``add_special_tokens=False``: the
 template already writes BOS where the model wants it. Prompt rows without a template are
-tokenized in a second batched call with ``add_special_tokens=True``.
+tokenized in a second batched call with ``add_special_tokens=True``. An OpenAI Batch
+``/v1/completions`` row is always raw text (tokenized as a server tokenizes a completions prompt,
+with the tokenizer's BOS), whatever the chat template setting: only chat rows are templated.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def tokenize_rows(
                 )
                 continue
             conversation = row.messages
-        elif use_template:
+        elif use_template and not _is_text_completion(row):
             conversation = [{"role": "user", "content": row.prompt}]
             if spec.system_prompt:
                 conversation.insert(0, {"role": "system", "content": spec.system_prompt})
@@ -72,6 +74,10 @@ def tokenize_rows(
         for (i, _), ids in zip(batch, encoded, strict=True):
             out[i] = _check(rows[i], list(ids), context_len)
     return out  # type: ignore[return-value]  # every slot was filled above
+
+
+def _is_text_completion(row: PreparedRow) -> bool:
+    return row.openai and row.extra.get("url") == "/v1/completions"
 
 
 def _check(row: PreparedRow, ids: list[int], context_len: int) -> TokenizedRow | RowError:

@@ -189,6 +189,18 @@ def test_bench_order_json():
     assert 0 < result["reusable_fraction"] < 1
 
 
+@pytest.mark.parametrize("strings", [False, True])
+def test_bench_duplicate_ids_json(strings):
+    extra = ("--strings",) if strings else ("--openai-rows", "300")
+    out = run_script(
+        "bench_duplicate_ids.py", "--num", "50000", "--hash-sample", "1000", "--json", *extra
+    )
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["num_ids"] == 50000 and result["duplicates_found"] == 5
+    assert result["load"] <= 0.75 and result["table_gib"] > 0
+    assert strings or result["openai_pass_us_per_row"] > 0
+
+
 def test_bench_msgspec_vs_pydantic():
     pytest.importorskip("pydantic")
     out = run_script("bench_msgspec_vs_pydantic.py", "--n", "50")

@@ -187,6 +187,111 @@ def test_openai_batch_in_openai_batch_out(model, tmp_path):
     assert errors[0]["error"]["message"]
 
 
+def openai_rows(*bodies: tuple[str, str, dict]) -> list[dict]:
+    return [
+        {"custom_id": cid, "method": "POST", "url": url, "body": body} for cid, url, body in bodies
+    ]
+
+
+def test_openai_completions_rows_run_as_raw_text(model, tmp_path):
+    from transformers import AutoTokenizer
+
+    prompt = "The capital of France is"
+    rows = openai_rows(
+        ("text", "/v1/completions", {"prompt": prompt, "max_tokens": 3}),
+        ("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}),
+    )
+    tok = AutoTokenizer.from_pretrained(model)
+    raw = tok(prompt, add_special_tokens=True)["input_ids"]
+    templated = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
+    templated = tok(templated, add_special_tokens=False)["input_ids"]
+    assert len(templated) > len(raw)
+    ds = write_jsonl(tmp_path / "batch.jsonl", rows)
+    for i, extra in enumerate([(), ("--no-chat-template",)]):
+        out = tmp_path / f"o{i}"
+        submit(model, ds, out, *extra)
+        usage = {r["custom_id"]: r["response"]["body"]["usage"] for r in read_jsonl(out, "results")}
+        assert usage["text"]["prompt_tokens"] == len(raw)  # the text itself, as a server runs it
+        assert usage["chat"]["prompt_tokens"] == len(templated)  # chat rows keep the template
+
+
+def test_openai_output_names_the_model_that_ran(model, tmp_path):
+    asked = "meta-llama/Meta-Llama-3-8B-Instruct"
+    rows = openai_rows(
+        (
+            "chat",
+            "/v1/chat/completions",
+            {"model": asked, "messages": [{"role": "user", "content": "Hi"}]},
+        ),
+        ("text", "/v1/completions", {"model": asked, "prompt": "Hi"}),
+    )
+    ds = write_jsonl(tmp_path / "batch.jsonl", rows)
+    for extra, name in [((), Path(model).name), (("--served-model-name", "my-llm"), "my-llm")]:
+        out = tmp_path / name
+        submit(model, ds, out, *extra)
+        results = read_jsonl(out, "results")
+        assert [r["response"]["body"]["model"] for r in results] == [name, name]
+        assert (
+            json.loads((out / "manifest.json").read_text())["config"]["served_model_name"] == name
+        )
+    # the name is not part of what the output depends on: the complete run is not refused
+    r = submit(model, ds, tmp_path / "my-llm", "--served-model-name", "other")
+    assert "already complete" in r.output
+    r = submit(model, ds, tmp_path / "o", "--served-model-name", " ", code=2)
+    assert "--served-model-name" in r.output
+    r = CliRunner().invoke(main, ["plan", str(ds), "--model", model, "--served-model-name", "x"])
+    assert r.exit_code == 0 and "OpenAI output names it 'x'" in r.output
+
+
+def test_repeated_ids_fail_after_the_first_row(model, tmp_path):
+    rows = [
+        {"id": "g1", "prompt": "first"},
+        {"id": "g2", "prompt": "second"},
+        {"id": "g1", "prompt": "again"},
+        {"prompt": "no id"},
+        {"id": "g2", "text": "a bad row that repeats an id"},
+    ]
+    ds = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "o"
+    submit(model, ds, out)
+    counts = json.loads((out / "manifest.json").read_text())["counts"]
+    assert (counts["rows_total"], counts["rows_ok"], counts["rows_failed"]) == (5, 3, 2)
+    assert sorted((r["id"], r["row"]) for r in read_jsonl(out, "results")) == [
+        ("3", 3),
+        ("g1", 0),
+        ("g2", 1),
+    ]
+    errors = {e["row"]: e for e in read_jsonl(out, "errors")}
+    assert sorted(errors) == [2, 4]
+    assert errors[2]["id"] == "g1" and errors[2]["error"]["type"] == "duplicate_id"
+    assert "id 'g1' repeats row 0" in errors[2]["error"]["message"]
+    assert "id 'g2' repeats row 1" in errors[4]["error"]["message"]
+    r = CliRunner().invoke(main, ["plan", str(ds), "--model", model])
+    assert r.exit_code == 0, r.output
+    assert "duplicates   2 rows repeat an earlier row's id" in r.output
+    assert "duplicate_id: 2" in r.output
+
+
+def test_openai_batch_with_repeated_custom_ids_is_refused_before_the_model_loads(model, tmp_path):
+    ids = ["a", "b", "a"] + [f"r{i % 12}" for i in range(30)]  # 1 + 18 repeats
+    rows = openai_rows(*[(i, "/v1/completions", {"prompt": "x"}) for i in ids])
+    ds = write_jsonl(tmp_path / "batch.jsonl", rows)
+    out = tmp_path / "o"
+    # a model that cannot load: the input is refused first (exit 3, not 4), --out untouched
+    r = submit(str(tmp_path / "no-model"), ds, out, code=3)
+    assert "unique custom_id" in r.output and "19 request(s) repeat" in r.output
+    assert "'a' in rows 0 and 2; 'r0' in rows 3 and 15" in r.output and "and 9 more" in r.output
+    assert not out.exists()
+    r = CliRunner().invoke(main, ["plan", str(ds), "--model", model])
+    assert r.exit_code == 0, r.output
+    assert "duplicates   19 requests repeat an earlier custom_id: submit refuses" in r.output
+    # --limit: only the rows the run reads count
+    submit(model, ds, out, "--limit", "2")
+    check_complete(out, 2, 2)
+
+
 def test_bad_rows_go_to_errors_and_job_goes_on(model, tmp_path):
     lines = [
         json.dumps({"id": "ok1", "prompt": "fine"}),

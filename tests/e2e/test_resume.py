@@ -319,3 +319,57 @@ def read_lines(dataset: Path) -> list[str]:
         except json.JSONDecodeError:
             pass
     return out
+
+
+DUP_REPEATS = {10: 3, 20: 7, 25: 3, 33: 12}  # row -> the earlier row whose id it repeats
+
+
+@pytest.fixture(scope="module")
+def dup_dataset(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dup") / "in.jsonl"
+    lines = []
+    for i in range(40):
+        row_id = f"r{DUP_REPEATS.get(i, i)}"
+        line = {"id": row_id, "prompt": f"Tell me about topic {i % 7}, {i}"}
+        lines.append("{not json" if i == 16 else json.dumps(line))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def check_duplicate_errors(results: dict, errors: list[dict]) -> None:
+    assert len(results) + len(errors) == 40 and len({e["row"] for e in errors}) == len(errors)
+    repeats = {e["row"]: e for e in errors if e["error"]["type"] == "duplicate_id"}
+    assert sorted(repeats) == sorted(DUP_REPEATS)
+    for row, first in DUP_REPEATS.items():
+        assert f"id 'r{first}' repeats row {first} " in repeats[row]["error"]["message"]
+
+
+def test_duplicate_ids_through_resume_and_shards(model, dup_dataset, tmp_path, monkeypatch):
+    out = tmp_path / "o"
+    real, calls = os.fsync, {"n": 0}
+
+    def broken(fd):
+        calls["n"] += 1
+        if calls["n"] > 9:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd)
+
+    # a first attempt that stops on a write error part way, then the resume: the resumed pass
+    # finds the same repeats again and writes none of the committed ones twice
+    monkeypatch.setattr(os, "fsync", broken)
+    invoke(args(model, dup_dataset, out, "--max-running", "2", "--notify-batch", "1"), code=1)
+    monkeypatch.undo()
+    assert 0 < manifest(out)["ledger_rows"] < 40
+    invoke(args(model, dup_dataset, out))
+    assert manifest(out)["status"] == "complete"
+    results, errors = committed(out)
+    check_duplicate_errors(results, errors)
+    # two shards read the whole input each: every repeat's error in exactly one of them
+    sharded = tmp_path / "s"
+    for i in (0, 1):
+        invoke(args(model, dup_dataset, sharded, "--num-shards", "2", "--shard-index", str(i)))
+    r = invoke(["merge", str(sharded)])
+    assert "0 missing, 0 duplicate" in r.output
+    merged_results, merged_errors = committed(sharded / "merged")
+    check_duplicate_errors(merged_results, merged_errors)
+    assert merged_results == results

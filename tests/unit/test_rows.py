@@ -309,6 +309,18 @@ def test_tokenize_prompts_and_messages(tokenizer) -> None:
     assert plain[0].input_ids == [ids("<s>"), ids("hello"), ids("world")]
 
 
+def test_openai_completions_rows_are_raw_text_whatever_the_template_flag(tokenizer) -> None:
+    ids = tokenizer.convert_tokens_to_ids
+    completion = prep(openai_line("c", url="/v1/completions", prompt="hello world"), openai=True)
+    chat = prep(openai_line("m", messages=[{"role": "user", "content": "hi"}]), openai=True)
+    for spec in (SPEC, RowSpec(system_prompt="the fox"), RowSpec(use_chat_template=False)):
+        out = tokenize_rows(tokenizer, [completion, chat], spec, context_len=64)
+        # as a server tokenizes a completions prompt: the text itself, with BOS
+        assert out[0].input_ids == [ids("<s>"), ids("hello"), ids("world")]
+        # a chat row keeps the template
+        assert out[1].input_ids[:2] == [ids("<|im_start|>"), ids("user")]
+
+
 def test_tokenize_errors(tokenizer) -> None:
     long = prep({"prompt": "hi " * 40, "max_tokens": 30}, row=0)
     ok = prep({"prompt": "hi"}, row=1)
