@@ -10,6 +10,25 @@ from batchrun.io.rows import RowSpec
 from batchrun.job.order import DEFAULT_WINDOW, ORDERS
 from batchrun.params import SamplingParams
 
+# SamplingParams field -> the `submit` option that sets it: messages name the option
+SAMPLING_OPTIONS = {
+    "max_new_tokens": "--max-tokens",
+    "min_new_tokens": "--min-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "repetition_penalty": "--repetition-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "presence_penalty": "--presence-penalty",
+    "stop": "--stop",
+    "n": "--n",
+    "top_logprobs": "--logprobs",
+    "logprobs": "--logprobs",
+    "ignore_eos": "--ignore-eos",
+    "grammar": "--response-format / --json-schema / --regex / --choice / --ebnf",
+}
+
 
 @dataclass(frozen=True)
 class RunConfig:

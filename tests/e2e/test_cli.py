@@ -223,7 +223,12 @@ def test_clear_messages_for_bad_invocations(model, tmp_path):
     assert ".jsonl" in r.output
     ds = write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
     r = submit(model, ds, tmp_path / "o4", "--top-p", "1.5", code=2)
-    assert "top_p" in r.output
+    assert "--top-p must be in (0, 1], got 1.5" in r.output
+    # the option the user wrote, never the field behind it (max_new_tokens, min_new_tokens)
+    r = submit(model, ds, tmp_path / "o4", "--max-tokens", "0", code=2)
+    assert "--max-tokens must be >= 1, got 0" in r.output and "new_tokens" not in r.output
+    r = submit(model, ds, tmp_path / "o4", "--min-tokens", "20", code=2)
+    assert "--min-tokens must be between 0 and --max-tokens (12), got 20" in r.output
     r = submit(str(tmp_path / "nomodel"), ds, tmp_path / "o5", code=4)
     assert "nomodel" in r.output
     # unknown column: every row becomes an error naming the column, nothing crashes

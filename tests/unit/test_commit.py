@@ -78,7 +78,7 @@ def test_fingerprint_mismatch_and_foreign_directory_refused(tmp_path: Path) -> N
     run = RunOutput.open(out, make_manifest(), 4, overwrite=False)
     run.commit(Counts())
     other = make_manifest(sampling={"max_new_tokens": 9})
-    with pytest.raises(RunError, match="max_new_tokens 8 -> 9.*--overwrite"):
+    with pytest.raises(RunError, match="sampling defaults: --max-tokens 8 -> 9.*--overwrite"):
         RunOutput.open(out, other, 4, overwrite=False)
     fresh = RunOutput.open(out, other, 4, overwrite=True)
     assert fresh.num_committed_rows == 0 and not (out / "manifest.json").exists()
