@@ -1,13 +1,15 @@
 """The `batchrun` command line. Thin: options -> RunConfig -> Runner.run().
 
 Exit codes:
-    0  the run completed (rows that could not run are in errors-*.jsonl)
+    0  the run completed (rows that could not run are in errors-*.jsonl; at least one ran)
     1  the run failed (an engine or I/O error; the message says why)
     2  a bad option or argument (nothing was started)
     3  bad input: the dataset is missing, unreadable, empty or of an unknown format
     4  the model cannot be loaded (unsupported architecture, missing or mismatched weights)
     5  interrupted (SIGTERM, SIGINT or SIGUSR1): the committed rows are kept; resumable, run the
        same command again (Slurm: requeue the task)
+    6  the run completed but no row could run: every row is in errors-*.jsonl (also a complete
+       run submitted again, and a resumed one, when no row of the whole run ran)
 
 `batchrun merge` exits 0 when every input row is in exactly one shard, 1 otherwise (the report
 lists missing and duplicate ids), 3 when OUT or the input cannot be read.
@@ -43,6 +45,7 @@ from batchrun.job.shards import ShardOptionError, resolve_shards
 # it, so `batchrun --help`, `merge` and `inspect` start without them
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INPUT, EXIT_MODEL, EXIT_INTERRUPTED = 1, 2, 3, 4, 5
+EXIT_ALL_FAILED = 6
 
 
 def _fail(message: str, code: int) -> None:
@@ -147,7 +150,8 @@ def submit(dataset: str, out: str, **o) -> None:
     merge OUT` checks and combines the shards.
 
     Exit codes: 0 done (bad rows are in errors-*.jsonl), 1 failed, 2 bad option, 3 bad input,
-    4 model cannot be loaded, 5 interrupted by a signal (resumable: run the same command again).
+    4 model cannot be loaded, 5 interrupted by a signal (resumable: run the same command again),
+    6 done but every row failed (all are in errors-*.jsonl).
     """
     try:
         num_shards, shard_index = resolve_shards(o["num_shards"], o["shard_index"])
@@ -230,10 +234,11 @@ def _submit(config, server) -> None:
         if server is not None:
             server.hub.start(runner.summary.rows, runner.summary)
             server.hub.finish(runner.summary.status)
-        click.echo(
+        _report(
+            runner.summary,
+            where,
             f"{where} is already complete ({runner.summary.rows} rows); nothing to do "
             "(--overwrite runs it again)",
-            err=True,
         )
         return
     if not config.quiet:
@@ -249,12 +254,26 @@ def _submit(config, server) -> None:
     except RunError as e:
         _fail(str(e), e.exit_code)
     if summary.interrupted:
-        click.echo(
-            f"{summary.line()} -> {where}\ninterrupted; resumable: run the same command again",
-            err=True,
+        _report(
+            summary,
+            where,
+            f"{summary.line()} -> {where}",
+            "interrupted; resumable: run the same command again",
         )
         sys.exit(EXIT_INTERRUPTED)
-    click.echo(f"{summary.line()} -> {where}", err=True)
+    _report(summary, where, f"{summary.line()} -> {where}")
+
+
+def _report(summary, where, head: str, tail: str | None = None) -> None:
+    """The summary, then the errors by type and where they are; exit 6 when no row could run."""
+    lines = [head, summary.errors_line(where), tail]
+    click.echo("\n".join(line for line in lines if line is not None), err=True)
+    if summary.all_failed and not summary.interrupted:
+        _fail(
+            f"no row could run: all {summary.rows_failed:,} rows are in the errors file (the "
+            "counts above say why); fix the input or the options and run again with --overwrite",
+            EXIT_ALL_FAILED,
+        )
 
 
 @main.command()
