@@ -12,7 +12,9 @@ Exit codes:
        run submitted again, and a resumed one, when no row of the whole run ran)
 
 `batchrun merge` exits 0 when every input row is in exactly one shard, 1 otherwise (the report
-lists missing and duplicate ids), 3 when OUT or the input cannot be read.
+lists missing and duplicate ids), 3 when OUT or the input cannot be read. `batchrun inspect`
+exits 0 when the files hold what the manifest committed, 1 when committed records are missing or
+disagree with it, 3 when OUT is not a run directory.
 """
 
 from __future__ import annotations
@@ -230,6 +232,8 @@ def _submit(config, server) -> None:
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(f"cannot load the model: {e}", EXIT_MODEL)
     where = runner.out
+    for note in runner.repairs:
+        click.echo(f"resume: {note}", err=True)
     if runner.summary.already_complete:
         if server is not None:
             server.hub.start(runner.summary.rows, runner.summary)
@@ -243,8 +247,6 @@ def _submit(config, server) -> None:
         return
     if not config.quiet:
         click.echo(f"kernels: {runner.engine.kernels.describe()}", err=True)
-    for note in runner.repairs:
-        click.echo(f"resume: {note}", err=True)
     if runner.summary.resumed_rows:
         click.echo(
             f"resuming {where}: {runner.summary.resumed_rows} rows already committed", err=True
@@ -364,11 +366,16 @@ def tail(url: str, token: str | None, rows: bool) -> None:
 @main.command()
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
 def inspect(out: str) -> None:
-    """Summary of a run directory: status, counts, tokens, files (checked against the disk)."""
+    """Summary of a run directory: status, counts, tokens, files (checked against the disk).
+    Exit 0 when the files hold what the manifest committed, 1 when committed records are
+    missing or disagree with it (the report says which), 3 when OUT is not a run directory."""
     try:
-        click.echo(inspect_run(out))
+        report = inspect_run(out)
     except InspectError as e:
         _fail(str(e), EXIT_INPUT)
+    click.echo(report.text)
+    if report.damaged:
+        sys.exit(EXIT_FAILED)
 
 
 if __name__ == "__main__":

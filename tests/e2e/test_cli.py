@@ -323,7 +323,33 @@ def test_plan_and_inspect(model, tmp_path):
     shard = next(out.glob("results-*.jsonl"))
     shard.write_text(shard.read_text().splitlines()[0] + "\n")
     r = CliRunner().invoke(main, ["inspect", str(out)])
-    assert "manifest says" in r.output
+    assert "manifest says" in r.output and r.exit_code == 1
+
+
+def test_damaged_output_is_reported_and_its_rows_run_again(model, tmp_path):
+    """A results file cut short after the run completed: inspect exits 1; submit runs the rows
+    whose records are gone again (never "already complete") and keeps the intact ones."""
+    ds = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    out = tmp_path / "o"
+    submit(model, ds, out, "--shard-size", "2")
+    baseline = {(r["id"], r.get("index")): r["text"] for r in read_jsonl(out, "results")}
+    shard = out / "results-00001.jsonl"
+    intact = out / "results-00000.jsonl"
+    before = intact.stat().st_mtime_ns
+    shard.write_bytes(shard.read_bytes()[:-7])  # 299 lines where the manifest says 300
+    r = CliRunner().invoke(main, ["inspect", str(out)])
+    assert r.exit_code == 1, r.output
+    assert "results-00001.jsonl: 1 lines on disk, manifest says 2" in r.output
+    assert "shorter than its committed" in r.output and "batchrun submit" in r.output
+    r = submit(model, ds, out, "--shard-size", "2")
+    assert "already complete" not in r.output
+    assert "results-00001.jsonl: 1 of its 2 committed lines are left" in r.output
+    assert "run again" in r.output
+    check_complete(out, 5, 5)
+    assert {(r["id"], r.get("index")): r["text"] for r in read_jsonl(out, "results")} == baseline
+    assert intact.stat().st_mtime_ns == before  # intact committed rows are left alone
+    r = CliRunner().invoke(main, ["inspect", str(out)])
+    assert r.exit_code == 0 and "check        ok" in r.output, r.output
 
 
 def test_records_are_msgspec_structs_without_defaults(model, tmp_path):
