@@ -113,8 +113,8 @@ class _Group:
 
 
 class _Salvage:
-    def __init__(self, out: Path, m: Manifest, ledger: np.ndarray | None) -> None:
-        self.out, self.m = out, m
+    def __init__(self, out: Path, ledger: np.ndarray | None) -> None:
+        self.out = out
         self.ledger = ledger  # the committed row numbers, None when the ledger itself is damaged
         self.in_ledger = _Rows(ledger) if ledger is not None else None
         self.kept = _Rows()
@@ -212,7 +212,7 @@ def salvage(out: Path, m: Manifest, damage: list[str]) -> list[str]:
     again); updates ``m`` and writes it. Returns what was done, for the user. Raises RunError
     when the records carry no row numbers."""
     ledger_ok = not any(d.startswith(RowLedger.NAME) for d in damage)
-    s = _Salvage(out, m, read_ledger(out, m.ledger_rows) if ledger_ok else None)
+    s = _Salvage(out, read_ledger(out, m.ledger_rows) if ledger_ok else None)
     files = {p: [f for f in m.files if f.path.startswith(p)] for p in ("results-", "errors-")}
     drops = {p: s.scan(fs, results=p == "results-") for p, fs in files.items()}
     new_files = [f for p, fs in files.items() for f in s.rewrite(fs, drops[p])]
