@@ -229,6 +229,8 @@ def test_no_row_can_run_exits_6_with_the_errors_by_type(model, tmp_path):
     assert "no row could run" in r.output
     r = submit(model, binary, out, code=6)
     assert "already complete" in r.output and f"errors: {num} invalid_json" in r.output
+    r = CliRunner().invoke(main, ["inspect", str(out)])
+    assert f"errors       {num} invalid_json -> {out / 'errors-00000.jsonl'}" in r.output
     # a resumed run with every row committed (an attempt stopped after its last commit)
     m = json.loads((out / "manifest.json").read_text())
     (out / "manifest.json").write_text(json.dumps({**m, "status": "interrupted"}))
