@@ -6,6 +6,8 @@ up in output files; `omit_defaults=True` keeps encoded messages and records smal
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgspec
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
@@ -56,37 +58,47 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             or self.presence_penalty != 0.0
         )
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError with a message that says what to change."""
+    def validate(
+        self, vocab_size: int | None = None, names: Mapping[str, str] | None = None
+    ) -> None:
+        """Raise ValueError with a message that says what to change. ``names`` maps a field to
+        what the caller's user wrote for it (a CLI option, a row field); the field name else."""
+        name = (lambda f: names.get(f, f)) if names else (lambda f: f)
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ValueError(f"{name('max_new_tokens')} must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(
-                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                f"got {self.min_new_tokens}"
+                f"{name('min_new_tokens')} must be between 0 and {name('max_new_tokens')} "
+                f"({self.max_new_tokens}), got {self.min_new_tokens}"
             )
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ValueError(f"{name('temperature')} must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"{name('top_p')} must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+            raise ValueError(f"{name('top_k')} must be -1 (disabled) or >= 0, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ValueError(f"{name('min_p')} must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise ValueError(
+                f"{name('repetition_penalty')} must be > 0, got {self.repetition_penalty}"
+            )
+        for field in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, field)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name(field)} must be in [-2, 2], got {value}")
         if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+            raise ValueError(f"{name('n')} must be >= 1, got {self.n}")
         if not 0 <= self.top_logprobs <= 20:
-            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+            raise ValueError(f"{name('top_logprobs')} must be in [0, 20], got {self.top_logprobs}")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+            raise ValueError(f"{name('stop')}: a stop string must not be empty")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name('stop_token_ids')} must be in [0, {vocab_size}), got {bad[0]}"
+                )
         if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
             raise ValueError(
                 f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.grammar.kind!r}"

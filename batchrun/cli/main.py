@@ -1,7 +1,7 @@
 """The `batchrun` command line. Thin: options -> RunConfig -> Runner.run().
 
 Exit codes:
-    0  the run completed (rows that could not run are in errors-*.jsonl)
+    0  the run completed (rows that could not run are in errors-*.jsonl; at least one ran)
     1  the run failed (an engine or I/O error; the message says why)
     2  a bad option or argument (nothing was started)
     3  bad input: the dataset is missing, unreadable, empty or of an unknown format, or OpenAI
@@ -9,9 +9,13 @@ Exit codes:
     4  the model cannot be loaded (unsupported architecture, missing or mismatched weights)
     5  interrupted (SIGTERM, SIGINT or SIGUSR1): the committed rows are kept; resumable, run the
        same command again (Slurm: requeue the task)
+    6  the run completed but no row could run: every row is in errors-*.jsonl (also a complete
+       run submitted again, and a resumed one, when no row of the whole run ran)
 
 `batchrun merge` exits 0 when every input row is in exactly one shard, 1 otherwise (the report
-lists missing and duplicate ids), 3 when OUT or the input cannot be read.
+lists missing and duplicate ids), 3 when OUT or the input cannot be read. `batchrun inspect`
+exits 0 when the files hold what the manifest committed, 1 when committed records are missing or
+disagree with it, 3 when OUT is not a run directory.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from batchrun.job.shards import ShardOptionError, resolve_shards
 # it, so `batchrun --help`, `merge` and `inspect` start without them
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INPUT, EXIT_MODEL, EXIT_INTERRUPTED = 1, 2, 3, 4, 5
+EXIT_ALL_FAILED = 6
 
 
 def _fail(message: str, code: int) -> None:
@@ -148,7 +153,8 @@ def submit(dataset: str, out: str, **o) -> None:
     merge OUT` checks and combines the shards.
 
     Exit codes: 0 done (bad rows are in errors-*.jsonl), 1 failed, 2 bad option, 3 bad input,
-    4 model cannot be loaded, 5 interrupted by a signal (resumable: run the same command again).
+    4 model cannot be loaded, 5 interrupted by a signal (resumable: run the same command again),
+    6 done but every row failed (all are in errors-*.jsonl).
     """
     try:
         num_shards, shard_index = resolve_shards(o["num_shards"], o["shard_index"])
@@ -228,20 +234,21 @@ def _submit(config, server) -> None:
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(f"cannot load the model: {e}", EXIT_MODEL)
     where = runner.out
+    for note in runner.repairs:
+        click.echo(f"resume: {note}", err=True)
     if runner.summary.already_complete:
         if server is not None:
             server.hub.start(runner.summary.rows, runner.summary)
             server.hub.finish(runner.summary.status)
-        click.echo(
+        _report(
+            runner.summary,
+            where,
             f"{where} is already complete ({runner.summary.rows} rows); nothing to do "
             "(--overwrite runs it again)",
-            err=True,
         )
         return
     if not config.quiet:
         click.echo(f"kernels: {runner.engine.kernels.describe()}", err=True)
-    for note in runner.repairs:
-        click.echo(f"resume: {note}", err=True)
     if runner.summary.resumed_rows:
         click.echo(
             f"resuming {where}: {runner.summary.resumed_rows} rows already committed", err=True
@@ -251,12 +258,26 @@ def _submit(config, server) -> None:
     except RunError as e:
         _fail(str(e), e.exit_code)
     if summary.interrupted:
-        click.echo(
-            f"{summary.line()} -> {where}\ninterrupted; resumable: run the same command again",
-            err=True,
+        _report(
+            summary,
+            where,
+            f"{summary.line()} -> {where}",
+            "interrupted; resumable: run the same command again",
         )
         sys.exit(EXIT_INTERRUPTED)
-    click.echo(f"{summary.line()} -> {where}", err=True)
+    _report(summary, where, f"{summary.line()} -> {where}")
+
+
+def _report(summary, where, head: str, tail: str | None = None) -> None:
+    """The summary, then the errors by type and where they are; exit 6 when no row could run."""
+    lines = [head, summary.errors_line(where), tail]
+    click.echo("\n".join(line for line in lines if line is not None), err=True)
+    if summary.all_failed and not summary.interrupted:
+        _fail(
+            f"no row could run: all {summary.rows_failed:,} rows are in the errors file (the "
+            "counts above say why); fix the input or the options and run again with --overwrite",
+            EXIT_ALL_FAILED,
+        )
 
 
 @main.command()
@@ -348,11 +369,16 @@ def tail(url: str, token: str | None, rows: bool) -> None:
 @main.command()
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
 def inspect(out: str) -> None:
-    """Summary of a run directory: status, counts, tokens, files (checked against the disk)."""
+    """Summary of a run directory: status, counts, tokens, files (checked against the disk).
+    Exit 0 when the files hold what the manifest committed, 1 when committed records are
+    missing or disagree with it (the report says which), 3 when OUT is not a run directory."""
     try:
-        click.echo(inspect_run(out))
+        report = inspect_run(out)
     except InspectError as e:
         _fail(str(e), EXIT_INPUT)
+    click.echo(report.text)
+    if report.damaged:
+        sys.exit(EXIT_FAILED)
 
 
 if __name__ == "__main__":

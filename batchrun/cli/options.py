@@ -17,6 +17,7 @@ from batchrun.config import (
     KernelConfig,
 )
 from batchrun.io.rows import RowSpec, structured_from_options
+from batchrun.job.config import SAMPLING_OPTIONS
 from batchrun.job.order import DEFAULT_WINDOW, ORDERS
 from batchrun.params import SamplingParams
 
@@ -363,9 +364,9 @@ def build_defaults(o: dict) -> SamplingParams:
         grammar=build_grammar(o),
     )
     try:
-        params.validate()
+        params.validate(names=SAMPLING_OPTIONS)
     except ValueError as e:
-        raise click.UsageError(f"{e} (fix the sampling option)") from e
+        raise click.UsageError(str(e)) from e
     return params
 
 

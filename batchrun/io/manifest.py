@@ -37,6 +37,7 @@ class Counts(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    error_types: dict[str, int] = msgspec.field(default_factory=dict)  # rows_failed by type
 
 
 class Manifest(msgspec.Struct, kw_only=True):

@@ -111,6 +111,8 @@ def _row_id(data: dict, column: str | None, row: int) -> str:
     if not column:
         return str(row)  # no --id-column and no "id" field: the row number
     value = data.get(column)
+    if value is None and column in data:
+        raise _Invalid(f"id column {column!r} is null; give every row an id")
     if value is None:
         raise _Invalid(f"no value in id column {column!r}; row has columns {_columns(data)}")
     raise _Invalid(f"{column!r} must be a string or number, got {type(value).__name__}")
@@ -128,9 +130,17 @@ def _prepare_plain(
             "with --prompt-column '' or --messages-column ''"
         )
     if prompt is None and messages is None:
-        wanted = " or ".join(repr(c) for c in (prompt_col, messages_col) if c)
+        wanted = [c for c in (prompt_col, messages_col) if c]
+        nulls = [repr(c) for c in wanted if c in data]  # present, but null
+        if nulls:
+            absent = [repr(c) for c in wanted if c not in data]
+            raise _Invalid(
+                f"{' and '.join(nulls)} {'is' if len(nulls) == 1 else 'are'} null"
+                + (f" and it has no {absent[0]}" if absent else "")
+                + "; give the row a prompt string or chat messages"
+            )
         raise _Invalid(
-            f"row has no {wanted} column: it has {_columns(data)}; "
+            f"row has no {' or '.join(map(repr, wanted))} column: it has {_columns(data)}; "
             "pick the right one with --prompt-column / --messages-column"
         )
     if messages is not None:
@@ -153,14 +163,12 @@ def _prepare_openai(
         raise _Invalid(f"'body' must be an object, got {type(body).__name__}")
     prompt = messages = None
     if url == "/v1/chat/completions":
-        if body.get("messages") is None:
-            raise _Invalid(f"body has no 'messages' (it has {_columns(body)})")
+        _require(body, "messages")
         messages = _check_messages(body["messages"], "body.messages", spec.system_prompt)
     else:
-        if body.get("prompt") is None:
-            raise _Invalid(f"body has no 'prompt' (it has {_columns(body)})")
+        _require(body, "prompt")
         prompt = _check_prompt(body["prompt"], "body.prompt")
-    params, response_format = _parse_structured(body, _parse_params(body, defaults))
+    params, response_format = _parse_structured(body, _parse_params(body, defaults, "body."))
     extra: dict = {"url": url, "method": method}
     if body.get("model") is not None:
         extra["model"] = body["model"]
@@ -168,6 +176,13 @@ def _prepare_openai(
     if unsupported:
         extra["unsupported_fields"] = unsupported
     return PreparedRow(row_id, row, prompt, messages, params, True, response_format, extra)
+
+
+def _require(body: dict, key: str) -> None:
+    if key in body and body[key] is None:
+        raise _Invalid(f"body.{key} is null; give it a value")
+    if key not in body:
+        raise _Invalid(f"body has no {key!r} (it has {_columns(body)})")
 
 
 def _check_prompt(prompt: Any, column: str) -> str:
@@ -286,30 +301,41 @@ ROW_PARAM_FIELDS: dict[str, tuple[str, Any]] = {
     "n": ("n", _as_int),
     "top_logprobs": ("top_logprobs", _as_int),
 }
-_ROW_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
-def _parse_params(data: dict, defaults: SamplingParams) -> SamplingParams:
+# SamplingParams field -> the row field that sets it
+_ROW_NAME = {field: name for name, (field, _) in reversed(ROW_PARAM_FIELDS.items())}
+
+
+def _parse_params(data: dict, defaults: SamplingParams, where: str = "") -> SamplingParams:
+    """The row's sampling fields over ``defaults``; ``where`` prefixes the names in messages
+    (``body.`` for OpenAI Batch rows)."""
     kw: dict[str, Any] = {}
+    names: dict[str, str] = {}  # SamplingParams field -> the row field that set it
     for name, (field, convert) in ROW_PARAM_FIELDS.items():
         value = data.get(name)
         if value is not None:
             kw[field] = convert(value, name)
+            names[field] = name
     logprobs = data.get("logprobs")
     if isinstance(logprobs, bool):
         kw["logprobs"] = logprobs
     elif logprobs is not None:
         # /v1/completions style: logprobs=N means "chosen token plus the N most likely".
         kw["logprobs"] = True
-        kw.setdefault("top_logprobs", _as_int(logprobs, "logprobs"))
+        if "top_logprobs" not in kw:
+            kw["top_logprobs"] = _as_int(logprobs, "logprobs")
+            names["top_logprobs"] = "logprobs"
     if not kw:
         return defaults  # the common case; the CLI validates the defaults once
     params = msgspec.structs.replace(defaults, **kw)
+    # a field the row did not set comes from the defaults (a CLI option, the API's sampling)
+    shown = {f: f"the default {n}" for f, n in _ROW_NAME.items()}
+    shown.update({f: f"'{where}{n}'" for f, n in names.items()})
     try:
-        params.validate()
+        params.validate(names=shown)
     except (ValueError, TypeError) as e:
-        field = str(e).split(" ", 1)[0]
-        raise _Invalid(f"invalid {_ROW_NAME.get(field, field)!r}: {e}") from None
+        raise _Invalid(str(e)) from None
     return params
 
 

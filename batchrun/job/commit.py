@@ -8,7 +8,9 @@ their committed rows and bytes, ``ledger_rows`` committed input rows, counts) is
 committed state, at every instant. A kill -9 anywhere leaves at most uncommitted bytes past those
 lengths; ``open`` (the resume) cuts them off, reports it, and returns the committed row numbers so
 the runner skips those rows and runs the rest. A row enters the ledger in the same commit as its
-records and is never added twice, so no row is ever committed twice.
+records and is never added twice, so no row is ever committed twice. Committed bytes that are
+gone (a file cut or deleted outside batchrun) are found at ``open`` by their sizes; the rows that
+lost records run again (job/salvage.py), whether or not the run was complete.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from batchrun.io.writer import (
     fsync_dir,
 )
 from batchrun.job.resume import fingerprint_diff
+from batchrun.job.salvage import find_damage, salvage
 
 OUR_FILES = ("results-", "errors-", ".results-", ".errors-", RowLedger.NAME, MANIFEST_NAME)
 
@@ -90,7 +93,12 @@ class RunOutput:
                 "Run the original command to resume it, choose another --out, or pass "
                 "--overwrite to replace it"
             )
+        # committed records that are gone (a file cut or deleted outside batchrun): their rows
+        # leave the committed state and run again, also in a run that was complete
+        damage = find_damage(out, old)
+        salvaged = salvage(out, old, damage) if damage else []
         run = cls(out, old, shard_size)
+        run.notes += salvaged
         if not old.is_complete:
             run._repair()
         return run

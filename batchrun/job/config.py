@@ -30,6 +30,26 @@ def default_served_model_name(model: str | None) -> str:
     return path.name or str(path)
 
 
+# SamplingParams field -> the `submit` option that sets it: messages name the option
+SAMPLING_OPTIONS = {
+    "max_new_tokens": "--max-tokens",
+    "min_new_tokens": "--min-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "repetition_penalty": "--repetition-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "presence_penalty": "--presence-penalty",
+    "stop": "--stop",
+    "n": "--n",
+    "top_logprobs": "--logprobs",
+    "logprobs": "--logprobs",
+    "ignore_eos": "--ignore-eos",
+    "grammar": "--response-format / --json-schema / --regex / --choice / --ebnf",
+}
+
+
 @dataclass(frozen=True)
 class RunConfig:
     dataset: str

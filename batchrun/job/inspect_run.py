@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
-from batchrun.io.manifest import read_manifest
+from batchrun.io.manifest import Manifest, read_manifest
+from batchrun.io.writer import RowLedger
+from batchrun.job.summary import describe_errors, errors_path
 
 
 class InspectError(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class InspectReport:
+    text: str
+    damaged: bool  # committed records are missing or disagree with the manifest
 
 
 def _count_lines(path: Path, length: int) -> int:
@@ -24,7 +33,7 @@ def _count_lines(path: Path, length: int) -> int:
     return num
 
 
-def inspect_run(out: str | Path) -> str:
+def inspect_run(out: str | Path) -> InspectReport:
     out = Path(out)
     try:
         m = read_manifest(out)
@@ -48,27 +57,58 @@ def inspect_run(out: str | Path) -> str:
         + (f", split {m.input.split})" if m.input.split else ")"),
         f"rows         {c.rows_total}: {c.rows_ok} ok, {c.rows_failed} failed; "
         f"{c.completions} completions",
+    ]
+    if c.rows_failed and c.error_types:
+        errors = [f.path for f in m.files if f.path.startswith("errors-")]
+        lines.append(f"errors       {describe_errors(c.error_types)} -> {errors_path(out, errors)}")
+    lines += [
         f"tokens       prompt {c.prompt_tokens:,} (cached "
         f"{100.0 * c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0:.1f}%), "
         f"output {c.completion_tokens:,}",
+        f"files        {len(m.files)}: " + ", ".join(f"{f.path} ({f.rows})" for f in m.files),
     ]
-    problems = []
+    damage, notes = _check(out, m)
+    lines.append("check        " + ("; ".join(damage + notes) if damage or notes else "ok"))
+    if damage:
+        lines.append(
+            "repair       committed records are gone: the same `batchrun submit` command runs "
+            "their rows again (or says why it cannot); --overwrite starts over"
+        )
+    return InspectReport("\n".join(lines), bool(damage))
+
+
+def _check(out: Path, m: Manifest) -> tuple[list[str], list[str]]:
+    """(damage: committed bytes gone or disagreeing with the manifest, notes: harmless)."""
+    damage, notes = [], []
     for f in m.files:
         path = out / f.path
         if not path.is_file():
-            problems.append(f"{f.path}: listed in the manifest but missing")
+            damage.append(f"{f.path}: listed in the manifest but missing")
             continue
         size = path.stat().st_size
         length = f.bytes if f.bytes is not None else size
         n = _count_lines(path, length)
         if n != f.rows:
-            problems.append(f"{f.path}: {n} lines on disk, manifest says {f.rows}")
+            damage.append(f"{f.path}: {n} lines on disk, manifest says {f.rows}")
         if size > length:  # a crash after an append, before its commit
-            problems.append(f"{f.path}: {size - length} uncommitted bytes (cut on resume)")
+            notes.append(f"{f.path}: {size - length} uncommitted bytes (cut on resume)")
         elif size < length:
-            problems.append(f"{f.path}: shorter than its committed {length} bytes")
-    lines.append(
-        f"files        {len(m.files)}: " + ", ".join(f"{f.path} ({f.rows})" for f in m.files)
-    )
-    lines.append("check        " + ("ok" if not problems else "; ".join(problems)))
-    return "\n".join(lines)
+            damage.append(f"{f.path}: shorter than its committed {length} bytes")
+    ledger = out / RowLedger.NAME
+    have = ledger.stat().st_size // RowLedger.DTYPE.itemsize if ledger.is_file() else 0
+    if have < m.ledger_rows:
+        damage.append(f"{RowLedger.NAME}: {have} rows on disk, manifest says {m.ledger_rows}")
+    c = m.counts
+    results = sum(f.rows for f in m.files if f.path.startswith("results-"))
+    errors = sum(f.rows for f in m.files if f.path.startswith("errors-"))
+    # a line per completion (n per row), or per row (OpenAI Batch output: n choices in one)
+    if (m.ledger_rows, errors) != (c.rows_total, c.rows_failed) or results not in (
+        c.completions,
+        c.rows_ok,
+    ):
+        damage.append(
+            f"the manifest disagrees with itself: {m.ledger_rows} rows in the ledger, "
+            f"{c.rows_total} counted; {errors} error lines, {c.rows_failed} failed rows; "
+            f"{results} result lines, {c.completions} completions"
+        )
+    return damage, notes

@@ -271,7 +271,11 @@ def _write_merged(
                 k += 1
     for i, m in manifests.items():
         for name in counts.__struct_fields__:
-            setattr(counts, name, getattr(counts, name) + getattr(m.counts, name))
+            if name == "error_types":
+                for kind, n in m.counts.error_types.items():
+                    counts.error_types[kind] = counts.error_types.get(kind, 0) + n
+            else:
+                setattr(counts, name, getattr(counts, name) + getattr(m.counts, name))
         ledgers.append(read_ledger(dirs[i], m.ledger_rows))
     np.concatenate(ledgers).astype(RowLedger.DTYPE).tofile(tmp / RowLedger.NAME)
     ref = next(iter(manifests.values()))

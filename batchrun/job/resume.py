@@ -15,14 +15,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from batchrun import __version__
-
-if TYPE_CHECKING:
-    from batchrun.job.config import RunConfig
+from batchrun.job.config import SAMPLING_OPTIONS, RunConfig
 
 EDGE_BYTES = 64 * 1024
 MAX_HASHED = 64
@@ -33,7 +31,7 @@ LABELS = {
     "batchrun_version": "batchrun version",
     "model": "model (config.json or weight files)",
     "input": "input dataset (content, format or split)",
-    "sampling": "sampling defaults (--max-tokens, --temperature, ...)",
+    "sampling": "sampling defaults",
     "rows": "row options (columns, system prompt, chat template, --limit)",
     "order": "--order / --order-window",
     "shards": "--num-shards / --shard-index",
@@ -131,6 +129,8 @@ def fingerprint_diff(old: dict, new: dict, ignore: tuple[str, ...] = ()) -> list
         elif key == "sampling":
             a, b = old.get(key) or {}, new.get(key) or {}
             changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-            label += ": " + ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in changed)
+            label += ": " + ", ".join(
+                f"{SAMPLING_OPTIONS.get(k, k)} {a.get(k)} -> {b.get(k)}" for k in changed
+            )
         out.append(label)
     return out

@@ -66,6 +66,8 @@ class Runner:
         self.hub = hub  # --serve-progress: gets counts and encoded rows; never blocks the loop
         self.out = shard_dir(config.out, config.num_shards, config.shard_index)
         self.source = self._open_source()
+        if self._input_is_empty():  # before --out is touched and the model loads
+            raise InputError(f"{config.dataset}: the input has no rows; nothing to do")
         self._refuse_repeated_custom_ids()
         fresh = Manifest(
             created=utc_now(),
@@ -81,6 +83,7 @@ class Runner:
         self.summary = RunSummary.from_counts(self._manifest.counts)
         self.engine: Engine | EngineProcess | DataParallelEngine | None = None
         self._owns_engine = engine is None
+        self.summary.error_files = self._error_files()
         if self.output.is_complete:
             self.summary.status = "already complete"
             return
@@ -136,6 +139,21 @@ class Runner:
         if found is not None:
             raise InputError(found.message(self.config.dataset))
 
+    def _input_is_empty(self) -> bool:
+        """Whether the input holds no row at all (a pass only up to its first row)."""
+        if self.source.num_rows is not None:
+            return self.source.num_rows == 0
+        batches = self.source.iter_batches(1)
+        try:
+            return next(batches, None) is None
+        except BadInputError as e:
+            raise InputError(str(e)) from e
+        finally:
+            batches.close()
+
+    def _error_files(self) -> list[str]:
+        return [f.path for f in self.output.errors.files]
+
     def _fingerprint(self) -> dict:
         try:
             return make_fingerprint(self.config, self.source.format)
@@ -183,9 +201,6 @@ class Runner:
     def _run(self) -> RunSummary:
         cfg = self.config
         total = self.total_rows()
-        if total == 0:
-            self._stop.restore()
-            raise InputError(f"{cfg.dataset}: the input has no rows; nothing to do")
         self._commit(status="running")  # a fresh run's manifest exists before any shard
         progress = Progress(total if cfg.num_shards == 1 else None, cfg.quiet)
         s = self.summary
@@ -234,6 +249,7 @@ class Runner:
             else:
                 stop.restore()
         self.output.close()
+        s.error_files = self._error_files()
         return s
 
     def _done(self) -> bool:
@@ -380,8 +396,7 @@ class Runner:
         )
 
     def _on_error(self, error: RowError) -> None:
-        self.summary.rows += 1
-        self.summary.rows_failed += 1
+        self.summary.add_error(error.type)
         openai = self._pipeline is not None and self._pipeline.openai
         record = openai_error_record(error) if openai else error_record(error)
         line = encode_line(record)

@@ -16,7 +16,22 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
 }
+# model_type -> the architecture batchrun runs for it when config.json lists no architectures
+# (what transformers' AutoModelForCausalLM does)
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+REQUIRED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
 @dataclass(frozen=True)
@@ -51,13 +66,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        arch = _architecture(raw, source)
+        missing = [k for k in REQUIRED_FIELDS if raw.get(k) is None]
+        if missing:
             raise ModelConfigError(
-                f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"batchrun supports {', '.join(SUPPORTED_ARCHITECTURES)} "
-                "(Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM)"
+                f"{source} ({_what_it_has(raw)}) lacks {', '.join(missing)}; a Hugging Face "
+                "config.json of the model (as saved with the weights) has them"
             )
         act = raw.get("hidden_act", "silu")
         if act != "silu":
@@ -115,6 +129,30 @@ class ModelConfig:
                 raise
             what = f"lacks the field {e}" if isinstance(e, KeyError) else f"has a bad value ({e})"
             raise ModelConfigError(f"{path} {what}; is it a Hugging Face config.json?") from None
+
+
+def _architecture(raw: dict[str, Any], source: str) -> str:
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and not archs:
+        arch = MODEL_TYPES.get(raw.get("model_type"))  # type: ignore[arg-type]
+    if arch is None:
+        raise ModelConfigError(
+            f"{source}: unsupported architecture: the file has {_what_it_has(raw)}; batchrun "
+            f"supports the architectures {', '.join(SUPPORTED_ARCHITECTURES)}, or with no "
+            f"architectures the model_type {', '.join(MODEL_TYPES)} (Llama 2/3/3.x, Mistral, "
+            "Qwen2/2.5, Qwen3, SmolLM)"
+        )
+    return arch
+
+
+def _what_it_has(raw: dict[str, Any]) -> str:
+    has = []
+    if raw.get("architectures"):
+        has.append(f"architectures {raw['architectures']}")
+    if raw.get("model_type") is not None:
+        has.append(f"model_type {raw['model_type']!r}")
+    return " and ".join(has) or "neither architectures nor model_type"
 
 
 def _rope_parameters(raw: dict[str, Any], source: str) -> dict[str, Any]:

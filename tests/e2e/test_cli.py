@@ -306,14 +306,64 @@ def test_bad_rows_go_to_errors_and_job_goes_on(model, tmp_path):
     ds = tmp_path / "bad.jsonl"
     ds.write_text("\n".join(lines) + "\n")
     out = tmp_path / "o"
-    submit(model, ds, out)
+    r = submit(model, ds, out)
     check_complete(out, 8, 2)
+    # the summary ends with the errors by type and where they are
+    assert r.output.splitlines()[-1] == (
+        "errors: 3 invalid_request, 2 invalid_json, 1 context_length_exceeded -> "
+        f"{out / 'errors-00000.jsonl'}"
+    )
     errors = {e["row"]: e for e in read_jsonl(out, "errors")}
     assert set(errors) == {1, 2, 3, 4, 5, 6}
     assert "JSON" in errors[1]["error"]["message"]
     assert "prompt" in errors[2]["error"]["message"]
     assert errors[4]["error"]["type"] == "context_length_exceeded"
     assert "temperature" in errors[6]["error"]["message"]
+
+
+def test_no_row_can_run_exits_6_with_the_errors_by_type(model, tmp_path):
+    """A job where every row fails is not a success: exit 6, the errors by type and their file;
+    so is the same run submitted again, and a resumed one whose rows all failed."""
+    binary = tmp_path / "binary.jsonl"  # e.g. an archive renamed .jsonl
+    binary.write_bytes(bytes(range(256)) * 8)
+    out = tmp_path / "o1"
+    r = submit(model, binary, out, code=6)
+    num = json.loads((out / "manifest.json").read_text())["counts"]["rows_failed"]
+    assert num > 1
+    assert f"errors: {num} invalid_json -> {out / 'errors-00000.jsonl'}" in r.output
+    assert "no row could run" in r.output
+    r = submit(model, binary, out, code=6)
+    assert "already complete" in r.output and f"errors: {num} invalid_json" in r.output
+    r = CliRunner().invoke(main, ["inspect", str(out)])
+    assert f"errors       {num} invalid_json -> {out / 'errors-00000.jsonl'}" in r.output
+    # a resumed run with every row committed (an attempt stopped after its last commit)
+    m = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**m, "status": "interrupted"}))
+    r = submit(model, binary, out, code=6)
+    assert "resuming" in r.output and f"errors: {num} invalid_json" in r.output
+
+    pq.write_table(pa.Table.from_pylist([{"question": "hi"}] * 3), tmp_path / "q.parquet")
+    r = submit(model, tmp_path / "q.parquet", tmp_path / "o2", code=6)
+    assert "errors: 3 invalid_request" in r.output
+    ds = write_jsonl(tmp_path / "in.jsonl", [ROWS[0], ROWS[2]])  # no row sets max_tokens
+    r = submit(model, ds, tmp_path / "o3", "--max-tokens", "1000000000", code=6)
+    assert "errors: 2 context_length_exceeded" in r.output
+
+
+def test_empty_input_is_refused_before_the_model_loads(tmp_path):
+    """Exit 3, not 4: a model that cannot load is never reached, and --out is left alone."""
+    nomodel = str(tmp_path / "nomodel")
+    for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n\n  \n")):
+        (tmp_path / name).write_text(text)
+        r = submit(nomodel, tmp_path / name, tmp_path / "o", code=3)
+        assert "no rows" in r.output and "nomodel" not in r.output
+    pq.write_table(
+        pa.Table.from_pylist([], schema=pa.schema([("prompt", pa.string())])),
+        tmp_path / "e.parquet",
+    )
+    r = submit(nomodel, tmp_path / "e.parquet", tmp_path / "o", code=3)
+    assert "no rows" in r.output
+    assert not (tmp_path / "o").exists()
 
 
 def test_clear_messages_for_bad_invocations(model, tmp_path):
@@ -328,17 +378,22 @@ def test_clear_messages_for_bad_invocations(model, tmp_path):
     assert ".jsonl" in r.output
     ds = write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
     r = submit(model, ds, tmp_path / "o4", "--top-p", "1.5", code=2)
-    assert "top_p" in r.output
+    assert "--top-p must be in (0, 1], got 1.5" in r.output
+    # the option the user wrote, never the field behind it (max_new_tokens, min_new_tokens)
+    r = submit(model, ds, tmp_path / "o4", "--max-tokens", "0", code=2)
+    assert "--max-tokens must be >= 1, got 0" in r.output and "new_tokens" not in r.output
+    r = submit(model, ds, tmp_path / "o4", "--min-tokens", "20", code=2)
+    assert "--min-tokens must be between 0 and --max-tokens (12), got 20" in r.output
     r = submit(str(tmp_path / "nomodel"), ds, tmp_path / "o5", code=4)
     assert "nomodel" in r.output
     # unknown column: every row becomes an error naming the column, nothing crashes
     out = tmp_path / "o6"
-    submit(model, ds, out, "--prompt-column", "nope", "--messages-column", "")
+    submit(model, ds, out, "--prompt-column", "nope", "--messages-column", "", code=6)
     check_complete(out, 1, 0)
     assert "nope" in read_jsonl(out, "errors")[0]["error"]["message"]
     # an existing run is not overwritten by accident: the same run is complete already, a
     # different one is refused
-    r = submit(model, ds, out, "--prompt-column", "nope", "--messages-column", "")
+    r = submit(model, ds, out, "--prompt-column", "nope", "--messages-column", "", code=6)
     assert "already complete" in r.output
     r = submit(model, ds, out, code=1)
     assert "different run" in r.output and "--overwrite" in r.output
@@ -375,7 +430,33 @@ def test_plan_and_inspect(model, tmp_path):
     shard = next(out.glob("results-*.jsonl"))
     shard.write_text(shard.read_text().splitlines()[0] + "\n")
     r = CliRunner().invoke(main, ["inspect", str(out)])
-    assert "manifest says" in r.output
+    assert "manifest says" in r.output and r.exit_code == 1
+
+
+def test_damaged_output_is_reported_and_its_rows_run_again(model, tmp_path):
+    """A results file cut short after the run completed: inspect exits 1; submit runs the rows
+    whose records are gone again (never "already complete") and keeps the intact ones."""
+    ds = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    out = tmp_path / "o"
+    submit(model, ds, out, "--shard-size", "2")
+    baseline = {(r["id"], r.get("index")): r["text"] for r in read_jsonl(out, "results")}
+    shard = out / "results-00001.jsonl"
+    intact = out / "results-00000.jsonl"
+    before = intact.stat().st_mtime_ns
+    shard.write_bytes(shard.read_bytes()[:-7])  # 299 lines where the manifest says 300
+    r = CliRunner().invoke(main, ["inspect", str(out)])
+    assert r.exit_code == 1, r.output
+    assert "results-00001.jsonl: 1 lines on disk, manifest says 2" in r.output
+    assert "shorter than its committed" in r.output and "batchrun submit" in r.output
+    r = submit(model, ds, out, "--shard-size", "2")
+    assert "already complete" not in r.output
+    assert "results-00001.jsonl: 1 of its 2 committed lines are left" in r.output
+    assert "run again" in r.output
+    check_complete(out, 5, 5)
+    assert {(r["id"], r.get("index")): r["text"] for r in read_jsonl(out, "results")} == baseline
+    assert intact.stat().st_mtime_ns == before  # intact committed rows are left alone
+    r = CliRunner().invoke(main, ["inspect", str(out)])
+    assert r.exit_code == 0 and "check        ok" in r.output, r.output
 
 
 def test_records_are_msgspec_structs_without_defaults(model, tmp_path):

@@ -73,12 +73,152 @@ def test_commit_then_crash_tail_is_cut_on_resume(tmp_path: Path) -> None:
     assert done.is_complete
 
 
+def record(row: int, index: int | None = None) -> bytes:
+    rec = {"id": f"r{row}", "text": "t", "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+    if index is not None:
+        rec["index"] = index
+    return msgspec.json.encode({**rec, "row": row}) + b"\n"
+
+
+def fill_multi(run: RunOutput, rows: range) -> None:
+    """Rows with n = 1, n = 3 (every third row) and errors (every fifth)."""
+    for r in rows:
+        if r % 5 == 4:
+            run.add_error(r, error_line(r))
+        elif r % 3 == 0:
+            run.add_result(r, [record(r, i) for i in range(3)])
+        else:
+            run.add_result(r, [record(r)])
+
+
+def error_line(row: int) -> bytes:
+    err = {"id": f"r{row}", "row": row, "error": {"type": "invalid_json", "message": "m"}}
+    return msgspec.json.encode(err) + b"\n"
+
+
+def complete_run(out: Path, rows: range, shard_size: int = 5) -> None:
+    """Shards of 5 lines: row 6's 3 lines run from the second file into the third."""
+    run = RunOutput.open(out, make_manifest(), shard_size, overwrite=False)
+    fill_multi(run, rows)
+    run.commit(Counts(rows_total=len(rows)), status="complete")
+    run.close()
+
+
+def resume_and_finish(out: Path, rows: range) -> RunOutput:
+    """What submit does: open, run the rows not committed, commit complete."""
+    run = RunOutput.open(out, make_manifest(), 4, overwrite=False)
+    assert not run.is_complete
+    fill_multi(run, range(0))
+    for r in rows:
+        if not run.is_committed(r):
+            fill_multi(run, range(r, r + 1))
+    run.commit(Counts(rows_total=len(rows)), status="complete")
+    run.close()
+    return run
+
+
+def records_by_row(out: Path) -> dict[int, list]:
+    """row -> its records' indices; asserts every committed line is whole and listed."""
+    m = read_manifest(out)
+    found: dict[int, list] = {}
+    for f in m.files:
+        data = (out / f.path).read_bytes()
+        assert len(data) == f.bytes and data.count(b"\n") == f.rows
+        for raw in data.splitlines():
+            rec = msgspec.json.decode(raw)
+            found.setdefault(rec["row"], []).append(rec.get("index"))
+    assert sorted(found) == committed_rows(out)
+    return found
+
+
+def expected(rows: range) -> dict[int, list]:
+    return {r: [None] if r % 5 == 4 or r % 3 else [0, 1, 2] for r in rows}
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncate", "cut_line", "delete", "delete_middle", "ledger", "ledger_and_file"],
+)
+def test_damaged_committed_records_run_again(tmp_path: Path, damage: str) -> None:
+    """A complete run whose committed bytes are partly gone is not complete: the rows that lost
+    a record (a row of n lines next to the damage included) run again, the intact ones stay,
+    and the end result has every row exactly once with all its lines."""
+    out, rows = tmp_path / "run", range(20)
+    complete_run(out, rows)
+    files = sorted(out.glob("results-*.jsonl"))
+    assert len(files) >= 4
+    ledger = out / RowLedger.NAME
+    if damage == "truncate":
+        files[-1].write_bytes(b"".join(files[-1].read_bytes().splitlines(True)[:-2]))
+    elif damage == "cut_line":
+        files[1].write_bytes(files[1].read_bytes()[:-5])
+    elif damage == "delete":
+        (out / "errors-00000.jsonl").unlink()
+    elif damage == "delete_middle":
+        files[1].unlink()
+    elif damage == "ledger":
+        ledger.write_bytes(ledger.read_bytes()[:16])
+    else:
+        ledger.unlink()
+        files[2].write_bytes(files[2].read_bytes()[:-1])  # the newline of its last line
+    before = read_manifest(out).counts.rows_total
+    again = RunOutput.open(out, make_manifest(), 4, overwrite=False)
+    m = read_manifest(out)
+    kept = records_by_row(out)  # what is left is whole and consistent with the ledger
+    assert all(kept[r] == expected(rows)[r] for r in kept)
+    assert m.counts.rows_total == len(kept) == m.ledger_rows
+    assert m.counts.rows_failed == sum(1 for r in kept if r % 5 == 4)
+    assert m.counts.completions == sum(len(v) for r, v in kept.items() if r % 5 != 4)
+    assert m.counts.prompt_tokens == 3 * m.counts.completions
+    if damage == "ledger":  # the records are all there: nothing runs again
+        assert again.is_complete and len(kept) == before
+        assert any("rebuilt" in n for n in again.notes)
+        return
+    assert not again.is_complete and m.status == "running" and len(kept) < before
+    assert any("run again" in n for n in again.notes)
+    again.close()
+    resume_and_finish(out, rows)
+    assert records_by_row(out) == expected(rows)
+
+
+def test_salvage_interrupted_by_a_crash_converges(tmp_path: Path, monkeypatch) -> None:
+    out, rows = tmp_path / "run", range(20)
+    complete_run(out, rows)
+    files = sorted(out.glob("results-*.jsonl"))
+    files[1].unlink()  # rows of files[0] and files[2] next to it are rewritten away
+
+    def crash(*a):
+        raise OSError(5, "crash before the manifest")
+
+    monkeypatch.setattr("batchrun.job.salvage.write_manifest", crash)
+    with pytest.raises(RunError):
+        RunOutput.open(out, make_manifest(), 4, overwrite=False)
+    monkeypatch.undo()
+    resume_and_finish(out, rows)
+    assert records_by_row(out) == expected(rows)
+
+
+def test_damaged_openai_output_is_refused_with_how_to_repair(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run = RunOutput.open(out, make_manifest(), 4, overwrite=False)
+    for r in range(6):
+        run.add_result(
+            r, [msgspec.json.encode({"id": "batch_req_x", "custom_id": f"c{r}"}) + b"\n"]
+        )
+    run.commit(Counts(rows_total=6), status="complete")
+    (out / "results-00001.jsonl").unlink()
+    with pytest.raises(RunError, match="no input row number.*--overwrite"):
+        RunOutput.open(out, make_manifest(), 4, overwrite=False)
+    assert read_manifest(out).is_complete  # untouched: nothing is decided for the user
+    assert RunOutput.open(out, make_manifest(), 4, overwrite=True).num_committed_rows == 0
+
+
 def test_fingerprint_mismatch_and_foreign_directory_refused(tmp_path: Path) -> None:
     out = tmp_path / "run"
     run = RunOutput.open(out, make_manifest(), 4, overwrite=False)
     run.commit(Counts())
     other = make_manifest(sampling={"max_new_tokens": 9})
-    with pytest.raises(RunError, match="max_new_tokens 8 -> 9.*--overwrite"):
+    with pytest.raises(RunError, match="sampling defaults: --max-tokens 8 -> 9.*--overwrite"):
         RunOutput.open(out, other, 4, overwrite=False)
     fresh = RunOutput.open(out, other, 4, overwrite=True)
     assert fresh.num_committed_rows == 0 and not (out / "manifest.json").exists()

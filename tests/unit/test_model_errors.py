@@ -18,6 +18,7 @@ from tiny_models import make_tiny_model  # noqa: E402
 from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.models.config import (  # noqa: E402
+    MODEL_TYPES,
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
     ModelConfigError,
@@ -73,7 +74,34 @@ def test_unsupported_architecture(model_dir):
     msg = str(e.value)
     assert str(model_dir / "config.json") in msg
     assert "GPT2LMHeadModel" in msg and "unsupported architecture" in msg
+    assert "model_type 'gpt2'" in msg
     assert all(arch in msg for arch in SUPPORTED_ARCHITECTURES)
+    assert all(kind in msg for kind in MODEL_TYPES)
+
+
+def test_model_type_without_architectures_loads(model_dir):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    del cfg["architectures"]
+    (model_dir / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    assert engine(model_dir).model_config.architecture == "LlamaForCausalLM"
+
+
+def test_config_with_only_a_model_type(model_dir):
+    """Says what the file has and lacks; never that a supported model_type is unsupported."""
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ModelConfigError) as e:
+        engine(model_dir)
+    msg = str(e.value)
+    assert "unsupported" not in msg and "model_type 'llama'" in msg, msg
+    assert "lacks vocab_size, hidden_size, intermediate_size, num_hidden_layers" in msg
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ModelConfigError) as e:
+        engine(model_dir)
+    msg = str(e.value)
+    assert "the file has model_type 'bert'" in msg and "model_type llama, mistral" in msg, msg
+    (model_dir / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ModelConfigError, match="neither architectures nor model_type"):
+        engine(model_dir)
 
 
 def test_missing_config_json(model_dir):

@@ -89,9 +89,16 @@ def test_per_row_params_override_defaults() -> None:
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content must be a string"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
         ({"prompt": "x", "max_tokens": "5"}, "'max_tokens' must be an integer, got str"),
-        ({"prompt": "x", "max_tokens": 0}, "invalid 'max_tokens': max_new_tokens must be >= 1"),
-        ({"prompt": "x", "temperature": -1}, "invalid 'temperature'"),
-        ({"prompt": "x", "logprobs": True, "top_logprobs": 50}, "invalid 'top_logprobs'"),
+        ({"prompt": "x", "max_tokens": 0}, "'max_tokens' must be >= 1, got 0"),
+        ({"prompt": "x", "max_completion_tokens": 0}, "'max_completion_tokens' must be >= 1"),
+        ({"prompt": "x", "min_tokens": 20}, "'min_tokens' must be between 0 and the default "),
+        ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "and 'max_tokens' (2), got 3"),
+        ({"prompt": "x", "temperature": -1}, "'temperature' must be >= 0, got -1.0"),
+        ({"prompt": "x", "logprobs": True, "top_logprobs": 50}, "'top_logprobs' must be in"),
+        ({"prompt": "x", "logprobs": 50}, "'logprobs' must be in [0, 20], got 50"),
+        ({"prompt": "x", "stop": [""]}, "'stop': a stop string must not be empty"),
+        ({"prompt": None}, "'prompt' is null and it has no 'messages'; give the row a prompt"),
+        ({"prompt": None, "messages": None}, "'prompt' and 'messages' are null"),
         ({"prompt": "x", "stop": [1]}, "'stop' must be a string or a list of strings"),
         ({"prompt": "x", "n": True}, "'n' must be an integer, got bool"),
         ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "has both"),
@@ -105,6 +112,23 @@ def test_bad_rows_become_row_errors(data: dict, needle: str) -> None:
     assert isinstance(err, RowError), err
     assert (err.id, err.row, err.type) == ("3", 3, "invalid_request")
     assert err.message.startswith("row 3: ") and needle in err.message, err.message
+
+
+def test_row_messages_name_what_the_row_wrote() -> None:
+    """No internal name (max_new_tokens, min_new_tokens) in a row's message, and a null prompt is
+    called null, not missing."""
+    for data in (
+        {"prompt": "x", "max_tokens": 0},
+        {"prompt": "x", "min_tokens": 99},
+        {"id": "k", "prompt": None},
+    ):
+        err = prep(data)
+        assert isinstance(err, RowError)
+        assert "new_tokens" not in err.message and "has ['id']" not in err.message, err.message
+    err = prep({"prompt": "x"}, RowSpec(id_column="uid"))
+    assert isinstance(err, RowError) and "no value in id column 'uid'" in err.message
+    err = prep({"prompt": "x", "uid": None}, RowSpec(id_column="uid"))
+    assert isinstance(err, RowError) and "id column 'uid' is null" in err.message
 
 
 def test_unparsed_row_and_missing_columns_message() -> None:
@@ -247,6 +271,17 @@ def test_openai_batch_rows(tmp_path: Path) -> None:
     assert isinstance(e, RowError) and "method 'GET'" in e.message
     assert isinstance(f, RowError) and f.id == "5"
     assert "no value in id column 'custom_id'" in f.message
+
+
+def test_openai_row_messages_name_body_fields() -> None:
+    def run(**body):
+        return prepare_row(RawRow(0, openai_line("a", **body), None), SPEC, DEFAULTS, True)
+
+    err = run(messages=None)
+    assert isinstance(err, RowError) and "body.messages is null" in err.message, err.message
+    err = run(messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+    assert isinstance(err, RowError) and "'body.max_tokens' must be >= 1, got 0" in err.message
+    assert "new_tokens" not in err.message
 
 
 # ----------------------------------------------------------------------------- tokenize
