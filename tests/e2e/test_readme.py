@@ -7,10 +7,13 @@
   command and real options of it; every `--option` the README mentions is one of some command.
 - The cheap and safe commands in SHELL_RUN run: the example `submit` (fewer rows and tokens)
   and `inspect` of its output. The others (SHELL_NOT_RUN) say why not.
+- The ```json blocks (sample records) parse; the bare ``` block of `inspect` output is sample
+  output, not checked.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -113,6 +116,15 @@ def test_python_block_runs(section, tmp_path):
         # each print starts "rid finish_reason text..." (the text may hold newlines)
         starts = re.findall(r"^([01]) (stop|length) ", done.stdout, flags=re.M)
         assert sorted(rid for rid, _ in starts) == ["0", "1"], done.stdout
+
+
+def test_json_blocks_parse():
+    """The ```json blocks (records as the output files hold them) are JSON lines."""
+    blocks = [b for b in readme_blocks() if b.lang == "json"]
+    assert blocks
+    for b in blocks:
+        for line in b.text.splitlines():
+            assert isinstance(json.loads(line), dict), line
 
 
 # -- shell commands --------------------------------------------------------------------------
