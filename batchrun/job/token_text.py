@@ -1,9 +1,9 @@
 """The text of single tokens, for logprobs records (OpenAI's `logprobs.content[].token`).
 
 A token's text is what the tokenizer decodes it to alone: special tokens kept, no clean-up of
-spaces (" ." stays " ."); a byte-fallback piece of a multi-byte character decodes to U+FFFD, as
-with OpenAI's `token`. Texts are decoded in one batched call per record for the ids not seen yet
-and kept, so a run decodes each distinct token id once.
+spaces (" ." stays " ."); a token that holds part of a multi-byte character decodes to U+FFFD
+(the records carry no raw bytes). Texts are decoded in one batched call per record for the ids
+not seen yet and kept, so a run decodes each distinct token id once.
 """
 
 from __future__ import annotations

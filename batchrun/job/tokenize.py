@@ -2,10 +2,10 @@
 
 Chat rows (and prompt rows when a chat template is used) are rendered to text with the chat
 template (RowSpec.chat_template, else the tokenizer's) one row at a time, so one broken
-conversation fails alone, then all
-rendered texts go through ONE batched fast-tokenizer call with ``add_special_tokens=False``: the
-template already writes BOS where the model wants it. Prompt rows without a template are
-tokenized in a second batched call with ``add_special_tokens=True``.
+conversation fails alone, then all rendered texts go through ONE batched fast-tokenizer call
+with ``add_special_tokens=False``: the template already writes BOS where the model wants it.
+Prompt rows without a template are tokenized in a second batched call with
+``add_special_tokens=True``.
 """
 
 from __future__ import annotations
