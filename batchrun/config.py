@@ -23,6 +23,10 @@ DECODE_GEMVS = ("auto", "cublas", "triton")
 # norms inside the matmul after them (qkv's, gate_up's)
 DECODE_NORMS = ("auto", "off", "all", "post", "fold", "fold-all")
 
+# on CUDA the KV pool takes this fraction of the GPU memory free once the weights are loaded
+# (EngineConfig.gpu_memory_utilization); the rest is for activations, CUDA graphs and kernels
+GPU_MEMORY_UTILIZATION = 0.85
+
 # the defaults of max_running (None) and chunked_prefill_size ("auto"): auto_sizes
 MAX_RUNNING, MAX_RUNNING_CUDA, MAX_RUNNING_LARGE = 256, 512, 1024
 CHUNKED_PREFILL, CHUNKED_PREFILL_LARGE = 4096, 12288
@@ -157,7 +161,10 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available
     max_running: int | None = None  # requests decoded together at most; None: auto_sizes
     kv_budget: int | None = None  # KV pool size in tokens; None: sized from free memory
-    kv_memory_fraction: float = 0.85  # on CUDA, fraction of free memory after weights for KV
+    # on CUDA without kv_budget: the KV pool takes this fraction of the GPU memory free after the
+    # weights (vLLM's option of this name is a fraction of the GPU's total memory for weights,
+    # activations and KV together); the CPU does not use it (an eighth of the available memory)
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     # prefill token budget per step; None: unlimited; "auto": auto_sizes
     chunked_prefill_size: int | str | None = "auto"
     page_size: int = 1
@@ -192,5 +199,7 @@ class EngineConfig:
             raise ValueError(f"tp_size must be >= 1; got {self.tp_size}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must be in [0, tp_size={self.tp_size}); got {self.tp_rank}")
-        if not 0.0 < self.kv_memory_fraction <= 1.0:
-            raise ValueError(f"kv_memory_fraction must be in (0, 1]; got {self.kv_memory_fraction}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}"
+            )

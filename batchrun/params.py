@@ -6,7 +6,10 @@ up in output files; `omit_defaults=True` keeps encoded messages and records smal
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Mapping
+from typing import Annotated, Any
 
 import msgspec
 
@@ -106,11 +109,80 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One prompt as token ids. With params.n > 1 it yields n results (index 0..n-1)."""
+    """One prompt as token ids. With params.n > 1 it yields n results (index 0..n-1).
+
+    input_ids: a list (or tuple) of ints in [0, vocab size), checked by check_input_ids where
+    the engine takes the request."""
 
     rid: str
     input_ids: list[int]
     params: SamplingParams = SamplingParams()
+
+
+@functools.lru_cache(maxsize=8)
+def _ids_type(vocab_size: int) -> Any:
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]]
+
+
+def check_input_ids(rid: str, input_ids: Any, vocab_size: int) -> list[int]:
+    """`input_ids` as a new list, or a ValueError naming the request, what was passed (its type,
+    the bad value and its position) and what is expected.
+
+    NOTE: one msgspec pass checks every element's type (int, not bool or float) and range and
+    makes the copy the engine keeps: 1M tokens take 11-22 ms on this repository's 2-core CI
+    machine, against 6 ms for the plain list() copy it replaces."""
+    try:
+        ids = msgspec.convert(input_ids, _ids_type(vocab_size))
+    except msgspec.ValidationError as e:
+        problem = _describe(input_ids, str(e), vocab_size)
+        raise ValueError(
+            f"request {rid!r}: input_ids must be a list of token ids (ints in [0, {vocab_size})); "
+            f"{problem}"
+        ) from None
+    if not ids:
+        raise ValueError(
+            f"request {rid!r}: input_ids must be a list of token ids with at least one; got an "
+            "empty one"
+        )
+    return ids
+
+
+def _describe(value: Any, error: str, vocab_size: int) -> str:
+    """What is wrong with `value`, from msgspec's `error` ("... - at `$[3]`" for an element)."""
+    at = re.search(r"at `\$\[(\d+)\]", error)
+    if at is None:
+        return _describe_container(value)
+    i = int(at.group(1))
+    item = value[i]
+    kind = type(item).__name__
+    if isinstance(item, int) and not isinstance(item, bool):
+        return f"input_ids[{i}] is {item}, outside the vocabulary [0, {vocab_size})"
+    if isinstance(item, (list, tuple)):
+        return (
+            f"input_ids[{i}] is a {kind}: a request holds one sequence of token ids, not a "
+            "batch (one GenerateRequest per sequence)"
+        )
+    hint = "; convert with .tolist()" if hasattr(item, "tolist") else ""
+    return f"input_ids[{i}] is {item!r} ({kind}){hint}"
+
+
+def _describe_container(value: Any) -> str:
+    kind = type(value).__name__
+    if hasattr(value, "keys"):
+        keys = ", ".join(repr(k) for k in list(value.keys())[:4])
+        return (
+            f'got a {kind} with keys {keys}: pass its ["input_ids"], or tokenize with '
+            "tokenizer.apply_chat_template(..., return_dict=False)"
+        )
+    if isinstance(value, (str, bytes)):
+        return (
+            f"got a {kind} ({value[:40]!r}): tokenize it first, e.g. with "
+            "tokenizer.apply_chat_template(messages, add_generation_prompt=True, "
+            "return_dict=False)"
+        )
+    if hasattr(value, "tolist"):
+        return f"got a {kind}: pass a flat list, e.g. input_ids.tolist()"
+    return f"got a {kind}"
 
 
 class TopLogprobs(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -25,19 +25,20 @@ import sys
 import click
 
 from batchrun import __version__
+from batchrun.cli.build import build_defaults, build_engine_config, build_spec
 from batchrun.cli.options import (
-    build_defaults,
-    build_engine_config,
-    build_spec,
     engine_options,
     model_options,
-    order_options,
+    output_options,
+    plan_engine_options,
+    plan_report_options,
+    progress_options,
     row_options,
     run_control_options,
     sampling_options,
     structured_options,
 )
-from batchrun.engine_process.notify import DEFAULT_MAX_DELAY, DEFAULT_NOTIFY_BATCH
+from batchrun.cli.sections import SectionedCommand
 from batchrun.job.config import RunConfig
 from batchrun.job.inspect_run import InspectError, inspect_run
 from batchrun.job.merge import MergeError, merge_run
@@ -70,75 +71,16 @@ def main() -> None:
     """
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @click.argument("dataset", type=click.Path())
-@click.option(
-    "--out",
-    "-o",
-    required=True,
-    type=click.Path(file_okay=False),
-    help="Output directory (results-*.jsonl, errors-*.jsonl, manifest.json).",
-)
-@model_options
 @row_options
 @sampling_options
 @structured_options
+@model_options
 @engine_options
-@order_options
-@click.option(
-    "--shard-size",
-    type=click.IntRange(min=1),
-    default=10_000,
-    show_default=True,
-    help="Rows per output file.",
-)
-@click.option("--token-ids", "with_token_ids", is_flag=True, help="Also write output token ids.")
+@output_options
 @run_control_options
-@click.option(
-    "--overwrite",
-    is_flag=True,
-    help="Start over: replace the run in --out (by default a run with the same settings resumes "
-    "and a different one is refused).",
-)
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option(
-    "--serve-progress",
-    default=None,
-    metavar="HOST:PORT",
-    help="Serve live progress over HTTP: / (page), /events (SSE), /metrics (Prometheus). "
-    ":PORT binds 127.0.0.1; port 0 picks a free one. A non-loopback host needs --progress-token.",
-)
-@click.option(
-    "--progress-token",
-    default=None,
-    envvar="BATCHRUN_PROGRESS_TOKEN",
-    metavar="TOKEN",
-    help="Token required on every progress request (Authorization: Bearer TOKEN or ?token=). "
-    "Env: BATCHRUN_PROGRESS_TOKEN.",
-)
-@click.option(
-    "--engine-process/--in-process",
-    default=True,
-    show_default=True,
-    help="Run the engine in its own process, so reading, tokenizing and writing never hold up "
-    "the device; --in-process runs it in this one (debugging).",
-)
-@click.option(
-    "--notify-batch",
-    type=click.IntRange(min=1),
-    default=DEFAULT_NOTIFY_BATCH,
-    show_default=True,
-    help="Engine process: finished completions sent to the writer per wake-up (all of them at "
-    f"the end, and at least every {DEFAULT_MAX_DELAY} s).",
-)
-@click.option(
-    "--dp",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Data parallel: N engine processes, one per GPU (per --tp group), fed by prefix group "
-    "and by load from this process's reader; one writer.",
-)
+@progress_options
 def submit(dataset: str, out: str, **o) -> None:
     """Run every row of DATASET through the model and write the completions to --out.
 
@@ -280,28 +222,13 @@ def _report(summary, where, head: str, tail: str | None = None) -> None:
         )
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @click.argument("dataset", type=click.Path())
-@model_options
 @row_options
 @sampling_options
-@click.option(
-    "--kv-budget",
-    type=click.IntRange(min=16),
-    default=None,
-    help="KV pool size in tokens, to compare the need against.",
-)
-@click.option(
-    "--max-running",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Requests decoded together at most. Default: as the engine (512 on CUDA, 1024 for a "
-    "model of 3B+ parameters there, 256 on the CPU).",
-)
-@order_options
-@click.option(
-    "--show-errors", type=int, default=10, show_default=True, help="How many failing rows to list."
-)
+@model_options
+@plan_engine_options
+@plan_report_options
 def plan(dataset: str, **o) -> None:
     """Dry run: read and tokenize DATASET, report rows, token statistics, rows that would fail
     and why, the KV cache the run needs, and the prompt tokens a prefix cache would reuse

@@ -1,36 +1,226 @@
-"""The option groups of `batchrun submit` / `plan` and what they build (EngineConfig, sampling
-defaults, row spec, grammar). batchrun/cli/main.py holds the commands."""
+"""The options of `batchrun submit` / `plan`, section by section as `--help` lists them.
+batchrun/cli/main.py holds the commands, batchrun/cli/build.py what the options build,
+batchrun/cli/sections.py the sections.
+
+Adding an option: one click.option(...) in its section's group; every option has a one-line help
+and shows its default (`show_default`: a value, or a description of what happens without it).
+"""
 
 from __future__ import annotations
 
-import importlib.util
-
 import click
 
+from batchrun.cli.sections import option_group
 from batchrun.config import (
     ATTENTION_BACKENDS,
     DECODE_GEMVS,
     DEVICES,
     DTYPES,
+    GPU_MEMORY_UTILIZATION,
     LOAD_FORMATS,
-    EngineConfig,
-    KernelConfig,
 )
-from batchrun.io.rows import RowSpec, structured_from_options
-from batchrun.job.config import SAMPLING_OPTIONS
+from batchrun.engine_process.notify import DEFAULT_MAX_DELAY, DEFAULT_NOTIFY_BATCH
 from batchrun.job.order import DEFAULT_WINDOW, ORDERS
-from batchrun.params import SamplingParams
+
+# the sections of --help, in this order
+INPUT = "Input"
+SAMPLING = "Sampling (defaults; a row's own fields win)"
+STRUCTURED = "Structured output (for every row; a row's own format wins)"
+ENGINE = "Model and engine"
+KERNELS = "GPU kernels (CUDA)"
+OUTPUT = "Job and output"
+PROGRESS = "Progress"
+
+NONE = "none"
+MAX_RUNNING_DEFAULT = "512 on CUDA, 1024 there for 3B+ models, 256 on the CPU"
 
 
-def option_group(*options):
-    """One decorator that applies `options` as if they were stacked in the order listed."""
+row_options = option_group(
+    INPUT,
+    click.option(
+        "--split",
+        metavar="NAME",
+        default=None,
+        show_default="train, or the only one",
+        help="Split of a HF datasets directory.",
+    ),
+    click.option(
+        "--limit",
+        metavar="N",
+        type=click.IntRange(min=1),
+        default=None,
+        show_default="all rows",
+        help="Read only the first N rows.",
+    ),
+    click.option(
+        "--prompt-column",
+        metavar="NAME",
+        default="prompt",
+        help="Column with the prompt text ('': none).",
+    ),
+    click.option(
+        "--messages-column",
+        metavar="NAME",
+        default="messages",
+        help="Column with chat messages ('': none).",
+    ),
+    click.option(
+        "--id-column",
+        metavar="NAME",
+        default=None,
+        show_default='custom_id, else "id", else the row number',
+        help="Column with the row id.",
+    ),
+    click.option(
+        "--system-prompt",
+        metavar="TEXT",
+        default=None,
+        show_default=NONE,
+        help="System message for every row that has none.",
+    ),
+    click.option(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        show_default="the tokenizer's",
+        help="Jinja chat template to render rows with, instead of the tokenizer's.",
+    ),
+    click.option(
+        "--no-chat-template",
+        is_flag=True,
+        help="Tokenize prompt rows as plain text (messages rows still use the template).",
+    ),
+)
 
-    def apply(f):
-        for opt in reversed(options):
-            f = opt(f)
-        return f
 
-    return apply
+sampling_options = option_group(
+    SAMPLING,
+    click.option(
+        "--max-tokens", metavar="N", type=int, default=256, help="Most new tokens per completion."
+    ),
+    click.option(
+        "--min-tokens",
+        metavar="N",
+        type=int,
+        default=0,
+        help="Tokens before EOS or a stop string may end a completion.",
+    ),
+    click.option(
+        "--temperature",
+        metavar="T",
+        type=float,
+        default=1.0,
+        help="Sampling temperature; 0: greedy.",
+    ),
+    click.option(
+        "--top-p",
+        metavar="P",
+        type=float,
+        default=1.0,
+        help="Sample from the likeliest tokens of probability mass P; 1: off.",
+    ),
+    click.option(
+        "--top-k",
+        metavar="K",
+        type=int,
+        default=-1,
+        help="Sample from the K likeliest tokens; -1: off.",
+    ),
+    click.option(
+        "--min-p",
+        metavar="P",
+        type=float,
+        default=0.0,
+        help="Drop tokens less likely than P x the likeliest; 0: off.",
+    ),
+    click.option(
+        "--repetition-penalty",
+        metavar="F",
+        type=float,
+        default=1.0,
+        help="HF style, over prompt and output tokens; 1: off.",
+    ),
+    click.option(
+        "--frequency-penalty",
+        metavar="F",
+        type=float,
+        default=0.0,
+        help="OpenAI style, per occurrence in the output (-2..2).",
+    ),
+    click.option(
+        "--presence-penalty",
+        metavar="F",
+        type=float,
+        default=0.0,
+        help="OpenAI style, once per token in the output (-2..2).",
+    ),
+    click.option(
+        "--stop",
+        metavar="TEXT",
+        multiple=True,
+        show_default=NONE,
+        help="Stop string, repeatable (the text ends before it).",
+    ),
+    click.option("--ignore-eos", is_flag=True, help="Go on past EOS, up to --max-tokens."),
+    click.option(
+        "--seed",
+        metavar="N",
+        type=int,
+        default=0,
+        help="Base seed; a row's derives from it and its id.",
+    ),
+    click.option(
+        "--n", "n", metavar="N", type=click.IntRange(min=1), default=1, help="Completions per row."
+    ),
+    click.option(
+        "--logprobs",
+        metavar="N",
+        type=click.IntRange(min=0, max=20),
+        default=None,
+        show_default=NONE,
+        help="Write each token's logprob and text, with the N likeliest.",
+    ),
+)
+
+
+structured_options = option_group(
+    STRUCTURED,
+    click.option(
+        "--response-format",
+        default=None,
+        metavar="JSON|@FILE",
+        show_default=NONE,
+        help='OpenAI response_format, e.g. {"type": "json_object"}.',
+    ),
+    click.option(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        show_default=NONE,
+        help="JSON valid against the schema in FILE.",
+    ),
+    click.option(
+        "--regex",
+        metavar="PATTERN",
+        default=None,
+        show_default=NONE,
+        help="Text that matches the regex.",
+    ),
+    click.option(
+        "--choice",
+        metavar="TEXT",
+        multiple=True,
+        show_default=NONE,
+        help="One of these strings (repeat, or one JSON list).",
+    ),
+    click.option(
+        "--ebnf",
+        default=None,
+        metavar="FILE",
+        show_default=NONE,
+        help="Text in the EBNF grammar of FILE (root rule: root).",
+    ),
+)
 
 
 def _not_blank(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -39,398 +229,284 @@ def _not_blank(ctx: click.Context, param: click.Parameter, value: str | None) ->
     return value
 
 
-# NOTE: listed in the order --help shows them
 model_options = option_group(
-    click.option(
-        "--load-format",
-        type=click.Choice(LOAD_FORMATS),
-        default="auto",
-        show_default=True,
-        help="dummy: random weights from config.json.",
-    ),
+    ENGINE,
     click.option(
         "--model",
         "-m",
         default=None,
         metavar="PATH",
-        help="HF model directory (config.json + safetensors) or a .gguf file. "
-        "Default: the embedded SmolLM2-135M-Instruct.",
+        show_default="the embedded SmolLM2-135M-Instruct",
+        help="HF model directory (config.json + safetensors) or a .gguf file.",
+    ),
+    click.option(
+        "--load-format",
+        type=click.Choice(LOAD_FORMATS),
+        default="auto",
+        help="How to read the weights; dummy: random, from config.json.",
     ),
     click.option(
         "--served-model-name",
         default=None,
         metavar="NAME",
         callback=_not_blank,
-        help='The "model" of every OpenAI Batch output line, as a server names the model it '
-        "runs. Default: the model directory's name (a .gguf file's stem; SmolLM2-135M-Instruct "
-        "for the embedded model).",
+        show_default="the model directory's name",
+        help='The "model" of OpenAI Batch output lines (for a .gguf file: its stem).',
     ),
 )
 
 
-row_options = option_group(
-    click.option("--split", default=None, help="Split of a HF datasets directory."),
-    click.option(
-        "--prompt-column",
-        default="prompt",
-        show_default=True,
-        help="Column with the prompt text ('' to never read one).",
-    ),
-    click.option(
-        "--messages-column",
-        default="messages",
-        show_default=True,
-        help="Column with chat messages ('' to never read one).",
-    ),
-    click.option(
-        "--id-column",
-        default=None,
-        help='Column with the row id. Default: custom_id (OpenAI batch), else an "id" '
-        "field when a row has one, else the row number.",
-    ),
-    click.option("--system-prompt", default=None, help="System message for every row."),
-    click.option(
-        "--no-chat-template",
-        is_flag=True,
-        help="Tokenize prompt rows as plain text (messages rows still use the template).",
-    ),
-    click.option(
-        "--limit", type=click.IntRange(min=1), default=None, help="Read only the first N rows."
-    ),
-)
-
-
-sampling_options = option_group(
-    click.option(
-        "--max-tokens",
-        type=int,
-        default=256,
-        show_default=True,
-        help="Max new tokens per completion.",
-    ),
-    click.option("--min-tokens", type=int, default=0, show_default=True),
-    click.option("--temperature", type=float, default=1.0, show_default=True, help="0 for greedy."),
-    click.option("--top-p", type=float, default=1.0, show_default=True),
-    click.option("--top-k", type=int, default=-1, show_default=True, help="-1: off."),
-    click.option("--min-p", type=float, default=0.0, show_default=True),
-    click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
-    click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
-    click.option("--presence-penalty", type=float, default=0.0, show_default=True),
-    click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-    click.option("--ignore-eos", is_flag=True, help="Always generate --max-tokens."),
-    click.option(
-        "--seed",
-        type=int,
-        default=0,
-        show_default=True,
-        help="Base seed; each row's seed derives from it and the row id.",
-    ),
-    click.option(
-        "--n",
-        "n",
-        type=click.IntRange(min=1),
-        default=1,
-        show_default=True,
-        help="Completions per row.",
-    ),
-    click.option(
-        "--logprobs",
-        type=click.IntRange(min=0, max=20),
-        default=None,
-        help="Write the chosen token's logprob and the top N (0-20).",
-    ),
-)
-
-
-# structured output for every row (a row's response_format / regex / choice / ebnf wins)
-structured_options = option_group(
-    click.option(
-        "--response-format",
-        default=None,
-        metavar="JSON|@FILE",
-        help='OpenAI-style response_format as JSON (or @FILE), e.g. {"type": "json_object"} or '
-        '{"type": "json_schema", "json_schema": {"schema": {...}}}.',
-    ),
-    click.option(
-        "--json-schema",
-        default=None,
-        metavar="FILE",
-        help="The output must be JSON valid against the schema in FILE.",
-    ),
-    click.option("--regex", default=None, help="The output must match this regex."),
-    click.option(
-        "--choice",
-        multiple=True,
-        help="The output must be one of these strings (repeat, or one JSON list).",
-    ),
-    click.option(
-        "--ebnf",
-        default=None,
-        metavar="FILE",
-        help="The output must match the EBNF grammar in FILE.",
-    ),
-)
-
-
-def build_grammar(o: dict):
-    """The structured-output default from the options (None without one); exit 2 if it does
-    not parse or compile."""
-    try:
-        spec = structured_from_options(
-            o.get("response_format"),
-            o.get("json_schema"),
-            o.get("regex"),
-            tuple(o.get("choice") or ()),
-            o.get("ebnf"),
-        )
-    except ValueError as e:
-        raise click.UsageError(str(e)) from e
-    if spec is not None:
-        # local: batchrun.engine.grammar imports torch, which `batchrun --help` never loads
-        from batchrun.engine.grammar import GrammarError, check_spec
-
-        try:
-            check_spec(spec)
-        except GrammarError as e:
-            names = ("response_format", "json_schema", "regex", "choice", "ebnf")
-            option = next(n for n in names if o.get(n))
-            raise click.UsageError(f"--{option.replace('_', '-')}: {e}; fix it") from e
-    return spec
-
-
-engine_options = option_group(
-    click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
-    click.option(
-        "--tp",
-        type=click.IntRange(min=1),
-        default=1,
-        show_default=True,
-        help="Tensor parallel: split the model over N GPUs (NCCL; attention heads must divide "
-        "by N).",
-    ),
-    click.option(
-        "--dtype",
-        type=click.Choice(DTYPES),
-        default="auto",
-        show_default=True,
-        help="auto: float32 on CPU, bfloat16 on CUDA.",
-    ),
-    click.option(
-        "--max-running",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Requests decoded together at most. Default: 512 on CUDA, 1024 for a model of 3B+ "
-        "parameters there (its decode matmuls need the rows), 256 on the CPU.",
-    ),
-    click.option(
-        "--kv-budget",
-        type=click.IntRange(min=16),
-        default=None,
-        help="KV pool size in tokens. Default: sized from free memory.",
-    ),
-    click.option(
-        "--chunked-prefill-size",
-        type=click.IntRange(min=0),
-        default=None,
-        help="Prefill tokens per step (0: unlimited). Default: 4096, or 12288 for a model of 3B+ "
-        "parameters on CUDA.",
-    ),
-    click.option("--no-radix-cache", is_flag=True, help="Disable prefix caching."),
+kernel_options = option_group(
+    KERNELS,
     click.option(
         "--attention-backend",
         type=click.Choice(ATTENTION_BACKENDS),
         default="auto",
-        show_default=True,
-        help="torch: the reference (any device); triton: batchrun's kernels; flashinfer: "
-        "FlashInfer's (when installed). auto: triton on CUDA, torch on the CPU.",
+        help="torch (any device), triton, or flashinfer (if installed); auto: triton on CUDA.",
     ),
     click.option(
         "--decode-gemv",
         type=click.Choice(DECODE_GEMVS),
         default="auto",
-        show_default=True,
-        help="CUDA: the matmuls of decode batches of up to 16 requests. triton: batchrun's "
-        "kernel, launched with programmatic dependent launch; cublas: torch's. auto: triton on "
-        "sm_90+ GPUs (H100, H200), else cublas.",
+        help="Matmuls of decode batches up to 16; auto: triton on sm_90+, else cublas.",
     ),
-    click.option(
-        "--disable-cuda-graph",
-        is_flag=True,
-        help="CUDA: run every step eagerly (no decode graphs, no piecewise graphs).",
-    ),
+    click.option("--disable-cuda-graph", is_flag=True, help="Run every step eagerly."),
     click.option(
         "--disable-piecewise-cuda-graph",
         is_flag=True,
-        help="CUDA: run prefill and mixed steps eagerly (decode graphs stay). Piecewise graphs "
-        "are on by default for models under 3B parameters.",
+        help="Run prefill and mixed steps eagerly (on by default under 3B parameters).",
     ),
     click.option(
         "--disable-overlap",
         is_flag=True,
-        help="CUDA: process each step's results before scheduling the next (no overlap).",
+        help="Process each step's results before scheduling the next.",
     ),
     click.option(
         "--disable-pdl",
         is_flag=True,
-        help="CUDA: launch batchrun's kernels without programmatic dependent launch (on by "
-        "default on sm_90+ GPUs), for drivers that reject it; decode matmuls then take cuBLAS "
-        "unless --decode-gemv triton.",
+        help="No programmatic dependent launch (for drivers that reject it).",
     ),
     click.option(
         "--disable-host-gate",
         is_flag=True,
-        help="CUDA: sample a structured-output step once the host has its token bitmask, "
-        "instead of queueing it behind a stream wait (for drivers without stream memory "
-        "operations).",
+        help="Sample grammar steps after the bitmask fill, without a stream wait.",
     ),
+)
+
+
+engine_options = option_group(
+    ENGINE,
+    click.option(
+        "--device",
+        type=click.Choice(DEVICES),
+        default="auto",
+        help="Where the model runs; auto: cuda if available.",
+    ),
+    click.option(
+        "--dtype",
+        type=click.Choice(DTYPES),
+        default="auto",
+        help="Weights and activations; auto: float32 on CPU, bfloat16 on CUDA.",
+    ),
+    click.option(
+        "--tp",
+        metavar="N",
+        type=click.IntRange(min=1),
+        default=1,
+        help="Tensor parallel: split the model over N GPUs.",
+    ),
+    click.option(
+        "--dp",
+        metavar="N",
+        type=click.IntRange(min=1),
+        default=1,
+        help="Data parallel: N engine processes, one per GPU (or --tp group).",
+    ),
+    click.option(
+        "--max-running",
+        metavar="N",
+        type=click.IntRange(min=1),
+        default=None,
+        show_default=MAX_RUNNING_DEFAULT,
+        help="Requests decoded together at most.",
+    ),
+    click.option(
+        "--kv-budget",
+        metavar="TOKENS",
+        type=click.IntRange(min=16),
+        default=None,
+        show_default="from --gpu-memory-utilization",
+        help="KV pool size in tokens.",
+    ),
+    click.option(
+        "--gpu-memory-utilization",
+        metavar="F",
+        type=click.FloatRange(min=0, max=1, min_open=True),
+        default=GPU_MEMORY_UTILIZATION,
+        help="KV pool: this fraction of the GPU memory free after the weights (vLLM: of "
+        "the total, for weights and KV).",
+    ),
+    click.option(
+        "--chunked-prefill-size",
+        metavar="TOKENS",
+        type=click.IntRange(min=0),
+        default=None,
+        show_default="4096; 12288 for 3B+ models on CUDA",
+        help="Prefill tokens per step (0: unlimited).",
+    ),
+    click.option("--no-radix-cache", is_flag=True, help="Disable prefix caching."),
+    click.option(
+        "--engine-process/--in-process",
+        default=True,
+        help="Run the engine in its own process, or in this one (debugging).",
+    ),
+    click.option(
+        "--notify-batch",
+        metavar="N",
+        type=click.IntRange(min=1),
+        default=DEFAULT_NOTIFY_BATCH,
+        help=f"Completions per wake-up of the writer (or after {DEFAULT_MAX_DELAY} s).",
+    ),
+    kernel_options,
 )
 
 
 order_options = option_group(
+    OUTPUT,
     click.option(
         "--order",
         type=click.Choice(ORDERS),
         default="prefix",
-        show_default=True,
-        help="prefix: run rows sharing a token prefix back to back (depth-first over their "
-        "token ids), so the prefix cache hits; input: in input order.",
+        help="prefix: rows sharing a prefix back to back (cache hits); input: as read.",
     ),
     click.option(
         "--order-window",
+        metavar="N",
         type=click.IntRange(min=1),
         default=DEFAULT_WINDOW,
-        show_default=True,
-        help="Rows read, tokenized and ordered together (held in memory at once).",
+        help="Rows ordered together (held in memory at once).",
     ),
+)
+
+
+output_options = option_group(
+    OUTPUT,
+    click.option(
+        "--out",
+        "-o",
+        metavar="DIR",
+        required=True,
+        type=click.Path(file_okay=False),
+        help="Output directory: results-*.jsonl, errors-*.jsonl, manifest.json.",
+    ),
+    click.option(
+        "--overwrite",
+        is_flag=True,
+        help="Replace the run in --out (by default the same run resumes).",
+    ),
+    click.option(
+        "--shard-size",
+        metavar="N",
+        type=click.IntRange(min=1),
+        default=10_000,
+        help="Rows per output file.",
+    ),
+    click.option(
+        "--token-ids", "with_token_ids", is_flag=True, help="Also write output token ids."
+    ),
+    order_options,
 )
 
 
 run_control_options = option_group(
+    OUTPUT,
     click.option(
         "--commit-every",
+        metavar="N",
         type=click.IntRange(min=1),
         default=1000,
-        show_default=True,
         help="Commit (fsync + manifest) at least every N rows.",
     ),
     click.option(
         "--commit-interval",
+        metavar="SECONDS",
         type=click.FloatRange(min=0),
         default=30.0,
-        show_default=True,
-        help="... and at least every T seconds.",
+        help="Commit at least every SECONDS too.",
     ),
     click.option(
         "--drain-timeout",
+        metavar="SECONDS",
         type=click.FloatRange(min=0),
         default=30.0,
-        show_default=True,
-        help="On SIGTERM/SIGINT/SIGUSR1: seconds to finish the rows in flight before "
-        "committing and exiting with code 5.",
+        help="On SIGTERM/INT/USR1: seconds to finish rows in flight, then exit 5.",
     ),
     click.option(
         "--num-shards",
+        metavar="N",
         type=click.IntRange(min=1),
         default=None,
-        help="Split the input into N shards that keep prefix groups together. Default: "
-        "SLURM_ARRAY_TASK_COUNT, else 1.",
+        show_default="SLURM_ARRAY_TASK_COUNT, else 1",
+        help="Split the input into N shards that keep prefix groups together.",
     ),
     click.option(
         "--shard-index",
+        metavar="I",
         type=click.IntRange(min=0),
         default=None,
-        help="Which shard this process runs (writes OUT/shard-I/). Default: "
-        "SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN, else 0.",
+        show_default="SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN, else 0",
+        help="The shard this process runs, into OUT/shard-I/.",
     ),
 )
 
 
-def build_defaults(o: dict) -> SamplingParams:
-    params = SamplingParams(
-        max_new_tokens=o["max_tokens"],
-        min_new_tokens=o["min_tokens"],
-        temperature=o["temperature"],
-        top_p=o["top_p"],
-        top_k=o["top_k"],
-        min_p=o["min_p"],
-        repetition_penalty=o["repetition_penalty"],
-        frequency_penalty=o["frequency_penalty"],
-        presence_penalty=o["presence_penalty"],
-        stop=tuple(o["stop"]),
-        ignore_eos=o["ignore_eos"],
-        n=o["n"],
-        logprobs=o["logprobs"] is not None,
-        top_logprobs=o["logprobs"] or 0,
-        grammar=build_grammar(o),
-    )
-    try:
-        params.validate(names=SAMPLING_OPTIONS)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from e
-    return params
+progress_options = option_group(
+    PROGRESS,
+    click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
+    click.option(
+        "--serve-progress",
+        default=None,
+        metavar="HOST:PORT",
+        show_default="off",
+        help="Serve live progress over HTTP (:PORT binds 127.0.0.1; 0: any free).",
+    ),
+    click.option(
+        "--progress-token",
+        default=None,
+        envvar="BATCHRUN_PROGRESS_TOKEN",
+        show_envvar=True,
+        metavar="TOKEN",
+        show_default=NONE,
+        help="Required on every progress request; needed off loopback.",
+    ),
+)
 
 
-def _chunk(value: int | None) -> int | str | None:
-    """--chunked-prefill-size: not given -> "auto" (the engine's default), 0 -> None
-    (unlimited)."""
-    if value is None:
-        return "auto"
-    return value or None
+plan_engine_options = option_group(
+    ENGINE,
+    click.option(
+        "--kv-budget",
+        metavar="TOKENS",
+        type=click.IntRange(min=16),
+        default=None,
+        show_default=NONE,
+        help="KV pool size in tokens, to compare the need against.",
+    ),
+    click.option(
+        "--max-running",
+        metavar="N",
+        type=click.IntRange(min=1),
+        default=None,
+        show_default=MAX_RUNNING_DEFAULT,
+        help="Requests decoded together at most (as the engine).",
+    ),
+)
 
 
-def build_engine_config(o: dict) -> EngineConfig:
-    cfg = EngineConfig(
-        model=o["model"],
-        load_format=o["load_format"],
-        dtype=o["dtype"],
-        device=o["device"],
-        max_running=o["max_running"],
-        kv_budget=o["kv_budget"],
-        chunked_prefill_size=_chunk(o["chunked_prefill_size"]),
-        enable_radix_cache=not o["no_radix_cache"],
-        kernels=KernelConfig(
-            attention=o["attention_backend"],
-            decode_gemv=o["decode_gemv"],
-            pdl=False if o["disable_pdl"] else None,
-            cuda_graph_max_bs=0 if o["disable_cuda_graph"] else KernelConfig.cuda_graph_max_bs,
-            piecewise_graphs=False if o["disable_piecewise_cuda_graph"] else None,
-            host_gate=False if o["disable_host_gate"] else None,
-        ),
-        overlap=False if o["disable_overlap"] else None,
-        seed=o["seed"],
-        tp_size=o["tp"],
-    )
-    try:
-        cfg.validate()
-    except ValueError as e:
-        raise click.UsageError(str(e)) from e
-    if o["device"] == "cuda":
-        import torch  # local, here and below: only the options that need CUDA load torch
-
-        if not torch.cuda.is_available():
-            raise click.UsageError("--device cuda: CUDA is not available here; use --device cpu")
-    attention = cfg.kernels.attention
-    if attention in ("triton", "flashinfer"):
-        import torch
-
-        if o["device"] == "cpu" or not torch.cuda.is_available():
-            raise click.UsageError(
-                f"--attention-backend {attention} needs a CUDA device; "
-                "use --attention-backend torch (or auto) on the CPU"
-            )
-        if attention == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
-            raise click.UsageError(
-                "--attention-backend flashinfer: the flashinfer package is not installed "
-                "(pip install flashinfer-python); or use triton (or auto)"
-            )
-    return cfg
-
-
-def build_spec(o: dict):
-    return RowSpec(
-        prompt_column=o["prompt_column"] or None,
-        messages_column=o["messages_column"] or None,
-        id_column=o["id_column"],
-        system_prompt=o["system_prompt"],
-        use_chat_template=not o["no_chat_template"],
-    )
+plan_report_options = option_group(
+    OUTPUT,
+    order_options,
+    click.option(
+        "--show-errors", metavar="N", type=int, default=10, help="How many failing rows to list."
+    ),
+)

@@ -36,7 +36,7 @@ from batchrun.engine.stop import StopStringChecker
 from batchrun.engine.structured import GateRelease, StructuredOutput
 from batchrun.models.config import ModelConfig
 from batchrun.models.embedded import resolve_model_path
-from batchrun.params import GenerateRequest, GenerateResult, TopLogprobs
+from batchrun.params import GenerateRequest, GenerateResult, TopLogprobs, check_input_ids
 
 
 @dataclass
@@ -160,14 +160,15 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request: GenerateRequest) -> None:
+        """Queue a request; a ValueError (nothing queued) when its input_ids or params are not
+        valid or it does not fit the context length."""
         params = request.params
+        input_ids = check_input_ids(request.rid, request.input_ids, self.model_config.vocab_size)
         params.validate(self.model_config.vocab_size)
-        if not request.input_ids:
-            raise ValueError(f"request {request.rid!r} has no input tokens")
-        total = len(request.input_ids) + params.max_new_tokens
+        total = len(input_ids) + params.max_new_tokens
         if total > self.context_len:
             raise ValueError(
-                f"request {request.rid!r}: {len(request.input_ids)} prompt tokens + "
+                f"request {request.rid!r}: {len(input_ids)} prompt tokens + "
                 f"max_new_tokens {params.max_new_tokens} exceed the context length "
                 f"{self.context_len}; shorten the prompt or lower max_new_tokens"
             )
@@ -180,7 +181,8 @@ class Engine:
         for i in range(params.n):
             seed = base if i == 0 else derive_seed(base, request.rid, i)
             self._arrivals += 1
-            reqs.append(Req(request.rid, i, list(request.input_ids), params, seed, self._arrivals))
+            ids = input_ids if i == 0 else list(input_ids)
+            reqs.append(Req(request.rid, i, ids, params, seed, self._arrivals))
         if params.grammar is None:
             for req in reqs:
                 self.scheduler.add(req)

@@ -197,7 +197,7 @@ class ModelRunner:
         )
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.kv_memory_fraction)
+            budget = int(free * cfg.gpu_memory_utilization)
         else:
             # NOTE: a CPU run is a demo or a test: an eighth of available memory, at most 32k
             # tokens (the pool is zeroed up front, so a huge one costs seconds at start-up)

@@ -32,7 +32,7 @@ from batchrun.engine_process.worker import worker_main
 from batchrun.errors import ModelError, RunError
 from batchrun.models.config import ModelConfig, ModelConfigError
 from batchrun.models.embedded import resolve_model_path
-from batchrun.params import GenerateRequest, GenerateResult
+from batchrun.params import GenerateRequest, GenerateResult, check_input_ids
 
 _EOF = object()  # the reader thread's last item: the connection closed
 # NOTE: at exit, multiprocessing joins every non-daemonic child; an engine process that nobody
@@ -159,6 +159,9 @@ class EngineProcess:
     # -- the engine surface ------------------------------------------------------------------
 
     def add_request(self, request: GenerateRequest) -> None:
+        """Buffer a request (sent at the next step). Its input_ids are checked here, with the
+        engine's message: ids that are not ints would fail the whole Submit message there."""
+        check_input_ids(request.rid, request.input_ids, self.vocab_size)
         self._buffer.append(request)
         self._inflight += request.params.n
         self._drop_sent = False

@@ -6,7 +6,8 @@ Plain output, one line per completion (n > 1 gives n lines that share the id)::
      "cached_tokens"}, "index"?, "token_ids"?, "logprobs"?, "row"?, "latency_s"?, "ttft_s"?}
 
 ``index`` appears only when the request asked for n > 1. ``logprobs`` is one entry per generated
-token: ``{"token_id", "logprob", "top"?: [{"token_id", "logprob"}, ...]}`` (``top`` only when
+token: ``{"token_id", "token", "logprob", "top"?: [{"token_id", "token", "logprob"}, ...]}``
+(``token``: the token's text, as OpenAI's ``logprobs.content[].token``; ``top`` only when
 top_logprobs > 0). Errors: ``{"id", "row", "error": {"type", "message"}}``.
 
 OpenAI Batch output follows the OpenAI Batch API files: all n choices of a request in ONE line;
@@ -48,13 +49,15 @@ class Usage(msgspec.Struct):
     cached_tokens: int
 
 
-class TopEntry(msgspec.Struct):
+class TopEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
     token_id: int
+    token: str | None = None  # None: no token_text given (result_records)
     logprob: float
 
 
-class TokenLogprob(msgspec.Struct, omit_defaults=True):
+class TokenLogprob(msgspec.Struct, kw_only=True, omit_defaults=True):
     token_id: int
+    token: str | None = None
     logprob: float
     top: list[TopEntry] | None = None
 
@@ -98,8 +101,10 @@ def result_records(
     with_token_ids: bool = False,
     with_row: bool = True,
     with_timing: bool = True,
+    token_text: Callable[[int], str] | None = None,
 ) -> list[ResultRecord]:
-    """One record per completion, sorted by sample index."""
+    """One record per completion, sorted by sample index. ``token_text`` renders token ids for
+    the logprobs entries (e.g. job/token_text.TokenTexts); without it they have no ``token``."""
     multi = prepared.params.n > 1 or len(completions) > 1
     records = []
     for c in sorted(completions, key=lambda c: c.index):
@@ -111,7 +116,7 @@ def result_records(
                 usage=Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens),
                 index=c.index if multi else None,
                 token_ids=list(c.token_ids) if with_token_ids else None,
-                logprobs=_token_logprobs(c),
+                logprobs=_token_logprobs(c, token_text),
                 row=prepared.row if with_row else None,
                 latency_s=_round(c.latency_s) if with_timing else None,
                 ttft_s=_round(c.ttft_s) if with_timing else None,
@@ -128,17 +133,37 @@ def _round(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 4)
 
 
-def _token_logprobs(c: Completion) -> list[TokenLogprob] | None:
+def _token_logprobs(
+    c: Completion, token_text: Callable[[int], str] | None
+) -> list[TokenLogprob] | None:
     if c.logprobs is None:
         return None
+    text = token_text or (lambda t: None)
     tops = c.top_logprobs or [None] * len(c.logprobs)
     out = []
     for token_id, logprob, top in zip(c.token_ids, c.logprobs, tops, strict=False):
         entries = None
         if top is not None and top.token_ids:
-            entries = [TopEntry(t, lp) for t, lp in zip(top.token_ids, top.logprobs, strict=True)]
-        out.append(TokenLogprob(token_id, logprob, entries))
+            entries = [
+                TopEntry(token_id=t, token=text(t), logprob=lp)
+                for t, lp in zip(top.token_ids, top.logprobs, strict=True)
+            ]
+        out.append(
+            TokenLogprob(token_id=token_id, token=text(token_id), logprob=logprob, top=entries)
+        )
     return out
+
+
+def logprob_token_ids(completions: list[Completion]) -> list[int]:
+    """Every token id the logprobs of `completions` name (chosen and top), to decode at once."""
+    ids: list[int] = []
+    for c in completions:
+        if c.logprobs is None:
+            continue
+        ids += c.token_ids[: len(c.logprobs)]
+        for top in c.top_logprobs or ():
+            ids += top.token_ids
+    return ids
 
 
 # ----------------------------------------------------------------------------- OpenAI Batch

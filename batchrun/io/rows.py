@@ -37,6 +37,7 @@ class RowSpec:
     id_column: str | None = None
     system_prompt: str | None = None
     use_chat_template: bool = True
+    chat_template: str | None = None  # Jinja text used instead of the tokenizer's template
 
 
 class PreparedRow(NamedTuple):

@@ -31,8 +31,8 @@ LABELS = {
     "batchrun_version": "batchrun version",
     "model": "model (config.json or weight files)",
     "input": "input dataset (content, format or split)",
-    "sampling": "sampling defaults",
-    "rows": "row options (columns, system prompt, chat template, --limit)",
+    "sampling": "sampling defaults (--max-tokens, --temperature, ...)",
+    "rows": "row options (columns, system prompt, chat template, --chat-template, --limit)",
     "order": "--order / --order-window",
     "shards": "--num-shards / --shard-index",
     "seed": "--seed",
@@ -103,12 +103,22 @@ def make_fingerprint(config: RunConfig, input_format: str) -> dict:
         "model": model_identity(cfg.engine.model, cfg.engine.load_format),
         "input": input_identity(cfg.dataset, input_format, cfg.split),
         "sampling": msgspec.to_builtins(cfg.defaults),
-        "rows": {**asdict(cfg.spec), "limit": cfg.limit},
+        "rows": _rows_identity(config),
         "order": [cfg.order, cfg.order_window],
         "shards": [cfg.num_shards, cfg.shard_index],
         "seed": cfg.engine.seed,
         "output": {"token_ids": cfg.with_token_ids},
     }
+
+
+def _rows_identity(config: RunConfig) -> dict:
+    """The row options and --limit; a --chat-template by a digest of its text (no key without
+    one)."""
+    rows = {**asdict(config.spec), "limit": config.limit}
+    template = rows.pop("chat_template")
+    if template is not None:
+        rows["chat_template"] = hashlib.blake2b(template.encode(), digest_size=16).hexdigest()
+    return rows
 
 
 def normalize(fp: dict) -> dict:

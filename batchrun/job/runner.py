@@ -35,6 +35,7 @@ from batchrun.io.records import (
     Completion,
     encode_line,
     error_record,
+    logprob_token_ids,
     openai_error_record,
     openai_result_record,
     result_records,
@@ -48,6 +49,7 @@ from batchrun.job.resume import make_fingerprint
 from batchrun.job.shards import error_shard_of, shard_dir
 from batchrun.job.signals import EXIT_INTERRUPTED, StopSignals
 from batchrun.job.summary import RunSummary
+from batchrun.job.token_text import TokenTexts
 from batchrun.job.tokenize import TokenizedRow
 from batchrun.params import GenerateRequest, GenerateResult
 from batchrun.progress.bar import Progress
@@ -93,6 +95,7 @@ class Runner:
         try:
             self.engine = engine or self._start_engine()
             self.tokenizer = self.engine.tokenizer
+            self._token_texts = TokenTexts(self.tokenizer)
             self._manifest.kernels = asdict(self.engine.kernels)
         except BaseException:
             self._stop.restore()
@@ -362,7 +365,7 @@ class Runner:
         s.completion_tokens += tokens
         s.session_tokens += tokens
         if prepared.openai:
-            token_str = (lambda t: self.tokenizer.decode([t])) if prepared.params.logprobs else None
+            token_str = self._token_text(prepared, done)
             record = openai_result_record(
                 prepared,
                 done,
@@ -372,12 +375,23 @@ class Runner:
             lines = [encode_line(record)]
         else:
             records = result_records(
-                prepared, done, with_token_ids=self.config.with_token_ids, with_timing=False
+                prepared,
+                done,
+                with_token_ids=self.config.with_token_ids,
+                with_timing=False,
+                token_text=self._token_text(prepared, done),
             )
             lines = [encode_line(r) for r in records]
         self.output.add_result(prepared.row, lines)
         if self.hub is not None:
             self.hub.add_rows(lines)
+
+    def _token_text(self, prepared: PreparedRow, done: list[Completion]):
+        """Token id -> text for the logprobs of `done` (new ids decoded in one batch), or None
+        when the row asked for no logprobs."""
+        if not (prepared.params.logprobs or prepared.params.top_logprobs):
+            return None
+        return self._token_texts.prepare(logprob_token_ids(done))
 
     def _completion(self, prepared: PreparedRow, r: GenerateResult) -> Completion:
         text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)

@@ -1,12 +1,13 @@
 """Batched tokenizing of prepared rows, with the checks that must pass before a row can run.
 
-Chat rows (and prompt rows when a chat template is used) are rendered to text with the
-tokenizer's chat template one row at a time, so one broken conversation fails alone, then all
-rendered texts go through ONE batched fast-tokenizer call with ``add_special_tokens=False``: the
-template already writes BOS where the model wants it. Prompt rows without a template are
-tokenized in a second batched call with ``add_special_tokens=True``. An OpenAI Batch
-``/v1/completions`` row is always raw text (tokenized as a server tokenizes a completions prompt,
-with the tokenizer's BOS), whatever the chat template setting: only chat rows are templated.
+Chat rows (and prompt rows when a chat template is used) are rendered to text with the chat
+template (RowSpec.chat_template, else the tokenizer's) one row at a time, so one broken
+conversation fails alone, then all rendered texts go through ONE batched fast-tokenizer call
+with ``add_special_tokens=False``: the template already writes BOS where the model wants it.
+Prompt rows without a template are tokenized in a second batched call with
+``add_special_tokens=True``. An OpenAI Batch ``/v1/completions`` row is always raw text
+(tokenized as a server tokenizes a completions prompt, with the tokenizer's BOS), whatever the
+chat template setting: only chat rows are templated.
 """
 
 from __future__ import annotations
@@ -25,24 +26,50 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def check_chat_template(text: str) -> None:
+    """Compile a Jinja chat template as transformers does when it renders one; ValueError with
+    the compiler's message (and line) when it does not compile."""
+    import jinja2  # local: only for --chat-template
+
+    if not text.strip():
+        raise ValueError("the template is empty")
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers that compiles templates elsewhere: plain Jinja
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def _compile_jinja_template(text: str):
+            env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+            return env.from_string(text)
+
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the template does not compile: {e.message} (line {e.lineno})") from e
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the template does not compile: {e}") from e
+
+
 def tokenize_rows(
     tokenizer: Any, rows: list[PreparedRow], spec: RowSpec, context_len: int
 ) -> list[TokenizedRow | RowError]:
     """One result per input row, in input order."""
-    use_template = spec.use_chat_template and has_chat_template(tokenizer)
+    template = spec.chat_template  # None: the tokenizer's
+    has_template = template is not None or has_chat_template(tokenizer)
+    use_template = spec.use_chat_template and has_template
     out: list[TokenizedRow | RowError | None] = [None] * len(rows)
     templated: list[tuple[int, str]] = []  # (position in rows, rendered text)
     plain: list[tuple[int, str]] = []
     for i, row in enumerate(rows):
         if row.messages is not None:
-            if not has_chat_template(tokenizer):
+            if not has_template:
                 out[i] = _error(
                     row,
                     "invalid_request",
                     "this row has chat messages but the tokenizer has no chat template; give "
-                    "the model directory a chat_template (tokenizer_config.json or "
-                    "chat_template.jinja) or send plain 'prompt' rows (--no-chat-template does "
-                    "not apply to messages)",
+                    "one with --chat-template FILE (or add a chat_template to the model "
+                    "directory) or send plain 'prompt' rows (--no-chat-template does not apply "
+                    "to messages)",
                 )
                 continue
             conversation = row.messages
@@ -55,7 +82,7 @@ def tokenize_rows(
             continue
         try:
             text = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False
+                conversation, chat_template=template, add_generation_prompt=True, tokenize=False
             )
         except Exception as e:  # jinja raises TemplateError (e.g. "roles must alternate")
             out[i] = _error(row, "invalid_request", f"chat template failed: {e}")

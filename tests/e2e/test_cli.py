@@ -465,3 +465,89 @@ def test_records_are_msgspec_structs_without_defaults(model, tmp_path):
     for rec in read_jsonl(out, "results"):
         assert "index" not in rec and "token_ids" not in rec and "logprobs" not in rec
     msgspec.json.decode((out / "manifest.json").read_bytes())
+
+
+PLAIN_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+
+
+def test_chat_template_option(model, tmp_path):
+    """--chat-template FILE renders rows instead of the tokenizer's template (a model without
+    one runs messages rows with it); it is part of the resume fingerprint; a file that cannot
+    be read or does not compile is exit 2. The byte tokenizer makes prompt tokens = bytes."""
+    import shutil
+
+    bare = tmp_path / "bare"  # the tiny model without a chat template
+    shutil.copytree(model, bare)
+    (bare / "chat_template.jinja").unlink()
+    template = tmp_path / "plain.jinja"
+    template.write_text(PLAIN_TEMPLATE)
+    rows = [
+        {"id": "m", "messages": [{"role": "user", "content": "Hi"}]},
+        {"id": "p", "prompt": "Hello"},
+    ]
+    ds = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "o"
+    submit(str(bare), ds, out, "--max-tokens", "2")
+    errors = read_jsonl(out, "errors")
+    assert [e["id"] for e in errors] == ["m"]
+    assert "--chat-template FILE" in errors[0]["error"]["message"]
+
+    out = tmp_path / "t"
+    submit(str(bare), ds, out, "--max-tokens", "2", "--chat-template", str(template))
+    check_complete(out, 2, 2)
+    usage = {r["id"]: r["usage"]["prompt_tokens"] for r in read_jsonl(out, "results")}
+    assert usage == {"m": len("[user] Hi\n"), "p": len("[user] Hello\n")}
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["spec"]["chat_template"] == PLAIN_TEMPLATE
+    # the same template resumes (complete); another one is a different run
+    r = submit(str(bare), ds, out, "--max-tokens", "2", "--chat-template", str(template))
+    assert "already complete" in r.output
+    other = tmp_path / "other.jinja"
+    other.write_text(PLAIN_TEMPLATE.replace("\n", "\n\n"))
+    r = submit(str(bare), ds, out, "--max-tokens", "2", "--chat-template", str(other), code=1)
+    assert "different run" in r.output and "--chat-template" in r.output
+    # the tokenizer's own template is replaced, for plan too
+    r = CliRunner().invoke(main, ["plan", str(ds), "--model", model])
+    # ChatML, a special token each: <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n
+    assert "prompt tok   total 45 " in r.output, r.output  # 21 + 24 tokens
+    r = CliRunner().invoke(
+        main, ["plan", str(ds), "--model", model, "--chat-template", str(template)]
+    )
+    total = sum(usage.values())
+    assert f"prompt tok   total {total} " in r.output, r.output
+
+    for path, content, expected in (
+        (tmp_path / "missing.jinja", None, "cannot read"),
+        (tmp_path / "broken.jinja", "{% for m in messages %}{{ m }}", "does not compile"),
+        (tmp_path / "empty.jinja", "  \n", "empty"),
+    ):
+        if content is not None:
+            path.write_text(content)
+        for command in ("submit", "plan"):
+            args = [command, str(ds), "--model", model, "--chat-template", str(path)]
+            if command == "submit":
+                args += ["--out", str(tmp_path / "never")]
+            r = CliRunner().invoke(main, args)
+            assert r.exit_code == 2, (command, r.output)
+            assert "--chat-template" in r.output and expected in r.output, r.output
+    assert not (tmp_path / "never").exists()
+
+
+def test_logprobs_carry_token_text(model, tmp_path):
+    """Each logprobs entry (and each top entry) has the token's text, as the tokenizer decodes
+    it alone (OpenAI's logprobs.content[].token)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    out = tmp_path / "o"
+    submit(model, write_jsonl(tmp_path / "in.jsonl", ROWS[:3]), out, "--logprobs", "3")
+    records = read_jsonl(out, "results")
+    assert records and all(len(r["logprobs"]) == r["usage"]["completion_tokens"] for r in records)
+    for r in records:
+        for entry in r["logprobs"]:
+            assert list(entry) == ["token_id", "token", "logprob", "top"]
+            assert entry["token"] == tok.decode([entry["token_id"]])
+            assert len(entry["top"]) == 3
+            for top in entry["top"]:
+                assert list(top) == ["token_id", "token", "logprob"]
+                assert top["token"] == tok.decode([top["token_id"]])

@@ -121,6 +121,31 @@ def test_refused_request_comes_back_as_an_error(model):
         assert got["ok"].finish_reason == "length"
 
 
+def test_input_ids_are_checked_before_they_are_sent(model):
+    """A request the engine process could not even decode (ids that are not ints) is refused
+    by add_request with the engine's message; the engine process goes on."""
+    from transformers import BatchEncoding
+
+    cfg = EngineConfig(model=model, device="cpu", kv_budget=4096)
+    with EngineProcess(cfg) as ep:
+        for bad, fragment in (
+            (BatchEncoding({"input_ids": [5, 6], "attention_mask": [1, 1]}), "BatchEncoding"),
+            ([5, "6"], "input_ids[1] is '6' (str)"),
+            ([5, ep.vocab_size], f"input_ids[1] is {ep.vocab_size}"),
+        ):
+            with pytest.raises(ValueError, match="request 'bad': input_ids must be") as info:
+                ep.add_request(GenerateRequest("bad", bad, SamplingParams(max_new_tokens=2)))
+            assert fragment in str(info.value)
+        assert not ep.has_work
+        ep.add_request(
+            GenerateRequest("ok", [5, 6, 7], SamplingParams(max_new_tokens=2, temperature=0))
+        )
+        got = []
+        while ep.has_work:
+            got += ep.step()
+        assert [(r.rid, r.finish_reason) for r in got] == [("ok", "length")]
+
+
 def test_model_that_cannot_load_is_a_model_error(tmp_path):
     bad = tmp_path / "model"
     bad.mkdir()

@@ -17,6 +17,7 @@ from tiny_models import LLAMA3_SHAPES, llama3_model_config, write_config_dir  # 
 from batchrun.config import (  # noqa: E402
     CHUNKED_PREFILL,
     CHUNKED_PREFILL_LARGE,
+    GPU_MEMORY_UTILIZATION,
     MAX_RUNNING,
     MAX_RUNNING_CUDA,
     MAX_RUNNING_LARGE,
@@ -96,7 +97,8 @@ def _cli_config(args: list[str], exit_code: int = 0):
     import click
     from click.testing import CliRunner
 
-    from batchrun.cli.options import build_engine_config, engine_options
+    from batchrun.cli.build import build_engine_config
+    from batchrun.cli.options import engine_options
 
     seen = {}
 
@@ -124,3 +126,54 @@ def test_decode_gemv_defaults_to_cublas_off_cuda(tmp_path):
         assert model.kernels == engine.runner.kernels == engine.kernels
     with pytest.raises(ValueError, match="decode_gemv"):
         EngineConfig(kernels=KernelConfig(decode_gemv="fast")).validate()
+
+
+def test_gpu_memory_utilization_sizes_the_cuda_kv_pool(monkeypatch):
+    """The KV pool takes that fraction of the GPU memory free after the weights (--kv-budget,
+    when given, instead)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from batchrun.engine.model_runner import ModelRunner
+
+    free = 10 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    model_cfg = SimpleNamespace(num_layers=4, head_dim=64)
+    per_token = 2 * 4 * 2 * 64 * 2  # k and v, layers, kv heads, head dim, bf16
+
+    def slots(**config):
+        runner = SimpleNamespace(
+            config=EngineConfig(**config),
+            model_cfg=model_cfg,
+            model=SimpleNamespace(num_kv_heads=2),
+            dtype=torch.bfloat16,
+            device=torch.device("cuda"),
+        )
+        return ModelRunner._kv_slots(runner)
+
+    assert slots() == int(free * GPU_MEMORY_UTILIZATION) // per_token
+    assert slots(gpu_memory_utilization=0.5) == int(free * 0.5) // per_token
+    assert slots(gpu_memory_utilization=0.5, kv_budget=1000) == 1000
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+            EngineConfig(gpu_memory_utilization=bad).validate()
+
+
+def test_cli_gpu_memory_utilization(monkeypatch):
+    import torch
+
+    assert _cli_config(["--device", "cpu"]).gpu_memory_utilization == GPU_MEMORY_UTILIZATION
+    for value in ("0", "1.5", "x"):
+        out = _cli_config(["--gpu-memory-utilization", value], exit_code=2)
+        assert "--gpu-memory-utilization" in out
+    out = _cli_config(["--device", "cpu", "--gpu-memory-utilization", "0.5"], exit_code=2)
+    assert "on the CPU the pool takes an eighth of the available memory" in out
+    assert "--kv-budget" in out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = _cli_config(["--device", "cuda", "--gpu-memory-utilization", "0.6"])
+    assert config.gpu_memory_utilization == 0.6
+    out = _cli_config(
+        ["--device", "cuda", "--gpu-memory-utilization", "0.6", "--kv-budget", "4096"], exit_code=2
+    )
+    assert "--gpu-memory-utilization and --kv-budget both size the KV pool" in out

@@ -81,6 +81,17 @@ def test_result_records_n_and_logprobs() -> None:
         "top": [{"token_id": 5, "logprob": -0.1}, {"token_id": 9, "logprob": -2.5}],
     }
     assert "logprobs" not in recs[1]
+    # with the token texts (the runner's TokenTexts)
+    recs = [decode(encode_line(r)) for r in result_records(p, comps, token_text=lambda t: f"<{t}>")]
+    assert recs[0]["logprobs"][1] == {
+        "token_id": 6,
+        "token": "<6>",
+        "logprob": -0.2,
+        "top": [
+            {"token_id": 6, "token": "<6>", "logprob": -0.2},
+            {"token_id": 1, "token": "<1>", "logprob": -3.0},
+        ],
+    }
 
 
 def test_error_records() -> None:

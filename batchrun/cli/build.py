@@ -1,0 +1,182 @@
+"""What the options of `batchrun submit` / `plan` build: the EngineConfig, the sampling
+defaults, the row spec and the structured-output default. Each refuses a bad option with exit 2
+(click.UsageError) and a message that names it."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import click
+from click.core import ParameterSource
+
+from batchrun.config import GPU_MEMORY_UTILIZATION, EngineConfig, KernelConfig
+from batchrun.io.rows import RowSpec, structured_from_options
+from batchrun.job.config import SAMPLING_OPTIONS
+from batchrun.job.tokenize import check_chat_template
+from batchrun.params import SamplingParams
+
+
+def build_grammar(o: dict):
+    """The structured-output default from the options (None without one); exit 2 if it does
+    not parse or compile."""
+    try:
+        spec = structured_from_options(
+            o.get("response_format"),
+            o.get("json_schema"),
+            o.get("regex"),
+            tuple(o.get("choice") or ()),
+            o.get("ebnf"),
+        )
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    if spec is not None:
+        # local: batchrun.engine.grammar imports torch, which `batchrun --help` never loads
+        from batchrun.engine.grammar import GrammarError, check_spec
+
+        try:
+            check_spec(spec)
+        except GrammarError as e:
+            names = ("response_format", "json_schema", "regex", "choice", "ebnf")
+            option = next(n for n in names if o.get(n))
+            raise click.UsageError(f"--{option.replace('_', '-')}: {e}; fix it") from e
+    return spec
+
+
+def build_defaults(o: dict) -> SamplingParams:
+    params = SamplingParams(
+        max_new_tokens=o["max_tokens"],
+        min_new_tokens=o["min_tokens"],
+        temperature=o["temperature"],
+        top_p=o["top_p"],
+        top_k=o["top_k"],
+        min_p=o["min_p"],
+        repetition_penalty=o["repetition_penalty"],
+        frequency_penalty=o["frequency_penalty"],
+        presence_penalty=o["presence_penalty"],
+        stop=tuple(o["stop"]),
+        ignore_eos=o["ignore_eos"],
+        n=o["n"],
+        logprobs=o["logprobs"] is not None,
+        top_logprobs=o["logprobs"] or 0,
+        grammar=build_grammar(o),
+    )
+    try:
+        params.validate(names=SAMPLING_OPTIONS)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    return params
+
+
+def _chunk(value: int | None) -> int | str | None:
+    """--chunked-prefill-size: not given -> "auto" (the engine's default), 0 -> None
+    (unlimited)."""
+    if value is None:
+        return "auto"
+    return value or None
+
+
+def build_engine_config(o: dict) -> EngineConfig:
+    cfg = EngineConfig(
+        model=o["model"],
+        load_format=o["load_format"],
+        dtype=o["dtype"],
+        device=o["device"],
+        max_running=o["max_running"],
+        kv_budget=o["kv_budget"],
+        gpu_memory_utilization=o.get("gpu_memory_utilization", GPU_MEMORY_UTILIZATION),
+        chunked_prefill_size=_chunk(o["chunked_prefill_size"]),
+        enable_radix_cache=not o["no_radix_cache"],
+        kernels=KernelConfig(
+            attention=o["attention_backend"],
+            decode_gemv=o["decode_gemv"],
+            pdl=False if o["disable_pdl"] else None,
+            cuda_graph_max_bs=0 if o["disable_cuda_graph"] else KernelConfig.cuda_graph_max_bs,
+            piecewise_graphs=False if o["disable_piecewise_cuda_graph"] else None,
+            host_gate=False if o["disable_host_gate"] else None,
+        ),
+        overlap=False if o["disable_overlap"] else None,
+        seed=o["seed"],
+        tp_size=o["tp"],
+    )
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    if o["device"] == "cuda":
+        import torch  # local, here and below: only the options that need CUDA load torch
+
+        if not torch.cuda.is_available():
+            raise click.UsageError("--device cuda: CUDA is not available here; use --device cpu")
+    _check_gpu_memory_utilization(o)
+    attention = cfg.kernels.attention
+    if attention in ("triton", "flashinfer"):
+        import torch
+
+        if o["device"] == "cpu" or not torch.cuda.is_available():
+            raise click.UsageError(
+                f"--attention-backend {attention} needs a CUDA device; "
+                "use --attention-backend torch (or auto) on the CPU"
+            )
+        if attention == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
+            raise click.UsageError(
+                "--attention-backend flashinfer: the flashinfer package is not installed "
+                "(pip install flashinfer-python); or use triton (or auto)"
+            )
+    return cfg
+
+
+def _given(name: str) -> bool:
+    """Whether the user gave option `name` (not its default)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return False
+    return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
+
+
+def _check_gpu_memory_utilization(o: dict) -> None:
+    """--gpu-memory-utilization sizes a GPU's KV pool: refused with --kv-budget (which sizes it
+    too) and on the CPU (where the pool takes an eighth of the available memory, at most 32k
+    tokens)."""
+    if not _given("gpu_memory_utilization"):
+        return
+    if o["kv_budget"] is not None:
+        raise click.UsageError(
+            "--gpu-memory-utilization and --kv-budget both size the KV pool; give one of them"
+        )
+    on_cpu = o["device"] == "cpu"
+    if o["device"] == "auto":
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        raise click.UsageError(
+            "--gpu-memory-utilization sizes the KV pool on a GPU; on the CPU the pool takes an "
+            "eighth of the available memory (at most 32,768 tokens): use --kv-budget TOKENS"
+        )
+
+
+def build_spec(o: dict):
+    return RowSpec(
+        prompt_column=o["prompt_column"] or None,
+        messages_column=o["messages_column"] or None,
+        id_column=o["id_column"],
+        system_prompt=o["system_prompt"],
+        use_chat_template=not o["no_chat_template"],
+        chat_template=_read_chat_template(o.get("chat_template")),
+    )
+
+
+def _read_chat_template(path: str | None) -> str | None:
+    """The text of --chat-template FILE; exit 2 when it cannot be read or does not compile."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.BadParameter(f"cannot read {path}: {e}", param_hint="--chat-template") from e
+    try:
+        check_chat_template(text)
+    except ValueError as e:
+        raise click.BadParameter(f"{path}: {e}", param_hint="--chat-template") from e
+    return text
