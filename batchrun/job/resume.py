@@ -31,7 +31,7 @@ LABELS = {
     "batchrun_version": "batchrun version",
     "model": "model (config.json or weight files)",
     "input": "input dataset (content, format or split)",
-    "sampling": "sampling defaults (--max-tokens, --temperature, ...)",
+    "sampling": "sampling defaults",
     "rows": "row options (columns, system prompt, chat template, --chat-template, --limit)",
     "order": "--order / --order-window",
     "shards": "--num-shards / --shard-index",
