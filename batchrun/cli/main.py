@@ -27,12 +27,14 @@ from batchrun.cli.options import (
     engine_options,
     model_options,
     order_options,
+    parse_columns,
     row_options,
     run_control_options,
     sampling_options,
     structured_options,
 )
 from batchrun.engine_process.notify import DEFAULT_MAX_DELAY, DEFAULT_NOTIFY_BATCH
+from batchrun.io.stdin import STDIN
 from batchrun.job.config import RunConfig
 from batchrun.job.inspect_run import InspectError, inspect_run
 from batchrun.job.merge import MergeError, merge_run
@@ -87,6 +89,14 @@ def main() -> None:
     help="Rows per output file.",
 )
 @click.option("--token-ids", "with_token_ids", is_flag=True, help="Also write output token ids.")
+@click.option(
+    "--keep-columns",
+    multiple=True,
+    callback=parse_columns,
+    metavar="COL,...",
+    help='Copy these input columns into every result and error record, under "input" '
+    "(null where a row lacks one). Default: none. Not for OpenAI Batch input.",
+)
 @run_control_options
 @click.option(
     "--overwrite",
@@ -136,10 +146,11 @@ def main() -> None:
 def submit(dataset: str, out: str, **o) -> None:
     """Run every row of DATASET through the model and write the completions to --out.
 
-    DATASET: a .jsonl / .jsonl.gz file, a .parquet file or directory, a HF `datasets`
-    directory (save_to_disk), or an OpenAI Batch input file (results then follow the OpenAI
-    Batch output format). Per-row fields (max_tokens, temperature, stop, seed, ...) override
-    the options below.
+    DATASET: a .jsonl / .json (array or lines) / .csv / .tsv file (each optionally .gz), a
+    .parquet file or directory, a HF `datasets` directory (save_to_disk), - for JSON Lines on
+    standard input (spooled to OUT/stdin.jsonl), or an OpenAI Batch input file (results then
+    follow the OpenAI Batch output format). Per-row fields (max_tokens, temperature, stop, seed,
+    prompt_token_ids, ...) override the options below.
 
     Running the same command again resumes: committed rows are kept, the rest run (a run with
     different settings is refused unless --overwrite). With --num-shards N > 1 (default: from a
@@ -153,6 +164,7 @@ def submit(dataset: str, out: str, **o) -> None:
         num_shards, shard_index = resolve_shards(o["num_shards"], o["shard_index"])
     except ShardOptionError as e:
         raise click.UsageError(str(e)) from e
+    _check_stdin(dataset)
     engine = build_engine_config(o)
     if o["dp"] > 1:
         from batchrun.engine_process.data_parallel import device_indices
@@ -196,6 +208,14 @@ def submit(dataset: str, out: str, **o) -> None:
             server.stop()
 
 
+def _check_stdin(dataset: str) -> None:
+    if dataset == STDIN and click.get_text_stream("stdin").isatty():
+        raise click.UsageError(
+            "DATASET is - (rows on standard input) but standard input is a terminal; pipe the "
+            "rows in, e.g. cat rows.jsonl | batchrun submit - --out DIR"
+        )
+
+
 def _progress_server(bind: str | None, token: str | None):
     """Bind before the model loads, so a bad address or a busy port fails at once."""
     if bind is None:
@@ -220,11 +240,18 @@ def _submit(config, server) -> None:
     from batchrun.job.runner import RunError, Runner
 
     try:
-        runner = Runner(config, hub=server.hub if server is not None else None)
+        runner = Runner(
+            config,
+            hub=server.hub if server is not None else None,
+            stdin=click.get_binary_stream("stdin"),
+        )
     except RunError as e:
         _fail(str(e), e.exit_code)
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(f"cannot load the model: {e}", EXIT_MODEL)
+    for warning in runner.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    num_warned = len(runner.warnings)
     where = runner.out
     if runner.summary.already_complete:
         if server is not None:
@@ -248,6 +275,8 @@ def _submit(config, server) -> None:
         summary = runner.run()
     except RunError as e:
         _fail(str(e), e.exit_code)
+    for warning in runner.warnings[num_warned:]:
+        click.echo(f"warning: {warning}", err=True)
     if summary.interrupted:
         click.echo(
             f"{summary.line()} -> {where}\ninterrupted; resumable: run the same command again",
@@ -285,6 +314,7 @@ def plan(dataset: str, **o) -> None:
     (unlimited, and predicted for --kv-budget). Loads the tokenizer only, not the weights."""
     from batchrun.job.plan import PlanError, make_plan
 
+    _check_stdin(dataset)
     try:
         report = make_plan(
             dataset,

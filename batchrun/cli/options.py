@@ -410,6 +410,20 @@ def build_engine_config(o: dict) -> EngineConfig:
     return cfg
 
 
+def parse_columns(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
+    """--keep-columns a,b --keep-columns c -> ("a", "b", "c"), each once, in order."""
+    names: dict[str, None] = {}
+    for value in values:
+        for name in value.split(","):
+            name = name.strip()
+            if not name:
+                raise click.BadParameter(
+                    f"{value!r} has an empty column name; write COL,COL,... (no empty names)"
+                )
+            names[name] = None
+    return tuple(names)
+
+
 def build_spec(o: dict):
     return RowSpec(
         prompt_column=o["prompt_column"] or None,
@@ -417,4 +431,5 @@ def build_spec(o: dict):
         id_column=o["id_column"],
         system_prompt=o["system_prompt"],
         use_chat_template=not o["no_chat_template"],
+        keep_columns=tuple(o.get("keep_columns") or ()),
     )

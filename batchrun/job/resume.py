@@ -38,7 +38,7 @@ LABELS = {
     "order": "--order / --order-window",
     "shards": "--num-shards / --shard-index",
     "seed": "--seed",
-    "output": "output options (--token-ids)",
+    "output": "output options (--token-ids, --keep-columns)",
 }
 
 
@@ -97,19 +97,25 @@ def model_identity(model: str | None, load_format: str) -> dict:
     return ident
 
 
-def make_fingerprint(config: RunConfig, input_format: str) -> dict:
-    """JSON-ready dict of everything the rows' output depends on."""
+def make_fingerprint(config: RunConfig, input_format: str, input_ident: dict | None = None) -> dict:
+    """JSON-ready dict of everything the rows' output depends on. ``input_ident``: the input's
+    identity when it is not the file ``config.dataset`` names (standard input: its content's)."""
     cfg = config
+    rows = asdict(cfg.spec)
+    output: dict[str, Any] = {"token_ids": cfg.with_token_ids}
+    keep = rows.pop("keep_columns")
+    if keep:  # NOTE: only when given, so runs without it keep the fingerprint they had
+        output["keep_columns"] = list(keep)
     return {
         "batchrun_version": __version__,
         "model": model_identity(cfg.engine.model, cfg.engine.load_format),
-        "input": input_identity(cfg.dataset, input_format, cfg.split),
+        "input": input_ident or input_identity(cfg.dataset, input_format, cfg.split),
         "sampling": msgspec.to_builtins(cfg.defaults),
-        "rows": {**asdict(cfg.spec), "limit": cfg.limit},
+        "rows": {**rows, "limit": cfg.limit},
         "order": [cfg.order, cfg.order_window],
         "shards": [cfg.num_shards, cfg.shard_index],
         "seed": cfg.engine.seed,
-        "output": {"token_ids": cfg.with_token_ids},
+        "output": output,
     }
 
 

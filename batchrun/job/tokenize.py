@@ -4,7 +4,8 @@ Chat rows (and prompt rows when a chat template is used) are rendered to text wi
 tokenizer's chat template one row at a time, so one broken conversation fails alone, then all
 rendered texts go through ONE batched fast-tokenizer call with ``add_special_tokens=False``: the
 template already writes BOS where the model wants it. Prompt rows without a template are
-tokenized in a second batched call with ``add_special_tokens=True``.
+tokenized in a second batched call with ``add_special_tokens=True``. Pre-tokenized rows
+(``prompt_token_ids``) skip both: their ids are checked against the model's vocabulary instead.
 """
 
 from __future__ import annotations
@@ -24,14 +25,24 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 
 def tokenize_rows(
-    tokenizer: Any, rows: list[PreparedRow], spec: RowSpec, context_len: int
+    tokenizer: Any,
+    rows: list[PreparedRow],
+    spec: RowSpec,
+    context_len: int,
+    vocab_size: int | None = None,
 ) -> list[TokenizedRow | RowError]:
-    """One result per input row, in input order."""
+    """One result per input row, in input order. ``vocab_size``: the model's, which bounds a
+    pre-tokenized row's ids (None: not checked)."""
     use_template = spec.use_chat_template and has_chat_template(tokenizer)
     out: list[TokenizedRow | RowError | None] = [None] * len(rows)
     templated: list[tuple[int, str]] = []  # (position in rows, rendered text)
     plain: list[tuple[int, str]] = []
     for i, row in enumerate(rows):
+        if row.prompt_token_ids is not None:
+            out[i] = _check_token_ids(row, vocab_size) or _check(
+                row, row.prompt_token_ids, context_len
+            )
+            continue
         if row.messages is not None:
             if not has_chat_template(tokenizer):
                 out[i] = _error(
@@ -89,5 +100,22 @@ def _check(row: PreparedRow, ids: list[int], context_len: int) -> TokenizedRow |
     return TokenizedRow(row, ids)
 
 
+def _check_token_ids(row: PreparedRow, vocab_size: int | None) -> RowError | None:
+    """The first id outside the vocabulary, as a row error (batchrun/io/rows.py checked the
+    rest: a non-empty list of ints >= 0)."""
+    if vocab_size is None:
+        return None
+    ids = row.prompt_token_ids or []
+    if max(ids) < vocab_size:
+        return None
+    i = next(i for i, t in enumerate(ids) if t >= vocab_size)
+    return _error(
+        row,
+        "invalid_request",
+        f"prompt_token_ids[{i}] is {ids[i]}, outside the model's vocabulary (ids 0 to "
+        f"{vocab_size - 1}); tokenize with this model's tokenizer",
+    )
+
+
 def _error(row: PreparedRow, kind: str, message: str) -> RowError:
-    return RowError(row.id, row.row, kind, f"row {row.row}: {message}")
+    return RowError(row.id, row.row, kind, f"row {row.row}: {message}", row.kept)
