@@ -10,7 +10,9 @@ Exit codes:
        same command again (Slurm: requeue the task)
 
 `batchrun merge` exits 0 when every input row is in exactly one shard, 1 otherwise (the report
-lists missing and duplicate ids), 3 when OUT or the input cannot be read.
+lists missing and duplicate ids), 3 when OUT or the input cannot be read. `batchrun export`
+exits 0 when the file is written, 1 when OUT is damaged or the write fails, 2 for a bad option,
+3 when OUT or its input cannot be read or the input changed since the run.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def main() -> None:
     batchrun plan data.parquet --model ~/models/Llama-3.1-8B-Instruct
     batchrun inspect runs/exp1
     batchrun merge runs/exp3                                 # after a sharded (array) run
+    batchrun export runs/exp1 --format parquet               # one file, input order, joined
     """
 
 
@@ -351,6 +354,54 @@ def merge(out: str, show: int) -> None:
     click.echo(report.text())
     if not report.ok:
         sys.exit(EXIT_FAILED)
+
+
+@main.command()
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["parquet", "jsonl"]),
+    default=None,
+    help="File format. Default: jsonl when --output ends in .jsonl, else parquet.",
+)
+@click.option(
+    "--sort",
+    type=click.Choice(["row", "none"]),
+    default="row",
+    show_default=True,
+    help="row: input order (then sample index); none: the run's file order (needs --no-input).",
+)
+@click.option(
+    "--input/--no-input",
+    "with_input",
+    default=True,
+    show_default=True,
+    help='Join each record with its whole input row, under "input" (re-reads the input the '
+    "manifest names, checked against the run's fingerprint).",
+)
+@click.option(
+    "--output",
+    "-o",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="The file to write. Default: OUT/export.parquet (or .jsonl).",
+)
+def export(out: str, fmt: str | None, sort: str, with_input: bool, output: str | None) -> None:
+    """Write the records of the run in OUT (a run, a shard, or a sharded run's merged/) as one
+    Parquet or JSONL file, in input order, each record with its input row joined; error records
+    are rows whose "error" is set. Streams: memory holds a 28-byte index entry per record, never
+    a whole file. Exit 0 when written, 1 when OUT is damaged, 2 for a bad option, 3 when OUT or
+    its input cannot be read (or the input changed since the run)."""
+    from batchrun.job.export import ExportError, export_run  # local: pyarrow
+
+    try:
+        report = export_run(out, fmt=fmt, sort=sort, with_input=with_input, output=output)
+    except ExportError as e:
+        _fail(str(e), e.exit_code)
+    except OSError as e:
+        _fail(f"cannot write the export: {e}", EXIT_FAILED)
+    click.echo(report.text())
 
 
 @main.command()

@@ -1,11 +1,12 @@
 """DATASET ``-``: rows on standard input, spooled into the run directory so the run can resume.
 
 Standard input is read once, streamed to ``DIR/.stdin.tmp`` while its content is hashed (the
-whole content, not a sample: the fingerprint of a run from ``-``). Once the run directory
-accepts the run (a new run, or the same run resumed: same fingerprint, so the same content),
-the spool becomes ``DIR/stdin.jsonl`` (``stdin.jsonl.gz`` for gzip data, ``stdin.json`` for a
-JSON array) and the run reads it like any file; ``manifest.json`` names it as the input, so
-``merge`` and ``export`` read it too. A refused run deletes its spool.
+whole content, not a sample: the fingerprint of a run from ``-``), then renamed to
+``DIR/.stdin.jsonl`` (hidden, so a new run directory still counts as empty). Once the run
+directory accepts the run (a new run, or the same run resumed: the same fingerprint, so the same
+content), the spool becomes ``DIR/stdin.jsonl`` (``stdin.jsonl.gz`` for gzip data,
+``stdin.json`` for a JSON array) and the run reads it like any file; ``manifest.json`` names it
+as the input, so ``merge`` and ``export`` read it too. A refused run deletes its spool.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class SpooledInput:
     def __init__(self, directory: Path, name: str, size: int, digest: str) -> None:
         self.directory = directory
         self.name = name  # the file it becomes: one of SPOOL_NAMES
-        self.tmp = directory / SPOOL_TMP
+        self.tmp = directory / f".{name}"  # until then (readable: the suffix says the format)
         # the fingerprint's "input": the content, whatever file it is spooled to
         self.identity = {"format": _FORMATS[name], "stdin": True, "bytes": size, "digest": digest}
 
@@ -52,7 +53,8 @@ def spool_stdin(stream: BinaryIO, directory: Path) -> SpooledInput:
     h = hashlib.blake2b(digest_size=16)
     size = 0
     head = b""
-    with open(directory / SPOOL_TMP, "wb") as f:
+    tmp = directory / SPOOL_TMP
+    with open(tmp, "wb") as f:
         while chunk := stream.read(_READ):
             h.update(chunk)
             f.write(chunk)
@@ -67,7 +69,9 @@ def spool_stdin(stream: BinaryIO, directory: Path) -> SpooledInput:
         name = "stdin.json"
     else:
         name = "stdin.jsonl"
-    return SpooledInput(directory, name, size, h.hexdigest())
+    spooled = SpooledInput(directory, name, size, h.hexdigest())
+    os.replace(tmp, spooled.tmp)
+    return spooled
 
 
 def input_identity_of_spool(path: Path) -> dict:
