@@ -27,7 +27,7 @@ from batchrun.io.manifest import Manifest, read_manifest
 from batchrun.io.readers import BadInputError, DatasetSource, open_dataset
 from batchrun.io.stdin import input_identity_of_spool
 from batchrun.job.export_index import DamagedRecordError, RecordIndex, committed_lines
-from batchrun.job.export_writer import ExportFile, InputTypes, record_fields
+from batchrun.job.export_writer import KEEP, ExportFile, InputTypes, record_fields
 from batchrun.job.merge import MERGED_DIR, shard_dirs
 from batchrun.job.pipeline import read_rows
 from batchrun.job.resume import input_identity, normalize
@@ -217,9 +217,9 @@ def _count(index: RecordIndex, report: ExportReport) -> None:
     report.num_rows = int(np.unique(index.row).size)
 
 
-def _records(index: RecordIndex, order: np.ndarray) -> Iterator[dict]:
-    for i in order:
-        yield _decode(index.read(i))
+def _records(index: RecordIndex, order: np.ndarray) -> Iterator[tuple[bytes, object]]:
+    for _, line in index.lines(order):
+        yield line, KEEP
 
 
 def _joined(
@@ -228,24 +228,23 @@ def _joined(
     source: DatasetSource,
     manifest: Manifest,
     report: ExportReport,
-) -> Iterator[dict]:
-    """Merge of the sorted records with the input rows (both by row number)."""
-    rows = index.row[order]
-    n, at = len(order), 0
+) -> Iterator[tuple[bytes, object]]:
+    """Merge of the sorted records with the input rows (both by row number): (record line,
+    the whole input row; None where it did not parse)."""
+    records = index.lines(order)
+    row, line = next(records, (None, b""))
     for batch in read_rows(source, manifest.config.get("limit"), 1024):
         for raw in batch:
-            if at < n and rows[at] < raw.row:
-                raise _no_such_row(int(rows[at]), source)
-            if at == n or rows[at] > raw.row:
+            if row is not None and row < raw.row:
+                raise _no_such_row(row, source)
+            if row != raw.row:
                 report.rows_without_record += 1
                 continue
-            while at < n and rows[at] == raw.row:
-                record = _decode(index.read(order[at]))
-                record["input"] = raw.data  # the whole input row (None: it did not parse)
-                yield record
-                at += 1
-    if at < n:
-        raise _no_such_row(int(rows[at]), source)
+            while row == raw.row:
+                yield line, raw.data
+                row, line = next(records, (None, b""))
+    if row is not None:
+        raise _no_such_row(row, source)
 
 
 def _no_such_row(row: int, source: DatasetSource) -> ValueError:

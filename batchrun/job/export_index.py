@@ -24,6 +24,7 @@ from batchrun.io.writer import ShardFile
 
 READ_BYTES = 1 << 22
 MAX_OPEN_FILES = 64
+CHUNK = 8192  # records read back per numpy gather
 
 
 class _Key(msgspec.Struct):
@@ -85,9 +86,14 @@ class RecordIndex:
         same = (r[1:] == r[:-1]) & (i[1:] == i[:-1])
         return np.unique(r[1:][same])
 
-    def read(self, i: int) -> bytes:
-        """Record ``i``'s line (without its newline)."""
-        return os.pread(self._fd(int(self.file[i])), int(self.length[i]), int(self.offset[i]))
+    def lines(self, order: np.ndarray) -> Iterator[tuple[int, bytes]]:
+        """(row, line without its newline) of the records at the positions ``order``, read
+        back a chunk of positions at a time."""
+        for start in range(0, len(order), CHUNK):
+            at = order[start : start + CHUNK]
+            columns = (self.row[at], self.file[at], self.length[at], self.offset[at])
+            for row, file_no, length, offset in zip(*(c.tolist() for c in columns)):
+                yield row, os.pread(self._fd(file_no), length, offset)
 
     def _fd(self, file_no: int) -> int:
         fd = self._fds.get(file_no)

@@ -22,7 +22,10 @@ import pyarrow.parquet as pq
 from batchrun.io.writer import fsync_dir
 
 BATCH_ROWS = 4096
+KEEP = object()  # in place of an input row: the record keeps its own "input" (or none)
+_INPUT_KEY = b'"input":'
 _encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.decode
 
 
 def record_fields(has_index: bool, has_token_ids: bool, has_logprobs: bool) -> list[pa.Field]:
@@ -86,8 +89,9 @@ def _unify(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
 
 
 class ExportFile:
-    """Rows (dicts) to ``path``: JSONL lines, or Parquet with the given schema. Nothing is at
-    ``path`` until ``close()`` renames the finished temp file there; ``abort()`` deletes it."""
+    """(record line, input row or KEEP) pairs to ``path``: JSONL lines, or Parquet with the given
+    schema; the input row becomes the record's "input". Nothing is at ``path`` until ``close()``
+    renames the finished temp file there; ``abort()`` deletes it."""
 
     def __init__(
         self, path: Path, fmt: str, schema: pa.Schema | None = None, as_json=frozenset()
@@ -97,34 +101,38 @@ class ExportFile:
         self.fmt = fmt
         self.as_json = as_json  # input columns written as JSON text (Parquet)
         self.num_rows = 0
-        self._batch: list[dict] = []
+        self._batch: list[tuple[bytes, Any]] = []
         if fmt == "parquet":
             self.schema = schema
             self._parquet = pq.ParquetWriter(self.tmp, schema)
         else:
             self._jsonl = open(self.tmp, "wb")
 
-    def write(self, rows: Iterable[dict]) -> None:
+    def write(self, rows: Iterable[tuple[bytes, Any]]) -> None:
         for row in rows:
             self._batch.append(row)
             if len(self._batch) >= BATCH_ROWS:
                 self._flush()
 
     def _flush(self) -> None:
-        batch, self._batch = self._batch, []
-        if not batch:
+        pairs, self._batch = self._batch, []
+        if not pairs:
             return
-        self.num_rows += len(batch)
+        self.num_rows += len(pairs)
         if self.fmt != "parquet":
-            self._jsonl.write(b"".join(_encode(row) + b"\n" for row in batch))
+            self._jsonl.write(b"".join(_jsonl_line(line, data) for line, data in pairs))
             return
-        if self.as_json:
-            for row in batch:
-                data = row.get("input")
-                if data:
-                    row["input"] = {
-                        k: _as_json(v) if k in self.as_json else v for k, v in data.items()
-                    }
+        batch = []
+        for line, data in pairs:
+            record = _decode(line)
+            if data is not KEEP:
+                record["input"] = data
+            data = record.get("input")
+            if data and self.as_json:
+                record["input"] = {
+                    k: _as_json(v) if k in self.as_json else v for k, v in data.items()
+                }
+            batch.append(record)
         try:
             table = pa.Table.from_pylist(batch, schema=self.schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
@@ -153,6 +161,16 @@ class ExportFile:
                 self._jsonl.close()
         finally:
             self.tmp.unlink(missing_ok=True)
+
+
+def _jsonl_line(line: bytes, data: Any) -> bytes:
+    if data is KEEP:
+        return line + b"\n"
+    if _INPUT_KEY not in line:  # NOTE: the common case: splice, no decode (a record is "{...}")
+        return line[:-1] + b"," + _INPUT_KEY + _encode(data) + b"}\n"
+    record = _decode(line)  # kept columns: the whole row replaces them
+    record["input"] = data
+    return _encode(record) + b"\n"
 
 
 def _as_json(value: Any) -> str | None:
