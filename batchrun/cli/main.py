@@ -153,7 +153,7 @@ def submit(dataset: str, out: str, **o) -> None:
     .parquet file or directory, a HF `datasets` directory (save_to_disk), - for JSON Lines on
     standard input (spooled to OUT/stdin.jsonl), or an OpenAI Batch input file (results then
     follow the OpenAI Batch output format). Per-row fields (max_tokens, temperature, stop, seed,
-    prompt_token_ids, ...) override the options below.
+    ...) override the options below; a prompt_token_ids column is a pre-tokenized prompt.
 
     Running the same command again resumes: committed rows are kept, the rest run (a run with
     different settings is refused unless --overwrite). With --num-shards N > 1 (default: from a

@@ -106,18 +106,17 @@ class ParquetSource(DatasetSource):
         else:
             self.files = [path]
         num_rows = 0
-        columns: dict[str, None] = {}
+        schemas = []
         for file in self.files:
             try:
                 pf = pq.ParquetFile(file)
             except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a broken footer
                 raise BadInputError(f"{file}: not a readable Parquet file: {e}") from e
             num_rows += pf.metadata.num_rows
-            if self.arrow_schema is None:
-                self.arrow_schema = pf.schema_arrow
-            columns.update(dict.fromkeys(pf.schema_arrow.names))
+            schemas.append(pf.schema_arrow)
         self.num_rows = num_rows
-        self.columns = list(columns)
+        self.columns = list(dict.fromkeys(name for schema in schemas for name in schema.names))
+        self.arrow_schema = _unified(schemas)
 
     def iter_batches(self, batch_size: int = 1024) -> Iterator[list[RawRow]]:
         import pyarrow.parquet as pq  # local: see __init__
@@ -131,6 +130,18 @@ class ParquetSource(DatasetSource):
                     rows = record_batch.to_pylist()
                     yield [RawRow(row + i, data, None) for i, data in enumerate(rows)]
                     row += len(rows)
+
+
+def _unified(schemas: list) -> Any:
+    """One schema for the files of a directory (None when their columns' types conflict)."""
+    import pyarrow as pa  # local: see ParquetSource
+
+    if not schemas:
+        return None
+    try:
+        return pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return None
 
 
 class HFDatasetSource(DatasetSource):
