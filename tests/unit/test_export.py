@@ -228,3 +228,36 @@ def test_export_memory_stays_at_the_index(tmp_path):
     with open(out / "export.jsonl") as f:
         first, second = json.loads(next(f)), json.loads(next(f))
     assert (first["row"], second["row"]) == (0, 1) and second["input"]["id"] == "r1"
+
+
+def test_parquet_input_keeps_its_schema_and_kept_columns_export_without_it(tmp_path):
+    out = make_run(tmp_path, INPUTS, RECORDS, status="complete")
+    data = tmp_path / "in.parquet"
+    table = pa.table(
+        {
+            "id": [f"r{i}" for i in range(6)],
+            "prompt": [f"p{i}" for i in range(6)],
+            "k": pa.array(range(6), pa.int16()),
+        }
+    )
+    pq.write_table(table, data)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["input"] = {"path": str(data), "format": "parquet", "split": None}
+    manifest["fingerprint"]["input"] = input_identity(data, "parquet", None)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    export_run(out)
+    got = pq.read_table(out / "export.parquet")
+    assert got.schema.field("input").type == pa.struct(list(table.schema))  # int16 stays
+    assert got.column("input").to_pylist()[0] == {"id": "r0", "prompt": "p0", "k": 0}
+    # without the input, a run with --keep-columns exports the records' own "input"
+    kept = {
+        "results-00000.jsonl": [result(0, input={"k": 0}), result(1, input={"k": "one"})],
+        "errors-00000.jsonl": [{**error(2), "input": {"k": None}}],
+    }
+    out = make_run(tmp_path / "kept", INPUTS, kept, status="complete")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["config"] = {"spec": {"keep_columns": ["k"]}}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    export_run(out, with_input=False)
+    got = pq.read_table(out / "export.parquet")
+    assert got.column("input").to_pylist() == [{"k": "0"}, {"k": '"one"'}, {"k": None}]
