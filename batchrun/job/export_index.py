@@ -32,8 +32,8 @@ class _Key(msgspec.Struct):
 
     row: int
     index: int = 0
-    token_ids: msgspec.Raw | None = None
-    logprobs: msgspec.Raw | None = None
+    token_ids: msgspec.Raw = msgspec.Raw()  # left undecoded; empty when the record has none
+    logprobs: msgspec.Raw = msgspec.Raw()
 
 
 _decode_key = msgspec.json.Decoder(_Key).decode
@@ -64,8 +64,8 @@ class RecordIndex:
                 offsets.append(offset)
                 lengths.append(len(line))
                 self.has_index |= key.index != 0
-                self.has_token_ids |= key.token_ids is not None
-                self.has_logprobs |= key.logprobs is not None
+                self.has_token_ids |= len(key.token_ids) > 0
+                self.has_logprobs |= len(key.logprobs) > 0
         self.row = np.frombuffer(rows, dtype=np.int64)
         self.index = np.frombuffer(samples, dtype=np.int32)
         self.file = np.frombuffer(file_nos, dtype=np.int32)

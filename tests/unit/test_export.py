@@ -59,7 +59,7 @@ def error(row: int) -> dict:
 INPUTS = [{"id": f"r{i}", "prompt": f"p{i}", "k": i} for i in range(6)]
 RECORDS = {
     # prefix order: rows out of input order, samples of a row apart, across files
-    "results-00000.jsonl": [result(4), result(1, 1), result(0)],
+    "results-00000.jsonl": [result(4), result(1, 1), result(0, token_ids=[7, 8])],
     "results-00001.jsonl": [result(1, 0), result(5)],
     "errors-00000.jsonl": [error(3)],
 }
@@ -82,7 +82,7 @@ def test_index_reads_committed_lines_only(tmp_path):
     lines = list(index.lines(order))
     assert [row for row, _ in lines] == [0, 1, 1, 3, 4, 5]
     assert json.loads(lines[2][1]) == result(1, 1) and json.loads(lines[3][1]) == error(3)
-    assert index.has_index and not index.has_token_ids and not index.has_logprobs
+    assert index.has_index and index.has_token_ids and not index.has_logprobs
     index.close()
 
 
@@ -106,10 +106,23 @@ def test_parquet_types_of_mixed_json_rows(tmp_path):
         {"id": "b", "score": 2.5, "tags": ["x"], "new": {"deep": 1}},
         {"id": "c", "score": "high", "tags": []},  # score: int, float and text
     ]
-    records = {"results-00000.jsonl": [result(2), result(0), result(1)]}
+    logprobs = [
+        {"token_id": 1, "logprob": -0.5, "top": [{"token_id": 1, "logprob": -0.5}]},
+        {"token_id": 2, "logprob": -1.0},
+    ]
+    with_logprobs = result(2, token_ids=[1, 2], logprobs=logprobs)
+    records = {"results-00000.jsonl": [with_logprobs, result(0), result(1)]}
     out = make_run(tmp_path, inputs, records, status="complete")
     export_run(out)
     table = pq.read_table(out / "export.parquet")
+    assert table.column_names == [
+        "row", "id", "text", "finish_reason", "usage", "token_ids", "logprobs", "error", "input",
+    ]  # fmt: skip
+    assert table.column("token_ids").to_pylist() == [None, None, [1, 2]]
+    assert table.column("logprobs").to_pylist()[2] == [
+        {**logprobs[0]},
+        {**logprobs[1], "top": None},
+    ]
     assert table.schema.field("input").type == pa.struct(
         [
             ("id", pa.string()),
