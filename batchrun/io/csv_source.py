@@ -6,9 +6,9 @@ cells of the per-row fields a row needs typed (``max_tokens`` an int, ``temperat
 ``ignore_eos`` a bool, ``stop`` / ``stop_token_ids`` / ``choice`` / ``prompt_token_ids`` a JSON
 list, ...; ``CELL_TYPES``) are converted when they parse; a cell that does not stays text, and the
 row fails with a message naming the field and the value. A record with the wrong number of cells
-cannot be placed in a column: it fails the whole input with its record number (``count_rows``
-reads the whole file before a run starts, so such a file never half-runs). The row number is the
-record's index after the header.
+is an error row (its record number and text) and the job goes on; a file pyarrow cannot parse
+at all fails the input (``count_rows`` reads the whole file before a run starts, so such a file
+never half-runs). The row number is the record's index after the header (blank lines skipped).
 """
 
 from __future__ import annotations
@@ -94,19 +94,33 @@ class CsvSource(DatasetSource):
         if not self.columns:
             self.num_rows = 0
 
-    def _open(self, columns: list[str]) -> Any:
+    def _open(self, columns: list[str], bad: list[tuple[int, str]]) -> Any:
+        """A streaming reader; a record with the wrong number of cells is skipped and appended
+        to ``bad`` as (row, why), in file order."""
         # local: pyarrow takes ~150 ms to import; the CLI's option parsing imports this module
         import pyarrow as pa
         import pyarrow.csv as pacsv
+
+        def on_invalid(record: Any) -> str:
+            if record.number is None:
+                return "error"  # no position to give it: pyarrow fails the input, naming it
+            # NOTE: pyarrow numbers records from 1 with the header, blank lines not counted
+            row = record.number - 2
+            bad.append(
+                (
+                    row,
+                    f"record {row + 1} after the header has {record.actual_columns} cells, the "
+                    f"header {record.expected_columns}: {record.text[:200]!r}",
+                )
+            )
+            return "skip"
 
         stream = pa.input_stream(str(self.path), compression="gzip" if self.is_gzip else None)
         return pacsv.open_csv(
             stream,
             read_options=pacsv.ReadOptions(block_size=BLOCK_BYTES, use_threads=False),
             parse_options=pacsv.ParseOptions(
-                delimiter=self.delimiter,
-                newlines_in_values=True,
-                invalid_row_handler=lambda row: "error",  # pyarrow then names the record
+                delimiter=self.delimiter, newlines_in_values=True, invalid_row_handler=on_invalid
             ),
             convert_options=pacsv.ConvertOptions(
                 column_types={c: pa.string() for c in columns},
@@ -119,7 +133,7 @@ class CsvSource(DatasetSource):
         import pyarrow as pa  # local: see _open
 
         try:
-            with self._open([]) as reader:
+            with self._open([], []) as reader:
                 names = reader.schema.names
         except pa.ArrowInvalid as e:
             if "Empty CSV file" in str(e):
@@ -135,13 +149,13 @@ class CsvSource(DatasetSource):
             )
         return names
 
-    def _record_batches(self) -> Iterator[Any]:
+    def _record_batches(self, bad: list[tuple[int, str]]) -> Iterator[Any]:
         import pyarrow as pa  # local: see _open
 
         if not self.columns:
             return
         try:
-            with self._open(self.columns) as reader:
+            with self._open(self.columns, bad) as reader:
                 yield from reader
         except (pa.ArrowInvalid, OSError, EOFError) as e:
             raise self._bad(e) from e
@@ -149,25 +163,34 @@ class CsvSource(DatasetSource):
     def _bad(self, e: Exception) -> BadInputError:
         separator = "tab" if self.delimiter == "\t" else "comma"
         return BadInputError(
-            f"{self.path}: not a readable {self.format} file: {e}; every record needs as many "
-            f"{separator}-separated cells as the header (quote a cell that holds the separator, "
-            "a quote or a line break)"
+            f"{self.path}: not a readable {self.format} file: {e}; quote a cell that holds the "
+            f"separator ({separator}), a quote or a line break"
         )
 
     def count_rows(self) -> int:
         """Records after the header: one pass over the file, nothing converted to Python."""
-        return sum(batch.num_rows for batch in self._record_batches())
+        bad: list[tuple[int, str]] = []
+        return sum(batch.num_rows for batch in self._record_batches(bad)) + len(bad)
 
     def iter_batches(self, batch_size: int = 1024) -> Iterator[list[RawRow]]:
         typed = [(c, CELL_TYPES[c]) for c in self.columns or () if c in CELL_TYPES]
+        bad: list[tuple[int, str]] = []  # filled by pyarrow as it parses, in file order
+        k = 0  # bad[:k] are yielded
         row = 0
-        for record_batch in self._record_batches():
+        for record_batch in self._record_batches(bad):
             for start in range(0, record_batch.num_rows, batch_size):
-                rows = record_batch.slice(start, batch_size).to_pylist()
-                for data in rows:
+                batch: list[RawRow] = []
+                for data in record_batch.slice(start, batch_size).to_pylist():
+                    # a skipped record takes its place among the good ones (by record number)
+                    while k < len(bad) and bad[k][0] == row:
+                        batch.append(RawRow(row, None, bad[k][1], "invalid_csv"))
+                        k, row = k + 1, row + 1
                     for column, convert in typed:
                         text = data[column]
                         if text is not None:
                             data[column] = convert(text)
-                yield [RawRow(row + i, data, None) for i, data in enumerate(rows)]
-                row += len(rows)
+                    batch.append(RawRow(row, data, None))
+                    row += 1
+                yield batch
+        if k < len(bad):
+            yield [RawRow(r, None, why, "invalid_csv") for r, why in bad[k:]]

@@ -59,7 +59,7 @@ class PreparedRow(NamedTuple):
 class RowError(NamedTuple):
     id: str
     row: int
-    type: str  # "invalid_json" | "invalid_request" | "context_length_exceeded"
+    type: str  # "invalid_json" | "invalid_csv" | "invalid_request" | "context_length_exceeded"
     message: str
     kept: dict | None = None  # as PreparedRow.kept
 
@@ -91,7 +91,7 @@ def prepare_row(
     kept = kept_columns(raw.data, spec.keep_columns)
     if raw.data is None:
         message = raw.error or "row could not be parsed"
-        return RowError(row_id, raw.row, "invalid_json", message, kept)
+        return RowError(row_id, raw.row, raw.kind, message, kept)
     data = raw.data
     try:
         if openai:

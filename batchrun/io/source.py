@@ -17,6 +17,7 @@ class RawRow(NamedTuple):
     row: int  # 0-based row index in the input; for JSONL the line index, so line = row + 1
     data: dict | None  # the parsed row; None when it could not be parsed
     error: str | None  # why it could not be parsed, e.g. "line 7: invalid JSON: ..."
+    kind: str = "invalid_json"  # the error record's type when it could not ("invalid_csv")
 
 
 class DatasetSource:

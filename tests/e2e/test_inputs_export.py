@@ -126,11 +126,15 @@ def test_csv_cell_that_does_not_parse_is_a_row_error(model, tmp_path):
     assert len(read_jsonl(out, "results")) == 1
 
 
-def test_unsplittable_csv_or_json_array_is_refused_before_any_row(model, tmp_path):
-    (tmp_path / "bad.csv").write_text("prompt,max_tokens\n" + "ok,3\n" * 10 + "a,b,c\n")
-    r = submit(model, tmp_path / "bad.csv", tmp_path / "o1", code=3)
-    assert "Expected 2 columns, got 3" in r.output and "comma-separated" in r.output
-    assert not list((tmp_path / "o1").glob("results-*"))
+def test_csv_record_with_wrong_cells_is_an_error_row_and_bad_json_is_refused(model, tmp_path):
+    (tmp_path / "in.csv").write_text("prompt,max_tokens\nok,3\na,b,c\nalso ok,2\n")
+    out = tmp_path / "o1"
+    submit(model, tmp_path / "in.csv", out)
+    (err,) = read_jsonl(out, "errors")
+    assert err["row"] == 1 and err["error"]["type"] == "invalid_csv"
+    assert "record 2 after the header has 3 cells, the header 2" in err["error"]["message"]
+    assert len(read_jsonl(out, "results")) == 2
+    # a JSON array that does not parse cannot be split into rows: refused before any row runs
     (tmp_path / "bad.json").write_text('[{"prompt": "ok"}, {"prompt": "cut"')
     r = submit(model, tmp_path / "bad.json", tmp_path / "o2", code=3)
     assert "element 1: invalid JSON" in r.output

@@ -314,11 +314,36 @@ def test_tsv_gz_and_header_only(tmp_path: Path) -> None:
     assert open_dataset(tmp_path / "empty.csv").count_rows() == 0
 
 
-def test_csv_that_cannot_be_split_into_cells_fails_the_input(tmp_path: Path) -> None:
-    path = tmp_path / "bad.csv"
-    path.write_text("prompt,max_tokens\n" + "fine,1\n" * 5 + "one,too,many\n")
-    with pytest.raises(BadInputError, match=r"Expected 2 columns, got 3.*as many comma-separated"):
-        open_dataset(path).count_rows()
+def test_csv_record_with_the_wrong_cell_count_is_a_row_error(tmp_path, monkeypatch) -> None:
+    import batchrun.io.csv_source as csv_source
+
+    monkeypatch.setattr(csv_source, "BLOCK_BYTES", 64)  # bad records in many blocks
+    lines, bad = [], set()
+    for i in range(300):
+        if i % 7 == 3:
+            lines.append(f"p{i},1,extra")
+            bad.add(i)
+        elif i % 11 == 5:
+            lines.append(f'"multi\nline {i}",2')
+        else:
+            lines.append(f"p{i},3")
+    path = tmp_path / "in.csv"
+    path.write_text("prompt,max_tokens\n\n" + "\n".join(lines) + "\nlast\n")
+    source = open_dataset(path)
+    assert source.count_rows() == 301
+    rows = read_all(source, batch_size=16)
+    assert [r.row for r in rows] == list(range(301))
+    assert {r.row for r in rows if r.data is None} == bad | {300}
+    assert rows[3].error == "record 4 after the header has 3 cells, the header 2: 'p3,1,extra'"
+    assert rows[300].error.startswith("record 301 after the header has 1 cells")
+    assert {r.kind for r in rows if r.data is None} == {"invalid_csv"}
+    err = prepare_row(rows[3], RowSpec(), SamplingParams(), openai=False)
+    assert (err.type, err.row, err.message) == ("invalid_csv", 3, rows[3].error)
+    assert rows[5].data == {"prompt": "multi\nline 5", "max_tokens": 2}
+    assert rows[299].data == {"prompt": "p299", "max_tokens": 3}
+
+
+def test_csv_header_with_a_repeated_name_is_refused(tmp_path: Path) -> None:
     (tmp_path / "dup.csv").write_text("prompt,a,a\nx,1,2\n")
     with pytest.raises(BadInputError, match=r"names columns \['a'\] more than once"):
         open_dataset(tmp_path / "dup.csv")
