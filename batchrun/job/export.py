@@ -111,7 +111,7 @@ def export_run(
     source = _input(manifest) if with_input else None
     try:
         index = RecordIndex(run_dir, files)
-    except DamagedRecordError as e:
+    except (DamagedRecordError, OSError) as e:  # a listed file that is missing or unreadable
         raise ExportError(f"{run_dir} is damaged: {e}", exit_code=1) from e
     try:
         order = _order(index, sort)
@@ -126,6 +126,8 @@ def export_run(
             raise
     except ValueError as e:
         raise ExportError(str(e), exit_code=1) from e
+    except BadInputError as e:  # the input stops parsing (a truncated gzip file)
+        raise ExportError(f"cannot read the run's input: {e}") from e
     finally:
         index.close()
     if source is not None:

@@ -168,6 +168,12 @@ def test_what_cannot_be_exported_says_why(tmp_path):
     twice = make_run(tmp_path / "2", INPUTS, doubled, status="complete")
     with pytest.raises(ExportError, match=r"rows committed more than once \(0\)"):
         export_run(twice)
+    # a listed file that is gone
+    gone = make_run(tmp_path / "4", INPUTS, RECORDS, status="complete")
+    (gone / "results-00001.jsonl").unlink()
+    with pytest.raises(ExportError, match="is damaged.*results-00001.jsonl") as e:
+        export_run(gone)
+    assert e.value.exit_code == 1
     # a record for a row the input does not have
     short = make_run(tmp_path / "3", INPUTS, RECORDS, status="complete")
     data = Path(json.loads((short / "manifest.json").read_text())["input"]["path"])
