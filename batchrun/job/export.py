@@ -183,10 +183,10 @@ def _input(manifest: Manifest) -> DatasetSource:
         expected = manifest.fingerprint.get("input")
         if expected:
             if expected.get("stdin"):
-                now = input_identity_of_spool(path)
+                found = input_identity_of_spool(path)
             else:
-                now = input_identity(path, source.format, manifest.input.split)
-            if normalize(now) != normalize(expected):
+                found = input_identity(path, source.format, manifest.input.split)
+            if normalize(found) != normalize(expected):
                 raise ExportError(
                     f"the run's input {path} changed since the run (size or content), so its "
                     f"rows would not match the records; restore it, or {hint}"
