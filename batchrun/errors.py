@@ -9,6 +9,12 @@ class RunError(Exception):
     exit_code = 1
 
 
+class OptionError(RunError):
+    """Options that cannot apply to this input; nothing was started."""
+
+    exit_code = 2
+
+
 class InputError(RunError):
     exit_code = 3
 

@@ -163,6 +163,7 @@ def build_spec(o: dict):
         system_prompt=o["system_prompt"],
         use_chat_template=not o["no_chat_template"],
         chat_template=_read_chat_template(o.get("chat_template")),
+        keep_columns=tuple(o.get("keep_columns") or ()),
     )
 
 

@@ -16,6 +16,8 @@ Exit codes:
 lists missing and duplicate ids), 3 when OUT or the input cannot be read. `batchrun inspect`
 exits 0 when the files hold what the manifest committed, 1 when committed records are missing or
 disagree with it, 3 when OUT is not a run directory.
+`batchrun export` exits 0 when the file is written, 1 when OUT is damaged or the write fails, 2
+for a bad option, 3 when OUT or its input cannot be read or the input changed since the run.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from batchrun.cli.options import (
     structured_options,
 )
 from batchrun.cli.sections import SectionedCommand
+from batchrun.io.stdin import STDIN
 from batchrun.job.config import RunConfig
 from batchrun.job.inspect_run import InspectError, inspect_run
 from batchrun.job.merge import MergeError, merge_run
@@ -68,6 +71,7 @@ def main() -> None:
     batchrun plan data.parquet --model ~/models/Llama-3.1-8B-Instruct
     batchrun inspect runs/exp1
     batchrun merge runs/exp3                                 # after a sharded (array) run
+    batchrun export runs/exp1 --format parquet               # one file, input order, joined
     """
 
 
@@ -84,10 +88,11 @@ def main() -> None:
 def submit(dataset: str, out: str, **o) -> None:
     """Run every row of DATASET through the model and write the completions to --out.
 
-    DATASET: a .jsonl / .jsonl.gz file, a .parquet file or directory, a HF `datasets`
-    directory (save_to_disk), or an OpenAI Batch input file (results then follow the OpenAI
-    Batch output format). Per-row fields (max_tokens, temperature, stop, seed, ...) override
-    the options below.
+    DATASET: a .jsonl / .json (array or lines) / .csv / .tsv file (each optionally .gz), a
+    .parquet file or directory, a HF `datasets` directory (save_to_disk), - for JSON Lines on
+    standard input (spooled to OUT/stdin.jsonl), or an OpenAI Batch input file (results then
+    follow the OpenAI Batch output format). Per-row fields (max_tokens, temperature, stop, seed,
+    ...) override the options below; a prompt_token_ids column is a pre-tokenized prompt.
 
     Running the same command again resumes: committed rows are kept, the rest run (a run with
     different settings is refused unless --overwrite). With --num-shards N > 1 (default: from a
@@ -102,6 +107,7 @@ def submit(dataset: str, out: str, **o) -> None:
         num_shards, shard_index = resolve_shards(o["num_shards"], o["shard_index"])
     except ShardOptionError as e:
         raise click.UsageError(str(e)) from e
+    _check_stdin(dataset)
     engine = build_engine_config(o)
     if o["dp"] > 1:
         from batchrun.engine_process.data_parallel import device_indices
@@ -146,6 +152,14 @@ def submit(dataset: str, out: str, **o) -> None:
             server.stop()
 
 
+def _check_stdin(dataset: str) -> None:
+    if dataset == STDIN and click.get_text_stream("stdin").isatty():
+        raise click.UsageError(
+            "DATASET is - (rows on standard input) but standard input is a terminal; pipe the "
+            "rows in, e.g. cat rows.jsonl | batchrun submit - --out DIR"
+        )
+
+
 def _progress_server(bind: str | None, token: str | None):
     """Bind before the model loads, so a bad address or a busy port fails at once."""
     if bind is None:
@@ -170,11 +184,18 @@ def _submit(config, server) -> None:
     from batchrun.job.runner import RunError, Runner
 
     try:
-        runner = Runner(config, hub=server.hub if server is not None else None)
+        runner = Runner(
+            config,
+            hub=server.hub if server is not None else None,
+            stdin=click.get_binary_stream("stdin"),
+        )
     except RunError as e:
         _fail(str(e), e.exit_code)
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(f"cannot load the model: {e}", EXIT_MODEL)
+    for warning in runner.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    num_warned = len(runner.warnings)
     where = runner.out
     for note in runner.repairs:
         click.echo(f"resume: {note}", err=True)
@@ -199,6 +220,8 @@ def _submit(config, server) -> None:
         summary = runner.run()
     except RunError as e:
         _fail(str(e), e.exit_code)
+    for warning in runner.warnings[num_warned:]:
+        click.echo(f"warning: {warning}", err=True)
     if summary.interrupted:
         _report(
             summary,
@@ -235,6 +258,7 @@ def plan(dataset: str, **o) -> None:
     (unlimited, and predicted for --kv-budget). Loads the tokenizer only, not the weights."""
     from batchrun.job.plan import PlanError, make_plan
 
+    _check_stdin(dataset)
     try:
         report = make_plan(
             dataset,
@@ -272,6 +296,54 @@ def merge(out: str, show: int) -> None:
     click.echo(report.text())
     if not report.ok:
         sys.exit(EXIT_FAILED)
+
+
+@main.command()
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["parquet", "jsonl"]),
+    default=None,
+    help="File format. Default: jsonl when --output ends in .jsonl, else parquet.",
+)
+@click.option(
+    "--sort",
+    type=click.Choice(["row", "none"]),
+    default="row",
+    show_default=True,
+    help="row: input order (then sample index); none: the run's file order (needs --no-input).",
+)
+@click.option(
+    "--input/--no-input",
+    "with_input",
+    default=True,
+    show_default=True,
+    help='Join each record with its whole input row, under "input" (re-reads the input the '
+    "manifest names, checked against the run's fingerprint).",
+)
+@click.option(
+    "--output",
+    "-o",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="The file to write. Default: OUT/export.parquet (or .jsonl).",
+)
+def export(out: str, fmt: str | None, sort: str, with_input: bool, output: str | None) -> None:
+    """Write the records of the run in OUT (a run, a shard, or a sharded run's merged/) as one
+    Parquet or JSONL file, in input order, each record with its input row joined; error records
+    are rows whose "error" is set. Streams: memory holds a 28-byte index entry per record, never
+    a whole file. Exit 0 when written, 1 when OUT is damaged, 2 for a bad option, 3 when OUT or
+    its input cannot be read (or the input changed since the run)."""
+    from batchrun.job.export import ExportError, export_run  # local: pyarrow
+
+    try:
+        report = export_run(out, fmt=fmt, sort=sort, with_input=with_input, output=output)
+    except ExportError as e:
+        _fail(str(e), e.exit_code)
+    except OSError as e:
+        _fail(f"cannot write the export: {e}", EXIT_FAILED)
+    click.echo(report.text())
 
 
 @main.command()

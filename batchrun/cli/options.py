@@ -389,6 +389,20 @@ order_options = option_group(
 )
 
 
+def parse_columns(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
+    """--keep-columns a,b --keep-columns c -> ("a", "b", "c"), each once, in order."""
+    names: dict[str, None] = {}
+    for value in values:
+        for name in value.split(","):
+            name = name.strip()
+            if not name:
+                raise click.BadParameter(
+                    f"{value!r} has an empty column name; write COL,COL,... (no empty names)"
+                )
+            names[name] = None
+    return tuple(names)
+
+
 output_options = option_group(
     OUTPUT,
     click.option(
@@ -413,6 +427,14 @@ output_options = option_group(
     ),
     click.option(
         "--token-ids", "with_token_ids", is_flag=True, help="Also write output token ids."
+    ),
+    click.option(
+        "--keep-columns",
+        multiple=True,
+        callback=parse_columns,
+        metavar="COL,...",
+        show_default=NONE,
+        help='Copy these input columns into every record, under "input" (not for OpenAI Batch).',
     ),
     order_options,
 )

@@ -157,6 +157,11 @@ class Engine:
     def num_kv_slots(self) -> int:
         return self.runner.num_slots
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to vocab_size - 1 (the model's embedding rows)."""
+        return self.model_config.vocab_size
+
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request: GenerateRequest) -> None:

@@ -71,6 +71,7 @@ class DataParallelEngine:
         first = self.engines[0]
         self.tokenizer = first.tokenizer
         self.context_len = first.context_len
+        self.vocab_size = first.vocab_size
         self.num_kv_slots = first.num_kv_slots
         self.kernels = first.kernels  # every engine resolves the same on the same GPUs
         self.window = first.window

@@ -7,6 +7,9 @@ Supported inputs:
   or not a JSON object becomes a ``RawRow`` with ``error`` set and the job goes on.
 - Parquet: one ``.parquet`` file or a directory of them (read in sorted path order, row groups
   streamed one record batch at a time).
+- JSON: ``.json`` (optionally ``.gz``) holding one array of row objects (batchrun/io/
+  json_array.py, streamed) or, when its first character is not ``[``, JSON Lines as above.
+- CSV / TSV: ``.csv`` / ``.tsv`` (optionally ``.gz``; batchrun/io/csv_source.py).
 - A HuggingFace ``datasets`` directory written by ``save_to_disk`` (a ``Dataset`` or a
   ``DatasetDict``; the latter needs a split), or a ``datasets.Dataset`` / ``DatasetDict`` object.
 """
@@ -16,57 +19,22 @@ from __future__ import annotations
 import gzip
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 
+from batchrun.io.csv_source import CSV_SUFFIXES, CsvSource
+from batchrun.io.json_array import JsonArraySource, first_char
+from batchrun.io.source import BadInputError, DatasetSource, RawRow
+
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
+JSON_SUFFIXES = (".json", ".json.gz")
 SUPPORTED = (
-    ".jsonl, .ndjson (optionally .gz), .parquet, a directory of .parquet files, "
-    "or a HuggingFace datasets directory made by save_to_disk"
+    ".jsonl, .ndjson, .json (a JSON array or JSON Lines), .csv, .tsv (all optionally .gz), "
+    ".parquet, a directory of .parquet files, a HuggingFace datasets directory made by "
+    "save_to_disk, or - (JSON Lines on standard input)"
 )
 _decode = msgspec.json.Decoder().decode
-
-
-class BadInputError(Exception):
-    """The input cannot be read at all. The message says what to do about it."""
-
-
-class RawRow(NamedTuple):
-    row: int  # 0-based row index in the input; for JSONL the line index, so line = row + 1
-    data: dict | None  # the parsed row; None when it could not be parsed
-    error: str | None  # why it could not be parsed, e.g. "line 7: invalid JSON: ..."
-
-
-class DatasetSource:
-    """A readable input. ``num_rows`` is None when it is not known without a full pass."""
-
-    format: str = ""
-    num_rows: int | None = None
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-
-    def iter_batches(self, batch_size: int = 1024) -> Iterator[list[RawRow]]:
-        raise NotImplementedError
-
-    def iter_field(self, name: str, batch_size: int = 8192) -> Iterator[list[RawRow]]:
-        """As iter_batches, with a row's data holding only the field `name` (null when absent),
-        for a pass that needs one field (JSONL decodes nothing else)."""
-        for batch in self.iter_batches(batch_size):
-            yield [
-                RawRow(r.row, {name: r.data.get(name)} if r.data is not None else None, r.error)
-                for r in batch
-            ]
-
-    def count_rows(self) -> int:
-        """Rows the input holds; for JSONL this is one pass over the file (non-blank lines)."""
-        if self.num_rows is not None:
-            return self.num_rows
-        return sum(len(batch) for batch in self.iter_batches(8192))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(path={str(self.path)!r}, format={self.format!r})"
 
 
 class JsonlSource(DatasetSource):
@@ -159,12 +127,17 @@ class ParquetSource(DatasetSource):
         else:
             self.files = [path]
         num_rows = 0
+        schemas = []
         for file in self.files:
             try:
-                num_rows += pq.ParquetFile(file).metadata.num_rows
+                pf = pq.ParquetFile(file)
             except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a broken footer
                 raise BadInputError(f"{file}: not a readable Parquet file: {e}") from e
+            num_rows += pf.metadata.num_rows
+            schemas.append(pf.schema_arrow)
         self.num_rows = num_rows
+        self.columns = list(dict.fromkeys(name for schema in schemas for name in schema.names))
+        self.arrow_schema = _unified(schemas)
 
     def iter_batches(self, batch_size: int = 1024) -> Iterator[list[RawRow]]:
         import pyarrow.parquet as pq  # local: see __init__
@@ -180,6 +153,18 @@ class ParquetSource(DatasetSource):
                     row += len(rows)
 
 
+def _unified(schemas: list) -> Any:
+    """One schema for the files of a directory (None when their columns' types conflict)."""
+    import pyarrow as pa  # local: see ParquetSource
+
+    if not schemas:
+        return None
+    try:
+        return pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return None
+
+
 class HFDatasetSource(DatasetSource):
     format = "hf-datasets"
 
@@ -187,6 +172,8 @@ class HFDatasetSource(DatasetSource):
         super().__init__(path)
         self.dataset = dataset
         self.num_rows = len(dataset)
+        self.columns = list(dataset.column_names)
+        self.arrow_schema = dataset.features.arrow_schema
 
     def iter_batches(self, batch_size: int = 1024) -> Iterator[list[RawRow]]:
         row = 0
@@ -217,12 +204,17 @@ def open_dataset(path: str | Path | Any, split: str | None = None) -> DatasetSou
     name = p.name.lower()
     if name.endswith(JSONL_SUFFIXES):
         return JsonlSource(p)
+    if name.endswith(JSON_SUFFIXES):
+        try:
+            is_array = first_char(p) == "["
+        except (OSError, EOFError) as e:
+            raise BadInputError(f"{p}: cannot read: {e}") from e
+        return JsonArraySource(p) if is_array else JsonlSource(p)
+    if name.endswith(CSV_SUFFIXES):
+        return CsvSource(p)
     if name.endswith(".parquet"):
         return ParquetSource(p)
-    hint = ""
-    if name.endswith((".json", ".json.gz")):
-        hint = " If the file holds one JSON object per line, rename it to .jsonl."
-    raise BadInputError(f"unsupported input file {p.name!r}; supported: {SUPPORTED}.{hint}")
+    raise BadInputError(f"unsupported input file {p.name!r}; supported: {SUPPORTED}")
 
 
 def _load_from_disk(path: Path, split: str | None) -> DatasetSource:

@@ -3,12 +3,17 @@
 Plain output, one line per completion (n > 1 gives n lines that share the id)::
 
     {"id", "text", "finish_reason", "usage": {"prompt_tokens", "completion_tokens",
-     "cached_tokens"}, "index"?, "token_ids"?, "logprobs"?, "row"?, "latency_s"?, "ttft_s"?}
+     "cached_tokens"}, "index"?, "token_ids"?, "logprobs"?, "row"?, "input"?, "latency_s"?,
+     "ttft_s"?}
 
 ``index`` appears only when the request asked for n > 1. ``logprobs`` is one entry per generated
 token: ``{"token_id", "token", "logprob", "top"?: [{"token_id", "token", "logprob"}, ...]}``
 (``token``: the token's text, as OpenAI's ``logprobs.content[].token``; ``top`` only when
-top_logprobs > 0). Errors: ``{"id", "row", "error": {"type", "message"}}``.
+top_logprobs > 0). Errors: ``{"id", "row", "error": {"type", "message"}, "input"?}``.
+
+``input`` holds the input columns of ``--keep-columns`` (``{"column": value, ...}``, null where
+the row lacks one). NOTE: under one key, not at the top level: an input column may be called
+``id``, ``text`` or ``error``, and a record's own fields must keep their meaning.
 
 OpenAI Batch output follows the OpenAI Batch API files: all n choices of a request in ONE line;
 ``response`` / ``error`` are always present (one of them null).
@@ -71,6 +76,7 @@ class ResultRecord(msgspec.Struct, omit_defaults=True):
     token_ids: list[int] | None = None
     logprobs: list[TokenLogprob] | None = None
     row: int | None = None
+    input: dict[str, Any] | None = None
     latency_s: float | None = None
     ttft_s: float | None = None
 
@@ -80,10 +86,11 @@ class ErrorInfo(msgspec.Struct):
     message: str
 
 
-class ErrorRecord(msgspec.Struct):
+class ErrorRecord(msgspec.Struct, omit_defaults=True):
     id: str
     row: int
     error: ErrorInfo
+    input: dict[str, Any] | None = None
 
 
 _encoder = msgspec.json.Encoder()
@@ -118,6 +125,7 @@ def result_records(
                 token_ids=list(c.token_ids) if with_token_ids else None,
                 logprobs=_token_logprobs(c, token_text),
                 row=prepared.row if with_row else None,
+                input=prepared.kept,
                 latency_s=_round(c.latency_s) if with_timing else None,
                 ttft_s=_round(c.ttft_s) if with_timing else None,
             )
@@ -126,7 +134,7 @@ def result_records(
 
 
 def error_record(error: RowError) -> ErrorRecord:
-    return ErrorRecord(error.id, error.row, ErrorInfo(error.type, error.message))
+    return ErrorRecord(error.id, error.row, ErrorInfo(error.type, error.message), error.kept)
 
 
 def _round(seconds: float | None) -> float | None:

@@ -2,10 +2,12 @@
 
 Two row shapes are accepted:
 
-- plain rows: a prompt column (string) or a messages column (chat messages), an optional id
-  column, and optional per-row sampling fields at the top level (``max_tokens``, ``temperature``,
-  ...; see ``ROW_PARAM_FIELDS``) that override the CLI defaults. A null value means "not set",
-  because Parquet / datasets rows carry every column, null where a row does not use it.
+- plain rows: a prompt column (string), a messages column (chat messages) or a
+  ``prompt_token_ids`` column (a pre-tokenized prompt: it wins over the other two and skips the
+  tokenizer and the chat template), an optional id column, and optional per-row sampling fields
+  at the top level (``max_tokens``, ``temperature``, ...; see ``ROW_PARAM_FIELDS``) that override
+  the CLI defaults. A null value means "not set", because Parquet / datasets rows carry every
+  column, null where a row does not use it.
 - OpenAI Batch rows: ``{"custom_id", "method", "url", "body": {...}}`` with ``url`` one of
   ``/v1/chat/completions`` (``body.messages``) or ``/v1/completions`` (``body.prompt``).
 
@@ -27,6 +29,7 @@ from batchrun.io.readers import RawRow
 from batchrun.params import GrammarSpec, SamplingParams
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
+PROMPT_TOKEN_IDS = "prompt_token_ids"  # a pre-tokenized prompt: a list of token ids
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
 
 
@@ -38,6 +41,7 @@ class RowSpec:
     system_prompt: str | None = None
     use_chat_template: bool = True
     chat_template: str | None = None  # Jinja text used instead of the tokenizer's template
+    keep_columns: tuple[str, ...] = ()  # input columns copied into the records (under "input")
 
 
 class PreparedRow(NamedTuple):
@@ -49,13 +53,18 @@ class PreparedRow(NamedTuple):
     openai: bool  # the row came in OpenAI Batch format
     response_format: dict | None
     extra: dict  # OpenAI: "url", "method", "model", maybe "unsupported_fields"
+    prompt_token_ids: list[int] | None = None  # pre-tokenized: no tokenizer, no chat template
+    kept: dict | None = None  # the RowSpec.keep_columns of the input row (None when none kept)
 
 
 class RowError(NamedTuple):
     id: str
     row: int
-    type: str  # "invalid_json" | "invalid_request" | "context_length_exceeded" | "duplicate_id"
+    # "invalid_json" | "invalid_csv" | "invalid_request" | "context_length_exceeded" |
+    # "duplicate_id"
+    type: str
     message: str
+    kept: dict | None = None  # as PreparedRow.kept
 
 
 class _Invalid(Exception):
@@ -82,17 +91,28 @@ def prepare_row(
 ) -> PreparedRow | RowError:
     """Never raises on bad row content: every problem becomes a RowError naming the row."""
     row_id = str(raw.row)
+    kept = kept_columns(raw.data, spec.keep_columns)
     if raw.data is None:
-        return RowError(row_id, raw.row, "invalid_json", raw.error or "row could not be parsed")
+        message = raw.error or "row could not be parsed"
+        return RowError(row_id, raw.row, raw.kind, message, kept)
     data = raw.data
     try:
         if openai:
             row_id = _row_id(data, "custom_id", raw.row)
             return _prepare_openai(data, raw.row, row_id, spec, defaults)
         row_id = _row_id(data, spec.id_column, raw.row)
-        return _prepare_plain(data, raw.row, row_id, spec, defaults)
+        return _prepare_plain(data, raw.row, row_id, spec, defaults)._replace(kept=kept)
     except _Invalid as e:
-        return RowError(row_id, raw.row, "invalid_request", f"row {raw.row}: {e}")
+        return RowError(row_id, raw.row, "invalid_request", f"row {raw.row}: {e}", kept)
+
+
+def kept_columns(data: dict | None, columns: tuple[str, ...]) -> dict | None:
+    """The columns to copy into the row's records: every one named, null where the row lacks it
+    (so every record has the same keys). None when no column is kept."""
+    if not columns:
+        return None
+    data = data or {}
+    return {c: data.get(c) for c in columns}
 
 
 def given_id(data: dict, column: str | None) -> str | None:
@@ -122,6 +142,13 @@ def _row_id(data: dict, column: str | None, row: int) -> str:
 def _prepare_plain(
     data: dict, row: int, row_id: str, spec: RowSpec, defaults: SamplingParams
 ) -> PreparedRow:
+    token_ids = data.get(PROMPT_TOKEN_IDS)
+    if token_ids is not None:
+        # NOTE: the token ids are the prompt; a prompt or messages column next to them is the
+        # text they came from (vLLM's TokensPrompt), not run
+        token_ids = _check_token_ids(token_ids)
+        params, response_format = _parse_structured(data, _parse_params(data, defaults))
+        return PreparedRow(row_id, row, None, None, params, False, response_format, {}, token_ids)
     prompt_col, messages_col = spec.prompt_column or None, spec.messages_column or None
     prompt = data.get(prompt_col) if prompt_col else None
     messages = data.get(messages_col) if messages_col else None
@@ -184,6 +211,29 @@ def _require(body: dict, key: str) -> None:
         raise _Invalid(f"body.{key} is null; give it a value")
     if key not in body:
         raise _Invalid(f"body has no {key!r} (it has {_columns(body)})")
+
+
+def _check_token_ids(value: Any) -> list[int]:
+    """A non-empty list of non-negative ints (the upper bound, the vocabulary, is checked where
+    the model is known: batchrun/job/tokenize.py)."""
+    value = _decode_text(value, repr(PROMPT_TOKEN_IDS))
+    if not isinstance(value, list):
+        raise _Invalid(
+            f"{PROMPT_TOKEN_IDS!r} must be a list of token ids, got {type(value).__name__}"
+        )
+    if not value:
+        raise _Invalid(f"{PROMPT_TOKEN_IDS!r} is empty")
+    ids = value
+    for i, t in enumerate(value):
+        if type(t) is int and t >= 0:
+            continue
+        if isinstance(t, float) and t.is_integer() and t >= 0:
+            if ids is value:
+                ids = list(value)
+            ids[i] = int(t)  # pandas writes an int list column with nulls as floats
+            continue
+        raise _Invalid(f"{PROMPT_TOKEN_IDS}[{i}] is {t!r}: token ids are integers >= 0")
+    return ids
 
 
 def _check_prompt(prompt: Any, column: str) -> str:

@@ -22,6 +22,7 @@ import numpy as np
 
 from batchrun.errors import RunError
 from batchrun.io.manifest import MANIFEST_NAME, Counts, Manifest, read_manifest, write_manifest
+from batchrun.io.stdin import SPOOL_NAMES
 from batchrun.io.writer import (
     DamagedRunError,
     RowLedger,
@@ -32,7 +33,15 @@ from batchrun.io.writer import (
 from batchrun.job.resume import fingerprint_diff
 from batchrun.job.salvage import find_damage, salvage
 
-OUR_FILES = ("results-", "errors-", ".results-", ".errors-", RowLedger.NAME, MANIFEST_NAME)
+OUR_FILES = (
+    "results-",
+    "errors-",
+    ".results-",
+    ".errors-",
+    RowLedger.NAME,
+    MANIFEST_NAME,
+    *SPOOL_NAMES,
+)
 
 
 class RunOutput:
@@ -74,7 +83,12 @@ class RunOutput:
         except ValueError as e:
             raise RunError(str(e)) from e
         if old is None:
-            foreign = [p.name for p in out.iterdir() if not p.name.startswith(".")]
+            # a spooled standard input can precede the first manifest (a run killed in between)
+            foreign = [
+                p.name
+                for p in out.iterdir()
+                if not p.name.startswith(".") and p.name not in SPOOL_NAMES
+            ]
             if foreign:
                 raise RunError(
                     f"--out {out} already holds files ({', '.join(sorted(foreign)[:3])}, ...) but "

@@ -11,7 +11,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from batchrun.io.readers import DatasetSource, RawRow
-from batchrun.io.rows import PreparedRow, RowError, RowSpec, detect_openai_batch, prepare_row
+from batchrun.io.rows import (
+    PreparedRow,
+    RowError,
+    RowSpec,
+    detect_openai_batch,
+    kept_columns,
+    prepare_row,
+)
 from batchrun.job.duplicates import OPENAI_ID, DuplicateIds, OpenAIDuplicates, find_repeats
 from batchrun.job.tokenize import TokenizedRow, tokenize_rows
 from batchrun.params import SamplingParams
@@ -47,6 +54,12 @@ class RowPipeline:
     batch_size: int = 256
     openai: bool | None = None  # decided from the first row that parses
     duplicates: DuplicateIds | None = field(default=None, init=False)  # of the pass under way
+    vocab_size: int | None = None  # the model's: bounds pre-tokenized rows' ids
+    # --keep-columns no row read so far has (checked until every one is seen)
+    unseen_columns: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.unseen_columns = set(self.spec.keep_columns)
 
     def __iter__(self) -> Iterator[TokenizedRow | RowError]:
         self.duplicates = DuplicateIds(self.spec)
@@ -56,16 +69,23 @@ class RowPipeline:
                 if first is not None:
                     self.openai = detect_openai_batch(first)
             repeats = self.duplicates.check(raw_batch, bool(self.openai))
+            if self.unseen_columns:
+                for raw in raw_batch:
+                    if raw.data is not None:
+                        self.unseen_columns -= raw.data.keys()
             prepared: list[PreparedRow] = []
             for raw, repeat in zip(raw_batch, repeats, strict=True):
-                item = repeat
-                if item is None:
+                if repeat is None:
                     item = prepare_row(raw, self.spec, self.defaults, bool(self.openai))
+                else:
+                    item = repeat._replace(kept=kept_columns(raw.data, self.spec.keep_columns))
                 if isinstance(item, RowError):
                     yield item
                 else:
                     prepared.append(item)
-            yield from tokenize_rows(self.tokenizer, prepared, self.spec, self.context_len)
+            yield from tokenize_rows(
+                self.tokenizer, prepared, self.spec, self.context_len, self.vocab_size
+            )
 
 
 def openai_duplicates(

@@ -7,13 +7,17 @@ it runs on files far larger than memory.
 
 from __future__ import annotations
 
+import sys
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 
 from batchrun.config import EngineConfig, resolve_sizes
 from batchrun.io.readers import BadInputError, open_dataset
 from batchrun.io.rows import RowError, RowSpec
+from batchrun.io.stdin import STDIN, spool_stdin
 from batchrun.job.config import default_served_model_name
 from batchrun.job.order import (
     DEFAULT_WINDOW,
@@ -48,8 +52,18 @@ def load_tokenizer_and_context(model: str | None):
     return tokenizer, cfg, path
 
 
-def make_plan(
+def make_plan(dataset: str, **kw) -> str:
+    """The plan's report. DATASET ``-``: standard input, spooled to a temporary file."""
+    if dataset != STDIN:
+        return _make_plan(dataset, dataset, **kw)
+    with tempfile.TemporaryDirectory(prefix="batchrun-plan-") as tmp:
+        path = spool_stdin(sys.stdin.buffer, Path(tmp)).keep()
+        return _make_plan(str(path), "standard input", **kw)
+
+
+def _make_plan(
     dataset: str,
+    name: str,
     *,
     model: str | None,
     split: str | None,
@@ -70,7 +84,15 @@ def make_plan(
     tokenizer, cfg, _ = load_tokenizer_and_context(model)
     if max_running is None:  # the engine's default on this machine
         max_running = resolve_sizes(EngineConfig(), cfg).max_running
-    pipeline = RowPipeline(source, spec, defaults, tokenizer, cfg.max_position_embeddings, limit)
+    pipeline = RowPipeline(
+        source,
+        spec,
+        defaults,
+        tokenizer,
+        cfg.max_position_embeddings,
+        limit,
+        vocab_size=cfg.vocab_size,
+    )
     prompt_lens: list[int] = []
     max_new: list[int] = []
     samples = 0
@@ -92,14 +114,14 @@ def make_plan(
     reuse.flush()
     rows = len(prompt_lens) + sum(errors.values())
     if rows == 0:
-        raise PlanError(f"{dataset}: the input has no rows; nothing to do", 3)
+        raise PlanError(f"{name}: the input has no rows; nothing to do", 3)
     served = ""
     if pipeline.openai:
         served = (
             f"; OpenAI output names it {served_model_name or default_served_model_name(model)!r}"
         )
     lines = [
-        f"dataset      {dataset} ({source.format}{', OpenAI batch' if pipeline.openai else ''})",
+        f"dataset      {name} ({source.format}{', OpenAI batch' if pipeline.openai else ''})",
         f"model        {model or 'embedded SmolLM2-135M-Instruct'} "
         f"(context {cfg.max_position_embeddings}{served})",
         f"rows         {rows}: {len(prompt_lens)} would run, {sum(errors.values())} would fail",

@@ -36,7 +36,7 @@ LABELS = {
     "order": "--order / --order-window",
     "shards": "--num-shards / --shard-index",
     "seed": "--seed",
-    "output": "output options (--token-ids)",
+    "output": "output options (--token-ids, --keep-columns)",
 }
 
 
@@ -95,19 +95,23 @@ def model_identity(model: str | None, load_format: str) -> dict:
     return ident
 
 
-def make_fingerprint(config: RunConfig, input_format: str) -> dict:
-    """JSON-ready dict of everything the rows' output depends on."""
+def make_fingerprint(config: RunConfig, input_format: str, input_ident: dict | None = None) -> dict:
+    """JSON-ready dict of everything the rows' output depends on. ``input_ident``: the input's
+    identity when it is not the file ``config.dataset`` names (standard input: its content's)."""
     cfg = config
+    output: dict[str, Any] = {"token_ids": cfg.with_token_ids}
+    if cfg.spec.keep_columns:  # NOTE: only when given, so runs without it keep their fingerprint
+        output["keep_columns"] = list(cfg.spec.keep_columns)
     return {
         "batchrun_version": __version__,
         "model": model_identity(cfg.engine.model, cfg.engine.load_format),
-        "input": input_identity(cfg.dataset, input_format, cfg.split),
+        "input": input_ident or input_identity(cfg.dataset, input_format, cfg.split),
         "sampling": msgspec.to_builtins(cfg.defaults),
         "rows": _rows_identity(config),
         "order": [cfg.order, cfg.order_window],
         "shards": [cfg.num_shards, cfg.shard_index],
         "seed": cfg.engine.seed,
-        "output": {"token_ids": cfg.with_token_ids},
+        "output": output,
     }
 
 
@@ -115,6 +119,7 @@ def _rows_identity(config: RunConfig) -> dict:
     """The row options and --limit; a --chat-template by a digest of its text (no key without
     one)."""
     rows = {**asdict(config.spec), "limit": config.limit}
+    rows.pop("keep_columns")  # an output option (the fingerprint's "output")
     template = rows.pop("chat_template")
     if template is not None:
         rows["chat_template"] = hashlib.blake2b(template.encode(), digest_size=16).hexdigest()

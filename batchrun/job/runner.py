@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import msgspec
 
@@ -30,7 +30,7 @@ from batchrun.engine_process.data_parallel import DataParallelEngine, device_ind
 from batchrun.engine_process.tp_launcher import start_tp_engine
 from batchrun.errors import InputError, ModelError, RunError
 from batchrun.io.manifest import InputInfo, Manifest, utc_now
-from batchrun.io.readers import BadInputError, DatasetSource, open_dataset
+from batchrun.io.readers import BadInputError
 from batchrun.io.records import (
     Completion,
     encode_line,
@@ -46,6 +46,7 @@ from batchrun.job.config import RunConfig
 from batchrun.job.order import ordered_windows, shard_of
 from batchrun.job.pipeline import RowPipeline, openai_duplicates
 from batchrun.job.resume import make_fingerprint
+from batchrun.job.run_input import RunInput, no_column_warning
 from batchrun.job.shards import error_shard_of, shard_dir
 from batchrun.job.signals import EXIT_INTERRUPTED, StopSignals
 from batchrun.job.summary import RunSummary
@@ -62,25 +63,38 @@ __all__ = ["InputError", "ModelError", "RunError", "RunSummary", "Runner"]
 
 class Runner:
     def __init__(
-        self, config: RunConfig, engine: Engine | None = None, hub: ProgressHub | None = None
+        self,
+        config: RunConfig,
+        engine: Engine | None = None,
+        hub: ProgressHub | None = None,
+        stdin: BinaryIO | None = None,
     ):
         self.config = config
         self.hub = hub  # --serve-progress: gets counts and encoded rows; never blocks the loop
         self.out = shard_dir(config.out, config.num_shards, config.shard_index)
-        self.source = self._open_source()
-        if self._input_is_empty():  # before --out is touched and the model loads
-            raise InputError(f"{config.dataset}: the input has no rows; nothing to do")
-        self._refuse_repeated_custom_ids()
-        fresh = Manifest(
-            created=utc_now(),
-            model=config.engine.model or "embedded:SmolLM2-135M-Instruct",
-            input=InputInfo(_abspath(config.dataset), self.source.format, config.split),
-            config=self._config_dict(),
-            num_shards=config.num_shards,
-            shard_index=config.shard_index,
-            fingerprint=self._fingerprint(),
-        )
-        self.output = RunOutput.open(self.out, fresh, config.shard_size, config.overwrite)
+        # DATASET "-": the rows are read from `stdin` (default: this process's standard input)
+        self.input = RunInput(config.dataset, config.split, self.out, stdin)
+        self.source = self.input.source
+        try:
+            # refused before --out is touched and the model loads
+            if self._input_is_empty():
+                raise InputError(f"{self.input.name}: the input has no rows; nothing to do")
+            self._refuse_repeated_custom_ids()
+            self.warnings = self.input.check_keep_columns(config.spec.keep_columns)
+            fresh = Manifest(
+                created=utc_now(),
+                model=config.engine.model or "embedded:SmolLM2-135M-Instruct",
+                input=InputInfo(self.input.path, self.input.source.format, config.split),
+                config=self._config_dict(),
+                num_shards=config.num_shards,
+                shard_index=config.shard_index,
+                fingerprint=self._fingerprint(),
+            )
+            self.output = RunOutput.open(self.out, fresh, config.shard_size, config.overwrite)
+        except BaseException:
+            self.input.discard()
+            raise
+        self.source = self.input.accept()
         self._manifest = self.output.manifest
         self.summary = RunSummary.from_counts(self._manifest.counts)
         self.engine: Engine | EngineProcess | DataParallelEngine | None = None
@@ -125,12 +139,6 @@ class Runner:
         if self._owns_engine and close is not None:
             close()
 
-    def _open_source(self) -> DatasetSource:
-        try:
-            return open_dataset(self.config.dataset, self.config.split)
-        except BadInputError as e:
-            raise InputError(str(e)) from e
-
     def _refuse_repeated_custom_ids(self) -> None:
         """OpenAI Batch input that gives a custom_id twice is refused whole, before the model
         loads and before --out is touched, as the service refuses it (other inputs: one batch
@@ -140,7 +148,7 @@ class Runner:
         except BadInputError as e:
             raise InputError(str(e)) from e
         if found is not None:
-            raise InputError(found.message(self.config.dataset))
+            raise InputError(found.message(self.input.name))
 
     def _input_is_empty(self) -> bool:
         """Whether the input holds no row at all (a pass only up to its first row)."""
@@ -159,7 +167,7 @@ class Runner:
 
     def _fingerprint(self) -> dict:
         try:
-            return make_fingerprint(self.config, self.source.format)
+            return make_fingerprint(self.config, self.input.source.format, self.input.identity)
         except OSError as e:
             raise InputError(f"cannot read {self.config.dataset} or the model: {e}") from e
 
@@ -203,7 +211,11 @@ class Runner:
 
     def _run(self) -> RunSummary:
         cfg = self.config
-        total = self.total_rows()
+        try:
+            total = self.total_rows()
+        except BadInputError as e:  # a CSV record or JSON array that does not parse
+            self._stop.restore()
+            raise InputError(str(e)) from e
         self._commit(status="running")  # a fresh run's manifest exists before any shard
         progress = Progress(total if cfg.num_shards == 1 else None, cfg.quiet)
         s = self.summary
@@ -239,6 +251,9 @@ class Runner:
                 s.status = "complete"
                 self._commit(status="complete", finished=utc_now())
                 exit_code = 0
+                if self.source.columns is None:  # JSON rows: a kept column no row had
+                    unseen = sorted(self._pipeline.unseen_columns) if self._pipeline else []
+                    self.warnings += [no_column_warning(c, None) for c in unseen]
         finally:
             progress.close()
             self._requests_iter.close()
@@ -277,7 +292,9 @@ class Runner:
                 engine.add_request(request)
             except ValueError as e:  # the engine refuses it (the engine process reports these)
                 prepared, _ = self._pending.pop(request.rid)
-                self._on_error(RowError(prepared.id, prepared.row, "engine_error", str(e)))
+                self._on_error(
+                    RowError(prepared.id, prepared.row, "engine_error", str(e), prepared.kept)
+                )
         if engine.has_work:
             for result in engine.step():
                 self._on_result(result, progress)
@@ -301,6 +318,7 @@ class Runner:
             self.engine.context_len,
             cfg.limit,
             cfg.read_batch_size,
+            vocab_size=self.engine.vocab_size,
         )
         rows: Iterator[TokenizedRow] = self._tokenized(self._pipeline)
         if cfg.order == "prefix":
@@ -346,7 +364,9 @@ class Runner:
         del self._pending[result.rid]
         failure = self._failures.pop(result.rid, None)
         if failure is not None:
-            self._on_error(RowError(prepared.id, prepared.row, "engine_error", failure))
+            self._on_error(
+                RowError(prepared.id, prepared.row, "engine_error", failure, prepared.kept)
+            )
         else:
             self._write_results(prepared, done)
         s = self.summary
@@ -422,10 +442,6 @@ class Runner:
 
 def _input_ids(row: TokenizedRow) -> list[int]:
     return row.input_ids
-
-
-def _abspath(dataset: str) -> str:
-    return str(Path(dataset).expanduser().absolute())
 
 
 def default_out_dir(dataset: str) -> str:

@@ -7,7 +7,8 @@ with ``add_special_tokens=False``: the template already writes BOS where the mod
 Prompt rows without a template are tokenized in a second batched call with
 ``add_special_tokens=True``. An OpenAI Batch ``/v1/completions`` row is always raw text
 (tokenized as a server tokenizes a completions prompt, with the tokenizer's BOS), whatever the
-chat template setting: only chat rows are templated.
+chat template setting: only chat rows are templated. Pre-tokenized rows
+(``prompt_token_ids``) skip both: their ids are checked against the model's vocabulary instead.
 """
 
 from __future__ import annotations
@@ -51,9 +52,14 @@ def check_chat_template(text: str) -> None:
 
 
 def tokenize_rows(
-    tokenizer: Any, rows: list[PreparedRow], spec: RowSpec, context_len: int
+    tokenizer: Any,
+    rows: list[PreparedRow],
+    spec: RowSpec,
+    context_len: int,
+    vocab_size: int | None = None,
 ) -> list[TokenizedRow | RowError]:
-    """One result per input row, in input order."""
+    """One result per input row, in input order. ``vocab_size``: the model's, which bounds a
+    pre-tokenized row's ids (None: not checked)."""
     template = spec.chat_template  # None: the tokenizer's
     has_template = template is not None or has_chat_template(tokenizer)
     use_template = spec.use_chat_template and has_template
@@ -61,6 +67,11 @@ def tokenize_rows(
     templated: list[tuple[int, str]] = []  # (position in rows, rendered text)
     plain: list[tuple[int, str]] = []
     for i, row in enumerate(rows):
+        if row.prompt_token_ids is not None:
+            out[i] = _check_token_ids(row, vocab_size) or _check(
+                row, row.prompt_token_ids, context_len
+            )
+            continue
         if row.messages is not None:
             if not has_template:
                 out[i] = _error(
@@ -122,5 +133,22 @@ def _check(row: PreparedRow, ids: list[int], context_len: int) -> TokenizedRow |
     return TokenizedRow(row, ids)
 
 
+def _check_token_ids(row: PreparedRow, vocab_size: int | None) -> RowError | None:
+    """The first id outside the vocabulary, as a row error (batchrun/io/rows.py checked the
+    rest: a non-empty list of ints >= 0)."""
+    if vocab_size is None:
+        return None
+    ids = row.prompt_token_ids or []
+    if max(ids) < vocab_size:
+        return None
+    i = next(i for i, t in enumerate(ids) if t >= vocab_size)
+    return _error(
+        row,
+        "invalid_request",
+        f"prompt_token_ids[{i}] is {ids[i]}, outside the model's vocabulary (ids 0 to "
+        f"{vocab_size - 1}); tokenize with this model's tokenizer",
+    )
+
+
 def _error(row: PreparedRow, kind: str, message: str) -> RowError:
-    return RowError(row.id, row.row, kind, f"row {row.row}: {message}")
+    return RowError(row.id, row.row, kind, f"row {row.row}: {message}", row.kept)

@@ -373,9 +373,9 @@ def test_clear_messages_for_bad_invocations(model, tmp_path):
     assert "no rows" in r.output
     r = submit(model, tmp_path / "missing.jsonl", tmp_path / "o2", code=3)
     assert "missing.jsonl" in r.output
-    (tmp_path / "x.csv").write_text("a,b\n")
-    r = submit(model, tmp_path / "x.csv", tmp_path / "o3", code=3)
-    assert ".jsonl" in r.output
+    (tmp_path / "x.xml").write_text("<rows/>")
+    r = submit(model, tmp_path / "x.xml", tmp_path / "o3", code=3)
+    assert ".jsonl" in r.output and ".csv" in r.output
     ds = write_jsonl(tmp_path / "in.jsonl", ROWS[:1])
     r = submit(model, ds, tmp_path / "o4", "--top-p", "1.5", code=2)
     assert "--top-p must be in (0, 1], got 1.5" in r.output

@@ -85,17 +85,19 @@ def invoke(argv: list[str], code: int = 0):
     return result
 
 
-def spawn(argv: list[str]) -> subprocess.Popen:
+def spawn(argv: list[str], stdin: Path | None = None) -> subprocess.Popen:
     # one thread: a tiny model gains nothing from more, and it keeps the child from fighting
     # the test process (or a parallel test run) for the CPU
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "batchrun.cli", *argv],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    with open(stdin or os.devnull, "rb") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "batchrun.cli", *argv],
+            env=env,
+            stdin=f,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
 
 def manifest(out: Path) -> dict | None:
@@ -373,3 +375,53 @@ def test_duplicate_ids_through_resume_and_shards(model, dup_dataset, tmp_path, m
     merged_results, merged_errors = committed(sharded / "merged")
     check_duplicate_errors(merged_results, merged_errors)
     assert merged_results == results
+
+
+def interrupt(argv: list[str], out: Path, rows: int, stdin: Path | None = None) -> None:
+    """Run until `rows` rows are committed, then SIGTERM: exit 5, partly committed."""
+    proc = spawn(argv, stdin)
+    assert wait_for(proc, out, rows), proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 5, err
+    assert manifest(out)["ledger_rows"] < NUM_ROWS
+
+
+def test_standard_input_run_resumes_from_its_spool(model, dataset, baseline, tmp_path):
+    out = tmp_path / "o"
+    argv = args(model, "-", out, "--max-running", "2")
+    interrupt(argv, out, 6, stdin=dataset)
+    assert (out / "stdin.jsonl").read_bytes() == dataset.read_bytes()
+    result = CliRunner().invoke(main, argv, input=dataset.read_bytes())
+    assert result.exit_code == 0 and "resuming" in result.output, result.output
+    check_complete(out, baseline)
+
+
+def test_export_of_an_interrupted_then_resumed_run(model, dataset, baseline, tmp_path):
+    """n = 2 samples a row, error rows, an interrupted run exported as far as it committed,
+    then resumed and exported whole: input order, the input rows joined."""
+    out = tmp_path / "o"
+    argv = args(model, dataset, out, "--max-running", "2", "--n", "2", "--keep-columns", "id")
+    interrupt(argv, out, 6)
+    lines = dataset.read_text().splitlines()
+
+    def exported() -> list[dict]:
+        invoke(["export", str(out), "--format", "jsonl"])
+        return [json.loads(x) for x in (out / "export.jsonl").read_text().splitlines()]
+
+    partial = exported()
+    keys = [(r["row"], r.get("index", 0)) for r in partial]
+    assert keys == sorted(keys) and 6 <= len({r for r, _ in keys}) < NUM_ROWS
+    invoke(argv)
+    records = exported()
+    expected = []
+    for row, line in enumerate(lines):
+        expected += [(row, 0)] if line.startswith("{not") else [(row, 0), (row, 1)]
+    assert [(r["row"], r.get("index", 0)) for r in records] == expected
+    for r in records:
+        line = lines[r["row"]]
+        if line.startswith("{not"):
+            assert r["input"] is None and r["error"]["type"] == "invalid_json"
+        else:
+            assert r["input"] == json.loads(line) and r["id"] == r["input"]["id"]
+            assert r["text"] == baseline[r["id"]][0]  # greedy: both samples as the baseline

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import resource
 from pathlib import Path
 
@@ -124,12 +125,9 @@ def test_datasets_dict_splits(tmp_path: Path) -> None:
 def test_missing_path_and_unknown_extension(tmp_path: Path) -> None:
     with pytest.raises(BadInputError, match="input not found"):
         open_dataset(tmp_path / "nope.jsonl")
-    (tmp_path / "in.csv").write_text("prompt\nhi\n")
-    with pytest.raises(BadInputError, match=r"unsupported input file 'in.csv'; supported: .jsonl"):
-        open_dataset(tmp_path / "in.csv")
-    (tmp_path / "in.json").write_text("{}")
-    with pytest.raises(BadInputError, match="rename it to .jsonl"):
-        open_dataset(tmp_path / "in.json")
+    (tmp_path / "in.xml").write_text("<rows/>")
+    with pytest.raises(BadInputError, match=r"unsupported input file 'in.xml'; supported: .jsonl"):
+        open_dataset(tmp_path / "in.xml")
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(BadInputError, match="without .parquet files"):
         open_dataset(tmp_path / "empty_dir")
@@ -179,3 +177,180 @@ def test_streaming_200k_parquet_rows_keeps_memory_bounded(tmp_path: Path) -> Non
     # Loading all 200k rows as Python dicts would cost a few hundred MiB; streaming costs one
     # row group. The budget is 2 GiB; assert well under it.
     assert peak - baseline < 512 * 2**20, f"RSS grew by {(peak - baseline) / 2**20:.0f} MiB"
+
+
+# -- JSON arrays ------------------------------------------------------------------------------
+
+
+def test_json_array_streams_elements_across_reads(tmp_path: Path, monkeypatch) -> None:
+    import batchrun.io.json_array as json_array
+
+    # 7-byte reads: every element, number, string and escape is cut somewhere
+    monkeypatch.setattr(json_array, "READ_BYTES", 7)
+    rows = [
+        {"prompt": f'q \u00e9 \\ "{i}"', "max_tokens": 10**12 + i, "x": [1.5, None]}
+        for i in range(40)
+    ]
+    path = tmp_path / "in.json"
+    path.write_text("\ufeff [\n" + ",\n".join(json.dumps(r, indent=2) for r in rows) + "\n]\n")
+    source = open_dataset(path)
+    assert source.format == "json" and source.columns is None
+    got = read_all(source, batch_size=6)
+    assert [r.data for r in got] == rows and [r.row for r in got] == list(range(40))
+    assert source.count_rows() == 40
+
+
+def test_json_array_non_objects_are_row_errors(tmp_path: Path) -> None:
+    path = tmp_path / "in.json.gz"
+    path.write_bytes(gzip.compress(b'[{"prompt": "a"}, 7, null, ["x"], {"prompt": "b"}]'))
+    rows = read_all(open_dataset(path))
+    assert open_dataset(path).format == "json.gz"
+    assert rows[0] == RawRow(0, {"prompt": "a"}, None)
+    assert [r.error for r in rows[1:4]] == [
+        "element 1: expected a JSON object, got int",
+        "element 2: expected a JSON object, got null",
+        "element 3: expected a JSON object, got list",
+    ]
+    assert rows[4] == RawRow(4, {"prompt": "b"}, None)
+    (tmp_path / "empty.json").write_text(" [ ] ")
+    assert read_all(open_dataset(tmp_path / "empty.json")) == []
+
+
+def test_json_file_of_json_lines_reads_as_jsonl(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "in.json", ROWS)
+    source = open_dataset(path)
+    assert source.format == "jsonl" and [r.data for r in read_all(source)] == ROWS
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[{"a": 1} {"b": 2}]', "expected ',' or ']' after element 0 at character 10"),
+        ('[{"a": 1}, {"b": tru}]', "element 1: invalid JSON"),
+        ('[{"a": 1}, {"b": "cut', "element 1: invalid JSON (Unterminated string"),
+        ('[{"a": 1}] {"b": 2}', "unexpected data after the array"),
+        ('[{"a": 1},', "element 1: invalid JSON"),
+    ],
+)
+def test_json_array_that_does_not_parse_fails_the_input(tmp_path, text, message) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(BadInputError, match=re.escape(message)):
+        open_dataset(path).count_rows()
+
+
+def test_json_array_memory_is_bounded_by_a_row(tmp_path: Path) -> None:
+    path = tmp_path / "big.json"
+    with open(path, "w") as f:
+        f.write("[")
+        for i in range(200_000):
+            f.write(("," if i else "") + json.dumps({"prompt": f"Summarize document {i}. " * 8}))
+        f.write("]")
+    baseline = peak = _rss_bytes()
+    seen = 0
+    for batch in open_dataset(path).iter_batches(4096):
+        seen += len(batch)
+        peak = max(peak, _rss_bytes())
+    assert seen == 200_000
+    # the file is ~40 MB; as Python dicts ~150 MB: streaming holds one read and one batch
+    assert peak - baseline < 100 * 2**20, f"RSS grew by {(peak - baseline) / 2**20:.0f} MiB"
+
+
+# -- CSV / TSV ---------------------------------------------------------------------------------
+
+
+def test_csv_reads_text_and_types_the_row_fields(tmp_path: Path) -> None:
+    path = tmp_path / "in.csv"
+    path.write_text(
+        "id,prompt,max_tokens,temperature,stop,ignore_eos,logprobs,prompt_token_ids,code\n"
+        '007,"Hello, ""you""\nsecond line",5,0.5,"[""a"", ""b""]",true,3,"[1, 2]",0012\n'
+        "8,plain,,,z,0,false,,\n"
+        "9,bad,lots,warm,[not json,maybe,,,x\n"
+    )
+    source = open_dataset(path)
+    assert source.format == "csv" and source.num_rows is None
+    assert source.columns == [
+        "id", "prompt", "max_tokens", "temperature", "stop", "ignore_eos", "logprobs",
+        "prompt_token_ids", "code",
+    ]  # fmt: skip
+    assert source.count_rows() == 3
+    rows = read_all(source, batch_size=2)
+    assert [r.row for r in rows] == [0, 1, 2]
+    assert rows[0].data == {
+        "id": "007",  # not a row field: text as written
+        "prompt": 'Hello, "you"\nsecond line',
+        "max_tokens": 5,
+        "temperature": 0.5,
+        "stop": ["a", "b"],
+        "ignore_eos": True,
+        "logprobs": 3,
+        "prompt_token_ids": [1, 2],
+        "code": "0012",
+    }
+    # empty cells are null; a string stop is one stop string
+    assert rows[1].data["max_tokens"] is None and rows[1].data["stop"] == "z"
+    assert rows[1].data["ignore_eos"] is False and rows[1].data["logprobs"] is False
+    # a cell that does not parse stays text: the row then fails naming the field and value
+    assert rows[2].data["max_tokens"] == "lots" and rows[2].data["stop"] == "[not json"
+    err = prepare_row(rows[2], RowSpec(), SamplingParams(), openai=False)
+    assert "'max_tokens' must be an integer, got str 'lots'" in err.message
+    ok = prepare_row(rows[0], RowSpec(id_column="id"), SamplingParams(), openai=False)
+    assert ok.id == "007" and ok.params.max_new_tokens == 5 and ok.params.stop == ("a", "b")
+    assert ok.prompt_token_ids == [1, 2]
+
+
+def test_tsv_gz_and_header_only(tmp_path: Path) -> None:
+    path = tmp_path / "in.tsv.gz"
+    path.write_bytes(gzip.compress(b"prompt\tn\nsay a, b\t2\n\nnext\t1\n"))
+    source = open_dataset(path)
+    assert source.format == "tsv.gz"
+    assert [r.data for r in read_all(source)] == [
+        {"prompt": "say a, b", "n": 2},
+        {"prompt": "next", "n": 1},
+    ]
+    (tmp_path / "head.csv").write_text("prompt,max_tokens\n")
+    assert read_all(open_dataset(tmp_path / "head.csv")) == []
+    (tmp_path / "empty.csv").write_text("")
+    assert open_dataset(tmp_path / "empty.csv").count_rows() == 0
+
+
+def test_csv_record_with_the_wrong_cell_count_is_a_row_error(tmp_path, monkeypatch) -> None:
+    import batchrun.io.csv_source as csv_source
+
+    monkeypatch.setattr(csv_source, "BLOCK_BYTES", 64)  # bad records in many blocks
+    lines, bad = [], set()
+    for i in range(300):
+        if i % 7 == 3:
+            lines.append(f"p{i},1,extra")
+            bad.add(i)
+        elif i % 11 == 5:
+            lines.append(f'"multi\nline {i}",2')
+        else:
+            lines.append(f"p{i},3")
+    path = tmp_path / "in.csv"
+    path.write_text("prompt,max_tokens\n\n" + "\n".join(lines) + "\nlast\n")
+    source = open_dataset(path)
+    assert source.count_rows() == 301
+    rows = read_all(source, batch_size=16)
+    assert [r.row for r in rows] == list(range(301))
+    assert {r.row for r in rows if r.data is None} == bad | {300}
+    assert rows[3].error == "record 4 after the header has 3 cells, the header 2: 'p3,1,extra'"
+    assert rows[300].error.startswith("record 301 after the header has 1 cells")
+    assert {r.kind for r in rows if r.data is None} == {"invalid_csv"}
+    err = prepare_row(rows[3], RowSpec(), SamplingParams(), openai=False)
+    assert (err.type, err.row, err.message) == ("invalid_csv", 3, rows[3].error)
+    assert rows[5].data == {"prompt": "multi\nline 5", "max_tokens": 2}
+    assert rows[299].data == {"prompt": "p299", "max_tokens": 3}
+
+
+def test_csv_header_with_a_repeated_name_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "dup.csv").write_text("prompt,a,a\nx,1,2\n")
+    with pytest.raises(BadInputError, match=r"names columns \['a'\] more than once"):
+        open_dataset(tmp_path / "dup.csv")
+
+
+def test_every_row_field_has_a_csv_cell_type() -> None:
+    from batchrun.io.csv_source import CELL_TYPES
+    from batchrun.io.rows import PROMPT_TOKEN_IDS, ROW_PARAM_FIELDS
+
+    assert set(ROW_PARAM_FIELDS) | {"logprobs", PROMPT_TOKEN_IDS} <= set(CELL_TYPES)

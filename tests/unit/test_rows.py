@@ -397,3 +397,76 @@ class _EmptyTokenizer:
 def test_tokenize_empty_result() -> None:
     out = tokenize_rows(_EmptyTokenizer(), [prep({"prompt": "   "})], SPEC, 50)
     assert isinstance(out[0], RowError) and "0 tokens" in out[0].message
+
+
+# -- pre-tokenized rows -----------------------------------------------------------------------
+
+
+class _NoTokenizer:
+    """Fails any use: pre-tokenized rows must never reach the tokenizer."""
+
+    chat_template = "{{ messages }}"
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("the tokenizer ran")
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise AssertionError("the chat template ran")
+
+
+def test_prompt_token_ids_skip_the_tokenizer_and_the_template() -> None:
+    rows = [
+        prep({"prompt_token_ids": [5, 6, 7], "prompt": "the text they came from"}, row=0),
+        prep({"prompt_token_ids": "[1, 2]", "max_tokens": 3}, row=1),  # Parquet / CSV text
+        prep({"prompt_token_ids": [4.0, 9]}, row=2),  # pandas: ints as floats
+    ]
+    assert rows[0].prompt_token_ids == [5, 6, 7] and rows[0].prompt is None
+    out = tokenize_rows(_NoTokenizer(), rows, SPEC, context_len=64, vocab_size=10)
+    assert [t.input_ids for t in out] == [[5, 6, 7], [1, 2], [4, 9]]
+    assert out[1].prepared.params.max_new_tokens == 3
+
+
+def test_bad_prompt_token_ids_are_row_errors_naming_the_value() -> None:
+    for value, message in [
+        ([], "'prompt_token_ids' is empty"),
+        ("12", "'prompt_token_ids' must be a list of token ids, got int"),
+        ([1, "2"], "prompt_token_ids[1] is '2': token ids are integers >= 0"),
+        ([1, -3], "prompt_token_ids[1] is -3"),
+        ([True], "prompt_token_ids[0] is True"),
+        ([1.5], "prompt_token_ids[0] is 1.5"),
+    ]:
+        err = prep({"prompt_token_ids": value})
+        assert isinstance(err, RowError) and err.type == "invalid_request", value
+        assert err.message.startswith("row 3: ") and message in err.message, err.message
+    rows = [prep({"prompt_token_ids": [1, 2, 10, 11]}, row=4), prep({"prompt_token_ids": [3]})]
+    out = tokenize_rows(_NoTokenizer(), rows, SPEC, context_len=64, vocab_size=10)
+    assert isinstance(out[0], RowError) and out[0].row == 4
+    assert out[0].message == (
+        "row 4: prompt_token_ids[2] is 10, outside the model's vocabulary (ids 0 to 9); "
+        "tokenize with this model's tokenizer"
+    )
+    assert isinstance(out[1], TokenizedRow)
+
+
+def test_prompt_token_ids_are_checked_against_the_context_length() -> None:
+    row = prep({"prompt_token_ids": list(range(40)), "max_tokens": 30})
+    (out,) = tokenize_rows(_NoTokenizer(), [row], SPEC, context_len=50, vocab_size=100)
+    assert isinstance(out, RowError) and out.type == "context_length_exceeded"
+    assert "prompt (40 tokens) + max_tokens (30) = 70" in out.message
+
+
+# -- --keep-columns ---------------------------------------------------------------------------
+
+
+def test_keep_columns_ride_along_with_rows_and_errors(tokenizer) -> None:
+    spec = RowSpec(keep_columns=("topic", "id", "gold"))
+    ok = prep({"prompt": "hi", "id": "q1", "topic": {"a": [1]}}, spec)
+    assert ok.kept == {"topic": {"a": [1]}, "id": "q1", "gold": None}
+    bad = prep({"id": "q2", "topic": "x"}, spec)  # no prompt
+    assert isinstance(bad, RowError) and bad.kept == {"topic": "x", "id": "q2", "gold": None}
+    unparsed = prepare_row(RawRow(5, None, "line 6: invalid JSON"), spec, DEFAULTS, False)
+    assert unparsed.kept == {"topic": None, "id": None, "gold": None}
+    long = prep({"prompt": "hi " * 40, "gold": 1}, spec)
+    (err,) = tokenize_rows(tokenizer, [long], spec, context_len=20)
+    assert isinstance(err, RowError) and err.kept == {"topic": None, "id": None, "gold": 1}
+    assert prep({"prompt": "hi"}).kept is None  # nothing kept: records stay as they are

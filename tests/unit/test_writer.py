@@ -108,6 +108,22 @@ def test_error_records() -> None:
     assert rec["error"] == {"code": "invalid_request", "message": "row 4: 'prompt' is empty"}
 
 
+def test_kept_input_columns_go_under_input() -> None:
+    kept = {"id": "from the input", "text": None, "meta": {"k": [1]}}
+    p = make_prepared({"prompt": "x"}, row=2)._replace(kept=kept)
+    (rec,) = result_records(p, [make_completion()], with_timing=False)
+    out = decode(encode_line(rec))
+    assert list(out) == ["id", "text", "finish_reason", "usage", "row", "input"]
+    assert out["id"] == "2" and out["text"] == "hi there" and out["input"] == kept
+    err = RowError("q", 4, "invalid_request", "row 4: no prompt", kept)
+    assert decode(encode_line(error_record(err))) == {
+        "id": "q",
+        "row": 4,
+        "error": {"type": "invalid_request", "message": "row 4: no prompt"},
+        "input": kept,
+    }
+
+
 def test_openai_chat_output_field_by_field() -> None:
     line = {
         "custom_id": "req-1",
