@@ -148,6 +148,7 @@ SHELL_NOT_RUN = {
     "batchrun submit prompts.parquet": "needs a Llama-3.1-8B directory and a prompts.parquet",
     "batchrun submit data.parquet": "needs a dataset and a model (and --device cuda a GPU)",
     "batchrun tail": "needs a run serving progress (tests/e2e/test_progress_server.py)",
+    "batchrun export runs/exp": "needs a run (tests/e2e/test_inputs_export.py exports runs)",
 }
 # options of other programs that the README mentions
 OTHER_OPTIONS = {"--no-deps", "--signal"}
