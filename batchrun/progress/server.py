@@ -1,10 +1,12 @@
 """`--serve-progress`: a live view of a running `submit` over HTTP (aiohttp, own thread and loop).
 
-    runner (engine loop thread)           server thread (asyncio)
-    ---------------------------           -----------------------------------------------
-    hub.update(summary)  -- lock, copy -> tick every 0.5 s: hub.drain() -> one Snapshot,
-    hub.add_rows(lines)  -- lock, append   encoded once -> every client's slots -> handlers
-    hub.finish(status)                     write; after finish: last snapshot, `event: end`
+    runner (engine loop thread)             server thread (asyncio)
+    ---------------------------             ---------------------------------------------
+    hub.update(summary)    -- lock, copy -> tick every 0.5 s: hub.drain() -> one Snapshot
+    hub.update_engine(c)   -- lock, keep     (snapshot.py: rates over a sliding window),
+    hub.add_rows(lines)    -- lock, append   encoded once -> every client's slots ->
+    hub.add_error(...)     -- lock, append   handlers write; after finish: last snapshot,
+    hub.finish(status)                       `event: end`
 
 Endpoints: ``GET /events`` (SSE: ``event: snapshot`` every 0.5 s; with ``?rows=1`` also
 ``event: rows``, one ``data:`` line per record as written to the results / errors files; a
@@ -33,7 +35,8 @@ from importlib import resources
 import msgspec
 from aiohttp import web
 
-from batchrun.progress.hub import ProgressHub, Snapshot, metrics_text
+from batchrun.progress.hub import ProgressHub
+from batchrun.progress.snapshot import Snapshot, SnapshotMaker, metrics_text
 
 __all__ = ["ProgressHub", "ProgressServer", "Snapshot", "is_loopback", "metrics_text", "parse_bind"]
 
@@ -101,7 +104,7 @@ class ProgressServer:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._done: asyncio.Future | None = None
         self._runner: web.AppRunner | None = None
-        self._last = (0.0, 0)  # (elapsed, output tokens) at the previous tick
+        self._maker = SnapshotMaker()
         self._snapshot = Snapshot(status="starting")
 
     @property
@@ -160,48 +163,20 @@ class ProgressServer:
             await asyncio.sleep(TICK_S)  # NOTE: the snapshot period, not a synchronization
 
     def _tick(self) -> bool:
-        counts, total, elapsed, status, rows, lost = self.hub.drain()
-        self._snapshot = snap = self._make_snapshot(counts, total, elapsed, status)
+        state = self.hub.drain()
+        self._snapshot = snap = self._maker.make(state, len(self._clients))
         data = b"event: snapshot\ndata: " + _encoder.encode(snap) + b"\n\n"
         rows_event = None
-        if rows:
+        if state.rows:
             rows_event = b"event: rows\n" + b"".join(
-                b"data: " + r.rstrip(b"\n") + b"\n" for r in rows
+                b"data: " + r.rstrip(b"\n") + b"\n" for r in state.rows
             )
             rows_event += b"\n"
-        ended = self.hub.is_finished
+        ended = state.status not in ("starting", "running")  # this snapshot is the last
         for client in list(self._clients):
-            if (lost and client.rows) or not client.offer(data, rows_event, ended):
+            if (state.rows_lost and client.rows) or not client.offer(data, rows_event, ended):
                 self._drop(client)
         return ended
-
-    def _make_snapshot(self, counts: tuple, total, elapsed: float, status: str) -> Snapshot:
-        rows, ok, failed, resumed, prompt, cached, output = counts
-        prev_elapsed, prev_output = self._last
-        self._last = (elapsed, output)
-        dt = elapsed - prev_elapsed
-        recent = (output - prev_output) / dt if dt > 0 else 0.0
-        session_rows = rows - resumed
-        eta = None
-        if total is not None and session_rows > 0 and status == "running":
-            eta = round(max(total - rows, 0) * elapsed / session_rows, 1)
-        return Snapshot(
-            status=status,
-            rows_done=rows,
-            rows_total=total,
-            rows_ok=ok,
-            rows_failed=failed,
-            resumed_rows=resumed,
-            prompt_tokens=prompt,
-            cached_tokens=cached,
-            output_tokens=output,
-            output_tok_s=round(output / elapsed, 1) if elapsed > 0 else 0.0,
-            recent_tok_s=round(max(recent, 0.0), 1),
-            cached_fraction=round(cached / prompt, 4) if prompt else 0.0,
-            elapsed_s=round(elapsed, 2),
-            eta_s=eta,
-            clients=len(self._clients),
-        )
 
     def _drop(self, client: _Client) -> None:
         self._clients.discard(client)

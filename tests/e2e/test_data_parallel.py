@@ -41,7 +41,8 @@ def grouped_requests(groups: int, per_group: int) -> list[GenerateRequest]:
 def test_dp2_equals_one_engine_and_keeps_groups_together(model):
     cfg = EngineConfig(model=model, device="cpu", kv_budget=4096, max_running=8)
     reqs = grouped_requests(groups=6, per_group=5)
-    ref = {r.rid: r.output_ids for r in Engine(cfg).generate(reqs)}
+    one = Engine(cfg)
+    ref = {r.rid: r.output_ids for r in one.generate(reqs)}
     where: dict[str, int] = {}
     got = {}
     with DataParallelEngine(cfg, 2) as dp:
@@ -52,7 +53,14 @@ def test_dp2_equals_one_engine_and_keeps_groups_together(model):
             where[r.rid] = next(i for i in range(2) if dp.routed[i] != before[i])
         while dp.has_work:
             got.update({r.rid: r.output_ids for r in dp.step()})
+        counters, per_engine = dp.counters, dp.counters_per_engine
     assert got == ref
+    # the engines' counters sum to one engine's (each engine has a pool of its own)
+    assert counters.generated_tokens == one.counters.generated_tokens == 30 * 6
+    assert counters.admitted_tokens == one.counters.admitted_tokens
+    assert counters.kv_total == 2 * one.counters.kv_total
+    assert sum(c.generated_tokens for c in per_engine) == counters.generated_tokens
+    assert all(c.generated_tokens > 0 and c.num_running == 0 for c in per_engine)
     assert all(n > 0 for n in dp.routed), dp.routed
     for g in range(6):  # slack 4 (max_running 8 / 2) > group size: a group never splits
         assert len({where[f"g{g}q{q}"] for q in range(5)}) == 1
