@@ -10,8 +10,10 @@
 
 Endpoints: ``GET /events`` (SSE: ``event: snapshot`` every 0.5 s; with ``?rows=1`` also
 ``event: rows``, one ``data:`` line per record as written to the results / errors files; a
-final ``event: end`` when the run completes, is interrupted or fails), ``GET /`` (the live page)
-and ``GET /metrics`` (Prometheus text format). A non-loopback bind needs a token, checked on every
+final ``event: end`` when the run completes, is interrupted or fails), ``GET /`` (the live page,
+served with the latest snapshot and the chart so far in it, so it shows the run at once and a
+screenshot or a scraper needs no script to run first) and ``GET /metrics`` (Prometheus text
+format). A non-loopback bind needs a token, checked on every
 request (``Authorization: Bearer TOKEN`` or ``?token=TOKEN``).
 
 Back-pressure policy: the runner never waits on the server. The hub keeps one counts tuple and,
@@ -36,7 +38,8 @@ import msgspec
 from aiohttp import web
 
 from batchrun.progress.hub import ProgressHub
-from batchrun.progress.snapshot import Snapshot, SnapshotMaker, metrics_text
+from batchrun.progress.metrics import metrics_text
+from batchrun.progress.snapshot import ChartHistory, Snapshot, SnapshotMaker
 
 __all__ = ["ProgressHub", "ProgressServer", "Snapshot", "is_loopback", "metrics_text", "parse_bind"]
 
@@ -44,6 +47,7 @@ TICK_S = 0.5
 CLIENT_QUEUE = 256  # rows events (one per tick) a client may lag behind before it is dropped
 WRITE_TIMEOUT = 10.0  # seconds one write to a client may block before it is dropped
 END_EVENT = b"event: end\ndata: {}\n\n"
+PAGE_SLOT = b"/*INITIAL*/null"  # index.html's placeholder for the state it starts from
 
 
 _encoder = msgspec.json.Encoder()
@@ -105,6 +109,7 @@ class ProgressServer:
         self._done: asyncio.Future | None = None
         self._runner: web.AppRunner | None = None
         self._maker = SnapshotMaker()
+        self._history = ChartHistory()
         self._snapshot = Snapshot(status="starting")
 
     @property
@@ -165,6 +170,7 @@ class ProgressServer:
     def _tick(self) -> bool:
         state = self.hub.drain()
         self._snapshot = snap = self._maker.make(state, len(self._clients))
+        self._history.add(snap)
         data = b"event: snapshot\ndata: " + _encoder.encode(snap) + b"\n\n"
         rows_event = None
         if state.rows:
@@ -202,6 +208,10 @@ class ProgressServer:
 
     async def _page(self, request: web.Request) -> web.Response:
         page = resources.files("batchrun.progress").joinpath("index.html").read_bytes()
+        initial = _encoder.encode({"snapshot": self._snapshot, "points": self._history.points})
+        # NOTE: inside a <script>, where an error message holding "</script>" or "<!--" would
+        # end or change it: every "<" (only ever inside a JSON string) is escaped
+        page = page.replace(PAGE_SLOT, initial.replace(b"<", b"\\u003c"), 1)
         return web.Response(body=page, content_type="text/html", charset="utf-8")
 
     async def _events(self, request: web.Request) -> web.StreamResponse:

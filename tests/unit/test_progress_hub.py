@@ -24,7 +24,7 @@ from batchrun.progress.server import (
     metrics_text,
     parse_bind,
 )
-from batchrun.progress.snapshot import SnapshotMaker
+from batchrun.progress.snapshot import ChartHistory, SnapshotMaker
 from batchrun.progress.tail import events_url, read_events, snapshot_line
 
 
@@ -184,3 +184,29 @@ def test_snapshots_rate_eta_and_engine_lines():
     assert [(x.labels["engine"], x.value) for x in engine_rate] == [("0", 60.0), ("1", 20.0)]
     assert families["batchrun_output_tokens_per_second"].samples[0].value == 80.0
     assert families["batchrun_kv_slots_used"].samples[0].value == 5
+
+
+def test_chart_history_spans_the_whole_run_in_bounded_points():
+    history = ChartHistory(max_points=100)
+    for tick in range(1, 1001):
+        history.add(Snapshot(elapsed_s=tick * 0.5, recent_tok_s=tick))
+    points = history.points
+    assert len(points) < 100 and points[0][0] <= 4 and points[-1][0] >= 490
+    steps = {round(b[0] - a[0], 3) for a, b in zip(points, points[1:])}
+    assert len(steps) == 1  # evenly spaced
+    history.add(Snapshot(status="starting"))  # before the run: no point
+    assert history.points == points
+
+
+def test_page_is_served_with_the_latest_snapshot_in_it():
+    hub = ProgressHub()
+    server = ProgressServer(hub, "127.0.0.1", 0)
+    hub.start(10, RunSummary(rows=3))
+    hub.add_error(2, "r2", "invalid_request", "bad </script><script>alert(1)</script>")
+    server._tick()
+    page = asyncio.run(server._page(None)).body
+    assert b"/*INITIAL*/" not in page and b"<script>alert" not in page
+    initial = page.split(b"const INITIAL = ")[1].split(b";\n")[0]
+    state = msgspec.json.decode(initial)
+    assert state["snapshot"]["rows_done"] == 3 and len(state["points"]) == 1
+    assert state["snapshot"]["errors"][0]["message"].endswith("<script>alert(1)</script>")
