@@ -18,7 +18,11 @@ from batchrun.cli import main  # noqa: E402
 from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.engine_process.data_parallel import STICKY_PREFIX, DataParallelEngine  # noqa: E402
+from batchrun.job.config import RunConfig  # noqa: E402
+from batchrun.job.runner import Runner  # noqa: E402
 from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
+from batchrun.progress.hub import ProgressHub  # noqa: E402
+from batchrun.progress.snapshot import SnapshotMaker  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +104,30 @@ def test_cli_dp2_equals_dp1(model, tmp_path):
         ]
         outs.append({r["id"]: r["text"] for r in recs})
     assert len(outs[0]) == 30 and outs[0] == outs[1]
+
+
+def test_dp2_progress_counts_both_engines(model, tmp_path):
+    ds = tmp_path / "in.jsonl"
+    rows = [{"id": f"r{i}", "prompt": f"Question {i % 4}: tell me about {i}"} for i in range(16)]
+    ds.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = RunConfig(
+        dataset=str(ds),
+        out=str(tmp_path / "out"),
+        engine=EngineConfig(model=model, device="cpu", kv_budget=4096),
+        defaults=SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True),
+        dp=2,
+        quiet=True,
+        handle_signals=False,
+    )
+    hub = ProgressHub()
+    summary = Runner(config, hub=hub).run()
+    state = hub.drain()
+    assert summary.session_tokens == 16 * 8
+    assert len(state.engines) == 2 and all(e.generated_tokens for e in state.engines)
+    assert sum(e.generated_tokens for e in state.engines) == state.engine.generated_tokens
+    assert state.engine.generated_tokens == summary.session_tokens
+    lines = SnapshotMaker().make(state, clients=0).engines
+    assert [(e.engine, e.running) for e in lines] == [(0, 0), (1, 0)]
 
 
 def test_dp_bad_options_fail_fast(model, tmp_path):
