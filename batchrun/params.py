@@ -204,3 +204,44 @@ class GenerateResult(msgspec.Struct, omit_defaults=True):
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
     error: str | None = None  # why an aborted request could not run
+
+
+class EngineCounters(msgspec.Struct, frozen=True, omit_defaults=True):
+    """An engine's progress as the job sees it: cumulative counts since the engine started and
+    the gauges of the moment. Cheap (a few ints), so the engine process sends it with every
+    `Results` message and an in-process engine builds it after every step."""
+
+    num_steps: int = 0
+    num_forward_tokens: int = 0
+    forward_time: float = 0.0  # seconds the device spent in forward passes
+    generated_tokens: int = 0  # output tokens sampled and seen by the host, finished or not
+    admitted_tokens: int = 0  # prompt tokens of requests at their first admission
+    admitted_cached_tokens: int = 0  # of which served from the prefix cache
+    num_running: int = 0
+    num_waiting: int = 0  # queued, or compiling a grammar
+    kv_used: int = 0  # KV slots held by running requests (not free, not evictable cache)
+    kv_total: int = 0  # KV slots in the pool
+
+    def __add__(self, other: EngineCounters) -> EngineCounters:
+        """Field-wise sum (data parallel: the engines together)."""
+        return EngineCounters(
+            *(a + b for a, b in zip(msgspec.structs.astuple(self), msgspec.structs.astuple(other)))
+        )
+
+    def since(self, base: EngineCounters) -> EngineCounters:
+        """The counts since `base` was taken, with the gauges of now (an engine that ran
+        before: a job's counts start from its own start)."""
+        if base == _NO_COUNTS:
+            return self
+        return msgspec.structs.replace(
+            self,
+            num_steps=self.num_steps - base.num_steps,
+            num_forward_tokens=self.num_forward_tokens - base.num_forward_tokens,
+            forward_time=self.forward_time - base.forward_time,
+            generated_tokens=self.generated_tokens - base.generated_tokens,
+            admitted_tokens=self.admitted_tokens - base.admitted_tokens,
+            admitted_cached_tokens=self.admitted_cached_tokens - base.admitted_cached_tokens,
+        )
+
+
+_NO_COUNTS = EngineCounters()

@@ -16,7 +16,7 @@ import msgspec
 from pydantic import BaseModel
 
 from batchrun.io.records import ResultRecord, Usage
-from batchrun.progress.hub import Snapshot
+from batchrun.progress.snapshot import Snapshot
 
 
 class PUsage(BaseModel):

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 from batchrun.config import EngineConfig, KernelConfig
 from batchrun.engine_process.client import EngineProcess
-from batchrun.params import GenerateRequest, GenerateResult, SamplingParams
+from batchrun.params import EngineCounters, GenerateRequest, GenerateResult, SamplingParams
 
 FINISH_PATTERN = (1, 0, 2, 1, 0, 3, 1, 0)  # rows finished per step: 1 on average
 
@@ -38,6 +38,11 @@ class StandInEngine:
         self._queue: list[GenerateRequest] = []
         self._step = 0
         self._cpu0: float | None = None
+
+    @property
+    def counters(self) -> EngineCounters:
+        stats = self.stats
+        return EngineCounters(stats.num_steps, stats.num_forward_tokens, stats.forward_time)
 
     def add_request(self, request: GenerateRequest) -> None:
         self._queue.append(request)

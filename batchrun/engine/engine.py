@@ -36,15 +36,24 @@ from batchrun.engine.stop import StopStringChecker
 from batchrun.engine.structured import GateRelease, StructuredOutput
 from batchrun.models.config import ModelConfig
 from batchrun.models.embedded import resolve_model_path
-from batchrun.params import GenerateRequest, GenerateResult, TopLogprobs, check_input_ids
+from batchrun.params import (
+    EngineCounters,
+    GenerateRequest,
+    GenerateResult,
+    TopLogprobs,
+    check_input_ids,
+)
 
 
 @dataclass
 class EngineStats:
     num_finished: int = 0
+    # prompt / cached / output tokens of finished requests
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    # output tokens as the host sees them, step by step, of finished and running requests
+    generated_tokens: int = 0
     num_steps: int = 0
     num_forward_tokens: int = 0
     forward_time: float = 0.0
@@ -161,6 +170,24 @@ class Engine:
     def vocab_size(self) -> int:
         """Token ids run from 0 to vocab_size - 1 (the model's embedding rows)."""
         return self.model_config.vocab_size
+
+    @property
+    def counters(self) -> EngineCounters:
+        """Tokens so far and the gauges of the moment, from host-side counters only (no device
+        work, no sync)."""
+        stats, sched, kv = self.stats, self.scheduler, self.kv
+        return EngineCounters(
+            num_steps=stats.num_steps,
+            num_forward_tokens=stats.num_forward_tokens,
+            forward_time=stats.forward_time,
+            generated_tokens=stats.generated_tokens,
+            admitted_tokens=sched.num_admitted_tokens,
+            admitted_cached_tokens=sched.num_admitted_cached_tokens,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting) + self.structured.num_compiling,
+            kv_used=kv.allocator.capacity - kv.available,
+            kv_total=kv.allocator.capacity,
+        )
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -368,9 +395,11 @@ class Engine:
             self.stats.num_gated_steps += 1
             self.stats.gate_wait_time += before.elapsed_time(opened) / 1e3
             self.stats.mask_copy_time += opened.elapsed_time(copied) / 1e3
+        num_new = 0
         for i, (req, idx) in enumerate(zip(launched.reqs, launched.out_index)):
             if req.is_finished:
                 continue  # it finished on an earlier token; this one was a wasted decode
+            num_new += 1
             req.num_inflight -= 1
             req.output_ids[idx] = out.next_token_ids[i]
             self._check_finish(req, idx, out, i, queued)
@@ -380,6 +409,7 @@ class Engine:
                 req.num_inflight = 0
                 self.scheduler.finish(req)
                 self._finished.append(self._result(req))
+        self.stats.generated_tokens += num_new
         self.stats.forward_time = self.runner.forward_time
 
     def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:

@@ -66,6 +66,10 @@ class Scheduler:
         self.new_token_ratio = init_new_token_ratio
         self.num_retractions = 0
         self.num_held = 0  # admissions deferred to share a prefix being computed
+        # prompt tokens of requests at their first admission (a retracted request readmitted is
+        # not counted again), and how many of them the prefix cache served
+        self.num_admitted_tokens = 0
+        self.num_admitted_cached_tokens = 0
         self._aborted: list[Req] = []
         self._pins: list = []  # radix nodes locked for the head of the queue (_pin_heads)
         # set when only a request with tokens in flight could make room: the engine must
@@ -264,9 +268,13 @@ class Scheduler:
             if need > headroom and self.running:
                 self.waiting.appendleft(req)
                 break
+            first = req.cached_tokens is None
             if not self.kv.admit(req, match):
                 self.waiting.appendleft(req)
                 break
+            if first:
+                self.num_admitted_tokens += len(req.input_ids)
+                self.num_admitted_cached_tokens += req.cached_tokens
             n = min(req.num_pending, budget)
             if self.kv.reserve(req, n) is None:
                 self.kv.release(req)

@@ -6,6 +6,7 @@
     wants_requests         room in the in-flight window (completions sent and not yet back)
     drop_waiting()         a graceful stop: the engine forgets what has not started
     has_work               completions still to come back
+    counters               the engine's EngineCounters, as of the latest message
     close()                Shutdown, then join (terminate if it does not go)
 
 The main process keeps reading, tokenizing, writing and serving progress while the engine runs.
@@ -102,7 +103,7 @@ class EngineProcess:
         self._inflight = 0  # completions sent (or buffered) and not yet back
         self._drop_sent = False
         self._closed = False
-        self.counters = m.EngineCounters()
+        self.counters = m.EngineCounters()  # replaced by each Results message's
         self._load_tokenizer_here = load_tokenizer and self.model_dir is not None
         self._tokenizer = None
         if wait:

@@ -26,7 +26,7 @@ import torch
 from batchrun.config import MAX_RUNNING, EngineConfig
 from batchrun.engine_process.client import EngineProcess
 from batchrun.engine_process.notify import DEFAULT_NOTIFY_BATCH
-from batchrun.params import GenerateRequest, GenerateResult
+from batchrun.params import EngineCounters, GenerateRequest, GenerateResult
 
 STICKY_PREFIX = 32  # tokens a request must share with the previous one to follow it
 
@@ -109,6 +109,15 @@ class DataParallelEngine:
 
     def drop_waiting(self) -> int:
         return sum(e.drop_waiting() for e in self.engines)
+
+    @property
+    def counters(self) -> EngineCounters:
+        """The engines' counters summed (KV slots too: used and total over all pools)."""
+        return sum(self.counters_per_engine, EngineCounters())
+
+    @property
+    def counters_per_engine(self) -> list[EngineCounters]:
+        return [e.counters for e in self.engines]
 
     def step(self) -> list[GenerateResult]:
         for engine in self.engines:

@@ -3,7 +3,8 @@
 Every message is a msgspec Struct in one tagged union, encoded to bytes and sent as one frame on a
 `multiprocessing` Connection. Traffic is batched both ways: the main process sends the requests it
 has prepared since the last send as one `Submit`; the engine process sends the results of one or
-more steps as one `Results` (at most one per step, see notify.py).
+more steps as one `Results` (at most one per step, see notify.py), with the engine's counters
+(params.EngineCounters: tokens generated so far, running and waiting requests, KV use).
 
     main -> engine:  Submit(requests) | DropWaiting() | Shutdown()
     engine -> main:  Ready(...) once after loading | Results(...) | Dropped(n) | Failed(...)
@@ -15,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from batchrun.params import GenerateRequest, GenerateResult
+from batchrun.params import EngineCounters, GenerateRequest, GenerateResult
 
 
 class Submit(msgspec.Struct, tag=True, omit_defaults=True):
@@ -38,15 +39,10 @@ class Ready(msgspec.Struct, tag=True):
     kernels: dict[str, Any]  # the engine's resolved KernelConfig, field by field
 
 
-class EngineCounters(msgspec.Struct, omit_defaults=True):
-    """Cumulative engine statistics, sent with each `Results` (cheap: a few ints)."""
-
-    num_steps: int = 0
-    num_forward_tokens: int = 0
-    forward_time: float = 0.0  # seconds the device spent in forward passes
-
-
 class Results(msgspec.Struct, tag=True, omit_defaults=True):
+    """Finished completions and the engine's counters; `results` is empty when only the
+    counters are due (see notify.py)."""
+
     results: list[GenerateResult]
     counters: EngineCounters | None = None
 

@@ -5,7 +5,7 @@ only. The loop never waits on anything but the device while there is work:
 
     take every message already waiting (never blocks while there is work)
     -> engine.step() -> finished completions into the NotifyBatcher
-    -> at most one `Results` message when a batch is due
+    -> at most one `Results` message (completions and counters) when one is due
 
 When there is nothing to run it blocks on the connection until the main process sends more.
 Signals are the main process's business: SIGINT / SIGTERM / SIGUSR1 (Ctrl-C in a terminal, Slurm
@@ -118,6 +118,7 @@ def _serve(engine, conn: Connection, batcher: NotifyBatcher) -> None:
                 return
         if engine.has_work:
             batcher.add(engine.step())
+            batcher.stepped()
         if batcher.due(idle=not engine.has_work):
             _flush(conn, engine, batcher)
 
@@ -150,11 +151,8 @@ def _refusal(request: GenerateRequest, error: str) -> list[GenerateResult]:
 
 
 def _flush(conn: Connection, engine, batcher: NotifyBatcher) -> None:
-    if not len(batcher):
-        return
-    stats = engine.stats
-    counters = m.EngineCounters(stats.num_steps, stats.num_forward_tokens, stats.forward_time)
-    _send(conn, m.Results(batcher.take(), counters))
+    """One `Results`: the held completions (maybe none) and the engine's counters."""
+    _send(conn, m.Results(batcher.take(), engine.counters))
 
 
 def _send(conn: Connection, msg) -> None:

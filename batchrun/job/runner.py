@@ -52,7 +52,7 @@ from batchrun.job.signals import EXIT_INTERRUPTED, StopSignals
 from batchrun.job.summary import RunSummary
 from batchrun.job.token_text import TokenTexts
 from batchrun.job.tokenize import TokenizedRow
-from batchrun.params import GenerateRequest, GenerateResult
+from batchrun.params import EngineCounters, GenerateRequest, GenerateResult
 from batchrun.progress.bar import Progress
 
 if TYPE_CHECKING:
@@ -115,6 +115,8 @@ class Runner:
             self._stop.restore()
             raise
         self._pipeline: RowPipeline | None = None
+        self.progress = Progress(None, quiet=True)  # run() makes the real one
+        self._base_counters = EngineCounters()
         self._pending: dict[str, tuple[PreparedRow, list[Completion]]] = {}
         self._failures: dict[str, str] = {}  # rid -> why the engine could not run it
 
@@ -217,11 +219,14 @@ class Runner:
             self._stop.restore()
             raise InputError(str(e)) from e
         self._commit(status="running")  # a fresh run's manifest exists before any shard
-        progress = Progress(total if cfg.num_shards == 1 else None, cfg.quiet)
+        self.progress = progress = Progress(total if cfg.num_shards == 1 else None, cfg.quiet)
         s = self.summary
-        progress.update(s.rows, 0, s.prompt_tokens, s.cached_tokens)
+        progress.rows(s.rows)
+        # the engine's counts are cumulative since it started: this attempt's start from here
+        self._base_counters = self.engine.counters
         if self.hub is not None:
-            self.hub.start(total if cfg.num_shards == 1 else None, s)
+            shard = (cfg.shard_index, cfg.num_shards) if cfg.num_shards > 1 else None
+            self.hub.start(total if cfg.num_shards == 1 else None, s, shard)
         start = time.perf_counter()
         self._requests_iter = self._requests()
         self._exhausted = False
@@ -230,7 +235,7 @@ class Runner:
         try:
             try:
                 while not self._done():
-                    self._step(progress)
+                    self._step()
             except EngineProcessError:
                 # the engine process died: the rows that did finish are complete; commit
                 # them, so the out directory is consistent and a resume redoes only the rest
@@ -259,6 +264,7 @@ class Runner:
             self._requests_iter.close()
             if self.hub is not None:
                 self.hub.update(s)
+                self._report_engine()
                 self.hub.finish(s.status if s.status != "running" else "failed")
             if cfg.keep_signal_handlers:
                 # a process about to exit: a late signal (e.g. Slurm's USR1 just after the drain)
@@ -280,7 +286,7 @@ class Runner:
             return not engine.has_work or stop.drain_expired
         return self._exhausted and not engine.has_work
 
-    def _step(self, progress: Progress) -> None:
+    def _step(self) -> None:
         """Feed the engine (bounded, as Engine.generate does), run one step, commit if due."""
         engine = self.engine
         while not self._exhausted and not self._stop.requested and engine.wants_requests:
@@ -297,13 +303,26 @@ class Runner:
                 )
         if engine.has_work:
             for result in engine.step():
-                self._on_result(result, progress)
+                self._on_result(result)
+            self._report_engine()
         cfg = self.config
         pending = self.output.num_uncommitted
         if pending >= cfg.commit_every or (
             pending and time.monotonic() - self.output.last_commit >= cfg.commit_interval
         ):
             self._commit()
+
+    def _report_engine(self) -> None:
+        """The engines' counters (tokens generated so far, requests, KV use) to the bar and the
+        hub: a few ints and one short lock per step, never per token."""
+        engine = self.engine
+        counters = engine.counters.since(self._base_counters)
+        self.progress.tokens(counters, self.summary)
+        if self.hub is not None:
+            per_engine = ()
+            if isinstance(engine, DataParallelEngine):
+                per_engine = tuple(engine.counters_per_engine)
+            self.hub.update_engine(counters, per_engine)
 
     def _commit(self, status: str | None = None, finished: str | None = None) -> None:
         self.output.commit(self.summary.counts(), status, finished)
@@ -354,7 +373,7 @@ class Runner:
 
     # -- results -----------------------------------------------------------------------------
 
-    def _on_result(self, result: GenerateResult, progress: Progress) -> None:
+    def _on_result(self, result: GenerateResult) -> None:
         prepared, done = self._pending[result.rid]
         done.append(self._completion(prepared, result))
         if result.error:
@@ -367,12 +386,11 @@ class Runner:
             self._on_error(
                 RowError(prepared.id, prepared.row, "engine_error", failure, prepared.kept)
             )
-        else:
-            self._write_results(prepared, done)
-        s = self.summary
-        progress.update(1, s.completion_tokens, s.prompt_tokens, s.cached_tokens)
+            return
+        self._write_results(prepared, done)
+        self.progress.rows(1)
         if self.hub is not None:
-            self.hub.update(s)
+            self.hub.update(self.summary)
 
     def _write_results(self, prepared: PreparedRow, done: list[Completion]) -> None:
         s = self.summary
@@ -435,8 +453,10 @@ class Runner:
         record = openai_error_record(error) if openai else error_record(error)
         line = encode_line(record)
         self.output.add_error(error.row, line)
+        self.progress.rows(1)
         if self.hub is not None:
             self.hub.update(self.summary)
+            self.hub.add_error(error.row, error.id, error.type, error.message)
             self.hub.add_rows([line])
 
 

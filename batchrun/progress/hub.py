@@ -1,35 +1,55 @@
 """What a running `submit` publishes for `--serve-progress`, with no server dependency: the
-thread-safe ProgressHub the runner writes to, the Snapshot it is summed up in, and the metrics
-text. The runner only ever takes the hub's one short lock; the server (server.py) drains the
-hub on its own thread every 0.5 s. Policy: see server.py.
+thread-safe ProgressHub the runner writes to and the HubState the server drains from it. The
+runner only ever takes the hub's one short lock; the server (server.py) drains the hub on its
+own thread every 0.5 s and sums it up in a Snapshot (snapshot.py). Policy: see server.py.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
+from typing import NamedTuple
 
-import msgspec
+from batchrun.params import EngineCounters
+
+MAX_ERRORS = 20  # the last error records the hub keeps for the page
+MAX_ERROR_MESSAGE = 300  # characters of an error message kept
 
 
-class Snapshot(msgspec.Struct, omit_defaults=True):
-    """One progress snapshot, as sent in ``event: snapshot`` (fields at defaults left out)."""
+class RowCounts(NamedTuple):
+    """A RunSummary's counts (the whole run, earlier attempts included, but session_tokens)."""
 
-    status: str = "running"
-    rows_done: int = 0
-    rows_total: int | None = None  # None: unknown (a stream, or one shard of several)
+    rows: int = 0
     rows_ok: int = 0
     rows_failed: int = 0
     resumed_rows: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    output_tokens: int = 0  # this attempt
-    output_tok_s: float = 0.0  # this attempt's average
-    recent_tok_s: float = 0.0  # over the last tick
-    cached_fraction: float = 0.0
-    elapsed_s: float = 0.0
-    eta_s: float | None = None
-    clients: int = 0
+    completion_tokens: int = 0
+    session_tokens: int = 0  # output tokens of the rows this attempt finished
+
+
+class ErrorInfo(NamedTuple):
+    row: int
+    id: str
+    type: str
+    message: str
+
+
+class HubState(NamedTuple):
+    """Everything the hub holds, as one drain() sees it."""
+
+    counts: RowCounts
+    total: int | None
+    elapsed: float
+    status: str
+    rows: list[bytes]  # encoded records since the last drain (only while wanted)
+    rows_lost: bool  # rows were dropped since the last drain (max_rows overflowed)
+    engine: EngineCounters  # the engines' counters, summed
+    engines: tuple[EngineCounters, ...]  # per engine, with --dp; else empty
+    errors: tuple[ErrorInfo, ...]  # the last MAX_ERRORS error records, oldest first
+    shard: tuple[int, int] | None  # (index, count) of a sharded run
 
 
 class ProgressHub:
@@ -38,26 +58,55 @@ class ProgressHub:
 
     def __init__(self, max_rows: int = 65_536):
         self._lock = threading.Lock()
-        self._counts: tuple = (0, 0, 0, 0, 0, 0, 0)
+        self._counts = RowCounts()
         self._total: int | None = None
+        self._shard: tuple[int, int] | None = None
         self._start = time.perf_counter()
         self._rows: list[bytes] = []
         self._rows_lost = False
+        self._engine = EngineCounters()
+        self._engines: tuple[EngineCounters, ...] = ()
+        self._errors: deque[ErrorInfo] = deque(maxlen=MAX_ERRORS)
         self._status = "starting"
+        self._end: float | None = None  # perf_counter at finish(): elapsed stops there
         self.max_rows = max_rows
         self.want_rows = False  # set by the server while a ?rows=1 client is connected
 
-    def start(self, total: int | None, summary) -> None:
+    def start(self, total: int | None, summary, shard: tuple[int, int] | None = None) -> None:
+        """The attempt starts (elapsed counts from here); `shard`: (index, count) of a sharded
+        run."""
         with self._lock:
             self._total, self._start, self._status = total, time.perf_counter(), "running"
+            self._shard = shard
         self.update(summary)
 
     def update(self, s) -> None:
         """Counts of a RunSummary (copied: the runner goes on mutating it)."""
-        counts = (s.rows, s.rows_ok, s.rows_failed, s.resumed_rows, s.prompt_tokens)
-        counts += (s.cached_tokens, s.session_tokens)
+        counts = RowCounts(
+            s.rows,
+            s.rows_ok,
+            s.rows_failed,
+            s.resumed_rows,
+            s.prompt_tokens,
+            s.cached_tokens,
+            s.completion_tokens,
+            s.session_tokens,
+        )
         with self._lock:
             self._counts = counts
+
+    def update_engine(
+        self, counters: EngineCounters, per_engine: tuple[EngineCounters, ...] = ()
+    ) -> None:
+        """The engines' latest counters (immutable structs: kept as given)."""
+        with self._lock:
+            self._engine, self._engines = counters, per_engine
+
+    def add_error(self, row: int, id: str, type: str, message: str) -> None:
+        """A row that went to the errors file (the last MAX_ERRORS are kept)."""
+        info = ErrorInfo(row, id, type, message[:MAX_ERROR_MESSAGE])
+        with self._lock:
+            self._errors.append(info)
 
     def add_rows(self, lines: list[bytes]) -> None:
         if not self.want_rows:
@@ -72,69 +121,25 @@ class ProgressHub:
     def finish(self, status: str) -> None:
         with self._lock:
             self._status = status
+            self._end = time.perf_counter()
 
-    def drain(self) -> tuple[tuple, int | None, float, str, list[bytes], bool]:
+    def drain(self) -> HubState:
         with self._lock:
             rows, self._rows = self._rows, []
             lost, self._rows_lost = self._rows_lost, False
-            elapsed = time.perf_counter() - self._start
-            return self._counts, self._total, elapsed, self._status, rows, lost
+            return HubState(
+                counts=self._counts,
+                total=self._total,
+                elapsed=(self._end or time.perf_counter()) - self._start,
+                status=self._status,
+                rows=rows,
+                rows_lost=lost,
+                engine=self._engine,
+                engines=self._engines,
+                errors=tuple(self._errors),
+                shard=self._shard,
+            )
 
     @property
     def is_finished(self) -> bool:
         return self._status not in ("starting", "running")
-
-
-_METRICS = [  # (name, type, help, Snapshot field)
-    (
-        "batchrun_rows_done_total",
-        "counter",
-        "Rows finished (ok or failed), earlier attempts included.",
-        "rows_done",
-    ),
-    ("batchrun_rows_ok_total", "counter", "Rows with results.", "rows_ok"),
-    ("batchrun_rows_failed_total", "counter", "Rows written to the errors files.", "rows_failed"),
-    ("batchrun_rows", "gauge", "Rows in the input (NaN: unknown).", "rows_total"),
-    ("batchrun_prompt_tokens_total", "counter", "Prompt tokens of finished rows.", "prompt_tokens"),
-    (
-        "batchrun_cached_tokens_total",
-        "counter",
-        "Prompt tokens served from the prefix cache.",
-        "cached_tokens",
-    ),
-    (
-        "batchrun_output_tokens_total",
-        "counter",
-        "Output tokens generated by this attempt.",
-        "output_tokens",
-    ),
-    (
-        "batchrun_output_tokens_per_second",
-        "gauge",
-        "Output tokens per second over the last tick.",
-        "recent_tok_s",
-    ),
-    (
-        "batchrun_cached_fraction",
-        "gauge",
-        "Cached prompt tokens / prompt tokens.",
-        "cached_fraction",
-    ),
-    ("batchrun_elapsed_seconds", "gauge", "Seconds since this attempt started.", "elapsed_s"),
-    ("batchrun_eta_seconds", "gauge", "Estimated seconds left (NaN: unknown).", "eta_s"),
-    ("batchrun_progress_clients", "gauge", "Connected /events clients.", "clients"),
-]
-
-
-def metrics_text(snap: Snapshot) -> str:
-    lines = []
-    for name, kind, help_, field in _METRICS:
-        value = getattr(snap, field)
-        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
-        lines.append(f"{name} {'NaN' if value is None else value}")
-    lines += [
-        "# HELP batchrun_running 1 while the run is running.",
-        "# TYPE batchrun_running gauge",
-    ]
-    lines.append(f"batchrun_running {int(snap.status == 'running')}")
-    return "\n".join(lines) + "\n"

@@ -1,15 +1,19 @@
 """`--serve-progress`: a live view of a running `submit` over HTTP (aiohttp, own thread and loop).
 
-    runner (engine loop thread)           server thread (asyncio)
-    ---------------------------           -----------------------------------------------
-    hub.update(summary)  -- lock, copy -> tick every 0.5 s: hub.drain() -> one Snapshot,
-    hub.add_rows(lines)  -- lock, append   encoded once -> every client's slots -> handlers
-    hub.finish(status)                     write; after finish: last snapshot, `event: end`
+    runner (engine loop thread)             server thread (asyncio)
+    ---------------------------             ---------------------------------------------
+    hub.update(summary)    -- lock, copy -> tick every 0.5 s: hub.drain() -> one Snapshot
+    hub.update_engine(c)   -- lock, keep     (snapshot.py: rates over a sliding window),
+    hub.add_rows(lines)    -- lock, append   encoded once -> every client's slots ->
+    hub.add_error(...)     -- lock, append   handlers write; after finish: last snapshot,
+    hub.finish(status)                       `event: end`
 
 Endpoints: ``GET /events`` (SSE: ``event: snapshot`` every 0.5 s; with ``?rows=1`` also
 ``event: rows``, one ``data:`` line per record as written to the results / errors files; a
-final ``event: end`` when the run completes, is interrupted or fails), ``GET /`` (the live page)
-and ``GET /metrics`` (Prometheus text format). A non-loopback bind needs a token, checked on every
+final ``event: end`` when the run completes, is interrupted or fails), ``GET /`` (the live page,
+served with the latest snapshot and the chart so far in it, so it shows the run at once and a
+screenshot or a scraper needs no script to run first) and ``GET /metrics`` (Prometheus text
+format). A non-loopback bind needs a token, checked on every
 request (``Authorization: Bearer TOKEN`` or ``?token=TOKEN``).
 
 Back-pressure policy: the runner never waits on the server. The hub keeps one counts tuple and,
@@ -33,7 +37,9 @@ from importlib import resources
 import msgspec
 from aiohttp import web
 
-from batchrun.progress.hub import ProgressHub, Snapshot, metrics_text
+from batchrun.progress.hub import ProgressHub
+from batchrun.progress.metrics import metrics_text
+from batchrun.progress.snapshot import ChartHistory, Snapshot, SnapshotMaker
 
 __all__ = ["ProgressHub", "ProgressServer", "Snapshot", "is_loopback", "metrics_text", "parse_bind"]
 
@@ -41,6 +47,7 @@ TICK_S = 0.5
 CLIENT_QUEUE = 256  # rows events (one per tick) a client may lag behind before it is dropped
 WRITE_TIMEOUT = 10.0  # seconds one write to a client may block before it is dropped
 END_EVENT = b"event: end\ndata: {}\n\n"
+PAGE_SLOT = b"/*INITIAL*/null"  # index.html's placeholder for the state it starts from
 
 
 _encoder = msgspec.json.Encoder()
@@ -101,7 +108,8 @@ class ProgressServer:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._done: asyncio.Future | None = None
         self._runner: web.AppRunner | None = None
-        self._last = (0.0, 0)  # (elapsed, output tokens) at the previous tick
+        self._maker = SnapshotMaker()
+        self._history = ChartHistory()
         self._snapshot = Snapshot(status="starting")
 
     @property
@@ -160,48 +168,21 @@ class ProgressServer:
             await asyncio.sleep(TICK_S)  # NOTE: the snapshot period, not a synchronization
 
     def _tick(self) -> bool:
-        counts, total, elapsed, status, rows, lost = self.hub.drain()
-        self._snapshot = snap = self._make_snapshot(counts, total, elapsed, status)
+        state = self.hub.drain()
+        self._snapshot = snap = self._maker.make(state, len(self._clients))
+        self._history.add(snap)
         data = b"event: snapshot\ndata: " + _encoder.encode(snap) + b"\n\n"
         rows_event = None
-        if rows:
+        if state.rows:
             rows_event = b"event: rows\n" + b"".join(
-                b"data: " + r.rstrip(b"\n") + b"\n" for r in rows
+                b"data: " + r.rstrip(b"\n") + b"\n" for r in state.rows
             )
             rows_event += b"\n"
-        ended = self.hub.is_finished
+        ended = state.status not in ("starting", "running")  # this snapshot is the last
         for client in list(self._clients):
-            if (lost and client.rows) or not client.offer(data, rows_event, ended):
+            if (state.rows_lost and client.rows) or not client.offer(data, rows_event, ended):
                 self._drop(client)
         return ended
-
-    def _make_snapshot(self, counts: tuple, total, elapsed: float, status: str) -> Snapshot:
-        rows, ok, failed, resumed, prompt, cached, output = counts
-        prev_elapsed, prev_output = self._last
-        self._last = (elapsed, output)
-        dt = elapsed - prev_elapsed
-        recent = (output - prev_output) / dt if dt > 0 else 0.0
-        session_rows = rows - resumed
-        eta = None
-        if total is not None and session_rows > 0 and status == "running":
-            eta = round(max(total - rows, 0) * elapsed / session_rows, 1)
-        return Snapshot(
-            status=status,
-            rows_done=rows,
-            rows_total=total,
-            rows_ok=ok,
-            rows_failed=failed,
-            resumed_rows=resumed,
-            prompt_tokens=prompt,
-            cached_tokens=cached,
-            output_tokens=output,
-            output_tok_s=round(output / elapsed, 1) if elapsed > 0 else 0.0,
-            recent_tok_s=round(max(recent, 0.0), 1),
-            cached_fraction=round(cached / prompt, 4) if prompt else 0.0,
-            elapsed_s=round(elapsed, 2),
-            eta_s=eta,
-            clients=len(self._clients),
-        )
 
     def _drop(self, client: _Client) -> None:
         self._clients.discard(client)
@@ -227,6 +208,10 @@ class ProgressServer:
 
     async def _page(self, request: web.Request) -> web.Response:
         page = resources.files("batchrun.progress").joinpath("index.html").read_bytes()
+        initial = _encoder.encode({"snapshot": self._snapshot, "points": self._history.points})
+        # NOTE: inside a <script>, where an error message holding "</script>" or "<!--" would
+        # end or change it: every "<" (only ever inside a JSON string) is escaped
+        page = page.replace(PAGE_SLOT, initial.replace(b"<", b"\\u003c"), 1)
         return web.Response(body=page, content_type="text/html", charset="utf-8")
 
     async def _events(self, request: web.Request) -> web.StreamResponse:

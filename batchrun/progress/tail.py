@@ -16,7 +16,7 @@ from typing import TextIO
 
 import msgspec
 
-from batchrun.progress.hub import Snapshot
+from batchrun.progress.snapshot import Snapshot
 
 
 class TailError(Exception):
@@ -54,12 +54,17 @@ def read_events(lines: Iterator[bytes]) -> Iterator[tuple[str, list[bytes]]]:
 
 
 def snapshot_line(s: Snapshot) -> str:
+    """One line: rows, output tok/s (last 20 s, and the attempt's average), input tok/s, cache
+    hits, running / waiting requests, elapsed, ETA."""
     total = f"/{s.rows_total:,}" if s.rows_total is not None else ""
+    shard = f"[shard {s.shard_index} of {s.num_shards}] " if s.num_shards > 1 else ""
     eta = f", ETA {s.eta_s:,.0f} s" if s.eta_s is not None else ""
+    cached = s.cache_hit_rate if s.input_tokens else s.cached_fraction
     return (
-        f"{s.status}: {s.rows_done:,}{total} rows ({s.rows_failed:,} failed), "
+        f"{shard}{s.status}: {s.rows_done:,}{total} rows ({s.rows_failed:,} failed), "
         f"{s.recent_tok_s:,.0f} tok/s (avg {s.output_tok_s:,.0f}), "
-        f"cached {100 * s.cached_fraction:.1f}%, {s.elapsed_s:,.1f} s{eta}"
+        f"in {s.recent_input_tok_s:,.0f} tok/s, cached {100 * cached:.1f}%, "
+        f"{s.running:,} running, {s.waiting:,} waiting, {s.elapsed_s:,.1f} s{eta}"
     )
 
 

@@ -18,7 +18,11 @@ from batchrun.cli import main  # noqa: E402
 from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.engine_process.data_parallel import STICKY_PREFIX, DataParallelEngine  # noqa: E402
+from batchrun.job.config import RunConfig  # noqa: E402
+from batchrun.job.runner import Runner  # noqa: E402
 from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
+from batchrun.progress.hub import ProgressHub  # noqa: E402
+from batchrun.progress.snapshot import SnapshotMaker  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,8 @@ def grouped_requests(groups: int, per_group: int) -> list[GenerateRequest]:
 def test_dp2_equals_one_engine_and_keeps_groups_together(model):
     cfg = EngineConfig(model=model, device="cpu", kv_budget=4096, max_running=8)
     reqs = grouped_requests(groups=6, per_group=5)
-    ref = {r.rid: r.output_ids for r in Engine(cfg).generate(reqs)}
+    one = Engine(cfg)
+    ref = {r.rid: r.output_ids for r in one.generate(reqs)}
     where: dict[str, int] = {}
     got = {}
     with DataParallelEngine(cfg, 2) as dp:
@@ -52,7 +57,14 @@ def test_dp2_equals_one_engine_and_keeps_groups_together(model):
             where[r.rid] = next(i for i in range(2) if dp.routed[i] != before[i])
         while dp.has_work:
             got.update({r.rid: r.output_ids for r in dp.step()})
+        counters, per_engine = dp.counters, dp.counters_per_engine
     assert got == ref
+    # the engines' counters sum to one engine's (each engine has a pool of its own)
+    assert counters.generated_tokens == one.counters.generated_tokens == 30 * 6
+    assert counters.admitted_tokens == one.counters.admitted_tokens
+    assert counters.kv_total == 2 * one.counters.kv_total
+    assert sum(c.generated_tokens for c in per_engine) == counters.generated_tokens
+    assert all(c.generated_tokens > 0 and c.num_running == 0 for c in per_engine)
     assert all(n > 0 for n in dp.routed), dp.routed
     for g in range(6):  # slack 4 (max_running 8 / 2) > group size: a group never splits
         assert len({where[f"g{g}q{q}"] for q in range(5)}) == 1
@@ -92,6 +104,30 @@ def test_cli_dp2_equals_dp1(model, tmp_path):
         ]
         outs.append({r["id"]: r["text"] for r in recs})
     assert len(outs[0]) == 30 and outs[0] == outs[1]
+
+
+def test_dp2_progress_counts_both_engines(model, tmp_path):
+    ds = tmp_path / "in.jsonl"
+    rows = [{"id": f"r{i}", "prompt": f"Question {i % 4}: tell me about {i}"} for i in range(16)]
+    ds.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = RunConfig(
+        dataset=str(ds),
+        out=str(tmp_path / "out"),
+        engine=EngineConfig(model=model, device="cpu", kv_budget=4096),
+        defaults=SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True),
+        dp=2,
+        quiet=True,
+        handle_signals=False,
+    )
+    hub = ProgressHub()
+    summary = Runner(config, hub=hub).run()
+    state = hub.drain()
+    assert summary.session_tokens == 16 * 8
+    assert len(state.engines) == 2 and all(e.generated_tokens for e in state.engines)
+    assert sum(e.generated_tokens for e in state.engines) == state.engine.generated_tokens
+    assert state.engine.generated_tokens == summary.session_tokens
+    lines = SnapshotMaker().make(state, clients=0).engines
+    assert [(e.engine, e.running) for e in lines] == [(0, 0), (1, 0)]
 
 
 def test_dp_bad_options_fail_fast(model, tmp_path):

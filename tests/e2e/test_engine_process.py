@@ -15,6 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from slow_engine import slow_engine  # noqa: E402
+from spies import count_calls  # noqa: E402
 from tiny_models import make_tiny_chat_model  # noqa: E402
 
 from batchrun.cli import main  # noqa: E402
@@ -102,6 +104,31 @@ def test_client_api_matches_engine_and_drops_waiting(model):
         while ep.has_work:
             ep.step()
             assert time.monotonic() < deadline, "has_work never cleared after drop_waiting"
+
+
+def test_counters_arrive_while_no_row_has_finished(model):
+    """Each step takes 50 ms (slow_engine) and the rows need 40 of them: the counters come
+    about every 0.5 s meanwhile, in Results messages without results, not one per step."""
+    cfg = EngineConfig(model=model, device="cpu", kv_budget=4096)
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    with EngineProcess(cfg, notify_batch=64, engine_factory=slow_engine) as ep:
+        messages = count_calls(pytest.MonkeyPatch(), ep, "_handle")
+        for i in range(2):
+            ep.add_request(GenerateRequest(str(i), [10 + i, 20, 30], params))
+        seen, done = [], []
+        start = time.monotonic()
+        while ep.has_work:
+            done += ep.step()
+            seen.append((len(done), ep.counters))
+        elapsed = time.monotonic() - start
+        final = ep.counters
+    before = [c for n, c in seen if n == 0]
+    assert max(c.generated_tokens for c in before) >= 2 * 10, before
+    assert any(c.num_running == 2 and c.kv_used > 0 for c in before), before
+    assert final.generated_tokens == sum(r.completion_tokens for r in done) == 80
+    assert final.num_running == 0 and final.admitted_tokens == 6
+    # one message per 0.5 s at most (and the last), however many steps ran meanwhile
+    assert 3 <= messages["n"] <= elapsed / 0.5 + 2, (messages, elapsed)
 
 
 def test_refused_request_comes_back_as_an_error(model):

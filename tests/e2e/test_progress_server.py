@@ -1,13 +1,17 @@
 """`submit --serve-progress` against a real server on loopback during real runs of the tiny chat
-model: 50 concurrent SSE clients, /metrics, `batchrun tail`, the live page in headless Chromium,
-a client that never reads, and the token on a non-loopback bind. Requests go to 127.0.0.1 only."""
+model: 50 concurrent SSE clients, /metrics, `batchrun tail`, the live page in headless Chromium
+(a screenshot while a run goes, kept as test-artifacts/progress-page.png, its numbers checked
+against /events; its final state), a client that never reads, and the token on a non-loopback
+bind. Requests go to 127.0.0.1 only."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +36,7 @@ from batchrun.progress.tail import read_events  # noqa: E402
 CHROMIUM = shutil.which("chromium") or (
     "/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None
 )
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
 
 @pytest.fixture(scope="module")
@@ -147,22 +152,114 @@ def test_clients_metrics_tail_and_page_during_a_run(model, tmp_path):
     assert len(lines) >= 2 and lines[-1].startswith("complete: 2,000/2,000 rows"), lines[-3:]
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (CI installs it)")
-def test_live_page_in_headless_chromium(model, tmp_path):
-    proc = start_submit(model, dataset(tmp_path, 600), tmp_path / "out", "--serve-progress", ":0")
-    url = wait_for_url(proc)
-    # --dump-dom waits for the page's network: it dumps when the stream ends with the run
-    chromium = subprocess.run(
+def chromium(tmp_path: Path, url: str, *args: str, timeout: float = 90) -> str:
+    """Headless Chromium on `url` (a fresh profile); its stdout."""
+    done = subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"]
         + ["--no-first-run", "--disable-background-networking", "--disable-component-update"]
-        + ["--disable-sync", f"--user-data-dir={tmp_path / 'chromium'}", "--dump-dom"]
-        + ["--virtual-time-budget=60000", url],
+        + ["--disable-sync", f"--user-data-dir={tmp_path / 'chromium'}", *args, url],
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=timeout,
     )
+    return done.stdout
+
+
+def page_text(dom: str, element_id: str) -> str:
+    found = re.search(rf'id="{element_id}"[^>]*>([^<]*)<', dom)
+    assert found, f"no element {element_id} in the page"
+    return found.group(1)
+
+
+def page_number(dom: str, element_id: str) -> float:
+    return float(page_text(dom, element_id).replace(",", ""))
+
+
+def secs(s: float | None) -> str:
+    """The page's duration format."""
+    if s is None:
+        return "\u2014"
+    s = int(s + 0.5)
+    if s >= 3600:
+        return f"{s // 3600} h {s % 3600 // 60} min"
+    return f"{s // 60} min {s % 60} s" if s >= 60 else f"{s} s"
+
+
+class Follower(threading.Thread):
+    """Reads /events to its end in the background; keeps every snapshot."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.snapshots = url, []
+        self.going = threading.Event()  # set once rows finish and tokens flow
+
+    def run(self) -> None:
+        conn = http.client.HTTPConnection(
+            *self.url.split("//")[1].strip("/").split(":"), timeout=120
+        )
+        conn.request("GET", "/events")
+        for name, data in read_events(conn.getresponse()):
+            if name == "end":
+                break
+            if name == "snapshot":
+                snap = msgspec.json.decode(data[0], type=Snapshot)
+                self.snapshots.append(snap)
+                if snap.rows_done and snap.recent_tok_s and snap.elapsed_s >= 3:
+                    self.going.set()
+        self.going.set()
+        conn.close()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (CI installs it)")
+def test_live_page_screenshot_while_running_matches_events(model, tmp_path):
+    # short rows, ordered a few hundred at a time: rows finish within seconds of the start,
+    # and the run goes on far longer than the test looks at it
+    args = ("--max-tokens", "16", "--order-window", "256", "--drain-timeout", "5")
+    proc = start_submit(
+        model, dataset(tmp_path, 5000), tmp_path / "out", *args, "--serve-progress", ":0"
+    )
+    follower = Follower(wait_for_url(proc))
+    url = follower.url
+    follower.start()
+    assert follower.going.wait(timeout=120)
+    ARTIFACTS.mkdir(exist_ok=True)
+    png = ARTIFACTS / "progress-page.png"
+    png.unlink(missing_ok=True)
+    chromium(tmp_path, url, f"--screenshot={png}", "--window-size=1280,900")
+    dom = chromium(tmp_path, url, "--dump-dom")  # the page as served, and its first events
+    proc.send_signal(signal.SIGINT)  # stop the run: drain, commit, exit 5
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 5, rest
+    follower.join(timeout=30)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+    # the snapshot the page shows is one /events sent (the same tick: the same numbers)
+    shown = float(dom.split('data-elapsed="')[1].split('"')[0])
+    snap = next(s for s in follower.snapshots if s.elapsed_s == shown)
+    assert snap.status == "running" == page_text(dom, "status")
+    assert 0 < snap.rows_done < 5000 and snap.output_tokens > 0 and snap.recent_tok_s > 0
+    for field in ("rows_done", "rows_total", "rows_failed", "rows_ok", "output_tokens"):
+        assert page_number(dom, field) == getattr(snap, field), field
+    for field in ("running", "waiting", "kv_used", "kv_total"):
+        assert page_number(dom, field) == getattr(snap, field), field
+    for field in ("recent_tok_s", "output_tok_s", "recent_input_tok_s", "input_tok_s"):
+        assert abs(page_number(dom, field) - getattr(snap, field)) <= 0.5, field
+    assert abs(page_number(dom, "cache_hit") - 100 * snap.cache_hit_rate) <= 0.05
+    assert snap.cache_hit_rate > 0  # the chat template's shared prefix
+    assert page_text(dom, "eta") == secs(snap.eta_s) and snap.eta_s is not None
+    assert page_text(dom, "elapsed") == secs(snap.elapsed_s)
+    # the last snapshot: interrupted
+    assert follower.snapshots[-1].status == "interrupted"
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (CI installs it)")
+def test_live_page_follows_a_run_to_its_end(model, tmp_path):
+    args = ("--max-tokens", "16", "--serve-progress", ":0")
+    proc = start_submit(model, dataset(tmp_path, 600), tmp_path / "out", *args)
+    url = wait_for_url(proc)
+    # --dump-dom waits for the page's network: it dumps when the stream ends with the run
+    dom = chromium(tmp_path, url, "--dump-dom", "--virtual-time-budget=60000", timeout=300)
     finish(proc)
-    dom = chromium.stdout
 
     def attr(name: str) -> int:
         return int(dom.split(f'data-{name}="')[1].split('"')[0])
@@ -170,6 +267,8 @@ def test_live_page_in_headless_chromium(model, tmp_path):
     assert attr("snapshots") >= 2, dom[-2000:]
     assert attr("rows-done") == 600 > attr("first-rows-done")
     assert 'id="rows_done">600<' in dom
+    assert page_text(dom, "status") == "complete" and page_text(dom, "eta") == "\u2014"
+    assert re.search(r'id="final" class="complete">Run complete: 600 rows \(0 failed\)', dom)
 
 
 def test_a_client_that_never_reads_does_not_stall_the_run(model, tmp_path):

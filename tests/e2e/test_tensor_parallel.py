@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -90,6 +91,9 @@ def test_tp2_matches_tp1(kind, tmp_path, llama_dir):
         # the KV pool holds only this rank's KV heads: 2 split in two, or mqa's one replicated
         assert engine.runner.kv_pool.k_buffers[0].shape[1] == 1
         assert greedy(engine) == ref
+        # rank 0's counters are the job's: the same counts as one engine's (but for time)
+        timeless = msgspec.structs.replace(engine.counters, forward_time=0.0)
+        assert timeless == msgspec.structs.replace(ref_engine.counters, forward_time=0.0)
         logits = engine.score(probe)
         engine.check_integrity()
     assert logits.shape == ref_logits.shape

@@ -35,6 +35,21 @@ def test_flushes_when_idle_and_after_max_delay():
     assert not b.due(idle=True)
 
 
+def test_counters_alone_go_out_at_a_bounded_rate_while_steps_run():
+    b = NotifyBatcher(notify_batch=16, max_delay=0.05)
+    b.stepped()
+    assert not b.due(idle=False)  # the last message (the start) is younger than max_delay
+    assert b.due(idle=True)  # going idle: the final counters go out
+    assert b.take() == [] and not b.due(idle=True)  # nothing moved since
+    sent, start = 0, time.monotonic()
+    while time.monotonic() - start < 0.3:  # steps much faster than max_delay, none finishing
+        b.stepped()
+        if b.due(idle=False):
+            assert b.take() == []
+            sent += 1
+    assert 3 <= sent <= 6  # about one per max_delay, never one per step
+
+
 def test_messages_round_trip():
     req = GenerateRequest("r1", [1, 2, 3], SamplingParams(max_new_tokens=4, stop=("x",)))
     msg = m.decode_to_engine(m.encode(m.Submit([req, req])))
@@ -42,4 +57,7 @@ def test_messages_round_trip():
     assert isinstance(m.decode_to_engine(m.encode(m.DropWaiting())), m.DropWaiting)
     res = m.Results([result(1)], m.EngineCounters(num_steps=3))
     assert m.decode_from_engine(m.encode(res)) == res
+    counters = m.EngineCounters(generated_tokens=7, num_running=2, kv_used=9, kv_total=64)
+    only = m.Results([], counters)
+    assert m.decode_from_engine(m.encode(only)) == only
     assert m.decode_from_engine(m.encode(m.Dropped(5))) == m.Dropped(5)

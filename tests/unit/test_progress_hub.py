@@ -11,6 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchrun.job.summary import RunSummary
+from batchrun.params import EngineCounters
+from batchrun.progress.hub import MAX_ERRORS
+from batchrun.progress.rates import RateWindow, eta_seconds
 from batchrun.progress.server import (
     CLIENT_QUEUE,
     ProgressHub,
@@ -21,6 +24,7 @@ from batchrun.progress.server import (
     metrics_text,
     parse_bind,
 )
+from batchrun.progress.snapshot import ChartHistory, SnapshotMaker
 from batchrun.progress.tail import events_url, read_events, snapshot_line
 
 
@@ -40,17 +44,31 @@ def test_parse_bind_and_loopback():
 def test_hub_keeps_rows_only_when_wanted_and_bounded():
     hub = ProgressHub(max_rows=4)
     hub.add_rows([b"a\n"])
-    assert hub.drain()[4] == []  # nobody wants rows: none kept
+    assert hub.drain().rows == []  # nobody wants rows: none kept
     hub.want_rows = True
     hub.add_rows([b"a\n", b"b\n"])
-    assert hub.drain()[4:] == ([b"a\n", b"b\n"], False)
+    state = hub.drain()
+    assert (state.rows, state.rows_lost) == ([b"a\n", b"b\n"], False)
     hub.add_rows([b"x\n"] * 5)  # past max_rows: dropped, and said so
-    assert hub.drain()[4:] == ([], True)
+    state = hub.drain()
+    assert (state.rows, state.rows_lost) == ([], True)
     hub.start(10, RunSummary(rows=3, session_tokens=7))
-    counts, total, _, status, _, _ = hub.drain()
-    assert (counts[0], counts[-1], total, status) == (3, 7, 10, "running")
+    state = hub.drain()
+    assert (state.counts.rows, state.counts.session_tokens) == (3, 7)
+    assert (state.total, state.status, state.shard) == (10, "running", None)
     hub.finish("complete")
     assert hub.is_finished
+    elapsed = hub.drain().elapsed
+    assert hub.drain().elapsed == elapsed  # stops at finish()
+
+
+def test_hub_keeps_the_last_errors():
+    hub = ProgressHub()
+    for i in range(MAX_ERRORS + 5):
+        hub.add_error(i, f"r{i}", "invalid_request", "x" * 1000)
+    errors = hub.drain().errors
+    assert [e.row for e in errors] == list(range(5, MAX_ERRORS + 5))  # oldest first
+    assert errors[-1].id == f"r{MAX_ERRORS + 4}" and len(errors[-1].message) == 300
 
 
 def test_slow_client_keeps_the_latest_snapshot_and_overflow_drops_it():
@@ -95,5 +113,100 @@ def test_snapshot_omits_defaults_and_tail_reads_sse():
     assert events[1][1] == [b'{"id":"a"}', b'{"id":"b"}']
     line = snapshot_line(msgspec.json.decode(events[0][1][0], type=Snapshot))
     assert line.startswith("running: 2/4 rows")
+    sharded = Snapshot(rows_done=2, recent_tok_s=1234.4, output_tok_s=1000, shard_index=1)
+    sharded.num_shards, sharded.running, sharded.waiting = 4, 7, 9
+    line = snapshot_line(sharded)
+    assert line.startswith("[shard 1 of 4] running: 2 rows (0 failed), 1,234 tok/s (avg 1,000)")
+    assert "7 running, 9 waiting" in line
     assert events_url("http://h:1/", rows=True) == "http://h:1/events?rows=1"
     assert events_url("h:1/events?token=t", rows=False) == "http://h:1/events?token=t"
+
+
+def test_rate_window_is_smooth_over_bursts_and_falls_to_zero_in_a_stall():
+    w = RateWindow(window_s=20.0)
+    rates, tokens = [], 0
+    for tick in range(200):  # ticks every 0.5 s; 300 tokens land every 3 s (100 tok/s)
+        t = tick * 0.5
+        if tick and tick % 6 == 0:
+            tokens += 300
+        w.add(t, tokens)
+        rates.append(w.rate())
+    # the per-tick rate would read 600, 0, 0, 0, 0, 0, 600, ...; over 20 s it stays near 100
+    assert all(85 <= r <= 115 for r in rates[40:]), rates[40:60]
+    for tick in range(200, 241):  # then nothing for 20 s
+        w.add(tick * 0.5, tokens)
+    assert w.rate() == 0.0
+    w.add(1.0, 5)  # a clock that went back (a new attempt): starts over
+    w.add(2.0, 15)
+    assert w.rate() == 10.0
+
+
+def test_eta_from_tokens():
+    # 100 rows left x 50 tokens per finished row, 1,000 already generated for rows in flight,
+    # at 400 tok/s
+    assert eta_seconds(100, 20, 1000, 1000, 400.0) == 10.0
+    assert eta_seconds(100, 0, 0, 500, 400.0) is None  # no row finished: unknown
+    assert eta_seconds(None, 20, 1000, 0, 400.0) is None  # total unknown
+    assert eta_seconds(100, 20, 1000, 0, 0.0) is None  # no rate
+    assert eta_seconds(1, 20, 1000, 10_000, 400.0) == 0.0
+
+
+def test_snapshots_rate_eta_and_engine_lines():
+    hub, maker = ProgressHub(), SnapshotMaker(window_s=20.0)
+    hub.start(100, RunSummary(), shard=(2, 4))
+    snaps = []
+    for tick in range(1, 81):  # 40 s; two engines generate 30 and 10 tokens per tick
+        one = EngineCounters(generated_tokens=30 * tick, num_running=3, kv_used=5, kv_total=10)
+        two = EngineCounters(generated_tokens=10 * tick, admitted_tokens=40 * tick, kv_total=10)
+        hub.update_engine(one + two, (one, two))
+        if tick == 40:  # 10 rows finished, 20 tokens each
+            hub.update(RunSummary(rows=10, rows_ok=10, completion_tokens=200, session_tokens=200))
+        state = hub.drain()._replace(elapsed=tick * 0.5)
+        snaps.append(maker.make(state, clients=1))
+    s = snaps[-1]
+    assert (s.output_tokens, s.recent_tok_s, s.output_tok_s) == (3200, 80.0, 80.0)
+    assert (s.input_tokens, s.recent_input_tok_s) == (3200, 80.0)
+    assert (s.running, s.kv_used, s.kv_total) == (3, 5, 20)
+    assert (s.shard_index, s.num_shards) == (2, 4)
+    assert [(e.engine, e.recent_tok_s, e.kv_total) for e in s.engines] == [
+        (0, 60.0, 10),
+        (1, 20.0, 10),
+    ]
+    # 90 rows x 20 tokens, less the 3,000 in flight, is already generated: done any moment
+    assert s.eta_s == 0.0
+    assert snaps[38].eta_s is None  # before any row finished
+    # at 20 s: 90 rows x 20 tokens, less 1,600 - 200 in flight, at 80 tok/s
+    assert snaps[39].eta_s == 5.0
+    assert all(x.recent_tok_s == 80.0 for x in snaps)  # steady from the first tick
+    text = metrics_text(s)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    engine_rate = families["batchrun_engine_output_tokens_per_second"].samples
+    assert [(x.labels["engine"], x.value) for x in engine_rate] == [("0", 60.0), ("1", 20.0)]
+    assert families["batchrun_output_tokens_per_second"].samples[0].value == 80.0
+    assert families["batchrun_kv_slots_used"].samples[0].value == 5
+
+
+def test_chart_history_spans_the_whole_run_in_bounded_points():
+    history = ChartHistory(max_points=100)
+    for tick in range(1, 1001):
+        history.add(Snapshot(elapsed_s=tick * 0.5, recent_tok_s=tick))
+    points = history.points
+    assert len(points) < 100 and points[0][0] <= 4 and points[-1][0] >= 490
+    steps = {round(b[0] - a[0], 3) for a, b in zip(points, points[1:])}
+    assert len(steps) == 1  # evenly spaced
+    history.add(Snapshot(status="starting"))  # before the run: no point
+    assert history.points == points
+
+
+def test_page_is_served_with_the_latest_snapshot_in_it():
+    hub = ProgressHub()
+    server = ProgressServer(hub, "127.0.0.1", 0)
+    hub.start(10, RunSummary(rows=3))
+    hub.add_error(2, "r2", "invalid_request", "bad </script><script>alert(1)</script>")
+    server._tick()
+    page = asyncio.run(server._page(None)).body
+    assert b"/*INITIAL*/" not in page and b"<script>alert" not in page
+    initial = page.split(b"const INITIAL = ")[1].split(b";\n")[0]
+    state = msgspec.json.decode(initial)
+    assert state["snapshot"]["rows_done"] == 3 and len(state["points"]) == 1
+    assert state["snapshot"]["errors"][0]["message"].endswith("<script>alert(1)</script>")
