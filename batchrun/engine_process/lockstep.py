@@ -31,8 +31,8 @@ Interface (what the job runner / engine process uses; the same surface as Engine
     engine.score(input_ids: list[int]) -> Tensor [T, vocab]  (idle engine; tests, scoring)
     engine.close() -> None           # also a context manager
     engine.config / kernels / model_config / context_len / vocab_size / num_kv_slots / device /
-        stats / counters / tokenizer / eos_token_ids / model_dir / runner / check_integrity: rank 0's,
-        read-only
+        stats / counters / tokenizer / eos_token_ids / model_dir / runner / check_integrity:
+        rank 0's, read-only
 
 Mutating rank 0's Engine other than through these (say, resetting its radix cache) desyncs the
 ranks: their next collectives mismatch. So does anything in Engine.step that depends on timing
