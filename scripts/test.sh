@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install into .venv (idempotent) and run the tests:
-#   1. tests/unit, tests/e2e (CPU) and tests/gpu (skips without CUDA), with any arguments given;
+#   1. tests/unit, tests/e2e (CPU) and tests/gpu (skips without CUDA), with any arguments given,
+#      but the tests marked slow; BATCHRUN_SLOW_TESTS=1 (CI) runs those after them;
 #   2. tests/slurm, when a local Slurm is up (bash scripts/slurm-local.sh start), else skipped.
 #      BATCHRUN_SLURM_TESTS=0 skips it; BATCHRUN_REQUIRE_SLURM=1 (CI) fails without a cluster.
 set -euo pipefail
@@ -8,8 +9,15 @@ cd "$(dirname "$0")/.."
 EXTRAS=test bash scripts/setup-env.sh
 . .venv/bin/activate
 start=$SECONDS
-python -m pytest tests/unit tests/e2e tests/gpu -q -m "not slurm" -p no:cacheprovider "$@"
+python -m pytest tests/unit tests/e2e tests/gpu -q -m "not slurm and not slow" -p no:cacheprovider "$@"
 echo "test.sh: unit + e2e + gpu tiers passed in $((SECONDS - start)) s"
+if [ "${BATCHRUN_SLOW_TESTS:-0}" = 1 ]; then
+  start=$SECONDS
+  python -m pytest tests/unit tests/e2e tests/gpu -q -m "slow and not slurm" -p no:cacheprovider "$@"
+  echo "test.sh: slow tier passed in $((SECONDS - start)) s"
+else
+  echo "test.sh: slow tier skipped (BATCHRUN_SLOW_TESTS=1 runs it; CI does)"
+fi
 
 slurm_up() { command -v sinfo >/dev/null && sinfo -h -N -o %T 2>/dev/null | grep -Eq '^(idle|mixed|allocated)'; }
 if [ "${BATCHRUN_SLURM_TESTS:-1}" = 0 ]; then

@@ -18,6 +18,8 @@ import pytest
 from batchrun.config import EngineConfig, KernelConfig
 from batchrun.engine.engine import Engine
 
+pytestmark = pytest.mark.slow  # CI's slow tier (BATCHRUN_SLOW_TESTS=1)
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))

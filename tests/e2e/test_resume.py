@@ -156,6 +156,7 @@ def check_complete(out: Path, baseline: dict) -> None:
     assert not any(p.name.endswith(".tmp") for p in out.iterdir())
 
 
+@pytest.mark.slow
 def test_kill9_at_random_moments_then_resume(model, dataset, baseline, tmp_path):
     """SIGKILL at 10 random moments: twice during start-up, then 8 times at random points of the
     run (once the attempt has committed 1-6 more rows, plus 0-40 ms, so the kill lands anywhere

@@ -15,6 +15,8 @@ from batchrun.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.params import GenerateRequest, SamplingParams
 
+pytestmark = pytest.mark.slow  # CI's slow tier (BATCHRUN_SLOW_TESTS=1)
+
 CHATS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

@@ -242,6 +242,7 @@ def models(converted_dir):
 
 
 @needs_embedded
+@pytest.mark.slow
 def test_parameters_equal_transformers_gguf_load(models):
     ours, ref = models
     ours_params, ref_params = dict(ours.named_parameters()), dict(ref.named_parameters())
@@ -254,6 +255,7 @@ def test_parameters_equal_transformers_gguf_load(models):
 
 
 @needs_embedded
+@pytest.mark.slow
 def test_logits_equal_transformers_gguf_load(models, converted_dir):
     from transformers import AutoTokenizer
 
