@@ -25,3 +25,7 @@ class ModelError(RunError):
 
 class ModelConfigError(ValueError):
     """A config.json batchrun cannot run; the message says what is supported."""
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint batchrun cannot load; the message names the file and tensor."""

@@ -20,17 +20,13 @@ import torch
 from safetensors import safe_open
 
 from batchrun.config import KernelConfig
+from batchrun.errors import WeightLoadError
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.config import ModelConfig
 from batchrun.models.dummy import init_dummy_
 from batchrun.models.llama import LlamaForCausalLM
 from batchrun.parallel.partition import ShardSpec, replicated
 from batchrun.parallel.state import TPGroup
-
-
-class WeightLoadError(ValueError):
-    """A checkpoint batchrun cannot load; the message names the file and tensor."""
-
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = ("rotary_emb.inv_freq",)

@@ -1,0 +1,1 @@
+"""Quantized checkpoints: their formats (formats/), decoded into one layout (weights.py)."""
