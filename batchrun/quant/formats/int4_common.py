@@ -1,0 +1,186 @@
+"""What the INT4 checkpoint formats (awq.py, gptq.py, pack_quantized.py) share: reading their
+quantization_config fields, checking each tensor of a linear against the shape and dtype its
+format declares, unpacking 4-bit values from int32 words, and random weights in a scheme's shape.
+
+Every format packs eight 4-bit values into one int32 word, value i in bits [4i, 4i + 4); they
+differ in which element goes to which nibble (AWQ interleaves the output columns, GPTQ packs
+input rows, compressed-tensors packs input columns in order) and in what the value means.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+import torch
+
+from batchrun.errors import ModelConfigError, WeightLoadError
+from batchrun.quant.weights import Int4Weight
+
+PACK = 8  # 4-bit values per int32 word
+# NOTE: the group sizes the W4A16 GPU kernels of the field run (Marlin, Machete, the AWQ and
+# GPTQ kernels: 32, 64, 128, or one group per row) and that published INT4 checkpoints use.
+# Other sizes decode the same on the CPU, but a Triton W4A16 kernel loads one scale per K tile,
+# so they stay refused until a kernel runs them.
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INT_DTYPES = (torch.int32, torch.int64)
+REQUIRED = object()  # read_field's default for a field that must be present
+
+
+def config_error(source: str, key: str, value: Any, method: str, supported: str) -> NoReturn:
+    raise ModelConfigError(
+        f"{source}: quantization_config.{key} is {_json(value)}; batchrun reads {method} "
+        f"checkpoints with {key.rpartition('.')[2]} {supported}"
+    )
+
+
+def read_field(
+    qcfg: Mapping[str, Any],
+    keys: tuple[str, ...],
+    source: str,
+    method: str,
+    supported: tuple[Any, ...],
+    default: Any = REQUIRED,
+    path: str = "",
+) -> Any:
+    """The value of the first of `keys` (a field and its older spellings) present in `qcfg`
+    (quantization_config, or the part of it at `path`, e.g. "config_groups.group_0.weights.");
+    strings compare lower-cased. Raises ModelConfigError naming the field, its value and what is
+    supported when the value is not in `supported`, or when it is missing without a default."""
+    key = next((k for k in keys if qcfg.get(k) is not None), None)  # null: absent
+    if key is None:
+        if default is REQUIRED:
+            raise ModelConfigError(
+                f"{source}: quantization_config lacks {path}{keys[0]}; batchrun reads {method} "
+                f"checkpoints with {keys[0]} {one_of(supported)}"
+            )
+        return default
+    value = qcfg[key]
+    norm = value.lower() if isinstance(value, str) else value
+    # NOTE: True == 1 in Python: a bool only matches a bool, and a number only a number
+    if not any(norm == s and isinstance(norm, bool) == isinstance(s, bool) for s in supported):
+        config_error(source, path + key, value, method, one_of(supported))
+    return norm
+
+
+def read_group_size(
+    qcfg: Mapping[str, Any],
+    keys: tuple[str, ...],
+    source: str,
+    method: str,
+    per_row: bool,
+    path: str = "",
+) -> int:
+    """The group size (-1: one group per output row, where `per_row` allows it)."""
+    sizes = (*SUPPORTED_GROUP_SIZES, -1) if per_row else SUPPORTED_GROUP_SIZES
+    return read_field(qcfg, keys, source, method, sizes, path=path)
+
+
+def one_of(values: tuple[Any, ...]) -> str:
+    shown = [_json(v) for v in values]
+    return shown[0] if len(shown) == 1 else "one of " + ", ".join(shown)
+
+
+def _json(value: Any) -> str:
+    """A value as config.json spells it."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def take(
+    tensors: Mapping[str, torch.Tensor],
+    name: str,
+    where: str,
+    shape: tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...],
+    layout: str,
+) -> torch.Tensor:
+    """tensors[name], checked against the shape and dtypes its format declares; `layout` says
+    how the shape follows from the linear's size (for the error)."""
+    t = tensors.get(name)
+    if t is None:
+        raise WeightLoadError(
+            f"tensor {where}.{name} is missing from the checkpoint: its format stores each "
+            f"quantized linear as {layout}"
+        )
+    if tuple(t.shape) != tuple(shape) or t.dtype not in dtypes:
+        want = " or ".join(_dtype_name(d) for d in dtypes)
+        raise WeightLoadError(
+            f"tensor {where}.{name} has shape {tuple(t.shape)} and dtype {_dtype_name(t.dtype)}; "
+            f"expected shape {tuple(shape)} and dtype {want} ({layout})"
+        )
+    return t
+
+
+def require_divisible(where: str, what: str, size: int, unit: int, why: str) -> None:
+    if size % unit:
+        raise WeightLoadError(f"{where}: {what} {size} is not a multiple of {unit} ({why})")
+
+
+def num_groups(in_features: int, group_size: int) -> int:
+    """Groups per row (a group size of -1 or at least in_features: one)."""
+    if group_size == -1:
+        return 1
+    return -(-in_features // group_size)
+
+
+def effective_group_size(in_features: int, group_size: int) -> int:
+    """Int4Weight's group_size: -1 (one group per row) becomes the row's length."""
+    return in_features if group_size == -1 else group_size
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [..., n] -> uint8 [..., n, 8]: each word's eight 4-bit values, lowest bits first."""
+    out = torch.empty(*packed.shape, PACK, dtype=torch.uint8, device=packed.device)
+    for i in range(PACK):
+        out[..., i] = (packed >> (4 * i)) & 0xF
+    return out
+
+
+def check_g_idx(g_idx: torch.Tensor, groups: int, where: str, name: str) -> torch.Tensor:
+    """g_idx as int32, every entry a group of the row."""
+    if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+        raise WeightLoadError(
+            f"tensor {where}.{name} holds groups from {int(g_idx.min())} to {int(g_idx.max())}; "
+            f"expected groups 0 to {groups - 1} (the rows of the scales)"
+        )
+    return g_idx.to(torch.int32)
+
+
+def sequential_g_idx(g_idx: torch.Tensor, group_size: int) -> bool:
+    """Whether g_idx only restates column i's group i // group_size (no reordering)."""
+    expected = torch.arange(g_idx.numel(), device=g_idx.device) // group_size
+    return bool(torch.equal(g_idx.long(), expected))
+
+
+def random_int4(
+    out_features: int,
+    in_features: int,
+    group_size: int,
+    symmetric: bool,
+    scale_dtype: torch.dtype,
+    generator: torch.Generator,
+    std: float = 0.02,
+) -> Int4Weight:
+    """Random weights in a scheme's shape (dummy weights for benchmarks): values uniform over
+    0..15, zero points 8 (or uniform over 6..9), scales such that the weights' spread is about
+    `std`, as a real checkpoint's."""
+    g = effective_group_size(in_features, group_size)
+    groups = num_groups(in_features, g)
+    q = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+    if symmetric:
+        zeros = torch.full((out_features, groups), 8, dtype=torch.uint8)
+    else:
+        zeros = torch.randint(6, 10, (out_features, groups), generator=generator)
+        zeros = zeros.to(torch.uint8)
+    # values 0..15 around a zero near 8 spread about 4.6
+    scales = torch.full((out_features, groups), std / 4.6, dtype=scale_dtype)
+    return Int4Weight(q, scales, zeros, g)
