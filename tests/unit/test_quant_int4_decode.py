@@ -198,3 +198,34 @@ def test_dummy_weights_have_the_schemes_shape():
         assert w.qweight.shape == (64, 256) and w.scales.shape == (64, groups)
         assert w.zeros.shape == (64, groups) and w.g_idx is None
         assert 0.005 < w.dequantize().std() < 0.05
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group_size", [32, -1])
+def test_pack_quantized_is_what_compressed_tensors_writes_and_reads(symmetric, group_size):
+    """compressed-tensors 0.20.1's own compressor, given the reference's scales and zero points,
+    writes the test's tensors bit for bit, and its decompressor reads them as batchrun does."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    ref, scheme, ours = _case("pack-quantized", 40, 128, group_size, symmetric, False, seed=7)
+    args = QuantizationArgs(
+        num_bits=4,
+        type="int",
+        symmetric=symmetric,
+        strategy="channel" if group_size == -1 else "group",
+        group_size=None if group_size == -1 else group_size,
+    )
+    ct_scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    state = {"weight": ref.dequantize(), "weight_scale": ref.scales}
+    if not symmetric:
+        state["weight_zero_point"] = (ref.zeros - 8).to(torch.int8)  # signed, as it keeps them
+    theirs = PackedQuantizationCompressor.compress(state, ct_scheme)
+    assert set(theirs) == set(ours)
+    for name, tensor in theirs.items():
+        assert torch.equal(tensor, ours[name]), name
+    weight = PackedQuantizationCompressor.decompress(ours, ct_scheme)["weight"]
+    decoded = scheme.decode(ours, 40, 128, WHERE).dequantize()
+    # it dequantizes in the scales' dtype: one rounding of the exact product
+    assert torch.equal(weight, decoded.to(weight.dtype))
