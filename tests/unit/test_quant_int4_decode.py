@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchrun.quant.formats import awq, gptq, pack_quantized
+from batchrun.quant.formats import awq, compressed_tensors_int4, gptq
 from batchrun.quant.formats.int4_common import unpack_int4
 from batchrun.quant.weights import Int4Weight
 
@@ -26,7 +26,7 @@ from quant_checkpoints import (  # noqa: E402
     reference_g_idx,
 )
 
-PARSERS = {"awq": awq.parse, "gptq": gptq.parse, "pack-quantized": pack_quantized.parse}
+PARSERS = {"awq": awq.parse, "gptq": gptq.parse, "pack-quantized": compressed_tensors_int4.parse}
 WHERE = "model.layers.0.mlp.down_proj"
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from batchrun.errors import ModelConfigError, WeightLoadError
-from batchrun.quant.formats import awq, gptq, pack_quantized
+from batchrun.quant.formats import awq, compressed_tensors_int4, gptq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quant_checkpoints import (  # noqa: E402
@@ -23,7 +23,7 @@ from quant_checkpoints import (  # noqa: E402
     reference_g_idx,
 )
 
-PARSERS = {"awq": awq.parse, "gptq": gptq.parse, "pack-quantized": pack_quantized.parse}
+PARSERS = {"awq": awq.parse, "gptq": gptq.parse, "pack-quantized": compressed_tensors_int4.parse}
 SRC = "/models/x/config.json"
 WHERE = "model.layers.2.self_attn.o_proj"
 
@@ -71,14 +71,14 @@ def test_group_strategy_needs_a_group_size():
     qcfg = _config("pack-quantized")
     del qcfg["config_groups"]["group_0"]["weights"]["group_size"]
     with pytest.raises(ModelConfigError, match="lacks config_groups.group_0.weights.group_size"):
-        pack_quantized.parse(qcfg, SRC)
+        compressed_tensors_int4.parse(qcfg, SRC)
 
 
 def test_per_row_groups_are_read():
     assert awq.parse(_config("awq", group_size=-1), SRC).group_size == -1
     assert gptq.parse(_config("gptq", group_size=-1), SRC).group_size == -1
-    scheme = pack_quantized.parse(int4_quantization_config("pack-quantized", -1, True), SRC)
-    assert scheme.group_size == -1
+    qcfg = int4_quantization_config("pack-quantized", -1, True)
+    assert compressed_tensors_int4.parse(qcfg, SRC).group_size == -1
 
 
 @pytest.mark.parametrize("version", ["gemv", "GEMV_FAST", "marlin", "exllama", "ipex"])
@@ -144,19 +144,19 @@ def test_pack_quantized_config():
     ]
     for changes, needle in bad:
         with pytest.raises(ModelConfigError, match=needle.replace("[", r"\[")):
-            pack_quantized.parse({**base, **changes}, SRC)
+            compressed_tensors_int4.parse({**base, **changes}, SRC)
     acts = copy.deepcopy(base)
     acts["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "float"}
     with pytest.raises(ModelConfigError, match="group_0.input_activations is"):
-        pack_quantized.parse(acts, SRC)
+        compressed_tensors_int4.parse(acts, SRC)
     two = copy.deepcopy(base)
     two["config_groups"]["group_1"] = copy.deepcopy(two["config_groups"]["group_0"])
     two["config_groups"]["group_1"]["weights"]["group_size"] = 64
     with pytest.raises(ModelConfigError, match="different weight schemes"):
-        pack_quantized.parse(two, SRC)
+        compressed_tensors_int4.parse(two, SRC)
     two["config_groups"]["group_1"]["weights"]["group_size"] = 128
     two["config_groups"]["group_1"]["targets"] = ["re:.*mlp.*"]
-    assert pack_quantized.parse(two, SRC).targets == ("Linear", "re:.*mlp.*")
+    assert compressed_tensors_int4.parse(two, SRC).targets == ("Linear", "re:.*mlp.*")
 
 
 def _tensors(fmt, out_features=32, in_features=256, symmetric=False, act_order=False):
@@ -271,7 +271,7 @@ def test_gptq_unquantized_modules():
 def test_pack_quantized_targets_and_ignore():
     qcfg = int4_quantization_config("pack-quantized", 128, True)
     qcfg["ignore"] = ["lm_head", "re:.*layers\\.0\\.mlp\\..*", "model.layers.2.self_attn.o_proj"]
-    scheme = pack_quantized.parse(qcfg, SRC)
+    scheme = compressed_tensors_int4.parse(qcfg, SRC)
     assert scheme.is_quantized("model.layers.1.mlp.up_proj")
     assert not scheme.is_quantized("model.layers.0.mlp.up_proj")
     assert not scheme.is_quantized("model.layers.2.self_attn.o_proj")
@@ -279,6 +279,6 @@ def test_pack_quantized_targets_and_ignore():
     assert not scheme.is_quantized("lm_head")
     qcfg["config_groups"]["group_0"]["targets"] = ["re:.*self_attn.*"]
     qcfg["ignore"] = []
-    scheme = pack_quantized.parse(qcfg, SRC)
+    scheme = compressed_tensors_int4.parse(qcfg, SRC)
     assert scheme.is_quantized("model.layers.1.self_attn.v_proj")
     assert not scheme.is_quantized("model.layers.1.mlp.gate_proj")

@@ -38,8 +38,14 @@ class AwqScheme:
     modules_to_not_convert: tuple[str, ...] = ()
 
     family: ClassVar[str] = "int4"
+    method: ClassVar[str] = "awq"
+    activations: ClassVar[str] = "none"
+    block: ClassVar[None] = None
     tensor_names: ClassVar[tuple[str, ...]] = ("qweight", "qzeros", "scales")
     optional_names: ClassVar[tuple[str, ...]] = ()
+
+    def describe(self) -> str:
+        return f"int4 (AWQ GEMM, {c.describe_groups(self.group_size)}, zero points)"
 
     def is_quantized(self, module: str) -> bool:
         """AutoAWQ quantizes every linear of the decoder layers but those whose name contains

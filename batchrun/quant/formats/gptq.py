@@ -45,8 +45,19 @@ class GptqScheme:
     skip_patterns: tuple[str, ...] = ()
 
     family: ClassVar[str] = "int4"
+    method: ClassVar[str] = "gptq"
+    activations: ClassVar[str] = "none"
+    block: ClassVar[None] = None
     tensor_names: ClassVar[tuple[str, ...]] = ("qweight", "qzeros", "scales")
     optional_names: ClassVar[tuple[str, ...]] = ("g_idx",)
+
+    def describe(self) -> str:
+        version = "v1" if self.zero_minus_one else "v2"
+        parts = [f"GPTQ {version}", c.describe_groups(self.group_size)]
+        parts.append("symmetric" if self.sym else "zero points")
+        if self.desc_act:
+            parts.append("act-order")
+        return f"int4 ({', '.join(parts)})"
 
     def is_quantized(self, module: str) -> bool:
         if not _LAYER.match(module):

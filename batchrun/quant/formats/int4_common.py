@@ -132,6 +132,10 @@ def num_groups(in_features: int, group_size: int) -> int:
     return -(-in_features // group_size)
 
 
+def describe_groups(group_size: int) -> str:
+    return "one group per row" if group_size == -1 else f"group size {group_size}"
+
+
 def effective_group_size(in_features: int, group_size: int) -> int:
     """Int4Weight's group_size: -1 (one group per row) becomes the row's length."""
     return in_features if group_size == -1 else group_size
@@ -170,17 +174,17 @@ def random_int4(
     generator: torch.Generator,
     std: float = 0.02,
 ) -> Int4Weight:
-    """Random weights in a scheme's shape (dummy weights for benchmarks): values uniform over
-    0..15, zero points 8 (or uniform over 6..9), scales such that the weights' spread is about
-    `std`, as a real checkpoint's."""
+    """Random weights in a scheme's shape (dummy weights for benchmarks), drawn on the
+    generator's device: values uniform over 0..15, zero points 8 (or uniform over 6..9), scales
+    such that the weights' spread is about `std`, as a real checkpoint's."""
+    device = generator.device
     g = effective_group_size(in_features, group_size)
-    groups = num_groups(in_features, g)
-    q = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+    shape = (out_features, num_groups(in_features, g))
+    q = torch.randint(0, 16, (out_features, in_features), generator=generator, device=device)
     if symmetric:
-        zeros = torch.full((out_features, groups), 8, dtype=torch.uint8)
+        zeros = torch.full(shape, 8, device=device)
     else:
-        zeros = torch.randint(6, 10, (out_features, groups), generator=generator)
-        zeros = zeros.to(torch.uint8)
-    # values 0..15 around a zero near 8 spread about 4.6
-    scales = torch.full((out_features, groups), std / 4.6, dtype=scale_dtype)
-    return Int4Weight(q, scales, zeros, g)
+        zeros = torch.randint(6, 10, shape, generator=generator, device=device)
+    # values 0..15 around a zero point near 8 spread about 4.6
+    scales = torch.full(shape, std / 4.6, dtype=scale_dtype, device=device)
+    return Int4Weight(q.to(torch.uint8), scales, zeros.to(torch.uint8), g)

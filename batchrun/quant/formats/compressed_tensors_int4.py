@@ -47,6 +47,16 @@ class PackQuantizedScheme:
     ignore: tuple[str, ...] = ()
 
     family: ClassVar[str] = "int4"
+    method: ClassVar[str] = "compressed-tensors"
+    activations: ClassVar[str] = "none"
+    block: ClassVar[None] = None
+
+    def describe(self) -> str:
+        parts = ["compressed-tensors pack-quantized W4A16", c.describe_groups(self.group_size)]
+        parts.append("symmetric" if self.symmetric else "zero points")
+        if self.has_g_idx:
+            parts.append("act-order")
+        return f"int4 ({', '.join(parts)})"
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
