@@ -5,6 +5,7 @@ the fp32 weights each checkpoint stands for, to build the reference model from."
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,8 +132,11 @@ def pack_columns(values: torch.Tensor) -> torch.Tensor:
     return _to_int32(packed)
 
 
-def int4_tensors(fmt: str, ref: RefInt4, gptq_v2: bool = False) -> dict[str, torch.Tensor]:
-    """The tensors one linear holds in format `fmt` (suffix -> tensor)."""
+def int4_tensors(
+    fmt: str, ref: RefInt4, gptq_v2: bool = False, act_order: bool = False
+) -> dict[str, torch.Tensor]:
+    """The tensors one linear holds in format `fmt` (suffix -> tensor); `act_order`: a
+    compressed-tensors checkpoint of actorder "group" (which stores weight_g_idx)."""
     if fmt == "awq":
         return {
             "qweight": pack_awq(ref.q.t()),  # [in, out / 8]
@@ -157,7 +161,7 @@ def int4_tensors(fmt: str, ref: RefInt4, gptq_v2: bool = False) -> dict[str, tor
         }
         if not bool((ref.zeros == 8).all()):
             out["weight_zero_point"] = pack_columns(ref.zeros.t()).t().contiguous()
-        if not torch.equal(ref.g_idx, reference_g_idx(ref.q.shape[1], ref.group_size, False)):
+        if act_order:
             out["weight_g_idx"] = ref.g_idx.to(torch.int32)
         return out
     raise ValueError(fmt)
@@ -239,14 +243,17 @@ def write_int4_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     reference: dict[str, torch.Tensor] = {}
-    seed = 0
     for name, value in model.state_dict().items():
         module, _, kind = name.rpartition(".")
         if kind == "weight" and module.endswith(LINEARS):
+            # act-order orders the columns by the linear's input statistics: the linears that
+            # read the same input (q / k / v, gate / up) share their g_idx
+            shared_input = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
+            shared_input = shared_input.replace("up_proj", "gate_proj")
+            seed = zlib.crc32(shared_input.encode())
             g_idx = reference_g_idx(value.shape[1], group_size, act_order, seed=seed)
-            seed += 1
             ref = quantize_int4(value, group_size, symmetric, dtype, g_idx)
-            for suffix, t in int4_tensors(fmt, ref, gptq_v2).items():
+            for suffix, t in int4_tensors(fmt, ref, gptq_v2, act_order).items():
                 tensors[f"{module}.{suffix}"] = t
             reference[name] = ref.dequantize()
         else:

@@ -91,7 +91,7 @@ def _case(fmt, out_features, in_features, group_size, symmetric, act_order, v2=F
     ref = quantize_int4(w, group_size, symmetric, dtype, g_idx)
     qcfg = int4_quantization_config(fmt, group_size, symmetric, act_order, v2)
     scheme = PARSERS[fmt](qcfg, "config.json")
-    return ref, scheme, int4_tensors(fmt, ref, v2)
+    return ref, scheme, int4_tensors(fmt, ref, v2, act_order)
 
 
 CASES = [

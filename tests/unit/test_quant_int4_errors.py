@@ -165,7 +165,7 @@ def _tensors(fmt, out_features=32, in_features=256, symmetric=False, act_order=F
     g_idx = reference_g_idx(in_features, 128, act_order)
     ref = quantize_int4(w, 128, symmetric, dtype, g_idx)
     qcfg = int4_quantization_config(fmt, 128, symmetric, act_order)
-    return PARSERS[fmt](qcfg, SRC), int4_tensors(fmt, ref)
+    return PARSERS[fmt](qcfg, SRC), int4_tensors(fmt, ref, act_order=act_order)
 
 
 @pytest.mark.parametrize(
