@@ -1,4 +1,4 @@
-"""What the INT4 checkpoint formats (awq.py, gptq.py, pack_quantized.py) share: reading their
+"""What the INT4 checkpoint formats (awq.py, gptq.py, compressed_tensors_int4.py) share: reading their
 quantization_config fields, checking each tensor of a linear against the shape and dtype its
 format declares, unpacking 4-bit values from int32 words, and random weights in a scheme's shape.
 
@@ -19,10 +19,10 @@ from batchrun.errors import ModelConfigError, WeightLoadError
 from batchrun.quant.weights import Int4Weight
 
 PACK = 8  # 4-bit values per int32 word
-# NOTE: the group sizes the W4A16 GPU kernels of the field run (Marlin, Machete, the AWQ and
-# GPTQ kernels: 32, 64, 128, or one group per row) and that published INT4 checkpoints use.
-# Other sizes decode the same on the CPU, but a Triton W4A16 kernel loads one scale per K tile,
-# so they stay refused until a kernel runs them.
+# NOTE: the group sizes that published INT4 checkpoints use and that the W4A16 GPU kernels of
+# the field run (Marlin, Machete, the AWQ and GPTQ kernels: 32, 64, 128, or one group per row,
+# -1, where the format has it). Other sizes would decode the same, but no W4A16 GPU kernel runs
+# them: batchrun refuses them at start-up, listing these.
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INT_DTYPES = (torch.int32, torch.int64)
