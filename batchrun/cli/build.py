@@ -10,7 +10,8 @@ import click
 from click.core import ParameterSource
 
 from batchrun.config import GPU_MEMORY_UTILIZATION, EngineConfig, KernelConfig
-from batchrun.io.rows import RowSpec, structured_from_options
+from batchrun.io.row_structured import structured_from_options
+from batchrun.io.rows import RowSpec
 from batchrun.job.config import SAMPLING_OPTIONS
 from batchrun.job.tokenize import check_chat_template
 from batchrun.params import SamplingParams

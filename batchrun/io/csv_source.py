@@ -59,7 +59,7 @@ def _json_list(text: str) -> Any:
 
 
 # The per-row fields of batchrun/io/rows.py that are not text (tests/unit/test_readers.py checks
-# that every one of rows.ROW_PARAM_FIELDS is here).
+# that every one of row_fields.ROW_PARAM_FIELDS is here).
 CELL_TYPES: dict[str, Callable[[str], Any]] = {
     **dict.fromkeys(
         ("max_tokens", "max_completion_tokens", "min_tokens", "top_k", "seed", "n", "top_logprobs"),

@@ -5,7 +5,7 @@ Two row shapes are accepted:
 - plain rows: a prompt column (string), a messages column (chat messages) or a
   ``prompt_token_ids`` column (a pre-tokenized prompt: it wins over the other two and skips the
   tokenizer and the chat template), an optional id column, and optional per-row sampling fields
-  at the top level (``max_tokens``, ``temperature``, ...; see ``ROW_PARAM_FIELDS``) that override
+  at the top level (``max_tokens``, ``temperature``, ...; row_fields.ROW_PARAM_FIELDS) that override
   the CLI defaults. A null value means "not set", because Parquet / datasets rows carry every
   column, null where a row does not use it.
 - OpenAI Batch rows: ``{"custom_id", "method", "url", "body": {...}}`` with ``url`` one of
@@ -14,8 +14,8 @@ Two row shapes are accepted:
 Structured output fields (``response_format``, ``regex``, ``choice``, ``ebnf``) are normalized into
 ``PreparedRow.response_format`` as ``{"type": "json_object" | "json_schema" | "regex" | "choice" |
 "ebnf", ...}`` and into ``params.grammar`` (a GrammarSpec, overriding the CLI default;
-``{"type": "text"}`` turns a default grammar off). Whether a spec compiles is decided by the
-engine: a bad one fails that row alone, with the compiler's message.
+``{"type": "text"}`` turns a default grammar off; row_structured.py). Whether a spec compiles is
+decided by the engine: a bad one fails that row alone, with the compiler's message.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import msgspec
-
 from batchrun.io.readers import RawRow
-from batchrun.params import GrammarSpec, SamplingParams
+from batchrun.io.row_fields import InvalidRow, decode_text, parse_params
+from batchrun.io.row_structured import parse_structured
+from batchrun.params import SamplingParams
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 PROMPT_TOKEN_IDS = "prompt_token_ids"  # a pre-tokenized prompt: a list of token ids
@@ -67,10 +67,6 @@ class RowError(NamedTuple):
     kept: dict | None = None  # as PreparedRow.kept
 
 
-class _Invalid(Exception):
-    """Internal: a row problem; turned into a RowError by prepare_row."""
-
-
 # OpenAI body fields we accept but do not act on; reported so the CLI can warn once.
 _OPENAI_UNSUPPORTED = tuple(
     "logit_bias tools tool_choice functions suffix echo best_of audio modalities prediction".split()
@@ -102,7 +98,7 @@ def prepare_row(
             return _prepare_openai(data, raw.row, row_id, spec, defaults)
         row_id = _row_id(data, spec.id_column, raw.row)
         return _prepare_plain(data, raw.row, row_id, spec, defaults)._replace(kept=kept)
-    except _Invalid as e:
+    except InvalidRow as e:
         return RowError(row_id, raw.row, "invalid_request", f"row {raw.row}: {e}", kept)
 
 
@@ -133,10 +129,10 @@ def _row_id(data: dict, column: str | None, row: int) -> str:
         return str(row)  # no --id-column and no "id" field: the row number
     value = data.get(column)
     if value is None and column in data:
-        raise _Invalid(f"id column {column!r} is null; give every row an id")
+        raise InvalidRow(f"id column {column!r} is null; give every row an id")
     if value is None:
-        raise _Invalid(f"no value in id column {column!r}; row has columns {_columns(data)}")
-    raise _Invalid(f"{column!r} must be a string or number, got {type(value).__name__}")
+        raise InvalidRow(f"no value in id column {column!r}; row has columns {_columns(data)}")
+    raise InvalidRow(f"{column!r} must be a string or number, got {type(value).__name__}")
 
 
 def _prepare_plain(
@@ -147,13 +143,13 @@ def _prepare_plain(
         # NOTE: the token ids are the prompt; a prompt or messages column next to them is the
         # text they came from (vLLM's TokensPrompt), not run
         token_ids = _check_token_ids(token_ids)
-        params, response_format = _parse_structured(data, _parse_params(data, defaults))
+        params, response_format = parse_structured(data, parse_params(data, defaults))
         return PreparedRow(row_id, row, None, None, params, False, response_format, {}, token_ids)
     prompt_col, messages_col = spec.prompt_column or None, spec.messages_column or None
     prompt = data.get(prompt_col) if prompt_col else None
     messages = data.get(messages_col) if messages_col else None
     if prompt is not None and messages is not None:
-        raise _Invalid(
+        raise InvalidRow(
             f"row has both {prompt_col!r} and {messages_col!r}; keep one column, or turn one off "
             "with --prompt-column '' or --messages-column ''"
         )
@@ -162,12 +158,12 @@ def _prepare_plain(
         nulls = [repr(c) for c in wanted if c in data]  # present, but null
         if nulls:
             absent = [repr(c) for c in wanted if c not in data]
-            raise _Invalid(
+            raise InvalidRow(
                 f"{' and '.join(nulls)} {'is' if len(nulls) == 1 else 'are'} null"
                 + (f" and it has no {absent[0]}" if absent else "")
                 + "; give the row a prompt string or chat messages"
             )
-        raise _Invalid(
+        raise InvalidRow(
             f"row has no {' or '.join(map(repr, wanted))} column: it has {_columns(data)}; "
             "pick the right one with --prompt-column / --messages-column"
         )
@@ -175,7 +171,7 @@ def _prepare_plain(
         messages = _check_messages(messages, messages_col or "messages", spec.system_prompt)
     else:
         prompt = _check_prompt(prompt, prompt_col or "prompt")
-    params, response_format = _parse_structured(data, _parse_params(data, defaults))
+    params, response_format = parse_structured(data, parse_params(data, defaults))
     return PreparedRow(row_id, row, prompt, messages, params, False, response_format, {})
 
 
@@ -184,11 +180,11 @@ def _prepare_openai(
 ) -> PreparedRow:
     url, method, body = data.get("url"), data.get("method", "POST"), data.get("body")
     if url not in OPENAI_URLS:
-        raise _Invalid(f"url {url!r} is not supported; use one of {list(OPENAI_URLS)}")
+        raise InvalidRow(f"url {url!r} is not supported; use one of {list(OPENAI_URLS)}")
     if method != "POST":
-        raise _Invalid(f"method {method!r} is not supported; OpenAI batch requests use POST")
+        raise InvalidRow(f"method {method!r} is not supported; OpenAI batch requests use POST")
     if not isinstance(body, dict):
-        raise _Invalid(f"'body' must be an object, got {type(body).__name__}")
+        raise InvalidRow(f"'body' must be an object, got {type(body).__name__}")
     prompt = messages = None
     if url == "/v1/chat/completions":
         _require(body, "messages")
@@ -196,7 +192,7 @@ def _prepare_openai(
     else:
         _require(body, "prompt")
         prompt = _check_prompt(body["prompt"], "body.prompt")
-    params, response_format = _parse_structured(body, _parse_params(body, defaults, "body."))
+    params, response_format = parse_structured(body, parse_params(body, defaults, "body."))
     extra: dict = {"url": url, "method": method}
     if body.get("model") is not None:
         extra["model"] = body["model"]
@@ -208,21 +204,21 @@ def _prepare_openai(
 
 def _require(body: dict, key: str) -> None:
     if key in body and body[key] is None:
-        raise _Invalid(f"body.{key} is null; give it a value")
+        raise InvalidRow(f"body.{key} is null; give it a value")
     if key not in body:
-        raise _Invalid(f"body has no {key!r} (it has {_columns(body)})")
+        raise InvalidRow(f"body has no {key!r} (it has {_columns(body)})")
 
 
 def _check_token_ids(value: Any) -> list[int]:
     """A non-empty list of non-negative ints (the upper bound, the vocabulary, is checked where
     the model is known: batchrun/job/tokenize.py)."""
-    value = _decode_text(value, repr(PROMPT_TOKEN_IDS))
+    value = decode_text(value, repr(PROMPT_TOKEN_IDS))
     if not isinstance(value, list):
-        raise _Invalid(
+        raise InvalidRow(
             f"{PROMPT_TOKEN_IDS!r} must be a list of token ids, got {type(value).__name__}"
         )
     if not value:
-        raise _Invalid(f"{PROMPT_TOKEN_IDS!r} is empty")
+        raise InvalidRow(f"{PROMPT_TOKEN_IDS!r} is empty")
     ids = value
     for i, t in enumerate(value):
         if type(t) is int and t >= 0:
@@ -232,7 +228,7 @@ def _check_token_ids(value: Any) -> list[int]:
                 ids = list(value)
             ids[i] = int(t)  # pandas writes an int list column with nulls as floats
             continue
-        raise _Invalid(f"{PROMPT_TOKEN_IDS}[{i}] is {t!r}: token ids are integers >= 0")
+        raise InvalidRow(f"{PROMPT_TOKEN_IDS}[{i}] is {t!r}: token ids are integers >= 0")
     return ids
 
 
@@ -240,28 +236,28 @@ def _check_prompt(prompt: Any, column: str) -> str:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]  # OpenAI allows a one-element list of prompts
     if not isinstance(prompt, str):
-        raise _Invalid(f"{column!r} must be a string, got {type(prompt).__name__}")
+        raise InvalidRow(f"{column!r} must be a string, got {type(prompt).__name__}")
     if not prompt:
-        raise _Invalid(f"{column!r} is empty")
+        raise InvalidRow(f"{column!r} is empty")
     return prompt
 
 
 def _check_messages(messages: Any, column: str, system_prompt: str | None) -> list[dict]:
-    messages = _decode_text(messages, repr(column))
+    messages = decode_text(messages, repr(column))
     if not isinstance(messages, list):
-        raise _Invalid(f"{column!r} must be a list of messages, got {type(messages).__name__}")
+        raise InvalidRow(f"{column!r} must be a list of messages, got {type(messages).__name__}")
     if not messages:
-        raise _Invalid(f"{column!r} is empty")
+        raise InvalidRow(f"{column!r} is empty")
     out: list[dict] = []
     for i, m in enumerate(messages):
         where = f"{column}[{i}]"
         if not isinstance(m, dict):
-            raise _Invalid(f"{where} must be an object with 'role' and 'content'")
+            raise InvalidRow(f"{where} must be an object with 'role' and 'content'")
         # Drop nulls: Parquet structs carry every field of every message (name, tool_calls, ...).
         m = {k: v for k, v in m.items() if v is not None}
         role = m.get("role")
         if role not in ROLES:
-            raise _Invalid(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}")
+            raise InvalidRow(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}")
         m["content"] = _check_content(m.get("content"), where, allow_none="tool_calls" in m)
         out.append(m)
     if system_prompt and not any(m["role"] == "system" for m in out):
@@ -277,241 +273,13 @@ def _check_content(content: Any, where: str, allow_none: bool) -> str | None:
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise _Invalid(f"{where}.content: only text parts are supported, got {kind!r}")
+                raise InvalidRow(f"{where}.content: only text parts are supported, got {kind!r}")
             if not isinstance(part.get("text"), str):
-                raise _Invalid(f"{where}.content: a text part needs a string 'text'")
+                raise InvalidRow(f"{where}.content: a text part needs a string 'text'")
             texts.append(part["text"])
         return "".join(texts)
-    raise _Invalid(f"{where}.content must be a string, got {type(content).__name__}")
-
-
-def _decode_text(value: Any, what: str) -> Any:
-    """Parquet / CSV-born columns often hold nested JSON (messages, schemas) as text."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return msgspec.json.decode(value)
-    except msgspec.DecodeError:
-        raise _Invalid(f"{what} is a string but not valid JSON") from None
+    raise InvalidRow(f"{where}.content must be a string, got {type(content).__name__}")
 
 
 def _columns(data: dict) -> list[str]:
     return [k for k, v in data.items() if v is not None]
-
-
-# Row field -> (SamplingParams field, converter). Same names as the OpenAI / vLLM APIs.
-def _as_int(v: Any, name: str) -> int:
-    if isinstance(v, float) and v.is_integer():
-        return int(v)  # pandas turns an int column with nulls into float64
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _Invalid(f"{name!r} must be an integer, got {type(v).__name__} {v!r}")
-    return v
-
-
-def _as_float(v: Any, name: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _Invalid(f"{name!r} must be a number, got {type(v).__name__} {v!r}")
-    return float(v)
-
-
-def _as_bool(v: Any, name: str) -> bool:
-    if not isinstance(v, bool):
-        raise _Invalid(f"{name!r} must be true or false, got {type(v).__name__} {v!r}")
-    return v
-
-
-def _as_stop(v: Any, name: str) -> tuple[str, ...]:
-    if isinstance(v, str):
-        return (v,)
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return tuple(v)
-    raise _Invalid(f"{name!r} must be a string or a list of strings, got {v!r}")
-
-
-def _as_ids(v: Any, name: str) -> tuple[int, ...]:
-    if not isinstance(v, list):
-        raise _Invalid(f"{name!r} must be a list of token ids, got {type(v).__name__}")
-    return tuple(_as_int(t, name) for t in v)
-
-
-ROW_PARAM_FIELDS: dict[str, tuple[str, Any]] = {
-    "max_tokens": ("max_new_tokens", _as_int),
-    "max_completion_tokens": ("max_new_tokens", _as_int),  # wins over max_tokens (later)
-    "min_tokens": ("min_new_tokens", _as_int),
-    "temperature": ("temperature", _as_float),
-    "top_p": ("top_p", _as_float),
-    "top_k": ("top_k", _as_int),
-    "min_p": ("min_p", _as_float),
-    "repetition_penalty": ("repetition_penalty", _as_float),
-    "frequency_penalty": ("frequency_penalty", _as_float),
-    "presence_penalty": ("presence_penalty", _as_float),
-    "stop": ("stop", _as_stop),
-    "stop_token_ids": ("stop_token_ids", _as_ids),
-    "ignore_eos": ("ignore_eos", _as_bool),
-    "seed": ("seed", _as_int),
-    "n": ("n", _as_int),
-    "top_logprobs": ("top_logprobs", _as_int),
-}
-
-
-# SamplingParams field -> the row field that sets it
-_ROW_NAME = {field: name for name, (field, _) in reversed(ROW_PARAM_FIELDS.items())}
-
-
-def _parse_params(data: dict, defaults: SamplingParams, where: str = "") -> SamplingParams:
-    """The row's sampling fields over ``defaults``; ``where`` prefixes the names in messages
-    (``body.`` for OpenAI Batch rows)."""
-    kw: dict[str, Any] = {}
-    names: dict[str, str] = {}  # SamplingParams field -> the row field that set it
-    for name, (field, convert) in ROW_PARAM_FIELDS.items():
-        value = data.get(name)
-        if value is not None:
-            kw[field] = convert(value, name)
-            names[field] = name
-    logprobs = data.get("logprobs")
-    if isinstance(logprobs, bool):
-        kw["logprobs"] = logprobs
-    elif logprobs is not None:
-        # /v1/completions style: logprobs=N means "chosen token plus the N most likely".
-        kw["logprobs"] = True
-        if "top_logprobs" not in kw:
-            kw["top_logprobs"] = _as_int(logprobs, "logprobs")
-            names["top_logprobs"] = "logprobs"
-    if not kw:
-        return defaults  # the common case; the CLI validates the defaults once
-    params = msgspec.structs.replace(defaults, **kw)
-    # a field the row did not set comes from the defaults (a CLI option, the API's sampling)
-    shown = {f: f"the default {n}" for f, n in _ROW_NAME.items()}
-    shown.update({f: f"'{where}{n}'" for f, n in names.items()})
-    try:
-        params.validate(names=shown)
-    except (ValueError, TypeError) as e:
-        raise _Invalid(str(e)) from None
-    return params
-
-
-def _parse_structured(data: dict, params: SamplingParams) -> tuple[SamplingParams, dict | None]:
-    """The row's structured output, if any, as params.grammar (over the default's)."""
-    response_format, is_text = _parse_response_format(data)
-    if response_format is not None:
-        params = msgspec.structs.replace(params, grammar=grammar_spec(response_format))
-    elif is_text and params.grammar is not None:
-        params = msgspec.structs.replace(params, grammar=None)
-    return params, response_format
-
-
-def grammar_spec(response_format: dict) -> GrammarSpec:
-    """A normalized response_format (as in PreparedRow) -> the engine's GrammarSpec."""
-    kind = response_format["type"]
-    if kind == "json_schema":
-        # NOTE: key order kept (no sorting): it is the order of the fields in the output
-        return GrammarSpec(
-            kind, msgspec.json.encode(response_format["json_schema"]["schema"]).decode()
-        )
-    if kind == "choice":
-        return GrammarSpec(kind, msgspec.json.encode(response_format["choice"]).decode())
-    if kind == "json_object":
-        return GrammarSpec(kind)
-    return GrammarSpec(kind, response_format[kind])
-
-
-def parse_structured_fields(data: dict) -> GrammarSpec | None:
-    """``response_format`` / ``regex`` / ``choice`` / ``ebnf`` as in a row -> a GrammarSpec (None
-    for none or ``text``). Raises ValueError (for the CLI's defaults)."""
-    try:
-        response_format, _ = _parse_response_format(data)
-    except _Invalid as e:
-        raise ValueError(str(e)) from None
-    return grammar_spec(response_format) if response_format is not None else None
-
-
-def _parse_response_format(data: dict) -> tuple[dict | None, bool]:
-    """(normalized structured output or None, whether response_format was {"type": "text"})."""
-    found: list[dict] = []
-    rf = _decode_text(data.get("response_format"), "'response_format'")
-    if rf is not None:
-        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-            raise _Invalid("'response_format' must be an object with a 'type'")
-        kind = rf["type"]
-        if kind == "json_schema":
-            spec = rf.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            schema = _decode_text(schema, "response_format.json_schema.schema")
-            if not isinstance(schema, dict):
-                raise _Invalid("response_format json_schema needs {'json_schema': {'schema': {}}}")
-            found.append({**rf, "json_schema": {**spec, "schema": schema}})
-        elif kind == "json_object":
-            found.append({"type": "json_object"})
-        elif kind != "text":
-            raise _Invalid(
-                f"response_format.type {kind!r} is not supported; use text, json_object "
-                "or json_schema (or the 'regex' / 'choice' / 'ebnf' fields)"
-            )
-    for key in ("regex", "ebnf"):
-        value = data.get(key)
-        if value is not None:
-            if not isinstance(value, str) or not value:
-                raise _Invalid(f"{key!r} must be a non-empty string")
-            found.append({"type": key, key: value})
-    choice = data.get("choice")
-    if choice is not None:
-        if not (isinstance(choice, list) and choice and all(isinstance(c, str) for c in choice)):
-            raise _Invalid("'choice' must be a non-empty list of strings")
-        found.append({"type": "choice", "choice": choice})
-    if len(found) > 1:
-        kinds = [f["type"] for f in found]
-        raise _Invalid(f"row asks for more than one structured output {kinds}; keep one")
-    is_text = isinstance(rf, dict) and rf.get("type") == "text"
-    return (found[0] if found else None), is_text
-
-
-def structured_from_options(
-    response_format: str | None,
-    json_schema: str | None,
-    regex: str | None,
-    choice: tuple[str, ...],
-    ebnf: str | None,
-) -> GrammarSpec | None:
-    """The CLI's structured-output defaults -> a GrammarSpec (None: none). Files are read here.
-    Raises ValueError naming the option and what to do."""
-    given = {
-        "--response-format": response_format,
-        "--json-schema": json_schema,
-        "--regex": regex,
-        "--choice": choice or None,
-        "--ebnf": ebnf,
-    }
-    given = {k: v for k, v in given.items() if v is not None}
-    if not given:
-        return None
-    if len(given) > 1:
-        raise ValueError(f"use only one of {', '.join(given)} (they all set the output format)")
-    ((option, value),) = given.items()
-    try:
-        if option == "--response-format":
-            text = _read_option_file(value[1:]) if value.startswith("@") else value
-            data = {"response_format": text}
-        elif option == "--json-schema":
-            schema = _decode_text(_read_option_file(value), f"the file {value}")
-            data = {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}
-        elif option == "--choice":
-            # one JSON list, or the option repeated once per choice
-            items = list(value)
-            if len(items) == 1 and items[0].lstrip().startswith("["):
-                items = _decode_text(items[0], "the JSON list")
-            data = {"choice": items}
-        elif option == "--ebnf":
-            data = {"ebnf": _read_option_file(value)}
-        else:
-            data = {"regex": value}
-        return parse_structured_fields(data)
-    except (_Invalid, ValueError, OSError) as e:
-        raise ValueError(f"{option}: {e}") from None
-
-
-def _read_option_file(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError as e:
-        raise _Invalid(f"cannot read {path}: {e.strerror}; give a readable file") from None

@@ -351,6 +351,7 @@ def test_csv_header_with_a_repeated_name_is_refused(tmp_path: Path) -> None:
 
 def test_every_row_field_has_a_csv_cell_type() -> None:
     from batchrun.io.csv_source import CELL_TYPES
-    from batchrun.io.rows import PROMPT_TOKEN_IDS, ROW_PARAM_FIELDS
+    from batchrun.io.row_fields import ROW_PARAM_FIELDS
+    from batchrun.io.rows import PROMPT_TOKEN_IDS
 
     assert set(ROW_PARAM_FIELDS) | {"logprobs", PROMPT_TOKEN_IDS} <= set(CELL_TYPES)

@@ -10,13 +10,13 @@ import msgspec
 import pytest
 
 from batchrun.io.readers import RawRow, open_dataset
+from batchrun.io.row_structured import structured_from_options
 from batchrun.io.rows import (
     PreparedRow,
     RowError,
     RowSpec,
     detect_openai_batch,
     prepare_row,
-    structured_from_options,
 )
 from batchrun.job.tokenize import TokenizedRow, tokenize_rows
 from batchrun.params import GrammarSpec, SamplingParams
