@@ -99,24 +99,23 @@ def _to_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
+def _pack_last(values: torch.Tensor) -> torch.Tensor:
+    """int [..., 8n] -> int32 [..., n]: value 8w + i of the last dimension in bits 4i of word w."""
+    v = values.long().reshape(*values.shape[:-1], -1, 8)
+    return _to_int32((v << (4 * torch.arange(8))).sum(-1))
+
+
 def pack_awq(values: torch.Tensor) -> torch.Tensor:
-    """int [R, C] (0..15) -> int32 [R, C / 8] in AWQ's interleaved order (AutoAWQ's loop)."""
+    """int [R, C] (0..15) -> int32 [R, C / 8] in AWQ's interleaved order: nibble i of word c
+    holds column 8c + AWQ_PACK_ORDER[i] (AutoAWQ's order_map)."""
     rows, cols = values.shape
-    packed = torch.zeros(rows, cols // 8, dtype=torch.int64)
-    for col in range(cols // 8):
-        for i in range(8):
-            packed[:, col] |= values[:, col * 8 + AWQ_PACK_ORDER[i]].long() << (4 * i)
-    return _to_int32(packed)
+    order = torch.tensor(AWQ_PACK_ORDER)
+    return _pack_last(values.reshape(rows, cols // 8, 8)[:, :, order].reshape(rows, cols))
 
 
 def pack_rows(values: torch.Tensor) -> torch.Tensor:
     """int [R, C] -> int32 [R / 8, C]: nibble i of word r holds row 8r + i (GPTQ's qweight)."""
-    rows, cols = values.shape
-    packed = torch.zeros(rows // 8, cols, dtype=torch.int64)
-    for r in range(rows // 8):
-        for i in range(8):
-            packed[r] |= values[8 * r + i].long() << (4 * i)
-    return _to_int32(packed)
+    return _pack_last(values.t()).t().contiguous()
 
 
 def pack_columns(values: torch.Tensor) -> torch.Tensor:
@@ -125,11 +124,7 @@ def pack_columns(values: torch.Tensor) -> torch.Tensor:
     rows, cols = values.shape
     padded = torch.zeros(rows, -(-cols // 8) * 8, dtype=torch.int64)
     padded[:, :cols] = values.long()
-    packed = torch.zeros(rows, padded.shape[1] // 8, dtype=torch.int64)
-    for c in range(packed.shape[1]):
-        for i in range(8):
-            packed[:, c] |= padded[:, 8 * c + i] << (4 * i)
-    return _to_int32(packed)
+    return _pack_last(padded)
 
 
 def int4_tensors(

@@ -1,8 +1,8 @@
 """INT4 checkpoints on CUDA: the decoders give on the GPU what they give on the CPU, and the
 engine (bf16, INT4 weights dequantized at load) runs SmolLM2-135M quantized in the test in each
 format with the greedy tokens of the transformers model built from the same dequantized weights
-(bf16 on the GPU): the fraction of identical tokens over 64 tokens, with a floor (two bf16
-engines part at near-ties, and a continuation differs from there on)."""
+(bf16 on the GPU): the fraction of identical tokens over 64 tokens, teacher-forced (a free
+continuation differs from the first near-tie on, so its fraction is printed, not bounded)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ pytestmark = [
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 NEW_TOKENS = 64
-MIN_IDENTICAL = 0.75  # of the tokens, over all prompts
+# of the greedy tokens, teacher-forced, over all prompts: two bf16 engines on the same weights
+# part only at near-ties
+MIN_IDENTICAL = 0.9
 CHATS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -82,9 +84,21 @@ def chat_ids(x) -> list[int]:
     return list(x["input_ids"]) if hasattr(x, "keys") else list(x)
 
 
-def identical_fraction(model_dir: Path, reference, prompts, device: str, dtype: str) -> float:
-    """Greedy tokens of batchrun on `model_dir` against `reference`'s, as the fraction of
-    positions (over all prompts) where they agree."""
+@torch.no_grad()
+def reference_greedy(model, prompt: list[int], n: int, device: str) -> list[int]:
+    """`model`'s greedy continuation, end-of-sequence tokens included (as the engine's with
+    ignore_eos; transformers' generate with min_new_tokens would forbid them instead)."""
+    seq = list(prompt)
+    for _ in range(n):
+        logits = model(torch.tensor([seq], device=device)).logits
+        seq.append(int(logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+def agreement(model_dir: Path, reference, prompts, device: str, dtype: str):
+    """How often batchrun on `model_dir` picks `reference`'s greedy tokens: teacher-forced (its
+    top-1 at each step of the reference's continuation) and free-running (its own greedy
+    continuation, which differs from the first near-tie on), as fractions over all prompts."""
     from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
@@ -93,22 +107,15 @@ def identical_fraction(model_dir: Path, reference, prompts, device: str, dtype: 
     engine = Engine(EngineConfig(model=str(model_dir), device=device, dtype=dtype, kv_budget=20000))
     requests = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
     ours = {r.rid: r.output_ids for r in engine.generate(requests)}
-    same = total = 0
+    forced = free = 0
     for req in requests:
-        ids = torch.tensor([req.input_ids], device=device)
-        with torch.no_grad():
-            out = reference.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        theirs = out[0, len(req.input_ids) :].tolist()
-        same += sum(a == b for a, b in zip(ours[req.rid], theirs))
-        total += NEW_TOKENS
-    return same / total
+        theirs = reference_greedy(reference, req.input_ids, NEW_TOKENS, device)
+        free += sum(a == b for a, b in zip(ours[req.rid], theirs))
+        logits = engine.score(req.input_ids + theirs[:-1])  # [T, V]
+        picks = logits[len(req.input_ids) - 1 :].argmax(-1).tolist()
+        forced += sum(a == b for a, b in zip(picks, theirs))
+    total = NEW_TOKENS * len(requests)
+    return forced / total, free / total
 
 
 @pytest.mark.parametrize("fmt,group_size,symmetric,act_order", FORMATS)
@@ -124,6 +131,8 @@ def test_engine_agrees_with_the_dequantized_model(
     reference = reference_int4_model(model, weights).to("cuda", torch.bfloat16)
     chats = [[{"role": "user", "content": c}] for c in CHATS]
     prompts = [chat_ids(tok.apply_chat_template(c, add_generation_prompt=True)) for c in chats]
-    fraction = identical_fraction(tmp_path, reference, prompts, "cuda", "bfloat16")
-    print(f"{fmt} g{group_size}: {fraction:.3f} of the greedy tokens identical")
-    assert fraction >= MIN_IDENTICAL, fraction
+    forced, free = agreement(tmp_path, reference, prompts, "cuda", "bfloat16")
+    print(
+        f"{fmt} g{group_size}: identical greedy tokens {forced:.3f} teacher-forced, {free:.3f} free"
+    )
+    assert forced >= MIN_IDENTICAL, (forced, free)
