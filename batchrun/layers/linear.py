@@ -139,7 +139,8 @@ class RowParallelLinear(nn.Module):
             self.quant = None
         else:
             self.weight = None
-            self.quant = QuantMatmul(out_features, spec.local_len, quant, dtype, device)
+            reduce_max = tp.all_reduce_max if tp.is_parallel else None
+            self.quant = QuantMatmul(out_features, spec.local_len, quant, dtype, device, reduce_max)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         )

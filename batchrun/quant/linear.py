@@ -25,6 +25,7 @@ from torch import nn
 
 from batchrun.errors import ModelConfigError
 from batchrun.quant.act_quant import (
+    ReduceMax,
     fake_quant_dynamic,
     fake_quant_static,
     quant_per_token,
@@ -85,9 +86,22 @@ class QuantMatmul(nn.Module):
     """x @ W^T for this rank's quantized W [out_features, in_features]; its tensors are buffers
     (not parameters: the plain-weight loaders leave them alone), filled by `load`."""
 
-    def __init__(self, out_features: int, in_features: int, spec: QuantSpec, dtype, device):
+    def __init__(
+        self,
+        out_features: int,
+        in_features: int,
+        spec: QuantSpec,
+        dtype,
+        device,
+        reduce_max: ReduceMax = None,
+    ):
+        """reduce_max: a row-parallel layer's maximum over the tensor-parallel ranks (its input
+        columns are split over them); None for a column-parallel layer or one rank."""
         super().__init__()
         self.spec, self.dtype = spec, dtype
+        # NOTE: per-token scales of a row-parallel input come from all its columns, on every
+        # rank: one all-reduce of [M] floats per such layer makes TP=N quantize as TP=1
+        self.reduce_max = reduce_max if spec.activations == "dynamic" and not spec.block else None
         self.out_features, self.in_features = out_features, in_features
         shape = (out_features, in_features)
         wdtype = FP8_DTYPE if spec.scaled_mm else dtype
@@ -138,13 +152,13 @@ class QuantMatmul(nn.Module):
             return fake_quant_static(x, self.input_scale)
         shape = x.shape
         group = self.spec.block[1] if self.spec.block is not None else None
-        return fake_quant_dynamic(x.reshape(-1, shape[-1]), group).view(shape)
+        return fake_quant_dynamic(x.reshape(-1, shape[-1]), group, self.reduce_max).view(shape)
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if self.input_scale is None:
-            xq, scale_a = quant_per_token(x2)
+            xq, scale_a = quant_per_token(x2, self.reduce_max)
         else:
             xq = quant_static(x2, self.input_scale)
             scale_a = self.input_scale

@@ -7,7 +7,7 @@ linear's `weight` and `decode` quantizes it, on the device the model loads to.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -54,3 +54,25 @@ class OnlineFp8Scheme:
             "fp8 (--quantization fp8: per-channel weights quantized at load, dynamic per-token "
             "activations)"
         )
+
+
+def with_quantization(model_cfg, quantization: str | None, model: str | None):
+    """model_cfg with the scheme of `quantization` (EngineConfig.quantization) for the model
+    `model` (EngineConfig.model); ValueError where it cannot apply: a checkpoint that is
+    quantized already (its own format runs), or a GGUF model (the embedded one included: its
+    weights are quantized GGUF blocks)."""
+    if quantization is None:
+        return model_cfg
+    if model is None or str(model).endswith(".gguf"):
+        what = "the embedded model" if model is None else model
+        raise ValueError(
+            f"--quantization {quantization}: {what} is a GGUF model, quantized already; "
+            "--quantization quantizes bf16 / fp16 / fp32 safetensors checkpoints"
+        )
+    if model_cfg.quantization is not None:
+        raise ValueError(
+            f"--quantization {quantization}: {model} is quantized already "
+            f"({model_cfg.quantization.describe()}, from config.json's quantization_config); "
+            "drop the option to run it as it is"
+        )
+    return replace(model_cfg, quantization=OnlineFp8Scheme())

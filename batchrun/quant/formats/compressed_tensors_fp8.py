@@ -28,9 +28,9 @@ from batchrun.quant.formats.common import ModuleFilter, refuse, string_list
 from batchrun.quant.formats.fp8_scheme import Fp8Scheme
 
 BLOCK = (128, 128)
-# weights strategy -> the input_activations (strategy, dynamic) it runs with
 _WEIGHTS = ("tensor", "channel", "block")
-_INPUTS = {("token", True): "dynamic", ("tensor", False): "static", ("group", True): "dynamic"}
+# input_activations (strategy, dynamic) with per-tensor / per-channel weights -> activations
+_INPUTS = {("token", True): "dynamic", ("tensor", False): "static"}
 
 
 def parse(qcfg: dict[str, Any], source: str) -> Fp8Scheme:
@@ -98,22 +98,20 @@ def _inputs(args: Any, weights: str, where: str, source: str) -> str:
     if not isinstance(args, dict):
         raise refuse(source, field, args, "null or FP8 activations (num_bits 8, type float)")
     _check_float8(args, field, source)
-    strategy, dynamic = args.get("strategy"), args.get("dynamic")
-    mode = _INPUTS.get((strategy, dynamic))
-    block_group = weights == "block" and strategy == "group" and args.get("group_size") == BLOCK[1]
-    if (
-        mode is None
-        or (strategy == "group") != (weights == "block")
-        or (strategy == "group" and not block_group)
-    ):
-        supported = (
-            f"strategy group, group_size {BLOCK[1]}, dynamic true (with block weights)"
-            if weights == "block"
-            else "strategy token with dynamic true, or strategy tensor with dynamic false"
-        )
-        value = {"strategy": strategy, "dynamic": dynamic, "group_size": args.get("group_size")}
-        raise refuse(source, field, value, supported)
-    return mode
+    strategy, dynamic, group = args.get("strategy"), args.get("dynamic"), args.get("group_size")
+    if weights == "block":
+        # NOTE: the block kernels quantize activations per token in groups of 128 columns,
+        # whether the config says "group" (FP8_BLOCK) or "token"
+        if dynamic is True and (strategy == "token" or (strategy == "group" and group == BLOCK[1])):
+            return "dynamic"
+        supported = f"dynamic true with strategy group (group_size {BLOCK[1]}) or token"
+    else:
+        mode = _INPUTS.get((strategy, dynamic))
+        if mode is not None:
+            return mode
+        supported = "strategy token with dynamic true, or strategy tensor with dynamic false"
+    value = {"strategy": strategy, "dynamic": dynamic, "group_size": group}
+    raise refuse(source, field, value, supported)
 
 
 def _check_float8(args: dict[str, Any], field: str, source: str) -> None:
