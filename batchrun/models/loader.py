@@ -160,11 +160,11 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
         for name in f.keys():
             if name.endswith(_IGNORED):
                 continue
+            if load_kv_scale(model, name, f.get_tensor):
+                continue
             module, _, kind = name.rpartition(".")
             if module in claimed and kind != "bias":
                 continue  # read by the quantized linear (quant_loader)
-            if "_scale" in kind and load_kv_scale(model, name, f.get_tensor(name)):
-                continue
             target = _target(name, cfg)
             if target is None:
                 continue

@@ -130,12 +130,13 @@ def dummy_source(scheme, device: torch.device, seed: int) -> Source:
     return source
 
 
-def load_kv_scale(model, name: str, tensor: torch.Tensor) -> bool:
-    """Keep a checkpoint's FP8 KV-cache scale (KV_SCALE) on its attention; False when `name`
-    is none."""
+def load_kv_scale(model, name: str, get: Callable[[str], torch.Tensor]) -> bool:
+    """Keep a checkpoint's FP8 KV-cache scale (KV_SCALE) on its attention (`get` reads it);
+    False when `name` is none."""
     m = KV_SCALE.match(name)
     if m is None:
         return False
+    tensor = get(name)
     layer, proj, kind = int(m.group(1)), m.group(2), m.group(3)
     if layer >= len(model.layers):
         return False  # the loader reports it: not a tensor of this model
