@@ -21,7 +21,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from quant_checkpoints import FP8_FORMATS, write_quantized  # noqa: E402
+from quant_checkpoints import (  # noqa: E402
+    FP8_FORMATS,
+    LINEARS,
+    act_per_token,
+    make_fp32_model,
+    quantize_fp8,
+    write_quantized,
+)
 from tiny_models import random_prompts  # noqa: E402
 
 from batchrun.config import EngineConfig  # noqa: E402
@@ -110,9 +117,10 @@ def written(request, tmp_path_factory):
 def test_logits_match_the_dequantized_reference(written):
     fmt, _, path, hf = written
     engine = engine_for(path)
-    assert engine.model_config.quantization.method == json.loads(
-        (path / "config.json").read_text()
-    )["quantization_config"]["quant_method"]
+    assert (
+        engine.model_config.quantization.method
+        == json.loads((path / "config.json").read_text())["quantization_config"]["quant_method"]
+    )
     prompts = random_prompts(3, seed=1, min_len=8, max_len=60)
     check_linears(engine, hf, prompts[0])
     for prompt in prompts:
@@ -142,3 +150,129 @@ def test_kv_cache_scales_are_kept_on_the_attention(tmp_path):
     write_quantized("modelopt-fp8", "llama", tmp_path)
     attn = engine_for(tmp_path).runner.model.layers[0].self_attn
     assert (attn.k_scale, attn.v_scale) == pytest.approx((0.0125, 0.025))
+
+
+# -- against transformers itself ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", [f for f in FP8_FORMATS if f.startswith("ct-")])
+def test_compressed_tensors_fp8_matches_transformers(fmt, tmp_path):
+    """transformers with the compressed-tensors package loads the same checkpoint on the CPU
+    (it decompresses the weights and fake-quantizes the activations in its forward)."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    write_quantized(fmt, "llama", tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    engine = engine_for(tmp_path)
+    for prompt in random_prompts(3, seed=1, min_len=8, max_len=60):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0]
+        ours = engine.score(prompt)
+        assert rel(ours, ref) <= logits_bound(fmt), f"{fmt}: relative error {rel(ours, ref):.2e}"
+
+
+# -- --quantization fp8 ---------------------------------------------------------------------------
+
+
+def test_quantization_fp8_matches_a_reference_quantized_the_same_way(tmp_path):
+    """A bf16 checkpoint quantized at load: per output channel, activations per token; against
+    the fp32 model with the test's own per-channel quantization and per-token hooks."""
+    hf = make_fp32_model("qwen2")
+    hf.save_pretrained(tmp_path)
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if name.rsplit(".", 1)[-1] in LINEARS:
+                module.weight.copy_(quantize_fp8(module.weight, "channel")[2])
+                module.register_forward_pre_hook(lambda mod, args: (act_per_token(args[0]),))
+    engine = engine_for(tmp_path, quantization="fp8")
+    assert engine.model_config.quantization.method == "online"
+    prompts = random_prompts(3, seed=1, min_len=8, max_len=60)
+    check_linears(engine, hf, prompts[0])
+    for prompt in prompts:
+        ours = engine.score(prompt)
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0]
+        assert rel(ours, ref) <= DYNAMIC_BOUND, f"relative error {rel(ours, ref):.2e}"
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(random_prompts(2, seed=2))]
+    ties = sum(
+        check_greedy(hf, req.input_ids, res.output_ids, TIE)
+        for req, res in zip(reqs, sorted(engine.generate(reqs), key=lambda r: r.rid))
+    )
+    assert ties <= 1
+
+
+def test_quantization_fp8_is_refused_for_a_quantized_checkpoint(tmp_path):
+    write_quantized("ct-fp8-channel", "llama", tmp_path)
+    with pytest.raises(ValueError, match="quantized already"):
+        engine_for(tmp_path, quantization="fp8")
+
+
+# -- dummy weights ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", list(FP8_FORMATS))
+def test_dummy_weights_in_every_format(fmt, tmp_path):
+    """--load-format dummy with the format's quantization_config: random weights in its shape
+    (only config.json is read), seeded: the same run twice gives the same tokens."""
+    write_quantized(fmt, "llama", tmp_path)
+    for f in tmp_path.glob("*.safetensors*"):
+        f.unlink()
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        engine = engine_for(tmp_path, load_format="dummy")
+        layer = engine.runner.model.layers[0]
+        assert layer.self_attn.qkv_proj.quant is not None
+        assert layer.self_attn.qkv_proj.weight is None
+        outs.append(
+            [r.output_ids for r in engine.generate([GenerateRequest("a", [5, 6, 7], params)])]
+        )
+    assert outs[0] == outs[1] and len(outs[0][0]) == 8
+
+
+# -- tensor parallel ------------------------------------------------------------------------------
+
+
+def tp_workload() -> list[GenerateRequest]:
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(4, seed=3, max_len=70)
+    prompts.append(prompts[0][:20] + [7, 8, 9])
+    return [GenerateRequest(f"r{i}", p, params) for i, p in enumerate(prompts)]
+
+
+def greedy(engine) -> dict[str, list[int]]:
+    return {r.rid: r.output_ids for r in engine.generate(tp_workload())}
+
+
+def tp_config(path: Path, **kw) -> EngineConfig:
+    return EngineConfig(
+        model=str(path),
+        device="cpu",
+        dtype="float32",
+        kv_budget=4096,
+        chunked_prefill_size=64,
+        **kw,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fmt,kind,kw",
+    [(f, "qwen2", {}) for f in FP8_FORMATS]
+    + [("fp8-block", "llama", {"load_format": "dummy"}), ("online", "llama", {})],
+)
+def test_tp2_gives_tp1_tokens(fmt, kind, kw, tmp_path):
+    """TP=2 over gloo: weights, scales and the per-token activation scales of the row-parallel
+    layers (reduced over the ranks) split so that both ranks compute TP=1's tokens."""
+    from batchrun.engine_process.tp_launcher import start_tp_engine
+
+    if fmt == "online":
+        make_fp32_model(kind).save_pretrained(tmp_path)
+        kw = {"quantization": "fp8"}
+    else:
+        write_quantized(fmt, kind, tmp_path)
+    ref = greedy(Engine(tp_config(tmp_path, **kw)))
+    with start_tp_engine(tp_config(tmp_path, **kw), tp_size=2, timeout_s=120) as engine:
+        assert greedy(engine) == ref
