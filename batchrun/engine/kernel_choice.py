@@ -129,8 +129,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             decode_norms = "fold-all"
     elif decode_norms != "off" and not (decode_gemv == "triton" and plain and not quantized):
         raise ValueError(
-            f"decode_norms {decode_norms!r} needs decode_gemv 'triton' and an unquantized model "
-            "without biases at tensor parallel size 1; use 'off' or 'auto'"
+            f"decode_norms {decode_norms!r} needs decode_gemv 'triton' and a model without "
+            "biases at tensor parallel size 1, not quantized; use 'off' or 'auto'"
         )
 
     graphs = want.cuda_graph_max_bs if cuda else 0
