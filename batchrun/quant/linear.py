@@ -171,8 +171,8 @@ class QuantMatmul(nn.Module):
                 out_dtype=self.dtype,
             )
         else:
-            if scale_a.dim() == 0:
-                scale_a = scale_a.expand(x2.shape[0], 1).contiguous()
+            if scale_a.dim() == 0:  # the static scale, one per row ([M, 1], unit strides)
+                scale_a = scale_a.reshape(1, 1).repeat(x2.shape[0], 1)
             y = torch._scaled_mm(
                 xq,
                 self.weight.t(),

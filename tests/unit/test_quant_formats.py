@@ -294,23 +294,25 @@ def test_dense_path_fake_quantizes_activations_exactly(block):
 
 @pytest.mark.parametrize("activations", ["dynamic", "static"])
 @pytest.mark.parametrize("per_tensor", [False, True])
-def test_scaled_mm_path_matches_the_dequantized_reference(activations, per_tensor):
+@pytest.mark.parametrize("num", [1, 7])
+def test_scaled_mm_path_matches_the_dequantized_reference(activations, per_tensor, num):
     """torch._scaled_mm (on the CPU here: torch has a reference implementation) with row-wise
-    or tensor-wise scales, against F.linear on the dequantized weight and activations."""
+    or tensor-wise scales, against F.linear on the dequantized weight and activations; one row
+    too (a static scale spread over [1, 1] rows must still have unit strides)."""
     w = torch.randn(64, 128)
     input_scale = torch.tensor(0.03) if activations == "static" else None
     qw = quantize_fp8(w, "tensor" if per_tensor else "channel", None, input_scale)
     m = matmul(qw, activations, True, dtype=torch.bfloat16)
     assert m.weight.dtype == torch.float8_e4m3fn
     assert m.tensorwise == (per_tensor and activations == "static")
-    x = torch.randn(7, 128, dtype=torch.bfloat16)
+    x = torch.randn(num, 128, dtype=torch.bfloat16)
     got = m(x)
     if activations == "static":
         xq = (x.float() / 0.03).clamp(-448, 448).to(torch.float8_e4m3fn).float() * 0.03
     else:
         xq = fake_quant_dynamic(x.float())
     want = torch.nn.functional.linear(xq, qw.dequantize())
-    assert got.dtype == torch.bfloat16 and got.shape == (7, 64)
+    assert got.dtype == torch.bfloat16 and got.shape == (num, 64)
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
 
 
