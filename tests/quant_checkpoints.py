@@ -25,7 +25,7 @@ from tiny_models import COMMON, random_prompts
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # a tiny model whose projections are multiples of 128 (FP8 blocks of 128 x 128, also when
 # split over two ranks): q 256 = 2 heads of 128, kv 256, MLP 512
 BLOCK_SHAPES = dict(
@@ -111,7 +111,7 @@ def _linears(num_layers: int) -> list[str]:
     return [
         f"model.layers.{i}.{'self_attn' if n[0] in 'qkvo' else 'mlp'}.{n}"
         for i in range(num_layers)
-        for n in LINEARS
+        for n in PROJECTIONS
     ]
 
 
@@ -309,7 +309,7 @@ def calibrate(model, num_prompts: int = 4) -> Calibration:
     calib = Calibration()
     handles = []
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in LINEARS:
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in PROJECTIONS:
 
             def hook(mod, args, name=name):
                 amax = float(args[0].abs().max())

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quant_checkpoints import (  # noqa: E402
     FP8_FORMATS,
-    LINEARS,
+    PROJECTIONS,
     act_per_token,
     make_fp32_model,
     quantize_fp8,
@@ -182,7 +182,7 @@ def test_quantization_fp8_matches_a_reference_quantized_the_same_way(tmp_path):
     hf.save_pretrained(tmp_path)
     with torch.no_grad():
         for name, module in hf.named_modules():
-            if name.rsplit(".", 1)[-1] in LINEARS:
+            if name.rsplit(".", 1)[-1] in PROJECTIONS:
                 module.weight.copy_(quantize_fp8(module.weight, "channel")[2])
                 module.register_forward_pre_hook(lambda mod, args: (act_per_token(args[0]),))
     engine = engine_for(tmp_path, quantization="fp8")
