@@ -11,6 +11,7 @@ and a slice of the vocabulary; logits are all-gathered, so every rank returns th
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -86,11 +87,9 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = part.q_size, part.kv_size
         self.scaling = cfg.head_dim**-0.5
         qkv_rows = part.q_size + 2 * part.kv_size
-        prefix, scheme, fp8_matmul = (
-            f"model.layers.{layer_id}.self_attn",
-            cfg.quantization,
-            kernels.fp8_matmul,
-        )
+        # how the checkpoint's linears are quantized (None: plain weights)
+        plan = partial(plan_linear, cfg.quantization, kernels.fp8_matmul, dtype)
+        prefix = f"model.layers.{layer_id}.self_attn"
         qkv = tuple(f"{prefix}.{n}_proj" for n in "qkv")
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size,
@@ -100,11 +99,9 @@ class Attention(nn.Module):
             dtype=dtype,
             device=device,
             kernels=kernels,
-            quant=plan_linear(scheme, qkv, fp8_matmul, dtype, qkv_rows, cfg.hidden_size),
+            quant=plan(qkv, qkv_rows, cfg.hidden_size),
         )
-        o_quant = plan_linear(
-            scheme, (f"{prefix}.o_proj",), fp8_matmul, dtype, cfg.hidden_size, part.q_size
-        )
+        o_quant = plan((f"{prefix}.o_proj",), cfg.hidden_size, part.q_size)
         self.o_proj = RowParallelLinear(
             part.o_spec(cfg), cfg.hidden_size, False, tp, dtype, device, kernels, o_quant
         )
@@ -160,11 +157,8 @@ class MLP(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.intermediate_size = inter = part.intermediate_size
-        prefix, scheme, fp8_matmul = (
-            f"model.layers.{layer_id}.mlp",
-            cfg.quantization,
-            kernels.fp8_matmul,
-        )
+        plan = partial(plan_linear, cfg.quantization, kernels.fp8_matmul, dtype)
+        prefix = f"model.layers.{layer_id}.mlp"
         gate_up = (f"{prefix}.gate_proj", f"{prefix}.up_proj")
         self.gate_up_proj = ColumnParallelLinear(  # local rows [gate of this rank | up of it]
             cfg.hidden_size,
@@ -174,11 +168,9 @@ class MLP(nn.Module):
             dtype=dtype,
             device=device,
             kernels=kernels,
-            quant=plan_linear(scheme, gate_up, fp8_matmul, dtype, 2 * inter, cfg.hidden_size),
+            quant=plan(gate_up, 2 * inter, cfg.hidden_size),
         )
-        down_quant = plan_linear(
-            scheme, (f"{prefix}.down_proj",), fp8_matmul, dtype, cfg.hidden_size, inter
-        )
+        down_quant = plan((f"{prefix}.down_proj",), cfg.hidden_size, inter)
         self.down_proj = RowParallelLinear(
             part.down_spec(cfg),
             cfg.hidden_size,

@@ -49,9 +49,9 @@ class QuantSpec:
 
 def plan_linear(
     scheme,
-    modules: tuple[str, ...],
     fp8_matmul: str,
     dtype: torch.dtype,
+    modules: tuple[str, ...],
     out_features: int,
     in_features: int,
 ) -> QuantSpec | None:
