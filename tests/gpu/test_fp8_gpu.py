@@ -136,7 +136,10 @@ def test_graphs_and_overlap_give_the_eager_tokens(fmt, tmp_path):
         kw["quantization"] = "fp8"
     else:
         write_quantized(fmt, "llama", tmp_path)
-    base = dict(model=str(tmp_path), device="cuda", dtype="bfloat16", kv_budget=20000, **kw)
+    # max_running 32: the 24 requests run at once, and few decode graphs are captured
+    base = dict(
+        model=str(tmp_path), device="cuda", dtype="bfloat16", kv_budget=20000, max_running=32, **kw
+    )
     fast = EngineConfig(**base, kernels=KernelConfig(piecewise_graphs=True))
     eager = EngineConfig(
         **base,
