@@ -22,6 +22,10 @@ DECODE_GEMVS = ("auto", "cublas", "triton")
 # each input norm inside the qkv matmul after it, on weights times the norm's; "fold-all" both
 # norms inside the matmul after them (qkv's, gate_up's)
 DECODE_NORMS = ("auto", "off", "all", "post", "fold", "fold-all")
+# the matmul of a quantized model's FP8 linears (per tensor / per channel): "scaled_mm"
+# torch._scaled_mm on the FP8 tensor cores (sm_89+), "dequant" weights dequantized at load
+FP8_MATMULS = ("auto", "scaled_mm", "dequant")
+QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: a bf16 checkpoint quantized at load
 
 # on CUDA the KV pool takes this fraction of the GPU memory free once the weights are loaded
 # (EngineConfig.gpu_memory_utilization); the rest is for activations, CUDA graphs and kernels
@@ -105,6 +109,9 @@ class KernelConfig:
     host_gate           a grammar step's sampling waits on the device for the host's token
                         bitmask (engine/host_gate.py); auto: where the driver has stream memory
                         operations. Off: such a step is sampled once the bitmask is filled
+    fp8_matmul          one of FP8_MATMULS for the FP8 linears of a quantized model (per tensor
+                        or per channel; blocks are dequantized); auto: "scaled_mm" on sm_89+
+                        GPUs, "dequant" elsewhere (the CPU always dequantizes)
     """
 
     attention: str = "auto"
@@ -115,6 +122,7 @@ class KernelConfig:
     cuda_graph_max_bs: int = 512
     piecewise_graphs: bool | None = None
     host_gate: bool | None = None
+    fp8_matmul: str = "auto"
 
     @classmethod
     def reference(cls) -> KernelConfig:
@@ -128,18 +136,20 @@ class KernelConfig:
             cuda_graph_max_bs=0,
             piecewise_graphs=False,
             host_gate=False,
+            fp8_matmul="dequant",
         )
 
     def validate(self) -> None:
         _one_of("attention backend", self.attention, ATTENTION_BACKENDS)
         _one_of("decode_gemv", self.decode_gemv, DECODE_GEMVS)
         _one_of("decode_norms", self.decode_norms, DECODE_NORMS)
+        _one_of("fp8_matmul", self.fp8_matmul, FP8_MATMULS)
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0; got {self.cuda_graph_max_bs}")
 
     @property
     def is_resolved(self) -> bool:
-        auto = {"attention", "decode_gemv", "decode_norms"}
+        auto = {"attention", "decode_gemv", "decode_norms", "fp8_matmul"}
         return all(
             getattr(self, f.name) != "auto" if f.name in auto else getattr(self, f.name) is not None
             for f in fields(self)
@@ -154,6 +164,9 @@ class KernelConfig:
 class EngineConfig:
     model: str | None = None  # HF directory, .gguf file, or None for the embedded SmolLM2-135M
     load_format: str = "auto"
+    # "fp8": the checkpoint's decoder linears quantized to FP8 at load (per output channel,
+    # activations per token; batchrun/quant/online.py); None: run the checkpoint as it is
+    quantization: str | None = None
     # load_format "dummy": "normal" draws normal(0, 0.02) with the norms at 1; "uniform" every
     # parameter from U(-1e-3, 1e-3), as vLLM's and SGLang's dummy loaders draw them
     dummy_init: str = "normal"
@@ -182,6 +195,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         _one_of("load_format", self.load_format, LOAD_FORMATS)
+        if self.quantization is not None:
+            _one_of("quantization", self.quantization, QUANTIZATIONS)
         _one_of("dummy_init", self.dummy_init, DUMMY_INITS)
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("device", self.device, DEVICES)

@@ -1,291 +1,379 @@
-"""Tiny quantized checkpoints in each format's exact on-disk layout, written with reference
-quantizers and packers that this file spells out on its own (nothing from batchrun.quant), and
-the fp32 weights each checkpoint stands for, to build the reference model from."""
+"""Tiny quantized checkpoints in each format's exact on-disk layout, written by reference
+quantizers of the tests' own, and the model batchrun's logits are compared against: an fp32
+transformers model holding the dequantized weights, with the format's activation quantization
+applied to the inputs of its quantized Linear modules by forward pre-hooks.
+
+    ref = write_quantized("ct-fp8-channel", "llama", path)   # path: config.json + safetensors
+    ref.hf(ids).logits                                         # what batchrun must compute
+
+A format is a writer in WRITERS: (fp32 model, its calibration) -> the linears' tensors as
+stored, their dequantized weights, the activation hook of each, and the quantization_config.
+Each format lives in its own functions below (FP8 family first; add others after them).
+"""
 
 from __future__ import annotations
 
 import json
-import zlib
-from dataclasses import dataclass
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tiny_models import COMMON, random_prompts
 
-# ------------------------------------------------------------------------------------------
-# INT4: AWQ (GEMM), GPTQ (v1 and v2), compressed-tensors pack-quantized
-# ------------------------------------------------------------------------------------------
-
-INT4_FORMATS = ("awq", "gptq", "pack-quantized")
-# the checkpoint linears of a Llama-family decoder layer
-LINEARS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# a tiny model whose projections are multiples of 128 (FP8 blocks of 128 x 128, also when
+# split over two ranks): q 256 = 2 heads of 128, kv 256, MLP 512
+BLOCK_SHAPES = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=128,
+    num_hidden_layers=2,
 )
-# nibble i of an AWQ word holds column 8c + AWQ_PACK_ORDER[i] (AutoAWQ's order_map)
-AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+# -- reference quantization (written here, independent of batchrun.quant) ------------------------
+
+
+def fake_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale rounded to float8 e4m3 (clamped to +-448), times scale, in x's dtype."""
+    q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.to(x.dtype) * scale
+
+
+def dynamic_scale(amax: torch.Tensor) -> torch.Tensor:
+    scale = amax / FP8_MAX
+    return torch.where(scale == 0, torch.full_like(scale, torch.finfo(scale.dtype).eps), scale)
+
+
+def act_per_token(x: torch.Tensor) -> torch.Tensor:
+    return fake_fp8(x, dynamic_scale(x.abs().amax(dim=-1, keepdim=True)))
+
+
+def act_per_token_group(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    cols = x.shape[-1]
+    pad = -cols % group
+    xp = torch.nn.functional.pad(x, (0, pad))
+    xg = xp.unflatten(-1, (-1, group))
+    out = fake_fp8(xg, dynamic_scale(xg.abs().amax(dim=-1, keepdim=True)))
+    return out.flatten(-2)[..., :cols]
+
+
+def quantize_fp8(w: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float8 weight, scale as the formats store it, dequantized fp32 weight): weights
+    "channel" (scale [out, 1]), "tensor" (scale [1]), "block" (scale [ceil(out/128),
+    ceil(in/128)])."""
+    w = w.float()
+    if weights == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+        full = scale
+    elif weights == "tensor":
+        scale = (w.abs().amax() / FP8_MAX).reshape(1)
+        full = scale
+    else:
+        out_f, in_f = w.shape
+        rows, cols = -(-out_f // 128), -(-in_f // 128)
+        padded = torch.zeros(rows * 128, cols * 128)
+        padded[:out_f, :in_f] = w
+        scale = padded.view(rows, 128, cols, 128).abs().amax(dim=(1, 3)) / FP8_MAX
+        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:out_f, :in_f]
+    q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale, q.float() * full
+
+
+# -- the formats ----------------------------------------------------------------------------------
 
 
 @dataclass
-class RefInt4:
-    """One linear quantized by the reference quantizer, before any packing."""
+class Written:
+    """What a writer makes of the model's linears."""
 
-    q: torch.Tensor  # int64 [out, in], 0..15
-    zeros: torch.Tensor  # int64 [out, groups], the zero points themselves (0..15)
-    scales: torch.Tensor  # [out, groups], the checkpoint's scale dtype
-    g_idx: torch.Tensor  # int64 [in], the group of each input column
-    group_size: int  # -1: one group per row
-
-    def dequantize(self) -> torch.Tensor:
-        """fp32 [out, in]: (q - zero) * scale of each element's group."""
-        z = self.zeros[:, self.g_idx].float()
-        s = self.scales[:, self.g_idx].float()
-        return (self.q.float() - z) * s
+    tensors: dict[str, torch.Tensor]  # checkpoint name -> tensor as stored
+    dequantized: dict[str, torch.Tensor]  # linear (checkpoint prefix) -> fp32 [out, in]
+    hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]]  # linear -> input transform
+    quantization_config: dict
 
 
-def reference_g_idx(in_features: int, group_size: int, act_order: bool, seed: int = 0):
-    """Column i's group: i // group_size, or with act-order the group of its place in a random
-    order of the columns (as GPTQ with desc_act assigns them)."""
-    g = in_features if group_size == -1 else group_size
-    if not act_order:
-        return torch.arange(in_features) // g
-    perm = torch.randperm(in_features, generator=torch.Generator().manual_seed(seed))
-    g_idx = torch.empty(in_features, dtype=torch.int64)
-    g_idx[perm] = torch.arange(in_features) // g
-    return g_idx
+@dataclass
+class Calibration:
+    """Per linear (checkpoint prefix), the absolute maximum of its input on a few prompts."""
+
+    amax: dict[str, float] = field(default_factory=dict)
 
 
-def quantize_int4(
-    w: torch.Tensor,
-    group_size: int,
-    symmetric: bool,
-    scale_dtype: torch.dtype,
-    g_idx: torch.Tensor | None = None,
-) -> RefInt4:
-    """Round-to-nearest 4-bit quantization of `w` [out, in] per output row and group of input
-    columns: symmetric (zero 8, scale max|w| / 7.5) or min-max (range through 0; zero points
-    1..15, a range every format stores, GPTQ v1's zero minus one included)."""
-    w = w.float()
-    if g_idx is None:
-        g_idx = reference_g_idx(w.shape[1], group_size, False)
-    groups = int(g_idx.max()) + 1
-    scales = torch.empty(w.shape[0], groups)
-    zeros = torch.empty(w.shape[0], groups, dtype=torch.int64)
-    for gid in range(groups):
-        wg = w[:, g_idx == gid]
-        if symmetric:
-            scale = wg.abs().amax(1) / 7.5
-            zero = torch.full_like(scale, 8, dtype=torch.int64)
-        else:
-            lo = wg.amin(1).clamp(max=0)
-            hi = wg.amax(1).clamp(min=0)
-            scale = (hi - lo) / 15
-            zero = torch.round(-lo / scale.clamp(min=1e-12)).long().clamp(1, 15)
-        scales[:, gid] = scale.clamp(min=1e-8)
-        zeros[:, gid] = zero
-    scales = scales.to(scale_dtype)
-    s = scales.float()[:, g_idx]
-    q = torch.round(w / s) + zeros[:, g_idx]
-    return RefInt4(q.clamp(0, 15).long(), zeros, scales, g_idx, group_size)
+def _linears(num_layers: int) -> list[str]:
+    return [
+        f"model.layers.{i}.{'self_attn' if n[0] in 'qkvo' else 'mlp'}.{n}"
+        for i in range(num_layers)
+        for n in PROJECTIONS
+    ]
 
 
-def _to_int32(words: torch.Tensor) -> torch.Tensor:
-    """int64 words of 32 bits (0 .. 2**32 - 1) -> int32 with the same bits."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+def _ct_args(strategy: str, dynamic: bool, **extra) -> dict:
+    return {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "group_size": extra.pop("group_size", None),
+        "strategy": strategy,
+        "dynamic": dynamic,
+        **extra,
+    }
 
 
-def _pack_last(values: torch.Tensor) -> torch.Tensor:
-    """int [..., 8n] -> int32 [..., n]: value 8w + i of the last dimension in bits 4i of word w."""
-    v = values.long().reshape(*values.shape[:-1], -1, 8)
-    return _to_int32((v << (4 * torch.arange(8))).sum(-1))
+def _compressed_tensors(weights: dict, inputs: dict | None, ignore: list[str]) -> dict:
+    """config.json's quantization_config as compressed-tensors 0.20.1 writes it."""
+    return {
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": inputs,
+                "output_activations": None,
+                "format": None,
+            }
+        },
+        "quant_method": "compressed-tensors",
+        "kv_cache_scheme": None,
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "global_compression_ratio": None,
+        "ignore": ignore,
+        "moe_sparsity_config": None,
+    }
 
 
-def pack_awq(values: torch.Tensor) -> torch.Tensor:
-    """int [R, C] (0..15) -> int32 [R, C / 8] in AWQ's interleaved order: nibble i of word c
-    holds column 8c + AWQ_PACK_ORDER[i] (AutoAWQ's order_map)."""
-    rows, cols = values.shape
-    order = torch.tensor(AWQ_PACK_ORDER)
-    return _pack_last(values.reshape(rows, cols // 8, 8)[:, :, order].reshape(rows, cols))
+@dataclass(frozen=True)
+class Fp8Format:
+    weights: str  # "channel" | "tensor" | "block"
+    activations: str  # "dynamic" | "static" | "none"
+    scale_name: str
+    scale_shape: str  # "as-is" (the reference quantizer's), "scalar" (shape [])
+    ignore: str | None  # a regex of linears left unquantized (the config's ignore list)
+    config: Callable[[], dict]
+    input_scale_name: str = "input_scale"
+    kv_scales: tuple[str, ...] = ()  # per-layer KV-cache scale names the format writes
 
 
-def pack_rows(values: torch.Tensor) -> torch.Tensor:
-    """int [R, C] -> int32 [R / 8, C]: nibble i of word r holds row 8r + i (GPTQ's qweight)."""
-    return _pack_last(values.t()).t().contiguous()
+FP8_FORMATS: dict[str, Fp8Format] = {
+    # llm-compressor FP8_DYNAMIC, layer 1's down_proj ignored by a regex
+    "ct-fp8-channel": Fp8Format(
+        "channel",
+        "dynamic",
+        "weight_scale",
+        "as-is",
+        r"model\.layers\.1\.mlp\.down_proj",
+        lambda: _compressed_tensors(
+            _ct_args("channel", False),
+            _ct_args("token", True),
+            ["lm_head", r"re:.*layers\.1\.mlp\.down_proj$"],
+        ),
+    ),
+    # llm-compressor FP8 (static)
+    "ct-fp8-tensor": Fp8Format(
+        "tensor",
+        "static",
+        "weight_scale",
+        "as-is",
+        None,
+        lambda: _compressed_tensors(
+            _ct_args("tensor", False),
+            _ct_args("tensor", False, observer="static_minmax"),
+            ["lm_head"],
+        ),
+    ),
+    # llm-compressor FP8_BLOCK
+    "ct-fp8-block": Fp8Format(
+        "block",
+        "dynamic",
+        "weight_scale",
+        "as-is",
+        None,
+        lambda: _compressed_tensors(
+            _ct_args("block", False, block_structure=[128, 128]),
+            _ct_args("group", True, group_size=128),
+            ["lm_head"],
+        ),
+    ),
+    # NVIDIA ModelOpt FP8, layer 1's MLP excluded by a wildcard, with the KV-cache scales
+    "modelopt-fp8": Fp8Format(
+        "tensor",
+        "static",
+        "weight_scale",
+        "scalar",
+        r"model\.layers\.1\.mlp\..*",
+        lambda: {
+            "quant_method": "modelopt",
+            "quant_algo": "FP8",
+            "kv_cache_quant_algo": "FP8",
+            "exclude_modules": ["lm_head", "model.layers.1.mlp*"],
+        },
+        kv_scales=("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"),
+    ),
+    # Qwen3 "-FP8" / DeepSeek V3 style
+    "fp8-block": Fp8Format(
+        "block",
+        "dynamic",
+        "weight_scale_inv",
+        "as-is",
+        None,
+        lambda: {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        },
+    ),
+    # AutoFP8: per-tensor, static activations
+    "fp8-tensor": Fp8Format(
+        "tensor",
+        "static",
+        "weight_scale",
+        "scalar",
+        None,
+        lambda: {
+            "quant_method": "fp8",
+            "activation_scheme": "static",
+            "ignored_layers": ["lm_head"],
+        },
+    ),
+}
 
 
-def pack_columns(values: torch.Tensor) -> torch.Tensor:
-    """int [R, C] -> int32 [R, ceil(C / 8)]: nibble i of word c holds column 8c + i, the last
-    word padded with zeros (GPTQ's qzeros, compressed-tensors' weight_packed)."""
-    rows, cols = values.shape
-    padded = torch.zeros(rows, -(-cols // 8) * 8, dtype=torch.int64)
-    padded[:, :cols] = values.long()
-    return _pack_last(padded)
+def is_block(fmt: str) -> bool:
+    return fmt in FP8_FORMATS and FP8_FORMATS[fmt].weights == "block"
 
 
-def int4_tensors(
-    fmt: str, ref: RefInt4, gptq_v2: bool = False, act_order: bool = False
-) -> dict[str, torch.Tensor]:
-    """The tensors one linear holds in format `fmt` (suffix -> tensor); `act_order`: a
-    compressed-tensors checkpoint of actorder "group" (which stores weight_g_idx)."""
-    if fmt == "awq":
-        return {
-            "qweight": pack_awq(ref.q.t()),  # [in, out / 8]
-            "qzeros": pack_awq(ref.zeros.t()),  # [groups, out / 8]
-            "scales": ref.scales.t().contiguous(),  # [groups, out]
-        }
-    if fmt == "gptq":
-        # v1 (AutoGPTQ) stores each zero point minus one
-        stored = ref.zeros if gptq_v2 else ref.zeros - 1
-        return {
-            "qweight": pack_rows(ref.q.t()),  # [in / 8, out]
-            "qzeros": pack_columns(stored.t()),  # [groups, out / 8]
-            "scales": ref.scales.t().contiguous(),
-            "g_idx": ref.g_idx.to(torch.int32),
-        }
-    if fmt == "pack-quantized":
-        # signed values -8..7 stored plus 8: the 0..15 of the reference quantizer
-        out = {
-            "weight_packed": pack_columns(ref.q),  # [out, ceil(in / 8)]
-            "weight_scale": ref.scales.contiguous(),  # [out, groups]
-            "weight_shape": torch.tensor(list(ref.q.shape)),
-        }
-        if not bool((ref.zeros == 8).all()):
-            out["weight_zero_point"] = pack_columns(ref.zeros.t()).t().contiguous()
-        if act_order:
-            out["weight_g_idx"] = ref.g_idx.to(torch.int32)
-        return out
-    raise ValueError(fmt)
+def write_fp8(fmt: str, weights: dict[str, torch.Tensor], calib: Calibration) -> Written:
+    spec = FP8_FORMATS[fmt]
+    tensors, dequantized, hooks = {}, {}, {}
+    for linear, w in weights.items():
+        if spec.ignore is not None and re.fullmatch(spec.ignore, linear):
+            continue
+        q, scale, deq = quantize_fp8(w, spec.weights)
+        if spec.scale_shape == "scalar":
+            scale = scale.reshape(())
+        tensors[f"{linear}.weight"] = q
+        tensors[f"{linear}.{spec.scale_name}"] = scale.contiguous()
+        dequantized[linear] = deq
+        if spec.activations == "static":
+            input_scale = torch.tensor(calib.amax[linear] / FP8_MAX)
+            if spec.scale_shape != "scalar":
+                input_scale = input_scale.reshape(1)
+            tensors[f"{linear}.{spec.input_scale_name}"] = input_scale
+            hooks[linear] = _static_hook(input_scale.reshape(()))
+        elif spec.activations == "dynamic":
+            hooks[linear] = act_per_token_group if spec.weights == "block" else act_per_token
+    for linear in weights:
+        for kv in spec.kv_scales:
+            if linear.endswith(".self_attn.q_proj"):
+                layer = linear.removesuffix("self_attn.q_proj")
+                tensors[f"{layer}{kv}"] = torch.tensor(0.0125 if "k_scale" in kv else 0.025)
+    return Written(tensors, dequantized, hooks, spec.config())
 
 
-def int4_quantization_config(
-    fmt: str, group_size: int, symmetric: bool, act_order: bool = False, gptq_v2: bool = False
-) -> dict:
-    """config.json's quantization_config as the format's tools write it."""
-    if fmt == "awq":
-        return {
-            "quant_method": "awq",
-            "bits": 4,
-            "group_size": group_size,
-            "zero_point": not symmetric,
-            "version": "gemm",
-            "modules_to_not_convert": None,
-        }
-    if fmt == "gptq":
-        return {
-            "quant_method": "gptq",
-            "bits": 4,
-            "group_size": group_size,
-            "desc_act": act_order,
-            "sym": symmetric,
-            "damp_percent": 0.01,
-            "true_sequential": True,
-            "static_groups": False,
-            "checkpoint_format": "gptq_v2" if gptq_v2 else "gptq",
-        }
-    if fmt == "pack-quantized":
-        weights = {
-            "num_bits": 4,
-            "type": "int",
-            "symmetric": symmetric,
-            "group_size": None if group_size == -1 else group_size,
-            "strategy": "channel" if group_size == -1 else "group",
-            "dynamic": False,
-            "actorder": "group" if act_order else None,
-            "observer": "minmax",
-        }
-        return {
-            "quant_method": "compressed-tensors",
-            "format": "pack-quantized",
-            "quantization_status": "compressed",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": weights,
-                    "input_activations": None,
-                    "output_activations": None,
-                    "format": "pack-quantized",
-                }
-            },
-            "ignore": ["lm_head"],
-            "kv_cache_scheme": None,
-            "sparsity_config": {},
-            "global_compression_ratio": None,
-        }
-    raise ValueError(fmt)
+def _static_hook(scale: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: fake_fp8(x, scale)
 
 
-def write_int4_checkpoint(
-    fmt: str,
-    model,
-    path: Path,
-    group_size: int = 32,
-    symmetric: bool = True,
-    act_order: bool = False,
-    gptq_v2: bool = False,
-    num_shards: int = 2,
-) -> dict[str, torch.Tensor]:
-    """Save HF `model` (fp32) quantized in format `fmt` to `path`: config.json with its
-    quantization_config and `num_shards` safetensors files (with an index) over which each
-    layer's tensors are spread. Returns the fp32 state dict the checkpoint stands for: the
-    dequantized weights, and every other tensor as stored (fp16 for AWQ and GPTQ, bf16 for
-    compressed-tensors, as their tools save them)."""
-    dtype = torch.bfloat16 if fmt == "pack-quantized" else torch.float16
-    path.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    reference: dict[str, torch.Tensor] = {}
-    for name, value in model.state_dict().items():
-        module, _, kind = name.rpartition(".")
-        if kind == "weight" and module.endswith(LINEARS):
-            # act-order orders the columns by the linear's input statistics: the linears that
-            # read the same input (q / k / v, gate / up) share their g_idx
-            shared_input = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
-            shared_input = shared_input.replace("up_proj", "gate_proj")
-            seed = zlib.crc32(shared_input.encode())
-            g_idx = reference_g_idx(value.shape[1], group_size, act_order, seed=seed)
-            ref = quantize_int4(value, group_size, symmetric, dtype, g_idx)
-            for suffix, t in int4_tensors(fmt, ref, gptq_v2, act_order).items():
-                tensors[f"{module}.{suffix}"] = t
-            reference[name] = ref.dequantize()
-        else:
-            tensors[name] = value.to(dtype).contiguous()
-            reference[name] = tensors[name].float()
+WRITERS: dict[str, Callable[[str, dict[str, torch.Tensor], Calibration], Written]] = {
+    name: write_fp8 for name in FP8_FORMATS
+}
+
+
+# -- writing a checkpoint ------------------------------------------------------------------------
+
+
+def make_fp32_model(kind: str, block: bool = False, seed: int = 0):
+    """A random tiny model of `kind` ("llama" or "qwen2": q/k/v biases), not saved."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    shapes = {**COMMON, **(BLOCK_SHAPES if block else {})}
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
+    theta = 10000.0 if kind == "llama" else 1000000.0
+    torch.manual_seed(seed)
+    config = config_cls(**shapes, rope_theta=theta)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def calibrate(model, num_prompts: int = 4) -> Calibration:
+    """The inputs' absolute maximum of every Linear over a few random prompts."""
+    calib = Calibration()
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in PROJECTIONS:
+
+            def hook(mod, args, name=name):
+                amax = float(args[0].abs().max())
+                calib.amax[name] = max(calib.amax.get(name, 0.0), amax)
+
+            handles.append(module.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        for prompt in random_prompts(num_prompts, seed=11, max_len=60):
+            model(torch.tensor([prompt]))
+    for h in handles:
+        h.remove()
+    return calib
+
+
+def write_quantized(fmt: str, kind: str, path: Path, seed: int = 0, shards: int = 2):
+    """Save a tiny `kind` model quantized in format `fmt` to `path` (config.json, safetensors in
+    `shards` files with an index: a linear's weight and its scales in different files); returns
+    the fp32 reference model (dequantized weights, activation hooks)."""
+    model = make_fp32_model(kind, is_block(fmt), seed)
+    calib = calibrate(model)
+    state = model.state_dict()
+    weights = {name: state[f"{name}.weight"] for name in _linears(model.config.num_hidden_layers)}
+    written = WRITERS[fmt](fmt, weights, calib)
+    tensors = {k: v.contiguous() for k, v in state.items() if k not in _quantized_weights(written)}
+    tensors.update(written.tensors)
+    _save(tensors, path, shards)
     config = model.config.to_dict()
-    config["quantization_config"] = int4_quantization_config(
-        fmt, group_size, symmetric, act_order, gptq_v2
-    )
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config["quantization_config"] = written.quantization_config
+    config.pop("dtype", None)
+    config["torch_dtype"] = "float32"
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    save_sharded(tensors, path, num_shards)
-    return reference
+    return reference_model(model, written)
 
 
-def save_sharded(tensors: dict[str, torch.Tensor], path: Path, num_shards: int) -> None:
-    """Safetensors files model-0000i-of-0000n with an index; tensors dealt out in turn, so the
-    parts of one linear (and the linears of one layer) sit in different files."""
-    if num_shards == 1:
+def _quantized_weights(written: Written) -> set[str]:
+    return {f"{linear}.weight" for linear in written.dequantized}
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, shards: int) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    if shards == 1:
         save_file(tensors, str(path / "model.safetensors"))
         return
-    names = [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
-    parts: list[dict[str, torch.Tensor]] = [{} for _ in names]
+    # the scales in the last file, the rest spread over the others
+    names = sorted(tensors)
+    plain = [n for n in names if not n.endswith("scale") and "scale_" not in n]
+    scales = [n for n in names if n not in plain]
+    groups = [plain[i :: shards - 1] for i in range(shards - 1)] + [scales]
     weight_map = {}
-    for i, (key, t) in enumerate(sorted(tensors.items())):
-        parts[i % num_shards][key] = t
-        weight_map[key] = names[i % num_shards]
-    for name, part in zip(names, parts):
-        save_file(part, str(path / name))
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in group}, str(path / fname))
+        weight_map.update({n: fname for n in group})
     index = {"metadata": {}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-def reference_int4_model(model, reference: dict[str, torch.Tensor]):
-    """A copy of HF `model` (fp32, eval) holding `reference` (write_int4_checkpoint's)."""
-    import copy
-
-    ref_model = copy.deepcopy(model)
-    ref_model.load_state_dict(reference)
-    return ref_model.float().eval()
+def reference_model(model, written: Written):
+    """`model` with the dequantized weights and the activation hooks installed."""
+    with torch.no_grad():
+        for linear, deq in written.dequantized.items():
+            model.get_submodule(linear).weight.copy_(deq)
+    for linear, hook in written.hooks.items():
+        model.get_submodule(linear).register_forward_pre_hook(
+            lambda mod, args, hook=hook: (hook(args[0]),)
+        )
+    return model

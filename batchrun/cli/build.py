@@ -5,6 +5,8 @@ defaults, the row spec and the structured-output default. Each refuses a bad opt
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 import click
 from click.core import ParameterSource
@@ -80,6 +82,7 @@ def build_engine_config(o: dict) -> EngineConfig:
     cfg = EngineConfig(
         model=o["model"],
         load_format=o["load_format"],
+        quantization=o.get("quantization"),
         dtype=o["dtype"],
         device=o["device"],
         max_running=o["max_running"],
@@ -90,6 +93,7 @@ def build_engine_config(o: dict) -> EngineConfig:
         kernels=KernelConfig(
             attention=o["attention_backend"],
             decode_gemv=o["decode_gemv"],
+            fp8_matmul=o.get("fp8_matmul", "auto"),
             pdl=False if o["disable_pdl"] else None,
             cuda_graph_max_bs=0 if o["disable_cuda_graph"] else KernelConfig.cuda_graph_max_bs,
             piecewise_graphs=False if o["disable_piecewise_cuda_graph"] else None,
@@ -109,6 +113,7 @@ def build_engine_config(o: dict) -> EngineConfig:
         if not torch.cuda.is_available():
             raise click.UsageError("--device cuda: CUDA is not available here; use --device cpu")
     _check_gpu_memory_utilization(o)
+    check_quantization(o)
     attention = cfg.kernels.attention
     if attention in ("triton", "flashinfer"):
         import torch
@@ -153,6 +158,32 @@ def _check_gpu_memory_utilization(o: dict) -> None:
         raise click.UsageError(
             "--gpu-memory-utilization sizes the KV pool on a GPU; on the CPU the pool takes an "
             "eighth of the available memory (at most 32,768 tokens): use --kv-budget TOKENS"
+        )
+
+
+def check_quantization(o: dict) -> None:
+    """--quantization applies to plain (bf16 / fp16 / fp32) safetensors checkpoints: refused for
+    a GGUF model (the embedded one too) and for a checkpoint that is quantized already."""
+    quantization, model = o.get("quantization"), o["model"]
+    if quantization is None:
+        return
+    if model is None or model.endswith(".gguf"):
+        what = "the embedded model" if model is None else model
+        raise click.UsageError(
+            f"--quantization {quantization}: {what} is a GGUF model, quantized already; "
+            "--quantization quantizes bf16 / fp16 / fp32 safetensors checkpoints"
+        )
+    config = Path(model).expanduser() / "config.json"
+    try:
+        raw = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return  # the engine reports a model it cannot read (exit 4)
+    qcfg = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if qcfg is not None:
+        method = qcfg.get("quant_method") if isinstance(qcfg, dict) else qcfg
+        raise click.UsageError(
+            f"--quantization {quantization}: {model} is quantized already (config.json's "
+            f"quantization_config, quant_method {method!r}); drop the option to run it as it is"
         )
 
 

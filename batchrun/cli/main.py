@@ -27,7 +27,12 @@ import sys
 import click
 
 from batchrun import __version__
-from batchrun.cli.build import build_defaults, build_engine_config, build_spec
+from batchrun.cli.build import (
+    build_defaults,
+    build_engine_config,
+    build_spec,
+    check_quantization,
+)
 from batchrun.cli.options import (
     engine_options,
     model_options,
@@ -259,10 +264,12 @@ def plan(dataset: str, **o) -> None:
     from batchrun.job.plan import PlanError, make_plan
 
     _check_stdin(dataset)
+    check_quantization(o)
     try:
         report = make_plan(
             dataset,
             model=o["model"],
+            quantization=o["quantization"],
             split=o["split"],
             spec=build_spec(o),
             defaults=build_defaults(o),

@@ -16,8 +16,10 @@ from batchrun.config import (
     DECODE_GEMVS,
     DEVICES,
     DTYPES,
+    FP8_MATMULS,
     GPU_MEMORY_UTILIZATION,
     LOAD_FORMATS,
+    QUANTIZATIONS,
 )
 from batchrun.engine_process.notify import DEFAULT_MAX_DELAY, DEFAULT_NOTIFY_BATCH
 from batchrun.job.order import DEFAULT_WINDOW, ORDERS
@@ -246,6 +248,14 @@ model_options = option_group(
         help="How to read the weights; dummy: random, from config.json.",
     ),
     click.option(
+        "--quantization",
+        type=click.Choice(QUANTIZATIONS),
+        default=None,
+        show_default="the checkpoint's own (config.json's quantization_config), or none",
+        help="Quantize a bf16 checkpoint's linears at load (fp8: per channel, per-token "
+        "activations).",
+    ),
+    click.option(
         "--served-model-name",
         default=None,
         metavar="NAME",
@@ -269,6 +279,12 @@ kernel_options = option_group(
         type=click.Choice(DECODE_GEMVS),
         default="auto",
         help="Matmuls of decode batches up to 16; auto: triton on sm_90+, else cublas.",
+    ),
+    click.option(
+        "--fp8-matmul",
+        type=click.Choice(FP8_MATMULS),
+        default="auto",
+        help="FP8 linears: torch._scaled_mm, or weights dequantized; auto: scaled_mm on sm_89+.",
     ),
     click.option("--disable-cuda-graph", is_flag=True, help="Run every step eagerly."),
     click.option(

@@ -43,6 +43,7 @@ from batchrun.params import (
     TopLogprobs,
     check_input_ids,
 )
+from batchrun.quant.online import with_quantization
 
 
 @dataclass
@@ -108,7 +109,10 @@ class Engine:
     def __init__(self, config: EngineConfig):
         config.validate()
         self.model_dir = self._resolve_model_dir(config)
-        self.model_config = ModelConfig.from_dir(self.model_dir)
+        # the checkpoint's quantization, or --quantization's
+        self.model_config = with_quantization(
+            ModelConfig.from_dir(self.model_dir), config.quantization, config.model
+        )
         device = resolve_device(config.device)
         config = resolve_sizes(config, self.model_config)
         # overlap needs an asynchronous device; on the CPU every op is synchronous anyway

@@ -54,6 +54,14 @@ def supports_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def supports_fp8_matmul(device: torch.device) -> bool:
+    """torch._scaled_mm's FP8 tensor cores: sm_89 (Ada) and later."""
+    if device.type != "cuda":
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
 def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> KernelConfig:
     """config.kernels with every auto field decided for `device` and the model. `config` has
     its sizes resolved (chunked_prefill_size) and its overlap decided."""
@@ -61,6 +69,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     want.validate()
     cuda = device.type == "cuda"
     triton = has_triton()
+    # a quantized checkpoint, or one quantized at load (--quantization)
+    quantized = model_cfg.quantization is not None or config.quantization is not None
 
     attention = want.attention
     if attention == "auto":
@@ -88,9 +98,23 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     if decode_gemv == "auto":
         # NOTE: the Triton matmuls pay only with PDL: without it they read W3 llama-1b 1.28 ms
         # per token against cuBLAS's 1.16 on the H200
-        decode_gemv = "triton" if pdl else "cublas"
+        decode_gemv = "triton" if pdl and not quantized else "cublas"
     elif decode_gemv == "triton" and not triton:
         raise ValueError("decode_gemv 'triton' needs the triton package")
+    elif decode_gemv == "triton" and quantized:
+        raise ValueError(
+            "decode_gemv 'triton' (kernels/gemv.py) reads bf16 weights; a quantized model runs "
+            "its matmuls on its own path: use decode_gemv 'cublas' or 'auto'"
+        )
+
+    fp8_matmul = want.fp8_matmul
+    if fp8_matmul == "auto":
+        fp8_matmul = "scaled_mm" if supports_fp8_matmul(device) else "dequant"
+    elif fp8_matmul == "scaled_mm" and not supports_fp8_matmul(device):
+        raise ValueError(
+            "fp8_matmul 'scaled_mm' needs the FP8 tensor cores of an sm_89+ GPU (L40, H100, "
+            "H200 or later); use 'dequant' or 'auto'"
+        )
 
     # the norms inside the matmuls need every matmul whole and plain: a row-parallel matmul's
     # all-reduce comes between its sums and the residual, and a bias between them too
@@ -103,10 +127,10 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             decode_norms = "all"
         else:
             decode_norms = "fold-all"
-    elif decode_norms != "off" and not (decode_gemv == "triton" and plain):
+    elif decode_norms != "off" and not (decode_gemv == "triton" and plain and not quantized):
         raise ValueError(
             f"decode_norms {decode_norms!r} needs decode_gemv 'triton' and a model without "
-            "biases at tensor parallel size 1; use 'off' or 'auto'"
+            "biases at tensor parallel size 1, not quantized; use 'off' or 'auto'"
         )
 
     graphs = want.cuda_graph_max_bs if cuda else 0
@@ -145,4 +169,5 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         cuda_graph_max_bs=graphs,
         piecewise_graphs=piecewise,
         host_gate=host_gate,
+        fp8_matmul=fp8_matmul,
     )

@@ -31,6 +31,7 @@ from batchrun.job.pipeline import RowPipeline
 from batchrun.models.config import ModelConfig
 from batchrun.models.embedded import resolve_model_path
 from batchrun.params import SamplingParams
+from batchrun.quant.online import with_quantization
 
 
 class PlanError(Exception):
@@ -39,17 +40,29 @@ class PlanError(Exception):
         self.exit_code = exit_code
 
 
-def load_tokenizer_and_context(model: str | None):
-    """Tokenizer and context length of a model directory (converting a GGUF once if needed)."""
+def load_tokenizer_and_context(model: str | None, quantization: str | None = None):
+    """Tokenizer and config (context length, quantization) of a model directory (converting a
+    GGUF once if needed)."""
     from transformers import AutoTokenizer  # local: ~1 s to import, after the input is checked
 
     try:
         path = resolve_model_path(model)
-        cfg = ModelConfig.from_dir(path)
+        cfg = with_quantization(ModelConfig.from_dir(path), quantization, model)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (ValueError, OSError) as e:
         raise PlanError(f"cannot load the model's tokenizer: {e}", 4) from e
     return tokenizer, cfg, path
+
+
+def describe_weights(cfg: ModelConfig, path: Path, gguf: bool) -> str:
+    """The weights' format and the checkpoint's size on disk (no weight is read)."""
+    fmt = cfg.quantization.describe() if cfg.quantization is not None else "plain"
+    if gguf:
+        return f"{fmt} (converted from GGUF)"
+    files = list(path.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    dtype = f", {cfg.torch_dtype}" if cfg.quantization is None and cfg.torch_dtype else ""
+    return f"{fmt}{dtype}; {size / 1e9:.2f} GB in {len(files)} safetensors files"
 
 
 def make_plan(dataset: str, **kw) -> str:
@@ -66,6 +79,7 @@ def _make_plan(
     name: str,
     *,
     model: str | None,
+    quantization: str | None = None,
     split: str | None,
     spec: RowSpec,
     defaults: SamplingParams,
@@ -81,7 +95,8 @@ def _make_plan(
         source = open_dataset(dataset, split)
     except BadInputError as e:
         raise PlanError(str(e), 3) from e
-    tokenizer, cfg, _ = load_tokenizer_and_context(model)
+    tokenizer, cfg, model_path = load_tokenizer_and_context(model, quantization)
+    is_gguf = model is None or model.endswith(".gguf")
     if max_running is None:  # the engine's default on this machine
         max_running = resolve_sizes(EngineConfig(), cfg).max_running
     pipeline = RowPipeline(
@@ -124,6 +139,7 @@ def _make_plan(
         f"dataset      {name} ({source.format}{', OpenAI batch' if pipeline.openai else ''})",
         f"model        {model or 'embedded SmolLM2-135M-Instruct'} "
         f"(context {cfg.max_position_embeddings}{served})",
+        f"weights      {describe_weights(cfg, model_path, is_gguf)}",
         f"rows         {rows}: {len(prompt_lens)} would run, {sum(errors.values())} would fail",
     ]
     if prompt_lens:

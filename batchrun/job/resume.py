@@ -4,7 +4,8 @@ Running ``submit`` again with the same --out resumes the run when the fingerprin
 and refuses otherwise: rows from two different runs must never share an output. Identities are
 by content, not by path, so a dataset or model copied to another node (or mounted elsewhere)
 still resumes; cheap enough for huge inputs (sizes plus hashes of each file's first and last
-64 KiB, at most MAX_HASHED files; config.json and the weight files' names and sizes).
+64 KiB, at most MAX_HASHED files; config.json and the weight files' names and sizes, and
+--quantization, which changes the model that runs).
 
 Not in the fingerprint, so they may change between attempts: device, dtype, KV budget,
 max-running, chunked prefill, attention backend, shard size, commit and drain settings.
@@ -74,7 +75,15 @@ def input_identity(dataset: str | Path, fmt: str, split: str | None) -> dict:
     return {"format": fmt, "split": split, **_files_identity(path, files)}
 
 
-def model_identity(model: str | None, load_format: str) -> dict:
+def model_identity(model: str | None, load_format: str, quantization: str | None = None) -> dict:
+    """The model's identity; `quantization` (--quantization) is part of it when given."""
+    ident = _model_files_identity(model, load_format)
+    if quantization is not None:
+        ident["quantization"] = quantization
+    return ident
+
+
+def _model_files_identity(model: str | None, load_format: str) -> dict:
     if model is None:
         return {"name": "embedded:SmolLM2-135M-Instruct"}
     path = Path(model).expanduser()
@@ -104,7 +113,7 @@ def make_fingerprint(config: RunConfig, input_format: str, input_ident: dict | N
         output["keep_columns"] = list(cfg.spec.keep_columns)
     return {
         "batchrun_version": __version__,
-        "model": model_identity(cfg.engine.model, cfg.engine.load_format),
+        "model": model_identity(cfg.engine.model, cfg.engine.load_format, cfg.engine.quantization),
         "input": input_ident or input_identity(cfg.dataset, input_format, cfg.split),
         "sampling": msgspec.to_builtins(cfg.defaults),
         "rows": _rows_identity(config),

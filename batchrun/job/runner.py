@@ -24,33 +24,24 @@ from typing import TYPE_CHECKING, BinaryIO
 import msgspec
 
 from batchrun.engine.engine import Engine, derive_seed
-from batchrun.engine.stop import cut_at_stop
 from batchrun.engine_process.client import EngineProcess, EngineProcessError
 from batchrun.engine_process.data_parallel import DataParallelEngine, device_indices
 from batchrun.engine_process.tp_launcher import start_tp_engine
 from batchrun.errors import InputError, ModelError, RunError
 from batchrun.io.manifest import InputInfo, Manifest, utc_now
 from batchrun.io.readers import BadInputError
-from batchrun.io.records import (
-    Completion,
-    encode_line,
-    error_record,
-    logprob_token_ids,
-    openai_error_record,
-    openai_result_record,
-    result_records,
-)
+from batchrun.io.records import Completion
 from batchrun.io.rows import PreparedRow, RowError
 from batchrun.job.commit import RunOutput
 from batchrun.job.config import RunConfig
 from batchrun.job.order import ordered_windows, shard_of
 from batchrun.job.pipeline import RowPipeline, openai_duplicates
 from batchrun.job.resume import make_fingerprint
+from batchrun.job.row_sink import RowSink
 from batchrun.job.run_input import RunInput, no_column_warning
 from batchrun.job.shards import error_shard_of, shard_dir
 from batchrun.job.signals import EXIT_INTERRUPTED, StopSignals
 from batchrun.job.summary import RunSummary
-from batchrun.job.token_text import TokenTexts
 from batchrun.job.tokenize import TokenizedRow
 from batchrun.params import EngineCounters, GenerateRequest, GenerateResult
 from batchrun.progress.bar import Progress
@@ -109,7 +100,7 @@ class Runner:
         try:
             self.engine = engine or self._start_engine()
             self.tokenizer = self.engine.tokenizer
-            self._token_texts = TokenTexts(self.tokenizer)
+            self.sink = RowSink(config, self.output, self.summary, self.tokenizer, hub)
             self._manifest.kernels = asdict(self.engine.kernels)
         except BaseException:
             self._stop.restore()
@@ -220,6 +211,7 @@ class Runner:
             raise InputError(str(e)) from e
         self._commit(status="running")  # a fresh run's manifest exists before any shard
         self.progress = progress = Progress(total if cfg.num_shards == 1 else None, cfg.quiet)
+        self.sink.progress = progress
         s = self.summary
         progress.rows(s.rows)
         # the engine's counts are cumulative since it started: this attempt's start from here
@@ -374,8 +366,9 @@ class Runner:
     # -- results -----------------------------------------------------------------------------
 
     def _on_result(self, result: GenerateResult) -> None:
+        """One sample of a row; the row is written once its n samples are in."""
         prepared, done = self._pending[result.rid]
-        done.append(self._completion(prepared, result))
+        done.append(self.sink.completion(prepared, result))
         if result.error:
             self._failures[result.rid] = result.error
         if len(done) < prepared.params.n:
@@ -387,77 +380,10 @@ class Runner:
                 RowError(prepared.id, prepared.row, "engine_error", failure, prepared.kept)
             )
             return
-        self._write_results(prepared, done)
-        self.progress.rows(1)
-        if self.hub is not None:
-            self.hub.update(self.summary)
-
-    def _write_results(self, prepared: PreparedRow, done: list[Completion]) -> None:
-        s = self.summary
-        s.rows += 1
-        s.rows_ok += 1
-        s.completions += len(done)
-        s.prompt_tokens += sum(c.prompt_tokens for c in done)
-        s.cached_tokens += sum(c.cached_tokens for c in done)
-        tokens = sum(c.completion_tokens for c in done)
-        s.completion_tokens += tokens
-        s.session_tokens += tokens
-        if prepared.openai:
-            token_str = self._token_text(prepared, done)
-            record = openai_result_record(
-                prepared,
-                done,
-                model=self.config.model_name,  # the model that ran, as a server writes it
-                token_str=token_str,
-            )
-            lines = [encode_line(record)]
-        else:
-            records = result_records(
-                prepared,
-                done,
-                with_token_ids=self.config.with_token_ids,
-                with_timing=False,
-                token_text=self._token_text(prepared, done),
-            )
-            lines = [encode_line(r) for r in records]
-        self.output.add_result(prepared.row, lines)
-        if self.hub is not None:
-            self.hub.add_rows(lines)
-
-    def _token_text(self, prepared: PreparedRow, done: list[Completion]):
-        """Token id -> text for the logprobs of `done` (new ids decoded in one batch), or None
-        when the row asked for no logprobs."""
-        if not (prepared.params.logprobs or prepared.params.top_logprobs):
-            return None
-        return self._token_texts.prepare(logprob_token_ids(done))
-
-    def _completion(self, prepared: PreparedRow, r: GenerateResult) -> Completion:
-        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        if r.finish_reason == "stop" and isinstance(r.matched_stop, str):
-            text = cut_at_stop(text, prepared.params.stop, matched=r.matched_stop)
-        return Completion(
-            index=r.index,
-            text=text,
-            token_ids=r.output_ids,
-            finish_reason=r.finish_reason,
-            prompt_tokens=r.prompt_tokens,
-            completion_tokens=r.completion_tokens,
-            cached_tokens=r.cached_tokens,
-            logprobs=r.logprobs,
-            top_logprobs=r.top_logprobs,
-        )
+        self.sink.results(prepared, done)
 
     def _on_error(self, error: RowError) -> None:
-        self.summary.add_error(error.type)
-        openai = self._pipeline is not None and self._pipeline.openai
-        record = openai_error_record(error) if openai else error_record(error)
-        line = encode_line(record)
-        self.output.add_error(error.row, line)
-        self.progress.rows(1)
-        if self.hub is not None:
-            self.hub.update(self.summary)
-            self.hub.add_error(error.row, error.id, error.type, error.message)
-            self.hub.add_rows([line])
+        self.sink.error(error, openai=self._pipeline is not None and bool(self._pipeline.openai))
 
 
 def _input_ids(row: TokenizedRow) -> list[int]:

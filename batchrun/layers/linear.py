@@ -10,6 +10,10 @@ collectives are no-ops: these are then plain Linear / Embedding layers.
 A column-parallel layer feeding a row-parallel one (qkv -> attention -> o_proj, gate_up -> down)
 costs one all-reduce per pair.
 
+A layer built with a QuantSpec holds a quantized weight instead of `weight`: a QuantMatmul
+(batchrun/quant/linear.py) the loader fills through `load_quantized`; its bias stays a plain
+parameter.
+
 The matmuls of decode batches (at most GEMV_MAX_ROWS rows, bf16 / fp16, no bias) run on
 kernels/gemv.py where the kernel config's decode_gemv is "triton", else on cuBLAS (F.linear).
 NOTE: on the H200 at M = 1 (`scripts/bench_gemv.py`) the kernel reads llama-1b's down_proj in
@@ -26,6 +30,8 @@ from torch import nn
 from batchrun.config import KernelConfig
 from batchrun.parallel.partition import ShardSpec
 from batchrun.parallel.state import TPGroup
+from batchrun.quant.linear import QuantMatmul, QuantSpec
+from batchrun.quant.weights import QuantizedWeight
 
 try:
     from batchrun.kernels.gemv import gemv
@@ -73,21 +79,35 @@ class ColumnParallelLinear(nn.Module):
         dtype,
         device,
         kernels: KernelConfig | None = None,
+        quant: QuantSpec | None = None,
     ):
         super().__init__()
         assert spec.dim == 0
         self.spec = spec
         self.kernels = kernels or KernelConfig.reference()
-        self.weight = nn.Parameter(torch.empty(local_rows, in_features, dtype=dtype, device=device))
+        if quant is None:
+            self.weight = nn.Parameter(
+                torch.empty(local_rows, in_features, dtype=dtype, device=device)
+            )
+            self.quant = None
+        else:
+            self.weight = None
+            self.quant = QuantMatmul(local_rows, in_features, quant, dtype, device)
         self.bias = (
             nn.Parameter(torch.empty(local_rows, dtype=dtype, device=device)) if bias else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            y = self.quant(x)
+            return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias, self.kernels)
 
+    def load_quantized(self, qw: QuantizedWeight, where: str) -> None:
+        self.quant.load(qw, where)
+
     def param_shards(self) -> dict[str, ShardSpec]:
-        specs = {"weight": self.spec}
+        specs = {} if self.quant is not None else {"weight": self.spec}
         if self.bias is not None:
             specs["bias"] = self.spec
         return specs
@@ -106,26 +126,39 @@ class RowParallelLinear(nn.Module):
         dtype,
         device,
         kernels: KernelConfig | None = None,
+        quant: QuantSpec | None = None,
     ):
         super().__init__()
         assert spec.dim == 1
         self.spec, self.tp = spec, tp
         self.kernels = kernels or KernelConfig.reference()
-        self.weight = nn.Parameter(
-            torch.empty(out_features, spec.local_len, dtype=dtype, device=device)
-        )
+        if quant is None:
+            self.weight = nn.Parameter(
+                torch.empty(out_features, spec.local_len, dtype=dtype, device=device)
+            )
+            self.quant = None
+        else:
+            self.weight = None
+            reduce_max = tp.all_reduce_max if tp.is_parallel else None
+            self.quant = QuantMatmul(out_features, spec.local_len, quant, dtype, device, reduce_max)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            y = self.tp.all_reduce(self.quant(x))
+            return y if self.bias is None else y + self.bias
         if not self.tp.is_parallel:
             return linear(x, self.weight, self.bias, self.kernels)
         y = self.tp.all_reduce(linear(x, self.weight, kernels=self.kernels))
         return y if self.bias is None else y + self.bias
 
+    def load_quantized(self, qw: QuantizedWeight, where: str) -> None:
+        self.quant.load(qw, where)
+
     def param_shards(self) -> dict[str, ShardSpec]:
-        return {"weight": self.spec}
+        return {} if self.quant is not None else {"weight": self.spec}
 
 
 class VocabParallelEmbedding(nn.Module):

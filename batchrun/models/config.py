@@ -1,4 +1,5 @@
-"""ModelConfig: the numbers the Llama-family decoder needs, read from an HF config.json."""
+"""ModelConfig: the numbers the Llama-family decoder needs, read from an HF config.json, and the
+quantization its checkpoint is stored in (batchrun/quant/formats)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.errors import ModelConfigError
+from batchrun.quant.formats import Scheme, parse_quant_config
 
 # architecture name in config.json -> (qkv bias by default, q/k RMSNorm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -55,6 +57,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str | None = None
+    # how the checkpoint's decoder linears are quantized (config.json's quantization_config, or
+    # --quantization); None: plain weights
+    quantization: Scheme | None = None
 
     @property
     def q_size(self) -> int:
@@ -108,6 +113,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            quantization=parse_quant_config(raw, source),
         )
 
     @classmethod

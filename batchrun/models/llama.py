@@ -11,6 +11,7 @@ and a slice of the vocabulary; logits are all-gathered, so every rank returns th
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -31,6 +32,7 @@ from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.config import ModelConfig
 from batchrun.parallel.partition import ShardSpec, TPPartition, partition_model
 from batchrun.parallel.state import TPGroup
+from batchrun.quant.linear import plan_linear
 
 try:
     from batchrun.kernels.activation import silu_and_mul
@@ -84,18 +86,29 @@ class Attention(nn.Module):
         )
         self.q_size, self.kv_size = part.q_size, part.kv_size
         self.scaling = cfg.head_dim**-0.5
+        qkv_rows = part.q_size + 2 * part.kv_size
+        # how the checkpoint's linears are quantized (None: plain weights)
+        plan = partial(plan_linear, cfg.quantization, kernels.fp8_matmul, dtype)
+        prefix = f"model.layers.{layer_id}.self_attn"
+        qkv = tuple(f"{prefix}.{n}_proj" for n in "qkv")
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size,
             part.qkv_spec(cfg),
-            part.q_size + 2 * part.kv_size,
+            qkv_rows,
             bias=cfg.qkv_bias,
             dtype=dtype,
             device=device,
             kernels=kernels,
+            quant=plan(qkv, qkv_rows, cfg.hidden_size),
         )
+        o_quant = plan((f"{prefix}.o_proj",), cfg.hidden_size, part.q_size)
         self.o_proj = RowParallelLinear(
-            part.o_spec(cfg), cfg.hidden_size, False, tp, dtype, device, kernels
+            part.o_spec(cfg), cfg.hidden_size, False, tp, dtype, device, kernels, o_quant
         )
+        # the FP8 KV cache's scales when the checkpoint has them (k_scale / v_scale), kept for
+        # a KV cache that reads them; None: none in the checkpoint
+        self.k_scale: float | None = None
+        self.v_scale: float | None = None
         # NOTE: q/k norms are per head (weight [head_dim]): replicated, whatever the split
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, kernels)
@@ -132,27 +145,46 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, part: TPPartition, tp: TPGroup, dtype, device, kernels: KernelConfig
+        self,
+        cfg: ModelConfig,
+        part: TPPartition,
+        tp: TPGroup,
+        dtype,
+        device,
+        kernels: KernelConfig,
+        layer_id: int = 0,
     ):
         super().__init__()
         self.kernels = kernels
-        self.intermediate_size = part.intermediate_size
+        self.intermediate_size = inter = part.intermediate_size
+        plan = partial(plan_linear, cfg.quantization, kernels.fp8_matmul, dtype)
+        prefix = f"model.layers.{layer_id}.mlp"
+        gate_up = (f"{prefix}.gate_proj", f"{prefix}.up_proj")
         self.gate_up_proj = ColumnParallelLinear(  # local rows [gate of this rank | up of it]
             cfg.hidden_size,
             part.gate_up_spec(cfg),
-            2 * part.intermediate_size,
+            2 * inter,
             bias=cfg.mlp_bias,
             dtype=dtype,
             device=device,
             kernels=kernels,
+            quant=plan(gate_up, 2 * inter, cfg.hidden_size),
         )
+        down_quant = plan((f"{prefix}.down_proj",), cfg.hidden_size, inter)
         self.down_proj = RowParallelLinear(
-            part.down_spec(cfg), cfg.hidden_size, cfg.mlp_bias, tp, dtype, device, kernels
+            part.down_spec(cfg),
+            cfg.hidden_size,
+            cfg.mlp_bias,
+            tp,
+            dtype,
+            device,
+            kernels,
+            down_quant,
         )
 
     def forward(self, x):
         proj, kernels = self.gate_up_proj, self.kernels
-        if takes_gemv(x, proj.bias, kernels):
+        if proj.quant is None and takes_gemv(x, proj.bias, kernels):
             # NOTE: a decode batch on kernels/gemv.py: the gate as the matmul's epilogue, one
             # kernel a layer less (the gate's kernel costs ~1.5 µs at batch 1 on the H200)
             return self.down_proj(gemv(x, proj.weight, swiglu=True, pdl=kernels.pdl))
@@ -180,7 +212,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, kernels)
         self.self_attn = Attention(cfg, part, tp, layer_id, dtype, device, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, kernels)
-        self.mlp = MLP(cfg, part, tp, dtype, device, kernels)
+        self.mlp = MLP(cfg, part, tp, dtype, device, kernels, layer_id)
 
     def forward(self, x, residual, positions, rotary, backend):
         """Residual-stream form of `h = x + attn(norm(x)); out = h + mlp(norm(h))`: takes and
@@ -271,6 +303,13 @@ class LlamaForCausalLM(nn.Module):
         if self.decode_norms != "off" and (tp.is_parallel or cfg.qkv_bias or cfg.mlp_bias):
             # a bias or a row-parallel all-reduce sits between a matmul's sums and the residual
             raise ValueError("decode_norms other than 'off' need a model without biases at TP=1")
+        if cfg.quantization is not None and (
+            kernels.decode_gemv == "triton" or kernels.decode_norms != "off"
+        ):
+            # kernels/gemv.py and the folded norms read plain bf16 weights
+            raise ValueError(
+                "a quantized model runs with decode_gemv 'cublas' and decode_norms 'off'"
+            )
         self.partition = part = partition_model(cfg, tp.rank, tp.size)
         self.num_kv_heads = part.num_kv_heads  # per rank: what the KV pool holds
         vocab = part.vocab_spec()

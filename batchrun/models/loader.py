@@ -8,28 +8,45 @@ Those offsets are in the full (TP=1) tensor. Under tensor parallelism a paramete
 of it (its ShardSpec, batchrun/parallel/partition.py): each rank reads only the rows or columns
 of each checkpoint tensor that fall in its slice (safetensors slices, no full tensor in memory),
 and dummy weights are drawn full size and sliced, so TP=N gets TP=1's weights.
+
+A quantized model's linears (ModelConfig.quantization) are not parameters: models/quant_loader.py
+reads, decodes, slices and fuses them; this module reads everything else.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from batchrun.config import KernelConfig
 from batchrun.errors import WeightLoadError
 from batchrun.layers.rotary import RotaryEmbedding
+from batchrun.models.checkpoint import Checkpoint, safetensors_files
 from batchrun.models.config import ModelConfig
 from batchrun.models.dummy import init_dummy_
 from batchrun.models.llama import LlamaForCausalLM
+from batchrun.models.quant_loader import (
+    checkpoint_source,
+    claimed_modules,
+    dummy_source,
+    load_kv_scale,
+    load_quantized,
+)
 from batchrun.parallel.partition import ShardSpec, replicated
 from batchrun.parallel.state import TPGroup
+from batchrun.quant.linear import QuantMatmul
+
+__all__ = ["WeightLoadError", "build_model", "load_model", "safetensors_files"]
+
+log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = ("rotary_emb.inv_freq",)
+# safetensors dtypes of plain weights; anything else (F8_E4M3, I32, U8) is a quantized tensor
+_PLAIN_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def build_model(
@@ -73,30 +90,24 @@ def load_model(
     model = build_model(cfg, dtype, device, max_positions, tp, kernels)
     if load_format == "dummy":
         init_dummy_(model, dummy_init, seed=seed, shards=model.param_shards())
+        if cfg.quantization is not None:
+            load_quantized(model, dummy_source(cfg.quantization, torch.device(device), seed))
     else:
         load_safetensors(model, Path(model_dir), cfg)
+    log.info("weights: %s", describe_weights(model))
     return model.eval()
 
 
-def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({model_dir / name for name in weight_map.values()})
-        missing = [f for f in files if not f.is_file()]
-        if missing:
-            raise WeightLoadError(
-                f"{index} lists {missing[0].name}, which is missing from {model_dir} "
-                f"({len(missing)} of {len(files)} shards missing); download the complete model"
-            )
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise WeightLoadError(
-            f"no *.safetensors in {model_dir}: batchrun loads Hugging Face safetensors "
-            "checkpoints (or a .gguf file, or --load-format dummy for random weights)"
-        )
-    return files
+def describe_weights(model: LlamaForCausalLM) -> str:
+    """The weights' format and bytes on their device, for the start-up log."""
+    tensors = list(model.parameters())
+    for module in model.modules():
+        if isinstance(module, QuantMatmul):
+            tensors += [b for b in module.buffers() if b is not None]
+    size = sum(t.nbytes for t in tensors)
+    scheme = model.config.quantization
+    what = scheme.describe() if scheme is not None else str(model.lm_head_weight.dtype)
+    return f"{what}, {size / 1e9:.2f} GB on {model.lm_head_weight.device}"
 
 
 def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int] | None:
@@ -127,64 +138,81 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int] | None:
 
 
 def load_safetensors(model: LlamaForCausalLM, model_dir: Path, cfg: ModelConfig) -> None:
+    with Checkpoint(model_dir) as ckpt:
+        _load_plain(model, ckpt, cfg)
+        if cfg.quantization is not None:
+            device = model.lm_head_weight.device
+            load_quantized(model, checkpoint_source(ckpt, cfg.quantization, device))
+
+
+def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> None:
+    """Every parameter from the checkpoint: all but the quantized linears' weights."""
     params = dict(model.named_parameters())
     specs = model.param_shards()
+    claimed = claimed_modules(model)
 
     def spec_of(name: str) -> ShardSpec:
         return specs.get(name) or replicated(params[name].shape[0])
 
     # elements filled per parameter, to report what the checkpoint lacks
     filled: dict[str, int] = {name: 0 for name in params}
-    for path in safetensors_files(model_dir):
-        try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as e:  # SafetensorError: truncated file, git-lfs pointer, ...
-            raise WeightLoadError(
-                f"{path}: not a readable safetensors file ({e}); a git-lfs pointer or an "
-                "interrupted download? fetch the file again"
-            ) from None
-        with handle as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED):
-                    continue
-                target = _target(name, cfg)
-                if target is None:
-                    continue
-                pname, start, rows = target
-                if pname not in params:
-                    raise WeightLoadError(
-                        f"{path.name}: unexpected tensor {name!r} for {cfg.architecture} "
-                        f"(mapped to {pname!r}, which this model does not have); check that "
-                        "config.json matches the weights"
-                    )
-                param, spec = params[pname], spec_of(pname)
-                # the shape this tensor has in the checkpoint (the full, TP=1 one)
-                expected = list(param.shape)
-                expected[spec.dim] = spec.full_size
-                if rows != -1:
-                    expected[0] = rows
-                sliced = f.get_slice(name)
-                shape = tuple(sliced.get_shape())
-                if shape != tuple(expected):
-                    raise WeightLoadError(
-                        f"{path.name}: tensor {name!r} has shape {shape}, "
-                        f"expected {tuple(expected)} from config.json"
-                    )
-                if spec.dim == 0:
-                    pieces = spec.pieces(start, rows if rows != -1 else spec.full_size)
-                else:  # split columns: the tensor fills the parameter's rows whole
-                    pieces = spec.pieces(0, spec.full_size)
-                for src, dst, n in pieces:
-                    part = sliced[src : src + n] if spec.dim == 0 else sliced[:, src : src + n]
-                    dest = param.data.narrow(spec.dim, dst, n)
-                    dest.copy_(part.to(dest.dtype), non_blocking=True)
-                    filled[pname] += dest.numel()
+    for path, f in ckpt.files:
+        for name in f.keys():
+            if name.endswith(_IGNORED):
+                continue
+            if load_kv_scale(model, name, f.get_tensor):
+                continue
+            module, _, kind = name.rpartition(".")
+            if module in claimed and kind != "bias":
+                continue  # read by the quantized linear (quant_loader)
+            target = _target(name, cfg)
+            if target is None:
+                continue
+            pname, start, rows = target
+            if pname not in params:
+                raise WeightLoadError(
+                    f"{path.name}: unexpected tensor {name!r} for {cfg.architecture} "
+                    f"(mapped to {pname!r}, which this model does not have); check that "
+                    "config.json matches the weights"
+                )
+            param, spec = params[pname], spec_of(pname)
+            # the shape this tensor has in the checkpoint (the full, TP=1 one)
+            expected = list(param.shape)
+            expected[spec.dim] = spec.full_size
+            if rows != -1:
+                expected[0] = rows
+            sliced = f.get_slice(name)
+            shape = tuple(sliced.get_shape())
+            if sliced.get_dtype() not in _PLAIN_DTYPES:
+                raise WeightLoadError(
+                    f"{path.name}: tensor {name!r} is {sliced.get_dtype()}, a quantized "
+                    f"tensor, where batchrun reads a plain weight: config.json's "
+                    f"quantization_config ({_quant_text(cfg)}) does not cover {module}"
+                )
+            if shape != tuple(expected):
+                raise WeightLoadError(
+                    f"{path.name}: tensor {name!r} has shape {shape}, "
+                    f"expected {tuple(expected)} from config.json"
+                )
+            if spec.dim == 0:
+                pieces = spec.pieces(start, rows if rows != -1 else spec.full_size)
+            else:  # split columns: the tensor fills the parameter's rows whole
+                pieces = spec.pieces(0, spec.full_size)
+            for src, dst, n in pieces:
+                part = sliced[src : src + n] if spec.dim == 0 else sliced[:, src : src + n]
+                dest = param.data.narrow(spec.dim, dst, n)
+                dest.copy_(part.to(dest.dtype), non_blocking=True)
+                filled[pname] += dest.numel()
     missing = [n for n, p in params.items() if filled[n] < _real_numel(p, specs.get(n))]
     if missing:
         raise WeightLoadError(
-            f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}; "
+            f"{ckpt.model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}; "
             "the safetensors files are incomplete or belong to another model"
         )
+
+
+def _quant_text(cfg: ModelConfig) -> str:
+    return "none" if cfg.quantization is None else cfg.quantization.describe()
 
 
 def _real_numel(param: torch.Tensor, spec: ShardSpec | None) -> int:

@@ -37,6 +37,13 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise max of x over the ranks, in place (x must be contiguous)."""
+        if self.size == 1:
+            return x
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[..., N] on each rank -> [..., size * N], rank r's part at [r*N, (r+1)*N)."""
         if self.size == 1:

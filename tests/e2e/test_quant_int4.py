@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from quant_checkpoints import (  # noqa: E402
+from quant_checkpoints_int4 import (  # noqa: E402
     int4_quantization_config,
     reference_int4_model,
     write_int4_checkpoint,

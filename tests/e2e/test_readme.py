@@ -149,6 +149,8 @@ SHELL_NOT_RUN = {
     "batchrun submit data.parquet": "needs a dataset and a model (and --device cuda a GPU)",
     "batchrun tail": "needs a run serving progress (tests/e2e/test_progress_server.py)",
     "batchrun export runs/exp": "needs a run (tests/e2e/test_inputs_export.py exports runs)",
+    "batchrun submit prompts.jsonl": "needs a quantized checkpoint (tests/e2e/test_quant_*.py "
+    "write tiny ones)",
 }
 # options of other programs that the README mentions
 OTHER_OPTIONS = {"--no-deps", "--signal"}

@@ -43,7 +43,7 @@ FORMATS = [
 
 @pytest.mark.parametrize("fmt,group_size,symmetric,act_order", FORMATS)
 def test_decode_on_cuda_is_decode_on_cpu(fmt, group_size, symmetric, act_order):
-    from quant_checkpoints import (
+    from quant_checkpoints_int4 import (
         int4_quantization_config,
         int4_tensors,
         quantize_int4,
@@ -122,7 +122,7 @@ def agreement(model_dir: Path, reference, prompts, device: str, dtype: str):
 def test_engine_agrees_with_the_dequantized_model(
     smollm2, tmp_path, fmt, group_size, symmetric, act_order
 ):
-    from quant_checkpoints import reference_int4_model, write_int4_checkpoint
+    from quant_checkpoints_int4 import reference_int4_model, write_int4_checkpoint
 
     model, tok = smollm2
     weights = write_int4_checkpoint(

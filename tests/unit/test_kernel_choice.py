@@ -41,12 +41,13 @@ def resolve(model_cfg=SMALL, device=CPU, kernels: KernelConfig | None = None, **
 
 @pytest.fixture
 def gpu(monkeypatch):
-    """A GPU with triton and the driver's stream wait: call with pdl=True for sm_90+ (an H200),
-    pdl=False for sm_80 (an A100)."""
+    """A GPU with triton and the driver's stream wait: call with pdl=True for sm_90+ (an H200,
+    with FP8 tensor cores), pdl=False for sm_80 (an A100, without)."""
 
     def make(pdl: bool) -> None:
         monkeypatch.setattr(kernel_choice, "has_triton", lambda: True)
         monkeypatch.setattr(kernel_choice, "supports_pdl", lambda device: pdl)
+        monkeypatch.setattr(kernel_choice, "supports_fp8_matmul", lambda device: pdl)
         monkeypatch.setattr(kernel_choice.HostGate, "available", staticmethod(lambda: True))
 
     return make
@@ -73,6 +74,7 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         cuda_graph_max_bs=0,
         piecewise_graphs=False,
         host_gate=False,
+        fp8_matmul="dequant",
     )
     assert kernels.is_resolved
 
@@ -199,6 +201,7 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         cuda_graph_max_bs=KernelConfig.cuda_graph_max_bs,
         piecewise_graphs=True,  # a small model's mixed steps are bound by the host
         host_gate=True,
+        fp8_matmul="scaled_mm",  # the FP8 linears of a quantized model on the tensor cores
     )
     assert kernels.is_resolved
 
@@ -268,5 +271,40 @@ def test_fields_set_by_hand_are_kept(gpu):
         cuda_graph_max_bs=64,
         piecewise_graphs=False,
         host_gate=False,
+        fp8_matmul="dequant",
     )
     assert resolve(SMALL, CUDA, want) == want
+
+
+# -- a quantized model ---------------------------------------------------------------------------
+
+
+def quantized(model_cfg):
+    from batchrun.quant.online import OnlineFp8Scheme
+
+    return replace(model_cfg, quantization=OnlineFp8Scheme())
+
+
+def test_a_quantized_model_on_an_h200_runs_scaled_mm_and_cublas_without_folded_norms(gpu):
+    """kernels/gemv.py and the norms folded into it read bf16 weights: a quantized model's
+    decode matmuls go to its own path (torch._scaled_mm for FP8 on sm_89+)."""
+    gpu(pdl=True)
+    for model_cfg in (quantized(SMALL), quantized(LARGE)):
+        kernels = resolve(model_cfg, CUDA)
+        assert (kernels.decode_gemv, kernels.decode_norms) == ("cublas", "off")
+        assert kernels.fp8_matmul == "scaled_mm" and kernels.pdl is True
+    assert resolve(SMALL, CUDA, quantization="fp8").decode_gemv == "cublas"
+    with pytest.raises(ValueError, match="decode_gemv 'triton' .* a quantized model"):
+        resolve(quantized(SMALL), CUDA, KernelConfig(decode_gemv="triton"))
+    with pytest.raises(ValueError, match="decode_norms 'all' needs .* not quantized"):
+        resolve(quantized(SMALL), CUDA, KernelConfig(decode_norms="all"))
+    assert resolve(quantized(SMALL), CUDA, KernelConfig(fp8_matmul="dequant")).fp8_matmul == (
+        "dequant"
+    )
+
+
+def test_fp8_matmuls_need_sm_89(gpu):
+    gpu(pdl=False)
+    assert resolve(quantized(SMALL), CUDA).fp8_matmul == "dequant"
+    with pytest.raises(ValueError, match="fp8_matmul 'scaled_mm' needs the FP8 tensor cores"):
+        resolve(quantized(SMALL), CUDA, KernelConfig(fp8_matmul="scaled_mm"))

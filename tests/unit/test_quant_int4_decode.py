@@ -16,7 +16,7 @@ from batchrun.quant.formats.int4_common import unpack_int4
 from batchrun.quant.weights import Int4Weight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from quant_checkpoints import (  # noqa: E402
+from quant_checkpoints_int4 import (  # noqa: E402
     int4_quantization_config,
     int4_tensors,
     pack_awq,

@@ -16,7 +16,7 @@ from batchrun.errors import ModelConfigError, WeightLoadError
 from batchrun.quant.formats import awq, compressed_tensors_int4, gptq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from quant_checkpoints import (  # noqa: E402
+from quant_checkpoints_int4 import (  # noqa: E402
     int4_quantization_config,
     int4_tensors,
     quantize_int4,
