@@ -23,7 +23,9 @@ from typing import Any, ClassVar
 import torch
 
 from batchrun.errors import ModelConfigError
+from batchrun.quant.dummy import random_int4
 from batchrun.quant.formats import int4_common as c
+from batchrun.quant.formats.common import ModuleFilter, check_tensor, string_list
 from batchrun.quant.weights import Int4Weight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -35,7 +37,7 @@ METHOD = "AWQ"
 class AwqScheme:
     group_size: int  # -1: one group per row
     zero_point: bool
-    modules_to_not_convert: tuple[str, ...] = ()
+    modules_to_not_convert: ModuleFilter = ModuleFilter()  # substrings of module names
 
     family: ClassVar[str] = "int4"
     method: ClassVar[str] = "awq"
@@ -52,7 +54,7 @@ class AwqScheme:
         an entry of modules_to_not_convert (a substring match, as transformers and vLLM do)."""
         if not module.startswith("model.layers."):
             return False
-        return not any(key in module for key in self.modules_to_not_convert)
+        return not self.modules_to_not_convert.matches(module)
 
     def decode(
         self,
@@ -66,11 +68,12 @@ class AwqScheme:
         g = c.effective_group_size(k, self.group_size)
         c.require_divisible(where, "in_features", k, g, f"AWQ's group size is {g}")
         groups = k // g
-        layout = f"AWQ GEMM: qweight int32 [in, out / 8], qzeros int32 [in / {g}, out / 8], "
-        layout += f"scales [in / {g}, out] for in={k}, out={n}"
-        qweight = c.take(tensors, "qweight", where, (k, n // c.PACK), (torch.int32,), layout)
-        qzeros = c.take(tensors, "qzeros", where, (groups, n // c.PACK), (torch.int32,), layout)
-        scales = c.take(tensors, "scales", where, (groups, n), c.SCALE_DTYPES, layout)
+        fmt = f"AWQ GEMM (qweight int32 [in, out / 8], qzeros int32 [in / {g}, out / 8], "
+        fmt += f"scales [in / {g}, out] for in={k}, out={n})"
+        int32 = (torch.int32,)
+        qweight = check_tensor(tensors, "qweight", where, ((k, n // c.PACK),), int32, fmt)
+        qzeros = check_tensor(tensors, "qzeros", where, ((groups, n // c.PACK),), int32, fmt)
+        scales = check_tensor(tensors, "scales", where, ((groups, n),), c.SCALE_DTYPES, fmt)
         return Int4Weight(
             qweight=unpack_awq(qweight).t().contiguous(),
             scales=scales.t().contiguous(),
@@ -79,9 +82,7 @@ class AwqScheme:
         )
 
     def dummy(self, out_features: int, in_features: int, generator: torch.Generator):
-        return c.random_int4(
-            out_features, in_features, self.group_size, False, torch.float16, generator
-        )
+        return random_int4(out_features, in_features, self.group_size, generator, symmetric=False)
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
@@ -100,8 +101,8 @@ def parse(qcfg: Mapping[str, Any], source: str) -> AwqScheme:
     # `backend` names the kernels that run a checkpoint, but "llm-awq" MIT's own packing
     if str(qcfg.get("backend", "")).lower() == "llm-awq":
         raise ModelConfigError(
-            f'{source}: quantization_config.backend is "llm-awq", a packing for llm-awq\'s own '
-            'kernels; batchrun reads AWQ checkpoints in the GEMM layout (version "gemm")'
+            f"{source}: quantization_config.backend 'llm-awq' is not supported (a packing for "
+            "llm-awq's own kernels); supported: AWQ checkpoints in the GEMM layout (version gemm)"
         )
     c.read_field(qcfg, ("bits", "w_bit"), source, METHOD, (4,))
     group_size = c.read_group_size(qcfg, ("group_size", "q_group_size"), source, METHOD, True)
@@ -109,10 +110,5 @@ def parse(qcfg: Mapping[str, Any], source: str) -> AwqScheme:
     # zero_point: true; GPTQModel writes qzeros of 8 for a symmetric AWQ), and batchrun reads
     # them as stored, as vLLM does
     zero_point = c.read_field(qcfg, ("zero_point",), source, METHOD, (True, False), default=True)
-    skip = qcfg.get("modules_to_not_convert") or ()
-    if not isinstance(skip, list | tuple) or not all(isinstance(s, str) for s in skip):
-        raise ModelConfigError(
-            f"{source}: quantization_config.modules_to_not_convert is {skip!r}; expected a "
-            "list of module names"
-        )
-    return AwqScheme(group_size, zero_point, tuple(skip))
+    skip = string_list(qcfg, "modules_to_not_convert", source)
+    return AwqScheme(group_size, zero_point, ModuleFilter(skip, "substring"))

@@ -28,7 +28,9 @@ from typing import Any, ClassVar
 import torch
 
 from batchrun.errors import ModelConfigError, WeightLoadError
+from batchrun.quant.dummy import random_int4
 from batchrun.quant.formats import int4_common as c
+from batchrun.quant.formats.common import ModuleFilter, check_tensor, refuse, string_list
 from batchrun.quant.weights import Int4Weight
 
 METHOD = "compressed-tensors pack-quantized"
@@ -36,6 +38,7 @@ _LAYER = re.compile(r"^model\.layers\.\d+\.")
 # actorder values that store weight_g_idx ("group", its alias "dynamic", and True in the
 # compressed-tensors versions that wrote it); "weight" / "static" reorder only while quantizing
 _G_IDX_ACTORDER = ("group", "dynamic", True)
+INT32 = (torch.int32,)
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,8 @@ class PackQuantizedScheme:
     group_size: int  # -1: strategy channel, one group per row
     symmetric: bool
     has_g_idx: bool  # actorder "group"
-    targets: tuple[str, ...] = ("Linear",)
-    ignore: tuple[str, ...] = ()
+    targets: ModuleFilter = ModuleFilter(("Linear",), "compressed-tensors")
+    ignore: ModuleFilter = ModuleFilter((), "compressed-tensors")
 
     family: ClassVar[str] = "int4"
     method: ClassVar[str] = "compressed-tensors"
@@ -77,7 +80,7 @@ class PackQuantizedScheme:
         other entry only the module of that exact name (compressed-tensors' rules)."""
         if not _LAYER.match(module):
             return False
-        return match_module(module, self.targets) and not match_module(module, self.ignore)
+        return self.targets.matches(module) and not self.ignore.matches(module)
 
     def decode(
         self,
@@ -91,13 +94,13 @@ class PackQuantizedScheme:
         c.require_divisible(where, "in_features", k, g, f"its group size is {g}")
         groups = k // g
         words_n, words_k = -(-n // c.PACK), -(-k // c.PACK)
-        layout = "pack-quantized: weight_packed int32 [out, ceil(in / 8)], weight_scale "
-        layout += f"[out, {groups}], weight_zero_point int32 [ceil(out / 8), {groups}] for "
-        layout += f"in={k}, out={n}"
-        packed = c.take(tensors, "weight_packed", where, (n, words_k), (torch.int32,), layout)
-        scales = c.take(tensors, "weight_scale", where, (n, groups), c.SCALE_DTYPES, layout)
+        fmt = "compressed-tensors pack-quantized (weight_packed int32 [out, ceil(in / 8)], "
+        fmt += f"weight_scale [out, {groups}], weight_zero_point int32 [ceil(out / 8), {groups}] "
+        fmt += f"for in={k}, out={n})"
+        packed = check_tensor(tensors, "weight_packed", where, ((n, words_k),), INT32, fmt)
+        scales = check_tensor(tensors, "weight_scale", where, ((n, groups),), c.SCALE_DTYPES, fmt)
         if "weight_shape" in tensors:
-            shape = c.take(tensors, "weight_shape", where, (2,), c.INT_DTYPES, layout)
+            shape = check_tensor(tensors, "weight_shape", where, ((2,),), c.INT_DTYPES, fmt)
             if tuple(shape.tolist()) != (n, k):
                 raise WeightLoadError(
                     f"tensor {where}.weight_shape holds {tuple(shape.tolist())}; expected "
@@ -106,14 +109,12 @@ class PackQuantizedScheme:
         if self.symmetric:
             zeros = torch.full((n, groups), 8, dtype=torch.uint8, device=packed.device)
         else:
-            zp = c.take(
-                tensors, "weight_zero_point", where, (words_n, groups), (torch.int32,), layout
-            )
+            zp = check_tensor(tensors, "weight_zero_point", where, ((words_n, groups),), INT32, fmt)
             # packed along N: [ceil(N / 8), G] -> [G, ceil(N / 8), 8] -> [G, N] -> [N, G]
             zeros = c.unpack_int4(zp.t()).flatten(-2)[:, :n].t().contiguous()
         g_idx = None
         if self.has_g_idx:
-            g_idx = c.take(tensors, "weight_g_idx", where, (k,), c.INT_DTYPES, layout)
+            g_idx = check_tensor(tensors, "weight_g_idx", where, ((k,),), c.INT_DTYPES, fmt)
             g_idx = c.check_g_idx(g_idx, groups, where, "weight_g_idx")
             if c.sequential_g_idx(g_idx, g):
                 g_idx = None
@@ -126,18 +127,7 @@ class PackQuantizedScheme:
         )
 
     def dummy(self, out_features: int, in_features: int, generator: torch.Generator):
-        return c.random_int4(
-            out_features, in_features, self.group_size, self.symmetric, torch.bfloat16, generator
-        )
-
-
-def match_module(module: str, entries: tuple[str, ...]) -> bool:
-    for entry in entries:
-        if entry == "Linear" or entry == module:
-            return True
-        if entry.startswith("re:") and re.match(entry.removeprefix("re:"), module):
-            return True
-    return False
+        return random_int4(out_features, in_features, self.group_size, generator, self.symmetric)
 
 
 def parse(qcfg: Mapping[str, Any], source: str) -> PackQuantizedScheme:
@@ -151,7 +141,7 @@ def parse(qcfg: Mapping[str, Any], source: str) -> PackQuantizedScheme:
     )
     sparsity = qcfg.get("sparsity_config") or {}
     if sparsity and str(sparsity.get("format", "dense")).lower() != "dense":
-        c.config_error(source, "sparsity_config.format", sparsity.get("format"), METHOD, "dense")
+        raise refuse(source, "sparsity_config.format", sparsity.get("format"), "dense")
     if qcfg.get("transform_config"):
         raise ModelConfigError(
             f"{source}: quantization_config.transform_config is set (rotations applied to the "
@@ -174,7 +164,7 @@ def parse(qcfg: Mapping[str, Any], source: str) -> PackQuantizedScheme:
         c.read_field(group, ("format",), source, METHOD, ("pack-quantized", None), None, f"{key}.")
         for acts in ("input_activations", "output_activations"):
             if group.get(acts) is not None:
-                c.config_error(source, f"{key}.{acts}", group[acts], METHOD, "null (W4A16)")
+                raise refuse(source, f"{key}.{acts}", group[acts], "null (W4A16)")
         args = _weight_args(group.get("weights"), source, f"{key}.weights.")
         if weights is not None and args != weights:
             raise ModelConfigError(
@@ -183,30 +173,23 @@ def parse(qcfg: Mapping[str, Any], source: str) -> PackQuantizedScheme:
                 "checkpoints whose groups share one"
             )
         weights = args
-        group_targets = group.get("targets")
-        if not isinstance(group_targets, list) or not all(
-            isinstance(t, str) for t in group_targets
-        ):
-            raise ModelConfigError(
-                f"{source}: quantization_config.{key}.targets is {group_targets!r}; expected a "
-                'list of module names, classes ("Linear") or "re:" patterns'
-            )
-        targets += group_targets
-    ignore = qcfg.get("ignore") or []
-    if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
-        raise ModelConfigError(
-            f"{source}: quantization_config.ignore is {ignore!r}; expected a list of module "
-            'names or "re:" patterns'
-        )
+        targets += string_list(group, "targets", source)
+    ignore = string_list(qcfg, "ignore", source)
     group_size, symmetric, has_g_idx = weights
-    return PackQuantizedScheme(group_size, symmetric, has_g_idx, tuple(targets), tuple(ignore))
+    return PackQuantizedScheme(
+        group_size,
+        symmetric,
+        has_g_idx,
+        ModuleFilter(tuple(targets), "compressed-tensors"),
+        ModuleFilter(ignore, "compressed-tensors"),
+    )
 
 
 def _weight_args(w: Any, source: str, path: str) -> tuple[int, bool, bool]:
     """(group size, -1 for channel; symmetric; whether weight_g_idx is stored) of the weights
     at `path` ("config_groups.<name>.weights.")."""
     if not isinstance(w, dict):
-        c.config_error(source, path.rstrip("."), w, METHOD, "4-bit int weights")
+        raise refuse(source, path.rstrip("."), w, "4-bit int weights (num_bits 4, type int)")
 
     def read(key: str, supported: tuple[Any, ...], default: Any, method: str = METHOD) -> Any:
         return c.read_field(w, (key,), source, method, supported, default, path)
@@ -220,9 +203,9 @@ def _weight_args(w: Any, source: str, path: str) -> tuple[int, bool, bool]:
     strategy = read("strategy", ("group", "channel"), inferred)
     if strategy == "group":
         sizes = c.SUPPORTED_GROUP_SIZES
-        group_size = read("group_size", sizes, c.REQUIRED, f"{METHOD} group-strategy")
+        group_size = read("group_size", sizes, c.REQUIRED, f"{METHOD}, strategy group")
     else:
-        read("group_size", (None, -1), None, f"{METHOD} channel-strategy")
+        read("group_size", (None, -1), None, f"{METHOD}, strategy channel")
         group_size = -1
     symmetric = read("symmetric", (True, False), True)
     actorder = read("actorder", (None, False, "weight", "static", *_G_IDX_ACTORDER), None)

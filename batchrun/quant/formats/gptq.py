@@ -26,7 +26,9 @@ from typing import Any, ClassVar
 import torch
 
 from batchrun.errors import ModelConfigError
+from batchrun.quant.dummy import random_int4
 from batchrun.quant.formats import int4_common as c
+from batchrun.quant.formats.common import check_tensor
 from batchrun.quant.weights import Int4Weight
 
 METHOD = "GPTQ"
@@ -80,14 +82,15 @@ class GptqScheme:
         )
         g = c.effective_group_size(k, self.group_size)
         groups = c.num_groups(k, g)
-        layout = "GPTQ: qweight int32 [in / 8, out], qzeros int32 [groups, out / 8], scales "
-        layout += f"[groups, out], g_idx int32 [in] for in={k}, out={n}, {groups} groups of {g}"
-        qweight = c.take(tensors, "qweight", where, (k // c.PACK, n), (torch.int32,), layout)
-        qzeros = c.take(tensors, "qzeros", where, (groups, n // c.PACK), (torch.int32,), layout)
-        scales = c.take(tensors, "scales", where, (groups, n), c.SCALE_DTYPES, layout)
+        fmt = "GPTQ (qweight int32 [in / 8, out], qzeros int32 [groups, out / 8], scales "
+        fmt += f"[groups, out], g_idx int32 [in] for in={k}, out={n}, {groups} groups of {g})"
+        int32 = (torch.int32,)
+        qweight = check_tensor(tensors, "qweight", where, ((k // c.PACK, n),), int32, fmt)
+        qzeros = check_tensor(tensors, "qzeros", where, ((groups, n // c.PACK),), int32, fmt)
+        scales = check_tensor(tensors, "scales", where, ((groups, n),), c.SCALE_DTYPES, fmt)
         g_idx = None
         if self.desc_act or "g_idx" in tensors:
-            g_idx = c.take(tensors, "g_idx", where, (k,), c.INT_DTYPES, layout)
+            g_idx = check_tensor(tensors, "g_idx", where, ((k,),), c.INT_DTYPES, fmt)
             g_idx = c.check_g_idx(g_idx, groups, where, "g_idx")
             if c.sequential_g_idx(g_idx, g):
                 g_idx = None  # the rows in order: no lookup needed, and TP slices by group
@@ -105,9 +108,7 @@ class GptqScheme:
         )
 
     def dummy(self, out_features: int, in_features: int, generator: torch.Generator):
-        return c.random_int4(
-            out_features, in_features, self.group_size, self.sym, torch.float16, generator
-        )
+        return random_int4(out_features, in_features, self.group_size, generator, self.sym)
 
 
 def parse(qcfg: Mapping[str, Any], source: str) -> GptqScheme:

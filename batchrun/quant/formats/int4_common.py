@@ -1,6 +1,6 @@
-"""What the INT4 checkpoint formats (awq.py, gptq.py, compressed_tensors_int4.py) share: reading their
-quantization_config fields, checking each tensor of a linear against the shape and dtype its
-format declares, unpacking 4-bit values from int32 words, and random weights in a scheme's shape.
+"""What the INT4 checkpoint formats (awq.py, gptq.py, compressed_tensors_int4.py) share beyond
+common.py: reading their quantization_config fields (with older spellings and defaults), group
+sizes, unpacking 4-bit values from int32 words, and act-order's g_idx.
 
 Every format packs eight 4-bit values into one int32 word, value i in bits [4i, 4i + 4); they
 differ in which element goes to which nibble (AWQ interleaves the output columns, GPTQ packs
@@ -9,14 +9,13 @@ input rows, compressed-tensors packs input columns in order) and in what the val
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from batchrun.errors import ModelConfigError, WeightLoadError
-from batchrun.quant.weights import Int4Weight
+from batchrun.quant.formats.common import FLOAT_SCALE_DTYPES, refuse
 
 PACK = 8  # 4-bit values per int32 word
 # NOTE: the group sizes that published INT4 checkpoints use and that the W4A16 GPU kernels of
@@ -24,16 +23,9 @@ PACK = 8  # 4-bit values per int32 word
 # -1, where the format has it). Other sizes would decode the same, but no W4A16 GPU kernel runs
 # them: batchrun refuses them at start-up, listing these.
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SCALE_DTYPES = FLOAT_SCALE_DTYPES
 INT_DTYPES = (torch.int32, torch.int64)
 REQUIRED = object()  # read_field's default for a field that must be present
-
-
-def config_error(source: str, key: str, value: Any, method: str, supported: str) -> NoReturn:
-    raise ModelConfigError(
-        f"{source}: quantization_config.{key} is {_json(value)}; batchrun reads {method} "
-        f"checkpoints with {key.rpartition('.')[2]} {supported}"
-    )
 
 
 def read_field(
@@ -53,15 +45,15 @@ def read_field(
     if key is None:
         if default is REQUIRED:
             raise ModelConfigError(
-                f"{source}: quantization_config lacks {path}{keys[0]}; batchrun reads {method} "
-                f"checkpoints with {keys[0]} {one_of(supported)}"
+                f"{source}: quantization_config lacks {path}{keys[0]}; supported: "
+                f"{one_of(supported)} ({method})"
             )
         return default
     value = qcfg[key]
     norm = value.lower() if isinstance(value, str) else value
     # NOTE: True == 1 in Python: a bool only matches a bool, and a number only a number
     if not any(norm == s and isinstance(norm, bool) == isinstance(s, bool) for s in supported):
-        config_error(source, path + key, value, method, one_of(supported))
+        raise refuse(source, path + key, value, f"{one_of(supported)} ({method})")
     return norm
 
 
@@ -79,45 +71,7 @@ def read_group_size(
 
 
 def one_of(values: tuple[Any, ...]) -> str:
-    shown = [_json(v) for v in values]
-    return shown[0] if len(shown) == 1 else "one of " + ", ".join(shown)
-
-
-def _json(value: Any) -> str:
-    """A value as config.json spells it."""
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def take(
-    tensors: Mapping[str, torch.Tensor],
-    name: str,
-    where: str,
-    shape: tuple[int, ...],
-    dtypes: tuple[torch.dtype, ...],
-    layout: str,
-) -> torch.Tensor:
-    """tensors[name], checked against the shape and dtypes its format declares; `layout` says
-    how the shape follows from the linear's size (for the error)."""
-    t = tensors.get(name)
-    if t is None:
-        raise WeightLoadError(
-            f"tensor {where}.{name} is missing from the checkpoint: its format stores each "
-            f"quantized linear as {layout}"
-        )
-    if tuple(t.shape) != tuple(shape) or t.dtype not in dtypes:
-        want = " or ".join(_dtype_name(d) for d in dtypes)
-        raise WeightLoadError(
-            f"tensor {where}.{name} has shape {tuple(t.shape)} and dtype {_dtype_name(t.dtype)}; "
-            f"expected shape {tuple(shape)} and dtype {want} ({layout})"
-        )
-    return t
+    return ", ".join("null" if v is None else str(v).lower() for v in values)
 
 
 def require_divisible(where: str, what: str, size: int, unit: int, why: str) -> None:
@@ -163,28 +117,3 @@ def sequential_g_idx(g_idx: torch.Tensor, group_size: int) -> bool:
     """Whether g_idx only restates column i's group i // group_size (no reordering)."""
     expected = torch.arange(g_idx.numel(), device=g_idx.device) // group_size
     return bool(torch.equal(g_idx.long(), expected))
-
-
-def random_int4(
-    out_features: int,
-    in_features: int,
-    group_size: int,
-    symmetric: bool,
-    scale_dtype: torch.dtype,
-    generator: torch.Generator,
-    std: float = 0.02,
-) -> Int4Weight:
-    """Random weights in a scheme's shape (dummy weights for benchmarks), drawn on the
-    generator's device: values uniform over 0..15, zero points 8 (or uniform over 6..9), scales
-    such that the weights' spread is about `std`, as a real checkpoint's."""
-    device = generator.device
-    g = effective_group_size(in_features, group_size)
-    shape = (out_features, num_groups(in_features, g))
-    q = torch.randint(0, 16, (out_features, in_features), generator=generator, device=device)
-    if symmetric:
-        zeros = torch.full(shape, 8, device=device)
-    else:
-        zeros = torch.randint(6, 10, shape, generator=generator, device=device)
-    # values 0..15 around a zero point near 8 spread about 4.6
-    scales = torch.full(shape, std / 4.6, dtype=scale_dtype, device=device)
-    return Int4Weight(q.to(torch.uint8), scales, zeros.to(torch.uint8), g)
