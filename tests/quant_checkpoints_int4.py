@@ -10,6 +10,7 @@ quant_checkpoints.py (weight-only: no activation hooks).
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,19 +230,22 @@ def write_int4_checkpoint(
     act_order: bool = False,
     gptq_v2: bool = False,
     num_shards: int = 2,
+    skip: tuple[str, ...] = (),
 ) -> dict[str, torch.Tensor]:
     """Save HF `model` (fp32) quantized in format `fmt` to `path`: config.json with its
     quantization_config and `num_shards` safetensors files (with an index) over which each
-    layer's tensors are spread. Returns the fp32 state dict the checkpoint stands for: the
-    dequantized weights, and every other tensor as stored (fp16 for AWQ and GPTQ, bf16 for
-    compressed-tensors, as their tools save them)."""
+    layer's tensors are spread; the linears whose name contains an entry of `skip` stay plain
+    weights, which the config names as its format does. Returns the fp32 state dict the
+    checkpoint stands for: the dequantized weights, and every other tensor as stored (fp16 for
+    AWQ and GPTQ, bf16 for compressed-tensors, as their tools save them)."""
     dtype = torch.bfloat16 if fmt == "pack-quantized" else torch.float16
     path.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     reference: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
         module, _, kind = name.rpartition(".")
-        if kind == "weight" and module.endswith(LINEARS):
+        skipped = any(part in module for part in skip)
+        if kind == "weight" and module.endswith(LINEARS) and not skipped:
             # act-order orders the columns by the linear's input statistics: the linears that
             # read the same input (q / k / v, gate / up) share their g_idx
             shared_input = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
@@ -256,9 +260,15 @@ def write_int4_checkpoint(
             tensors[name] = value.to(dtype).contiguous()
             reference[name] = tensors[name].float()
     config = model.config.to_dict()
-    config["quantization_config"] = int4_quantization_config(
-        fmt, group_size, symmetric, act_order, gptq_v2
-    )
+    qcfg = int4_quantization_config(fmt, group_size, symmetric, act_order, gptq_v2)
+    patterns = [f".*{re.escape(part)}.*" for part in skip]
+    if fmt == "awq" and skip:
+        qcfg["modules_to_not_convert"] = list(skip)
+    elif fmt == "gptq" and skip:  # GPTQModel's negative dynamic rules
+        qcfg["dynamic"] = {f"-:{p}": {} for p in patterns}
+    elif fmt == "pack-quantized":
+        qcfg["ignore"] += [f"re:{p}" for p in patterns]
+    config["quantization_config"] = qcfg
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(config, indent=2))
     save_sharded(tensors, path, num_shards)

@@ -34,18 +34,31 @@ MAX_REL_ERROR = 1e-5
 # hidden 128 / intermediate 256: room for a group size of 128
 WIDE = {"hidden_size": 128, "intermediate_size": 256}
 
-# name -> (format, model kind, dims, group size, symmetric, act-order, GPTQ v2)
+# name -> (format, model kind, dims, write_int4_checkpoint's settings)
 CASES = {
-    "awq": ("awq", "llama", {}, 32, False, False, False),
-    "awq-qwen2-g128": ("awq", "qwen2", WIDE, 128, False, False, False),
-    "gptq": ("gptq", "llama", {}, 32, True, False, False),
-    "gptq-qwen2-actorder": ("gptq", "qwen2", {}, 32, False, True, False),
-    "gptq-v2-g128": ("gptq", "llama", WIDE, 128, False, False, True),
-    "gptq-per-row-actorder": ("gptq", "qwen2", {}, -1, True, True, False),
-    "ct": ("pack-quantized", "llama", {}, 32, True, False, False),
-    "ct-qwen2-asym": ("pack-quantized", "qwen2", {}, 32, False, False, False),
-    "ct-channel-g128": ("pack-quantized", "qwen2", WIDE, -1, False, False, False),
-    "ct-actorder-g128": ("pack-quantized", "llama", WIDE, 128, True, True, False),
+    "awq": ("awq", "llama", {}, dict(group_size=32, symmetric=False)),
+    "awq-qwen2-g128": ("awq", "qwen2", WIDE, dict(group_size=128, symmetric=False)),
+    "awq-not-converted": (
+        "awq",
+        "llama",
+        {},
+        dict(group_size=32, symmetric=False, skip=("mlp.down_proj", "layers.1.self_attn.")),
+    ),
+    "gptq": ("gptq", "llama", {}, dict(group_size=32, symmetric=True)),
+    "gptq-qwen2-actorder": (
+        "gptq",
+        "qwen2",
+        {},
+        dict(group_size=32, act_order=True, symmetric=False),
+    ),
+    "gptq-v2-g128": ("gptq", "llama", WIDE, dict(group_size=128, symmetric=False, gptq_v2=True)),
+    "gptq-per-row-actorder": ("gptq", "qwen2", {}, dict(group_size=-1, act_order=True)),
+    "gptq-dynamic-skip": ("gptq", "llama", {}, dict(group_size=32, skip=("self_attn.o_proj",))),
+    "ct": ("pack-quantized", "llama", {}, dict(group_size=32)),
+    "ct-qwen2-asym": ("pack-quantized", "qwen2", {}, dict(group_size=32, symmetric=False)),
+    "ct-channel-g128": ("pack-quantized", "qwen2", WIDE, dict(group_size=-1, symmetric=False)),
+    "ct-actorder-g128": ("pack-quantized", "llama", WIDE, dict(group_size=128, act_order=True)),
+    "ct-ignore": ("pack-quantized", "qwen2", {}, dict(group_size=32, skip=("layers.0.mlp.",))),
 }
 # one case per format in the default tier; the rest, and every TP=2 run, in CI's slow tier
 FAST_CASES = ("awq", "gptq-qwen2-actorder", "ct-qwen2-asym")
@@ -67,12 +80,9 @@ def make_hf_model(kind: str, dims: dict, seed: int = 0):
 
 def write_case(name: str, path: Path):
     """The checkpoint of CASES[name] at `path`; returns the reference model (fp32)."""
-    fmt, kind, dims, group_size, symmetric, act_order, v2 = CASES[name]
+    fmt, kind, dims, settings = CASES[name]
     hf = make_hf_model(kind, dims)
-    reference = write_int4_checkpoint(
-        fmt, hf, path, group_size=group_size, symmetric=symmetric, act_order=act_order, gptq_v2=v2
-    )
-    return reference_int4_model(hf, reference)
+    return reference_int4_model(hf, write_int4_checkpoint(fmt, hf, path, **settings))
 
 
 def engine_config(model_dir: Path, **kw) -> EngineConfig:
@@ -130,7 +140,10 @@ def test_logits_and_greedy_tokens_match_the_dequantized_model(case):
     name, path, reference = case
     raw = json.loads((path / "config.json").read_text())
     assert raw["quantization_config"]["quant_method"] in ("awq", "gptq", "compressed-tensors")
-    assert (path / "model.safetensors.index.json").is_file()
+    names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    for part in CASES[name][3].get("skip", ()):  # plain weights, the config says so
+        assert any(part in n and n.endswith(".weight") for n in names), part
+        assert not any(part in n and n.endswith(("qweight", "weight_packed")) for n in names)
     engine = Engine(engine_config(path))
     for prompt in random_prompts(3, seed=1, min_len=8, max_len=60):
         ours = engine.score(prompt)
