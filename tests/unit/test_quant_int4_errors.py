@@ -150,6 +150,12 @@ def test_pack_quantized_config():
     for changes, needle in bad:
         with pytest.raises(ModelConfigError, match=needle.replace("[", r"\[")):
             compressed_tensors_int4.parse({**base, **changes}, SRC)
+    mixed = copy.deepcopy(base)
+    mixed["format"] = "mixed-precision"
+    assert compressed_tensors_int4.parse(mixed, SRC).group_size == 128
+    del mixed["config_groups"]["group_0"]["format"]
+    with pytest.raises(ModelConfigError, match="lacks config_groups.group_0.format"):
+        compressed_tensors_int4.parse(mixed, SRC)
     acts = copy.deepcopy(base)
     acts["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "float"}
     with pytest.raises(ModelConfigError, match="group_0.input_activations .* is not supported"):

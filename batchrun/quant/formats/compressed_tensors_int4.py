@@ -134,7 +134,10 @@ def parse(qcfg: Mapping[str, Any], source: str) -> PackQuantizedScheme:
     """The PackQuantizedScheme of a compressed-tensors quantization_config whose `format` is
     pack-quantized."""
     c.read_field(qcfg, ("quant_method",), source, METHOD, ("compressed-tensors",))
-    c.read_field(qcfg, ("format",), source, METHOD, ("pack-quantized",))
+    # "mixed-precision" (or none): each config group names its own format
+    top = c.read_field(
+        qcfg, ("format",), source, METHOD, ("pack-quantized", "mixed-precision"), None
+    )
     # "frozen" / "calibration": dense fake-quantized weights, not packed ones
     c.read_field(
         qcfg, ("quantization_status",), source, METHOD, ("compressed",), default="compressed"
@@ -161,7 +164,8 @@ def parse(qcfg: Mapping[str, Any], source: str) -> PackQuantizedScheme:
                 f"{source}: quantization_config.{key} is {group!r}; expected a scheme "
                 "(targets, weights, input_activations)"
             )
-        c.read_field(group, ("format",), source, METHOD, ("pack-quantized", None), None, f"{key}.")
+        default = "pack-quantized" if top == "pack-quantized" else c.REQUIRED
+        c.read_field(group, ("format",), source, METHOD, ("pack-quantized",), default, f"{key}.")
         for acts in ("input_activations", "output_activations"):
             if group.get(acts) is not None:
                 raise refuse(source, f"{key}.{acts}", group[acts], "null (W4A16)")
