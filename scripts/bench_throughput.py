@@ -75,6 +75,9 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "no-norm-fusion": ({}, {"decode_norms": "off"}),
     # every weight U(-1e-3, 1e-3), as vLLM's and SGLang's dummy loaders draw them
     "dummy-uniform": ({"dummy_init": "uniform"}, {}),
+    # the model's linears in FP8 (per-channel weights, dynamic per-token activations), as
+    # --quantization fp8 makes them
+    "fp8": ({"quantization": "fp8"}, {}),
     "prefix-order": ({}, {}),
 }
 ALL_VARIANTS = (*VARIANTS, "hf")
