@@ -107,8 +107,8 @@ def parse(qcfg: Mapping[str, Any], source: str) -> AwqScheme:
     c.read_field(qcfg, ("bits", "w_bit"), source, METHOD, (4,))
     group_size = c.read_group_size(qcfg, ("group_size", "q_group_size"), source, METHOD, True)
     # NOTE: GEMM checkpoints carry qzeros whatever zero_point says (AutoAWQ writes only
-    # zero_point: true; GPTQModel writes qzeros of 8 for a symmetric AWQ), and batchrun reads
-    # them as stored, as vLLM does
+    # zero_point: true; GPTQModel's AWQ packs qzeros for a symmetric one too), and batchrun
+    # reads them as stored, as vLLM does
     zero_point = c.read_field(qcfg, ("zero_point",), source, METHOD, (True, False), default=True)
     skip = string_list(qcfg, "modules_to_not_convert", source)
     return AwqScheme(group_size, zero_point, ModuleFilter(skip, "substring"))
