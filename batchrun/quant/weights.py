@@ -98,8 +98,10 @@ class Fp8Weight:
 class Int4Weight:
     qweight: torch.Tensor  # uint8 [out, in], values 0..15
     scales: torch.Tensor  # [out, num_groups], the checkpoint's float dtype
-    zeros: torch.Tensor  # uint8 [out, num_groups], values 0..15 (8 for symmetric formats)
-    group_size: int
+    # uint8 [out, num_groups]: values 0..15 (8 for symmetric formats), 1..16 for GPTQ v1
+    # checkpoints, which store each zero point minus one
+    zeros: torch.Tensor
+    group_size: int  # at least in_features: one group per row (per-channel scales)
     # int32 [in]: the group of each input column (GPTQ with desc_act); None: column i is in
     # group i // group_size
     g_idx: torch.Tensor | None = None
@@ -137,16 +139,16 @@ class Int4Weight:
 
     def narrow_in(self, start: int, length: int) -> Int4Weight:
         """Input columns [start, start + length). Without g_idx the slice must start and end on
-        a group boundary (the group's scales go with it); with g_idx every group's scales stay
-        (the columns name theirs)."""
+        a group boundary (the group's scales go with it); with g_idx, or one group per row,
+        every group's scales stay (the columns name theirs, or share the one)."""
         end = start + length
-        if self.g_idx is not None:
+        if self.g_idx is not None or self.group_size >= self.in_features:
             return Int4Weight(
                 self.qweight[:, start:end],
                 self.scales,
                 self.zeros,
                 self.group_size,
-                self.g_idx[start:end],
+                None if self.g_idx is None else self.g_idx[start:end],
             )
         g = self.group_size
         _aligned("input columns", start, length, g, self.in_features)
