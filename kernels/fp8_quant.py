@@ -1,0 +1,196 @@
+"""FP8 activation quantization in one kernel: x [M, K] (bf16 / fp16 / fp32) to float8_e4m3fn
+[M, K] and float32 scales, each element of x read from memory once.
+
+    xq, s = quant_per_token(x)               # s [M, 1]: max |x[m, :]| / 448
+    xq, s = quant_per_token(x, amax)         # s from a given amax [M, 1] (reduced over TP ranks)
+    xq, s = quant_per_token_group(x, 128)    # s [M, K / 128], column-major (strides (1, M))
+    xq, s = quant_static(x, scale)           # the static per-tensor scale; s [M, 1] holds it
+
+The arithmetic is batchrun/quant/act_quant.py's (the CPU's torch ops, the model of these
+kernels) in float32: scale = max(amax / 448, MIN_SCALE), q = clamp(x / scale, -448, 448) rounded
+to the nearest even float8 value. Both divisions are IEEE (div_rn), so the kernels give the same
+bytes as the torch ops. torch's chain is five kernels (cast, abs, amax, div, clamp + cast) and
+reads x three times; on the H200 `scripts/bench_fp8_matmul.py` times both.
+
+Per token, a program quantizes one row: the whole row in registers where it fits
+(MAX_ROW_BLOCK columns), else in chunks read twice (the second read from L2). Per token group,
+a program quantizes [BLOCK_M, group] tiles; its scales are written column-major because the
+block matmul (kernels/fp8_block_matmul.py) reads a column of them per K step.
+
+Every output is allocated by shape: the kernels run inside CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+MIN_SCALE = 1e-12  # act_quant.MIN_SCALE: an all-zero row quantizes to zeros
+MAX_ROW_BLOCK = 16384  # per token: a row of up to this many columns is read once
+
+_DYNAMIC, _GIVEN_AMAX, _STATIC = 0, 1, 2
+
+
+@triton.jit
+def _quantize(x, scale):
+    """x (fp32) / scale, clamped to the FP8 range (the cast to fp8 rounds to nearest even)."""
+    q = tl.math.div_rn(x, scale)
+    return tl.minimum(tl.maximum(q, -448.0), 448.0)
+
+
+@triton.jit
+def _scale_of(amax):
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
+
+
+@triton.jit
+def _quant_rows_kernel(
+    X,
+    Q,
+    S,  # float32 [M]: the scale of each row, written
+    SRC,  # float32: the static scale (one value) or the given amax [M]; unused when dynamic
+    K,
+    stride_xm,
+    stride_qm,
+    MODE: tl.constexpr,  # _DYNAMIC, _GIVEN_AMAX or _STATIC
+    BLOCK_K: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,  # K <= BLOCK_K: the row is read once, into registers
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_xm
+    q_row = Q + row * stride_qm
+    offs = tl.arange(0, BLOCK_K)
+    if MODE == 2:
+        scale = tl.load(SRC)
+    elif MODE == 1:
+        scale = _scale_of(tl.load(SRC + row))
+    if ONE_BLOCK:
+        mask = offs < K
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        if MODE == 0:
+            scale = _scale_of(tl.max(tl.abs(x), axis=0))
+        tl.store(q_row + offs, _quantize(x, scale).to(Q.dtype.element_ty), mask=mask)
+    else:
+        if MODE == 0:
+            amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                mask = k0 + offs < K
+                x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = _scale_of(tl.max(amax, axis=0))
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + offs < K
+            x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_row + k0 + offs, _quantize(x, scale).to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + row, scale)
+
+
+@triton.jit
+def _quant_groups_kernel(
+    X,
+    Q,
+    S,
+    M,
+    K,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    stride_sg,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """One [BLOCK_M, GROUP] tile: the rows' maxima over the group's columns, their scales."""
+    pid_m = tl.program_id(0)
+    group = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    scale = _scale_of(tl.max(tl.abs(x), axis=1))  # [BLOCK_M]
+    q = _quantize(x, scale[:, None]).to(Q.dtype.element_ty)
+    tl.store(Q + rows64[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    tl.store(S + rows64 * stride_sm + group * stride_sg, scale, mask=rows < M)
+
+
+def _rows(x: torch.Tensor, mode: int, src: torch.Tensor | None, out_dtype=FP8_DTYPE):
+    assert x.dim() == 2 and x.stride(-1) == 1, "x must be [M, K] with unit stride along K"
+    num_rows, cols = x.shape
+    q = torch.empty((num_rows, cols), dtype=out_dtype, device=x.device)
+    scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    if num_rows == 0:
+        return q, scale
+    one_block = cols <= MAX_ROW_BLOCK
+    block = triton.next_power_of_2(cols) if one_block else 8192
+    # NOTE: 32 fp32 values a thread: the row stays in registers without spilling
+    num_warps = max(1, min(16, block // 1024))
+    _quant_rows_kernel[(num_rows,)](
+        x,
+        q,
+        scale,
+        scale if src is None else src,
+        cols,
+        x.stride(0),
+        q.stride(0),
+        MODE=mode,
+        BLOCK_K=block,
+        ONE_BLOCK=one_block,
+        num_warps=num_warps,
+    )
+    return q, scale
+
+
+def quant_per_token(
+    x: torch.Tensor, amax: torch.Tensor | None = None, out_dtype: torch.dtype = FP8_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as float8 [M, K] and float32 scales [M, 1] (torch._scaled_mm's row-wise
+    operand). amax: float32 [M, 1], each row's maximum |x| taken over more columns than x holds
+    (a row-parallel layer's, reduced over the ranks); None: x's own. out_dtype float32 keeps the
+    rounded-to-range values before the FP8 cast (the tests' check of the arithmetic)."""
+    if amax is None:
+        return _rows(x, _DYNAMIC, None, out_dtype)
+    return _rows(x, _GIVEN_AMAX, amax.reshape(-1).float().contiguous(), out_dtype)
+
+
+def quant_static(
+    x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as float8 with the per-tensor float32 `scale` (a scalar tensor), and that scale
+    repeated per row, [M, 1] (a row-wise operand for per-channel weights)."""
+    return _rows(x, _STATIC, scale.reshape(1).float(), out_dtype)
+
+
+def quant_per_token_group(
+    x: torch.Tensor, group: int = 128, out_dtype: torch.dtype = FP8_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as float8 [M, K] and float32 scales [M, ceil(K / group)], one per row and group
+    of `group` columns, stored column-major (strides (1, M))."""
+    assert x.dim() == 2 and x.stride(-1) == 1, "x must be [M, K] with unit stride along K"
+    assert group & (group - 1) == 0, "the group size must be a power of two"
+    num_rows, cols = x.shape
+    num_groups = triton.cdiv(cols, group)
+    q = torch.empty((num_rows, cols), dtype=out_dtype, device=x.device)
+    scale = torch.empty((num_groups, num_rows), dtype=torch.float32, device=x.device).t()
+    if num_rows == 0:
+        return q, scale
+    block_m = 8 if num_rows <= 64 else 32
+    grid = (triton.cdiv(num_rows, block_m), num_groups)
+    _quant_groups_kernel[grid](
+        x,
+        q,
+        scale,
+        num_rows,
+        cols,
+        x.stride(0),
+        q.stride(0),
+        scale.stride(0),
+        scale.stride(1),
+        GROUP=group,
+        BLOCK_M=block_m,
+        num_warps=4,
+    )
+    return q, scale
