@@ -22,8 +22,9 @@ DECODE_GEMVS = ("auto", "cublas", "triton")
 # each input norm inside the qkv matmul after it, on weights times the norm's; "fold-all" both
 # norms inside the matmul after them (qkv's, gate_up's)
 DECODE_NORMS = ("auto", "off", "all", "post", "fold", "fold-all")
-# the matmul of a quantized model's FP8 linears (per tensor / per channel): "scaled_mm"
-# torch._scaled_mm on the FP8 tensor cores (sm_89+), "dequant" weights dequantized at load
+# the matmul of a quantized model's FP8 linears: "scaled_mm" the FP8 tensor cores (sm_89+;
+# per tensor / channel torch._scaled_mm, 128 x 128 blocks kernels/fp8_block_matmul.py),
+# "dequant" weights dequantized at load
 FP8_MATMULS = ("auto", "scaled_mm", "dequant")
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: a bf16 checkpoint quantized at load
 
@@ -109,9 +110,12 @@ class KernelConfig:
     host_gate           a grammar step's sampling waits on the device for the host's token
                         bitmask (engine/host_gate.py); auto: where the driver has stream memory
                         operations. Off: such a step is sampled once the bitmask is filled
-    fp8_matmul          one of FP8_MATMULS for the FP8 linears of a quantized model (per tensor
-                        or per channel; blocks are dequantized); auto: "scaled_mm" on sm_89+
-                        GPUs, "dequant" elsewhere (the CPU always dequantizes)
+    fp8_matmul          one of FP8_MATMULS for the FP8 linears of a quantized model:
+                        "scaled_mm" keeps the FP8 weights and runs the FP8 tensor cores (per
+                        tensor / channel torch._scaled_mm, 128 x 128 blocks the Triton block
+                        matmul; activations quantized by kernels/fp8_quant.py), "dequant"
+                        dequantizes them to bf16 at load; auto: "scaled_mm" on sm_89+ GPUs,
+                        "dequant" elsewhere (the CPU always dequantizes)
     """
 
     attention: str = "auto"

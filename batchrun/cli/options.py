@@ -284,7 +284,8 @@ kernel_options = option_group(
         "--fp8-matmul",
         type=click.Choice(FP8_MATMULS),
         default="auto",
-        help="FP8 linears: torch._scaled_mm, or weights dequantized; auto: scaled_mm on sm_89+.",
+        help="FP8 linears: FP8 tensor cores (torch._scaled_mm; Triton for 128x128 blocks), or "
+        "weights dequantized; auto: scaled_mm on sm_89+.",
     ),
     click.option("--disable-cuda-graph", is_flag=True, help="Run every step eagerly."),
     click.option(

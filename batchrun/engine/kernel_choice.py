@@ -157,7 +157,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             "(cuStreamWaitValue32)"
         )
 
-    if triton_ops or decode_gemv == "triton" or attention == "triton":
+    fp8_kernels = quantized and fp8_matmul == "scaled_mm" and triton  # kernels/fp8_*.py
+    if triton_ops or decode_gemv == "triton" or attention == "triton" or fp8_kernels:
         _check_kernels_import()
     return replace(
         want,

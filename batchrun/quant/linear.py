@@ -1,11 +1,17 @@
 """The matmul of a quantized linear layer: what it keeps of a decoded weight (batchrun/quant/
 weights.py) and how it multiplies, by device and kernel config.
 
-    FP8, per tensor / channel, CUDA sm_89+   float8 weight kept; activations quantized per token
-    (fp8_matmul "scaled_mm", bf16)           (or with the static input_scale) on the device;
-                                             torch._scaled_mm (cuBLASLt): row-wise scales, or
-                                             tensor-wise where every scale is one
-    everything else                          the weight dequantized at load into the compute
+    QuantSpec.kernel                         what the layer keeps, how it multiplies
+    "scaled_mm": FP8 per tensor / channel,   float8 weight kept; activations quantized per token
+    static or dynamic activations, CUDA      (or with the static input_scale) by one Triton
+    sm_89+ (fp8_matmul "scaled_mm"), bf16    kernel (kernels/fp8_quant.py); torch._scaled_mm
+                                             (cuBLASLt): row-wise scales, or tensor-wise where
+                                             every scale is one
+    "fp8_block": FP8 in 128 x 128 blocks,    float8 weight and block scales kept; activations
+    dynamic activations, CUDA sm_89+         quantized per token and group of 128 columns
+    (fp8_matmul "scaled_mm"), bf16 / fp16    (kernels/fp8_quant.py), then the Triton block
+                                             matmul (kernels/fp8_block_matmul.py)
+    "dense": everything else                 the weight dequantized at load into the compute
                                              dtype, F.linear; on the CPU the FP8 activations
                                              are fake-quantized as the checkpoint says (the
                                              exact model of its kernels); on CUDA they are not
@@ -33,7 +39,14 @@ from batchrun.quant.act_quant import (
 )
 from batchrun.quant.weights import FP8_DTYPE, Fp8Weight, QuantizedWeight
 
+try:
+    from batchrun.kernels import fp8_quant
+    from batchrun.kernels.fp8_block_matmul import block_fp8_matmul
+except ImportError:  # no Triton (CPU-only installs): FP8 blocks are dequantized, and the
+    fp8_quant = block_fp8_matmul = None  # activations quantized by the torch ops
+
 SCALED_MM_ALIGN = 16  # torch._scaled_mm: K and N multiples of this
+KERNELS = ("scaled_mm", "fp8_block", "dense")  # QuantSpec.kernel
 
 
 @dataclass(frozen=True)
@@ -43,8 +56,13 @@ class QuantSpec:
     family: str  # "fp8" | "int4"
     activations: str  # "none" | "dynamic" | "static" (the scheme's)
     block: tuple[int, int] | None  # FP8 weight blocks
-    scaled_mm: bool  # float8 weight kept, torch._scaled_mm; else a dense dequantized weight
+    kernel: str  # one of KERNELS (the module docstring's table)
     describe: str  # the scheme's one line
+
+    @property
+    def keeps_fp8(self) -> bool:
+        """The float8 weight and its scales are kept (not dequantized at load)."""
+        return self.kernel in ("scaled_mm", "fp8_block")
 
 
 def plan_linear(
@@ -70,16 +88,26 @@ def plan_linear(
             f"rest of {', '.join(modules)}, which batchrun fuses into one matmul; quantize all "
             "of them or none"
         )
-    scaled_mm = (
-        scheme.family == "fp8"
-        and fp8_matmul == "scaled_mm"
-        and scheme.block is None
-        and scheme.activations in ("dynamic", "static")
+    kernel = _kernel(scheme, fp8_matmul, dtype, out_features, in_features)
+    return QuantSpec(scheme.family, scheme.activations, scheme.block, kernel, scheme.describe())
+
+
+def _kernel(scheme, fp8_matmul: str, dtype: torch.dtype, out_features: int, in_features: int):
+    """The QuantSpec.kernel of a quantized linear (the module docstring's table)."""
+    if scheme.family != "fp8" or fp8_matmul != "scaled_mm":
+        return "dense"
+    if scheme.block is not None:
+        fits = scheme.block == (128, 128) and scheme.activations == "dynamic"
+        runs = block_fp8_matmul is not None and dtype in (torch.bfloat16, torch.float16)
+        return "fp8_block" if fits and runs else "dense"
+    if (
+        scheme.activations in ("dynamic", "static")
         and dtype == torch.bfloat16
         and out_features % SCALED_MM_ALIGN == 0
         and in_features % SCALED_MM_ALIGN == 0
-    )
-    return QuantSpec(scheme.family, scheme.activations, scheme.block, scaled_mm, scheme.describe())
+    ):
+        return "scaled_mm"
+    return "dense"
 
 
 class QuantMatmul(nn.Module):
@@ -104,10 +132,16 @@ class QuantMatmul(nn.Module):
         self.reduce_max = reduce_max if spec.activations == "dynamic" and not spec.block else None
         self.out_features, self.in_features = out_features, in_features
         shape = (out_features, in_features)
-        wdtype = FP8_DTYPE if spec.scaled_mm else dtype
+        wdtype = FP8_DTYPE if spec.keeps_fp8 else dtype
         self.register_buffer("weight", torch.empty(shape, dtype=wdtype, device=device))
-        scale = torch.empty(1, out_features, dtype=torch.float32, device=device)
-        self.register_buffer("weight_scale", scale if spec.scaled_mm else None)
+        scale = None
+        if spec.kernel == "scaled_mm":
+            scale = torch.empty(1, out_features, dtype=torch.float32, device=device)
+        elif spec.kernel == "fp8_block":  # [ceil(out / 128), ceil(in / 128)]
+            bo, bi = spec.block
+            scale_shape = (-(-out_features // bo), -(-in_features // bi))
+            scale = torch.empty(scale_shape, dtype=torch.float32, device=device)
+        self.register_buffer("weight_scale", scale)
         static = spec.activations == "static"
         self.register_buffer(
             "input_scale",
@@ -115,6 +149,8 @@ class QuantMatmul(nn.Module):
         )
         self.tensorwise = False  # scaled_mm with one weight scale and a static input scale
         self.fake_quant = False  # the CPU's model of FP8 activations (set by `load`)
+        # scaled_mm's activations quantized by kernels/fp8_quant.py (CUDA), else by torch ops
+        self.triton_quant = False
 
     def load(self, qw: QuantizedWeight, where: str) -> None:
         """Take this rank's decoded weight (sliced and fused by the loader)."""
@@ -127,22 +163,29 @@ class QuantMatmul(nn.Module):
         with torch.no_grad():
             if self.input_scale is not None:
                 self.input_scale.copy_(qw.input_scale)
-            if self.spec.scaled_mm:
+            if self.spec.kernel == "scaled_mm":
                 assert isinstance(qw, Fp8Weight) and qw.block is None
                 self.weight.copy_(qw.weight)
                 self.weight_scale.copy_(qw.scale.reshape(1, -1))
                 self.tensorwise = self.input_scale is not None and bool(
                     (qw.scale == qw.scale[0]).all()
                 )
+            elif self.spec.kernel == "fp8_block":
+                assert isinstance(qw, Fp8Weight) and qw.block == self.spec.block
+                self.weight.copy_(qw.weight)
+                self.weight_scale.copy_(qw.scale)
             else:
                 self.weight.copy_(qw.dequantize(self.dtype))
         self.fake_quant = (
             device.type == "cpu" and self.spec.family == "fp8" and self.spec.activations != "none"
         )
+        self.triton_quant = device.type == "cuda" and fp8_quant is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.spec.scaled_mm:
+        if self.spec.kernel == "scaled_mm":
             return self._scaled_mm(x)
+        if self.spec.kernel == "fp8_block":
+            return self._block_matmul(x)
         if self.fake_quant:
             x = self._fake_quant(x)
         return F.linear(x, self.weight)
@@ -154,14 +197,36 @@ class QuantMatmul(nn.Module):
         group = self.spec.block[1] if self.spec.block is not None else None
         return fake_quant_dynamic(x.reshape(-1, shape[-1]), group, self.reduce_max).view(shape)
 
+    def _block_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()  # [M, K]
+        xq, scale_x = fp8_quant.quant_per_token_group(x2, self.spec.block[1])
+        y = block_fp8_matmul(xq, scale_x, self.weight, self.weight_scale, self.dtype)
+        return y.view(*shape[:-1], self.out_features)
+
+    def _quant_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x2 [M, K] as float8 and its scale: [M, 1] per token, or the static scale (a scalar
+        where the matmul is tensor-wise, else repeated to [M, 1])."""
+        if not self.triton_quant:
+            if self.input_scale is None:
+                return quant_per_token(x2, self.reduce_max)
+            scale = self.input_scale
+            if not self.tensorwise:  # one per row ([M, 1], unit strides)
+                scale = scale.reshape(1, 1).repeat(x2.shape[0], 1)
+            return quant_static(x2, self.input_scale), scale
+        x2 = x2.contiguous()
+        if self.input_scale is not None:
+            xq, scale = fp8_quant.quant_static(x2, self.input_scale)
+            return xq, self.input_scale if self.tensorwise else scale
+        amax = None
+        if self.reduce_max is not None:  # the whole row's maximum, over every rank's columns
+            amax = self.reduce_max(x2.abs().amax(dim=-1, keepdim=True).float())
+        return fp8_quant.quant_per_token(x2, amax)
+
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
-        if self.input_scale is None:
-            xq, scale_a = quant_per_token(x2, self.reduce_max)
-        else:
-            xq = quant_static(x2, self.input_scale)
-            scale_a = self.input_scale
+        xq, scale_a = self._quant_input(x2)
         if self.tensorwise:
             y = torch._scaled_mm(
                 xq,
@@ -171,8 +236,6 @@ class QuantMatmul(nn.Module):
                 out_dtype=self.dtype,
             )
         else:
-            if scale_a.dim() == 0:  # the static scale, one per row ([M, 1], unit strides)
-                scale_a = scale_a.reshape(1, 1).repeat(x2.shape[0], 1)
             y = torch._scaled_mm(
                 xq,
                 self.weight.t(),
@@ -183,5 +246,5 @@ class QuantMatmul(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        path = "scaled_mm" if self.spec.scaled_mm else "dequantized"
+        path = self.spec.kernel if self.spec.keeps_fp8 else "dequantized"
         return f"{self.out_features}x{self.in_features}, {path}, {self.spec.describe}"
