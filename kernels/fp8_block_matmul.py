@@ -55,9 +55,7 @@ CONFIGS: tuple[tuple[int, BlockMatmulConfig], ...] = (
 def pick_config(num_rows: int, out_features: int) -> BlockMatmulConfig:
     """The table's config for M = num_rows; a decode matmul whose N gives fewer than 128
     column tiles of 64 takes tiles of 32 (more programs in flight on the 132 SMs)."""
-    for max_m, config in CONFIGS:
-        if num_rows <= max_m:
-            break
+    config = next(c for max_m, c in CONFIGS if num_rows <= max_m)
     if num_rows <= 16 and out_features < 128 * 64:
         config = config._replace(block_n=32)
     return config
