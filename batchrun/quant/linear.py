@@ -9,7 +9,7 @@ weights.py) and how it multiplies, by device and kernel config.
                                              every scale is one
     "fp8_block": FP8 in 128 x 128 blocks,    float8 weight and block scales kept; activations
     dynamic activations, CUDA sm_89+         quantized per token and group of 128 columns
-    (fp8_matmul "scaled_mm"), bf16 / fp16    (kernels/fp8_quant.py), then the Triton block
+    (fp8_matmul "scaled_mm"), any dtype      (kernels/fp8_quant.py), then the Triton block
                                              matmul (kernels/fp8_block_matmul.py)
     "dense": everything else                 the weight dequantized at load into the compute
                                              dtype, F.linear; on the CPU the FP8 activations
@@ -98,7 +98,7 @@ def _kernel(scheme, fp8_matmul: str, dtype: torch.dtype, out_features: int, in_f
         return "dense"
     if scheme.block is not None:
         fits = scheme.block == (128, 128) and scheme.activations == "dynamic"
-        runs = block_fp8_matmul is not None and dtype in (torch.bfloat16, torch.float16)
+        runs = block_fp8_matmul is not None
         return "fp8_block" if fits and runs else "dense"
     if (
         scheme.activations in ("dynamic", "static")
