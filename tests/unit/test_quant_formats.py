@@ -361,3 +361,37 @@ def test_a_quantized_model_resolves_cublas_no_folded_norms_and_dequant_on_the_cp
         resolved(KernelConfig(fp8_matmul="scaled_mm"))
     with pytest.raises(ValueError, match="fp8_matmul must be one of auto, scaled_mm, dequant"):
         KernelConfig(fp8_matmul="cutlass").validate()
+
+
+@pytest.mark.parametrize(
+    "qcfg,fp8_matmul,dtype,want",
+    [
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128]},
+            "scaled_mm",
+            "bf16",
+            "fp8_block",
+        ),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128]},
+            "scaled_mm",
+            "fp32",
+            "fp8_block",
+        ),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "dequant", "bf16", "dense"),
+        ({"quant_method": "fp8", "activation_scheme": "static"}, "scaled_mm", "bf16", "scaled_mm"),
+        ({"quant_method": "fp8", "activation_scheme": "static"}, "scaled_mm", "fp32", "dense"),
+        ({"quant_method": "fp8", "activation_scheme": "static"}, "dequant", "bf16", "dense"),
+    ],
+)
+def test_plan_linear_picks_the_kernel(qcfg, fp8_matmul, dtype, want):
+    """Block FP8 runs the Triton block matmul wherever fp8_matmul is "scaled_mm" (the FP8
+    tensor cores; its output in any dtype); per tensor / channel torch._scaled_mm in bf16."""
+    from batchrun.quant.linear import block_fp8_matmul, plan_linear
+
+    if want == "fp8_block" and block_fp8_matmul is None:
+        want = "dense"  # no Triton: blocks are dequantized
+    scheme = parse_quant_config({"quantization_config": qcfg}, "config.json")
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    spec = plan_linear(scheme, fp8_matmul, dt, ("q_proj", "k_proj", "v_proj"), 384, 256)
+    assert spec.kernel == want and spec.keeps_fp8 == (want != "dense")
