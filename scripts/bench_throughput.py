@@ -8,6 +8,8 @@
         --variants batchrun,prefix-order                                # prefix vs input order
     python scripts/bench_throughput.py --models llama-8b --workloads W3 --repeats 3 \
         --kernel decode_norms=fold                                      # one kernel field set
+    python scripts/bench_throughput.py --models llama-8b --workloads W1,W3 \
+        --variants batchrun,fp8,fp8-block                # bf16, per-channel FP8, block FP8
 
 Models (dummy weights, written as config.json to a temp dir): llama-8b, llama-1b (and `tiny`,
 for CPU smoke tests). Workloads as BENCH.md defines them (benchlib.make_workload: W1 random, W2
@@ -78,7 +80,19 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # the model's linears in FP8 (per-channel weights, dynamic per-token activations), as
     # --quantization fp8 makes them
     "fp8": ({"quantization": "fp8"}, {}),
+    # dummy FP8 weights in 128 x 128 blocks, activations per token in groups of 128 (a
+    # checkpoint's `quant_method: fp8` with weight_block_size, as CHECKPOINT_VARIANTS writes it)
+    "fp8-block": ({}, {}),
     "prefix-order": ({}, {}),
+}
+# variants whose model directory's config.json carries this quantization_config
+CHECKPOINT_VARIANTS = {
+    "fp8-block": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
 }
 ALL_VARIANTS = (*VARIANTS, "hf")
 # BENCH.md targets: (workload, model) -> bound; W3 is ms per output token (lower is better), the
@@ -99,9 +113,21 @@ TARGETS = {
 def engine_config(args, model_dir: Path, variant: str):
     """The variant's EngineConfig: the options' config (overlap on) with its fields changed."""
     engine_fields, kernel_fields = VARIANTS[variant]
+    if variant in CHECKPOINT_VARIANTS:
+        model_dir = quantized_model_dir(model_dir, variant)
     return benchlib.engine_config(
         args, model_dir, kernels=kernel_fields, **{"overlap": True, **engine_fields}
     )
+
+
+def quantized_model_dir(model_dir: Path, variant: str) -> Path:
+    """A sibling of model_dir whose config.json adds the variant's quantization_config."""
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = CHECKPOINT_VARIANTS[variant]
+    path = model_dir.with_name(f"{model_dir.name}-{variant}")
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
 
 
 def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe) -> None:
