@@ -10,6 +10,8 @@
     argmax             greedy sampling's argmax over the vocabulary
     token_bitmask      structured output's token bitmask (apply, masked argmax)
     graph_inputs       a decode CUDA graph's inputs in one kernel
+    fp8_quant          FP8 activation quantization (per token, per token group, static)
+    fp8_block_matmul   block-wise FP8 matmul (128 x 128 weight blocks) on the FP8 tensor cores
     pdl                programmatic dependent launch helpers
 
 Each module imports triton at its top: import them only where Triton is installed
