@@ -43,6 +43,13 @@ SHAPES = {
 # bf16 output against the fp32 reference on the same quantized operands: the tensor cores sum
 # 128 products per block in (at least) fp32-like precision, the bf16 rounding is 2^-8 relative
 BF16_BOUND = 8e-3
+# torch divides a tensor by a Python scalar as a multiplication by its reciprocal on CUDA, the
+# kernel divides (IEEE): the scales agree to one float32 ulp
+SCALE_RTOL = 2.4e-7
+# Hopper's FP8 wgmma (the kernel's 64-row and larger tiles) sums its products with fewer than
+# fp32's mantissa bits: on the H200 an fp32-out block linear at M = 100 reads 1.28e-4 against
+# the fp32 reference (mma.sync's 16-row tiles stay within 1e-5)
+WGMMA_FP32_BOUND = 5e-4
 
 
 def _same_bytes_up_to_rounding(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -68,12 +75,12 @@ def test_per_token_and_static_quantization_match_the_torch_ops(cols):
         q, scale = fp8_quant.quant_per_token(x)
         want_q, want_scale = quant_per_token(x)
         assert q.dtype == FP8 and scale.shape == (num, 1)
-        torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
+        torch.testing.assert_close(scale, want_scale, rtol=SCALE_RTOL, atol=0)
         _same_bytes_up_to_rounding(q, want_q, f"per token M={num} K={cols}")
         amax = x.float().abs().amax(dim=-1, keepdim=True) * 1.5  # a row-parallel layer's
         q, scale = fp8_quant.quant_per_token(x, amax)
         want_q, want_scale = quant_per_token(x, lambda t, a=amax: torch.maximum(t, a))
-        torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
+        torch.testing.assert_close(scale, want_scale, rtol=SCALE_RTOL, atol=0)
         _same_bytes_up_to_rounding(q, want_q, f"given amax M={num} K={cols}")
         static = torch.tensor(0.01, device="cuda")  # some values past 448 * scale: clamped
         q, rows = fp8_quant.quant_static(x, static)
@@ -93,7 +100,7 @@ def test_per_token_group_quantization_matches_the_reference(cols):
         want_scale = (xg.abs().amax(-1) / 448.0).clamp(min=1e-12)
         want_q = (xg / want_scale[..., None]).clamp(-448, 448).to(FP8).view(num, cols)
         assert scale.shape == (num, cols // 128) and scale.stride() == (1, num)
-        torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
+        torch.testing.assert_close(scale, want_scale, rtol=SCALE_RTOL, atol=0)
         _same_bytes_up_to_rounding(q, want_q, f"groups M={num} K={cols}")
 
 
@@ -133,7 +140,7 @@ def test_block_linear_matches_the_fake_quantized_reference():
     torch.manual_seed(3)
     qw = _block_weight(3072, 2048)
     spec = QuantSpec("fp8", "dynamic", (128, 128), "fp8_block", "test")
-    for dtype, bound in ((torch.bfloat16, BF16_BOUND), (torch.float32, 1e-5)):
+    for dtype, bound in ((torch.bfloat16, BF16_BOUND), (torch.float32, WGMMA_FP32_BOUND)):
         m = QuantMatmul(3072, 2048, spec, dtype, torch.device("cuda"))
         m.load(qw, "test")
         for num in (1, 100):
@@ -183,17 +190,18 @@ def test_block_fp8_engine_gives_the_exact_models_tokens(fmt, tmp_path):
     """A block-FP8 checkpoint in fp32 on CUDA (the Triton kernels, CUDA graphs and piecewise
     graphs on) against the CPU's exact model of it (fp32, activations fake-quantized as the
     kernels quantize them): over the CUDA engine's 32 greedy tokens of 8 prompts, teacher-
-    forced, the CPU engine picks the same token at least 90 % of the time. Only the fp32
-    summation order differs, and on this tiny random model (flat logits) that alone moves a
-    few picks: the CPU engine scoring its own greedy tokens agrees on 252 of 256. The bf16
-    engine runs the same kernels."""
+    forced, the CPU engine picks the same token at least 80 % of the time. The sums differ:
+    their order, and the FP8 wgmma's narrower accumulator (WGMMA_FP32_BOUND); on this tiny
+    random model (flat logits) that moves picks: the CPU engine scoring its own greedy tokens
+    agrees on 252 of 256, the CUDA engine's on 225 of 256 on the H200. The bf16 engine runs
+    the same kernels."""
     from quant_checkpoints import write_quantized
     from tiny_models import random_prompts
 
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
 
-    agreement_floor = 0.9
+    agreement_floor = 0.8
     write_quantized(fmt, "llama", tmp_path)
     params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(8, seed=5, min_len=4, max_len=100)
