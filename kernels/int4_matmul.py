@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 from batchrun.kernels.gemv import NUM_COUNTERS, split_counters
+
 from batchrun.quant.int4_layout import Int4Packed
 
 DECODE_MAX_M = 64

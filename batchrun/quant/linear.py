@@ -5,6 +5,8 @@ weights.py) and how it multiplies, by device and kernel config.
     (fp8_matmul "scaled_mm", bf16)           (or with the static input_scale) on the device;
                                              torch._scaled_mm (cuBLASLt): row-wise scales, or
                                              tensor-wise where every scale is one
+    INT4, CUDA, bf16 / fp16                  the weight packed at load (batchrun/quant/
+    (int4_matmul "triton")                   int4_layout.py), kernels/int4_matmul.py
     everything else                          the weight dequantized at load into the compute
                                              dtype, F.linear; on the CPU the FP8 activations
                                              are fake-quantized as the checkpoint says (the
@@ -31,9 +33,17 @@ from batchrun.quant.act_quant import (
     quant_per_token,
     quant_static,
 )
-from batchrun.quant.weights import FP8_DTYPE, Fp8Weight, QuantizedWeight
+from batchrun.quant.int4_layout import Int4Packed, can_pack, pack_int4
+from batchrun.quant.weights import FP8_DTYPE, Fp8Weight, Int4Weight, QuantizedWeight
+
+try:
+    from batchrun.kernels import int4_matmul as int4_kernel
+except ImportError:  # no Triton (CPU-only installs): KernelConfig.int4_matmul is "dequant"
+    int4_kernel = None
 
 SCALED_MM_ALIGN = 16  # torch._scaled_mm: K and N multiples of this
+# the layout's tensors (Int4Packed's fields), buffers of an INT4 QuantMatmul
+INT4_BUFFERS = ("qweight", "scales", "zeros", "perm", "groups")
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,9 @@ class QuantSpec:
     family: str  # "fp8" | "int4"
     activations: str  # "none" | "dynamic" | "static" (the scheme's)
     block: tuple[int, int] | None  # FP8 weight blocks
-    scaled_mm: bool  # float8 weight kept, torch._scaled_mm; else a dense dequantized weight
+    # "scaled_mm": float8 weight kept, torch._scaled_mm; "int4": packed INT4 weight,
+    # kernels/int4_matmul.py; "dense": the weight dequantized at load, F.linear
+    kernel: str
     describe: str  # the scheme's one line
 
 
@@ -54,6 +66,7 @@ def plan_linear(
     modules: tuple[str, ...],
     out_features: int,
     in_features: int,
+    int4_matmul: str = "dequant",
 ) -> QuantSpec | None:
     """The QuantSpec of the linear that fuses the checkpoint linears `modules` (q, k, v_proj;
     gate, up_proj; or one), [out_features, in_features] on this rank; None when the scheme
@@ -79,7 +92,14 @@ def plan_linear(
         and out_features % SCALED_MM_ALIGN == 0
         and in_features % SCALED_MM_ALIGN == 0
     )
-    return QuantSpec(scheme.family, scheme.activations, scheme.block, scaled_mm, scheme.describe())
+    int4 = (
+        scheme.family == "int4"
+        and int4_matmul == "triton"
+        and dtype in (torch.bfloat16, torch.float16)
+        and can_pack(out_features)
+    )
+    kernel = "scaled_mm" if scaled_mm else "int4" if int4 else "dense"
+    return QuantSpec(scheme.family, scheme.activations, scheme.block, kernel, scheme.describe())
 
 
 class QuantMatmul(nn.Module):
@@ -104,10 +124,16 @@ class QuantMatmul(nn.Module):
         self.reduce_max = reduce_max if spec.activations == "dynamic" and not spec.block else None
         self.out_features, self.in_features = out_features, in_features
         shape = (out_features, in_features)
-        wdtype = FP8_DTYPE if spec.scaled_mm else dtype
-        self.register_buffer("weight", torch.empty(shape, dtype=wdtype, device=device))
+        scaled_mm = spec.kernel == "scaled_mm"
+        wdtype = FP8_DTYPE if scaled_mm else dtype
+        weight = None if spec.kernel == "int4" else torch.empty(shape, dtype=wdtype, device=device)
+        self.register_buffer("weight", weight)
         scale = torch.empty(1, out_features, dtype=torch.float32, device=device)
-        self.register_buffer("weight_scale", scale if spec.scaled_mm else None)
+        self.register_buffer("weight_scale", scale if scaled_mm else None)
+        self.group_size = 0
+        if spec.kernel == "int4":  # shapes and presence known once loaded (Int4Packed)
+            for name in INT4_BUFFERS:
+                self.register_buffer(name, None)
         static = spec.activations == "static"
         self.register_buffer(
             "input_scale",
@@ -123,11 +149,19 @@ class QuantMatmul(nn.Module):
                 f"{where}: decoded weight is [{qw.out_features}, {qw.in_features}], the layer "
                 f"[{self.out_features}, {self.in_features}]"
             )
+        if self.spec.kernel == "int4":
+            assert isinstance(qw, Int4Weight)
+            packed = pack_int4(qw)
+            for name in INT4_BUFFERS:
+                setattr(self, name, getattr(packed, name))
+            self.group_size = packed.group_size
+            int4_kernel.prepare(packed.qweight.device)
+            return
         device = self.weight.device
         with torch.no_grad():
             if self.input_scale is not None:
                 self.input_scale.copy_(qw.input_scale)
-            if self.spec.scaled_mm:
+            if self.spec.kernel == "scaled_mm":
                 assert isinstance(qw, Fp8Weight) and qw.block is None
                 self.weight.copy_(qw.weight)
                 self.weight_scale.copy_(qw.scale.reshape(1, -1))
@@ -141,8 +175,10 @@ class QuantMatmul(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.spec.scaled_mm:
+        if self.spec.kernel == "scaled_mm":
             return self._scaled_mm(x)
+        if self.spec.kernel == "int4":
+            return self._int4(x)
         if self.fake_quant:
             x = self._fake_quant(x)
         return F.linear(x, self.weight)
@@ -182,6 +218,18 @@ class QuantMatmul(nn.Module):
             )
         return y.view(*shape[:-1], self.out_features)
 
+    def _int4(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [M, K]
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        packed = Int4Packed(
+            self.qweight, self.scales, self.zeros, self.group_size, self.perm, self.groups
+        )
+        return int4_kernel.int4_matmul(x2, packed).view(*shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
-        path = "scaled_mm" if self.spec.scaled_mm else "dequantized"
+        path = {"scaled_mm": "scaled_mm", "int4": "int4 kernel"}.get(
+            self.spec.kernel, "dequantized"
+        )
         return f"{self.out_features}x{self.in_features}, {path}, {self.spec.describe}"

@@ -49,7 +49,7 @@ def quant_matmul(w: torch.Tensor, activations: str, per_tensor: bool):
 
     input_scale = torch.tensor(0.02, device=w.device) if activations == "static" else None
     qw = quantize_fp8(w, "tensor" if per_tensor else "channel", None, input_scale)
-    spec = QuantSpec("fp8", activations, None, True, "test")
+    spec = QuantSpec("fp8", activations, None, "scaled_mm", "test")
     m = QuantMatmul(w.shape[0], w.shape[1], spec, torch.bfloat16, w.device)
     m.load(qw, "test")
     return m, qw

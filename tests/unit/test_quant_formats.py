@@ -260,7 +260,7 @@ def test_load_time_quantization_matches_the_reference_quantizer(weights):
 
 
 def spec(activations: str, scaled_mm: bool, block=None) -> QuantSpec:
-    return QuantSpec("fp8", activations, block, scaled_mm, "test")
+    return QuantSpec("fp8", activations, block, "scaled_mm" if scaled_mm else "dense", "test")
 
 
 def matmul(qw, activations: str, scaled_mm: bool, dtype=torch.float32, reduce_max=None, block=None):
