@@ -116,7 +116,8 @@ class KernelConfig:
                         or per channel; blocks are dequantized); auto: "scaled_mm" on sm_89+
                         GPUs, "dequant" elsewhere (the CPU always dequantizes)
     int4_matmul         one of INT4_MATMULS for the INT4 linears of a quantized model; auto:
-                        "triton" on CUDA where Triton imports, "dequant" elsewhere
+                        "triton" on CUDA where Triton imports, "dequant" elsewhere (set by
+                        hand, "triton" runs on CPU tensors under Triton's interpreter)
     """
 
     attention: str = "auto"

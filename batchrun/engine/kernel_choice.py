@@ -119,10 +119,10 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     int4_matmul = want.int4_matmul
     if int4_matmul == "auto":
         int4_matmul = "triton" if cuda and triton else "dequant"
-    elif int4_matmul == "triton" and not (cuda and triton):
+    elif int4_matmul == "triton" and not triton:
         raise ValueError(
-            "int4_matmul 'triton' (kernels/int4_matmul.py) needs CUDA and the triton package; "
-            "use 'dequant' or 'auto'"
+            "int4_matmul 'triton' (kernels/int4_matmul.py) needs the triton package; use "
+            "'dequant' or 'auto'"
         )
 
     # the norms inside the matmuls need every matmul whole and plain: a row-parallel matmul's

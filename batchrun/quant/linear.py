@@ -5,8 +5,8 @@ weights.py) and how it multiplies, by device and kernel config.
     (fp8_matmul "scaled_mm", bf16)           (or with the static input_scale) on the device;
                                              torch._scaled_mm (cuBLASLt): row-wise scales, or
                                              tensor-wise where every scale is one
-    INT4, CUDA, bf16 / fp16                  the weight packed at load (batchrun/quant/
-    (int4_matmul "triton")                   int4_layout.py), kernels/int4_matmul.py
+    INT4 (int4_matmul "triton": CUDA, or     the weight packed at load (batchrun/quant/
+    CPU tensors under Triton's interpreter)  int4_layout.py), kernels/int4_matmul.py
     everything else                          the weight dequantized at load into the compute
                                              dtype, F.linear; on the CPU the FP8 activations
                                              are fake-quantized as the checkpoint says (the
@@ -95,7 +95,6 @@ def plan_linear(
     int4 = (
         scheme.family == "int4"
         and int4_matmul == "triton"
-        and dtype in (torch.bfloat16, torch.float16)
         and can_pack(out_features)
     )
     kernel = "scaled_mm" if scaled_mm else "int4" if int4 else "dense"

@@ -306,17 +306,20 @@ def test_a_quantized_model_on_an_h200_runs_scaled_mm_and_cublas_without_folded_n
     )
 
 
-def test_int4_matmuls_run_the_triton_kernel_on_cuda(gpu):
-    """kernels/int4_matmul.py on any GPU where Triton imports; never on the CPU (which
-    dequantizes), and a hand-set "triton" there is refused with a message."""
+def test_int4_matmuls_run_the_triton_kernel_on_cuda(gpu, monkeypatch):
+    """kernels/int4_matmul.py on any GPU where Triton imports; the CPU dequantizes unless
+    "triton" is set by hand (Triton's interpreter), which needs the triton package."""
     gpu(pdl=False)
     assert resolve(quantized(SMALL), CUDA).int4_matmul == "triton"
     assert resolve(quantized(SMALL), CUDA, KernelConfig(int4_matmul="dequant")).int4_matmul == (
         "dequant"
     )
     assert resolve(quantized(SMALL)).int4_matmul == "dequant"
-    with pytest.raises(ValueError, match="int4_matmul 'triton' .* needs CUDA"):
-        resolve(quantized(SMALL), CPU, KernelConfig(int4_matmul="triton"))
+    assert resolve(SMALL, CPU, KernelConfig(int4_matmul="triton")).int4_matmul == "triton"
+    monkeypatch.setattr(kernel_choice, "has_triton", lambda: False)
+    assert resolve(quantized(SMALL), CUDA).int4_matmul == "dequant"
+    with pytest.raises(ValueError, match="int4_matmul 'triton' .* needs the triton package"):
+        resolve(quantized(SMALL), CUDA, KernelConfig(int4_matmul="triton"))
     with pytest.raises(ValueError, match="int4_matmul must be one of auto, triton, dequant"):
         resolve(quantized(SMALL), CPU, KernelConfig(int4_matmul="marlin"))
 
