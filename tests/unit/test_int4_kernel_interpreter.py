@@ -75,6 +75,7 @@ def decoded(fmt: str, group_size: int, symmetric: bool, act_order: bool, out=OUT
 
 def check(w, m: int, dtype, what: str, **kwargs) -> None:
     from batchrun.kernels.int4_matmul import int4_matmul
+
     from batchrun.quant.int4_layout import pack_int4
 
     x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(m)).to(dtype)
