@@ -78,8 +78,21 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # the model's linears in FP8 (per-channel weights, dynamic per-token activations), as
     # --quantization fp8 makes them
     "fp8": ({"quantization": "fp8"}, {}),
+    # INT4 dummy weights in AWQ's layout (VARIANT_QUANTIZATION), on kernels/int4_matmul.py /
+    # dequantized to bf16 at load
+    "int4-awq": ({}, {}),
+    "int4-awq-dequant": ({}, {"int4_matmul": "dequant"}),
     "prefix-order": ({}, {}),
 }
+# the quantization_config a variant's config.json carries (dummy weights in that format)
+AWQ_CONFIG = {
+    "quant_method": "awq",
+    "version": "gemm",
+    "bits": 4,
+    "group_size": 128,
+    "zero_point": True,
+}
+VARIANT_QUANTIZATION = {"int4-awq": AWQ_CONFIG, "int4-awq-dequant": AWQ_CONFIG}
 ALL_VARIANTS = (*VARIANTS, "hf")
 # BENCH.md targets: (workload, model) -> bound; W3 is ms per output token (lower is better), the
 # others output tok/s (higher is better)
@@ -479,10 +492,24 @@ def format_run(r: RunResult) -> str:
     return ", ".join(parts)
 
 
+def variant_model_dir(model_dir: Path, variant: str) -> Path:
+    """model_dir, or a sibling whose config.json adds the variant's quantization_config."""
+    qcfg = VARIANT_QUANTIZATION.get(variant)
+    if qcfg is None:
+        return model_dir
+    path = model_dir.with_name(f"{model_dir.name}-{variant}")
+    path.mkdir(exist_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = qcfg
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
 def start(args, model_dir: Path, variant: str, dev: Device):
     """The variant's engine (or HF model), its start-up seconds and its resolved kernels."""
     from batchrun.engine.engine import Engine
 
+    model_dir = variant_model_dir(model_dir, variant)
     dev.sync()
     t = time.perf_counter()
     if variant == "hf":
