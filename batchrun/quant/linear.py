@@ -92,11 +92,7 @@ def plan_linear(
         and out_features % SCALED_MM_ALIGN == 0
         and in_features % SCALED_MM_ALIGN == 0
     )
-    int4 = (
-        scheme.family == "int4"
-        and int4_matmul == "triton"
-        and can_pack(out_features)
-    )
+    int4 = scheme.family == "int4" and int4_matmul == "triton" and can_pack(out_features)
     kernel = "scaled_mm" if scaled_mm else "int4" if int4 else "dense"
     return QuantSpec(scheme.family, scheme.activations, scheme.block, kernel, scheme.describe())
 
