@@ -26,6 +26,9 @@ DECODE_NORMS = ("auto", "off", "all", "post", "fold", "fold-all")
 # per tensor / channel torch._scaled_mm, 128 x 128 blocks kernels/fp8_block_matmul.py),
 # "dequant" weights dequantized at load
 FP8_MATMULS = ("auto", "scaled_mm", "dequant")
+# the matmul of a quantized model's INT4 linears (AWQ, GPTQ, compressed-tensors W4A16): "triton"
+# kernels/int4_matmul.py on the packed weights, "dequant" weights dequantized at load
+INT4_MATMULS = ("auto", "triton", "dequant")
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: a bf16 checkpoint quantized at load
 
 # on CUDA the KV pool takes this fraction of the GPU memory free once the weights are loaded
@@ -116,6 +119,9 @@ class KernelConfig:
                         matmul; activations quantized by kernels/fp8_quant.py), "dequant"
                         dequantizes them to bf16 at load; auto: "scaled_mm" on sm_89+ GPUs,
                         "dequant" elsewhere (the CPU always dequantizes)
+    int4_matmul         one of INT4_MATMULS for the INT4 linears of a quantized model; auto:
+                        "triton" on CUDA where Triton imports, "dequant" elsewhere (set by
+                        hand, "triton" runs on CPU tensors under Triton's interpreter)
     """
 
     attention: str = "auto"
@@ -127,6 +133,7 @@ class KernelConfig:
     piecewise_graphs: bool | None = None
     host_gate: bool | None = None
     fp8_matmul: str = "auto"
+    int4_matmul: str = "auto"
 
     @classmethod
     def reference(cls) -> KernelConfig:
@@ -141,6 +148,7 @@ class KernelConfig:
             piecewise_graphs=False,
             host_gate=False,
             fp8_matmul="dequant",
+            int4_matmul="dequant",
         )
 
     def validate(self) -> None:
@@ -148,12 +156,13 @@ class KernelConfig:
         _one_of("decode_gemv", self.decode_gemv, DECODE_GEMVS)
         _one_of("decode_norms", self.decode_norms, DECODE_NORMS)
         _one_of("fp8_matmul", self.fp8_matmul, FP8_MATMULS)
+        _one_of("int4_matmul", self.int4_matmul, INT4_MATMULS)
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0; got {self.cuda_graph_max_bs}")
 
     @property
     def is_resolved(self) -> bool:
-        auto = {"attention", "decode_gemv", "decode_norms", "fp8_matmul"}
+        auto = {"attention", "decode_gemv", "decode_norms", "fp8_matmul", "int4_matmul"}
         return all(
             getattr(self, f.name) != "auto" if f.name in auto else getattr(self, f.name) is not None
             for f in fields(self)

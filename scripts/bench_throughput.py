@@ -80,19 +80,32 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # the model's linears in FP8 (per-channel weights, dynamic per-token activations), as
     # --quantization fp8 makes them
     "fp8": ({"quantization": "fp8"}, {}),
-    # dummy FP8 weights in 128 x 128 blocks, activations per token in groups of 128 (a
-    # checkpoint's `quant_method: fp8` with weight_block_size, as CHECKPOINT_VARIANTS writes it)
+    # dummy weights in a checkpoint format (VARIANT_QUANTIZATION): FP8 in 128 x 128 blocks,
+    # activations per token in groups of 128 (`quant_method: fp8` with weight_block_size); INT4
+    # in AWQ's layout on kernels/int4_matmul.py / dequantized to bf16 at load
     "fp8-block": ({}, {}),
+    "int4-awq": ({}, {}),
+    "int4-awq-dequant": ({}, {"int4_matmul": "dequant"}),
     "prefix-order": ({}, {}),
 }
-# variants whose model directory's config.json carries this quantization_config
-CHECKPOINT_VARIANTS = {
-    "fp8-block": {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-    },
+FP8_BLOCK_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
+AWQ_CONFIG = {
+    "quant_method": "awq",
+    "version": "gemm",
+    "bits": 4,
+    "group_size": 128,
+    "zero_point": True,
+}
+# the quantization_config a variant's config.json carries (dummy weights in that format)
+VARIANT_QUANTIZATION = {
+    "fp8-block": FP8_BLOCK_CONFIG,
+    "int4-awq": AWQ_CONFIG,
+    "int4-awq-dequant": AWQ_CONFIG,
 }
 ALL_VARIANTS = (*VARIANTS, "hf")
 # BENCH.md targets: (workload, model) -> bound; W3 is ms per output token (lower is better), the
@@ -113,21 +126,9 @@ TARGETS = {
 def engine_config(args, model_dir: Path, variant: str):
     """The variant's EngineConfig: the options' config (overlap on) with its fields changed."""
     engine_fields, kernel_fields = VARIANTS[variant]
-    if variant in CHECKPOINT_VARIANTS:
-        model_dir = quantized_model_dir(model_dir, variant)
     return benchlib.engine_config(
         args, model_dir, kernels=kernel_fields, **{"overlap": True, **engine_fields}
     )
-
-
-def quantized_model_dir(model_dir: Path, variant: str) -> Path:
-    """A sibling of model_dir whose config.json adds the variant's quantization_config."""
-    config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = CHECKPOINT_VARIANTS[variant]
-    path = model_dir.with_name(f"{model_dir.name}-{variant}")
-    path.mkdir(exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return path
 
 
 def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe) -> None:
@@ -505,10 +506,24 @@ def format_run(r: RunResult) -> str:
     return ", ".join(parts)
 
 
+def variant_model_dir(model_dir: Path, variant: str) -> Path:
+    """model_dir, or a sibling whose config.json adds the variant's quantization_config."""
+    qcfg = VARIANT_QUANTIZATION.get(variant)
+    if qcfg is None:
+        return model_dir
+    path = model_dir.with_name(f"{model_dir.name}-{variant}")
+    path.mkdir(exist_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = qcfg
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
 def start(args, model_dir: Path, variant: str, dev: Device):
     """The variant's engine (or HF model), its start-up seconds and its resolved kernels."""
     from batchrun.engine.engine import Engine
 
+    model_dir = variant_model_dir(model_dir, variant)
     dev.sync()
     t = time.perf_counter()
     if variant == "hf":

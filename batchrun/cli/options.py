@@ -18,6 +18,7 @@ from batchrun.config import (
     DTYPES,
     FP8_MATMULS,
     GPU_MEMORY_UTILIZATION,
+    INT4_MATMULS,
     LOAD_FORMATS,
     QUANTIZATIONS,
 )
@@ -286,6 +287,13 @@ kernel_options = option_group(
         default="auto",
         help="FP8 linears: FP8 tensor cores (torch._scaled_mm; Triton for 128x128 blocks), or "
         "weights dequantized; auto: scaled_mm on sm_89+.",
+    ),
+    click.option(
+        "--int4-matmul",
+        type=click.Choice(INT4_MATMULS),
+        default="auto",
+        help="INT4 linears: batchrun's Triton W4A16 kernel, or weights dequantized; auto: triton "
+        "on CUDA.",
     ),
     click.option("--disable-cuda-graph", is_flag=True, help="Run every step eagerly."),
     click.option(

@@ -116,6 +116,15 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             "H200 or later); use 'dequant' or 'auto'"
         )
 
+    int4_matmul = want.int4_matmul
+    if int4_matmul == "auto":
+        int4_matmul = "triton" if cuda and triton else "dequant"
+    elif int4_matmul == "triton" and not triton:
+        raise ValueError(
+            "int4_matmul 'triton' (kernels/int4_matmul.py) needs the triton package; use "
+            "'dequant' or 'auto'"
+        )
+
     # the norms inside the matmuls need every matmul whole and plain: a row-parallel matmul's
     # all-reduce comes between its sums and the residual, and a bias between them too
     plain = config.tp_size == 1 and not (model_cfg.qkv_bias or model_cfg.mlp_bias)
@@ -158,7 +167,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         )
 
     fp8_kernels = quantized and fp8_matmul == "scaled_mm" and triton  # kernels/fp8_*.py
-    if triton_ops or decode_gemv == "triton" or attention == "triton" or fp8_kernels:
+    uses_triton = attention == "triton" or fp8_kernels or int4_matmul == "triton"
+    if triton_ops or decode_gemv == "triton" or uses_triton:
         _check_kernels_import()
     return replace(
         want,
@@ -171,4 +181,5 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         piecewise_graphs=piecewise,
         host_gate=host_gate,
         fp8_matmul=fp8_matmul,
+        int4_matmul=int4_matmul,
     )

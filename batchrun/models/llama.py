@@ -88,7 +88,13 @@ class Attention(nn.Module):
         self.scaling = cfg.head_dim**-0.5
         qkv_rows = part.q_size + 2 * part.kv_size
         # how the checkpoint's linears are quantized (None: plain weights)
-        plan = partial(plan_linear, cfg.quantization, kernels.fp8_matmul, dtype)
+        plan = partial(
+            plan_linear,
+            cfg.quantization,
+            kernels.fp8_matmul,
+            dtype,
+            int4_matmul=kernels.int4_matmul,
+        )
         prefix = f"model.layers.{layer_id}.self_attn"
         qkv = tuple(f"{prefix}.{n}_proj" for n in "qkv")
         self.qkv_proj = ColumnParallelLinear(
@@ -157,7 +163,13 @@ class MLP(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.intermediate_size = inter = part.intermediate_size
-        plan = partial(plan_linear, cfg.quantization, kernels.fp8_matmul, dtype)
+        plan = partial(
+            plan_linear,
+            cfg.quantization,
+            kernels.fp8_matmul,
+            dtype,
+            int4_matmul=kernels.int4_matmul,
+        )
         prefix = f"model.layers.{layer_id}.mlp"
         gate_up = (f"{prefix}.gate_proj", f"{prefix}.up_proj")
         self.gate_up_proj = ColumnParallelLinear(  # local rows [gate of this rank | up of it]

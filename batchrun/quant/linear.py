@@ -11,6 +11,9 @@ weights.py) and how it multiplies, by device and kernel config.
     dynamic activations, CUDA sm_89+         quantized per token and group of 128 columns
     (fp8_matmul "scaled_mm"), any dtype      (kernels/fp8_quant.py), then the Triton block
                                              matmul (kernels/fp8_block_matmul.py)
+    "int4": INT4 (int4_matmul "triton":      the weight packed at load (batchrun/quant/
+    CUDA, or CPU tensors under Triton's      int4_layout.py), kernels/int4_matmul.py
+    interpreter)
     "dense": everything else                 the weight dequantized at load into the compute
                                              dtype, F.linear; on the CPU the FP8 activations
                                              are fake-quantized as the checkpoint says (the
@@ -37,7 +40,13 @@ from batchrun.quant.act_quant import (
     quant_per_token,
     quant_static,
 )
-from batchrun.quant.weights import FP8_DTYPE, Fp8Weight, QuantizedWeight
+from batchrun.quant.int4_layout import Int4Packed, can_pack, pack_int4
+from batchrun.quant.weights import FP8_DTYPE, Fp8Weight, Int4Weight, QuantizedWeight
+
+try:
+    from batchrun.kernels import int4_matmul as int4_kernel
+except ImportError:  # no Triton (CPU-only installs): KernelConfig.int4_matmul is "dequant"
+    int4_kernel = None
 
 try:
     from batchrun.kernels import fp8_quant
@@ -46,7 +55,9 @@ except ImportError:  # no Triton (CPU-only installs): FP8 blocks are dequantized
     fp8_quant = block_fp8_matmul = None  # activations quantized by the torch ops
 
 SCALED_MM_ALIGN = 16  # torch._scaled_mm: K and N multiples of this
-KERNELS = ("scaled_mm", "fp8_block", "dense")  # QuantSpec.kernel
+KERNELS = ("scaled_mm", "fp8_block", "int4", "dense")  # QuantSpec.kernel
+# the layout's tensors (Int4Packed's fields), buffers of an INT4 QuantMatmul
+INT4_BUFFERS = ("qweight", "scales", "zeros", "perm", "groups")
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,7 @@ def plan_linear(
     modules: tuple[str, ...],
     out_features: int,
     in_features: int,
+    int4_matmul: str = "dequant",
 ) -> QuantSpec | None:
     """The QuantSpec of the linear that fuses the checkpoint linears `modules` (q, k, v_proj;
     gate, up_proj; or one), [out_features, in_features] on this rank; None when the scheme
@@ -88,13 +100,22 @@ def plan_linear(
             f"rest of {', '.join(modules)}, which batchrun fuses into one matmul; quantize all "
             "of them or none"
         )
-    kernel = _kernel(scheme, fp8_matmul, dtype, out_features, in_features)
+    kernel = _kernel(scheme, fp8_matmul, int4_matmul, dtype, out_features, in_features)
     return QuantSpec(scheme.family, scheme.activations, scheme.block, kernel, scheme.describe())
 
 
-def _kernel(scheme, fp8_matmul: str, dtype: torch.dtype, out_features: int, in_features: int):
+def _kernel(
+    scheme,
+    fp8_matmul: str,
+    int4_matmul: str,
+    dtype: torch.dtype,
+    out_features: int,
+    in_features: int,
+):
     """The QuantSpec.kernel of a quantized linear (the module docstring's table)."""
-    if scheme.family != "fp8" or fp8_matmul != "scaled_mm":
+    if scheme.family == "int4":
+        return "int4" if int4_matmul == "triton" and can_pack(out_features) else "dense"
+    if fp8_matmul != "scaled_mm":
         return "dense"
     if scheme.block is not None:
         fits = scheme.block == (128, 128) and scheme.activations == "dynamic"
@@ -133,7 +154,8 @@ class QuantMatmul(nn.Module):
         self.out_features, self.in_features = out_features, in_features
         shape = (out_features, in_features)
         wdtype = FP8_DTYPE if spec.keeps_fp8 else dtype
-        self.register_buffer("weight", torch.empty(shape, dtype=wdtype, device=device))
+        weight = None if spec.kernel == "int4" else torch.empty(shape, dtype=wdtype, device=device)
+        self.register_buffer("weight", weight)
         scale = None
         if spec.kernel == "scaled_mm":
             scale = torch.empty(1, out_features, dtype=torch.float32, device=device)
@@ -142,6 +164,10 @@ class QuantMatmul(nn.Module):
             scale_shape = (-(-out_features // bo), -(-in_features // bi))
             scale = torch.empty(scale_shape, dtype=torch.float32, device=device)
         self.register_buffer("weight_scale", scale)
+        self.group_size = 0
+        if spec.kernel == "int4":  # shapes and presence known once loaded (Int4Packed)
+            for name in INT4_BUFFERS:
+                self.register_buffer(name, None)
         static = spec.activations == "static"
         self.register_buffer(
             "input_scale",
@@ -159,6 +185,14 @@ class QuantMatmul(nn.Module):
                 f"{where}: decoded weight is [{qw.out_features}, {qw.in_features}], the layer "
                 f"[{self.out_features}, {self.in_features}]"
             )
+        if self.spec.kernel == "int4":
+            assert isinstance(qw, Int4Weight)
+            packed = pack_int4(qw)
+            for name in INT4_BUFFERS:
+                setattr(self, name, getattr(packed, name))
+            self.group_size = packed.group_size
+            int4_kernel.prepare(packed.qweight.device)
+            return
         device = self.weight.device
         with torch.no_grad():
             if self.input_scale is not None:
@@ -186,6 +220,8 @@ class QuantMatmul(nn.Module):
             return self._scaled_mm(x)
         if self.spec.kernel == "fp8_block":
             return self._block_matmul(x)
+        if self.spec.kernel == "int4":
+            return self._int4(x)
         if self.fake_quant:
             x = self._fake_quant(x)
         return F.linear(x, self.weight)
@@ -245,6 +281,16 @@ class QuantMatmul(nn.Module):
             )
         return y.view(*shape[:-1], self.out_features)
 
+    def _int4(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [M, K]
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        packed = Int4Packed(
+            self.qweight, self.scales, self.zeros, self.group_size, self.perm, self.groups
+        )
+        return int4_kernel.int4_matmul(x2, packed).view(*shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
-        path = self.spec.kernel if self.spec.keeps_fp8 else "dequantized"
+        path = self.spec.kernel if self.spec.kernel != "dense" else "dequantized"
         return f"{self.out_features}x{self.in_features}, {path}, {self.spec.describe}"

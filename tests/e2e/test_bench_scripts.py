@@ -102,6 +102,21 @@ def test_bench_throughput_variants_change_only_the_config():
     assert set(bench_throughput.ALL_VARIANTS) == {*bench_throughput.VARIANTS, "hf"}
 
 
+def test_int4_variants_load_awq_dummy_weights(tmp_path):
+    """int4-awq and int4-awq-dequant run the model's shapes with a config.json that adds AWQ's
+    quantization_config (dummy INT4 weights); every other variant the model's own."""
+    import bench_throughput
+    import benchlib
+
+    model_dir = benchlib.write_model_dir("tiny", tmp_path)
+    assert bench_throughput.variant_model_dir(model_dir, "batchrun") == model_dir
+    for variant in ("int4-awq", "int4-awq-dequant"):
+        path = bench_throughput.variant_model_dir(model_dir, variant)
+        config = json.loads((path / "config.json").read_text())
+        assert config["quantization_config"] == bench_throughput.AWQ_CONFIG
+        assert config["hidden_size"] == benchlib.MODELS["tiny"]["hidden_size"]
+
+
 def test_kernel_option_takes_kernel_config_fields_only():
     import bench_throughput
 

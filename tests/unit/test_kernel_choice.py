@@ -75,6 +75,7 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         piecewise_graphs=False,
         host_gate=False,
         fp8_matmul="dequant",
+        int4_matmul="dequant",
     )
     assert kernels.is_resolved
 
@@ -202,6 +203,7 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         piecewise_graphs=True,  # a small model's mixed steps are bound by the host
         host_gate=True,
         fp8_matmul="scaled_mm",  # the FP8 linears of a quantized model on the tensor cores
+        int4_matmul="triton",  # the INT4 linears on kernels/int4_matmul.py
     )
     assert kernels.is_resolved
 
@@ -272,6 +274,7 @@ def test_fields_set_by_hand_are_kept(gpu):
         piecewise_graphs=False,
         host_gate=False,
         fp8_matmul="dequant",
+        int4_matmul="dequant",
     )
     assert resolve(SMALL, CUDA, want) == want
 
@@ -301,6 +304,24 @@ def test_a_quantized_model_on_an_h200_runs_scaled_mm_and_cublas_without_folded_n
     assert resolve(quantized(SMALL), CUDA, KernelConfig(fp8_matmul="dequant")).fp8_matmul == (
         "dequant"
     )
+
+
+def test_int4_matmuls_run_the_triton_kernel_on_cuda(gpu, monkeypatch):
+    """kernels/int4_matmul.py on any GPU where Triton imports; the CPU dequantizes unless
+    "triton" is set by hand (Triton's interpreter), which needs the triton package."""
+    gpu(pdl=False)
+    assert resolve(quantized(SMALL), CUDA).int4_matmul == "triton"
+    assert resolve(quantized(SMALL), CUDA, KernelConfig(int4_matmul="dequant")).int4_matmul == (
+        "dequant"
+    )
+    assert resolve(quantized(SMALL)).int4_matmul == "dequant"
+    assert resolve(SMALL, CPU, KernelConfig(int4_matmul="triton")).int4_matmul == "triton"
+    monkeypatch.setattr(kernel_choice, "has_triton", lambda: False)
+    assert resolve(quantized(SMALL), CUDA).int4_matmul == "dequant"
+    with pytest.raises(ValueError, match="int4_matmul 'triton' .* needs the triton package"):
+        resolve(quantized(SMALL), CUDA, KernelConfig(int4_matmul="triton"))
+    with pytest.raises(ValueError, match="int4_matmul must be one of auto, triton, dequant"):
+        resolve(quantized(SMALL), CPU, KernelConfig(int4_matmul="marlin"))
 
 
 def test_fp8_matmuls_need_sm_89(gpu):

@@ -1,0 +1,177 @@
+"""The INT4 W4A16 matmul (kernels/int4_matmul.py) against bf16 F.linear (cuBLAS) on the GPU, per
+projection of the benchmark models and per M, with an optional sweep of tile configs. Answers
+whether the kernel's config table (`CONFIGS`, `pick_config`) holds on this GPU, and what INT4
+weights give over bf16 at decode (memory-bound: GB/s of weight bytes) and prefill (TFLOP/s).
+
+    python scripts/bench_int4_matmul.py                          # llama-8b, M = 1 ... 8192
+    python scripts/bench_int4_matmul.py --models llama-8b,llama-1b --m 1,16 --sweep
+
+Weights are AWQ-shaped (group 128, zero points; random values). Each measurement replays a CUDA
+graph of calls (no launch overhead, as in the engine's graphs) that cycle through enough copies
+of the weight to exceed the L2 cache, timed with CUDA events; the kernel and cuBLAS are timed in
+the same run. Each config is checked against F.linear(x, W_bf16) first (relative error <= 1e-2);
+one that is off is reported and skipped. Per model, the sum over one decode step's matmuls
+(layers x [qkv, o, gate_up, down]) at M = 1 is printed for both. Writes JSON under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import benchlib
+import torch
+import torch.nn.functional as F
+from batchrun.kernels.int4_matmul import CONFIGS, Int4Config, int4_matmul, pick_config, prepare
+
+from batchrun.quant.dummy import random_int4
+from batchrun.quant.int4_layout import Int4Packed, pack_int4
+
+L2_BYTES = 256 << 20  # read more than this per graph: the H200's L2 is 50 MB
+MAX_REL_ERROR = 1e-2
+# the sweep's candidates: (block_m, block_n, block_k, num_warps, num_stages) by M bucket
+SWEEP = {
+    "decode": [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 256, 128, 4, 3),
+               (16, 128, 64, 4, 6), (16, 128, 128, 8, 4), (32, 128, 128, 4, 4),
+               (64, 128, 64, 4, 4)],
+    "prefill": [(64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
+                (128, 256, 64, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3)],
+}  # fmt: skip
+SPLITS = (1, 2, 4, 8, 16)
+
+
+def packed_bytes(w: Int4Packed) -> int:
+    return sum(t.nbytes for t in (w.qweight, w.scales, w.zeros) if t is not None)
+
+
+def graph_time_us(fn, weights: list, calls: int) -> float:
+    """µs per call of fn(w) over a captured graph of `calls` calls cycling through `weights`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights[:2]:
+            fn(w)  # warm-up: compiles, allocates
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(weights[i % len(weights)])
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 5
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / (reps * calls)
+
+
+def copies(nbytes: int) -> int:
+    return max(2, -(-L2_BYTES // nbytes) + 1)
+
+
+def error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).abs().max() / ref.abs().max())
+
+
+def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: bool) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    w = random_int4(n, k, 128, gen, symmetric=False)
+    dense = w.dequantize(torch.bfloat16)
+    packed = pack_int4(w)
+    del w
+    int4s = [packed] + [
+        Int4Packed(packed.qweight.clone(), packed.scales.clone(), packed.zeros.clone(), 128)
+        for _ in range(copies(packed_bytes(packed)) - 1)
+    ]
+    denses = [dense] + [dense.clone() for _ in range(copies(dense.nbytes) - 1)]
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        ref = F.linear(x.float(), dense.float())
+        calls = 64 if m <= 256 else 8
+        bf16_us = graph_time_us(lambda d, x=x: F.linear(x, d), denses, calls)
+        cfg, split = pick_config(m, n, k)
+        candidates = [(cfg, split)]
+        if sweep:
+            bucket = "decode" if m <= CONFIGS[2][0] else "prefill"
+            for c in SWEEP[bucket]:
+                splits = SPLITS if bucket == "decode" else (1,)
+                candidates += [(Int4Config(*c), s) for s in splits]
+        results = []
+        for c, s in candidates:
+            err = error(int4_matmul(x, packed, config=c, split_k=s), ref)
+            if err > MAX_REL_ERROR:
+                print(f"  {name} M={m} {c} split {s}: error {err:.2e}, skipped", flush=True)
+                continue
+            fn = lambda p, x=x, c=c, s=s: int4_matmul(x, p, config=c, split_k=s)  # noqa: E731
+            us = graph_time_us(fn, int4s, calls)
+            results.append((us, c, s))
+        picked_us = results[0][0]
+        best_us, best_cfg, best_split = min(results, key=lambda r: r[0])
+        flops = 2 * m * n * k
+        row = dict(
+            matrix=name, n=n, k=k, m=m, bf16_us=bf16_us, int4_us=picked_us,
+            config=tuple(cfg), split_k=split, speedup=bf16_us / picked_us,
+            int4_gbs=packed_bytes(packed) / picked_us / 1e3,
+            bf16_gbs=dense.nbytes / bf16_us / 1e3,
+            int4_tflops=flops / picked_us / 1e6, bf16_tflops=flops / bf16_us / 1e6,
+        )  # fmt: skip
+        if sweep:
+            row.update(best_us=best_us, best_config=tuple(best_cfg), best_split_k=best_split)
+        rows.append(row)
+        line = (
+            f"{name:8s} {n:6d}x{k:<6d} M={m:<5d} bf16 {bf16_us:9.1f} µs  int4 {picked_us:9.1f} µs"
+            f"  x{row['speedup']:.2f}  int4 {row['int4_gbs']:7.0f} GB/s {row['int4_tflops']:6.1f}"
+            f" TFLOP/s  bf16 {row['bf16_gbs']:7.0f} GB/s {row['bf16_tflops']:6.1f} TFLOP/s"
+            f"  {tuple(cfg)} split {split}"
+        )
+        if sweep:
+            line += f"  | best {best_us:.1f} µs {tuple(best_cfg)} split {best_split}"
+        print(line, flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="llama-8b")
+    p.add_argument("--m", default="1,4,16,64,256,2048,8192")
+    p.add_argument("--sweep", action="store_true", help="also time SWEEP's configs")
+    p.add_argument("--out", type=Path, default=Path("bench-out/int4_matmul"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    prepare(torch.device("cuda"))
+    ms = [int(v) for v in args.m.split(",")]
+    report = {"environment": benchlib.environment("cuda"), "rows": []}
+    for model in args.models.split(","):
+        step = {"bf16_us": 0.0, "int4_us": 0.0}
+        for name, n, k, count in benchlib.linear_shapes(model):
+            if name == "lm_head":  # not quantized
+                continue
+            rows = bench_shape(name, n, k, ms, args.sweep)
+            for row in rows:
+                row["model"] = model
+                if row["m"] == 1:
+                    step["bf16_us"] += row["bf16_us"] * count
+                    step["int4_us"] += row["int4_us"] * count
+            report["rows"] += rows
+            torch.cuda.empty_cache()
+        if 1 in ms:
+            print(
+                f"{model}: one decode step's matmuls at M = 1: bf16 {step['bf16_us'] / 1e3:.3f} "
+                f"ms, int4 {step['int4_us'] / 1e3:.3f} ms",
+                flush=True,
+            )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "int4_matmul.json").write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
