@@ -4,7 +4,9 @@ weights.py) and how it multiplies, by device and kernel config.
     FP8, per tensor / channel, CUDA sm_89+   float8 weight kept; activations quantized per token
     (fp8_matmul "scaled_mm", bf16)           (or with the static input_scale) on the device;
                                              torch._scaled_mm (cuBLASLt): row-wise scales, or
-                                             tensor-wise where every scale is one
+                                             tensor-wise where every scale is one; decode
+                                             batches (M <= 16) with decode_gemv "triton" on
+                                             kernels/fp8_gemv.py (the quantization inside)
     everything else                          the weight dequantized at load into the compute
                                              dtype, F.linear; on the CPU the FP8 activations
                                              are fake-quantized as the checkpoint says (the
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchrun.config import KernelConfig
 from batchrun.errors import ModelConfigError
 from batchrun.quant.act_quant import (
     ReduceMax,
@@ -33,7 +36,13 @@ from batchrun.quant.act_quant import (
 )
 from batchrun.quant.weights import FP8_DTYPE, Fp8Weight, QuantizedWeight
 
+try:
+    from batchrun.kernels.fp8_gemv import fp8_gemv, row_amax
+except ImportError:  # no Triton (CPU-only installs): KernelConfig.decode_gemv is "cublas"
+    fp8_gemv = row_amax = None
+
 SCALED_MM_ALIGN = 16  # torch._scaled_mm: K and N multiples of this
+FP8_GEMV_MAX_ROWS = 16  # kernels/fp8_gemv.py's MAX_M
 
 
 @dataclass(frozen=True)
@@ -94,11 +103,17 @@ class QuantMatmul(nn.Module):
         dtype,
         device,
         reduce_max: ReduceMax = None,
+        kernels: KernelConfig | None = None,
     ):
         """reduce_max: a row-parallel layer's maximum over the tensor-parallel ranks (its input
-        columns are split over them); None for a column-parallel layer or one rank."""
+        columns are split over them); None for a column-parallel layer or one rank. kernels:
+        decode_gemv "triton" runs the decode batches of a scaled_mm layer on
+        kernels/fp8_gemv.py."""
         super().__init__()
         self.spec, self.dtype = spec, dtype
+        kernels = kernels or KernelConfig.reference()
+        self.fp8_gemv = spec.scaled_mm and kernels.decode_gemv == "triton"
+        self.pdl = bool(kernels.pdl)
         # NOTE: per-token scales of a row-parallel input come from all its columns, on every
         # rank: one all-reduce of [M] floats per such layer makes TP=N quantize as TP=1
         self.reduce_max = reduce_max if spec.activations == "dynamic" and not spec.block else None
@@ -140,8 +155,37 @@ class QuantMatmul(nn.Module):
             device.type == "cpu" and self.spec.family == "fp8" and self.spec.activations != "none"
         )
 
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """Whether x [M, K] runs on kernels/fp8_gemv.py: a decode batch (M <= 16, unit stride
+        along K) of a scaled_mm layer with decode_gemv "triton"."""
+        return (
+            self.fp8_gemv
+            and x.dim() == 2
+            and x.shape[0] <= FP8_GEMV_MAX_ROWS
+            and x.stride(-1) == 1
+            and x.dtype == self.dtype
+        )
+
+    def gemv(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        """x @ W^T on kernels/fp8_gemv.py (`takes_gemv`); with swiglu, W is a fused gate_up
+        and the result silu(gate) * up [M, out_features / 2]."""
+        amax = None
+        if self.input_scale is None and self.reduce_max is not None:
+            amax = self.reduce_max(row_amax(x))  # every rank's columns: TP=N quantizes as TP=1
+        return fp8_gemv(
+            x,
+            self.weight,
+            self.weight_scale.view(-1),
+            self.input_scale,
+            amax=amax,
+            swiglu=swiglu,
+            pdl=self.pdl,
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.scaled_mm:
+            if self.takes_gemv(x):
+                return self.gemv(x)
             return self._scaled_mm(x)
         if self.fake_quant:
             x = self._fake_quant(x)
@@ -184,4 +228,6 @@ class QuantMatmul(nn.Module):
 
     def extra_repr(self) -> str:
         path = "scaled_mm" if self.spec.scaled_mm else "dequantized"
+        if self.fp8_gemv:
+            path += ", fp8_gemv for decode"
         return f"{self.out_features}x{self.in_features}, {path}, {self.spec.describe}"

@@ -55,11 +55,13 @@ def _reference(x, w, sw, input_scale=None, swiglu=False):
     return (torch.nn.functional.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
 
 
-def _check(out, ref, what, exact_share=0.99):
+def _check(out, ref, what, exact_share=0.99, ulps=1):
+    """Within `ulps` of the dtype, relative (a floor at 1e-3), and at least `exact_share` of the
+    elements identical."""
     assert out.shape == ref.shape and out.dtype == ref.dtype, what
     ulp = 2.0**-7 if out.dtype == torch.bfloat16 else 2.0**-10
     err = ((out.float() - ref.float()).abs() / ref.float().abs().clamp(min=1e-3)).max().item()
-    assert err <= 1.01 * ulp, f"{what}: relative error {err:.3g}"
+    assert err <= 1.01 * ulps * ulp, f"{what}: relative error {err:.3g}"
     same = (out == ref).float().mean().item()
     assert same >= exact_share, f"{what}: {same:.3f} identical"
 
@@ -122,11 +124,40 @@ def _check_matmuls(gen):
         _check(fp8_gemv(x, w, sw, config=cfg, swiglu=True), ref, f"swiglu M={m}")
 
 
+def _check_wiring(gen):
+    """A scaled_mm QuantMatmul with decode_gemv "triton" runs its decode batches (and a fused
+    gate_up's SwiGLU) on the kernel; with "cublas" it does not take it."""
+    from dataclasses import replace
+
+    from triton_interpreter import INTERPRETER_KERNELS
+
+    from batchrun.quant.linear import QuantMatmul, QuantSpec
+    from batchrun.quant.quantize import quantize_fp8
+
+    w = torch.randn(64, 128, generator=gen) * 0.05
+    x = torch.randn(3, 128, generator=gen).bfloat16()
+    for activations, input_scale in (("dynamic", None), ("static", torch.tensor(0.02))):
+        qw = quantize_fp8(w, "channel", None, input_scale)
+        spec = QuantSpec("fp8", activations, None, True, "test")
+        kernels = replace(INTERPRETER_KERNELS, decode_gemv="triton")
+        layer = QuantMatmul(64, 128, spec, torch.bfloat16, "cpu", kernels=kernels)
+        layer.load(qw, "test")
+        assert layer.takes_gemv(x) and not layer.takes_gemv(torch.zeros(17, 128).bfloat16())
+        sw = qw.scale.float()
+        _check(layer(x), _reference(x, qw.weight, sw, input_scale), activations, 0.0)
+        ref = _reference(x, qw.weight, sw, input_scale, swiglu=True)
+        # bf16 gate, silu and product each truncated by the interpreter's stores and casts
+        _check(layer.gemv(x, swiglu=True), ref, activations + " swiglu", 0.0, ulps=4)
+        plain = QuantMatmul(64, 128, spec, torch.bfloat16, "cpu", kernels=INTERPRETER_KERNELS)
+        assert not plain.takes_gemv(x)
+
+
 def _run_checks():
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     _check_quantization(gen)
     _check_matmuls(gen)
+    _check_wiring(gen)
     print("ok")
 
 
