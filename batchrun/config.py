@@ -100,8 +100,9 @@ class KernelConfig:
                         inputs; auto: on CUDA where Triton imports
     pdl                 programmatic dependent launch of those kernels (kernels/pdl.py); auto:
                         on sm_90+ GPUs. Off is for drivers that reject the launch attribute
-    decode_gemv         the matmuls of decode batches of up to 16 rows on kernels/gemv.py
-                        ("triton") or cuBLAS; auto: triton where PDL is on
+    decode_gemv         the matmuls of decode batches of up to 16 rows on kernels/gemv.py, an
+                        FP8 linear's (scaled_mm) on kernels/fp8_gemv.py ("triton"), or on
+                        cuBLAS / torch._scaled_mm; auto: triton where PDL is on
     decode_norms        one of DECODE_NORMS for one-row decode steps on kernels/gemv.py; auto:
                         "all" for hidden sizes up to 2048, "fold-all" above (its folded weights
                         only within a quarter of the free memory, else "fold", else "post")

@@ -4,6 +4,7 @@
     extend_attention   prefill / extend attention over the paged KV
     gemv               decode matmuls (M <= 16): split-K, SwiGLU epilogue, residual + RMSNorm
     int4_matmul        W4A16 matmul of INT4 checkpoints (AWQ, GPTQ, W4A16): decode and prefill
+    fp8_gemv           FP8 decode matmuls (M <= 16), the per-token activation quantization inside
     fused_norm         RMSNorm, residual add + RMSNorm
     fused_rotary       rotary embedding in place
     kv_store           the KV store; rotary_kv_store: rotary and the KV store in one kernel

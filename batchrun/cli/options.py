@@ -279,7 +279,7 @@ kernel_options = option_group(
         "--decode-gemv",
         type=click.Choice(DECODE_GEMVS),
         default="auto",
-        help="Matmuls of decode batches up to 16; auto: triton on sm_90+, else cublas.",
+        help="Decode matmuls up to 16 rows (FP8 too); auto: triton on sm_90+, else cublas.",
     ),
     click.option(
         "--fp8-matmul",

@@ -97,15 +97,11 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     decode_gemv = want.decode_gemv
     if decode_gemv == "auto":
         # NOTE: the Triton matmuls pay only with PDL: without it they read W3 llama-1b 1.28 ms
-        # per token against cuBLAS's 1.16 on the H200
-        decode_gemv = "triton" if pdl and not quantized else "cublas"
+        # per token against cuBLAS's 1.16 on the H200. A quantized model's FP8 linears
+        # (scaled_mm) run kernels/fp8_gemv.py, its bf16 ones (lm_head) kernels/gemv.py
+        decode_gemv = "triton" if pdl else "cublas"
     elif decode_gemv == "triton" and not triton:
         raise ValueError("decode_gemv 'triton' needs the triton package")
-    elif decode_gemv == "triton" and quantized:
-        raise ValueError(
-            "decode_gemv 'triton' (kernels/gemv.py) reads bf16 weights; a quantized model runs "
-            "its matmuls on its own path: use decode_gemv 'cublas' or 'auto'"
-        )
 
     fp8_matmul = want.fp8_matmul
     if fp8_matmul == "auto":
@@ -126,11 +122,12 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         )
 
     # the norms inside the matmuls need every matmul whole and plain: a row-parallel matmul's
-    # all-reduce comes between its sums and the residual, and a bias between them too
+    # all-reduce comes between its sums and the residual, and a bias between them too; and
+    # bf16 weights (kernels/gemv.py's)
     plain = config.tp_size == 1 and not (model_cfg.qkv_bias or model_cfg.mlp_bias)
     decode_norms = want.decode_norms
     if decode_norms == "auto":
-        if decode_gemv != "triton" or not plain:
+        if decode_gemv != "triton" or not plain or quantized:
             decode_norms = "off"
         elif model_cfg.hidden_size <= NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN:
             decode_norms = "all"

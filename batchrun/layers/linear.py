@@ -12,7 +12,8 @@ costs one all-reduce per pair.
 
 A layer built with a QuantSpec holds a quantized weight instead of `weight`: a QuantMatmul
 (batchrun/quant/linear.py) the loader fills through `load_quantized`; its bias stays a plain
-parameter.
+parameter. Its decode batches run on kernels/fp8_gemv.py where decode_gemv is "triton" and the
+layer keeps its FP8 weight (scaled_mm).
 
 The matmuls of decode batches (at most GEMV_MAX_ROWS rows, bf16 / fp16, no bias) run on
 kernels/gemv.py where the kernel config's decode_gemv is "triton", else on cuBLAS (F.linear).
@@ -92,7 +93,9 @@ class ColumnParallelLinear(nn.Module):
             self.quant = None
         else:
             self.weight = None
-            self.quant = QuantMatmul(local_rows, in_features, quant, dtype, device)
+            self.quant = QuantMatmul(
+                local_rows, in_features, quant, dtype, device, kernels=self.kernels
+            )
         self.bias = (
             nn.Parameter(torch.empty(local_rows, dtype=dtype, device=device)) if bias else None
         )
@@ -140,7 +143,9 @@ class RowParallelLinear(nn.Module):
         else:
             self.weight = None
             reduce_max = tp.all_reduce_max if tp.is_parallel else None
-            self.quant = QuantMatmul(out_features, spec.local_len, quant, dtype, device, reduce_max)
+            self.quant = QuantMatmul(
+                out_features, spec.local_len, quant, dtype, device, reduce_max, self.kernels
+            )
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         )

@@ -200,6 +200,9 @@ class MLP(nn.Module):
             # NOTE: a decode batch on kernels/gemv.py: the gate as the matmul's epilogue, one
             # kernel a layer less (the gate's kernel costs ~1.5 µs at batch 1 on the H200)
             return self.down_proj(gemv(x, proj.weight, swiglu=True, pdl=kernels.pdl))
+        if proj.quant is not None and proj.bias is None and proj.quant.takes_gemv(x):
+            # the same on kernels/fp8_gemv.py for an FP8 gate_up
+            return self.down_proj(proj.quant.gemv(x, swiglu=True))
         gate_up = proj(x)  # [T, 2 * I]
         if kernels.triton_ops:
             return self.down_proj(silu_and_mul(gate_up, pdl=kernels.pdl))
@@ -315,13 +318,9 @@ class LlamaForCausalLM(nn.Module):
         if self.decode_norms != "off" and (tp.is_parallel or cfg.qkv_bias or cfg.mlp_bias):
             # a bias or a row-parallel all-reduce sits between a matmul's sums and the residual
             raise ValueError("decode_norms other than 'off' need a model without biases at TP=1")
-        if cfg.quantization is not None and (
-            kernels.decode_gemv == "triton" or kernels.decode_norms != "off"
-        ):
-            # kernels/gemv.py and the folded norms read plain bf16 weights
-            raise ValueError(
-                "a quantized model runs with decode_gemv 'cublas' and decode_norms 'off'"
-            )
+        if cfg.quantization is not None and kernels.decode_norms != "off":
+            # the norms inside the matmuls (kernels/gemv.py) read plain bf16 weights
+            raise ValueError("a quantized model runs with decode_norms 'off'")
         self.partition = part = partition_model(cfg, tp.rank, tp.size)
         self.num_kv_heads = part.num_kv_heads  # per rank: what the KV pool holds
         vocab = part.vocab_spec()

@@ -6,7 +6,9 @@ weights.py) and how it multiplies, by device and kernel config.
     static or dynamic activations, CUDA      (or with the static input_scale) by one Triton
     sm_89+ (fp8_matmul "scaled_mm"), bf16    kernel (kernels/fp8_quant.py); torch._scaled_mm
                                              (cuBLASLt): row-wise scales, or tensor-wise where
-                                             every scale is one
+                                             every scale is one; decode
+                                             batches (M <= 16) with decode_gemv "triton" on
+                                             kernels/fp8_gemv.py (the quantization inside)
     "fp8_block": FP8 in 128 x 128 blocks,    float8 weight and block scales kept; activations
     dynamic activations, CUDA sm_89+         quantized per token and group of 128 columns
     (fp8_matmul "scaled_mm"), any dtype      (kernels/fp8_quant.py), then the Triton block
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchrun.config import KernelConfig
 from batchrun.errors import ModelConfigError
 from batchrun.quant.act_quant import (
     ReduceMax,
@@ -54,10 +57,16 @@ try:
 except ImportError:  # no Triton (CPU-only installs): FP8 blocks are dequantized, and the
     fp8_quant = block_fp8_matmul = None  # activations quantized by the torch ops
 
+try:
+    from batchrun.kernels.fp8_gemv import fp8_gemv, row_amax
+except ImportError:  # no Triton (CPU-only installs): KernelConfig.decode_gemv is "cublas"
+    fp8_gemv = row_amax = None
+
 SCALED_MM_ALIGN = 16  # torch._scaled_mm: K and N multiples of this
 KERNELS = ("scaled_mm", "fp8_block", "int4", "dense")  # QuantSpec.kernel
 # the layout's tensors (Int4Packed's fields), buffers of an INT4 QuantMatmul
 INT4_BUFFERS = ("qweight", "scales", "zeros", "perm", "groups")
+FP8_GEMV_MAX_ROWS = 16  # kernels/fp8_gemv.py's MAX_M
 
 
 @dataclass(frozen=True)
@@ -143,11 +152,17 @@ class QuantMatmul(nn.Module):
         dtype,
         device,
         reduce_max: ReduceMax = None,
+        kernels: KernelConfig | None = None,
     ):
         """reduce_max: a row-parallel layer's maximum over the tensor-parallel ranks (its input
-        columns are split over them); None for a column-parallel layer or one rank."""
+        columns are split over them); None for a column-parallel layer or one rank. kernels:
+        decode_gemv "triton" runs the decode batches of a scaled_mm layer on
+        kernels/fp8_gemv.py."""
         super().__init__()
         self.spec, self.dtype = spec, dtype
+        kernels = kernels or KernelConfig.reference()
+        self.fp8_gemv = spec.kernel == "scaled_mm" and kernels.decode_gemv == "triton"
+        self.pdl = bool(kernels.pdl)
         # NOTE: per-token scales of a row-parallel input come from all its columns, on every
         # rank: one all-reduce of [M] floats per such layer makes TP=N quantize as TP=1
         self.reduce_max = reduce_max if spec.activations == "dynamic" and not spec.block else None
@@ -215,8 +230,37 @@ class QuantMatmul(nn.Module):
         )
         self.triton_quant = device.type == "cuda" and fp8_quant is not None
 
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """Whether x [M, K] runs on kernels/fp8_gemv.py: a decode batch (M <= 16, unit stride
+        along K) of a scaled_mm layer with decode_gemv "triton"."""
+        return (
+            self.fp8_gemv
+            and x.dim() == 2
+            and x.shape[0] <= FP8_GEMV_MAX_ROWS
+            and x.stride(-1) == 1
+            and x.dtype == self.dtype
+        )
+
+    def gemv(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        """x @ W^T on kernels/fp8_gemv.py (`takes_gemv`); with swiglu, W is a fused gate_up
+        and the result silu(gate) * up [M, out_features / 2]."""
+        amax = None
+        if self.input_scale is None and self.reduce_max is not None:
+            amax = self.reduce_max(row_amax(x))  # every rank's columns: TP=N quantizes as TP=1
+        return fp8_gemv(
+            x,
+            self.weight,
+            self.weight_scale.view(-1),
+            self.input_scale,
+            amax=amax,
+            swiglu=swiglu,
+            pdl=self.pdl,
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.kernel == "scaled_mm":
+            if self.takes_gemv(x):
+                return self.gemv(x)
             return self._scaled_mm(x)
         if self.spec.kernel == "fp8_block":
             return self._block_matmul(x)
@@ -293,4 +337,6 @@ class QuantMatmul(nn.Module):
 
     def extra_repr(self) -> str:
         path = self.spec.kernel if self.spec.kernel != "dense" else "dequantized"
+        if self.fp8_gemv:
+            path += ", fp8_gemv for decode"
         return f"{self.out_features}x{self.in_features}, {path}, {self.spec.describe}"

@@ -288,17 +288,19 @@ def quantized(model_cfg):
     return replace(model_cfg, quantization=OnlineFp8Scheme())
 
 
-def test_a_quantized_model_on_an_h200_runs_scaled_mm_and_cublas_without_folded_norms(gpu):
-    """kernels/gemv.py and the norms folded into it read bf16 weights: a quantized model's
-    decode matmuls go to its own path (torch._scaled_mm for FP8 on sm_89+)."""
+def test_a_quantized_model_on_an_h200_runs_the_fp8_gemv_without_folded_norms(gpu):
+    """A quantized model's decode matmuls run on the Triton kernels where PDL is on (its FP8
+    linears on kernels/fp8_gemv.py, its bf16 ones on kernels/gemv.py); the norms folded into
+    kernels/gemv.py read bf16 weights and stay off."""
     gpu(pdl=True)
     for model_cfg in (quantized(SMALL), quantized(LARGE)):
         kernels = resolve(model_cfg, CUDA)
-        assert (kernels.decode_gemv, kernels.decode_norms) == ("cublas", "off")
+        assert (kernels.decode_gemv, kernels.decode_norms) == ("triton", "off")
         assert kernels.fp8_matmul == "scaled_mm" and kernels.pdl is True
-    assert resolve(SMALL, CUDA, quantization="fp8").decode_gemv == "cublas"
-    with pytest.raises(ValueError, match="decode_gemv 'triton' .* a quantized model"):
-        resolve(quantized(SMALL), CUDA, KernelConfig(decode_gemv="triton"))
+    assert resolve(SMALL, CUDA, quantization="fp8").decode_gemv == "triton"
+    assert resolve(quantized(SMALL), CUDA, KernelConfig(pdl=False)).decode_gemv == "cublas"
+    hand_set = resolve(quantized(SMALL), CUDA, KernelConfig(decode_gemv="triton"))
+    assert (hand_set.decode_gemv, hand_set.decode_norms) == ("triton", "off")
     with pytest.raises(ValueError, match="decode_norms 'all' needs .* not quantized"):
         resolve(quantized(SMALL), CUDA, KernelConfig(decode_norms="all"))
     assert resolve(quantized(SMALL), CUDA, KernelConfig(fp8_matmul="dequant")).fp8_matmul == (

@@ -1,0 +1,165 @@
+"""kernels/fp8_gemv.py under Triton's CPU interpreter, against quant_per_token / quant_static and
+the exact fp32 product of the quantized operands.
+
+The interpreter's float-to-e4m3 cast truncates where it should carry into the exponent, so on
+CPU tensors the kernel rounds to e4m3 in fp32 arithmetic (`_round_e4m3`) and casts the exact
+value; the GPU's cast (cvt.rn.satfinite) is covered by tests/gpu/test_fp8_gemv_gpu.py. Both dot
+variants run here (e4m3 operands, fp16 operands). fp16 activations compare exactly where the
+sums are exact, bf16 ones within one bf16 ulp (the interpreter's fp32-to-bf16 store truncates).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow  # CI's slow tier (BATCHRUN_SLOW_TESTS=1)
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_fp8_gemv_under_interpreter():
+    from triton_interpreter import run_under_interpreter
+
+    run_under_interpreter(__file__)
+
+
+def _weights(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w float8 [N, K], sw float32 [N]): per-channel quantized random weights."""
+    from batchrun.quant.weights import FP8_DTYPE, FP8_MAX
+
+    w = torch.randn(n, k, generator=gen) * 0.05
+    sw = w.abs().amax(dim=1) / FP8_MAX
+    return (w / sw[:, None]).to(FP8_DTYPE), sw
+
+
+def _reference(x, w, sw, input_scale=None, swiglu=False):
+    """fp32 of q(x) @ w.T scaled, as quant_per_token / quant_static + torch._scaled_mm compute
+    it, then rounded to x's dtype (the SwiGLU gate as the unfused path rounds it)."""
+    from batchrun.quant.act_quant import quant_per_token, quant_static
+
+    if input_scale is None:
+        xq, sx = quant_per_token(x)
+    else:
+        xq, sx = quant_static(x, input_scale), input_scale.reshape(1, 1)
+    y = (xq.double() @ w.double().t()).float() * sw[None, :] * sx
+    if not swiglu:
+        return y.to(x.dtype)
+    gate, up = y.to(x.dtype).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+
+
+def _check(out, ref, what, exact_share=0.99, ulps=1):
+    """Within `ulps` of the dtype, relative (a floor at 1e-3), and at least `exact_share` of the
+    elements identical."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype, what
+    ulp = 2.0**-7 if out.dtype == torch.bfloat16 else 2.0**-10
+    err = ((out.float() - ref.float()).abs() / ref.float().abs().clamp(min=1e-3)).max().item()
+    assert err <= 1.01 * ulps * ulp, f"{what}: relative error {err:.3g}"
+    same = (out == ref).float().mean().item()
+    assert same >= exact_share, f"{what}: {same:.3f} identical"
+
+
+def _check_quantization(gen):
+    """An identity weight: y = q(x) * sx exactly, so every element's e4m3 rounding shows
+    (subnormals, ties, the clamp of a static scale, an all-zero row)."""
+    from batchrun.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
+    from batchrun.quant.act_quant import quant_per_token, quant_static
+    from batchrun.quant.weights import FP8_DTYPE
+
+    k = 64
+    w = torch.eye(k).to(FP8_DTYPE)
+    sw = torch.ones(k)
+    x = torch.randn(5, k, generator=gen) * torch.logspace(-4, 1, k)[None, :]
+    x[2] = 0.0  # an all-zero row: scale 1e-12, zeros out
+    x[3, :8] = torch.tensor([448.0, 0.5, 0.5625, 0.53125, -0.59375, 2.0**-9, 3 * 2.0**-10, 1e-4])
+    x = x.to(torch.float16).to(torch.float32)
+    for fp8_dot in (True, False):
+        for in_kernel in (True, False):
+            cfg = Fp8GemvConfig(fp8_dot=fp8_dot, amax_in_kernel=in_kernel, block_k=32)
+            out = fp8_gemv(x.half(), w, sw, config=cfg).float()
+            xq, sx = quant_per_token(x)
+            assert torch.equal(out, (xq.float() * sx).half().float()), (fp8_dot, in_kernel)
+        s = torch.tensor(0.004)  # x up to ~10: clamped at 448 * s
+        out = fp8_gemv(x.half(), w, sw, s, config=cfg).float()
+        assert torch.equal(out, (quant_static(x, s).float() * s).half().float()), fp8_dot
+
+
+def _check_matmuls(gen):
+    from batchrun.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, row_amax
+
+    # (M, N, K, config): one tile, several tiles and K slices, tails of N and K, the in-kernel
+    # amax over several loads (K past AMAX_TILE / M)
+    cases = [
+        (1, 64, 256, Fp8GemvConfig(block_k=64)),
+        (3, 96, 320, Fp8GemvConfig(block_n=32, block_k=64, split_k=2)),
+        (16, 48, 200, Fp8GemvConfig(block_n=16, block_k=32, split_k=3, fp8_dot=False)),
+        (2, 32, 4160, Fp8GemvConfig(block_n=32, block_k=512, split_k=4)),
+        (16, 40, 1000, None),
+    ]
+    for m, n, k, cfg in cases:
+        w, sw = _weights(n, k, gen)
+        x = torch.randn(m, k, generator=gen).half()
+        x[0, 7] = 30.0  # an outlier: the other columns quantize coarsely
+        what = f"M={m} N={n} K={k} {cfg}"
+        ref = _reference(x, w, sw)
+        _check(fp8_gemv(x, w, sw, config=cfg), ref, what)
+        off = None if cfg is None else cfg._replace(amax_in_kernel=False)
+        _check(fp8_gemv(x, w, sw, config=off), ref, what + " row_amax")
+        _check(fp8_gemv(x, w, sw, amax=row_amax(x), config=cfg), ref, what + " amax")
+        s = torch.tensor(0.05)
+        _check(fp8_gemv(x, w, sw, s, config=cfg), _reference(x, w, sw, s), what + " static")
+        xb = x.bfloat16()
+        _check(fp8_gemv(xb, w, sw, config=cfg), _reference(xb, w, sw), what + " bf16", 0.0)
+    for m, cfg in ((1, None), (5, Fp8GemvConfig(block_n=16, block_k=64, split_k=2))):
+        w, sw = _weights(2 * 48, 256, gen)
+        x = torch.randn(m, 256, generator=gen).half()
+        ref = _reference(x, w, sw, swiglu=True)
+        _check(fp8_gemv(x, w, sw, config=cfg, swiglu=True), ref, f"swiglu M={m}")
+
+
+def _check_wiring(gen):
+    """A scaled_mm QuantMatmul with decode_gemv "triton" runs its decode batches (and a fused
+    gate_up's SwiGLU) on the kernel; with "cublas" it does not take it."""
+    from dataclasses import replace
+
+    from triton_interpreter import INTERPRETER_KERNELS
+
+    from batchrun.quant.linear import QuantMatmul, QuantSpec
+    from batchrun.quant.quantize import quantize_fp8
+
+    w = torch.randn(64, 128, generator=gen) * 0.05
+    x = torch.randn(3, 128, generator=gen).bfloat16()
+    for activations, input_scale in (("dynamic", None), ("static", torch.tensor(0.02))):
+        qw = quantize_fp8(w, "channel", None, input_scale)
+        spec = QuantSpec("fp8", activations, None, "scaled_mm", "test")
+        kernels = replace(INTERPRETER_KERNELS, decode_gemv="triton")
+        layer = QuantMatmul(64, 128, spec, torch.bfloat16, "cpu", kernels=kernels)
+        layer.load(qw, "test")
+        assert layer.takes_gemv(x) and not layer.takes_gemv(torch.zeros(17, 128).bfloat16())
+        sw = qw.scale.float()
+        _check(layer(x), _reference(x, qw.weight, sw, input_scale), activations, 0.0)
+        ref = _reference(x, qw.weight, sw, input_scale, swiglu=True)
+        # bf16 gate, silu and product each truncated by the interpreter's stores and casts
+        _check(layer.gemv(x, swiglu=True), ref, activations + " swiglu", 0.0, ulps=4)
+        plain = QuantMatmul(64, 128, spec, torch.bfloat16, "cpu", kernels=INTERPRETER_KERNELS)
+        assert not plain.takes_gemv(x)
+
+
+def _run_checks():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    _check_quantization(gen)
+    _check_matmuls(gen)
+    _check_wiring(gen)
+    print("ok")
+
+
+if __name__ == "__main__":
+    _run_checks()
