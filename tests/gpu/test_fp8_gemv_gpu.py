@@ -112,7 +112,6 @@ def test_fp8_gemv_matches_scaled_mm_and_the_dequantized_reference(shape, activat
 @pytest.mark.parametrize("shape", ["8b-gate_up", "1b-gate_up"])
 def test_the_swiglu_epilogue_matches_scaled_mm_then_the_gate(shape):
     import torch.nn.functional as F
-
     from batchrun.kernels.fp8_gemv import fp8_gemv
 
     torch.manual_seed(0)
@@ -129,8 +128,9 @@ def test_the_swiglu_epilogue_matches_scaled_mm_then_the_gate(shape):
 def test_fp8_gemv_replays_in_a_cuda_graph_with_pdl(static):
     """Captured after one eager call (the split counters), replayed on new inputs: the same
     bits as eager (split-K sums its planes in slice order)."""
-    from batchrun.engine.kernel_choice import supports_pdl
     from batchrun.kernels.fp8_gemv import fp8_gemv
+
+    from batchrun.engine.kernel_choice import supports_pdl
 
     torch.manual_seed(0)
     pdl = supports_pdl(torch.device("cuda"))

@@ -70,6 +70,7 @@ def _check_quantization(gen):
     """An identity weight: y = q(x) * sx exactly, so every element's e4m3 rounding shows
     (subnormals, ties, the clamp of a static scale, an all-zero row)."""
     from batchrun.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
+
     from batchrun.quant.act_quant import quant_per_token, quant_static
     from batchrun.quant.weights import FP8_DTYPE
 
