@@ -89,6 +89,29 @@ def sweep_configs():
     return out
 
 
+def cublaslt_block(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    """The block-FP8 matmul of torch's scaled_mm (cuBLASLt, CUDA 12.9+ on sm_90): x quantized
+    per token and group of 128 (column-major scales), the weight's 128 x 128 block scales; M
+    padded to a multiple of 4, as the library needs (K / 128 of the llama shapes is)."""
+    from batchrun.kernels import fp8_quant
+
+    m = x.shape[0]
+    xp = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
+    xq, sx = fp8_quant.quant_per_token_group(xp)
+    st = F.ScalingType
+    y = F.scaled_mm(
+        xq, w.t(), sx, st.BlockWise1x128, sw.t(), st.BlockWise128x128, output_dtype=x.dtype
+    )
+    return y[:m]
+
+
+def flashinfer_block(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    """FlashInfer's sm_90 block-scale GEMM (it quantizes x per 128 columns itself)."""
+    from flashinfer.gemm import fp8_blockscale_gemm_sm90
+
+    return fp8_blockscale_gemm_sm90(x, w, None, sw)
+
+
 def bench(n: int, k: int, m: int, sweep: bool) -> dict:
     from batchrun.kernels import fp8_quant
     from batchrun.kernels.fp8_block_matmul import block_fp8_matmul, pick_config
@@ -133,6 +156,12 @@ def bench(n: int, k: int, m: int, sweep: bool) -> dict:
         lambda op: block_fp8_matmul(*fp8_quant.quant_per_token_group(x), *op), bl, calls
     )
     r["block_config"] = list(pick_config(m, n))
+    for name, fn in (("cublaslt", cublaslt_block), ("flashinfer", flashinfer_block)):
+        try:  # another library's block-FP8 matmul, where this torch / install has it
+            r[f"{name}_error"] = rel_error(fn(x, *bl[0]), want)
+            r[f"{name}_us"] = graph_time_us(lambda op, fn=fn: fn(x, *op), bl, calls)
+        except Exception as e:  # not supported here: reported, not fatal
+            r[f"{name}_us"] = f"{type(e).__name__}: {str(e)[:120]}"
     if sweep:
         timed = []
         for cfg in sweep_configs():
@@ -186,6 +215,10 @@ def main(argv=None) -> int:
                 f"{r['block_error']:.1e} |",
                 flush=True,
             )
+            for lib in ("cublaslt", "flashinfer"):
+                us, err = r[f"{lib}_us"], r.get(f"{lib}_error")
+                got = f"{us:.1f} µs, error {err:.1e}" if isinstance(us, float) else us
+                print(f"    block on {lib}: {got}", flush=True)
             if args.sweep:
                 top = ", ".join(f"{tuple(c)} {us:.1f}" for c, us in r["sweep_top"])
                 print(f"    sweep top: {top}; failed: {r['sweep_failed']}", flush=True)
