@@ -18,6 +18,7 @@ from batchrun.config import (
     DTYPES,
     FP8_MATMULS,
     GPU_MEMORY_UTILIZATION,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
 )
@@ -323,6 +324,13 @@ engine_options = option_group(
         type=click.Choice(DTYPES),
         default="auto",
         help="Weights and activations; auto: float32 on CPU, bfloat16 on CUDA.",
+    ),
+    click.option(
+        "--kv-cache-dtype",
+        type=click.Choice(KV_CACHE_DTYPES),
+        default="auto",
+        help="KV cache elements; fp8_e4m3: one byte, the checkpoint's k/v scales (else 1.0); "
+        "auto: --dtype.",
     ),
     click.option(
         "--tp",
