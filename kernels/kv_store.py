@@ -5,9 +5,10 @@ all KV heads of its k row and of its v row into slot loc[t] of the k and v buffe
 
 It replaces the two torch index_put kernels of `KVPool.store`. A pure copy: the results equal the
 torch path bit for bit. Into a float8_e4m3fn pool (k_inv_scale / v_inv_scale given) each value is
-quantized on the way, `quantize_e4m3`: the bits of batchrun/quant/kv_cache.py's `quantize_kv`. k and v may be strided views (slices of the fused qkv projection): any
-token and head stride, unit stride along D. The grid depends only on T and nothing is allocated,
-so the launch can be captured in a CUDA graph and replayed with new loc / k / v contents.
+quantized on the way, `quantize_e4m3`: the bits of batchrun/quant/kv_cache.py's `quantize_kv`.
+k and v may be strided views (slices of the fused qkv projection): any token and head stride,
+unit stride along D. The grid depends only on T and nothing is allocated, so the launch can be
+captured in a CUDA graph and replayed with new loc / k / v contents.
 """
 
 from __future__ import annotations

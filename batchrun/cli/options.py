@@ -287,6 +287,13 @@ kernel_options = option_group(
         default="auto",
         help="FP8 linears: torch._scaled_mm, or weights dequantized; auto: scaled_mm on sm_89+.",
     ),
+    click.option(
+        "--kv-cache-dtype",
+        type=click.Choice(KV_CACHE_DTYPES),
+        default="auto",
+        help="KV cache elements; fp8_e4m3: one byte, the checkpoint's k/v scales (else 1.0); "
+        "auto: --dtype.",
+    ),
     click.option("--disable-cuda-graph", is_flag=True, help="Run every step eagerly."),
     click.option(
         "--disable-piecewise-cuda-graph",
@@ -324,13 +331,6 @@ engine_options = option_group(
         type=click.Choice(DTYPES),
         default="auto",
         help="Weights and activations; auto: float32 on CPU, bfloat16 on CUDA.",
-    ),
-    click.option(
-        "--kv-cache-dtype",
-        type=click.Choice(KV_CACHE_DTYPES),
-        default="auto",
-        help="KV cache elements; fp8_e4m3: one byte, the checkpoint's k/v scales (else 1.0); "
-        "auto: --dtype.",
     ),
     click.option(
         "--tp",

@@ -1,7 +1,7 @@
-"""The FP8 KV cache's Triton kernels under Triton's CPU interpreter: the stores (kernels/kv_store.py,
-kernels/rotary_kv_store.py, the decode kernel's own store) against the torch path's quantization
-bit for bit, and the decode and extend kernels reading a float8_e4m3fn pool against the torch
-backend over an fp32 pool that holds the dequantized values.
+"""The FP8 KV cache's Triton kernels under Triton's CPU interpreter: the stores
+(kernels/kv_store.py, kernels/rotary_kv_store.py, the decode kernel's own store) against the torch
+path's quantization bit for bit, and the decode and extend kernels reading a float8_e4m3fn pool
+against the torch backend over an fp32 pool that holds the dequantized values.
 
 Skipped where triton is not installed. The kernels run in a subprocess because TRITON_INTERPRET
 must be set before triton is first imported. The interpreter's own float32 -> e4m3 cast rounds
