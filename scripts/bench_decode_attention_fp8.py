@@ -84,51 +84,53 @@ def bench_case(batch_size: int, context: int, copy_tbs: float, rows: list[dict])
         triton_ops=True,
         pdl=supports_pdl(torch.device(DEV)),
     )
-    name = f"{batch_size}x{context}"
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        pool, table, inputs, q, k, v = build(batch_size, context, dtype, kernels)
-        fp8 = dtype == torch.float8_e4m3fn
-        gbytes = 2 * batch_size * context * KV * D * pool.k_buffers[0].element_size() / 1e9
-        backend = TritonAttentionBackend(pool, table, kernels)
-        backend.prepare(inputs)
-        splits = backend._plan.num_kv_splits
-        out = torch.empty_like(q)
-        workspace = torch.empty(decode_workspace_numel(batch_size, H, D, splits), device=DEV)
-        counters = decode_counters(batch_size, KV, DEV)
-
-        def add(label: str, ms: float) -> None:
-            tbs = gbytes / ms
-            rows.append(
-                {"case": name, "kv": str(dtype).split(".")[-1], "variant": label, "ms": ms,
-                 "TB/s": tbs, "of copy": tbs / copy_tbs}
-            )  # fmt: skip
-            kv = "fp8 " if fp8 else "bf16"
-            print(f"{name:10s} {kv} {label:34s} {ms * 1e3:9.1f} us {tbs:6.2f} TB/s "
-                  f"{100 * tbs / copy_tbs:5.1f} % of copy", flush=True)  # fmt: skip
-
-        configs = [None] + (FP8_CONFIGS if fp8 else [])
-        for config in configs:
-            tiles = {}
-            if config is not None:
-                tiles = dict(block_n=config[0], num_warps=config[1], num_stages=config[2])
-            fn = functools.partial(
-                decode_attention_fwd, q, *pool.buffers(0), out, table, inputs.req_pool_indices,
-                inputs.seq_lens, D**-0.5, splits, workspace, counters,
-                kv_scale=SCALE if fp8 else None, pdl=kernels.pdl, **tiles,
-            )  # fmt: skip
-            label = f"triton {splits} splits " + ("default" if config is None else str(config))
-            add(label, do_bench(fn, return_mode="median"))
-        if unavailable_reason(DEV) is None:
-            from batchrun.attention.flashinfer_backend import FlashInferAttentionBackend
-
-            fi = FlashInferAttentionBackend(pool, table)
-            fi.prepare(inputs)
-            fi.forward(q, k, v, 0, D**-0.5)  # plans (host work, outside the timing)
-            add("flashinfer (store + kernel)", do_bench(
-                lambda fi=fi, q=q, k=k, v=v: fi.forward(q, k, v, 0, D**-0.5), return_mode="median"
-            ))  # fmt: skip
-        del pool, backend, workspace
+        bench_pool(batch_size, context, dtype, kernels, copy_tbs, rows)
         torch.cuda.empty_cache()
+
+
+def bench_pool(batch_size, context, dtype, kernels, copy_tbs: float, rows: list[dict]) -> None:
+    """The rows of one case on a pool of `dtype`."""
+    name = f"{batch_size}x{context}"
+    pool, table, inputs, q, k, v = build(batch_size, context, dtype, kernels)
+    fp8 = dtype == torch.float8_e4m3fn
+    gbytes = 2 * batch_size * context * KV * D * pool.k_buffers[0].element_size() / 1e9
+    backend = TritonAttentionBackend(pool, table, kernels)
+    backend.prepare(inputs)
+    splits = backend._plan.num_kv_splits
+    out = torch.empty_like(q)
+    workspace = torch.empty(decode_workspace_numel(batch_size, H, D, splits), device=DEV)
+    counters = decode_counters(batch_size, KV, DEV)
+
+    def add(label: str, ms: float) -> None:
+        tbs = gbytes / ms
+        rows.append(
+            {"case": name, "kv": str(dtype).split(".")[-1], "variant": label, "ms": ms,
+             "TB/s": tbs, "of copy": tbs / copy_tbs}
+        )  # fmt: skip
+        kv = "fp8 " if fp8 else "bf16"
+        print(f"{name:10s} {kv} {label:34s} {ms * 1e3:9.1f} us {tbs:6.2f} TB/s "
+              f"{100 * tbs / copy_tbs:5.1f} % of copy", flush=True)  # fmt: skip
+
+    for config in [None] + (FP8_CONFIGS if fp8 else []):
+        tiles = {}
+        if config is not None:
+            tiles = dict(block_n=config[0], num_warps=config[1], num_stages=config[2])
+        fn = functools.partial(
+            decode_attention_fwd, q, *pool.buffers(0), out, table, inputs.req_pool_indices,
+            inputs.seq_lens, D**-0.5, splits, workspace, counters,
+            kv_scale=SCALE if fp8 else None, pdl=kernels.pdl, **tiles,
+        )  # fmt: skip
+        label = f"triton {splits} splits " + ("default" if config is None else str(config))
+        add(label, do_bench(fn, return_mode="median"))
+    if unavailable_reason(DEV) is None:
+        from batchrun.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        fi = FlashInferAttentionBackend(pool, table)
+        fi.prepare(inputs)
+        fi.forward(q, k, v, 0, D**-0.5)  # plans (host work, outside the timing)
+        ms = do_bench(lambda: fi.forward(q, k, v, 0, D**-0.5), return_mode="median")
+        add("flashinfer (store + kernel)", ms)
 
 
 def summarize(rows: list[dict]) -> None:
