@@ -173,10 +173,57 @@ def test_checkpoint_scales_quantize_what_is_stored(tmp_path):
             assert not torch.equal(want.view(torch.uint8), unscaled.view(torch.uint8))
 
 
+def test_compressed_tensors_kv_cache_scheme_scales_reach_the_pool(tmp_path):
+    """llm-compressor's kv_cache_scheme: per-layer self_attn.k_scale / v_scale tensors, as it
+    writes them (a one-element tensor) next to the weights; layer 2 without them runs at 1.0."""
+    from safetensors.torch import load_file, save_file
+
+    write_quantized("ct-fp8-tensor", "llama", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"] = {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shard = "model-00002-of-00002.safetensors"
+    tensors = load_file(str(tmp_path / shard))
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    for layer, (k, v) in enumerate([(0.5, 0.25), (2.0, 0.125)]):
+        for kind, value in (("k_scale", k), ("v_scale", v)):
+            name = f"model.layers.{layer}.self_attn.{kind}"
+            tensors[name] = torch.tensor([value])
+            index["weight_map"][name] = shard
+    save_file(tensors, str(tmp_path / shard))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    engine = engine_for(tmp_path, kv_cache_dtype="fp8_e4m3")
+    pool = engine.runner.kv_pool
+    got = [(pool.scales(i).k, pool.scales(i).v) for i in range(3)]
+    assert got == [(0.5, 0.25), (2.0, 0.125), (1.0, 1.0)]
+    engine.score(random_prompts(1, seed=5)[0])
+
+
 def test_checkpoint_scales_without_the_option_run_a_plain_cache(tmp_path):
     write_quantized("modelopt-fp8", "llama", tmp_path)
     pool = engine_for(tmp_path).runner.kv_pool
     assert not pool.is_fp8 and pool.k_buffers[0].dtype == torch.float32
+
+
+def test_tp2_gives_tp1_tokens(tmp_path):
+    """--tp 2 (gloo): each rank stores its KV heads with the layer's scales (a ModelOpt
+    checkpoint's) and gives TP=1's greedy tokens."""
+    from batchrun.engine_process.tp_launcher import start_tp_engine
+
+    write_quantized("modelopt-fp8", "llama", tmp_path)
+    cfg = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", kv_budget=4096,
+                       kv_cache_dtype="fp8_e4m3")  # fmt: skip
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(4, seed=6)
+    reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
+    ref = {r.rid: r.output_ids for r in Engine(cfg).generate(reqs)}
+    with start_tp_engine(cfg, tp_size=2, timeout_s=120) as engine:
+        pool = engine.runner.kv_pool
+        assert pool.is_fp8 and pool.k_buffers[0].shape[1] == 1
+        assert (pool.scales(0).k, pool.scales(0).v) == pytest.approx((0.0125, 0.025))
+        assert {r.rid: r.output_ids for r in engine.generate(reqs)} == ref
 
 
 def test_bad_value_refused():
