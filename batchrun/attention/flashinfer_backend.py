@@ -223,7 +223,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self.device.type == "cuda":
             capturing = torch.cuda.is_current_stream_capturing()
             assert not capturing, "run one eager forward after prepare_graph(), then capture"
-        num_heads = params[0]
+        num_heads, dtype = params[0], params[1]
+        if dtype not in DTYPES:  # (a float8 pool does not say the compute dtype up front)
+            raise ValueError(
+                f"the flashinfer attention backend runs in float16 or bfloat16, not {dtype}; "
+                "use --dtype bfloat16 (or another attention backend)"
+            )
         if batch.graph_bs is not None:
             wrapper = self._graph_wrapper(batch.graph_bs, num_heads)
             self._graph_params = params

@@ -231,6 +231,19 @@ def test_bad_value_refused():
         EngineConfig(kv_cache_dtype="fp8").validate()
 
 
+def test_gpu_below_sm89_refused(monkeypatch):
+    """On CUDA the float8 conversions need sm_89+: an older GPU is refused at start-up, saying
+    what to use."""
+    from tiny_models import llama3_model_config
+
+    from batchrun.engine import kernel_choice
+
+    monkeypatch.setattr(kernel_choice, "supports_fp8_matmul", lambda device: False)
+    config = EngineConfig(kv_cache_dtype="fp8_e4m3", chunked_prefill_size=64)
+    with pytest.raises(ValueError, match="needs an sm_89\\+ GPU.*use kv_cache_dtype 'auto'"):
+        kernel_choice.resolve_kernels(config, llama3_model_config("tiny"), torch.device("cuda"))
+
+
 def test_bad_checkpoint_scale_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 

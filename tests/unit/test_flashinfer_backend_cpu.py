@@ -290,3 +290,7 @@ def test_fp8_kv_cache_over_stand_in(fake_flashinfer, seq_lens, extend_lens):
         ref = _reference(deq, table, inputs, q, deq.k_buffers[layer_id][loc],
                          deq.v_buffers[layer_id][loc], layer_id, 0.1)  # fmt: skip
         assert (out.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    # the compute dtype shows with the first forward: float32 is refused there
+    backend.prepare(inputs)
+    with pytest.raises(ValueError, match="float16 or bfloat16, not torch.float32"):
+        backend.forward(q.float(), k.float(), v.float(), 0, 0.1)
