@@ -200,7 +200,7 @@ class ModelRunner:
             self.model_cfg.num_layers,
             self.model.num_kv_heads,
             self.model_cfg.head_dim,
-            self.kv_dtype,
+            kv_storage_dtype(cfg.kv_cache_dtype, self.dtype),  # float8: one byte an element
         )
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)

@@ -115,6 +115,32 @@ def test_the_same_memory_budget_holds_more_tokens(tiny, monkeypatch):
     assert fp8 == 4 * fp32 and bf16 == 2 * fp32
 
 
+def test_gpu_memory_utilization_gives_twice_the_bf16_tokens(monkeypatch):
+    """On CUDA the pool takes gpu_memory_utilization of the free memory: in float8, twice the
+    tokens of bf16 (kv_budget, in tokens, stays as given)."""
+    from types import SimpleNamespace
+
+    from batchrun.engine.model_runner import ModelRunner
+
+    free = 10 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+
+    def slots(**config):
+        runner = SimpleNamespace(
+            config=EngineConfig(**config),
+            model_cfg=SimpleNamespace(num_layers=4, head_dim=64),
+            model=SimpleNamespace(num_kv_heads=2),
+            dtype=torch.bfloat16,
+            device=torch.device("cuda"),
+        )
+        return ModelRunner._kv_slots(runner)
+
+    bf16 = slots(gpu_memory_utilization=0.5)
+    assert bf16 == int(free * 0.5) // (2 * 4 * 2 * 64 * 2)
+    assert slots(gpu_memory_utilization=0.5, kv_cache_dtype="fp8_e4m3") == 2 * bf16
+    assert slots(kv_budget=1000, kv_cache_dtype="fp8_e4m3") == 1000
+
+
 def test_logits_and_greedy_tokens_match_the_quantized_reference(tiny):
     path, hf = tiny
     engine = engine_for(path, kv_cache_dtype="fp8_e4m3")
