@@ -93,8 +93,3 @@ def layer_scales(model) -> list[KVScale]:
 def quantize_kv(x: torch.Tensor, inv_scale: float) -> torch.Tensor:
     """x [..] -> float8_e4m3fn: clamp(x * inv_scale, -448, 448), rounded to nearest even."""
     return (x.float() * inv_scale).clamp(-FP8_MAX, FP8_MAX).to(KV_FP8_DTYPE)
-
-
-def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """The value a reader sees: float32(x) * scale, in `dtype`."""
-    return (x.float() * scale).to(dtype)
