@@ -30,6 +30,9 @@ FP8_MATMULS = ("auto", "scaled_mm", "dequant")
 # kernels/int4_matmul.py on the packed weights, "dequant" weights dequantized at load
 INT4_MATMULS = ("auto", "triton", "dequant")
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: a bf16 checkpoint quantized at load
+# EngineConfig.kv_cache_dtype: "auto" the compute dtype; "fp8_e4m3" float8_e4m3fn with the
+# checkpoint's per-layer k/v scales (else 1.0), one byte an element (batchrun/quant/kv_cache.py)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 # on CUDA the KV pool takes this fraction of the GPU memory free once the weights are loaded
 # (EngineConfig.gpu_memory_utilization); the rest is for activations, CUDA graphs and kernels
@@ -185,6 +188,7 @@ class EngineConfig:
     # parameter from U(-1e-3, 1e-3), as vLLM's and SGLang's dummy loaders draw them
     dummy_init: str = "normal"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA (float16 if unsupported)
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     device: str = "auto"  # auto: cuda when available
     max_running: int | None = None  # requests decoded together at most; None: auto_sizes
     kv_budget: int | None = None  # KV pool size in tokens; None: sized from free memory
@@ -213,6 +217,7 @@ class EngineConfig:
             _one_of("quantization", self.quantization, QUANTIZATIONS)
         _one_of("dummy_init", self.dummy_init, DUMMY_INITS)
         _one_of("dtype", self.dtype, DTYPES)
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _one_of("device", self.device, DEVICES)
         self.kernels.validate()
         if self.max_running is not None and self.max_running < 1:

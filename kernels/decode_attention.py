@@ -31,6 +31,12 @@ before its PDL wait (the older tokens and the step's inputs were written two or 
 back), leaving the new token out of every load. One launch a layer fewer than rotary_kv_store +
 this kernel; the backend takes it for decode graphs of up to 16 rows.
 
+A float8_e4m3fn pool (`kv_scale=` given): K and V blocks are converted to q's dtype as they are
+loaded (exact), the layer's k scale is folded into the softmax scale and its v scale multiplies
+the normalized output (the partials too: the combine is linear in them). With `rope`, the new
+token's k and v are quantized before the store (kernels/kv_store.py's `quantize_e4m3`) and
+attended as stored, as every other token.
+
 The grid depends only on B, the KV head count and num_kv_splits, and nothing is read back to the
 host, so the launches can be captured in a CUDA graph and replayed with other seq_lens.
 
@@ -44,13 +50,17 @@ host, so the launches can be captured in a CUDA graph and replayed with other se
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from batchrun.kernels.fused_rotary import check_cos_sin
+from batchrun.kernels.kv_store import quantize_e4m3
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
+
+if TYPE_CHECKING:
+    from batchrun.quant.kv_cache import KVScale
 
 LOG2E = 1.4426950408889634
 FOLD_BLOCK_S = 16  # the folded combine's split tile (TritonAttentionBackend's MAX_KV_SPLITS)
@@ -118,15 +128,17 @@ def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION: 
 
 
 @triton.jit
-def _kv_block(r2t, k_head, v_head, offs_n, load_mask, mask_d, stride_kt, stride_vt, offs_d):
-    """K and V [BLOCK_N, BLOCK_D] at positions offs_n of the request (zeros where not load_mask)."""
+def _kv_block(r2t, k_head, v_head, offs_n, load_mask, mask_d, stride_kt, stride_vt, offs_d,
+              dtype: tl.constexpr):  # fmt: skip
+    """K and V [BLOCK_N, BLOCK_D] at positions offs_n of the request (zeros where not load_mask),
+    in `dtype` (q's: a float8 pool's values convert exactly)."""
     # int64: slot * stride overflows int32 on large pools
     slots = tl.load(r2t + offs_n, mask=load_mask, other=0).to(tl.int64)
     kv_mask = load_mask[:, None] & mask_d[None, :]
     k_ptr = k_head + slots[:, None] * stride_kt + offs_d[None, :]
     v_ptr = v_head + slots[:, None] * stride_vt + offs_d[None, :]
-    k = tl.load(k_ptr, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr, mask=kv_mask, other=0.0)
+    k = tl.load(k_ptr, mask=kv_mask, other=0.0).to(dtype)
+    v = tl.load(v_ptr, mask=kv_mask, other=0.0).to(dtype)
     return k, v
 
 
@@ -153,7 +165,10 @@ def _decode_stage1_kernel(
     stride_vh,
     stride_r2t,
     num_kv_splits,
-    sm_scale_log2,
+    sm_scale_log2,  # the softmax scale times log2(e), times the k scale of a float8 pool
+    v_scale,  # KV_FP8: the layer's v scale, on the output
+    k_inv_scale,  # KV_FP8 and ROTARY: the new token's quantization
+    v_inv_scale,
     NUM_HEADS: tl.constexpr,
     KV_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -165,6 +180,7 @@ def _decode_stage1_kernel(
     FOLDED: tl.constexpr,  # the last split program of (b, kvh) combines (stage 2 folded in)
     BLOCK_S: tl.constexpr,  # >= num_kv_splits, a power of two, where FOLDED; else 1
     BLOCK_G: tl.constexpr,  # KV_GROUP's power of two (the folded combine's heads)
+    KV_FP8: tl.constexpr,  # K and V hold float8_e4m3fn
     PDL: tl.constexpr,
     KNew,  # ROTARY: the new tokens' k and v before rotary [B, KV, D], their slots, positions
     VNew,
@@ -206,6 +222,7 @@ def _decode_stage1_kernel(
     r2t = ReqToToken + row * stride_r2t
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
+    dtype = Q.dtype.element_ty
     if ROTARY:
         # NOTE: the split's first KV block is read before the PDL wait: the pool's older tokens,
         # req_to_token and seq_lens were written two or more kernels back (the kernel before
@@ -216,12 +233,11 @@ def _decode_stage1_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n & (offs_n != newest), mask_d,
-                         stride_kt, stride_vt, offs_d)  # fmt: skip
+                         stride_kt, stride_vt, offs_d, dtype)  # fmt: skip
         # NOTE: the position, its cos / sin row and the new token's slot before the wait too:
         # the step's inputs (written at the step's start) and constant tables, so the two
         # dependent loads (position, then its row) leave the chain after the wait
         pos = tl.load(Positions + b).to(tl.int64)
-        dtype = Q.dtype.element_ty
         c = tl.load(Cos + pos * stride_cos + offs_d, mask=mask_d, other=0.0).to(dtype)
         sn = tl.load(Sin + pos * stride_sin + offs_d, mask=mask_d, other=0.0).to(dtype)
         c, sn = c.to(tl.float32), sn.to(tl.float32)
@@ -243,9 +259,14 @@ def _decode_stage1_kernel(
         )  # fmt: skip  [1, BLOCK_D]
         v_new = tl.load(VNew + b * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d, other=0.0)
         v_new = v_new[None, :]
+        k_store, v_store = k_new, v_new
+        if KV_FP8:  # attend to the new token as stored
+            k_store = quantize_e4m3(k_new.to(tl.float32), k_inv_scale)
+            v_store = quantize_e4m3(v_new.to(tl.float32), v_inv_scale)
+            k_new, v_new = k_store.to(dtype), v_store.to(dtype)
         if (newest >= start) & (newest < end):  # this split holds the new token: store it
-            tl.store(k_head + slot * stride_kt + offs_d[None, :], k_new, mask=mask_d[None, :])
-            tl.store(v_head + slot * stride_vt + offs_d[None, :], v_new, mask=mask_d[None, :])
+            tl.store(k_head + slot * stride_kt + offs_d[None, :], k_store, mask=mask_d[None, :])
+            tl.store(v_head + slot * stride_vt + offs_d[None, :], v_store, mask=mask_d[None, :])
         is_new = (offs_n == newest)[:, None]
         k, v = tl.where(is_new, k_new, k), tl.where(is_new, v_new, v)
         m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
@@ -254,7 +275,7 @@ def _decode_stage1_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n & (offs_n != newest), mask_d,
-                             stride_kt, stride_vt, offs_d)  # fmt: skip
+                             stride_kt, stride_vt, offs_d, dtype)  # fmt: skip
             is_new = (offs_n == newest)[:, None]
             k, v = tl.where(is_new, k_new, k), tl.where(is_new, v_new, v)
             m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
@@ -269,15 +290,18 @@ def _decode_stage1_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n, mask_d, stride_kt, stride_vt,
-                             offs_d)  # fmt: skip
+                             offs_d, dtype)  # fmt: skip
             m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
                                           DOT_PRECISION)  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    l_out = l_safe  # acc / l_out: the output (the partial output)
+    if KV_FP8:
+        l_out = l_safe / v_scale  # ... times the v scale
     if DIRECT:
         tl.store(
             Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-            (acc / l_safe[:, None]).to(Out.dtype.element_ty),
+            (acc / l_out[:, None]).to(Out.dtype.element_ty),
             mask=mask_h[:, None] & mask_d[None, :],
         )
     else:
@@ -285,7 +309,7 @@ def _decode_stage1_kernel(
         part = (b * NUM_HEADS + heads) * num_kv_splits + split  # [BLOCK_H]
         tl.store(
             PartialOut + part[:, None] * HEAD_DIM + offs_d[None, :],
-            acc / l_safe[:, None],
+            acc / l_out[:, None],
             mask=mask_h[:, None] & mask_d[None, :],
         )
         tl.store(PartialLse + part, lse, mask=mask_h)
@@ -377,6 +401,7 @@ def decode_attention_fwd(
     counters: torch.Tensor,  # int32, zeros, >= B * num_kv_heads (decode_counters), left zero
     *,
     rope: DecodeRope | None = None,  # q (and rope.k) before rotary: rotate and store here
+    kv_scale: KVScale | None = None,  # float8_e4m3fn buffers: the layer's scales
     pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
     block_n: int | None = None,  # tile configs for scripts/bench_attention_kernels.py's sweep
     num_warps: int | None = None,
@@ -391,6 +416,7 @@ def decode_attention_fwd(
     numel = decode_workspace_numel(batch_size, num_heads, head_dim, num_kv_splits)
     assert workspace.numel() >= numel, "workspace too small"
     assert counters.dtype == torch.int32 and counters.numel() >= batch_size * num_kv_heads
+    kv_fp8 = check_kv_scale(q, k_buf, v_buf, kv_scale)
     if batch_size == 0:
         return
     kv_group = num_heads // num_kv_heads
@@ -403,11 +429,12 @@ def decode_attention_fwd(
     if rope is not None:
         assert rope.k.shape == rope.v.shape == (batch_size, num_kv_heads, head_dim)
         assert rope.k.stride(2) == 1 and rope.v.stride(2) == 1 and head_dim % 2 == 0
-        assert rope.k.dtype == rope.v.dtype == q.dtype == k_buf.dtype
+        assert rope.k.dtype == rope.v.dtype == q.dtype
         assert rope.loc.shape == rope.positions.shape == (batch_size,)
         check_cos_sin(rope.cos, rope.sin, head_dim)
     # NOTE: without rope, its tensors' slots get stand-ins that the ROTARY constexpr prunes
     r = rope or DecodeRope(q, q, seq_lens, seq_lens, workspace[None, :], workspace[None, :])
+    scale = kv_scale if kv_fp8 else None
 
     launch = pdl_launch_kwargs(pdl, q)
     _decode_stage1_kernel[(num_kv_heads, batch_size, num_kv_splits)](
@@ -431,7 +458,10 @@ def decode_attention_fwd(
         v_buf.stride(1),
         req_to_token.stride(0),
         num_kv_splits,
-        scaling * LOG2E,
+        scaling * LOG2E * (scale.k if scale else 1.0),
+        scale.v if scale else 1.0,
+        scale.inv_k if scale else 1.0,
+        scale.inv_v if scale else 1.0,
         NUM_HEADS=num_heads,
         KV_GROUP=kv_group,
         HEAD_DIM=head_dim,
@@ -446,6 +476,7 @@ def decode_attention_fwd(
         # (W1 llama-1b then reads ~30 % lower on the H200, as one-off compile stalls would)
         BLOCK_S=max(FOLD_BLOCK_S, triton.next_power_of_2(num_kv_splits)) if folded else 1,
         BLOCK_G=triton.next_power_of_2(kv_group),
+        KV_FP8=kv_fp8,
         num_warps=num_warps or DEFAULT_NUM_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
         **launch,
@@ -465,3 +496,13 @@ def decode_attention_fwd(
         HALF=head_dim // 2,
         EXACT_MUL=q.is_cuda,
     )
+
+
+def check_kv_scale(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_scale) -> bool:
+    """Whether the buffers hold float8_e4m3fn (then read with `kv_scale`; None: 1.0); else they
+    hold q's dtype."""
+    assert k_buf.dtype == v_buf.dtype
+    if k_buf.dtype == torch.float8_e4m3fn:
+        return True
+    assert k_buf.dtype == q.dtype and kv_scale is None, (q.dtype, k_buf.dtype, kv_scale)
+    return False

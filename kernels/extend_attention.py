@@ -16,14 +16,22 @@ req_to_token:
     with full_end = (prefix_len + m0) rounded down to BLOCK_N, causal_end = min(seq_len,
     prefix_len + m0 + BLOCK_M).
 
-Online softmax in fp32 (base 2, the scale folded into log2(e)).
+Online softmax in fp32 (base 2, the scale folded into log2(e)). A float8_e4m3fn pool
+(`kv_scale=` given): K and V convert to q's dtype as they are loaded (exact), the layer's k scale
+is folded into the softmax scale and its v scale multiplies the normalized output.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
+from batchrun.kernels.decode_attention import check_kv_scale
+
+if TYPE_CHECKING:
+    from batchrun.quant.kv_cache import KVScale
 
 LOG2E = 1.4426950408889634
 
@@ -71,6 +79,7 @@ def _attend_block(
         slots = tl.load(r2t + offs_n).to(tl.int64)
         kv_mask = mask_d[None, :]
     k = tl.load(k_head + slots[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = k.to(q.dtype)  # a float8 pool's values convert exactly
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [M, N]
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
@@ -80,6 +89,7 @@ def _attend_block(
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_head + slots[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -104,7 +114,8 @@ def _extend_kernel(
     stride_ot,
     stride_oh,
     stride_r2t,
-    sm_scale_log2,
+    sm_scale_log2,  # the softmax scale times log2(e), times the k scale of a float8 pool
+    v_scale,  # KV_FP8: the layer's v scale, on the output
     KV_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query tokens a program
@@ -112,6 +123,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PACK: tl.constexpr,  # query heads a program: KV_GROUP's power of two (grid axis 2: KV)
+    KV_FP8: tl.constexpr,  # K and V hold float8_e4m3fn
 ):
     b = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
@@ -159,6 +171,8 @@ def _extend_kernel(
             stride_kt, stride_vt, sm_scale_log2, BLOCK_N, True, DOT_PRECISION,
         )  # fmt: skip
 
+    if KV_FP8:
+        l_i = l_i / v_scale  # the output times the v scale
     out = acc / l_i[:, None]
     tl.store(
         Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -184,6 +198,7 @@ def extend_attention_fwd(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_scale: KVScale | None = None,  # float8_e4m3fn buffers: the layer's scales
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     batch_size = req_pool_indices.shape[0]
@@ -191,6 +206,8 @@ def extend_attention_fwd(
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert q.stride(2) == 1 and out.stride(2) == 1
     assert k_buf.stride(2) == 1 and v_buf.stride(2) == 1 and req_to_token.stride(1) == 1
+    kv_fp8 = check_kv_scale(q, k_buf, v_buf, kv_scale)
+    scale = kv_scale if kv_fp8 else None
     if batch_size == 0 or max_extend_len == 0:
         return
     kv_group = num_heads // num_kv_heads
@@ -217,7 +234,8 @@ def extend_attention_fwd(
         out.stride(0),
         out.stride(1),
         req_to_token.stride(0),
-        scaling * LOG2E,
+        scaling * LOG2E * (scale.k if scale else 1.0),
+        scale.v if scale else 1.0,
         KV_GROUP=kv_group,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
@@ -225,6 +243,7 @@ def extend_attention_fwd(
         BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PACK=pack,
+        KV_FP8=kv_fp8,
         num_warps=num_warps or DEFAULT_PACKED_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
     )

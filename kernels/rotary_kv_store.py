@@ -15,6 +15,9 @@ there (ROUNDING in fused_rotary.py), so the bits equal the two-kernel path's and
 rows skip it: the decode kernel rotates and stores itself (decode_attention.DecodeRope, the same
 bits).
 
+Into a float8_e4m3fn pool (k_inv_scale / v_inv_scale given) the rotated k and v are quantized
+on the way (kv_store.py's `quantize_e4m3`: the bits of rotary, then `KVPool.store`).
+
 The grid depends only on T and nothing is allocated, so the launch can be captured in a CUDA
 graph. NOTE: one program per token, as the two kernels it replaces. At batch-1 decode the launch
 is one program moving ~48 KB (llama-8b, bf16: 48 heads of D=128 in, 48 out), whose time is
@@ -36,6 +39,7 @@ from batchrun.kernels.fused_rotary import (
     check_cos_sin,
     rotary_launch_options,
 )
+from batchrun.kernels.kv_store import check_kv_dtypes, quantize_e4m3
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 
@@ -62,10 +66,13 @@ def _rotary_store_kv_kernel(
     stride_sin,
     num_q_heads,
     num_kv_heads,
+    k_inv_scale,
+    v_inv_scale,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    FP8: tl.constexpr,  # the buffers hold float8_e4m3fn: quantize with the inverse scales
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # every input is an earlier kernel's output
@@ -91,6 +98,11 @@ def _rotary_store_kv_kernel(
     q1, q2 = _rotate_half(q1, q2, c1, s1, c2, s2)
     _store_halves(q_ptr, offs_q, mask_q, q1, q2, HALF)
     k1, k2 = _rotate_half(k1, k2, c1, s1, c2, s2)
+    if FP8:
+        k1 = quantize_e4m3(k1.to(tl.float32), k_inv_scale)
+        k2 = quantize_e4m3(k2.to(tl.float32), k_inv_scale)
+        v1 = quantize_e4m3(v1.to(tl.float32), v_inv_scale)
+        v2 = quantize_e4m3(v2.to(tl.float32), v_inv_scale)
     _store_halves(KBuf + slot * stride_buf_t, offs_buf, mask_kv, k1, k2, HALF)
     _store_halves(VBuf + slot * stride_buf_t, offs_buf, mask_kv, v1, v2, HALF)
 
@@ -107,13 +119,16 @@ def rotary_store_kv(
     sin_cache: torch.Tensor,  # [P, D] fp32
     *,
     pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
+    k_inv_scale: float | None = None,  # float8_e4m3fn buffers: 1 / the layer's k scale
+    v_inv_scale: float | None = None,  # ... and v's
 ) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) and head_dim % 2 == 0
     assert k_buf.shape == v_buf.shape and k_buf.shape[1:] == (num_kv_heads, head_dim)
     assert k_buf.is_contiguous() and v_buf.is_contiguous()
-    assert q.dtype == k.dtype == v.dtype == k_buf.dtype == v_buf.dtype
+    assert q.dtype == k.dtype
+    fp8 = check_kv_dtypes(k_buf, v_buf, k, v, k_inv_scale, v_inv_scale)
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
     assert loc.shape == (num_tokens,) and loc.dtype in (torch.int32, torch.int64)
     assert positions.shape == (num_tokens,)
@@ -143,6 +158,9 @@ def rotary_store_kv(
         sin_cache.stride(0),
         num_q_heads,
         num_kv_heads,
+        k_inv_scale or 1.0,
+        v_inv_scale or 1.0,
+        FP8=fp8,
         **rotary_launch_options(num_q_heads, num_kv_heads, head_dim),
         **launch,
     )

@@ -10,6 +10,8 @@
         --kernel decode_norms=fold                                      # one kernel field set
     python scripts/bench_throughput.py --models llama-8b --workloads W1,W3 \
         --variants batchrun,fp8,fp8-block                # bf16, per-channel FP8, block FP8
+    python scripts/bench_throughput.py --models llama-8b --workloads W2 --kv-budget 32768 \
+        --kv-budget-same-bytes --variants batchrun,kv-fp8               # FP8 KV: 2x the tokens
 
 Models (dummy weights, written as config.json to a temp dir): llama-8b, llama-1b (and `tiny`,
 for CPU smoke tests). Workloads as BENCH.md defines them (benchlib.make_workload: W1 random, W2
@@ -86,6 +88,8 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "fp8-block": ({}, {}),
     "int4-awq": ({}, {}),
     "int4-awq-dequant": ({}, {"int4_matmul": "dequant"}),
+    # the KV cache in float8_e4m3fn (--kv-cache-dtype fp8_e4m3): one byte an element
+    "kv-fp8": ({"kv_cache_dtype": "fp8_e4m3"}, {}),
     "prefix-order": ({}, {}),
 }
 FP8_BLOCK_CONFIG = {
@@ -126,9 +130,14 @@ TARGETS = {
 def engine_config(args, model_dir: Path, variant: str):
     """The variant's EngineConfig: the options' config (overlap on) with its fields changed."""
     engine_fields, kernel_fields = VARIANTS[variant]
-    return benchlib.engine_config(
+    config = benchlib.engine_config(
         args, model_dir, kernels=kernel_fields, **{"overlap": True, **engine_fields}
     )
+    if args.kv_budget_same_bytes and config.kv_budget and config.kv_cache_dtype != "auto":
+        # the bytes of --kv-budget tokens in the compute dtype, in one-byte elements
+        size = torch.empty(0, dtype=getattr(torch, benchlib.dtype_name(args))).element_size()
+        config = dataclasses.replace(config, kv_budget=config.kv_budget * size)
+    return config
 
 
 def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe) -> None:
@@ -456,6 +465,12 @@ def parse_args(argv=None):
         help="do not hook Triton's JIT to report the kernel variants built in each phase",
     )
     p.add_argument("--time-budget", type=float, default=None, help="seconds; skip runs after it")
+    p.add_argument(
+        "--kv-budget-same-bytes",
+        action="store_true",
+        help="--kv-budget counts tokens of a cache in the compute dtype: a kv-fp8 variant gets "
+        "the same bytes (twice the tokens in bf16), so the capacity shows in a capped run",
+    )
     p.add_argument("--out", type=Path, default=benchlib.OUT_DIR)
     args = p.parse_args(argv)
     args.models = args.models.split(",")

@@ -15,6 +15,10 @@ BatchDecodeWithPagedKVCacheWrapper (on tensor cores from GQA group 4 on), all ot
 BatchPrefillWithPagedKVCacheWrapper with causal=True, whose mask is aligned bottom-right: the
 queries are the last extend_len positions of each request's KV, as base.py draws.
 
+A float8_e4m3fn pool (--kv-cache-dtype fp8_e4m3) is planned with kv_data_type float8_e4m3fn
+(q and the output stay in the compute dtype); each layer's run() gets its k_scale, which
+FlashInfer folds into the softmax scale, and its v_scale, which it multiplies into the output.
+
 plan() is host work (it schedules the batch and copies the schedule to the device); it needs the
 softmax scale and the query head count, which only forward() is given, so the first forward of
 a step plans and the other layers reuse the plan.
@@ -57,6 +61,7 @@ TENSOR_CORE_MIN_GROUP = 4  # decode on tensor cores from this GQA group size on 
 KERNELS = "fa2"
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
+KV_DTYPES = (*DTYPES, torch.float8_e4m3fn)
 
 
 def import_flashinfer():
@@ -131,7 +136,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.kv_dtype = k0.dtype
         self.num_kv_heads = k0.shape[1]
         self.head_dim = k0.shape[2]
-        if self.kv_dtype not in DTYPES:
+        if self.kv_dtype not in KV_DTYPES:
             raise ValueError(
                 f"the flashinfer attention backend runs in float16 or bfloat16, not "
                 f"{self.kv_dtype}; use --dtype bfloat16 (or another attention backend)"
@@ -207,14 +212,23 @@ class FlashInferAttentionBackend(AttentionBackend):
         paged = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # [slots + 1, 1, KV, D] each
         if out is None:
             out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-        self._wrapper.run(q, paged, out=out)
+        scales = {}
+        if self.kv_pool.is_fp8:
+            scale = self.kv_pool.scales(layer_id)
+            scales = {"k_scale": scale.k, "v_scale": scale.v}
+        self._wrapper.run(q, paged, out=out, **scales)
         return out.view(num_tokens, num_heads * head_dim)
 
     def _plan(self, batch: _Batch, params: tuple) -> None:
         if self.device.type == "cuda":
             capturing = torch.cuda.is_current_stream_capturing()
             assert not capturing, "run one eager forward after prepare_graph(), then capture"
-        num_heads = params[0]
+        num_heads, dtype = params[0], params[1]
+        if dtype not in DTYPES:  # (a float8 pool does not say the compute dtype up front)
+            raise ValueError(
+                f"the flashinfer attention backend runs in float16 or bfloat16, not {dtype}; "
+                "use --dtype bfloat16 (or another attention backend)"
+            )
         if batch.graph_bs is not None:
             wrapper = self._graph_wrapper(batch.graph_bs, num_heads)
             self._graph_params = params

@@ -8,6 +8,9 @@ A step's requests are gathered into one padded batch when padding wastes little:
 
 Otherwise (one long prefill next to many short ones) each request gets its own
 scaled_dot_product_attention call.
+
+A float8_e4m3fn pool's K and V convert to q's dtype (exact); the layer's k scale is folded into
+the softmax scale and its v scale multiplies the output, as the Triton kernels do.
 """
 
 from __future__ import annotations
@@ -81,12 +84,18 @@ class TorchAttentionBackend(AttentionBackend):
         assert inputs is not None, "prepare() must run before forward()"
         self.kv_pool.store(layer_id, inputs.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
+        out = self._attend(q, k_buf, v_buf, scaling * self.kv_pool.scales(layer_id).k)
+        if self.kv_pool.is_fp8:
+            out = out * self.kv_pool.scales(layer_id).v
+        return out
+
+    def _attend(self, q, k_buf, v_buf, scaling: float) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         if self._plan[0] == "padded":
             _, slots, mask, q_index, out_index = self._plan
             qp = q[q_index].transpose(1, 2)  # [B, H, Q, D]
-            keys = k_buf[slots].transpose(1, 2)  # [B, KV, S, D]
-            values = v_buf[slots].transpose(1, 2)
+            keys = k_buf[slots].to(q.dtype).transpose(1, 2)  # [B, KV, S, D]
+            values = v_buf[slots].to(q.dtype).transpose(1, 2)
             out = F.scaled_dot_product_attention(
                 qp, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True
             )  # [B, H, Q, D]
@@ -95,8 +104,8 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         for start, n, slots, mask in self._plan[1]:
             qi = q[start : start + n].transpose(0, 1)  # [H, n, D]
-            keys = k_buf[slots].transpose(0, 1)  # [KV, S, D]
-            values = v_buf[slots].transpose(0, 1)
+            keys = k_buf[slots].to(q.dtype).transpose(0, 1)  # [KV, S, D]
+            values = v_buf[slots].to(q.dtype).transpose(0, 1)
             oi = F.scaled_dot_product_attention(
                 qi,
                 keys,

@@ -164,7 +164,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q) if out is None else out
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
         rope = DecodeRope(k, v, loc, positions, rotary.cos_cache, rotary.sin_cache)
-        self._decode(plan, q, k_buf, v_buf, out, scaling, rope)
+        self._decode(plan, q, k_buf, v_buf, out, scaling, self._kv_scale(layer_id), rope)
         num_tokens, num_heads, head_dim = q.shape
         return out.view(num_tokens, num_heads * head_dim)
 
@@ -193,32 +193,41 @@ class TritonAttentionBackend(AttentionBackend):
         plan = self._plan
         num_tokens, num_heads, head_dim = q.shape
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
+        kv_scale = self._kv_scale(layer_id)
         if out is None:
             out = torch.empty_like(q)
         if isinstance(plan, _MixedPlan):
             d = plan.num_decode_tokens
-            self._decode(plan.decode, q[:d], k_buf, v_buf, out[:d], scaling)
-            self._extend(plan.extend, q[d:], k_buf, v_buf, out[d:], scaling)
+            self._decode(plan.decode, q[:d], k_buf, v_buf, out[:d], scaling, kv_scale)
+            self._extend(plan.extend, q[d:], k_buf, v_buf, out[d:], scaling, kv_scale)
         elif isinstance(plan, _DecodePlan):
-            self._decode(plan, q, k_buf, v_buf, out, scaling)
+            self._decode(plan, q, k_buf, v_buf, out, scaling, kv_scale)
         else:
-            self._extend(plan, q, k_buf, v_buf, out, scaling)
+            self._extend(plan, q, k_buf, v_buf, out, scaling, kv_scale)
         return out.view(num_tokens, num_heads * head_dim)
 
-    def _decode(self, plan: _DecodePlan, q, k_buf, v_buf, out, scaling: float, rope=None) -> None:
+    def _kv_scale(self, layer_id: int):
+        """The layer's KV scales for the kernels (None: the pool is in the compute dtype)."""
+        return self.kv_pool.scales(layer_id) if self.kv_pool.is_fp8 else None
+
+    def _decode(
+        self, plan: _DecodePlan, q, k_buf, v_buf, out, scaling: float, kv_scale, rope=None
+    ) -> None:
         bs, num_heads, head_dim = q.shape
         workspace = self._get_workspace(plan, bs, num_heads, head_dim)
         counters = self._get_counters(plan, bs)
         decode_attention_fwd(
             q, k_buf, v_buf, out, self.req_to_token, plan.req_pool_indices, plan.seq_lens,
-            scaling, plan.num_kv_splits, workspace, counters, rope=rope, pdl=self.pdl,
+            scaling, plan.num_kv_splits, workspace, counters, rope=rope, kv_scale=kv_scale,
+            pdl=self.pdl,
         )  # fmt: skip
 
-    def _extend(self, plan: _ExtendPlan, q, k_buf, v_buf, out, scaling: float) -> None:
+    def _extend(self, plan: _ExtendPlan, q, k_buf, v_buf, out, scaling: float, kv_scale) -> None:
         inputs = plan.inputs
         extend_attention_fwd(
             q, k_buf, v_buf, out, self.req_to_token, inputs.req_pool_indices, inputs.seq_lens,
             inputs.extend_lens, plan.extend_start_loc, plan.max_extend_len, scaling,
+            kv_scale=kv_scale,
         )  # fmt: skip
 
     def _get_workspace(self, plan: _DecodePlan, bs: int, num_heads: int, head_dim: int):

@@ -84,6 +84,7 @@ def build_engine_config(o: dict) -> EngineConfig:
         load_format=o["load_format"],
         quantization=o.get("quantization"),
         dtype=o["dtype"],
+        kv_cache_dtype=o.get("kv_cache_dtype", "auto"),
         device=o["device"],
         max_running=o["max_running"],
         kv_budget=o["kv_budget"],

@@ -19,6 +19,7 @@ from batchrun.config import (
     FP8_MATMULS,
     GPU_MEMORY_UTILIZATION,
     INT4_MATMULS,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
 )
@@ -294,6 +295,13 @@ kernel_options = option_group(
         default="auto",
         help="INT4 linears: batchrun's Triton W4A16 kernel, or weights dequantized; auto: triton "
         "on CUDA.",
+    ),
+    click.option(
+        "--kv-cache-dtype",
+        type=click.Choice(KV_CACHE_DTYPES),
+        default="auto",
+        help="KV cache elements; fp8_e4m3: one byte, the checkpoint's k/v scales (else 1.0); "
+        "auto: --dtype.",
     ),
     click.option("--disable-cuda-graph", is_flag=True, help="Run every step eagerly."),
     click.option(

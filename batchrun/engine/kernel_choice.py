@@ -68,6 +68,11 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     want = config.kernels
     want.validate()
     cuda = device.type == "cuda"
+    if config.kv_cache_dtype == "fp8_e4m3" and cuda and not supports_fp8_matmul(device):
+        raise ValueError(
+            "kv_cache_dtype 'fp8_e4m3' on CUDA needs an sm_89+ GPU (L40, H100, H200 or later), "
+            "where the kernels convert float8; use kv_cache_dtype 'auto' on this GPU"
+        )
     triton = has_triton()
     # a quantized checkpoint, or one quantized at load (--quantization)
     quantized = model_cfg.quantization is not None or config.quantization is not None

@@ -6,6 +6,9 @@ KVPool           k/v buffers [num_slots + 1, num_kv_heads, head_dim] per layer; 
                  model's: each rank stores only the KV heads its q heads attend with.
                  `store_rotated` also applies rotary to q and k, in one kernel with the Triton
                  kernels on (kernels/rotary_kv_store.py; else rotary, then `store`).
+                 In float8_e4m3fn (--kv-cache-dtype fp8_e4m3) every store quantizes with the
+                 layer's scales (`scales(layer_id)`, batchrun/quant/kv_cache.py) and every
+                 reader folds them into its softmax scale and output.
 ReqToTokenPool   [max_reqs + 1, max_context] int32: row r, position p -> KV slot of that token.
                  Rows are handed out to running requests; the last row is the dummy request.
 """
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchrun.config import KernelConfig
+from batchrun.quant.kv_cache import KV_FP8_DTYPE, KVScale, quantize_kv
 
 try:
     from batchrun.kernels.kv_store import store_kv
@@ -35,13 +39,17 @@ class KVPool:
         num_slots: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype,  # the stored element type: the compute dtype or float8_e4m3fn
         device: torch.device | str,
         kernels: KernelConfig | None = None,
+        scales: list[KVScale] | None = None,  # float8 only: per layer; None: all 1.0
     ):
         self.kernels = kernels or KernelConfig.reference()
         self.num_slots = num_slots
         self.dummy_slot = num_slots
+        self.is_fp8 = dtype == KV_FP8_DTYPE
+        assert scales is None or (self.is_fp8 and len(scales) == num_layers)
+        self._scales = scales or [KVScale()] * num_layers
         shape = (num_slots + 1, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -53,9 +61,14 @@ class KVPool:
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # loc: [T], k/v: [T, KV, D] (possibly strided views of the fused qkv projection)
         k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        scale = self._scales[layer_id]
         if self._stores_in_triton(layer_id, loc, k, v):
             # NOTE: one launch writes both k and v (torch needs an index_put for each)
-            store_kv(k_buf, v_buf, loc, k, v, pdl=self.kernels.pdl)
+            store_kv(k_buf, v_buf, loc, k, v, pdl=self.kernels.pdl, **self._inv_scales(scale))
+            return
+        if self.is_fp8:
+            k_buf[loc] = quantize_kv(k, scale.inv_k)
+            v_buf[loc] = quantize_kv(v, scale.inv_v)
             return
         k_buf[loc] = k.to(k_buf.dtype)
         v_buf[loc] = v.to(v_buf.dtype)
@@ -76,7 +89,10 @@ class KVPool:
         if self.fuses_rotary(layer_id, loc, q, k, v, positions, rotary):
             k_buf, v_buf = self.buffers(layer_id)
             cos, sin = rotary.cos_cache, rotary.sin_cache
-            rotary_store_kv(k_buf, v_buf, loc, q, k, v, positions, cos, sin, pdl=self.kernels.pdl)
+            rotary_store_kv(
+                k_buf, v_buf, loc, q, k, v, positions, cos, sin, pdl=self.kernels.pdl,
+                **self._inv_scales(self._scales[layer_id]),
+            )  # fmt: skip
             return q
         q, k = rotary(positions, q, k)
         self.store(layer_id, loc, k, v)
@@ -86,7 +102,8 @@ class KVPool:
         """Whether `store` runs kernels/kv_store.py (else torch's index_put)."""
         return (
             self.kernels.triton_ops
-            and k.dtype == v.dtype == self.k_buffers[layer_id].dtype
+            and k.dtype == v.dtype
+            and (self.is_fp8 or k.dtype == self.k_buffers[layer_id].dtype)
             and k.stride(-1) == v.stride(-1) == 1
             and loc.device == k.device
         )
@@ -105,6 +122,16 @@ class KVPool:
 
     def buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
+
+    def scales(self, layer_id: int) -> KVScale:
+        """The layer's KV scales (1.0 and 1.0 for a pool in the compute dtype)."""
+        return self._scales[layer_id]
+
+    def _inv_scales(self, scale: KVScale) -> dict:
+        """The store kernels' quantization arguments (none for a pool in the compute dtype)."""
+        if not self.is_fp8:
+            return {}
+        return {"k_inv_scale": scale.inv_k, "v_inv_scale": scale.inv_v}
 
 
 class ReqToTokenPool:

@@ -34,6 +34,7 @@ from batchrun.models.config import ModelConfig
 from batchrun.models.llama import ForwardBatch
 from batchrun.models.loader import load_model
 from batchrun.parallel.state import tp_group_for
+from batchrun.quant.kv_cache import kv_storage_dtype, layer_scales
 
 try:
     from batchrun.kernels.gemv import split_counters
@@ -139,16 +140,22 @@ class ModelRunner:
         log.info("kernels: %s", kernels.describe())
         if kernels.decode_gemv == "triton":
             split_counters(self.device)  # NOTE: allocated before any graph capture
+        # the KV pool's element type: the compute dtype, or float8_e4m3fn with the checkpoint's
+        # per-layer scales (batchrun/quant/kv_cache.py)
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
+        kv_fp8 = self.kv_dtype != self.dtype
         self.num_slots = self._kv_slots()
         self.kv_pool = KVPool(
             model_cfg.num_layers,
             self.num_slots,
             self.model.num_kv_heads,  # this rank's KV heads under tensor parallelism
             model_cfg.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             kernels,
+            layer_scales(self.model) if kv_fp8 else None,
         )
+        log.info("KV cache: %d tokens of %s", self.num_slots, str(self.kv_dtype).split(".")[-1])
         self.req_pool = ReqToTokenPool(config.max_running, context_len, self.device)
         self.backend = create_backend(kernels, self.kv_pool, self.req_pool.table)
         self.sampler = Sampler(kernels)
@@ -193,7 +200,7 @@ class ModelRunner:
             self.model_cfg.num_layers,
             self.model.num_kv_heads,
             self.model_cfg.head_dim,
-            self.dtype,
+            kv_storage_dtype(cfg.kv_cache_dtype, self.dtype),  # float8: one byte an element
         )
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)

@@ -7,8 +7,8 @@ still resumes; cheap enough for huge inputs (sizes plus hashes of each file's fi
 64 KiB, at most MAX_HASHED files; config.json and the weight files' names and sizes, and
 --quantization, which changes the model that runs).
 
-Not in the fingerprint, so they may change between attempts: device, dtype, KV budget,
-max-running, chunked prefill, attention backend, shard size, commit and drain settings.
+Not in the fingerprint, so they may change between attempts: device, dtype, KV cache dtype, KV
+budget, max-running, chunked prefill, attention backend, shard size, commit and drain settings.
 """
 
 from __future__ import annotations

@@ -117,6 +117,20 @@ def test_int4_variants_load_awq_dummy_weights(tmp_path):
         assert config["hidden_size"] == benchlib.MODELS["tiny"]["hidden_size"]
 
 
+def test_kv_fp8_variant_gets_the_same_bytes(tmp_path):
+    """--kv-budget-same-bytes: the kv-fp8 variant's pool holds --kv-budget tokens' bytes of the
+    compute dtype (fp32 on the CPU: 4x the tokens); the plain variant --kv-budget tokens."""
+    run_script(
+        "bench_throughput.py", "--device", "cpu", "--models", "tiny", "--workloads", "W3",
+        "--variants", "batchrun,kv-fp8", "--kv-budget", "1024", "--kv-budget-same-bytes",
+        "--warmup-requests", "2", "--out", str(tmp_path),
+    )  # fmt: skip
+    results = json.loads((tmp_path / "bench_throughput.json").read_text())["results"]
+    slots = {r["variant"]: r["kv_slots"] for r in results}
+    assert slots == {"batchrun": 1024, "kv-fp8": 4096}
+    assert all(r["status"] == "ok" for r in results)
+
+
 def test_kernel_option_takes_kernel_config_fields_only():
     import bench_throughput
 
@@ -250,6 +264,7 @@ def test_gpu_scripts_exit_cleanly_without_cuda(tmp_path):
     assert "needs a CUDA GPU" in run_script("bench_gemv.py", "--out", str(tmp_path))
     pytest.importorskip("triton")
     assert "needs a CUDA GPU" in run_script("bench_attention_kernels.py")
+    assert "needs a CUDA GPU" in run_script("bench_decode_attention_fp8.py")
 
 
 # -- benchlib ----------------------------------------------------------------------------------

@@ -106,9 +106,13 @@ class _Wrapper:
         self.state = (qo_indptr, indptr, indices, sm_scale)
         self.num_plans += 1
 
-    def run(self, q, paged_kv, out):
+    def run(self, q, paged_kv, out, k_scale=None, v_scale=None):
+        # a float8 cache: k_scale multiplies sm_scale, v_scale the output (flashinfer 0.6)
+        assert (k_scale is not None) == (self.kv_data_type == torch.float8_e4m3fn)
         qo_indptr, indptr, indices, scale = self.state
-        _attend(q, paged_kv, qo_indptr, indptr, indices, scale, out)
+        _attend(q, paged_kv, qo_indptr, indptr, indices, scale * (k_scale or 1.0), out)
+        if v_scale is not None:
+            out *= v_scale
         return out
 
 
@@ -116,6 +120,7 @@ class _Decode(_Wrapper):
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
              page_size, *, q_data_type, kv_data_type, sm_scale, non_blocking):  # fmt: skip
         qo_indptr = torch.arange(len(indptr), dtype=torch.int32)
+        self.kv_data_type = kv_data_type
         self._plan(qo_indptr, indptr, indices, last_page_len, page_size, sm_scale)
 
 
@@ -124,6 +129,7 @@ class _Prefill(_Wrapper):
              head_dim, page_size, *, causal, q_data_type, kv_data_type, sm_scale,
              non_blocking):  # fmt: skip
         assert causal
+        self.kv_data_type = kv_data_type
         self._plan(qo_indptr, indptr, indices, last_page_len, page_size, sm_scale)
 
 
@@ -251,3 +257,40 @@ def test_graph_flow_over_stand_in(fake_flashinfer):
         assert (out[:n].float() - ref).abs().max() <= 1e-2 * ref.abs().max()
     backend.prepare(filled)  # an eager step leaves graph mode
     assert not backend._batch.graph_bs
+
+
+@pytest.mark.parametrize(
+    "seq_lens, extend_lens",
+    [([1, 40, 9], [1, 1, 1]), ([1, 50, 8], [1, 1, 8])],
+    ids=["decode", "mixed"],
+)
+def test_fp8_kv_cache_over_stand_in(fake_flashinfer, seq_lens, extend_lens):
+    """A float8 pool: planned with kv_data_type float8_e4m3fn, each layer run with its k_scale
+    and v_scale, the new tokens stored quantized; the output as an fp32 pool of the dequantized
+    values gives."""
+    from batchrun.quant.kv_cache import KVScale, quantize_kv
+
+    pool16, table, inputs, q, k, v = _batch(seq_lens, extend_lens, 8, 2)
+    scales = [KVScale(0.5, 0.25), KVScale(0.125, 2.0)]
+    pool = KVPool(2, pool16.num_slots, 2, 64, torch.float8_e4m3fn, "cpu", None, scales)
+    for layer_id, scale in enumerate(scales):
+        pool.k_buffers[layer_id].copy_(quantize_kv(pool16.k_buffers[layer_id], scale.inv_k))
+        pool.v_buffers[layer_id].copy_(quantize_kv(pool16.v_buffers[layer_id], scale.inv_v))
+    backend = fib.FlashInferAttentionBackend(pool, table)
+    backend.prepare(inputs)
+    for layer_id, scale in enumerate(scales):
+        out = backend.forward(q, k, v, layer_id, 0.1)
+        assert backend._wrapper.kv_data_type == torch.float8_e4m3fn
+        loc = inputs.out_cache_loc
+        want = quantize_kv(k, scale.inv_k).view(torch.uint8)
+        assert torch.equal(pool.k_buffers[layer_id][loc].view(torch.uint8), want)
+        deq = KVPool(2, pool.num_slots, 2, 64, torch.float32, "cpu")
+        deq.k_buffers[layer_id].copy_(pool.k_buffers[layer_id].float() * scale.k)
+        deq.v_buffers[layer_id].copy_(pool.v_buffers[layer_id].float() * scale.v)
+        ref = _reference(deq, table, inputs, q, deq.k_buffers[layer_id][loc],
+                         deq.v_buffers[layer_id][loc], layer_id, 0.1)  # fmt: skip
+        assert (out.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    # the compute dtype shows with the first forward: float32 is refused there
+    backend.prepare(inputs)
+    with pytest.raises(ValueError, match="float16 or bfloat16, not torch.float32"):
+        backend.forward(q.float(), k.float(), v.float(), 0, 0.1)
