@@ -2,8 +2,8 @@
 the weight float8_e4m3fn with one float32 scale per output row (a per-tensor scale broadcast),
 the activations quantized per token inside the kernel, as their tiles are loaded:
 
-    q(x) = x * (1 / sx[m]) clamped to +-448, rounded to e4m3 (to nearest even), in registers
-    sx[m] = max(max |x[m, :]| / 448, 1e-12)       dynamic (batchrun/quant/act_quant.py's rule)
+    q(x) = x / sx[m] clamped to +-448, rounded to e4m3 (to nearest even), in registers
+    sx[m] = max(max |x[m, :]| * fp32(1 / 448), 1e-12)   dynamic (act_quant.py's torch ops)
     sx[m] = the checkpoint's input_scale           static
 
 No quantized copy of x is written: the matmul that torch._scaled_mm runs after a chain of torch
@@ -11,8 +11,10 @@ ops (abs, amax, divide, clamp, cast) is one kernel here. The dynamic scale needs
 before the first tile is quantized: each program reduces its rows' |max| itself (`amax_in_kernel`:
 a few KB from L2, no kernel of its own; a row-parallel layer's maximum over the tensor-parallel
 ranks and large M use `row_amax` before the kernel instead, one reduction, then the kernel takes
-the maxima). 1 / sx is one exact division a row; x * (1 / sx) differs from x / sx by at most one
-fp32 ulp, which moves an e4m3 rounding only where x / sx lies within that ulp of a midpoint.
+the maxima). The scale and the division are those of quant_per_token's torch ops on CUDA (a
+Python scalar divides as a multiplication by its reciprocal; tensors divide exactly), so q(x) has
+their bytes: bf16 activations over a scale of amax / 448 land on e4m3 midpoints often, and an ulp
+of difference there moves the rounding.
 
 Products of e4m3 values are exact in fp32, so the dot is exact whichever operands it takes:
 `fp8_dot` multiplies the e4m3 operands on the tensor cores, each K tile's dot into fresh zeros
@@ -59,6 +61,7 @@ from batchrun.kernels.gemv import pick_config as pick_bf16_config
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 FP8_MAX = tl.constexpr(448.0)
+INV_FP8_MAX = tl.constexpr(1.0 / 448.0)
 MIN_SCALE = tl.constexpr(1e-12)  # batchrun/quant/act_quant.py's: an all-zero row gives zeros
 # elements of x a program loads at once to reduce its rows' |max| (16 KB of bf16)
 AMAX_TILE = 8192
@@ -91,23 +94,25 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _quantize(x, inv, HW_CAST: tl.constexpr, FP8_DOT: tl.constexpr):
-    """x [16, BLOCK_K] times its rows' 1 / sx, clamped and rounded to e4m3: the dot's operand
-    (float8, or fp16 holding the same values)."""
-    v = tl.clamp(x.to(tl.float32) * inv[:, None], -FP8_MAX, FP8_MAX)
+def _quantize(x, sx, HW_CAST: tl.constexpr, FP8_DOT: tl.constexpr):
+    """x [16, BLOCK_K] divided by its rows' sx (IEEE, as quant_per_token's torch ops divide),
+    clamped and rounded to e4m3: the dot's operand (float8, or fp16 holding the same values)."""
+    v = tl.clamp(tl.math.div_rn(x.to(tl.float32), sx[:, None]), -FP8_MAX, FP8_MAX)
     if not HW_CAST:
         v = _round_e4m3(v)
     q = v.to(tl.float8e4nv)
-    if FP8_DOT:
-        return q
-    return q.to(tl.float16)
+    if not FP8_DOT:  # NOTE: one return statement (Triton 3.6 rejects returns of two types)
+        q = q.to(tl.float16)
+    return q
 
 
 @triton.jit
 def _mma8(acc, q, w, FP8_DOT: tl.constexpr):
     if FP8_DOT:  # each tile's dot from zeros, summed in fp32 (no reduced-precision accumulator)
-        return acc + tl.dot(q, tl.trans(w))
-    return tl.dot(q, tl.trans(w.to(tl.float16)), acc)
+        acc = acc + tl.dot(q, tl.trans(w))
+    else:  # NOTE: one return statement (Triton 3.6 rejects returns of two types)
+        acc = tl.dot(q, tl.trans(w.to(tl.float16)), acc)
+    return acc
 
 
 @triton.jit
@@ -186,21 +191,21 @@ def _fp8_gemv_kernel(
             amax = _rows_amax(X, M, K, stride_xm, AMAX_M, AMAX_K)
         else:  # SCALE_FROM_AMAX
             amax = tl.load(XS + offs_m * stride_xs, mask=in_m, other=0.0)
-        sx = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
-    inv = tl.math.div_rn(tl.full([16], 1.0, tl.float32), sx)
+        # amax times fp32(1 / 448): how torch's CUDA division by a Python scalar computes it
+        sx = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
 
-    x = _quantize(_x_tile(X, offs_m, M, stride_xm, k_start, k_end, BLOCK_K), inv, HW_CAST, FP8_DOT)
+    x = _quantize(_x_tile(X, offs_m, M, stride_xm, k_start, k_end, BLOCK_K), sx, HW_CAST, FP8_DOT)
     acc = _mma8(tl.zeros([16, BLOCK_N], dtype=tl.float32), x, w, FP8_DOT)
     acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     if SWIGLU:
         acc_up = _mma8(acc_up, x, w_up, FP8_DOT)
     x = _x_tile(X, offs_m, M, stride_xm, k_start + BLOCK_K, k_end, BLOCK_K)
-    x = _quantize(x, inv, HW_CAST, FP8_DOT)
+    x = _quantize(x, sx, HW_CAST, FP8_DOT)
     acc = _mma8(acc, x, w2, FP8_DOT)
     if SWIGLU:
         acc_up = _mma8(acc_up, x, w2_up, FP8_DOT)
     for k0 in range(k_start + 2 * BLOCK_K, k_end, BLOCK_K):
-        x = _quantize(_x_tile(X, offs_m, M, stride_xm, k0, k_end, BLOCK_K), inv, HW_CAST, FP8_DOT)
+        x = _quantize(_x_tile(X, offs_m, M, stride_xm, k0, k_end, BLOCK_K), sx, HW_CAST, FP8_DOT)
         acc = _mma8(acc, x, _w_tile(w_rows, in_n, k0, k_end, BLOCK_K), FP8_DOT)
         if SWIGLU:
             acc_up = _mma8(acc_up, x, _w_tile(up_rows, in_n, k0, k_end, BLOCK_K), FP8_DOT)

@@ -7,10 +7,11 @@
     xq, s = quant_static(x, scale)           # the static per-tensor scale; s [M, 1] holds it
 
 The arithmetic is batchrun/quant/act_quant.py's (the CPU's torch ops, the model of these
-kernels) in float32: scale = max(amax / 448, MIN_SCALE), q = clamp(x / scale, -448, 448) rounded
-to the nearest even float8 value. Both divisions are IEEE (div_rn), so the kernels give the same
-bytes as the torch ops. torch's chain is five kernels (cast, abs, amax, div, clamp + cast) and
-reads x three times; on the H200 `scripts/bench_fp8_matmul.py` times both.
+kernels) in float32: scale = max(amax * fp32(1 / 448), MIN_SCALE) (torch's division by a Python
+scalar on CUDA), q = clamp(x / scale, -448, 448) (an IEEE division, div_rn) rounded to the
+nearest even float8 value, so the kernels give the same bytes as the torch ops on CUDA. torch's
+chain is five kernels (cast, abs, amax, div, clamp + cast) and reads x three times; on the H200
+`scripts/bench_fp8_matmul.py` times both.
 
 Per token, a program quantizes one row: the whole row in registers where it fits
 (MAX_ROW_BLOCK columns), else in chunks read twice (the second read from L2). Per token group,
@@ -43,7 +44,10 @@ def _quantize(x, scale):
 
 @triton.jit
 def _scale_of(amax):
-    return tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
+    # amax times fp32(1 / 448): torch's CUDA division by a Python scalar multiplies by its
+    # reciprocal, so the scales equal act_quant's bit for bit (an IEEE division differs by an ulp
+    # on some rows, and that ulp moves the ties of x / scale, frequent with bf16 x)
+    return tl.maximum(amax * (1.0 / 448.0), 1e-12)
 
 
 @triton.jit

@@ -45,7 +45,7 @@ from batchrun.kernels.gemv import NUM_COUNTERS, split_counters
 from batchrun.quant.int4_layout import Int4Packed
 
 DECODE_MAX_M = 64
-MAGIC = 8388608.0  # 2^23: (q | 0x4B000000) as fp32 is MAGIC + q
+MAGIC = tl.constexpr(8388608.0)  # 2^23: (q | 0x4B000000) as fp32 is MAGIC + q
 
 
 class Int4Config(NamedTuple):

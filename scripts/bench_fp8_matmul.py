@@ -68,7 +68,7 @@ def graph_time_us(fn, operands: list, calls: int) -> float:
 def torch_group_quant(x: torch.Tensor, group: int = 128):
     """Per token and group with torch ops: what the block path would run without the kernel."""
     xg = x.float().view(x.shape[0], -1, group)
-    scale = (xg.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=1e-12)
+    scale = (xg.abs().amax(dim=-1, keepdim=True) * (1.0 / 448.0)).clamp(min=1e-12)
     q = (xg / scale).clamp(-448.0, 448.0).to(FP8)
     return q.view(x.shape), scale.view(x.shape[0], -1)
 

@@ -49,6 +49,17 @@ def make_hf_config(kind: str):
         return transformers.Qwen3Config(**COMMON, head_dim=32, rope_theta=1000000.0)
     if kind == "mistral":
         return transformers.MistralConfig(**COMMON, rope_theta=1000000.0, sliding_window=None)
+    if kind == "llama-d64":  # head dim 64: FlashInfer's smallest; GQA group 4
+        return transformers.LlamaConfig(
+            **{
+                **COMMON,
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 1,
+            },
+            rope_theta=10000.0,
+        )
     if kind == "tied":
         return transformers.LlamaConfig(**{**COMMON, "tie_word_embeddings": True})
     raise ValueError(kind)

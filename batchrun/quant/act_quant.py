@@ -29,6 +29,11 @@ ReduceMax = Callable[[torch.Tensor], torch.Tensor] | None
 
 # real quantization's smallest scale (an all-zero row quantizes to zeros)
 MIN_SCALE = 1e-12
+# real quantization's scale is amax times fp32(1 / 448), on every device and in the kernels
+# (kernels/fp8_quant.py, fp8_gemv.py): torch divides by a Python scalar exactly on the CPU but as
+# a multiplication by its reciprocal on CUDA, and an ulp of scale moves the e4m3 rounding of the
+# values x / scale puts on a midpoint (frequent for bf16 x)
+INV_FP8_MAX = 1.0 / FP8_MAX
 
 
 def _fake(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -73,7 +78,7 @@ def quant_per_token(
     amax = xf.abs().amax(dim=-1, keepdim=True)  # [M, 1]
     if reduce_max is not None:
         amax = reduce_max(amax)
-    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    scale = (amax * INV_FP8_MAX).clamp(min=MIN_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

@@ -93,7 +93,7 @@ def test_fp8_gemv_matches_scaled_mm_and_the_dequantized_reference(shape, activat
         _close_to(got, _scaled_mm(x, w, sw, s), what)
         xf = x.float()
         if s is None:
-            sx = (xf.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=1e-12)
+            sx = (xf.abs().amax(dim=-1, keepdim=True) * (1.0 / 448.0)).clamp(min=1e-12)
         else:
             sx = s
         xq = (xf / sx).clamp(-448, 448).to(torch.float8_e4m3fn).float() * sx

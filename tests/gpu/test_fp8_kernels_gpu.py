@@ -97,7 +97,7 @@ def test_per_token_group_quantization_matches_the_reference(cols):
         x = torch.randn(num, cols, device="cuda", dtype=torch.bfloat16) * 4
         q, scale = fp8_quant.quant_per_token_group(x, 128)
         xg = x.float().view(num, cols // 128, 128)
-        want_scale = (xg.abs().amax(-1) / 448.0).clamp(min=1e-12)
+        want_scale = (xg.abs().amax(-1) * (1.0 / 448.0)).clamp(min=1e-12)
         want_q = (xg / want_scale[..., None]).clamp(-448, 448).to(FP8).view(num, cols)
         assert scale.shape == (num, cols // 128) and scale.stride() == (1, num)
         torch.testing.assert_close(scale, want_scale, rtol=SCALE_RTOL, atol=0)

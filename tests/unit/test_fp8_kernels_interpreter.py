@@ -100,7 +100,7 @@ def _check_quant_per_token_group():
         groups = -(-cols // 128)
         assert scale.shape == (rows, groups) and scale.stride() == (1, rows)
         padded = torch.nn.functional.pad(x, (0, groups * 128 - cols)).view(rows, groups, 128)
-        want_scale = (padded.abs().amax(-1) / 448.0).clamp(min=1e-12)
+        want_scale = (padded.abs().amax(-1) * (1.0 / 448.0)).clamp(min=1e-12)
         assert torch.equal(scale, want_scale), (rows, cols)
         want_q = (padded / want_scale[..., None]).clamp(-448, 448).view(rows, -1)[:, :cols]
         assert torch.equal(q, want_q), (rows, cols)
