@@ -44,12 +44,17 @@ CHUNKED_PREFILL, CHUNKED_PREFILL_LARGE = 4096, 12288
 LARGE_MODEL_PARAMS = 3_000_000_000  # decoder parameters (no embeddings)
 
 
-def is_large(model_cfg) -> bool:
-    """LARGE_MODEL_PARAMS or more in the decoder layers."""
+def decoder_params(model_cfg) -> int:
+    """The parameters of the decoder layers' matmuls (no embeddings, norms or biases)."""
     c = model_cfg
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     per_layer = c.hidden_size * (2 * q + 2 * kv + 3 * c.intermediate_size)
-    return c.num_layers * per_layer >= LARGE_MODEL_PARAMS
+    return c.num_layers * per_layer
+
+
+def is_large(model_cfg) -> bool:
+    """LARGE_MODEL_PARAMS or more in the decoder layers."""
+    return decoder_params(model_cfg) >= LARGE_MODEL_PARAMS
 
 
 def auto_sizes(model_cfg, device_type: str) -> tuple[int, int]:
@@ -105,7 +110,8 @@ class KernelConfig:
                         on sm_90+ GPUs. Off is for drivers that reject the launch attribute
     decode_gemv         the matmuls of decode batches of up to 16 rows on kernels/gemv.py, an
                         FP8 linear's (scaled_mm) on kernels/fp8_gemv.py ("triton"), or on
-                        cuBLAS / torch._scaled_mm; auto: triton where PDL is on
+                        cuBLAS / torch._scaled_mm; auto: triton where PDL is on and the model
+                        is not quantized (engine/kernel_choice.py says what was measured)
     decode_norms        one of DECODE_NORMS for one-row decode steps on kernels/gemv.py; auto:
                         "all" for hidden sizes up to 2048, "fold-all" above (its folded weights
                         only within a quarter of the free memory, else "fold", else "post")
@@ -122,10 +128,13 @@ class KernelConfig:
                         tensor / channel torch._scaled_mm, 128 x 128 blocks the Triton block
                         matmul; activations quantized by kernels/fp8_quant.py), "dequant"
                         dequantizes them to bf16 at load; auto: "scaled_mm" on sm_89+ GPUs,
-                        "dequant" elsewhere (the CPU always dequantizes)
+                        except for 128 x 128 blocks whose bf16 weights take at most half the
+                        GPU (dequantized: faster today), "dequant" elsewhere (the CPU always
+                        dequantizes)
     int4_matmul         one of INT4_MATMULS for the INT4 linears of a quantized model; auto:
-                        "triton" on CUDA where Triton imports, "dequant" elsewhere (set by
-                        hand, "triton" runs on CPU tensors under Triton's interpreter)
+                        "triton" on CUDA where Triton imports and the bf16 weights would take
+                        more than half the GPU, "dequant" elsewhere (set by hand, "triton" runs
+                        on CPU tensors under Triton's interpreter)
     """
 
     attention: str = "auto"

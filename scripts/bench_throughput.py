@@ -85,9 +85,13 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # dummy weights in a checkpoint format (VARIANT_QUANTIZATION): FP8 in 128 x 128 blocks,
     # activations per token in groups of 128 (`quant_method: fp8` with weight_block_size); INT4
     # in AWQ's layout on kernels/int4_matmul.py / dequantized to bf16 at load
-    "fp8-block": ({}, {}),
-    "int4-awq": ({}, {}),
+    # (the kernels set: a model whose bf16 weights fit is dequantized at load by default)
+    "fp8-block": ({}, {"fp8_matmul": "scaled_mm"}),
+    "fp8-block-dequant": ({}, {"fp8_matmul": "dequant"}),
+    "int4-awq": ({}, {"int4_matmul": "triton"}),
     "int4-awq-dequant": ({}, {"int4_matmul": "dequant"}),
+    # per-channel FP8 decode batches on kernels/fp8_gemv.py (auto: torch._scaled_mm)
+    "fp8-gemv": ({"quantization": "fp8"}, {"decode_gemv": "triton"}),
     # the KV cache in float8_e4m3fn (--kv-cache-dtype fp8_e4m3): one byte an element
     "kv-fp8": ({"kv_cache_dtype": "fp8_e4m3"}, {}),
     "prefix-order": ({}, {}),
@@ -110,6 +114,7 @@ VARIANT_QUANTIZATION = {
     "fp8-block": FP8_BLOCK_CONFIG,
     "int4-awq": AWQ_CONFIG,
     "int4-awq-dequant": AWQ_CONFIG,
+    "fp8-block-dequant": FP8_BLOCK_CONFIG,
 }
 ALL_VARIANTS = (*VARIANTS, "hf")
 # BENCH.md targets: (workload, model) -> bound; W3 is ms per output token (lower is better), the

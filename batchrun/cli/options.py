@@ -280,21 +280,23 @@ kernel_options = option_group(
         "--decode-gemv",
         type=click.Choice(DECODE_GEMVS),
         default="auto",
-        help="Decode matmuls up to 16 rows (FP8 too); auto: triton on sm_90+, else cublas.",
+        help="Decode matmuls up to 16 rows (FP8 too); auto: triton on sm_90+ for bf16 models, "
+        "else cublas.",
     ),
     click.option(
         "--fp8-matmul",
         type=click.Choice(FP8_MATMULS),
         default="auto",
         help="FP8 linears: FP8 tensor cores (torch._scaled_mm; Triton for 128x128 blocks), or "
-        "weights dequantized; auto: scaled_mm on sm_89+.",
+        "weights dequantized; auto: scaled_mm on sm_89+ (blocks: dequant where bf16 fits in "
+        "half the GPU).",
     ),
     click.option(
         "--int4-matmul",
         type=click.Choice(INT4_MATMULS),
         default="auto",
-        help="INT4 linears: batchrun's Triton W4A16 kernel, or weights dequantized; auto: triton "
-        "on CUDA.",
+        help="INT4 linears: batchrun's Triton W4A16 kernel, or weights dequantized; auto: dequant "
+        "where bf16 fits in half the GPU, else triton.",
     ),
     click.option(
         "--kv-cache-dtype",

@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from batchrun.attention.flashinfer_backend import unavailable_reason
-from batchrun.config import EngineConfig, KernelConfig, is_large
+from batchrun.config import EngineConfig, KernelConfig, decoder_params, is_large
 from batchrun.engine.host_gate import HostGate
 
 # NOTE: decode_norms' width rule. On the H200 (W3, `scripts/bench_throughput.py --workloads W3
@@ -62,6 +62,21 @@ def supports_fp8_matmul(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
+# a quantized model's weights are dequantized to bf16 at load where that takes at most this
+# fraction of the GPU's memory (the rest: the KV pool and activations)
+DEQUANT_MAX_MEMORY = 0.5
+
+
+def gpu_memory(device: torch.device) -> int:
+    """The GPU's memory in bytes."""
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def bf16_weight_bytes(model_cfg, tp_size: int) -> int:
+    """The bytes of one rank's decoder weights in bf16."""
+    return 2 * decoder_params(model_cfg) // tp_size
+
+
 def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> KernelConfig:
     """config.kernels with every auto field decided for `device` and the model. `config` has
     its sizes resolved (chunked_prefill_size) and its overlap decided."""
@@ -102,15 +117,29 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     decode_gemv = want.decode_gemv
     if decode_gemv == "auto":
         # NOTE: the Triton matmuls pay only with PDL: without it they read W3 llama-1b 1.28 ms
-        # per token against cuBLAS's 1.16 on the H200. A quantized model's FP8 linears
-        # (scaled_mm) run kernels/fp8_gemv.py, its bf16 ones (lm_head) kernels/gemv.py
-        decode_gemv = "triton" if pdl else "cublas"
+        # per token against cuBLAS's 1.16 on the H200. A quantized model's decode matmuls stay
+        # on cuBLAS: FP8 llama-8b reads W3 36.3 ms per token with kernels/fp8_gemv.py against
+        # 5.1 with torch._scaled_mm (`scripts/bench_throughput.py --models llama-8b --workloads
+        # W3 --variants fp8,fp8-gemv`); set by hand, "triton" runs it
+        decode_gemv = "triton" if pdl and not quantized else "cublas"
     elif decode_gemv == "triton" and not triton:
         raise ValueError("decode_gemv 'triton' needs the triton package")
 
+    # NOTE: where the bf16 weights fit, block FP8 and INT4 run faster dequantized at load than
+    # on their kernels today (H200, llama-8b, `scripts/bench_throughput.py --models llama-8b
+    # --workloads W1,W3 --variants batchrun,fp8-block,int4-awq`): block FP8 W1 9,116 output
+    # tok/s and W3 5.70 ms per token against bf16's 11,119 and 4.08; INT4 (AWQ layout) W3 7.50.
+    # The kernels keep such a model's weights in a half (FP8) or a quarter (INT4) of the bytes:
+    # they run where the dequantized weights would take more than DEQUANT_MAX_MEMORY
+    dequant_fits = not cuda or bf16_weight_bytes(model_cfg, config.tp_size) <= (
+        DEQUANT_MAX_MEMORY * gpu_memory(device)
+    )
+    blocks = model_cfg.quantization is not None and model_cfg.quantization.block is not None
     fp8_matmul = want.fp8_matmul
     if fp8_matmul == "auto":
         fp8_matmul = "scaled_mm" if supports_fp8_matmul(device) else "dequant"
+        if blocks and dequant_fits:
+            fp8_matmul = "dequant"
     elif fp8_matmul == "scaled_mm" and not supports_fp8_matmul(device):
         raise ValueError(
             "fp8_matmul 'scaled_mm' needs the FP8 tensor cores of an sm_89+ GPU (L40, H100, "
@@ -119,7 +148,7 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
 
     int4_matmul = want.int4_matmul
     if int4_matmul == "auto":
-        int4_matmul = "triton" if cuda and triton else "dequant"
+        int4_matmul = "triton" if cuda and triton and not dequant_fits else "dequant"
     elif int4_matmul == "triton" and not triton:
         raise ValueError(
             "int4_matmul 'triton' (kernels/int4_matmul.py) needs the triton package; use "

@@ -140,11 +140,12 @@ def test_graphs_and_overlap_give_the_eager_tokens(fmt, tmp_path):
     base = dict(
         model=str(tmp_path), device="cuda", dtype="bfloat16", kv_budget=20000, max_running=32, **kw
     )
-    fast = EngineConfig(**base, kernels=KernelConfig(piecewise_graphs=True))
+    # fp8_matmul set: block FP8 dequantizes at load by default where its bf16 weights fit
+    fast = EngineConfig(**base, kernels=KernelConfig(piecewise_graphs=True, fp8_matmul="scaled_mm"))
     eager = EngineConfig(
         **base,
         overlap=False,
-        kernels=KernelConfig(cuda_graph_max_bs=0, piecewise_graphs=False),
+        kernels=KernelConfig(cuda_graph_max_bs=0, piecewise_graphs=False, fp8_matmul="scaled_mm"),
     )
     assert _generate(fast) == _generate(eager)
 

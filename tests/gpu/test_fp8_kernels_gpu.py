@@ -205,7 +205,10 @@ def test_block_fp8_engine_gives_the_exact_models_tokens(fmt, tmp_path):
     base = dict(model=str(tmp_path), kv_budget=20000, max_running=16)
     cuda = Engine(
         EngineConfig(
-            **base, device="cuda", dtype="float32", kernels=KernelConfig(piecewise_graphs=True)
+            **base,
+            device="cuda",
+            dtype="float32",
+            kernels=KernelConfig(piecewise_graphs=True, fp8_matmul="scaled_mm"),
         )
     )
     assert cuda.kernels.fp8_matmul == "scaled_mm" and _block_kernels(cuda) == {"fp8_block"}
@@ -219,6 +222,12 @@ def test_block_fp8_engine_gives_the_exact_models_tokens(fmt, tmp_path):
         same += sum(a == b for a, b in zip(picks, outs[req.rid]))
         total += len(picks)
     assert same / total >= agreement_floor, f"{same} of {total} tokens agree"
-    bf16 = Engine(EngineConfig(**base, device="cuda", dtype="bfloat16"))
+    bf16 = Engine(
+        EngineConfig(
+            **base, device="cuda", dtype="bfloat16", kernels=KernelConfig(fp8_matmul="scaled_mm")
+        )
+    )
     assert _block_kernels(bf16) == {"fp8_block"}
+    auto = Engine(EngineConfig(**base, device="cuda", dtype="bfloat16"))
+    assert _block_kernels(auto) == {"dense"}  # the bf16 weights fit: dequantized at load
     assert all(len(r.output_ids) == 32 for r in bf16.generate(reqs))

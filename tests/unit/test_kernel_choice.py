@@ -29,6 +29,7 @@ from batchrun.engine.kernel_choice import (  # noqa: E402
 )
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+H200_MEMORY = 150_000_000_000
 SMALL, LARGE = llama3_model_config("llama-1b"), llama3_model_config("llama-8b")
 
 
@@ -42,9 +43,11 @@ def resolve(model_cfg=SMALL, device=CPU, kernels: KernelConfig | None = None, **
 @pytest.fixture
 def gpu(monkeypatch):
     """A GPU with triton and the driver's stream wait: call with pdl=True for sm_90+ (an H200,
-    with FP8 tensor cores), pdl=False for sm_80 (an A100, without)."""
+    with FP8 tensor cores), pdl=False for sm_80 (an A100, without); `memory` bytes (an H200's
+    by default)."""
 
-    def make(pdl: bool) -> None:
+    def make(pdl: bool, memory: int = H200_MEMORY) -> None:
+        monkeypatch.setattr(kernel_choice, "gpu_memory", lambda device: memory)
         monkeypatch.setattr(kernel_choice, "has_triton", lambda: True)
         monkeypatch.setattr(kernel_choice, "supports_pdl", lambda device: pdl)
         monkeypatch.setattr(kernel_choice, "supports_fp8_matmul", lambda device: pdl)
@@ -203,7 +206,7 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         piecewise_graphs=True,  # a small model's mixed steps are bound by the host
         host_gate=True,
         fp8_matmul="scaled_mm",  # the FP8 linears of a quantized model on the tensor cores
-        int4_matmul="triton",  # the INT4 linears on kernels/int4_matmul.py
+        int4_matmul="dequant",  # a plain model's (INT4 ones: the rule below)
     )
     assert kernels.is_resolved
 
@@ -288,17 +291,16 @@ def quantized(model_cfg):
     return replace(model_cfg, quantization=OnlineFp8Scheme())
 
 
-def test_a_quantized_model_on_an_h200_runs_the_fp8_gemv_without_folded_norms(gpu):
-    """A quantized model's decode matmuls run on the Triton kernels where PDL is on (its FP8
-    linears on kernels/fp8_gemv.py, its bf16 ones on kernels/gemv.py); the norms folded into
-    kernels/gemv.py read bf16 weights and stay off."""
+def test_a_quantized_model_on_an_h200_decodes_on_cublas_without_folded_norms(gpu):
+    """A quantized model's decode matmuls stay on cuBLAS (torch._scaled_mm for FP8) unless
+    kernels/fp8_gemv.py is set by hand; the norms folded into kernels/gemv.py read bf16 weights
+    and stay off."""
     gpu(pdl=True)
     for model_cfg in (quantized(SMALL), quantized(LARGE)):
         kernels = resolve(model_cfg, CUDA)
-        assert (kernels.decode_gemv, kernels.decode_norms) == ("triton", "off")
+        assert (kernels.decode_gemv, kernels.decode_norms) == ("cublas", "off")
         assert kernels.fp8_matmul == "scaled_mm" and kernels.pdl is True
-    assert resolve(SMALL, CUDA, quantization="fp8").decode_gemv == "triton"
-    assert resolve(quantized(SMALL), CUDA, KernelConfig(pdl=False)).decode_gemv == "cublas"
+    assert resolve(SMALL, CUDA, quantization="fp8").decode_gemv == "cublas"
     hand_set = resolve(quantized(SMALL), CUDA, KernelConfig(decode_gemv="triton"))
     assert (hand_set.decode_gemv, hand_set.decode_norms) == ("triton", "off")
     with pytest.raises(ValueError, match="decode_norms 'all' needs .* not quantized"):
@@ -308,22 +310,50 @@ def test_a_quantized_model_on_an_h200_runs_the_fp8_gemv_without_folded_norms(gpu
     )
 
 
-def test_int4_matmuls_run_the_triton_kernel_on_cuda(gpu, monkeypatch):
-    """kernels/int4_matmul.py on any GPU where Triton imports; the CPU dequantizes unless
-    "triton" is set by hand (Triton's interpreter), which needs the triton package."""
-    gpu(pdl=False)
-    assert resolve(quantized(SMALL), CUDA).int4_matmul == "triton"
-    assert resolve(quantized(SMALL), CUDA, KernelConfig(int4_matmul="dequant")).int4_matmul == (
-        "dequant"
-    )
-    assert resolve(quantized(SMALL)).int4_matmul == "dequant"
+def int4(model_cfg):
+    from batchrun.quant.formats.awq import parse
+
+    scheme = parse({"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 128,
+                    "zero_point": True}, "test")  # fmt: skip
+    return replace(model_cfg, quantization=scheme)
+
+
+def fp8_blocks(model_cfg):
+    from batchrun.quant.formats.fp8 import parse
+
+    scheme = parse({"quant_method": "fp8", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}, "test")  # fmt: skip
+    return replace(model_cfg, quantization=scheme)
+
+
+def test_int4_and_block_fp8_are_dequantized_where_the_bf16_weights_fit(gpu, monkeypatch):
+    """On CUDA, an INT4 or block-FP8 model's weights are dequantized to bf16 at load where that
+    takes at most DEQUANT_MAX_MEMORY of the GPU (llama-8b's 15 GB of an H200's 150), else kept
+    packed on kernels/int4_matmul.py / the Triton block matmul (llama-8b on a 24 GB GPU; or
+    llama-8b's ranks at TP=2 on a 16 GB one: half each). A hand-set choice is kept. The CPU
+    dequantizes unless "triton" is set by hand (Triton's interpreter), which needs triton."""
+    gpu(pdl=True)
+    assert resolve(int4(LARGE), CUDA).int4_matmul == "dequant"
+    assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "dequant"
+    assert resolve(quantized(LARGE), CUDA).fp8_matmul == "scaled_mm"  # per channel: the cores
+    gpu(pdl=True, memory=24_000_000_000)
+    assert resolve(int4(LARGE), CUDA).int4_matmul == "triton"
+    assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "scaled_mm"
+    assert resolve(int4(SMALL), CUDA).int4_matmul == "dequant"
+    gpu(pdl=True, memory=16_000_000_000)
+    assert resolve(int4(LARGE), CUDA).int4_matmul == "triton"
+    assert resolve(int4(LARGE), CUDA, tp_size=2).int4_matmul == "dequant"
+    hand_set = KernelConfig(int4_matmul="dequant", fp8_matmul="dequant")
+    assert resolve(int4(LARGE), CUDA, hand_set).int4_matmul == "dequant"
+    assert resolve(fp8_blocks(LARGE), CUDA, hand_set).fp8_matmul == "dequant"
+    assert resolve(int4(SMALL)).int4_matmul == "dequant"
     assert resolve(SMALL, CPU, KernelConfig(int4_matmul="triton")).int4_matmul == "triton"
     monkeypatch.setattr(kernel_choice, "has_triton", lambda: False)
-    assert resolve(quantized(SMALL), CUDA).int4_matmul == "dequant"
+    assert resolve(int4(LARGE), CUDA).int4_matmul == "dequant"
     with pytest.raises(ValueError, match="int4_matmul 'triton' .* needs the triton package"):
-        resolve(quantized(SMALL), CUDA, KernelConfig(int4_matmul="triton"))
+        resolve(int4(SMALL), CUDA, KernelConfig(int4_matmul="triton"))
     with pytest.raises(ValueError, match="int4_matmul must be one of auto, triton, dequant"):
-        resolve(quantized(SMALL), CPU, KernelConfig(int4_matmul="marlin"))
+        resolve(int4(SMALL), CPU, KernelConfig(int4_matmul="marlin"))
 
 
 def test_fp8_matmuls_need_sm_89(gpu):
