@@ -1,0 +1,169 @@
+"""Compile batchrun's quantization kernels for a GPU target on a machine without that GPU (or any
+GPU): each kernel's Python wrapper runs on CPU tensors, and every launch compiles for the target
+(Triton front end, LLVM, ptxas) without running. Run it with the Triton version of the GPU
+machine, which may reject code a newer Triton accepts (a module-level float used in a kernel must
+be a `tl.constexpr`; a @triton.jit function with returns of two types):
+
+    pip install --target /tmp/triton36 triton==3.6.0        # the H200 machine's Triton
+    PYTHONPATH=/tmp/triton36 python scripts/check_kernels_compile.py     # sm_90 (Hopper)
+    PYTHONPATH=/tmp/triton36 python scripts/check_kernels_compile.py --arch 89 --ptxas
+
+It prints one line a kernel configuration (OK, or the compiler's error) and exits 1 on any
+error; with --ptxas, each kernel's registers and spills from the bundled ptxas. The kernels'
+numbers are not checked here: tests/gpu does that on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def _compile_only(arch: int, ptxas: bool) -> None:
+    """Route every Triton launch to a compile for cuda sm_<arch>: a stand-in driver gives the
+    target (no CUDA driver is loaded) and each launch becomes a warm-up."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class CompileDriver:
+        def get_current_target(self):
+            return GPUTarget("cuda", arch, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    driver.set_active(CompileDriver())
+    run = JITFunction.run
+
+    def compile_run(self, *args, grid, warmup, **kwargs):
+        if "HW_CAST" in kwargs:  # fp8_gemv: the GPU's conversion, not the interpreter's
+            kwargs["HW_CAST"] = True
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        if ptxas:
+            print(f"      {self.fn.__name__}: {_ptxas_info(kernel.asm['ptx'], arch)}")
+        return kernel
+
+    JITFunction.run = compile_run
+
+
+def _ptxas_info(ptx: str, arch: int) -> str:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        out = subprocess.run(
+            [str(tool), "-v", "--gpu-name", gpu, f.name, "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+        )
+    lines = [ln.split("info    : ")[-1] for ln in out.stderr.splitlines()]
+    return " | ".join(ln for ln in lines if "Used" in ln or "spill" in ln) or out.stderr[-200:]
+
+
+def cases() -> list[tuple[str, Callable[[], object]]]:
+    """(name, call) for each kernel configuration: the llama-8b shapes at decode and prefill
+    sizes, each scale mode and each INT4 scheme."""
+    from batchrun.kernels import fp8_block_matmul, fp8_gemv, fp8_quant, int4_matmul
+
+    from batchrun.quant.int4_layout import pack_int4
+    from batchrun.quant.weights import Int4Weight
+
+    f8 = torch.float8_e4m3fn
+    out: list[tuple[str, Callable[[], object]]] = []
+    w, sw = torch.randn(6144, 4096).to(f8), torch.rand(6144)
+    gate_up, sw_gate_up = torch.randn(2 * 1024, 4096).to(f8), torch.rand(2 * 1024)
+    for m in (1, 4, 16):
+        x = torch.randn(m, 4096, dtype=torch.bfloat16)
+        for dot in (True, False):
+            cfg = fp8_gemv.pick_config(m, 6144, 4096)._replace(fp8_dot=dot)
+            out.append((f"fp8_gemv M={m} fp8_dot={dot}", lambda x=x, cfg=cfg: fp8_gemv.fp8_gemv(
+                x, w, sw, None, config=cfg, pdl=True)))  # fmt: skip
+        out.append((f"fp8_gemv M={m} static", lambda x=x: fp8_gemv.fp8_gemv(
+            x, w, sw, torch.tensor(0.1), pdl=True)))  # fmt: skip
+        out.append((f"fp8_gemv M={m} given amax", lambda x=x, m=m: fp8_gemv.fp8_gemv(
+            x, w, sw, None, amax=torch.rand(m), pdl=True)))  # fmt: skip
+        out.append((f"fp8_gemv M={m} swiglu", lambda x=x: fp8_gemv.fp8_gemv(
+            x, gate_up, sw_gate_up, None, swiglu=True, pdl=True)))  # fmt: skip
+    for k in (4096, 20000):
+        x = torch.randn(3, k, dtype=torch.bfloat16)
+        out.append((f"fp8_quant per token K={k}", lambda x=x: fp8_quant.quant_per_token(x)))
+    x = torch.randn(4, 4096, dtype=torch.bfloat16)
+    out.append(("fp8_quant given amax", lambda: fp8_quant.quant_per_token(x, torch.rand(4, 1))))
+    out.append(("fp8_quant per group", lambda: fp8_quant.quant_per_token_group(x)))
+    out.append(("fp8_quant static", lambda: fp8_quant.quant_static(x, torch.tensor(0.1))))
+    for m in (1, 16, 64, 256, 2048):
+        xq, sx = torch.randn(m, 4096).to(f8), torch.rand(32, m).t()
+        out.append((f"fp8_block_matmul M={m}", lambda xq=xq, sx=sx: (
+            fp8_block_matmul.block_fp8_matmul(xq, sx, w, torch.rand(48, 32)))))  # fmt: skip
+    int4_matmul.prepare(torch.device("cpu"))
+    for group, symmetric, act_order in ((128, False, False), (128, True, True), (32, True, False)):
+        packed = pack_int4(_int4_weight(Int4Weight, 6144, 4096, group, symmetric, act_order))
+        for m in (1, 16, 64, 2048):
+            x = torch.randn(m, 4096, dtype=torch.bfloat16)
+            name = f"int4_matmul group={group} sym={symmetric} act_order={act_order} M={m}"
+            out.append((name, lambda x=x, p=packed: int4_matmul.int4_matmul(x, p)))
+    # a row-parallel slice of an act-order weight: the kernel reads each column's group
+    sliced = pack_int4(_int4_weight(Int4Weight, 4096, 14336, 128, False, True).narrow_in(0, 7168))
+    for m in (1, 2048):
+        x = torch.randn(m, 7168, dtype=torch.bfloat16)
+        out.append((f"int4_matmul act-order slice M={m}", lambda x=x: (
+            int4_matmul.int4_matmul(x, sliced))))  # fmt: skip
+    return out
+
+
+def _int4_weight(cls, n: int, k: int, group: int, symmetric: bool, act_order: bool):
+    groups = -(-k // group)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales = (torch.rand(n, groups) * 0.004 + 0.002).half()
+    zeros = (
+        torch.full((n, groups), 8, dtype=torch.uint8)
+        if symmetric
+        else torch.randint(1, 16, (n, groups), dtype=torch.uint8)
+    )
+    g_idx = None
+    if act_order:
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[torch.randperm(k)] = (torch.arange(k) // group).int()
+    return cls(q, scales, zeros, group, g_idx)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90, 89")
+    p.add_argument("--ptxas", action="store_true", help="registers and spills of each kernel")
+    args = p.parse_args(argv)
+    import triton
+
+    _compile_only(args.arch, args.ptxas)
+    print(f"triton {triton.__version__}, cuda sm_{args.arch}")
+    failed = 0
+    for name, call in cases():
+        try:
+            call()
+            print(f"OK    {name}", flush=True)
+        except Exception as e:  # a compile error: named, and the run goes on
+            failed += 1
+            cause = f" ({e.__cause__!r})" if e.__cause__ else ""
+            print(f"FAIL  {name}: {type(e).__name__}: {str(e)[-600:]}{cause}", flush=True)
+    print(f"{failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
