@@ -88,11 +88,18 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         max_pos = int(raw.get("max_position_embeddings", 4096))
-        # NOTE: batchrun attends over the full context. Mistral's sliding window only changes
-        # results past the window, so cap the context there to stay exact.
+        # batchrun attends over the whole context: a window changes every token past it (a
+        # tiny Mistral with sliding_window 8 gives none of 8 greedy texts of transformers on
+        # longer prompts), so a window in use is refused. Mistral uses its window unless it is
+        # null; Qwen2 and Llama configs only with use_sliding_window
         window = raw.get("sliding_window")
         if window and raw.get("use_sliding_window", arch == "MistralForCausalLM"):
-            max_pos = min(max_pos, int(window))
+            raise ModelConfigError(
+                f"{source}: sliding_window {window} (attention over the last {window} tokens "
+                "only) is not supported: batchrun attends over the whole context, which gives "
+                "other tokens past the window; supported: sliding_window null, or "
+                "use_sliding_window false"
+            )
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),

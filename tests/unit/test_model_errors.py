@@ -138,6 +138,38 @@ def test_unsupported_rope_type(model_dir, rope_keys):
     assert "supported: default, llama3, linear" in msg
 
 
+@pytest.mark.parametrize(
+    "arch, model_type, changes",
+    [
+        ("MistralForCausalLM", "mistral", {"sliding_window": 8}),
+        ("Qwen2ForCausalLM", "qwen2", {"sliding_window": 8, "use_sliding_window": True}),
+        ("LlamaForCausalLM", "llama", {"sliding_window": 8, "use_sliding_window": True}),
+    ],
+)
+def test_a_sliding_window_is_refused_not_ignored(model_dir, arch, model_type, changes):
+    """batchrun attends over the whole context: a model whose attention stops at a window gives
+    other tokens past it, so its config is refused at start-up, before weights load."""
+    edit_config(model_dir, architectures=[arch], model_type=model_type, **changes)
+    with pytest.raises(ModelConfigError) as e:
+        engine(model_dir)
+    msg = str(e.value)
+    assert str(model_dir / "config.json") in msg and "sliding_window 8" in msg
+    assert "supported: sliding_window null, or use_sliding_window false" in msg
+
+
+@pytest.mark.parametrize(
+    "arch, model_type, changes",
+    [
+        ("MistralForCausalLM", "mistral", {"sliding_window": None}),
+        ("Qwen2ForCausalLM", "qwen2", {"sliding_window": 32768, "use_sliding_window": False}),
+        ("Qwen2ForCausalLM", "qwen2", {"sliding_window": 8}),  # use_sliding_window: false
+    ],
+)
+def test_a_window_that_is_off_runs(model_dir, arch, model_type, changes):
+    edit_config(model_dir, architectures=[arch], model_type=model_type, **changes)
+    assert torch.isfinite(engine(model_dir).score([5, 6, 7])).all()
+
+
 def test_unsupported_activation(model_dir):
     edit_config(model_dir, hidden_act="gelu")
     with pytest.raises(ModelConfigError, match="hidden_act 'gelu' is not supported"):
