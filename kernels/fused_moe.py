@@ -41,7 +41,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-
 from batchrun.kernels.moe_align import align_by_expert, max_blocks
 
 MAX_CHUNK_ROWS = 32768  # routed rows (T * k) per pass: bounds inter and out (H=4096: 256 MiB)

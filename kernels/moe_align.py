@@ -18,11 +18,12 @@ it touches. The buffers are sized by shape alone (`max_blocks`), so the step can
 CUDA graph: each expert with rows wastes fewer than BLOCK_M slots, and every block holds at least
 one row, so the blocks number at most min(N, N / BLOCK_M + min(E, N)) for N = T * k rows.
 
-One kernel launch, one program per expert. Each program scans all N expert ids twice: first a
-histogram of every expert's rows (for the padded start of its own group), then the scatter of
-its own rows, ranked by a cumulative sum. That is E * N reads from L2 (128 experts x 131,072
-rows: 64 MB), small beside the GEMMs that follow, and far fewer launches than a torch chain of
-sort, cumsum, searchsorted and scatter.
+One kernel launch, one program per expert. Each program scans all N expert ids twice, 1024 a
+step (2048 past 8192 rows): first a histogram of every expert's rows (for the padded start of
+its own group), then the scatter of its own rows, ranked by a cumulative sum. That is E * N
+reads from L2 (128 experts x 131,072 rows: 64 MB, 2 x 64 steps per program), small beside the
+GEMMs that follow, and one launch where a torch chain of sort, cumsum, searchsorted and scatter
+takes a dozen (a decode step runs the MoE of every layer).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-SCAN_BLOCK = 1024  # expert ids per step of a program's scans
+# expert ids per step of a program's scans: two sizes, so that few variants compile
+SCAN, LONG_SCAN, LONG_ROWS = 1024, 2048, 8192
 
 
 class Alignment(NamedTuple):
@@ -87,7 +89,11 @@ def _align_kernel(
 
     first_block = group_start // BLOCK_M
     for b in range(0, group_len // BLOCK_M, SCAN):
-        tl.store(ExpertIds + first_block + b + offs, expert + offs * 0, mask=b + offs < group_len // BLOCK_M)
+        tl.store(
+            ExpertIds + first_block + b + offs,
+            expert + offs * 0,
+            mask=b + offs < group_len // BLOCK_M,
+        )
     if expert == 0:
         tl.store(NumPadded, tl.sum(padded))
 
@@ -103,6 +109,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> A
     num_padded = torch.zeros(1, dtype=torch.int32, device=device)
     if num_rows == 0:
         return Alignment(sorted_ids, expert_ids, num_padded)
+    scan = SCAN if num_rows <= LONG_ROWS else LONG_SCAN
     _align_kernel[(num_experts,)](
         topk_ids.reshape(-1),
         sorted_ids,
@@ -112,7 +119,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> A
         E=num_experts,
         NUM_BINS=triton.next_power_of_2(num_experts + 1),
         BLOCK_M=block_m,
-        SCAN=SCAN_BLOCK,
-        num_warps=4,
+        SCAN=scan,
+        num_warps=4 if scan <= 1024 else 8,
     )
     return Alignment(sorted_ids, expert_ids, num_padded)
