@@ -3,7 +3,7 @@ by expert (kernels/moe_align.py), with no host sync, so a step runs inside a CUD
 
     y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = topk_ids[t, j]
 
-    x             [T, H]        bf16 / fp16 (fp32 under the interpreter)
+    x             [T, H]        bf16 / fp16 (fp32 runs on the GPU's TF32 tensor cores)
     w13           [E, 2I, H]    each expert's gate rows, then its up rows
     w2            [E, H, I]
     topk_weights  [T, k]        float32, as the router renormalized them
@@ -229,7 +229,7 @@ def fused_moe(
     num_tokens, hidden = x.shape
     num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
-    y = torch.empty_like(x)
+    y = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return y
     chunk = max(1, MAX_CHUNK_ROWS // top_k)  # tokens per pass
