@@ -61,6 +61,12 @@ class MoeConfig(NamedTuple):
     down: GemmTiles
 
 
+def tokens_per_pass(top_k: int) -> int:
+    """The tokens one pass of fused_moe runs (MAX_CHUNK_ROWS routed rows); the tiles are picked
+    for a pass's tokens."""
+    return max(1, MAX_CHUNK_ROWS // top_k)
+
+
 def pick_config(
     num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int
 ) -> MoeConfig:
@@ -232,7 +238,7 @@ def fused_moe(
     y = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return y
-    chunk = max(1, MAX_CHUNK_ROWS // top_k)  # tokens per pass
+    chunk = tokens_per_pass(top_k)
     max_rows = min(num_tokens, chunk) * top_k
     inter = torch.empty((max_rows, inter_size), dtype=x.dtype, device=x.device)
     out = torch.empty((max_rows, hidden), dtype=x.dtype, device=x.device)

@@ -112,7 +112,7 @@ def sweep_configs(config):
 
 
 def bench(model: str, num_tokens: int, sweep: bool, copy_bw: float) -> dict:
-    from batchrun.kernels.fused_moe import fused_moe, pick_config
+    from batchrun.kernels.fused_moe import fused_moe, pick_config, tokens_per_pass
     from batchrun.kernels.moe_align import align_by_expert
 
     num_experts, top_k, hidden, inter = MODELS[model]
@@ -125,7 +125,7 @@ def bench(model: str, num_tokens: int, sweep: bool, copy_bw: float) -> dict:
         logits = torch.randn(num_tokens, num_experts, device="cuda")
         weights, ids = torch.topk(logits.softmax(dim=-1), top_k, dim=-1)
         routings.append((weights / weights.sum(dim=-1, keepdim=True), ids.int()))
-    config = pick_config(num_tokens, *MODELS[model])
+    config = pick_config(min(num_tokens, tokens_per_pass(top_k)), *MODELS[model])
     r = {"model": model, "tokens": num_tokens}
     r["config"] = [config.block_m, list(config.gate_up), list(config.down)]
 

@@ -82,12 +82,13 @@ def main() -> int:
         return kernel
 
     JITFunction.run = compile_only
-    from batchrun.kernels.fused_moe import fused_moe, pick_config
+    from batchrun.kernels.fused_moe import fused_moe, pick_config, tokens_per_pass
 
     failed = 0
     for name, experts, top_k, hidden, inter in SHAPES:
         for tokens in TOKENS:
-            config = pick_config(tokens, experts, top_k, hidden, inter)
+            per_pass = min(tokens, tokens_per_pass(top_k))
+            config = pick_config(per_pass, experts, top_k, hidden, inter)
             print(f"{name} T={tokens}: {config}")
             x = torch.empty(tokens, hidden, dtype=torch.bfloat16)
             w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16)
