@@ -22,7 +22,8 @@ of T * k * H elements, small beside the down GEMM's T * k * H * I products. The 
 bounded by running at most MAX_CHUNK_ROWS routed rows (T * k) at a time.
 
 Tiles come from a rule on (T, E, k, H, I) (`pick_config`), no autotuning (it costs start-up and
-cannot run inside graph capture). What decides is the rows each expert gets, T * k / E:
+cannot run inside graph capture). What decides is the rows each expert gets in a pass,
+T * k / E (T of at most `tokens_per_pass`):
 
     <= 16       decode: 16-row blocks, one weight tile read once per touched expert; column
                 tiles of 32 where 64 would give fewer than ~2 programs per SM (132 SMs)
@@ -30,8 +31,10 @@ cannot run inside graph capture). What decides is the rows each expert gets, T *
     <= 256      64-row blocks, 64 x 64 (gate_up, two accumulators) / 64 x 128 (down) tiles
     larger      prefill: 128-row blocks, 8 warps
 
-`scripts/bench_fused_moe.py` times it on the H200 against the per-expert torch loop and a dense
-GEMM of the same FLOPs, and `--sweep` tries other tiles per shape.
+The thresholds and tiles are not yet measured on the H200: `scripts/bench_fused_moe.py` times
+the kernel against the per-expert torch loop and a dense GEMM of the same FLOPs, and `--sweep`
+tries other tiles per shape. `scripts/compile_fused_moe.py` compiles every tile the rule picks
+at the real models' shapes for sm_90 under Triton 3.6 (no spills).
 """
 
 from __future__ import annotations
