@@ -1,0 +1,172 @@
+"""The fused MoE (kernels/moe_align.py, kernels/fused_moe.py) under Triton's CPU interpreter:
+the alignment against its definition, the experts against a per-expert torch loop written here.
+
+Widths are scaled down for the interpreter; the expert counts (8, 60, 128) and top-k (1, 2, 4, 8)
+are the real models'. fp32 and fp16 only: the interpreter's tl.dot is wrong for bf16
+(tests/gpu/test_fused_moe_gpu.py runs bf16 at the real widths). Skipped where triton is not
+installed; the checks run in a subprocess (TRITON_INTERPRET must be set before triton is first
+imported).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.slow  # CI's slow tier (BATCHRUN_SLOW_TESTS=1)
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_fused_moe_under_interpreter():
+    from triton_interpreter import run_under_interpreter
+
+    run_under_interpreter(__file__)
+
+
+def reference_moe(x, w13, w2, topk_weights, topk_ids):
+    """The per-expert loop in fp32: each expert's rows gathered, its MLP, the weighted sum."""
+    inter = w2.shape[2]
+    y = torch.zeros(x.shape, dtype=torch.float32)
+    for expert in range(w13.shape[0]):
+        tokens, slots = torch.where(topk_ids == expert)
+        if len(tokens) == 0:
+            continue
+        h = x[tokens].float() @ w13[expert].float().T
+        a = F.silu(h[:, :inter]) * h[:, inter:]
+        down = a @ w2[expert].float().T
+        y.index_add_(0, tokens, down * topk_weights[tokens, slots, None])
+    return y
+
+
+def make_routing(num_tokens, num_experts, top_k, gen, experts=None):
+    """Distinct experts per token (as top-k gives), drawn from `experts` (default all), and
+    renormalized weights."""
+    pool = torch.arange(num_experts) if experts is None else torch.tensor(experts)
+    picks = torch.rand(num_tokens, len(pool), generator=gen).argsort(dim=1)[:, :top_k]
+    ids = pool[picks]
+    weights = torch.rand(num_tokens, top_k, generator=gen) + 0.1
+    return weights / weights.sum(dim=1, keepdim=True), ids
+
+
+def _check_alignment():
+    from batchrun.kernels.moe_align import align_by_expert, max_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [(1, 8, 2, 16), (7, 8, 1, 16), (300, 60, 4, 32), (33, 128, 8, 16), (300, 8, 8, 128)]
+    cases.append((1500, 8, 2, 64))  # 3000 rows: several steps of 1024
+    cases.append((5000, 8, 2, 16))  # past LONG_ROWS: steps of 2048
+    for num_tokens, num_experts, top_k, block_m in cases:
+        for dtype in (torch.int32, torch.int64):
+            _, ids = make_routing(num_tokens, num_experts, top_k, gen)
+            ids = ids.to(dtype)
+            sorted_ids, expert_ids, num_padded = align_by_expert(ids, num_experts, block_m)
+            num_rows = ids.numel()
+            blocks = max_blocks(num_rows, num_experts, block_m)
+            assert sorted_ids.shape == (blocks * block_m,) and expert_ids.shape == (blocks,)
+            flat = ids.view(-1)
+            counts = torch.bincount(flat, minlength=num_experts)
+            padded = (counts + block_m - 1) // block_m * block_m
+            assert int(num_padded) == int(padded.sum()) <= blocks * block_m
+            start = 0
+            for expert in range(num_experts):
+                group = sorted_ids[start : start + int(padded[expert])]
+                rows = torch.nonzero(flat == expert).view(-1).int()
+                assert torch.equal(group[: len(rows)], rows), (expert, block_m)
+                assert bool((group[len(rows) :] == num_rows).all())
+                first, last = start // block_m, (start + int(padded[expert])) // block_m
+                assert bool((expert_ids[first:last] == expert).all())
+                start += int(padded[expert])
+    # the bound is reached: every expert gets one row more than a whole number of blocks
+    ids = torch.arange(4).repeat_interleave(17).view(-1, 1)
+    sorted_ids, _, num_padded = align_by_expert(ids, 4, 16)
+    assert int(num_padded) == sorted_ids.numel() == max_blocks(68, 4, 16) * 16 == 128
+
+
+def _check_experts(dtype, rel_bound, every=1):
+    from batchrun.kernels.fused_moe import fused_moe
+
+    gen = torch.Generator().manual_seed(1)
+    # (T, E, k, H, I): decode and prefill buckets of the rule, H and I off the tile sizes,
+    # experts with no rows (E = 128, T = 1), every expert in the 128-row bucket (T * k / E > 256)
+    cases = [
+        (1, 8, 2, 64, 32),
+        (5, 8, 1, 96, 48),
+        (300, 8, 2, 128, 64),
+        (300, 8, 8, 64, 32),
+        (1, 60, 4, 64, 96),
+        (64, 60, 4, 80, 40),
+        (200, 60, 4, 64, 32),
+        (1, 128, 8, 64, 32),
+        (33, 128, 8, 48, 64),
+        (300, 128, 8, 64, 32),
+    ]
+    for num_tokens, num_experts, top_k, hidden, inter in cases[::every]:
+        x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+        w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+        w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+        weights, ids = make_routing(num_tokens, num_experts, top_k, gen)
+        want = reference_moe(x, w13, w2, weights, ids)
+        got = fused_moe(x, w13, w2, weights, ids.int())
+        assert got.dtype == dtype and got.shape == x.shape
+        rel = float((got.float() - want).norm() / want.norm())
+        assert rel < rel_bound, (num_tokens, num_experts, top_k, hidden, inter, dtype, rel)
+
+
+def _check_configs_and_edges():
+    """Every bucket's tiles on one shape, a few experts only, T = 0, chunked passes, int64 ids,
+    strided x."""
+    from batchrun.kernels import fused_moe as module
+    from batchrun.kernels.fused_moe import fused_moe, pick_config
+
+    gen = torch.Generator().manual_seed(2)
+    num_tokens, num_experts, top_k, hidden, inter = 70, 16, 4, 96, 80
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    weights, ids = make_routing(num_tokens, num_experts, top_k, gen, experts=[0, 3, 9, 14, 15])
+    want = reference_moe(x, w13, w2, weights, ids)
+    for tokens in (1, 100, 1000, 100000):  # T * k / E in each bucket
+        config = pick_config(tokens, num_experts, top_k, hidden, inter)
+        got = module.fused_moe(x, w13, w2, weights, ids, config=config)
+        assert float((got - want).norm() / want.norm()) < 1e-5, config
+
+    # decode: 32-column tiles where 64 would leave the SMs idle
+    assert pick_config(1, 128, 8, 2048, 768).gate_up.block_n == 32
+    assert pick_config(64, 128, 8, 2048, 768).gate_up.block_n == 64
+    assert pick_config(16384, 128, 8, 2048, 768).block_m == 128
+
+    empty = fused_moe(x[:0], w13, w2, weights[:0], ids[:0])
+    assert empty.shape == (0, hidden)
+
+    saved = module.MAX_CHUNK_ROWS
+    module.MAX_CHUNK_ROWS = 36  # 9 tokens a pass: 8 passes, the last one short
+    try:
+        got = fused_moe(x, w13, w2, weights, ids)
+    finally:
+        module.MAX_CHUNK_ROWS = saved
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+    wide = torch.randn(num_tokens, 2 * hidden, generator=gen)
+    wide[:, :hidden] = x  # x with a row stride of 2H
+    got = fused_moe(wide[:, :hidden], w13, w2, weights, ids)
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def _run_checks():
+    _check_alignment()
+    _check_experts(torch.float32, 1e-5)
+    _check_experts(torch.float16, 2e-3, every=2)
+    _check_configs_and_edges()
+    print("ok")
+
+
+if __name__ == "__main__":
+    _run_checks()
