@@ -33,7 +33,7 @@ T * k / E (T of at most `tokens_per_pass`):
 
 The thresholds and tiles are not yet measured on the H200: `scripts/bench_fused_moe.py` times
 the kernel against the per-expert torch loop and a dense GEMM of the same FLOPs, and `--sweep`
-tries other tiles per shape. `scripts/compile_fused_moe.py` compiles every tile the rule picks
+tries other tiles per shape. `scripts/check_kernels_compile.py` compiles the tiles the rule picks
 at the real models' shapes for sm_90 under Triton 3.6 (no spills).
 """
 

@@ -1,8 +1,8 @@
-"""Compile batchrun's quantization kernels for a GPU target on a machine without that GPU (or any
-GPU): each kernel's Python wrapper runs on CPU tensors, and every launch compiles for the target
-(Triton front end, LLVM, ptxas) without running. Run it with the Triton version of the GPU
-machine, which may reject code a newer Triton accepts (a module-level float used in a kernel must
-be a `tl.constexpr`; a @triton.jit function with returns of two types):
+"""Compile batchrun's quantization and MoE kernels for a GPU target on a machine without that
+GPU (or any GPU): each kernel's Python wrapper runs on CPU tensors, and every launch compiles for
+the target (Triton front end, LLVM, ptxas) without running. Run it with the Triton version of
+the GPU machine, which may reject code a newer Triton accepts (a module-level float used in a
+kernel must be a `tl.constexpr`; a @triton.jit function with returns of two types):
 
     pip install --target /tmp/triton36 triton==3.6.0        # the H200 machine's Triton
     PYTHONPATH=/tmp/triton36 python scripts/check_kernels_compile.py     # sm_90 (Hopper)
@@ -124,6 +124,38 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         x = torch.randn(m, 7168, dtype=torch.bfloat16)
         out.append((f"int4_matmul act-order slice M={m}", lambda x=x: (
             int4_matmul.int4_matmul(x, sliced))))  # fmt: skip
+    out += _moe_cases()
+    return out
+
+
+# (name, experts, top-k, hidden, intermediate) of the MoE models, and TP widths of the largest
+MOE_SHAPES = (
+    ("qwen3-30b-a3b", 128, 8, 2048, 768),
+    ("qwen3-235b-a22b", 128, 8, 4096, 1536),
+    ("qwen3-235b-a22b tp8", 128, 8, 4096, 192),
+    ("qwen1.5-moe-a2.7b", 60, 4, 2048, 1408),
+    ("mixtral-8x7b", 8, 2, 4096, 14336),
+    ("mixtral-8x7b tp2", 8, 2, 4096, 7168),
+)
+
+
+def _moe_cases() -> list[tuple[str, Callable[[], object]]]:
+    """kernels/fused_moe.py (and its alignment) at the tile buckets its rule picks: torch.empty
+    weights (no pages touched), every token routed to expert 0."""
+    from batchrun.kernels.fused_moe import fused_moe
+
+    out: list[tuple[str, Callable[[], object]]] = []
+    for name, experts, top_k, hidden, inter in MOE_SHAPES:
+        w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16)
+        w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16)
+        for tokens in (1, 64, 1024, 16384):
+
+            def call(t=tokens, k=top_k, h=hidden, w13=w13, w2=w2):
+                x = torch.empty(t, h, dtype=torch.bfloat16)
+                ids = torch.zeros(t, k, dtype=torch.int32)
+                return fused_moe(x, w13, w2, torch.rand(t, k), ids)
+
+            out.append((f"fused_moe {name} T={tokens}", call))
     return out
 
 
