@@ -29,6 +29,9 @@ FP8_MATMULS = ("auto", "scaled_mm", "dequant")
 # the matmul of a quantized model's INT4 linears (AWQ, GPTQ, compressed-tensors W4A16): "triton"
 # kernels/int4_matmul.py on the packed weights, "dequant" weights dequantized at load
 INT4_MATMULS = ("auto", "triton", "dequant")
+# the experts of a mixture-of-experts model (layers/moe.py): "triton" kernels/fused_moe.py,
+# "torch" a per-expert loop that reads the routing on the host (the reference)
+MOE_BACKENDS = ("auto", "triton", "torch")
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: a bf16 checkpoint quantized at load
 # EngineConfig.kv_cache_dtype: "auto" the compute dtype; "fp8_e4m3" float8_e4m3fn with the
 # checkpoint's per-layer k/v scales (else 1.0), one byte an element (batchrun/quant/kv_cache.py)
@@ -45,11 +48,13 @@ LARGE_MODEL_PARAMS = 3_000_000_000  # decoder parameters (no embeddings)
 
 
 def is_large(model_cfg) -> bool:
-    """LARGE_MODEL_PARAMS or more in the decoder layers."""
-    c = model_cfg
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = c.hidden_size * (2 * q + 2 * kv + 3 * c.intermediate_size)
-    return c.num_layers * per_layer >= LARGE_MODEL_PARAMS
+    """LARGE_MODEL_PARAMS or more in the decoder layers, every expert of a mixture of experts
+    counted. NOTE: each expert's matmul gets about T * top_k / num_experts of a step's T rows,
+    so a mixture needs the large model's bigger steps at least as much as a dense model of its
+    active size does."""
+    from batchrun.models.param_count import count_params  # the caller has read its ModelConfig
+
+    return count_params(model_cfg).decoder_total >= LARGE_MODEL_PARAMS
 
 
 def auto_sizes(model_cfg, device_type: str) -> tuple[int, int]:
@@ -126,6 +131,9 @@ class KernelConfig:
     int4_matmul         one of INT4_MATMULS for the INT4 linears of a quantized model; auto:
                         "triton" on CUDA where Triton imports, "dequant" elsewhere (set by
                         hand, "triton" runs on CPU tensors under Triton's interpreter)
+    moe                 one of MOE_BACKENDS for a mixture of experts' experts: "triton" the fused
+                        MoE kernels (kernels/fused_moe.py), "torch" a per-expert loop; auto:
+                        "triton" on CUDA where Triton imports, "torch" elsewhere
     """
 
     attention: str = "auto"
@@ -138,6 +146,7 @@ class KernelConfig:
     host_gate: bool | None = None
     fp8_matmul: str = "auto"
     int4_matmul: str = "auto"
+    moe: str = "auto"
 
     @classmethod
     def reference(cls) -> KernelConfig:
@@ -153,6 +162,7 @@ class KernelConfig:
             host_gate=False,
             fp8_matmul="dequant",
             int4_matmul="dequant",
+            moe="torch",
         )
 
     def validate(self) -> None:
@@ -161,12 +171,13 @@ class KernelConfig:
         _one_of("decode_norms", self.decode_norms, DECODE_NORMS)
         _one_of("fp8_matmul", self.fp8_matmul, FP8_MATMULS)
         _one_of("int4_matmul", self.int4_matmul, INT4_MATMULS)
+        _one_of("moe backend", self.moe, MOE_BACKENDS)
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0; got {self.cuda_graph_max_bs}")
 
     @property
     def is_resolved(self) -> bool:
-        auto = {"attention", "decode_gemv", "decode_norms", "fp8_matmul", "int4_matmul"}
+        auto = {"attention", "decode_gemv", "decode_norms", "fp8_matmul", "int4_matmul", "moe"}
         return all(
             getattr(self, f.name) != "auto" if f.name in auto else getattr(self, f.name) is not None
             for f in fields(self)

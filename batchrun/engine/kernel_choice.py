@@ -126,10 +126,20 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             "'dequant' or 'auto'"
         )
 
+    moe = want.moe
+    if moe == "auto":
+        moe = "triton" if cuda and triton else "torch"
+    elif moe == "triton" and not triton:
+        raise ValueError(
+            "moe 'triton' (kernels/fused_moe.py) needs the triton package; use 'torch' or 'auto'"
+        )
+
     # the norms inside the matmuls need every matmul whole and plain: a row-parallel matmul's
     # all-reduce comes between its sums and the residual, and a bias between them too; and
-    # bf16 weights (kernels/gemv.py's)
-    plain = config.tp_size == 1 and not (model_cfg.qkv_bias or model_cfg.mlp_bias)
+    # bf16 weights (kernels/gemv.py's). A mixture's experts are no one matmul
+    plain = config.tp_size == 1 and not (
+        model_cfg.qkv_bias or model_cfg.mlp_bias or model_cfg.moe is not None
+    )
     decode_norms = want.decode_norms
     if decode_norms == "auto":
         if decode_gemv != "triton" or not plain or quantized:
@@ -140,11 +150,16 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             decode_norms = "fold-all"
     elif decode_norms != "off" and not (decode_gemv == "triton" and plain and not quantized):
         raise ValueError(
-            f"decode_norms {decode_norms!r} needs decode_gemv 'triton' and a model without "
-            "biases at tensor parallel size 1, not quantized; use 'off' or 'auto'"
+            f"decode_norms {decode_norms!r} needs decode_gemv 'triton' and a dense model "
+            "without biases at tensor parallel size 1, not quantized; use 'off' or 'auto'"
         )
 
     graphs = want.cuda_graph_max_bs if cuda else 0
+    if cuda and model_cfg.moe is not None and moe == "torch" and graphs:
+        raise ValueError(
+            "moe 'torch' reads the routing on the host, which a CUDA graph cannot capture; use "
+            "moe 'triton' or 'auto', or no CUDA graphs (cuda_graph_max_bs 0)"
+        )
     piecewise = want.piecewise_graphs
     runs_piecewise = cuda and isinstance(config.chunked_prefill_size, int)
     if piecewise and not runs_piecewise:
@@ -170,6 +185,7 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
 
     fp8_kernels = quantized and fp8_matmul == "scaled_mm" and triton  # kernels/fp8_*.py
     uses_triton = attention == "triton" or fp8_kernels or int4_matmul == "triton"
+    uses_triton = uses_triton or (model_cfg.moe is not None and moe == "triton")
     if triton_ops or decode_gemv == "triton" or uses_triton:
         _check_kernels_import()
     return replace(
@@ -184,4 +200,5 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         host_gate=host_gate,
         fp8_matmul=fp8_matmul,
         int4_matmul=int4_matmul,
+        moe=moe,
     )
