@@ -32,7 +32,7 @@ from batchrun.models.config import ModelConfig
 from batchrun.models.dummy import init_dummy_
 from batchrun.models.llama import LlamaForCausalLM
 from batchrun.models.moe_weights import expert_target, load_expert
-from batchrun.models.param_count import count_params
+from batchrun.models.param_count import describe_params
 from batchrun.models.quant_loader import (
     checkpoint_source,
     claimed_modules,
@@ -112,8 +112,8 @@ def describe_weights(model: LlamaForCausalLM) -> str:
     size = sum(t.nbytes for t in tensors)
     scheme = model.config.quantization
     what = scheme.describe() if scheme is not None else str(model.lm_head_weight.dtype)
-    counts = count_params(model.config).describe()
-    return f"{what}, {size / 1e9:.2f} GB on {model.lm_head_weight.device} ({counts})"
+    counts = describe_params(model.config)
+    return f"{what}, {size / 1e9:.2f} GB on {model.lm_head_weight.device}; {counts}"
 
 
 def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int] | None:

@@ -57,3 +57,17 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
         active += layer + router + moe.top_k * expert + shared
     outer = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h  # + the final norm
     return ParamCounts(total + outer, active + outer, total, active)
+
+
+def describe_params(cfg: ModelConfig) -> str:
+    """The counts in one line, a mixture's experts named: "30.53 B parameters, 3.35 B active a
+    token (8 of 128 experts a token in 48 of 48 layers)"."""
+    text = count_params(cfg).describe()
+    moe = cfg.moe
+    if moe is None:
+        return text
+    shared = ", and a shared expert" if moe.shared_expert_intermediate_size else ""
+    return (
+        f"{text} ({moe.top_k} of {moe.num_experts} experts a token in {len(moe.layers)} of "
+        f"{cfg.num_layers} layers{shared})"
+    )
