@@ -25,9 +25,7 @@ from batchrun.parallel.partition import ShardSpec, TPPartition
 from batchrun.parallel.state import TPGroup
 
 
-def route(
-    logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k] int64) from fp32 router logits [T, E], as
     transformers' routers compute them: softmax in fp32, torch.topk (which breaks ties as
     transformers does, being the same call), the top-k divided by their sum if `renormalize`."""

@@ -111,8 +111,7 @@ def parse_moe(raw: dict[str, Any], arch: str, num_layers: int, source: str) -> M
         return None
     if num_experts < 1 or not 1 <= top_k <= num_experts:
         raise ModelConfigError(
-            f"{source}: num_experts_per_tok {top_k} must be in [1, number of experts "
-            f"{num_experts}]"
+            f"{source}: num_experts_per_tok {top_k} must be in [1, number of experts {num_experts}]"
         )
     if width < 1 or (arch == "Qwen2MoeForCausalLM" and shared < 1):
         raise ModelConfigError(

@@ -63,8 +63,7 @@ def load_expert(
     shape = tuple(sliced.get_shape())
     if shape != expected:
         raise WeightLoadError(
-            f"{path.name}: tensor {name!r} has shape {shape}, expected {expected} from "
-            "config.json"
+            f"{path.name}: tensor {name!r} has shape {shape}, expected {expected} from config.json"
         )
     if sliced.get_dtype() not in ("F64", "F32", "F16", "BF16"):
         raise WeightLoadError(

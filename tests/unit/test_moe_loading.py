@@ -27,7 +27,7 @@ from batchrun.parallel.partition import partition_model  # noqa: E402
 from batchrun.parallel.state import TPGroup  # noqa: E402
 
 
-def load(model_dir, cfg: ModelConfig, load_format: str, tp: TPGroup = TPGroup()):
+def load(model_dir, cfg: ModelConfig, load_format: str, tp: TPGroup | None = None):
     return load_model(model_dir, cfg, load_format, torch.float32, "cpu", 64, seed=3, tp=tp)
 
 

@@ -48,9 +48,7 @@ def hf_router(kind: str, top_k: int, norm: bool, num_experts: int):
     module, name = ROUTERS[kind]
     extra = {} if kind == "mixtral" else {"norm_topk_prob": norm}
     num = {"num_local_experts" if kind == "mixtral" else "num_experts": num_experts}
-    cfg = make_moe_config(
-        kind, hidden_size=num_experts, num_experts_per_tok=top_k, **num, **extra
-    )
+    cfg = make_moe_config(kind, hidden_size=num_experts, num_experts_per_tok=top_k, **num, **extra)
     router = getattr(importlib.import_module(module), name)(cfg)
     with torch.no_grad():
         router.weight.copy_(torch.eye(num_experts))  # logits = the input itself
