@@ -34,10 +34,10 @@ def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _check_kernels_import() -> None:
+def _check_kernels_import(module: str = "batchrun.kernels.gemv") -> None:
     """batchrun's Triton kernels import (an install without them fails here, not mid-start)."""
     try:
-        importlib.import_module("batchrun.kernels.gemv")
+        importlib.import_module(module)
     except ImportError as e:
         raise ImportError(
             f"batchrun's Triton kernels (batchrun.kernels) do not import ({e}); install batchrun "
@@ -150,8 +150,9 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             decode_norms = "fold-all"
     elif decode_norms != "off" and not (decode_gemv == "triton" and plain and not quantized):
         raise ValueError(
-            f"decode_norms {decode_norms!r} needs decode_gemv 'triton' and a dense model "
-            "without biases at tensor parallel size 1, not quantized; use 'off' or 'auto'"
+            f"decode_norms {decode_norms!r} needs decode_gemv 'triton' and a model without "
+            "biases at tensor parallel size 1, dense (no experts), not quantized; use 'off' or "
+            "'auto'"
         )
 
     graphs = want.cuda_graph_max_bs if cuda else 0
@@ -185,9 +186,11 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
 
     fp8_kernels = quantized and fp8_matmul == "scaled_mm" and triton  # kernels/fp8_*.py
     uses_triton = attention == "triton" or fp8_kernels or int4_matmul == "triton"
-    uses_triton = uses_triton or (model_cfg.moe is not None and moe == "triton")
-    if triton_ops or decode_gemv == "triton" or uses_triton:
+    fused_moe = model_cfg.moe is not None and moe == "triton"
+    if triton_ops or decode_gemv == "triton" or uses_triton or fused_moe:
         _check_kernels_import()
+    if fused_moe:
+        _check_kernels_import("batchrun.kernels.fused_moe")
     return replace(
         want,
         attention=attention,
