@@ -156,11 +156,6 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         )
 
     graphs = want.cuda_graph_max_bs if cuda else 0
-    if cuda and model_cfg.moe is not None and moe == "torch" and graphs:
-        raise ValueError(
-            "moe 'torch' reads the routing on the host, which a CUDA graph cannot capture; use "
-            "moe 'triton' or 'auto', or no CUDA graphs (cuda_graph_max_bs 0)"
-        )
     piecewise = want.piecewise_graphs
     runs_piecewise = cuda and isinstance(config.chunked_prefill_size, int)
     if piecewise and not runs_piecewise:
@@ -173,6 +168,13 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         # NOTE: on by default only where the host is the bottleneck: a small model's mixed steps
         # (a large one's GPU time hides their launches, and the padding to a captured size costs)
         piecewise = graphs > 0 and not is_large(model_cfg)
+
+    if model_cfg.moe is not None and moe == "torch" and (graphs or piecewise):
+        raise ValueError(
+            "moe 'torch' reads the routing on the host, which a CUDA graph cannot capture; use "
+            "moe 'triton' or 'auto', or no CUDA graphs (cuda_graph_max_bs 0, piecewise_graphs "
+            "off)"
+        )
 
     host_gate = want.host_gate
     available = cuda and bool(config.overlap) and HostGate.available()

@@ -360,7 +360,11 @@ def test_a_mixture_of_experts_runs_the_fused_moe_on_cuda(gpu, monkeypatch):
     with pytest.raises(ValueError, match="moe 'torch' reads the routing on the host, which a CUDA"):
         resolve(moe_cfg, CUDA, KernelConfig(moe="torch"))
     eager = resolve(moe_cfg, CUDA, KernelConfig(moe="torch", cuda_graph_max_bs=0))
-    assert eager.moe == "torch"
+    assert eager.moe == "torch" and not eager.piecewise_graphs
+    with pytest.raises(ValueError, match="moe 'torch' reads the routing on the host"):
+        resolve(
+            moe_cfg, CUDA, KernelConfig(moe="torch", cuda_graph_max_bs=0, piecewise_graphs=True)
+        )
     assert resolve(SMALL, CUDA, KernelConfig(moe="torch")).moe == "torch"  # dense: no experts
 
 
