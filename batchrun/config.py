@@ -47,14 +47,20 @@ CHUNKED_PREFILL, CHUNKED_PREFILL_LARGE = 4096, 12288
 LARGE_MODEL_PARAMS = 3_000_000_000  # decoder parameters (no embeddings)
 
 
-def is_large(model_cfg) -> bool:
-    """LARGE_MODEL_PARAMS or more in the decoder layers, every expert of a mixture of experts
-    counted. NOTE: each expert's matmul gets about T * top_k / num_experts of a step's T rows,
-    so a mixture needs the large model's bigger steps at least as much as a dense model of its
-    active size does."""
+def decoder_params(model_cfg) -> int:
+    """The parameters of the decoder layers (no embeddings), every expert of a mixture of
+    experts counted (models/param_count.py)."""
     from batchrun.models.param_count import count_params  # the caller has read its ModelConfig
 
-    return count_params(model_cfg).decoder_total >= LARGE_MODEL_PARAMS
+    return count_params(model_cfg).decoder_total
+
+
+def is_large(model_cfg) -> bool:
+    """LARGE_MODEL_PARAMS or more in the decoder layers. NOTE: a mixture of experts counts all
+    its experts: each expert's matmul gets about T * top_k / num_experts of a step's T rows, so
+    it needs the large model's bigger steps at least as much as a dense model of its active
+    size does."""
+    return decoder_params(model_cfg) >= LARGE_MODEL_PARAMS
 
 
 def auto_sizes(model_cfg, device_type: str) -> tuple[int, int]:

@@ -20,8 +20,7 @@ The fields read, per architecture, and what each does:
 
 Fields not read change nothing at inference: router_aux_loss_coef and output_router_logits (the
 training loss on the router), router_jitter_noise (Mixtral's noise on the inputs, training only),
-max_window_layers (read by transformers only with use_sliding_window, which ModelConfig handles
-by capping the context at the window).
+max_window_layers (read by transformers only with use_sliding_window, which ModelConfig reads).
 """
 
 from __future__ import annotations
