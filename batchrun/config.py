@@ -29,6 +29,9 @@ FP8_MATMULS = ("auto", "scaled_mm", "dequant")
 # the matmul of a quantized model's INT4 linears (AWQ, GPTQ, compressed-tensors W4A16): "triton"
 # kernels/int4_matmul.py on the packed weights, "dequant" weights dequantized at load
 INT4_MATMULS = ("auto", "triton", "dequant")
+# the experts of a mixture-of-experts model (layers/moe.py): "triton" kernels/fused_moe.py,
+# "torch" a per-expert loop that reads the routing on the host (the reference)
+MOE_BACKENDS = ("auto", "triton", "torch")
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: a bf16 checkpoint quantized at load
 # EngineConfig.kv_cache_dtype: "auto" the compute dtype; "fp8_e4m3" float8_e4m3fn with the
 # checkpoint's per-layer k/v scales (else 1.0), one byte an element (batchrun/quant/kv_cache.py)
@@ -45,15 +48,18 @@ LARGE_MODEL_PARAMS = 3_000_000_000  # decoder parameters (no embeddings)
 
 
 def decoder_params(model_cfg) -> int:
-    """The parameters of the decoder layers' matmuls (no embeddings, norms or biases)."""
-    c = model_cfg
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = c.hidden_size * (2 * q + 2 * kv + 3 * c.intermediate_size)
-    return c.num_layers * per_layer
+    """The parameters of the decoder layers (no embeddings), every expert of a mixture of
+    experts counted (models/param_count.py)."""
+    from batchrun.models.param_count import count_params  # the caller has read its ModelConfig
+
+    return count_params(model_cfg).decoder_total
 
 
 def is_large(model_cfg) -> bool:
-    """LARGE_MODEL_PARAMS or more in the decoder layers."""
+    """LARGE_MODEL_PARAMS or more in the decoder layers. NOTE: a mixture of experts counts all
+    its experts: each expert's matmul gets about T * top_k / num_experts of a step's T rows, so
+    it needs the large model's bigger steps at least as much as a dense model of its active
+    size does."""
     return decoder_params(model_cfg) >= LARGE_MODEL_PARAMS
 
 
@@ -135,6 +141,9 @@ class KernelConfig:
                         "triton" on CUDA where Triton imports and the bf16 weights would take
                         more than half the GPU, "dequant" elsewhere (set by hand, "triton" runs
                         on CPU tensors under Triton's interpreter)
+    moe                 one of MOE_BACKENDS for a mixture of experts' experts: "triton" the fused
+                        MoE kernels (kernels/fused_moe.py), "torch" a per-expert loop; auto:
+                        "triton" on CUDA where Triton imports, "torch" elsewhere
     """
 
     attention: str = "auto"
@@ -147,6 +156,7 @@ class KernelConfig:
     host_gate: bool | None = None
     fp8_matmul: str = "auto"
     int4_matmul: str = "auto"
+    moe: str = "auto"
 
     @classmethod
     def reference(cls) -> KernelConfig:
@@ -162,6 +172,7 @@ class KernelConfig:
             host_gate=False,
             fp8_matmul="dequant",
             int4_matmul="dequant",
+            moe="torch",
         )
 
     def validate(self) -> None:
@@ -170,12 +181,13 @@ class KernelConfig:
         _one_of("decode_norms", self.decode_norms, DECODE_NORMS)
         _one_of("fp8_matmul", self.fp8_matmul, FP8_MATMULS)
         _one_of("int4_matmul", self.int4_matmul, INT4_MATMULS)
+        _one_of("moe backend", self.moe, MOE_BACKENDS)
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0; got {self.cuda_graph_max_bs}")
 
     @property
     def is_resolved(self) -> bool:
-        auto = {"attention", "decode_gemv", "decode_norms", "fp8_matmul", "int4_matmul"}
+        auto = {"attention", "decode_gemv", "decode_norms", "fp8_matmul", "int4_matmul", "moe"}
         return all(
             getattr(self, f.name) != "auto" if f.name in auto else getattr(self, f.name) is not None
             for f in fields(self)

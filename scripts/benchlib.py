@@ -97,6 +97,56 @@ MODELS: dict[str, dict] = {
         eos_token_id=2,
         tie_word_embeddings=False,
     ),
+    # mixtures of experts (dummy weights; their config.json as the HF repositories ship it):
+    # 61.1 GB of bf16 weights, 3.35 B of the 30.53 B parameters active a token
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        hidden_act="silu",
+        attention_bias=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    ),
+    # 93.4 GB of bf16 weights, 12.88 B of the 46.70 B parameters active a token
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        hidden_act="silu",
+        sliding_window=None,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    ),
 }
 
 
@@ -111,8 +161,10 @@ def write_model_dir(name: str, root: Path) -> Path:
 
 
 def linear_shapes(name: str) -> list[tuple[str, int, int, int]]:
-    """(matrix, N, K, count per decode step) of a model's linear layers."""
+    """(matrix, N, K, count per decode step) of a dense model's linear layers."""
     c = MODELS[name]
+    if "num_experts_per_tok" in c:
+        raise ValueError(f"{name} is a mixture of experts: its experts are no dense linears")
     hidden, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     return [
@@ -125,8 +177,14 @@ def linear_shapes(name: str) -> list[tuple[str, int, int, int]]:
 
 
 def num_params(name: str) -> int:
-    """Parameter count of a model shape (for the log: bf16 bytes = 2x this)."""
+    """Parameter count of a model shape (for the log: bf16 bytes = 2x this); a mixture of
+    experts' total, every expert counted."""
     c = MODELS[name]
+    if "num_experts_per_tok" in c:
+        from batchrun.models.config import ModelConfig
+        from batchrun.models.param_count import count_params
+
+        return count_params(ModelConfig.from_dict(c)).total
     h, layers = c["hidden_size"], c["num_hidden_layers"]
     matmuls = sum(
         n * k * count for matrix, n, k, count in linear_shapes(name) if matrix != "lm_head"

@@ -62,6 +62,58 @@ def make_hf_config(kind: str):
         )
     if kind == "tied":
         return transformers.LlamaConfig(**{**COMMON, "tie_word_embeddings": True})
+    if kind in MOE_KINDS:
+        return make_moe_config(kind)
+    raise ValueError(kind)
+
+
+# mixtures of experts: one dense layer among MoE ones (qwen3_moe), a shared expert and an odd
+# top-k without renormalization (qwen2_moe), every layer MoE with top-2 of 4 (mixtral)
+MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+def make_moe_config(kind: str, **changes):
+    import transformers
+
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **{
+                **COMMON,
+                "head_dim": 32,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "norm_topk_prob": True,
+                "mlp_only_layers": [1],
+                "rope_theta": 1000000.0,
+                **changes,
+            }
+        )
+    if kind == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            **{
+                **COMMON,
+                "num_experts": 6,
+                "num_experts_per_tok": 3,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 48,
+                "norm_topk_prob": False,
+                "rope_theta": 1000000.0,
+                **changes,
+            }
+        )
+    if kind == "mixtral":
+        return transformers.MixtralConfig(
+            **{
+                **COMMON,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "intermediate_size": 48,
+                "rope_theta": 1000000.0,
+                "sliding_window": None,
+                **changes,
+            }
+        )
     raise ValueError(kind)
 
 

@@ -96,6 +96,7 @@ def build_engine_config(o: dict) -> EngineConfig:
             decode_gemv=o["decode_gemv"],
             fp8_matmul=o.get("fp8_matmul", "auto"),
             int4_matmul=o.get("int4_matmul", "auto"),
+            moe=o.get("moe_kernel", "auto"),
             pdl=False if o["disable_pdl"] else None,
             cuda_graph_max_bs=0 if o["disable_cuda_graph"] else KernelConfig.cuda_graph_max_bs,
             piecewise_graphs=False if o["disable_piecewise_cuda_graph"] else None,

@@ -21,6 +21,7 @@ from batchrun.config import (
     INT4_MATMULS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    MOE_BACKENDS,
     QUANTIZATIONS,
 )
 from batchrun.engine_process.notify import DEFAULT_MAX_DELAY, DEFAULT_NOTIFY_BATCH
@@ -297,6 +298,13 @@ kernel_options = option_group(
         default="auto",
         help="INT4 linears: batchrun's Triton W4A16 kernel, or weights dequantized; auto: dequant "
         "where bf16 fits in half the GPU, else triton.",
+    ),
+    click.option(
+        "--moe-kernel",
+        type=click.Choice(MOE_BACKENDS),
+        default="auto",
+        help="A mixture of experts' experts: the fused Triton MoE, or a per-expert torch loop; "
+        "auto: triton on CUDA.",
     ),
     click.option(
         "--kv-cache-dtype",

@@ -34,10 +34,10 @@ def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _check_kernels_import() -> None:
+def _check_kernels_import(module: str = "batchrun.kernels.gemv") -> None:
     """batchrun's Triton kernels import (an install without them fails here, not mid-start)."""
     try:
-        importlib.import_module("batchrun.kernels.gemv")
+        importlib.import_module(module)
     except ImportError as e:
         raise ImportError(
             f"batchrun's Triton kernels (batchrun.kernels) do not import ({e}); install batchrun "
@@ -155,10 +155,20 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             "'dequant' or 'auto'"
         )
 
+    moe = want.moe
+    if moe == "auto":
+        moe = "triton" if cuda and triton else "torch"
+    elif moe == "triton" and not triton:
+        raise ValueError(
+            "moe 'triton' (kernels/fused_moe.py) needs the triton package; use 'torch' or 'auto'"
+        )
+
     # the norms inside the matmuls need every matmul whole and plain: a row-parallel matmul's
     # all-reduce comes between its sums and the residual, and a bias between them too; and
-    # bf16 weights (kernels/gemv.py's)
-    plain = config.tp_size == 1 and not (model_cfg.qkv_bias or model_cfg.mlp_bias)
+    # bf16 weights (kernels/gemv.py's). A mixture's experts are no one matmul
+    plain = config.tp_size == 1 and not (
+        model_cfg.qkv_bias or model_cfg.mlp_bias or model_cfg.moe is not None
+    )
     decode_norms = want.decode_norms
     if decode_norms == "auto":
         if decode_gemv != "triton" or not plain or quantized:
@@ -170,7 +180,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     elif decode_norms != "off" and not (decode_gemv == "triton" and plain and not quantized):
         raise ValueError(
             f"decode_norms {decode_norms!r} needs decode_gemv 'triton' and a model without "
-            "biases at tensor parallel size 1, not quantized; use 'off' or 'auto'"
+            "biases at tensor parallel size 1, dense (no experts), not quantized; use 'off' or "
+            "'auto'"
         )
 
     graphs = want.cuda_graph_max_bs if cuda else 0
@@ -187,6 +198,13 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         # (a large one's GPU time hides their launches, and the padding to a captured size costs)
         piecewise = graphs > 0 and not is_large(model_cfg)
 
+    if model_cfg.moe is not None and moe == "torch" and (graphs or piecewise):
+        raise ValueError(
+            "moe 'torch' reads the routing on the host, which a CUDA graph cannot capture; use "
+            "moe 'triton' or 'auto', or no CUDA graphs (cuda_graph_max_bs 0, piecewise_graphs "
+            "off)"
+        )
+
     host_gate = want.host_gate
     available = cuda and bool(config.overlap) and HostGate.available()
     if host_gate is None:
@@ -199,8 +217,11 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
 
     fp8_kernels = quantized and fp8_matmul == "scaled_mm" and triton  # kernels/fp8_*.py
     uses_triton = attention == "triton" or fp8_kernels or int4_matmul == "triton"
-    if triton_ops or decode_gemv == "triton" or uses_triton:
+    fused_moe = model_cfg.moe is not None and moe == "triton"
+    if triton_ops or decode_gemv == "triton" or uses_triton or fused_moe:
         _check_kernels_import()
+    if fused_moe:
+        _check_kernels_import("batchrun.kernels.fused_moe")
     return replace(
         want,
         attention=attention,
@@ -213,4 +234,5 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         host_gate=host_gate,
         fp8_matmul=fp8_matmul,
         int4_matmul=int4_matmul,
+        moe=moe,
     )

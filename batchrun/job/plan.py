@@ -30,6 +30,7 @@ from batchrun.job.order import (
 from batchrun.job.pipeline import RowPipeline
 from batchrun.models.config import ModelConfig
 from batchrun.models.embedded import resolve_model_path
+from batchrun.models.param_count import describe_params
 from batchrun.params import SamplingParams
 from batchrun.quant.online import with_quantization
 
@@ -140,6 +141,7 @@ def _make_plan(
         f"model        {model or 'embedded SmolLM2-135M-Instruct'} "
         f"(context {cfg.max_position_embeddings}{served})",
         f"weights      {describe_weights(cfg, model_path, is_gguf)}",
+        f"parameters   {describe_params(cfg)}",
         f"rows         {rows}: {len(prompt_lens)} would run, {sum(errors.values())} would fail",
     ]
     if prompt_lens:

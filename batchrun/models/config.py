@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.errors import ModelConfigError
+from batchrun.models.moe_config import MoeConfig, parse_moe
 from batchrun.quant.formats import Scheme, parse_quant_config
 
 # architecture name in config.json -> (qkv bias by default, q/k RMSNorm)
@@ -17,6 +18,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    # mixtures of experts (models/moe_config.py)
+    "Qwen2MoeForCausalLM": (True, False),
+    "Qwen3MoeForCausalLM": (False, True),
+    "MixtralForCausalLM": (False, False),
 }
 # model_type -> the architecture batchrun runs for it when config.json lists no architectures
 # (what transformers' AutoModelForCausalLM does)
@@ -25,7 +30,12 @@ MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+# architectures that attend within a sliding window unless config.json says otherwise
+WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 REQUIRED_FIELDS = (
     "vocab_size",
@@ -60,6 +70,8 @@ class ModelConfig:
     # how the checkpoint's decoder linears are quantized (config.json's quantization_config, or
     # --quantization); None: plain weights
     quantization: Scheme | None = None
+    # the experts of a mixture-of-experts model (models/moe_config.py); None: a dense model
+    moe: MoeConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -93,19 +105,29 @@ class ModelConfig:
         # longer prompts), so a window in use is refused. Mistral uses its window unless it is
         # null; Qwen2 and Llama configs only with use_sliding_window
         window = raw.get("sliding_window")
-        if window and raw.get("use_sliding_window", arch == "MistralForCausalLM"):
+        if window and raw.get("use_sliding_window", arch in WINDOWED):
             raise ModelConfigError(
                 f"{source}: sliding_window {window} (attention over the last {window} tokens "
                 "only) is not supported: batchrun attends over the whole context, which gives "
                 "other tokens past the window; supported: sliding_window null, or "
                 "use_sliding_window false"
             )
+        num_layers = int(raw["num_hidden_layers"])
+        moe = parse_moe(raw, arch, num_layers, source)
+        quantization = parse_quant_config(raw, source)
+        if moe is not None and quantization is not None:
+            raise ModelConfigError(
+                f"{source}: a quantized mixture-of-experts checkpoint ({quantization.describe()}) "
+                "is not supported: batchrun runs MoE models from bf16 / fp16 / fp32 weights"
+            )
+        # NOTE: transformers 5 writes Qwen2-MoE's qkv bias as qkv_bias
+        bias = raw.get("attention_bias", raw.get("qkv_bias", default_bias))
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
@@ -113,14 +135,15 @@ class ModelConfig:
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=bool(raw.get("attention_bias", default_bias)),
+            qkv_bias=bool(bias),
             qk_norm=qk_norm,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            quantization=parse_quant_config(raw, source),
+            quantization=quantization,
+            moe=moe,
         )
 
     @classmethod
@@ -154,7 +177,7 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
             f"{source}: unsupported architecture: the file has {_what_it_has(raw)}; batchrun "
             f"supports the architectures {', '.join(SUPPORTED_ARCHITECTURES)}, or with no "
             f"architectures the model_type {', '.join(MODEL_TYPES)} (Llama 2/3/3.x, Mistral, "
-            "Qwen2/2.5, Qwen3, SmolLM)"
+            "Qwen2/2.5, Qwen3, SmolLM, Qwen3-MoE, Qwen1.5/2-MoE, Mixtral)"
         )
     return arch
 

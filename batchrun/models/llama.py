@@ -1,6 +1,8 @@
 """One Llama-family decoder for Llama 2/3/3.x, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm),
-SmolLM2 (tied embeddings). Fused QKV and gate/up projections; tokens of all requests are flattened
-into one [T, hidden] batch and attention goes through an `AttentionBackend`.
+SmolLM2 (tied embeddings), and the mixtures of experts Qwen3-MoE, Qwen2-MoE (a shared expert) and
+Mixtral, whose MoE layers' MLP is batchrun/layers/moe.py's block. Fused QKV and gate/up
+projections; tokens of all requests are flattened into one [T, hidden] batch and attention goes
+through an `AttentionBackend`.
 
 Tensor parallel (`tp`, see batchrun/parallel): each rank holds its q/kv heads and MLP columns
 (column-parallel qkv and gate_up, row-parallel o_proj and down_proj, one all-reduce after each)
@@ -27,6 +29,7 @@ from batchrun.layers.linear import (
     linear,
     takes_gemv,
 )
+from batchrun.layers.moe import MoE
 from batchrun.layers.norm import RMSNorm
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.config import ModelConfig
@@ -159,10 +162,15 @@ class MLP(nn.Module):
         device,
         kernels: KernelConfig,
         layer_id: int = 0,
+        width: int | None = None,
+        name: str = "mlp",
     ):
+        """An MLP of full `width` (the config's intermediate_size by default), named `name`
+        in the checkpoint's layer (Qwen2-MoE's shared expert: "mlp.shared_expert")."""
         super().__init__()
         self.kernels = kernels
-        self.intermediate_size = inter = part.intermediate_size
+        width = cfg.intermediate_size if width is None else width
+        self.intermediate_size = inter = width // part.size
         plan = partial(
             plan_linear,
             cfg.quantization,
@@ -170,11 +178,11 @@ class MLP(nn.Module):
             dtype,
             int4_matmul=kernels.int4_matmul,
         )
-        prefix = f"model.layers.{layer_id}.mlp"
+        prefix = f"model.layers.{layer_id}.{name}"
         gate_up = (f"{prefix}.gate_proj", f"{prefix}.up_proj")
         self.gate_up_proj = ColumnParallelLinear(  # local rows [gate of this rank | up of it]
             cfg.hidden_size,
-            part.gate_up_spec(cfg),
+            part.gate_up_spec(cfg, width),
             2 * inter,
             bias=cfg.mlp_bias,
             dtype=dtype,
@@ -184,7 +192,7 @@ class MLP(nn.Module):
         )
         down_quant = plan((f"{prefix}.down_proj",), cfg.hidden_size, inter)
         self.down_proj = RowParallelLinear(
-            part.down_spec(cfg),
+            part.down_spec(cfg, width),
             cfg.hidden_size,
             cfg.mlp_bias,
             tp,
@@ -210,6 +218,23 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def make_mlp(
+    cfg: ModelConfig, part: TPPartition, tp: TPGroup, layer_id: int, dtype, device, kernels
+) -> nn.Module:
+    """Layer `layer_id`'s MLP: the experts (layers/moe.py) in a mixture of experts' MoE layers,
+    else a dense MLP."""
+    moe = cfg.moe
+    if moe is None or not moe.is_moe_layer(layer_id):
+        return MLP(cfg, part, tp, dtype, device, kernels, layer_id)
+    shared = None
+    if moe.shared_expert_intermediate_size:
+        shared = MLP(
+            cfg, part, TPGroup(), dtype, device, kernels, layer_id,
+            width=moe.shared_expert_intermediate_size, name="mlp.shared_expert",
+        )  # fmt: skip
+    return MoE(cfg, part, tp, dtype, device, kernels, shared)
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -227,7 +252,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, kernels)
         self.self_attn = Attention(cfg, part, tp, layer_id, dtype, device, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, kernels)
-        self.mlp = MLP(cfg, part, tp, dtype, device, kernels, layer_id)
+        self.mlp = make_mlp(cfg, part, tp, layer_id, dtype, device, kernels)
 
     def forward(self, x, residual, positions, rotary, backend):
         """Residual-stream form of `h = x + attn(norm(x)); out = h + mlp(norm(h))`: takes and
@@ -315,9 +340,14 @@ class LlamaForCausalLM(nn.Module):
         self._wanted_norms = kernels.decode_norms
         self.decode_norms = "post" if kernels.decode_norms in FOLD_MODES else kernels.decode_norms
         self.tp = tp = tp or TPGroup()
-        if self.decode_norms != "off" and (tp.is_parallel or cfg.qkv_bias or cfg.mlp_bias):
-            # a bias or a row-parallel all-reduce sits between a matmul's sums and the residual
-            raise ValueError("decode_norms other than 'off' need a model without biases at TP=1")
+        if self.decode_norms != "off" and (
+            tp.is_parallel or cfg.qkv_bias or cfg.mlp_bias or cfg.moe is not None
+        ):
+            # a bias or a row-parallel all-reduce sits between a matmul's sums and the residual;
+            # the experts are no one matmul
+            raise ValueError(
+                "decode_norms other than 'off' need a dense model without biases at TP=1"
+            )
         if cfg.quantization is not None and kernels.decode_norms != "off":
             # the norms inside the matmuls (kernels/gemv.py) read plain bf16 weights
             raise ValueError("a quantized model runs with decode_norms 'off'")

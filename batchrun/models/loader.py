@@ -3,6 +3,9 @@
 HF checkpoint names map onto our fused parameters:
     self_attn.{q,k,v}_proj  -> self_attn.qkv_proj  rows [0:q | q:q+kv | q+kv:q+2kv]
     mlp.{gate,up}_proj      -> mlp.gate_up_proj    rows [0:inter | inter:2*inter]
+    mlp.shared_expert.{gate,up}_proj -> mlp.shared_expert.gate_up_proj (Qwen2-MoE)
+    block_sparse_moe.*      -> mlp.* (Mixtral's MoE block)
+    *.experts.{e}.*         -> mlp.w13, mlp.w2, stacked by models/moe_weights.py
 
 Those offsets are in the full (TP=1) tensor. Under tensor parallelism a parameter holds a slice
 of it (its ShardSpec, batchrun/parallel/partition.py): each rank reads only the rows or columns
@@ -28,6 +31,8 @@ from batchrun.models.checkpoint import Checkpoint, safetensors_files
 from batchrun.models.config import ModelConfig
 from batchrun.models.dummy import init_dummy_
 from batchrun.models.llama import LlamaForCausalLM
+from batchrun.models.moe_weights import expert_target, load_expert
+from batchrun.models.param_count import describe_params
 from batchrun.models.quant_loader import (
     checkpoint_source,
     claimed_modules,
@@ -107,7 +112,8 @@ def describe_weights(model: LlamaForCausalLM) -> str:
     size = sum(t.nbytes for t in tensors)
     scheme = model.config.quantization
     what = scheme.describe() if scheme is not None else str(model.lm_head_weight.dtype)
-    return f"{what}, {size / 1e9:.2f} GB on {model.lm_head_weight.device}"
+    counts = describe_params(model.config)
+    return f"{what}, {size / 1e9:.2f} GB on {model.lm_head_weight.device}; {counts}"
 
 
 def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int] | None:
@@ -122,6 +128,8 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int] | None:
     if not m:
         return None
     i, rest = m.group(1), m.group(2)
+    if cfg.moe is not None and rest.startswith(cfg.moe.block_name + "."):
+        rest = "mlp." + rest[len(cfg.moe.block_name) + 1 :]
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     fused = {
         "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
@@ -130,6 +138,10 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int] | None:
         "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
         "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
     }
+    shared = cfg.moe.shared_expert_intermediate_size if cfg.moe is not None else 0
+    if shared:
+        fused["mlp.shared_expert.gate_proj"] = ("mlp.shared_expert.gate_up_proj", 0, shared)
+        fused["mlp.shared_expert.up_proj"] = ("mlp.shared_expert.gate_up_proj", shared, shared)
     module, _, kind = rest.rpartition(".")
     if module in fused:
         target, start, rows = fused[module]
@@ -165,6 +177,12 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
             module, _, kind = name.rpartition(".")
             if module in claimed and kind != "bias":
                 continue  # read by the quantized linear (quant_loader)
+            expert = expert_target(name, cfg)
+            if expert is not None and expert.param in params:
+                param, spec = params[expert.param], specs[expert.param]
+                sliced = f.get_slice(name)
+                filled[expert.param] += load_expert(expert, param, spec, sliced, path, name, cfg)
+                continue
             target = _target(name, cfg)
             if target is None:
                 continue

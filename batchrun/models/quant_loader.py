@@ -56,7 +56,10 @@ def fused_linears(cfg: ModelConfig) -> list[tuple[str, tuple[tuple[str, int], ..
 
 
 def quantized_linears(model) -> Iterator[tuple[int, object, tuple[tuple[str, int], ...], int]]:
-    """(layer index, our quantized linear, its checkpoint linears, input columns)."""
+    """(layer index, our quantized linear, its checkpoint linears, input columns); none for a
+    model with plain weights (a mixture of experts always is one: ModelConfig)."""
+    if model.config.quantization is None:
+        return
     linears = fused_linears(model.config)
     for i, layer in enumerate(model.layers):
         for path, parts, in_features in linears:

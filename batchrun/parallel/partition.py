@@ -15,6 +15,11 @@ copied to offsets of the local one. Fused projections have several runs:
     local (rank r):        [ q heads of r    | kv heads of r  | kv heads of r  ]
 
 The vocabulary splits into ceil(V / tp) rows per rank; the last rank's tail is zero padding.
+
+A mixture of experts splits every expert along its width I, as the dense MLP splits: rank r holds
+columns [r*I/tp, (r+1)*I/tp) of each expert's gate and up (rows of w13 [E, 2I, H], in two runs)
+and the same rows of down (columns of w2 [E, H, I]); the router is replicated, and one
+all-reduce sums the experts' (and a shared expert's) partial outputs.
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ class TPPartition:
     intermediate_size: int  # local
     vocab_size: int  # full
     vocab_per_rank: int  # local rows of embed_tokens / lm_head, padding included
+    moe_intermediate_size: int = 0  # local width of each expert
+    shared_intermediate_size: int = 0  # local width of a shared expert
 
     @property
     def q_size(self) -> int:
@@ -103,14 +110,19 @@ class TPPartition:
     def o_spec(self, cfg: ModelConfig) -> ShardSpec:  # o_proj input columns
         return ShardSpec(1, cfg.q_size, (Run(self.head_start * self.head_dim, 0, self.q_size),))
 
-    def gate_up_spec(self, cfg: ModelConfig) -> ShardSpec:
-        inter, local = cfg.intermediate_size, self.intermediate_size
+    def gate_up_spec(self, cfg: ModelConfig, width: int | None = None, dim: int = 0) -> ShardSpec:
+        """gate_up rows [gate | up] of an MLP of full `width` (the dense one's by default);
+        `dim` 1: the rows of each expert in a stacked [E, 2I, H] weight."""
+        inter = cfg.intermediate_size if width is None else width
+        local = inter // self.size
         start = self.rank * local
-        return ShardSpec(0, 2 * inter, (Run(start, 0, local), Run(inter + start, local, local)))
+        return ShardSpec(dim, 2 * inter, (Run(start, 0, local), Run(inter + start, local, local)))
 
-    def down_spec(self, cfg: ModelConfig) -> ShardSpec:  # down_proj input columns
-        local = self.intermediate_size
-        return ShardSpec(1, cfg.intermediate_size, (Run(self.rank * local, 0, local),))
+    def down_spec(self, cfg: ModelConfig, width: int | None = None, dim: int = 1) -> ShardSpec:
+        """down_proj input columns of an MLP of full `width`; `dim` 2 for stacked [E, H, I]."""
+        inter = cfg.intermediate_size if width is None else width
+        local = inter // self.size
+        return ShardSpec(dim, inter, (Run(self.rank * local, 0, local),))
 
     def vocab_spec(self) -> ShardSpec:
         length = max(0, min(self.vocab_per_rank, self.vocab_size - self.vocab_start))
@@ -139,10 +151,28 @@ def partition_model(cfg: ModelConfig, rank: int = 0, size: int = 1) -> TPPartiti
             f"--tp {size}: with fewer KV heads ({kv_heads}) than ranks, each KV head is "
             f"replicated, which needs tp to be a multiple of {kv_heads}"
         )
-    if inter % size:
+    moe = cfg.moe
+    dense_layers = moe is None or len(moe.layers) < cfg.num_layers
+    if dense_layers and inter % size:
         raise ModelConfigError(
             f"--tp {size}: the MLP width {inter} does not split evenly over {size} ranks"
         )
+    widths = {}
+    if moe is not None:
+        widths = {
+            "expert width (moe_intermediate_size)": moe.intermediate_size,
+            "shared expert width (shared_expert_intermediate_size)": (
+                moe.shared_expert_intermediate_size
+            ),
+        }
+        if cfg.architecture == "MixtralForCausalLM":
+            widths = {"expert width (intermediate_size)": moe.intermediate_size}
+    for what, width in widths.items():
+        if width % size:
+            raise ModelConfigError(
+                f"--tp {size}: the {what} {width} does not split evenly over {size} ranks; "
+                f"use a tensor-parallel size that divides {width}"
+            )
     local_heads = heads // size
     if kv_heads >= size:
         local_kv, kv_start = kv_heads // size, rank * (kv_heads // size)
@@ -159,4 +189,6 @@ def partition_model(cfg: ModelConfig, rank: int = 0, size: int = 1) -> TPPartiti
         intermediate_size=inter // size,
         vocab_size=cfg.vocab_size,
         vocab_per_rank=-(-cfg.vocab_size // size),
+        moe_intermediate_size=moe.intermediate_size // size if moe else 0,
+        shared_intermediate_size=moe.shared_expert_intermediate_size // size if moe else 0,
     )

@@ -75,4 +75,9 @@ def with_quantization(model_cfg, quantization: str | None, model: str | None):
             f"({model_cfg.quantization.describe()}, from config.json's quantization_config); "
             "drop the option to run it as it is"
         )
+    if model_cfg.moe is not None:
+        raise ValueError(
+            f"--quantization {quantization}: {model} is a mixture-of-experts model, whose "
+            "experts batchrun runs in bf16 / fp16 / fp32 only; drop the option"
+        )
     return replace(model_cfg, quantization=OnlineFp8Scheme())

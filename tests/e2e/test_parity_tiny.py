@@ -1,4 +1,5 @@
-"""Greedy tokens and prefill logits of the batchrun engine equal HF transformers (fp32, CPU)."""
+"""Greedy tokens and prefill logits of the batchrun engine equal HF transformers (fp32, CPU), for
+the dense architectures and the mixtures of experts (tiny_models.MOE_KINDS)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import make_tiny_model, random_prompts  # noqa: E402
+from tiny_models import MOE_KINDS, make_tiny_model, random_prompts  # noqa: E402
 
 from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
 
-KINDS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "tied"]
+KINDS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "tied", *MOE_KINDS]
 NEW_TOKENS = 64
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moe_configs import QWEN3_30B_A3B  # noqa: E402
 from tiny_models import llama3_model_config  # noqa: E402
 
 from batchrun.config import EngineConfig, KernelConfig, is_large, resolve_sizes  # noqa: E402
@@ -27,6 +28,7 @@ from batchrun.engine.kernel_choice import (  # noqa: E402
     has_triton,
     resolve_kernels,
 )
+from batchrun.models.config import ModelConfig  # noqa: E402
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 H200_MEMORY = 150_000_000_000
@@ -79,6 +81,7 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         host_gate=False,
         fp8_matmul="dequant",
         int4_matmul="dequant",
+        moe="torch",
     )
     assert kernels.is_resolved
 
@@ -207,6 +210,7 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         host_gate=True,
         fp8_matmul="scaled_mm",  # the FP8 linears of a quantized model on the tensor cores
         int4_matmul="dequant",  # a plain model's (INT4 ones: the rule below)
+        moe="triton",  # a mixture's experts on kernels/fused_moe.py
     )
     assert kernels.is_resolved
 
@@ -278,6 +282,7 @@ def test_fields_set_by_hand_are_kept(gpu):
         host_gate=False,
         fp8_matmul="dequant",
         int4_matmul="dequant",
+        moe="torch",
     )
     assert resolve(SMALL, CUDA, want) == want
 
@@ -361,3 +366,39 @@ def test_fp8_matmuls_need_sm_89(gpu):
     assert resolve(quantized(SMALL), CUDA).fp8_matmul == "dequant"
     with pytest.raises(ValueError, match="fp8_matmul 'scaled_mm' needs the FP8 tensor cores"):
         resolve(quantized(SMALL), CUDA, KernelConfig(fp8_matmul="scaled_mm"))
+
+
+# -- a mixture of experts ------------------------------------------------------------------------
+
+
+def test_a_mixture_of_experts_runs_the_fused_moe_on_cuda(gpu, monkeypatch):
+    """auto: the fused Triton MoE on CUDA (its module must import at start-up), the torch loop on
+    the CPU; no norms inside the matmuls (the experts are no one matmul); the torch loop reads
+    the routing on the host, so it is refused with CUDA graphs."""
+    moe_cfg = ModelConfig.from_dict(QWEN3_30B_A3B)
+    assert resolve(moe_cfg).moe == "torch"
+    gpu(pdl=True)
+    checked = []
+    monkeypatch.setattr(
+        kernel_choice, "_check_kernels_import", lambda module="gemv": checked.append(module)
+    )
+    kernels = resolve(moe_cfg, CUDA)
+    assert kernels.moe == "triton" and kernels.decode_norms == "off"
+    assert "batchrun.kernels.fused_moe" in checked
+    with pytest.raises(ValueError, match="decode_norms 'all' needs .* dense \\(no experts\\)"):
+        resolve(moe_cfg, CUDA, KernelConfig(decode_norms="all"))
+    with pytest.raises(ValueError, match="moe 'torch' reads the routing on the host, which a CUDA"):
+        resolve(moe_cfg, CUDA, KernelConfig(moe="torch"))
+    eager = resolve(moe_cfg, CUDA, KernelConfig(moe="torch", cuda_graph_max_bs=0))
+    assert eager.moe == "torch" and not eager.piecewise_graphs
+    with pytest.raises(ValueError, match="moe 'torch' reads the routing on the host"):
+        resolve(
+            moe_cfg, CUDA, KernelConfig(moe="torch", cuda_graph_max_bs=0, piecewise_graphs=True)
+        )
+    assert resolve(SMALL, CUDA, KernelConfig(moe="torch")).moe == "torch"  # dense: no experts
+
+
+def test_moe_triton_needs_triton(monkeypatch):
+    monkeypatch.setattr(kernel_choice, "has_triton", lambda: False)
+    with pytest.raises(ValueError, match="moe 'triton' .* needs the triton package"):
+        resolve(ModelConfig.from_dict(QWEN3_30B_A3B), CPU, KernelConfig(moe="triton"))

@@ -1,0 +1,143 @@
+"""The mixture-of-experts MLP of Qwen3-MoE, Qwen2-MoE and Mixtral: a router picks top-k of E
+experts per token, each a SwiGLU MLP, and the token's output is their weighted sum (plus, in
+Qwen2-MoE, a shared expert's output times a sigmoid gate).
+
+    logits  = x @ router^T                  fp32, [T, E]
+    probs   = softmax(logits)               fp32
+    w, ids  = topk(probs, k)                renormalized to sum 1 where the model says
+    out[t]  = sum_j w[t, j] * down_ids[t,j](silu(gate(x[t])) * up(x[t]))
+
+The experts' weights are stacked: w13 [E, 2I, H] (each expert's gate rows, then its up rows) and
+w2 [E, H, I]. Under tensor parallelism each rank holds a slice of every expert's width I
+(batchrun/parallel/partition.py), the router whole; the experts' and the shared expert's partial
+outputs are summed locally and all-reduced once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchrun.config import KernelConfig
+from batchrun.models.config import ModelConfig
+from batchrun.parallel.partition import ShardSpec, TPPartition
+from batchrun.parallel.state import TPGroup
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64) from fp32 router logits [T, E], as
+    transformers' routers compute them: softmax in fp32, torch.topk (which breaks ties as
+    transformers does, being the same call), the top-k divided by their sum if `renormalize`."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    backend: str,
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j],
+    as [T, H] in x's dtype. x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
+    topk_weights [T, k] float32; topk_ids [T, k] int. backend "torch": a per-expert loop (the
+    reference; it reads the routing on the host); "triton": batchrun.kernels.fused_moe
+    (CUDA, no host sync)."""
+    if backend == "triton":
+        from batchrun.kernels.fused_moe import fused_moe  # Triton: imported on CUDA only
+
+        return fused_moe(x, w13, w2, topk_weights, topk_ids)
+    if backend != "torch":
+        raise ValueError(f"moe backend must be torch or triton; got {backend!r}")
+    return _experts_loop(x, w13, w2, topk_weights, topk_ids)
+
+
+def _experts_loop(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """The experts one at a time over the tokens routed to each, in expert order (the order
+    transformers adds them in, so fp32 sums agree to the bit)."""
+    out = torch.zeros_like(x)  # [T, H]
+    if x.shape[0] == 0:
+        return out
+    num_experts = w13.shape[0]
+    counts = torch.bincount(topk_ids.reshape(-1), minlength=num_experts).tolist()
+    by_slot = topk_ids.t()  # [k, T]: where() lists an expert's rows by slot, then token
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        slot, token = torch.where(by_slot == e)
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[e])  # [n, H]
+        h = h.float() * topk_weights[token, slot, None]
+        out.index_add_(0, token, h.to(out.dtype))
+    return out
+
+
+class Router(nn.Module):
+    """The router's weight [E, H], kept in fp32: its logits and softmax are fp32 whatever the
+    model's dtype."""
+
+    def __init__(self, num_experts: int, hidden: int, device):
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden, dtype=torch.float32, device=device)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)  # [T, E] fp32
+
+
+class MoE(nn.Module):
+    """A decoder layer's MLP as experts: router (`gate`), stacked experts (`w13`, `w2`), and
+    Qwen2-MoE's `shared_expert` with its `shared_expert_gate` [1, H]. The shared expert is a
+    dense MLP built by the model with a TP=1 group for its down_proj: its partial sums join the
+    experts' in this block's one all-reduce."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        part: TPPartition,
+        tp: TPGroup,
+        dtype,
+        device,
+        kernels: KernelConfig,
+        shared_expert: nn.Module | None = None,
+    ):
+        super().__init__()
+        moe = cfg.moe
+        assert moe is not None
+        self.tp, self.backend = tp, kernels.moe
+        self.top_k, self.renormalize = moe.top_k, moe.norm_topk_prob
+        self._part, self._cfg = part, cfg
+        hidden, local = cfg.hidden_size, part.moe_intermediate_size
+        self.gate = Router(moe.num_experts, hidden, device)
+        self.w13 = nn.Parameter(
+            torch.empty(moe.num_experts, 2 * local, hidden, dtype=dtype, device=device)
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(moe.num_experts, hidden, local, dtype=dtype, device=device)
+        )
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = None
+        if shared_expert is not None:
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype, device=device)
+
+    def param_shards(self) -> dict[str, ShardSpec]:
+        width = self._cfg.moe.intermediate_size
+        return {
+            "w13": self._part.gate_up_spec(self._cfg, width, dim=1),
+            "w2": self._part.down_spec(self._cfg, width, dim=2),
+        }
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = moe_experts(x, self.w13, self.w2, weights, ids, self.backend)
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
+            out = out + gate * self.shared_expert(x)
+        return self.tp.all_reduce(out) if self.tp.is_parallel else out
