@@ -19,7 +19,7 @@ from batchrun.config import EngineConfig, KernelConfig  # noqa: E402
 from batchrun.engine.kernel_choice import resolve_kernels  # noqa: E402
 from batchrun.errors import ModelConfigError, WeightLoadError  # noqa: E402
 from batchrun.quant import formats  # noqa: E402
-from batchrun.quant.act_quant import fake_quant_dynamic  # noqa: E402
+from batchrun.quant.act_quant import quant_per_token  # noqa: E402
 from batchrun.quant.formats import parse_quant_config  # noqa: E402
 from batchrun.quant.formats.common import ModuleFilter  # noqa: E402
 from batchrun.quant.linear import QuantMatmul, QuantSpec  # noqa: E402
@@ -298,7 +298,11 @@ def test_dense_path_fake_quantizes_activations_exactly(block):
 def test_scaled_mm_path_matches_the_dequantized_reference(activations, per_tensor, num):
     """torch._scaled_mm (on the CPU here: torch has a reference implementation) with row-wise
     or tensor-wise scales, against F.linear on the dequantized weight and activations; one row
-    too (a static scale spread over [1, 1] rows must still have unit strides)."""
+    too (a static scale spread over [1, 1] rows must still have unit strides). The reference
+    quantizes x as the path does (act_quant's quant_per_token): fake_quant_dynamic's scale is
+    amax / 448 in x's dtype, an ulp off amax * fp32(1 / 448) on some rows, and an ulp of scale
+    moves the rounding of a value on an e4m3 midpoint."""
+    torch.manual_seed(num + 2 * per_tensor + 4 * (activations == "static"))
     w = torch.randn(64, 128)
     input_scale = torch.tensor(0.03) if activations == "static" else None
     qw = quantize_fp8(w, "tensor" if per_tensor else "channel", None, input_scale)
@@ -310,7 +314,8 @@ def test_scaled_mm_path_matches_the_dequantized_reference(activations, per_tenso
     if activations == "static":
         xq = (x.float() / 0.03).clamp(-448, 448).to(torch.float8_e4m3fn).float() * 0.03
     else:
-        xq = fake_quant_dynamic(x.float())
+        q, scale = quant_per_token(x)
+        xq = q.float() * scale
     want = torch.nn.functional.linear(xq, qw.dequantize())
     assert got.dtype == torch.bfloat16 and got.shape == (num, 64)
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
