@@ -18,6 +18,9 @@ from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
 
+# CI's slow tier (BATCHRUN_SLOW_TESTS=1): the three models' schedules take minutes on 2 cores
+pytestmark = pytest.mark.slow
+
 NEW = 24
 
 
