@@ -60,6 +60,14 @@ def make_hf_config(kind: str):
             },
             rope_theta=10000.0,
         )
+    if kind == "mistral-nemo":  # head_dim 32 where hidden / heads is 16, as Mistral-Nemo's
+        return transformers.MistralConfig(
+            **COMMON, head_dim=32, rope_theta=1000000.0, sliding_window=None
+        )
+    if kind == "llama-bias":  # attention_bias and mlp_bias on a Llama config
+        return transformers.LlamaConfig(
+            **COMMON, attention_bias=True, mlp_bias=True, rope_theta=10000.0
+        )
     if kind == "tied":
         return transformers.LlamaConfig(**{**COMMON, "tie_word_embeddings": True})
     if kind in MOE_KINDS:

@@ -167,7 +167,7 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     # all-reduce comes between its sums and the residual, and a bias between them too; and
     # bf16 weights (kernels/gemv.py's). A mixture's experts are no one matmul
     plain = config.tp_size == 1 and not (
-        model_cfg.qkv_bias or model_cfg.mlp_bias or model_cfg.moe is not None
+        model_cfg.qkv_bias or model_cfg.o_bias or model_cfg.mlp_bias or model_cfg.moe is not None
     )
     decode_norms = want.decode_norms
     if decode_norms == "auto":

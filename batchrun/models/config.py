@@ -23,6 +23,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen3MoeForCausalLM": (False, True),
     "MixtralForCausalLM": (False, False),
 }
+# architectures whose attention_bias also gives o_proj a bias (transformers' modeling files);
+# the others' attention_bias is on q, k and v only
+O_PROJ_BIAS = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 # model_type -> the architecture batchrun runs for it when config.json lists no architectures
 # (what transformers' AutoModelForCausalLM does)
 MODEL_TYPES = {
@@ -61,6 +64,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False  # o_proj's bias (O_PROJ_BIAS architectures with attention_bias)
     qk_norm: bool = False
     mlp_bias: bool = False
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # rope_type + its parameters
@@ -136,6 +140,7 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=bool(bias),
+            o_bias=bool(bias) and arch in O_PROJ_BIAS,
             qk_norm=qk_norm,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},

@@ -112,7 +112,7 @@ class Attention(nn.Module):
         )
         o_quant = plan((f"{prefix}.o_proj",), cfg.hidden_size, part.q_size)
         self.o_proj = RowParallelLinear(
-            part.o_spec(cfg), cfg.hidden_size, False, tp, dtype, device, kernels, o_quant
+            part.o_spec(cfg), cfg.hidden_size, cfg.o_bias, tp, dtype, device, kernels, o_quant
         )
         # the FP8 KV cache's scales when the checkpoint has them (k_scale / v_scale), kept for
         # a KV cache that reads them; None: none in the checkpoint

@@ -36,6 +36,8 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     attention = h * (q + 2 * kv) + q * h
     if cfg.qkv_bias:
         attention += q + 2 * kv
+    if cfg.o_bias:
+        attention += h
     if cfg.qk_norm:
         attention += 2 * cfg.head_dim
     norms = 2 * h

@@ -16,7 +16,17 @@ from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
 
-KINDS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "tied", *MOE_KINDS]
+KINDS = [
+    "llama",
+    "llama3",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "mistral-nemo",
+    "llama-bias",
+    "tied",
+    *MOE_KINDS,
+]
 NEW_TOKENS = 64
 
 

@@ -79,7 +79,8 @@ def llama_dir(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize(
-    "kind", ["llama", "mqa_tied", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"]
+    "kind",
+    ["llama", "mqa_tied", "qwen2", "qwen3", "llama-bias", "qwen3_moe", "qwen2_moe", "mixtral"],
 )
 def test_tp2_matches_tp1(kind, tmp_path, llama_dir):
     model_dir = llama_dir if kind == "llama" else make_model(kind, tmp_path / kind)
