@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quant_checkpoints import write_quantized  # noqa: E402
+from quant_cli import dataset, edit_quant_config, submit  # noqa: E402
 from tiny_models import save_byte_tokenizer  # noqa: E402
 
 from batchrun.cli import main  # noqa: E402
@@ -37,25 +38,6 @@ def broken(fp8_dir, tmp_path) -> Path:
     for f in fp8_dir.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     return tmp_path
-
-
-def dataset(tmp_path: Path) -> Path:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "in.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(3)))
-    return path
-
-
-def submit(model: Path, tmp_path: Path, *extra: str):
-    args = ["submit", str(dataset(tmp_path)), "--out", str(tmp_path / "out"), "--model", str(model)]
-    args += ["--device", "cpu", "--max-tokens", "4", "--quiet", "--no-chat-template", *extra]
-    return CliRunner().invoke(main, args)
-
-
-def edit_quant_config(path: Path, edit) -> None:
-    cfg = json.loads((path / "config.json").read_text())
-    edit(cfg["quantization_config"])
-    (path / "config.json").write_text(json.dumps(cfg))
 
 
 def edit_scales(path: Path, edit) -> None:

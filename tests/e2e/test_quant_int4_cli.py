@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quant_checkpoints import make_fp32_model  # noqa: E402
 from quant_checkpoints_int4 import write_int4_checkpoint  # noqa: E402
+from quant_cli import dataset, edit_quant_config, submit  # noqa: E402
 from tiny_models import save_byte_tokenizer  # noqa: E402
 
 from batchrun.cli import main  # noqa: E402
@@ -31,25 +32,6 @@ def write(fmt: str, path: Path, **kw) -> Path:
 def gptq_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("gptq")
     return write("gptq", path, group_size=32, symmetric=False, act_order=True)
-
-
-def dataset(tmp_path: Path) -> Path:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "in.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(3)))
-    return path
-
-
-def submit(model: Path, tmp_path: Path, *extra: str):
-    args = ["submit", str(dataset(tmp_path)), "--out", str(tmp_path / "out"), "--model", str(model)]
-    args += ["--device", "cpu", "--max-tokens", "4", "--quiet", "--no-chat-template", *extra]
-    return CliRunner().invoke(main, args)
-
-
-def edit_quant_config(path: Path, edit) -> None:
-    cfg = json.loads((path / "config.json").read_text())
-    edit(cfg["quantization_config"])
-    (path / "config.json").write_text(json.dumps(cfg))
 
 
 def edit_tensor(path: Path, name: str, edit) -> None:
