@@ -339,6 +339,8 @@ def add_engine_args(
     p.add_argument("--page-size", type=int, default=1, help="KV slots allocated together")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     p.add_argument("--cuda-graph-max-bs", type=int, default=cuda_graph_max_bs, help="0: no graphs")
+    p.add_argument("--quantization", default=None, help="fp8: the bf16 weights quantized at load")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8_e4m3")
     p.add_argument(
         "--kernel", type=_kernel_field, action="append", default=[], metavar="FIELD=VALUE",
         help="a KernelConfig field (batchrun/config.py), repeatable: decode_norms=fold, pdl=false",
@@ -364,6 +366,8 @@ def engine_config(args, model_dir: Path, kernels: dict | None = None, **changes)
         kv_budget=args.kv_budget,
         chunked_prefill_size=args.chunked_prefill_size,
         page_size=args.page_size,
+        quantization=getattr(args, "quantization", None),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         kernels=KernelConfig(**kernel_fields),
     )
     config.update(changes)

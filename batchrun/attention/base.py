@@ -8,6 +8,10 @@ attends each request's new queries over all of that request's KV (cached prefix 
                               |<- cached (radix / earlier) ->|<- new: extend_len_i ->|
     queries of request i are its extend_len_i new tokens, at positions prefix_len_i .. seq_len_i-1
 
+A layer with a sliding window (`window` > 0) attends only over the last `window` positions: the
+query at position p sees the keys at positions p - window < k <= p (transformers' convention: the
+query's own token and the window - 1 before it). window 0 is the whole context.
+
 `forward_rotary` is `forward` of q and k before rotary: by default it rotates them and calls
 `forward`; a backend may do the rotation inside its KV store (TritonAttentionBackend: one kernel).
 """
@@ -57,6 +61,7 @@ class AttentionBackend:
         layer_id: int,
         scaling: float,
         out: torch.Tensor | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -70,11 +75,12 @@ class AttentionBackend:
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         out: torch.Tensor | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         """`forward` of q and k before rotary: `rotary(positions, q, k)` first. q and k may be
         rotated in place (strided views of the qkv projection included)."""
         q, k = rotary(positions, q, k)
-        return self.forward(q, k, v, layer_id, scaling, out)
+        return self.forward(q, k, v, layer_id, scaling, out, window)
 
     def graph_static_inputs(self) -> tuple[tuple[torch.Tensor, ...], int, int] | None:
         """For CUDA-graph runners that fill the decode graphs' inputs themselves, in one kernel
@@ -82,3 +88,12 @@ class AttentionBackend:
         buffers, the padding rows' request row and KV slot. None: the runner calls
         `load_graph_inputs` (a backend with more to prepare per replay, or none)."""
         return None
+
+
+def no_window(backend: AttentionBackend, window: int) -> None:
+    """Refuse a sliding window in a backend that attends over the whole context only."""
+    if window:
+        raise NotImplementedError(
+            f"{type(backend).__name__} has no sliding-window attention (window {window}); "
+            "the torch backend has"
+        )

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchrun.attention.base import AttentionBackend, AttentionInputs
+from batchrun.attention.base import AttentionBackend, AttentionInputs, no_window
 
 WORKSPACE_BYTES = 384 << 20  # float workspace (split-KV partial results), shared by all wrappers;
 # NOTE: 128 MiB is too small for a 32-head, head-dim-128 prefill over a long cached prefix (H200)
@@ -182,17 +182,19 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         self._wrapper = self._planned = None
 
-    def forward(self, q, k, v, layer_id: int, scaling: float, out=None) -> torch.Tensor:
+    def forward(self, q, k, v, layer_id: int, scaling: float, out=None, window=0) -> torch.Tensor:
+        no_window(self, window)
         batch = self._planned_batch(q, scaling)
         self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
         return self._run(q, layer_id, out)
 
     def forward_rotary(
-        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None
+        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None, window=0
     ) -> torch.Tensor:
         """forward() of q and k before rotary, rotated in the KV store's kernel
         (KVPool.store_rotated): k stays unrotated, which is safe because the wrappers read keys
         only from the pool."""
+        no_window(self, window)
         batch = self._planned_batch(q, scaling)
         q = self.kv_pool.store_rotated(layer_id, batch.out_cache_loc, q, k, v, positions, rotary)
         return self._run(q, layer_id, out)

@@ -5,6 +5,7 @@ A step's requests are gathered into one padded batch when padding wastes little:
     q_pad   [B, H, max_q, D]     request b's new tokens, padded to the longest extend
     kv_pad  [B, KV, max_kv, D]   request b's KV slots (prefix + new), padded to the longest
     mask    [B, 1, max_q, max_kv] key k visible to query j iff k <= prefix_b + j and k < seq_b
+            (and, in a layer with a sliding window W, k > prefix_b + j - W)
 
 Otherwise (one long prefill next to many short ones) each request gets its own
 scaled_dot_product_attention call.
@@ -30,9 +31,11 @@ class TorchAttentionBackend(AttentionBackend):
         self.req_to_token = req_to_token
         self._inputs: AttentionInputs | None = None
         self._plan = None
+        self._masks: dict[int, object] = {}  # window -> the plan's masks (0: the whole context)
 
     def prepare(self, inputs: AttentionInputs) -> None:
         self._inputs = inputs
+        self._masks = {}
         seq, ext = inputs.seq_lens_cpu, inputs.extend_lens_cpu
         max_q, max_kv = max(ext), max(seq)
         real = sum(n * s for n, s in zip(ext, seq))
@@ -52,47 +55,49 @@ class TorchAttentionBackend(AttentionBackend):
         q_pos = (seq_t - ext_t)[:, None] + j[None, :]  # [B, Q]
         mask = (k[None, None, :] <= q_pos[:, :, None]) & (k[None, None, :] < seq_t[:, None, None])
         # padded query rows see key 0 so that softmax stays finite; their output is dropped
-        mask |= (~q_valid)[:, :, None] & (k == 0)[None, None, :]
+        pad = (~q_valid)[:, :, None] & (k == 0)[None, None, :]
+        window_mask = WindowMask(mask, pad, q_pos[:, :, None], k[None, None, :])
         starts = torch.cumsum(ext_t, 0) - ext_t  # [B]
         q_index = (starts[:, None] + j[None, :]).clamp(max=inputs.out_cache_loc.numel() - 1)
         flat = [b * max_q + t for b, n in enumerate(inputs.extend_lens_cpu) for t in range(n)]
         out_index = torch.tensor(flat, dtype=torch.int64).to(dev, non_blocking=True)
-        return slots, mask[:, None], q_index, out_index
+        return slots, window_mask, q_index, out_index
 
     def _plan_loop(self, inputs: AttentionInputs):
         per_req = []
         start = 0
         for b, (seq_len, n) in enumerate(zip(inputs.seq_lens_cpu, inputs.extend_lens_cpu)):
             slots = self.req_to_token[inputs.req_pool_indices[b], :seq_len].long()
-            mask = None
-            if n != seq_len and n > 1:  # queries sit at the end of the KV: bottom-right causal
-                q_pos = torch.arange(seq_len - n, seq_len, device=slots.device)
-                k_pos = torch.arange(seq_len, device=slots.device)
-                mask = k_pos[None, :] <= q_pos[:, None]  # [n, S]
-            per_req.append((start, n, slots, mask))
+            # queries sit at the end of the KV: bottom-right causal
+            q_pos = torch.arange(seq_len - n, seq_len, device=slots.device)[:, None]
+            k_pos = torch.arange(seq_len, device=slots.device)[None, :]
+            per_req.append((start, n, slots, WindowMask(None, None, q_pos, k_pos)))
             start += n
         return per_req
 
-    def forward(self, q, k, v, layer_id: int, scaling: float, out=None) -> torch.Tensor:
-        result = self._forward(q, k, v, layer_id, scaling)
+    def forward(self, q, k, v, layer_id: int, scaling: float, out=None, window=0) -> torch.Tensor:
+        result = self._forward(q, k, v, layer_id, scaling, window)
         if out is None:
             return result
         return out.view_as(result).copy_(result)
 
-    def _forward(self, q, k, v, layer_id: int, scaling: float) -> torch.Tensor:
+    def _forward(self, q, k, v, layer_id: int, scaling: float, window: int) -> torch.Tensor:
         inputs = self._inputs
         assert inputs is not None, "prepare() must run before forward()"
         self.kv_pool.store(layer_id, inputs.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
-        out = self._attend(q, k_buf, v_buf, scaling * self.kv_pool.scales(layer_id).k)
+        out = self._attend(q, k_buf, v_buf, scaling * self.kv_pool.scales(layer_id).k, window)
         if self.kv_pool.is_fp8:
             out = out * self.kv_pool.scales(layer_id).v
         return out
 
-    def _attend(self, q, k_buf, v_buf, scaling: float) -> torch.Tensor:
+    def _attend(self, q, k_buf, v_buf, scaling: float, window: int) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         if self._plan[0] == "padded":
-            _, slots, mask, q_index, out_index = self._plan
+            _, slots, window_mask, q_index, out_index = self._plan
+            mask = self._masks.get(window)
+            if mask is None:
+                mask = self._masks[window] = window_mask.padded(window)
             qp = q[q_index].transpose(1, 2)  # [B, H, Q, D]
             keys = k_buf[slots].to(q.dtype).transpose(1, 2)  # [B, KV, S, D]
             values = v_buf[slots].to(q.dtype).transpose(1, 2)
@@ -102,7 +107,10 @@ class TorchAttentionBackend(AttentionBackend):
             out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)
             return out[out_index]
         out = torch.empty_like(q)
-        for start, n, slots, mask in self._plan[1]:
+        masks = self._masks.get(window)
+        if masks is None:
+            masks = self._masks[window] = [wm.single(window) for _, _, _, wm in self._plan[1]]
+        for (start, n, slots, _), mask in zip(self._plan[1], masks):
             qi = q[start : start + n].transpose(0, 1)  # [H, n, D]
             keys = k_buf[slots].to(q.dtype).transpose(0, 1)  # [KV, S, D]
             values = v_buf[slots].to(q.dtype).transpose(0, 1)
@@ -117,3 +125,32 @@ class TorchAttentionBackend(AttentionBackend):
             )
             out[start : start + n] = oi.transpose(0, 1)
         return out.reshape(num_tokens, num_heads * head_dim)
+
+
+class WindowMask:
+    """A plan's causal mask (`causal`: key visible to query; None: k_pos <= q_pos, made when
+    needed), made per sliding window: keys at positions k_pos <= q_pos - window are hidden too.
+    `pad`: the padded batch's dummy query rows, which see key 0 so that softmax stays finite
+    (their output is dropped)."""
+
+    def __init__(self, causal, pad, q_pos, k_pos):
+        self.causal, self.pad, self.q_pos, self.k_pos = causal, pad, q_pos, k_pos
+
+    def _visible(self, window: int):
+        causal = self.k_pos <= self.q_pos if self.causal is None else self.causal
+        if window <= 0:
+            return causal
+        return causal & (self.k_pos > self.q_pos - window)
+
+    def padded(self, window: int):
+        """[B, 1, Q, S] for the padded batch."""
+        return (self._visible(window) | self.pad)[:, None]
+
+    def single(self, window: int):
+        """[n, S] for one request, or None where is_causal says it (n == S, no window)."""
+        n, s = self.q_pos.shape[0], self.k_pos.shape[1]
+        if n == 1 and (window <= 0 or window >= s):
+            return None  # decode over the whole KV
+        if window <= 0 and n == s:
+            return None
+        return self._visible(window)

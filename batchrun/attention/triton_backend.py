@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchrun.attention.base import AttentionBackend, AttentionInputs
+from batchrun.attention.base import AttentionBackend, AttentionInputs, no_window
 from batchrun.config import KernelConfig
 from batchrun.kernels.decode_attention import (
     DecodeRope,
@@ -142,12 +142,13 @@ class TritonAttentionBackend(AttentionBackend):
         programs = max(1, batch_size * self.num_kv_heads)
         return max(1, min(MAX_KV_SPLITS, -(-PROGRAMS_PER_SM * self.num_sms // programs)))
 
-    def forward(self, q, k, v, layer_id: int, scaling: float, out=None) -> torch.Tensor:
+    def forward(self, q, k, v, layer_id: int, scaling: float, out=None, window=0) -> torch.Tensor:
+        no_window(self, window)
         self.kv_pool.store(layer_id, self._out_cache_loc(), k, v)
         return self._attend(q, layer_id, scaling, out)
 
     def forward_rotary(
-        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None
+        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None, window=0
     ) -> torch.Tensor:
         """forward() of q and k before rotary. A CUDA-graph decode batch of up to
         DECODE_ROPE_MAX_BS rows: the decode kernel rotates q and the new k itself and stores
@@ -156,6 +157,7 @@ class TritonAttentionBackend(AttentionBackend):
         the rotated k with v), then the attention; the same bits. k stays unrotated either
         way, which is safe because the decode and extend kernels read keys only from the
         pool."""
+        no_window(self, window)
         loc = self._out_cache_loc()
         plan = self._plan
         if not self._rotates_in_decode(layer_id, loc, q, k, v, positions, rotary):

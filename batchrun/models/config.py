@@ -76,6 +76,13 @@ class ModelConfig:
     quantization: Scheme | None = None
     # the experts of a mixture-of-experts model (models/moe_config.py); None: a dense model
     moe: MoeConfig | None = None
+    # each layer's sliding window (attention over the last W positions; 0: the whole context);
+    # empty: every layer attends over the whole context
+    sliding_windows: tuple[int, ...] = ()
+
+    def window(self, layer_id: int) -> int:
+        """Layer layer_id's sliding window, 0 for the whole context."""
+        return self.sliding_windows[layer_id] if self.sliding_windows else 0
 
     @property
     def q_size(self) -> int:

@@ -81,6 +81,7 @@ class Attention(nn.Module):
     ):
         super().__init__()
         self.layer_id = layer_id
+        self.window = cfg.window(layer_id)  # 0: attention over the whole context
         # this rank's heads (all of them at TP=1)
         self.num_heads, self.num_kv_heads, self.head_dim = (
             part.num_heads,
@@ -136,7 +137,9 @@ class Attention(nn.Module):
         """[T, H * D] from the qkv projection: q/k norm, then rotary and attention by the
         backend, which may rotate inside its KV store (one kernel instead of two)."""
         q, k, v = self.split_heads(qkv)
-        return backend.forward_rotary(q, k, v, self.layer_id, self.scaling, positions, rotary)
+        return backend.forward_rotary(
+            q, k, v, self.layer_id, self.scaling, positions, rotary, window=self.window
+        )
 
     def split_heads(self, qkv):
         """q [T, H, D], k and v [T, KV, D] from the qkv projection, q/k norm applied (Qwen3
