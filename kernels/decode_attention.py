@@ -31,9 +31,9 @@ before its PDL wait (the older tokens and the step's inputs were written two or 
 back), leaving the new token out of every load. One launch a layer fewer than rotary_kv_store +
 this kernel; the backend takes it for decode graphs of up to 16 rows.
 
-A float8_e4m3fn pool (`kv_scale=` given): K and V blocks are converted to q's dtype as they are
-loaded (exact), the layer's k scale is folded into the softmax scale and its v scale multiplies
-the normalized output (the partials too: the combine is linear in them). With `rope`, the new
+A float8_e4m3fn pool (`kv_scale=` given): K and V blocks are converted as they are loaded (exact)
+to q's dtype, or with bf16 queries to fp16 with q and the softmax weights (FP8_FP16_DOT); the
+layer's k scale is folded into the softmax scale and its v scale multiplies the normalized output (the partials too: the combine is linear in them). With `rope`, the new
 token's k and v are quantized before the store (kernels/kv_store.py's `quantize_e4m3`) and
 attended as stored, as every other token.
 
@@ -70,6 +70,10 @@ FOLD_BLOCK_S = 16  # the folded combine's split tile (TritonAttentionBackend's M
 DEFAULT_BLOCK_N = 64
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
+# a float8 pool read by bf16 queries: e4m3 converts to fp16 in one instruction a pair (to bf16
+# through fp32), and fp16 holds every e4m3 value and softmax weight at least as well as bf16;
+# q converts to fp16 (exact for |q| < 65504)
+FP8_FP16_DOT = True
 
 
 class DecodeRope(NamedTuple):
@@ -181,6 +185,7 @@ def _decode_stage1_kernel(
     BLOCK_S: tl.constexpr,  # >= num_kv_splits, a power of two, where FOLDED; else 1
     BLOCK_G: tl.constexpr,  # KV_GROUP's power of two (the folded combine's heads)
     KV_FP8: tl.constexpr,  # K and V hold float8_e4m3fn
+    FP16_DOT: tl.constexpr,  # KV_FP8 with bf16 q: q, K, V and p as fp16 in the dots
     PDL: tl.constexpr,
     KNew,  # ROTARY: the new tokens' k and v before rotary [B, KV, D], their slots, positions
     VNew,
@@ -223,6 +228,7 @@ def _decode_stage1_kernel(
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
     dtype = Q.dtype.element_ty
+    cdtype = tl.float16 if FP16_DOT else dtype  # the dots' operands
     if ROTARY:
         # NOTE: the split's first KV block is read before the PDL wait: the pool's older tokens,
         # req_to_token and seq_lens were written two or more kernels back (the kernel before
@@ -233,7 +239,7 @@ def _decode_stage1_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n & (offs_n != newest), mask_d,
-                         stride_kt, stride_vt, offs_d, dtype)  # fmt: skip
+                         stride_kt, stride_vt, offs_d, cdtype)  # fmt: skip
         # NOTE: the position, its cos / sin row and the new token's slot before the wait too:
         # the step's inputs (written at the step's start) and constant tables, so the two
         # dependent loads (position, then its row) leave the chain after the wait
@@ -244,7 +250,7 @@ def _decode_stage1_kernel(
         slot = tl.load(Loc + b).to(tl.int64)
         pdl_wait(PDL)
         q = _rope_rows(Q + b * stride_qb, heads * stride_qh, mask_h, c, sn, offs_d, mask_d,
-                       HALF, EXACT_MUL)  # fmt: skip
+                       HALF, EXACT_MUL).to(cdtype)  # fmt: skip
         one = tl.arange(0, 1)
         k_new = _rope_rows(
             KNew + b * stride_knb + kvh * stride_knh,
@@ -263,7 +269,7 @@ def _decode_stage1_kernel(
         if KV_FP8:  # attend to the new token as stored
             k_store = quantize_e4m3(k_new.to(tl.float32), k_inv_scale)
             v_store = quantize_e4m3(v_new.to(tl.float32), v_inv_scale)
-            k_new, v_new = k_store.to(dtype), v_store.to(dtype)
+            k_new, v_new = k_store.to(cdtype), v_store.to(cdtype)
         if (newest >= start) & (newest < end):  # this split holds the new token: store it
             tl.store(k_head + slot * stride_kt + offs_d[None, :], k_store, mask=mask_d[None, :])
             tl.store(v_head + slot * stride_vt + offs_d[None, :], v_store, mask=mask_d[None, :])
@@ -275,7 +281,7 @@ def _decode_stage1_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n & (offs_n != newest), mask_d,
-                             stride_kt, stride_vt, offs_d, dtype)  # fmt: skip
+                             stride_kt, stride_vt, offs_d, cdtype)  # fmt: skip
             is_new = (offs_n == newest)[:, None]
             k, v = tl.where(is_new, k_new, k), tl.where(is_new, v_new, v)
             m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
@@ -285,12 +291,12 @@ def _decode_stage1_kernel(
             Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=mask_h[:, None] & mask_d[None, :],
             other=0.0,
-        )  # [BLOCK_H, BLOCK_D]
+        ).to(cdtype)  # [BLOCK_H, BLOCK_D]
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n, mask_d, stride_kt, stride_vt,
-                             offs_d, dtype)  # fmt: skip
+                             offs_d, cdtype)  # fmt: skip
             m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
                                           DOT_PRECISION)  # fmt: skip
 
@@ -406,6 +412,7 @@ def decode_attention_fwd(
     block_n: int | None = None,  # tile configs for scripts/bench_attention_kernels.py's sweep
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fp16_dot: bool | None = None,  # KV_FP8 with bf16 q: the dots on fp16 (None: FP8_FP16_DOT)
 ) -> None:
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -477,6 +484,9 @@ def decode_attention_fwd(
         BLOCK_S=max(FOLD_BLOCK_S, triton.next_power_of_2(num_kv_splits)) if folded else 1,
         BLOCK_G=triton.next_power_of_2(kv_group),
         KV_FP8=kv_fp8,
+        FP16_DOT=kv_fp8 and q.dtype == torch.bfloat16 and (
+            FP8_FP16_DOT if fp16_dot is None else fp16_dot
+        ),
         num_warps=num_warps or DEFAULT_NUM_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
         **launch,

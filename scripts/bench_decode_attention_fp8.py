@@ -43,6 +43,8 @@ DEV = "cuda"
 DEFAULT_CASES = "1x8192,16x4096,64x2048,256x1024,256x4096,512x2048"
 # (BLOCK_N, warps, stages) tried on the float8 pool besides the kernel's default
 FP8_CONFIGS = [(64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 4, 2)]
+# the float8 pool's dots on fp16 operands (the default, FP8_FP16_DOT) against bf16 ones: each
+# config above is timed both ways
 SCALE = KVScale(float(torch.tensor(0.37)), float(torch.tensor(2.5)))
 
 
@@ -112,16 +114,21 @@ def bench_pool(batch_size, context, dtype, kernels, copy_tbs: float, rows: list[
         print(f"{name:10s} {kv} {label:34s} {ms * 1e3:9.1f} us {tbs:6.2f} TB/s "
               f"{100 * tbs / copy_tbs:5.1f} % of copy", flush=True)  # fmt: skip
 
-    for config in [None] + (FP8_CONFIGS if fp8 else []):
-        tiles = {}
+    configs = [(None, None)]
+    if fp8:
+        configs += [(None, False)] + [(c, d) for c in FP8_CONFIGS for d in (True, False)]
+    for config, fp16_dot in configs:
+        tiles = {} if fp16_dot is None else {"fp16_dot": fp16_dot}
         if config is not None:
-            tiles = dict(block_n=config[0], num_warps=config[1], num_stages=config[2])
+            tiles.update(block_n=config[0], num_warps=config[1], num_stages=config[2])
         fn = functools.partial(
             decode_attention_fwd, q, *pool.buffers(0), out, table, inputs.req_pool_indices,
             inputs.seq_lens, D**-0.5, splits, workspace, counters,
             kv_scale=SCALE if fp8 else None, pdl=kernels.pdl, **tiles,
         )  # fmt: skip
         label = f"triton {splits} splits " + ("default" if config is None else str(config))
+        if fp16_dot is not None:
+            label += " fp16 dot" if fp16_dot else " bf16 dot"
         add(label, do_bench(fn, return_mode="median"))
     if unavailable_reason(DEV) is None:
         from batchrun.attention.flashinfer_backend import FlashInferAttentionBackend
