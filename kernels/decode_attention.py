@@ -33,9 +33,10 @@ this kernel; the backend takes it for decode graphs of up to 16 rows.
 
 A float8_e4m3fn pool (`kv_scale=` given): K and V blocks are converted as they are loaded (exact)
 to q's dtype, or with bf16 queries to fp16 with q and the softmax weights (FP8_FP16_DOT); the
-layer's k scale is folded into the softmax scale and its v scale multiplies the normalized output (the partials too: the combine is linear in them). With `rope`, the new
-token's k and v are quantized before the store (kernels/kv_store.py's `quantize_e4m3`) and
-attended as stored, as every other token.
+layer's k scale is folded into the softmax scale and its v scale multiplies the normalized output
+(the partials too: the combine is linear in them). With `rope`, the new token's k and v are
+quantized before the store (kernels/kv_store.py's `quantize_e4m3`) and attended as stored, as
+every other token.
 
 The grid depends only on B, the KV head count and num_kv_splits, and nothing is read back to the
 host, so the launches can be captured in a CUDA graph and replayed with other seq_lens.
