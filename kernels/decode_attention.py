@@ -7,8 +7,9 @@
             [lo + s * split_len, min(lo + (s + 1) * split_len, seq_len))
         with split_len = ceil((seq_len - lo) / num_kv_splits) rounded up to BLOCK_N, computed on
         the device from seq_lens; lo is 0, or with a sliding window W max(0, seq_len - W): the
-        positions before the window are never loaded. The program reads that range once for all H / KV query heads of its
-        KV head (GQA) and writes the normalized partial output acc / l and its base-2 log-sum-exp.
+        positions before the window are never loaded. The program reads that range once for
+        all H / KV query heads of its KV head (GQA) and writes the normalized partial output
+        acc / l and its base-2 log-sum-exp.
         An empty split writes acc = 0, lse = -1e30: weight 0 next to any non-empty split.
     combine (stage 2), per query head
         out = sum_s 2^(lse_s - max) * acc_s / sum_s 2^(lse_s - max)

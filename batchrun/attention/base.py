@@ -88,4 +88,3 @@ class AttentionBackend:
         buffers, the padding rows' request row and KV slot. None: the runner calls
         `load_graph_inputs` (a backend with more to prepare per replay, or none)."""
         return None
-

@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from batchrun.kernels.extend_attention import extend_attention_fwd  # noqa: E402
 from test_kernels import (  # noqa: E402
     BACKEND_KERNELS,
     DEV,
@@ -34,7 +35,6 @@ from batchrun.attention.base import AttentionInputs  # noqa: E402
 from batchrun.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from batchrun.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from batchrun.engine.kv_pool import KVPool  # noqa: E402
-from batchrun.kernels.extend_attention import extend_attention_fwd  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
