@@ -3,10 +3,13 @@
     stage 1, grid (num_kv_heads, B, num_kv_splits): a request's KV heads in adjacent programs,
         which then read its tokens' whole KV rows together (2 KiB a token on llama-8b, not
         256-byte pieces of many requests)
-        split s of request b covers KV positions [s * split_len, min((s + 1) * split_len, seq_len))
-        with split_len = ceil(seq_len / num_kv_splits) rounded up to BLOCK_N, computed on the
-        device from seq_lens. The program reads that range once for all H / KV query heads of its
-        KV head (GQA) and writes the normalized partial output acc / l and its base-2 log-sum-exp.
+        split s of request b covers KV positions
+            [lo + s * split_len, min(lo + (s + 1) * split_len, seq_len))
+        with split_len = ceil((seq_len - lo) / num_kv_splits) rounded up to BLOCK_N, computed on
+        the device from seq_lens; lo is 0, or with a sliding window W max(0, seq_len - W): the
+        positions before the window are never loaded. The program reads that range once for
+        all H / KV query heads of its KV head (GQA) and writes the normalized partial output
+        acc / l and its base-2 log-sum-exp.
         An empty split writes acc = 0, lse = -1e30: weight 0 next to any non-empty split.
     combine (stage 2), per query head
         out = sum_s 2^(lse_s - max) * acc_s / sum_s 2^(lse_s - max)
@@ -148,7 +151,7 @@ def _kv_block(r2t, k_head, v_head, offs_n, load_mask, mask_d, stride_kt, stride_
 
 
 # NOTE: no specialization on the split count, so 1 / 16 / others share one compiled kernel
-@triton.jit(do_not_specialize=["num_kv_splits"])
+@triton.jit(do_not_specialize=["num_kv_splits", "window"])
 def _decode_stage1_kernel(
     Q,
     K,
@@ -170,6 +173,7 @@ def _decode_stage1_kernel(
     stride_vh,
     stride_r2t,
     num_kv_splits,
+    window,  # the sliding window: only the last `window` positions are read (0: all of them)
     sm_scale_log2,  # the softmax scale times log2(e), times the k scale of a float8 pool
     v_scale,  # KV_FP8: the layer's v scale, on the output
     k_inv_scale,  # KV_FP8 and ROTARY: the new token's quantization
@@ -212,8 +216,9 @@ def _decode_stage1_kernel(
 
     row = tl.load(ReqPoolIndices + b).to(tl.int64)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # the first position seen
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_kv_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -407,6 +412,7 @@ def decode_attention_fwd(
     workspace: torch.Tensor,  # fp32, >= decode_workspace_numel(B, H, D, num_kv_splits)
     counters: torch.Tensor,  # int32, zeros, >= B * num_kv_heads (decode_counters), left zero
     *,
+    window: int = 0,  # sliding window: attend over the last `window` positions (0: all)
     rope: DecodeRope | None = None,  # q (and rope.k) before rotary: rotate and store here
     kv_scale: KVScale | None = None,  # float8_e4m3fn buffers: the layer's scales
     pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
@@ -466,6 +472,7 @@ def decode_attention_fwd(
         v_buf.stride(1),
         req_to_token.stride(0),
         num_kv_splits,
+        max(window, 0),
         scaling * LOG2E * (scale.k if scale else 1.0),
         scale.v if scale else 1.0,
         scale.inv_k if scale else 1.0,

@@ -16,6 +16,19 @@ req_to_token:
     with full_end = (prefix_len + m0) rounded down to BLOCK_N, causal_end = min(seq_len,
     prefix_len + m0 + BLOCK_M).
 
+A sliding window W (`window=`, a runtime value: one compiled kernel for every W) hides key k
+from the query at position p unless p - W < k <= p. The block's KV loop then starts at its first
+query's window, and the keys the window cuts for some row of the block are masked:
+
+    keys [0, win_start)            seen by no row of the block: never loaded
+    keys [win_start, win_full)     the window's edge: key k visible to row i iff
+                                   k > prefix_len + m0 + i - W (and the diagonal's rule)
+    keys [win_full, full_end)      visible to every row: no mask
+    with win_start = (prefix_len + m0 - W + 1) rounded down to BLOCK_N (0 at least),
+    win_full = (causal_end - W) rounded up to BLOCK_N (0 at least): the last row's window start.
+    Where win_full passes full_end the edge stops at full_end, and the diagonal's blocks carry
+    both masks.
+
 Online softmax in fp32 (base 2, the scale folded into log2(e)). A float8_e4m3fn pool
 (`kv_scale=` given): K and V convert to q's dtype as they are loaded (exact), the layer's k scale
 is folded into the softmax scale and its v scale multiplies the normalized output.
@@ -66,9 +79,11 @@ def _attend_block(
     stride_kt,
     stride_vt,
     sm_scale_log2,
+    window,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -83,6 +98,8 @@ def _attend_block(
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [M, N]
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        if WINDOWED:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -94,7 +111,7 @@ def _attend_block(
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _extend_kernel(
     Q,
     K,
@@ -116,6 +133,7 @@ def _extend_kernel(
     stride_r2t,
     sm_scale_log2,  # the softmax scale times log2(e), times the k scale of a float8 pool
     v_scale,  # KV_FP8: the layer's v scale, on the output
+    window,  # WINDOWED: the sliding window W (> 0)
     KV_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query tokens a program
@@ -124,6 +142,7 @@ def _extend_kernel(
     DOT_PRECISION: tl.constexpr,
     PACK: tl.constexpr,  # query heads a program: KV_GROUP's power of two (grid axis 2: KV)
     KV_FP8: tl.constexpr,  # K and V hold float8_e4m3fn
+    WINDOWED: tl.constexpr,  # a sliding window: keys before each row's window are hidden
 ):
     b = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
@@ -160,15 +179,25 @@ def _extend_kernel(
     v_head = V + kvh * stride_vh
     full_end = (prefix_len + m0) // BLOCK_N * BLOCK_N
     causal_end = tl.minimum(seq_len, prefix_len + m0 + BLOCK_M)
-    for n0 in range(0, full_end, BLOCK_N):
+    unmasked_start = 0
+    if WINDOWED:  # the window's edge (the module docstring)
+        win_start = tl.maximum(prefix_len + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        win_full = tl.cdiv(tl.maximum(causal_end - window, 0), BLOCK_N) * BLOCK_N
+        unmasked_start = tl.minimum(win_full, full_end)
+        for n0 in range(win_start, unmasked_start, BLOCK_N):
+            acc, l_i, m_i = _attend_block(
+                q, acc, l_i, m_i, k_head, v_head, r2t, n0, q_pos, causal_end, offs_d, mask_d,
+                stride_kt, stride_vt, sm_scale_log2, window, BLOCK_N, True, DOT_PRECISION, True,
+            )  # fmt: skip
+    for n0 in range(unmasked_start, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             q, acc, l_i, m_i, k_head, v_head, r2t, n0, q_pos, causal_end, offs_d, mask_d,
-            stride_kt, stride_vt, sm_scale_log2, BLOCK_N, False, DOT_PRECISION,
+            stride_kt, stride_vt, sm_scale_log2, window, BLOCK_N, False, DOT_PRECISION, False,
         )  # fmt: skip
     for n0 in range(full_end, causal_end, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             q, acc, l_i, m_i, k_head, v_head, r2t, n0, q_pos, causal_end, offs_d, mask_d,
-            stride_kt, stride_vt, sm_scale_log2, BLOCK_N, True, DOT_PRECISION,
+            stride_kt, stride_vt, sm_scale_log2, window, BLOCK_N, True, DOT_PRECISION, WINDOWED,
         )  # fmt: skip
 
     if KV_FP8:
@@ -199,6 +228,7 @@ def extend_attention_fwd(
     num_warps: int | None = None,
     num_stages: int | None = None,
     kv_scale: KVScale | None = None,  # float8_e4m3fn buffers: the layer's scales
+    window: int = 0,  # sliding window: each query sees the last `window` positions (0: all)
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     batch_size = req_pool_indices.shape[0]
@@ -236,6 +266,7 @@ def extend_attention_fwd(
         req_to_token.stride(0),
         scaling * LOG2E * (scale.k if scale else 1.0),
         scale.v if scale else 1.0,
+        max(window, 0),
         KV_GROUP=kv_group,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
@@ -244,6 +275,7 @@ def extend_attention_fwd(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PACK=pack,
         KV_FP8=kv_fp8,
+        WINDOWED=window > 0,
         num_warps=num_warps or DEFAULT_PACKED_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
     )

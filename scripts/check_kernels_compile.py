@@ -1,8 +1,8 @@
-"""Compile batchrun's quantization and MoE kernels for a GPU target on a machine without that
-GPU (or any GPU): each kernel's Python wrapper runs on CPU tensors, and every launch compiles for
-the target (Triton front end, LLVM, ptxas) without running. Run it with the Triton version of
-the GPU machine, which may reject code a newer Triton accepts (a module-level float used in a
-kernel must be a `tl.constexpr`; a @triton.jit function with returns of two types):
+"""Compile batchrun's quantization, MoE and attention kernels for a GPU target on a machine
+without that GPU (or any GPU): each kernel's Python wrapper runs on CPU tensors, and every launch
+compiles for the target (Triton front end, LLVM, ptxas) without running. Run it with the Triton
+version of the GPU machine, which may reject code a newer Triton accepts (a module-level float
+used in a kernel must be a `tl.constexpr`; a @triton.jit function with returns of two types):
 
     pip install --target /tmp/triton36 triton==3.6.0        # the H200 machine's Triton
     PYTHONPATH=/tmp/triton36 python scripts/check_kernels_compile.py     # sm_90 (Hopper)
@@ -125,6 +125,53 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         out.append((f"int4_matmul act-order slice M={m}", lambda x=x: (
             int4_matmul.int4_matmul(x, sliced))))  # fmt: skip
     out += _moe_cases()
+    out += _attention_cases()
+    return out
+
+
+def _attention_cases() -> list[tuple[str, Callable[[], object]]]:
+    """kernels/decode_attention.py and extend_attention.py at llama-8b's heads (32 / 8, D 128),
+    bf16, without and with a sliding window; the decode kernel with its own rotary too."""
+    from batchrun.kernels.decode_attention import (
+        DecodeRope,
+        decode_attention_fwd,
+        decode_counters,
+        decode_workspace_numel,
+    )
+    from batchrun.kernels.extend_attention import extend_attention_fwd
+
+    bf16, bs = torch.bfloat16, 4
+    k_buf = torch.empty(1025, 8, 128, dtype=bf16)
+    v_buf = torch.empty(1025, 8, 128, dtype=bf16)
+    table = torch.zeros(bs + 1, 512, dtype=torch.int32)
+    rows, seq_lens = torch.arange(bs), torch.full((bs,), 300)
+    q = torch.empty(bs, 32, 128, dtype=bf16)
+    out: list[tuple[str, Callable[[], object]]] = []
+    for window in (0, 4096):
+        for splits in (1, 16):
+            rope = None
+            if splits == 16:
+                kv, cos = torch.empty(bs, 8, 128, dtype=bf16), torch.empty(512, 128)
+                rope = DecodeRope(kv, kv, rows, rows, cos, cos)
+
+            def decode(window=window, splits=splits, rope=rope):
+                workspace = torch.empty(decode_workspace_numel(bs, 32, 128, splits))
+                decode_attention_fwd(
+                    q, k_buf, v_buf, torch.empty_like(q), table, rows, seq_lens, 0.1, splits,
+                    workspace, decode_counters(bs, 8, "cpu"), window=window, rope=rope,
+                )  # fmt: skip
+
+            out.append((f"decode_attention splits={splits} window={window}", decode))
+
+        def extend(window=window):
+            qe = torch.empty(bs * 64, 32, 128, dtype=bf16)
+            ext = torch.full((bs,), 64)
+            extend_attention_fwd(
+                qe, k_buf, v_buf, torch.empty_like(qe), table, rows, seq_lens, ext,
+                torch.cumsum(ext, 0) - ext, 64, 0.1, window=window,
+            )  # fmt: skip
+
+        out.append((f"extend_attention window={window}", extend))
     return out
 
 

@@ -49,6 +49,16 @@ def make_hf_config(kind: str):
         return transformers.Qwen3Config(**COMMON, head_dim=32, rope_theta=1000000.0)
     if kind == "mistral":
         return transformers.MistralConfig(**COMMON, rope_theta=1000000.0, sliding_window=None)
+    if kind == "mistral-window":  # every layer attends over the last 8 positions
+        return transformers.MistralConfig(**COMMON, rope_theta=1000000.0, sliding_window=8)
+    if kind == "qwen2-window":  # layers 1 and 2 (index >= max_window_layers) over the last 8
+        return transformers.Qwen2Config(
+            **COMMON,
+            rope_theta=1000000.0,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
+        )
     if kind == "llama-d64":  # head dim 64: FlashInfer's smallest; GQA group 4
         return transformers.LlamaConfig(
             **{

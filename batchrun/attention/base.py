@@ -88,12 +88,3 @@ class AttentionBackend:
         buffers, the padding rows' request row and KV slot. None: the runner calls
         `load_graph_inputs` (a backend with more to prepare per replay, or none)."""
         return None
-
-
-def no_window(backend: AttentionBackend, window: int) -> None:
-    """Refuse a sliding window in a backend that attends over the whole context only."""
-    if window:
-        raise NotImplementedError(
-            f"{type(backend).__name__} has no sliding-window attention (window {window}); "
-            "the torch backend has"
-        )

@@ -23,6 +23,11 @@ plan() is host work (it schedules the batch and copies the schedule to the devic
 softmax scale and the query head count, which only forward() is given, so the first forward of
 a step plans and the other layers reuse the plan.
 
+A sliding window W is a plan parameter too (`window_left` W - 1: the query at position p sees the
+keys p - window_left <= k <= p, base.py's rule), so each distinct window of the model has its own
+wrappers, planned by the first layer of that window each step: a model of one window (every
+layer W, or none) plans one wrapper a step; a model with local and global layers plans two.
+
 CUDA graphs (decode only), the interface of triton_backend.py:
 
     backend.init_graph_buffers(max_bs)         static kv_indptr / kv_indices / last_page_len /
@@ -51,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchrun.attention.base import AttentionBackend, AttentionInputs, no_window
+from batchrun.attention.base import AttentionBackend, AttentionInputs
 
 WORKSPACE_BYTES = 384 << 20  # float workspace (split-KV partial results), shared by all wrappers;
 # NOTE: 128 MiB is too small for a 32-head, head-dim-128 prefill over a long cached prefix (H200)
@@ -148,8 +153,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             )
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._pin = self.device.type == "cuda"  # (a CPU device only in tests, with a stand-in)
-        self._prefill_wrapper = None
-        self._decode_wrapper = None
+        # window (0: the whole context) -> the eager wrapper of that window
+        self._prefill_wrappers: dict[int, object] = {}
+        self._decode_wrappers: dict[int, object] = {}
         self._ones_cpu = torch.ones(0, dtype=torch.int32)
         # NOTE: plan() writes its schedule into a pinned host buffer of the wrapper and copies it
         # to the device without waiting. Under overlap the host may plan step n+1 before the
@@ -157,12 +163,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         # previous plan() (a whole step earlier: in practice it has long completed)
         self._plan_done: dict[int, torch.cuda.Event] = {}
         self._batch: _Batch | None = None
-        self._wrapper = None  # the wrapper planned for self._batch
-        self._planned: tuple | None = None  # (num_heads, dtype, scaling) it was planned with
+        # window -> (the wrapper planned for self._batch, the (num_heads, dtype, scaling) it was
+        # planned with)
+        self._planned: dict[int, tuple[object, tuple]] = {}
         self.graph_max_bs = 0
-        self._graph_wrappers: dict[int, object] = {}
+        self._graph_wrappers: dict[tuple[int, int], object] = {}  # (bs, window) -> wrapper
         self._graph_batch: _Batch | None = None  # the batch last loaded into the static buffers
-        self._graph_params: tuple | None = None
+        self._graph_params: dict[int, tuple] = {}  # window -> the params its graphs planned
 
     # ---- eager steps -------------------------------------------------------------------------
 
@@ -180,13 +187,12 @@ class FlashInferAttentionBackend(AttentionBackend):
             qo_indptr,
             inputs.out_cache_loc,
         )
-        self._wrapper = self._planned = None
+        self._planned = {}
 
     def forward(self, q, k, v, layer_id: int, scaling: float, out=None, window=0) -> torch.Tensor:
-        no_window(self, window)
-        batch = self._planned_batch(q, scaling)
+        batch, wrapper = self._planned_wrapper(q, scaling, window)
         self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
-        return self._run(q, layer_id, out)
+        return self._run(wrapper, q, layer_id, out)
 
     def forward_rotary(
         self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None, window=0
@@ -194,21 +200,22 @@ class FlashInferAttentionBackend(AttentionBackend):
         """forward() of q and k before rotary, rotated in the KV store's kernel
         (KVPool.store_rotated): k stays unrotated, which is safe because the wrappers read keys
         only from the pool."""
-        no_window(self, window)
-        batch = self._planned_batch(q, scaling)
+        batch, wrapper = self._planned_wrapper(q, scaling, window)
         q = self.kv_pool.store_rotated(layer_id, batch.out_cache_loc, q, k, v, positions, rotary)
-        return self._run(q, layer_id, out)
+        return self._run(wrapper, q, layer_id, out)
 
-    def _planned_batch(self, q, scaling: float) -> _Batch:
-        """The step's batch, its wrapper planned for q's heads and dtype (the first layer's)."""
+    def _planned_wrapper(self, q, scaling: float, window: int):
+        """The step's batch and the wrapper of `window` planned for it with q's heads and dtype
+        (by the first layer of that window)."""
         batch = self._batch
         assert batch is not None, "prepare() or prepare_graph() must run before forward()"
         params = (q.shape[1], q.dtype, scaling)
-        if self._planned != params:
-            self._plan(batch, params)
-        return batch
+        planned = self._planned.get(window)
+        if planned is None or planned[1] != params:
+            planned = self._planned[window] = (self._plan(batch, params, window), params)
+        return batch, planned[0]
 
-    def _run(self, q, layer_id: int, out) -> torch.Tensor:
+    def _run(self, wrapper, q, layer_id: int, out) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
         paged = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # [slots + 1, 1, KV, D] each
@@ -218,10 +225,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self.kv_pool.is_fp8:
             scale = self.kv_pool.scales(layer_id)
             scales = {"k_scale": scale.k, "v_scale": scale.v}
-        self._wrapper.run(q, paged, out=out, **scales)
+        wrapper.run(q, paged, out=out, **scales)
         return out.view(num_tokens, num_heads * head_dim)
 
-    def _plan(self, batch: _Batch, params: tuple) -> None:
+    def _plan(self, batch: _Batch, params: tuple, window: int):
+        """The wrapper of `window` for the batch's kind, planned for it."""
         if self.device.type == "cuda":
             capturing = torch.cuda.is_current_stream_capturing()
             assert not capturing, "run one eager forward after prepare_graph(), then capture"
@@ -232,33 +240,38 @@ class FlashInferAttentionBackend(AttentionBackend):
                 "use --dtype bfloat16 (or another attention backend)"
             )
         if batch.graph_bs is not None:
-            wrapper = self._graph_wrapper(batch.graph_bs, num_heads)
-            self._graph_params = params
+            wrapper = self._graph_wrapper(batch.graph_bs, num_heads, window)
+            self._graph_params[window] = params
         elif batch.qo_indptr_cpu is None:
-            if self._decode_wrapper is None:
-                self._decode_wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self.workspace,
-                    "NHD",
-                    use_tensor_cores=self._use_tensor_cores(num_heads),
-                    backend=KERNELS,
+            wrapper = self._decode_wrappers.get(window)
+            if wrapper is None:
+                wrapper = self._decode_wrappers[window] = (
+                    self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                        self.workspace,
+                        "NHD",
+                        use_tensor_cores=self._use_tensor_cores(num_heads),
+                        backend=KERNELS,
+                    )
                 )
-            wrapper = self._decode_wrapper
         else:
-            if self._prefill_wrapper is None:
-                self._prefill_wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", backend=KERNELS
+            wrapper = self._prefill_wrappers.get(window)
+            if wrapper is None:
+                wrapper = self._prefill_wrappers[window] = (
+                    self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                        self.workspace, "NHD", backend=KERNELS
+                    )
                 )
-            wrapper = self._prefill_wrapper
-        self._plan_wrapper(wrapper, batch, params)
-        self._wrapper, self._planned = wrapper, params
+        self._plan_wrapper(wrapper, batch, params, window)
+        return wrapper
 
-    def _plan_wrapper(self, wrapper, batch: _Batch, params: tuple) -> None:
+    def _plan_wrapper(self, wrapper, batch: _Batch, params: tuple, window: int) -> None:
         num_heads, dtype, scaling = params
         done = self._plan_done.get(id(wrapper))
         if done is not None:
             done.synchronize()  # the copy of this wrapper's previous plan (see __init__)
         shape = (num_heads, self.num_kv_heads, self.head_dim, 1)  # page size 1
         kw = dict(q_data_type=dtype, kv_data_type=self.kv_dtype, sm_scale=scaling)
+        kw["window_left"] = window - 1 if window > 0 else -1  # -1: the whole context
         if batch.qo_indptr_cpu is None:
             wrapper.plan(
                 batch.kv_indptr_cpu, batch.kv_indices, batch.last_page_len_cpu, *shape,
@@ -299,7 +312,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._graph_out_cache_loc = torch.full((max_bs,), dummy, dtype=torch.int64, device=dev)
         self._graph_wrappers = {}  # wrappers hold the old buffers: recapture every graph
         self._graph_batch = None
-        self._graph_params = None
+        self._graph_params = {}
 
     def prepare_graph(self, bs: int) -> None:
         """Switch forward() to the bs wrapper, over the batch last loaded if it has size bs, else
@@ -308,19 +321,20 @@ class FlashInferAttentionBackend(AttentionBackend):
         batch = self._graph_batch
         if batch is None or batch.graph_bs != bs:
             batch = self._load_graph_batch(bs, None)
-        self._batch, self._wrapper, self._planned = batch, None, None
+        self._batch, self._planned = batch, {}
 
     def load_graph_inputs(self, inputs: AttentionInputs, bs: int) -> None:
         """Copy a decode batch of n <= bs requests into the static buffers, padded to bs, and
-        plan the bs wrapper for it (host work, before the replay)."""
+        plan the bs wrappers (one a window) for it (host work, before the replay)."""
         n = inputs.batch_size
         assert inputs.is_decode and n <= bs <= self.graph_max_bs, (n, bs)
         batch = self._load_graph_batch(bs, inputs)
-        wrapper = self._graph_wrappers.get(bs)
-        self._batch, self._wrapper, self._planned = batch, None, None
-        if wrapper is not None and self._graph_params is not None:
-            self._plan_wrapper(wrapper, batch, self._graph_params)
-            self._wrapper, self._planned = wrapper, self._graph_params
+        self._batch, self._planned = batch, {}
+        for window, params in self._graph_params.items():
+            wrapper = self._graph_wrappers.get((bs, window))
+            if wrapper is not None:
+                self._plan_wrapper(wrapper, batch, params, window)
+                self._planned[window] = (wrapper, params)
 
     def _load_graph_batch(self, bs: int, inputs: AttentionInputs | None) -> _Batch:
         dummy, max_pages = self.kv_pool.dummy_slot, self._graph_kv_indices.numel()
@@ -349,8 +363,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._graph_batch = batch
         return batch
 
-    def _graph_wrapper(self, bs: int, num_heads: int):
-        wrapper = self._graph_wrappers.get(bs)
+    def _graph_wrapper(self, bs: int, num_heads: int, window: int):
+        wrapper = self._graph_wrappers.get((bs, window))
         if wrapper is None:
             wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace,
@@ -362,5 +376,5 @@ class FlashInferAttentionBackend(AttentionBackend):
                 paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],
                 backend=KERNELS,
             )
-            self._graph_wrappers[bs] = wrapper
+            self._graph_wrappers[bs, window] = wrapper
         return wrapper

@@ -8,6 +8,10 @@ extend kernel on the rest. NOTE: the decode kernel packs a KV head's query group
 and reads each request's KV once; the extend kernel reads it once per query head (4x for a 4:1
 GQA model), so decodes through the extend kernel cost a mixed step several times their KV reads.
 
+A layer's sliding window (`window=`) goes to both kernels as a runtime value: they read only the
+window's KV, and layers of different windows share the compiled kernels (a CUDA graph captures
+each layer's call with its window).
+
 CUDA graphs (decode only). The graph runner owns capture and replay; this backend gives it
 static inputs and a launch grid that depends only on the batch size:
 
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchrun.attention.base import AttentionBackend, AttentionInputs, no_window
+from batchrun.attention.base import AttentionBackend, AttentionInputs
 from batchrun.config import KernelConfig
 from batchrun.kernels.decode_attention import (
     DecodeRope,
@@ -143,9 +147,8 @@ class TritonAttentionBackend(AttentionBackend):
         return max(1, min(MAX_KV_SPLITS, -(-PROGRAMS_PER_SM * self.num_sms // programs)))
 
     def forward(self, q, k, v, layer_id: int, scaling: float, out=None, window=0) -> torch.Tensor:
-        no_window(self, window)
         self.kv_pool.store(layer_id, self._out_cache_loc(), k, v)
-        return self._attend(q, layer_id, scaling, out)
+        return self._attend(q, layer_id, scaling, out, window)
 
     def forward_rotary(
         self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None, window=0
@@ -157,16 +160,15 @@ class TritonAttentionBackend(AttentionBackend):
         the rotated k with v), then the attention; the same bits. k stays unrotated either
         way, which is safe because the decode and extend kernels read keys only from the
         pool."""
-        no_window(self, window)
         loc = self._out_cache_loc()
         plan = self._plan
         if not self._rotates_in_decode(layer_id, loc, q, k, v, positions, rotary):
             q = self.kv_pool.store_rotated(layer_id, loc, q, k, v, positions, rotary)
-            return self._attend(q, layer_id, scaling, out)
+            return self._attend(q, layer_id, scaling, out, window)
         out = torch.empty_like(q) if out is None else out
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
         rope = DecodeRope(k, v, loc, positions, rotary.cos_cache, rotary.sin_cache)
-        self._decode(plan, q, k_buf, v_buf, out, scaling, self._kv_scale(layer_id), rope)
+        self._decode(plan, q, k_buf, v_buf, out, scaling, self._kv_scale(layer_id), window, rope)
         num_tokens, num_heads, head_dim = q.shape
         return out.view(num_tokens, num_heads * head_dim)
 
@@ -190,8 +192,9 @@ class TritonAttentionBackend(AttentionBackend):
             return plan.inputs.out_cache_loc
         return plan.out_cache_loc
 
-    def _attend(self, q, layer_id: int, scaling: float, out) -> torch.Tensor:
-        """Attention of q over the pool, which holds the new tokens' KV already."""
+    def _attend(self, q, layer_id: int, scaling: float, out, window: int) -> torch.Tensor:
+        """Attention of q over the pool, which holds the new tokens' KV already (each query over
+        the last `window` positions where window > 0)."""
         plan = self._plan
         num_tokens, num_heads, head_dim = q.shape
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
@@ -200,12 +203,12 @@ class TritonAttentionBackend(AttentionBackend):
             out = torch.empty_like(q)
         if isinstance(plan, _MixedPlan):
             d = plan.num_decode_tokens
-            self._decode(plan.decode, q[:d], k_buf, v_buf, out[:d], scaling, kv_scale)
-            self._extend(plan.extend, q[d:], k_buf, v_buf, out[d:], scaling, kv_scale)
+            self._decode(plan.decode, q[:d], k_buf, v_buf, out[:d], scaling, kv_scale, window)
+            self._extend(plan.extend, q[d:], k_buf, v_buf, out[d:], scaling, kv_scale, window)
         elif isinstance(plan, _DecodePlan):
-            self._decode(plan, q, k_buf, v_buf, out, scaling, kv_scale)
+            self._decode(plan, q, k_buf, v_buf, out, scaling, kv_scale, window)
         else:
-            self._extend(plan, q, k_buf, v_buf, out, scaling, kv_scale)
+            self._extend(plan, q, k_buf, v_buf, out, scaling, kv_scale, window)
         return out.view(num_tokens, num_heads * head_dim)
 
     def _kv_scale(self, layer_id: int):
@@ -213,23 +216,25 @@ class TritonAttentionBackend(AttentionBackend):
         return self.kv_pool.scales(layer_id) if self.kv_pool.is_fp8 else None
 
     def _decode(
-        self, plan: _DecodePlan, q, k_buf, v_buf, out, scaling: float, kv_scale, rope=None
+        self, plan: _DecodePlan, q, k_buf, v_buf, out, scaling: float, kv_scale, window, rope=None
     ) -> None:
         bs, num_heads, head_dim = q.shape
         workspace = self._get_workspace(plan, bs, num_heads, head_dim)
         counters = self._get_counters(plan, bs)
         decode_attention_fwd(
             q, k_buf, v_buf, out, self.req_to_token, plan.req_pool_indices, plan.seq_lens,
-            scaling, plan.num_kv_splits, workspace, counters, rope=rope, kv_scale=kv_scale,
-            pdl=self.pdl,
+            scaling, plan.num_kv_splits, workspace, counters, window=window, rope=rope,
+            kv_scale=kv_scale, pdl=self.pdl,
         )  # fmt: skip
 
-    def _extend(self, plan: _ExtendPlan, q, k_buf, v_buf, out, scaling: float, kv_scale) -> None:
+    def _extend(
+        self, plan: _ExtendPlan, q, k_buf, v_buf, out, scaling: float, kv_scale, window: int
+    ) -> None:
         inputs = plan.inputs
         extend_attention_fwd(
             q, k_buf, v_buf, out, self.req_to_token, inputs.req_pool_indices, inputs.seq_lens,
             inputs.extend_lens, plan.extend_start_loc, plan.max_extend_len, scaling,
-            kv_scale=kv_scale,
+            kv_scale=kv_scale, window=window,
         )  # fmt: skip
 
     def _get_workspace(self, plan: _DecodePlan, bs: int, num_heads: int, head_dim: int):

@@ -4,6 +4,21 @@ The scheduler decides *what* runs; this module does the slot arithmetic (see req
 and keeps the invariant the tests check after every step:
 
     allocator.num_free + cache.total_size + slots held by requests outside the tree == capacity
+
+Sliding windows (ModelConfig.sliding_windows). A windowed layer never reads a request's KV
+before its window, yet every slot a request holds stays allocated until the request ends, and
+then goes to the radix cache as any other: the admission arithmetic (a request holds one slot a
+token of its sequence) is the same with and without windows. Why the slots behind the window
+are kept:
+  - a slot holds the token's KV of every layer (the pool is token-indexed), so it is free only
+    when no layer can read it, and a model with any full-context layer (Qwen2's layers below
+    max_window_layers, Gemma 3's global layers) reads every slot to the end;
+  - the radix cache shares prefixes between requests: a later request that matches only part of
+    a cached prompt attends from where its match ends, over the window before it, which the
+    first request would have freed; a tree with holes would have to cut every match at the
+    first hole;
+  - a model whose every layer is windowed (Mistral v0.1: 4096 tokens) saves memory only on
+    sequences longer than its window, which batch jobs seldom run.
 """
 
 from __future__ import annotations

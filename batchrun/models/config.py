@@ -37,8 +37,16 @@ MODEL_TYPES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
 }
-# architectures that attend within a sliding window unless config.json says otherwise
+# architectures whose every layer attends within config.json's sliding_window unless it is null
 WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")
+# architectures with a window only where use_sliding_window is true (_sliding_windows says on
+# which layers)
+WINDOW_IF_USED = (
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 REQUIRED_FIELDS = (
     "vocab_size",
@@ -111,19 +119,8 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         max_pos = int(raw.get("max_position_embeddings", 4096))
-        # batchrun attends over the whole context: a window changes every token past it (a
-        # tiny Mistral with sliding_window 8 gives none of 8 greedy texts of transformers on
-        # longer prompts), so a window in use is refused. Mistral uses its window unless it is
-        # null; Qwen2 and Llama configs only with use_sliding_window
-        window = raw.get("sliding_window")
-        if window and raw.get("use_sliding_window", arch in WINDOWED):
-            raise ModelConfigError(
-                f"{source}: sliding_window {window} (attention over the last {window} tokens "
-                "only) is not supported: batchrun attends over the whole context, which gives "
-                "other tokens past the window; supported: sliding_window null, or "
-                "use_sliding_window false"
-            )
         num_layers = int(raw["num_hidden_layers"])
+        windows = _sliding_windows(raw, arch, num_layers, source)
         moe = parse_moe(raw, arch, num_layers, source)
         quantization = parse_quant_config(raw, source)
         if moe is not None and quantization is not None:
@@ -156,6 +153,7 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             quantization=quantization,
             moe=moe,
+            sliding_windows=windows,
         )
 
     @classmethod
@@ -192,6 +190,48 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
             "Qwen2/2.5, Qwen3, SmolLM, Qwen3-MoE, Qwen1.5/2-MoE, Mixtral)"
         )
     return arch
+
+
+def _sliding_windows(
+    raw: dict[str, Any], arch: str, num_layers: int, source: str
+) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers' modeling files apply config.json (empty:
+    none anywhere). Mistral and Mixtral: sliding_window on every layer unless it is null. The
+    Qwen architectures only with use_sliding_window true: the layers its layer_types names
+    "sliding_attention" (transformers 5 writes them), else Qwen2 / Qwen3 the layers at index
+    >= max_window_layers, Qwen2-MoE the even layers below max_window_layers, Qwen3-MoE every
+    layer. Llama has no window (transformers ignores the keys there)."""
+    # NOTE: transformers' default where config.json lacks the key: 4096, Mixtral's null
+    window = raw.get("sliding_window", None if arch == "MixtralForCausalLM" else 4096)
+    if arch in WINDOWED:
+        used = window is not None
+    else:
+        used = arch in WINDOW_IF_USED and bool(raw.get("use_sliding_window")) and bool(window)
+    if not used:
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelConfigError(
+            f"{source}: sliding_window {window!r} is not a positive whole number of tokens; "
+            "supported: a window of 1 or more, or null for none"
+        )
+    max_window_layers = int(raw.get("max_window_layers", 28))
+    layer_types = raw.get("layer_types")
+    if arch in WINDOW_IF_USED and arch != "Qwen3MoeForCausalLM" and layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise ModelConfigError(
+                f"{source}: layer_types has {len(layer_types)} entries for "
+                f"num_hidden_layers {num_layers}; it needs one a layer"
+            )
+        windowed = [t == "sliding_attention" for t in layer_types]
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        windowed = [i >= max_window_layers for i in range(num_layers)]
+    elif arch == "Qwen2MoeForCausalLM":
+        windowed = [i % 2 == 0 and i < max_window_layers for i in range(num_layers)]
+    else:
+        windowed = [True] * num_layers
+    if not any(windowed):
+        return ()
+    return tuple(window if w else 0 for w in windowed)
 
 
 def _what_it_has(raw: dict[str, Any]) -> str:

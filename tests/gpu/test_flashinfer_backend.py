@@ -128,9 +128,10 @@ def test_plans_once_per_step():
     backend = FlashInferAttentionBackend(pool, table)
     backend.prepare(inputs)
     backend.forward(q, k, v, 0, 0.125)
-    wrapper, planned = backend._wrapper, backend._planned
+    [(wrapper, params)] = backend._planned.values()
     backend.forward(q, k, v, 0, 0.125)  # a second layer reuses the plan
-    assert backend._wrapper is wrapper and backend._planned is planned
+    [(again, same)] = backend._planned.values()
+    assert again is wrapper and same is params
 
 
 @pytest.mark.parametrize("heads", ["g1", "g4"], ids=["cuda-cores", "tensor-cores"])

@@ -68,7 +68,7 @@ def test_gather_kv_indices(table_dtype):
 # (tests/gpu/test_flashinfer_backend.py runs the real ones).
 
 
-def _attend(q, paged_kv, qo_indptr, kv_indptr, kv_indices, scale, out):
+def _attend(q, paged_kv, qo_indptr, kv_indptr, kv_indices, scale, out, window_left=-1):
     k_cache, v_cache = paged_kv  # [P, 1, KV, D]
     group = q.shape[1] // k_cache.shape[2]
     for b in range(len(kv_indptr) - 1):
@@ -78,7 +78,10 @@ def _attend(q, paged_kv, qo_indptr, kv_indptr, kv_indices, scale, out):
         values = v_cache[pages, 0].float().repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[qs:qe].float(), keys) * scale
         n, s = qe - qs, len(pages)
-        visible = torch.arange(s)[None, :] <= torch.arange(s - n, s)[:, None]  # bottom-right
+        k_pos, q_pos = torch.arange(s)[None, :], torch.arange(s - n, s)[:, None]
+        visible = k_pos <= q_pos  # bottom-right
+        if window_left >= 0:  # flashinfer's window: keys q_pos - window_left <= k <= q_pos
+            visible &= k_pos >= q_pos - window_left
         scores = scores.masked_fill(~visible, float("-inf"))
         out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(out.dtype)
 
@@ -93,7 +96,7 @@ class _Wrapper:
         self.bs = len(paged_kv_last_page_len_buffer) if use_cuda_graph else None
         self.num_plans = 0
 
-    def _plan(self, qo_indptr, indptr, indices, last_page_len, page_size, sm_scale):
+    def _plan(self, qo_indptr, indptr, indices, last_page_len, page_size, sm_scale, window_left):
         assert page_size == 1 and (last_page_len == 1).all()
         for host in (qo_indptr, indptr, last_page_len):  # host tensors: plan() does not sync
             assert host.device.type == "cpu" and host.dtype == torch.int32
@@ -103,6 +106,9 @@ class _Wrapper:
             self.buffers[0].copy_(indptr)
             self.buffers[1][: len(indices)].copy_(indices)
             indptr, indices = self.buffers
+        if self.num_plans:  # flashinfer compiles a wrapper's kernels for its window at plan time
+            assert (window_left >= 0) == (self.window_left >= 0), "a wrapper keeps its window"
+        self.window_left = window_left
         self.state = (qo_indptr, indptr, indices, sm_scale)
         self.num_plans += 1
 
@@ -110,7 +116,8 @@ class _Wrapper:
         # a float8 cache: k_scale multiplies sm_scale, v_scale the output (flashinfer 0.6)
         assert (k_scale is not None) == (self.kv_data_type == torch.float8_e4m3fn)
         qo_indptr, indptr, indices, scale = self.state
-        _attend(q, paged_kv, qo_indptr, indptr, indices, scale * (k_scale or 1.0), out)
+        scale = scale * (k_scale or 1.0)
+        _attend(q, paged_kv, qo_indptr, indptr, indices, scale, out, self.window_left)
         if v_scale is not None:
             out *= v_scale
         return out
@@ -118,19 +125,20 @@ class _Wrapper:
 
 class _Decode(_Wrapper):
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-             page_size, *, q_data_type, kv_data_type, sm_scale, non_blocking):  # fmt: skip
+             page_size, *, q_data_type, kv_data_type, sm_scale, non_blocking,
+             window_left=-1):  # fmt: skip
         qo_indptr = torch.arange(len(indptr), dtype=torch.int32)
         self.kv_data_type = kv_data_type
-        self._plan(qo_indptr, indptr, indices, last_page_len, page_size, sm_scale)
+        self._plan(qo_indptr, indptr, indices, last_page_len, page_size, sm_scale, window_left)
 
 
 class _Prefill(_Wrapper):
     def plan(self, qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
              head_dim, page_size, *, causal, q_data_type, kv_data_type, sm_scale,
-             non_blocking):  # fmt: skip
+             non_blocking, window_left=-1):  # fmt: skip
         assert causal
         self.kv_data_type = kv_data_type
-        self._plan(qo_indptr, indptr, indices, last_page_len, page_size, sm_scale)
+        self._plan(qo_indptr, indptr, indices, last_page_len, page_size, sm_scale, window_left)
 
 
 @pytest.fixture
@@ -175,7 +183,7 @@ def _batch(seq_lens, extend_lens, num_heads, num_kv_heads, head_dim=64, seed=0):
     return pool, table, inputs, q, k, v
 
 
-def _reference(pool, table, inputs, q, k, v, layer_id, scaling):
+def _reference(pool, table, inputs, q, k, v, layer_id, scaling, window=0):
     from batchrun.attention.torch_backend import TorchAttentionBackend
 
     ref_pool = KVPool(2, pool.num_slots, k.shape[1], k.shape[2], torch.float32, "cpu")
@@ -183,7 +191,7 @@ def _reference(pool, table, inputs, q, k, v, layer_id, scaling):
         dst.copy_(src)
     backend = TorchAttentionBackend(ref_pool, table)
     backend.prepare(inputs)
-    return backend.forward(q.float(), k.float(), v.float(), layer_id, scaling)
+    return backend.forward(q.float(), k.float(), v.float(), layer_id, scaling, window=window)
 
 
 @pytest.mark.parametrize(
@@ -203,7 +211,7 @@ def test_eager_steps_over_stand_in(fake_flashinfer, seq_lens, extend_lens, heads
         assert (out.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
         assert torch.equal(pool.k_buffers[layer_id][inputs.out_cache_loc], k)
         assert torch.equal(pool.v_buffers[layer_id][inputs.out_cache_loc], v)
-    wrapper = backend._wrapper
+    [(wrapper, _)] = backend._planned.values()
     assert wrapper.num_plans == 1, "one plan per step, shared by the layers"
     assert isinstance(wrapper, _Decode) == all(n == 1 for n in extend_lens)
     if isinstance(wrapper, _Decode):
@@ -225,11 +233,11 @@ def test_graph_flow_over_stand_in(fake_flashinfer):
     for bs in (8, 4):  # what the graph runner does: prepare, warm up, capture
         backend.prepare_graph(bs)
         backend.forward(*static[bs], 0, 0.125)  # warm-up: plans
-        wrapper = backend._graph_wrappers[bs]
+        wrapper = backend._graph_wrappers[bs, 0]
         assert wrapper.graph and wrapper.num_plans == 1
         backend.forward(*static[bs], 0, 0.125)  # "capture": must not plan
         assert wrapper.num_plans == 1
-    wrapper = backend._graph_wrappers[4]
+    wrapper = backend._graph_wrappers[4, 0]
     gen = torch.Generator().manual_seed(1)
     for n, rows in ((3, [0, 2, 4]), (4, [1, 2, 3, 4])):
         rows_t = filled.req_pool_indices[rows]
@@ -280,7 +288,7 @@ def test_fp8_kv_cache_over_stand_in(fake_flashinfer, seq_lens, extend_lens):
     backend.prepare(inputs)
     for layer_id, scale in enumerate(scales):
         out = backend.forward(q, k, v, layer_id, 0.1)
-        assert backend._wrapper.kv_data_type == torch.float8_e4m3fn
+        assert backend._planned[0][0].kv_data_type == torch.float8_e4m3fn
         loc = inputs.out_cache_loc
         want = quantize_kv(k, scale.inv_k).view(torch.uint8)
         assert torch.equal(pool.k_buffers[layer_id][loc].view(torch.uint8), want)
@@ -294,3 +302,73 @@ def test_fp8_kv_cache_over_stand_in(fake_flashinfer, seq_lens, extend_lens):
     backend.prepare(inputs)
     with pytest.raises(ValueError, match="float16 or bfloat16, not torch.float32"):
         backend.forward(q.float(), k.float(), v.float(), 0, 0.1)
+
+
+@pytest.mark.parametrize(
+    "seq_lens, extend_lens",
+    [([1, 40, 9], [1, 1, 1]), ([30, 12], [30, 5]), ([1, 50, 8, 20], [1, 1, 8, 3])],
+    ids=["decode", "extend-prefix", "mixed"],
+)
+def test_sliding_windows_over_stand_in(fake_flashinfer, seq_lens, extend_lens):
+    """Layers of two windows (a global layer 0, a local layer 1 of window 8, as Gemma 3 mixes
+    them): each window's wrapper is planned with window_left W - 1 once a step, and the output
+    is the torch backend's with the window. A model of one window plans one wrapper a step."""
+    pool, table, inputs, q, k, v = _batch(seq_lens, extend_lens, 8, 2)
+    backend = fib.FlashInferAttentionBackend(pool, table)
+    for step in range(2):
+        backend.prepare(inputs)
+        for layer_id, window in ((0, 0), (1, 8), (0, 0), (1, 8)):  # two layers of each
+            ref = _reference(pool, table, inputs, q, k, v, layer_id, 0.1, window)
+            out = backend.forward(q, k, v, layer_id, 0.1, window=window)
+            assert (out.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+        planned = {w: wrapper for w, (wrapper, _) in backend._planned.items()}
+        assert planned.keys() == {0, 8} and planned[0] is not planned[8]
+        assert planned[0].window_left == -1 and planned[8].window_left == 7
+        assert [w.num_plans for w in planned.values()] == [step + 1] * 2
+    # the window hides keys: the local layer's output differs from the whole context's
+    ref_full = _reference(pool, table, inputs, q, k, v, 1, 0.1)
+    assert not torch.allclose(out.float(), ref_full, atol=1e-2)
+
+    backend = fib.FlashInferAttentionBackend(pool, table)
+    backend.prepare(inputs)
+    for layer_id in (0, 1):
+        backend.forward(q, k, v, layer_id, 0.1, window=8)
+    [(wrapper, _)] = backend._planned.values()
+    assert wrapper.num_plans == 1
+
+
+def test_graph_flow_with_two_windows_over_stand_in(fake_flashinfer):
+    """CUDA graphs: a wrapper per (batch size, window), each planned at warm-up and re-planned
+    by load_graph_inputs before every replay."""
+    from batchrun.attention.base import AttentionInputs
+
+    seq_lens = [5, 33, 17, 1, 60]
+    pool, table, filled, *_ = _batch(seq_lens, [1] * 5, 8, 2)
+    backend = fib.FlashInferAttentionBackend(pool, table)
+    backend.init_graph_buffers(4)
+    static = [torch.zeros(4, n, 64, dtype=torch.float16) for n in (8, 2, 2)]
+    backend.prepare_graph(4)
+    for layer_id, window in ((0, 0), (1, 16)):  # warm-up
+        backend.forward(*static, layer_id, 0.125, window=window)
+    assert backend._graph_wrappers.keys() == {(4, 0), (4, 16)}
+    rows = [1, 2, 3, 4]
+    rows_t = filled.req_pool_indices[rows]
+    lens = [seq_lens[i] for i in rows]
+    inputs = AttentionInputs(
+        req_pool_indices=rows_t,
+        seq_lens=torch.tensor(lens),
+        extend_lens=torch.ones(4, dtype=torch.int64),
+        out_cache_loc=torch.stack([table[r, s - 1] for r, s in zip(rows_t, lens)]).long(),
+        seq_lens_cpu=tuple(lens),
+        extend_lens_cpu=(1,) * 4,
+    )
+    gen = torch.Generator().manual_seed(1)
+    for t in static:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    backend.load_graph_inputs(inputs, 4)
+    assert [w.num_plans for w in backend._graph_wrappers.values()] == [2, 2]
+    for layer_id, window in ((0, 0), (1, 16)):  # "replay": no plan
+        out = backend.forward(*static, layer_id, 0.125, window=window)
+        ref = _reference(pool, table, inputs, *static, layer_id, 0.125, window)
+        assert (out.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    assert [w.num_plans for w in backend._graph_wrappers.values()] == [2, 2]

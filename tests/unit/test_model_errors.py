@@ -139,22 +139,32 @@ def test_unsupported_rope_type(model_dir, rope_keys):
 
 
 @pytest.mark.parametrize(
-    "arch, model_type, changes",
+    "arch, model_type, changes, windows",
     [
-        ("MistralForCausalLM", "mistral", {"sliding_window": 8}),
-        ("Qwen2ForCausalLM", "qwen2", {"sliding_window": 8, "use_sliding_window": True}),
-        ("LlamaForCausalLM", "llama", {"sliding_window": 8, "use_sliding_window": True}),
+        ("MistralForCausalLM", "mistral", {"sliding_window": 8}, (8, 8, 8)),
+        (
+            "Qwen2ForCausalLM",
+            "qwen2",
+            {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 2},
+            (0, 0, 8),
+        ),
+        # transformers' Llama has no window: the keys change nothing
+        ("LlamaForCausalLM", "llama", {"sliding_window": 8, "use_sliding_window": True}, ()),
     ],
 )
-def test_a_sliding_window_is_refused_not_ignored(model_dir, arch, model_type, changes):
-    """batchrun attends over the whole context: a model whose attention stops at a window gives
-    other tokens past it, so its config is refused at start-up, before weights load."""
+def test_a_window_in_use_runs(model_dir, arch, model_type, changes, windows):
     edit_config(model_dir, architectures=[arch], model_type=model_type, **changes)
+    eng = engine(model_dir)
+    assert eng.model_config.sliding_windows == windows
+    assert torch.isfinite(eng.score(list(range(3, 30)))).all()
+
+
+def test_a_window_that_is_not_a_count_is_refused(model_dir):
+    edit_config(model_dir, architectures=["MistralForCausalLM"], sliding_window=0)
     with pytest.raises(ModelConfigError) as e:
         engine(model_dir)
     msg = str(e.value)
-    assert str(model_dir / "config.json") in msg and "sliding_window 8" in msg
-    assert "supported: sliding_window null, or use_sliding_window false" in msg
+    assert str(model_dir / "config.json") in msg and "sliding_window 0 is not a positive" in msg
 
 
 @pytest.mark.parametrize(
