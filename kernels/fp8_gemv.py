@@ -76,6 +76,7 @@ class Fp8GemvConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 4
     fp8_dot: bool = True  # the dot on e4m3 operands; else both widened to fp16
+    fma: bool = False  # M = 1 only: the dot as fp32 multiply-adds (no tensor cores)
     amax_in_kernel: bool = True  # dynamic: each program reduces its rows' |max| (else row_amax)
 
 
@@ -107,8 +108,10 @@ def _quantize(x, sx, HW_CAST: tl.constexpr, FP8_DOT: tl.constexpr):
 
 
 @triton.jit
-def _mma8(acc, q, w, FP8_DOT: tl.constexpr):
-    if FP8_DOT:  # each tile's dot from zeros, summed in fp32 (no reduced-precision accumulator)
+def _mma8(acc, q, w, FP8_DOT: tl.constexpr, FMA: tl.constexpr):
+    if FMA:  # one row: [1, BLOCK_K] times [BLOCK_N, BLOCK_K], summed along K in fp32
+        acc = acc + tl.sum(q.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    elif FP8_DOT:  # each tile's dot from zeros, summed in fp32 (no reduced-precision accumulator)
         acc = acc + tl.dot(q, tl.trans(w))
     else:  # NOTE: one return statement (Triton 3.6 rejects returns of two types)
         acc = tl.dot(q, tl.trans(w.to(tl.float16)), acc)
@@ -116,8 +119,9 @@ def _mma8(acc, q, w, FP8_DOT: tl.constexpr):
 
 
 @triton.jit
-def _rows_amax(X, M, K, stride_xm, AMAX_M: tl.constexpr, AMAX_K: tl.constexpr):
-    """max |x[m, :]| for the rows m < M, as a [16] vector (zeros past M): [AMAX_M, AMAX_K]
+def _rows_amax(X, M, K, stride_xm, AMAX_M: tl.constexpr, AMAX_K: tl.constexpr,
+               ROWS: tl.constexpr):  # fmt: skip
+    """max |x[m, :]| for the rows m < M, as a [ROWS] vector (zeros past M): [AMAX_M, AMAX_K]
     tiles (AMAX_M the next power of two of M), so one row is read in few loads."""
     offs_r = tl.arange(0, AMAX_M)
     amax = tl.zeros([AMAX_M], dtype=tl.float32)
@@ -126,8 +130,8 @@ def _rows_amax(X, M, K, stride_xm, AMAX_M: tl.constexpr, AMAX_K: tl.constexpr):
         mask = (offs_r[:, None] < M) & (offs_k < K)[None, :]
         x = tl.load(X + offs_r[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-    # the [AMAX_M] maxima as the [16] rows of the dot's tiles
-    offs_m = tl.arange(0, 16)
+    # the [AMAX_M] maxima as the [ROWS] rows of the dot's tiles
+    offs_m = tl.arange(0, ROWS)
     pick = offs_m[:, None] == offs_r[None, :]
     return tl.max(tl.where(pick, amax[None, :], 0.0), axis=1)
 
@@ -158,12 +162,14 @@ def _fp8_gemv_kernel(
     AMAX_M: tl.constexpr,
     AMAX_K: tl.constexpr,
     FP8_DOT: tl.constexpr,
+    FMA: tl.constexpr,  # one row (ROWS 1), multiply-adds
+    ROWS: tl.constexpr,  # x's rows a tile holds: 16 (the tensor cores' padding), 1 with FMA
     HW_CAST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, 16)
+    offs_m = tl.arange(0, ROWS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
     up_rows = w_rows + up_offset  # SWIGLU: the up half's rows, N below
@@ -188,27 +194,27 @@ def _fp8_gemv_kernel(
         sx = tl.load(XS + offs_m * stride_xs, mask=in_m, other=1.0)
     else:
         if SCALE == 0:  # SCALE_AMAX_IN_KERNEL
-            amax = _rows_amax(X, M, K, stride_xm, AMAX_M, AMAX_K)
+            amax = _rows_amax(X, M, K, stride_xm, AMAX_M, AMAX_K, ROWS)
         else:  # SCALE_FROM_AMAX
             amax = tl.load(XS + offs_m * stride_xs, mask=in_m, other=0.0)
         # amax times fp32(1 / 448): how torch's CUDA division by a Python scalar computes it
         sx = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
 
     x = _quantize(_x_tile(X, offs_m, M, stride_xm, k_start, k_end, BLOCK_K), sx, HW_CAST, FP8_DOT)
-    acc = _mma8(tl.zeros([16, BLOCK_N], dtype=tl.float32), x, w, FP8_DOT)
-    acc_up = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc = _mma8(tl.zeros([ROWS, BLOCK_N], dtype=tl.float32), x, w, FP8_DOT, FMA)
+    acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     if SWIGLU:
-        acc_up = _mma8(acc_up, x, w_up, FP8_DOT)
+        acc_up = _mma8(acc_up, x, w_up, FP8_DOT, FMA)
     x = _x_tile(X, offs_m, M, stride_xm, k_start + BLOCK_K, k_end, BLOCK_K)
     x = _quantize(x, sx, HW_CAST, FP8_DOT)
-    acc = _mma8(acc, x, w2, FP8_DOT)
+    acc = _mma8(acc, x, w2, FP8_DOT, FMA)
     if SWIGLU:
-        acc_up = _mma8(acc_up, x, w2_up, FP8_DOT)
+        acc_up = _mma8(acc_up, x, w2_up, FP8_DOT, FMA)
     for k0 in range(k_start + 2 * BLOCK_K, k_end, BLOCK_K):
         x = _quantize(_x_tile(X, offs_m, M, stride_xm, k0, k_end, BLOCK_K), sx, HW_CAST, FP8_DOT)
-        acc = _mma8(acc, x, _w_tile(w_rows, in_n, k0, k_end, BLOCK_K), FP8_DOT)
+        acc = _mma8(acc, x, _w_tile(w_rows, in_n, k0, k_end, BLOCK_K), FP8_DOT, FMA)
         if SWIGLU:
-            acc_up = _mma8(acc_up, x, _w_tile(up_rows, in_n, k0, k_end, BLOCK_K), FP8_DOT)
+            acc_up = _mma8(acc_up, x, _w_tile(up_rows, in_n, k0, k_end, BLOCK_K), FP8_DOT, FMA)
 
     out = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     dtype = Y.dtype.element_ty
@@ -320,13 +326,15 @@ def fp8_gemv(
         if split_k == 1
         else torch.empty(split_k * m * n_rows, dtype=torch.float32, device=x.device)
     )
+    fma = cfg.fma and m == 1
     amax_m = triton.next_power_of_2(m)
     amax_k = min(max(AMAX_TILE // amax_m, 16), triton.next_power_of_2(k))
     _fp8_gemv_kernel[(tiles, split_k)](
         x, w, w_scale, xs, y, ws, counters, m, n, k, k_per_split, n * w.stride(0),
         x.stride(0), w.stride(0), y.stride(0), stride_xs,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu, SCALE=mode,
-        AMAX_M=amax_m, AMAX_K=amax_k, FP8_DOT=cfg.fp8_dot, HW_CAST=x.is_cuda,
+        AMAX_M=amax_m, AMAX_K=amax_k, FP8_DOT=cfg.fp8_dot, FMA=fma, ROWS=1 if fma else 16,
+        HW_CAST=x.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip
     return y

@@ -51,10 +51,14 @@ def sweep_configs(m: int, n: int, k: int, swiglu: bool):
         base._replace(fp8_dot=not base.fp8_dot),
         base._replace(amax_in_kernel=not base.amax_in_kernel),
     ]
+    # M = 1: the dot as multiply-adds too, each way
+    fmas = (False, True) if m == 1 else (False,)
     grid = [
-        base._replace(block_k=bk, split_k=sk)
-        for bk, sk in itertools.product((128, 256, 512), (1, 2, 4, 8))
-        if bk * sk <= k
+        base._replace(block_k=bk, split_k=sk, fp8_dot=dot, fma=fma)
+        for bk, sk, dot, fma in itertools.product(
+            (128, 256, 512), (1, 2, 4, 8), (True, False), fmas
+        )
+        if bk * sk <= k and not (fma and not dot)
     ]
     for cfg in flipped + grid:
         if cfg not in seen:

@@ -103,6 +103,8 @@ def _check_matmuls(gen):
         (16, 48, 200, Fp8GemvConfig(block_n=16, block_k=32, split_k=3, fp8_dot=False)),
         (2, 32, 4160, Fp8GemvConfig(block_n=32, block_k=512, split_k=4)),
         (16, 40, 1000, None),
+        (1, 64, 256, Fp8GemvConfig(block_k=64, fma=True)),
+        (1, 96, 320, Fp8GemvConfig(block_n=32, block_k=64, split_k=2, fma=True)),
     ]
     for m, n, k, cfg in cases:
         w, sw = _weights(n, k, gen)
@@ -118,7 +120,12 @@ def _check_matmuls(gen):
         _check(fp8_gemv(x, w, sw, s, config=cfg), _reference(x, w, sw, s), what + " static")
         xb = x.bfloat16()
         _check(fp8_gemv(xb, w, sw, config=cfg), _reference(xb, w, sw), what + " bf16", 0.0)
-    for m, cfg in ((1, None), (5, Fp8GemvConfig(block_n=16, block_k=64, split_k=2))):
+    swiglu_cases = (
+        (1, None),
+        (5, Fp8GemvConfig(block_n=16, block_k=64, split_k=2)),
+        (1, Fp8GemvConfig(block_n=16, block_k=64, fma=True)),
+    )
+    for m, cfg in swiglu_cases:
         w, sw = _weights(2 * 48, 256, gen)
         x = torch.randn(m, 256, generator=gen).half()
         ref = _reference(x, w, sw, swiglu=True)
