@@ -10,6 +10,7 @@ from typing import Any
 
 from batchrun.errors import ModelConfigError
 from batchrun.models.moe_config import MoeConfig, parse_moe
+from batchrun.models.rope_config import canonical_rope_type, longrope_parameters, rotary_dim
 from batchrun.quant.formats import Scheme, parse_quant_config
 
 # architecture name in config.json -> (qkv bias by default, q/k RMSNorm)
@@ -22,7 +23,13 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen2MoeForCausalLM": (True, False),
     "Qwen3MoeForCausalLM": (False, True),
     "MixtralForCausalLM": (False, False),
+    # Phi-3 / Phi-4: checkpoints with fused qkv_proj and gate_up_proj (loader.py), partial
+    # rotary and LongRoPE (rope_config.py)
+    "Phi3ForCausalLM": (False, False),
 }
+# architectures whose layers have no biases, whatever attention_bias / mlp_bias say
+# (transformers' Phi3Attention and Phi3MLP)
+NO_BIAS = frozenset({"Phi3ForCausalLM"})
 # architectures whose attention_bias also gives o_proj a bias (transformers' modeling files);
 # the others' attention_bias is on q, k and v only
 O_PROJ_BIAS = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
@@ -36,10 +43,11 @@ MODEL_TYPES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # architectures that attend within a sliding window unless config.json says otherwise
-WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
 REQUIRED_FIELDS = (
     "vocab_size",
     "hidden_size",
@@ -79,6 +87,13 @@ class ModelConfig:
     # each layer's sliding window (attention over the last W positions; 0: the whole context);
     # empty: every layer attends over the whole context
     sliding_windows: tuple[int, ...] = ()
+    # the dims of each head that rotate, the first ones (head_dim * partial_rotary_factor); 0:
+    # the whole head
+    partial_rotary_dim: int = 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.partial_rotary_dim or self.head_dim
 
     def window(self, layer_id: int) -> int:
         """Layer layer_id's sliding window, 0 for the whole context."""
@@ -107,16 +122,22 @@ class ModelConfig:
         default_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
-        rope = _rope_parameters(raw, source)
+        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        rope = _rope_parameters(raw, arch, source)
+        rotary = rotary_dim(raw, rope, arch, head_dim, source)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         max_pos = int(raw.get("max_position_embeddings", 4096))
+        if rope["rope_type"] == "longrope":
+            rope = longrope_parameters(raw, rope, arch, rotary, max_pos, source)
         # batchrun attends over the whole context: a window changes every token past it (a
         # tiny Mistral with sliding_window 8 gives none of 8 greedy texts of transformers on
         # longer prompts), so a window in use is refused. Mistral uses its window unless it is
         # null; Qwen2 and Llama configs only with use_sliding_window
+        # NOTE: a window of max_position_embeddings or more (Phi-3-medium-128k's 131072, Phi-4-
+        # mini's 262144) leaves out no key of a sequence that fits the model
         window = raw.get("sliding_window")
-        if window and raw.get("use_sliding_window", arch in WINDOWED):
+        if window and window < max_pos and raw.get("use_sliding_window", arch in WINDOWED):
             raise ModelConfigError(
                 f"{source}: sliding_window {window} (attention over the last {window} tokens "
                 "only) is not supported: batchrun attends over the whole context, which gives "
@@ -133,6 +154,7 @@ class ModelConfig:
             )
         # NOTE: transformers 5 writes Qwen2-MoE's qkv bias as qkv_bias
         bias = raw.get("attention_bias", raw.get("qkv_bias", default_bias))
+        bias = bias and arch not in NO_BIAS
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -141,7 +163,7 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             max_position_embeddings=max_pos,
@@ -149,13 +171,14 @@ class ModelConfig:
             qkv_bias=bool(bias),
             o_bias=bool(bias) and arch in O_PROJ_BIAS,
             qk_norm=qk_norm,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)) and arch not in NO_BIAS,
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             quantization=quantization,
             moe=moe,
+            partial_rotary_dim=rotary if rotary != head_dim else 0,
         )
 
     @classmethod
@@ -189,7 +212,7 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
             f"{source}: unsupported architecture: the file has {_what_it_has(raw)}; batchrun "
             f"supports the architectures {', '.join(SUPPORTED_ARCHITECTURES)}, or with no "
             f"architectures the model_type {', '.join(MODEL_TYPES)} (Llama 2/3/3.x, Mistral, "
-            "Qwen2/2.5, Qwen3, SmolLM, Qwen3-MoE, Qwen1.5/2-MoE, Mixtral)"
+            "Qwen2/2.5, Qwen3, SmolLM, Qwen3-MoE, Qwen1.5/2-MoE, Mixtral, Phi-3, Phi-4)"
         )
     return arch
 
@@ -203,7 +226,7 @@ def _what_it_has(raw: dict[str, Any]) -> str:
     return " and ".join(has) or "neither architectures nor model_type"
 
 
-def _rope_parameters(raw: dict[str, Any], source: str) -> dict[str, Any]:
+def _rope_parameters(raw: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
     """Merge the transformers 4 (`rope_theta` + `rope_scaling`) and 5 (`rope_parameters`) forms."""
     params: dict[str, Any] = {}
     if "rope_theta" in raw:
@@ -212,7 +235,7 @@ def _rope_parameters(raw: dict[str, Any], source: str) -> dict[str, Any]:
         if isinstance(raw.get(key), dict):
             params.update(raw[key])
     rope_type = params.pop("type", None) or params.get("rope_type") or "default"
-    params["rope_type"] = rope_type
+    params["rope_type"] = rope_type = canonical_rope_type(rope_type, arch)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"{source}: rope type {rope_type!r} is not supported; "
