@@ -29,7 +29,7 @@ import torch
 
 from batchrun.config import KernelConfig
 from batchrun.errors import ModelConfigError, WeightLoadError
-from batchrun.layers.rotary import RotaryEmbedding
+from batchrun.layers.rotary import RotaryEmbedding, uses_long_factors
 from batchrun.models.checkpoint import Checkpoint, safetensors_files
 from batchrun.models.config import ModelConfig
 from batchrun.models.dummy import init_dummy_
@@ -87,6 +87,15 @@ def build_model(
                 param.narrow(spec.dim, spec.local_len, pad).zero_()
     # meta construction left the rotary tables empty: build them for real
     model.rotary = RotaryEmbedding.for_model(cfg, max_positions, device, model.kernels)
+    scaling = cfg.rope_scaling
+    if scaling.get("rope_type") == "longrope":
+        original = scaling["original_max_position_embeddings"]
+        which = "long" if uses_long_factors(scaling, max_positions) else "short"
+        log.info(
+            "LongRoPE: the %s factors for every request (context %d, "
+            "original_max_position_embeddings %d; layers/rotary.py says why)",
+            which, max_positions, original,
+        )  # fmt: skip
     return model
 
 
