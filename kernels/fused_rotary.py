@@ -4,6 +4,11 @@ token covers all of its q and k heads.
     x = [x1 | x2] (halves of D), c = cos_cache[pos].to(dtype), s = sin_cache[pos].to(dtype)
     out = [x1 * c1 - x2 * s1 | x2 * c2 + x1 * s2]
 
+Partial rotary (Phi-3 / Phi-4: cos_cache [P, R] with R < D): x1, x2 are the halves of the first
+R dims, which rotate in place; dims [R, D) are left as they are. kernels/rotary_kv_store.py and
+the decode kernel's rotary (kernels/decode_attention.py) rotate whole heads only:
+KVPool.fuses_rotary sends a partial-rotary model to this kernel and a store apart.
+
 Numerics are those of `batchrun.layers.rotary._apply_rotary` (HF transformers): every product
 and the sum are rounded to the activation dtype, as torch's unfused elementwise ops round each
 result. ROUNDING: the kernels are compiled with `enable_fp_fusion=False`. With FMA contraction
@@ -127,15 +132,16 @@ def _rotary_kernel(
     _rotate_heads(k_ptr, stride_kh, num_k_heads, c1, s1, c2, s2, offs_d, mask_d, HALF, BLOCK_HK)
 
 
-def check_cos_sin(cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int) -> None:
-    assert cos_cache.shape[1] == head_dim and sin_cache.shape == cos_cache.shape
+def check_cos_sin(cos_cache: torch.Tensor, sin_cache: torch.Tensor, width: int) -> None:
+    """cos/sin tables [P, width], unit stride along the width."""
+    assert cos_cache.shape[1] == width and sin_cache.shape == cos_cache.shape
     assert cos_cache.stride(1) == 1 and sin_cache.stride(1) == 1
 
 
-def rotary_launch_options(num_q_heads: int, num_k_heads: int, head_dim: int) -> dict:
+def rotary_launch_options(num_q_heads: int, num_k_heads: int, rotary_dim: int) -> dict:
     """The constexprs and options of a launch that rotates one token a program (this module's
-    kernel and kernels/rotary_kv_store.py's)."""
-    half = head_dim // 2
+    kernel and kernels/rotary_kv_store.py's), rotating the first rotary_dim dims of a head."""
+    half = rotary_dim // 2
     block_hq, block_half = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(half)
     return dict(
         HALF=half,
@@ -151,17 +157,18 @@ def apply_rotary_(
     q: torch.Tensor,  # [T, H, D], unit stride along D; rotated in place
     k: torch.Tensor,  # [T, KV, D], same dtype; rotated in place
     positions: torch.Tensor,  # [T] int64
-    cos_cache: torch.Tensor,  # [P, D] fp32
-    sin_cache: torch.Tensor,  # [P, D] fp32
+    cos_cache: torch.Tensor,  # [P, R] fp32, R <= D: the first R dims of each head rotate
+    sin_cache: torch.Tensor,  # [P, R] fp32
     *,
     pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
+    rotary_dim = cos_cache.shape[1]
     assert k.shape == (num_tokens, num_k_heads, head_dim) and k.dtype == q.dtype
-    assert head_dim % 2 == 0 and positions.shape == (num_tokens,)
+    assert rotary_dim % 2 == 0 and rotary_dim <= head_dim and positions.shape == (num_tokens,)
     assert q.stride(2) == 1 and k.stride(2) == 1
-    check_cos_sin(cos_cache, sin_cache, head_dim)
+    check_cos_sin(cos_cache, sin_cache, rotary_dim)
     if num_tokens == 0:
         return
     launch = pdl_launch_kwargs(pdl, q)
@@ -179,6 +186,6 @@ def apply_rotary_(
         sin_cache.stride(0),
         num_q_heads,
         num_k_heads,
-        **rotary_launch_options(num_q_heads, num_k_heads, head_dim),
+        **rotary_launch_options(num_q_heads, num_k_heads, rotary_dim),
         **launch,
     )

@@ -1,4 +1,4 @@
-"""Compile batchrun's quantization, MoE and attention kernels for a GPU target on a machine
+"""Compile batchrun's quantization, MoE, attention and rotary kernels for a GPU target on a machine
 without that GPU (or any GPU): each kernel's Python wrapper runs on CPU tensors, and every launch
 compiles for the target (Triton front end, LLVM, ptxas) without running. Run it with the Triton
 version of the GPU machine, which may reject code a newer Triton accepts (a module-level float
@@ -16,6 +16,7 @@ numbers are not checked here: tests/gpu does that on the GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import subprocess
 import sys
 import tempfile
@@ -126,6 +127,7 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             int4_matmul.int4_matmul(x, sliced))))  # fmt: skip
     out += _moe_cases()
     out += _attention_cases()
+    out += _rotary_cases()
     return out
 
 
@@ -172,6 +174,21 @@ def _attention_cases() -> list[tuple[str, Callable[[], object]]]:
             )  # fmt: skip
 
         out.append((f"extend_attention window={window}", extend))
+    return out
+
+
+def _rotary_cases() -> list[tuple[str, Callable[[], object]]]:
+    """The in-place rotary over whole heads (llama-8b) and over the first 96 of 128 dims
+    (Phi-4-mini's partial rotary: 24 q heads, 8 KV heads)."""
+    from batchrun.kernels.fused_rotary import apply_rotary_
+
+    out = []
+    for name, heads, kv_heads, rotary_dim in (("llama-8b", 32, 8, 128), ("phi-4-mini", 24, 8, 96)):
+        q = torch.randn(4, heads, 128, dtype=torch.bfloat16)
+        k = torch.randn(4, kv_heads, 128, dtype=torch.bfloat16)
+        cos = torch.rand(64, rotary_dim)  # cos and sin alike: only the compile is checked
+        call = functools.partial(apply_rotary_, q, k, torch.arange(4), cos, cos, pdl=True)
+        out.append((f"fused_rotary {name} rotary_dim={rotary_dim}", call))
     return out
 
 

@@ -82,7 +82,40 @@ def make_hf_config(kind: str):
         return transformers.LlamaConfig(**{**COMMON, "tie_word_embeddings": True})
     if kind in MOE_KINDS:
         return make_moe_config(kind)
+    if kind in PHI3_KINDS:
+        return make_phi3_config(kind)
     raise ValueError(kind)
+
+
+# Phi-3 / Phi-4: fused qkv_proj / gate_up_proj, half of each head rotating (head_dim 16, rotary
+# dim 8: 4 LongRoPE factors), LongRoPE with max_position_embeddings 512 over the original
+# (attention factor sqrt(1 + ln(512 / original) / ln original)). "phi3": original 128, for an
+# engine whose context is at most 128 (the short factors); "phi3-long": original 16, for the long
+# factors (a context of 512)
+PHI3_KINDS = ("phi3", "phi3-long")
+PHI3_SHORT_FACTOR = [1.0, 1.25, 2.5, 4.0]
+PHI3_LONG_FACTOR = [1.5, 3.0, 7.0, 16.0]
+
+
+def make_phi3_config(kind: str, **changes):
+    import transformers
+
+    original = {"phi3": 128, "phi3-long": 16}[kind]
+    return transformers.Phi3Config(
+        **{
+            **COMMON,
+            "original_max_position_embeddings": original,
+            "partial_rotary_factor": 0.5,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": PHI3_SHORT_FACTOR,
+                "long_factor": PHI3_LONG_FACTOR,
+            },
+            "rope_theta": 10000.0,
+            "sliding_window": None,
+            **changes,
+        }
+    )
 
 
 # mixtures of experts: one dense layer among MoE ones (qwen3_moe), a shared expert and an odd

@@ -117,6 +117,8 @@ class KVPool:
             and q.dtype == k.dtype
             and q.stride(-1) == 1
             and positions.device == q.device
+            # NOTE: a partial-rotary model's table (Phi-3 / Phi-4) is narrower than the head:
+            # the fused kernels rotate whole heads, so it rotates in place, then stores
             and rotary.cos_cache.shape[-1] == q.shape[-1]
         )
 

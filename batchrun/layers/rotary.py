@@ -1,4 +1,21 @@
-"""Rotary position embedding (neox, rotate-half) with default, linear and llama3 scaling."""
+"""Rotary position embedding (neox, rotate-half) with default, linear, llama3 and LongRoPE scaling,
+over the whole head or its first `rotary_dim` dims (partial rotary: Phi-3 / Phi-4), the rest
+passing through.
+
+LongRoPE (Phi-3 / Phi-4): transformers picks the short factors while a sequence is at most
+original_max_position_embeddings long and the long ones past it, and when a sequence grows past
+that length it drops its KV cache and computes every position again with the long factors.
+batchrun picks one set for the whole run, from the context it serves (max_positions, the
+engine's context_len): the short factors when no request can be longer than
+original_max_position_embeddings, else the long ones for every request, short ones included.
+A request that crosses that length thus keeps one set of factors from its first token to its
+last, and its KV never mixes the two (keys rotated with short factors attended by queries
+rotated with long ones, what a per-token or per-step choice gives). The cos/sin tables stay one
+static pair, which CUDA graphs, the fused kernels and the prefix cache (whose KV any request may
+reuse) need. The cost: with a context beyond original_max_position_embeddings a short request
+runs with the long factors, where transformers uses the short ones; an engine whose context_len
+is at most original_max_position_embeddings gives transformers' tokens for every request. This
+is vLLM's choice too (by its max_model_len)."""
 
 from __future__ import annotations
 
@@ -15,12 +32,25 @@ except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is
     apply_rotary_ = None
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in fp32, with llama3 / linear scaling applied."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+def uses_long_factors(scaling: dict, max_positions: int) -> bool:
+    """Whether a LongRoPE model serving contexts of max_positions takes the long factors."""
+    return max_positions > int(scaling["original_max_position_embeddings"])
+
+
+def rope_inv_freq(
+    rotary_dim: int, theta: float, scaling: dict, max_positions: int = 0
+) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim // 2] in fp32, with llama3 / linear / LongRoPE scaling
+    applied (LongRoPE's factors picked by max_positions: the module docstring)."""
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     inv_freq = 1.0 / (theta**exponent)
     rope_type = scaling.get("rope_type", "default")
-    if rope_type == "linear":
+    if rope_type == "longrope":
+        key = "long_factor" if uses_long_factors(scaling, max_positions) else "short_factor"
+        ext = torch.tensor(scaling[key], dtype=torch.float32)
+        # NOTE: 1 / (ext * theta**exponent), transformers' order of operations (same bits)
+        inv_freq = 1.0 / (ext * theta**exponent)
+    elif rope_type == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif rope_type == "llama3":
         factor = float(scaling["factor"])
@@ -38,11 +68,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) rotary embedding with a cos/sin table indexed by position."""
+    """Neox-style (rotate-half) rotary embedding with a cos/sin table [P, rotary_dim] indexed by
+    position; the dims of a head past rotary_dim pass through."""
 
     def __init__(
         self,
-        head_dim: int,
+        rotary_dim: int,
         max_positions: int,
         theta: float,
         scaling: dict,
@@ -51,12 +82,20 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         self.kernels = kernels or KernelConfig.reference()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.rotary_dim = rotary_dim
+        inv_freq = rope_inv_freq(rotary_dim, theta, scaling, max_positions)
         pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)  # [P, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        self.register_buffer("cos_cache", emb.cos().to(device), persistent=False)
-        self.register_buffer("sin_cache", emb.sin().to(device), persistent=False)
+        freqs = torch.outer(pos, inv_freq)  # [P, R/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, R]
+        # LongRoPE scales cos and sin (in fp32, before the cast to the activation dtype)
+        scale = float(scaling.get("attention_factor", 1.0))
+        self.register_buffer("cos_cache", (emb.cos() * scale).to(device), persistent=False)
+        self.register_buffer("sin_cache", (emb.sin() * scale).to(device), persistent=False)
+
+    @classmethod
+    def for_model(cls, cfg, max_positions: int, device, kernels: KernelConfig | None = None):
+        """The rotary of ModelConfig `cfg` for contexts of up to max_positions."""
+        return cls(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device, kernels)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -64,16 +103,20 @@ class RotaryEmbedding(nn.Module):
         """Rotated (q, k). With the Triton kernels one kernel rotates q and k in place (strided
         views allowed) and returns them; else new tensors.
         """
-        # q: [T, H, D], k: [T, KV, D], positions: [T]
+        # q: [T, H, D], k: [T, KV, D], positions: [T]; the first R = rotary_dim of D rotate
         if self.kernels.triton_ops:
             apply_rotary_(q, k, positions, self.cos_cache, self.sin_cache, pdl=self.kernels.pdl)
             return q, k
-        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D] fp32
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, R] fp32
         sin = self.sin_cache[positions].unsqueeze(1)
         return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:  # partial rotary: the dims past rotary_dim pass through
+        rotated = _apply_rotary(x[..., :rotary_dim], cos, sin)
+        return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     # NOTE: HF multiplies in the activation dtype with cos/sin cast to it; do the same.

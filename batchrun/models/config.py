@@ -10,6 +10,7 @@ from typing import Any
 
 from batchrun.errors import ModelConfigError
 from batchrun.models.moe_config import MoeConfig, parse_moe
+from batchrun.models.rope_config import canonical_rope_type, longrope_parameters, rotary_dim
 from batchrun.quant.formats import Scheme, parse_quant_config
 
 # architecture name in config.json -> (qkv bias by default, q/k RMSNorm)
@@ -22,7 +23,13 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen2MoeForCausalLM": (True, False),
     "Qwen3MoeForCausalLM": (False, True),
     "MixtralForCausalLM": (False, False),
+    # Phi-3 / Phi-4: checkpoints with fused qkv_proj and gate_up_proj (loader.py), partial
+    # rotary and LongRoPE (rope_config.py)
+    "Phi3ForCausalLM": (False, False),
 }
+# architectures whose layers have no biases, whatever attention_bias / mlp_bias say
+# (transformers' Phi3Attention and Phi3MLP)
+NO_BIAS = frozenset({"Phi3ForCausalLM"})
 # architectures whose attention_bias also gives o_proj a bias (transformers' modeling files);
 # the others' attention_bias is on q, k and v only
 O_PROJ_BIAS = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
@@ -36,9 +43,10 @@ MODEL_TYPES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # architectures whose every layer attends within config.json's sliding_window unless it is null
-WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")
+WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 # architectures with a window only where use_sliding_window is true (_sliding_windows says on
 # which layers)
 WINDOW_IF_USED = (
@@ -47,7 +55,7 @@ WINDOW_IF_USED = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
 REQUIRED_FIELDS = (
     "vocab_size",
     "hidden_size",
@@ -87,6 +95,13 @@ class ModelConfig:
     # each layer's sliding window (attention over the last W positions; 0: the whole context);
     # empty: every layer attends over the whole context
     sliding_windows: tuple[int, ...] = ()
+    # the dims of each head that rotate, the first ones (head_dim * partial_rotary_factor); 0:
+    # the whole head
+    partial_rotary_dim: int = 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.partial_rotary_dim or self.head_dim
 
     def window(self, layer_id: int) -> int:
         """Layer layer_id's sliding window, 0 for the whole context."""
@@ -115,12 +130,16 @@ class ModelConfig:
         default_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
-        rope = _rope_parameters(raw, source)
+        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        rope = _rope_parameters(raw, arch, source)
+        rotary = rotary_dim(raw, rope, arch, head_dim, source)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         max_pos = int(raw.get("max_position_embeddings", 4096))
+        if rope["rope_type"] == "longrope":
+            rope = longrope_parameters(raw, rope, arch, rotary, max_pos, source)
         num_layers = int(raw["num_hidden_layers"])
-        windows = _sliding_windows(raw, arch, num_layers, source)
+        windows = _sliding_windows(raw, arch, num_layers, max_pos, source)
         moe = parse_moe(raw, arch, num_layers, source)
         quantization = parse_quant_config(raw, source)
         if moe is not None and quantization is not None:
@@ -130,6 +149,7 @@ class ModelConfig:
             )
         # NOTE: transformers 5 writes Qwen2-MoE's qkv bias as qkv_bias
         bias = raw.get("attention_bias", raw.get("qkv_bias", default_bias))
+        bias = bias and arch not in NO_BIAS
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -138,7 +158,7 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             max_position_embeddings=max_pos,
@@ -146,7 +166,7 @@ class ModelConfig:
             qkv_bias=bool(bias),
             o_bias=bool(bias) and arch in O_PROJ_BIAS,
             qk_norm=qk_norm,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)) and arch not in NO_BIAS,
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
@@ -154,6 +174,7 @@ class ModelConfig:
             quantization=quantization,
             moe=moe,
             sliding_windows=windows,
+            partial_rotary_dim=rotary if rotary != head_dim else 0,
         )
 
     @classmethod
@@ -187,22 +208,27 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
             f"{source}: unsupported architecture: the file has {_what_it_has(raw)}; batchrun "
             f"supports the architectures {', '.join(SUPPORTED_ARCHITECTURES)}, or with no "
             f"architectures the model_type {', '.join(MODEL_TYPES)} (Llama 2/3/3.x, Mistral, "
-            "Qwen2/2.5, Qwen3, SmolLM, Qwen3-MoE, Qwen1.5/2-MoE, Mixtral)"
+            "Qwen2/2.5, Qwen3, SmolLM, Qwen3-MoE, Qwen1.5/2-MoE, Mixtral, Phi-3, Phi-4)"
         )
     return arch
 
 
 def _sliding_windows(
-    raw: dict[str, Any], arch: str, num_layers: int, source: str
+    raw: dict[str, Any], arch: str, num_layers: int, max_pos: int, source: str
 ) -> tuple[int, ...]:
     """Each layer's sliding window as transformers' modeling files apply config.json (empty:
     none anywhere). Mistral and Mixtral: sliding_window on every layer unless it is null. The
     Qwen architectures only with use_sliding_window true: the layers its layer_types names
     "sliding_attention" (transformers 5 writes them), else Qwen2 / Qwen3 the layers at index
     >= max_window_layers, Qwen2-MoE the even layers below max_window_layers, Qwen3-MoE every
-    layer. Llama has no window (transformers ignores the keys there)."""
-    # NOTE: transformers' default where config.json lacks the key: 4096, Mixtral's null
-    window = raw.get("sliding_window", None if arch == "MixtralForCausalLM" else 4096)
+    layer. Phi-3: sliding_window on every layer unless it is null. Llama has no window
+    (transformers ignores the keys there). A window of max_position_embeddings or more
+    (Phi-3-medium-128k's 131072, Phi-4-mini's 262144) leaves out no key of a sequence that fits
+    the model: none."""
+    # NOTE: transformers' default where config.json lacks the key: 4096, Mixtral's and Phi-3's
+    # null
+    no_default = ("MixtralForCausalLM", "Phi3ForCausalLM")
+    window = raw.get("sliding_window", None if arch in no_default else 4096)
     if arch in WINDOWED:
         used = window is not None
     else:
@@ -214,6 +240,8 @@ def _sliding_windows(
             f"{source}: sliding_window {window!r} is not a positive whole number of tokens; "
             "supported: a window of 1 or more, or null for none"
         )
+    if window >= max_pos:
+        return ()
     max_window_layers = int(raw.get("max_window_layers", 28))
     layer_types = raw.get("layer_types")
     if arch in WINDOW_IF_USED and arch != "Qwen3MoeForCausalLM" and layer_types is not None:
@@ -243,7 +271,7 @@ def _what_it_has(raw: dict[str, Any]) -> str:
     return " and ".join(has) or "neither architectures nor model_type"
 
 
-def _rope_parameters(raw: dict[str, Any], source: str) -> dict[str, Any]:
+def _rope_parameters(raw: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
     """Merge the transformers 4 (`rope_theta` + `rope_scaling`) and 5 (`rope_parameters`) forms."""
     params: dict[str, Any] = {}
     if "rope_theta" in raw:
@@ -252,7 +280,7 @@ def _rope_parameters(raw: dict[str, Any], source: str) -> dict[str, Any]:
         if isinstance(raw.get(key), dict):
             params.update(raw[key])
     rope_type = params.pop("type", None) or params.get("rope_type") or "default"
-    params["rope_type"] = rope_type
+    params["rope_type"] = rope_type = canonical_rope_type(rope_type, arch)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"{source}: rope type {rope_type!r} is not supported; "

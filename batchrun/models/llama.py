@@ -1,8 +1,9 @@
 """One Llama-family decoder for Llama 2/3/3.x, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm),
-SmolLM2 (tied embeddings), and the mixtures of experts Qwen3-MoE, Qwen2-MoE (a shared expert) and
-Mixtral, whose MoE layers' MLP is batchrun/layers/moe.py's block. Fused QKV and gate/up
-projections; tokens of all requests are flattened into one [T, hidden] batch and attention goes
-through an `AttentionBackend`.
+SmolLM2 (tied embeddings), Phi-3 / Phi-4 (partial rotary, LongRoPE: layers/rotary.py), and the
+mixtures of experts Qwen3-MoE, Qwen2-MoE (a shared expert) and Mixtral, whose MoE layers' MLP is
+batchrun/layers/moe.py's block. Fused QKV and gate/up projections (Phi-3's checkpoints ship them
+fused, the others' are fused at load: models/loader.py); tokens of all requests are flattened
+into one [T, hidden] batch and attention goes through an `AttentionBackend`.
 
 Tensor parallel (`tp`, see batchrun/parallel): each rank holds its q/kv heads and MLP columns
 (column-parallel qkv and gate_up, row-parallel o_proj and down_proj, one all-reduce after each)
@@ -372,13 +373,8 @@ class LlamaForCausalLM(nn.Module):
                 cfg.hidden_size, vocab, part.vocab_per_rank, False, dtype, device, kernels
             )
         )
-        self.rotary = RotaryEmbedding(
-            cfg.head_dim,
-            max_positions or cfg.max_position_embeddings,
-            cfg.rope_theta,
-            cfg.rope_scaling,
-            device,
-            kernels,
+        self.rotary = RotaryEmbedding.for_model(
+            cfg, max_positions or cfg.max_position_embeddings, device, kernels
         )
 
     @property

@@ -6,8 +6,11 @@ HF checkpoint names map onto our fused parameters:
     mlp.shared_expert.{gate,up}_proj -> mlp.shared_expert.gate_up_proj (Qwen2-MoE)
     block_sparse_moe.*      -> mlp.* (Mixtral's MoE block)
     *.experts.{e}.*         -> mlp.w13, mlp.w2, stacked by models/moe_weights.py
+    self_attn.qkv_proj, mlp.gate_up_proj (Phi-3 / Phi-4 ship them fused, in our row order)
+                            -> the same parameters, whole
 
-Those offsets are in the full (TP=1) tensor. Under tensor parallelism a parameter holds a slice
+Those offsets are in the full (TP=1) tensor; a fused checkpoint tensor covers all of its
+parameter's rows. Under tensor parallelism a parameter holds a slice
 of it (its ShardSpec, batchrun/parallel/partition.py): each rank reads only the rows or columns
 of each checkpoint tensor that fall in its slice (safetensors slices, no full tensor in memory),
 and dummy weights are drawn full size and sliced, so TP=N gets TP=1's weights.
@@ -25,8 +28,8 @@ from pathlib import Path
 import torch
 
 from batchrun.config import KernelConfig
-from batchrun.errors import WeightLoadError
-from batchrun.layers.rotary import RotaryEmbedding
+from batchrun.errors import ModelConfigError, WeightLoadError
+from batchrun.layers.rotary import RotaryEmbedding, uses_long_factors
 from batchrun.models.checkpoint import Checkpoint, safetensors_files
 from batchrun.models.config import ModelConfig
 from batchrun.models.dummy import init_dummy_
@@ -50,6 +53,9 @@ log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = ("rotary_emb.inv_freq",)
+# architectures whose checkpoints hold qkv_proj and gate_up_proj fused (what the quantized
+# linears, read from separate q / k / v and gate / up, do not cover)
+FUSED_CHECKPOINTS = frozenset({"Phi3ForCausalLM"})
 # safetensors dtypes of plain weights; anything else (F8_E4M3, I32, U8) is a quantized tensor
 _PLAIN_DTYPES = ("F64", "F32", "F16", "BF16")
 
@@ -64,6 +70,12 @@ def build_model(
 ) -> LlamaForCausalLM:
     """An uninitialized model on `device` (no time spent on random init of real weights), but
     for the vocabulary padding of the last TP rank, which is zeroed."""
+    if cfg.quantization is not None and cfg.architecture in FUSED_CHECKPOINTS:
+        raise ModelConfigError(
+            f"{cfg.architecture} with quantization ({cfg.quantization.describe()}) is not "
+            "supported: its checkpoint's fused qkv_proj / gate_up_proj linears are read as "
+            "plain bf16 / fp16 / fp32 weights only"
+        )
     model = LlamaForCausalLM(cfg, dtype, "meta", max_positions, tp, kernels)
     model.to_empty(device=device)
     params = dict(model.named_parameters())
@@ -74,9 +86,16 @@ def build_model(
             if pad:
                 param.narrow(spec.dim, spec.local_len, pad).zero_()
     # meta construction left the rotary tables empty: build them for real
-    model.rotary = RotaryEmbedding(
-        cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device, model.kernels
-    )
+    model.rotary = RotaryEmbedding.for_model(cfg, max_positions, device, model.kernels)
+    scaling = cfg.rope_scaling
+    if scaling.get("rope_type") == "longrope":
+        original = scaling["original_max_position_embeddings"]
+        which = "long" if uses_long_factors(scaling, max_positions) else "short"
+        log.info(
+            "LongRoPE: the %s factors for every request (context %d, "
+            "original_max_position_embeddings %d; layers/rotary.py says why)",
+            which, max_positions, original,
+        )  # fmt: skip
     return model
 
 

@@ -1,9 +1,10 @@
 """Tensor parallel on the CPU: TP=2 over gloo (two processes) gives TP=1's greedy tokens and,
 within fp32 noise, its logits, for each way a model can split: KV heads divided between ranks
 (llama), one KV head replicated on both with tied embeddings and a vocabulary that does not
-divide by 2 (mqa_tied: padding on rank 1), qkv bias (qwen2), q/k norm (qwen3), and the mixtures
-of experts (every expert split along its width, the router replicated; qwen2_moe's shared expert
-summed into the experts' one all-reduce)."""
+divide by 2 (mqa_tied: padding on rank 1), qkv bias (qwen2), q/k norm (qwen3), Phi-3's fused
+qkv_proj / gate_up_proj checkpoint tensors (each rank reads its q, k, v rows and its gate and up
+rows of one tensor), and the mixtures of experts (every expert split along its width, the router
+replicated; qwen2_moe's shared expert summed into the experts' one all-reduce)."""
 
 from __future__ import annotations
 
@@ -80,7 +81,17 @@ def llama_dir(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize(
     "kind",
-    ["llama", "mqa_tied", "qwen2", "qwen3", "llama-bias", "qwen3_moe", "qwen2_moe", "mixtral"],
+    [
+        "llama",
+        "mqa_tied",
+        "qwen2",
+        "qwen3",
+        "llama-bias",
+        "phi3",
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+    ],
 )
 def test_tp2_matches_tp1(kind, tmp_path, llama_dir):
     model_dir = llama_dir if kind == "llama" else make_model(kind, tmp_path / kind)

@@ -1,0 +1,103 @@
+"""The rotary settings of a config.json beyond the rope type: how many dims of a head rotate
+(`partial_rotary_factor`) and LongRoPE's parameters (Phi-3 / Phi-4), read as transformers 5
+reads them (`modeling_rope_utils.py`, `Phi3Config`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from batchrun.errors import ModelConfigError
+
+# architectures whose attention rotates only the first head_dim * partial_rotary_factor dims
+# (transformers' Phi3 apply_rotary_pos_emb); the others rotate the whole head, whatever the field
+PARTIAL_ROTARY = frozenset({"Phi3ForCausalLM"})
+# older names of rope types -> the name batchrun runs: "su" is Phi-3's first name for LongRoPE;
+# transformers' Phi3Config reads "yarn" as LongRoPE too
+ROPE_ALIASES = {"su": "longrope"}
+PHI3_ALIASES = {"su": "longrope", "yarn": "longrope"}
+# Phi3Config's original_max_position_embeddings when config.json has none
+PHI3_ORIGINAL_MAX_POSITIONS = 4096
+
+
+def canonical_rope_type(rope_type: str, arch: str) -> str:
+    aliases = PHI3_ALIASES if arch == "Phi3ForCausalLM" else ROPE_ALIASES
+    return aliases.get(rope_type, rope_type)
+
+
+def rotary_dim(
+    raw: dict[str, Any], rope: dict[str, Any], arch: str, head_dim: int, source: str
+) -> int:
+    """The dims of each head that rotate: head_dim * partial_rotary_factor (the rope parameters'
+    or the top-level field), the first ones; the rest pass through."""
+    factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if factor is None or float(factor) == 1.0:
+        return head_dim
+    factor = float(factor)
+    if arch not in PARTIAL_ROTARY:
+        raise ModelConfigError(
+            f"{source}: partial_rotary_factor {factor} is not supported for {arch} (its "
+            f"attention rotates the whole head); supported for {', '.join(sorted(PARTIAL_ROTARY))}"
+        )
+    dim = int(head_dim * factor)
+    if not 0.0 < factor < 1.0 or dim < 2 or dim % 2:
+        raise ModelConfigError(
+            f"{source}: partial_rotary_factor {factor} gives {dim} rotary dims of head_dim "
+            f"{head_dim}; supported: a factor in (0, 1] giving an even number of dims"
+        )
+    return dim
+
+
+def longrope_parameters(
+    raw: dict[str, Any],
+    rope: dict[str, Any],
+    arch: str,
+    rotary: int,
+    max_pos: int,
+    source: str,
+) -> dict[str, Any]:
+    """`rope` with LongRoPE's numbers resolved: short_factor and long_factor (rotary // 2 floats
+    each), original_max_position_embeddings (config.json's top-level field first, as Phi3Config
+    gives it priority, else the rope parameters', else max_position_embeddings), and the
+    attention_factor that scales cos and sin (given, else sqrt(1 + ln(factor) / ln(original))
+    for a factor > 1, the factor being given or max_position_embeddings / original)."""
+    out = dict(rope)
+    for key in ("short_factor", "long_factor"):
+        values = rope.get(key)
+        if not isinstance(values, list) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+        ):
+            raise ModelConfigError(
+                f"{source}: rope type 'longrope' needs {key}, a list of {rotary // 2} numbers "
+                f"(one per rotary frequency); the file has {key} {_short(values)}"
+            )
+        if len(values) != rotary // 2:
+            raise ModelConfigError(
+                f"{source}: longrope {key} has {len(values)} numbers; the model rotates "
+                f"{rotary} dims of each head, which needs {rotary // 2}"
+            )
+        out[key] = [float(v) for v in values]
+    original = raw.get("original_max_position_embeddings")
+    if original is None:
+        fallback = rope.get("original_max_position_embeddings", max_pos)
+        original = PHI3_ORIGINAL_MAX_POSITIONS if arch == "Phi3ForCausalLM" else fallback
+    original = int(original)
+    if original <= 0:
+        raise ModelConfigError(
+            f"{source}: original_max_position_embeddings {original} must be positive"
+        )
+    out["original_max_position_embeddings"] = original
+    factor = rope.get("factor")
+    factor = float(factor) if factor is not None else max_pos / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    out["attention_factor"] = float(attention_factor)
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
