@@ -26,11 +26,10 @@ import torch
 
 from batchrun.config import KernelConfig
 from batchrun.errors import WeightLoadError
-from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.checkpoint import Checkpoint, safetensors_files
 from batchrun.models.config import ModelConfig
 from batchrun.models.dummy import init_dummy_
-from batchrun.models.llama import LlamaForCausalLM
+from batchrun.models.llama import LlamaForCausalLM, make_rotaries
 from batchrun.models.moe_weights import expert_target, load_expert
 from batchrun.models.param_count import describe_params
 from batchrun.models.quant_loader import (
@@ -49,6 +48,20 @@ __all__ = ["WeightLoadError", "build_model", "load_model", "safetensors_files"]
 log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Gemma3ForConditionalGeneration's text model under its names as transformers 5 saves them and
+# as the hub's checkpoints (transformers 4) have them -> the text model's names
+_TEXT_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+# its vision tower and projector, which batchrun does not run
+_VISION_PREFIXES = (
+    "model.vision_tower.",
+    "vision_tower.",
+    "model.multi_modal_projector.",
+    "multi_modal_projector.",
+)
 _IGNORED = ("rotary_emb.inv_freq",)
 # safetensors dtypes of plain weights; anything else (F8_E4M3, I32, U8) is a quantized tensor
 _PLAIN_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -74,9 +87,7 @@ def build_model(
             if pad:
                 param.narrow(spec.dim, spec.local_len, pad).zero_()
     # meta construction left the rotary tables empty: build them for real
-    model.rotary = RotaryEmbedding(
-        cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device, model.kernels
-    )
+    model.rotary, model.local_rotary = make_rotaries(cfg, max_positions, device, model.kernels)
     return model
 
 
@@ -168,11 +179,16 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
 
     # elements filled per parameter, to report what the checkpoint lacks
     filled: dict[str, int] = {name: 0 for name in params}
+    skipped = 0  # the vision tower's tensors
     for path, f in ckpt.files:
-        for name in f.keys():
+        for stored in f.keys():
+            name = _text_name(stored)
+            if name is None:
+                skipped += 1
+                continue
             if name.endswith(_IGNORED):
                 continue
-            if load_kv_scale(model, name, f.get_tensor):
+            if load_kv_scale(model, name, lambda _, stored=stored: f.get_tensor(stored)):
                 continue
             module, _, kind = name.rpartition(".")
             if module in claimed and kind != "bias":
@@ -180,7 +196,7 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
             expert = expert_target(name, cfg)
             if expert is not None and expert.param in params:
                 param, spec = params[expert.param], specs[expert.param]
-                sliced = f.get_slice(name)
+                sliced = f.get_slice(stored)
                 filled[expert.param] += load_expert(expert, param, spec, sliced, path, name, cfg)
                 continue
             target = _target(name, cfg)
@@ -189,7 +205,7 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
             pname, start, rows = target
             if pname not in params:
                 raise WeightLoadError(
-                    f"{path.name}: unexpected tensor {name!r} for {cfg.architecture} "
+                    f"{path.name}: unexpected tensor {stored!r} for {cfg.architecture} "
                     f"(mapped to {pname!r}, which this model does not have); check that "
                     "config.json matches the weights"
                 )
@@ -199,34 +215,54 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
             expected[spec.dim] = spec.full_size
             if rows != -1:
                 expected[0] = rows
-            sliced = f.get_slice(name)
+            sliced = f.get_slice(stored)
             shape = tuple(sliced.get_shape())
             if sliced.get_dtype() not in _PLAIN_DTYPES:
                 raise WeightLoadError(
-                    f"{path.name}: tensor {name!r} is {sliced.get_dtype()}, a quantized "
+                    f"{path.name}: tensor {stored!r} is {sliced.get_dtype()}, a quantized "
                     f"tensor, where batchrun reads a plain weight: config.json's "
                     f"quantization_config ({_quant_text(cfg)}) does not cover {module}"
                 )
             if shape != tuple(expected):
                 raise WeightLoadError(
-                    f"{path.name}: tensor {name!r} has shape {shape}, "
+                    f"{path.name}: tensor {stored!r} has shape {shape}, "
                     f"expected {tuple(expected)} from config.json"
                 )
             if spec.dim == 0:
                 pieces = spec.pieces(start, rows if rows != -1 else spec.full_size)
             else:  # split columns: the tensor fills the parameter's rows whole
                 pieces = spec.pieces(0, spec.full_size)
+            # Gemma 3 stores each RMSNorm weight w as its offset from 1: the norm multiplies
+            # by 1 + w, added here in fp32 (as transformers computes it) so every norm kernel
+            # reads a plain weight
+            plus_one = cfg.norm_plus_one and pname.endswith("norm.weight")
             for src, dst, n in pieces:
                 part = sliced[src : src + n] if spec.dim == 0 else sliced[:, src : src + n]
+                if plus_one:
+                    part = part.float() + 1.0
                 dest = param.data.narrow(spec.dim, dst, n)
                 dest.copy_(part.to(dest.dtype), non_blocking=True)
                 filled[pname] += dest.numel()
+    if skipped:
+        log.info("%d tensors of the vision tower and its projector skipped: batchrun runs the "
+                 "text model (images are refused per row)", skipped)
     missing = [n for n, p in params.items() if filled[n] < _real_numel(p, specs.get(n))]
     if missing:
         raise WeightLoadError(
             f"{ckpt.model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}; "
             "the safetensors files are incomplete or belong to another model"
         )
+
+
+def _text_name(name: str) -> str | None:
+    """The text model's name of a checkpoint tensor (Gemma3ForConditionalGeneration's are under
+    language_model); None for the vision tower's."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, text in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return text + name[len(prefix) :]
+    return name
 
 
 def _quant_text(cfg: ModelConfig) -> str:
