@@ -188,7 +188,7 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
                 continue
             if name.endswith(_IGNORED):
                 continue
-            if load_kv_scale(model, name, lambda _, stored=stored: f.get_tensor(stored)):
+            if load_kv_scale(model, name, lambda _, f=f, stored=stored: f.get_tensor(stored)):
                 continue
             module, _, kind = name.rpartition(".")
             if module in claimed and kind != "bias":
@@ -244,8 +244,11 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
                 dest.copy_(part.to(dest.dtype), non_blocking=True)
                 filled[pname] += dest.numel()
     if skipped:
-        log.info("%d tensors of the vision tower and its projector skipped: batchrun runs the "
-                 "text model (images are refused per row)", skipped)
+        log.info(
+            "%d tensors of the vision tower and its projector skipped: batchrun runs the "
+            "text model (images are refused per row)",
+            skipped,
+        )
     missing = [n for n, p in params.items() if filled[n] < _real_numel(p, specs.get(n))]
     if missing:
         raise WeightLoadError(
