@@ -3,7 +3,8 @@ within fp32 noise, its logits, for each way a model can split: KV heads divided 
 (llama), one KV head replicated on both with tied embeddings and a vocabulary that does not
 divide by 2 (mqa_tied: padding on rank 1), qkv bias (qwen2), q/k norm (qwen3), and the mixtures
 of experts (every expert split along its width, the router replicated; qwen2_moe's shared expert
-summed into the experts' one all-reduce)."""
+summed into the experts' one all-reduce), and Gemma 3 (its four norms a layer and sliding
+layers replicated on each rank's heads)."""
 
 from __future__ import annotations
 
@@ -80,7 +81,10 @@ def llama_dir(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize(
     "kind",
-    ["llama", "mqa_tied", "qwen2", "qwen3", "llama-bias", "qwen3_moe", "qwen2_moe", "mixtral"],
+    [
+        *("llama", "mqa_tied", "qwen2", "qwen3", "llama-bias"),
+        *("qwen3_moe", "qwen2_moe", "mixtral", "gemma3"),
+    ],
 )
 def test_tp2_matches_tp1(kind, tmp_path, llama_dir):
     model_dir = llama_dir if kind == "llama" else make_model(kind, tmp_path / kind)
