@@ -97,9 +97,12 @@ def parse_gemma3(raw: dict[str, Any], arch: str, source: str) -> Gemma3Text:
             )
     num_layers = int(text["num_hidden_layers"])
     layer_types = _layer_types(text, num_layers, where)
-    window = int(text.get("sliding_window") or 0)
-    if window < 0:
-        raise ModelConfigError(f"{where}: sliding_window must be >= 1 or null; got {window}")
+    window = text.get("sliding_window")
+    if "sliding_attention" in layer_types and not (isinstance(window, int) and window >= 1):
+        raise ModelConfigError(
+            f"{where}: sliding_window must be >= 1 for its sliding layers (layer_types / "
+            f"sliding_window_pattern); got {window!r}"
+        )
     local, full = _rope(text, where)
     flat = {k: v for k, v in text.items() if k not in ("rope_parameters", "rope_scaling")}
     flat["rope_theta"] = full.pop("rope_theta")
