@@ -156,7 +156,10 @@ class PiecewiseGraphRunner:
         for i, layer in enumerate(self.model.layers):
             self._replay(graphs, b, i)
             attn, rotary = layer.self_attn, self.model.rotary_of(i)
-            forward(q, k, v, attn.layer_id, attn.scaling, positions, rotary, out=out)
+            forward(
+                q, k, v, attn.layer_id, attn.scaling, positions, rotary, out=out,
+                window=attn.window,
+            )  # fmt: skip
         self._replay(graphs, b, len(self.model.layers))
         return self.model.logits(self.hidden[:t], self.residual[:t], logits_indices)
 
