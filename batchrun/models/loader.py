@@ -26,7 +26,7 @@ import torch
 
 from batchrun.config import KernelConfig
 from batchrun.errors import WeightLoadError
-from batchrun.models.checkpoint import Checkpoint, safetensors_files
+from batchrun.models.checkpoint import Checkpoint, safetensors_files, text_name
 from batchrun.models.config import ModelConfig
 from batchrun.models.dummy import init_dummy_
 from batchrun.models.llama import LlamaForCausalLM, make_rotaries
@@ -48,20 +48,6 @@ __all__ = ["WeightLoadError", "build_model", "load_model", "safetensors_files"]
 log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# Gemma3ForConditionalGeneration's text model under its names as transformers 5 saves them and
-# as the hub's checkpoints (transformers 4) have them -> the text model's names
-_TEXT_PREFIXES = (
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-)
-# its vision tower and projector, which batchrun does not run
-_VISION_PREFIXES = (
-    "model.vision_tower.",
-    "vision_tower.",
-    "model.multi_modal_projector.",
-    "multi_modal_projector.",
-)
 _IGNORED = ("rotary_emb.inv_freq",)
 # safetensors dtypes of plain weights; anything else (F8_E4M3, I32, U8) is a quantized tensor
 _PLAIN_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -182,7 +168,7 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
     skipped = 0  # the vision tower's tensors
     for path, f in ckpt.files:
         for stored in f.keys():
-            name = _text_name(stored)
+            name = text_name(stored)
             if name is None:
                 skipped += 1
                 continue
@@ -255,17 +241,6 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
             f"{ckpt.model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}; "
             "the safetensors files are incomplete or belong to another model"
         )
-
-
-def _text_name(name: str) -> str | None:
-    """The text model's name of a checkpoint tensor (Gemma3ForConditionalGeneration's are under
-    language_model); None for the vision tower's."""
-    if name.startswith(_VISION_PREFIXES):
-        return None
-    for prefix, text in _TEXT_PREFIXES:
-        if name.startswith(prefix):
-            return text + name[len(prefix) :]
-    return name
 
 
 def _quant_text(cfg: ModelConfig) -> str:

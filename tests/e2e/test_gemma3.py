@@ -116,3 +116,16 @@ def test_conditional_generation_loads_under_both_namings(tmp_path, caplog):
         assert len(skipped) == 1 and "skipped: batchrun runs the text model" in skipped[0], name
         logits = engine.score(prompt)
         assert float((logits - ref).norm() / ref.norm()) <= 1e-4, name
+
+
+def test_conditional_generation_quantized_at_load(tmp_path):
+    """--quantization fp8 reads the text model's linears under the hub's names too (FP8
+    weights and activations: near transformers' logits, not equal)."""
+    hf = make_tiny_model("gemma3-mm", tmp_path)
+    engine = Engine(EngineConfig(model=str(tmp_path), device="cpu", quantization="fp8"))
+    assert engine.model_config.quantization is not None
+    prompt = random_prompts(1, seed=4, min_len=30, max_len=30)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    logits = engine.score(prompt).float()
+    assert float((logits - ref).norm() / ref.norm()) <= 0.3
