@@ -414,5 +414,5 @@ def test_gemma3_decodes_with_its_norms_apart(gpu):
     gemma = ModelConfig.from_dict(GEMMA3_1B_IT)
     kernels = resolve(gemma, CUDA)
     assert (kernels.decode_gemv, kernels.decode_norms) == ("triton", "off")
-    with pytest.raises(ValueError, match="decode_norms 'all' needs .* \(not Gemma's four\)"):
+    with pytest.raises(ValueError, match=r"decode_norms 'all' needs .* \(not Gemma's four\)"):
         resolve(gemma, CUDA, KernelConfig(decode_norms="all"))
