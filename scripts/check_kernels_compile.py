@@ -1,4 +1,4 @@
-"""Compile batchrun's quantization and MoE kernels for a GPU target on a machine without that
+"""Compile batchrun's quantization, MoE and gated-MLP activation kernels for a GPU target on a machine without that
 GPU (or any GPU): each kernel's Python wrapper runs on CPU tensors, and every launch compiles for
 the target (Triton front end, LLVM, ptxas) without running. Run it with the Triton version of
 the GPU machine, which may reject code a newer Triton accepts (a module-level float used in a
@@ -125,6 +125,21 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         out.append((f"int4_matmul act-order slice M={m}", lambda x=x: (
             int4_matmul.int4_matmul(x, sliced))))  # fmt: skip
     out += _moe_cases()
+    out += _activation_cases()
+    return out
+
+
+def _activation_cases() -> list[tuple[str, Callable[[], object]]]:
+    """The gated MLP's activations (kernels/activation.py): SwiGLU, and GELU-tanh (Gemma 3) at
+    gemma-3-1b's and gemma-3-27b's widths."""
+    from batchrun.kernels import activation
+
+    out: list[tuple[str, Callable[[], object]]] = []
+    for name, fn in (("silu_and_mul", activation.silu_and_mul),
+                     ("gelu_tanh_and_mul", activation.gelu_tanh_and_mul)):  # fmt: skip
+        for tokens, inter in ((1, 6912), (256, 21504)):
+            x = torch.randn(tokens, 2 * inter, dtype=torch.bfloat16)
+            out.append((f"{name} T={tokens} I={inter}", lambda x=x, fn=fn: fn(x, pdl=True)))
     return out
 
 
