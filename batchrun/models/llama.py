@@ -1,7 +1,8 @@
 """One Llama-family decoder for Llama 2/3/3.x, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm),
 SmolLM2 (tied embeddings), Gemma 3 (scaled embeddings, four norms a layer, a GELU-tanh gate,
-sliding layers with a rotary of their own: ModelConfig's flags), and the mixtures of experts Qwen3-MoE, Qwen2-MoE (a shared expert) and
-Mixtral, whose MoE layers' MLP is batchrun/layers/moe.py's block. Fused QKV and gate/up
+sliding layers with a rotary of their own: ModelConfig's flags), and the mixtures of experts
+Qwen3-MoE, Qwen2-MoE (a shared expert) and Mixtral, whose MoE layers' MLP is
+batchrun/layers/moe.py's block. Fused QKV and gate/up
 projections; tokens of all requests are flattened into one [T, hidden] batch and attention goes
 through an `AttentionBackend`.
 
