@@ -449,6 +449,8 @@ def decode_attention_fwd(
     # NOTE: without rope, its tensors' slots get stand-ins that the ROTARY constexpr prunes
     r = rope or DecodeRope(q, q, seq_lens, seq_lens, workspace[None, :], workspace[None, :])
     scale = kv_scale if kv_fp8 else None
+    fp16_dot = FP8_FP16_DOT if fp16_dot is None else fp16_dot
+    fp16_dot = kv_fp8 and q.dtype == torch.bfloat16 and fp16_dot
 
     launch = pdl_launch_kwargs(pdl, q)
     _decode_stage1_kernel[(num_kv_heads, batch_size, num_kv_splits)](
@@ -492,9 +494,7 @@ def decode_attention_fwd(
         BLOCK_S=max(FOLD_BLOCK_S, triton.next_power_of_2(num_kv_splits)) if folded else 1,
         BLOCK_G=triton.next_power_of_2(kv_group),
         KV_FP8=kv_fp8,
-        FP16_DOT=kv_fp8 and q.dtype == torch.bfloat16 and (
-            FP8_FP16_DOT if fp16_dot is None else fp16_dot
-        ),
+        FP16_DOT=fp16_dot,
         num_warps=num_warps or DEFAULT_NUM_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
         **launch,

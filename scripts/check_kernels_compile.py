@@ -1,8 +1,9 @@
-"""Compile batchrun's quantization, MoE, attention and rotary kernels for a GPU target on a machine
-without that GPU (or any GPU): each kernel's Python wrapper runs on CPU tensors, and every launch
-compiles for the target (Triton front end, LLVM, ptxas) without running. Run it with the Triton
-version of the GPU machine, which may reject code a newer Triton accepts (a module-level float
-used in a kernel must be a `tl.constexpr`; a @triton.jit function with returns of two types):
+"""Compile batchrun's quantization, MoE, attention, rotary and gated-MLP activation kernels for a
+GPU target on a machine without that GPU (or any GPU): each kernel's Python wrapper runs on CPU
+tensors, and every launch compiles for the target (Triton front end, LLVM, ptxas) without
+running. Run it with the Triton version of the GPU machine, which may reject code a newer Triton
+accepts (a module-level float used in a kernel must be a `tl.constexpr`; a @triton.jit function
+with returns of two types):
 
     pip install --target /tmp/triton36 triton==3.6.0        # the H200 machine's Triton
     PYTHONPATH=/tmp/triton36 python scripts/check_kernels_compile.py     # sm_90 (Hopper)
@@ -128,6 +129,7 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
     out += _moe_cases()
     out += _attention_cases()
     out += _rotary_cases()
+    out += _activation_cases()
     return out
 
 
@@ -189,6 +191,20 @@ def _rotary_cases() -> list[tuple[str, Callable[[], object]]]:
         cos = torch.rand(64, rotary_dim)  # cos and sin alike: only the compile is checked
         call = functools.partial(apply_rotary_, q, k, torch.arange(4), cos, cos, pdl=True)
         out.append((f"fused_rotary {name} rotary_dim={rotary_dim}", call))
+    return out
+
+
+def _activation_cases() -> list[tuple[str, Callable[[], object]]]:
+    """The gated MLP's activations (kernels/activation.py): SwiGLU, and GELU-tanh (Gemma 3) at
+    gemma-3-1b's and gemma-3-27b's widths."""
+    from batchrun.kernels import activation
+
+    out: list[tuple[str, Callable[[], object]]] = []
+    for name, fn in (("silu_and_mul", activation.silu_and_mul),
+                     ("gelu_tanh_and_mul", activation.gelu_tanh_and_mul)):  # fmt: skip
+        for tokens, inter in ((1, 6912), (256, 21504)):
+            x = torch.randn(tokens, 2 * inter, dtype=torch.bfloat16)
+            out.append((f"{name} T={tokens} I={inter}", lambda x=x, fn=fn: fn(x, pdl=True)))
     return out
 
 

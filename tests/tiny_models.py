@@ -84,6 +84,21 @@ def make_hf_config(kind: str):
         return make_moe_config(kind)
     if kind in PHI3_KINDS:
         return make_phi3_config(kind)
+    if kind == "gemma3":
+        return gemma3_text_config()
+    if kind == "gemma3-mm":  # the text model inside a Gemma3ForConditionalGeneration
+        return transformers.Gemma3Config(
+            text_config=gemma3_text_config().to_dict(),
+            vision_config=dict(
+                model_type="siglip_vision_model", hidden_size=16, intermediate_size=32,
+                num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
+            ),
+            mm_tokens_per_image=4,
+            boi_token_index=300,  # outside the vocabulary, so no prompt has them
+            eoi_token_index=301,
+            image_token_index=302,
+            tie_word_embeddings=True,
+        )  # fmt: skip
     raise ValueError(kind)
 
 
@@ -116,6 +131,33 @@ def make_phi3_config(kind: str, **changes):
             **changes,
         }
     )
+
+
+# Gemma 3's sliding window in the tiny models: prompts and generations run well past it
+GEMMA3_WINDOW = 8
+
+
+def gemma3_text_config(**changes):
+    """A tiny Gemma 3 text config: layers sliding, full, sliding, full (the windowed ones with
+    rope base 10000, the full ones 1e6 with linear scaling 8, as gemma-3-4b), head_dim 32 where
+    hidden / heads is 16, query_pre_attn_scalar apart from head_dim, tied embeddings."""
+    import transformers
+
+    fields = {
+        **COMMON,
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": GEMMA3_WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+        "tie_word_embeddings": True,
+        **changes,
+    }
+    return transformers.Gemma3TextConfig(**fields)
 
 
 # mixtures of experts: one dense layer among MoE ones (qwen3_moe), a shared expert and an odd
@@ -175,6 +217,11 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(make_hf_config(kind), dtype=torch.float32)
     model.eval()
+    if kind.startswith("gemma3"):  # its norms start at w = 0 (a norm of 1 + w): spread them
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
     model.save_pretrained(path)
     # transformers may write the dtype as "dtype"; our loader reads both
     json.loads((path / "config.json").read_text())

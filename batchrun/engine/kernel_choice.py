@@ -168,7 +168,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     # bf16 weights (kernels/gemv.py's). A mixture's experts are no one matmul
     plain = config.tp_size == 1 and not (
         model_cfg.qkv_bias or model_cfg.o_bias or model_cfg.mlp_bias or model_cfg.moe is not None
-    )
+        or model_cfg.sandwich_norms  # Gemma's norms between the matmuls and the residual adds
+    )  # fmt: skip
     decode_norms = want.decode_norms
     if decode_norms == "auto":
         if decode_gemv != "triton" or not plain or quantized:
@@ -180,8 +181,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     elif decode_norms != "off" and not (decode_gemv == "triton" and plain and not quantized):
         raise ValueError(
             f"decode_norms {decode_norms!r} needs decode_gemv 'triton' and a model without "
-            "biases at tensor parallel size 1, dense (no experts), not quantized; use 'off' or "
-            "'auto'"
+            "biases at tensor parallel size 1, dense (no experts), not quantized, with Llama's "
+            "two norms a layer (not Gemma's four); use 'off' or 'auto'"
         )
 
     graphs = want.cuda_graph_max_bs if cuda else 0

@@ -102,7 +102,7 @@ class PiecewiseGraphRunner:
         model, layers = self.model, self.model.layers
         residual = self.residual[:b]
         if i == 0:
-            x, res = model.embed_tokens(self.input_ids[:b]), None
+            x, res = model.embed(self.input_ids[:b]), None
         else:
             x, res = layers[i - 1].post_attention(self.attn_out[:b], residual)
         if i == len(layers):
@@ -153,11 +153,13 @@ class PiecewiseGraphRunner:
         q, k, v = self._qkv_views(t)
         out = self.attn_out[:t].view(t, self.num_heads, self.head_dim)
         forward, positions = self.backend.forward_rotary, self.positions[:t]
-        rotary = self.model.rotary
         for i, layer in enumerate(self.model.layers):
             self._replay(graphs, b, i)
-            attn = layer.self_attn
-            forward(q, k, v, attn.layer_id, attn.scaling, positions, rotary, out=out)
+            attn, rotary = layer.self_attn, self.model.rotary_of(i)
+            forward(
+                q, k, v, attn.layer_id, attn.scaling, positions, rotary, out=out,
+                window=attn.window,
+            )  # fmt: skip
         self._replay(graphs, b, len(self.model.layers))
         return self.model.logits(self.hidden[:t], self.residual[:t], logits_indices)
 

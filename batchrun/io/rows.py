@@ -273,7 +273,11 @@ def _check_content(content: Any, where: str, allow_none: bool) -> str | None:
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRow(f"{where}.content: only text parts are supported, got {kind!r}")
+                raise InvalidRow(
+                    f"{where}.content: only text parts are supported, got {kind!r} (batchrun "
+                    "runs the text model: images and other media are not read, and a row "
+                    "with them is not run)"
+                )
             if not isinstance(part.get("text"), str):
                 raise InvalidRow(f"{where}.content: a text part needs a string 'text'")
             texts.append(part["text"])

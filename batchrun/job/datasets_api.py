@@ -48,7 +48,8 @@ def generate_dataset(
 
     `model` and `engine_kw` (any `EngineConfig` field: device, kv_budget, max_running, ...) build
     the engine; pass `engine` to reuse one. A row that cannot run (too long for the context,
-    no tokens) gets completion None and finish_reason "error", the rest still run.
+    no tokens, messages with an image or other non-text part) gets completion None and
+    finish_reason "error", the rest still run.
     """
     if sampling.n != 1:
         raise ValueError("generate_dataset returns one completion per row; use n=1")
@@ -99,6 +100,8 @@ def _requests(
     limit = engine.context_len - sampling.max_new_tokens
     for i, row in enumerate(ds.select_columns([column])):
         value = row[column]
+        if is_messages and _has_media(value):
+            continue  # an image (or other media) part: batchrun runs the text model; an error row
         if use_template:
             conversation = list(value) if is_messages else [{"role": "user", "content": value}]
             if system_prompt and not is_messages:
@@ -112,3 +115,14 @@ def _requests(
             ids = tokenizer(value, add_special_tokens=True)["input_ids"]
         if 0 < len(ids) <= limit:
             yield GenerateRequest(str(i), list(ids), sampling)
+
+
+def _has_media(messages: Any) -> bool:
+    """Whether a messages row has a content part that is not text (an image, audio, a file)."""
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(
+            not isinstance(part, dict) or part.get("type") != "text" for part in content
+        ):
+            return True
+    return False

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.errors import ModelConfigError
+from batchrun.models.gemma_config import GEMMA3_ARCHITECTURES, Gemma3Text, parse_gemma3
 from batchrun.models.moe_config import MoeConfig, parse_moe
 from batchrun.models.rope_config import canonical_rope_type, longrope_parameters, rotary_dim
 from batchrun.quant.formats import Scheme, parse_quant_config
@@ -26,6 +27,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     # Phi-3 / Phi-4: checkpoints with fused qkv_proj and gate_up_proj (loader.py), partial
     # rotary and LongRoPE (rope_config.py)
     "Phi3ForCausalLM": (False, False),
+    # Gemma 3 (models/gemma_config.py): the text model of either
+    "Gemma3ForCausalLM": (False, True),
+    "Gemma3ForConditionalGeneration": (False, True),
 }
 # architectures whose layers have no biases, whatever attention_bias / mlp_bias say
 # (transformers' Phi3Attention and Phi3MLP)
@@ -44,6 +48,8 @@ MODEL_TYPES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 # architectures whose every layer attends within config.json's sliding_window unless it is null
 WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
@@ -98,6 +104,18 @@ class ModelConfig:
     # the dims of each head that rotate, the first ones (head_dim * partial_rotary_factor); 0:
     # the whole head
     partial_rotary_dim: int = 0
+    # the gated MLP's activation: silu (SwiGLU) or gelu_pytorch_tanh (Gemma 3)
+    hidden_act: str = "silu"
+    # Gemma 3: the embeddings times sqrt(hidden_size) (in the model's dtype); every RMSNorm
+    # weight stored as its offset from 1 (the loader adds the 1); the attention's output and the
+    # MLP's normed before their residual adds, and the MLP's input by a norm of its own
+    # (pre_feedforward_layernorm); scaling query_pre_attn_scalar ** -0.5 (None: head_dim's);
+    # the sliding layers' rotary base (default rope; None: every layer uses rope_theta's)
+    embed_scale: bool = False
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float | None = None
 
     @property
     def rotary_dim(self) -> int:
@@ -118,15 +136,24 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         arch = _architecture(raw, source)
+        gemma: Gemma3Text | None = None
+        if arch in GEMMA3_ARCHITECTURES:
+            gemma = parse_gemma3(raw, arch, source)
+            raw = gemma.raw
         missing = [k for k in REQUIRED_FIELDS if raw.get(k) is None]
         if missing:
             raise ModelConfigError(
                 f"{source} ({_what_it_has(raw)}) lacks {', '.join(missing)}; a Hugging Face "
                 "config.json of the model (as saved with the weights) has them"
             )
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+        act_field = "hidden_activation" if gemma is not None else "hidden_act"
+        act = raw.get(act_field) or raw.get("hidden_act") or "silu"
+        allowed = ("gelu_pytorch_tanh",) if gemma is not None else ("silu",)
+        if act not in allowed:
+            raise ModelConfigError(
+                f"{source}: {act_field} {act!r} is not supported for {arch} (supported: "
+                f"{', '.join(allowed)})"
+            )
         default_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
@@ -139,9 +166,18 @@ class ModelConfig:
         if rope["rope_type"] == "longrope":
             rope = longrope_parameters(raw, rope, arch, rotary, max_pos, source)
         num_layers = int(raw["num_hidden_layers"])
-        windows = _sliding_windows(raw, arch, num_layers, max_pos, source)
+        windows = (
+            _sliding_windows(raw, arch, num_layers, max_pos, source)
+            if gemma is None
+            else gemma.sliding_windows
+        )
         moe = parse_moe(raw, arch, num_layers, source)
         quantization = parse_quant_config(raw, source)
+        if gemma is not None and quantization is not None:
+            raise ModelConfigError(
+                f"{source}: a quantized Gemma 3 checkpoint ({quantization.describe()}) is not "
+                "supported: batchrun runs Gemma 3 from bf16 / fp16 / fp32 weights"
+            )
         if moe is not None and quantization is not None:
             raise ModelConfigError(
                 f"{source}: a quantized mixture-of-experts checkpoint ({quantization.describe()}) "
@@ -175,6 +211,8 @@ class ModelConfig:
             moe=moe,
             sliding_windows=windows,
             partial_rotary_dim=rotary if rotary != head_dim else 0,
+            hidden_act=act,
+            **({} if gemma is None else _gemma_fields(gemma)),
         )
 
     @classmethod
@@ -198,6 +236,16 @@ class ModelConfig:
             raise ModelConfigError(f"{path} {what}; is it a Hugging Face config.json?") from None
 
 
+def _gemma_fields(gemma: Gemma3Text) -> dict[str, Any]:
+    return dict(
+        embed_scale=True,
+        norm_plus_one=True,
+        sandwich_norms=True,
+        query_pre_attn_scalar=gemma.query_pre_attn_scalar,
+        local_rope_theta=gemma.local_rope_theta,
+    )
+
+
 def _architecture(raw: dict[str, Any], source: str) -> str:
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -208,7 +256,7 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
             f"{source}: unsupported architecture: the file has {_what_it_has(raw)}; batchrun "
             f"supports the architectures {', '.join(SUPPORTED_ARCHITECTURES)}, or with no "
             f"architectures the model_type {', '.join(MODEL_TYPES)} (Llama 2/3/3.x, Mistral, "
-            "Qwen2/2.5, Qwen3, SmolLM, Qwen3-MoE, Qwen1.5/2-MoE, Mixtral, Phi-3, Phi-4)"
+            "Qwen2/2.5, Qwen3, SmolLM, Qwen3-MoE, Qwen1.5/2-MoE, Mixtral, Phi-3, Phi-4, Gemma 3)"
         )
     return arch
 

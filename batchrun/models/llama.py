@@ -1,9 +1,11 @@
 """One Llama-family decoder for Llama 2/3/3.x, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm),
-SmolLM2 (tied embeddings), Phi-3 / Phi-4 (partial rotary, LongRoPE: layers/rotary.py), and the
-mixtures of experts Qwen3-MoE, Qwen2-MoE (a shared expert) and Mixtral, whose MoE layers' MLP is
-batchrun/layers/moe.py's block. Fused QKV and gate/up projections (Phi-3's checkpoints ship them
-fused, the others' are fused at load: models/loader.py); tokens of all requests are flattened
-into one [T, hidden] batch and attention goes through an `AttentionBackend`.
+SmolLM2 (tied embeddings), Phi-3 / Phi-4 (partial rotary, LongRoPE: layers/rotary.py), Gemma 3
+(scaled embeddings, four norms a layer, a GELU-tanh gate, sliding layers with a rotary of their
+own: ModelConfig's flags), and the mixtures of experts Qwen3-MoE, Qwen2-MoE (a shared expert) and
+Mixtral, whose MoE layers' MLP is batchrun/layers/moe.py's block. Fused QKV and gate/up
+projections (Phi-3's checkpoints ship them fused, the others' are fused at load:
+models/loader.py); tokens of all requests are flattened into one [T, hidden] batch and attention
+goes through an `AttentionBackend`.
 
 Tensor parallel (`tp`, see batchrun/parallel): each rank holds its q/kv heads and MLP columns
 (column-parallel qkv and gate_up, row-parallel o_proj and down_proj, one all-reduce after each)
@@ -39,10 +41,10 @@ from batchrun.parallel.state import TPGroup
 from batchrun.quant.linear import plan_linear
 
 try:
-    from batchrun.kernels.activation import silu_and_mul
+    from batchrun.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from batchrun.kernels.gemv import gemv, gemv_residual, gemv_rms, rms_fold_weight
 except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is off
-    silu_and_mul = gemv = gemv_residual = gemv_rms = rms_fold_weight = None
+    silu_and_mul = gelu_tanh_and_mul = gemv = gemv_residual = gemv_rms = rms_fold_weight = None
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,9 @@ class Attention(nn.Module):
             cfg.head_dim,
         )
         self.q_size, self.kv_size = part.q_size, part.kv_size
-        self.scaling = cfg.head_dim**-0.5
+        # Gemma 3 scales by query_pre_attn_scalar (its hidden / heads on the 27b, not head_dim)
+        scalar = cfg.query_pre_attn_scalar
+        self.scaling = (cfg.head_dim if scalar is None else scalar) ** -0.5
         qkv_rows = part.q_size + 2 * part.kv_size
         # how the checkpoint's linears are quantized (None: plain weights)
         plan = partial(
@@ -173,6 +177,9 @@ class MLP(nn.Module):
         in the checkpoint's layer (Qwen2-MoE's shared expert: "mlp.shared_expert")."""
         super().__init__()
         self.kernels = kernels
+        # the SwiGLU gate runs inside the decode matmuls (kernels/gemv.py, fp8_gemv.py); GELU's
+        # runs as a kernel of its own
+        self.silu = cfg.hidden_act == "silu"
         width = cfg.intermediate_size if width is None else width
         self.intermediate_size = inter = width // part.size
         plan = partial(
@@ -208,6 +215,12 @@ class MLP(nn.Module):
 
     def forward(self, x):
         proj, kernels = self.gate_up_proj, self.kernels
+        if not self.silu:
+            gate_up = proj(x)  # [T, 2 * I]
+            if kernels.triton_ops:
+                return self.down_proj(gelu_tanh_and_mul(gate_up, pdl=kernels.pdl))
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if proj.quant is None and takes_gemv(x, proj.bias, kernels):
             # NOTE: a decode batch on kernels/gemv.py: the gate as the matmul's epilogue, one
             # kernel a layer less (the gate's kernel costs ~1.5 µs at batch 1 on the H200)
@@ -257,6 +270,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, part, tp, layer_id, dtype, device, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, kernels)
         self.mlp = make_mlp(cfg, part, tp, layer_id, dtype, device, kernels)
+        if cfg.sandwich_norms:  # Gemma 3's four norms a layer
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, kernels)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, kernels)
+        else:
+            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
 
     def forward(self, x, residual, positions, rotary, backend):
         """Residual-stream form of `h = x + attn(norm(x)); out = h + mlp(norm(h))`: takes and
@@ -285,8 +303,14 @@ class DecoderLayer(nn.Module):
         return q, k, v, residual
 
     def post_attention(self, attn_out, residual):
-        """(hidden, residual) from the attention's output [T, H * D]: o_proj, the norm, the MLP."""
+        """(hidden, residual) from the attention's output [T, H * D]: o_proj, the norm, the MLP.
+        With sandwich norms (Gemma 3) the attention's output is normed before the residual add,
+        the MLP's input by pre_feedforward_layernorm and its output by post_feedforward's."""
         x = self.self_attn.o_proj(attn_out)
+        if self.pre_feedforward_layernorm is not None:
+            x = self.post_attention_layernorm(x)
+            x, residual = self.pre_feedforward_layernorm.forward_with_residual(x, residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
         return self.mlp(x), residual
 
@@ -326,6 +350,21 @@ class DecoderLayer(nn.Module):
         return h, None if next_norm is None else next_norm(h)
 
 
+def make_rotaries(
+    cfg: ModelConfig, max_positions: int, device, kernels: KernelConfig
+) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+    """(the rotary embedding of rope_theta and rope_scaling, the sliding layers' one of
+    local_rope_theta with default rope, or None where the config has none)."""
+    rotary = RotaryEmbedding.for_model(cfg, max_positions, device, kernels)
+    if cfg.local_rope_theta is None:
+        return rotary, None
+    local = RotaryEmbedding(
+        cfg.rotary_dim, max_positions, cfg.local_rope_theta, {"rope_type": "default"}, device,
+        kernels,
+    )  # fmt: skip
+    return rotary, local
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self,
@@ -346,11 +385,13 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp = tp or TPGroup()
         if self.decode_norms != "off" and (
             tp.is_parallel or cfg.qkv_bias or cfg.mlp_bias or cfg.moe is not None
-        ):
+            or cfg.sandwich_norms
+        ):  # fmt: skip
             # a bias or a row-parallel all-reduce sits between a matmul's sums and the residual;
-            # the experts are no one matmul
+            # the experts are no one matmul; Gemma's norms sit between the matmul and the add
             raise ValueError(
-                "decode_norms other than 'off' need a dense model without biases at TP=1"
+                "decode_norms other than 'off' need a dense model without biases at TP=1, "
+                "with Llama's two norms a layer"
             )
         if cfg.quantization is not None and kernels.decode_norms != "off":
             # the norms inside the matmuls (kernels/gemv.py) read plain bf16 weights
@@ -373,9 +414,26 @@ class LlamaForCausalLM(nn.Module):
                 cfg.hidden_size, vocab, part.vocab_per_rank, False, dtype, device, kernels
             )
         )
-        self.rotary = RotaryEmbedding.for_model(
+        self.rotary, self.local_rotary = make_rotaries(
             cfg, max_positions or cfg.max_position_embeddings, device, kernels
         )
+        # Gemma 3's embeddings times sqrt(hidden), the factor rounded to the model's dtype as
+        # transformers' does (a Python float multiplies in fp32 and rounds once, as its 0-dim
+        # tensor of the dtype does)
+        self.embed_scale = (
+            float(torch.tensor(cfg.hidden_size**0.5).to(dtype)) if cfg.embed_scale else None
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings [T, hidden] of input_ids (scaled for Gemma 3)."""
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    def rotary_of(self, layer_id: int) -> RotaryEmbedding:
+        """Layer layer_id's rotary embedding: Gemma 3's sliding layers have a base of their own."""
+        if self.local_rotary is not None and self.config.window(layer_id):
+            return self.local_rotary
+        return self.rotary
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -396,11 +454,11 @@ class LlamaForCausalLM(nn.Module):
         model's dtype: the sampler upcasts to fp32 where it computes probabilities, and a greedy
         batch takes the argmax as they are (an fp32 copy of [256, 128k] logits costs ~200 MB of
         memory traffic a step)."""
-        x, residual = self.embed_tokens(batch.input_ids), None  # [T, hidden]
+        x, residual = self.embed(batch.input_ids), None  # [T, hidden]
         if x.shape[0] == 1 and self.decode_norms != "off" and takes_gemv(x, None, self.kernels):
             return self.forward_gemv(x, batch, backend)
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch.positions, self.rotary, backend)
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, batch.positions, self.rotary_of(i), backend)
         return self.logits(x, residual, batch.logits_indices)
 
     def prepare_decode_norms(self) -> str:

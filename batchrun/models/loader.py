@@ -29,11 +29,11 @@ import torch
 
 from batchrun.config import KernelConfig
 from batchrun.errors import ModelConfigError, WeightLoadError
-from batchrun.layers.rotary import RotaryEmbedding, uses_long_factors
-from batchrun.models.checkpoint import Checkpoint, safetensors_files
+from batchrun.layers.rotary import uses_long_factors
+from batchrun.models.checkpoint import Checkpoint, safetensors_files, text_name
 from batchrun.models.config import ModelConfig
 from batchrun.models.dummy import init_dummy_
-from batchrun.models.llama import LlamaForCausalLM
+from batchrun.models.llama import LlamaForCausalLM, make_rotaries
 from batchrun.models.moe_weights import expert_target, load_expert
 from batchrun.models.param_count import describe_params
 from batchrun.models.quant_loader import (
@@ -86,7 +86,7 @@ def build_model(
             if pad:
                 param.narrow(spec.dim, spec.local_len, pad).zero_()
     # meta construction left the rotary tables empty: build them for real
-    model.rotary = RotaryEmbedding.for_model(cfg, max_positions, device, model.kernels)
+    model.rotary, model.local_rotary = make_rotaries(cfg, max_positions, device, model.kernels)
     scaling = cfg.rope_scaling
     if scaling.get("rope_type") == "longrope":
         original = scaling["original_max_position_embeddings"]
@@ -187,11 +187,16 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
 
     # elements filled per parameter, to report what the checkpoint lacks
     filled: dict[str, int] = {name: 0 for name in params}
+    skipped = 0  # the vision tower's tensors
     for path, f in ckpt.files:
-        for name in f.keys():
+        for stored in f.keys():
+            name = text_name(stored)
+            if name is None:
+                skipped += 1
+                continue
             if name.endswith(_IGNORED):
                 continue
-            if load_kv_scale(model, name, f.get_tensor):
+            if load_kv_scale(model, name, lambda _, f=f, stored=stored: f.get_tensor(stored)):
                 continue
             module, _, kind = name.rpartition(".")
             if module in claimed and kind != "bias":
@@ -199,7 +204,7 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
             expert = expert_target(name, cfg)
             if expert is not None and expert.param in params:
                 param, spec = params[expert.param], specs[expert.param]
-                sliced = f.get_slice(name)
+                sliced = f.get_slice(stored)
                 filled[expert.param] += load_expert(expert, param, spec, sliced, path, name, cfg)
                 continue
             target = _target(name, cfg)
@@ -208,7 +213,7 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
             pname, start, rows = target
             if pname not in params:
                 raise WeightLoadError(
-                    f"{path.name}: unexpected tensor {name!r} for {cfg.architecture} "
+                    f"{path.name}: unexpected tensor {stored!r} for {cfg.architecture} "
                     f"(mapped to {pname!r}, which this model does not have); check that "
                     "config.json matches the weights"
                 )
@@ -218,28 +223,40 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
             expected[spec.dim] = spec.full_size
             if rows != -1:
                 expected[0] = rows
-            sliced = f.get_slice(name)
+            sliced = f.get_slice(stored)
             shape = tuple(sliced.get_shape())
             if sliced.get_dtype() not in _PLAIN_DTYPES:
                 raise WeightLoadError(
-                    f"{path.name}: tensor {name!r} is {sliced.get_dtype()}, a quantized "
+                    f"{path.name}: tensor {stored!r} is {sliced.get_dtype()}, a quantized "
                     f"tensor, where batchrun reads a plain weight: config.json's "
                     f"quantization_config ({_quant_text(cfg)}) does not cover {module}"
                 )
             if shape != tuple(expected):
                 raise WeightLoadError(
-                    f"{path.name}: tensor {name!r} has shape {shape}, "
+                    f"{path.name}: tensor {stored!r} has shape {shape}, "
                     f"expected {tuple(expected)} from config.json"
                 )
             if spec.dim == 0:
                 pieces = spec.pieces(start, rows if rows != -1 else spec.full_size)
             else:  # split columns: the tensor fills the parameter's rows whole
                 pieces = spec.pieces(0, spec.full_size)
+            # Gemma 3 stores each RMSNorm weight w as its offset from 1: the norm multiplies
+            # by 1 + w, added here in fp32 (as transformers computes it) so every norm kernel
+            # reads a plain weight
+            plus_one = cfg.norm_plus_one and pname.endswith("norm.weight")
             for src, dst, n in pieces:
                 part = sliced[src : src + n] if spec.dim == 0 else sliced[:, src : src + n]
+                if plus_one:
+                    part = part.float() + 1.0
                 dest = param.data.narrow(spec.dim, dst, n)
                 dest.copy_(part.to(dest.dtype), non_blocking=True)
                 filled[pname] += dest.numel()
+    if skipped:
+        log.info(
+            "%d tensors of the vision tower and its projector skipped: batchrun runs the "
+            "text model (images are refused per row)",
+            skipped,
+        )
     missing = [n for n, p in params.items() if filled[n] < _real_numel(p, specs.get(n))]
     if missing:
         raise WeightLoadError(

@@ -26,7 +26,7 @@ def _billions(n: int) -> str:
 
 
 def _mlp(hidden: int, width: int, bias: bool) -> int:
-    """A SwiGLU MLP: gate, up ([width, hidden] each) and down ([hidden, width])."""
+    """A gated MLP (SwiGLU, GeGLU): gate, up ([width, hidden] each) and down ([hidden, width])."""
     return 3 * hidden * width + (2 * width + hidden if bias else 0)
 
 
@@ -40,7 +40,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
         attention += h
     if cfg.qk_norm:
         attention += 2 * cfg.head_dim
-    norms = 2 * h
+    norms = (4 if cfg.sandwich_norms else 2) * h  # Gemma 3: four norms a layer
     dense_mlp = _mlp(h, cfg.intermediate_size, cfg.mlp_bias)
     total = active = 0
     moe = cfg.moe

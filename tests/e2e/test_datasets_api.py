@@ -83,6 +83,18 @@ def test_messages_system_prompt_and_bad_rows(engine):
     assert out["finish_reason"][1] == "error" and out["completion"][1] is None
     assert out["finish_reason"][0] != "error" and out["finish_reason"][2] != "error"
 
+    # a row with an image part (a multimodal model's row) fails alone: the text model runs
+    parts = [
+        [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        [{"role": "user", "content": [{"type": "image", "url": "a.png"}]}],
+    ]
+    out = generate_dataset(
+        datasets.Dataset.from_dict({"m": parts}), messages_column="m", engine=engine,
+        sampling=GREEDY,
+    )  # fmt: skip
+    assert out["finish_reason"][1] == "error" and out["completion"][1] is None
+    assert out["finish_reason"][0] != "error"
+
     with pytest.raises(ValueError, match="no column"):
         generate_dataset(ds, prompt_column="question", engine=engine)
     with pytest.raises(ValueError, match="n=1"):

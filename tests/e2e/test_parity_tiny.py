@@ -1,5 +1,6 @@
 """Greedy tokens and prefill logits of the batchrun engine equal HF transformers (fp32, CPU), for
-the dense architectures and the mixtures of experts (tiny_models.MOE_KINDS)."""
+the dense architectures, the mixtures of experts (tiny_models.MOE_KINDS) and Gemma 3 (its
+sliding layers' window is shorter than most prompts)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ KINDS = [
     "llama-bias",
     "tied",
     *MOE_KINDS,
+    # Gemma 3: prompts and generations well past its sliding window (tiny_models.GEMMA3_WINDOW)
+    "gemma3",
+    "gemma3-mm",
 ]
 NEW_TOKENS = 64
 

@@ -3,8 +3,9 @@ within fp32 noise, its logits, for each way a model can split: KV heads divided 
 (llama), one KV head replicated on both with tied embeddings and a vocabulary that does not
 divide by 2 (mqa_tied: padding on rank 1), qkv bias (qwen2), q/k norm (qwen3), Phi-3's fused
 qkv_proj / gate_up_proj checkpoint tensors (each rank reads its q, k, v rows and its gate and up
-rows of one tensor), and the mixtures of experts (every expert split along its width, the router
-replicated; qwen2_moe's shared expert summed into the experts' one all-reduce)."""
+rows of one tensor), the mixtures of experts (every expert split along its width, the router
+replicated; qwen2_moe's shared expert summed into the experts' one all-reduce), and Gemma 3 (its
+four norms a layer and sliding layers replicated on each rank's heads)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,7 @@ def llama_dir(tmp_path_factory) -> str:
         "qwen3_moe",
         "qwen2_moe",
         "mixtral",
+        "gemma3",
     ],
 )
 def test_tp2_matches_tp1(kind, tmp_path, llama_dir):

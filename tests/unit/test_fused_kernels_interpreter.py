@@ -115,6 +115,27 @@ def _check_silu_and_mul(dtype, max_ulp) -> None:
         assert max_ulps(out, ref) <= max_ulp, ("silu_and_mul", dtype, inter_size)
 
 
+# gelu_tanh_and_mul's tolerance against torch, relative: torch's 1 + tanh(u) cancels in the
+# negative tail (~1e-5 of fp32), where the kernel's x / (1 + exp(-2u)) does not; in fp16 / bf16
+# a 1-ulp different activation gives up to 2 ulps in the product (fp16: 2^-9)
+GELU_RTOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def _check_gelu_tanh_and_mul(dtype) -> None:
+    """Gemma's gate, gelu_pytorch_tanh(gate) * up, against torch's."""
+    import torch.nn.functional as F
+    from batchrun.kernels.activation import gelu_tanh_and_mul
+
+    gen = torch.Generator().manual_seed(3)
+    for num_tokens, inter_size in ((4, 128), (3, 576), (2, 1500)):
+        x = _strided((num_tokens, 2 * inter_size), dtype, gen, pad=5)
+        gate, up = x.chunk(2, dim=-1)
+        ref = (F.gelu(gate, approximate="tanh") * up).float()
+        out = gelu_tanh_and_mul(x).float()
+        ok = torch.allclose(out, ref, rtol=GELU_RTOL[dtype], atol=1e-5)
+        assert ok, ("gelu_tanh_and_mul", dtype, inter_size, (out - ref).abs().max())
+
+
 def _check_store_kv(dtype) -> None:
     """store_kv from strided k/v views of a fused qkv tensor, as llama.py slices them: the written
     rows equal k/v exactly, every other row (of both buffers) is untouched."""
@@ -162,7 +183,7 @@ def _check_model_wiring(tmp_dir: Path) -> None:
     from batchrun.engine.engine import Engine
 
     triton = replace(INTERPRETER_KERNELS, attention="torch")
-    for kind in ("llama", "qwen3"):
+    for kind in ("llama", "qwen3", "gemma3"):  # gemma3: GELU's gate, four norms a layer
         path = Path(tempfile.mkdtemp(dir=tmp_dir))
         make_tiny_model(kind, path)
         base = dict(model=str(path), device="cpu", dtype="float32", kv_budget=512)
@@ -422,6 +443,7 @@ def _run_checks() -> None:
         _check_norm(dtype, ulps)
         _check_rotary(dtype, 0 if dtype == torch.float16 else ulps)
         _check_silu_and_mul(dtype, ulps)
+        _check_gelu_tanh_and_mul(dtype)
         _check_store_kv(dtype)
     _check_token_bitmask()
     _check_masked_argmax()

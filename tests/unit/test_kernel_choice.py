@@ -402,3 +402,17 @@ def test_moe_triton_needs_triton(monkeypatch):
     monkeypatch.setattr(kernel_choice, "has_triton", lambda: False)
     with pytest.raises(ValueError, match="moe 'triton' .* needs the triton package"):
         resolve(ModelConfig.from_dict(QWEN3_30B_A3B), CPU, KernelConfig(moe="triton"))
+
+
+def test_gemma3_decodes_with_its_norms_apart(gpu):
+    """Gemma 3's norms sit between the matmuls and the residual adds (four a layer): its decode
+    keeps them as kernels of their own ("off"), and asking for them inside the GEMVs is
+    refused."""
+    from gemma3_configs import GEMMA3_1B_IT
+
+    gpu(pdl=True)
+    gemma = ModelConfig.from_dict(GEMMA3_1B_IT)
+    kernels = resolve(gemma, CUDA)
+    assert (kernels.decode_gemv, kernels.decode_norms) == ("triton", "off")
+    with pytest.raises(ValueError, match=r"decode_norms 'all' needs .* \(not Gemma's four\)"):
+        resolve(gemma, CUDA, KernelConfig(decode_norms="all"))

@@ -98,13 +98,18 @@ def phi4_rope(**changes) -> dict:
         (phi4_rope(long_factor=None), "needs long_factor, a list of 48 numbers"),
         (phi4_rope(long_factor="1.0"), "needs long_factor"),
         (phi4(partial_rotary_factor=1.5), "partial_rotary_factor 1.5 gives 192 rotary dims"),
-        (phi4(sliding_window=2047), "sliding_window 2047"),
         (phi4(original_max_position_embeddings=0), "original_max_position_embeddings 0"),
     ],
 )
 def test_unsupported_fields_are_refused_by_name(raw, match):
     with pytest.raises(ModelConfigError, match=match):
         ModelConfig.from_dict(raw)
+
+
+def test_a_window_under_the_context_applies_on_every_layer():
+    """Phi-3-mini-4k's sliding_window 2047 (under max_position_embeddings): every layer."""
+    cfg = ModelConfig.from_dict(phi4(sliding_window=2047))
+    assert cfg.sliding_windows == (2047,) * cfg.num_layers
 
 
 def test_partial_rotary_on_a_full_rotary_architecture_is_refused():

@@ -20,12 +20,14 @@ def test_token_buckets():
     assert token_buckets(1, 64) == [64]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def model_dir(request, tmp_path_factory):
+    """gemma3: its scaled embeddings in the first piece, each layer's own rotary (the sliding
+    layers' base) to the eager attention."""
     from tiny_models import make_tiny_model
 
-    path = tmp_path_factory.mktemp("llama-piecewise")
-    make_tiny_model("llama", path)
+    path = tmp_path_factory.mktemp(f"{request.param}-piecewise")
+    make_tiny_model(request.param, path)
     return str(path)
 
 

@@ -88,6 +88,11 @@ def test_per_row_params_override_defaults() -> None:
         ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role must be one of"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content must be a string"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
+        (  # a multimodal model's row (Gemma 3): its image refused, the row named
+            {"messages": [{"role": "user", "content": [{"type": "image", "url": "a.png"}]}]},
+            "messages[0].content: only text parts are supported, got 'image' (batchrun runs "
+            "the text model",
+        ),
         ({"prompt": "x", "max_tokens": "5"}, "'max_tokens' must be an integer, got str"),
         ({"prompt": "x", "max_tokens": 0}, "'max_tokens' must be >= 1, got 0"),
         ({"prompt": "x", "max_completion_tokens": 0}, "'max_completion_tokens' must be >= 1"),

@@ -59,9 +59,8 @@ def _poison(pool, table, inputs, unread) -> None:
 
 
 def _check_decode(dtype, tol) -> None:
-    from test_kernels_interpreter import _check, _decode, _make_batch
-
     from batchrun.kernels.decode_attention import decode_counters
+    from test_kernels_interpreter import _check, _decode, _make_batch
 
     seq_lens = [9, 37, 70]
     counters = decode_counters(3, 2, "cpu")
@@ -79,9 +78,8 @@ def _check_decode(dtype, tol) -> None:
 def _check_extend(dtype, tol) -> None:
     """Prefills and chunks over cached prefixes, windows shorter and longer than the blocks,
     the query block's tokens (block_m) and the KV block; no GQA and GQA 6 / 2."""
-    from test_kernels_interpreter import _check, _make_batch
-
     from batchrun.kernels.extend_attention import extend_attention_fwd
+    from test_kernels_interpreter import _check, _make_batch
 
     extend_lens, prefix_lens = [20, 40, 33], [0, 30, 64]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
