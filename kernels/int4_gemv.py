@@ -60,7 +60,7 @@ class Int4GemvConfig(NamedTuple):
     block_n: int = 256  # output columns a program: block_n / 8 words a K row
     block_k: int = 128  # K rows a tile (clamped to divide the group size)
     split_k: int = 1
-    num_warps: int = 4
+    num_warps: int = 8  # three [128, 32] word tiles live: 48 registers a thread at 8 warps
     num_stages: int = 1  # the loop prefetches two tiles itself
 
 
@@ -321,6 +321,7 @@ def int4_gemv(
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
     n = n_rows // 2 if swiglu else n_rows
     cfg = config or pick_config(m, n_rows, k, swiglu)
+    assert cfg.block_n >= 128, cfg  # tl.dot's N (block_n / 8 columns a nibble) is at least 16
     block_k = cfg.block_k
     if w.group_size < k:  # a K tile inside one group (group sizes are multiples of 16)
         while w.group_size % block_k:
