@@ -22,13 +22,17 @@ are the fp32 sums; the weight is never rounded to bf16 (Int4Weight.dequantize(bf
 format's bound). fp32 inputs (Triton's CPU interpreter, whose tl.dot is wrong for bf16) take q
 as fp32 and OFFSET 0.
 
-The first two word tiles and their scale and zero rows are loaded before the PDL wait (weights
-are no earlier kernel's output: the loads overlap the kernel before; kernels/pdl.py), and each
-iteration loads the tile two steps ahead while it computes. Act-order's permutation gathers x's
-columns as they are loaded. Split-K reduces in the kernel, deterministically, on kernels/gemv.py's
-counters and helpers: each slice stores its fp32 sums to its plane of a [SPLIT_K, M, N]
-workspace ([SPLIT_K, M, 2N] with swiglu), the slice that arrives last sums the planes in slice
-order and writes y. A weight whose groups are read per column (`groups`: a tensor-parallel slice
+The first two word tiles are loaded, and the first tile's scale and zero rows prefetched into
+L1, before the PDL wait (weights are no earlier kernel's output: the loads overlap the kernel
+before; kernels/pdl.py). Each iteration then loads the word tile two steps ahead, x's tile one
+step ahead and prefetches the next tile's scale and zero rows (inline PTX prefetch.global.L1,
+on the GPU only) while it computes; it reads its own scales and zeros from L1, one vector a
+nibble in the layout of the dot's result (no layout conversion, nothing carried by the loop).
+
+Act-order's permutation gathers x's columns as they are loaded. Split-K reduces in the kernel,
+deterministically, on kernels/gemv.py's counters and helpers: each slice stores its fp32 sums to
+its plane of a [SPLIT_K, M, N] workspace ([SPLIT_K, M, 2N] with swiglu), the slice that arrives
+last sums the planes in slice order and writes y. A weight whose groups are read per column (`groups`: a tensor-parallel slice
 of an act-order weight) is not taken here: kernels/int4_matmul.py runs it.
 
 No host syncs, no allocation that depends on data: the kernel runs inside CUDA graphs (the
@@ -60,7 +64,7 @@ class Int4GemvConfig(NamedTuple):
     block_n: int = 256  # output columns a program: block_n / 8 words a K row
     block_k: int = 128  # K rows a tile (clamped to divide the group size)
     split_k: int = 1
-    num_warps: int = 8  # three [128, 32] word tiles live: 48 registers a thread at 8 warps
+    num_warps: int = 8
     num_stages: int = 1  # the loop prefetches two tiles itself
 
 
@@ -80,20 +84,63 @@ def _words(QW, offs_k, k_end, offs_c, in_c, n_words):
 
 
 @triton.jit
-def _group_rows(S, Z, k0, group_size, N, cols8, in_c, HAS_ZEROS: tl.constexpr):
-    """The scales and zero points of the K tile at k0, [8, BLOCK_N / 8] fp32: row j holds the
-    columns 8c + j (cols8 = 8c + j); symmetric zeros are 8."""
-    row = (k0 // group_size).to(tl.int64) * N
-    mask = in_c[None, :] & (cols8 >= 0)
-    s = tl.load(S + row + cols8, mask=mask, other=0.0).to(tl.float32)
+def _sz(S, Z, row, cols, in_c, HAS_ZEROS: tl.constexpr):
+    """The scales and zero points (fp32, [BLOCK_N / 8]) of the columns cols in group row `row`
+    (an offset); symmetric zeros are 8."""
+    s = tl.load(S + row + cols, mask=in_c, other=0.0).to(tl.float32)
     z = tl.full(s.shape, 8.0, tl.float32)
     if HAS_ZEROS:
-        z = tl.load(Z + row + cols8, mask=mask, other=0).to(tl.float32)
+        z = tl.load(Z + row + cols, mask=in_c, other=0).to(tl.float32)
     return s, z
 
 
 @triton.jit
-def _nibble_dot(acc, x, xs, words, s, z, J: tl.constexpr, EXP: tl.constexpr,
+def _group_rows(S, Z, k0, group_size, N, offs_c, in_c, HAS_ZEROS: tl.constexpr):
+    """The scales and zero points of the K tile at k0 for the columns 8c + j, one [BLOCK_N / 8]
+    vector each, j = 0 .. 7: (s0, ..., s7, z0, ..., z7). Loaded in the layout the dot's result
+    takes them in (no conversion a tile)."""
+    row = (k0 // group_size).to(tl.int64) * N
+    c8 = offs_c * 8
+    s0, z0 = _sz(S, Z, row, c8, in_c, HAS_ZEROS)
+    s1, z1 = _sz(S, Z, row, c8 + 1, in_c, HAS_ZEROS)
+    s2, z2 = _sz(S, Z, row, c8 + 2, in_c, HAS_ZEROS)
+    s3, z3 = _sz(S, Z, row, c8 + 3, in_c, HAS_ZEROS)
+    s4, z4 = _sz(S, Z, row, c8 + 4, in_c, HAS_ZEROS)
+    s5, z5 = _sz(S, Z, row, c8 + 5, in_c, HAS_ZEROS)
+    s6, z6 = _sz(S, Z, row, c8 + 6, in_c, HAS_ZEROS)
+    s7, z7 = _sz(S, Z, row, c8 + 7, in_c, HAS_ZEROS)
+    return s0, s1, s2, s3, s4, s5, s6, s7, z0, z1, z2, z3, z4, z5, z6, z7
+
+
+@triton.jit
+def _prefetch_l1(ptrs):
+    """prefetch.global.L1 of each address (a hint: nothing is loaded into registers)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _prefetch_group(S, Z, k0, group_size, N, offs_c, in_c, HAS_ZEROS: tl.constexpr,
+                    PREFETCH: tl.constexpr):  # fmt: skip
+    """Prefetch into L1 the scale and zero rows of the K tile at k0 (this program's columns):
+    `_group_rows` then reads them from L1, and the loop carries no scales. A hint, on the GPU
+    only (PREFETCH); k0 is a K row that exists."""
+    if PREFETCH:
+        row = (k0 // group_size).to(tl.int64) * N
+        c8 = tl.where(in_c, offs_c, offs_c * 0) * 8  # addresses inside the row, masked or not
+        _prefetch_l1(S + row + c8)
+        if HAS_ZEROS:
+            _prefetch_l1(Z + row + c8)
+
+
+@triton.jit
+def _nibble_dot(acc, x, xs, words, s_j, z_j, J: tl.constexpr, EXP: tl.constexpr,
                 OFFSET: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     """acc + s_J * (x @ (OFFSET + q_J) - (OFFSET + z_J) * sum(x)) for nibble J of the words:
     the columns 8c + J, [16, BLOCK_N / 8]."""
@@ -104,10 +151,7 @@ def _nibble_dot(acc, x, xs, words, s, z, J: tl.constexpr, EXP: tl.constexpr,
     else:
         w = (q | EXP).to(tl.int16).to(x.dtype, bitcast=True)  # OFFSET + q
         d = tl.dot(x, w)
-    sel = (tl.arange(0, 8) == J)[:, None]
-    s_j = tl.sum(tl.where(sel, s, 0.0), axis=0)
-    z_j = tl.sum(tl.where(sel, z, 0.0), axis=0) + OFFSET
-    return acc + (d - z_j[None, :] * xs[:, None]) * s_j[None, :]
+    return acc + (d - (z_j + OFFSET)[None, :] * xs[:, None]) * s_j[None, :]
 
 
 @triton.jit
@@ -122,18 +166,18 @@ def _x_tile(X, Perm, offs_m, M, stride_xm, offs_k, k_end, GATHER_X: tl.constexpr
 
 
 @triton.jit
-def _tile(a0, a1, a2, a3, a4, a5, a6, a7, x, words, s, z,
+def _tile(a0, a1, a2, a3, a4, a5, a6, a7, x, words, sz,
           EXP: tl.constexpr, OFFSET: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """One K tile into the eight accumulators (nibble j: columns 8c + j)."""
+    """One K tile into the eight accumulators (nibble j: columns 8c + j); sz: _group_rows'."""
     xs = tl.sum(x.to(tl.float32), axis=1)
-    a0 = _nibble_dot(a0, x, xs, words, s, z, 0, EXP, OFFSET, IEEE)
-    a1 = _nibble_dot(a1, x, xs, words, s, z, 1, EXP, OFFSET, IEEE)
-    a2 = _nibble_dot(a2, x, xs, words, s, z, 2, EXP, OFFSET, IEEE)
-    a3 = _nibble_dot(a3, x, xs, words, s, z, 3, EXP, OFFSET, IEEE)
-    a4 = _nibble_dot(a4, x, xs, words, s, z, 4, EXP, OFFSET, IEEE)
-    a5 = _nibble_dot(a5, x, xs, words, s, z, 5, EXP, OFFSET, IEEE)
-    a6 = _nibble_dot(a6, x, xs, words, s, z, 6, EXP, OFFSET, IEEE)
-    a7 = _nibble_dot(a7, x, xs, words, s, z, 7, EXP, OFFSET, IEEE)
+    a0 = _nibble_dot(a0, x, xs, words, sz[0], sz[8], 0, EXP, OFFSET, IEEE)
+    a1 = _nibble_dot(a1, x, xs, words, sz[1], sz[9], 1, EXP, OFFSET, IEEE)
+    a2 = _nibble_dot(a2, x, xs, words, sz[2], sz[10], 2, EXP, OFFSET, IEEE)
+    a3 = _nibble_dot(a3, x, xs, words, sz[3], sz[11], 3, EXP, OFFSET, IEEE)
+    a4 = _nibble_dot(a4, x, xs, words, sz[4], sz[12], 4, EXP, OFFSET, IEEE)
+    a5 = _nibble_dot(a5, x, xs, words, sz[5], sz[13], 5, EXP, OFFSET, IEEE)
+    a6 = _nibble_dot(a6, x, xs, words, sz[6], sz[14], 6, EXP, OFFSET, IEEE)
+    a7 = _nibble_dot(a7, x, xs, words, sz[7], sz[15], 7, EXP, OFFSET, IEEE)
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
@@ -189,6 +233,7 @@ def _int4_gemv_kernel(
     EXP: tl.constexpr,
     OFFSET: tl.constexpr,
     IEEE: tl.constexpr,
+    PREFETCH: tl.constexpr,  # the GPU's L1 prefetch of scales and zeros (not the interpreter)
     PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -200,53 +245,48 @@ def _int4_gemv_kernel(
     offs_c = pid_n * NW + tl.arange(0, NW)  # word columns of this program (gate half)
     in_c = offs_c < N // 8
     up_c = offs_c + N // 8  # SWIGLU: the up half's words
-    cols8 = offs_c[None, :] * 8 + tl.arange(0, 8)[:, None]  # [8, NW]: column 8c + j
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     offs_k = k_start + tl.arange(0, BLOCK_K)
 
-    # weights before the PDL wait: the first two tiles, their scales and zero points
+    # weights before the PDL wait: the first two word tiles, the first tile's scales and zeros
     w0 = _words(QW, offs_k, k_end, offs_c, in_c, n_words)
     w1 = _words(QW, offs_k + BLOCK_K, k_end, offs_c, in_c, n_words)
-    s0, z0 = _group_rows(S, Z, k_start, group_size, n_rows, cols8, in_c, HAS_ZEROS)
-    k1 = tl.minimum(k_start + BLOCK_K, K - 1)  # a group row that exists (the tile may not)
-    s1, z1 = _group_rows(S, Z, k1, group_size, n_rows, cols8, in_c, HAS_ZEROS)
+    _prefetch_group(S, Z, k_start, group_size, n_rows, offs_c, in_c, HAS_ZEROS, PREFETCH)
     u0 = w0
     u1 = w1
-    su0, zu0, su1, zu1 = s0, z0, s1, z1
     if SWIGLU:
         u0 = _words(QW, offs_k, k_end, up_c, in_c, n_words)
         u1 = _words(QW, offs_k + BLOCK_K, k_end, up_c, in_c, n_words)
-        su0, zu0 = _group_rows(S, Z, k_start, group_size, n_rows, cols8 + N, in_c, HAS_ZEROS)
-        su1, zu1 = _group_rows(S, Z, k1, group_size, n_rows, cols8 + N, in_c, HAS_ZEROS)
+        _prefetch_group(S, Z, k_start, group_size, n_rows, up_c, in_c, HAS_ZEROS, PREFETCH)
     pdl_wait(PDL)
 
     zero = tl.zeros([16, NW], dtype=tl.float32)
     a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
     b0, b1, b2, b3, b4, b5, b6, b7 = zero, zero, zero, zero, zero, zero, zero, zero
+    x0 = _x_tile(X, Perm, offs_m, M, stride_xm, offs_k, k_end, GATHER_X)
     for k0 in range(k_start, k_end, BLOCK_K):
-        # the tile two steps ahead (zeros, and no memory traffic, past k_end)
-        ahead = k0 + 2 * BLOCK_K
-        w2 = _words(QW, offs_k + (ahead - k_start), k_end, offs_c, in_c, n_words)
-        s2, z2 = _group_rows(
-            S, Z, tl.minimum(ahead, K - 1), group_size, n_rows, cols8, in_c, HAS_ZEROS
-        )
-        x = _x_tile(X, Perm, offs_m, M, stride_xm, offs_k + (k0 - k_start), k_end, GATHER_X)
+        # ahead of this tile: the word tile two steps on (zeros, and no memory traffic, past
+        # k_end), x's tile and the scale and zero rows (into L1) one step on
+        ahead = offs_k + (k0 + 2 * BLOCK_K - k_start)
+        w2 = _words(QW, ahead, k_end, offs_c, in_c, n_words)
+        x1 = _x_tile(X, Perm, offs_m, M, stride_xm, ahead - BLOCK_K, k_end, GATHER_X)
+        k1 = tl.minimum(k0 + BLOCK_K, K - 1)
+        _prefetch_group(S, Z, k1, group_size, n_rows, offs_c, in_c, HAS_ZEROS, PREFETCH)
+        sz = _group_rows(S, Z, k0, group_size, n_rows, offs_c, in_c, HAS_ZEROS)
         a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
-            a0, a1, a2, a3, a4, a5, a6, a7, x, w0, s0, z0, EXP, OFFSET, IEEE
+            a0, a1, a2, a3, a4, a5, a6, a7, x0, w0, sz, EXP, OFFSET, IEEE
         )
-        w0, s0, z0 = w1, s1, z1
-        w1, s1, z1 = w2, s2, z2
+        w0, w1 = w1, w2
         if SWIGLU:
-            u2 = _words(QW, offs_k + (ahead - k_start), k_end, up_c, in_c, n_words)
-            su2, zu2 = _group_rows(
-                S, Z, tl.minimum(ahead, K - 1), group_size, n_rows, cols8 + N, in_c, HAS_ZEROS
-            )
+            u2 = _words(QW, ahead, k_end, up_c, in_c, n_words)
+            _prefetch_group(S, Z, k1, group_size, n_rows, up_c, in_c, HAS_ZEROS, PREFETCH)
+            szu = _group_rows(S, Z, k0, group_size, n_rows, up_c, in_c, HAS_ZEROS)
             b0, b1, b2, b3, b4, b5, b6, b7 = _tile(
-                b0, b1, b2, b3, b4, b5, b6, b7, x, u0, su0, zu0, EXP, OFFSET, IEEE
+                b0, b1, b2, b3, b4, b5, b6, b7, x0, u0, szu, EXP, OFFSET, IEEE
             )
-            u0, su0, zu0 = u1, su1, zu1
-            u1, su1, zu1 = u2, su2, zu2
+            u0, u1 = u1, u2
+        x0 = x1
 
     arrived = -1
     if SPLIT_K > 1:  # this slice's planes first
@@ -285,12 +325,15 @@ MAX_SPLIT_K = 16
 
 
 def pick_config(m: int, n: int, k: int, swiglu: bool = False) -> Int4GemvConfig:
-    """256 columns (128 of each half with swiglu: the same bytes a tile) x 128-deep K tiles a
-    program; matrices of few column tiles split along K until there are about TARGET_PROGRAMS
-    programs (a power of two, at most MAX_SPLIT_K slices of at least two tiles). llama-8b at
-    M = 1: qkv (24 tiles) in 8 slices, o_proj and down_proj (16) in 16, gate_up (112) in 2.
-    Unmeasured: `scripts/bench_int4_matmul.py --sweep` times the alternatives on the GPU."""
-    cfg = Int4GemvConfig(block_n=128 if swiglu else 256)
+    """256 columns x 128-deep K tiles a program, 8 warps (with swiglu 256 columns of each half
+    x 64-deep tiles: the same bytes a step); matrices of few column tiles split along K until
+    there are about TARGET_PROGRAMS programs (a power of two, at most MAX_SPLIT_K slices of at
+    least two tiles). llama-8b at M = 1: qkv (24 tiles) in 8 slices, o_proj and down_proj (16)
+    in 16, gate_up (56 tiles a half) in 4. Compiled for sm_90 (scripts/check_kernels_compile.py
+    --ptxas) these take 255 registers a thread without spills (swiglu: a few bytes), where
+    4 warps or 128-deep swiglu tiles spill. The timings are not measured here:
+    `scripts/bench_int4_matmul.py --sweep` times the alternatives on the GPU."""
+    cfg = Int4GemvConfig(block_k=64) if swiglu else Int4GemvConfig()
     n_out = n // 2 if swiglu else n
     tiles = triton.cdiv(n_out, cfg.block_n)
     split_k = 1
@@ -347,7 +390,7 @@ def int4_gemv(
         m, n, k, k_per_split, w.group_size, x.stride(0), y.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split_k, SWIGLU=swiglu,
         HAS_ZEROS=w.zeros is not None, GATHER_X=w.perm is not None, EXP=exp_bits,
-        OFFSET=offset, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
+        OFFSET=offset, IEEE=x.dtype == torch.float32, PREFETCH=x.is_cuda, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip
     return y

@@ -48,8 +48,8 @@ SWEEP = {
 }  # fmt: skip
 SPLITS = (1, 2, 4, 8, 16)
 # the decode GEMV's sweep: (block_n, block_k, num_warps) x SPLITS
-GEMV_SWEEP = [(256, 128, 8), (256, 128, 4), (256, 64, 4), (128, 128, 4), (128, 64, 4),
-              (512, 64, 8)]  # fmt: skip
+GEMV_SWEEP = [(256, 128, 8), (256, 64, 8), (256, 64, 4), (128, 128, 4), (512, 64, 8),
+              (256, 32, 4)]  # fmt: skip
 
 
 def packed_bytes(w: Int4Packed) -> int:

@@ -51,6 +51,8 @@ def _compile_only(arch: int, ptxas: bool) -> None:
     def compile_run(self, *args, grid, warmup, **kwargs):
         if "HW_CAST" in kwargs:  # fp8_gemv: the GPU's conversion, not the interpreter's
             kwargs["HW_CAST"] = True
+        if "PREFETCH" in kwargs:  # int4_gemv: the GPU's prefetch (inline PTX)
+            kwargs["PREFETCH"] = True
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         if ptxas:
             print(f"      {self.fn.__name__}: {_ptxas_info(kernel.asm['ptx'], arch)}")
