@@ -32,8 +32,9 @@ nibble in the layout of the dot's result (no layout conversion, nothing carried 
 Act-order's permutation gathers x's columns as they are loaded. Split-K reduces in the kernel,
 deterministically, on kernels/gemv.py's counters and helpers: each slice stores its fp32 sums to
 its plane of a [SPLIT_K, M, N] workspace ([SPLIT_K, M, 2N] with swiglu), the slice that arrives
-last sums the planes in slice order and writes y. A weight whose groups are read per column (`groups`: a tensor-parallel slice
-of an act-order weight) is not taken here: kernels/int4_matmul.py runs it.
+last sums the planes in slice order and writes y. A weight whose groups are read per column
+(`groups`: a tensor-parallel slice of an act-order weight) is not taken here:
+kernels/int4_matmul.py runs it.
 
 No host syncs, no allocation that depends on data: the kernel runs inside CUDA graphs (the
 split counters are allocated on first use: call once eagerly before capturing).
