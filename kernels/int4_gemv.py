@@ -63,9 +63,9 @@ EXP_BITS = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 class Int4GemvConfig(NamedTuple):
     block_n: int = 256  # output columns a program: block_n / 8 words a K row
-    block_k: int = 128  # K rows a tile (clamped to divide the group size)
+    block_k: int = 64  # K rows a tile (clamped to divide the group size)
     split_k: int = 1
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 1  # the loop prefetches two tiles itself
 
 
@@ -326,15 +326,20 @@ MAX_SPLIT_K = 16
 
 
 def pick_config(m: int, n: int, k: int, swiglu: bool = False) -> Int4GemvConfig:
-    """256 columns x 128-deep K tiles a program, 8 warps (with swiglu 256 columns of each half
-    x 64-deep tiles: the same bytes a step); matrices of few column tiles split along K until
+    """256 columns x 64-deep K tiles a program, 4 warps (with swiglu 256 columns of each half x
+    32-deep tiles: the same bytes a step); matrices of few column tiles split along K until
     there are about TARGET_PROGRAMS programs (a power of two, at most MAX_SPLIT_K slices of at
     least two tiles). llama-8b at M = 1: qkv (24 tiles) in 8 slices, o_proj and down_proj (16)
-    in 16, gate_up (56 tiles a half) in 4. Compiled for sm_90 (scripts/check_kernels_compile.py
-    --ptxas) these take 255 registers a thread without spills (swiglu: a few bytes), where
-    4 warps or 128-deep swiglu tiles spill. The timings are not measured here:
+    in 16, gate_up (56 tiles a half) in 4.
+
+    Compiled for sm_90 under Triton 3.6 (scripts/check_kernels_compile.py --ptxas), these
+    take about 225 registers a thread (swiglu 253) without spills, two programs an SM, and
+    their loop runs 6.2 instructions a weight element a thread (swiglu 8.3) at M = 1 and 16.
+    Tiles 128 deep, or 8 warps, spill or compute the dot's columns twice (8 warps on 32
+    columns a nibble); 32-deep plain tiles take 8.5 instructions an element (the per-tile
+    scale loads and epilogue weigh more). The timings are not measured here:
     `scripts/bench_int4_matmul.py --sweep` times the alternatives on the GPU."""
-    cfg = Int4GemvConfig(block_k=64) if swiglu else Int4GemvConfig()
+    cfg = Int4GemvConfig(block_k=32) if swiglu else Int4GemvConfig()
     n_out = n // 2 if swiglu else n
     tiles = triton.cdiv(n_out, cfg.block_n)
     split_k = 1
