@@ -4,6 +4,7 @@
     extend_attention   prefill / extend attention over the paged KV
     gemv               decode matmuls (M <= 16): split-K, SwiGLU epilogue, residual + RMSNorm
     int4_matmul        W4A16 matmul of INT4 checkpoints (AWQ, GPTQ, W4A16): decode and prefill
+    int4_gemv          W4A16 decode matmuls (M <= 16): split-K, SwiGLU epilogue, PDL
     fp8_gemv           FP8 decode matmuls (M <= 16), the per-token activation quantization inside
     fused_norm         RMSNorm, residual add + RMSNorm
     fused_rotary       rotary embedding in place

@@ -1,10 +1,13 @@
 """The INT4 W4A16 matmul (kernels/int4_matmul.py) against bf16 F.linear (cuBLAS) on the GPU, per
-projection of the benchmark models and per M, with an optional sweep of tile configs. Answers
+projection of the benchmark models and per M, with an optional sweep of tile configs; at
+M <= 16 also the INT4 decode GEMV (kernels/int4_gemv.py, what QuantMatmul runs there) and the
+bf16 decode GEMV (kernels/gemv.py), µs and TB/s of weight bytes. Answers
 whether the kernel's config table (`CONFIGS`, `pick_config`) holds on this GPU, and what INT4
 weights give over bf16 at decode (memory-bound: GB/s of weight bytes) and prefill (TFLOP/s).
 
     python scripts/bench_int4_matmul.py                          # llama-8b, M = 1 ... 8192
     python scripts/bench_int4_matmul.py --models llama-8b,llama-1b --m 1,16 --sweep
+    python scripts/bench_int4_matmul.py --m 1,4,16                # the decode columns
 
 Weights are AWQ-shaped (group 128, zero points; random values). Each measurement replays a CUDA
 graph of calls (no launch overhead, as in the engine's graphs) that cycle through enough copies
@@ -24,6 +27,10 @@ from pathlib import Path
 import benchlib
 import torch
 import torch.nn.functional as F
+from batchrun.kernels.gemv import gemv
+from batchrun.kernels.int4_gemv import MAX_M as GEMV_MAX_M
+from batchrun.kernels.int4_gemv import Int4GemvConfig, int4_gemv
+from batchrun.kernels.int4_gemv import pick_config as pick_gemv_config
 from batchrun.kernels.int4_matmul import CONFIGS, Int4Config, int4_matmul, pick_config, prepare
 
 from batchrun.quant.dummy import random_int4
@@ -40,6 +47,9 @@ SWEEP = {
                 (128, 256, 64, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3)],
 }  # fmt: skip
 SPLITS = (1, 2, 4, 8, 16)
+# the decode GEMV's sweep: (block_n, block_k, num_warps) x SPLITS
+GEMV_SWEEP = [(256, 128, 8), (256, 64, 8), (256, 64, 4), (128, 128, 4), (512, 64, 8),
+              (256, 32, 4)]  # fmt: skip
 
 
 def packed_bytes(w: Int4Packed) -> int:
@@ -112,6 +122,9 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: bool) -> list[d
             us = graph_time_us(fn, int4s, calls)
             results.append((us, c, s))
         picked_us = results[0][0]
+        gemv_cols = {}
+        if m <= GEMV_MAX_M:
+            gemv_cols = bench_gemv(x, ref, dense, denses, int4s, calls, sweep)
         best_us, best_cfg, best_split = min(results, key=lambda r: r[0])
         flops = 2 * m * n * k
         row = dict(
@@ -123,6 +136,7 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: bool) -> list[d
         )  # fmt: skip
         if sweep:
             row.update(best_us=best_us, best_config=tuple(best_cfg), best_split_k=best_split)
+        row.update(gemv_cols)
         rows.append(row)
         line = (
             f"{name:8s} {n:6d}x{k:<6d} M={m:<5d} bf16 {bf16_us:9.1f} µs  int4 {picked_us:9.1f} µs"
@@ -132,8 +146,49 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: bool) -> list[d
         )
         if sweep:
             line += f"  | best {best_us:.1f} µs {tuple(best_cfg)} split {best_split}"
+        if gemv_cols:
+            line += (
+                f"\n{'':31s}int4_gemv {gemv_cols['int4_gemv_us']:7.1f} µs "
+                f"{packed_bytes(packed) / gemv_cols['int4_gemv_us'] / 1e6:5.2f} TB/s  "
+                f"bf16 gemv.py {gemv_cols['bf16_gemv_us']:7.1f} µs "
+                f"{dense.nbytes / gemv_cols['bf16_gemv_us'] / 1e6:5.2f} TB/s  "
+                f"cuBLAS {bf16_us:7.1f} µs {dense.nbytes / bf16_us / 1e6:5.2f} TB/s  "
+                f"{gemv_cols['int4_gemv_config']}"
+            )
+            if sweep:
+                line += f"  | best {gemv_cols['int4_gemv_best_us']:.1f} µs "
+                line += f"{gemv_cols['int4_gemv_best_config']}"
         print(line, flush=True)
     return rows
+
+
+def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: bool) -> dict:
+    """The decode columns at x's M: int4_gemv (its picked config, and with sweep the best of
+    GEMV_SWEEP x SPLITS) and bf16 kernels/gemv.py, µs a call."""
+    m, k = x.shape
+    n = dense.shape[0]
+    picked = pick_gemv_config(m, n, k)
+    candidates = [picked]
+    if sweep:
+        candidates += [
+            Int4GemvConfig(bn, bk, s, warps) for bn, bk, warps in GEMV_SWEEP for s in SPLITS
+        ]
+    results = []
+    for c in candidates:
+        err = error(int4_gemv(x, int4s[0], config=c), ref)
+        if err > MAX_REL_ERROR:
+            print(f"  int4_gemv M={m} {c}: error {err:.2e}, skipped", flush=True)
+            continue
+        fn = lambda p, x=x, c=c: int4_gemv(x, p, config=c, pdl=True)  # noqa: E731
+        results.append((graph_time_us(fn, int4s, calls), c))
+    best_us, best = min(results, key=lambda r: r[0])
+    bf16_gemv_us = graph_time_us(lambda d, x=x: gemv(x, d, pdl=True), denses, calls)
+    cols = dict(
+        int4_gemv_us=results[0][0], int4_gemv_config=tuple(picked), bf16_gemv_us=bf16_gemv_us
+    )
+    if sweep:
+        cols.update(int4_gemv_best_us=best_us, int4_gemv_best_config=tuple(best))
+    return cols
 
 
 def main(argv=None) -> int:
@@ -150,7 +205,7 @@ def main(argv=None) -> int:
     ms = [int(v) for v in args.m.split(",")]
     report = {"environment": benchlib.environment("cuda"), "rows": []}
     for model in args.models.split(","):
-        step = {"bf16_us": 0.0, "int4_us": 0.0}
+        step = {"bf16_us": 0.0, "int4_us": 0.0, "int4_gemv_us": 0.0, "bf16_gemv_us": 0.0}
         for name, n, k, count in benchlib.linear_shapes(model):
             if name == "lm_head":  # not quantized
                 continue
@@ -160,12 +215,16 @@ def main(argv=None) -> int:
                 if row["m"] == 1:
                     step["bf16_us"] += row["bf16_us"] * count
                     step["int4_us"] += row["int4_us"] * count
+                    step["int4_gemv_us"] += row["int4_gemv_us"] * count
+                    step["bf16_gemv_us"] += row["bf16_gemv_us"] * count
             report["rows"] += rows
             torch.cuda.empty_cache()
         if 1 in ms:
             print(
                 f"{model}: one decode step's matmuls at M = 1: bf16 {step['bf16_us'] / 1e3:.3f} "
-                f"ms, int4 {step['int4_us'] / 1e3:.3f} ms",
+                f"ms, int4 {step['int4_us'] / 1e3:.3f} ms, int4_gemv "
+                f"{step['int4_gemv_us'] / 1e3:.3f} ms, bf16 gemv.py "
+                f"{step['bf16_gemv_us'] / 1e3:.3f} ms",
                 flush=True,
             )
     args.out.mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,8 @@ def _compile_only(arch: int, ptxas: bool) -> None:
     def compile_run(self, *args, grid, warmup, **kwargs):
         if "HW_CAST" in kwargs:  # fp8_gemv: the GPU's conversion, not the interpreter's
             kwargs["HW_CAST"] = True
+        if "PREFETCH" in kwargs:  # int4_gemv: the GPU's prefetch (inline PTX)
+            kwargs["PREFETCH"] = True
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         if ptxas:
             print(f"      {self.fn.__name__}: {_ptxas_info(kernel.asm['ptx'], arch)}")
@@ -81,7 +83,7 @@ def _ptxas_info(ptx: str, arch: int) -> str:
 def cases() -> list[tuple[str, Callable[[], object]]]:
     """(name, call) for each kernel configuration: the llama-8b shapes at decode and prefill
     sizes, each scale mode and each INT4 scheme."""
-    from batchrun.kernels import fp8_block_matmul, fp8_gemv, fp8_quant, int4_matmul
+    from batchrun.kernels import fp8_block_matmul, fp8_gemv, fp8_quant, int4_gemv, int4_matmul
 
     from batchrun.quant.int4_layout import pack_int4
     from batchrun.quant.weights import Int4Weight
@@ -120,6 +122,15 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             x = torch.randn(m, 4096, dtype=torch.bfloat16)
             name = f"int4_matmul group={group} sym={symmetric} act_order={act_order} M={m}"
             out.append((name, lambda x=x, p=packed: int4_matmul.int4_matmul(x, p)))
+        for m in (1, 16):
+            x = torch.randn(m, 4096, dtype=torch.bfloat16)
+            name = f"int4_gemv group={group} sym={symmetric} act_order={act_order} M={m}"
+            out.append((name, lambda x=x, p=packed: int4_gemv.int4_gemv(x, p, pdl=True)))
+    gate_up4 = pack_int4(_int4_weight(Int4Weight, 2 * 1024, 4096, 128, False, False))
+    for m, dtype in ((1, torch.bfloat16), (16, torch.bfloat16), (4, torch.float16)):
+        x = torch.randn(m, 4096, dtype=dtype)
+        out.append((f"int4_gemv swiglu M={m} {dtype}", lambda x=x: int4_gemv.int4_gemv(
+            x, gate_up4, swiglu=True, pdl=True)))  # fmt: skip
     # a row-parallel slice of an act-order weight: the kernel reads each column's group
     sliced = pack_int4(_int4_weight(Int4Weight, 4096, 14336, 128, False, True).narrow_in(0, 7168))
     for m in (1, 2048):

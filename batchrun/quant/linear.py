@@ -14,8 +14,10 @@ weights.py) and how it multiplies, by device and kernel config.
     (fp8_matmul "scaled_mm"), any dtype      (kernels/fp8_quant.py), then the Triton block
                                              matmul (kernels/fp8_block_matmul.py)
     "int4": INT4 (int4_matmul "triton":      the weight packed at load (batchrun/quant/
-    CUDA, or CPU tensors under Triton's      int4_layout.py), kernels/int4_matmul.py
-    interpreter)
+    CUDA, or CPU tensors under Triton's      int4_layout.py); decode batches (M <= 16) on
+    interpreter)                             kernels/int4_gemv.py (the SwiGLU gate inside for
+                                             a gate_up), the rest and a weight whose groups
+                                             are read per column on kernels/int4_matmul.py
     "dense": everything else                 the weight dequantized at load into the compute
                                              dtype, F.linear; on the CPU the FP8 activations
                                              are fake-quantized as the checkpoint says (the
@@ -47,9 +49,10 @@ from batchrun.quant.int4_layout import Int4Packed, can_pack, pack_int4
 from batchrun.quant.weights import FP8_DTYPE, Fp8Weight, Int4Weight, QuantizedWeight
 
 try:
+    from batchrun.kernels import int4_gemv as int4_gemv_kernel
     from batchrun.kernels import int4_matmul as int4_kernel
 except ImportError:  # no Triton (CPU-only installs): KernelConfig.int4_matmul is "dequant"
-    int4_kernel = None
+    int4_kernel = int4_gemv_kernel = None
 
 try:
     from batchrun.kernels import fp8_quant
@@ -157,7 +160,7 @@ class QuantMatmul(nn.Module):
         """reduce_max: a row-parallel layer's maximum over the tensor-parallel ranks (its input
         columns are split over them); None for a column-parallel layer or one rank. kernels:
         decode_gemv "triton" runs the decode batches of a scaled_mm layer on
-        kernels/fp8_gemv.py."""
+        kernels/fp8_gemv.py; pdl launches the decode kernels (FP8 and INT4) with PDL."""
         super().__init__()
         self.spec, self.dtype = spec, dtype
         kernels = kernels or KernelConfig.reference()
@@ -231,19 +234,21 @@ class QuantMatmul(nn.Module):
         self.triton_quant = device.type == "cuda" and fp8_quant is not None
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
-        """Whether x [M, K] runs on kernels/fp8_gemv.py: a decode batch (M <= 16, unit stride
-        along K) of a scaled_mm layer with decode_gemv "triton"."""
-        return (
-            self.fp8_gemv
-            and x.dim() == 2
-            and x.shape[0] <= FP8_GEMV_MAX_ROWS
-            and x.stride(-1) == 1
-            and x.dtype == self.dtype
-        )
+        """Whether x [M, K] runs on a decode kernel that can fuse the SwiGLU gate (`gemv`):
+        kernels/fp8_gemv.py for a decode batch (M <= 16, unit stride along K) of a scaled_mm
+        layer with decode_gemv "triton"; kernels/int4_gemv.py for one of an INT4 layer whose
+        halves are whole words and whose groups are runs along K."""
+        if x.dim() != 2 or x.stride(-1) != 1 or x.dtype != self.dtype:
+            return False
+        if self.spec.kernel == "int4":
+            return int4_gemv_kernel.takes(self._packed(), x.shape[0], swiglu=True)
+        return self.fp8_gemv and x.shape[0] <= FP8_GEMV_MAX_ROWS
 
     def gemv(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-        """x @ W^T on kernels/fp8_gemv.py (`takes_gemv`); with swiglu, W is a fused gate_up
+        """x @ W^T on the decode kernel (`takes_gemv`); with swiglu, W is a fused gate_up
         and the result silu(gate) * up [M, out_features / 2]."""
+        if self.spec.kernel == "int4":
+            return int4_gemv_kernel.int4_gemv(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
         amax = None
         if self.input_scale is None and self.reduce_max is not None:
             amax = self.reduce_max(row_amax(x))  # every rank's columns: TP=N quantizes as TP=1
@@ -325,18 +330,29 @@ class QuantMatmul(nn.Module):
             )
         return y.view(*shape[:-1], self.out_features)
 
+    def _packed(self) -> Int4Packed:
+        return Int4Packed(
+            self.qweight, self.scales, self.zeros, self.group_size, self.perm, self.groups
+        )
+
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
+        """Decode batches (M <= 16) on kernels/int4_gemv.py, the rest (and weights whose groups
+        are read per column) on kernels/int4_matmul.py."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        packed = Int4Packed(
-            self.qweight, self.scales, self.zeros, self.group_size, self.perm, self.groups
-        )
-        return int4_kernel.int4_matmul(x2, packed).view(*shape[:-1], self.out_features)
+        packed = self._packed()
+        if int4_gemv_kernel.takes(packed, x2.shape[0]):
+            y = int4_gemv_kernel.int4_gemv(x2, packed, pdl=self.pdl)
+        else:
+            y = int4_kernel.int4_matmul(x2, packed)
+        return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         path = self.spec.kernel if self.spec.kernel != "dense" else "dequantized"
         if self.fp8_gemv:
             path += ", fp8_gemv for decode"
+        if self.spec.kernel == "int4":
+            path += ", int4_gemv for decode"
         return f"{self.out_features}x{self.in_features}, {path}, {self.spec.describe}"

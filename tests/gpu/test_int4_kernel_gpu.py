@@ -1,13 +1,17 @@
-"""kernels/int4_matmul.py on the GPU: both kernel shapes against the dequantized torch reference
-at M from 1 to 8,192 on the llama-8b and llama-1b projections, bf16; act-order, group sizes,
-symmetric zero points and a tensor-parallel slice; CUDA graph replay against eager; and the
+"""kernels/int4_matmul.py and kernels/int4_gemv.py on the GPU: int4_matmul's two kernel shapes
+against the dequantized torch reference at M from 1 to 8,192 on the llama-8b and llama-1b
+projections, bf16; act-order, group sizes, symmetric zero points and a tensor-parallel slice;
+the decode GEMV at M 1 to 16 on the same projections, every scheme, its SwiGLU epilogue; CUDA
+graph replay against eager; and the
 engine (CUDA graphs on) on a tiny AWQ and a tiny GPTQ act-order checkpoint against the path that
 dequantizes at load.
 
 The bound: the kernel multiplies x by the weight dequantized to bf16 ((q - zero) * scale in fp32,
 rounded once, as Int4Weight.dequantize(bf16) computes it) with fp32 sums, like the reference
 F.linear(x, W_bf16) in fp32: only the order of the sums and y's rounding to bf16 differ, a
-relative 2^-8 of an element at most; MAX_REL_ERROR bounds max |y - ref| / max |ref|.
+relative 2^-8 of an element at most; MAX_REL_ERROR bounds max |y - ref| / max |ref|. The
+decode GEMV applies zero and scale after its fp32 dot (the weight never rounded to bf16): it
+differs from the reference by that rounding too, far inside the bound.
 """
 
 from __future__ import annotations
@@ -125,6 +129,73 @@ def test_cuda_graph_replay_equals_eager():
             x.copy_(torch.randn(m, 4096, generator=g, device="cuda"))
             graph.replay()
             assert torch.equal(y, int4_matmul(x, packed)), (m, seed)
+
+
+GEMV_ROWS = list(range(1, 17))
+
+
+def check_gemv(w, m: int, swiglu: bool = False, pdl: bool = False) -> None:
+    from batchrun.kernels.int4_gemv import int4_gemv
+
+    from batchrun.quant.int4_layout import pack_int4
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, w.in_features, generator=g, device="cuda").to(torch.bfloat16)
+    y = int4_gemv(x, pack_int4(w), swiglu=swiglu, pdl=pdl)
+    ref = F.linear(x.float(), w.dequantize(torch.bfloat16).float())
+    if swiglu:  # gate and up rounded as the matmul's output, silu rounded, the product once
+        gate, up = ref.bfloat16().float().chunk(2, dim=-1)
+        ref = F.silu(gate).bfloat16().float() * up
+    assert y.shape == ref.shape and y.dtype == torch.bfloat16
+    err = float((y.float() - ref).abs().max() / ref.abs().max())
+    assert err <= MAX_REL_ERROR, (m, tuple(ref.shape), swiglu, err)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gemv_awq_shaped_weights_match_the_dequantized_reference(n, k):
+    """The decode GEMV at every M it takes (1 to 16), with and without PDL."""
+    w = random_weight(n, k, 128, symmetric=False, act_order=False, seed=n + k)
+    for m in GEMV_ROWS:
+        check_gemv(w, m, pdl=m % 2 == 0)
+
+
+@pytest.mark.parametrize(
+    "group_size,symmetric,act_order",
+    [(128, True, True), (32, False, False), (64, True, False), (-1, False, False)],
+)
+def test_gemv_every_scheme_and_swiglu(group_size, symmetric, act_order):
+    """Every scheme on llama-8b's o_proj and down_proj widths (split-K), and the fused gate_up
+    of llama-1b and llama-8b with the SwiGLU epilogue."""
+    for m in (1, 5, 16):
+        for n, k in ((4096, 4096), (4096, 14336)):
+            check_gemv(random_weight(n, k, group_size, symmetric, act_order, seed=m), m)
+        for n, k in ((16384, 2048), (28672, 4096)):
+            w = random_weight(n, k, group_size, symmetric, act_order, seed=m)
+            check_gemv(w, m, swiglu=True, pdl=True)
+
+
+def test_gemv_cuda_graph_replay_equals_eager():
+    """The decode GEMV (split-K, act-order, SwiGLU, PDL) captured in a CUDA graph and replayed
+    on new inputs gives the eager results bit for bit."""
+    from batchrun.kernels.int4_gemv import int4_gemv
+    from batchrun.kernels.int4_matmul import prepare
+
+    from batchrun.quant.int4_layout import pack_int4
+
+    prepare(torch.device("cuda"))
+    for n, swiglu in ((4096, False), (6144, False), (28672, True)):
+        packed = pack_int4(random_weight(n, 4096, 128, False, True, seed=n))
+        for m in (1, 16):
+            x = torch.zeros(m, 4096, device="cuda", dtype=torch.bfloat16)
+            int4_gemv(x, packed, swiglu=swiglu, pdl=True)  # compiles outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = int4_gemv(x, packed, swiglu=swiglu, pdl=True)
+            for seed in range(3):
+                g = torch.Generator(device="cuda").manual_seed(seed)
+                x.copy_(torch.randn(m, 4096, generator=g, device="cuda"))
+                graph.replay()
+                assert torch.equal(y, int4_gemv(x, packed, swiglu=swiglu)), (n, m, seed)
 
 
 @pytest.mark.parametrize("fmt,group_size,act_order", [("awq", 128, False), ("gptq", 64, True)])

@@ -1,9 +1,10 @@
-"""kernels/int4_matmul.py under Triton's CPU interpreter, against Int4Weight.dequantize() and
-F.linear: both kernel shapes (decode: split-K, act-order's x gathered in the kernel; prefill:
-several row tiles, x gathered by index_select), every group size, symmetric and asymmetric,
-act-order, a tensor-parallel slice of an act-order weight (each column's group read); the
-QuantMatmul that runs it; and a tiny AWQ and GPTQ act-order model whose engine gives the
-dequantized path's logits and greedy tokens.
+"""kernels/int4_matmul.py and kernels/int4_gemv.py under Triton's CPU interpreter, against
+Int4Weight.dequantize() and F.linear: both shapes of int4_matmul (decode: split-K, act-order's x
+gathered in the kernel; prefill: several row tiles, x gathered by index_select) and the decode
+GEMV (M 1 to 16, split-K, the SwiGLU epilogue, llama-8b's widths), every group size, symmetric
+and asymmetric, act-order, a tensor-parallel slice of an act-order weight (each column's group
+read); the QuantMatmul that runs them (the GEMV for M <= 16); and a tiny AWQ and GPTQ act-order
+model whose engine gives the dequantized path's logits and greedy tokens.
 
 Skipped where triton is not installed. The interpreter's tl.dot is wrong for bf16 inputs (a
 triton limitation), so the activations here are fp32 and fp16; tests/gpu covers bf16.
@@ -105,20 +106,86 @@ def check_kernel() -> None:
         check(w, 7, torch.float16, f"{cfg} split {split}", config=cfg, split_k=split)
 
 
+# M of the decode GEMV: one row, a few, its largest
+GEMV_ROWS = (1, 3, 16)
+
+
+def check_gemv_case(w, m: int, dtype, what: str, **kwargs) -> None:
+    from batchrun.kernels.int4_gemv import int4_gemv
+
+    from batchrun.quant.int4_layout import pack_int4
+
+    x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(m)).to(dtype)
+    y = int4_gemv(x, pack_int4(w), **kwargs)
+    ref = F.linear(x.double(), w.dequantize(dtype).double())
+    if kwargs.get("swiglu"):
+        gate, up = ref.to(dtype).double().chunk(2, dim=-1)  # rounded as the matmul's output
+        ref = F.silu(gate).to(dtype).double() * up
+    err = float((y.double() - ref).abs().max() / ref.abs().max())
+    assert y.dtype == dtype and y.shape == ref.shape, what
+    assert err <= TOLERANCE[dtype], (what, m, dtype, err)
+
+
+def check_gemv() -> None:
+    """The decode GEMV: every scheme at M 1, 3, 16 in fp32 and fp16, split-K by the rule and by
+    hand (slices of one and of several tiles, a short last slice), narrow column tiles, the
+    SwiGLU epilogue (split and not), and llama-8b's o_proj and down_proj widths."""
+    from batchrun.kernels.int4_gemv import Int4GemvConfig
+
+    for case in CASES:
+        w = decoded(*case)
+        for dtype in (torch.float32, torch.float16):
+            for m in GEMV_ROWS:
+                check_gemv_case(w, m, dtype, f"gemv {case}")
+    w = decoded("awq", 32, False, False, out=160, inp=448)
+    for cfg in (
+        Int4GemvConfig(block_n=128, block_k=32, split_k=4),  # 448 = 4 slices of 4, 4, 4, 2 tiles
+        Int4GemvConfig(block_n=256, block_k=64, split_k=7),  # one tile a slice
+        Int4GemvConfig(block_n=128, block_k=16, split_k=1),
+    ):
+        for m in GEMV_ROWS:
+            check_gemv_case(w, m, torch.float16, f"gemv {cfg}", config=cfg)
+    for case in (("awq", 32, False, False), ("gptq", 64, True, True)):
+        w = decoded(*case, out=144, inp=256)  # gate_up: 72 columns a half, whole words
+        for cfg in (None, Int4GemvConfig(block_n=128, block_k=32, split_k=3)):
+            for m in GEMV_ROWS:
+                check_gemv_case(w, m, torch.float16, f"swiglu {case} {cfg}", swiglu=True,
+                                config=cfg)  # fmt: skip
+    for out, inp in ((4096, 256), (256, 4096), (128, 14336)):  # llama-8b's widths
+        w = decoded("awq", 128, False, False, out=out, inp=inp)
+        check_gemv_case(w, 1, torch.float16, f"gemv {out}x{inp}")
+
+
 def check_quant_matmul() -> None:
-    """QuantMatmul with kernel "int4": the packed buffers, any leading shape, the dense path's
-    result."""
+    """QuantMatmul with kernel "int4": the packed buffers, any leading shape (a decode batch of
+    6 rows on the GEMV, 40 on int4_matmul), the dense path's result; `gemv` with the SwiGLU
+    gate equals the dense path's silu(gate) * up."""
+    from unittest import mock
+
+    from batchrun.kernels import int4_gemv, int4_matmul
     from batchrun.quant.linear import QuantMatmul, QuantSpec
 
-    w = decoded("gptq", 64, False, True)
-    outs = {}
+    out = 80  # a gate_up of whole words a half
+    w = decoded("gptq", 64, False, True, out=out)
+    layers = {}
     for kernel in ("int4", "dense"):
         spec = QuantSpec("int4", "none", None, kernel, "test")
-        m = QuantMatmul(OUT, IN, spec, torch.float32, "cpu")
-        m.load(w, "test")
-        x = torch.randn(2, 3, IN, generator=torch.Generator().manual_seed(0))
-        outs[kernel] = m(x)
-    torch.testing.assert_close(outs["int4"], outs["dense"], rtol=1e-5, atol=1e-6)
+        layers[kernel] = QuantMatmul(out, IN, spec, torch.float32, "cpu")
+        layers[kernel].load(w, "test")
+    for rows, kernel in ((6, int4_gemv.int4_gemv), (40, int4_matmul.int4_matmul)):
+        x = torch.randn(2, rows // 2, IN, generator=torch.Generator().manual_seed(0))
+        module = int4_gemv if kernel is int4_gemv.int4_gemv else int4_matmul
+        with mock.patch.object(module, kernel.__name__, wraps=kernel) as spy:
+            ours = layers["int4"](x)
+        assert spy.call_count == 1, (rows, kernel.__name__)
+        # sums of magnitude ~1: the GEMV's zero and scale after the dot round apart by ~1e-6
+        torch.testing.assert_close(ours, layers["dense"](x), rtol=1e-5, atol=1e-5)
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    assert layers["int4"].takes_gemv(x)
+    gate, up = layers["dense"](x).chunk(2, dim=-1)
+    torch.testing.assert_close(
+        layers["int4"].gemv(x, swiglu=True), F.silu(gate) * up, rtol=1e-5, atol=1e-5
+    )
 
 
 def check_engine() -> None:
@@ -156,6 +223,7 @@ def check_engine() -> None:
 
 
 if __name__ == "__main__":
+    check_gemv()
     check_kernel()
     check_quant_matmul()
     check_engine()

@@ -1,0 +1,402 @@
+"""W4A16 decode matmul: y[M, N] = x[M, K] @ W^T for M <= 16 and an INT4 weight in the layout of
+batchrun/quant/int4_layout.py, optionally with the SwiGLU gate as its epilogue (a fused gate_up
+-> silu(gate) * up). Memory-bound: the packed weight is read once, at close to HBM bandwidth.
+
+A program owns BLOCK_N output columns (BLOCK_N / 8 int32 words a K row) and, with SPLIT_K > 1,
+one K slice of them; it streams [BLOCK_K, BLOCK_N / 8] word tiles (BLOCK_N / 2 contiguous bytes a
+row: 128 at BLOCK_N 256, one cache line). No interleave, no reshape: nibble j of each word is
+the tile of columns 8c + j, [BLOCK_K, BLOCK_N / 8], and feeds its own tl.dot (x padded to 16
+rows, as kernels/gemv.py does: the tensor cores do the padding rows for free). Eight fp32
+accumulators a program, one a nibble; y's columns are stored 8 apart.
+
+The nibble becomes the dot's operand in two integer ops: (word >> 4j) & 0xF | EXP, whose low 16
+bits are the bf16 (fp16) number OFFSET + q (OFFSET 128 for bf16: its ulp there is 1; 1024 for
+fp16), read by a bitcast. The zero point and the scale apply after the dot, once a tile and
+column (a K tile lies inside one group):
+
+    sum_k (q - z) * s * x[k] = s * (dot(x, OFFSET + q) - (OFFSET + z) * sum_k x[k])
+
+x times OFFSET + q is exact in fp32 (8 significant bits each for bf16), so the only roundings
+are the fp32 sums; the weight is never rounded to bf16 (Int4Weight.dequantize(bf16) rounds each
+(q - z) * s once: the two differ by the fp32 sums' order and that rounding, far inside the
+format's bound). fp32 inputs (Triton's CPU interpreter, whose tl.dot is wrong for bf16) take q
+as fp32 and OFFSET 0.
+
+The first two word tiles are loaded, and the first tile's scale and zero rows prefetched into
+L1, before the PDL wait (weights are no earlier kernel's output: the loads overlap the kernel
+before; kernels/pdl.py). Each iteration then loads the word tile two steps ahead, x's tile one
+step ahead and prefetches the next tile's scale and zero rows (inline PTX prefetch.global.L1,
+on the GPU only) while it computes; it reads its own scales and zeros from L1, one vector a
+nibble in the layout of the dot's result (no layout conversion, nothing carried by the loop).
+
+Act-order's permutation gathers x's columns as they are loaded. Split-K reduces in the kernel,
+deterministically, on kernels/gemv.py's counters and helpers: each slice stores its fp32 sums to
+its plane of a [SPLIT_K, M, N] workspace ([SPLIT_K, M, 2N] with swiglu), the slice that arrives
+last sums the planes in slice order and writes y. A weight whose groups are read per column
+(`groups`: a tensor-parallel slice of an act-order weight) is not taken here:
+kernels/int4_matmul.py runs it.
+
+No host syncs, no allocation that depends on data: the kernel runs inside CUDA graphs (the
+split counters are allocated on first use: call once eagerly before capturing).
+
+    y = int4_gemv(x, packed)                           # a config from pick_config(M, N, K)
+    a = int4_gemv(x, packed_gate_up, swiglu=True)       # silu(gate) * up, [M, N / 2]
+    y = int4_gemv(x, packed, config=Int4GemvConfig(...))  # scripts/bench_int4_matmul.py
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from batchrun.kernels.gemv import NUM_COUNTERS, _sum_planes, _write_y, split_counters
+from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
+
+from batchrun.quant.int4_layout import PACK, Int4Packed
+
+MAX_M = 16
+# the low 16 bits OR-ed onto a nibble: the bf16 / fp16 number OFFSET + q (OFFSET: its ulp is 1)
+EXP_BITS = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+
+
+class Int4GemvConfig(NamedTuple):
+    block_n: int = 256  # output columns a program: block_n / 8 words a K row
+    block_k: int = 64  # K rows a tile (clamped to divide the group size)
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 1  # the loop prefetches two tiles itself
+
+
+def takes(w: Int4Packed, m: int, swiglu: bool = False) -> bool:
+    """Whether int4_gemv runs x [m, K] @ W^T: a decode batch (m <= MAX_M) of a weight whose
+    groups are runs along K (not read per column); with swiglu, halves of whole words."""
+    halves = not swiglu or w.out_features % (2 * PACK) == 0
+    return m <= MAX_M and w.groups is None and halves
+
+
+@triton.jit
+def _words(QW, offs_k, k_end, offs_c, in_c, n_words):
+    """The word tile [BLOCK_K, BLOCK_N / 8] at K rows offs_k (zeros past k_end)."""
+    mask = (offs_k < k_end)[:, None] & in_c[None, :]
+    ptrs = QW + offs_k[:, None].to(tl.int64) * n_words + offs_c[None, :]
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
+def _sz(S, Z, row, cols, in_c, HAS_ZEROS: tl.constexpr):
+    """The scales and zero points (fp32, [BLOCK_N / 8]) of the columns cols in group row `row`
+    (an offset); symmetric zeros are 8."""
+    s = tl.load(S + row + cols, mask=in_c, other=0.0).to(tl.float32)
+    z = tl.full(s.shape, 8.0, tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(Z + row + cols, mask=in_c, other=0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _group_rows(S, Z, k0, group_size, N, offs_c, in_c, HAS_ZEROS: tl.constexpr):
+    """The scales and zero points of the K tile at k0 for the columns 8c + j, one [BLOCK_N / 8]
+    vector each, j = 0 .. 7: (s0, ..., s7, z0, ..., z7). Loaded in the layout the dot's result
+    takes them in (no conversion a tile)."""
+    row = (k0 // group_size).to(tl.int64) * N
+    c8 = offs_c * 8
+    s0, z0 = _sz(S, Z, row, c8, in_c, HAS_ZEROS)
+    s1, z1 = _sz(S, Z, row, c8 + 1, in_c, HAS_ZEROS)
+    s2, z2 = _sz(S, Z, row, c8 + 2, in_c, HAS_ZEROS)
+    s3, z3 = _sz(S, Z, row, c8 + 3, in_c, HAS_ZEROS)
+    s4, z4 = _sz(S, Z, row, c8 + 4, in_c, HAS_ZEROS)
+    s5, z5 = _sz(S, Z, row, c8 + 5, in_c, HAS_ZEROS)
+    s6, z6 = _sz(S, Z, row, c8 + 6, in_c, HAS_ZEROS)
+    s7, z7 = _sz(S, Z, row, c8 + 7, in_c, HAS_ZEROS)
+    return s0, s1, s2, s3, s4, s5, s6, s7, z0, z1, z2, z3, z4, z5, z6, z7
+
+
+@triton.jit
+def _prefetch_l1(ptrs):
+    """prefetch.global.L1 of each address (a hint: nothing is loaded into registers)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _prefetch_group(S, Z, k0, group_size, N, offs_c, in_c, HAS_ZEROS: tl.constexpr,
+                    PREFETCH: tl.constexpr):  # fmt: skip
+    """Prefetch into L1 the scale and zero rows of the K tile at k0 (this program's columns):
+    `_group_rows` then reads them from L1, and the loop carries no scales. A hint, on the GPU
+    only (PREFETCH); k0 is a K row that exists."""
+    if PREFETCH:
+        row = (k0 // group_size).to(tl.int64) * N
+        c8 = tl.where(in_c, offs_c, offs_c * 0) * 8  # addresses inside the row, masked or not
+        _prefetch_l1(S + row + c8)
+        if HAS_ZEROS:
+            _prefetch_l1(Z + row + c8)
+
+
+@triton.jit
+def _nibble_dot(acc, x, xs, words, s_j, z_j, J: tl.constexpr, EXP: tl.constexpr,
+                OFFSET: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """acc + s_J * (x @ (OFFSET + q_J) - (OFFSET + z_J) * sum(x)) for nibble J of the words:
+    the columns 8c + J, [16, BLOCK_N / 8]."""
+    q = (words >> (4 * J)) & 0xF
+    if IEEE:  # fp32 (the interpreter): q as fp32, OFFSET 0
+        w = q.to(tl.float32)
+        d = tl.dot(x, w, input_precision="ieee")
+    else:
+        w = (q | EXP).to(tl.int16).to(x.dtype, bitcast=True)  # OFFSET + q
+        d = tl.dot(x, w)
+    return acc + (d - (z_j + OFFSET)[None, :] * xs[:, None]) * s_j[None, :]
+
+
+@triton.jit
+def _x_tile(X, Perm, offs_m, M, stride_xm, offs_k, k_end, GATHER_X: tl.constexpr):
+    """x [16, BLOCK_K] at columns offs_k (through act-order's Perm), zeros past M and k_end."""
+    in_k = offs_k < k_end
+    cols = offs_k
+    if GATHER_X:
+        cols = tl.load(Perm + offs_k, mask=in_k, other=0)
+    mask = (offs_m[:, None] < M) & in_k[None, :]
+    return tl.load(X + offs_m[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _tile(a0, a1, a2, a3, a4, a5, a6, a7, x, words, sz,
+          EXP: tl.constexpr, OFFSET: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """One K tile into the eight accumulators (nibble j: columns 8c + j); sz: _group_rows'."""
+    xs = tl.sum(x.to(tl.float32), axis=1)
+    a0 = _nibble_dot(a0, x, xs, words, sz[0], sz[8], 0, EXP, OFFSET, IEEE)
+    a1 = _nibble_dot(a1, x, xs, words, sz[1], sz[9], 1, EXP, OFFSET, IEEE)
+    a2 = _nibble_dot(a2, x, xs, words, sz[2], sz[10], 2, EXP, OFFSET, IEEE)
+    a3 = _nibble_dot(a3, x, xs, words, sz[3], sz[11], 3, EXP, OFFSET, IEEE)
+    a4 = _nibble_dot(a4, x, xs, words, sz[4], sz[12], 4, EXP, OFFSET, IEEE)
+    a5 = _nibble_dot(a5, x, xs, words, sz[5], sz[13], 5, EXP, OFFSET, IEEE)
+    a6 = _nibble_dot(a6, x, xs, words, sz[6], sz[14], 6, EXP, OFFSET, IEEE)
+    a7 = _nibble_dot(a7, x, xs, words, sz[7], sz[15], 7, EXP, OFFSET, IEEE)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _finish(acc, up, J: tl.constexpr, Y, WS, Counters, arrived, M, N, offs_m, offs_c, in_c,
+            stride_ym, pid_k, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr):  # fmt: skip
+    """Nibble J's columns of y (SPLIT_K == 1), or of this slice's plane (arrived < 0) or, for
+    the slice that arrived last, of y from every plane."""
+    cols = offs_c * 8 + J
+    mask = (offs_m[:, None] < M) & in_c[None, :]
+    out = Y + offs_m[:, None] * stride_ym + cols[None, :]
+    dtype = Y.dtype.element_ty
+    ws_n = 2 * N if SWIGLU else N
+    plane_stride = M * ws_n
+    plane_offs = offs_m[:, None] * ws_n + cols[None, :]
+    if SPLIT_K == 1:
+        _write_y(acc, up, out, mask, acc, dtype, SWIGLU, False)
+    elif arrived < 0:
+        tl.store(WS + pid_k * plane_stride + plane_offs, acc, mask=mask)
+        if SWIGLU:
+            tl.store(WS + pid_k * plane_stride + plane_offs + N, up, mask=mask)
+    elif arrived == SPLIT_K - 1:
+        total = _sum_planes(WS, plane_offs, mask, plane_stride, SPLIT_K)
+        total_up = total
+        if SWIGLU:
+            total_up = _sum_planes(WS, plane_offs + N, mask, plane_stride, SPLIT_K)
+        _write_y(total, total_up, out, mask, total, dtype, SWIGLU, False)
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    X,
+    QW,
+    S,
+    Z,
+    Perm,
+    Y,
+    WS,
+    Counters,
+    M,
+    N,  # output columns (swiglu: of each half)
+    K,
+    k_per_split,
+    group_size,
+    stride_xm,
+    stride_ym,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    GATHER_X: tl.constexpr,
+    EXP: tl.constexpr,
+    OFFSET: tl.constexpr,
+    IEEE: tl.constexpr,
+    PREFETCH: tl.constexpr,  # the GPU's L1 prefetch of scales and zeros (not the interpreter)
+    PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    NW: tl.constexpr = BLOCK_N // 8
+    n_rows = 2 * N if SWIGLU else N  # the packed weight's columns
+    n_words = n_rows // 8
+    offs_m = tl.arange(0, 16)
+    offs_c = pid_n * NW + tl.arange(0, NW)  # word columns of this program (gate half)
+    in_c = offs_c < N // 8
+    up_c = offs_c + N // 8  # SWIGLU: the up half's words
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+
+    # weights before the PDL wait: the first two word tiles, the first tile's scales and zeros
+    w0 = _words(QW, offs_k, k_end, offs_c, in_c, n_words)
+    w1 = _words(QW, offs_k + BLOCK_K, k_end, offs_c, in_c, n_words)
+    _prefetch_group(S, Z, k_start, group_size, n_rows, offs_c, in_c, HAS_ZEROS, PREFETCH)
+    u0 = w0
+    u1 = w1
+    if SWIGLU:
+        u0 = _words(QW, offs_k, k_end, up_c, in_c, n_words)
+        u1 = _words(QW, offs_k + BLOCK_K, k_end, up_c, in_c, n_words)
+        _prefetch_group(S, Z, k_start, group_size, n_rows, up_c, in_c, HAS_ZEROS, PREFETCH)
+    pdl_wait(PDL)
+
+    zero = tl.zeros([16, NW], dtype=tl.float32)
+    a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
+    b0, b1, b2, b3, b4, b5, b6, b7 = zero, zero, zero, zero, zero, zero, zero, zero
+    x0 = _x_tile(X, Perm, offs_m, M, stride_xm, offs_k, k_end, GATHER_X)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        # ahead of this tile: the word tile two steps on (zeros, and no memory traffic, past
+        # k_end), x's tile and the scale and zero rows (into L1) one step on
+        ahead = offs_k + (k0 + 2 * BLOCK_K - k_start)
+        w2 = _words(QW, ahead, k_end, offs_c, in_c, n_words)
+        x1 = _x_tile(X, Perm, offs_m, M, stride_xm, ahead - BLOCK_K, k_end, GATHER_X)
+        k1 = tl.minimum(k0 + BLOCK_K, K - 1)
+        _prefetch_group(S, Z, k1, group_size, n_rows, offs_c, in_c, HAS_ZEROS, PREFETCH)
+        sz = _group_rows(S, Z, k0, group_size, n_rows, offs_c, in_c, HAS_ZEROS)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
+            a0, a1, a2, a3, a4, a5, a6, a7, x0, w0, sz, EXP, OFFSET, IEEE
+        )
+        w0, w1 = w1, w2
+        if SWIGLU:
+            u2 = _words(QW, ahead, k_end, up_c, in_c, n_words)
+            _prefetch_group(S, Z, k1, group_size, n_rows, up_c, in_c, HAS_ZEROS, PREFETCH)
+            szu = _group_rows(S, Z, k0, group_size, n_rows, up_c, in_c, HAS_ZEROS)
+            b0, b1, b2, b3, b4, b5, b6, b7 = _tile(
+                b0, b1, b2, b3, b4, b5, b6, b7, x0, u0, szu, EXP, OFFSET, IEEE
+            )
+            u0, u1 = u1, u2
+        x0 = x1
+
+    arrived = -1
+    if SPLIT_K > 1:  # this slice's planes first
+        args = (Y, WS, Counters, arrived, M, N, offs_m, offs_c, in_c, stride_ym, pid_k)
+        _finish(a0, b0, 0, *args, SPLIT_K, SWIGLU)
+        _finish(a1, b1, 1, *args, SPLIT_K, SWIGLU)
+        _finish(a2, b2, 2, *args, SPLIT_K, SWIGLU)
+        _finish(a3, b3, 3, *args, SPLIT_K, SWIGLU)
+        _finish(a4, b4, 4, *args, SPLIT_K, SWIGLU)
+        _finish(a5, b5, 5, *args, SPLIT_K, SWIGLU)
+        _finish(a6, b6, 6, *args, SPLIT_K, SWIGLU)
+        _finish(a7, b7, 7, *args, SPLIT_K, SWIGLU)
+        # NOTE: every thread's stores before the one release (as kernels/gemv.py): bar.sync,
+        # then a gpu-scope acq_rel atomic; the last slice's acquire sees every plane
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel", scope="gpu")
+    args = (Y, WS, Counters, arrived, M, N, offs_m, offs_c, in_c, stride_ym, pid_k)
+    _finish(a0, b0, 0, *args, SPLIT_K, SWIGLU)
+    _finish(a1, b1, 1, *args, SPLIT_K, SWIGLU)
+    _finish(a2, b2, 2, *args, SPLIT_K, SWIGLU)
+    _finish(a3, b3, 3, *args, SPLIT_K, SWIGLU)
+    _finish(a4, b4, 4, *args, SPLIT_K, SWIGLU)
+    _finish(a5, b5, 5, *args, SPLIT_K, SWIGLU)
+    _finish(a6, b6, 6, *args, SPLIT_K, SWIGLU)
+    _finish(a7, b7, 7, *args, SPLIT_K, SWIGLU)
+    if SPLIT_K > 1:
+        if arrived == SPLIT_K - 1:
+            tl.atomic_xchg(Counters + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
+
+
+# NOTE: K-split programs aimed at: about two per SM of the H200 (132 SMs), for matrices of at
+# most SPLIT_MAX_TILES column tiles; a slice keeps at least two K tiles (the prefetch's depth)
+TARGET_PROGRAMS = 256
+SPLIT_MAX_TILES = 128
+MAX_SPLIT_K = 16
+
+
+def pick_config(m: int, n: int, k: int, swiglu: bool = False) -> Int4GemvConfig:
+    """256 columns x 64-deep K tiles a program, 4 warps (with swiglu 256 columns of each half x
+    32-deep tiles: the same bytes a step); matrices of few column tiles split along K until
+    there are about TARGET_PROGRAMS programs (a power of two, at most MAX_SPLIT_K slices of at
+    least two tiles). llama-8b at M = 1: qkv (24 tiles) in 8 slices, o_proj and down_proj (16)
+    in 16, gate_up (56 tiles a half) in 4.
+
+    Compiled for sm_90 under Triton 3.6 (scripts/check_kernels_compile.py --ptxas), these
+    take about 225 registers a thread (swiglu 253) without spills, two programs an SM, and
+    their loop runs 6.2 instructions a weight element a thread (swiglu 8.3) at M = 1 and 16.
+    Tiles 128 deep, or 8 warps, spill or compute the dot's columns twice (8 warps on 32
+    columns a nibble); 32-deep plain tiles take 8.5 instructions an element (the per-tile
+    scale loads and epilogue weigh more). The timings are not measured here:
+    `scripts/bench_int4_matmul.py --sweep` times the alternatives on the GPU."""
+    cfg = Int4GemvConfig(block_k=32) if swiglu else Int4GemvConfig()
+    n_out = n // 2 if swiglu else n
+    tiles = triton.cdiv(n_out, cfg.block_n)
+    split_k = 1
+    while (
+        tiles <= SPLIT_MAX_TILES
+        and split_k < MAX_SPLIT_K
+        and tiles * split_k * 2 <= TARGET_PROGRAMS
+        and k >= 2 * 2 * split_k * cfg.block_k
+    ):
+        split_k *= 2
+    return cfg._replace(split_k=split_k)
+
+
+def int4_gemv(
+    x: torch.Tensor,  # [M, K], M <= 16, unit stride along K; bf16 / fp16 (fp32: interpreter)
+    w: Int4Packed,  # groups None (`takes`); swiglu: the fused [2I] gate_up columns
+    config: Int4GemvConfig | None = None,
+    swiglu: bool = False,
+    *,
+    pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
+) -> torch.Tensor:
+    """x @ W^T: [M, N] in x's dtype; with swiglu, silu(x @ W_gate^T) * (x @ W_up^T): [M, N / 2],
+    gate and up rounded to the dtype first, as the unfused path rounds them."""
+    m, k = x.shape
+    n_rows = w.out_features
+    assert k == w.in_features and x.stride(1) == 1, (x.shape, x.stride(), w.in_features)
+    assert takes(w, m, swiglu), (m, n_rows, w.groups is None, swiglu)
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    n = n_rows // 2 if swiglu else n_rows
+    cfg = config or pick_config(m, n_rows, k, swiglu)
+    assert cfg.block_n >= 128, cfg  # tl.dot's N (block_n / 8 columns a nibble) is at least 16
+    block_k = cfg.block_k
+    if w.group_size < k:  # a K tile inside one group (group sizes are multiples of 16)
+        while w.group_size % block_k:
+            block_k //= 2
+    if x.dtype == torch.float32:
+        block_k = min(block_k, 64)
+    exp_bits, offset = EXP_BITS.get(x.dtype, (0, 0.0))
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    tiles = triton.cdiv(n, cfg.block_n)
+    if tiles > NUM_COUNTERS:
+        split_k, k_per_split = 1, k
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    counters = split_counters(x.device) if split_k > 1 else y
+    ws = y if split_k == 1 else torch.empty(split_k * m * n_rows, dtype=torch.float32,
+                                            device=x.device)  # fmt: skip
+    # NOTE: absent operands get y as a stand-in pointer: their constexpr flag prunes every access
+    _int4_gemv_kernel[(tiles, split_k)](
+        x, w.qweight, w.scales, y if w.zeros is None else w.zeros,
+        y if w.perm is None else w.perm, y, ws, counters,
+        m, n, k, k_per_split, w.group_size, x.stride(0), y.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split_k, SWIGLU=swiglu,
+        HAS_ZEROS=w.zeros is not None, GATHER_X=w.perm is not None, EXP=exp_bits,
+        OFFSET=offset, IEEE=x.dtype == torch.float32, PREFETCH=x.is_cuda, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
+    )  # fmt: skip
+    return y
