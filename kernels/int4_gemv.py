@@ -29,12 +29,12 @@ step ahead and prefetches the next tile's scale and zero rows (inline PTX prefet
 on the GPU only) while it computes; it reads its own scales and zeros from L1, one vector a
 nibble in the layout of the dot's result (no layout conversion, nothing carried by the loop).
 
-Act-order's permutation gathers x's columns as they are loaded. Split-K reduces in the kernel,
-deterministically, on kernels/gemv.py's counters and helpers: each slice stores its fp32 sums to
-its plane of a [SPLIT_K, M, N] workspace ([SPLIT_K, M, 2N] with swiglu), the slice that arrives
-last sums the planes in slice order and writes y. A weight whose groups are read per column
-(`groups`: a tensor-parallel slice of an act-order weight) is not taken here:
-kernels/int4_matmul.py runs it.
+Split-K reduces in the kernel, deterministically, on kernels/gemv.py's counters and helpers:
+each slice stores its fp32 sums to its plane of a [SPLIT_K, M, N] workspace ([SPLIT_K, M, 2N]
+with swiglu), the slice that arrives last sums the planes in slice order and writes y. An
+act-order weight (`perm`: x's columns gathered by its permutation, and `groups`: a
+tensor-parallel slice of one) is not taken here: kernels/int4_matmul.py runs it, whose
+act-order path the GPU tests check (tests/gpu/test_int4_kernel_gpu.py).
 
 No host syncs, no allocation that depends on data: the kernel runs inside CUDA graphs (the
 split counters are allocated on first use: call once eagerly before capturing).
@@ -70,10 +70,11 @@ class Int4GemvConfig(NamedTuple):
 
 
 def takes(w: Int4Packed, m: int, swiglu: bool = False) -> bool:
-    """Whether int4_gemv runs x [m, K] @ W^T: a decode batch (m <= MAX_M) of a weight whose
-    groups are runs along K (not read per column); with swiglu, halves of whole words."""
+    """Whether int4_gemv runs x [m, K] @ W^T: a decode batch (m <= MAX_M) of a weight without
+    act-order's permutation (x read in order, groups runs along K); with swiglu, halves of
+    whole words."""
     halves = not swiglu or w.out_features % (2 * PACK) == 0
-    return m <= MAX_M and w.groups is None and halves
+    return m <= MAX_M and w.perm is None and w.groups is None and halves
 
 
 @triton.jit
@@ -156,14 +157,10 @@ def _nibble_dot(acc, x, xs, words, s_j, z_j, J: tl.constexpr, EXP: tl.constexpr,
 
 
 @triton.jit
-def _x_tile(X, Perm, offs_m, M, stride_xm, offs_k, k_end, GATHER_X: tl.constexpr):
-    """x [16, BLOCK_K] at columns offs_k (through act-order's Perm), zeros past M and k_end."""
-    in_k = offs_k < k_end
-    cols = offs_k
-    if GATHER_X:
-        cols = tl.load(Perm + offs_k, mask=in_k, other=0)
-    mask = (offs_m[:, None] < M) & in_k[None, :]
-    return tl.load(X + offs_m[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+def _x_tile(X, offs_m, M, stride_xm, offs_k, k_end):
+    """x [16, BLOCK_K] at columns offs_k, zeros past M and k_end."""
+    mask = (offs_m[:, None] < M) & (offs_k < k_end)[None, :]
+    return tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -214,7 +211,6 @@ def _int4_gemv_kernel(
     QW,
     S,
     Z,
-    Perm,
     Y,
     WS,
     Counters,
@@ -230,7 +226,6 @@ def _int4_gemv_kernel(
     SPLIT_K: tl.constexpr,
     SWIGLU: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
-    GATHER_X: tl.constexpr,
     EXP: tl.constexpr,
     OFFSET: tl.constexpr,
     IEEE: tl.constexpr,
@@ -265,13 +260,13 @@ def _int4_gemv_kernel(
     zero = tl.zeros([16, NW], dtype=tl.float32)
     a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
     b0, b1, b2, b3, b4, b5, b6, b7 = zero, zero, zero, zero, zero, zero, zero, zero
-    x0 = _x_tile(X, Perm, offs_m, M, stride_xm, offs_k, k_end, GATHER_X)
+    x0 = _x_tile(X, offs_m, M, stride_xm, offs_k, k_end)
     for k0 in range(k_start, k_end, BLOCK_K):
         # ahead of this tile: the word tile two steps on (zeros, and no memory traffic, past
         # k_end), x's tile and the scale and zero rows (into L1) one step on
         ahead = offs_k + (k0 + 2 * BLOCK_K - k_start)
         w2 = _words(QW, ahead, k_end, offs_c, in_c, n_words)
-        x1 = _x_tile(X, Perm, offs_m, M, stride_xm, ahead - BLOCK_K, k_end, GATHER_X)
+        x1 = _x_tile(X, offs_m, M, stride_xm, ahead - BLOCK_K, k_end)
         k1 = tl.minimum(k0 + BLOCK_K, K - 1)
         _prefetch_group(S, Z, k1, group_size, n_rows, offs_c, in_c, HAS_ZEROS, PREFETCH)
         sz = _group_rows(S, Z, k0, group_size, n_rows, offs_c, in_c, HAS_ZEROS)
@@ -366,7 +361,7 @@ def int4_gemv(
     m, k = x.shape
     n_rows = w.out_features
     assert k == w.in_features and x.stride(1) == 1, (x.shape, x.stride(), w.in_features)
-    assert takes(w, m, swiglu), (m, n_rows, w.groups is None, swiglu)
+    assert takes(w, m, swiglu), (m, n_rows, w.perm is None, w.groups is None, swiglu)
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
     n = n_rows // 2 if swiglu else n_rows
     cfg = config or pick_config(m, n_rows, k, swiglu)
@@ -391,11 +386,10 @@ def int4_gemv(
                                             device=x.device)  # fmt: skip
     # NOTE: absent operands get y as a stand-in pointer: their constexpr flag prunes every access
     _int4_gemv_kernel[(tiles, split_k)](
-        x, w.qweight, w.scales, y if w.zeros is None else w.zeros,
-        y if w.perm is None else w.perm, y, ws, counters,
+        x, w.qweight, w.scales, y if w.zeros is None else w.zeros, y, ws, counters,
         m, n, k, k_per_split, w.group_size, x.stride(0), y.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split_k, SWIGLU=swiglu,
-        HAS_ZEROS=w.zeros is not None, GATHER_X=w.perm is not None, EXP=exp_bits,
+        HAS_ZEROS=w.zeros is not None, EXP=exp_bits,
         OFFSET=offset, IEEE=x.dtype == torch.float32, PREFETCH=x.is_cuda, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip

@@ -16,8 +16,8 @@ weights.py) and how it multiplies, by device and kernel config.
     "int4": INT4 (int4_matmul "triton":      the weight packed at load (batchrun/quant/
     CUDA, or CPU tensors under Triton's      int4_layout.py); decode batches (M <= 16) on
     interpreter)                             kernels/int4_gemv.py (the SwiGLU gate inside for
-                                             a gate_up), the rest and a weight whose groups
-                                             are read per column on kernels/int4_matmul.py
+                                             a gate_up), the rest and act-order weights on
+                                             kernels/int4_matmul.py
     "dense": everything else                 the weight dequantized at load into the compute
                                              dtype, F.linear; on the CPU the FP8 activations
                                              are fake-quantized as the checkpoint says (the
@@ -237,7 +237,7 @@ class QuantMatmul(nn.Module):
         """Whether x [M, K] runs on a decode kernel that can fuse the SwiGLU gate (`gemv`):
         kernels/fp8_gemv.py for a decode batch (M <= 16, unit stride along K) of a scaled_mm
         layer with decode_gemv "triton"; kernels/int4_gemv.py for one of an INT4 layer whose
-        halves are whole words and whose groups are runs along K."""
+        halves are whole words, without act-order."""
         if x.dim() != 2 or x.stride(-1) != 1 or x.dtype != self.dtype:
             return False
         if self.spec.kernel == "int4":
@@ -336,8 +336,8 @@ class QuantMatmul(nn.Module):
         )
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
-        """Decode batches (M <= 16) on kernels/int4_gemv.py, the rest (and weights whose groups
-        are read per column) on kernels/int4_matmul.py."""
+        """Decode batches (M <= 16) on kernels/int4_gemv.py, the rest (and act-order weights) on
+        kernels/int4_matmul.py."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if x2.stride(-1) != 1:

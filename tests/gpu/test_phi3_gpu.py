@@ -88,7 +88,16 @@ def test_graphs_and_overlap_give_eager_tokens(phi4_dir, context_len, eager, kern
     engine = _engine(phi4_dir, kernels, context_len=context_len, **kw)
     rotary = engine.runner.model.rotary
     assert rotary.cos_cache.shape[1] == 96
-    assert _generate(engine) == eager
+    reference = eager
+    if kernels.get("decode_gemv") == "triton" or "max_running" in kw:
+        # the eager run of the same matmuls over the same batches: the GEMV's sums are not
+        # cuBLAS's, and one request at a time prefills alone (bf16 near-ties part otherwise)
+        same = dict(EAGER, decode_gemv=kernels.get("decode_gemv", "cublas"))
+        batches = {k: v for k, v in kw.items() if k != "overlap"}
+        reference = _generate(
+            _engine(phi4_dir, same, overlap=False, context_len=context_len, **batches)
+        )
+    assert _generate(engine) == reference
 
 
 @pytest.mark.parametrize("attention", ["triton", "flashinfer"])

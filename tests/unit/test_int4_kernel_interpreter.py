@@ -127,13 +127,19 @@ def check_gemv_case(w, m: int, dtype, what: str, **kwargs) -> None:
 
 
 def check_gemv() -> None:
-    """The decode GEMV: every scheme at M 1, 3, 16 in fp32 and fp16, split-K by the rule and by
-    hand (slices of one and of several tiles, a short last slice), narrow column tiles, the
-    SwiGLU epilogue (split and not), and llama-8b's o_proj and down_proj widths."""
-    from batchrun.kernels.int4_gemv import Int4GemvConfig
+    """The decode GEMV: every scheme but act-order (which it does not take) at M 1, 3, 16 in
+    fp32 and fp16, split-K by the rule and by hand (slices of one and of several tiles, a short
+    last slice), narrow column tiles, the SwiGLU epilogue (split and not), and llama-8b's o_proj
+    and down_proj widths."""
+    from batchrun.kernels.int4_gemv import Int4GemvConfig, takes
+
+    from batchrun.quant.int4_layout import pack_int4
 
     for case in CASES:
         w = decoded(*case)
+        if case[3]:  # act-order: int4_matmul's
+            assert not takes(pack_int4(w), 1), case
+            continue
         for dtype in (torch.float32, torch.float16):
             for m in GEMV_ROWS:
                 check_gemv_case(w, m, dtype, f"gemv {case}")
@@ -145,7 +151,7 @@ def check_gemv() -> None:
     ):
         for m in GEMV_ROWS:
             check_gemv_case(w, m, torch.float16, f"gemv {cfg}", config=cfg)
-    for case in (("awq", 32, False, False), ("gptq", 64, True, True)):
+    for case in (("awq", 32, False, False), ("gptq", 64, True, False)):
         w = decoded(*case, out=144, inp=256)  # gate_up: 72 columns a half, whole words
         for cfg in (None, Int4GemvConfig(block_n=128, block_k=32, split_k=3)):
             for m in GEMV_ROWS:
@@ -158,15 +164,24 @@ def check_gemv() -> None:
 
 def check_quant_matmul() -> None:
     """QuantMatmul with kernel "int4": the packed buffers, any leading shape (a decode batch of
-    6 rows on the GEMV, 40 on int4_matmul), the dense path's result; `gemv` with the SwiGLU
-    gate equals the dense path's silu(gate) * up."""
+    6 rows on the GEMV, 40 on int4_matmul; an act-order weight's 6 rows on int4_matmul), the
+    dense path's result; `gemv` with the SwiGLU gate equals the dense path's silu(gate) * up."""
     from unittest import mock
 
     from batchrun.kernels import int4_gemv, int4_matmul
+
     from batchrun.quant.linear import QuantMatmul, QuantSpec
 
     out = 80  # a gate_up of whole words a half
-    w = decoded("gptq", 64, False, True, out=out)
+    act_order = QuantMatmul(out, IN, QuantSpec("int4", "none", None, "int4", "test"),
+                            torch.float32, "cpu")  # fmt: skip
+    act_order.load(decoded("gptq", 64, False, True, out=out), "test")
+    x = torch.randn(6, IN, generator=torch.Generator().manual_seed(2))
+    assert not act_order.takes_gemv(x)
+    with mock.patch.object(int4_matmul, "int4_matmul", wraps=int4_matmul.int4_matmul) as spy:
+        act_order(x)
+    assert spy.call_count == 1
+    w = decoded("gptq", 64, False, False, out=out)
     layers = {}
     for kernel in ("int4", "dense"):
         spec = QuantSpec("int4", "none", None, kernel, "test")
