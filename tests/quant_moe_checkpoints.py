@@ -87,20 +87,24 @@ def quantize(fmt: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.
     return int4_tensors(fmt, ref), ref.dequantize()
 
 
-def make_moe_model(seed: int = 0, **changes):
-    """The fp32 Qwen3-MoE of SHAPES (layer 1 dense, 8 experts, top-2), not saved."""
+def make_moe_model(seed: int = 0, kind: str = "qwen3_moe", **changes):
+    """The fp32 model of SHAPES, not saved: kind "qwen3_moe" (layer 1 dense, 8 experts, top-2)
+    or "qwen2_moe" (q/k/v biases, a shared expert, 6 experts, top-3)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = make_moe_config("qwen3_moe", **{**SHAPES, **changes})
+    shapes = SHAPES if kind == "qwen3_moe" else {**SHAPES, "num_hidden_layers": 2}
+    config = make_moe_config(kind, **{**shapes, **changes})
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def write_quantized_moe(fmt: str, path: Path, seed: int = 0, shards: int = 2, **changes):
-    """Save the tiny Qwen3-MoE quantized in `fmt` (FORMATS) to `path` (config.json, safetensors
-    in `shards` files with an index); returns the fp32 reference model (the dequantized weights,
-    the activation hooks of the linears that are not experts)."""
-    model = make_moe_model(seed, **changes)
+def write_quantized_moe(
+    fmt: str, path: Path, seed: int = 0, shards: int = 2, kind: str = "qwen3_moe", **changes
+):
+    """Save the tiny `kind` model quantized in `fmt` (FORMATS) to `path` (config.json,
+    safetensors in `shards` files with an index); returns the fp32 reference model (the
+    dequantized weights, the activation hooks of the linears that are not experts)."""
+    model = make_moe_model(seed, kind, **changes)
     state = model.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}  # our linear's / fused experts' name -> fp32
