@@ -109,3 +109,22 @@ MIXTRAL_8X7B_INSTRUCT = {
     "use_cache": True,
     "vocab_size": 32000,
 }
+
+# Qwen3-30B-A3B's FP8 release: the same model with every linear in 128x128-block FP8 but the
+# router (mlp.gate) and lm_head, the modules_to_not_convert as the Qwen3-30B-A3B(-2507) "-FP8"
+# repositories' config.json lists them (the norms too, which are no linears)
+QWEN3_30B_A3B_FP8 = {
+    **QWEN3_30B_A3B,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "modules_to_not_convert": ["lm_head"]
+        + [
+            f"model.layers.{i}.{m}"
+            for i in range(48)
+            for m in ("input_layernorm", "mlp.gate", "post_attention_layernorm")
+        ],
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
+}

@@ -20,6 +20,7 @@ import torch
 from batchrun.attention.flashinfer_backend import unavailable_reason
 from batchrun.config import EngineConfig, KernelConfig, decoder_params, is_large
 from batchrun.engine.host_gate import HostGate
+from batchrun.models.moe_weights import has_quantized_experts
 
 # NOTE: decode_norms' width rule. On the H200 (W3, `scripts/bench_throughput.py --workloads W3
 # --variants batchrun,no-norm-fusion`): llama-1b (hidden 2048) reads 1.00 ms per token with "all"
@@ -75,6 +76,23 @@ def gpu_memory(device: torch.device) -> int:
 def bf16_weight_bytes(model_cfg, tp_size: int) -> int:
     """The bytes of one rank's decoder weights in bf16."""
     return 2 * decoder_params(model_cfg) // tp_size
+
+
+def experts_too_large(model_cfg, tp_size: int, memory: int) -> str:
+    """The refusal of a quantized mixture of experts whose dequantized weights do not fit."""
+    need, share = bf16_weight_bytes(model_cfg, tp_size), DEQUANT_MAX_MEMORY * memory
+    fits = next((tp for tp in (2, 4, 8, 16) if bf16_weight_bytes(model_cfg, tp) <= share), None)
+    larger = (
+        f"--tp {fits} ({bf16_weight_bytes(model_cfg, fits) / 1e9:.1f} GB a rank) fits"
+        if fits is not None and fits > tp_size
+        else "no --tp up to 16 fits"
+    )
+    return (
+        f"{model_cfg.quantization.describe()}: a quantized mixture of experts runs its experts "
+        f"dequantized to bf16, and the decoder's bf16 weights take {need / 1e9:.1f} GB a rank at "
+        f"--tp {tp_size}, more than {DEQUANT_MAX_MEMORY:.0%} of this GPU's {memory / 1e9:.1f} GB "
+        f"({share / 1e9:.1f} GB); {larger}"
+    )
 
 
 def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> KernelConfig:
@@ -134,6 +152,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     dequant_fits = not cuda or bf16_weight_bytes(model_cfg, config.tp_size) <= (
         DEQUANT_MAX_MEMORY * gpu_memory(device)
     )
+    if cuda and not dequant_fits and has_quantized_experts(model_cfg):
+        raise ValueError(experts_too_large(model_cfg, config.tp_size, gpu_memory(device)))
     blocks = model_cfg.quantization is not None and model_cfg.quantization.block is not None
     fp8_matmul = want.fp8_matmul
     if fp8_matmul == "auto":

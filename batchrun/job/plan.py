@@ -30,6 +30,7 @@ from batchrun.job.order import (
 from batchrun.job.pipeline import RowPipeline
 from batchrun.models.config import ModelConfig
 from batchrun.models.embedded import resolve_model_path
+from batchrun.models.moe_weights import describe_experts
 from batchrun.models.param_count import describe_params
 from batchrun.params import SamplingParams
 from batchrun.quant.online import with_quantization
@@ -58,6 +59,7 @@ def load_tokenizer_and_context(model: str | None, quantization: str | None = Non
 def describe_weights(cfg: ModelConfig, path: Path, gguf: bool) -> str:
     """The weights' format and the checkpoint's size on disk (no weight is read)."""
     fmt = cfg.quantization.describe() if cfg.quantization is not None else "plain"
+    fmt += describe_experts(cfg)
     if gguf:
         return f"{fmt} (converted from GGUF)"
     files = list(path.glob("*.safetensors"))

@@ -178,11 +178,6 @@ class ModelConfig:
                 f"{source}: a quantized Gemma 3 checkpoint ({quantization.describe()}) is not "
                 "supported: batchrun runs Gemma 3 from bf16 / fp16 / fp32 weights"
             )
-        if moe is not None and quantization is not None:
-            raise ModelConfigError(
-                f"{source}: a quantized mixture-of-experts checkpoint ({quantization.describe()}) "
-                "is not supported: batchrun runs MoE models from bf16 / fp16 / fp32 weights"
-            )
         # NOTE: transformers 5 writes Qwen2-MoE's qkv bias as qkv_bias
         bias = raw.get("attention_bias", raw.get("qkv_bias", default_bias))
         bias = bias and arch not in NO_BIAS

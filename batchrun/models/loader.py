@@ -16,7 +16,8 @@ of each checkpoint tensor that fall in its slice (safetensors slices, no full te
 and dummy weights are drawn full size and sliced, so TP=N gets TP=1's weights.
 
 A quantized model's linears (ModelConfig.quantization) are not parameters: models/quant_loader.py
-reads, decodes, slices and fuses them; this module reads everything else.
+reads, decodes, slices and fuses them; a quantized mixture's experts are decoded by the same
+sources and dequantized into w13 / w2 (models/moe_weights.py); this module reads everything else.
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ from batchrun.models.checkpoint import Checkpoint, safetensors_files, text_name
 from batchrun.models.config import ModelConfig
 from batchrun.models.dummy import init_dummy_
 from batchrun.models.llama import LlamaForCausalLM, make_rotaries
-from batchrun.models.moe_weights import expert_target, load_expert
+from batchrun.models.moe_weights import (
+    describe_experts,
+    expert_target,
+    load_expert,
+    load_quantized_experts,
+)
 from batchrun.models.param_count import describe_params
 from batchrun.models.quant_loader import (
     checkpoint_source,
@@ -115,7 +121,9 @@ def load_model(
     if load_format == "dummy":
         init_dummy_(model, dummy_init, seed=seed, shards=model.param_shards())
         if cfg.quantization is not None:
-            load_quantized(model, dummy_source(cfg.quantization, torch.device(device), seed))
+            source = dummy_source(cfg.quantization, torch.device(device), seed)
+            load_quantized(model, source)
+            load_quantized_experts(model, source)
     else:
         load_safetensors(model, Path(model_dir), cfg)
     log.info("weights: %s", describe_weights(model))
@@ -131,6 +139,7 @@ def describe_weights(model: LlamaForCausalLM) -> str:
     size = sum(t.nbytes for t in tensors)
     scheme = model.config.quantization
     what = scheme.describe() if scheme is not None else str(model.lm_head_weight.dtype)
+    what += describe_experts(model.config)
     counts = describe_params(model.config)
     return f"{what}, {size / 1e9:.2f} GB on {model.lm_head_weight.device}; {counts}"
 
@@ -170,14 +179,19 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int] | None:
 
 def load_safetensors(model: LlamaForCausalLM, model_dir: Path, cfg: ModelConfig) -> None:
     with Checkpoint(model_dir) as ckpt:
-        _load_plain(model, ckpt, cfg)
+        filled = _load_plain(model, ckpt, cfg)
         if cfg.quantization is not None:
             device = model.lm_head_weight.device
-            load_quantized(model, checkpoint_source(ckpt, cfg.quantization, device))
+            source = checkpoint_source(ckpt, cfg.quantization, device)
+            load_quantized(model, source)
+            for name, n in load_quantized_experts(model, source).items():
+                filled[name] += n
+        _check_complete(model, ckpt, filled)
 
 
-def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> None:
-    """Every parameter from the checkpoint: all but the quantized linears' weights."""
+def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> dict[str, int]:
+    """Every parameter from the checkpoint: all but the quantized linears' weights and the
+    quantized experts. Returns the elements filled per parameter."""
     params = dict(model.named_parameters())
     specs = model.param_shards()
     claimed = claimed_modules(model)
@@ -257,6 +271,13 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
             "text model (images are refused per row)",
             skipped,
         )
+    return filled
+
+
+def _check_complete(model: LlamaForCausalLM, ckpt: Checkpoint, filled: dict[str, int]) -> None:
+    """WeightLoadError naming the parameters the checkpoint left (partly) unfilled."""
+    specs = model.param_shards()
+    params = dict(model.named_parameters())
     missing = [n for n, p in params.items() if filled[n] < _real_numel(p, specs.get(n))]
     if missing:
         raise WeightLoadError(

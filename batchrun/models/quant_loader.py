@@ -7,6 +7,7 @@ to the layer, which makes what its device runs (batchrun/quant/linear.py).
     o_proj [h, q]                     ->  o_proj        narrow_in (row-parallel columns)
     gate_proj | up_proj [i, h]        ->  gate_up_proj  narrow_out per part, cat_out
     down_proj [h, i]                  ->  down_proj     narrow_in
+    experts.{e}.{gate,up,down}_proj   ->  mlp.w13, w2   dequantized (models/moe_weights.py)
 
 A source gives one checkpoint linear at full (TP=1) size: `checkpoint_source` reads and decodes
 its tensors (whatever shard files they sit in), `dummy_source` draws a random one, seeded by its
@@ -25,6 +26,7 @@ import torch
 from batchrun.errors import WeightLoadError
 from batchrun.models.checkpoint import Checkpoint
 from batchrun.models.config import ModelConfig
+from batchrun.models.moe_weights import quantized_experts
 from batchrun.quant.weights import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -39,42 +41,56 @@ KV_SCALE = re.compile(
 )
 
 
-def fused_linears(cfg: ModelConfig) -> list[tuple[str, tuple[tuple[str, int], ...], int]]:
-    """(our linear under a decoder layer, its checkpoint linears with their rows, in order, and
-    their input columns), all at full size."""
+def layer_linears(
+    cfg: ModelConfig, layer_id: int
+) -> list[tuple[str, tuple[tuple[str, int], ...], int]]:
+    """(our linear under decoder layer `layer_id`, its checkpoint linears with their rows, in
+    order, and their input columns), all at full size. A mixture of experts' MoE layer has no
+    dense MLP: its experts are models/moe_weights.py's, its shared expert (Qwen2-MoE) is a
+    dense MLP under mlp.shared_expert."""
     q, kv, inter, hidden = cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.hidden_size
-    return [
+    linears = [
         (
             "self_attn.qkv_proj",
             (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
             hidden,
         ),
         ("self_attn.o_proj", (("self_attn.o_proj", hidden),), q),
-        ("mlp.gate_up_proj", (("mlp.gate_proj", inter), ("mlp.up_proj", inter)), hidden),
-        ("mlp.down_proj", (("mlp.down_proj", hidden),), inter),
+    ]
+    mlp = "mlp"
+    moe = cfg.moe
+    if moe is not None and moe.is_moe_layer(layer_id):
+        inter = moe.shared_expert_intermediate_size
+        if not inter:
+            return linears
+        mlp = "mlp.shared_expert"
+    return linears + [
+        (f"{mlp}.gate_up_proj", ((f"{mlp}.gate_proj", inter), (f"{mlp}.up_proj", inter)), hidden),
+        (f"{mlp}.down_proj", ((f"{mlp}.down_proj", hidden),), inter),
     ]
 
 
 def quantized_linears(model) -> Iterator[tuple[int, object, tuple[tuple[str, int], ...], int]]:
     """(layer index, our quantized linear, its checkpoint linears, input columns); none for a
-    model with plain weights (a mixture of experts always is one: ModelConfig)."""
+    model with plain weights. A mixture's experts are not among them (quantized_experts)."""
     if model.config.quantization is None:
         return
-    linears = fused_linears(model.config)
     for i, layer in enumerate(model.layers):
-        for path, parts, in_features in linears:
+        for path, parts, in_features in layer_linears(model.config, i):
             module = layer.get_submodule(path)
             if module.quant is not None:
                 yield i, module, parts, in_features
 
 
 def claimed_modules(model) -> set[str]:
-    """The checkpoint linears the quantized layers read (their tensors but the bias)."""
-    return {
+    """The checkpoint linears the quantized layers and experts read (their tensors but the
+    bias)."""
+    linears = {
         f"model.layers.{i}.{suffix}"
         for i, _, parts, _ in quantized_linears(model)
         for suffix, _ in parts
     }
+    return linears | {where for where, _, _, _ in quantized_experts(model.config)}
 
 
 def load_quantized(model, source: Source) -> None:

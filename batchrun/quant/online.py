@@ -1,6 +1,7 @@
 """`--quantization fp8`: a bf16 / fp16 / fp32 checkpoint's decoder linears quantized to FP8 at
 load time, one scale per output channel, with activations quantized per token at run time (the
-scheme of compressed-tensors' FP8_DYNAMIC). Embeddings and lm_head stay as they are.
+scheme of compressed-tensors' FP8_DYNAMIC). Embeddings and lm_head stay as they are, and so do a
+mixture of experts' router and experts (its attention and shared-expert linears are quantized).
 
 It is a Scheme like the checkpoint formats' (batchrun/quant/formats): the loader reads each
 linear's `weight` and `decode` quantizes it, on the device the model loads to."""
@@ -28,7 +29,9 @@ class OnlineFp8Scheme:
     optional_names = ()
 
     def is_quantized(self, module: str) -> bool:
-        return True
+        # a mixture's experts stay in the checkpoint's dtype: the MoE paths run plain weights
+        # (a quantized checkpoint's experts run dequantized, which would save nothing here)
+        return ".experts." not in module
 
     def decode(
         self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int, where: str
@@ -74,10 +77,5 @@ def with_quantization(model_cfg, quantization: str | None, model: str | None):
             f"--quantization {quantization}: {model} is quantized already "
             f"({model_cfg.quantization.describe()}, from config.json's quantization_config); "
             "drop the option to run it as it is"
-        )
-    if model_cfg.moe is not None:
-        raise ValueError(
-            f"--quantization {quantization}: {model} is a mixture-of-experts model, whose "
-            "experts batchrun runs in bf16 / fp16 / fp32 only; drop the option"
         )
     return replace(model_cfg, quantization=OnlineFp8Scheme())

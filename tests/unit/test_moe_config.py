@@ -26,7 +26,6 @@ from batchrun.errors import ModelConfigError  # noqa: E402
 from batchrun.models.config import ModelConfig  # noqa: E402
 from batchrun.models.param_count import count_params  # noqa: E402
 from batchrun.parallel.partition import partition_model  # noqa: E402
-from batchrun.quant.online import with_quantization  # noqa: E402
 
 # name -> (config.json, experts, top-k, expert width, shared width, renormalized, total, active)
 REAL = {
@@ -99,10 +98,6 @@ def test_sparse_step_and_mlp_only_layers_pick_the_moe_layers():
         ({"num_experts_per_tok": 129}, "num_experts_per_tok 129 must be in \\[1, number of "),
         ({"mlp_only_layers": [48]}, "mlp_only_layers has \\[48\\], not layer indices in"),
         ({"decoder_sparse_step": 0}, "decoder_sparse_step must be >= 1; got 0"),
-        (
-            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
-            "a quantized mixture-of-experts checkpoint .* is not supported",
-        ),
     ],
 )
 def test_refusals_name_the_field(changes, match):
@@ -115,12 +110,6 @@ def test_qwen2_moe_needs_its_shared_expert_width():
     raw = {k: v for k, v in QWEN15_MOE_A27B.items() if k != "shared_expert_intermediate_size"}
     with pytest.raises(ModelConfigError, match="needs shared_expert_intermediate_size"):
         ModelConfig.from_dict(raw)
-
-
-def test_online_fp8_refused_for_moe():
-    cfg = ModelConfig.from_dict(QWEN3_30B_A3B)
-    with pytest.raises(ValueError, match="mixture-of-experts model, whose experts"):
-        with_quantization(cfg, "fp8", "/models/qwen3-30b-a3b")
 
 
 @pytest.mark.parametrize(
