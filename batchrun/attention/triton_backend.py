@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchrun.attention.base import AttentionBackend, AttentionInputs
+from batchrun.attention.base import AttentionBackend, AttentionInputs, refuse_sinks
 from batchrun.config import KernelConfig
 from batchrun.kernels.decode_attention import (
     DecodeRope,
@@ -146,13 +146,17 @@ class TritonAttentionBackend(AttentionBackend):
         programs = max(1, batch_size * self.num_kv_heads)
         return max(1, min(MAX_KV_SPLITS, -(-PROGRAMS_PER_SM * self.num_sms // programs)))
 
-    def forward(self, q, k, v, layer_id: int, scaling: float, out=None, window=0) -> torch.Tensor:
+    def forward(
+        self, q, k, v, layer_id: int, scaling: float, out=None, window=0, sinks=None
+    ) -> torch.Tensor:
+        refuse_sinks(sinks, "triton")
         self.kv_pool.store(layer_id, self._out_cache_loc(), k, v)
         return self._attend(q, layer_id, scaling, out, window)
 
     def forward_rotary(
-        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None, window=0
-    ) -> torch.Tensor:
+        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None, window=0,
+        sinks=None,
+    ) -> torch.Tensor:  # fmt: skip
         """forward() of q and k before rotary. A CUDA-graph decode batch of up to
         DECODE_ROPE_MAX_BS rows: the decode kernel rotates q and the new k itself and stores
         the new k and v (kernels/decode_attention.py's DecodeRope), reading the older KV before
@@ -160,6 +164,7 @@ class TritonAttentionBackend(AttentionBackend):
         the rotated k with v), then the attention; the same bits. k stays unrotated either
         way, which is safe because the decode and extend kernels read keys only from the
         pool."""
+        refuse_sinks(sinks, "triton")
         loc = self._out_cache_loc()
         plan = self._plan
         if not self._rotates_in_decode(layer_id, loc, q, k, v, positions, rotary):
