@@ -187,6 +187,52 @@ def _attention_cases() -> list[tuple[str, Callable[[], object]]]:
             )  # fmt: skip
 
         out.append((f"extend_attention window={window}", extend))
+    out += _sink_cases()
+    return out
+
+
+def _sink_cases() -> list[tuple[str, Callable[[], object]]]:
+    """The attention kernels with gpt-oss's sinks, at gpt-oss-20b's heads (64 / 8, D 64) and its
+    window of 128."""
+    from batchrun.kernels.decode_attention import (
+        DecodeRope,
+        decode_attention_fwd,
+        decode_counters,
+        decode_workspace_numel,
+    )
+    from batchrun.kernels.extend_attention import extend_attention_fwd
+
+    bf16, bs = torch.bfloat16, 4
+    k_buf = torch.empty(1025, 8, 64, dtype=bf16)
+    v_buf = torch.empty(1025, 8, 64, dtype=bf16)
+    table = torch.zeros(bs + 1, 512, dtype=torch.int32)
+    rows, seq_lens = torch.arange(bs), torch.full((bs,), 300)
+    q, sinks = torch.empty(bs, 64, 64, dtype=bf16), torch.empty(64)
+    out: list[tuple[str, Callable[[], object]]] = []
+    for splits in (1, 16):
+        rope = None
+        if splits == 16:
+            kv, cos = torch.empty(bs, 8, 64, dtype=bf16), torch.empty(512, 64)
+            rope = DecodeRope(kv, kv, rows, rows, cos, cos)
+
+        def decode(splits=splits, rope=rope):
+            workspace = torch.empty(decode_workspace_numel(bs, 64, 64, splits))
+            decode_attention_fwd(
+                q, k_buf, v_buf, torch.empty_like(q), table, rows, seq_lens, 0.125, splits,
+                workspace, decode_counters(bs, 8, "cpu"), window=128, rope=rope, sinks=sinks,
+            )  # fmt: skip
+
+        out.append((f"decode_attention sinks splits={splits} window=128", decode))
+
+    def extend():
+        qe = torch.empty(bs * 64, 64, 64, dtype=bf16)
+        ext = torch.full((bs,), 64)
+        extend_attention_fwd(
+            qe, k_buf, v_buf, torch.empty_like(qe), table, rows, seq_lens, ext,
+            torch.cumsum(ext, 0) - ext, 64, 0.125, window=128, sinks=sinks,
+        )  # fmt: skip
+
+    out.append(("extend_attention sinks window=128", extend))
     return out
 
 

@@ -94,13 +94,13 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
 
     attention = want.attention
     sinks = getattr(model_cfg, "attention_sinks", False)
-    if sinks and attention in ("triton", "flashinfer"):
+    if sinks and attention == "flashinfer":
         raise ValueError(
-            f"attention backend {attention!r} runs no attention sinks, which this model "
-            f"({model_cfg.architecture}) has; use torch or auto"
+            f"attention backend 'flashinfer' runs no attention sinks, which this model "
+            f"({model_cfg.architecture}) has; use triton, torch or auto"
         )
     if attention == "auto":
-        attention = "triton" if cuda and triton and not sinks else "torch"
+        attention = "triton" if cuda and triton else "torch"
     elif attention == "triton" and not triton:
         raise ValueError("attention backend 'triton' needs the triton package; use torch or auto")
     elif attention == "flashinfer":

@@ -149,7 +149,7 @@ def test_kernel_choice_takes_the_torch_paths_for_sinks_and_biased_experts():
     kernels = resolve_kernels(engine, cfg, torch.device("cpu"))
     assert (kernels.attention, kernels.moe) == ("torch", "torch")
     for field, value, match in [
-        ("attention", "triton", "runs no attention sinks"),
+        ("attention", "flashinfer", "runs no attention sinks"),
         ("moe", "triton", "runs no expert biases"),
     ]:
         want = KernelConfig(**{field: value})
