@@ -293,6 +293,32 @@ def _moe_cases() -> list[tuple[str, Callable[[], object]]]:
                 return fused_moe(x, w13, w2, torch.rand(t, k), ids)
 
             out.append((f"fused_moe {name} T={tokens}", call))
+    out += _gpt_oss_moe_cases()
+    return out
+
+
+def _gpt_oss_moe_cases() -> list[tuple[str, Callable[[], object]]]:
+    """fused_moe with gpt-oss-20b's experts (32, top-4, 2880 / 2880): biases and the clamped
+    SwiGLU, with and without the down bias (TP ranks other than 0)."""
+    from batchrun.kernels.fused_moe import fused_moe
+    from batchrun.layers.moe import ExpertExtras
+
+    experts, top_k, hidden, inter = 32, 4, 2880, 2880
+    w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16)
+    w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16)
+    b13 = torch.empty(experts, 2 * inter, dtype=torch.bfloat16)
+    b2 = torch.empty(experts, hidden, dtype=torch.bfloat16)
+    out: list[tuple[str, Callable[[], object]]] = []
+    for tokens in (1, 1024):
+        for down_bias in (b2, None):
+
+            def call(t=tokens, extras=ExpertExtras(b13, down_bias, 1.702, 7.0)):
+                x = torch.empty(t, hidden, dtype=torch.bfloat16)
+                ids = torch.zeros(t, top_k, dtype=torch.int32)
+                return fused_moe(x, w13, w2, torch.rand(t, top_k), ids, extras=extras)
+
+            bias = "b2" if down_bias is not None else "no b2"
+            out.append((f"fused_moe gpt-oss-20b {bias} T={tokens}", call))
     return out
 
 

@@ -162,17 +162,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         )
 
     moe = want.moe
-    # gpt-oss's expert biases and clamped SwiGLU: the torch loop's alone
-    extras = model_cfg.moe is not None and (
-        model_cfg.moe.expert_bias or model_cfg.moe.swiglu_limit > 0
-    )
-    if extras and moe == "triton":
-        raise ValueError(
-            f"moe 'triton' (kernels/fused_moe.py) runs no expert biases or clamped SwiGLU, "
-            f"which this model ({model_cfg.architecture}) has; use 'torch' or 'auto'"
-        )
     if moe == "auto":
-        moe = "triton" if cuda and triton and not extras else "torch"
+        moe = "triton" if cuda and triton else "torch"
     elif moe == "triton" and not triton:
         raise ValueError(
             "moe 'triton' (kernels/fused_moe.py) needs the triton package; use 'torch' or 'auto'"
@@ -200,8 +191,7 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             "two norms a layer (not Gemma's four); use 'off' or 'auto'"
         )
 
-    # NOTE: the torch experts (which gpt-oss's take) read the routing on the host: no graphs
-    graphs = want.cuda_graph_max_bs if cuda and not (extras and want.moe == "auto") else 0
+    graphs = want.cuda_graph_max_bs if cuda else 0
     piecewise = want.piecewise_graphs
     runs_piecewise = cuda and isinstance(config.chunked_prefill_size, int)
     if piecewise and not runs_piecewise:

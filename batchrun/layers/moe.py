@@ -75,17 +75,12 @@ def moe_experts(
     as [T, H] in x's dtype. x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
     topk_weights [T, k] float32; topk_ids [T, k] int. backend "torch": a per-expert loop (the
     reference; it reads the routing on the host); "triton": batchrun.kernels.fused_moe
-    (CUDA, no host sync; without `extras`)."""
-    extras = extras or ExpertExtras()
+    (CUDA, no host sync). `extras`: gpt-oss's biases and clamped SwiGLU."""
     if backend == "triton":
-        if extras != ExpertExtras():
-            raise ValueError(
-                "moe backend 'triton' (kernels/fused_moe.py) runs no expert biases or clamped "
-                "SwiGLU; this model's experts run on moe 'torch'"
-            )
         from batchrun.kernels.fused_moe import fused_moe  # Triton: imported on CUDA only
 
-        return fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, extras=extras)
+    extras = extras or ExpertExtras()
     if backend != "torch":
         raise ValueError(f"moe backend must be torch or triton; got {backend!r}")
     return _experts_loop(x, w13, w2, topk_weights, topk_ids, extras)
