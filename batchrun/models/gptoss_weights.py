@@ -12,9 +12,9 @@
 
 MXFP4 (the OCP microscaling format): each byte holds two FP4 (e2m1) values, the low nibble
 first; each block of 32 values shares one power-of-two scale, an e8m0 byte (exponent + 127).
-The experts are dequantized at load, one expert at a time, to the model's dtype (every FP4 value
-times a power of two is exact in bf16), as transformers' convert_moe_packed_tensors does; a rank
-keeps its slice of each expert's width.
+The experts are dequantized at load, one expert at a time on the model's device, to its dtype
+(every FP4 value times a power of two is exact in bf16), as transformers'
+convert_moe_packed_tensors does; a rank keeps its slice of each expert's width.
 """
 
 from __future__ import annotations
@@ -147,8 +147,9 @@ class GptOssExperts:
             raise WeightLoadError(f"{path.name}: {name}: {cols} columns is no whole MXFP4 block")
         self._check(name + "_blocks", path, blocks.shape, (e, rows, cols // 32, 16))
         self._check(name + "_scales", path, scales.shape, (e, rows, cols // 32))
-        for x in range(e):
-            self._expert(param, x, mxfp4_dequantize(blocks[x], scales[x], dest.dtype))
+        for x in range(e):  # on the parameter's device (a GPU dequantizes in milliseconds)
+            b, sc = blocks[x].to(dest.device), scales[x].to(dest.device)
+            self._expert(param, x, mxfp4_dequantize(b, sc, dest.dtype))
 
     def _expert(self, param: str, x: int, full: torch.Tensor) -> None:
         """Expert x's full weight ([2I, H] interleaved, or [H, I]) into this rank's slice."""
