@@ -41,6 +41,10 @@ layer's k scale is folded into the softmax scale and its v scale multiplies the 
 quantized before the store (kernels/kv_store.py's `quantize_e4m3`) and attended as stored, as
 every other token.
 
+Attention sinks (gpt-oss, `sinks=` [H] fp32): split 0 of each request starts its online softmax
+from the head's sink logit (max = sink * log2(e), sum = 1, acc = 0), so the sink's term enters
+the denominator once, through split 0's partial and its log-sum-exp in the combine.
+
 The grid depends only on B, the KV head count and num_kv_splits, and nothing is read back to the
 host, so the launches can be captured in a CUDA graph and replayed with other seq_lens.
 
@@ -210,6 +214,8 @@ def _decode_stage1_kernel(
     ROTARY: tl.constexpr,  # q and the new k raw: rotate them here, store the new k and v
     HALF: tl.constexpr,
     EXACT_MUL: tl.constexpr,
+    Sinks,  # HAS_SINKS: [NUM_HEADS] fp32, each head's sink logit
+    HAS_SINKS: tl.constexpr,
 ):
     if not ROTARY:
         pdl_wait(PDL)  # every input is an earlier kernel's output
@@ -232,6 +238,10 @@ def _decode_stage1_kernel(
     # NOTE: finite initial max, so that exp2(m_i - m_new) never sees -inf - -inf
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if HAS_SINKS:  # split 0 starts from the sink: max sink (base 2), sum 2^0 = 1
+        sink = tl.load(Sinks + heads, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     r2t = ReqToToken + row * stride_r2t
     k_head = K + kvh * stride_kh
@@ -320,7 +330,7 @@ def _decode_stage1_kernel(
             mask=mask_h[:, None] & mask_d[None, :],
         )
     else:
-        lse = tl.where(end > start, m_i + tl.log2(l_safe), -1.0e30)
+        lse = tl.where((end > start) | (l_i > 0.0), m_i + tl.log2(l_safe), -1.0e30)
         part = (b * NUM_HEADS + heads) * num_kv_splits + split  # [BLOCK_H]
         tl.store(
             PartialOut + part[:, None] * HEAD_DIM + offs_d[None, :],
@@ -423,6 +433,7 @@ def decode_attention_fwd(
     num_warps: int | None = None,
     num_stages: int | None = None,
     fp16_dot: bool | None = None,  # KV_FP8 with bf16 q: the dots on fp16 (None: FP8_FP16_DOT)
+    sinks: torch.Tensor | None = None,  # [H] fp32: each head's sink logit (gpt-oss)
 ) -> None:
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -449,6 +460,8 @@ def decode_attention_fwd(
         assert rope.k.dtype == rope.v.dtype == q.dtype
         assert rope.loc.shape == rope.positions.shape == (batch_size,)
         check_cos_sin(rope.cos, rope.sin, head_dim)
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.dtype == torch.float32, sinks.shape
     # NOTE: without rope, its tensors' slots get stand-ins that the ROTARY constexpr prunes
     r = rope or DecodeRope(q, q, seq_lens, seq_lens, workspace[None, :], workspace[None, :])
     scale = kv_scale if kv_fp8 else None
@@ -516,6 +529,8 @@ def decode_attention_fwd(
         ROTARY=rope is not None,
         HALF=head_dim // 2,
         EXACT_MUL=q.is_cuda,
+        Sinks=q if sinks is None else sinks,  # (a stand-in that HAS_SINKS prunes)
+        HAS_SINKS=sinks is not None,
     )
 
 

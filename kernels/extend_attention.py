@@ -29,7 +29,9 @@ query's window, and the keys the window cuts for some row of the block are maske
     Where win_full passes full_end the edge stops at full_end, and the diagonal's blocks carry
     both masks.
 
-Online softmax in fp32 (base 2, the scale folded into log2(e)). A float8_e4m3fn pool
+Online softmax in fp32 (base 2, the scale folded into log2(e)). Attention sinks (gpt-oss,
+`sinks=` [H] fp32) start each row's softmax from its head's sink logit: max sink * log2(e), sum 1
+(its term in the denominator), acc 0. A float8_e4m3fn pool
 (`kv_scale=` given): K and V convert to q's dtype as they are loaded (exact), the layer's k scale
 is folded into the softmax scale and its v scale multiplies the normalized output.
 """
@@ -143,6 +145,8 @@ def _extend_kernel(
     PACK: tl.constexpr,  # query heads a program: KV_GROUP's power of two (grid axis 2: KV)
     KV_FP8: tl.constexpr,  # K and V hold float8_e4m3fn
     WINDOWED: tl.constexpr,  # a sliding window: keys before each row's window are hidden
+    Sinks,  # HAS_SINKS: [H] fp32, each head's sink logit
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
@@ -173,6 +177,10 @@ def _extend_kernel(
 
     m_i = tl.full([BLOCK_M * PACK], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M * PACK], dtype=tl.float32)
+    if HAS_SINKS:  # each row starts from its head's sink: max sink (base 2), sum 2^0 = 1
+        m_i = tl.load(Sinks + heads, mask=sub < KV_GROUP, other=0.0).to(tl.float32)
+        m_i = m_i * 1.4426950408889634
+        l_i = tl.full([BLOCK_M * PACK], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M * PACK, BLOCK_D], dtype=tl.float32)
     r2t = ReqToToken + row * stride_r2t
     k_head = K + kvh * stride_kh
@@ -229,8 +237,11 @@ def extend_attention_fwd(
     num_stages: int | None = None,
     kv_scale: KVScale | None = None,  # float8_e4m3fn buffers: the layer's scales
     window: int = 0,  # sliding window: each query sees the last `window` positions (0: all)
+    sinks: torch.Tensor | None = None,  # [H] fp32: each head's sink logit (gpt-oss)
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.dtype == torch.float32, sinks.shape
     batch_size = req_pool_indices.shape[0]
     num_kv_heads = k_buf.shape[1]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -276,6 +287,8 @@ def extend_attention_fwd(
         PACK=pack,
         KV_FP8=kv_fp8,
         WINDOWED=window > 0,
+        Sinks=q if sinks is None else sinks,  # (a stand-in that HAS_SINKS prunes)
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps or DEFAULT_PACKED_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
     )

@@ -15,6 +15,10 @@ by expert (kernels/moe_align.py), with no host sync, so a step runs inside a CUD
     down       inter[r] @ w2[e]^T times topk_weights[r] (fp32, before the rounding) to out[r]
     sum        y = out.view(T, k, H).sum(1)                                          [T, H]
 
+gpt-oss (`extras=`): gate_up's epilogue adds the expert's bias b13[e] ([E, 2I], gate then up)
+and applies its clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+g = min(gate, limit); down's adds b2[e] ([E, H]) before the top-k weight (b2 None: no bias).
+
 The top-k sum reads a [T * k, H] buffer rather than adding into y with atomics: the sum is
 deterministic (graphs and eager, overlap on and off, give the same bits, which greedy parity
 tests rely on), needs no zeroed fp32 buffer and no cast after it, and costs one read and write
@@ -116,11 +120,17 @@ def _gate_up_kernel(
     stride_we,
     stride_wn,
     stride_im,
+    B13,  # HAS_BIAS: [E, 2I] gate then up
+    stride_be,
+    alpha,  # CLAMP: gpt-oss's SwiGLU
+    limit,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMP: tl.constexpr,
 ):
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(inter_size, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M < tl.load(NumPadded):
@@ -152,7 +162,15 @@ def _gate_up_kernel(
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-        h = gate * tl.sigmoid(gate) * up
+        if HAS_BIAS:
+            gate += tl.load(B13 + expert * stride_be + cols).to(tl.float32)[None, :]
+            up += tl.load(B13 + expert * stride_be + inter_size + cols).to(tl.float32)[None, :]
+        if CLAMP:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+        else:
+            h = gate * tl.sigmoid(gate) * up
         out_ptrs = Inter + rows.to(tl.int64)[:, None] * stride_im + offs_n[None, :]
         mask = valid[:, None] & (offs_n < inter_size)[None, :]
         tl.store(out_ptrs, h.to(Inter.dtype.element_ty), mask=mask)
@@ -175,11 +193,14 @@ def _down_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    B2,  # HAS_BIAS: [E, H]
+    stride_be,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M < tl.load(NumPadded):
@@ -205,6 +226,8 @@ def _down_kernel(
             acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(B2 + expert * stride_be + cols).to(tl.float32)[None, :]
         weight = tl.load(TopkWeights + safe_rows, mask=valid, other=0.0)
         acc = acc * weight[:, None]
         out_ptrs = Out + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -232,9 +255,18 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: MoeConfig | None = None,
+    extras=None,
 ) -> torch.Tensor:
-    """y [T, H] in x's dtype, as the module docstring says; `config` overrides the rule."""
+    """y [T, H] in x's dtype, as the module docstring says; `config` overrides the rule;
+    `extras` (layers/moe.py's ExpertExtras: b13, b2, alpha, limit) gpt-oss's biases and clamped
+    SwiGLU."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
+    b13 = b2 = None
+    alpha, limit = 1.0, 0.0
+    if extras is not None:
+        b13, b2, alpha, limit = extras.b13, extras.b2, float(extras.alpha), float(extras.limit)
+    for b, rows in ((b13, w13.shape[1]), (b2, w2.shape[1])):
+        assert b is None or (b.shape == (w13.shape[0], rows) and b.stride(-1) == 1), b
     num_tokens, hidden = x.shape
     num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -267,11 +299,17 @@ def fused_moe(
             w13.stride(0),
             w13.stride(1),
             inter.stride(0),
+            w13 if b13 is None else b13,  # (a stand-in that HAS_BIAS prunes)
+            0 if b13 is None else b13.stride(0),
+            alpha,
+            limit,
             BLOCK_M=c.block_m,
             BLOCK_N=g.block_n,
             BLOCK_K=g.block_k,
             GROUP_M=g.group_m,
             EVEN_K=hidden % g.block_k == 0,
+            HAS_BIAS=b13 is not None,
+            CLAMP=limit > 0,
             num_warps=g.num_warps,
             num_stages=g.num_stages,
         )
@@ -289,11 +327,14 @@ def fused_moe(
             w2.stride(0),
             w2.stride(1),
             out.stride(0),
+            w2 if b2 is None else b2,
+            0 if b2 is None else b2.stride(0),
             BLOCK_M=c.block_m,
             BLOCK_N=d.block_n,
             BLOCK_K=d.block_k,
             GROUP_M=d.group_m,
             EVEN_K=inter_size % d.block_k == 0,
+            HAS_BIAS=b2 is not None,
             num_warps=d.num_warps,
             num_stages=d.num_stages,
         )

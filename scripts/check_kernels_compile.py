@@ -187,6 +187,52 @@ def _attention_cases() -> list[tuple[str, Callable[[], object]]]:
             )  # fmt: skip
 
         out.append((f"extend_attention window={window}", extend))
+    out += _sink_cases()
+    return out
+
+
+def _sink_cases() -> list[tuple[str, Callable[[], object]]]:
+    """The attention kernels with gpt-oss's sinks, at gpt-oss-20b's heads (64 / 8, D 64) and its
+    window of 128."""
+    from batchrun.kernels.decode_attention import (
+        DecodeRope,
+        decode_attention_fwd,
+        decode_counters,
+        decode_workspace_numel,
+    )
+    from batchrun.kernels.extend_attention import extend_attention_fwd
+
+    bf16, bs = torch.bfloat16, 4
+    k_buf = torch.empty(1025, 8, 64, dtype=bf16)
+    v_buf = torch.empty(1025, 8, 64, dtype=bf16)
+    table = torch.zeros(bs + 1, 512, dtype=torch.int32)
+    rows, seq_lens = torch.arange(bs), torch.full((bs,), 300)
+    q, sinks = torch.empty(bs, 64, 64, dtype=bf16), torch.empty(64)
+    out: list[tuple[str, Callable[[], object]]] = []
+    for splits in (1, 16):
+        rope = None
+        if splits == 16:
+            kv, cos = torch.empty(bs, 8, 64, dtype=bf16), torch.empty(512, 64)
+            rope = DecodeRope(kv, kv, rows, rows, cos, cos)
+
+        def decode(splits=splits, rope=rope):
+            workspace = torch.empty(decode_workspace_numel(bs, 64, 64, splits))
+            decode_attention_fwd(
+                q, k_buf, v_buf, torch.empty_like(q), table, rows, seq_lens, 0.125, splits,
+                workspace, decode_counters(bs, 8, "cpu"), window=128, rope=rope, sinks=sinks,
+            )  # fmt: skip
+
+        out.append((f"decode_attention sinks splits={splits} window=128", decode))
+
+    def extend():
+        qe = torch.empty(bs * 64, 64, 64, dtype=bf16)
+        ext = torch.full((bs,), 64)
+        extend_attention_fwd(
+            qe, k_buf, v_buf, torch.empty_like(qe), table, rows, seq_lens, ext,
+            torch.cumsum(ext, 0) - ext, 64, 0.125, window=128, sinks=sinks,
+        )  # fmt: skip
+
+    out.append(("extend_attention sinks window=128", extend))
     return out
 
 
@@ -247,6 +293,32 @@ def _moe_cases() -> list[tuple[str, Callable[[], object]]]:
                 return fused_moe(x, w13, w2, torch.rand(t, k), ids)
 
             out.append((f"fused_moe {name} T={tokens}", call))
+    out += _gpt_oss_moe_cases()
+    return out
+
+
+def _gpt_oss_moe_cases() -> list[tuple[str, Callable[[], object]]]:
+    """fused_moe with gpt-oss-20b's experts (32, top-4, 2880 / 2880): biases and the clamped
+    SwiGLU, with and without the down bias (TP ranks other than 0)."""
+    from batchrun.kernels.fused_moe import fused_moe
+    from batchrun.layers.moe import ExpertExtras
+
+    experts, top_k, hidden, inter = 32, 4, 2880, 2880
+    w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16)
+    w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16)
+    b13 = torch.empty(experts, 2 * inter, dtype=torch.bfloat16)
+    b2 = torch.empty(experts, hidden, dtype=torch.bfloat16)
+    out: list[tuple[str, Callable[[], object]]] = []
+    for tokens in (1, 1024):
+        for down_bias in (b2, None):
+
+            def call(t=tokens, extras=ExpertExtras(b13, down_bias, 1.702, 7.0)):
+                x = torch.empty(t, hidden, dtype=torch.bfloat16)
+                ids = torch.zeros(t, top_k, dtype=torch.int32)
+                return fused_moe(x, w13, w2, torch.rand(t, top_k), ids, extras=extras)
+
+            bias = "b2" if down_bias is not None else "no b2"
+            out.append((f"fused_moe gpt-oss-20b {bias} T={tokens}", call))
     return out
 
 

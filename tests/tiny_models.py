@@ -86,6 +86,10 @@ def make_hf_config(kind: str):
         return make_phi3_config(kind)
     if kind == "gemma3":
         return gemma3_text_config()
+    if kind == "gpt_oss":
+        from gptoss_models import gpt_oss_config
+
+        return gpt_oss_config()
     if kind == "gemma3-mm":  # the text model inside a Gemma3ForConditionalGeneration
         return transformers.Gemma3Config(
             text_config=gemma3_text_config().to_dict(),
@@ -222,6 +226,10 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0):
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(0.0, 0.3)
+    if kind == "gpt_oss":
+        from gptoss_models import spread_gpt_oss_
+
+        spread_gpt_oss_(model)
     model.save_pretrained(path)
     # transformers may write the dtype as "dtype"; our loader reads both
     json.loads((path / "config.json").read_text())

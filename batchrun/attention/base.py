@@ -12,6 +12,10 @@ A layer with a sliding window (`window` > 0) attends only over the last `window`
 query at position p sees the keys at positions p - window < k <= p (transformers' convention: the
 query's own token and the window - 1 before it). window 0 is the whole context.
 
+`sinks` (gpt-oss: [num_heads] fp32, this rank's heads) adds a learned logit per head to each
+softmax's denominator: softmax over [q.k scores, sink] with the sink's share dropped, so the
+weights of the keys sum to less than 1.
+
 `forward_rotary` is `forward` of q and k before rotary: by default it rotates them and calls
 `forward`; a backend may do the rotation inside its KV store (TritonAttentionBackend: one kernel).
 """
@@ -62,6 +66,7 @@ class AttentionBackend:
         scaling: float,
         out: torch.Tensor | None = None,
         window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -76,11 +81,12 @@ class AttentionBackend:
         rotary: RotaryEmbedding,
         out: torch.Tensor | None = None,
         window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` of q and k before rotary: `rotary(positions, q, k)` first. q and k may be
         rotated in place (strided views of the qkv projection included)."""
         q, k = rotary(positions, q, k)
-        return self.forward(q, k, v, layer_id, scaling, out, window)
+        return self.forward(q, k, v, layer_id, scaling, out, window, sinks)
 
     def graph_static_inputs(self) -> tuple[tuple[torch.Tensor, ...], int, int] | None:
         """For CUDA-graph runners that fill the decode graphs' inputs themselves, in one kernel
@@ -88,3 +94,12 @@ class AttentionBackend:
         buffers, the padding rows' request row and KV slot. None: the runner calls
         `load_graph_inputs` (a backend with more to prepare per replay, or none)."""
         return None
+
+
+def refuse_sinks(sinks, backend: str) -> None:
+    """Attention sinks (gpt-oss) are the torch backend's; engine/kernel_choice.py picks it."""
+    if sinks is not None:
+        raise ValueError(
+            f"the {backend} attention backend runs no attention sinks (gpt-oss's); use "
+            "--attention-backend torch"
+        )

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchrun.attention.base import AttentionBackend, AttentionInputs
+from batchrun.attention.base import AttentionBackend, AttentionInputs, refuse_sinks
 
 WORKSPACE_BYTES = 384 << 20  # float workspace (split-KV partial results), shared by all wrappers;
 # NOTE: 128 MiB is too small for a 32-head, head-dim-128 prefill over a long cached prefix (H200)
@@ -189,17 +189,22 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         self._planned = {}
 
-    def forward(self, q, k, v, layer_id: int, scaling: float, out=None, window=0) -> torch.Tensor:
+    def forward(
+        self, q, k, v, layer_id: int, scaling: float, out=None, window=0, sinks=None
+    ) -> torch.Tensor:
+        refuse_sinks(sinks, "flashinfer")
         batch, wrapper = self._planned_wrapper(q, scaling, window)
         self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
         return self._run(wrapper, q, layer_id, out)
 
     def forward_rotary(
-        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None, window=0
-    ) -> torch.Tensor:
+        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None, window=0,
+        sinks=None,
+    ) -> torch.Tensor:  # fmt: skip
         """forward() of q and k before rotary, rotated in the KV store's kernel
         (KVPool.store_rotated): k stays unrotated, which is safe because the wrappers read keys
         only from the pool."""
+        refuse_sinks(sinks, "flashinfer")
         batch, wrapper = self._planned_wrapper(q, scaling, window)
         q = self.kv_pool.store_rotated(layer_id, batch.out_cache_loc, q, k, v, positions, rotary)
         return self._run(wrapper, q, layer_id, out)

@@ -10,11 +10,16 @@ A step's requests are gathered into one padded batch when padding wastes little:
 Otherwise (one long prefill next to many short ones) each request gets its own
 scaled_dot_product_attention call.
 
+Attention sinks (gpt-oss) run as an explicit softmax over [scores, sink] (`attend_with_sinks`):
+scaled_dot_product_attention has no term for them.
+
 A float8_e4m3fn pool's K and V convert to q's dtype (exact); the layer's k scale is folded into
 the softmax scale and its v scale multiplies the output, as the Triton kernels do.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -75,23 +80,29 @@ class TorchAttentionBackend(AttentionBackend):
             start += n
         return per_req
 
-    def forward(self, q, k, v, layer_id: int, scaling: float, out=None, window=0) -> torch.Tensor:
-        result = self._forward(q, k, v, layer_id, scaling, window)
+    def forward(
+        self, q, k, v, layer_id: int, scaling: float, out=None, window=0, sinks=None
+    ) -> torch.Tensor:
+        result = self._forward(q, k, v, layer_id, scaling, window, sinks)
         if out is None:
             return result
         return out.view_as(result).copy_(result)
 
-    def _forward(self, q, k, v, layer_id: int, scaling: float, window: int) -> torch.Tensor:
+    def _forward(self, q, k, v, layer_id: int, scaling: float, window: int, sinks) -> torch.Tensor:
         inputs = self._inputs
         assert inputs is not None, "prepare() must run before forward()"
         self.kv_pool.store(layer_id, inputs.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
-        out = self._attend(q, k_buf, v_buf, scaling * self.kv_pool.scales(layer_id).k, window)
+        scale = scaling * self.kv_pool.scales(layer_id).k
+        out = self._attend(q, k_buf, v_buf, scale, window, sinks)
         if self.kv_pool.is_fp8:
             out = out * self.kv_pool.scales(layer_id).v
         return out
 
-    def _attend(self, q, k_buf, v_buf, scaling: float, window: int) -> torch.Tensor:
+    def _attend(self, q, k_buf, v_buf, scaling: float, window: int, sinks) -> torch.Tensor:
+        sdpa = (
+            F.scaled_dot_product_attention if sinks is None else partial(attend_with_sinks, sinks)
+        )
         num_tokens, num_heads, head_dim = q.shape
         if self._plan[0] == "padded":
             _, slots, window_mask, q_index, out_index = self._plan
@@ -101,7 +112,7 @@ class TorchAttentionBackend(AttentionBackend):
             qp = q[q_index].transpose(1, 2)  # [B, H, Q, D]
             keys = k_buf[slots].to(q.dtype).transpose(1, 2)  # [B, KV, S, D]
             values = v_buf[slots].to(q.dtype).transpose(1, 2)
-            out = F.scaled_dot_product_attention(
+            out = sdpa(
                 qp, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True
             )  # [B, H, Q, D]
             out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)
@@ -114,7 +125,7 @@ class TorchAttentionBackend(AttentionBackend):
             qi = q[start : start + n].transpose(0, 1)  # [H, n, D]
             keys = k_buf[slots].to(q.dtype).transpose(0, 1)  # [KV, S, D]
             values = v_buf[slots].to(q.dtype).transpose(0, 1)
-            oi = F.scaled_dot_product_attention(
+            oi = sdpa(
                 qi,
                 keys,
                 values,
@@ -125,6 +136,27 @@ class TorchAttentionBackend(AttentionBackend):
             )
             out[start : start + n] = oi.transpose(0, 1)
         return out.reshape(num_tokens, num_heads * head_dim)
+
+
+def attend_with_sinks(
+    sinks, q, k, v, attn_mask=None, is_causal=False, scale=1.0, enable_gqa=True
+) -> torch.Tensor:
+    """scaled_dot_product_attention's result with a sink logit per head in each softmax's
+    denominator (transformers' gpt-oss eager attention): q [..., H, Q, D], k and v
+    [..., KV, S, D], attn_mask bool (True: visible) or is_causal; sinks [H]. fp32 inside."""
+    num_heads, num_kv = q.shape[-3], k.shape[-3]
+    if num_kv != num_heads:
+        k = k.repeat_interleave(num_heads // num_kv, dim=-3)
+        v = v.repeat_interleave(num_heads // num_kv, dim=-3)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [..., H, Q, S]
+    if is_causal:
+        n, s = scores.shape[-2:]
+        attn_mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril(s - n)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    sink = sinks.float().view(num_heads, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 class WindowMask:

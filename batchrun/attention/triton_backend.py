@@ -146,13 +146,16 @@ class TritonAttentionBackend(AttentionBackend):
         programs = max(1, batch_size * self.num_kv_heads)
         return max(1, min(MAX_KV_SPLITS, -(-PROGRAMS_PER_SM * self.num_sms // programs)))
 
-    def forward(self, q, k, v, layer_id: int, scaling: float, out=None, window=0) -> torch.Tensor:
+    def forward(
+        self, q, k, v, layer_id: int, scaling: float, out=None, window=0, sinks=None
+    ) -> torch.Tensor:
         self.kv_pool.store(layer_id, self._out_cache_loc(), k, v)
-        return self._attend(q, layer_id, scaling, out, window)
+        return self._attend(q, layer_id, scaling, out, window, sinks)
 
     def forward_rotary(
-        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None, window=0
-    ) -> torch.Tensor:
+        self, q, k, v, layer_id: int, scaling: float, positions, rotary, out=None, window=0,
+        sinks=None,
+    ) -> torch.Tensor:  # fmt: skip
         """forward() of q and k before rotary. A CUDA-graph decode batch of up to
         DECODE_ROPE_MAX_BS rows: the decode kernel rotates q and the new k itself and stores
         the new k and v (kernels/decode_attention.py's DecodeRope), reading the older KV before
@@ -164,11 +167,12 @@ class TritonAttentionBackend(AttentionBackend):
         plan = self._plan
         if not self._rotates_in_decode(layer_id, loc, q, k, v, positions, rotary):
             q = self.kv_pool.store_rotated(layer_id, loc, q, k, v, positions, rotary)
-            return self._attend(q, layer_id, scaling, out, window)
+            return self._attend(q, layer_id, scaling, out, window, sinks)
         out = torch.empty_like(q) if out is None else out
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
         rope = DecodeRope(k, v, loc, positions, rotary.cos_cache, rotary.sin_cache)
-        self._decode(plan, q, k_buf, v_buf, out, scaling, self._kv_scale(layer_id), window, rope)
+        kv_scale = self._kv_scale(layer_id)
+        self._decode(plan, q, k_buf, v_buf, out, scaling, kv_scale, window, rope, sinks)
         num_tokens, num_heads, head_dim = q.shape
         return out.view(num_tokens, num_heads * head_dim)
 
@@ -192,7 +196,9 @@ class TritonAttentionBackend(AttentionBackend):
             return plan.inputs.out_cache_loc
         return plan.out_cache_loc
 
-    def _attend(self, q, layer_id: int, scaling: float, out, window: int) -> torch.Tensor:
+    def _attend(
+        self, q, layer_id: int, scaling: float, out, window: int, sinks=None
+    ) -> torch.Tensor:
         """Attention of q over the pool, which holds the new tokens' KV already (each query over
         the last `window` positions where window > 0)."""
         plan = self._plan
@@ -203,12 +209,16 @@ class TritonAttentionBackend(AttentionBackend):
             out = torch.empty_like(q)
         if isinstance(plan, _MixedPlan):
             d = plan.num_decode_tokens
-            self._decode(plan.decode, q[:d], k_buf, v_buf, out[:d], scaling, kv_scale, window)
-            self._extend(plan.extend, q[d:], k_buf, v_buf, out[d:], scaling, kv_scale, window)
+            self._decode(
+                plan.decode, q[:d], k_buf, v_buf, out[:d], scaling, kv_scale, window, None, sinks
+            )
+            self._extend(
+                plan.extend, q[d:], k_buf, v_buf, out[d:], scaling, kv_scale, window, sinks
+            )
         elif isinstance(plan, _DecodePlan):
-            self._decode(plan, q, k_buf, v_buf, out, scaling, kv_scale, window)
+            self._decode(plan, q, k_buf, v_buf, out, scaling, kv_scale, window, None, sinks)
         else:
-            self._extend(plan, q, k_buf, v_buf, out, scaling, kv_scale, window)
+            self._extend(plan, q, k_buf, v_buf, out, scaling, kv_scale, window, sinks)
         return out.view(num_tokens, num_heads * head_dim)
 
     def _kv_scale(self, layer_id: int):
@@ -216,25 +226,27 @@ class TritonAttentionBackend(AttentionBackend):
         return self.kv_pool.scales(layer_id) if self.kv_pool.is_fp8 else None
 
     def _decode(
-        self, plan: _DecodePlan, q, k_buf, v_buf, out, scaling: float, kv_scale, window, rope=None
-    ) -> None:
+        self, plan: _DecodePlan, q, k_buf, v_buf, out, scaling: float, kv_scale, window,
+        rope=None, sinks=None,
+    ) -> None:  # fmt: skip
         bs, num_heads, head_dim = q.shape
         workspace = self._get_workspace(plan, bs, num_heads, head_dim)
         counters = self._get_counters(plan, bs)
         decode_attention_fwd(
             q, k_buf, v_buf, out, self.req_to_token, plan.req_pool_indices, plan.seq_lens,
             scaling, plan.num_kv_splits, workspace, counters, window=window, rope=rope,
-            kv_scale=kv_scale, pdl=self.pdl,
+            kv_scale=kv_scale, pdl=self.pdl, sinks=sinks,
         )  # fmt: skip
 
     def _extend(
-        self, plan: _ExtendPlan, q, k_buf, v_buf, out, scaling: float, kv_scale, window: int
-    ) -> None:
+        self, plan: _ExtendPlan, q, k_buf, v_buf, out, scaling: float, kv_scale, window: int,
+        sinks=None,
+    ) -> None:  # fmt: skip
         inputs = plan.inputs
         extend_attention_fwd(
             q, k_buf, v_buf, out, self.req_to_token, inputs.req_pool_indices, inputs.seq_lens,
             inputs.extend_lens, plan.extend_start_loc, plan.max_extend_len, scaling,
-            kv_scale=kv_scale, window=window,
+            kv_scale=kv_scale, window=window, sinks=sinks,
         )  # fmt: skip
 
     def _get_workspace(self, plan: _DecodePlan, bs: int, num_heads: int, head_dim: int):

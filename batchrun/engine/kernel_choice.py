@@ -111,6 +111,12 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     quantized = model_cfg.quantization is not None or config.quantization is not None
 
     attention = want.attention
+    sinks = getattr(model_cfg, "attention_sinks", False)
+    if sinks and attention == "flashinfer":
+        raise ValueError(
+            f"attention backend 'flashinfer' runs no attention sinks, which this model "
+            f"({model_cfg.architecture}) has; use triton, torch or auto"
+        )
     if attention == "auto":
         attention = "triton" if cuda and triton else "torch"
     elif attention == "triton" and not triton:

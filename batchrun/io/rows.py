@@ -28,7 +28,8 @@ from batchrun.io.row_fields import InvalidRow, decode_text, parse_params
 from batchrun.io.row_structured import parse_structured
 from batchrun.params import SamplingParams
 
-ROLES = frozenset({"system", "user", "assistant", "tool"})
+# "developer": the OpenAI chat API's, which harmony (gpt-oss's chat template) reads as instructions
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 PROMPT_TOKEN_IDS = "prompt_token_ids"  # a pre-tokenized prompt: a list of token ids
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
 

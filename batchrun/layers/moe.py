@@ -1,11 +1,15 @@
-"""The mixture-of-experts MLP of Qwen3-MoE, Qwen2-MoE and Mixtral: a router picks top-k of E
-experts per token, each a SwiGLU MLP, and the token's output is their weighted sum (plus, in
+"""The mixture-of-experts MLP of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss: a router picks top-k
+of E experts per token, each a SwiGLU MLP, and the token's output is their weighted sum (plus, in
 Qwen2-MoE, a shared expert's output times a sigmoid gate).
 
-    logits  = x @ router^T                  fp32, [T, E]
+    logits  = x @ router^T (+ bias)         fp32, [T, E]
     probs   = softmax(logits)               fp32
     w, ids  = topk(probs, k)                renormalized to sum 1 where the model says
     out[t]  = sum_j w[t, j] * down_ids[t,j](silu(gate(x[t])) * up(x[t]))
+
+gpt-oss: router and experts have biases (b13 [E, 2I] on gate and up, b2 [E, H] on down) and the
+gate is its clamped SwiGLU (`swiglu`); its softmax over the top-k logits is the renormalized
+top-k of the softmax.
 
 The experts' weights are stacked: w13 [E, 2I, H] (each expert's gate rows, then its up rows) and
 w2 [E, H, I]. Under tensor parallelism each rank holds a slice of every expert's width I
@@ -14,6 +18,8 @@ outputs are summed locally and all-reduced once.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +42,26 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
+class ExpertExtras(NamedTuple):
+    """gpt-oss's additions to the experts: biases (None: none) and the clamped SwiGLU's alpha and
+    limit (limit 0: plain SiLU)."""
+
+    b13: torch.Tensor | None = None  # [E, 2I] gate then up, of this rank's width
+    b2: torch.Tensor | None = None  # [E, H]; under TP on one rank only (added once)
+    alpha: float = 1.0
+    limit: float = 0.0
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, extras: ExpertExtras) -> torch.Tensor:
+    """silu(gate) * up, or gpt-oss's clamped form (transformers' GptOssExperts._apply_gate):
+    gate clamped to <= limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
+    if not extras.limit:
+        return F.silu(gate) * up
+    gate = gate.clamp(max=extras.limit)
+    up = up.clamp(min=-extras.limit, max=extras.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * extras.alpha))
+
+
 def moe_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -43,22 +69,24 @@ def moe_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     backend: str,
+    extras: ExpertExtras | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j],
     as [T, H] in x's dtype. x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
     topk_weights [T, k] float32; topk_ids [T, k] int. backend "torch": a per-expert loop (the
     reference; it reads the routing on the host); "triton": batchrun.kernels.fused_moe
-    (CUDA, no host sync)."""
+    (CUDA, no host sync). `extras`: gpt-oss's biases and clamped SwiGLU."""
     if backend == "triton":
         from batchrun.kernels.fused_moe import fused_moe  # Triton: imported on CUDA only
 
-        return fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, extras=extras)
+    extras = extras or ExpertExtras()
     if backend != "torch":
         raise ValueError(f"moe backend must be torch or triton; got {backend!r}")
-    return _experts_loop(x, w13, w2, topk_weights, topk_ids)
+    return _experts_loop(x, w13, w2, topk_weights, topk_ids, extras)
 
 
-def _experts_loop(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+def _experts_loop(x, w13, w2, topk_weights, topk_ids, extras: ExpertExtras) -> torch.Tensor:
     """The experts one at a time over the tokens routed to each, in expert order (the order
     transformers adds them in, so fp32 sums agree to the bit)."""
     out = torch.zeros_like(x)  # [T, H]
@@ -71,25 +99,32 @@ def _experts_loop(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         if not count:
             continue
         slot, token = torch.where(by_slot == e)
-        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, w2[e])  # [n, H]
+        b13 = None if extras.b13 is None else extras.b13[e]
+        b2 = None if extras.b2 is None else extras.b2[e]
+        gate, up = F.linear(x[token], w13[e], b13).chunk(2, dim=-1)
+        h = F.linear(swiglu(gate, up, extras), w2[e], b2)  # [n, H]
         h = h.float() * topk_weights[token, slot, None]
         out.index_add_(0, token, h.to(out.dtype))
     return out
 
 
 class Router(nn.Module):
-    """The router's weight [E, H], kept in fp32: its logits and softmax are fp32 whatever the
-    model's dtype."""
+    """The router's weight [E, H] (and gpt-oss's bias [E]), kept in fp32: its logits and softmax
+    are fp32 whatever the model's dtype."""
 
-    def __init__(self, num_experts: int, hidden: int, device):
+    def __init__(self, num_experts: int, hidden: int, device, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(
             torch.empty(num_experts, hidden, dtype=torch.float32, device=device)
         )
+        self.bias = (
+            nn.Parameter(torch.empty(num_experts, dtype=torch.float32, device=device))
+            if bias
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight)  # [T, E] fp32
+        return F.linear(x.float(), self.weight, self.bias)  # [T, E] fp32
 
 
 class MoE(nn.Module):
@@ -115,13 +150,20 @@ class MoE(nn.Module):
         self.top_k, self.renormalize = moe.top_k, moe.norm_topk_prob
         self._part, self._cfg = part, cfg
         hidden, local = cfg.hidden_size, part.moe_intermediate_size
-        self.gate = Router(moe.num_experts, hidden, device)
+        self.gate = Router(moe.num_experts, hidden, device, moe.router_bias)
         self.w13 = nn.Parameter(
             torch.empty(moe.num_experts, 2 * local, hidden, dtype=dtype, device=device)
         )
         self.w2 = nn.Parameter(
             torch.empty(moe.num_experts, hidden, local, dtype=dtype, device=device)
         )
+        self.b13 = self.b2 = None
+        if moe.expert_bias:
+            self.b13 = nn.Parameter(
+                torch.empty(moe.num_experts, 2 * local, dtype=dtype, device=device)
+            )
+            self.b2 = nn.Parameter(torch.empty(moe.num_experts, hidden, dtype=dtype, device=device))
+        self.alpha, self.limit = moe.swiglu_alpha, moe.swiglu_limit
         self.shared_expert = shared_expert
         self.shared_expert_gate = None
         if shared_expert is not None:
@@ -129,14 +171,26 @@ class MoE(nn.Module):
 
     def param_shards(self) -> dict[str, ShardSpec]:
         width = self._cfg.moe.intermediate_size
-        return {
+        specs = {
             "w13": self._part.gate_up_spec(self._cfg, width, dim=1),
             "w2": self._part.down_spec(self._cfg, width, dim=2),
         }
+        if self.b13 is not None:
+            specs["b13"] = self._part.gate_up_spec(self._cfg, width, dim=1)
+        return specs
+
+    def extras(self) -> ExpertExtras | None:
+        """gpt-oss's biases and clamped SwiGLU; None for the other models. Under TP every rank
+        adds its slice of b13; b2 is added by rank 0 alone, its output's one share of the
+        all-reduce."""
+        if self.b13 is None and not self.limit:
+            return None
+        b2 = self.b2 if self.tp.rank == 0 else None
+        return ExpertExtras(self.b13, b2, self.alpha, self.limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = moe_experts(x, self.w13, self.w2, weights, ids, self.backend)
+        out = moe_experts(x, self.w13, self.w2, weights, ids, self.backend, self.extras())
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
             out = out + gate * self.shared_expert(x)

@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox, rotate-half) with default, linear, llama3 and LongRoPE scaling,
+"""Rotary position embedding (neox, rotate-half) with default, linear, llama3, LongRoPE and YaRN
+scaling,
 over the whole head or its first `rotary_dim` dims (partial rotary: Phi-3 / Phi-4), the rest
 passing through.
 
@@ -40,8 +41,8 @@ def uses_long_factors(scaling: dict, max_positions: int) -> bool:
 def rope_inv_freq(
     rotary_dim: int, theta: float, scaling: dict, max_positions: int = 0
 ) -> torch.Tensor:
-    """Inverse frequencies [rotary_dim // 2] in fp32, with llama3 / linear / LongRoPE scaling
-    applied (LongRoPE's factors picked by max_positions: the module docstring)."""
+    """Inverse frequencies [rotary_dim // 2] in fp32, with llama3 / linear / LongRoPE / YaRN
+    scaling applied (LongRoPE's factors picked by max_positions: the module docstring)."""
     exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     inv_freq = 1.0 / (theta**exponent)
     rope_type = scaling.get("rope_type", "default")
@@ -50,6 +51,8 @@ def rope_inv_freq(
         ext = torch.tensor(scaling[key], dtype=torch.float32)
         # NOTE: 1 / (ext * theta**exponent), transformers' order of operations (same bits)
         inv_freq = 1.0 / (ext * theta**exponent)
+    elif rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(rotary_dim, theta, scaling)
     elif rope_type == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif rope_type == "llama3":
@@ -65,6 +68,32 @@ def rope_inv_freq(
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
     return inv_freq
+
+
+def _yarn_inv_freq(rotary_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (models/rope_config.py resolves its parameters): each frequency blends the
+    interpolated one (divided by factor) and the original, by a linear ramp over the dims
+    between the ones that turn beta_fast and beta_slow times in original_max_position_embeddings
+    positions (transformers' _compute_yarn_parameters, the same fp32 operations)."""
+    factor = float(scaling["factor"])
+    original = int(scaling["original_max_position_embeddings"])
+
+    def correction_dim(rotations: float) -> float:
+        return (rotary_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = torch.clamp(
+        (torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1
+    )
+    keep = 1 - ramp  # the share of the original frequency
+    return interpolation * (1 - keep) + extrapolation * keep
 
 
 class RotaryEmbedding(nn.Module):
@@ -87,7 +116,7 @@ class RotaryEmbedding(nn.Module):
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # [P, R/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, R]
-        # LongRoPE scales cos and sin (in fp32, before the cast to the activation dtype)
+        # LongRoPE and YaRN scale cos and sin (in fp32, before the cast to the activation dtype)
         scale = float(scaling.get("attention_factor", 1.0))
         self.register_buffer("cos_cache", (emb.cos() * scale).to(device), persistent=False)
         self.register_buffer("sin_cache", (emb.sin() * scale).to(device), persistent=False)

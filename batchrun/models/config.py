@@ -10,8 +10,14 @@ from typing import Any
 
 from batchrun.errors import ModelConfigError
 from batchrun.models.gemma_config import GEMMA3_ARCHITECTURES, Gemma3Text, parse_gemma3
-from batchrun.models.moe_config import MoeConfig, parse_moe
-from batchrun.models.rope_config import canonical_rope_type, longrope_parameters, rotary_dim
+from batchrun.models.gptoss_config import GPT_OSS, GptOss, parse_gpt_oss
+from batchrun.models.moe_config import MoeConfig, gpt_oss_experts, parse_moe
+from batchrun.models.rope_config import (
+    canonical_rope_type,
+    longrope_parameters,
+    rotary_dim,
+    yarn_parameters,
+)
 from batchrun.quant.formats import Scheme, parse_quant_config
 
 # architecture name in config.json -> (qkv bias by default, q/k RMSNorm)
@@ -30,13 +36,15 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     # Gemma 3 (models/gemma_config.py): the text model of either
     "Gemma3ForCausalLM": (False, True),
     "Gemma3ForConditionalGeneration": (False, True),
+    # gpt-oss (models/gptoss_config.py): attention sinks, sliding and full layers, biased experts
+    GPT_OSS: (True, False),
 }
 # architectures whose layers have no biases, whatever attention_bias / mlp_bias say
 # (transformers' Phi3Attention and Phi3MLP)
 NO_BIAS = frozenset({"Phi3ForCausalLM"})
 # architectures whose attention_bias also gives o_proj a bias (transformers' modeling files);
 # the others' attention_bias is on q, k and v only
-O_PROJ_BIAS = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+O_PROJ_BIAS = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", GPT_OSS})
 # model_type -> the architecture batchrun runs for it when config.json lists no architectures
 # (what transformers' AutoModelForCausalLM does)
 MODEL_TYPES = {
@@ -50,6 +58,7 @@ MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "gpt_oss": GPT_OSS,
 }
 # architectures whose every layer attends within config.json's sliding_window unless it is null
 WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
@@ -61,7 +70,7 @@ WINDOW_IF_USED = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
 REQUIRED_FIELDS = (
     "vocab_size",
     "hidden_size",
@@ -116,6 +125,8 @@ class ModelConfig:
     sandwich_norms: bool = False
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float | None = None
+    # gpt-oss: a learned logit per head in each softmax's denominator (self_attn.sinks)
+    attention_sinks: bool = False
 
     @property
     def rotary_dim(self) -> int:
@@ -140,6 +151,10 @@ class ModelConfig:
         if arch in GEMMA3_ARCHITECTURES:
             gemma = parse_gemma3(raw, arch, source)
             raw = gemma.raw
+        gpt_oss: GptOss | None = None
+        if arch == GPT_OSS:
+            gpt_oss = parse_gpt_oss(raw, source)
+            raw = gpt_oss.raw
         missing = [k for k in REQUIRED_FIELDS if raw.get(k) is None]
         if missing:
             raise ModelConfigError(
@@ -165,13 +180,18 @@ class ModelConfig:
         max_pos = int(raw.get("max_position_embeddings", 4096))
         if rope["rope_type"] == "longrope":
             rope = longrope_parameters(raw, rope, arch, rotary, max_pos, source)
+        elif rope["rope_type"] == "yarn":
+            rope = yarn_parameters(raw, rope, max_pos, source)
         num_layers = int(raw["num_hidden_layers"])
-        windows = (
-            _sliding_windows(raw, arch, num_layers, max_pos, source)
-            if gemma is None
-            else gemma.sliding_windows
-        )
+        if gemma is not None:
+            windows = gemma.sliding_windows
+        elif gpt_oss is not None:
+            windows = gpt_oss.sliding_windows
+        else:
+            windows = _sliding_windows(raw, arch, num_layers, max_pos, source)
         moe = parse_moe(raw, arch, num_layers, source)
+        if gpt_oss is not None and moe is not None:
+            moe = gpt_oss_experts(moe, gpt_oss)
         quantization = parse_quant_config(raw, source)
         if gemma is not None and quantization is not None:
             raise ModelConfigError(
@@ -207,6 +227,7 @@ class ModelConfig:
             sliding_windows=windows,
             partial_rotary_dim=rotary if rotary != head_dim else 0,
             hidden_act=act,
+            attention_sinks=gpt_oss is not None,
             **({} if gemma is None else _gemma_fields(gemma)),
         )
 
@@ -251,7 +272,8 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
             f"{source}: unsupported architecture: the file has {_what_it_has(raw)}; batchrun "
             f"supports the architectures {', '.join(SUPPORTED_ARCHITECTURES)}, or with no "
             f"architectures the model_type {', '.join(MODEL_TYPES)} (Llama 2/3/3.x, Mistral, "
-            "Qwen2/2.5, Qwen3, SmolLM, Qwen3-MoE, Qwen1.5/2-MoE, Mixtral, Phi-3, Phi-4, Gemma 3)"
+            "Qwen2/2.5, Qwen3, SmolLM, Qwen3-MoE, Qwen1.5/2-MoE, Mixtral, Phi-3, Phi-4, Gemma 3, "
+            "gpt-oss)"
         )
     return arch
 

@@ -36,7 +36,7 @@ from batchrun.layers.moe import MoE
 from batchrun.layers.norm import RMSNorm
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.config import ModelConfig
-from batchrun.parallel.partition import ShardSpec, TPPartition, partition_model
+from batchrun.parallel.partition import Run, ShardSpec, TPPartition, partition_model
 from batchrun.parallel.state import TPGroup
 from batchrun.quant.linear import plan_linear
 
@@ -130,6 +130,19 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, kernels)
         else:
             self.q_norm = self.k_norm = None
+        # gpt-oss: a sink logit per head (this rank's heads), fp32 as the softmax reads it
+        self.sinks = None
+        self._sink_spec = None
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(
+                torch.empty(part.num_heads, dtype=torch.float32, device=device)
+            )
+            self._sink_spec = ShardSpec(
+                0, cfg.num_heads, (Run(part.head_start, 0, part.num_heads),)
+            )
+
+    def param_shards(self) -> dict[str, ShardSpec]:
+        return {} if self._sink_spec is None else {"sinks": self._sink_spec}
 
     def forward(self, x, positions, rotary: RotaryEmbedding, backend: AttentionBackend):
         return self.attend(self.qkv_proj(x), positions, rotary, backend)
@@ -143,8 +156,9 @@ class Attention(nn.Module):
         backend, which may rotate inside its KV store (one kernel instead of two)."""
         q, k, v = self.split_heads(qkv)
         return backend.forward_rotary(
-            q, k, v, self.layer_id, self.scaling, positions, rotary, window=self.window
-        )
+            q, k, v, self.layer_id, self.scaling, positions, rotary, window=self.window,
+            sinks=self.sinks,
+        )  # fmt: skip
 
     def split_heads(self, qkv):
         """q [T, H, D], k and v [T, KV, D] from the qkv projection, q/k norm applied (Qwen3

@@ -6,6 +6,7 @@ HF checkpoint names map onto our fused parameters:
     mlp.shared_expert.{gate,up}_proj -> mlp.shared_expert.gate_up_proj (Qwen2-MoE)
     block_sparse_moe.*      -> mlp.* (Mixtral's MoE block)
     *.experts.{e}.*         -> mlp.w13, mlp.w2, stacked by models/moe_weights.py
+    mlp.experts.*, mlp.router.* (gpt-oss: stacked, MXFP4 or plain) -> models/gptoss_weights.py
     self_attn.qkv_proj, mlp.gate_up_proj (Phi-3 / Phi-4 ship them fused, in our row order)
                             -> the same parameters, whole
 
@@ -34,6 +35,8 @@ from batchrun.layers.rotary import uses_long_factors
 from batchrun.models.checkpoint import Checkpoint, safetensors_files, text_name
 from batchrun.models.config import ModelConfig
 from batchrun.models.dummy import init_dummy_
+from batchrun.models.gptoss_config import GPT_OSS
+from batchrun.models.gptoss_weights import GptOssExperts
 from batchrun.models.llama import LlamaForCausalLM, make_rotaries
 from batchrun.models.moe_weights import (
     describe_experts,
@@ -158,6 +161,8 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int] | None:
     i, rest = m.group(1), m.group(2)
     if cfg.moe is not None and rest.startswith(cfg.moe.block_name + "."):
         rest = "mlp." + rest[len(cfg.moe.block_name) + 1 :]
+    if cfg.architecture == GPT_OSS and rest.startswith("mlp.router."):
+        rest = "mlp.gate." + rest[len("mlp.router.") :]
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     fused = {
         "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
@@ -202,6 +207,7 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
     # elements filled per parameter, to report what the checkpoint lacks
     filled: dict[str, int] = {name: 0 for name in params}
     skipped = 0  # the vision tower's tensors
+    gpt_oss = GptOssExperts(params, specs, cfg) if cfg.architecture == GPT_OSS else None
     for path, f in ckpt.files:
         for stored in f.keys():
             name = text_name(stored)
@@ -215,6 +221,10 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
             module, _, kind = name.rpartition(".")
             if module in claimed and kind != "bias":
                 continue  # read by the quantized linear (quant_loader)
+            if gpt_oss is not None and gpt_oss.take(
+                name, lambda f=f, stored=stored: f.get_tensor(stored), path
+            ):
+                continue
             expert = expert_target(name, cfg)
             if expert is not None and expert.param in params:
                 param, spec = params[expert.param], specs[expert.param]
@@ -265,6 +275,10 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
                 dest = param.data.narrow(spec.dim, dst, n)
                 dest.copy_(part.to(dest.dtype), non_blocking=True)
                 filled[pname] += dest.numel()
+    if gpt_oss is not None:
+        gpt_oss.check_complete()
+        for pname, n in gpt_oss.filled.items():
+            filled[pname] += n
     if skipped:
         log.info(
             "%d tensors of the vision tower and its projector skipped: batchrun runs the "

@@ -17,6 +17,10 @@ The fields read, per architecture, and what each does:
         num_local_experts, num_experts_per_tok                   experts, top-k (renormalized)
         intermediate_size                                        each expert's width; every
                                                                  layer is MoE
+    GptOssForCausalLM
+        as Mixtral's (the softmax over the top-k logits is the renormalized top-k of the
+        softmax), with a router bias, expert biases and the clamped SwiGLU of
+        swiglu_alpha / swiglu_limit (models/gptoss_config.py)
 
 Fields not read change nothing at inference: router_aux_loss_coef and output_router_logits (the
 training loss on the router), router_jitter_noise (Mixtral's noise on the inputs, training only),
@@ -25,10 +29,11 @@ max_window_layers (read by transformers only with use_sliding_window, which Mode
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from batchrun.errors import ModelConfigError
+from batchrun.models.gptoss_config import GPT_OSS, GptOss
 
 # architecture -> how its checkpoint names the MoE block and the experts' three matrices
 # (gate, up, down)
@@ -36,6 +41,8 @@ MOE_ARCHITECTURES: dict[str, tuple[str, tuple[str, str, str]]] = {
     "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "Qwen2MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
+    # stacked in the checkpoint: models/gptoss_weights.py reads them
+    GPT_OSS: ("mlp", ("gate_up_proj", "gate_up_proj", "down_proj")),
 }
 
 
@@ -49,6 +56,13 @@ class MoeConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
     block_name: str = "mlp"  # the checkpoint's module name of the MoE block
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # gpt-oss: the router's bias, the experts' biases (b13 [E, 2I], b2 [E, H]), the clamped
+    # SwiGLU (swiglu_limit 0: plain SiLU), and MXFP4 expert weights in the checkpoint
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0
+    mxfp4: bool = False
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id in self.layers
@@ -60,7 +74,7 @@ def parse_moe(raw: dict[str, Any], arch: str, num_layers: int, source: str) -> M
     if arch not in MOE_ARCHITECTURES:
         return None
     block_name, expert_names = MOE_ARCHITECTURES[arch]
-    mixtral = arch == "MixtralForCausalLM"
+    mixtral = arch in ("MixtralForCausalLM", GPT_OSS)  # the same fields
     num_experts = raw.get("num_local_experts" if mixtral else "num_experts")
     if num_experts is None:
         num_experts = raw.get("num_experts" if mixtral else "num_local_experts")
@@ -126,4 +140,16 @@ def parse_moe(raw: dict[str, Any], arch: str, num_layers: int, source: str) -> M
         shared_expert_intermediate_size=shared,
         block_name=block_name,
         expert_names=expert_names,
+    )
+
+
+def gpt_oss_experts(moe: MoeConfig, gpt_oss: GptOss) -> MoeConfig:
+    """`moe` with what gpt-oss's experts add."""
+    return replace(
+        moe,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_alpha=gpt_oss.swiglu_alpha,
+        swiglu_limit=gpt_oss.swiglu_limit,
+        mxfp4=gpt_oss.mxfp4,
     )

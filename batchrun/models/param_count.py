@@ -40,6 +40,8 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
         attention += h
     if cfg.qk_norm:
         attention += 2 * cfg.head_dim
+    if cfg.attention_sinks:
+        attention += cfg.num_heads
     norms = (4 if cfg.sandwich_norms else 2) * h  # Gemma 3: four norms a layer
     dense_mlp = _mlp(h, cfg.intermediate_size, cfg.mlp_bias)
     total = active = 0
@@ -50,8 +52,8 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
             total += layer + dense_mlp
             active += layer + dense_mlp
             continue
-        router = moe.num_experts * h
-        expert = _mlp(h, moe.intermediate_size, False)
+        router = moe.num_experts * (h + 1 if moe.router_bias else h)
+        expert = _mlp(h, moe.intermediate_size, moe.expert_bias)
         shared = 0
         if moe.shared_expert_intermediate_size:
             shared = _mlp(h, moe.shared_expert_intermediate_size, False) + h  # + its gate

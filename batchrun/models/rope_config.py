@@ -101,3 +101,48 @@ def longrope_parameters(
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def yarn_parameters(
+    raw: dict[str, Any], rope: dict[str, Any], max_pos: int, source: str
+) -> dict[str, Any]:
+    """`rope` with YaRN's numbers resolved as transformers' _compute_yarn_parameters takes them:
+    original_max_position_embeddings (config.json's top-level field first, else the rope
+    parameters', else max_position_embeddings), factor (given, else max_position_embeddings /
+    original), beta_fast (32) and beta_slow (1) where absent or 0, truncate (true unless
+    given), and attention_factor, the scale of cos and sin: given, else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are given, else
+    mscale(factor) (0.1 * ln(factor) + 1 for a factor > 1)."""
+    out = dict(rope)
+    original = raw.get("original_max_position_embeddings")
+    if original is None:
+        original = rope.get("original_max_position_embeddings", max_pos)
+    original = int(original)
+    if original <= 0:
+        raise ModelConfigError(
+            f"{source}: original_max_position_embeddings {original} must be positive"
+        )
+    factor = rope.get("factor")
+    factor = float(factor) if factor is not None else max_pos / original
+    if factor < 1.0:
+        raise ModelConfigError(f"{source}: yarn factor {factor} must be >= 1")
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _mscale(factor, mscale) / _mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _mscale(factor)
+    out.update(
+        original_max_position_embeddings=original,
+        factor=factor,
+        beta_fast=float(rope.get("beta_fast") or 32),
+        beta_slow=float(rope.get("beta_slow") or 1),
+        truncate=bool(rope.get("truncate", True)),
+        attention_factor=float(attention_factor),
+    )
+    return out
+
+
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

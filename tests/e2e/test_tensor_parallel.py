@@ -4,8 +4,10 @@ within fp32 noise, its logits, for each way a model can split: KV heads divided 
 divide by 2 (mqa_tied: padding on rank 1), qkv bias (qwen2), q/k norm (qwen3), Phi-3's fused
 qkv_proj / gate_up_proj checkpoint tensors (each rank reads its q, k, v rows and its gate and up
 rows of one tensor), the mixtures of experts (every expert split along its width, the router
-replicated; qwen2_moe's shared expert summed into the experts' one all-reduce), and Gemma 3 (its
-four norms a layer and sliding layers replicated on each rank's heads)."""
+replicated; qwen2_moe's shared expert summed into the experts' one all-reduce), Gemma 3 (its
+four norms a layer and sliding layers replicated on each rank's heads), and gpt-oss (attention
+sinks split by heads, the experts' gate / up biases by width, their down bias added by one
+rank)."""
 
 from __future__ import annotations
 
@@ -93,6 +95,7 @@ def llama_dir(tmp_path_factory) -> str:
         "qwen2_moe",
         "mixtral",
         "gemma3",
+        "gpt_oss",
     ],
 )
 def test_tp2_matches_tp1(kind, tmp_path, llama_dir):

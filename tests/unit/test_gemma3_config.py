@@ -109,7 +109,7 @@ def test_layer_types_set_the_windows():
         ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not supported"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention True is not"),
         ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported for Gemma3"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not sup"),
+        ({"rope_scaling": {"rope_type": "ntk", "factor": 4.0}}, "rope type 'ntk' is not sup"),
         (
             {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
             "the sliding layers' rope type 'linear' is not supported "
