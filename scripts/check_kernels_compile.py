@@ -301,6 +301,7 @@ def _gpt_oss_moe_cases() -> list[tuple[str, Callable[[], object]]]:
     """fused_moe with gpt-oss-20b's experts (32, top-4, 2880 / 2880): biases and the clamped
     SwiGLU, with and without the down bias (TP ranks other than 0)."""
     from batchrun.kernels.fused_moe import fused_moe
+
     from batchrun.layers.moe import ExpertExtras
 
     experts, top_k, hidden, inter = 32, 4, 2880, 2880
@@ -311,8 +312,9 @@ def _gpt_oss_moe_cases() -> list[tuple[str, Callable[[], object]]]:
     out: list[tuple[str, Callable[[], object]]] = []
     for tokens in (1, 1024):
         for down_bias in (b2, None):
+            extras = ExpertExtras(b13, down_bias, 1.702, 7.0)
 
-            def call(t=tokens, extras=ExpertExtras(b13, down_bias, 1.702, 7.0)):
+            def call(t=tokens, extras=extras):
                 x = torch.empty(t, hidden, dtype=torch.bfloat16)
                 ids = torch.zeros(t, top_k, dtype=torch.int32)
                 return fused_moe(x, w13, w2, torch.rand(t, top_k), ids, extras=extras)

@@ -31,9 +31,9 @@ def test_gpt_oss_experts_under_interpreter():
 
 
 def _run_checks() -> None:
+    from batchrun.kernels.fused_moe import fused_moe
     from test_fused_moe_interpreter import make_routing
 
-    from batchrun.kernels.fused_moe import fused_moe
     from batchrun.layers.moe import ExpertExtras, moe_experts
 
     gen = torch.Generator().manual_seed(0)

@@ -55,9 +55,8 @@ def _reference(pool, table, inputs, q, k, v, window, sinks):
 
 
 def _check_decode(dtype, tol) -> None:
-    from test_kernels_interpreter import _check, _decode, _make_batch
-
     from batchrun.kernels.decode_attention import decode_counters
+    from test_kernels_interpreter import _check, _decode, _make_batch
 
     seq_lens = [1, 37, 70]
     counters = decode_counters(3, 2, "cpu")
@@ -80,9 +79,8 @@ def _copy_pool(pool):
 
 
 def _check_extend(dtype, tol) -> None:
-    from test_kernels_interpreter import _check, _make_batch
-
     from batchrun.kernels.extend_attention import extend_attention_fwd
+    from test_kernels_interpreter import _check, _make_batch
 
     extend_lens, prefix_lens = [20, 40, 33], [0, 30, 64]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
