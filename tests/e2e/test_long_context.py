@@ -253,3 +253,5 @@ def test_plan_reports_the_kv_bytes_of_the_longest_rows(long_model, tmp_path):
     assert r.exit_code == 0, r.output
     assert "KV bytes     0.33 MB for the longest request" in r.output  # 5,096 x 64 bytes
     assert "3: 3 would run" in r.output
+    r = CliRunner().invoke(main, [*base, "--max-model-len", "40000"])
+    assert r.exit_code == 2 and "give a length from 1 to 32768" in r.output, r.output
