@@ -28,9 +28,16 @@ def served_context_len(cap: int | None, cfg: ModelConfig) -> int:
     if cap is None:
         return limit
     if cap < 1 or cap > limit:
+        why = ""
+        if cfg.rope_scaling.get("rope_type") == DYNAMIC_NTK:
+            why = (
+                " (rope type 'dynamic': transformers' NTK scaling past it follows each forward's "
+                "longest sequence and the calls before it, which a batched engine sharing "
+                "cached prefixes does not reproduce)"
+            )
         raise ModelConfigError(
             f"--max-model-len (context_len) {cap}: the model's context "
-            f"(max_position_embeddings) is {limit}; give a length from 1 to {limit}"
+            f"(max_position_embeddings) is {limit}; give a length from 1 to {limit}{why}"
         )
     return cap
 

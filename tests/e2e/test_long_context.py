@@ -226,6 +226,9 @@ def test_rope_variant_gives_transformers_tokens(variant, tmp_path):
     hf = save_model(tmp_path, cfg)
     engine = Engine(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32",
                                  kv_budget=2048))  # fmt: skip
+    if variant == "dynamic":
+        with pytest.raises(ModelConfigError, match="rope type 'dynamic': transformers' NTK"):
+            Engine(EngineConfig(model=str(tmp_path), device="cpu", context_len=129))
     # the last prompt and its tokens fill the whole context
     prompts = [*random_prompts(2, seed=5, min_len=8, max_len=40), [7] * 96]
     params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
