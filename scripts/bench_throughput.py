@@ -10,13 +10,20 @@
         --kernel decode_norms=fold                                      # one kernel field set
     python scripts/bench_throughput.py --models llama-8b --workloads W1,W3 \
         --variants batchrun,fp8,fp8-block                # bf16, per-channel FP8, block FP8
+    python scripts/bench_throughput.py --models llama-8b --workloads W5,W6 \
+        --variants batchrun                                             # long documents
     python scripts/bench_throughput.py --models llama-8b --workloads W2 --kv-budget 32768 \
         --kv-budget-same-bytes --variants batchrun,kv-fp8               # FP8 KV: 2x the tokens
 
 Models (dummy weights, written as config.json to a temp dir): llama-8b, llama-1b (and `tiny`,
 for CPU smoke tests). Workloads as BENCH.md defines them (benchlib.make_workload: W1 random, W2
 shared prefix, W3 single request, W2L a shared prefix whose distinct tokens exceed a capped KV
-pool). Variants (VARIANTS): batchrun, the engine as configured by the options (--attention-backend,
+pool, W5 long documents 256 x 16,384 -> 128, W6 very long 16 x 131,072 -> 64, run on llama-8b
+only; with W5 or W6 the models get Llama 3.1's 128k context, benchlib.LONG_CONTEXT). Prefill
+TFLOP/s: the prompts' model FLOPs (linear + causal attention, benchlib.prefill_flops) over the
+time to the last request's first token (no shared-prefix workloads); the extend kernel's own
+TFLOP/s: scripts/bench_attention_kernels.py --extend-cases 1x16384,1x131072,1x4096+126976.
+Variants (VARIANTS): batchrun, the engine as configured by the options (--attention-backend,
 --cuda-graph-max-bs, --kernel FIELD=VALUE, ...), and each other variant that config with one
 EngineConfig or KernelConfig field changed; hf; prefix-order, batchrun fed in
 batchrun.job.order's DFS order with the ordering timed (every other variant takes the prompts in
@@ -203,6 +210,10 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
     if getattr(engine, "scheduler", None) is not None:
         res.retractions = engine.scheduler.num_retractions - retracted_before
     fill_latency(res, ttfts, itls, wl.output_len)
+    if ttfts and not wl.name.startswith("W2") and "num_experts_per_tok" not in MODELS[res.model]:
+        # no prefix shared (every prompt token computed); a dense model (benchlib.linear_shapes)
+        flops = benchlib.prefill_flops(res.model, [len(p) for p in wl.prompts])
+        res.prefill_tflops = flops / max(ttfts) / 1e12
     if not probe or not probe.active:
         res.note = "TTFT/ITL not measured (no hook)"
     distinct = len({tuple(p[:2048]) for p in wl.prompts}) * 2048
@@ -343,7 +354,8 @@ def detail_table(results: list[RunResult]) -> str:
     head = (
         "| model | workload | variant | status | requests | output tok/s | total tok/s "
         "| ms/token (decode) | TTFT p50 / p99 ms | ITL p50 ms | GPU fwd occupancy "
-        "| cached fraction | peak mem GiB | steps | start-up s | wall s | note |"
+        "| prefill TFLOP/s | cached fraction | peak mem GiB | steps | start-up s | wall s "
+        "| note |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
@@ -362,7 +374,8 @@ def detail_table(results: list[RunResult]) -> str:
             f"| {r.model} | {r.workload} | {r.variant} | {r.status} | {r.num_requests} "
             f"| {_f(r.output_tok_s)} | {_f(r.total_tok_s)} | {ms} | {ttft} "
             f"| {_f(r.itl_p50_ms, '{:.2f}')} | {_f(r.forward_occupancy, '{:.2f}')} "
-            f"| {_f(r.cached_fraction, '{:.3f}')} | {_f(r.peak_mem_gib, '{:.1f}')} "
+            f"| {_f(r.prefill_tflops, '{:.1f}')} | {_f(r.cached_fraction, '{:.3f}')} "
+            f"| {_f(r.peak_mem_gib, '{:.1f}')} "
             f"| {_f(r.num_steps)} | {_f(r.startup_s, '{:.1f}')} | {walls} | {r.note} |"
         )
     return "\n".join(lines)
@@ -509,6 +522,8 @@ def format_run(r: RunResult) -> str:
         parts.append(f"ITL p50 {r.itl_p50_ms:.2f} ms")
     if r.forward_occupancy is not None:
         parts.append(f"fwd occupancy {r.forward_occupancy:.2f}")
+    if r.prefill_tflops is not None:
+        parts.append(f"prefill {r.prefill_tflops:.1f} TFLOP/s")
     if r.cached_fraction is not None:
         parts.append(f"cached {r.cached_fraction:.3f}")
     if r.peak_mem_gib is not None:
@@ -581,7 +596,8 @@ def main(argv=None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-models-"))
     for model in args.models:
-        model_dir = benchlib.write_model_dir(model, tmp)
+        long = any(w in benchlib.LONG_WORKLOADS for w in args.workloads)
+        model_dir = benchlib.write_model_dir(model, tmp, long_context=long)
         log(f"model {model}: {benchlib.num_params(model) / 1e9:.2f} B params, {model_dir}")
         for variant in args.variants:
             names = [w for w in args.workloads if not (variant == "hf" and w.startswith("W2"))]

@@ -150,13 +150,28 @@ MODELS: dict[str, dict] = {
 }
 
 
-def write_model_dir(name: str, root: Path) -> Path:
-    """Write `name`'s config.json under root/name and return that directory."""
+# Llama 3.1's 128k context (its rope scaling): the long-document workloads' models (W5, W6)
+LONG_CONTEXT = dict(
+    max_position_embeddings=131072,
+    rope_scaling=dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+)
+
+
+def write_model_dir(name: str, root: Path, long_context: bool = False) -> Path:
+    """Write `name`'s config.json under root/name and return that directory; `long_context`:
+    with LONG_CONTEXT's 128k context (a dense Llama shape)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     path = root / name
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(MODELS[name], indent=2) + "\n")
+    config = {**MODELS[name], **(LONG_CONTEXT if long_context else {})}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
 
 
@@ -421,7 +436,31 @@ def make_workload(name: str, scale: float) -> Workload:
         groups = max(1, round(64 * scale))
         prompts = _shared_prefix(2, groups, 2048)
         return Workload(name, prompts, 128, f"{groups} groups x 32, 2048+128 in, shuffled")
-    raise ValueError(f"unknown workload {name!r}; known: W1, W2, W3, W2L")
+    if name in LONG_WORKLOADS:
+        count, length, out_len = LONG_WORKLOADS[name]
+        rng = random.Random(5 if name == "W5" else 6)
+        n = max(1, round(count * scale))
+        prompts = [random_tokens(rng, length) for _ in range(n)]
+        return Workload(name, prompts, out_len, f"{n} x {length:,} in")
+    raise ValueError(f"unknown workload {name!r}; known: W1, W2, W3, W2L, W5, W6")
+
+
+# long documents: name -> (prompts, prompt tokens, output tokens); W6 needs a 128k context
+# (llama-8b's; llama-1b's too, but BENCH.md runs it on llama-8b only)
+LONG_WORKLOADS = {"W5": (256, 16384, 128), "W6": (16, 131072, 64)}
+
+
+def prefill_flops(name: str, prompt_lens: list[int]) -> float:
+    """Model FLOPs of prefilling these prompts on model `name` (dense): the linear layers
+    (2 a weight a token; the LM head for the last position of each prompt only) and causal
+    attention (QK^T and PV: 2 x 2 x head_dim a visible key, a query and a head, each layer)."""
+    c = MODELS[name]
+    shapes = linear_shapes(name)
+    per_token = 2 * sum(n * k * count for matrix, n, k, count in shapes if matrix != "lm_head")
+    head = 2 * c["vocab_size"] * c["hidden_size"]
+    attention = 4 * c["num_hidden_layers"] * c["num_attention_heads"] * c["head_dim"]
+    # query j (0-based) sees j + 1 keys: L (L + 1) / 2 visible keys a head
+    return float(sum(per_token * n + head + attention * n * (n + 1) / 2 for n in prompt_lens))
 
 
 def warmup_prompts(workload: Workload, num: int) -> list[list[int]]:
@@ -451,6 +490,8 @@ class RunResult:
     ttft_p50_ms: float | None = None
     ttft_p99_ms: float | None = None
     itl_p50_ms: float | None = None
+    # model FLOPs of the prompts (benchlib.prefill_flops) / the time to the last first token
+    prefill_tflops: float | None = None
     ms_per_token: float | None = None  # W3: wall / output_len
     decode_ms_per_token: float | None = None  # W3: (wall - TTFT) / (output_len - 1)
     forward_occupancy: float | None = None

@@ -7,8 +7,9 @@ A step's requests are gathered into one padded batch when padding wastes little:
     mask    [B, 1, max_q, max_kv] key k visible to query j iff k <= prefix_b + j and k < seq_b
             (and, in a layer with a sliding window W, k > prefix_b + j - W)
 
-Otherwise (one long prefill next to many short ones) each request gets its own
-scaled_dot_product_attention call.
+Otherwise (one long prefill next to many short ones, or a padded batch over MAX_PADDED_SCORES
+query-key pairs, whose mask and scores would take gigabytes for long prompts) each request gets
+its own scaled_dot_product_attention call.
 
 Attention sinks (gpt-oss) run as an explicit softmax over [scores, sink] (`attend_with_sinks`):
 scaled_dot_product_attention has no term for them.
@@ -28,6 +29,9 @@ from batchrun.attention.base import AttentionBackend, AttentionInputs
 
 # pad when the padded work is at most this many times the real work
 MAX_PADDING_WASTE = 4.0
+# a padded batch of more query-key pairs runs as a loop: its mask holds one byte a pair and the
+# scores four a pair and head (a step of three 32k-token prompts: 3 GB of mask, 25 GB of scores)
+MAX_PADDED_SCORES = 1 << 24
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -44,7 +48,8 @@ class TorchAttentionBackend(AttentionBackend):
         seq, ext = inputs.seq_lens_cpu, inputs.extend_lens_cpu
         max_q, max_kv = max(ext), max(seq)
         real = sum(n * s for n, s in zip(ext, seq))
-        if len(seq) == 1 or len(seq) * max_q * max_kv > MAX_PADDING_WASTE * real + 4096:
+        padded = len(seq) * max_q * max_kv
+        if len(seq) == 1 or padded > min(MAX_PADDING_WASTE * real + 4096, MAX_PADDED_SCORES):
             self._plan = ("loop", self._plan_loop(inputs))
         else:
             self._plan = ("padded", *self._plan_padded(inputs, max_q, max_kv))
@@ -122,9 +127,11 @@ class TorchAttentionBackend(AttentionBackend):
         if masks is None:
             masks = self._masks[window] = [wm.single(window) for _, _, _, wm in self._plan[1]]
         for (start, n, slots, _), mask in zip(self._plan[1], masks):
-            qi = q[start : start + n].transpose(0, 1)  # [H, n, D]
-            keys = k_buf[slots].to(q.dtype).transpose(0, 1)  # [KV, S, D]
-            values = v_buf[slots].to(q.dtype).transpose(0, 1)
+            # NOTE: 4-d: the CPU's fused (flash) kernel takes only a batch dim; 3-d inputs run
+            # the math path, whose [H, n, S] scores take gigabytes for a long prompt
+            qi = q[start : start + n].transpose(0, 1)[None]  # [1, H, n, D]
+            keys = k_buf[slots].to(q.dtype).transpose(0, 1)[None]  # [1, KV, S, D]
+            values = v_buf[slots].to(q.dtype).transpose(0, 1)[None]
             oi = sdpa(
                 qi,
                 keys,
@@ -134,7 +141,7 @@ class TorchAttentionBackend(AttentionBackend):
                 scale=scaling,
                 enable_gqa=True,
             )
-            out[start : start + n] = oi.transpose(0, 1)
+            out[start : start + n] = oi[0].transpose(0, 1)
         return out.reshape(num_tokens, num_heads * head_dim)
 
 

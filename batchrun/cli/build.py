@@ -90,6 +90,7 @@ def build_engine_config(o: dict) -> EngineConfig:
         kv_budget=o["kv_budget"],
         gpu_memory_utilization=o.get("gpu_memory_utilization", GPU_MEMORY_UTILIZATION),
         chunked_prefill_size=_chunk(o["chunked_prefill_size"]),
+        context_len=o.get("max_model_len"),
         enable_radix_cache=not o["no_radix_cache"],
         kernels=KernelConfig(
             attention=o["attention_backend"],

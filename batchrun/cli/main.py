@@ -276,6 +276,8 @@ def plan(dataset: str, **o) -> None:
             limit=o["limit"],
             kv_budget=o["kv_budget"],
             max_running=o["max_running"],
+            max_model_len=o["max_model_len"],
+            kv_cache_dtype=o["kv_cache_dtype"],
             show_errors=o["show_errors"],
             order=o["order"],
             order_window=o["order_window"],

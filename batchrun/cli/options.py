@@ -390,6 +390,14 @@ engine_options = option_group(
         "the total, for weights and KV).",
     ),
     click.option(
+        "--max-model-len",
+        metavar="TOKENS",
+        type=click.IntRange(min=1),
+        default=None,
+        show_default="the model's max_position_embeddings",
+        help="Context length cap: longer prompt + max_tokens rows go to the errors file.",
+    ),
+    click.option(
         "--chunked-prefill-size",
         metavar="TOKENS",
         type=click.IntRange(min=0),
@@ -549,6 +557,21 @@ progress_options = option_group(
 
 plan_engine_options = option_group(
     ENGINE,
+    click.option(
+        "--max-model-len",
+        metavar="TOKENS",
+        type=click.IntRange(min=1),
+        default=None,
+        show_default="the model's max_position_embeddings",
+        help="Context length cap (as submit's).",
+    ),
+    click.option(
+        "--kv-cache-dtype",
+        type=click.Choice(KV_CACHE_DTYPES),
+        default="auto",
+        show_default=True,
+        help="KV cache elements, for the KV bytes (auto: 16-bit; fp8_e4m3: one byte).",
+    ),
     click.option(
         "--kv-budget",
         metavar="TOKENS",

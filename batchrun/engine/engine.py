@@ -35,6 +35,7 @@ from batchrun.engine.scheduler import ScheduledBatch, Scheduler
 from batchrun.engine.stop import StopStringChecker
 from batchrun.engine.structured import GateRelease, StructuredOutput
 from batchrun.models.config import ModelConfig
+from batchrun.models.context import served_context_len
 from batchrun.models.embedded import resolve_model_path
 from batchrun.params import (
     EngineCounters,
@@ -119,7 +120,7 @@ class Engine:
         overlap = config.overlap if config.overlap is not None else device.type == "cuda"
         config = replace(config, overlap=overlap)
         config = replace(config, kernels=resolve_kernels(config, self.model_config, device))
-        self.context_len = config.context_len or self.model_config.max_position_embeddings
+        self.context_len = served_context_len(config.context_len, self.model_config)
         self.runner = ModelRunner(config, self.model_config, self.model_dir, self.context_len)
         # the kernels as the model made them (KernelConfig.decode_norms may step down)
         self.config = config = replace(config, kernels=self.runner.kernels)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from batchrun.config import EngineConfig, resolve_sizes
+from batchrun.errors import ModelConfigError
 from batchrun.io.readers import BadInputError, open_dataset
 from batchrun.io.rows import RowError, RowSpec
 from batchrun.io.stdin import STDIN, spool_stdin
@@ -29,6 +30,7 @@ from batchrun.job.order import (
 )
 from batchrun.job.pipeline import RowPipeline
 from batchrun.models.config import ModelConfig
+from batchrun.models.context import kv_bytes_per_token, served_context_len
 from batchrun.models.embedded import resolve_model_path
 from batchrun.models.moe_weights import describe_experts
 from batchrun.models.param_count import describe_params
@@ -89,6 +91,8 @@ def _make_plan(
     limit: int | None,
     kv_budget: int | None,
     max_running: int | None,
+    max_model_len: int | None = None,
+    kv_cache_dtype: str = "auto",
     show_errors: int = 10,
     order: str = "prefix",
     order_window: int = DEFAULT_WINDOW,
@@ -99,6 +103,10 @@ def _make_plan(
     except BadInputError as e:
         raise PlanError(str(e), 3) from e
     tokenizer, cfg, model_path = load_tokenizer_and_context(model, quantization)
+    try:
+        context_len = served_context_len(max_model_len, cfg)
+    except ModelConfigError as e:
+        raise PlanError(str(e), 2) from e
     is_gguf = model is None or model.endswith(".gguf")
     if max_running is None:  # the engine's default on this machine
         max_running = resolve_sizes(EngineConfig(), cfg).max_running
@@ -107,7 +115,7 @@ def _make_plan(
         spec,
         defaults,
         tokenizer,
-        cfg.max_position_embeddings,
+        context_len,
         limit,
         vocab_size=cfg.vocab_size,
     )
@@ -141,7 +149,7 @@ def _make_plan(
     lines = [
         f"dataset      {name} ({source.format}{', OpenAI batch' if pipeline.openai else ''})",
         f"model        {model or 'embedded SmolLM2-135M-Instruct'} "
-        f"(context {cfg.max_position_embeddings}{served})",
+        f"(context {_context(context_len, cfg)}{served})",
         f"weights      {describe_weights(cfg, model_path, is_gguf)}",
         f"parameters   {describe_params(cfg)}",
         f"rows         {rows}: {len(prompt_lens)} would run, {sum(errors.values())} would fail",
@@ -159,6 +167,7 @@ def _make_plan(
             f"KV need      {int(need[0]):,} tokens for the longest request; {peak:,} tokens to "
             f"run {min(max_running, len(need))} of the longest at once (--max-running "
             f"{max_running})",
+            kv_bytes_line(cfg, kv_cache_dtype, int(need[0]), peak),
         ]
         if kv_budget is not None:
             verdict = (
@@ -170,7 +179,8 @@ def _make_plan(
                     else "TOO SMALL for the longest request"
                 )
             )
-            lines.append(f"KV budget    {kv_budget:,} tokens: {verdict}")
+            pool = _gb(kv_budget * kv_bytes_per_token(cfg, kv_cache_dtype))
+            lines.append(f"KV budget    {kv_budget:,} tokens ({pool}): {verdict}")
         lines += reuse.report(order_window)
     repeats = errors["duplicate_id"]
     if repeats and pipeline.openai:
@@ -188,6 +198,27 @@ def _make_plan(
         for e in examples:
             lines.append(f"  row {e.row} (id {e.id}): {e.type}: {e.message}")
     return "\n".join(lines)
+
+
+def _context(context_len: int, cfg: ModelConfig) -> str:
+    if context_len == cfg.max_position_embeddings:
+        return f"{context_len:,}"
+    return f"{context_len:,}, --max-model-len; the model's {cfg.max_position_embeddings:,}"
+
+
+def kv_bytes_line(cfg: ModelConfig, kv_cache_dtype: str, longest: int, peak: int) -> str:
+    """The KV cache bytes of the longest request and of the longest --max-running at once."""
+    per_token = kv_bytes_per_token(cfg, kv_cache_dtype)
+    kind = "16-bit" if kv_cache_dtype == "auto" else kv_cache_dtype
+    return (
+        f"KV bytes     {_gb(longest * per_token)} for the longest request, {_gb(peak * per_token)}"
+        f" for those at once ({per_token:,} bytes a token, {kind} KV; the pool holds "
+        f"--kv-budget tokens or --gpu-memory-utilization of the GPU memory after the weights)"
+    )
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 class PrefixReuse:

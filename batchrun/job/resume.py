@@ -33,7 +33,8 @@ LABELS = {
     "model": "model (config.json or weight files)",
     "input": "input dataset (content, format or split)",
     "sampling": "sampling defaults",
-    "rows": "row options (columns, system prompt, chat template, --chat-template, --limit)",
+    "rows": "row options (columns, system prompt, chat template, --chat-template, --limit, "
+    "--max-model-len)",
     "order": "--order / --order-window",
     "shards": "--num-shards / --shard-index",
     "seed": "--seed",
@@ -125,9 +126,11 @@ def make_fingerprint(config: RunConfig, input_format: str, input_ident: dict | N
 
 
 def _rows_identity(config: RunConfig) -> dict:
-    """The row options and --limit; a --chat-template by a digest of its text (no key without
-    one)."""
+    """The row options, --limit and --max-model-len (only when given); a --chat-template by a
+    digest of its text (no key without one)."""
     rows = {**asdict(config.spec), "limit": config.limit}
+    if config.engine.context_len is not None:  # --max-model-len: which rows fail as too long
+        rows["max_model_len"] = config.engine.context_len
     rows.pop("keep_columns")  # an output option (the fingerprint's "output")
     template = rows.pop("chat_template")
     if template is not None:

@@ -127,8 +127,8 @@ def _check(row: PreparedRow, ids: list[int], context_len: int) -> TokenizedRow |
             row,
             "context_length_exceeded",
             f"prompt ({len(ids)} tokens) + max_tokens ({max_new}) = {len(ids) + max_new} "
-            f"exceeds the model's context length ({context_len}); shorten the prompt or lower "
-            "max_tokens (per row, or --max-tokens)",
+            f"exceeds the context length ({context_len}: the model's, or --max-model-len); "
+            "shorten the prompt or lower max_tokens (per row, or --max-tokens)",
         )
     return TokenizedRow(row, ids)
 

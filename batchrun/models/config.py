@@ -70,7 +70,9 @@ WINDOW_IF_USED = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
+# "dynamic": NTK scaling, in effect only past max_position_embeddings, which batchrun does not
+# serve (batchrun/models/context.py)
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn", "dynamic")
 REQUIRED_FIELDS = (
     "vocab_size",
     "hidden_size",

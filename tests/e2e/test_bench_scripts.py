@@ -72,6 +72,21 @@ def test_bench_throughput_cpu_smoke(tmp_path):
     assert "Kernel configs (resolved):\n- tiny batchrun: attention=torch, triton_ops" in report
 
 
+def test_bench_throughput_long_documents_cpu_smoke(tmp_path):
+    """W5 at 1 of its 256 prompts (16,384 tokens): the model gets a 128k context, the row its
+    prefill TFLOP/s."""
+    run_script(
+        "bench_throughput.py", "--device", "cpu", "--models", "tiny", "--workloads", "W5",
+        "--scale", "0.004", "--variants", "batchrun", "--warmup-requests", "1",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    (r,) = json.loads((tmp_path / "bench_throughput.json").read_text())["results"]
+    assert r["status"] == "ok" and r["num_requests"] == 1, r
+    assert r["prompt_tokens"] == 16384 and r["output_tokens"] == 128, r
+    assert r["prefill_tflops"] > 0, r
+    assert "prefill TFLOP/s" in (tmp_path / "bench_throughput.md").read_text()
+
+
 def test_bench_throughput_variants_change_only_the_config():
     """Every engine variant is its options' EngineConfig with the fields VARIANTS names changed
     (the CLI's kernel options feed the KernelConfig; a variant's fields win over them)."""
@@ -290,6 +305,30 @@ def test_workloads_keep_their_lengths_at_any_scale():
     warm = benchlib.warmup_prompts(w1, 4)  # the same lengths, other tokens
     assert [len(p) for p in warm] == [512] * 4
     assert not {tuple(p) for p in warm} & {tuple(p) for p in w1.prompts}
+
+
+def test_long_document_workloads(tmp_path):
+    w5, w6 = benchlib.make_workload("W5", 0.01), benchlib.make_workload("W6", 0.0625)
+    assert len(w5.prompts) == 3 and {len(p) for p in w5.prompts} == {16384}
+    assert w5.output_len == 128
+    assert len(w6.prompts) == 1 and len(w6.prompts[0]) == 131072 and w6.output_len == 64
+    # their models: Llama 3.1's 128k context
+    path = benchlib.write_model_dir("llama-8b", tmp_path, long_context=True)
+    config = json.loads((path / "config.json").read_text())
+    assert config["max_position_embeddings"] == 131072
+    assert config["rope_scaling"]["rope_type"] == "llama3"
+
+
+def test_prefill_flops_count_linears_lm_head_and_causal_attention():
+    c = benchlib.MODELS["llama-8b"]
+    matmuls = sum(n * k * count for m, n, k, count in benchlib.linear_shapes("llama-8b")
+                  if m != "lm_head")  # fmt: skip
+    lm_head = 2 * c["vocab_size"] * c["hidden_size"]
+    # a 2-token prompt: 3 visible query-key pairs a head and layer, 2 x 2 x 128 flops each
+    attention = 3 * 4 * 128 * 32 * 32
+    assert benchlib.prefill_flops("llama-8b", [2]) == 2 * matmuls * 2 + lm_head + attention
+    # a 128k prompt on llama-8b: 1.83 PFLOP of linears, 4.50 of attention
+    assert benchlib.prefill_flops("llama-8b", [131072]) == pytest.approx(6.33e15, rel=0.01)
 
 
 def test_source_tree_names_the_commit_or_the_dirty_tree(tmp_path):

@@ -93,7 +93,7 @@ def phi4_rope(**changes) -> dict:
 @pytest.mark.parametrize(
     ("raw", "match"),
     [
-        (phi4_rope(type="dynamic"), "rope type 'dynamic' is not supported"),
+        (phi4_rope(type="ntk"), "rope type 'ntk' is not supported"),
         (phi4_rope(short_factor=[1.0] * 64), "short_factor has 64 numbers; .* 96 dims .* 48"),
         (phi4_rope(long_factor=None), "needs long_factor, a list of 48 numbers"),
         (phi4_rope(long_factor="1.0"), "needs long_factor"),

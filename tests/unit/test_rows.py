@@ -368,7 +368,7 @@ def test_tokenize_errors(tokenizer) -> None:
     out = tokenize_rows(tokenizer, [long, ok, msgs], RowSpec(use_chat_template=False), 50)
     assert isinstance(out[0], RowError) and out[0].type == "context_length_exceeded"
     assert "prompt (41 tokens) + max_tokens (30) = 71" in out[0].message
-    assert "context length (50)" in out[0].message and "lower max_tokens" in out[0].message
+    assert "context length (50:" in out[0].message and "lower max_tokens" in out[0].message
     assert isinstance(out[1], TokenizedRow) and isinstance(out[2], TokenizedRow)
 
     saved = tokenizer.chat_template
