@@ -254,17 +254,16 @@ model_options = option_group(
         "--quantization",
         type=click.Choice(QUANTIZATIONS),
         default=None,
-        show_default="the checkpoint's own (config.json's quantization_config), or none",
-        help="Quantize a bf16 checkpoint's linears at load (fp8: per channel, per-token "
-        "activations).",
+        show_default="the checkpoint's",
+        help="Quantize bf16 linears at load (fp8: per channel, per-token activations).",
     ),
     click.option(
         "--served-model-name",
         default=None,
         metavar="NAME",
         callback=_not_blank,
-        show_default="the model directory's name",
-        help='The "model" of OpenAI Batch output lines (for a .gguf file: its stem).',
+        show_default="the model's name",
+        help='The "model" of OpenAI Batch output lines.',
     ),
 )
 
