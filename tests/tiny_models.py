@@ -339,3 +339,18 @@ TINY_JSON_SCHEMA = {
     },
     "required": ["ok", "kind", "n"],
 }
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of `prompt`: exactly n new tokens."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quant_checkpoints import write_quantized  # noqa: E402
-from tiny_models import make_tiny_model, random_prompts, save_byte_tokenizer  # noqa: E402
+from tiny_models import hf_greedy, make_tiny_model, random_prompts, save_byte_tokenizer  # noqa: E402
 
 from batchrun.cli import main  # noqa: E402
 from batchrun.config import EngineConfig  # noqa: E402
@@ -74,19 +74,6 @@ def tiny(tmp_path_factory):
 def engine_for(path: Path, **kw) -> Engine:
     cfg = dict(model=str(path), device="cpu", dtype="float32", kv_budget=4096)
     return Engine(EngineConfig(**{**cfg, **kw}))
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def test_bytes_per_token_is_one_byte_an_element():

@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import COMMON, random_prompts, save_byte_tokenizer  # noqa: E402
+from tiny_models import COMMON, hf_greedy, random_prompts, save_byte_tokenizer  # noqa: E402
 
 from batchrun.cli import main  # noqa: E402
 from batchrun.config import EngineConfig  # noqa: E402
@@ -62,20 +62,6 @@ def long_model(tmp_path_factory):
     hf = save_model(path, cfg)
     save_byte_tokenizer(path)
     return path, hf
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def long_prompts() -> list[list[int]]:

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gptoss_models import GPT_OSS_WINDOW, save_mxfp4  # noqa: E402
-from tiny_models import make_tiny_model, random_prompts  # noqa: E402
+from tiny_models import hf_greedy, make_tiny_model, random_prompts  # noqa: E402
 
 from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
@@ -33,15 +33,6 @@ def tiny(request, tmp_path_factory):
     if request.param == "mxfp4":
         save_mxfp4(hf, path)  # hf's experts become what the MXFP4 dequantizes to
     return request.param, path, hf, engine(path)
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-        do_sample=False, pad_token_id=0,
-    )  # fmt: skip
-    return out[0, len(prompt) :].tolist()
 
 
 def test_prefill_logits_match(tiny):

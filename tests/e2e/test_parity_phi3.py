@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import make_tiny_model, random_prompts  # noqa: E402
+from tiny_models import hf_greedy, make_tiny_model, random_prompts  # noqa: E402
 
 from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
@@ -39,19 +39,6 @@ def tiny(request, tmp_path_factory):
     hf = make_tiny_model(kind, path)
     context_len, lengths = CASES[kind]
     return kind, path, hf, Engine(engine_config(path, context_len)), lengths
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def test_rotary_takes_the_factors_of_the_context(tiny):

@@ -20,7 +20,7 @@ from quant_checkpoints_int4 import (  # noqa: E402
     reference_int4_model,
     write_int4_checkpoint,
 )
-from tiny_models import COMMON, make_hf_config, random_prompts  # noqa: E402
+from tiny_models import COMMON, hf_greedy, make_hf_config, random_prompts  # noqa: E402
 
 from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
@@ -107,19 +107,6 @@ def greedy(engine, requests: list[GenerateRequest]) -> dict[str, list[int]]:
         assert res.finish_reason == "length" and not res.error, res
         out[res.rid] = res.output_ids
     return out
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:

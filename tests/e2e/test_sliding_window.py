@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import make_tiny_model, random_prompts  # noqa: E402
+from tiny_models import hf_greedy, make_tiny_model, random_prompts  # noqa: E402
 
 from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
@@ -40,19 +40,6 @@ def tiny(request, tmp_path_factory):
 def engine(model_dir: str, **kw) -> Engine:
     cfg = dict(model=model_dir, device="cpu", dtype="float32", kv_budget=8192)
     return Engine(EngineConfig(**{**cfg, **kw}))
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def test_the_config_gives_each_layer_its_window(tiny):
