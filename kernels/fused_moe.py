@@ -27,7 +27,8 @@ bounded by running at most MAX_CHUNK_ROWS routed rows (T * k) at a time.
 
 Tiles come from a rule on (T, E, k, H, I) (`pick_config`), no autotuning (it costs start-up and
 cannot run inside graph capture). What decides is the rows each expert gets in a pass,
-T * k / E (T of at most `tokens_per_pass`):
+T * k / E, with T a pass's tokens rounded up as `tile_tokens` says (so that a step padded to a
+graph's size picks the tiles its eager run picks):
 
     <= 16       decode: 16-row blocks, one weight tile read once per touched expert; column
                 tiles of 32 where 64 would give fewer than ~2 programs per SM (132 SMs)
@@ -52,6 +53,7 @@ from batchrun.kernels.moe_align import align_by_expert, max_blocks
 
 MAX_CHUNK_ROWS = 32768  # routed rows (T * k) per pass: bounds inter and out (H=4096: 256 MiB)
 MIN_PROGRAMS = 264  # about two programs per SM of the H200's 132
+TILE_STEP = 256  # engine/piecewise_graph.py's BUCKET: see tile_tokens
 
 
 class GemmTiles(NamedTuple):
@@ -69,9 +71,23 @@ class MoeConfig(NamedTuple):
 
 
 def tokens_per_pass(top_k: int) -> int:
-    """The tokens one pass of fused_moe runs (MAX_CHUNK_ROWS routed rows); the tiles are picked
-    for a pass's tokens."""
-    return max(1, MAX_CHUNK_ROWS // top_k)
+    """The tokens one pass of fused_moe runs: MAX_CHUNK_ROWS routed rows, rounded down to a
+    multiple of TILE_STEP so that a step's last pass pads like the step (`tile_tokens`)."""
+    return max(TILE_STEP, MAX_CHUNK_ROWS // top_k // TILE_STEP * TILE_STEP)
+
+
+def tile_tokens(num_tokens: int) -> int:
+    """The token count a pass's tiles are picked for: the next power of two up to TILE_STEP, the
+    next multiple of TILE_STEP above it. The CUDA graphs pad a step to a captured size that never
+    leaves this bucket (engine/cuda_graph.py's decode sizes hold every power of two to 256 and
+    then multiples of 32; engine/piecewise_graph.py's, for a mixture of experts, the powers of two
+    below its bucket and then multiples of it), so a step picks the same tiles eager and padded:
+    a row's sums do not depend on which other rows share its tiles, but do on the tiles' shape
+    (BLOCK_K, and mma.sync against wgmma at small BLOCK_M), and the greedy parity of graphs and
+    eager rests on that."""
+    if num_tokens <= TILE_STEP:
+        return triton.next_power_of_2(max(num_tokens, 1))
+    return triton.cdiv(num_tokens, TILE_STEP) * TILE_STEP
 
 
 def pick_config(
@@ -281,7 +297,7 @@ def fused_moe(
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
         num_rows = (end - start) * top_k
-        c = config or pick_config(end - start, num_experts, top_k, hidden, inter_size)
+        c = config or pick_config(tile_tokens(end - start), num_experts, top_k, hidden, inter_size)
         align = align_by_expert(topk_ids[start:end], num_experts, c.block_m)
         blocks = max_blocks(num_rows, num_experts, c.block_m)
         common = (align.sorted_ids, align.expert_ids, align.num_padded, num_rows)

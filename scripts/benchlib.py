@@ -147,6 +147,60 @@ MODELS: dict[str, dict] = {
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     ),
+    # Gemma 3 4B (the text model of Gemma3ForConditionalGeneration; the vision tower's weights
+    # are not built): 3.88 B parameters, sliding layers of 1,024 tokens five in six
+    "gemma-3-4b": dict(
+        architectures=["Gemma3ForConditionalGeneration"],
+        model_type="gemma3",
+        eos_token_id=[1, 106],
+        text_config=dict(
+            model_type="gemma3_text",
+            hidden_size=2560,
+            intermediate_size=10240,
+            num_hidden_layers=34,
+            rope_scaling=dict(factor=8.0, rope_type="linear"),
+            sliding_window=1024,
+        ),
+        vision_config=dict(model_type="siglip_vision_model"),
+        torch_dtype="bfloat16",
+    ),
+    # gpt-oss-20b: 20.9 B parameters, 4.2 B active a token (3.0 B in its layers); the experts in
+    # bf16, as a released checkpoint's MXFP4 experts are dequantized at load
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"],
+        model_type="gpt_oss",
+        attention_bias=True,
+        eos_token_id=200002,
+        experts_per_token=4,
+        head_dim=64,
+        hidden_act="silu",
+        hidden_size=2880,
+        initial_context_length=4096,
+        intermediate_size=2880,
+        layer_types=["sliding_attention", "full_attention"] * 12,
+        max_position_embeddings=131072,
+        num_attention_heads=64,
+        num_experts_per_tok=4,
+        num_hidden_layers=24,
+        num_key_value_heads=8,
+        num_local_experts=32,
+        pad_token_id=199999,
+        rms_norm_eps=1e-05,
+        rope_scaling=dict(
+            beta_fast=32.0,
+            beta_slow=1.0,
+            factor=32.0,
+            original_max_position_embeddings=4096,
+            rope_type="yarn",
+            truncate=False,
+        ),
+        rope_theta=150000,
+        sliding_window=128,
+        swiglu_limit=7.0,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        vocab_size=201088,
+    ),
 }
 
 
@@ -194,18 +248,10 @@ def linear_shapes(name: str) -> list[tuple[str, int, int, int]]:
 def num_params(name: str) -> int:
     """Parameter count of a model shape (for the log: bf16 bytes = 2x this); a mixture of
     experts' total, every expert counted."""
-    c = MODELS[name]
-    if "num_experts_per_tok" in c:
-        from batchrun.models.config import ModelConfig
-        from batchrun.models.param_count import count_params
+    from batchrun.models.config import ModelConfig
+    from batchrun.models.param_count import count_params
 
-        return count_params(ModelConfig.from_dict(c)).total
-    h, layers = c["hidden_size"], c["num_hidden_layers"]
-    matmuls = sum(
-        n * k * count for matrix, n, k, count in linear_shapes(name) if matrix != "lm_head"
-    )
-    embeddings = c["vocab_size"] * h * (1 if c["tie_word_embeddings"] else 2)
-    return matmuls + layers * 2 * h + embeddings + h  # two norms a layer, the final norm
+    return count_params(ModelConfig.from_dict(MODELS[name])).total
 
 
 # -- which source ran ------------------------------------------------------------------------

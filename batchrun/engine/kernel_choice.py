@@ -218,20 +218,12 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         raise ValueError(
             "piecewise CUDA graphs need CUDA and a chunked prefill size (a step's tokens bounded)"
         )
-    if piecewise and model_cfg.moe is not None:
-        raise ValueError(
-            "piecewise CUDA graphs do not run mixture-of-experts models: the expert kernels' "
-            "tiles follow a step's token count (kernels/fused_moe.py pick_config), so the "
-            "padding to a captured size changes a prefill's sums and its greedy tokens; use "
-            "piecewise_graphs 'auto' or off (decode CUDA graphs still run)"
-        )
     if not runs_piecewise:
         piecewise = False
     elif piecewise is None:
         # NOTE: on by default only where the host is the bottleneck: a small model's mixed steps
-        # (a large one's GPU time hides their launches, and the padding to a captured size costs).
-        # Never for experts: their tiles follow the token count (the refusal above)
-        piecewise = graphs > 0 and not is_large(model_cfg) and model_cfg.moe is None
+        # (a large one's GPU time hides their launches, and the padding to a captured size costs)
+        piecewise = graphs > 0 and not is_large(model_cfg)
 
     if model_cfg.moe is not None and moe == "torch" and (graphs or piecewise):
         raise ValueError(

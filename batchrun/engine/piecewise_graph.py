@@ -2,7 +2,8 @@
 graphs; the attention, whose launches depend on the batch's requests and lengths, runs eagerly
 between them.
 
-    step of T tokens (not all decodes) -> bucket b = smallest captured size >= T
+    step of T tokens (not all decodes) -> bucket b = smallest captured size >= T (multiples of
+                                          256; a mixture of experts also 1, 2, 4, ..., 128)
     static input_ids / positions [0, T) <- batch   (rows T..b: stale ids and positions, computed
                                                     and never read)
     piece 0           embed, layer 0's norm, qkv (q/k norm)   -> static q, k, v, residual
@@ -45,10 +46,12 @@ BUCKET = 256  # tokens: captured sizes are multiples of this (a step pads up to 
 MAX_TOKENS = 8192
 
 
-def token_buckets(max_tokens: int, step: int = BUCKET) -> list[int]:
-    """Captured token counts: step, 2 * step, ... up to max_tokens rounded up to a step."""
+def token_buckets(max_tokens: int, step: int = BUCKET, small: bool = False) -> list[int]:
+    """Captured token counts: step, 2 * step, ... up to max_tokens rounded up to a step; with
+    `small`, first the powers of two below step (1, 2, 4, ...)."""
     top = -(-max(max_tokens, 1) // step) * step
-    return list(range(step, top + 1, step))
+    below = [1 << i for i in range(step.bit_length()) if 1 << i < step] if small else []
+    return below + list(range(step, top + 1, step))
 
 
 def _store(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -62,7 +65,10 @@ class PiecewiseGraphRunner:
         self.model = model
         self.backend = backend
         self.device = device
-        self.buckets = token_buckets(max_tokens, bucket)
+        # a mixture of experts pads a small step to a power of two, not to a whole bucket: each
+        # padded row runs through top_k experts, and its expert tiles are picked per power of two
+        # below the bucket (kernels/fused_moe.py tile_tokens)
+        self.buckets = token_buckets(max_tokens, bucket, small=model.config.moe is not None)
         self.max_tokens = n = self.buckets[-1]
         attn = model.layers[0].self_attn
         self.num_heads, self.head_dim = attn.num_heads, attn.head_dim

@@ -72,8 +72,9 @@ def eager(dummy_dir):
     [
         (dict(moe="triton", cuda_graph_max_bs=0, piecewise_graphs=False), dict(overlap=True)),
         (dict(moe="triton", cuda_graph_max_bs=64, piecewise_graphs=False), dict(overlap=False)),
+        (dict(moe="triton", cuda_graph_max_bs=64, piecewise_graphs=True), dict(overlap=False)),
         (
-            dict(moe="triton", cuda_graph_max_bs=64),
+            dict(moe="triton", cuda_graph_max_bs=64),  # piecewise by default (two layers)
             dict(overlap=True, kv_budget=1500, new_token_ratio=0.05),  # retraction
         ),
     ],
@@ -81,14 +82,8 @@ def eager(dummy_dir):
 def test_graphs_and_overlap_give_eager_tokens(dummy_dir, eager, kernels, kw):
     engine = _engine(dummy_dir, kernels, **kw)
     assert engine.runner.kernels.moe == "triton"
-    assert engine.kernels.piecewise_graphs is False  # never for experts (kernel_choice.py)
+    assert engine.kernels.piecewise_graphs is kernels.get("piecewise_graphs", True)
     assert _generate(engine) == eager
-
-
-def test_piecewise_graphs_are_refused(dummy_dir):
-    """The experts' tiles follow the token count: a padded capture would change the tokens."""
-    with pytest.raises(ValueError, match="piecewise CUDA graphs do not run mixture-of-experts"):
-        _engine(dummy_dir, dict(moe="triton", cuda_graph_max_bs=64, piecewise_graphs=True))
 
 
 def test_fused_moe_logits_match_the_torch_loop(dummy_dir):

@@ -18,6 +18,33 @@ def test_token_buckets():
     assert token_buckets(4352) == list(range(256, 4353, 256))
     assert token_buckets(300, 64) == [64, 128, 192, 256, 320]
     assert token_buckets(1, 64) == [64]
+    assert token_buckets(600, small=True) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768]
+
+
+def test_padding_to_a_graph_keeps_a_step_in_its_expert_tile_bucket():
+    """A step padded to a captured size (decode graphs, or piecewise with experts) picks the expert
+    tiles its eager run picks: kernels/fused_moe.py tile_tokens is the same for both."""
+    pytest.importorskip("triton")
+    import bisect
+
+    from batchrun.kernels.fused_moe import tile_tokens, tokens_per_pass
+
+    from batchrun.engine.cuda_graph import graph_batch_sizes
+    from batchrun.engine.piecewise_graph import MAX_TOKENS, token_buckets
+
+    def padded(sizes, t):
+        return sizes[bisect.bisect_left(sizes, t)]
+
+    for sizes in (
+        graph_batch_sizes(512),
+        graph_batch_sizes(100),
+        graph_batch_sizes(300),
+        token_buckets(MAX_TOKENS, small=True),
+    ):
+        for t in range(1, sizes[-1] + 1):
+            assert tile_tokens(t) == tile_tokens(padded(sizes, t)), (sizes[-1], t)
+    for top_k in (1, 2, 4, 6, 8):  # a step's last pass pads like the step
+        assert tokens_per_pass(top_k) % 256 == 0
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
