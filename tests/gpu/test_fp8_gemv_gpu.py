@@ -67,12 +67,14 @@ def _scaled_mm(x, w, sw, input_scale=None):
     )
 
 
-def _close_to(got, want, what):
-    """Elementwise within ULP_BOUND of want, with a floor at 1e-3 of the output's scale (where
-    a different order of accumulation cancels differently)."""
+def _close_to(got, want, what, roundings: int = 1):
+    """Elementwise within ULP_BOUND of want per rounding the result went through (the SwiGLU
+    epilogue's three: gate, silu, up, each of which may land one bf16 step apart on fp32 sums
+    that differ in their last bits), with a floor at 1e-3 of the output's scale (where a
+    different order of accumulation cancels differently)."""
     assert got.shape == want.shape and got.dtype == want.dtype, what
     g, r = got.float(), want.float()
-    bound = ULP_BOUND * r.abs() + 1e-3 * r.abs().max()
+    bound = roundings * ULP_BOUND * r.abs() + 1e-3 * r.abs().max()
     bad = int(((g - r).abs() > bound).sum())
     assert bad == 0, f"{what}: {bad} elements off (max diff {float((g - r).abs().max()):.3g})"
 
@@ -121,7 +123,7 @@ def test_the_swiglu_epilogue_matches_scaled_mm_then_the_gate(shape):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         gate, up = _scaled_mm(x, w, sw).chunk(2, dim=-1)
         want = (F.silu(gate.float()).to(torch.bfloat16).float() * up.float()).bfloat16()
-        _close_to(fp8_gemv(x, w, sw, swiglu=True), want, f"{shape} M={m}")
+        _close_to(fp8_gemv(x, w, sw, swiglu=True), want, f"{shape} M={m}", roundings=3)
 
 
 @pytest.mark.parametrize("static", [False, True])

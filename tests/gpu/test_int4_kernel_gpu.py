@@ -33,6 +33,10 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MAX_REL_ERROR = 8e-3
+# the SwiGLU epilogue rounds three times (gate, silu, up) as the unfused path does; on fp32 sums
+# that differ from the reference's in their last bits each rounding may land one bf16 step
+# (<= 2^-7 relative) apart, and the product carries all three
+SWIGLU_MAX_REL_ERROR = 3 * 2.0**-7
 ROWS = [1, 2, 7, 16, 64, 255, 1024, 8192]
 # (N, K) of the projections: llama-8b qkv, o, gate_up, down; llama-1b the same
 SHAPES = [
@@ -148,7 +152,7 @@ def check_gemv(w, m: int, swiglu: bool = False, pdl: bool = False) -> None:
         ref = F.silu(gate).bfloat16().float() * up
     assert y.shape == ref.shape and y.dtype == torch.bfloat16
     err = float((y.float() - ref).abs().max() / ref.abs().max())
-    assert err <= MAX_REL_ERROR, (m, tuple(ref.shape), swiglu, err)
+    assert err <= (SWIGLU_MAX_REL_ERROR if swiglu else MAX_REL_ERROR), (m, ref.shape, swiglu, err)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
