@@ -13,6 +13,7 @@ device-to-host transfer is the sampled tokens (and logprobs when asked).
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -169,6 +170,9 @@ class ModelRunner:
         # step can start before the host has seen it (overlap scheduling)
         self.token_pool = torch.zeros(config.max_running + 1, dtype=torch.int64, device=self.device)
         self.forward_time = 0.0  # GPU time inside forwards (CUDA events), seconds
+        # the forwards' (start, end) events not yet counted, oldest first: a step of prefill
+        # chunks alone has no host copy to wait for, so its forward may still run at wait()
+        self._timed: collections.deque = collections.deque()
         self.graphs = None  # CUDA-graph runner for decode batches
         if kernels.cuda_graph_max_bs > 0 and hasattr(self.backend, "init_graph_buffers"):
             from batchrun.engine.cuda_graph import CudaGraphRunner  # imports Triton: CUDA only
@@ -380,12 +384,19 @@ class ModelRunner:
             handle.event.synchronize()
         return [] if handle.next_ids_cpu is None else handle.next_ids_cpu.tolist()
 
+    def _settle_forward_times(self) -> None:
+        """Add the forwards that have completed to forward_time, in order, without blocking."""
+        while self._timed and self._timed[0][1].query():
+            start, end = self._timed.popleft()
+            self.forward_time += start.elapsed_time(end) / 1e3
+
     def wait(self, handle: StepHandle) -> StepOutput:
         """Block until the step's results are on the host (the one sync of a step)."""
         if handle.event is not None:
             handle.event.synchronize()
         if handle.forward_end is not None:
-            self.forward_time += handle.forward_start.elapsed_time(handle.forward_end) / 1e3
+            self._timed.append((handle.forward_start, handle.forward_end))
+        self._settle_forward_times()
         if handle.next_ids_cpu is None:
             return StepOutput([], None, None)
         logprobs = handle.logprobs_cpu.tolist() if handle.logprobs_cpu is not None else None
