@@ -17,10 +17,10 @@
 
 Models (dummy weights, written as config.json to a temp dir; benchlib.MODELS): llama-8b,
 llama-1b, the mixtures of experts qwen3-30b-a3b, mixtral-8x7b and gpt-oss-20b, gemma-3-4b (and
-`tiny`, for CPU smoke tests). Workloads as BENCH.md defines them (benchlib.make_workload: W1 random, W2
-shared prefix, W3 single request, W2L a shared prefix whose distinct tokens exceed a capped KV
-pool, W5 long documents 256 x 16,384 -> 128, W6 very long 16 x 131,072 -> 64, run on llama-8b
-only; with W5 or W6 the models get Llama 3.1's 128k context, benchlib.LONG_CONTEXT). Prefill
+`tiny`, for CPU smoke tests). Workloads as BENCH.md defines them (benchlib.make_workload: W1
+random, W2 shared prefix, W3 single request, W2L a shared prefix whose distinct tokens exceed a
+capped KV pool, W5 long documents 256 x 16,384 -> 128, W6 very long 16 x 131,072 -> 64, run on
+llama-8b only; with W5 or W6 the models get Llama 3.1's 128k context, benchlib.LONG_CONTEXT). Prefill
 TFLOP/s: the prompts' model FLOPs (linear + causal attention, benchlib.prefill_flops) over the
 time to the last request's first token (no shared-prefix workloads); the extend kernel's own
 TFLOP/s: scripts/bench_attention_kernels.py --extend-cases 1x16384,1x131072,1x4096+126976.
@@ -211,8 +211,8 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
     if getattr(engine, "scheduler", None) is not None:
         res.retractions = engine.scheduler.num_retractions - retracted_before
     fill_latency(res, ttfts, itls, wl.output_len)
-    if ttfts and not wl.name.startswith("W2") and "num_experts_per_tok" not in MODELS[res.model]:
-        # no prefix shared (every prompt token computed); a dense model (benchlib.linear_shapes)
+    if ttfts and not wl.name.startswith("W2") and benchlib.is_llama_shape(res.model):
+        # no prefix shared (every prompt token computed); a dense Llama (benchlib.linear_shapes)
         flops = benchlib.prefill_flops(res.model, [len(p) for p in wl.prompts])
         res.prefill_tflops = flops / max(ttfts) / 1e12
     if not probe or not probe.active:

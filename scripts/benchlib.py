@@ -229,11 +229,18 @@ def write_model_dir(name: str, root: Path, long_context: bool = False) -> Path:
     return path
 
 
+def is_llama_shape(name: str) -> bool:
+    """A dense Llama shape (linear_shapes and prefill_flops read its fields): not a mixture of
+    experts, not a Gemma 3 (whose fields sit in text_config)."""
+    c = MODELS[name]
+    return "num_experts_per_tok" not in c and "text_config" not in c
+
+
 def linear_shapes(name: str) -> list[tuple[str, int, int, int]]:
     """(matrix, N, K, count per decode step) of a dense model's linear layers."""
     c = MODELS[name]
-    if "num_experts_per_tok" in c:
-        raise ValueError(f"{name} is a mixture of experts: its experts are no dense linears")
+    if not is_llama_shape(name):
+        raise ValueError(f"{name} is not a dense Llama shape (a mixture of experts or Gemma 3)")
     hidden, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     return [

@@ -168,6 +168,11 @@ class MoE(nn.Module):
         self.shared_expert_gate = None
         if shared_expert is not None:
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype, device=device)
+        self._rows_for = None  # the fused experts' graph-invariant row count (see _router_input)
+        if self.backend == "triton":
+            from batchrun.kernels.fused_moe import tile_tokens  # Triton: imported on CUDA only
+
+            self._rows_for = tile_tokens
 
     def param_shards(self) -> dict[str, ShardSpec]:
         width = self._cfg.moe.intermediate_size
@@ -188,10 +193,24 @@ class MoE(nn.Module):
         b2 = self.b2 if self.tp.rank == 0 else None
         return ExpertExtras(self.b13, b2, self.alpha, self.limit)
 
+    def _router_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x, with the fused experts padded with zero rows to fused_moe's tile_tokens(T): the
+        router's matmul (and Qwen2-MoE's shared-expert gate) then runs at a shape that a CUDA
+        graph's padding of the step does not change. cuBLAS picks its kernel, and with it the
+        order of a row's sums, by the shape: the fp32 router of Qwen3-30B-A3B's widths gives rows
+        whose last bits differ between T = 300 and 512 rows on the H200, enough to flip a
+        near-tie of the top-k and the greedy tokens between a graph and the eager step. Each row
+        of one shape's matmul is computed alone, so the padding rows do not touch the others."""
+        if self._rows_for is None:
+            return x
+        rows = self._rows_for(x.shape[0])
+        return x if rows == x.shape[0] else F.pad(x, (0, 0, 0, rows - x.shape[0]))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        num_tokens, padded = x.shape[0], self._router_input(x)
+        weights, ids = route(self.gate(padded)[:num_tokens], self.top_k, self.renormalize)
         out = moe_experts(x, self.w13, self.w2, weights, ids, self.backend, self.extras())
         if self.shared_expert is not None:
-            gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
+            gate = torch.sigmoid(self.shared_expert_gate(padded)[:num_tokens])  # [T, 1]
             out = out + gate * self.shared_expert(x)
         return self.tp.all_reduce(out) if self.tp.is_parallel else out

@@ -105,16 +105,18 @@ def test_tiny_model_equals_transformers_in_fp32(checkpoint, tmp_path):
     hf = make_tiny_model("gpt_oss", tmp_path)
     if checkpoint == "mxfp4":
         save_mxfp4(hf, tmp_path)
-    hf = hf.cuda()
+    # NOTE: transformers' reference on the CPU: on the H200 its gpt-oss in fp32 gives logits
+    # 0.52-0.56 away (relative) from its CPU run and from every batchrun path on CUDA, the
+    # plain-torch one (KernelConfig.reference()) included, which all agree with its CPU run
     # the fused experts run fp32 on TF32 tensor cores: the torch loop for the 1e-4 bound
     kernels = KernelConfig(moe="torch", cuda_graph_max_bs=0)
     engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32",
                                  kv_budget=8192, kernels=kernels))  # fmt: skip
     assert engine.runner.kernels.attention == "triton"
     for prompt in random_prompts(3, seed=1, min_len=16, max_len=60):
-        ours = engine.score(prompt).float()
+        ours = engine.score(prompt).float().cpu()
         with torch.no_grad():
-            ref = hf(torch.tensor([prompt], device="cuda")).logits[0].float()
+            ref = hf(torch.tensor([prompt])).logits[0].float()
         assert ((ours - ref).norm() / ref.norm()).item() <= 1e-4
 
 
