@@ -20,10 +20,11 @@ llama-1b, the mixtures of experts qwen3-30b-a3b, mixtral-8x7b and gpt-oss-20b, g
 `tiny`, for CPU smoke tests). Workloads as BENCH.md defines them (benchlib.make_workload: W1
 random, W2 shared prefix, W3 single request, W2L a shared prefix whose distinct tokens exceed a
 capped KV pool, W5 long documents 256 x 16,384 -> 128, W6 very long 16 x 131,072 -> 64, run on
-llama-8b only; with W5 or W6 the models get Llama 3.1's 128k context, benchlib.LONG_CONTEXT). Prefill
-TFLOP/s: the prompts' model FLOPs (linear + causal attention, benchlib.prefill_flops) over the
-time to the last request's first token (no shared-prefix workloads); the extend kernel's own
-TFLOP/s: scripts/bench_attention_kernels.py --extend-cases 1x16384,1x131072,1x4096+126976.
+llama-8b only; with W5 or W6 the models get Llama 3.1's 128k context, benchlib.LONG_CONTEXT).
+Prefill TFLOP/s: the prompts' model FLOPs (linear + causal attention, benchlib.prefill_flops)
+over the time to the last request's first token (no shared-prefix workloads); the extend
+kernel's own TFLOP/s: scripts/bench_attention_kernels.py --extend-cases
+1x16384,1x131072,1x4096+126976.
 Variants (VARIANTS): batchrun, the engine as configured by the options (--attention-backend,
 --cuda-graph-max-bs, --kernel FIELD=VALUE, ...), and each other variant that config with one
 EngineConfig or KernelConfig field changed; hf; prefix-order, batchrun fed in
