@@ -164,7 +164,7 @@ class PiecewiseGraphRunner:
             attn, rotary = layer.self_attn, self.model.rotary_of(i)
             forward(
                 q, k, v, attn.layer_id, attn.scaling, positions, rotary, out=out,
-                window=attn.window,
+                window=attn.window, sinks=attn.sinks,
             )  # fmt: skip
         self._replay(graphs, b, len(self.model.layers))
         return self.model.logits(self.hidden[:t], self.residual[:t], logits_indices)

@@ -47,11 +47,12 @@ def test_padding_to_a_graph_keeps_a_step_in_its_expert_tile_bucket():
         assert tokens_per_pass(top_k) % 256 == 0
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen2_moe", "gpt_oss"])
 def model_dir(request, tmp_path_factory):
     """gemma3: its scaled embeddings in the first piece, each layer's own rotary (the sliding
     layers' base) to the eager attention; qwen2_moe: experts (and a shared expert) inside the
-    pieces, the padded rows routed with the rest."""
+    pieces, the padded rows routed with the rest; gpt_oss: each layer's sinks and window to the
+    eager attention."""
     from tiny_models import make_tiny_model
 
     path = tmp_path_factory.mktemp(f"{request.param}-piecewise")
