@@ -222,8 +222,9 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         piecewise = False
     elif piecewise is None:
         # NOTE: on by default only where the host is the bottleneck: a small model's mixed steps
-        # (a large one's GPU time hides their launches, and the padding to a captured size costs)
-        piecewise = graphs > 0 and not is_large(model_cfg)
+        # (a large one's GPU time hides their launches, and the padding to a captured size costs).
+        # A mixture of experts takes them when asked: its padded rows each run top_k experts
+        piecewise = graphs > 0 and not is_large(model_cfg) and model_cfg.moe is None
 
     if model_cfg.moe is not None and moe == "torch" and (graphs or piecewise):
         raise ValueError(

@@ -74,7 +74,7 @@ def eager(dummy_dir):
         (dict(moe="triton", cuda_graph_max_bs=64, piecewise_graphs=False), dict(overlap=False)),
         (dict(moe="triton", cuda_graph_max_bs=64, piecewise_graphs=True), dict(overlap=False)),
         (
-            dict(moe="triton", cuda_graph_max_bs=64),  # piecewise by default (two layers)
+            dict(moe="triton", cuda_graph_max_bs=64),  # no piecewise graphs by default
             dict(overlap=True, kv_budget=1500, new_token_ratio=0.05),  # retraction
         ),
     ],
@@ -82,7 +82,7 @@ def eager(dummy_dir):
 def test_graphs_and_overlap_give_eager_tokens(dummy_dir, eager, kernels, kw):
     engine = _engine(dummy_dir, kernels, **kw)
     assert engine.runner.kernels.moe == "triton"
-    assert engine.kernels.piecewise_graphs is kernels.get("piecewise_graphs", True)
+    assert engine.kernels.piecewise_graphs is kernels.get("piecewise_graphs", False)
     assert _generate(engine) == eager
 
 

@@ -392,8 +392,7 @@ def test_a_mixture_of_experts_runs_the_fused_moe_on_cuda(gpu, monkeypatch):
     eager = resolve(moe_cfg, CUDA, KernelConfig(moe="torch", cuda_graph_max_bs=0))
     assert eager.moe == "torch" and not eager.piecewise_graphs
     assert resolve(SMALL, CUDA, KernelConfig(moe="torch")).moe == "torch"  # dense: no experts
-    # a small model takes piecewise graphs by default; experts take them when asked (and by
-    # default under 3B parameters, all experts counted, which 128 experts of SMALL's are not)
+    # a small dense model takes piecewise graphs by default; experts take them when asked
     assert resolve(SMALL, CUDA).piecewise_graphs
     small_moe = replace(SMALL, moe=moe_cfg.moe)
     assert not resolve(small_moe, CUDA).piecewise_graphs
