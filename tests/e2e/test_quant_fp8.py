@@ -38,9 +38,12 @@ from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
 NEW_TOKENS = 32
 EXACT = 1e-5
 DYNAMIC_BOUND = 3e-2
-# a greedy step may pick the reference's second token where the two logits are this close:
-# within what one FP8 rounding step of an activation moves them (see above)
-TIE = 0.05
+# a greedy step may pick the reference's second token where the two logits are this close, as a
+# share of the row's largest logit: within the logits' bound where an activation may round to
+# the neighbouring FP8 step (see above; measured: flips 0.108 apart in a row of logits up to
+# 9.6 against the reference, 0.099 in one up to 6.3 between TP=2 and TP=1, on the Qwen2 of the
+# block shapes)
+TIE = DYNAMIC_BOUND
 
 
 def engine_for(path: Path, **kw) -> Engine:
@@ -93,7 +96,8 @@ def check_linears(engine: Engine, hf, prompt: list[int]) -> None:
 def check_greedy(hf, prompt: list[int], tokens: list[int], tie: float) -> int:
     """batchrun's greedy `tokens` after `prompt` against the reference, teacher-forced: at each
     step the reference's own choice given batchrun's tokens so far, or (FP8 activations) a token
-    whose reference logit is within `tie` of the top one. Returns the number of such ties."""
+    whose reference logit is within `tie` (of the row's largest logit) of the top one. Returns
+    the number of such ties."""
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
     ties = 0
@@ -101,7 +105,8 @@ def check_greedy(hf, prompt: list[int], tokens: list[int], tie: float) -> int:
         best = int(row.argmax())
         if token != best:
             gap = float(row[best] - row[token])
-            assert gap <= tie, f"step {step}: token {token}, the reference's {best} (gap {gap:.3f})"
+            bound = tie * float(row.abs().max())
+            assert gap <= bound, f"step {step}: {token}, the reference's {best} (gap {gap:.3f})"
             ties += 1
     return ties
 
@@ -281,6 +286,25 @@ def test_tp2_gives_tp1_tokens(fmt, kind, kw, tmp_path):
         kw = {"quantization": "fp8"}
     else:
         write_quantized(fmt, kind, tmp_path)
-    ref = greedy(Engine(tp_config(tmp_path, **kw)))
+    tp1 = Engine(tp_config(tmp_path, **kw))
+    ref = greedy(tp1)
     with start_tp_engine(tp_config(tmp_path, **kw), tp_size=2, timeout_s=120) as engine:
-        assert greedy(engine) == ref
+        got = greedy(engine)
+    if fmt != "online" and FP8_FORMATS[fmt].activations == "none":
+        assert got == ref
+        return
+    # quantized activations: the ranks' partial sums of a row-parallel layer add in another order
+    # than TP=1's one sum (~1e-7 apart), which may round an activation to the neighbouring FP8
+    # step; a request's tokens may then part at a near-tie of TP=1's logits, and only there
+    prompts = {req.rid: req.input_ids for req in tp_workload()}
+    parted = 0
+    for rid, want in ref.items():
+        step = next((j for j, (a, b) in enumerate(zip(got[rid], want)) if a != b), None)
+        if step is None:
+            assert got[rid] == want, rid
+            continue
+        row = tp1.score(prompts[rid] + want[:step])[-1]
+        gap = float(row[want[step]] - row[got[rid][step]])
+        assert gap <= TIE * float(row.abs().max()), f"{rid} step {step}: gap {gap:.3f}"
+        parted += 1
+    assert parted <= 1, f"{parted} of {len(ref)} requests parted from TP=1's tokens"
