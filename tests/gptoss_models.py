@@ -50,11 +50,18 @@ def gpt_oss_config(**changes):
 
 def spread_gpt_oss_(model) -> None:
     """transformers initializes the expert biases to zero and the sinks small: draw them so that
-    the tests see them."""
+    the tests see them. Its experts then clamp at the config's swiglu_limit: transformers 5.17
+    (the H200 machine's) fixes alpha 1.702 and limit 7.0 whatever the config says, where later
+    versions read swiglu_alpha / swiglu_limit, as batchrun does (the tiny model's 1.5 against
+    a fixed 7.0 puts the logits 0.52-0.56 apart, relative)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("_proj_bias", "sinks")):
                 param.normal_(0.0, 0.5)
+    cfg = model.config
+    for layer in model.model.layers:
+        layer.mlp.experts.alpha = getattr(cfg, "swiglu_alpha", 1.702)
+        layer.mlp.experts.limit = cfg.swiglu_limit
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

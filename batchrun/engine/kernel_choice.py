@@ -95,28 +95,12 @@ def experts_too_large(model_cfg, tp_size: int, memory: int) -> str:
     )
 
 
-def not_on_cuda(model_cfg) -> str | None:
-    """Why a model that runs on the CPU is refused on CUDA (None: it is not). gpt-oss: on the H200
-    a tiny gpt-oss in fp32 gives logits 0.52-0.56 (relative) away from transformers' in every
-    kernel configuration, plain torch included (KernelConfig.reference()), where transformers
-    agrees with itself between the CPU and CUDA to 1e-6 and batchrun's CPU run with it to 5e-7
-    (tests/gpu/test_gpt_oss_gpu.py); a model that may run wrong is refused."""
-    if getattr(model_cfg, "attention_sinks", False):
-        return (
-            f"{model_cfg.architecture} (gpt-oss) runs on the CPU (--device cpu) but not on CUDA: "
-            "its CUDA path does not give transformers' logits yet"
-        )
-    return None
-
-
 def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> KernelConfig:
     """config.kernels with every auto field decided for `device` and the model. `config` has
     its sizes resolved (chunked_prefill_size) and its overlap decided."""
     want = config.kernels
     want.validate()
     cuda = device.type == "cuda"
-    if cuda and (refused := not_on_cuda(model_cfg)) is not None:
-        raise ValueError(refused)
     if config.kv_cache_dtype == "fp8_e4m3" and cuda and not supports_fp8_matmul(device):
         raise ValueError(
             "kv_cache_dtype 'fp8_e4m3' on CUDA needs an sm_89+ GPU (L40, H100, H200 or later), "

@@ -3,12 +3,7 @@ the clamped SwiGLU. Greedy tokens are the same with CUDA graphs and overlap as e
 gpt-oss-20b's widths (two layers, one sliding and one full, dummy bf16 weights); the fused
 experts' and the Triton attention's logits are the torch paths' within bf16's precision; the tiny
 model (plain and MXFP4 checkpoints) equals transformers in fp32; and --tp 2 equals TP=1 (run in
-a subprocess: one tensor-parallel group a process).
-
-The engine refuses gpt-oss on CUDA (engine/kernel_choice.py not_on_cuda): on the H200 the tiny
-model's logits are 0.52-0.56 (relative) away from transformers' in every kernel configuration.
-These tests run its CUDA path with the refusal lifted; the ones that show that gap are marked
-xfail until it is found."""
+a subprocess: one tensor-parallel group a process)."""
 
 from __future__ import annotations
 
@@ -31,16 +26,6 @@ TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 
 NEW = 32
-OFF_TRANSFORMERS = "CUDA gpt-oss logits are off transformers' (kernel_choice.not_on_cuda)"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cuda_refusal_lifted():
-    from batchrun.engine import kernel_choice
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernel_choice, "not_on_cuda", lambda model_cfg: None)
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +85,6 @@ def test_graphs_and_overlap_give_eager_tokens(dummy_dir, eager, kernels, kw):
     assert _generate(_engine(dummy_dir, kernels, **kw)) == eager
 
 
-@pytest.mark.xfail(reason=OFF_TRANSFORMERS)
 @pytest.mark.parametrize("field", ["moe", "attention"])
 def test_triton_logits_match_the_torch_paths(dummy_dir, field):
     base = dict(cuda_graph_max_bs=0)
@@ -111,7 +95,6 @@ def test_triton_logits_match_the_torch_paths(dummy_dir, field):
         assert ((a - b).norm() / b.norm()).item() < 2e-2
 
 
-@pytest.mark.xfail(strict=True, reason=OFF_TRANSFORMERS)
 @pytest.mark.parametrize("checkpoint", ["plain", "mxfp4"])
 def test_tiny_model_equals_transformers_in_fp32(checkpoint, tmp_path):
     from gptoss_models import save_mxfp4
@@ -122,20 +105,19 @@ def test_tiny_model_equals_transformers_in_fp32(checkpoint, tmp_path):
     hf = make_tiny_model("gpt_oss", tmp_path)
     if checkpoint == "mxfp4":
         save_mxfp4(hf, tmp_path)
-    # transformers on the CPU: its CUDA run gives the same logits to 1e-6 (H200)
+    hf = hf.cuda()
     # the fused experts run fp32 on TF32 tensor cores: the torch loop for the 1e-4 bound
     kernels = KernelConfig(moe="torch", cuda_graph_max_bs=0)
     engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32",
                                  kv_budget=8192, kernels=kernels))  # fmt: skip
     assert engine.runner.kernels.attention == "triton"
     for prompt in random_prompts(3, seed=1, min_len=16, max_len=60):
-        ours = engine.score(prompt).float().cpu()
+        ours = engine.score(prompt).float()
         with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0].float()
+            ref = hf(torch.tensor([prompt], device="cuda")).logits[0].float()
         assert ((ours - ref).norm() / ref.norm()).item() <= 1e-4
 
 
-@pytest.mark.xfail(reason=f"{OFF_TRANSFORMERS}: refused in the TP workers' processes")
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tp2_matches_tp1(tmp_path):
     r = subprocess.run(

@@ -417,18 +417,3 @@ def test_gemma3_decodes_with_its_norms_apart(gpu):
     assert (kernels.decode_gemv, kernels.decode_norms) == ("triton", "off")
     with pytest.raises(ValueError, match=r"decode_norms 'all' needs .* \(not Gemma's four\)"):
         resolve(gemma, CUDA, KernelConfig(decode_norms="all"))
-
-
-def test_gpt_oss_is_refused_on_cuda(gpu):
-    """gpt-oss runs on the CPU; on CUDA its logits are not transformers' yet: refused, naming the
-    device it runs on."""
-    from gptoss_models import GPT_OSS_20B
-
-    from batchrun.models.config import ModelConfig
-
-    gpt_oss = ModelConfig.from_dict(GPT_OSS_20B)
-    assert resolve(gpt_oss).attention == "torch"
-    gpu(pdl=True)
-    with pytest.raises(ValueError, match=r"gpt-oss\) runs on the CPU \(--device cpu\) but not"):
-        resolve(gpt_oss, CUDA)
-    assert kernel_choice.not_on_cuda(SMALL) is None
