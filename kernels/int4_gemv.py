@@ -206,6 +206,22 @@ def _finish(acc, up, J: tl.constexpr, Y, WS, Counters, arrived, M, N, offs_m, of
 
 
 @triton.jit
+def _finish_nibbles(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, Y, WS,
+                    Counters, arrived, M, N, offs_m, offs_c, in_c, stride_ym, pid_k,
+                    SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr):  # fmt: skip
+    """`_finish` of the eight nibble positions' sums (a: gate or the plain output, b: up)."""
+    args = (Y, WS, Counters, arrived, M, N, offs_m, offs_c, in_c, stride_ym, pid_k)
+    _finish(a0, b0, 0, *args, SPLIT_K, SWIGLU)
+    _finish(a1, b1, 1, *args, SPLIT_K, SWIGLU)
+    _finish(a2, b2, 2, *args, SPLIT_K, SWIGLU)
+    _finish(a3, b3, 3, *args, SPLIT_K, SWIGLU)
+    _finish(a4, b4, 4, *args, SPLIT_K, SWIGLU)
+    _finish(a5, b5, 5, *args, SPLIT_K, SWIGLU)
+    _finish(a6, b6, 6, *args, SPLIT_K, SWIGLU)
+    _finish(a7, b7, 7, *args, SPLIT_K, SWIGLU)
+
+
+@triton.jit
 def _int4_gemv_kernel(
     X,
     QW,
@@ -284,30 +300,16 @@ def _int4_gemv_kernel(
             u0, u1 = u1, u2
         x0 = x1
 
+    sums = (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, Y, WS, Counters)
+    where = (M, N, offs_m, offs_c, in_c, stride_ym, pid_k)
     arrived = -1
     if SPLIT_K > 1:  # this slice's planes first
-        args = (Y, WS, Counters, arrived, M, N, offs_m, offs_c, in_c, stride_ym, pid_k)
-        _finish(a0, b0, 0, *args, SPLIT_K, SWIGLU)
-        _finish(a1, b1, 1, *args, SPLIT_K, SWIGLU)
-        _finish(a2, b2, 2, *args, SPLIT_K, SWIGLU)
-        _finish(a3, b3, 3, *args, SPLIT_K, SWIGLU)
-        _finish(a4, b4, 4, *args, SPLIT_K, SWIGLU)
-        _finish(a5, b5, 5, *args, SPLIT_K, SWIGLU)
-        _finish(a6, b6, 6, *args, SPLIT_K, SWIGLU)
-        _finish(a7, b7, 7, *args, SPLIT_K, SWIGLU)
+        _finish_nibbles(*sums, arrived, *where, SPLIT_K, SWIGLU)
         # NOTE: every thread's stores before the one release (as kernels/gemv.py): bar.sync,
         # then a gpu-scope acq_rel atomic; the last slice's acquire sees every plane
         tl.debug_barrier()
         arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel", scope="gpu")
-    args = (Y, WS, Counters, arrived, M, N, offs_m, offs_c, in_c, stride_ym, pid_k)
-    _finish(a0, b0, 0, *args, SPLIT_K, SWIGLU)
-    _finish(a1, b1, 1, *args, SPLIT_K, SWIGLU)
-    _finish(a2, b2, 2, *args, SPLIT_K, SWIGLU)
-    _finish(a3, b3, 3, *args, SPLIT_K, SWIGLU)
-    _finish(a4, b4, 4, *args, SPLIT_K, SWIGLU)
-    _finish(a5, b5, 5, *args, SPLIT_K, SWIGLU)
-    _finish(a6, b6, 6, *args, SPLIT_K, SWIGLU)
-    _finish(a7, b7, 7, *args, SPLIT_K, SWIGLU)
+    _finish_nibbles(*sums, arrived, *where, SPLIT_K, SWIGLU)
     if SPLIT_K > 1:
         if arrived == SPLIT_K - 1:
             tl.atomic_xchg(Counters + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
