@@ -161,6 +161,7 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
         compiles.phase = "warm-up"
     t = time.perf_counter()
     run_engine_once(engine, warmup_prompts(wl, args.warmup_requests), args.warmup_tokens, dev, None)
+    benchlib.warm_expert_tiles(engine)
     res.warmup_s = time.perf_counter() - t
     if compiles is not None:
         compiles.phase = "timed"

@@ -302,6 +302,8 @@ def test_workloads_keep_their_lengths_at_any_scale():
     assert len(w2.prompts) == 3 * 32 and {len(p) for p in w2.prompts} == {1024 + 128}
     assert len({tuple(p[:1024]) for p in w2.prompts}) == 3  # three shared prefixes
     assert benchlib.make_workload("W1", 0.01).prompts == w1.prompts  # seeded
+    tiles = benchlib.expert_tile_tokens(1024)  # the experts' tile buckets, top and below
+    assert tiles[:5] == [1, 2, 3, 4, 7] and tiles[-4:] == [767, 768, 1023, 1024]
     warm = benchlib.warmup_prompts(w1, 4)  # the same lengths, other tokens
     assert [len(p) for p in warm] == [512] * 4
     assert not {tuple(p) for p in warm} & {tuple(p) for p in w1.prompts}
