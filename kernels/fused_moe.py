@@ -36,12 +36,12 @@ graph's size picks the tiles its eager run picks):
     <= 256      64-row blocks, 64 x 64 (gate_up, two accumulators) / 64 x 128 (down) tiles
     larger      prefill: 128-row blocks, 8 warps
 
-On the H200 at Qwen3-30B-A3B's widths (docs/benchmarks.md, Other architectures) the decode
-tiles read one token's 8 experts in 41.9 µs (1.8 TB/s), and from 4,096 tokens on the 64-row
-tiles run at 35 % of a dense GEMM of the same FLOPs; the thresholds are not tuned yet:
+On the H200 at Qwen3-30B-A3B's widths (docs/benchmarks.md, Other architectures) the decode tiles
+read one token's 8 experts in 41.9 µs (1.8 TB/s), and from 4,096 tokens on the 64-row tiles run
+at 35 % of a dense GEMM of the same FLOPs; the thresholds are not tuned yet:
 `scripts/bench_fused_moe.py` times the kernel against the per-expert torch loop and that dense
-GEMM, and `--sweep` tries other tiles per shape. `scripts/check_kernels_compile.py` compiles the tiles the rule picks
-at the real models' shapes for sm_90 under Triton 3.6 (no spills).
+GEMM, and `--sweep` tries other tiles per shape. `scripts/check_kernels_compile.py` compiles the
+tiles the rule picks at the real models' shapes for sm_90 under Triton 3.6 (no spills).
 """
 
 from __future__ import annotations

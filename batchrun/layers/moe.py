@@ -194,7 +194,7 @@ class MoE(nn.Module):
         return ExpertExtras(self.b13, b2, self.alpha, self.limit)
 
     def _router_input(self, x: torch.Tensor) -> torch.Tensor:
-        """x, with the fused experts padded with zero rows to fused_moe's tile_tokens(T): the
+        """x, padded where the experts run fused with zero rows to fused_moe's tile_tokens(T): the
         router's matmul (and Qwen2-MoE's shared-expert gate) then runs at a shape that a CUDA
         graph's padding of the step does not change. cuBLAS picks its kernel, and with it the
         order of a row's sums, by the shape: the fp32 router of Qwen3-30B-A3B's widths gives rows
