@@ -109,7 +109,7 @@ def wait_until_running(url: str) -> None:
 
 
 def test_clients_metrics_tail_and_page_during_a_run(model, tmp_path):
-    # 2,000 rows of 32 tokens: the run outlasts the clients' 2 s of reading by several times
+    # 2,000 rows of 32 tokens: the run outlasts the clients' 2 s of reading
     args = ("--max-tokens", "32", "--serve-progress", ":0")
     proc = start_submit(model, dataset(tmp_path, 2000), tmp_path / "out", *args)
     url = wait_for_url(proc)
@@ -121,6 +121,13 @@ def test_clients_metrics_tail_and_page_during_a_run(model, tmp_path):
         text=True,
     )
     wait_until_running(url)
+    # the metrics first: on a fast machine the run may end soon after the clients' 2 s
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url + "metrics", timeout=10).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["batchrun_rows_done"].type == "counter"
+    assert families["batchrun_rows"].samples[0].value == 2000
     results: list = [None] * 50
     errors: list = []
 
@@ -139,13 +146,6 @@ def test_clients_metrics_tail_and_page_during_a_run(model, tmp_path):
     for events in results:
         assert sum(name == "snapshot" for name, _ in events) >= 2
     assert any(name == "rows" for events in results[::2] for name, _ in events)
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(url + "metrics", timeout=10).read().decode()
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    assert families["batchrun_rows_done"].type == "counter"
-    assert families["batchrun_rows"].samples[0].value == 2000
 
     finish(proc)
     tail_out, tail_err = tail.communicate(timeout=60)
