@@ -616,9 +616,12 @@ def greedy_params(out_len: int):
 
 def expert_tile_tokens(max_tokens: int) -> list[int]:
     """Token counts that reach each bucket of kernels/fused_moe.py tile_tokens up to max_tokens
-    (powers of two to 256, then multiples of 256), each bucket's top and the count below it:
-    the tiles, and Triton's specializations of a routed-row count on its divisibility by 16."""
-    tops = [1 << i for i in range(9)] + list(range(512, max_tokens + 256, 256))
+    (a mixture of experts' piecewise-graph sizes: powers of two to 256, then multiples of 256),
+    each bucket's top and the count below it: the tiles, and Triton's specializations of a
+    routed-row count on its divisibility by 16."""
+    from batchrun.engine.piecewise_graph import token_buckets
+
+    tops = token_buckets(max_tokens, small=True)
     return sorted({n for top in tops for n in (top - 1, top) if n >= 1})
 
 
@@ -629,9 +632,11 @@ def warm_expert_tiles(engine, max_tokens: int = 8192 + 512) -> int:
     gpt-oss-20b). Returns the calls made (0: no such layer)."""
     import torch
 
+    from batchrun.layers.moe import MoE
+
     model = getattr(getattr(engine, "runner", None), "model", None)
-    layer = next((m for m in model.modules() if hasattr(m, "w13")), None) if model else None
-    if layer is None or getattr(layer, "backend", None) != "triton":
+    layer = next((m for m in model.modules() if isinstance(m, MoE)), None) if model else None
+    if layer is None or layer.backend != "triton":
         return 0
     hidden, calls = layer.w13.shape[-1], 0
     with torch.inference_mode():
