@@ -8,6 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=test bash scripts/setup-env.sh
 . .venv/bin/activate
+# NOTE: `python -m pytest` would put the checkout on sys.path, and its kernels/ folder (installed
+# as batchrun.kernels) would shadow the `kernels` distribution that transformers >= 5.25 imports.
+export PYTHONSAFEPATH=1
 start=$SECONDS
 python -m pytest tests/unit tests/e2e tests/gpu -q -m "not slurm and not slow" -p no:cacheprovider "$@"
 echo "test.sh: unit + e2e + gpu tiers passed in $((SECONDS - start)) s"

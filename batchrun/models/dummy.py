@@ -1,4 +1,5 @@
-"""Random weights for benchmarks (`load_format="dummy"`), seeded, drawn on the weights' device."""
+"""Random weights for benchmarks (`load_format="dummy"`), seeded, drawn on the weights' device
+in float32, so a model holds the same weights (rounded) in every dtype."""
 
 from __future__ import annotations
 
@@ -44,16 +45,19 @@ def init_dummy_(
                 else:
                     full = torch.randn(shape, generator=gen, dtype=torch.float32) * std
             else:
-                # NOTE: generate on the device: an 8B model is too slow to make on the host.
+                # NOTE: generate on the device (an 8B model is too slow to make on the host),
+                # in float32 and then rounded, so every dtype holds the same logical weights:
+                # CUDA's normal_ in bf16 draws other values than in float32 from the same seed.
                 dev_gen = torch.Generator(device=p.device).manual_seed(
                     seed + zlib.crc32(name.encode())
                 )
-                full = p if spec is None else torch.empty(shape, dtype=p.dtype, device=p.device)
+                in_place = spec is None and p.dtype == torch.float32
+                full = p if in_place else torch.empty(shape, device=p.device)
                 if uniform:
                     full.uniform_(-bound, bound, generator=dev_gen)
                 else:
                     full.normal_(0.0, std, generator=dev_gen)
-                if spec is None:
+                if in_place:
                     continue
             if spec is None:
                 p.copy_(full)

@@ -212,7 +212,8 @@ def test_dummy_weights_drawn_on_the_device(model_dir, kind):
     for name, p in first.items():
         assert p.is_cuda and torch.equal(p, again[name]), name
         if kind == "uniform":
-            assert p.abs().max() <= UNIFORM_DUMMY_BOUND and p.float().std() > 2e-4, name
+            bound = UNIFORM_DUMMY_BOUND * (1 + 2**-8)  # drawn in float32, rounded to bf16
+            assert p.abs().max() <= bound and p.float().std() > 2e-4, name
         elif name.endswith("norm.weight"):
             assert bool((p == 1).all()), name
         else:
