@@ -15,6 +15,7 @@
     graph_inputs       a decode CUDA graph's inputs in one kernel
     fp8_quant          FP8 activation quantization (per token, per token group, static)
     fp8_block_matmul   block-wise FP8 matmul (128 x 128 weight blocks) on the FP8 tensor cores
+    moe_route          an MoE router's softmax, top-k and renormalization in one kernel
     moe_align          an MoE layer's routed tokens sorted and block-aligned by expert
     fused_moe          an MoE layer's experts: grouped GEMMs, SiLU gate and routing weights fused
     pdl                programmatic dependent launch helpers

@@ -32,16 +32,18 @@ graph's size picks the tiles its eager run picks):
 
     <= 16       decode: 16-row blocks, one weight tile read once per touched expert; column
                 tiles of 32 where 64 would give fewer than ~2 programs per SM (132 SMs)
-    <= 64       32-row blocks
-    <= 256      64-row blocks, 64 x 64 (gate_up, two accumulators) / 64 x 128 (down) tiles
+    <= 32       32-row blocks
+    <= 128      64-row blocks, 64 x 64 (gate_up, two accumulators) / 64 x 128 (down) tiles
+    <= 256      64-row blocks, 64 x 128 tiles in both
     larger      prefill: 128-row blocks, 8 warps
 
-On the H200 at Qwen3-30B-A3B's widths (docs/benchmarks.md, Other architectures) the decode tiles
-read one token's 8 experts in 41.9 µs (1.8 TB/s), and from 4,096 tokens on the 64-row tiles run
-at 35 % of a dense GEMM of the same FLOPs; the thresholds are not tuned yet:
-`scripts/bench_fused_moe.py` times the kernel against the per-expert torch loop and that dense
-GEMM, and `--sweep` tries other tiles per shape. `scripts/check_kernels_compile.py` compiles the
-tiles the rule picks at the real models' shapes for sm_90 under Triton 3.6 (no spills).
+The 64-row tiles are `scripts/bench_fused_moe.py --sweep`'s best on the H200 at Qwen3-30B-A3B's
+widths (E 128, top 8, H 2048, I 768): 1,024 tokens (64 rows an expert) in 522 µs where 32-row
+blocks take 594, and 4,096 tokens (256 rows, a whole pass) in 997 µs where 64 x 64 gate_up tiles
+take 1,129; no tile of the sweep's grid goes past 41 % of a dense GEMM of the same FLOPs there.
+The decode tiles read one token's 8 experts in 41.9 µs (1.8 TB/s, docs/benchmarks.md).
+`scripts/check_kernels_compile.py` compiles the tiles the rule picks at the real models' shapes
+for sm_90 under Triton 3.6 (no spills).
 """
 
 from __future__ import annotations
@@ -102,10 +104,12 @@ def pick_config(
         gate_n = 64 if touched * triton.cdiv(intermediate, 64) >= MIN_PROGRAMS else 32
         down_n = 64 if touched * triton.cdiv(hidden, 64) >= MIN_PROGRAMS else 32
         return MoeConfig(16, GemmTiles(gate_n, 128, 1, 4, 4), GemmTiles(down_n, 128, 1, 4, 4))
-    if rows_per_expert <= 64:
+    if rows_per_expert <= 32:
         return MoeConfig(32, GemmTiles(64, 64, 8, 4, 4), GemmTiles(64, 64, 8, 4, 4))
+    if rows_per_expert <= 128:
+        return MoeConfig(64, GemmTiles(64, 64, 8, 4, 4), GemmTiles(128, 64, 8, 4, 3))
     if rows_per_expert <= 256:
-        return MoeConfig(64, GemmTiles(64, 64, 8, 4, 4), GemmTiles(128, 64, 8, 4, 4))
+        return MoeConfig(64, GemmTiles(128, 64, 8, 4, 4), GemmTiles(128, 64, 8, 4, 4))
     return MoeConfig(128, GemmTiles(64, 64, 8, 8, 3), GemmTiles(128, 64, 8, 8, 3))
 
 

@@ -278,14 +278,21 @@ MOE_SHAPES = (
 
 def _moe_cases() -> list[tuple[str, Callable[[], object]]]:
     """kernels/fused_moe.py (and its alignment) at the tile buckets its rule picks: torch.empty
-    weights (no pages touched), every token routed to expert 0."""
+    weights (no pages touched), every token routed to expert 0; kernels/moe_route.py's router."""
     from batchrun.kernels.fused_moe import fused_moe
+    from batchrun.kernels.moe_route import topk_softmax
 
     out: list[tuple[str, Callable[[], object]]] = []
     for name, experts, top_k, hidden, inter in MOE_SHAPES:
+        for renormalize in (True, False):
+
+            def route(e=experts, k=top_k, r=renormalize):
+                return topk_softmax(torch.empty(4, e), k, r)
+
+            out.append((f"moe_route {name} renormalize={renormalize}", route))
         w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16)
         w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16)
-        for tokens in (1, 64, 1024, 16384):
+        for tokens in (1, 64, 512, 1024, 16384):
 
             def call(t=tokens, k=top_k, h=hidden, w13=w13, w2=w2):
                 x = torch.empty(t, h, dtype=torch.bfloat16)

@@ -5,6 +5,7 @@ Qwen2-MoE, a shared expert's output times a sigmoid gate).
     logits  = x @ router^T (+ bias)         fp32, [T, E]
     probs   = softmax(logits)               fp32
     w, ids  = topk(probs, k)                renormalized to sum 1 where the model says
+                                            (the fused experts: kernels/moe_route.py, one kernel)
     out[t]  = sum_j w[t, j] * down_ids[t,j](silu(gate(x[t])) * up(x[t]))
 
 gpt-oss: router and experts have biases (b13 [E, 2I] on gate and up, b2 [E, H] on down) and the
@@ -169,10 +170,12 @@ class MoE(nn.Module):
         if shared_expert is not None:
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype, device=device)
         self._rows_for = None  # the fused experts' graph-invariant row count (see _router_input)
-        if self.backend == "triton":
-            from batchrun.kernels.fused_moe import tile_tokens  # Triton: imported on CUDA only
+        self._route = route
+        if self.backend == "triton":  # Triton: imported on CUDA only
+            from batchrun.kernels.fused_moe import tile_tokens
+            from batchrun.kernels.moe_route import topk_softmax
 
-            self._rows_for = tile_tokens
+            self._rows_for, self._route = tile_tokens, topk_softmax
 
     def param_shards(self) -> dict[str, ShardSpec]:
         width = self._cfg.moe.intermediate_size
@@ -208,7 +211,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         num_tokens, padded = x.shape[0], self._router_input(x)
-        weights, ids = route(self.gate(padded)[:num_tokens], self.top_k, self.renormalize)
+        weights, ids = self._route(self.gate(padded)[:num_tokens], self.top_k, self.renormalize)
         out = moe_experts(x, self.w13, self.w2, weights, ids, self.backend, self.extras())
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(padded)[:num_tokens])  # [T, 1]

@@ -145,3 +145,26 @@ def test_cuda_graph_replays_equal_eager(num_tokens):
         graph.replay()
         want = fused_moe(nx, w13, w2, nweights, nids)
         assert torch.equal(out, want), (num_tokens, seed)
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b"])
+def test_router_kernel_matches_route_and_ignores_padding(model):
+    """kernels/moe_route.py against layers/moe.py's `route` at 1 to 16,384 tokens: the same
+    experts (fp32 logits spread like a router's, no near-ties at this scale) and weights within
+    fp32 rounding; a token's routing is the same bits with the step padded by other rows."""
+    from batchrun.kernels.moe_route import topk_softmax
+
+    from batchrun.layers.moe import route
+
+    experts, top_k = MODELS[model][:2]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for renormalize in (True, False):
+        for tokens in TOKENS:
+            logits = torch.randn(tokens, experts, device="cuda", generator=gen) * 2
+            weights, ids = topk_softmax(logits, top_k, renormalize)
+            want_w, want_ids = route(logits, top_k, renormalize)
+            assert torch.equal(ids.long(), want_ids), (tokens, renormalize)
+            torch.testing.assert_close(weights, want_w, rtol=2e-6, atol=1e-7)
+            padded = torch.cat([logits, torch.randn(64, experts, device="cuda", generator=gen)])
+            w_pad, ids_pad = topk_softmax(padded, top_k, renormalize)
+            assert torch.equal(w_pad[:tokens], weights) and torch.equal(ids_pad[:tokens], ids)

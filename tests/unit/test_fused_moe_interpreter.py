@@ -1,5 +1,6 @@
-"""The fused MoE (kernels/moe_align.py, kernels/fused_moe.py) under Triton's CPU interpreter:
-the alignment against its definition, the experts against a per-expert torch loop written here.
+"""The fused MoE (kernels/moe_route.py, kernels/moe_align.py, kernels/fused_moe.py) under Triton's
+CPU interpreter: the router against layers/moe.py's `route`, the alignment against its
+definition, the experts against a per-expert torch loop written here.
 
 Widths are scaled down for the interpreter; the expert counts (8, 60, 128) and top-k (1, 2, 4, 8)
 are the real models'. fp32 and fp16 only: the interpreter's tl.dot is wrong for bf16
@@ -160,7 +161,33 @@ def _check_configs_and_edges():
     assert float((got - want).norm() / want.norm()) < 1e-5
 
 
+def _check_route():
+    """kernels/moe_route.py against layers/moe.py's `route` (softmax, topk, renormalize) on random
+    logits, and on tied logits against a stable sort: of equal probabilities the lower id first."""
+    from batchrun.kernels.moe_route import topk_softmax
+
+    from batchrun.layers.moe import route
+
+    gen = torch.Generator().manual_seed(7)
+    for experts, top_k in ((8, 1), (8, 2), (60, 4), (128, 8), (32, 4)):
+        for renormalize in (True, False):
+            logits = torch.randn(37, experts, generator=gen) * 3
+            weights, ids = topk_softmax(logits, top_k, renormalize)
+            want_w, want_ids = route(logits, top_k, renormalize)
+            assert ids.dtype == torch.int32 and torch.equal(ids.long(), want_ids)
+            torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+    tied = torch.randint(0, 3, (64, 60), generator=gen).float()  # three values, many ties
+    weights, ids = topk_softmax(tied, 4, True)
+    probs = torch.softmax(tied, dim=-1)
+    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :4]
+    assert torch.equal(ids.long(), order)
+    top = probs.gather(1, order)
+    torch.testing.assert_close(weights, top / top.sum(-1, keepdim=True), rtol=1e-6, atol=1e-7)
+    assert topk_softmax(torch.empty(0, 8), 2, True)[1].shape == (0, 2)
+
+
 def _run_checks():
+    _check_route()
     _check_alignment()
     _check_experts(torch.float32, 1e-5)
     _check_experts(torch.float16, 2e-3, every=2)
