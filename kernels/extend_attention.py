@@ -62,6 +62,15 @@ DEFAULT_NUM_STAGES = 2
 # and 64 tokens read 195-203 µs at 16 x 512
 DEFAULT_PACKED_ROWS = 64
 DEFAULT_PACKED_WARPS = 4
+# long extends (LONG_EXTEND new tokens or more in a request; GQA, head dim <= 128): 256 query rows
+# (64 tokens x 4 heads), 8 warps. H200, GQA 32/8, D 128, bf16, `--extend-cases
+# 1x16384,8x16384,1x4096+126976`: 5,819 / 47,119 / 23,931 µs (378 / 373 / 362 TFLOP/s) where
+# the 64-row default takes 6,080 / 53,503 / 34,748 (362 / 329 / 249); ptxas keeps 255 registers
+# and spills 272 bytes a thread at D 128 (`scripts/check_kernels_compile.py --ptxas`), in those
+# figures
+LONG_EXTEND = 4096
+LONG_PACKED_ROWS = 256
+LONG_PACKED_WARPS = 8
 
 
 @triton.jit
@@ -253,7 +262,10 @@ def extend_attention_fwd(
         return
     kv_group = num_heads // num_kv_heads
     pack = triton.next_power_of_2(kv_group)
-    block_m = block_m or max(1, DEFAULT_PACKED_ROWS // pack)
+    long = max_extend_len >= LONG_EXTEND and pack > 1 and head_dim <= 128
+    rows = LONG_PACKED_ROWS if long else DEFAULT_PACKED_ROWS
+    block_m = block_m or max(1, rows // pack)
+    num_warps = num_warps or (LONG_PACKED_WARPS if long else DEFAULT_PACKED_WARPS)
     assert block_m * pack >= 16, "tl.dot needs 16 query rows a program"
     grid = (batch_size, triton.cdiv(max_extend_len, block_m), num_kv_heads)
     _extend_kernel[grid](
@@ -289,6 +301,6 @@ def extend_attention_fwd(
         WINDOWED=window > 0,
         Sinks=q if sinks is None else sinks,  # (a stand-in that HAS_SINKS prunes)
         HAS_SINKS=sinks is not None,
-        num_warps=num_warps or DEFAULT_PACKED_WARPS,
+        num_warps=num_warps,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
     )

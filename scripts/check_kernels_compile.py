@@ -178,15 +178,17 @@ def _attention_cases() -> list[tuple[str, Callable[[], object]]]:
 
             out.append((f"decode_attention splits={splits} window={window}", decode))
 
-        def extend(window=window):
-            qe = torch.empty(bs * 64, 32, 128, dtype=bf16)
-            ext = torch.full((bs,), 64)
-            extend_attention_fwd(
-                qe, k_buf, v_buf, torch.empty_like(qe), table, rows, seq_lens, ext,
-                torch.cumsum(ext, 0) - ext, 64, 0.1, window=window,
-            )  # fmt: skip
+        for new in (64, 4096):  # the default tiles, and the long extends' (LONG_EXTEND)
 
-        out.append((f"extend_attention window={window}", extend))
+            def extend(window=window, new=new):
+                qe = torch.empty(bs * new, 32, 128, dtype=bf16)
+                ext = torch.full((bs,), new)
+                extend_attention_fwd(
+                    qe, k_buf, v_buf, torch.empty_like(qe), table, rows, seq_lens, ext,
+                    torch.cumsum(ext, 0) - ext, new, 0.1, window=window,
+                )  # fmt: skip
+
+            out.append((f"extend_attention window={window} new={new}", extend))
     out += _sink_cases()
     return out
 
@@ -224,15 +226,17 @@ def _sink_cases() -> list[tuple[str, Callable[[], object]]]:
 
         out.append((f"decode_attention sinks splits={splits} window=128", decode))
 
-    def extend():
-        qe = torch.empty(bs * 64, 64, 64, dtype=bf16)
-        ext = torch.full((bs,), 64)
-        extend_attention_fwd(
-            qe, k_buf, v_buf, torch.empty_like(qe), table, rows, seq_lens, ext,
-            torch.cumsum(ext, 0) - ext, 64, 0.125, window=128, sinks=sinks,
-        )  # fmt: skip
+    for new in (64, 4096):
 
-    out.append(("extend_attention sinks window=128", extend))
+        def extend(new=new):
+            qe = torch.empty(bs * new, 64, 64, dtype=bf16)
+            ext = torch.full((bs,), new)
+            extend_attention_fwd(
+                qe, k_buf, v_buf, torch.empty_like(qe), table, rows, seq_lens, ext,
+                torch.cumsum(ext, 0) - ext, new, 0.125, window=128, sinks=sinks,
+            )  # fmt: skip
+
+        out.append((f"extend_attention sinks window=128 new={new}", extend))
     return out
 
 
