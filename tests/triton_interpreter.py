@@ -25,8 +25,9 @@ INTERPRETER_KERNELS = replace(KernelConfig.reference(), attention="triton", trit
 
 def run_under_interpreter(script: str) -> None:
     """Run `script` with TRITON_INTERPRET=1; it must exit 0 and print "ok"."""
+    # NOTE: the checkout stays off PYTHONPATH: its kernels/ folder (installed as batchrun.kernels)
+    # would shadow the `kernels` distribution that transformers >= 5.25 imports
     env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, script], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
     )
