@@ -78,9 +78,19 @@ def bf16_weight_bytes(model_cfg, tp_size: int) -> int:
     return 2 * decoder_params(model_cfg) // tp_size
 
 
+def mxfp4_experts(model_cfg) -> bool:
+    """Whether the checkpoint's experts are gpt-oss's MXFP4 (dequantized at load)."""
+    return model_cfg.moe is not None and model_cfg.moe.mxfp4
+
+
 def experts_too_large(model_cfg, tp_size: int, memory: int) -> str:
     """The refusal of a quantized mixture of experts whose dequantized weights do not fit."""
     need, share = bf16_weight_bytes(model_cfg, tp_size), DEQUANT_MAX_MEMORY * memory
+    scheme = (
+        "quantization_config mxfp4 (gpt-oss's experts)"
+        if mxfp4_experts(model_cfg)
+        else model_cfg.quantization.describe()
+    )
     fits = next((tp for tp in (2, 4, 8, 16) if bf16_weight_bytes(model_cfg, tp) <= share), None)
     larger = (
         f"--tp {fits} ({bf16_weight_bytes(model_cfg, fits) / 1e9:.1f} GB a rank) fits"
@@ -88,7 +98,7 @@ def experts_too_large(model_cfg, tp_size: int, memory: int) -> str:
         else "no --tp up to 16 fits"
     )
     return (
-        f"{model_cfg.quantization.describe()}: a quantized mixture of experts runs its experts "
+        f"{scheme}: a quantized mixture of experts runs its experts "
         f"dequantized to bf16, and the decoder's bf16 weights take {need / 1e9:.1f} GB a rank at "
         f"--tp {tp_size}, more than {DEQUANT_MAX_MEMORY:.0%} of this GPU's {memory / 1e9:.1f} GB "
         f"({share / 1e9:.1f} GB); {larger}"
@@ -158,7 +168,7 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     dequant_fits = not cuda or bf16_weight_bytes(model_cfg, config.tp_size) <= (
         DEQUANT_MAX_MEMORY * gpu_memory(device)
     )
-    if cuda and not dequant_fits and has_quantized_experts(model_cfg):
+    if cuda and not dequant_fits and (has_quantized_experts(model_cfg) or mxfp4_experts(model_cfg)):
         raise ValueError(experts_too_large(model_cfg, config.tp_size, gpu_memory(device)))
     blocks = model_cfg.quantization is not None and model_cfg.quantization.block is not None
     fp8_matmul = want.fp8_matmul
