@@ -66,6 +66,10 @@ def supports_fp8_matmul(device: torch.device) -> bool:
 # a quantized model's weights are dequantized to bf16 at load where that takes at most this
 # fraction of the GPU's memory (the rest: the KV pool and activations)
 DEQUANT_MAX_MEMORY = 0.5
+# a quantized mixture of experts has no kernel for its experts: they run dequantized to bf16
+# wherever the decoder's bf16 weights take at most this fraction of the GPU (gpt-oss-120b's
+# 116 GB a rank at --tp 2 on an H200's 141 GiB leave about 20 GB to the KV pool)
+EXPERTS_MAX_MEMORY = 0.85
 
 
 def gpu_memory(device: torch.device) -> int:
@@ -85,7 +89,7 @@ def mxfp4_experts(model_cfg) -> bool:
 
 def experts_too_large(model_cfg, tp_size: int, memory: int) -> str:
     """The refusal of a quantized mixture of experts whose dequantized weights do not fit."""
-    need, share = bf16_weight_bytes(model_cfg, tp_size), DEQUANT_MAX_MEMORY * memory
+    need, share = bf16_weight_bytes(model_cfg, tp_size), EXPERTS_MAX_MEMORY * memory
     scheme = (
         "quantization_config mxfp4 (gpt-oss's experts)"
         if mxfp4_experts(model_cfg)
@@ -100,7 +104,7 @@ def experts_too_large(model_cfg, tp_size: int, memory: int) -> str:
     return (
         f"{scheme}: a quantized mixture of experts runs its experts "
         f"dequantized to bf16, and the decoder's bf16 weights take {need / 1e9:.1f} GB a rank at "
-        f"--tp {tp_size}, more than {DEQUANT_MAX_MEMORY:.0%} of this GPU's {memory / 1e9:.1f} GB "
+        f"--tp {tp_size}, more than {EXPERTS_MAX_MEMORY:.0%} of this GPU's {memory / 1e9:.1f} GB "
         f"({share / 1e9:.1f} GB); {larger}"
     )
 
@@ -168,8 +172,10 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     dequant_fits = not cuda or bf16_weight_bytes(model_cfg, config.tp_size) <= (
         DEQUANT_MAX_MEMORY * gpu_memory(device)
     )
-    if cuda and not dequant_fits and (has_quantized_experts(model_cfg) or mxfp4_experts(model_cfg)):
-        raise ValueError(experts_too_large(model_cfg, config.tp_size, gpu_memory(device)))
+    if cuda and (has_quantized_experts(model_cfg) or mxfp4_experts(model_cfg)):
+        memory = gpu_memory(device)
+        if bf16_weight_bytes(model_cfg, config.tp_size) > EXPERTS_MAX_MEMORY * memory:
+            raise ValueError(experts_too_large(model_cfg, config.tp_size, memory))
     blocks = model_cfg.quantization is not None and model_cfg.quantization.block is not None
     fp8_matmul = want.fp8_matmul
     if fp8_matmul == "auto":
