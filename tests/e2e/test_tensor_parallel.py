@@ -90,6 +90,7 @@ def llama_dir(tmp_path_factory) -> str:
         "qwen2",
         "qwen3",
         "llama-bias",
+        "mistral-nemo",
         "phi3",
         "qwen3_moe",
         "qwen2_moe",
