@@ -9,14 +9,17 @@ cd "$(dirname "$0")/.."
 EXTRAS=test bash scripts/setup-env.sh
 . .venv/bin/activate
 # NOTE: `python -m pytest` would put the checkout on sys.path, and its kernels/ folder (installed
-# as batchrun.kernels) would shadow the `kernels` distribution that transformers >= 5.25 imports.
-export PYTHONSAFEPATH=1
+# as batchrun.kernels) would shadow the `kernels` distribution that transformers >= 5.25 imports:
+# -P (Python 3.11+) keeps it off, for pytest's process only (the scripts that tests run import
+# their neighbours from their own folder; Python children that import batchrun first are covered
+# by batchrun/_checkout_path.py)
+safe=$(python -c 'import sys; print("-P" if sys.version_info >= (3, 11) else "")')
 start=$SECONDS
-python -m pytest tests/unit tests/e2e tests/gpu -q -m "not slurm and not slow" -p no:cacheprovider "$@"
+python $safe -m pytest tests/unit tests/e2e tests/gpu -q -m "not slurm and not slow" -p no:cacheprovider "$@"
 echo "test.sh: unit + e2e + gpu tiers passed in $((SECONDS - start)) s"
 if [ "${BATCHRUN_SLOW_TESTS:-0}" = 1 ]; then
   start=$SECONDS
-  python -m pytest tests/unit tests/e2e tests/gpu -q -m "slow and not slurm" -p no:cacheprovider "$@"
+  python $safe -m pytest tests/unit tests/e2e tests/gpu -q -m "slow and not slurm" -p no:cacheprovider "$@"
   echo "test.sh: slow tier passed in $((SECONDS - start)) s"
 else
   echo "test.sh: slow tier skipped (BATCHRUN_SLOW_TESTS=1 runs it; CI does)"
@@ -27,7 +30,7 @@ if [ "${BATCHRUN_SLURM_TESTS:-1}" = 0 ]; then
   echo "test.sh: slurm tier skipped (BATCHRUN_SLURM_TESTS=0)"
 elif slurm_up || [ "${BATCHRUN_REQUIRE_SLURM:-0}" = 1 ]; then
   start=$SECONDS
-  python -m pytest tests/slurm -q -m slurm -p no:cacheprovider
+  python $safe -m pytest tests/slurm -q -m slurm -p no:cacheprovider
   echo "test.sh: slurm tier passed in $((SECONDS - start)) s"
 else
   echo "test.sh: slurm tier skipped (no local Slurm; bash scripts/slurm-local.sh start)"
