@@ -169,13 +169,12 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     # tok/s and W3 5.70 ms per token against bf16's 11,119 and 4.08; INT4 (AWQ layout) W3 7.50.
     # The kernels keep such a model's weights in a half (FP8) or a quarter (INT4) of the bytes:
     # they run where the dequantized weights would take more than DEQUANT_MAX_MEMORY
-    dequant_fits = not cuda or bf16_weight_bytes(model_cfg, config.tp_size) <= (
-        DEQUANT_MAX_MEMORY * gpu_memory(device)
-    )
-    if cuda and (has_quantized_experts(model_cfg) or mxfp4_experts(model_cfg)):
-        memory = gpu_memory(device)
-        if bf16_weight_bytes(model_cfg, config.tp_size) > EXPERTS_MAX_MEMORY * memory:
-            raise ValueError(experts_too_large(model_cfg, config.tp_size, memory))
+    need = bf16_weight_bytes(model_cfg, config.tp_size) if cuda else 0
+    memory = gpu_memory(device) if cuda else 0
+    dequant_fits = not cuda or need <= DEQUANT_MAX_MEMORY * memory
+    dequant_experts = has_quantized_experts(model_cfg) or mxfp4_experts(model_cfg)
+    if cuda and dequant_experts and need > EXPERTS_MAX_MEMORY * memory:
+        raise ValueError(experts_too_large(model_cfg, config.tp_size, memory))
     blocks = model_cfg.quantization is not None and model_cfg.quantization.block is not None
     fp8_matmul = want.fp8_matmul
     if fp8_matmul == "auto":
