@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from batchrun.kernels.fp8_quant import quant_per_token, quant_static
 from batchrun.kernels.gemv import (
     MAX_M,
     NUM_COUNTERS,
@@ -57,7 +58,6 @@ from batchrun.kernels.gemv import (
     _x_tile,
     split_counters,
 )
-from batchrun.kernels.gemv import pick_config as pick_bf16_config
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 FP8_MAX = tl.constexpr(448.0)
@@ -78,6 +78,8 @@ class Fp8GemvConfig(NamedTuple):
     fp8_dot: bool = True  # the dot on e4m3 operands; else both widened to fp16
     fma: bool = False  # M = 1 only: the dot as fp32 multiply-adds (no tensor cores)
     amax_in_kernel: bool = True  # dynamic: each program reduces its rows' |max| (else row_amax)
+    swap_ab: bool = False  # x quantized first (fp8_quant), w @ q(x)^T on wgmma (_fp8_swap_kernel)
+    promote: bool = True  # swap_ab: each K tile's dot added in fp32 (else one running accumulator)
 
 
 @triton.jit
@@ -176,7 +178,6 @@ def _fp8_gemv_kernel(
     in_n = offs_n[:, None] < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     # weights and their scales are no earlier kernel's output: loaded before the PDL wait
     w = _w_tile(w_rows, in_n, k_start, k_end, BLOCK_K)
     w2 = _w_tile(w_rows, in_n, k_start + BLOCK_K, k_end, BLOCK_K)  # zeros past k_end
@@ -216,6 +217,16 @@ def _fp8_gemv_kernel(
         if SWIGLU:
             acc_up = _mma8(acc_up, x, _w_tile(up_rows, in_n, k0, k_end, BLOCK_K), FP8_DOT, FMA)
 
+    _finish(acc, acc_up, sx, sw, sw_up, Y, WS, Counters, offs_m, offs_n, M, N, stride_ym, pid_n,
+            pid_k, SPLIT_K, SWIGLU)  # fmt: skip
+
+
+@triton.jit
+def _finish(acc, acc_up, sx, sw, sw_up, Y, WS, Counters, offs_m, offs_n, M, N, stride_ym, pid_n,
+            pid_k, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr):  # fmt: skip
+    """y from a program's fp32 sums acc [ROWS, BLOCK_N] (and acc_up): written scaled, or with
+    SPLIT_K > 1 stored to this slice's plane, the last slice summing the planes into y."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     dtype = Y.dtype.element_ty
     if SPLIT_K == 1:
@@ -254,30 +265,101 @@ def _write_scaled(acc, acc_up, sx, sw, sw_up, out, mask, dtype: tl.constexpr,
     tl.store(out, y.to(dtype), mask=mask)
 
 
+@triton.jit
+def _swap_dot(acc, w, xq, PROMOTE: tl.constexpr):
+    """acc [BLOCK_N, 16] + w [BLOCK_N, BLOCK_K] @ xq^T on e4m3 operands: the weight tile is the
+    MMA's M side (wgmma), x's 16 padded rows its N side. PROMOTE: the tile's dot from zeros,
+    added in fp32 (the tensor cores' reduced-precision accumulator spans one K tile)."""
+    if PROMOTE:
+        acc = acc + tl.dot(w, tl.trans(xq))
+    else:
+        acc = tl.dot(w, tl.trans(xq), acc)
+    return acc
+
+
+@triton.jit
+def _fp8_swap_kernel(
+    XQ,
+    W,
+    SW,
+    XS,
+    Y,
+    WS,
+    Counters,
+    M,
+    N,
+    K,
+    k_per_split,
+    up_offset,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    stride_xs,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    PROMOTE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """y from q(x) (e4m3 [M, K], rows' scales XS) and w: BLOCK_N rows of w a program, streamed
+    in [BLOCK_N, BLOCK_K] tiles through the compiler's pipelined shared-memory stages."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, 16)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    up_rows = w_rows + up_offset  # SWIGLU: the up half's rows, N below
+    in_n = offs_n[:, None] < N
+    in_m = offs_m < M
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    sw = tl.load(SW + offs_n, mask=offs_n < N, other=0.0)
+    sw_up = sw
+    if SWIGLU:
+        sw_up = tl.load(SW + N + offs_n, mask=offs_n < N, other=0.0)
+    pdl_wait(PDL)
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        in_k = offs_k < k_end
+        xq = tl.load(XQ + offs_m[:, None] * stride_xm + offs_k[None, :],
+                     mask=in_m[:, None] & in_k[None, :], other=0.0)  # fmt: skip
+        w = tl.load(w_rows + offs_k[None, :], mask=in_n & in_k[None, :], other=0.0)
+        acc = _swap_dot(acc, w, xq, PROMOTE)
+        if SWIGLU:
+            w_up = tl.load(up_rows + offs_k[None, :], mask=in_n & in_k[None, :], other=0.0)
+            acc_up = _swap_dot(acc_up, w_up, xq, PROMOTE)
+    sx = tl.load(XS + offs_m * stride_xs, mask=in_m, other=1.0)
+    _finish(tl.trans(acc), tl.trans(acc_up), sx, sw, sw_up, Y, WS, Counters, offs_m, offs_n, M,
+            N, stride_ym, pid_n, pid_k, SPLIT_K, SWIGLU)  # fmt: skip
+
+
 # NOTE: the dynamic scale inside the kernel while the rows take at most this many elements of
 # [AMAX_M, K] tiles (two loads of AMAX_TILE): llama-8b's K = 4096 up to M = 4, K = 14336 at M = 1;
 # beyond, a program would read its rows in more round trips than one reduction kernel costs
 AMAX_IN_KERNEL_MAX = 2 * AMAX_TILE
 
 
+# the swapped kernel's programs: splits along K up to this many programs (at most 8 slices of at
+# least two K tiles)
+SWAP_TARGET_PROGRAMS = 512
+
+
 def pick_config(m: int, n: int, k: int) -> Fp8GemvConfig:
-    """kernels/gemv.py's rule for the programs (64 output rows, splits along K for matrices of
-    few column tiles), on 256-wide K tiles of e4m3 (half the bytes of the bf16 kernel's: four
-    stages in flight), the dot on e4m3, the dynamic amax in the kernel while the rows are few
-    (AMAX_IN_KERNEL_MAX). One row (M = 1) runs as multiply-adds on 512-wide K tiles, split in
-    two or four: on the H200 the e4m3 tl.dot with x padded to 16 rows reads llama-8b's qkv at
-    0.18 TB/s (142 µs), the multiply-adds at 1.2 TB/s (20.9 µs; o_proj 56.7 -> 12.8 µs, split 4;
-    `python scripts/bench_fp8_gemv.py --models llama-8b --m 1`)."""
-    base = pick_bf16_config(m, n, k)
-    in_kernel = triton.next_power_of_2(max(m, 1)) * triton.next_power_of_2(k) <= AMAX_IN_KERNEL_MAX
-    if m == 1:
-        split = 2 if n > k else 4
-        return Fp8GemvConfig(
-            block_n=64, block_k=512, split_k=split, fma=True, amax_in_kernel=in_kernel
-        )
-    return Fp8GemvConfig(
-        block_n=base.block_n, block_k=256, split_k=base.split_k, amax_in_kernel=in_kernel
-    )
+    """x quantized first, then the swapped dot (_fp8_swap_kernel) on 64-row x 128-wide tiles,
+    split along K up to SWAP_TARGET_PROGRAMS programs: w streams at 2.3-3.8 TB/s on llama-8b's
+    matrices at M = 1 and 16 on the H200 where the in-kernel quantization's multiply-adds read
+    1.2-1.3 TB/s and torch._scaled_mm 0.6-0.8 (`python scripts/bench_fp8_gemv.py --models
+    llama-8b --m 1,16`)."""
+    block_n, block_k = 64, 128
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while split < 8 and tiles * split * 2 <= SWAP_TARGET_PROGRAMS and k >= 4 * split * block_k:
+        split *= 2
+    return Fp8GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=4,
+                         swap_ab=True)  # fmt: skip
 
 
 def row_amax(x: torch.Tensor) -> torch.Tensor:
@@ -307,11 +389,13 @@ def fp8_gemv(
     assert input_scale is None or amax is None
     n = n_rows // 2 if swiglu else n_rows
     cfg = config or pick_config(m, n_rows, k)
-    if swiglu and config is None:  # a tile of each half a program: half the columns
+    if swiglu and config is None and not cfg.swap_ab:  # a tile of each half: half the columns
         cfg = cfg._replace(block_n=max(16, cfg.block_n // 2))
     tile_bytes = (2 if swiglu else 1) * cfg.block_n * cfg.block_k
     while cfg.num_stages > 1 and tile_bytes * cfg.num_stages > SMEM_FOR_W:
         cfg = cfg._replace(num_stages=cfg.num_stages - 1)
+    if cfg.swap_ab:
+        return _swap(x, w, w_scale, input_scale, amax, cfg, swiglu, n, k, pdl)
     if input_scale is not None:
         mode, xs, stride_xs = SCALE_GIVEN, input_scale.reshape(-1)[:1], 0
     elif amax is not None or not cfg.amax_in_kernel:
@@ -343,6 +427,37 @@ def fp8_gemv(
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu, SCALE=mode,
         AMAX_M=amax_m, AMAX_K=amax_k, FP8_DOT=cfg.fp8_dot, FMA=fma, ROWS=1 if fma else 16,
         HW_CAST=x.is_cuda,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
+    )  # fmt: skip
+    return y
+
+
+def _swap(x, w, w_scale, input_scale, amax, cfg: Fp8GemvConfig, swiglu: bool, n: int, k: int,
+          pdl: bool) -> torch.Tensor:  # fmt: skip
+    """fp8_gemv on _fp8_swap_kernel: x quantized by kernels/fp8_quant.py (its bytes and scales
+    are quant_per_token's / quant_static's), then the kernel."""
+    m = x.shape[0]
+    if input_scale is not None:
+        xq, sx = quant_static(x, input_scale)
+    else:
+        xq, sx = quant_per_token(x, None if amax is None else amax.reshape(-1, 1))
+    sx = sx.reshape(-1)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split_k = triton.cdiv(k, k_per_split)
+    tiles = triton.cdiv(n, cfg.block_n)
+    if tiles > NUM_COUNTERS:
+        split_k, k_per_split = 1, k
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    counters = split_counters(x.device)
+    ws = y if split_k == 1 else torch.empty(split_k * m * w.shape[0], dtype=torch.float32,
+                                            device=x.device)  # fmt: skip
+    _fp8_swap_kernel[(tiles, split_k)](
+        xq, w, w_scale, sx, y, ws, counters, m, n, k, k_per_split, n * w.stride(0),
+        xq.stride(0), w.stride(0), y.stride(0), sx.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu,
+        PROMOTE=cfg.promote,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip
     return y

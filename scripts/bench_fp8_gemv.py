@@ -38,13 +38,28 @@ def scaled_mm(x, w, sw):
     return torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
 
 
-def sweep_configs(m: int, n: int, k: int, swiglu: bool):
+def swap_configs(n: int, k: int):
+    """The swapped dot (the weight tile on the MMA's M side): 64 / 128 weight rows by K tiles
+    128 / 256 by splits 1..8, each K tile's dot promoted to fp32 or one running accumulator."""
+    from batchrun.kernels.fp8_gemv import Fp8GemvConfig
+
+    for bn, bk, sk, dot in itertools.product(
+        (64, 128), (128, 256, 512), (1, 2, 4, 8), (True, False)
+    ):
+        if bk * sk <= k:
+            yield Fp8GemvConfig(block_n=bn, block_k=bk, split_k=sk, fp8_dot=dot, swap_ab=True)
+
+
+def sweep_configs(m: int, n: int, k: int, swiglu: bool, swap_only: bool = False):
     """pick_config's variants: each of its two choices flipped, and K tiles 128 / 256 / 512
-    by splits 1..8 with its choices."""
+    by splits 1..8 with its choices; the swapped dot's (swap_configs)."""
+    if swap_only:
+        yield from swap_configs(n, k)
+        return
     from batchrun.kernels.fp8_gemv import pick_config
 
     base = pick_config(m, n, k)
-    if swiglu:
+    if swiglu and not base.swap_ab:
         base = base._replace(block_n=max(16, base.block_n // 2))
     seen = {base}
     flipped = [
@@ -60,13 +75,15 @@ def sweep_configs(m: int, n: int, k: int, swiglu: bool):
         )
         if bk * sk <= k and not (fma and not dot)
     ]
-    for cfg in flipped + grid:
+    for cfg in flipped + grid + list(swap_configs(n, k)):
         if cfg not in seen:
             seen.add(cfg)
             yield cfg
 
 
-def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> dict:
+def bench_shape(
+    name: str, n: int, k: int, m: int, sweep: bool, pdl: bool, swap_only: bool = False
+) -> dict:
     from batchrun.kernels.activation import silu_and_mul
     from batchrun.kernels.fp8_gemv import fp8_gemv, pick_config
     from batchrun.kernels.gemv import gemv
@@ -96,7 +113,7 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> di
         return silu_and_mul(y, pdl=pdl) if swiglu else y
 
     default = pick_config(m, n, k)
-    if swiglu:
+    if swiglu and not default.swap_ab:
         default = default._replace(block_n=max(16, default.block_n // 2))
     out = {
         "scaled_mm_us": graph_time_us(torch_path, fp8),
@@ -105,7 +122,7 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> di
         "default_us": graph_time_us(run(default), fp8),
     }
     timed = []
-    for cfg in sweep_configs(m, n, k, swiglu) if sweep else ():
+    for cfg in sweep_configs(m, n, k, swiglu, swap_only) if sweep else ():
         if correct(cfg):
             timed.append((cfg._asdict(), graph_time_us(run(cfg), fp8)))
     timed.sort(key=lambda item: item[1])
@@ -129,6 +146,7 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="llama-1b,llama-8b")
     p.add_argument("--m", default="1,4,16", help="rows of x (decode batch), comma-separated")
     p.add_argument("--no-sweep", action="store_true", help="only the default config")
+    p.add_argument("--swap-only", action="store_true", help="sweep only the swapped dot")
     p.add_argument("--matrices", default="qkv,o,gate_up,down", help="which of each model's")
     p.add_argument("--out", default=str(benchlib.OUT_DIR))
     args = p.parse_args(argv)
@@ -148,7 +166,7 @@ def main(argv=None) -> int:
             for name, n, k, count in benchlib.linear_shapes(model):
                 if name not in args.matrices.split(","):
                     continue
-                r = bench_shape(name, n, k, m, not args.no_sweep, pdl)
+                r = bench_shape(name, n, k, m, not args.no_sweep, pdl, args.swap_only)
                 r.update(model=model, m=m, matrix=name, n=n, k=k, count=count)
                 report["results"].append(r)
                 for key in totals:

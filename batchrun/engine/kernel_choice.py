@@ -155,11 +155,11 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     decode_gemv = want.decode_gemv
     if decode_gemv == "auto":
         # NOTE: the Triton matmuls pay only with PDL: without it they read W3 llama-1b 1.28 ms
-        # per token against cuBLAS's 1.16 on the H200. A quantized model's decode matmuls stay
-        # on cuBLAS: FP8 llama-8b reads W3 36.3 ms per token with kernels/fp8_gemv.py against
-        # 5.1 with torch._scaled_mm (`scripts/bench_throughput.py --models llama-8b --workloads
-        # W3 --variants fp8,fp8-gemv`); set by hand, "triton" runs it
-        decode_gemv = "triton" if pdl and not quantized else "cublas"
+        # per token against cuBLAS's 1.16 on the H200. A per-channel FP8 model's decode batches
+        # run on kernels/fp8_gemv.py: llama-8b W3 3.05 ms per token against 5.05 on
+        # torch._scaled_mm (bf16: 4.12; `scripts/bench_throughput.py --models llama-8b
+        # --workloads W3 --variants batchrun,fp8,fp8-gemv`)
+        decode_gemv = "triton" if pdl else "cublas"
     elif decode_gemv == "triton" and not triton:
         raise ValueError("decode_gemv 'triton' needs the triton package")
 

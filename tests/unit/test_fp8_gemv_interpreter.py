@@ -39,15 +39,21 @@ def _weights(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.
     return (w / sw[:, None]).to(FP8_DTYPE), sw
 
 
-def _reference(x, w, sw, input_scale=None, swiglu=False):
+def _reference(x, w, sw, input_scale=None, swiglu=False, fp8_quant=False):
     """fp32 of q(x) @ w.T scaled, as quant_per_token / quant_static + torch._scaled_mm compute
-    it, then rounded to x's dtype (the SwiGLU gate as the unfused path rounds it)."""
-    from batchrun.quant.act_quant import quant_per_token, quant_static
+    it, then rounded to x's dtype (the SwiGLU gate as the unfused path rounds it). fp8_quant:
+    q(x) from kernels/fp8_quant.py, what a swap_ab config reads (under the interpreter its
+    float-to-e4m3 cast truncates, so its bytes are not act_quant's)."""
+    if fp8_quant:
+        from batchrun.kernels.fp8_quant import quant_per_token, quant_static
+    else:
+        from batchrun.quant.act_quant import quant_per_token, quant_static
 
     if input_scale is None:
         xq, sx = quant_per_token(x)
     else:
-        xq, sx = quant_static(x, input_scale), input_scale.reshape(1, 1)
+        xq = quant_static(x, input_scale)
+        xq, sx = xq if fp8_quant else (xq, input_scale.reshape(1, 1))
     y = (xq.double() @ w.double().t()).float() * sw[None, :] * sx
     if not swiglu:
         return y.to(x.dtype)
@@ -93,7 +99,7 @@ def _check_quantization(gen):
 
 
 def _check_matmuls(gen):
-    from batchrun.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, row_amax
+    from batchrun.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, pick_config, row_amax
 
     # (M, N, K, config): one tile, several tiles and K slices, tails of N and K, the in-kernel
     # amax over several loads (K past AMAX_TILE / M)
@@ -105,30 +111,38 @@ def _check_matmuls(gen):
         (16, 40, 1000, None),
         (1, 64, 256, Fp8GemvConfig(block_k=64, fma=True)),
         (1, 96, 320, Fp8GemvConfig(block_n=32, block_k=64, split_k=2, fma=True)),
+        (1, 96, 320, Fp8GemvConfig(block_n=64, block_k=64, split_k=2, swap_ab=True)),
+        (7, 64, 256, Fp8GemvConfig(block_n=64, block_k=64, swap_ab=True, promote=False)),
+        (16, 40, 1000, Fp8GemvConfig(block_n=64, block_k=128, split_k=4, swap_ab=True)),
     ]
     for m, n, k, cfg in cases:
         w, sw = _weights(n, k, gen)
         x = torch.randn(m, k, generator=gen).half()
         x[0, 7] = 30.0  # an outlier: the other columns quantize coarsely
         what = f"M={m} N={n} K={k} {cfg}"
-        ref = _reference(x, w, sw)
+        pre = (cfg or pick_config(m, n, k)).swap_ab
+        ref = _reference(x, w, sw, fp8_quant=pre)
         _check(fp8_gemv(x, w, sw, config=cfg), ref, what)
         off = None if cfg is None else cfg._replace(amax_in_kernel=False)
         _check(fp8_gemv(x, w, sw, config=off), ref, what + " row_amax")
         _check(fp8_gemv(x, w, sw, amax=row_amax(x), config=cfg), ref, what + " amax")
         s = torch.tensor(0.05)
-        _check(fp8_gemv(x, w, sw, s, config=cfg), _reference(x, w, sw, s), what + " static")
+        ref_s = _reference(x, w, sw, s, fp8_quant=pre)
+        _check(fp8_gemv(x, w, sw, s, config=cfg), ref_s, what + " static")
         xb = x.bfloat16()
-        _check(fp8_gemv(xb, w, sw, config=cfg), _reference(xb, w, sw), what + " bf16", 0.0)
+        ref_b = _reference(xb, w, sw, fp8_quant=pre)
+        _check(fp8_gemv(xb, w, sw, config=cfg), ref_b, what + " bf16", 0.0)
     swiglu_cases = (
         (1, None),
         (5, Fp8GemvConfig(block_n=16, block_k=64, split_k=2)),
         (1, Fp8GemvConfig(block_n=16, block_k=64, fma=True)),
+        (3, Fp8GemvConfig(block_n=64, block_k=64, split_k=2, swap_ab=True)),
     )
     for m, cfg in swiglu_cases:
         w, sw = _weights(2 * 48, 256, gen)
         x = torch.randn(m, 256, generator=gen).half()
-        ref = _reference(x, w, sw, swiglu=True)
+        pre = (cfg or pick_config(m, 2 * 48, 256)).swap_ab
+        ref = _reference(x, w, sw, swiglu=True, fp8_quant=pre)
         _check(fp8_gemv(x, w, sw, config=cfg, swiglu=True), ref, f"swiglu M={m}")
 
 
@@ -152,8 +166,10 @@ def _check_wiring(gen):
         layer.load(qw, "test")
         assert layer.takes_gemv(x) and not layer.takes_gemv(torch.zeros(17, 128).bfloat16())
         sw = qw.scale.float()
-        _check(layer(x), _reference(x, qw.weight, sw, input_scale), activations, 0.0)
-        ref = _reference(x, qw.weight, sw, input_scale, swiglu=True)
+        # the decode matmul's activations quantized by kernels/fp8_quant.py (pick_config's swap_ab)
+        ref = _reference(x, qw.weight, sw, input_scale, fp8_quant=True)
+        _check(layer(x), ref, activations, 0.0)
+        ref = _reference(x, qw.weight, sw, input_scale, swiglu=True, fp8_quant=True)
         # bf16 gate, silu and product each truncated by the interpreter's stores and casts
         _check(layer.gemv(x, swiglu=True), ref, activations + " swiglu", 0.0, ulps=4)
         plain = QuantMatmul(64, 128, spec, torch.bfloat16, "cpu", kernels=INTERPRETER_KERNELS)

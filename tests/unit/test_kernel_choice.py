@@ -296,18 +296,18 @@ def quantized(model_cfg):
     return replace(model_cfg, quantization=OnlineFp8Scheme())
 
 
-def test_a_quantized_model_on_an_h200_decodes_on_cublas_without_folded_norms(gpu):
-    """A quantized model's decode matmuls stay on cuBLAS (torch._scaled_mm for FP8) unless
-    kernels/fp8_gemv.py is set by hand; the norms folded into kernels/gemv.py read bf16 weights
-    and stay off."""
+def test_a_quantized_model_on_an_h200_decodes_on_the_triton_kernels_without_folded_norms(gpu):
+    """A quantized model's decode batches run on kernels/fp8_gemv.py (and gemv.py for its bf16
+    layers) with PDL, on cuBLAS (torch._scaled_mm for FP8) when set by hand; the norms folded
+    into kernels/gemv.py read bf16 weights and stay off."""
     gpu(pdl=True)
     for model_cfg in (quantized(SMALL), quantized(LARGE)):
         kernels = resolve(model_cfg, CUDA)
-        assert (kernels.decode_gemv, kernels.decode_norms) == ("cublas", "off")
+        assert (kernels.decode_gemv, kernels.decode_norms) == ("triton", "off")
         assert kernels.fp8_matmul == "scaled_mm" and kernels.pdl is True
-    assert resolve(SMALL, CUDA, quantization="fp8").decode_gemv == "cublas"
-    hand_set = resolve(quantized(SMALL), CUDA, KernelConfig(decode_gemv="triton"))
-    assert (hand_set.decode_gemv, hand_set.decode_norms) == ("triton", "off")
+    assert resolve(SMALL, CUDA, quantization="fp8").decode_gemv == "triton"
+    hand_set = resolve(quantized(SMALL), CUDA, KernelConfig(decode_gemv="cublas"))
+    assert (hand_set.decode_gemv, hand_set.decode_norms) == ("cublas", "off")
     with pytest.raises(ValueError, match="decode_norms 'all' needs .* not quantized"):
         resolve(quantized(SMALL), CUDA, KernelConfig(decode_norms="all"))
     assert resolve(quantized(SMALL), CUDA, KernelConfig(fp8_matmul="dequant")).fp8_matmul == (
