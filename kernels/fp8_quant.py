@@ -36,10 +36,28 @@ _DYNAMIC, _GIVEN_AMAX, _STATIC = 0, 1, 2
 
 
 @triton.jit
-def _quantize(x, scale):
-    """x (fp32) / scale, clamped to the FP8 range (the cast to fp8 rounds to nearest even)."""
+def _round_e4m3(v):
+    """v (fp32, |v| <= 448) rounded to the nearest e4m3fn value, ties to even, as fp32: the
+    normal range keeps 3 mantissa bits; below 2^-6 the subnormal step is 2^-9."""
+    bits = v.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    lsb = (mag >> 20) & 1
+    normal = ((mag + 0x7FFFF + lsb) & -0x100000).to(tl.float32, bitcast=True)
+    a = tl.abs(v) * 512.0  # subnormal: multiples of 2^-9, rounded to even by the fp32 add
+    sub = ((a + 8388608.0) - 8388608.0) * (1.0 / 512.0)
+    r = tl.where(mag < (121 << 23), sub, normal)  # 121 << 23: the bits of 2^-6
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _quantize(x, scale, ROUND: tl.constexpr):
+    """x (fp32) / scale, clamped to the FP8 range (the cast to fp8 rounds to nearest even on the
+    GPU). ROUND: rounded here (CPU tensors: Triton's interpreter casts to e4m3 by truncating)."""
     q = tl.math.div_rn(x, scale)
-    return tl.minimum(tl.maximum(q, -448.0), 448.0)
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    if ROUND:
+        q = _round_e4m3(q)
+    return q
 
 
 @triton.jit
@@ -62,6 +80,7 @@ def _quant_rows_kernel(
     MODE: tl.constexpr,  # _DYNAMIC, _GIVEN_AMAX or _STATIC
     BLOCK_K: tl.constexpr,
     ONE_BLOCK: tl.constexpr,  # K <= BLOCK_K: the row is read once, into registers
+    ROUND: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_xm
@@ -76,7 +95,7 @@ def _quant_rows_kernel(
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         if MODE == 0:
             scale = _scale_of(tl.max(tl.abs(x), axis=0))
-        tl.store(q_row + offs, _quantize(x, scale).to(Q.dtype.element_ty), mask=mask)
+        tl.store(q_row + offs, _quantize(x, scale, ROUND).to(Q.dtype.element_ty), mask=mask)
     else:
         if MODE == 0:
             amax = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -88,7 +107,9 @@ def _quant_rows_kernel(
         for k0 in range(0, K, BLOCK_K):
             mask = k0 + offs < K
             x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_row + k0 + offs, _quantize(x, scale).to(Q.dtype.element_ty), mask=mask)
+            tl.store(
+                q_row + k0 + offs, _quantize(x, scale, ROUND).to(Q.dtype.element_ty), mask=mask
+            )
     tl.store(S + row, scale)
 
 
@@ -105,6 +126,7 @@ def _quant_groups_kernel(
     stride_sg,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     """One [BLOCK_M, GROUP] tile: the rows' maxima over the group's columns, their scales."""
     pid_m = tl.program_id(0)
@@ -116,9 +138,14 @@ def _quant_groups_kernel(
     x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
     scale = _scale_of(tl.max(tl.abs(x), axis=1))  # [BLOCK_M]
-    q = _quantize(x, scale[:, None]).to(Q.dtype.element_ty)
+    q = _quantize(x, scale[:, None], ROUND).to(Q.dtype.element_ty)
     tl.store(Q + rows64[:, None] * stride_qm + cols[None, :], q, mask=mask)
     tl.store(S + rows64 * stride_sm + group * stride_sg, scale, mask=rows < M)
+
+
+def _rounds(x: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether the kernel rounds to e4m3 itself: CPU tensors (the interpreter) into float8."""
+    return not x.is_cuda and out_dtype == FP8_DTYPE
 
 
 def _rows(x: torch.Tensor, mode: int, src: torch.Tensor | None, out_dtype=FP8_DTYPE):
@@ -143,6 +170,7 @@ def _rows(x: torch.Tensor, mode: int, src: torch.Tensor | None, out_dtype=FP8_DT
         MODE=mode,
         BLOCK_K=block,
         ONE_BLOCK=one_block,
+        ROUND=_rounds(x, out_dtype),
         num_warps=num_warps,
     )
     return q, scale
@@ -195,6 +223,7 @@ def quant_per_token_group(
         scale.stride(1),
         GROUP=group,
         BLOCK_M=block_m,
+        ROUND=_rounds(x, out_dtype),
         num_warps=4,
     )
     return q, scale

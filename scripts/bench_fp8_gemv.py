@@ -1,9 +1,8 @@
-"""Decode FP8 matmuls on the GPU: kernels/fp8_gemv.py (the activation quantization inside)
-against the path it replaces, quant_per_token + torch._scaled_mm (the torch quantization chain
-and cuBLASLt), and against bf16 kernels/gemv.py on the same shape, per weight of the benchmark
-models at M = 1, 4, 16. Answers what fp8_gemv's pick_config should be per shape and whether
-each of its choices pays: the dot on e4m3 or on fp16 operands (`fp8_dot`), the dynamic amax
-inside the kernel or one reduction before it (`amax_in_kernel`), K tiles and splits.
+"""Decode FP8 matmuls on the GPU: kernels/fp8_gemv.py against the path it replaces,
+quant_per_token + torch._scaled_mm (the torch quantization chain and cuBLASLt), and against
+bf16 kernels/gemv.py on the same shape, per weight of the benchmark models at M = 1, 4, 16.
+Answers what fp8_gemv's pick_config should be per shape: weight rows a program, K tiles and
+splits.
 
     python scripts/bench_fp8_gemv.py                         # llama-1b and llama-8b, M = 1, 4, 16
     python scripts/bench_fp8_gemv.py --models llama-8b --m 1 --no-sweep
@@ -38,52 +37,19 @@ def scaled_mm(x, w, sw):
     return torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
 
 
-def swap_configs(n: int, k: int):
-    """The swapped dot (the weight tile on the MMA's M side): 64 / 128 weight rows by K tiles
-    128 / 256 by splits 1..8, each K tile's dot promoted to fp32 or one running accumulator."""
-    from batchrun.kernels.fp8_gemv import Fp8GemvConfig
-
-    for bn, bk, sk, dot in itertools.product(
-        (64, 128), (128, 256, 512), (1, 2, 4, 8), (True, False)
-    ):
-        if bk * sk <= k:
-            yield Fp8GemvConfig(block_n=bn, block_k=bk, split_k=sk, fp8_dot=dot, swap_ab=True)
-
-
-def sweep_configs(m: int, n: int, k: int, swiglu: bool, swap_only: bool = False):
-    """pick_config's variants: each of its two choices flipped, and K tiles 128 / 256 / 512
-    by splits 1..8 with its choices; the swapped dot's (swap_configs)."""
-    if swap_only:
-        yield from swap_configs(n, k)
-        return
-    from batchrun.kernels.fp8_gemv import pick_config
+def sweep_configs(m: int, n: int, k: int):
+    """pick_config's alternatives: 64 / 128 weight rows by K tiles 128 / 256 / 512 by splits
+    1..8."""
+    from batchrun.kernels.fp8_gemv import Fp8GemvConfig, pick_config
 
     base = pick_config(m, n, k)
-    if swiglu and not base.swap_ab:
-        base = base._replace(block_n=max(16, base.block_n // 2))
-    seen = {base}
-    flipped = [
-        base._replace(fp8_dot=not base.fp8_dot),
-        base._replace(amax_in_kernel=not base.amax_in_kernel),
-    ]
-    # M = 1: the dot as multiply-adds too, each way
-    fmas = (False, True) if m == 1 else (False,)
-    grid = [
-        base._replace(block_k=bk, split_k=sk, fp8_dot=dot, fma=fma)
-        for bk, sk, dot, fma in itertools.product(
-            (128, 256, 512), (1, 2, 4, 8), (True, False), fmas
-        )
-        if bk * sk <= k and not (fma and not dot)
-    ]
-    for cfg in flipped + grid + list(swap_configs(n, k)):
-        if cfg not in seen:
-            seen.add(cfg)
+    for bn, bk, sk in itertools.product((64, 128), (128, 256, 512), (1, 2, 4, 8)):
+        cfg = Fp8GemvConfig(block_n=bn, block_k=bk, split_k=sk)
+        if bk * sk <= k and cfg != base:
             yield cfg
 
 
-def bench_shape(
-    name: str, n: int, k: int, m: int, sweep: bool, pdl: bool, swap_only: bool = False
-) -> dict:
+def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> dict:
     from batchrun.kernels.activation import silu_and_mul
     from batchrun.kernels.fp8_gemv import fp8_gemv, pick_config
     from batchrun.kernels.gemv import gemv
@@ -113,8 +79,6 @@ def bench_shape(
         return silu_and_mul(y, pdl=pdl) if swiglu else y
 
     default = pick_config(m, n, k)
-    if swiglu and not default.swap_ab:
-        default = default._replace(block_n=max(16, default.block_n // 2))
     out = {
         "scaled_mm_us": graph_time_us(torch_path, fp8),
         "default_config": default._asdict(),
@@ -122,7 +86,7 @@ def bench_shape(
         "default_us": graph_time_us(run(default), fp8),
     }
     timed = []
-    for cfg in sweep_configs(m, n, k, swiglu, swap_only) if sweep else ():
+    for cfg in sweep_configs(m, n, k) if sweep else ():
         if correct(cfg):
             timed.append((cfg._asdict(), graph_time_us(run(cfg), fp8)))
     timed.sort(key=lambda item: item[1])
@@ -146,7 +110,6 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="llama-1b,llama-8b")
     p.add_argument("--m", default="1,4,16", help="rows of x (decode batch), comma-separated")
     p.add_argument("--no-sweep", action="store_true", help="only the default config")
-    p.add_argument("--swap-only", action="store_true", help="sweep only the swapped dot")
     p.add_argument("--matrices", default="qkv,o,gate_up,down", help="which of each model's")
     p.add_argument("--out", default=str(benchlib.OUT_DIR))
     args = p.parse_args(argv)
@@ -166,7 +129,7 @@ def main(argv=None) -> int:
             for name, n, k, count in benchlib.linear_shapes(model):
                 if name not in args.matrices.split(","):
                     continue
-                r = bench_shape(name, n, k, m, not args.no_sweep, pdl, args.swap_only)
+                r = bench_shape(name, n, k, m, not args.no_sweep, pdl)
                 r.update(model=model, m=m, matrix=name, n=n, k=k, count=count)
                 report["results"].append(r)
                 for key in totals:

@@ -99,8 +99,8 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "fp8-block-dequant": ({}, {"fp8_matmul": "dequant"}),
     "int4-awq": ({}, {"int4_matmul": "triton"}),
     "int4-awq-dequant": ({}, {"int4_matmul": "dequant"}),
-    # per-channel FP8 decode batches on kernels/fp8_gemv.py (auto: torch._scaled_mm)
-    "fp8-gemv": ({"quantization": "fp8"}, {"decode_gemv": "triton"}),
+    # per-channel FP8 decode batches on torch._scaled_mm (auto: kernels/fp8_gemv.py)
+    "fp8-cublas": ({"quantization": "fp8"}, {"decode_gemv": "cublas"}),
     # the KV cache in float8_e4m3fn (--kv-cache-dtype fp8_e4m3): one byte an element
     "kv-fp8": ({"kv_cache_dtype": "fp8_e4m3"}, {}),
     "prefix-order": ({}, {}),

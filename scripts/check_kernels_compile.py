@@ -51,8 +51,8 @@ def _compile_only(arch: int, ptxas: bool) -> None:
     run = JITFunction.run
 
     def compile_run(self, *args, grid, warmup, **kwargs):
-        if "HW_CAST" in kwargs:  # fp8_gemv: the GPU's conversion, not the interpreter's
-            kwargs["HW_CAST"] = True
+        if "ROUND" in kwargs:  # fp8_quant: the GPU's conversion, not the interpreter's
+            kwargs["ROUND"] = False
         if "PREFETCH" in kwargs:  # int4_gemv: the GPU's prefetch (inline PTX)
             kwargs["PREFETCH"] = True
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
@@ -94,9 +94,9 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
     gate_up, sw_gate_up = torch.randn(2 * 1024, 4096).to(f8), torch.rand(2 * 1024)
     for m in (1, 4, 16):
         x = torch.randn(m, 4096, dtype=torch.bfloat16)
-        for dot in (True, False):
-            cfg = fp8_gemv.pick_config(m, 6144, 4096)._replace(fp8_dot=dot)
-            out.append((f"fp8_gemv M={m} fp8_dot={dot}", lambda x=x, cfg=cfg: fp8_gemv.fp8_gemv(
+        picked = fp8_gemv.pick_config(m, 6144, 4096)
+        for cfg in (picked, picked._replace(block_n=128, block_k=512, split_k=1)):
+            out.append((f"fp8_gemv M={m} {tuple(cfg)}", lambda x=x, cfg=cfg: fp8_gemv.fp8_gemv(
                 x, w, sw, None, config=cfg, pdl=True)))  # fmt: skip
         out.append((f"fp8_gemv M={m} static", lambda x=x: fp8_gemv.fp8_gemv(
             x, w, sw, torch.tensor(0.1), pdl=True)))  # fmt: skip

@@ -2,10 +2,10 @@
 the exact fp32 product of the quantized operands.
 
 The interpreter's float-to-e4m3 cast truncates where it should carry into the exponent, so on
-CPU tensors the kernel rounds to e4m3 in fp32 arithmetic (`_round_e4m3`) and casts the exact
-value; the GPU's cast (cvt.rn.satfinite) is covered by tests/gpu/test_fp8_gemv_gpu.py. Both dot
-variants run here (e4m3 operands, fp16 operands). fp16 activations compare exactly where the
-sums are exact, bf16 ones within one bf16 ulp (the interpreter's fp32-to-bf16 store truncates).
+CPU tensors kernels/fp8_quant.py rounds to e4m3 in fp32 arithmetic (`_round_e4m3`) and casts the
+exact value; the GPU's cast (cvt.rn.satfinite) is covered by tests/gpu/test_fp8_gemv_gpu.py.
+fp16 activations compare exactly where the sums are exact, bf16 ones within one bf16 ulp (the
+interpreter's fp32-to-bf16 store truncates).
 """
 
 from __future__ import annotations
@@ -39,21 +39,15 @@ def _weights(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.
     return (w / sw[:, None]).to(FP8_DTYPE), sw
 
 
-def _reference(x, w, sw, input_scale=None, swiglu=False, fp8_quant=False):
+def _reference(x, w, sw, input_scale=None, swiglu=False):
     """fp32 of q(x) @ w.T scaled, as quant_per_token / quant_static + torch._scaled_mm compute
-    it, then rounded to x's dtype (the SwiGLU gate as the unfused path rounds it). fp8_quant:
-    q(x) from kernels/fp8_quant.py, what a swap_ab config reads (under the interpreter its
-    float-to-e4m3 cast truncates, so its bytes are not act_quant's)."""
-    if fp8_quant:
-        from batchrun.kernels.fp8_quant import quant_per_token, quant_static
-    else:
-        from batchrun.quant.act_quant import quant_per_token, quant_static
+    it, then rounded to x's dtype (the SwiGLU gate as the unfused path rounds it)."""
+    from batchrun.quant.act_quant import quant_per_token, quant_static
 
     if input_scale is None:
         xq, sx = quant_per_token(x)
     else:
-        xq = quant_static(x, input_scale)
-        xq, sx = xq if fp8_quant else (xq, input_scale.reshape(1, 1))
+        xq, sx = quant_static(x, input_scale), input_scale.reshape(1, 1)
     y = (xq.double() @ w.double().t()).float() * sw[None, :] * sx
     if not swiglu:
         return y.to(x.dtype)
@@ -87,62 +81,44 @@ def _check_quantization(gen):
     x[2] = 0.0  # an all-zero row: scale 1e-12, zeros out
     x[3, :8] = torch.tensor([448.0, 0.5, 0.5625, 0.53125, -0.59375, 2.0**-9, 3 * 2.0**-10, 1e-4])
     x = x.to(torch.float16).to(torch.float32)
-    for fp8_dot in (True, False):
-        for in_kernel in (True, False):
-            cfg = Fp8GemvConfig(fp8_dot=fp8_dot, amax_in_kernel=in_kernel, block_k=32)
-            out = fp8_gemv(x.half(), w, sw, config=cfg).float()
-            xq, sx = quant_per_token(x)
-            assert torch.equal(out, (xq.float() * sx).half().float()), (fp8_dot, in_kernel)
-        s = torch.tensor(0.004)  # x up to ~10: clamped at 448 * s
-        out = fp8_gemv(x.half(), w, sw, s, config=cfg).float()
-        assert torch.equal(out, (quant_static(x, s).float() * s).half().float()), fp8_dot
+    cfg = Fp8GemvConfig(block_k=32)
+    out = fp8_gemv(x.half(), w, sw, config=cfg).float()
+    xq, sx = quant_per_token(x)
+    assert torch.equal(out, (xq.float() * sx).half().float())
+    s = torch.tensor(0.004)  # x up to ~10: clamped at 448 * s
+    out = fp8_gemv(x.half(), w, sw, s, config=cfg).float()
+    assert torch.equal(out, (quant_static(x, s).float() * s).half().float())
 
 
 def _check_matmuls(gen):
-    from batchrun.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, pick_config, row_amax
+    from batchrun.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, row_amax
 
-    # (M, N, K, config): one tile, several tiles and K slices, tails of N and K, the in-kernel
-    # amax over several loads (K past AMAX_TILE / M)
+    # (M, N, K, config): one tile, several tiles and K slices, tails of N and K
     cases = [
         (1, 64, 256, Fp8GemvConfig(block_k=64)),
-        (3, 96, 320, Fp8GemvConfig(block_n=32, block_k=64, split_k=2)),
-        (16, 48, 200, Fp8GemvConfig(block_n=16, block_k=32, split_k=3, fp8_dot=False)),
-        (2, 32, 4160, Fp8GemvConfig(block_n=32, block_k=512, split_k=4)),
+        (3, 96, 320, Fp8GemvConfig(block_k=64, split_k=2)),
+        (16, 48, 200, Fp8GemvConfig(block_k=32, split_k=3)),
+        (2, 32, 4160, Fp8GemvConfig(block_n=128, block_k=256, split_k=4)),
         (16, 40, 1000, None),
-        (1, 64, 256, Fp8GemvConfig(block_k=64, fma=True)),
-        (1, 96, 320, Fp8GemvConfig(block_n=32, block_k=64, split_k=2, fma=True)),
-        (1, 96, 320, Fp8GemvConfig(block_n=64, block_k=64, split_k=2, swap_ab=True)),
-        (7, 64, 256, Fp8GemvConfig(block_n=64, block_k=64, swap_ab=True, promote=False)),
-        (16, 40, 1000, Fp8GemvConfig(block_n=64, block_k=128, split_k=4, swap_ab=True)),
+        (7, 64, 256, Fp8GemvConfig(block_n=128, block_k=64)),
     ]
     for m, n, k, cfg in cases:
         w, sw = _weights(n, k, gen)
         x = torch.randn(m, k, generator=gen).half()
         x[0, 7] = 30.0  # an outlier: the other columns quantize coarsely
         what = f"M={m} N={n} K={k} {cfg}"
-        pre = (cfg or pick_config(m, n, k)).swap_ab
-        ref = _reference(x, w, sw, fp8_quant=pre)
+        ref = _reference(x, w, sw)
         _check(fp8_gemv(x, w, sw, config=cfg), ref, what)
-        off = None if cfg is None else cfg._replace(amax_in_kernel=False)
-        _check(fp8_gemv(x, w, sw, config=off), ref, what + " row_amax")
         _check(fp8_gemv(x, w, sw, amax=row_amax(x), config=cfg), ref, what + " amax")
         s = torch.tensor(0.05)
-        ref_s = _reference(x, w, sw, s, fp8_quant=pre)
-        _check(fp8_gemv(x, w, sw, s, config=cfg), ref_s, what + " static")
+        _check(fp8_gemv(x, w, sw, s, config=cfg), _reference(x, w, sw, s), what + " static")
         xb = x.bfloat16()
-        ref_b = _reference(xb, w, sw, fp8_quant=pre)
-        _check(fp8_gemv(xb, w, sw, config=cfg), ref_b, what + " bf16", 0.0)
-    swiglu_cases = (
-        (1, None),
-        (5, Fp8GemvConfig(block_n=16, block_k=64, split_k=2)),
-        (1, Fp8GemvConfig(block_n=16, block_k=64, fma=True)),
-        (3, Fp8GemvConfig(block_n=64, block_k=64, split_k=2, swap_ab=True)),
-    )
+        _check(fp8_gemv(xb, w, sw, config=cfg), _reference(xb, w, sw), what + " bf16", 0.0)
+    swiglu_cases = ((1, None), (5, Fp8GemvConfig(block_k=64, split_k=2)))
     for m, cfg in swiglu_cases:
         w, sw = _weights(2 * 48, 256, gen)
         x = torch.randn(m, 256, generator=gen).half()
-        pre = (cfg or pick_config(m, 2 * 48, 256)).swap_ab
-        ref = _reference(x, w, sw, swiglu=True, fp8_quant=pre)
+        ref = _reference(x, w, sw, swiglu=True)
         _check(fp8_gemv(x, w, sw, config=cfg, swiglu=True), ref, f"swiglu M={m}")
 
 
@@ -166,10 +142,8 @@ def _check_wiring(gen):
         layer.load(qw, "test")
         assert layer.takes_gemv(x) and not layer.takes_gemv(torch.zeros(17, 128).bfloat16())
         sw = qw.scale.float()
-        # the decode matmul's activations quantized by kernels/fp8_quant.py (pick_config's swap_ab)
-        ref = _reference(x, qw.weight, sw, input_scale, fp8_quant=True)
-        _check(layer(x), ref, activations, 0.0)
-        ref = _reference(x, qw.weight, sw, input_scale, swiglu=True, fp8_quant=True)
+        _check(layer(x), _reference(x, qw.weight, sw, input_scale), activations, 0.0)
+        ref = _reference(x, qw.weight, sw, input_scale, swiglu=True)
         # bf16 gate, silu and product each truncated by the interpreter's stores and casts
         _check(layer.gemv(x, swiglu=True), ref, activations + " swiglu", 0.0, ulps=4)
         plain = QuantMatmul(64, 128, spec, torch.bfloat16, "cpu", kernels=INTERPRETER_KERNELS)

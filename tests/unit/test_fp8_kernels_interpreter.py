@@ -5,11 +5,12 @@ Skipped where triton is not installed. The checks run in a subprocess (TRITON_IN
 set before triton is first imported).
 
 NOTE: the interpreter's float32 -> float8e4nv cast does not carry a rounding into the exponent
-(31.7 becomes 16, not 32; the GPU's cvt.rn.satfinite is exact). So the quantization's arithmetic
-is checked with a float32 output (the clamped quotients before the cast), and whole FP8 paths on
-inputs whose quotients are FP8 values already (every group's maximum 448 times a power of two:
-the scales are powers of two and the divisions exact); tests/gpu/test_fp8_kernels_gpu.py checks
-the FP8 bytes on the GPU.
+(31.7 becomes 16, not 32; the GPU's cvt.rn.satfinite is exact), so on CPU tensors
+kernels/fp8_quant.py rounds to e4m3 in float32 arithmetic before the cast: its FP8 bytes are
+checked here against act_quant's, and its float32 output (the clamped quotients before any
+rounding) too. The block matmul's checks take inputs whose quotients are FP8 values already
+(every group's maximum 448 times a power of two: the scales are powers of two and the divisions
+exact); tests/gpu/test_fp8_kernels_gpu.py checks the FP8 bytes on the GPU.
 """
 
 from __future__ import annotations
@@ -66,12 +67,15 @@ def _check_quant_per_token():
         want_q, want_scale = quant_per_token(x, lambda t, a=amax: torch.maximum(t, a))
         assert torch.equal(scale, want_scale), cols
         assert torch.equal(q.to(FP8).view(torch.uint8), want_q.view(torch.uint8)), cols
-    # bf16 input, FP8 output bytes on exact inputs (one group = the whole row)
-    x = _exact_fp8_input(7, 512, 512, gen).to(torch.bfloat16)
-    q, scale = fp8_quant.quant_per_token(x)
-    want_q, want_scale = quant_per_token(x)
-    assert q.dtype == FP8 and torch.equal(scale, want_scale)
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    # FP8 output bytes: bf16 input on exact quotients (one group = the whole row), and random
+    # bf16 / fp16 rows (ties and subnormals rounded by the kernel's own arithmetic here)
+    exact = _exact_fp8_input(7, 512, 512, gen).to(torch.bfloat16)
+    randoms = ((torch.randn(6, 700, generator=gen) * 5).bfloat16(), torch.randn(3, 64).half())
+    for x in (exact, *randoms):
+        q, scale = fp8_quant.quant_per_token(x)
+        want_q, want_scale = quant_per_token(x)
+        assert q.dtype == FP8 and torch.equal(scale, want_scale)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
 def _check_quant_static():
@@ -87,6 +91,8 @@ def _check_quant_static():
     want = quant_static(x, scale)
     assert torch.equal(q.to(FP8).view(torch.uint8), want.view(torch.uint8))
     assert float(q.abs().max()) == 448.0
+    q, _ = fp8_quant.quant_static(x, scale)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
 
 
 def _check_quant_per_token_group():
