@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from batchrun.kernels.fp8_quant import quant_per_token, quant_static
+from batchrun.kernels.fp8_quant import quant_per_token, quant_per_token_group, quant_static
 from batchrun.kernels.gemv import (
     MAX_M,
     NUM_COUNTERS,
@@ -52,6 +52,7 @@ from batchrun.kernels.gemv import (
 )
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
+BLOCK = 128  # block FP8's weight blocks and activation groups
 # the programs: splits along K up to this many (at most 8 slices of at least two K tiles)
 TARGET_PROGRAMS = 512
 
@@ -82,13 +83,18 @@ def _fp8_gemv_kernel(
     stride_wn,
     stride_ym,
     stride_xs,
+    stride_xsk,  # BLOCKS: XS [M, K / 128], a group's column
+    stride_swn,  # BLOCKS: SW [N / 128, K / 128], a block row's
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SWIGLU: tl.constexpr,
+    BLOCKS: tl.constexpr,  # 128 x 128 weight blocks, activations per 128-column group
     PDL: tl.constexpr,
 ):
-    """y from q(x) (e4m3 [M, K], its rows' scales XS) and w: BLOCK_N rows of w a program."""
+    """y from q(x) (e4m3 [M, K], its rows' scales XS) and w: BLOCK_N rows of w a program. With
+    BLOCKS, each K tile is one 128-column group (BLOCK_K 128): its dot is scaled by the block's
+    weight scale and the group's activation scales before it is added."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, 16)
@@ -99,10 +105,16 @@ def _fp8_gemv_kernel(
     in_m = offs_m < M
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    sw = tl.load(SW + offs_n, mask=offs_n < N, other=0.0)
-    sw_up = sw
-    if SWIGLU:
-        sw_up = tl.load(SW + N + offs_n, mask=offs_n < N, other=0.0)
+    if BLOCKS:  # scaled a tile at a time: nothing left for the epilogue
+        sw = tl.full([BLOCK_N], 1.0, tl.float32)
+        sw_up = sw
+        sw_rows = SW + (offs_n // 128) * stride_swn
+        sw_up_rows = SW + ((offs_n + N) // 128) * stride_swn
+    else:
+        sw = tl.load(SW + offs_n, mask=offs_n < N, other=0.0)
+        sw_up = sw
+        if SWIGLU:
+            sw_up = tl.load(SW + N + offs_n, mask=offs_n < N, other=0.0)
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
@@ -113,11 +125,24 @@ def _fp8_gemv_kernel(
                      mask=in_m[:, None] & in_k[None, :], other=0.0)  # fmt: skip
         w = tl.load(w_rows + offs_k[None, :], mask=in_n & in_k[None, :], other=0.0)
         # each tile's dot from zeros, added in fp32: the e4m3 MMA's accumulator spans one tile
-        acc = acc + tl.dot(w, tl.trans(xq))
+        d = tl.dot(w, tl.trans(xq))
+        if BLOCKS:
+            kb = k0 // 128
+            sx_k = tl.load(XS + offs_m * stride_xs + kb * stride_xsk, mask=in_m, other=0.0)
+            sw_k = tl.load(sw_rows + kb, mask=offs_n < N, other=0.0)
+            d = d * sw_k[:, None] * sx_k[None, :]
+        acc = acc + d
         if SWIGLU:
             w_up = tl.load(up_rows + offs_k[None, :], mask=in_n & in_k[None, :], other=0.0)
-            acc_up = acc_up + tl.dot(w_up, tl.trans(xq))
-    sx = tl.load(XS + offs_m * stride_xs, mask=in_m, other=1.0)
+            d_up = tl.dot(w_up, tl.trans(xq))
+            if BLOCKS:
+                sw_k = tl.load(sw_up_rows + kb, mask=offs_n < N, other=0.0)
+                d_up = d_up * sw_k[:, None] * sx_k[None, :]
+            acc_up = acc_up + d_up
+    if BLOCKS:
+        sx = tl.full([16], 1.0, tl.float32)
+    else:
+        sx = tl.load(XS + offs_m * stride_xs, mask=in_m, other=1.0)
     _finish(tl.trans(acc), tl.trans(acc_up), sx, sw, sw_up, Y, WS, Counters, offs_m, offs_n, M,
             N, stride_ym, pid_n, pid_k, SPLIT_K, SWIGLU)  # fmt: skip
 
@@ -189,33 +214,47 @@ def row_amax(x: torch.Tensor) -> torch.Tensor:
 def fp8_gemv(
     x: torch.Tensor,  # [M, K] bf16 / fp16, M <= 16, unit stride along K
     w: torch.Tensor,  # [N, K] float8_e4m3fn, unit stride along K; swiglu: [2I, K]
-    w_scale: torch.Tensor,  # float32 [N] (contiguous): one scale per row of w
+    w_scale: torch.Tensor,  # float32 [N] (contiguous): one scale per row of w; blocks: 2-D
     input_scale: torch.Tensor | None = None,  # float32, one value: static activations
     *,
     amax: torch.Tensor | None = None,  # float32 [M]: dynamic with these row maxima (TP)
+    blocks: bool = False,  # w_scale [N / 128, K / 128] per block, x quantized per 128 columns
     config: Fp8GemvConfig | None = None,
     swiglu: bool = False,
     pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ) -> torch.Tensor:
-    """sx * sw * (q(x) @ w.T): [M, N] in x's dtype; with swiglu, silu(gate) * up: [M, N / 2]."""
+    """sx * sw * (q(x) @ w.T): [M, N] in x's dtype; with swiglu, silu(gate) * up: [M, N / 2].
+    blocks: the sum over K's 128-column groups of each group's dot times its scales."""
     m, k = x.shape
     n_rows, k_w = w.shape
     assert k == k_w and m <= MAX_M and x.stride(1) == 1 and w.stride(1) == 1
     assert w.dtype == torch.float8_e4m3fn and x.dtype in (torch.bfloat16, torch.float16)
-    assert w_scale.dtype == torch.float32 and w_scale.shape == (n_rows,)
-    assert w_scale.is_contiguous() and (not swiglu or n_rows % 2 == 0)
+    assert w_scale.dtype == torch.float32 and (not swiglu or n_rows % 2 == 0)
     assert input_scale is None or amax is None
     assert amax is None or (amax.dtype == torch.float32 and amax.shape == (m,))
     n = n_rows // 2 if swiglu else n_rows
+    if blocks:
+        assert input_scale is None and amax is None, "block FP8 quantizes x per 128 columns"
+        assert w_scale.shape == (triton.cdiv(n_rows, BLOCK), triton.cdiv(k, BLOCK))
+        assert w_scale.stride(1) == 1 and (not swiglu or n % BLOCK == 0), "gate / up blocks"
+    else:
+        assert w_scale.shape == (n_rows,) and w_scale.is_contiguous()
     cfg = config or pick_config(m, n_rows, k)
+    if blocks:  # one group a K tile, inside one block row
+        assert cfg.block_k == BLOCK and BLOCK % cfg.block_n == 0, cfg
     tile_bytes = (2 if swiglu else 1) * cfg.block_n * cfg.block_k
     while cfg.num_stages > 1 and tile_bytes * cfg.num_stages > SMEM_FOR_W:
         cfg = cfg._replace(num_stages=cfg.num_stages - 1)
-    if input_scale is not None:
-        xq, sx = quant_static(x, input_scale)
+    if blocks:
+        xq, sx = quant_per_token_group(x, BLOCK, pdl=pdl)  # sx [M, K / 128]
+        stride_xs, stride_xsk, stride_swn = sx.stride(0), sx.stride(1), w_scale.stride(0)
     else:
-        xq, sx = quant_per_token(x, None if amax is None else amax.reshape(-1, 1))
-    sx = sx.reshape(-1)
+        if input_scale is not None:
+            xq, sx = quant_static(x, input_scale, pdl=pdl)
+        else:
+            xq, sx = quant_per_token(x, None if amax is None else amax.reshape(-1, 1), pdl=pdl)
+        sx = sx.reshape(-1)
+        stride_xs, stride_xsk, stride_swn = sx.stride(0), 0, 0
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)
     tiles = triton.cdiv(n, cfg.block_n)
@@ -229,8 +268,8 @@ def fp8_gemv(
                                             device=x.device)  # fmt: skip
     _fp8_gemv_kernel[(tiles, split_k)](
         xq, w, w_scale, sx, y, ws, counters, m, n, k, k_per_split, n * w.stride(0),
-        xq.stride(0), w.stride(0), y.stride(0), sx.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu,
+        xq.stride(0), w.stride(0), y.stride(0), stride_xs, stride_xsk, stride_swn,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu, BLOCKS=blocks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip
     return y

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
@@ -81,7 +82,9 @@ def _quant_rows_kernel(
     BLOCK_K: tl.constexpr,
     ONE_BLOCK: tl.constexpr,  # K <= BLOCK_K: the row is read once, into registers
     ROUND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # x is the kernel before's output
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_xm
     q_row = Q + row * stride_qm
@@ -127,8 +130,10 @@ def _quant_groups_kernel(
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     ROUND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One [BLOCK_M, GROUP] tile: the rows' maxima over the group's columns, their scales."""
+    pdl_wait(PDL)  # x is the kernel before's output
     pid_m = tl.program_id(0)
     group = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -148,7 +153,9 @@ def _rounds(x: torch.Tensor, out_dtype: torch.dtype) -> bool:
     return not x.is_cuda and out_dtype == FP8_DTYPE
 
 
-def _rows(x: torch.Tensor, mode: int, src: torch.Tensor | None, out_dtype=FP8_DTYPE):
+def _rows(
+    x: torch.Tensor, mode: int, src: torch.Tensor | None, out_dtype=FP8_DTYPE, pdl: bool = False
+):
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be [M, K] with unit stride along K"
     num_rows, cols = x.shape
     q = torch.empty((num_rows, cols), dtype=out_dtype, device=x.device)
@@ -172,32 +179,36 @@ def _rows(x: torch.Tensor, mode: int, src: torch.Tensor | None, out_dtype=FP8_DT
         ONE_BLOCK=one_block,
         ROUND=_rounds(x, out_dtype),
         num_warps=num_warps,
+        **pdl_launch_kwargs(pdl, x),
     )
     return q, scale
 
 
 def quant_per_token(
-    x: torch.Tensor, amax: torch.Tensor | None = None, out_dtype: torch.dtype = FP8_DTYPE
+    x: torch.Tensor,
+    amax: torch.Tensor | None = None,
+    out_dtype: torch.dtype = FP8_DTYPE,
+    pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] as float8 [M, K] and float32 scales [M, 1] (torch._scaled_mm's row-wise
     operand). amax: float32 [M, 1], each row's maximum |x| taken over more columns than x holds
     (a row-parallel layer's, reduced over the ranks); None: x's own. out_dtype float32 keeps the
     rounded-to-range values before the FP8 cast (the tests' check of the arithmetic)."""
     if amax is None:
-        return _rows(x, _DYNAMIC, None, out_dtype)
-    return _rows(x, _GIVEN_AMAX, amax.reshape(-1).float().contiguous(), out_dtype)
+        return _rows(x, _DYNAMIC, None, out_dtype, pdl)
+    return _rows(x, _GIVEN_AMAX, amax.reshape(-1).float().contiguous(), out_dtype, pdl)
 
 
 def quant_static(
-    x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
+    x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] as float8 with the per-tensor float32 `scale` (a scalar tensor), and that scale
     repeated per row, [M, 1] (a row-wise operand for per-channel weights)."""
-    return _rows(x, _STATIC, scale.reshape(1).float(), out_dtype)
+    return _rows(x, _STATIC, scale.reshape(1).float(), out_dtype, pdl)
 
 
 def quant_per_token_group(
-    x: torch.Tensor, group: int = 128, out_dtype: torch.dtype = FP8_DTYPE
+    x: torch.Tensor, group: int = 128, out_dtype: torch.dtype = FP8_DTYPE, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] as float8 [M, K] and float32 scales [M, ceil(K / group)], one per row and group
     of `group` columns, stored column-major (strides (1, M))."""
@@ -225,5 +236,6 @@ def quant_per_token_group(
         BLOCK_M=block_m,
         ROUND=_rounds(x, out_dtype),
         num_warps=4,
+        **pdl_launch_kwargs(pdl, x),
     )
     return q, scale

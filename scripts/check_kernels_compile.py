@@ -104,6 +104,10 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             x, w, sw, None, amax=torch.rand(m), pdl=True)))  # fmt: skip
         out.append((f"fp8_gemv M={m} swiglu", lambda x=x: fp8_gemv.fp8_gemv(
             x, gate_up, sw_gate_up, None, swiglu=True, pdl=True)))  # fmt: skip
+        out.append((f"fp8_gemv M={m} blocks", lambda x=x: fp8_gemv.fp8_gemv(
+            x, w, torch.rand(48, 32), blocks=True, pdl=True)))  # fmt: skip
+        out.append((f"fp8_gemv M={m} blocks swiglu", lambda x=x: fp8_gemv.fp8_gemv(
+            x, gate_up, torch.rand(16, 32), blocks=True, swiglu=True, pdl=True)))  # fmt: skip
     for k in (4096, 20000):
         x = torch.randn(3, k, dtype=torch.bfloat16)
         out.append((f"fp8_quant per token K={k}", lambda x=x: fp8_quant.quant_per_token(x)))

@@ -8,11 +8,12 @@ weights.py) and how it multiplies, by device and kernel config.
                                              (cuBLASLt): row-wise scales, or tensor-wise where
                                              every scale is one; decode
                                              batches (M <= 16) with decode_gemv "triton" on
-                                             kernels/fp8_gemv.py (the quantization inside)
+                                             kernels/fp8_gemv.py
     "fp8_block": FP8 in 128 x 128 blocks,    float8 weight and block scales kept; activations
     dynamic activations, CUDA sm_89+         quantized per token and group of 128 columns
     (fp8_matmul "scaled_mm"), any dtype      (kernels/fp8_quant.py), then the Triton block
-                                             matmul (kernels/fp8_block_matmul.py)
+                                             matmul (kernels/fp8_block_matmul.py); decode
+                                             batches as "scaled_mm"'s, block-scaled
     "int4": INT4 (int4_matmul "triton":      the weight packed at load (batchrun/quant/
     CUDA, or CPU tensors under Triton's      int4_layout.py); decode batches (M <= 16) on
     interpreter)                             kernels/int4_gemv.py (the SwiGLU gate inside for
@@ -164,7 +165,9 @@ class QuantMatmul(nn.Module):
         super().__init__()
         self.spec, self.dtype = spec, dtype
         kernels = kernels or KernelConfig.reference()
-        self.fp8_gemv = spec.kernel == "scaled_mm" and kernels.decode_gemv == "triton"
+        self.fp8_gemv = (
+            spec.kernel in ("scaled_mm", "fp8_block") and kernels.decode_gemv == "triton"
+        )
         self.pdl = bool(kernels.pdl)
         # NOTE: per-token scales of a row-parallel input come from all its columns, on every
         # rank: one all-reduce of [M] floats per such layer makes TP=N quantize as TP=1
@@ -235,20 +238,27 @@ class QuantMatmul(nn.Module):
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether x [M, K] runs on a decode kernel that can fuse the SwiGLU gate (`gemv`):
-        kernels/fp8_gemv.py for a decode batch (M <= 16, unit stride along K) of a scaled_mm
-        layer with decode_gemv "triton"; kernels/int4_gemv.py for one of an INT4 layer whose
+        kernels/fp8_gemv.py for a decode batch (M <= 16, unit stride along K) of a scaled_mm or
+        fp8_block layer with decode_gemv "triton" (block FP8: a gate_up's halves whole 128-row
+        blocks); kernels/int4_gemv.py for one of an INT4 layer whose
         halves are whole words, without act-order."""
         if x.dim() != 2 or x.stride(-1) != 1 or x.dtype != self.dtype:
             return False
         if self.spec.kernel == "int4":
             return int4_gemv_kernel.takes(self._packed(), x.shape[0], swiglu=True)
-        return self.fp8_gemv and x.shape[0] <= FP8_GEMV_MAX_ROWS
+        # block FP8: a fused gate_up's halves of whole 128-row blocks
+        halves = self.spec.kernel != "fp8_block" or self.out_features % (2 * 128) == 0
+        return self.fp8_gemv and halves and x.shape[0] <= FP8_GEMV_MAX_ROWS
 
     def gemv(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         """x @ W^T on the decode kernel (`takes_gemv`); with swiglu, W is a fused gate_up
         and the result silu(gate) * up [M, out_features / 2]."""
         if self.spec.kernel == "int4":
             return int4_gemv_kernel.int4_gemv(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
+        if self.spec.kernel == "fp8_block":
+            return fp8_gemv(
+                x, self.weight, self.weight_scale, blocks=True, swiglu=swiglu, pdl=self.pdl
+            )
         amax = None
         if self.input_scale is None and self.reduce_max is not None:
             amax = self.reduce_max(row_amax(x))  # every rank's columns: TP=N quantizes as TP=1
@@ -268,6 +278,8 @@ class QuantMatmul(nn.Module):
                 return self.gemv(x)
             return self._scaled_mm(x)
         if self.spec.kernel == "fp8_block":
+            if self.takes_gemv(x):
+                return self.gemv(x)
             return self._block_matmul(x)
         if self.spec.kernel == "int4":
             return self._int4(x)

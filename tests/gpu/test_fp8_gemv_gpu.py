@@ -10,6 +10,7 @@ checkpoints whose decode batches run the kernel giving the scaled_mm path's gree
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,34 @@ def test_fp8_gemv_matches_scaled_mm_and_the_dequantized_reference(shape, activat
                 _close_to(fp8_gemv(x, w, sw, config=variant), got, f"{what} {variant}")
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_block_fp8_matches_the_block_matmul(shape):
+    """Block FP8 (128 x 128 weight blocks, activations per 128-column group) against
+    kernels/fp8_block_matmul.py on the same quantized operands, and the SwiGLU epilogue of a
+    gate_up against it then the gate."""
+    import torch.nn.functional as F
+    from batchrun.kernels.fp8_block_matmul import block_fp8_matmul
+    from batchrun.kernels.fp8_gemv import fp8_gemv
+    from batchrun.kernels.fp8_quant import quant_per_token_group
+
+    from batchrun.quant.quantize import quantize_fp8
+
+    torch.manual_seed(0)
+    n, k = SHAPES[shape]
+    qw = quantize_fp8(torch.randn(n, k, device="cuda") * 0.02, "block", (128, 128))
+    for m in MS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        xq, sx = quant_per_token_group(x, 128)
+        want = block_fp8_matmul(xq, sx, qw.weight, qw.scale)
+        what = f"{shape} M={m} blocks"
+        _close_to(fp8_gemv(x, qw.weight, qw.scale, blocks=True), want, what)
+        if shape.endswith("gate_up"):
+            gate, up = want.chunk(2, dim=-1)
+            gated = (F.silu(gate.float()).to(torch.bfloat16).float() * up.float()).bfloat16()
+            got = fp8_gemv(x, qw.weight, qw.scale, blocks=True, swiglu=True)
+            _close_to(got, gated, what + " swiglu", roundings=3)
+
+
 @pytest.mark.parametrize("shape", ["8b-gate_up", "1b-gate_up"])
 def test_the_swiglu_epilogue_matches_scaled_mm_then_the_gate(shape):
     import torch.nn.functional as F
@@ -179,10 +208,11 @@ def _generate(config: EngineConfig) -> list[list[int]]:
     return [outs[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("fmt", ["ct-fp8-channel", "modelopt-fp8", "online"])
+@pytest.mark.parametrize("fmt", ["ct-fp8-channel", "modelopt-fp8", "online", "fp8-block"])
 def test_decode_on_fp8_gemv_gives_the_scaled_mm_tokens(fmt, tmp_path):
     """Graphs on, decode batches of up to 16 rows on kernels/fp8_gemv.py (decode_gemv
-    "triton") against every matmul on torch._scaled_mm (decode_gemv "cublas"): the same
+    "triton") against every matmul on torch._scaled_mm or the block matmul (decode_gemv
+    "cublas"): the same
     quantized operands, summed in another order, so the same greedy tokens (a request may
     part at a near-tie: at least 22 of the 24 identical)."""
     from quant_checkpoints import make_fp32_model, write_quantized
@@ -196,8 +226,11 @@ def test_decode_on_fp8_gemv_gives_the_scaled_mm_tokens(fmt, tmp_path):
     base = dict(
         model=str(tmp_path), device="cuda", dtype="bfloat16", kv_budget=20000, max_running=32, **kw
     )
-    gemv = _generate(EngineConfig(**base, kernels=KernelConfig(decode_gemv="triton")))
-    scaled_mm = _generate(EngineConfig(**base, kernels=KernelConfig(decode_gemv="cublas")))
+    # block FP8 keeps its blocks (fp8_matmul "auto" dequantizes a model that fits): decode on the
+    # block-scaled GEMV against the block matmul
+    kernels = KernelConfig(fp8_matmul="scaled_mm")
+    gemv = _generate(EngineConfig(**base, kernels=replace(kernels, decode_gemv="triton")))
+    scaled_mm = _generate(EngineConfig(**base, kernels=replace(kernels, decode_gemv="cublas")))
     same = sum(a == b for a, b in zip(gemv, scaled_mm))
     print(f"{fmt}: {same} of {len(gemv)} requests identical")
     assert same >= 22, f"{fmt}: {same} of {len(gemv)} requests identical"

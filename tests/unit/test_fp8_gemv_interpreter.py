@@ -122,6 +122,55 @@ def _check_matmuls(gen):
         _check(fp8_gemv(x, w, sw, config=cfg, swiglu=True), ref, f"swiglu M={m}")
 
 
+def _block_reference(x, w, sw, swiglu=False):
+    """fp32 sums of each 128-column group's q(x) @ w.T times the group's and the block's scales
+    (kernels/fp8_quant.py's quant_per_token_group, exact under the interpreter), rounded to x's
+    dtype (the SwiGLU gate as the unfused path rounds it)."""
+    from batchrun.kernels.fp8_quant import quant_per_token_group
+
+    xq, sx = quant_per_token_group(x, 128)
+    k = x.shape[1]
+    xd = xq.double() * sx.double().repeat_interleave(128, 1)[:, :k]
+    wsc = sw.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    y = (xd @ (w.double() * wsc[: w.shape[0], :k]).t()).float()
+    if not swiglu:
+        return y.to(x.dtype)
+    gate, up = y.to(x.dtype).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+
+
+def _check_blocks(gen):
+    """Block FP8 (128 x 128 weight blocks, activations per 128-column group): tails of N and K,
+    K slices, the SwiGLU epilogue of a gate_up of whole blocks, and QuantMatmul's decode route."""
+    from dataclasses import replace
+
+    from batchrun.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv
+    from triton_interpreter import INTERPRETER_KERNELS
+
+    from batchrun.quant.linear import QuantMatmul, QuantSpec
+    from batchrun.quant.quantize import quantize_fp8
+
+    for m, n, k, cfg, swiglu in (
+        (1, 200, 300, None, False),
+        (5, 128, 640, Fp8GemvConfig(split_k=3), False),
+        (3, 256, 256, Fp8GemvConfig(block_n=128), True),
+    ):
+        qw = quantize_fp8(torch.randn(n, k, generator=gen) * 0.05, "block", (128, 128))
+        x = torch.randn(m, k, generator=gen).half()
+        x[0, 3] = 20.0  # an outlier: its group quantizes coarsely, the others do not
+        got = fp8_gemv(x, qw.weight, qw.scale, blocks=True, config=cfg, swiglu=swiglu)
+        want = _block_reference(x, qw.weight, qw.scale, swiglu)
+        _check(got, want, f"blocks M={m} N={n} K={k} {cfg} swiglu={swiglu}", 0.0, ulps=2)
+    qw = quantize_fp8(torch.randn(256, 256, generator=gen) * 0.05, "block", (128, 128))
+    spec = QuantSpec("fp8", "dynamic", (128, 128), "fp8_block", "test")
+    kernels = replace(INTERPRETER_KERNELS, decode_gemv="triton")
+    layer = QuantMatmul(256, 256, spec, torch.bfloat16, "cpu", kernels=kernels)
+    layer.load(qw, "test")
+    x = torch.randn(3, 256, generator=gen).bfloat16()
+    assert layer.takes_gemv(x) and not layer.takes_gemv(torch.zeros(17, 256).bfloat16())
+    _check(layer(x), _block_reference(x, qw.weight, qw.scale), "QuantMatmul blocks", 0.0)
+
+
 def _check_wiring(gen):
     """A scaled_mm QuantMatmul with decode_gemv "triton" runs its decode batches (and a fused
     gate_up's SwiGLU) on the kernel; with "cublas" it does not take it."""
@@ -156,6 +205,7 @@ def _run_checks():
     _check_quantization(gen)
     _check_matmuls(gen)
     _check_wiring(gen)
+    _check_blocks(gen)
     print("ok")
 
 
