@@ -33,6 +33,9 @@ INT4_MATMULS = ("auto", "triton", "dequant")
 # the experts of a mixture-of-experts model (layers/moe.py): "triton" kernels/fused_moe.py,
 # "torch" a per-expert loop that reads the routing on the host (the reference)
 MOE_BACKENDS = ("auto", "triton", "torch")
+# the fused experts' decode batches (of at most kernels/moe_gemv.py's MAX_ROWS routed rows):
+# "gemv" kernels/moe_gemv.py, "grouped" kernels/fused_moe.py's grouped GEMMs as every batch
+MOE_DECODES = ("auto", "grouped", "gemv")
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: a bf16 checkpoint quantized at load
 # EngineConfig.kv_cache_dtype: "auto" the compute dtype; "fp8_e4m3" float8_e4m3fn with the
 # checkpoint's per-layer k/v scales (else 1.0), one byte an element (batchrun/quant/kv_cache.py)
@@ -145,6 +148,8 @@ class KernelConfig:
     moe                 one of MOE_BACKENDS for a mixture of experts' experts: "triton" the fused
                         MoE kernels (kernels/fused_moe.py), "torch" a per-expert loop; auto:
                         "triton" on CUDA where Triton imports, "torch" elsewhere
+    moe_decode          one of MOE_DECODES for moe "triton"'s decode batches; auto: "grouped"
+                        (engine/kernel_choice.py says why)
     """
 
     attention: str = "auto"
@@ -158,6 +163,7 @@ class KernelConfig:
     fp8_matmul: str = "auto"
     int4_matmul: str = "auto"
     moe: str = "auto"
+    moe_decode: str = "auto"
 
     @classmethod
     def reference(cls) -> KernelConfig:
@@ -174,6 +180,7 @@ class KernelConfig:
             fp8_matmul="dequant",
             int4_matmul="dequant",
             moe="torch",
+            moe_decode="grouped",
         )
 
     def validate(self) -> None:
@@ -183,12 +190,16 @@ class KernelConfig:
         _one_of("fp8_matmul", self.fp8_matmul, FP8_MATMULS)
         _one_of("int4_matmul", self.int4_matmul, INT4_MATMULS)
         _one_of("moe backend", self.moe, MOE_BACKENDS)
+        _one_of("moe_decode", self.moe_decode, MOE_DECODES)
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0; got {self.cuda_graph_max_bs}")
 
     @property
     def is_resolved(self) -> bool:
-        auto = {"attention", "decode_gemv", "decode_norms", "fp8_matmul", "int4_matmul", "moe"}
+        auto = {
+            "attention", "decode_gemv", "decode_norms", "fp8_matmul", "int4_matmul", "moe",
+            "moe_decode",
+        }  # fmt: skip
         return all(
             getattr(self, f.name) != "auto" if f.name in auto else getattr(self, f.name) is not None
             for f in fields(self)

@@ -2,12 +2,15 @@
 
     fused       align + gate_up + down + top-k sum, the rule's tiles (pick_config)
     align       kernels/moe_align.py alone (a part of fused)
+    moe_gemv    kernels/moe_gemv.py (KernelConfig.moe_decode "gemv"), up to GEMV_MAX_ROWS
+                routed rows: the decode batches' GEMVs against fused's grouped GEMMs
     loop        the per-expert torch loop (gather, F.linear x2, SiLU, index_add): the baseline
     dense       bf16 torch.mm of the same FLOPs and shapes: [T * k, H] x [H, 2I], then
                 [T * k, I] x [I, H] (what the grouped GEMMs would cost as one dense GEMM each)
 
     python scripts/bench_fused_moe.py                                 # Qwen3-30B-A3B, Mixtral
     python scripts/bench_fused_moe.py --models qwen3-30b-a3b --tokens 1,8192 --sweep
+    python scripts/bench_fused_moe.py --tokens 1,2,4,8               # moe_gemv against fused
 
 Figures per row: µs per call; prefill TFLOP/s (6 T k H I) of fused and dense, and their ratio
 (the issue's target: fused >= 70 % of dense at prefill sizes); decode GB/s of the expert weights
@@ -41,6 +44,7 @@ MODELS = {
     "mixtral-8x7b": (8, 2, 4096, 14336),
 }
 ROUTINGS = 16  # routings cycled per graph: decode calls touch other experts each time
+GEMV_MAX_ROWS = 64  # routed rows up to which kernels/moe_gemv.py is timed too (its rule: 16)
 
 
 def events_time_us(fn, calls: int, graph: bool) -> float:
@@ -114,6 +118,7 @@ def sweep_configs(config):
 def bench(model: str, num_tokens: int, sweep: bool, copy_bw: float) -> dict:
     from batchrun.kernels.fused_moe import fused_moe, pick_config, tokens_per_pass
     from batchrun.kernels.moe_align import align_by_expert
+    from batchrun.kernels.moe_gemv import moe_gemv, takes_gemv
 
     num_experts, top_k, hidden, inter = MODELS[model]
     torch.manual_seed(0)
@@ -157,6 +162,14 @@ def bench(model: str, num_tokens: int, sweep: bool, copy_bw: float) -> dict:
     r["touched_experts"] = sum(touched) / n
     r["touched_gbps"] = weight_bytes / r["fused_us"] / 1e3
     r["touched_vs_copy"] = r["touched_gbps"] / copy_bw
+    if rows <= GEMV_MAX_ROWS:
+        got = moe_gemv(x, w13, w2, *routings[0])
+        r["gemv_error"] = float((got.float() - want).norm() / want.norm())
+        r["gemv_us"] = events_time_us(
+            lambda i: moe_gemv(x, w13, w2, *routings[i % n]), calls, graph=True
+        )
+        r["gemv_touched_gbps"] = weight_bytes / r["gemv_us"] / 1e3
+        r["takes_gemv"] = takes_gemv(num_tokens, top_k)
     if sweep:
         timed = []
         for cfg in sweep_configs(config):
@@ -207,6 +220,13 @@ def main(argv=None) -> int:
                 f"{r['error']:.1e} |",
                 flush=True,
             )
+            if "gemv_us" in r:
+                print(
+                    f"    moe_gemv: {r['gemv_us']:.1f} µs, touched {r['gemv_touched_gbps']:.0f} "
+                    f"GB/s ({r['gemv_touched_gbps'] / copy_bw:.0%} of copy), error "
+                    f"{r['gemv_error']:.1e}, the rule takes it: {r['takes_gemv']}",
+                    flush=True,
+                )
             if args.sweep:
                 print(f"    sweep top: {r['sweep_top']}; failed: {r['sweep_failed']}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

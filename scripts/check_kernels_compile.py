@@ -285,9 +285,11 @@ MOE_SHAPES = (
 
 
 def _moe_cases() -> list[tuple[str, Callable[[], object]]]:
-    """kernels/fused_moe.py (and its alignment) at the tile buckets its rule picks: torch.empty
-    weights (no pages touched), every token routed to expert 0; kernels/moe_route.py's router."""
+    """kernels/fused_moe.py (and its alignment) at the tile buckets its rule picks, and
+    kernels/moe_gemv.py at decode sizes: torch.empty weights (no pages touched), every token
+    routed to expert 0; kernels/moe_route.py's router."""
     from batchrun.kernels.fused_moe import fused_moe
+    from batchrun.kernels.moe_gemv import moe_gemv
     from batchrun.kernels.moe_route import topk_softmax
 
     out: list[tuple[str, Callable[[], object]]] = []
@@ -308,6 +310,14 @@ def _moe_cases() -> list[tuple[str, Callable[[], object]]]:
                 return fused_moe(x, w13, w2, torch.rand(t, k), ids)
 
             out.append((f"fused_moe {name} T={tokens}", call))
+        for tokens in (1, 2) if top_k > 2 else (1, 2, 8):
+
+            def gemv_call(t=tokens, k=top_k, h=hidden, w13=w13, w2=w2):
+                x = torch.empty(t, h, dtype=torch.bfloat16)
+                ids = torch.zeros(t, k, dtype=torch.int32)
+                return moe_gemv(x, w13, w2, torch.rand(t, k), ids)
+
+            out.append((f"moe_gemv {name} T={tokens}", gemv_call))
     out += _gpt_oss_moe_cases()
     return out
 
@@ -316,6 +326,7 @@ def _gpt_oss_moe_cases() -> list[tuple[str, Callable[[], object]]]:
     """fused_moe with gpt-oss-20b's experts (32, top-4, 2880 / 2880): biases and the clamped
     SwiGLU, with and without the down bias (TP ranks other than 0)."""
     from batchrun.kernels.fused_moe import fused_moe
+    from batchrun.kernels.moe_gemv import moe_gemv
 
     from batchrun.layers.moe import ExpertExtras
 
@@ -336,6 +347,14 @@ def _gpt_oss_moe_cases() -> list[tuple[str, Callable[[], object]]]:
 
             bias = "b2" if down_bias is not None else "no b2"
             out.append((f"fused_moe gpt-oss-20b {bias} T={tokens}", call))
+
+            def gemv_call(extras=extras):
+                x = torch.empty(1, hidden, dtype=torch.bfloat16)
+                ids = torch.zeros(1, top_k, dtype=torch.int32)
+                return moe_gemv(x, w13, w2, torch.rand(1, top_k), ids, extras=extras)
+
+            if tokens == 1:
+                out.append((f"moe_gemv gpt-oss-20b {bias} T=1", gemv_call))
     return out
 
 

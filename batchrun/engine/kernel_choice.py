@@ -204,6 +204,18 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             "moe 'triton' (kernels/fused_moe.py) needs the triton package; use 'torch' or 'auto'"
         )
 
+    moe_decode = want.moe_decode
+    if moe_decode == "auto":
+        # NOTE: kernels/moe_gemv.py is not the default: it has no H200 figure against the
+        # grouped GEMMs yet (`scripts/bench_fused_moe.py --tokens 1,2,4,8` times both;
+        # `scripts/bench_throughput.py --workloads W3 --variants batchrun,moe-gemv` the decode)
+        moe_decode = "grouped"
+    elif moe_decode == "gemv" and moe != "triton":
+        raise ValueError(
+            "moe_decode 'gemv' (kernels/moe_gemv.py) runs the fused experts' decode batches: it "
+            "needs moe 'triton'; use 'grouped' or 'auto'"
+        )
+
     # the norms inside the matmuls need every matmul whole and plain: a row-parallel matmul's
     # all-reduce comes between its sums and the residual, and a bias between them too; and
     # bf16 weights (kernels/gemv.py's). A mixture's experts are no one matmul
@@ -265,6 +277,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         _check_kernels_import()
     if fused_moe:
         _check_kernels_import("batchrun.kernels.fused_moe")
+        if moe_decode == "gemv":
+            _check_kernels_import("batchrun.kernels.moe_gemv")
     return replace(
         want,
         attention=attention,
@@ -278,4 +292,5 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         fp8_matmul=fp8_matmul,
         int4_matmul=int4_matmul,
         moe=moe,
+        moe_decode=moe_decode,
     )

@@ -71,15 +71,23 @@ def moe_experts(
     topk_ids: torch.Tensor,
     backend: str,
     extras: ExpertExtras | None = None,
+    decode: str = "grouped",
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j],
     as [T, H] in x's dtype. x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
     topk_weights [T, k] float32; topk_ids [T, k] int. backend "torch": a per-expert loop (the
     reference; it reads the routing on the host); "triton": batchrun.kernels.fused_moe
-    (CUDA, no host sync). `extras`: gpt-oss's biases and clamped SwiGLU."""
+    (CUDA, no host sync), with decode "gemv" its decode batches on batchrun.kernels.moe_gemv
+    (KernelConfig.moe_decode). `extras`: gpt-oss's biases and clamped SwiGLU."""
     if backend == "triton":
-        from batchrun.kernels.fused_moe import fused_moe  # Triton: imported on CUDA only
+        # Triton: imported on CUDA only
+        from batchrun.kernels.fused_moe import fused_moe
 
+        if decode == "gemv":
+            from batchrun.kernels.moe_gemv import moe_gemv, takes_gemv
+
+            if takes_gemv(x.shape[0], topk_ids.shape[1]):
+                return moe_gemv(x, w13, w2, topk_weights, topk_ids, extras=extras)
         return fused_moe(x, w13, w2, topk_weights, topk_ids, extras=extras)
     extras = extras or ExpertExtras()
     if backend != "torch":
@@ -147,7 +155,7 @@ class MoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         assert moe is not None
-        self.tp, self.backend = tp, kernels.moe
+        self.tp, self.backend, self.decode = tp, kernels.moe, kernels.moe_decode
         self.top_k, self.renormalize = moe.top_k, moe.norm_topk_prob
         self._part, self._cfg = part, cfg
         hidden, local = cfg.hidden_size, part.moe_intermediate_size
@@ -212,7 +220,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         num_tokens, padded = x.shape[0], self._router_input(x)
         weights, ids = self._route(self.gate(padded)[:num_tokens], self.top_k, self.renormalize)
-        out = moe_experts(x, self.w13, self.w2, weights, ids, self.backend, self.extras())
+        out = moe_experts(
+            x, self.w13, self.w2, weights, ids, self.backend, self.extras(), self.decode
+        )
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(padded)[:num_tokens])  # [T, 1]
             out = out + gate * self.shared_expert(x)

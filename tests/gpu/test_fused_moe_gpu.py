@@ -1,6 +1,6 @@
-"""The fused MoE (kernels/moe_align.py, kernels/fused_moe.py) on the GPU in bf16, at the real
-models' expert widths and 1 to 16,384 tokens, against a per-expert torch loop; no host sync;
-the same bits in a CUDA graph as eager.
+"""The fused MoE (kernels/moe_align.py, kernels/fused_moe.py, and the decode batches'
+kernels/moe_gemv.py) on the GPU in bf16, at the real models' expert widths and 1 to 16,384 tokens,
+against a per-expert torch loop; no host sync; the same bits in a CUDA graph as eager.
 
     pytest tests/gpu/test_fused_moe_gpu.py -q          (a few minutes on an H200)
 """
@@ -145,6 +145,55 @@ def test_cuda_graph_replays_equal_eager(num_tokens):
         graph.replay()
         want = fused_moe(nx, w13, w2, nweights, nids)
         assert torch.equal(out, want), (num_tokens, seed)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_moe_gemv_matches_the_per_expert_loop(model):
+    """The decode batches' GEMVs at 1 to 16 tokens (past the rule's MAX_ROWS too), a token's
+    row the same whatever rows share its batch's bucket; the split counters left at zero."""
+    from batchrun.kernels.fused_moe import tile_tokens
+    from batchrun.kernels.gemv import split_counters
+    from batchrun.kernels.moe_gemv import moe_gemv
+
+    num_experts, top_k, hidden, inter = MODELS[model]
+    x, w13, w2, weights, ids = make_inputs(16, num_experts, top_k, hidden, inter)
+    for num_tokens in (1, 2, 3, 4, 7, 16):
+        args = (x[:num_tokens], w13, w2, weights[:num_tokens], ids[:num_tokens])
+        got = moe_gemv(*args)
+        assert got.dtype == torch.bfloat16 and got.shape == (num_tokens, hidden)
+        rel = rel_error(got, reference_moe(*args))
+        assert rel < BF16_BOUND, (model, num_tokens, rel)
+        assert torch.equal(moe_gemv(*args), got), (model, num_tokens)  # deterministic
+        if tile_tokens(num_tokens) == tile_tokens(num_tokens + 1):
+            more = moe_gemv(x[: num_tokens + 1], w13, w2, weights[: num_tokens + 1],
+                            ids[: num_tokens + 1])  # fmt: skip
+            assert torch.equal(more[:num_tokens], got), (model, num_tokens)
+    torch.cuda.synchronize()
+    assert int(split_counters(x.device).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 4])
+def test_moe_gemv_graph_replays_equal_eager_without_host_sync(num_tokens):
+    from batchrun.kernels.moe_gemv import moe_gemv
+
+    x, w13, w2, weights, ids = make_inputs(num_tokens, 128, 8, 2048, 768)
+    moe_gemv(x, w13, w2, weights, ids)  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe_gemv(x, w13, w2, weights, ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    static = [x.clone(), weights.clone(), ids.clone()]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_gemv(static[0], w13, w2, static[1], static[2])
+    for seed in (1, 2, 3):
+        nx, _, _, nweights, nids = make_inputs(num_tokens, 128, 8, 2048, 768, seed=seed)
+        for buf, new in zip(static, (nx, nweights, nids)):
+            buf.copy_(new)
+        graph.replay()
+        assert torch.equal(out, moe_gemv(nx, w13, w2, nweights, nids)), (num_tokens, seed)
 
 
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b"])

@@ -1,6 +1,7 @@
-"""The fused MoE (kernels/moe_route.py, kernels/moe_align.py, kernels/fused_moe.py) under Triton's
-CPU interpreter: the router against layers/moe.py's `route`, the alignment against its
-definition, the experts against a per-expert torch loop written here.
+"""The fused MoE (kernels/moe_route.py, kernels/moe_align.py, kernels/fused_moe.py, the decode
+batches' kernels/moe_gemv.py) under Triton's CPU interpreter: the router against layers/moe.py's
+`route`, the alignment against its definition, the experts against a per-expert torch loop
+written here.
 
 Widths are scaled down for the interpreter; the expert counts (8, 60, 128) and top-k (1, 2, 4, 8)
 are the real models'. fp32 and fp16 only: the interpreter's tl.dot is wrong for bf16
@@ -161,6 +162,51 @@ def _check_configs_and_edges():
     assert float((got - want).norm() / want.norm()) < 1e-5
 
 
+def _check_gemv(dtype, rel_bound):
+    """kernels/moe_gemv.py: the decode batches' experts against the loop (top-k 1 to 8, H and I
+    off the tile sizes, T past the rule's MAX_ROWS too), bit-identical on a second call (the
+    split counters left at zero) and for a token whatever rows pad the batch."""
+    from batchrun.kernels.fused_moe import tile_tokens
+    from batchrun.kernels.gemv import split_counters
+    from batchrun.kernels.moe_gemv import moe_gemv, pick_config, takes_gemv
+
+    gen = torch.Generator().manual_seed(3)
+    cases = [
+        (1, 8, 2, 64, 32),
+        (3, 8, 2, 96, 48),
+        (5, 8, 1, 96, 48),
+        (1, 60, 4, 64, 96),
+        (2, 60, 4, 80, 40),
+        (1, 128, 8, 64, 32),
+        (2, 128, 8, 48, 64),
+        (2, 8, 8, 64, 32),
+        (9, 8, 2, 64, 32),
+    ]
+    for num_tokens, num_experts, top_k, hidden, inter in cases:
+        x = torch.randn(num_tokens + 1, hidden, generator=gen).to(dtype)
+        w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+        w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+        weights, ids = make_routing(num_tokens + 1, num_experts, top_k, gen)
+        x, padded = x[:num_tokens], (x, weights, ids.int())
+        weights, ids = weights[:num_tokens], ids[:num_tokens]
+        want = reference_moe(x, w13, w2, weights, ids)
+        got = moe_gemv(x, w13, w2, weights, ids.int())
+        assert got.dtype == dtype and got.shape == x.shape
+        rel = float((got.float() - want).norm() / want.norm())
+        assert rel < rel_bound, (num_tokens, num_experts, top_k, hidden, inter, dtype, rel)
+        assert torch.equal(moe_gemv(x, w13, w2, weights, ids), got)
+        assert int(split_counters(x.device).abs().sum()) == 0
+        if tile_tokens(num_tokens) == tile_tokens(num_tokens + 1):  # one bucket, one config
+            with_pad = moe_gemv(padded[0], w13, w2, padded[1], padded[2])
+            assert torch.equal(with_pad[:num_tokens], got), (num_tokens, num_experts, top_k)
+    assert takes_gemv(1, 8) and takes_gemv(2, 8) and not takes_gemv(3, 8)
+    assert takes_gemv(8, 2) and not takes_gemv(9, 2) and not takes_gemv(0, 2)
+    # Qwen3-30B-A3B at one token: 16 gate columns (384 programs), 64 down columns (256)
+    assert pick_config(8, 2048, 768, 2)[:2] == (16, 64)
+    assert pick_config(2, 4096, 14336, 2)[:2] == (32, 32)  # Mixtral
+    assert pick_config(8, 2048, 768, 4).block_k == 128
+
+
 def _check_route():
     """kernels/moe_route.py against layers/moe.py's `route` (softmax, topk, renormalize) on random
     logits, and on tied logits against a stable sort: of equal probabilities the lower id first."""
@@ -191,6 +237,8 @@ def _run_checks():
     _check_alignment()
     _check_experts(torch.float32, 1e-5)
     _check_experts(torch.float16, 2e-3, every=2)
+    _check_gemv(torch.float32, 1e-5)
+    _check_gemv(torch.float16, 2e-3)
     _check_configs_and_edges()
     print("ok")
 

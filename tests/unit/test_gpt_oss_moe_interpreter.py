@@ -1,7 +1,8 @@
-"""gpt-oss's experts in the fused MoE (kernels/fused_moe.py with `extras`: gate / up and down
-biases, the clamped SwiGLU) under Triton's CPU interpreter, against the torch expert loop of
-layers/moe.py: decode- and prefill-sized batches, 32 experts top-4 (gpt-oss-20b's), with and
-without the down bias (a TP rank other than 0 adds none), a limit the activations reach.
+"""gpt-oss's experts in the fused MoE (kernels/fused_moe.py and the decode batches'
+kernels/moe_gemv.py with `extras`: gate / up and down biases, the clamped SwiGLU) under Triton's
+CPU interpreter, against the torch expert loop of layers/moe.py: decode- and prefill-sized
+batches, 32 experts top-4 (gpt-oss-20b's), with and without the down bias (a TP rank other than 0
+adds none), a limit the activations reach.
 
 Runs in a subprocess (tests/triton_interpreter.py), fp32 and fp16 (the interpreter's tl.dot is
 wrong for bf16 inputs).
@@ -32,6 +33,7 @@ def test_gpt_oss_experts_under_interpreter():
 
 def _run_checks() -> None:
     from batchrun.kernels.fused_moe import fused_moe
+    from batchrun.kernels.moe_gemv import moe_gemv
     from test_fused_moe_interpreter import make_routing
 
     from batchrun.layers.moe import ExpertExtras, moe_experts
@@ -53,9 +55,10 @@ def _run_checks() -> None:
                                                b2.float(), 1.702, 1.5))  # fmt: skip
                 plain = moe_experts(x.float(), w13.float(), w2.float(), weights, ids, "torch")
                 assert (ref - plain).abs().max() > 0.1  # the biases and the clamp matter
-                out = fused_moe(x, w13, w2, weights, ids, extras=extras)
-                err = (out.float() - ref).abs().max() / ref.abs().max()
-                assert err <= tol, (dtype, num_tokens, err)
+                for experts_fn in (fused_moe, moe_gemv):
+                    out = experts_fn(x, w13, w2, weights, ids, extras=extras)
+                    err = (out.float() - ref).abs().max() / ref.abs().max()
+                    assert err <= tol, (experts_fn.__name__, dtype, num_tokens, err)
     print("ok")
 
 

@@ -82,6 +82,7 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         fp8_matmul="dequant",
         int4_matmul="dequant",
         moe="torch",
+        moe_decode="grouped",
     )
     assert kernels.is_resolved
 
@@ -211,6 +212,7 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         fp8_matmul="scaled_mm",  # the FP8 linears of a quantized model on the tensor cores
         int4_matmul="dequant",  # a plain model's (INT4 ones: the rule below)
         moe="triton",  # a mixture's experts on kernels/fused_moe.py
+        moe_decode="grouped",
     )
     assert kernels.is_resolved
 
@@ -283,6 +285,7 @@ def test_fields_set_by_hand_are_kept(gpu):
         fp8_matmul="dequant",
         int4_matmul="dequant",
         moe="torch",
+        moe_decode="grouped",
     )
     assert resolve(SMALL, CUDA, want) == want
 
@@ -397,6 +400,26 @@ def test_a_mixture_of_experts_runs_the_fused_moe_on_cuda(gpu, monkeypatch):
     small_moe = replace(SMALL, moe=moe_cfg.moe)
     assert not resolve(small_moe, CUDA).piecewise_graphs
     assert resolve(small_moe, CUDA, KernelConfig(piecewise_graphs=True)).piecewise_graphs
+
+
+def test_moe_decode_gemv_is_asked_for(gpu, monkeypatch):
+    """moe_decode auto: the grouped GEMMs for every batch; "gemv" (kernels/moe_gemv.py for the
+    decode batches) with the fused experts only, its module checked at start-up."""
+    moe_cfg = ModelConfig.from_dict(QWEN3_30B_A3B)
+    assert resolve(moe_cfg).moe_decode == "grouped"
+    with pytest.raises(ValueError, match="moe_decode 'gemv' .* needs moe 'triton'"):
+        resolve(moe_cfg, CPU, KernelConfig(moe_decode="gemv"))
+    with pytest.raises(ValueError, match="moe_decode must be one of auto, grouped, gemv"):
+        resolve(moe_cfg, CPU, KernelConfig(moe_decode="split"))
+    gpu(pdl=True)
+    checked = []
+    monkeypatch.setattr(
+        kernel_choice, "_check_kernels_import", lambda module="gemv": checked.append(module)
+    )
+    assert resolve(moe_cfg, CUDA).moe_decode == "grouped"
+    assert "batchrun.kernels.moe_gemv" not in checked
+    assert resolve(moe_cfg, CUDA, KernelConfig(moe_decode="gemv")).moe_decode == "gemv"
+    assert "batchrun.kernels.moe_gemv" in checked
 
 
 def test_moe_triton_needs_triton(monkeypatch):

@@ -1,8 +1,8 @@
-"""The MoE block with moe "triton" (batchrun.kernels.fused_moe) under Triton's CPU interpreter:
-the tiny Qwen3-MoE, Qwen2-MoE and Mixtral give transformers' prefill logits and the torch loop's
-greedy tokens, in fp32 (the interpreter's tl.dot is wrong for bf16). Skipped where triton or the
-fused MoE module is not installed; runs in a subprocess (TRITON_INTERPRET must be set before
-triton is first imported)."""
+"""The MoE block with moe "triton" (batchrun.kernels.fused_moe; its decode batches also on
+batchrun.kernels.moe_gemv) under Triton's CPU interpreter: the tiny Qwen3-MoE, Qwen2-MoE and
+Mixtral give transformers' prefill logits and the torch loop's greedy tokens, in fp32 (the
+interpreter's tl.dot is wrong for bf16). Skipped where triton or the fused MoE module is not
+installed; runs in a subprocess (TRITON_INTERPRET must be set before triton is first imported)."""
 
 from __future__ import annotations
 
@@ -45,21 +45,21 @@ def _check_model(kind: str, root: Path) -> None:
     path = root / kind
     hf = make_tiny_model(kind, path)
     outs = []
-    for moe in ("triton", "torch"):
-        kernels = replace(KernelConfig.reference(), moe=moe)
+    for moe, decode in (("triton", "grouped"), ("triton", "gemv"), ("torch", "grouped")):
+        kernels = replace(KernelConfig.reference(), moe=moe, moe_decode=decode)
         engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32",
                                      kv_budget=4096, kernels=kernels))  # fmt: skip
-        assert engine.runner.kernels.moe == moe
+        assert (engine.runner.kernels.moe, engine.runner.kernels.moe_decode) == (moe, decode)
         prompts = random_prompts(3, seed=4, min_len=6, max_len=40)
         with torch.no_grad():
             ref = hf(torch.tensor([prompts[0]])).logits[0]
         logits = engine.score(prompts[0])
         rel = float((logits - ref).norm() / ref.norm())
-        assert rel <= 1e-4, f"{kind} moe={moe}: relative error {rel:.2e}"
+        assert rel <= 1e-4, f"{kind} moe={moe} {decode}: relative error {rel:.2e}"
         params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
         reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
         outs.append({r.rid: r.output_ids for r in engine.generate(reqs)})
-    assert outs[0] == outs[1], kind
+    assert outs[0] == outs[1] == outs[2], kind
 
 
 if __name__ == "__main__":

@@ -1,0 +1,252 @@
+"""The experts of a mixture-of-experts decode batch as GEMVs: one program a routed row and column
+tile, no alignment by expert and no top-k sum of its own, so the experts cost two launches where
+kernels/fused_moe.py's grouped GEMMs take four (align, gate_up, down, sum).
+
+    y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = topk_ids[t, j]
+
+    gate_up    grid (T * k, cdiv(I, GATE_N)): routed row r = t * k + j reads x[t] and the
+               GATE_N gate rows and GATE_N up rows of w13[e]; silu(gate) * up (fp32, rounded
+               once, as fused_moe's epilogue) to inter[r]                            [T * k, I]
+    down       grid (T * k, cdiv(H, DOWN_N)): inter[r] @ w2[e]^T times topk_weights[r] (fp32),
+               stored to plane j of an fp32 workspace [k, T, H]; the last of token t's k
+               programs of a column tile to arrive (a counter per token and tile, as
+               kernels/gemv.py's split-K) sums the k planes in slot order and writes y[t]
+
+Each program streams its weight rows as kernels/gemv.py does at M = 1 (K tiles of 256 through
+the pipelined shared-memory stages, x's one row padded to the tensor cores' 16 with zeros), the
+recipe that reads llama-8b's decode matrices at 4.0-4.5 TB/s on the H200. The grid's first axis
+is the routed row, so the programs of one column tile run together and rows routed to one
+expert read its tile from L2. The sum over a token's experts is in slot order whatever program
+finishes last, and a row's result does not depend on the other rows of the batch: graphs (which
+pad a step) and eager give the same bits.
+
+Where it runs (`takes_gemv`): batches of at most MAX_ROWS routed rows, counted at
+fused_moe.tile_tokens(T) (the size a CUDA graph pads the step to, so eager and graph take one
+path). Past that, rows routed to one expert share its weight tiles better in the grouped GEMMs'
+blocks. gpt-oss's biases and clamped SwiGLU (`extras`) are fused_moe's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from batchrun.kernels.fused_moe import _check_shapes, tile_tokens
+from batchrun.kernels.gemv import (
+    NUM_COUNTERS,
+    SMEM_FOR_W,
+    _mma,
+    _sum_planes,
+    _w_tile,
+    _x_tile,
+    split_counters,
+)
+
+MAX_ROWS = 16  # routed rows (tile_tokens(T) * top_k) this path takes
+TARGET_PROGRAMS = 256  # about two programs per SM of the H200's 132, as kernels/gemv.py aims
+
+
+class MoeGemvConfig(NamedTuple):
+    gate_n: int  # gate columns (and as many up columns) a gate_up program owns
+    down_n: int  # output columns a down program owns
+    block_k: int = 256
+    num_warps: int = 4
+    gate_stages: int = 3
+    down_stages: int = 3
+
+
+def takes_gemv(num_tokens: int, top_k: int) -> bool:
+    """Whether a batch of num_tokens tokens routed to top_k experts each runs here."""
+    return num_tokens > 0 and tile_tokens(num_tokens) * top_k <= MAX_ROWS
+
+
+def pick_config(num_rows: int, hidden: int, inter: int, element_size: int) -> MoeGemvConfig:
+    """Tiles for num_rows routed rows (tile_tokens(T) * k) of widths H, I: kernels/gemv.py's 256-
+    wide K tiles (128 for 4-byte elements), columns halved from 32 (gate_up, each half) and 64
+    (down) down to 16 while the grid has fewer than TARGET_PROGRAMS programs, and as many
+    pipeline stages (up to 3) as kernels/gemv.py's shared-memory budget for weight tiles holds."""
+    block_k = 256 if element_size <= 2 else 128
+    gate_n, down_n = 32, 64
+    while gate_n > 16 and num_rows * triton.cdiv(inter, gate_n) < TARGET_PROGRAMS:
+        gate_n //= 2
+    while down_n > 16 and num_rows * triton.cdiv(hidden, down_n) < TARGET_PROGRAMS:
+        down_n //= 2
+
+    def stages(tile_bytes: int) -> int:
+        return max(1, min(3, SMEM_FOR_W // tile_bytes))
+
+    return MoeGemvConfig(
+        gate_n,
+        down_n,
+        block_k,
+        gate_stages=stages(2 * gate_n * block_k * element_size),
+        down_stages=stages(down_n * block_k * element_size),
+    )
+
+
+@triton.jit
+def _gate_up_gemv_kernel(
+    X,  # [T, H]
+    W13,  # [E, 2I, H]
+    Inter,  # [T * k, I]
+    Ids,  # [T * k] the routed rows' experts
+    B13,  # HAS_BIAS: [E, 2I] gate then up
+    top_k,
+    inter_size,  # I
+    hidden,  # H: the K of this GEMV
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_im,
+    stride_be,
+    alpha,  # CLAMP: gpt-oss's SwiGLU
+    limit,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMP: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    token = (row // top_k).to(tl.int64)
+    expert = tl.load(Ids + row).to(tl.int64)
+    offs_m = tl.arange(0, 16)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = offs_n[:, None] < inter_size
+    g_rows = W13 + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    u_rows = g_rows + inter_size * stride_wn  # the up rows follow the gate rows
+    x_row = X + token * stride_xm
+    gate = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        x = _x_tile(x_row, offs_m, 1, stride_xm, k0, hidden, BLOCK_K)  # row 0, zeros below
+        gate = _mma(gate, x, _w_tile(g_rows, in_n, k0, hidden, BLOCK_K), IEEE)
+        up = _mma(up, x, _w_tile(u_rows, in_n, k0, hidden, BLOCK_K), IEEE)
+    cols = tl.minimum(offs_n, inter_size - 1)
+    if HAS_BIAS:
+        gate += tl.load(B13 + expert * stride_be + cols).to(tl.float32)[None, :]
+        up += tl.load(B13 + expert * stride_be + inter_size + cols).to(tl.float32)[None, :]
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    else:
+        h = gate * tl.sigmoid(gate) * up
+    out = Inter + row.to(tl.int64) * stride_im + offs_m[:, None] * 0 + offs_n[None, :]
+    mask = (offs_m[:, None] == 0) & (offs_n < inter_size)[None, :]
+    tl.store(out, h.to(Inter.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    Inter,  # [T * k, I]
+    W2,  # [E, H, I]
+    Y,  # [T, H]
+    WS,  # TOP_K > 1: fp32 [k, T, H], each slot's weighted rows
+    Counters,  # int32, zero: one per (token, column tile)
+    TopkWeights,  # float32 [T * k]
+    Ids,  # [T * k]
+    B2,  # HAS_BIAS: [E, H]
+    num_tokens,
+    hidden,  # H: the N of this GEMV
+    inter_size,  # I: its K
+    stride_im,
+    stride_we,
+    stride_wn,
+    stride_ym,
+    stride_be,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    token = row // TOP_K
+    slot = row % TOP_K
+    expert = tl.load(Ids + row).to(tl.int64)
+    offs_m = tl.arange(0, 16)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = offs_n[:, None] < hidden
+    w_rows = W2 + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    a_row = Inter + row.to(tl.int64) * stride_im
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        a = _x_tile(a_row, offs_m, 1, stride_im, k0, inter_size, BLOCK_K)
+        acc = _mma(acc, a, _w_tile(w_rows, in_n, k0, inter_size, BLOCK_K), IEEE)
+    if HAS_BIAS:
+        cols = tl.minimum(offs_n, hidden - 1)
+        acc += tl.load(B2 + expert * stride_be + cols).to(tl.float32)[None, :]
+    acc = acc * tl.load(TopkWeights + row)
+    mask = (offs_m[:, None] == 0) & (offs_n < hidden)[None, :]
+    out = Y + token.to(tl.int64) * stride_ym + offs_m[:, None] * 0 + offs_n[None, :]
+    if TOP_K == 1:
+        tl.store(out, acc.to(Y.dtype.element_ty), mask=mask)
+    else:
+        plane_stride = num_tokens * hidden
+        plane_offs = token * hidden + offs_m[:, None] * 0 + offs_n[None, :]
+        tl.store(WS + slot * plane_stride + plane_offs, acc, mask=mask)
+        # NOTE: kernels/gemv.py's split-K protocol: every thread's stores, a CTA barrier, one
+        # gpu-scope acq_rel atomic; the last of the token's k programs reads the planes from L2
+        tl.debug_barrier()
+        counter = Counters + token * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == TOP_K - 1:
+            total = _sum_planes(WS, plane_offs, mask, plane_stride, TOP_K)
+            tl.store(out, total.to(Y.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
+def moe_gemv(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: MoeGemvConfig | None = None,
+    extras=None,
+) -> torch.Tensor:
+    """y [T, H] in x's dtype, as the module docstring says, for any T (`takes_gemv` says where
+    it is the faster path); arguments as kernels/fused_moe.py's fused_moe. Run one call eagerly
+    before capturing a CUDA graph (it may allocate kernels/gemv.py's counters)."""
+    _check_shapes(x, w13, w2, topk_weights, topk_ids)
+    b13 = b2 = None
+    alpha, limit = 1.0, 0.0
+    if extras is not None:
+        b13, b2, alpha, limit = extras.b13, extras.b2, float(extras.alpha), float(extras.limit)
+    for b, rows in ((b13, w13.shape[1]), (b2, w2.shape[1])):
+        assert b is None or (b.shape == (w13.shape[0], rows) and b.stride(-1) == 1), b
+    num_tokens, hidden = x.shape
+    inter_size = w2.shape[2]
+    top_k = topk_ids.shape[1]
+    num_rows = num_tokens * top_k
+    y = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return y
+    c = config or pick_config(tile_tokens(num_tokens) * top_k, hidden, inter_size, x.element_size())
+    down_tiles = triton.cdiv(hidden, c.down_n)
+    assert num_tokens * down_tiles <= NUM_COUNTERS, "more (token, tile) pairs than counters"
+    ids = topk_ids.reshape(-1)
+    weights = topk_weights.reshape(-1).contiguous()
+    inter = torch.empty((num_rows, inter_size), dtype=x.dtype, device=x.device)
+    ws = y if top_k == 1 else torch.empty(num_rows * hidden, dtype=torch.float32, device=x.device)
+    ieee = x.dtype == torch.float32
+    _gate_up_gemv_kernel[(num_rows, triton.cdiv(inter_size, c.gate_n))](
+        x, w13, inter, ids, w13 if b13 is None else b13, top_k, inter_size, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        0 if b13 is None else b13.stride(0), alpha, limit,
+        BLOCK_N=c.gate_n, BLOCK_K=c.block_k, HAS_BIAS=b13 is not None, CLAMP=limit > 0,
+        IEEE=ieee, num_warps=c.num_warps, num_stages=c.gate_stages,
+    )  # fmt: skip
+    _down_gemv_kernel[(num_rows, down_tiles)](
+        inter, w2, y, ws, split_counters(x.device), weights, ids, w2 if b2 is None else b2,
+        num_tokens, hidden, inter_size, inter.stride(0), w2.stride(0), w2.stride(1),
+        y.stride(0), 0 if b2 is None else b2.stride(0),
+        TOP_K=top_k, BLOCK_N=c.down_n, BLOCK_K=c.block_k, HAS_BIAS=b2 is not None,
+        IEEE=ieee, num_warps=c.num_warps, num_stages=c.down_stages,
+    )  # fmt: skip
+    return y
