@@ -10,7 +10,9 @@ a sweep of kernel configurations, the backend's own choice (eager and CUDA-graph
 torch reference backend. Extend (8 requests x 1024 new tokens, prefix 0 and 1024): TFLOP/s of
 the causal attention against the torch reference backend and, for prefix 0, torch's own
 scaled_dot_product_attention on contiguous (unpaged) tensors. The FlashInfer backend (eager, and
-graph for decode; plan() untimed, as the backends' prepare()) where flashinfer is importable.
+graph for decode; plan() untimed, as the backends' prepare()) where flashinfer is importable; on
+extends also with its FlashAttention-3 prefill kernels ("fa3"; an error is printed where the
+build has none).
 Timings are medians of triton.testing.do_bench (L2 flushed between runs) unless marked "graph".
 The kernels run as the engine runs them on this GPU (KERNELS).
 """
@@ -95,14 +97,20 @@ def time_backend(backend, inputs, q, k, v):
     return bench(lambda: backend.forward(q, k, v, 0, D**-0.5))
 
 
-def bench_flashinfer(pool, table, inputs, q, k, v, add, graph: bool, label: str = "") -> None:
+def bench_flashinfer(
+    pool, table, inputs, q, k, v, add, graph: bool, label: str = "", prefill_kernels: str = "fa2"
+) -> None:
     if unavailable_reason(DEV) is not None:
         return
     from batchrun.attention.flashinfer_backend import FlashInferAttentionBackend
 
-    backend = FlashInferAttentionBackend(pool, table)
+    backend = FlashInferAttentionBackend(pool, table, prefill_kernels=prefill_kernels)
     name = f"flashinfer backend {label} (store + kernels), eager".replace("  ", " ")
-    add(name, time_backend(backend, inputs, q, k, v))
+    try:
+        add(name, time_backend(backend, inputs, q, k, v))
+    except Exception as e:  # e.g. a kernel this FlashInfer build does not have: reported
+        print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return
     if graph:
         bs = inputs.batch_size
         backend.init_graph_buffers(bs)
@@ -332,12 +340,17 @@ def bench_extend(prefix_len, rows, batch_size=8, extend_len=1024, sweep_only=Fal
         add(label, bench(fn))
     if sweep_only:
         bench_flashinfer(pool, table, inputs, q, k, v, add, graph=False)  # page size 1
+        bench_flashinfer(pool, table, inputs, q, k, v, add, graph=False, label="fa3",
+                         prefill_kernels="fa3")  # fmt: skip
         return
     triton_backend = TritonAttentionBackend(pool, table, KERNELS)
     add("triton backend (store + kernel)", time_backend(triton_backend, inputs, q, k, v))
     reference = TorchAttentionBackend(pool, table)
     add("torch reference backend", time_backend(reference, inputs, q, k, v))
     bench_flashinfer(pool, table, inputs, q, k, v, add, graph=False)
+    # FlashInfer's FlashAttention-3 (Hopper) prefill over the same page-size-1 pool
+    bench_flashinfer(pool, table, inputs, q, k, v, add, graph=False, label="fa3",
+                     prefill_kernels="fa3")  # fmt: skip
     if prefix_len == 0:  # the unpaged ceiling: torch SDPA (flash) on contiguous tensors
         qc = q.view(batch_size, extend_len, H, D).transpose(1, 2).contiguous()
         kc = k.view(batch_size, extend_len, KV, D).transpose(1, 2).repeat_interleave(H // KV, 1)

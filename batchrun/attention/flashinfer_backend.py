@@ -132,8 +132,11 @@ class _Batch:
 
 
 class FlashInferAttentionBackend(AttentionBackend):
-    def __init__(self, kv_pool, req_to_token: torch.Tensor):
+    def __init__(self, kv_pool, req_to_token: torch.Tensor, prefill_kernels: str = KERNELS):
+        """prefill_kernels: the prefill wrappers' FlashInfer backend, "fa2" (KERNELS) or "fa3"
+        (its Hopper kernels: scripts/bench_attention_kernels.py times both on long extends)."""
         self.fi = import_flashinfer()
+        self.prefill_kernels = prefill_kernels
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         k0 = kv_pool.k_buffers[0]
@@ -263,7 +266,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             if wrapper is None:
                 wrapper = self._prefill_wrappers[window] = (
                     self.fi.BatchPrefillWithPagedKVCacheWrapper(
-                        self.workspace, "NHD", backend=KERNELS
+                        self.workspace, "NHD", backend=self.prefill_kernels
                     )
                 )
         self._plan_wrapper(wrapper, batch, params, window)
