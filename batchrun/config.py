@@ -34,7 +34,8 @@ INT4_MATMULS = ("auto", "triton", "dequant")
 # "torch" a per-expert loop that reads the routing on the host (the reference)
 MOE_BACKENDS = ("auto", "triton", "torch")
 # the fused experts' decode batches (of at most kernels/moe_gemv.py's MAX_ROWS routed rows):
-# "gemv" kernels/moe_gemv.py, "grouped" kernels/fused_moe.py's grouped GEMMs as every batch
+# "gemv" the router in one kernel (kernels/moe_route.py's route_gemv) and the experts on
+# kernels/moe_gemv.py, "grouped" as every other batch (kernels/fused_moe.py's grouped GEMMs)
 MOE_DECODES = ("auto", "grouped", "gemv")
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: a bf16 checkpoint quantized at load
 # EngineConfig.kv_cache_dtype: "auto" the compute dtype; "fp8_e4m3" float8_e4m3fn with the

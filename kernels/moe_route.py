@@ -10,6 +10,9 @@ Each token's result depends on its own row alone, so a CUDA graph's padding of t
 chunking) leaves every token's routing as the eager step computes it. At decode the router is a
 chain of small launches (softmax, topk, sum, divide: four a layer, 192 for Qwen3-30B-A3B's 48
 layers); this is one.
+
+`route_gemv` is the whole router of a decode batch in one launch (the cast of x, the fp32 matmul
+and the routing: three launches on the path above), for KernelConfig.moe_decode "gemv".
 """
 
 from __future__ import annotations
@@ -17,6 +20,28 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _route_row(logits, offs, Weights, Ids, row, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+               RENORMALIZE: tl.constexpr):  # fmt: skip
+    """Softmax, top-k and renormalization of one token's logits (-inf past the experts), stored
+    to its rows of Weights and Ids."""
+    e = tl.exp(logits - tl.max(logits, axis=0))  # padding: exp(-inf) = 0
+    probs = e / tl.sum(e, axis=0)
+    offs_k = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(probs, axis=0, tie_break_left=True)
+        weights = tl.where(offs_k == j, tl.max(probs, axis=0), weights)
+        ids = tl.where(offs_k == j, best.to(tl.int32), ids)
+        probs = tl.where(offs == best, -1.0, probs)  # below every probability: taken
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=0)  # the slots past TOP_K hold 0
+    out = row * TOP_K + offs_k
+    tl.store(Weights + out, weights, mask=offs_k < TOP_K)
+    tl.store(Ids + out, ids, mask=offs_k < TOP_K)
 
 
 @triton.jit
@@ -34,21 +59,70 @@ def _topk_softmax_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     logits = tl.load(Logits + row * stride_l + offs, mask=offs < num_experts, other=-float("inf"))
-    e = tl.exp(logits - tl.max(logits, axis=0))  # padding: exp(-inf) = 0
-    probs = e / tl.sum(e, axis=0)
-    offs_k = tl.arange(0, BLOCK_K)
-    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.argmax(probs, axis=0, tie_break_left=True)
-        weights = tl.where(offs_k == j, tl.max(probs, axis=0), weights)
-        ids = tl.where(offs_k == j, best.to(tl.int32), ids)
-        probs = tl.where(offs == best, -1.0, probs)  # below every probability: taken
-    if RENORMALIZE:
-        weights = weights / tl.sum(weights, axis=0)  # the slots past TOP_K hold 0
-    out = row * TOP_K + offs_k
-    tl.store(Weights + out, weights, mask=offs_k < TOP_K)
-    tl.store(Ids + out, ids, mask=offs_k < TOP_K)
+    _route_row(logits, offs, Weights, Ids, row, TOP_K, BLOCK_K, RENORMALIZE)
+
+
+@triton.jit
+def _route_gemv_kernel(
+    X,  # [M, H] bf16 / fp16 / fp32, M <= 16
+    W,  # fp32 [E, H]: the router
+    B,  # HAS_BIAS: fp32 [E]
+    Planes,  # fp32 [SPLIT_K, M, E]: each K slice's partial logits
+    Counter,  # int32, zero (kernels/gemv.py's split counters: the first)
+    Weights,  # fp32 [M, TOP_K]
+    Ids,  # int32 [M, TOP_K]
+    M,
+    num_experts,
+    hidden,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # experts a program
+    BLOCK_H: tl.constexpr,  # K tile
+    BLOCK_E: tl.constexpr,  # all experts, a power of two
+    BLOCK_K: tl.constexpr,  # TOP_K's power of two
+    RENORMALIZE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, 16)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, hidden)
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_H):
+        offs_h = k0 + tl.arange(0, BLOCK_H)
+        in_h = offs_h < k_end
+        x = tl.load(X + offs_m[:, None] * stride_xm + offs_h[None, :],
+                    mask=(offs_m[:, None] < M) & in_h[None, :], other=0.0)  # fmt: skip
+        w = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_h[None, :],
+                    mask=(offs_n[:, None] < num_experts) & in_h[None, :], other=0.0)  # fmt: skip
+        acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    plane_stride = M * num_experts
+    offs_plane = offs_m[:, None] * num_experts + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < num_experts)
+    tl.store(Planes + pid_k * plane_stride + offs_plane, acc, mask=mask)
+    # NOTE: kernels/gemv.py's split-K protocol over the whole matmul (the softmax needs every
+    # expert's logit): every thread's stores, a CTA barrier, one gpu-scope acq_rel atomic; the
+    # last program to arrive reads all planes from L2 and routes every token
+    tl.debug_barrier()
+    arrived = tl.atomic_add(Counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        offs = tl.arange(0, BLOCK_E)
+        in_e = offs < num_experts
+        bias = tl.zeros([BLOCK_E], dtype=tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(B + offs, mask=in_e, other=0.0)
+        for row in range(0, M):
+            logits = tl.zeros([BLOCK_E], dtype=tl.float32)
+            for s in range(0, tl.num_programs(1)):  # slice order: the same sums every run
+                plane = Planes + s * plane_stride + row * num_experts + offs
+                logits += tl.load(plane, mask=in_e, other=0.0, cache_modifier=".cg")
+            logits = tl.where(in_e, logits + bias, -float("inf"))
+            _route_row(logits, offs, Weights, Ids, row, TOP_K, BLOCK_K, RENORMALIZE)
+        tl.atomic_xchg(Counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
 def topk_softmax(
@@ -74,4 +148,47 @@ def topk_softmax(
             RENORMALIZE=renormalize,
             num_warps=1 if num_experts <= 64 else 2,
         )
+    return weights, ids
+
+
+ROUTE_GEMV_MAX_TOKENS = 16
+ROUTE_GEMV_PROGRAMS = 128  # the router's fp32 weight (1 MB on Qwen3-30B-A3B) over ~one per SM
+
+
+def route_gemv(
+    x: torch.Tensor,  # [T, H], T <= 16, unit stride along H
+    weight: torch.Tensor,  # fp32 [E, H]: the router, unit stride along H
+    bias: torch.Tensor | None,  # fp32 [E] (gpt-oss) or None
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_softmax(x.float() @ weight.T + bias) for a decode batch in one launch: the fp32
+    logits as split-K partial sums over the experts' tiles, then the last program to finish
+    sums them in slice order and routes every token. A token's routing depends on its row
+    alone. Run one call eagerly before capturing a CUDA graph (kernels/gemv.py's counters)."""
+    from batchrun.kernels.gemv import split_counters
+
+    num_tokens, hidden = x.shape
+    num_experts = weight.shape[0]
+    assert num_tokens <= ROUTE_GEMV_MAX_TOKENS and weight.shape == (num_experts, hidden)
+    assert weight.dtype == torch.float32 and weight.stride(1) == 1 and x.stride(1) == 1
+    assert bias is None or (bias.shape == (num_experts,) and bias.dtype == torch.float32)
+    assert 0 < top_k <= num_experts, (top_k, num_experts)
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=x.device)
+    if num_tokens == 0:
+        return weights, ids
+    block_n, block_h = 16, 128
+    tiles = triton.cdiv(num_experts, block_n)
+    split = max(1, min(triton.cdiv(hidden, block_h), ROUTE_GEMV_PROGRAMS // tiles))
+    k_per_split = triton.cdiv(triton.cdiv(hidden, split), block_h) * block_h
+    split = triton.cdiv(hidden, k_per_split)
+    planes = torch.empty(split * num_tokens * num_experts, dtype=torch.float32, device=x.device)
+    _route_gemv_kernel[(tiles, split)](
+        x, weight, weights if bias is None else bias, planes, split_counters(x.device), weights,
+        ids, num_tokens, num_experts, hidden, k_per_split, x.stride(0), weight.stride(0),
+        HAS_BIAS=bias is not None, TOP_K=top_k, BLOCK_N=block_n, BLOCK_H=block_h,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
+        RENORMALIZE=renormalize, num_warps=4,
+    )  # fmt: skip
     return weights, ids

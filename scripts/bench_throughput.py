@@ -101,7 +101,8 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "int4-awq-dequant": ({}, {"int4_matmul": "dequant"}),
     # per-channel FP8 decode batches on torch._scaled_mm (auto: kernels/fp8_gemv.py)
     "fp8-cublas": ({"quantization": "fp8"}, {"decode_gemv": "cublas"}),
-    # a mixture of experts' decode batches on kernels/moe_gemv.py (auto: the grouped GEMMs)
+    # a mixture of experts' decode batches: the router in one kernel, the experts on
+    # kernels/moe_gemv.py (auto: the grouped GEMMs)
     "moe-gemv": ({}, {"moe_decode": "gemv"}),
     # the KV cache in float8_e4m3fn (--kv-cache-dtype fp8_e4m3): one byte an element
     "kv-fp8": ({"kv_cache_dtype": "fp8_e4m3"}, {}),

@@ -290,7 +290,7 @@ def _moe_cases() -> list[tuple[str, Callable[[], object]]]:
     routed to expert 0; kernels/moe_route.py's router."""
     from batchrun.kernels.fused_moe import fused_moe
     from batchrun.kernels.moe_gemv import moe_gemv
-    from batchrun.kernels.moe_route import topk_softmax
+    from batchrun.kernels.moe_route import route_gemv, topk_softmax
 
     out: list[tuple[str, Callable[[], object]]] = []
     for name, experts, top_k, hidden, inter in MOE_SHAPES:
@@ -300,6 +300,14 @@ def _moe_cases() -> list[tuple[str, Callable[[], object]]]:
                 return topk_softmax(torch.empty(4, e), k, r)
 
             out.append((f"moe_route {name} renormalize={renormalize}", route))
+
+        for tokens in (1, 16):
+
+            def router(t=tokens, e=experts, k=top_k, h=hidden):
+                x = torch.empty(t, h, dtype=torch.bfloat16)
+                return route_gemv(x, torch.empty(e, h), None, k, True)
+
+            out.append((f"route_gemv {name} T={tokens}", router))
         w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16)
         w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16)
         for tokens in (1, 64, 512, 1024, 16384):
@@ -327,6 +335,7 @@ def _gpt_oss_moe_cases() -> list[tuple[str, Callable[[], object]]]:
     SwiGLU, with and without the down bias (TP ranks other than 0)."""
     from batchrun.kernels.fused_moe import fused_moe
     from batchrun.kernels.moe_gemv import moe_gemv
+    from batchrun.kernels.moe_route import route_gemv
 
     from batchrun.layers.moe import ExpertExtras
 
@@ -355,6 +364,12 @@ def _gpt_oss_moe_cases() -> list[tuple[str, Callable[[], object]]]:
 
             if tokens == 1:
                 out.append((f"moe_gemv gpt-oss-20b {bias} T=1", gemv_call))
+
+    def router():
+        x = torch.empty(1, hidden, dtype=torch.bfloat16)
+        return route_gemv(x, torch.empty(experts, hidden), torch.empty(experts), top_k, True)
+
+    out.append(("route_gemv gpt-oss-20b (bias) T=1", router))
     return out
 
 

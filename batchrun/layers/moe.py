@@ -8,6 +8,9 @@ Qwen2-MoE, a shared expert's output times a sigmoid gate).
                                             (the fused experts: kernels/moe_route.py, one kernel)
     out[t]  = sum_j w[t, j] * down_ids[t,j](silu(gate(x[t])) * up(x[t]))
 
+With KernelConfig.moe_decode "gemv", a decode batch (kernels/moe_gemv.py's `takes_gemv`) runs the
+router in one kernel (moe_route.py's `route_gemv`) and the experts as GEMVs (moe_gemv.py).
+
 gpt-oss: router and experts have biases (b13 [E, 2I] on gate and up, b2 [E, H] on down) and the
 gate is its clamped SwiGLU (`swiglu`); its softmax over the top-k logits is the renormalized
 top-k of the softmax.
@@ -77,17 +80,15 @@ def moe_experts(
     as [T, H] in x's dtype. x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
     topk_weights [T, k] float32; topk_ids [T, k] int. backend "torch": a per-expert loop (the
     reference; it reads the routing on the host); "triton": batchrun.kernels.fused_moe
-    (CUDA, no host sync), with decode "gemv" its decode batches on batchrun.kernels.moe_gemv
-    (KernelConfig.moe_decode). `extras`: gpt-oss's biases and clamped SwiGLU."""
-    if backend == "triton":
-        # Triton: imported on CUDA only
+    (CUDA, no host sync), or with decode "gemv" batchrun.kernels.moe_gemv (a decode batch:
+    MoE.forward decides by its rule). `extras`: gpt-oss's biases and clamped SwiGLU."""
+    if backend == "triton":  # Triton: imported on CUDA only
+        if decode == "gemv":
+            from batchrun.kernels.moe_gemv import moe_gemv
+
+            return moe_gemv(x, w13, w2, topk_weights, topk_ids, extras=extras)
         from batchrun.kernels.fused_moe import fused_moe
 
-        if decode == "gemv":
-            from batchrun.kernels.moe_gemv import moe_gemv, takes_gemv
-
-            if takes_gemv(x.shape[0], topk_ids.shape[1]):
-                return moe_gemv(x, w13, w2, topk_weights, topk_ids, extras=extras)
         return fused_moe(x, w13, w2, topk_weights, topk_ids, extras=extras)
     extras = extras or ExpertExtras()
     if backend != "torch":
@@ -179,11 +180,17 @@ class MoE(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype, device=device)
         self._rows_for = None  # the fused experts' graph-invariant row count (see _router_input)
         self._route = route
+        self._takes_gemv = None  # moe_decode "gemv": whether a batch of T tokens takes it
         if self.backend == "triton":  # Triton: imported on CUDA only
             from batchrun.kernels.fused_moe import tile_tokens
             from batchrun.kernels.moe_route import topk_softmax
 
             self._rows_for, self._route = tile_tokens, topk_softmax
+            if self.decode == "gemv":
+                from batchrun.kernels.moe_gemv import takes_gemv
+                from batchrun.kernels.moe_route import route_gemv
+
+                self._takes_gemv, self._route_gemv = takes_gemv, route_gemv
 
     def param_shards(self) -> dict[str, ShardSpec]:
         width = self._cfg.moe.intermediate_size
@@ -218,12 +225,20 @@ class MoE(nn.Module):
         return x if rows == x.shape[0] else F.pad(x, (0, 0, 0, rows - x.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        num_tokens, padded = x.shape[0], self._router_input(x)
-        weights, ids = self._route(self.gate(padded)[:num_tokens], self.top_k, self.renormalize)
-        out = moe_experts(
-            x, self.w13, self.w2, weights, ids, self.backend, self.extras(), self.decode
-        )
+        num_tokens = x.shape[0]
+        if self._takes_gemv is not None and self._takes_gemv(num_tokens, self.top_k):
+            # a decode batch: the router in one kernel, the experts as GEMVs
+            weights, ids = self._route_gemv(
+                x, self.gate.weight, self.gate.bias, self.top_k, self.renormalize
+            )
+            decode = "gemv"
+        else:
+            logits = self.gate(self._router_input(x))[:num_tokens]
+            weights, ids = self._route(logits, self.top_k, self.renormalize)
+            decode = "grouped"
+        out = moe_experts(x, self.w13, self.w2, weights, ids, self.backend, self.extras(), decode)
         if self.shared_expert is not None:
+            padded = self._router_input(x)
             gate = torch.sigmoid(self.shared_expert_gate(padded)[:num_tokens])  # [T, 1]
             out = out + gate * self.shared_expert(x)
         return self.tp.all_reduce(out) if self.tp.is_parallel else out

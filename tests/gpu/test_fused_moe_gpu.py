@@ -217,3 +217,41 @@ def test_router_kernel_matches_route_and_ignores_padding(model):
             padded = torch.cat([logits, torch.randn(64, experts, device="cuda", generator=gen)])
             w_pad, ids_pad = topk_softmax(padded, top_k, renormalize)
             assert torch.equal(w_pad[:tokens], weights) and torch.equal(ids_pad[:tokens], ids)
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b"])
+def test_route_gemv_matches_the_router_and_route(model):
+    """kernels/moe_route.py's route_gemv (the router's fp32 matmul and the routing in one
+    kernel) against `route` of F.linear's fp32 logits at 1 to 16 bf16 rows: the same experts,
+    weights within fp32 rounding; a token's routing the same bits whatever rows share the batch;
+    no host sync; the same bits in a CUDA graph."""
+    from batchrun.kernels.moe_route import route_gemv
+
+    from batchrun.layers.moe import route
+
+    experts, top_k, hidden, _ = MODELS[model]
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    w = torch.randn(experts, hidden, device="cuda", generator=gen) / hidden**0.5 * 4
+    x = torch.randn(16, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    for tokens in (1, 2, 5, 16):
+        weights, ids = route_gemv(x[:tokens], w, None, top_k, True)
+        want_w, want_ids = route(F.linear(x[:tokens].float(), w), top_k, True)
+        assert torch.equal(ids.long(), want_ids), (model, tokens)
+        torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+        first = route_gemv(x[:1], w, None, top_k, True)
+        assert torch.equal(first[0], weights[:1]) and torch.equal(first[1], ids[:1])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        route_gemv(x[:2], w, None, top_k, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    static = x[:2].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = route_gemv(static, w, None, top_k, True)
+    new = torch.randn(2, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    static.copy_(new)
+    graph.replay()
+    want = route_gemv(new, w, None, top_k, True)
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])

@@ -232,8 +232,38 @@ def _check_route():
     assert topk_softmax(torch.empty(0, 8), 2, True)[1].shape == (0, 2)
 
 
+def _check_route_gemv():
+    """kernels/moe_route.py's route_gemv (the router's matmul and routing in one kernel) against
+    `route` of the fp32 logits: the real models' expert counts and top-k, H off the tiles, 1 to
+    16 tokens of bf16 / fp32, with gpt-oss's bias; a token's routing the same whatever rows
+    share the batch; the counter left at zero."""
+    from batchrun.kernels.gemv import split_counters
+    from batchrun.kernels.moe_route import route_gemv
+
+    from batchrun.layers.moe import route
+
+    gen = torch.Generator().manual_seed(8)
+    for experts, top_k, hidden, bias, renormalize in (
+        (128, 8, 2048, False, True), (60, 4, 200, False, False), (8, 2, 300, False, True),
+        (32, 4, 96, True, True),
+    ):  # fmt: skip
+        w = torch.randn(experts, hidden, generator=gen) / hidden**0.5
+        b = torch.randn(experts, generator=gen) if bias else None
+        for num_tokens, dtype in ((1, torch.float32), (3, torch.float16), (16, torch.float32)):
+            x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+            logits = torch.nn.functional.linear(x.float(), w, b)
+            weights, ids = route_gemv(x, w, b, top_k, renormalize)
+            want_w, want_ids = route(logits, top_k, renormalize)
+            assert ids.dtype == torch.int32 and torch.equal(ids.long(), want_ids)
+            torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+            one_w, one_ids = route_gemv(x[:1], w, b, top_k, renormalize)
+            assert torch.equal(one_ids, ids[:1]) and torch.equal(one_w, weights[:1])
+            assert int(split_counters(x.device).abs().sum()) == 0
+
+
 def _run_checks():
     _check_route()
+    _check_route_gemv()
     _check_alignment()
     _check_experts(torch.float32, 1e-5)
     _check_experts(torch.float16, 2e-3, every=2)
