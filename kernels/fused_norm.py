@@ -19,9 +19,14 @@ from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 @triton.jit
 def _normalize(s, W, offs, mask, n_cols, eps, OUT_DTYPE: tl.constexpr):
     """s: one row in fp32 (zeros past n_cols) -> weight * rmsnorm(s), rounded as in torch."""
+    return _normalize_by(s, tl.load(W + offs, mask=mask, other=0.0), n_cols, eps, OUT_DTYPE)
+
+
+@triton.jit
+def _normalize_by(s, w, n_cols, eps, OUT_DTYPE: tl.constexpr):
+    """`_normalize` with the weight's row w loaded."""
     mean_sq = tl.sum(s * s, 0) / n_cols
     normed = (s * tl.math.rsqrt(mean_sq + eps)).to(OUT_DTYPE)
-    w = tl.load(W + offs, mask=mask, other=0.0)
     return (w.to(tl.float32) * normed.to(tl.float32)).to(OUT_DTYPE)
 
 
@@ -44,6 +49,31 @@ def _rms_norm_kernel(
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     y = _normalize(x, W, offs, mask, n_cols, eps, Out.dtype.element_ty)
     tl.store(Out + row * stride_out + offs, y, mask=mask)
+
+
+@triton.jit
+def _rms_norm_heads_kernel(
+    X,  # [T, HQ + HK, D]: the q heads, then the k heads
+    WQ,  # [D]
+    WK,  # [D]
+    stride_t,
+    stride_h,
+    num_q_heads,
+    head_dim,
+    eps,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_wait(PDL)  # every input is an earlier kernel's output
+    head = tl.program_id(1)
+    ptrs = X + tl.program_id(0).to(tl.int64) * stride_t + head * stride_h + tl.arange(0, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < head_dim
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    wq = tl.load(WQ + offs, mask=mask, other=0.0)
+    wk = tl.load(WK + offs, mask=mask, other=0.0)
+    y = _normalize_by(x, tl.where(head < num_q_heads, wq, wk), head_dim, eps, X.dtype.element_ty)
+    tl.store(ptrs, y, mask=mask)
 
 
 @triton.jit
@@ -102,6 +132,33 @@ def rms_norm(
         num_warps=num_warps, **launch,
     )  # fmt: skip
     return out
+
+
+def rms_norm_heads(
+    heads: torch.Tensor,  # [T, HQ + HK, D], unit stride along D; normalized in place
+    q_weight: torch.Tensor,  # [D]: the q heads' norm
+    k_weight: torch.Tensor,  # [D]: the k heads'
+    num_q_heads: int,
+    eps: float,
+    *,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """Qwen3's q and k norms (per head, weight [D]) in one launch, in place on the qkv
+    projection's q and k heads (a strided view: no copy), each head as `rms_norm` normalizes a
+    row (the same program, so the same bits). Returns heads."""
+    num_tokens, num_heads, head_dim = heads.shape
+    assert heads.stride(2) == 1 and 0 < num_q_heads < num_heads
+    for w in (q_weight, k_weight):
+        assert w.shape == (head_dim,) and w.is_contiguous() and w.dtype == heads.dtype
+    if num_tokens == 0:
+        return heads
+    block, num_warps = _launch_config(head_dim)
+    launch = pdl_launch_kwargs(pdl, heads)
+    _rms_norm_heads_kernel[(num_tokens, num_heads)](
+        heads, q_weight, k_weight, heads.stride(0), heads.stride(1), num_q_heads, head_dim, eps,
+        BLOCK=block, num_warps=num_warps, **launch,
+    )  # fmt: skip
+    return heads
 
 
 def fused_add_rms_norm(

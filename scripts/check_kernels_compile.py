@@ -141,6 +141,13 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         x = torch.randn(m, 7168, dtype=torch.bfloat16)
         out.append((f"int4_matmul act-order slice M={m}", lambda x=x: (
             int4_matmul.int4_matmul(x, sliced))))  # fmt: skip
+    from batchrun.kernels.fused_norm import rms_norm_heads
+
+    for tokens in (1, 300):  # Qwen3's q and k norms (Qwen3-30B-A3B: 32 + 4 heads of 128)
+        qkv = torch.empty(tokens, 40 * 128, dtype=torch.bfloat16)
+        out.append((f"rms_norm_heads T={tokens}", lambda qkv=qkv, t=tokens: rms_norm_heads(
+            qkv[:, : 36 * 128].view(t, 36, 128), torch.empty(128, dtype=torch.bfloat16),
+            torch.empty(128, dtype=torch.bfloat16), 32, 1e-6, pdl=True)))  # fmt: skip
     out += _moe_cases()
     out += _attention_cases()
     out += _rotary_cases()

@@ -8,9 +8,9 @@ from torch import nn
 from batchrun.config import KernelConfig
 
 try:
-    from batchrun.kernels.fused_norm import fused_add_rms_norm, rms_norm
+    from batchrun.kernels.fused_norm import fused_add_rms_norm, rms_norm, rms_norm_heads
 except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is off
-    fused_add_rms_norm = rms_norm = None
+    fused_add_rms_norm = rms_norm = rms_norm_heads = None
 
 
 class RMSNorm(nn.Module):
@@ -51,3 +51,14 @@ class RMSNorm(nn.Module):
             return fused_add_rms_norm(x, residual, self.weight, self.eps, pdl=self.kernels.pdl)
         residual = x + residual
         return self(residual), residual
+
+
+def norm_heads_in_place(heads: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_q: int) -> bool:
+    """Qwen3's q and k norms on heads [T, num_q + KV, D] (the qkv projection's q heads, then its
+    k heads: a strided view) in one Triton launch, in place, with the bits of q_norm(q) and
+    k_norm(k) (whose kernel copies each strided view first: four launches). False: not taken
+    (no Triton kernels, or another dtype); the caller applies the two norms."""
+    if not (q_norm.kernels.triton_ops and heads.dtype == q_norm.weight.dtype):
+        return False
+    rms_norm_heads(heads, q_norm.weight, k_norm.weight, num_q, q_norm.eps, pdl=q_norm.kernels.pdl)
+    return True

@@ -33,7 +33,7 @@ from batchrun.layers.linear import (
     takes_gemv,
 )
 from batchrun.layers.moe import MoE
-from batchrun.layers.norm import RMSNorm
+from batchrun.layers.norm import RMSNorm, norm_heads_in_place
 from batchrun.layers.rotary import RotaryEmbedding
 from batchrun.models.config import ModelConfig
 from batchrun.parallel.partition import Run, ShardSpec, TPPartition, partition_model
@@ -164,12 +164,17 @@ class Attention(nn.Module):
         """q [T, H, D], k and v [T, KV, D] from the qkv projection, q/k norm applied (Qwen3
         normalizes before rotary)."""
         # NOTE: q, k, v are strided views of qkv; rotary may rotate q and k in place, which is safe
-        # because nothing reads qkv afterwards
+        # because nothing reads qkv afterwards (the q/k norms' kernel writes in place too)
+        normed = self.q_norm is None or norm_heads_in_place(
+            qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
+                                                      self.head_dim),
+            self.q_norm, self.k_norm, self.num_heads,
+        )  # fmt: skip
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if not normed:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 

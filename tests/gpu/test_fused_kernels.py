@@ -78,6 +78,26 @@ def test_rms_norm(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,num_q,num_kv,head_dim", [(1, 32, 4, 128), (300, 64, 4, 128)])
+def test_rms_norm_heads_has_the_bits_of_rms_norm(dtype, num_tokens, num_q, num_kv, head_dim):
+    """Qwen3's q and k norms in one launch, in place on the qkv projection's heads (Qwen3-30B-A3B
+    and Qwen3-235B-A22B's heads): the bits of rms_norm on each head copied out."""
+    from batchrun.kernels.fused_norm import rms_norm_heads
+
+    qkv = randn(num_tokens, (num_q + 2 * num_kv) * head_dim, dtype=dtype)
+    wq = randn(head_dim, dtype=dtype, seed=1, scale=1.0)
+    wk = randn(head_dim, dtype=dtype, seed=2, scale=1.0)
+    q_end, k_end = num_q * head_dim, (num_q + num_kv) * head_dim
+    want_q = rms_norm(qkv[:, :q_end].reshape(-1, head_dim), wq, 1e-6)
+    want_k = rms_norm(qkv[:, q_end:k_end].reshape(-1, head_dim), wk, 1e-6)
+    v = qkv[:, k_end:].clone()
+    rms_norm_heads(qkv[:, :k_end].view(num_tokens, num_q + num_kv, head_dim), wq, wk, num_q, 1e-6)
+    assert torch.equal(qkv[:, :q_end].reshape(-1, head_dim), want_q)
+    assert torch.equal(qkv[:, q_end:k_end].reshape(-1, head_dim), want_k)
+    assert torch.equal(qkv[:, k_end:], v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 2048), (37, 576), (5, 4096)])
 def test_fused_add_rms_norm(dtype, shape):
     x = randn(*shape, dtype=dtype)

@@ -76,6 +76,27 @@ def _check_norm(dtype, max_ulp) -> None:
         assert max_ulps(x_, ref_x) <= max_ulp, ("fused_add", dtype, n_cols, max_ulps(x_, ref_x))
 
 
+def _check_norm_heads(dtype) -> None:
+    """rms_norm_heads (Qwen3's q and k norms in one launch, in place on the qkv projection's
+    heads) has the bits of rms_norm on each head copied out, q's weight on the q heads, k's on
+    the k heads; v's columns are not touched."""
+    from batchrun.kernels.fused_norm import rms_norm, rms_norm_heads
+
+    gen = torch.Generator().manual_seed(5)
+    for tokens, num_q, num_kv, head_dim in ((3, 4, 2, 64), (1, 32, 4, 128), (2, 3, 1, 80)):
+        qkv = torch.randn(tokens, (num_q + 2 * num_kv) * head_dim, generator=gen).to(dtype)
+        wq, wk = (torch.rand(head_dim, generator=gen).to(dtype) + 0.5 for _ in range(2))
+        q_size, kv_size = num_q * head_dim, num_kv * head_dim
+        want_q = rms_norm(qkv[:, :q_size].reshape(-1, head_dim), wq, 1e-6)
+        want_k = rms_norm(qkv[:, q_size : q_size + kv_size].reshape(-1, head_dim), wk, 1e-6)
+        v = qkv[:, q_size + kv_size :].clone()
+        heads = qkv[:, : q_size + kv_size].view(tokens, num_q + num_kv, head_dim)
+        assert rms_norm_heads(heads, wq, wk, num_q, 1e-6) is heads
+        assert torch.equal(qkv[:, :q_size].reshape(-1, head_dim), want_q)
+        assert torch.equal(qkv[:, q_size : q_size + kv_size].reshape(-1, head_dim), want_k)
+        assert torch.equal(qkv[:, q_size + kv_size :], v)
+
+
 def _check_rotary(dtype, max_ulp) -> None:
     from batchrun.kernels.fused_rotary import apply_rotary_
 
@@ -441,6 +462,7 @@ def _run_checks() -> None:
     # fp32 reduction order / rsqrt / exp; rotary is exact (products of fp16 values are exact)
     for dtype, ulps in ((torch.float32, 8), (torch.float16, 1)):
         _check_norm(dtype, ulps)
+        _check_norm_heads(dtype)
         _check_rotary(dtype, 0 if dtype == torch.float16 else ulps)
         _check_silu_and_mul(dtype, ulps)
         _check_gelu_tanh_and_mul(dtype)
