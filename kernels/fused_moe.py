@@ -44,6 +44,12 @@ take 1,129; no tile of the sweep's grid goes past 41 % of a dense GEMM of the sa
 The decode tiles read one token's 8 experts in 41.9 µs (1.8 TB/s, docs/benchmarks.md).
 `scripts/check_kernels_compile.py` compiles the tiles the rule picks at the real models' shapes
 for sm_90 under Triton 3.6 (no spills).
+
+MoeConfig gather=True runs the same GEMMs on x's routed rows gathered into the aligned order
+first, both operands read through TMA descriptors (kernels/fused_moe_tma.py; the PTX has TMA
+loads and wgmma where these kernels have cp.async). The rule does not pick it: it has no H200
+figure against these kernels yet (`scripts/bench_fused_moe.py --tokens 1024,4096,16384` times
+both).
 """
 
 from __future__ import annotations
@@ -72,6 +78,9 @@ class MoeConfig(NamedTuple):
     block_m: int  # the alignment's block, shared by both GEMMs
     gate_up: GemmTiles
     down: GemmTiles
+    # the routed rows of x gathered into the aligned order first, so that both GEMMs read their
+    # operands through TMA descriptors (kernels/fused_moe_tma.py); False: gathered row by row
+    gather: bool = False
 
 
 def tokens_per_pass(top_k: int) -> int:
@@ -123,6 +132,21 @@ def _tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
     return pid_m, pid_n
+
+
+@triton.jit
+def _swiglu(gate, up, B13, expert, stride_be, cols, inter_size, alpha, limit,
+            HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr):  # fmt: skip
+    """gate_up's epilogue from the fp32 sums: the biases (gpt-oss), then silu(gate) * up or the
+    clamped SwiGLU, in fp32."""
+    if HAS_BIAS:
+        gate += tl.load(B13 + expert * stride_be + cols).to(tl.float32)[None, :]
+        up += tl.load(B13 + expert * stride_be + inter_size + cols).to(tl.float32)[None, :]
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    return gate * tl.sigmoid(gate) * up
 
 
 @triton.jit
@@ -184,18 +208,27 @@ def _gate_up_kernel(
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-        if HAS_BIAS:
-            gate += tl.load(B13 + expert * stride_be + cols).to(tl.float32)[None, :]
-            up += tl.load(B13 + expert * stride_be + inter_size + cols).to(tl.float32)[None, :]
-        if CLAMP:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-        else:
-            h = gate * tl.sigmoid(gate) * up
+        h = _swiglu(gate, up, B13, expert, stride_be, cols, inter_size, alpha, limit, HAS_BIAS,
+                    CLAMP)  # fmt: skip
         out_ptrs = Inter + rows.to(tl.int64)[:, None] * stride_im + offs_n[None, :]
         mask = valid[:, None] & (offs_n < inter_size)[None, :]
         tl.store(out_ptrs, h.to(Inter.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_weighted(acc, Out, TopkWeights, B2, rows, num_rows, expert, stride_be, offs_n, hidden,
+                    stride_om, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """down's epilogue: the bias (gpt-oss), times each routed row's top-k weight (fp32), to
+    out[rows] (the padding's sentinel rows, num_rows, not stored)."""
+    valid = rows < num_rows
+    if HAS_BIAS:
+        cols = tl.minimum(offs_n, hidden - 1).to(tl.int64)
+        acc += tl.load(B2 + expert * stride_be + cols).to(tl.float32)[None, :]
+    weight = tl.load(TopkWeights + tl.where(valid, rows, 0), mask=valid, other=0.0)
+    acc = acc * weight[:, None]
+    out_ptrs = Out + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    mask = valid[:, None] & (offs_n < hidden)[None, :]
+    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -248,13 +281,8 @@ def _down_kernel(
             acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
-        if HAS_BIAS:
-            acc += tl.load(B2 + expert * stride_be + cols).to(tl.float32)[None, :]
-        weight = tl.load(TopkWeights + safe_rows, mask=valid, other=0.0)
-        acc = acc * weight[:, None]
-        out_ptrs = Out + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        mask = valid[:, None] & (offs_n < hidden)[None, :]
-        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask)
+        _store_weighted(acc, Out, TopkWeights, B2, rows, num_rows, expert, stride_be, offs_n,
+                        hidden, stride_om, HAS_BIAS)  # fmt: skip
 
 
 def _check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
@@ -268,6 +296,18 @@ def _check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
     assert topk_weights.dtype == torch.float32, f"topk_weights are {topk_weights.dtype}"
     assert x.dtype == w13.dtype == w2.dtype, f"x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}"
     assert x.stride(-1) == w13.stride(-1) == w2.stride(-1) == 1, "unit stride along H and I"
+
+
+def takes_descriptors(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the gathered path's TMA descriptors can read these operands: contiguous weights
+    and rows of H and I elements in whole 16-byte units (the descriptors' stride rule)."""
+    elem = x.element_size()
+    return (
+        w13.is_contiguous()
+        and w2.is_contiguous()
+        and (x.shape[1] * elem) % 16 == 0
+        and (w2.shape[2] * elem) % 16 == 0
+    )
 
 
 def fused_moe(
@@ -306,6 +346,13 @@ def fused_moe(
         c = config or pick_config(tile_tokens(end - start), num_experts, top_k, hidden, inter_size)
         align = align_by_expert(topk_ids[start:end], num_experts, c.block_m)
         blocks = max_blocks(num_rows, num_experts, c.block_m)
+        if c.gather and takes_descriptors(x, w13, w2):
+            from batchrun.kernels.fused_moe_tma import gathered_experts
+
+            gathered_experts(x[start:end], w13, w2, weights[start:end].view(-1), align, blocks,
+                             num_rows, top_k, c, out, b13, b2, alpha, limit)  # fmt: skip
+            torch.sum(out[:num_rows].view(end - start, top_k, hidden), dim=1, out=y[start:end])
+            continue
         common = (align.sorted_ids, align.expert_ids, align.num_padded, num_rows)
         g = c.gate_up
         _gate_up_kernel[(blocks * triton.cdiv(inter_size, g.block_n),)](

@@ -2,6 +2,9 @@
 
     fused       align + gate_up + down + top-k sum, the rule's tiles (pick_config)
     align       kernels/moe_align.py alone (a part of fused)
+    gathered    fused with MoeConfig gather=True (kernels/fused_moe_tma.py: x's routed rows
+                gathered in the aligned order, both GEMMs' operands through TMA descriptors),
+                at prefill sizes (64- and 128-row blocks); --sweep varies it too
     moe_gemv    kernels/moe_gemv.py (KernelConfig.moe_decode "gemv"), up to GEMV_MAX_ROWS
                 routed rows: the decode batches' GEMVs against fused's grouped GEMMs
     loop        the per-expert torch loop (gather, F.linear x2, SiLU, index_add): the baseline
@@ -110,8 +113,9 @@ def sweep_configs(config):
         if bm * bn > 128 * 64 and warps == 4:
             continue
         tiles = GemmTiles(bn, bk, 8 if bm >= 64 else 1, warps, stages)
-        out.append(MoeConfig(bm, tiles, config.down))  # gate_up tiles varied
-        out.append(MoeConfig(bm, config.gate_up, tiles))  # down tiles varied
+        for gather in (False, True) if bm >= 64 else (False,):
+            out.append(MoeConfig(bm, tiles, config.down, gather))  # gate_up tiles varied
+            out.append(MoeConfig(bm, config.gate_up, tiles, gather))  # down tiles varied
     return out
 
 
@@ -147,6 +151,13 @@ def bench(model: str, num_tokens: int, sweep: bool, copy_bw: float) -> dict:
     )
     r["loop_us"] = events_time_us(lambda i: torch_loop(x, w13, w2, *routings[0]), 2, graph=False)
 
+    if num_tokens * top_k > 32 * num_experts:  # 64- and 128-row blocks: prefill sizes
+        gathered = config._replace(gather=True)
+        got = fused_moe(x, w13, w2, *routings[0], config=gathered)
+        r["gather_error"] = float((got.float() - want).norm() / want.norm())
+        r["gather_us"] = events_time_us(
+            lambda i: fused_moe(x, w13, w2, *routings[i % n], config=gathered), calls, graph=True
+        )
     rows = num_tokens * top_k
     xr = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     ar = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16)
@@ -220,6 +231,15 @@ def main(argv=None) -> int:
                 f"{r['error']:.1e} |",
                 flush=True,
             )
+            if "gather_us" in r:
+                _, k, h, i = MODELS[model]
+                tflops = 6 * num_tokens * k * h * i / r["gather_us"] / 1e6
+                print(
+                    f"    gathered (TMA): {r['gather_us']:.1f} µs, {tflops:.0f} TFLOP/s "
+                    f"({r['dense_us'] / r['gather_us']:.0%} of dense), error "
+                    f"{r['gather_error']:.1e}",
+                    flush=True,
+                )
             if "gemv_us" in r:
                 print(
                     f"    moe_gemv: {r['gemv_us']:.1f} µs, touched {r['gemv_touched_gbps']:.0f} "

@@ -295,7 +295,7 @@ def _moe_cases() -> list[tuple[str, Callable[[], object]]]:
     """kernels/fused_moe.py (and its alignment) at the tile buckets its rule picks, and
     kernels/moe_gemv.py at decode sizes: torch.empty weights (no pages touched), every token
     routed to expert 0; kernels/moe_route.py's router."""
-    from batchrun.kernels.fused_moe import fused_moe
+    from batchrun.kernels.fused_moe import fused_moe, pick_config, tile_tokens
     from batchrun.kernels.moe_gemv import moe_gemv
     from batchrun.kernels.moe_route import route_gemv, topk_softmax
 
@@ -325,6 +325,15 @@ def _moe_cases() -> list[tuple[str, Callable[[], object]]]:
                 return fused_moe(x, w13, w2, torch.rand(t, k), ids)
 
             out.append((f"fused_moe {name} T={tokens}", call))
+        for tokens in (512, 4096):  # the gathered rows through TMA descriptors
+
+            def gathered(t=tokens, k=top_k, h=hidden, e=experts, i=inter, w13=w13, w2=w2):
+                x = torch.empty(t, h, dtype=torch.bfloat16)
+                ids = torch.zeros(t, k, dtype=torch.int32)
+                config = pick_config(tile_tokens(t), e, k, h, i)._replace(gather=True)
+                return fused_moe(x, w13, w2, torch.rand(t, k), ids, config=config)
+
+            out.append((f"fused_moe gathered {name} T={tokens}", gathered))
         for tokens in (1, 2) if top_k > 2 else (1, 2, 8):
 
             def gemv_call(t=tokens, k=top_k, h=hidden, w13=w13, w2=w2):

@@ -64,7 +64,7 @@ def rel_error(got, want) -> float:
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_fused_moe_matches_the_per_expert_loop(model):
-    from batchrun.kernels.fused_moe import fused_moe
+    from batchrun.kernels.fused_moe import fused_moe, pick_config, tile_tokens
 
     num_experts, top_k, hidden, inter = MODELS[model]
     x, w13, w2, weights, ids = make_inputs(16384, num_experts, top_k, hidden, inter)
@@ -72,9 +72,15 @@ def test_fused_moe_matches_the_per_expert_loop(model):
         args = (x[:num_tokens], w13, w2, weights[:num_tokens], ids[:num_tokens])
         got = fused_moe(*args)
         assert got.dtype == torch.bfloat16 and got.shape == (num_tokens, hidden)
-        rel = rel_error(got, reference_moe(*args))
+        want = reference_moe(*args)
+        rel = rel_error(got, want)
         assert rel < BF16_BOUND, (model, num_tokens, rel)
         assert torch.equal(fused_moe(*args), got), (model, num_tokens)  # deterministic
+        if num_tokens >= 255:  # the gathered rows through TMA descriptors (fused_moe_tma.py)
+            config = pick_config(tile_tokens(num_tokens), *MODELS[model])._replace(gather=True)
+            gathered = fused_moe(*args, config=config)
+            assert rel_error(gathered, want) < BF16_BOUND, (model, num_tokens, "gathered")
+            assert torch.equal(fused_moe(*args, config=config), gathered)
 
 
 def test_skewed_routing_fp16_and_int64_ids():
@@ -123,27 +129,30 @@ def test_no_host_sync():
             torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("num_tokens", [1, 8, 64, 512])
-def test_cuda_graph_replays_equal_eager(num_tokens):
-    """A graph captured on one routing, replayed on others copied into its inputs."""
-    from batchrun.kernels.fused_moe import fused_moe
+@pytest.mark.parametrize("num_tokens,gather", [(1, False), (8, False), (64, False), (512, False),
+                                               (512, True), (4096, True)])  # fmt: skip
+def test_cuda_graph_replays_equal_eager(num_tokens, gather):
+    """A graph captured on one routing, replayed on others copied into its inputs (gather: the
+    TMA descriptors' path, whose descriptors encode the buffers at capture)."""
+    from batchrun.kernels.fused_moe import fused_moe, pick_config, tile_tokens
 
+    config = pick_config(tile_tokens(num_tokens), 128, 8, 2048, 768)._replace(gather=gather)
     x, w13, w2, weights, ids = make_inputs(num_tokens, 128, 8, 2048, 768)
     static = [x.clone(), weights.clone(), ids.clone()]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_moe(static[0], w13, w2, static[1], static[2])  # warm-up: compiles
+        fused_moe(static[0], w13, w2, static[1], static[2], config)  # warm-up: compiles
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(static[0], w13, w2, static[1], static[2])
+        out = fused_moe(static[0], w13, w2, static[1], static[2], config)
     for seed in (1, 2, 3):
         nx, _, _, nweights, nids = make_inputs(num_tokens, 128, 8, 2048, 768, seed=seed)
         for buf, new in zip(static, (nx, nweights, nids)):
             buf.copy_(new)
         graph.replay()
-        want = fused_moe(nx, w13, w2, nweights, nids)
+        want = fused_moe(nx, w13, w2, nweights, nids, config)
         assert torch.equal(out, want), (num_tokens, seed)
 
 

@@ -137,8 +137,11 @@ def _check_configs_and_edges():
     want = reference_moe(x, w13, w2, weights, ids)
     for tokens in (1, 100, 1000, 100000):  # T * k / E in each bucket
         config = pick_config(tokens, num_experts, top_k, hidden, inter)
-        got = module.fused_moe(x, w13, w2, weights, ids, config=config)
-        assert float((got - want).norm() / want.norm()) < 1e-5, config
+        for gather in (False, True):  # True: kernels/fused_moe_tma.py's descriptors
+            config = config._replace(gather=gather)
+            got = module.fused_moe(x, w13, w2, weights, ids, config=config)
+            assert float((got - want).norm() / want.norm()) < 1e-5, config
+    assert not any(pick_config(t, 128, 8, 2048, 768).gather for t in (1, 64, 512, 16384))
 
     # decode: 32-column tiles where 64 would leave the SMs idle
     assert pick_config(1, 128, 8, 2048, 768).gate_up.block_n == 32
@@ -158,8 +161,17 @@ def _check_configs_and_edges():
 
     wide = torch.randn(num_tokens, 2 * hidden, generator=gen)
     wide[:, :hidden] = x  # x with a row stride of 2H
-    got = fused_moe(wide[:, :hidden], w13, w2, weights, ids)
-    assert float((got - want).norm() / want.norm()) < 1e-5
+    for gather in (False, True):
+        config = pick_config(1000, num_experts, top_k, hidden, inter)._replace(gather=gather)
+        got = fused_moe(wide[:, :hidden], w13, w2, weights, ids, config=config)
+        assert float((got - want).norm() / want.norm()) < 1e-5
+
+    # the descriptors' rule: rows of whole 16-byte units, contiguous weights
+    from batchrun.kernels.fused_moe import takes_descriptors
+
+    assert takes_descriptors(x, w13, w2)  # 96 and 80 fp32 elements
+    assert not takes_descriptors(x[:, :90], w13[:, :, :90], w2[:, :90])
+    assert not takes_descriptors(x.half()[:, :36], w13.half()[:, :, :36], w2.half()[:, :36])
 
 
 def _check_gemv(dtype, rel_bound):

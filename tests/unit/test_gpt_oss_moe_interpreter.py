@@ -1,8 +1,8 @@
-"""gpt-oss's experts in the fused MoE (kernels/fused_moe.py and the decode batches'
-kernels/moe_gemv.py with `extras`: gate / up and down biases, the clamped SwiGLU) under Triton's
-CPU interpreter, against the torch expert loop of layers/moe.py: decode- and prefill-sized
-batches, 32 experts top-4 (gpt-oss-20b's), with and without the down bias (a TP rank other than 0
-adds none), a limit the activations reach.
+"""gpt-oss's experts in the fused MoE (kernels/fused_moe.py, its gathered path through TMA
+descriptors and the decode batches' kernels/moe_gemv.py with `extras`: gate / up and down
+biases, the clamped SwiGLU) under Triton's CPU interpreter, against the torch expert loop of
+layers/moe.py: decode- and prefill-sized batches, 32 experts top-4 (gpt-oss-20b's), with and
+without the down bias (a TP rank other than 0 adds none), a limit the activations reach.
 
 Runs in a subprocess (tests/triton_interpreter.py), fp32 and fp16 (the interpreter's tl.dot is
 wrong for bf16 inputs).
@@ -32,7 +32,7 @@ def test_gpt_oss_experts_under_interpreter():
 
 
 def _run_checks() -> None:
-    from batchrun.kernels.fused_moe import fused_moe
+    from batchrun.kernels.fused_moe import fused_moe, pick_config
     from batchrun.kernels.moe_gemv import moe_gemv
     from test_fused_moe_interpreter import make_routing
 
@@ -55,10 +55,14 @@ def _run_checks() -> None:
                                                b2.float(), 1.702, 1.5))  # fmt: skip
                 plain = moe_experts(x.float(), w13.float(), w2.float(), weights, ids, "torch")
                 assert (ref - plain).abs().max() > 0.1  # the biases and the clamp matter
-                for experts_fn in (fused_moe, moe_gemv):
-                    out = experts_fn(x, w13, w2, weights, ids, extras=extras)
+                gathered = pick_config(1000, experts, top_k, hidden, inter)._replace(gather=True)
+                for name, out in (
+                    ("fused_moe", fused_moe(x, w13, w2, weights, ids, extras=extras)),
+                    ("gathered", fused_moe(x, w13, w2, weights, ids, gathered, extras)),
+                    ("moe_gemv", moe_gemv(x, w13, w2, weights, ids, extras=extras)),
+                ):
                     err = (out.float() - ref).abs().max() / ref.abs().max()
-                    assert err <= tol, (experts_fn.__name__, dtype, num_tokens, err)
+                    assert err <= tol, (name, dtype, num_tokens, err)
     print("ok")
 
 
