@@ -225,7 +225,7 @@ class MoE(nn.Module):
         return x if rows == x.shape[0] else F.pad(x, (0, 0, 0, rows - x.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        num_tokens = x.shape[0]
+        num_tokens, padded = x.shape[0], None
         if self._takes_gemv is not None and self._takes_gemv(num_tokens, self.top_k):
             # a decode batch: the router in one kernel, the experts as GEMVs
             weights, ids = self._route_gemv(
@@ -233,12 +233,12 @@ class MoE(nn.Module):
             )
             decode = "gemv"
         else:
-            logits = self.gate(self._router_input(x))[:num_tokens]
-            weights, ids = self._route(logits, self.top_k, self.renormalize)
+            padded = self._router_input(x)
+            weights, ids = self._route(self.gate(padded)[:num_tokens], self.top_k, self.renormalize)
             decode = "grouped"
         out = moe_experts(x, self.w13, self.w2, weights, ids, self.backend, self.extras(), decode)
         if self.shared_expert is not None:
-            padded = self._router_input(x)
+            padded = self._router_input(x) if padded is None else padded
             gate = torch.sigmoid(self.shared_expert_gate(padded)[:num_tokens])  # [T, 1]
             out = out + gate * self.shared_expert(x)
         return self.tp.all_reduce(out) if self.tp.is_parallel else out

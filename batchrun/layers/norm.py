@@ -56,8 +56,8 @@ class RMSNorm(nn.Module):
 def norm_heads_in_place(heads: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_q: int) -> bool:
     """Qwen3's q and k norms on heads [T, num_q + KV, D] (the qkv projection's q heads, then its
     k heads: a strided view) in one Triton launch, in place, with the bits of q_norm(q) and
-    k_norm(k) (two launches, each with a copy of its strided view first past one token). False: not taken
-    (no Triton kernels, or another dtype); the caller applies the two norms."""
+    k_norm(k) (two launches, each with a copy of its strided view first past one token).
+    False: not taken (no Triton kernels, or another dtype); the caller applies the two norms."""
     if not (q_norm.kernels.triton_ops and heads.dtype == q_norm.weight.dtype):
         return False
     rms_norm_heads(heads, q_norm.weight, k_norm.weight, num_q, q_norm.eps, pdl=q_norm.kernels.pdl)
