@@ -298,6 +298,17 @@ def _check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
     assert x.stride(-1) == w13.stride(-1) == w2.stride(-1) == 1, "unit stride along H and I"
 
 
+def unpack_extras(extras, w13: torch.Tensor, w2: torch.Tensor) -> tuple:
+    """(b13, b2, alpha, limit) of gpt-oss's `extras` (layers/moe.py's ExpertExtras), checked
+    against the experts; (None, None, 1.0, 0.0) for None: no biases, plain SiLU."""
+    if extras is None:
+        return None, None, 1.0, 0.0
+    b13, b2 = extras.b13, extras.b2
+    for b, rows in ((b13, w13.shape[1]), (b2, w2.shape[1])):
+        assert b is None or (b.shape == (w13.shape[0], rows) and b.stride(-1) == 1), b
+    return b13, b2, float(extras.alpha), float(extras.limit)
+
+
 def takes_descriptors(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the gathered path's TMA descriptors can read these operands: contiguous weights
     and rows of H and I elements in whole 16-byte units (the descriptors' stride rule)."""
@@ -323,12 +334,7 @@ def fused_moe(
     `extras` (layers/moe.py's ExpertExtras: b13, b2, alpha, limit) gpt-oss's biases and clamped
     SwiGLU."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
-    b13 = b2 = None
-    alpha, limit = 1.0, 0.0
-    if extras is not None:
-        b13, b2, alpha, limit = extras.b13, extras.b2, float(extras.alpha), float(extras.limit)
-    for b, rows in ((b13, w13.shape[1]), (b2, w2.shape[1])):
-        assert b is None or (b.shape == (w13.shape[0], rows) and b.stride(-1) == 1), b
+    b13, b2, alpha, limit = unpack_extras(extras, w13, w2)
     num_tokens, hidden = x.shape
     num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]

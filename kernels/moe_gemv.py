@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from batchrun.kernels.fused_moe import _check_shapes, tile_tokens
+from batchrun.kernels.fused_moe import _check_shapes, _swiglu, tile_tokens, unpack_extras
 from batchrun.kernels.gemv import (
     NUM_COUNTERS,
     SMEM_FOR_W,
@@ -126,15 +126,7 @@ def _gate_up_gemv_kernel(
         gate = _mma(gate, x, _w_tile(g_rows, in_n, k0, hidden, BLOCK_K), IEEE)
         up = _mma(up, x, _w_tile(u_rows, in_n, k0, hidden, BLOCK_K), IEEE)
     cols = tl.minimum(offs_n, inter_size - 1)
-    if HAS_BIAS:
-        gate += tl.load(B13 + expert * stride_be + cols).to(tl.float32)[None, :]
-        up += tl.load(B13 + expert * stride_be + inter_size + cols).to(tl.float32)[None, :]
-    if CLAMP:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-    else:
-        h = gate * tl.sigmoid(gate) * up
+    h = _swiglu(gate, up, B13, expert, stride_be, cols, inter_size, alpha, limit, HAS_BIAS, CLAMP)
     out = Inter + row.to(tl.int64) * stride_im + offs_m[:, None] * 0 + offs_n[None, :]
     mask = (offs_m[:, None] == 0) & (offs_n < inter_size)[None, :]
     tl.store(out, h.to(Inter.dtype.element_ty), mask=mask)
@@ -214,12 +206,7 @@ def moe_gemv(
     it is the faster path); arguments as kernels/fused_moe.py's fused_moe. Run one call eagerly
     before capturing a CUDA graph (it may allocate kernels/gemv.py's counters)."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
-    b13 = b2 = None
-    alpha, limit = 1.0, 0.0
-    if extras is not None:
-        b13, b2, alpha, limit = extras.b13, extras.b2, float(extras.alpha), float(extras.limit)
-    for b, rows in ((b13, w13.shape[1]), (b2, w2.shape[1])):
-        assert b is None or (b.shape == (w13.shape[0], rows) and b.stride(-1) == 1), b
+    b13, b2, alpha, limit = unpack_extras(extras, w13, w2)
     num_tokens, hidden = x.shape
     inter_size = w2.shape[2]
     top_k = topk_ids.shape[1]
