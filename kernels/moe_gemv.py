@@ -16,9 +16,9 @@ Each program streams its weight rows as kernels/gemv.py does at M = 1 (K tiles o
 the pipelined shared-memory stages, x's one row padded to the tensor cores' 16 with zeros), the
 recipe that reads llama-8b's decode matrices at 3.2-4.2 TB/s on the H200 (docs/benchmarks.md).
 The grid's first axis is the routed row, so the programs of one column tile run together and
-rows routed to one expert read its tile from L2. The sum over a token's experts is in slot order whatever program
-finishes last, and a row's result does not depend on the other rows of the batch: graphs (which
-pad a step) and eager give the same bits.
+rows routed to one expert read its tile from L2. The sum over a token's experts is in slot
+order whatever program finishes last, and a row's result does not depend on the other rows of
+the batch: graphs (which pad a step) and eager give the same bits.
 
 Where it runs (`takes_gemv`): batches of at most MAX_ROWS routed rows, counted at
 fused_moe.tile_tokens(T) (the size a CUDA graph pads the step to, so eager and graph take one
