@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from batchrun.kernels.gemv import split_counters
 
 
 @triton.jit
@@ -166,8 +167,6 @@ def route_gemv(
     logits as split-K partial sums over the experts' tiles, then the last program to finish
     sums them in slice order and routes every token. A token's routing depends on its row
     alone. Run one call eagerly before capturing a CUDA graph (kernels/gemv.py's counters)."""
-    from batchrun.kernels.gemv import split_counters
-
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     assert num_tokens <= ROUTE_GEMV_MAX_TOKENS and weight.shape == (num_experts, hidden)

@@ -27,8 +27,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.kernels = kernels or KernelConfig.reference()
 
+    def runs_triton(self, x: torch.Tensor) -> bool:
+        """Whether this norm of x runs batchrun's Triton kernel (else the torch formula)."""
+        return self.kernels.triton_ops and x.dtype == self.weight.dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels.triton_ops and x.dtype == self.weight.dtype:
+        if self.runs_triton(x):
             # NOTE: reshape copies a strided view (q/k norm of Qwen3); the kernel writes a new
             # tensor anyway
             x2d = x.reshape(-1, x.shape[-1])
@@ -47,7 +51,7 @@ class RMSNorm(nn.Module):
         one kernel writes both in place, into x and residual: callers must not read them
         afterwards.
         """
-        if self.kernels.triton_ops and x.dtype == residual.dtype == self.weight.dtype:
+        if self.runs_triton(x) and residual.dtype == x.dtype:
             return fused_add_rms_norm(x, residual, self.weight, self.eps, pdl=self.kernels.pdl)
         residual = x + residual
         return self(residual), residual
@@ -58,7 +62,7 @@ def norm_heads_in_place(heads: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, n
     k heads: a strided view) in one Triton launch, in place, with the bits of q_norm(q) and
     k_norm(k) (two launches, each with a copy of its strided view first past one token).
     False: not taken (no Triton kernels, or another dtype); the caller applies the two norms."""
-    if not (q_norm.kernels.triton_ops and heads.dtype == q_norm.weight.dtype):
+    if not q_norm.runs_triton(heads):
         return False
     rms_norm_heads(heads, q_norm.weight, k_norm.weight, num_q, q_norm.eps, pdl=q_norm.kernels.pdl)
     return True
