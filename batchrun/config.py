@@ -15,6 +15,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DUMMY_INITS = ("normal", "uniform")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+# attention "triton"'s prefill and mixed steps: "triton" kernels/extend_attention.py, "fa3"
+# FlashInfer's FlashAttention-3 paged prefill (Hopper) on the steps' extend rows
+EXTEND_ATTENTIONS = ("auto", "triton", "fa3")
 DECODE_GEMVS = ("auto", "cublas", "triton")
 # how a one-row decode step on kernels/gemv.py runs the residual adds and RMSNorms between its
 # matmuls (models/llama.py's forward_gemv): "off" kernels of their own; "all" each inside the
@@ -114,6 +117,11 @@ class KernelConfig:
 
     attention           attention backend: "torch" (reference, any device), "triton"
                         (kernels/decode_attention.py, extend_attention.py), "flashinfer"
+    extend_attention    one of EXTEND_ATTENTIONS for attention "triton"'s extend rows (prefill
+                        chunks; the decode rows stay on the Triton decode kernel). "fa3"
+                        runs on sm_90 GPUs where flashinfer imports and the model's attention
+                        is one it runs (head dim 64 / 128 / 256, a bf16 / fp16 KV pool, no
+                        attention sinks); auto: "triton" (engine/kernel_choice.py says why)
     triton_ops          the small Triton kernels: RMSNorm (with the residual add), rotary with
                         the KV store, the SwiGLU gate, the greedy argmax, the decode graphs'
                         inputs; auto: on CUDA where Triton imports
@@ -149,11 +157,14 @@ class KernelConfig:
     moe                 one of MOE_BACKENDS for a mixture of experts' experts: "triton" the fused
                         MoE kernels (kernels/fused_moe.py), "torch" a per-expert loop; auto:
                         "triton" on CUDA where Triton imports, "torch" elsewhere
-    moe_decode          one of MOE_DECODES for moe "triton"'s decode batches; auto: "grouped"
-                        (engine/kernel_choice.py says why)
+    moe_decode          one of MOE_DECODES for moe "triton"'s decode batches: "gemv" the
+                        GEMVs of kernels/moe_gemv.py where its `takes_gemv` holds, "grouped"
+                        the grouped GEMMs always; auto: "gemv" with moe "triton"
+                        (engine/kernel_choice.py says what was measured)
     """
 
     attention: str = "auto"
+    extend_attention: str = "auto"
     triton_ops: bool | None = None
     pdl: bool | None = None
     decode_gemv: str = "auto"
@@ -171,6 +182,7 @@ class KernelConfig:
         """Plain PyTorch everywhere: what the CPU resolves to, and the reference on CUDA."""
         return cls(
             attention="torch",
+            extend_attention="triton",
             triton_ops=False,
             pdl=False,
             decode_gemv="cublas",
@@ -186,6 +198,7 @@ class KernelConfig:
 
     def validate(self) -> None:
         _one_of("attention backend", self.attention, ATTENTION_BACKENDS)
+        _one_of("extend_attention", self.extend_attention, EXTEND_ATTENTIONS)
         _one_of("decode_gemv", self.decode_gemv, DECODE_GEMVS)
         _one_of("decode_norms", self.decode_norms, DECODE_NORMS)
         _one_of("fp8_matmul", self.fp8_matmul, FP8_MATMULS)
@@ -198,8 +211,8 @@ class KernelConfig:
     @property
     def is_resolved(self) -> bool:
         auto = {
-            "attention", "decode_gemv", "decode_norms", "fp8_matmul", "int4_matmul", "moe",
-            "moe_decode",
+            "attention", "extend_attention", "decode_gemv", "decode_norms", "fp8_matmul",
+            "int4_matmul", "moe", "moe_decode",
         }  # fmt: skip
         return all(
             getattr(self, f.name) != "auto" if f.name in auto else getattr(self, f.name) is not None

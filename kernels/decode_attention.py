@@ -198,7 +198,6 @@ def _decode_stage1_kernel(
     BLOCK_G: tl.constexpr,  # KV_GROUP's power of two (the folded combine's heads)
     KV_FP8: tl.constexpr,  # K and V hold float8_e4m3fn
     FP16_DOT: tl.constexpr,  # KV_FP8 with bf16 q: q, K, V and p as fp16 in the dots
-    REG_PIPE: tl.constexpr,  # the next KV block loaded into registers while this one is attended
     PDL: tl.constexpr,
     KNew,  # ROTARY: the new tokens' k and v before rotary [B, KV, D], their slots, positions
     VNew,
@@ -312,29 +311,13 @@ def _decode_stage1_kernel(
             mask=mask_h[:, None] & mask_d[None, :],
             other=0.0,
         ).to(cdtype)  # [BLOCK_H, BLOCK_D]
-        if REG_PIPE:
-            offs_n = start + tl.arange(0, BLOCK_N)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n, mask_d, stride_kt, stride_vt,
-                             offs_d, cdtype)  # fmt: skip
-            # one iteration a block: the next block's loads (masked past the split) go out
-            # before this one's dots
-            for n0 in range(start + BLOCK_N, end + BLOCK_N, BLOCK_N):
-                offs_next = n0 + tl.arange(0, BLOCK_N)
-                mask_next = offs_next < end
-                k_next, v_next = _kv_block(r2t, k_head, v_head, offs_next, mask_next, mask_d,
-                                           stride_kt, stride_vt, offs_d, cdtype)  # fmt: skip
-                m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
-                                              DOT_PRECISION)  # fmt: skip
-                k, v, mask_n = k_next, v_next, mask_next
-        else:
-            for n0 in range(start, end, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < end
-                k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n, mask_d, stride_kt,
-                                 stride_vt, offs_d, cdtype)  # fmt: skip
-                m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
-                                              DOT_PRECISION)  # fmt: skip
+            k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n, mask_d, stride_kt,
+                             stride_vt, offs_d, cdtype)  # fmt: skip
+            m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
+                                          DOT_PRECISION)  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     l_out = l_safe  # acc / l_out: the output (the partial output)
@@ -450,7 +433,6 @@ def decode_attention_fwd(
     num_warps: int | None = None,
     num_stages: int | None = None,
     fp16_dot: bool | None = None,  # KV_FP8 with bf16 q: the dots on fp16 (None: FP8_FP16_DOT)
-    reg_pipe: bool = False,  # without rope: the next KV block prefetched into registers
     sinks: torch.Tensor | None = None,  # [H] fp32: each head's sink logit (gpt-oss)
 ) -> None:
     batch_size, num_heads, head_dim = q.shape
@@ -529,7 +511,6 @@ def decode_attention_fwd(
         BLOCK_G=triton.next_power_of_2(kv_group),
         KV_FP8=kv_fp8,
         FP16_DOT=fp16_dot,
-        REG_PIPE=reg_pipe and rope is None,
         num_warps=num_warps or DEFAULT_NUM_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
         **launch,

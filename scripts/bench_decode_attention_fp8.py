@@ -43,8 +43,6 @@ DEV = "cuda"
 DEFAULT_CASES = "1x8192,16x4096,64x2048,256x1024,256x4096,512x2048"
 # (BLOCK_N, warps, stages) tried on the float8 pool besides the kernel's default
 FP8_CONFIGS = [(64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 4, 2)]
-# the next block prefetched into registers (reg_pipe: no shared-memory stages), fp16 dots
-REG_PIPE_CONFIGS = [(64, 4, 1), (64, 8, 1), (128, 8, 1), (32, 4, 1)]
 # the float8 pool's dots on fp16 operands (the default, FP8_FP16_DOT) against bf16 ones: each
 # config above is timed both ways
 SCALE = KVScale(float(torch.tensor(0.37)), float(torch.tensor(2.5)))
@@ -119,11 +117,8 @@ def bench_pool(batch_size, context, dtype, kernels, copy_tbs: float, rows: list[
     configs = [(None, None)]
     if fp8:
         configs += [(None, False)] + [(c, d) for c in FP8_CONFIGS for d in (True, False)]
-        configs += [(c, "reg_pipe") for c in REG_PIPE_CONFIGS]
     for config, fp16_dot in configs:
         tiles = {} if fp16_dot is None else {"fp16_dot": fp16_dot}
-        if fp16_dot == "reg_pipe":
-            tiles = {"reg_pipe": True}
         if config is not None:
             tiles.update(block_n=config[0], num_warps=config[1], num_stages=config[2])
         fn = functools.partial(
@@ -132,9 +127,7 @@ def bench_pool(batch_size, context, dtype, kernels, copy_tbs: float, rows: list[
             kv_scale=SCALE if fp8 else None, pdl=kernels.pdl, **tiles,
         )  # fmt: skip
         label = f"triton {splits} splits " + ("default" if config is None else str(config))
-        if fp16_dot == "reg_pipe":
-            label += " reg_pipe"
-        elif fp16_dot is not None:
+        if fp16_dot is not None:
             label += " fp16 dot" if fp16_dot else " bf16 dot"
         add(label, do_bench(fn, return_mode="median"))
     if unavailable_reason(DEV) is None:

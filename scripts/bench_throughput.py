@@ -101,9 +101,12 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "int4-awq-dequant": ({}, {"int4_matmul": "dequant"}),
     # per-channel FP8 decode batches on torch._scaled_mm (auto: kernels/fp8_gemv.py)
     "fp8-cublas": ({"quantization": "fp8"}, {"decode_gemv": "cublas"}),
-    # a mixture of experts' decode batches: the router in one kernel, the experts on
-    # kernels/moe_gemv.py (auto: the grouped GEMMs)
-    "moe-gemv": ({}, {"moe_decode": "gemv"}),
+    # a mixture of experts' decode batches on the grouped GEMMs (auto: the router in one kernel,
+    # the experts on kernels/moe_gemv.py)
+    "moe-grouped": ({}, {"moe_decode": "grouped"}),
+    # prefill and mixed steps' extend rows on FlashInfer's FA3 prefill (auto:
+    # kernels/extend_attention.py)
+    "extend-fa3": ({}, {"extend_attention": "fa3"}),
     # the KV cache in float8_e4m3fn (--kv-cache-dtype fp8_e4m3): one byte an element
     "kv-fp8": ({"kv_cache_dtype": "fp8_e4m3"}, {}),
     "prefix-order": ({}, {}),

@@ -98,6 +98,27 @@ def unavailable_reason(device) -> str | None:
     return None
 
 
+def fa3_unavailable_reason(device, head_dim: int, dtype: str, kv_fp8: bool, sinks: bool):
+    """Why FlashInfer's FlashAttention-3 prefill cannot run a model's extend rows on `device`
+    (None: it can). dtype: EngineConfig.dtype ("auto": bf16 or fp16 on CUDA)."""
+    reason = unavailable_reason(device)
+    if reason is not None:
+        return reason
+    device = torch.device(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if torch.cuda.get_device_capability(index)[0] != 9:
+        return "FlashInfer's FA3 kernels run on sm_90 GPUs (H100, H200) only"
+    if head_dim not in HEAD_DIMS:
+        return f"they support head dims {HEAD_DIMS}, and this model's is {head_dim}"
+    if dtype not in ("auto", "bfloat16", "float16"):
+        return f"they run in bfloat16 or float16, and this run's dtype is {dtype}"
+    if kv_fp8:
+        return "they read a bf16 / fp16 KV cache with bf16 / fp16 queries, not a float8 one"
+    if sinks:
+        return "they run no attention sinks, which this model has"
+    return None
+
+
 def gather_kv_indices(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
@@ -210,6 +231,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         refuse_sinks(sinks, "flashinfer")
         batch, wrapper = self._planned_wrapper(q, scaling, window)
         q = self.kv_pool.store_rotated(layer_id, batch.out_cache_loc, q, k, v, positions, rotary)
+        return self._run(wrapper, q, layer_id, out)
+
+    def attend(self, q, layer_id: int, scaling: float, out, window: int = 0) -> torch.Tensor:
+        """Attention of q over the pool, which holds the step's new KV already (stored by the
+        caller): the extend rows of triton_backend.py's steps under extend_attention "fa3"."""
+        _, wrapper = self._planned_wrapper(q, scaling, window)
         return self._run(wrapper, q, layer_id, out)
 
     def _planned_wrapper(self, q, scaling: float, window: int):

@@ -12,6 +12,11 @@ A layer's sliding window (`window=`) goes to both kernels as a runtime value: th
 window's KV, and layers of different windows share the compiled kernels (a CUDA graph captures
 each layer's call with its window).
 
+With KernelConfig.extend_attention "fa3" the extend rows (a prefill step's, a mixed step's after
+its decodes) run FlashInfer's FlashAttention-3 paged prefill instead of the extend kernel
+(flashinfer_backend.py's wrappers, planned once a step for those rows); the decode rows and the
+CUDA graphs stay on the decode kernel. engine/kernel_choice.py decides where it runs.
+
 CUDA graphs (decode only). The graph runner owns capture and replay; this backend gives it
 static inputs and a launch grid that depends only on the batch size:
 
@@ -110,6 +115,11 @@ class TritonAttentionBackend(AttentionBackend):
         # the decode kernel's split counters (each call leaves them zero): as the workspaces
         self._counters = decode_counters(0, self.num_kv_heads, self.device)  # eager, grows
         self._graph_counters: torch.Tensor | None = None  # init_graph_buffers, never replaced
+        self._fa3 = None  # extend_attention "fa3": the FlashInfer backend of the extend rows
+        if kernels.extend_attention == "fa3":
+            from batchrun.attention.flashinfer_backend import FlashInferAttentionBackend
+
+            self._fa3 = FlashInferAttentionBackend(kv_pool, req_to_token, prefill_kernels="fa3")
 
     # ---- eager steps -------------------------------------------------------------------------
 
@@ -136,8 +146,9 @@ class TritonAttentionBackend(AttentionBackend):
             inputs.req_pool_indices, inputs.seq_lens, inputs.out_cache_loc, splits, False
         )
 
-    @staticmethod
-    def _extend_plan(inputs: AttentionInputs) -> _ExtendPlan:
+    def _extend_plan(self, inputs: AttentionInputs) -> _ExtendPlan:
+        if self._fa3 is not None:  # its KV indices and indptrs; planned by the first layer
+            self._fa3.prepare(inputs)
         ext = inputs.extend_lens
         start_loc = torch.cumsum(ext, 0) - ext
         return _ExtendPlan(inputs, start_loc, max(inputs.extend_lens_cpu))
@@ -212,13 +223,11 @@ class TritonAttentionBackend(AttentionBackend):
             self._decode(
                 plan.decode, q[:d], k_buf, v_buf, out[:d], scaling, kv_scale, window, None, sinks
             )
-            self._extend(
-                plan.extend, q[d:], k_buf, v_buf, out[d:], scaling, kv_scale, window, sinks
-            )
+            self._extend(plan.extend, q[d:], layer_id, out[d:], scaling, kv_scale, window, sinks)
         elif isinstance(plan, _DecodePlan):
             self._decode(plan, q, k_buf, v_buf, out, scaling, kv_scale, window, None, sinks)
         else:
-            self._extend(plan, q, k_buf, v_buf, out, scaling, kv_scale, window, sinks)
+            self._extend(plan, q, layer_id, out, scaling, kv_scale, window, sinks)
         return out.view(num_tokens, num_heads * head_dim)
 
     def _kv_scale(self, layer_id: int):
@@ -239,10 +248,14 @@ class TritonAttentionBackend(AttentionBackend):
         )  # fmt: skip
 
     def _extend(
-        self, plan: _ExtendPlan, q, k_buf, v_buf, out, scaling: float, kv_scale, window: int,
+        self, plan: _ExtendPlan, q, layer_id: int, out, scaling: float, kv_scale, window: int,
         sinks=None,
     ) -> None:  # fmt: skip
+        if self._fa3 is not None:  # (kernel_choice: no float8 pool, no sinks)
+            self._fa3.attend(q, layer_id, scaling, out, window)
+            return
         inputs = plan.inputs
+        k_buf, v_buf = self.kv_pool.buffers(layer_id)
         extend_attention_fwd(
             q, k_buf, v_buf, out, self.req_to_token, inputs.req_pool_indices, inputs.seq_lens,
             inputs.extend_lens, plan.extend_start_loc, plan.max_extend_len, scaling,

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from batchrun.attention.flashinfer_backend import unavailable_reason
+from batchrun.attention.flashinfer_backend import fa3_unavailable_reason, unavailable_reason
 from batchrun.config import EngineConfig, KernelConfig, decoder_params, is_large
 from batchrun.engine.host_gate import HostGate
 from batchrun.models.moe_weights import has_quantized_experts
@@ -140,6 +140,26 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         if reason is not None:
             raise ValueError(f"attention backend 'flashinfer' cannot run here: {reason}")
 
+    extend_attention = want.extend_attention
+    if extend_attention == "auto":
+        # NOTE: FlashInfer's FA3 prefill reads a 16,384-token prefill at 546 TFLOP/s and 4,096
+        # tokens over a 126,976-token prefix at 554, where kernels/extend_attention.py reads
+        # 381 and 371 (H100, one run: `scripts/bench_attention_kernels.py --extend-cases
+        # 1x16384,1x131072,1x4096+126976`); "fa3" is not the default until the engine's tests
+        # (tests/gpu/test_flashinfer_backend.py) and `scripts/bench_throughput.py --workloads
+        # W5,W1 --variants batchrun,extend-fa3` have run on it
+        extend_attention = "triton"
+    elif extend_attention == "fa3":
+        head_dim, fp8_kv = model_cfg.head_dim, config.kv_cache_dtype == "fp8_e4m3"
+        if attention != "triton":
+            raise ValueError(
+                f"extend_attention 'fa3' runs attention 'triton''s extend rows, and the attention "
+                f"backend is {attention!r}; use extend_attention 'triton' or 'auto'"
+            )
+        fa3_reason = fa3_unavailable_reason(device, head_dim, config.dtype, fp8_kv, sinks)
+        if fa3_reason is not None:
+            raise ValueError(f"extend_attention 'fa3' cannot run here: {fa3_reason}")
+
     triton_ops = want.triton_ops
     if triton_ops is None:
         triton_ops = cuda and triton
@@ -206,10 +226,11 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
 
     moe_decode = want.moe_decode
     if moe_decode == "auto":
-        # NOTE: kernels/moe_gemv.py is not the default: it has no H200 figure against the
-        # grouped GEMMs yet (`scripts/bench_fused_moe.py --tokens 1,2,4,8` times both;
-        # `scripts/bench_throughput.py --workloads W3 --variants batchrun,moe-gemv` the decode)
-        moe_decode = "grouped"
+        # NOTE: kernels/moe_gemv.py's GEMVs (and the router in one kernel) read Qwen3-30B-A3B's
+        # W3 at 3.90 ms per token against 4.53 on the grouped GEMMs (H100, one run:
+        # `scripts/bench_throughput.py --models qwen3-30b-a3b --workloads W3 --variants
+        # batchrun,moe-gemv`); its `takes_gemv` says which decode batches take them
+        moe_decode = "gemv" if moe == "triton" else "grouped"
     elif moe_decode == "gemv" and moe != "triton":
         raise ValueError(
             "moe_decode 'gemv' (kernels/moe_gemv.py) runs the fused experts' decode batches: it "
@@ -282,6 +303,7 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     return replace(
         want,
         attention=attention,
+        extend_attention=extend_attention,
         triton_ops=triton_ops,
         pdl=pdl,
         decode_gemv=decode_gemv,

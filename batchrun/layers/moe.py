@@ -226,7 +226,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         num_tokens, padded = x.shape[0], None
-        if self._takes_gemv is not None and self._takes_gemv(num_tokens, self.top_k):
+        num_experts = self.w13.shape[0]
+        if self._takes_gemv is not None and self._takes_gemv(num_tokens, self.top_k, num_experts):
             # a decode batch: the router in one kernel, the experts as GEMVs
             weights, ids = self._route_gemv(
                 x, self.gate.weight, self.gate.bias, self.top_k, self.renormalize

@@ -3,10 +3,12 @@
 Backend level: each backend's output within bf16 bounds of the torch reference in fp32 (the
 tolerance of test_kernels.py), for decode, extend over a cached prefix and mixed batches, head
 dims 64 and 128, GQA groups 1, 4 and 8; the KV store wrote the pool; CUDA-graph replay against
-eager decode. Engine level: greedy tokens of a tiny bf16 llama (head dim 64), flashinfer against
-triton. In bf16 two correct kernels may pick different tokens where the top two logits nearly
-tie, so tokens are compared up to the first step whose top-1 margin (in the triton run) is below
-MARGIN, where the token must be one of triton's top two (test_smollm2.py's policy).
+eager decode; the Triton backend's extend rows on FlashInfer's FA3 prefill (extend_attention
+"fa3", sm_90), sliding windows included. Engine level: greedy tokens of a tiny bf16 llama (head
+dim 64), flashinfer and the triton backend with its extend rows on FA3, against the triton
+kernels alone. In bf16 two correct kernels may pick different tokens where the top two logits
+nearly tie, so tokens are compared up to the first step whose top-1 margin (in the triton run)
+is below MARGIN, where the token must be one of triton's top two (test_smollm2.py's policy).
 
 The first run JIT-compiles FlashInfer's kernels (nvcc), a few minutes.
 """
@@ -119,6 +121,43 @@ def test_backends_agree(batch, head_dim, heads):
     tr_out = run_backend(triton, pool, inputs, q, k, v, scaling)
     assert_close(fi_out, ref, "flashinfer")
     assert_close(tr_out, ref, "triton")
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+    reason="FlashInfer's FA3 kernels run on sm_90 only",
+)
+@pytest.mark.parametrize("batch", ["extend-prefix", "mixed"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=["d64", "d128", "d256"])
+@pytest.mark.parametrize("heads", ["g1", "g4"])
+@pytest.mark.parametrize("window", [0, 100], ids=["full", "window100"])
+def test_triton_backend_extend_on_fa3(batch, head_dim, heads, window):
+    """extend_attention "fa3": the Triton backend's extend rows on FlashInfer's FA3 prefill (a
+    mixed step's decode rows on the decode kernel), against the fp32 reference, with a sliding
+    window too; the step plans one wrapper, reused by a second layer."""
+    from batchrun.attention.triton_backend import TritonAttentionBackend
+
+    pool, table, inputs, q, k, v = make_batch(*BATCHES[batch], *HEADS[heads], head_dim)
+    scaling = head_dim**-0.5
+    from batchrun.attention.torch_backend import TorchAttentionBackend
+
+    ref_pool = KVPool(1, pool.num_slots, k.shape[1], k.shape[2], torch.float32, DEV)
+    ref_pool.k_buffers[0].copy_(pool.k_buffers[0])
+    ref_pool.v_buffers[0].copy_(pool.v_buffers[0])
+    ref_backend = TorchAttentionBackend(ref_pool, table)
+    ref_backend.prepare(inputs)
+    ref = ref_backend.forward(q.float(), k.float(), v.float(), 0, scaling, window=window)
+    kernels = KernelConfig(attention="triton", extend_attention="fa3", pdl=False)
+    backend = TritonAttentionBackend(pool, table, kernels)
+    pool.k_buffers[0][inputs.out_cache_loc] = 0
+    pool.v_buffers[0][inputs.out_cache_loc] = 0
+    backend.prepare(inputs)
+    out = backend.forward(q, k, v, 0, scaling, window=window)
+    assert torch.equal(pool.k_buffers[0][inputs.out_cache_loc], k), "K not stored"
+    assert_close(out.view(q.shape), ref.view(q.shape), f"fa3 {batch} window {window}")
+    [(wrapper, _)] = backend._fa3._planned.values()
+    again = backend.forward(q, k, v, 0, scaling, window=window)
+    assert backend._fa3._planned[window][0] is wrapper and torch.equal(again, out)
 
 
 def test_plans_once_per_step():
@@ -238,7 +277,8 @@ def _generate(model_dir: str, kernels: dict, **kw):
 
 @pytest.fixture(scope="module")
 def triton_run(model_dir):
-    return _generate(model_dir, dict(attention="triton", cuda_graph_max_bs=64), overlap=True)
+    kernels = dict(attention="triton", extend_attention="triton", cuda_graph_max_bs=64)
+    return _generate(model_dir, kernels, overlap=True)
 
 
 @pytest.mark.parametrize(
@@ -246,10 +286,16 @@ def triton_run(model_dir):
     [(64, True), (0, False)],
     ids=["graph-overlap", "eager"],
 )
-def test_engine_greedy_matches_triton(model_dir, triton_run, graphs, overlap):
+@pytest.mark.parametrize("attention", ["flashinfer", "fa3"])
+def test_engine_greedy_matches_triton(model_dir, triton_run, graphs, overlap, attention):
     """graph-overlap: decode graphs, and prefill / mixed steps through piecewise graphs (on by
-    default for a small model) with FlashInfer's attention between them."""
-    kernels = dict(attention="flashinfer", cuda_graph_max_bs=graphs)
+    default for a small model) with FlashInfer's attention between them. fa3: the Triton
+    backend with its extend rows on FlashInfer's FA3 prefill (extend_attention "fa3")."""
+    kernels = dict(attention=attention, cuda_graph_max_bs=graphs)
+    if attention == "fa3":
+        if torch.cuda.get_device_capability()[0] != 9:
+            pytest.skip("FlashInfer's FA3 kernels run on sm_90 only")
+        kernels.update(attention="triton", extend_attention="fa3")
     ours = _generate(model_dir, kernels, overlap=overlap)
     compared = total = 0
     for rid, ref in triton_run.items():

@@ -109,7 +109,8 @@ def test_moe_gemv_decode_graphs_give_its_eager_tokens(dummy_dir, num):
     assert tokens(cuda_graph_max_bs=64, piecewise_graphs=False) == eager
     gemv = _engine(dummy_dir, dict(moe="triton", moe_decode="gemv", cuda_graph_max_bs=0,
                                    piecewise_graphs=False))  # fmt: skip
-    grouped = _engine(dummy_dir, dict(moe="triton", cuda_graph_max_bs=0, piecewise_graphs=False))
+    grouped = _engine(dummy_dir, dict(moe="triton", moe_decode="grouped", cuda_graph_max_bs=0,
+                                      piecewise_graphs=False))  # fmt: skip
     ids = _requests(1)[0].input_ids
     for prefix in (ids[:1], ids[:2]):  # one- and two-token batches: decode-sized
         a, b = gemv.score(prefix).float(), grouped.score(prefix).float()

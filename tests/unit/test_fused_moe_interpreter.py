@@ -141,7 +141,9 @@ def _check_configs_and_edges():
             config = config._replace(gather=gather)
             got = module.fused_moe(x, w13, w2, weights, ids, config=config)
             assert float((got - want).norm() / want.norm()) < 1e-5, config
-    assert not any(pick_config(t, 128, 8, 2048, 768).gather for t in (1, 64, 512, 16384))
+    # the gathered rows past 32 rows an expert (the 64- and 128-row blocks)
+    assert not any(pick_config(t, 128, 8, 2048, 768).gather for t in (1, 64, 512))
+    assert all(pick_config(t, 128, 8, 2048, 768).gather for t in (513, 1024, 16384))
 
     # decode: 32-column tiles where 64 would leave the SMs idle
     assert pick_config(1, 128, 8, 2048, 768).gate_up.block_n == 32
@@ -211,8 +213,9 @@ def _check_gemv(dtype, rel_bound):
         if tile_tokens(num_tokens) == tile_tokens(num_tokens + 1):  # one bucket, one config
             with_pad = moe_gemv(padded[0], w13, w2, padded[1], padded[2])
             assert torch.equal(with_pad[:num_tokens], got), (num_tokens, num_experts, top_k)
-    assert takes_gemv(1, 8) and takes_gemv(2, 8) and not takes_gemv(3, 8)
-    assert takes_gemv(8, 2) and not takes_gemv(9, 2) and not takes_gemv(0, 2)
+    assert takes_gemv(1, 8, 128) and takes_gemv(2, 8, 128) and not takes_gemv(3, 8, 128)
+    assert takes_gemv(4, 2, 8) and not takes_gemv(5, 2, 8) and not takes_gemv(0, 2, 8)
+    assert takes_gemv(8, 2, 16) and not takes_gemv(9, 2, 16)
     # Qwen3-30B-A3B at one token: 16 gate columns (384 programs), 64 down columns (256)
     assert pick_config(8, 2048, 768, 2)[:2] == (16, 64)
     assert pick_config(2, 4096, 14336, 2)[:2] == (32, 32)  # Mixtral

@@ -2,7 +2,8 @@
 CPU and on a simulated GPU, and the requests it refuses with a message.
 
 The GPU cases run without CUDA: `supports_pdl` (the device's compute capability), `has_triton`
-and `HostGate.available` (the driver's stream wait call) are patched to describe an H200 (sm_90,
+`HostGate.available` (the driver's stream wait call) and `fa3_unavailable_reason` (FlashInfer's
+FA3 prefill) are patched to describe an H200 (sm_90,
 PDL) or an A100 (sm_80), and resolve_kernels reads nothing else of the device. ModelConfigs of
 the Llama 3 shapes stand in for the models (no weights): llama-1b (hidden 2048, 1.0B decoder
 parameters) and llama-8b (hidden 4096, 7.0B: batchrun.config.is_large).
@@ -46,10 +47,12 @@ def resolve(model_cfg=SMALL, device=CPU, kernels: KernelConfig | None = None, **
 def gpu(monkeypatch):
     """A GPU with triton and the driver's stream wait: call with pdl=True for sm_90+ (an H200,
     with FP8 tensor cores), pdl=False for sm_80 (an A100, without); `memory` bytes (an H200's
-    by default)."""
+    by default); fa3: FlashInfer's FA3 prefill runs the model (flashinfer installed)."""
 
-    def make(pdl: bool, memory: int = H200_MEMORY) -> None:
+    def make(pdl: bool, memory: int = H200_MEMORY, fa3: bool = False) -> None:
         monkeypatch.setattr(kernel_choice, "gpu_memory", lambda device: memory)
+        reason = None if fa3 else "flashinfer is not importable"
+        monkeypatch.setattr(kernel_choice, "fa3_unavailable_reason", lambda *args: reason)
         monkeypatch.setattr(kernel_choice, "has_triton", lambda: True)
         monkeypatch.setattr(kernel_choice, "supports_pdl", lambda device: pdl)
         monkeypatch.setattr(kernel_choice, "supports_fp8_matmul", lambda device: pdl)
@@ -72,6 +75,7 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
     assert kernels == KernelConfig.reference()
     assert asdict(kernels) == dict(
         attention="torch",
+        extend_attention="triton",
         triton_ops=False,
         pdl=False,
         decode_gemv="cublas",
@@ -198,10 +202,11 @@ def test_the_host_gate_needs_overlap_and_the_driver(gpu, monkeypatch):
 
 
 def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
-    gpu(pdl=True)
+    gpu(pdl=True, fa3=True)
     kernels = resolve(SMALL, CUDA)
     assert asdict(kernels) == dict(
         attention="triton",
+        extend_attention="triton",  # FA3 when asked for (engine/kernel_choice.py)
         triton_ops=True,
         pdl=True,
         decode_gemv="triton",
@@ -212,7 +217,7 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         fp8_matmul="scaled_mm",  # the FP8 linears of a quantized model on the tensor cores
         int4_matmul="dequant",  # a plain model's (INT4 ones: the rule below)
         moe="triton",  # a mixture's experts on kernels/fused_moe.py
-        moe_decode="grouped",
+        moe_decode="gemv",  # and its decode batches on kernels/moe_gemv.py
     )
     assert kernels.is_resolved
 
@@ -275,6 +280,7 @@ def test_fields_set_by_hand_are_kept(gpu):
     gpu(pdl=True)
     want = KernelConfig(
         attention="torch",
+        extend_attention="triton",
         triton_ops=True,
         pdl=True,
         decode_gemv="triton",
@@ -402,11 +408,12 @@ def test_a_mixture_of_experts_runs_the_fused_moe_on_cuda(gpu, monkeypatch):
     assert resolve(small_moe, CUDA, KernelConfig(piecewise_graphs=True)).piecewise_graphs
 
 
-def test_moe_decode_gemv_is_asked_for(gpu, monkeypatch):
-    """moe_decode auto: the grouped GEMMs for every batch; "gemv" (kernels/moe_gemv.py for the
-    decode batches) with the fused experts only, its module checked at start-up."""
+def test_moe_decode_gemv_with_the_fused_experts(gpu, monkeypatch):
+    """moe_decode auto: "gemv" (kernels/moe_gemv.py for the decode batches) with the fused
+    experts, its module checked at start-up; the grouped GEMMs for every batch when asked, and
+    with the per-expert loop."""
     moe_cfg = ModelConfig.from_dict(QWEN3_30B_A3B)
-    assert resolve(moe_cfg).moe_decode == "grouped"
+    assert resolve(moe_cfg).moe_decode == "grouped"  # the CPU: moe "torch"
     with pytest.raises(ValueError, match="moe_decode 'gemv' .* needs moe 'triton'"):
         resolve(moe_cfg, CPU, KernelConfig(moe_decode="gemv"))
     with pytest.raises(ValueError, match="moe_decode must be one of auto, grouped, gemv"):
@@ -416,10 +423,58 @@ def test_moe_decode_gemv_is_asked_for(gpu, monkeypatch):
     monkeypatch.setattr(
         kernel_choice, "_check_kernels_import", lambda module="gemv": checked.append(module)
     )
-    assert resolve(moe_cfg, CUDA).moe_decode == "grouped"
+    assert resolve(moe_cfg, CUDA, KernelConfig(moe_decode="grouped")).moe_decode == "grouped"
     assert "batchrun.kernels.moe_gemv" not in checked
-    assert resolve(moe_cfg, CUDA, KernelConfig(moe_decode="gemv")).moe_decode == "gemv"
+    assert resolve(moe_cfg, CUDA).moe_decode == "gemv"
     assert "batchrun.kernels.moe_gemv" in checked
+    assert resolve(moe_cfg, CUDA, KernelConfig(moe="torch", cuda_graph_max_bs=0)).moe_decode == (
+        "grouped"
+    )
+
+
+def test_extend_attention_fa3_when_asked_for_where_it_runs(gpu, monkeypatch):
+    """extend_attention auto: "triton"; "fa3" asked for is kept with attention "triton" where
+    fa3_unavailable_reason finds nothing against it (flashinfer, sm_90, the head dim, the
+    dtypes, no sinks), and refused where it cannot run or beside another attention backend."""
+    assert resolve(SMALL).extend_attention == "triton"  # the CPU
+    with pytest.raises(ValueError, match="extend_attention must be one of auto, triton, fa3"):
+        resolve(SMALL, CPU, KernelConfig(extend_attention="fa2"))
+    with pytest.raises(ValueError, match="extend_attention 'fa3' runs attention 'triton''s"):
+        resolve(SMALL, CPU, KernelConfig(extend_attention="fa3"))
+    gpu(pdl=True)
+    with pytest.raises(ValueError, match="'fa3' cannot run here: flashinfer is not importable"):
+        resolve(SMALL, CUDA, KernelConfig(extend_attention="fa3"))
+    gpu(pdl=True, fa3=True)
+    assert resolve(SMALL, CUDA).extend_attention == "triton"
+    fa3 = KernelConfig(extend_attention="fa3")
+    assert resolve(SMALL, CUDA, fa3).extend_attention == "fa3"
+    with pytest.raises(ValueError, match="runs attention 'triton''s extend rows, and the attent"):
+        resolve(SMALL, CUDA, replace(fa3, attention="torch"))
+    seen = []
+    monkeypatch.setattr(
+        kernel_choice, "fa3_unavailable_reason", lambda *args: seen.append(args) or "sinks"
+    )
+    with pytest.raises(ValueError, match="'fa3' cannot run here: sinks"):
+        resolve(SMALL, CUDA, fa3)
+    assert seen[0][1:] == (SMALL.head_dim, "auto", False, False)
+
+
+def test_fa3_unavailable_reasons(monkeypatch):
+    """What keeps FlashInfer's FA3 prefill from a model, once flashinfer imports on a GPU."""
+    from batchrun.attention import flashinfer_backend as fb
+
+    monkeypatch.setattr(fb, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability[0])
+    assert fb.fa3_unavailable_reason(CUDA, 128, "auto", False, False) is None
+    assert fb.fa3_unavailable_reason(CUDA, 256, "bfloat16", False, False) is None
+    assert "head dims" in fb.fa3_unavailable_reason(CUDA, 80, "auto", False, False)
+    assert "float32" in fb.fa3_unavailable_reason(CUDA, 128, "float32", False, False)
+    assert "float8" in fb.fa3_unavailable_reason(CUDA, 128, "auto", True, False)
+    assert "sinks" in fb.fa3_unavailable_reason(CUDA, 64, "auto", False, True)
+    capability[0] = (10, 0)
+    assert "sm_90" in fb.fa3_unavailable_reason(CUDA, 128, "auto", False, False)
 
 
 def test_moe_triton_needs_triton(monkeypatch):

@@ -15,7 +15,6 @@ for bf16), and rotation in fp32 and fp16 (its bf16 casts truncate); a bf16 store
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -195,14 +194,14 @@ def _check_decode(dtype, tol) -> None:
         )
         ref = _reference(pool, ref_pool, table, inputs, q, k, v, 0.2)
         counters = decode_counters(3, 2, "cpu")
-        for splits, reg_pipe in itertools.product((1, 2, 3, 4), (False, True)):
+        for splits in (1, 2, 3, 4):
             out = torch.full_like(q, float("nan"))
             workspace = torch.empty(decode_workspace_numel(3, 6, 32, splits))
             decode_attention_fwd(
                 q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, 0.2,
-                splits, workspace, counters, kv_scale=scale, block_n=16, reg_pipe=reg_pipe,
+                splits, workspace, counters, kv_scale=scale, block_n=16,
             )  # fmt: skip
-            _check(out, ref, tol, ("decode", dtype, scale, splits, reg_pipe))
+            _check(out, ref, tol, ("decode", dtype, scale, splits))
             assert not counters.any()
         run_pool = _make_batch(seq_lens, [1, 1, 1], 6, 2, 32, dtype, scale)[0]
         backend = TritonAttentionBackend(run_pool, table, INTERPRETER_KERNELS)
