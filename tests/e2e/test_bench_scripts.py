@@ -69,7 +69,8 @@ def test_bench_throughput_cpu_smoke(tmp_path):
     w3 = next(r for r in results if r["workload"] == "W3")
     assert w3["ms_per_token"] > 0 and w3["num_requests"] == 1
     report = (tmp_path / "bench_throughput.md").read_text()
-    assert "Kernel configs (resolved):\n- tiny batchrun: attention=torch, triton_ops" in report
+    resolved = "- tiny batchrun: attention=torch, extend_attention=triton, triton_ops"
+    assert f"Kernel configs (resolved):\n{resolved}" in report
 
 
 def test_bench_throughput_long_documents_cpu_smoke(tmp_path):
