@@ -150,13 +150,13 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         # W5,W1 --variants batchrun,extend-fa3` have run on it
         extend_attention = "triton"
     elif extend_attention == "fa3":
-        head_dim, fp8_kv = model_cfg.head_dim, config.kv_cache_dtype == "fp8_e4m3"
         if attention != "triton":
             raise ValueError(
                 f"extend_attention 'fa3' runs attention 'triton''s extend rows, and the attention "
                 f"backend is {attention!r}; use extend_attention 'triton' or 'auto'"
             )
-        fa3_reason = fa3_unavailable_reason(device, head_dim, config.dtype, fp8_kv, sinks)
+        fp8_kv = config.kv_cache_dtype == "fp8_e4m3"
+        fa3_reason = fa3_unavailable_reason(device, model_cfg.head_dim, config.dtype, fp8_kv, sinks)
         if fa3_reason is not None:
             raise ValueError(f"extend_attention 'fa3' cannot run here: {fa3_reason}")
 
@@ -229,7 +229,7 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         # NOTE: kernels/moe_gemv.py's GEMVs (and the router in one kernel) read Qwen3-30B-A3B's
         # W3 at 3.90 ms per token against 4.53 on the grouped GEMMs (H100, one run:
         # `scripts/bench_throughput.py --models qwen3-30b-a3b --workloads W3 --variants
-        # batchrun,moe-gemv`); its `takes_gemv` says which decode batches take them
+        # batchrun,moe-grouped`); its `takes_gemv` says which decode batches take them
         moe_decode = "gemv" if moe == "triton" else "grouped"
     elif moe_decode == "gemv" and moe != "triton":
         raise ValueError(

@@ -77,7 +77,7 @@ def make_batch(prefix_lens, extend_lens, num_heads, num_kv_heads, head_dim, seed
     return pool, table.to(DEV), inputs, q, k, v
 
 
-def reference(pool, table, inputs, q, k, v, scaling):
+def reference(pool, table, inputs, q, k, v, scaling, window=0):
     """The torch backend in fp32 over an fp32 copy of the pool: [T, H, D]."""
     from batchrun.attention.torch_backend import TorchAttentionBackend
 
@@ -86,7 +86,8 @@ def reference(pool, table, inputs, q, k, v, scaling):
     ref_pool.v_buffers[0].copy_(pool.v_buffers[0])
     backend = TorchAttentionBackend(ref_pool, table)
     backend.prepare(inputs)
-    return backend.forward(q.float(), k.float(), v.float(), 0, scaling).view(q.shape)
+    out = backend.forward(q.float(), k.float(), v.float(), 0, scaling, window=window)
+    return out.view(q.shape)
 
 
 def assert_close(out, ref, label=""):
@@ -95,11 +96,11 @@ def assert_close(out, ref, label=""):
     assert err <= TOL, f"{label}: max relative error {err:.2e} > {TOL:.0e}"
 
 
-def run_backend(backend, pool, inputs, q, k, v, scaling):
+def run_backend(backend, pool, inputs, q, k, v, scaling, window=0):
     pool.k_buffers[0][inputs.out_cache_loc] = 0  # the store must write them again
     pool.v_buffers[0][inputs.out_cache_loc] = 0
     backend.prepare(inputs)
-    out = backend.forward(q, k, v, 0, scaling)
+    out = backend.forward(q, k, v, 0, scaling, window=window)
     assert out.shape == (q.shape[0], q.shape[1] * q.shape[2])
     assert torch.equal(pool.k_buffers[0][inputs.out_cache_loc], k), "K not stored"
     assert torch.equal(pool.v_buffers[0][inputs.out_cache_loc], v), "V not stored"
@@ -139,25 +140,14 @@ def test_triton_backend_extend_on_fa3(batch, head_dim, heads, window):
 
     pool, table, inputs, q, k, v = make_batch(*BATCHES[batch], *HEADS[heads], head_dim)
     scaling = head_dim**-0.5
-    from batchrun.attention.torch_backend import TorchAttentionBackend
-
-    ref_pool = KVPool(1, pool.num_slots, k.shape[1], k.shape[2], torch.float32, DEV)
-    ref_pool.k_buffers[0].copy_(pool.k_buffers[0])
-    ref_pool.v_buffers[0].copy_(pool.v_buffers[0])
-    ref_backend = TorchAttentionBackend(ref_pool, table)
-    ref_backend.prepare(inputs)
-    ref = ref_backend.forward(q.float(), k.float(), v.float(), 0, scaling, window=window)
+    ref = reference(pool, table, inputs, q, k, v, scaling, window)
     kernels = KernelConfig(attention="triton", extend_attention="fa3", pdl=False)
     backend = TritonAttentionBackend(pool, table, kernels)
-    pool.k_buffers[0][inputs.out_cache_loc] = 0
-    pool.v_buffers[0][inputs.out_cache_loc] = 0
-    backend.prepare(inputs)
-    out = backend.forward(q, k, v, 0, scaling, window=window)
-    assert torch.equal(pool.k_buffers[0][inputs.out_cache_loc], k), "K not stored"
-    assert_close(out.view(q.shape), ref.view(q.shape), f"fa3 {batch} window {window}")
+    out = run_backend(backend, pool, inputs, q, k, v, scaling, window)
+    assert_close(out, ref, f"fa3 {batch} window {window}")
     [(wrapper, _)] = backend._fa3._planned.values()
     again = backend.forward(q, k, v, 0, scaling, window=window)
-    assert backend._fa3._planned[window][0] is wrapper and torch.equal(again, out)
+    assert backend._fa3._planned[window][0] is wrapper and torch.equal(again.view(q.shape), out)
 
 
 def test_plans_once_per_step():
