@@ -104,9 +104,9 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # a mixture of experts' decode batches on the grouped GEMMs (auto: the router in one kernel,
     # the experts on kernels/moe_gemv.py)
     "moe-grouped": ({}, {"moe_decode": "grouped"}),
-    # prefill and mixed steps' extend rows on FlashInfer's FA3 prefill (auto:
-    # kernels/extend_attention.py)
-    "extend-fa3": ({}, {"extend_attention": "fa3"}),
+    # prefill and mixed steps' extend rows on kernels/extend_attention.py (auto on Hopper with
+    # flashinfer: FlashInfer's FA3 prefill)
+    "extend-triton": ({}, {"extend_attention": "triton"}),
     # the KV cache in float8_e4m3fn (--kv-cache-dtype fp8_e4m3): one byte an element
     "kv-fp8": ({"kv_cache_dtype": "fp8_e4m3"}, {}),
     "prefix-order": ({}, {}),

@@ -51,7 +51,10 @@ token is stored into the dummy slot: they read and write no real KV; their outpu
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import os
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -116,7 +119,24 @@ def fa3_unavailable_reason(device, head_dim: int, dtype: str, kv_fp8: bool, sink
         return "they read a bf16 / fp16 KV cache with bf16 / fp16 queries, not a float8 one"
     if sinks:
         return "they run no attention sinks, which this model has"
-    return None
+    return _build_reason()
+
+
+def _build_reason() -> str | None:
+    """Why FlashInfer cannot have its FA3 prefill kernels here (None: it can). They come
+    compiled in the flashinfer-jit-cache package, or flashinfer compiles them with nvcc at
+    first use, finding the CUDA toolkit as torch's extension builder does (CUDA_HOME,
+    CUDA_PATH, nvcc on PATH, /usr/local/cuda). Read once, at start-up."""
+    if importlib.util.find_spec("flashinfer_jit_cache") is not None:
+        return None
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvccs = [shutil.which("nvcc")] + [os.path.join(h, "bin", "nvcc") for h in homes if h]
+    if any(n and os.path.isfile(n) for n in nvccs):
+        return None
+    return (
+        "FlashInfer compiles its FA3 kernels with nvcc at first use, and neither nvcc (CUDA_HOME, "
+        "CUDA_PATH, PATH, /usr/local/cuda) nor the flashinfer-jit-cache package is here"
+    )
 
 
 def gather_kv_indices(

@@ -94,6 +94,7 @@ def build_engine_config(o: dict) -> EngineConfig:
         enable_radix_cache=not o["no_radix_cache"],
         kernels=KernelConfig(
             attention=o["attention_backend"],
+            extend_attention=o.get("extend_attention", "auto"),
             decode_gemv=o["decode_gemv"],
             fp8_matmul=o.get("fp8_matmul", "auto"),
             int4_matmul=o.get("int4_matmul", "auto"),
@@ -132,7 +133,32 @@ def build_engine_config(o: dict) -> EngineConfig:
                 "--attention-backend flashinfer: the flashinfer package is not installed "
                 "(pip install flashinfer-python); or use triton (or auto)"
             )
+    _check_extend_attention(cfg, o["device"])
     return cfg
+
+
+def _check_extend_attention(cfg, device: str) -> None:
+    """--extend-attention fa3 runs the triton backend's extend rows on FlashInfer, on CUDA; the
+    GPU's and the model's side (sm_90, head dim, KV dtype) is checked where the engine starts."""
+    kernels = cfg.kernels
+    if kernels.extend_attention != "fa3":
+        return
+    if kernels.attention not in ("auto", "triton"):
+        raise click.UsageError(
+            f"--extend-attention fa3 runs the triton attention backend's extend rows, and "
+            f"--attention-backend is {kernels.attention}; use triton or auto"
+        )
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        raise click.UsageError(
+            "--extend-attention fa3 needs a CUDA device (an H100 or H200); use triton or auto"
+        )
+    if importlib.util.find_spec("flashinfer") is None:
+        raise click.UsageError(
+            "--extend-attention fa3: the flashinfer package is not installed "
+            "(pip install flashinfer-python); or use triton (or auto)"
+        )
 
 
 def _given(name: str) -> bool:

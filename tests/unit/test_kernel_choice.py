@@ -206,7 +206,7 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
     kernels = resolve(SMALL, CUDA)
     assert asdict(kernels) == dict(
         attention="triton",
-        extend_attention="triton",  # FA3 when asked for (engine/kernel_choice.py)
+        extend_attention="fa3",  # FlashInfer's FA3 prefill for the extend rows
         triton_ops=True,
         pdl=True,
         decode_gemv="triton",
@@ -432,10 +432,11 @@ def test_moe_decode_gemv_with_the_fused_experts(gpu, monkeypatch):
     )
 
 
-def test_extend_attention_fa3_when_asked_for_where_it_runs(gpu, monkeypatch):
-    """extend_attention auto: "triton"; "fa3" asked for is kept with attention "triton" where
-    fa3_unavailable_reason finds nothing against it (flashinfer, sm_90, the head dim, the
-    dtypes, no sinks), and refused where it cannot run or beside another attention backend."""
+def test_extend_attention_fa3_where_it_runs(gpu, monkeypatch):
+    """extend_attention auto: "fa3" with attention "triton" where fa3_unavailable_reason finds
+    nothing against it (flashinfer, sm_90, its kernels built or buildable, the head dim, the
+    dtypes, no sinks), else "triton"; "fa3" asked for is refused where it cannot run or beside
+    another attention backend."""
     assert resolve(SMALL).extend_attention == "triton"  # the CPU
     with pytest.raises(ValueError, match="extend_attention must be one of auto, triton, fa3"):
         resolve(SMALL, CPU, KernelConfig(extend_attention="fa2"))
@@ -444,8 +445,12 @@ def test_extend_attention_fa3_when_asked_for_where_it_runs(gpu, monkeypatch):
     gpu(pdl=True)
     with pytest.raises(ValueError, match="'fa3' cannot run here: flashinfer is not importable"):
         resolve(SMALL, CUDA, KernelConfig(extend_attention="fa3"))
-    gpu(pdl=True, fa3=True)
     assert resolve(SMALL, CUDA).extend_attention == "triton"
+    gpu(pdl=True, fa3=True)
+    assert resolve(SMALL, CUDA).extend_attention == "fa3"
+    assert resolve(SMALL, CUDA, KernelConfig(attention="torch")).extend_attention == "triton"
+    explicit = KernelConfig(extend_attention="triton")
+    assert resolve(SMALL, CUDA, explicit).extend_attention == "triton"
     fa3 = KernelConfig(extend_attention="fa3")
     assert resolve(SMALL, CUDA, fa3).extend_attention == "fa3"
     with pytest.raises(ValueError, match="runs attention 'triton''s extend rows, and the attent"):
@@ -457,6 +462,7 @@ def test_extend_attention_fa3_when_asked_for_where_it_runs(gpu, monkeypatch):
     with pytest.raises(ValueError, match="'fa3' cannot run here: sinks"):
         resolve(SMALL, CUDA, fa3)
     assert seen[0][1:] == (SMALL.head_dim, "auto", False, False)
+    assert resolve(SMALL, CUDA).extend_attention == "triton"
 
 
 def test_fa3_unavailable_reasons(monkeypatch):
@@ -467,6 +473,7 @@ def test_fa3_unavailable_reasons(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     capability = [(9, 0)]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability[0])
+    monkeypatch.setattr(fb, "_build_reason", lambda: None)
     assert fb.fa3_unavailable_reason(CUDA, 128, "auto", False, False) is None
     assert fb.fa3_unavailable_reason(CUDA, 256, "bfloat16", False, False) is None
     assert "head dims" in fb.fa3_unavailable_reason(CUDA, 80, "auto", False, False)
@@ -475,6 +482,33 @@ def test_fa3_unavailable_reasons(monkeypatch):
     assert "sinks" in fb.fa3_unavailable_reason(CUDA, 64, "auto", False, True)
     capability[0] = (10, 0)
     assert "sm_90" in fb.fa3_unavailable_reason(CUDA, 128, "auto", False, False)
+    capability[0] = (9, 0)
+    monkeypatch.setattr(fb, "_build_reason", lambda: "no nvcc")
+    assert fb.fa3_unavailable_reason(CUDA, 128, "auto", False, False) == "no nvcc"
+
+
+def test_fa3_kernels_come_from_the_jit_cache_or_nvcc(monkeypatch, tmp_path):
+    """FlashInfer's FA3 kernels: compiled in flashinfer-jit-cache, or built with an nvcc found
+    as torch's extension builder finds it (CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda)."""
+    from batchrun.attention import flashinfer_backend as fb
+
+    monkeypatch.setattr(fb.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(fb.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    isfile = fb.os.path.isfile
+    monkeypatch.setattr(fb.os.path, "isfile", lambda p: p.startswith(str(tmp_path)) and isfile(p))
+    assert "neither nvcc" in fb._build_reason()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert fb._build_reason() is None
+    monkeypatch.delenv("CUDA_HOME")
+    monkeypatch.setattr(fb.shutil, "which", lambda name: str(tmp_path / "bin" / "nvcc"))
+    assert fb._build_reason() is None
+    monkeypatch.setattr(fb.shutil, "which", lambda name: None)
+    monkeypatch.setattr(fb.importlib.util, "find_spec", lambda name: object())
+    assert fb._build_reason() is None
 
 
 def test_moe_triton_needs_triton(monkeypatch):
