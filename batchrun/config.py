@@ -121,9 +121,10 @@ class KernelConfig:
                         chunks; the decode rows stay on the Triton decode kernel). "fa3"
                         runs on sm_90 GPUs where flashinfer imports and the model's attention
                         is one it runs (head dim 64 / 128 / 256, a bf16 / fp16 KV pool, no
-                        attention sinks) and FlashInfer has its kernels (flashinfer-jit-cache,
-                        or nvcc to compile them at first use); auto: "fa3" where it runs,
-                        else "triton" (engine/kernel_choice.py gives the figures)
+                        attention sinks), FlashInfer has its kernels (flashinfer-jit-cache,
+                        or nvcc to build them) and they run one batch at start-up; auto:
+                        "fa3" where it runs, else "triton" (engine/kernel_choice.py gives
+                        the figures)
     triton_ops          the small Triton kernels: RMSNorm (with the residual add), rotary with
                         the KV store, the SwiGLU gate, the greedy argmax, the decode graphs'
                         inputs; auto: on CUDA where Triton imports

@@ -13,14 +13,22 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 from dataclasses import replace
 
 import torch
 
-from batchrun.attention.flashinfer_backend import fa3_unavailable_reason, unavailable_reason
+from batchrun.attention.flashinfer_backend import (
+    PROBE_TOKENS,
+    fa3_run_error,
+    fa3_unavailable_reason,
+    unavailable_reason,
+)
 from batchrun.config import EngineConfig, KernelConfig, decoder_params, is_large
 from batchrun.engine.host_gate import HostGate
 from batchrun.models.moe_weights import has_quantized_experts
+
+log = logging.getLogger(__name__)
 
 # NOTE: decode_norms' width rule. On the H200 (W3, `scripts/bench_throughput.py --workloads W3
 # --variants batchrun,no-norm-fusion`): llama-1b (hidden 2048) reads 1.00 ms per token with "all"
@@ -109,6 +117,19 @@ def experts_too_large(model_cfg, tp_size: int, memory: int) -> str:
     )
 
 
+def _fa3_run_reason(config: EngineConfig, model_cfg, device: torch.device) -> str | None:
+    """Why FlashInfer's FA3 prefill, available by fa3_unavailable_reason, still cannot run the
+    model's attention: its one-batch start-up run (fa3_run_error, which builds the kernels on
+    a machine's first run) failed. None: it ran."""
+    dtype = torch.float16 if config.dtype == "float16" else torch.bfloat16  # "auto": bf16 (sm_90)
+    tp = config.tp_size
+    heads, kv_heads = model_cfg.num_heads // tp, max(1, model_cfg.num_kv_heads // tp)
+    error = fa3_run_error(device, heads, kv_heads, model_cfg.head_dim, dtype)
+    if error is None:
+        return None
+    return f"FlashInfer's FA3 prefill failed on a {PROBE_TOKENS}-token batch ({error})"
+
+
 def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> KernelConfig:
     """config.kernels with every auto field decided for `device` and the model. `config` has
     its sizes resolved (chunked_prefill_size) and its overlap decided."""
@@ -152,6 +173,10 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         # 1x16384,1x131072,1x4096+126976`); W5 on llama-8b runs 1.085x the Triton kernel's
         # total tok/s (H100: `scripts/bench_throughput.py --models llama-8b --workloads W5
         # --scale 0.125 --variants batchrun,extend-triton`)
+        if fa3_reason is None:
+            fa3_reason = _fa3_run_reason(config, model_cfg, device)
+            if fa3_reason is not None:
+                log.warning("the extend rows run on the Triton kernel: %s", fa3_reason)
         extend_attention = "triton" if fa3_reason else "fa3"
     elif extend_attention == "fa3":
         if attention != "triton":
@@ -159,6 +184,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
                 f"extend_attention 'fa3' runs attention 'triton''s extend rows, and the attention "
                 f"backend is {attention!r}; use extend_attention 'triton' or 'auto'"
             )
+        if fa3_reason is None:
+            fa3_reason = _fa3_run_reason(config, model_cfg, device)
         if fa3_reason is not None:
             raise ValueError(f"extend_attention 'fa3' cannot run here: {fa3_reason}")
 

@@ -150,6 +150,29 @@ def test_triton_backend_extend_on_fa3(batch, head_dim, heads, window):
     assert backend._fa3._planned[window][0] is wrapper and torch.equal(again.view(q.shape), out)
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+    reason="FlashInfer's FA3 kernels run on sm_90 only",
+)
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=["d64", "d128", "d256"])
+def test_fa3_runs_its_start_up_batch(head_dim):
+    """The start-up run that extend_attention auto takes "fa3" on (engine/kernel_choice.py)
+    succeeds here, and auto resolves to "fa3" for a llama-8b-shaped model."""
+    from batchrun.attention.flashinfer_backend import fa3_run_error
+    from batchrun.engine.kernel_choice import resolve_kernels
+
+    assert fa3_run_error(DEV, 32, 8, head_dim, DTYPE) is None
+    assert fa3_run_error(DEV, 16, 16, head_dim, torch.float16) is None
+    if head_dim == 128:
+        from tiny_models import llama3_model_config
+
+        from batchrun.config import EngineConfig, resolve_sizes
+
+        model_cfg = llama3_model_config("llama-8b")
+        config = resolve_sizes(EngineConfig(device="cuda", overlap=True), model_cfg)
+        assert resolve_kernels(config, model_cfg, torch.device(DEV)).extend_attention == "fa3"
+
+
 def test_plans_once_per_step():
     from batchrun.attention.flashinfer_backend import FlashInferAttentionBackend
 

@@ -53,6 +53,7 @@ def gpu(monkeypatch):
         monkeypatch.setattr(kernel_choice, "gpu_memory", lambda device: memory)
         reason = None if fa3 else "flashinfer is not importable"
         monkeypatch.setattr(kernel_choice, "fa3_unavailable_reason", lambda *args: reason)
+        monkeypatch.setattr(kernel_choice, "fa3_run_error", lambda *args: None)
         monkeypatch.setattr(kernel_choice, "has_triton", lambda: True)
         monkeypatch.setattr(kernel_choice, "supports_pdl", lambda device: pdl)
         monkeypatch.setattr(kernel_choice, "supports_fp8_matmul", lambda device: pdl)
@@ -463,6 +464,67 @@ def test_extend_attention_fa3_where_it_runs(gpu, monkeypatch):
         resolve(SMALL, CUDA, fa3)
     assert seen[0][1:] == (SMALL.head_dim, "auto", False, False)
     assert resolve(SMALL, CUDA).extend_attention == "triton"
+
+
+def test_extend_attention_fa3_runs_one_batch_at_start_up(gpu, monkeypatch, caplog):
+    """Where FA3 is available, one FA3 prefill runs at start-up with one rank's heads and the
+    dtype (fa3_run_error, which builds the kernels): auto falls back to "triton" with a warning
+    when it fails, "fa3" asked for is refused with its error."""
+    gpu(pdl=True, fa3=True)
+    seen = []
+    error = [None]
+    monkeypatch.setattr(kernel_choice, "fa3_run_error", lambda *args: seen.append(args) or error[0])
+    assert resolve(LARGE, CUDA, tp_size=2).extend_attention == "fa3"
+    assert seen[-1][1:] == (16, 4, 128, torch.bfloat16)
+    assert resolve(LARGE, CUDA, dtype="float16").extend_attention == "fa3"
+    assert seen[-1][1:] == (32, 8, 128, torch.float16)
+    error[0] = "RuntimeError: ninja: build stopped: subcommand failed."
+    with caplog.at_level("WARNING", logger=kernel_choice.__name__):
+        assert resolve(LARGE, CUDA).extend_attention == "triton"
+    assert "extend rows run on the Triton kernel: FlashInfer's FA3 prefill failed" in caplog.text
+    assert "ninja: build stopped" in caplog.text
+    with pytest.raises(ValueError, match="'fa3' cannot run here: FlashInfer's FA3 prefill fail"):
+        resolve(LARGE, CUDA, KernelConfig(extend_attention="fa3"))
+    calls = len(seen)
+    assert resolve(LARGE, CUDA, KernelConfig(extend_attention="triton")).extend_attention == (
+        "triton"
+    )
+    assert len(seen) == calls  # nothing runs where the extend rows stay on Triton
+
+
+def test_fa3_run_error_plans_and_runs_as_the_backend_does(monkeypatch):
+    """fa3_run_error against a stand-in flashinfer: the wrapper on the "fa3" backend, planned
+    causal over page size 1 with the heads and dtypes given, run on a (k, v) pair; a failure
+    comes back as its type and last lines."""
+    from batchrun.attention import flashinfer_backend as fb
+
+    seen = {}
+
+    class Wrapper:
+        def __init__(self, workspace, layout, backend):
+            seen["init"] = (layout, backend)
+
+        def plan(self, *args, **kw):
+            seen["plan"] = (args[4:], kw)
+
+        def run(self, q, kv):
+            if seen.get("fail"):
+                raise RuntimeError("Error building extension\n\nninja: build stopped\n")
+            seen["kv"] = kv[0].shape
+            return torch.empty_like(q)
+
+    stub = type("flashinfer", (), {"BatchPrefillWithPagedKVCacheWrapper": Wrapper})
+    monkeypatch.setattr(fb, "import_flashinfer", lambda: stub)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    assert fb.fa3_run_error(CPU, 32, 8, 128, torch.bfloat16) is None
+    assert seen["init"] == ("NHD", "fa3")
+    assert seen["plan"][0] == (32, 8, 128, 1)
+    assert seen["plan"][1]["causal"] and seen["plan"][1]["window_left"] == -1
+    assert seen["plan"][1]["q_data_type"] == seen["plan"][1]["kv_data_type"] == torch.bfloat16
+    assert seen["kv"] == (fb.PROBE_TOKENS, 1, 8, 128)
+    seen["fail"] = True
+    error = fb.fa3_run_error(CPU, 32, 8, 128, torch.bfloat16)
+    assert error == "RuntimeError: Error building extension / ninja: build stopped"
 
 
 def test_fa3_unavailable_reasons(monkeypatch):
