@@ -82,8 +82,8 @@ class _DecodePlan:
 @dataclass(frozen=True)
 class _ExtendPlan:
     inputs: AttentionInputs
-    extend_start_loc: torch.Tensor  # [B], exclusive cumsum of extend_lens
-    max_extend_len: int
+    extend_start_loc: torch.Tensor | None  # [B], exclusive cumsum of extend_lens (None: fa3)
+    max_extend_len: int  # (0: fa3)
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,7 @@ class TritonAttentionBackend(AttentionBackend):
     def _extend_plan(self, inputs: AttentionInputs) -> _ExtendPlan:
         if self._fa3 is not None:  # its KV indices and indptrs; planned by the first layer
             self._fa3.prepare(inputs)
+            return _ExtendPlan(inputs, None, 0)  # (the extend kernel's offsets: not read)
         ext = inputs.extend_lens
         start_loc = torch.cumsum(ext, 0) - ext
         return _ExtendPlan(inputs, start_loc, max(inputs.extend_lens_cpu))
