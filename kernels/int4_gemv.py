@@ -9,10 +9,12 @@ the tile of columns 8c + j, [BLOCK_K, BLOCK_N / 8], and feeds its own tl.dot (x 
 rows, as kernels/gemv.py does: the tensor cores do the padding rows for free). Eight fp32
 accumulators a program, one a nibble; y's columns are stored 8 apart.
 
-The nibble becomes the dot's operand in two integer ops: (word >> 4j) & 0xF | EXP, whose low 16
-bits are the bf16 (fp16) number OFFSET + q (OFFSET 128 for bf16: its ulp there is 1; 1024 for
-fp16), read by a bitcast. The zero point and the scale apply after the dot, once a tile and
-column (a K tile lies inside one group):
+Nibbles j and j + 4 become the dots' operands together, on the GPU in two instructions a word:
+a shift by 4j, then one lop3 ((w & 0x000F000F) | EXP EXP) whose 16-bit halves are the bf16
+(fp16) numbers OFFSET + q of both (OFFSET 128 for bf16: its ulp there is 1; 1024 for fp16),
+split by a register move (inline PTX; the interpreter masks and bitcasts each half). The zero
+point and the scale apply after the dot, once a tile and column (a K tile lies inside one
+group):
 
     sum_k (q - z) * s * x[k] = s * (dot(x, OFFSET + q) - (OFFSET + z) * sum_k x[k])
 
@@ -22,12 +24,16 @@ are the fp32 sums; the weight is never rounded to bf16 (Int4Weight.dequantize(bf
 format's bound). fp32 inputs (Triton's CPU interpreter, whose tl.dot is wrong for bf16) take q
 as fp32 and OFFSET 0.
 
-The first two word tiles are loaded, and the first tile's scale and zero rows prefetched into
-L1, before the PDL wait (weights are no earlier kernel's output: the loads overlap the kernel
-before; kernels/pdl.py). Each iteration then loads the word tile two steps ahead, x's tile one
-step ahead and prefetches the next tile's scale and zero rows (inline PTX prefetch.global.L1,
-on the GPU only) while it computes; it reads its own scales and zeros from L1, one vector a
-nibble in the layout of the dot's result (no layout conversion, nothing carried by the loop).
+Each iteration loads its own word and x tiles and Triton's pipeliner streams them through
+shared memory num_stages - 1 tiles ahead (asynchronous copies): a word tile is then read from
+shared memory into the dot's operand layout once and its eight nibble tiles are made there. A
+tile carried through the loop by hand (loaded two iterations ahead into registers) keeps its
+load's layout instead, and each nibble tile then crosses shared memory on its own (eight
+stores, loads and barrier pairs a tile: 18 barriers and 790 instructions a 64 x 256 tile at
+M = 1 against 3 and 622; scripts/check_kernels_compile.py --ptxas, Triton 3.6, sm_90). Before
+the PDL wait (weights are no earlier kernel's output: the prefetches overlap the kernel before;
+kernels/pdl.py) the slice's first two word tiles and its groups' scale and zero rows are
+prefetched into L2 (inline PTX, on the GPU only).
 
 Split-K reduces in the kernel, deterministically, on kernels/gemv.py's counters and helpers:
 each slice stores its fp32 sums to its plane of a [SPLIT_K, M, N] workspace ([SPLIT_K, M, 2N]
@@ -66,7 +72,7 @@ class Int4GemvConfig(NamedTuple):
     block_k: int = 64  # K rows a tile (clamped to divide the group size)
     split_k: int = 1
     num_warps: int = 4
-    num_stages: int = 1  # the loop prefetches two tiles itself
+    num_stages: int = 3  # word and x tiles in flight (Triton's pipeliner)
 
 
 def takes(w: Int4Packed, m: int, swiglu: bool = False) -> bool:
@@ -115,10 +121,10 @@ def _group_rows(S, Z, k0, group_size, N, offs_c, in_c, HAS_ZEROS: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l1(ptrs):
-    """prefetch.global.L1 of each address (a hint: nothing is loaded into registers)."""
+def _prefetch_l2(ptrs):
+    """prefetch.global.L2 of each address (a hint: nothing is loaded into registers)."""
     tl.inline_asm_elementwise(
-        "prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;",
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
         "=r,l",
         [ptrs],
         dtype=tl.int32,
@@ -128,32 +134,91 @@ def _prefetch_l1(ptrs):
 
 
 @triton.jit
-def _prefetch_group(S, Z, k0, group_size, N, offs_c, in_c, HAS_ZEROS: tl.constexpr,
-                    PREFETCH: tl.constexpr):  # fmt: skip
-    """Prefetch into L1 the scale and zero rows of the K tile at k0 (this program's columns):
-    `_group_rows` then reads them from L1, and the loop carries no scales. A hint, on the GPU
-    only (PREFETCH); k0 is a K row that exists."""
-    if PREFETCH:
-        row = (k0 // group_size).to(tl.int64) * N
-        c8 = tl.where(in_c, offs_c, offs_c * 0) * 8  # addresses inside the row, masked or not
-        _prefetch_l1(S + row + c8)
-        if HAS_ZEROS:
-            _prefetch_l1(Z + row + c8)
+def _prefetch_tiles(QW, k_start, k_end, first_word, n_words, BLOCK_K: tl.constexpr,
+                    ASM: tl.constexpr):  # fmt: skip
+    """Prefetch into L2 the first two word tiles of a K slice (one address a row's 128-byte
+    line, at the program's first word column). GPU only."""
+    if ASM:
+        rows = k_start + tl.arange(0, 2 * BLOCK_K)
+        rows = tl.minimum(rows, k_end - 1).to(tl.int64)
+        _prefetch_l2(QW + rows * n_words + first_word)
 
 
 @triton.jit
-def _nibble_dot(acc, x, xs, words, s_j, z_j, J: tl.constexpr, EXP: tl.constexpr,
-                OFFSET: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """acc + s_J * (x @ (OFFSET + q_J) - (OFFSET + z_J) * sum(x)) for nibble J of the words:
-    the columns 8c + J, [16, BLOCK_N / 8]."""
-    q = (words >> (4 * J)) & 0xF
-    if IEEE:  # fp32 (the interpreter): q as fp32, OFFSET 0
-        w = q.to(tl.float32)
-        d = tl.dot(x, w, input_precision="ieee")
-    else:
-        w = (q | EXP).to(tl.int16).to(x.dtype, bitcast=True)  # OFFSET + q
-        d = tl.dot(x, w)
+def _prefetch_scales(S, Z, k_start, k_end, group_size, n_rows, first_col, BLOCK_N: tl.constexpr,
+                     HAS_ZEROS: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """Prefetch into L2 the scale and zero rows of the K slice's groups (at most 64 groups; the
+    program's BLOCK_N columns, one address a 128-byte line). GPU only."""
+    if ASM:
+        first, last = k_start // group_size, (k_end - 1) // group_size
+        g = tl.minimum(first + tl.arange(0, 64), last).to(tl.int64)
+        base = g[:, None] * n_rows + first_col
+        lines = tl.arange(0, BLOCK_N // 64)  # 64 two-byte scales a line
+        _prefetch_l2(S + base + lines[None, :] * 64)
+        if HAS_ZEROS:
+            lines = tl.arange(0, BLOCK_N // 128)  # 128 one-byte zeros a line
+            _prefetch_l2(Z + base + lines[None, :] * 128)
+
+
+@triton.jit
+def _scaled(acc, d, xs, s_j, z_j, OFFSET: tl.constexpr):
+    """acc + s_j * (d - (OFFSET + z_j) * sum(x)): a nibble's dot d = x @ (OFFSET + q) with its
+    columns' scales and zero points applied."""
     return acc + (d - (z_j + OFFSET)[None, :] * xs[:, None]) * s_j[None, :]
+
+
+@triton.jit
+def _offset_pair(shifted, EXP: tl.constexpr, ASM: tl.constexpr):
+    """(OFFSET + q_lo, OFFSET + q_hi) of each word's nibbles at bits 0-3 and 16-19, bf16 for EXP
+    0x4300, else fp16: on the GPU one lop3 makes both 16-bit numbers ((w & 0x000F000F) |
+    EXP EXP) and a register move splits them; elsewhere (the interpreter) each half is masked
+    and bitcast."""
+    if ASM:
+        if EXP == 0x4300:
+            lo, hi = tl.inline_asm_elementwise(
+                "{\n.reg .b32 t;\nlop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;\n"
+                "mov.b32 {$0, $1}, t;\n}",
+                "=h,=h,r",
+                [shifted],
+                dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                "{\n.reg .b32 t;\nlop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA;\n"
+                "mov.b32 {$0, $1}, t;\n}",
+                "=h,=h,r",
+                [shifted],
+                dtype=(tl.float16, tl.float16),
+                is_pure=True,
+                pack=1,
+            )
+    else:
+        dtype = tl.bfloat16 if EXP == 0x4300 else tl.float16
+        lo = ((shifted & 0xF) | EXP).to(tl.int16).to(dtype, bitcast=True)
+        hi = (((shifted >> 16) & 0xF) | EXP).to(tl.int16).to(dtype, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _nibble_pair_dot(acc_lo, acc_hi, x, xs, words, s_lo, z_lo, s_hi, z_hi, J: tl.constexpr,
+                     EXP: tl.constexpr, OFFSET: tl.constexpr, IEEE: tl.constexpr,
+                     ASM: tl.constexpr):  # fmt: skip
+    """Nibbles J and J + 4 of the words (the columns 8c + J and 8c + J + 4, [16, BLOCK_N / 8]
+    each) into their accumulators."""
+    if IEEE:  # fp32 (the interpreter): q as fp32, OFFSET 0
+        w_lo = ((words >> (4 * J)) & 0xF).to(tl.float32)
+        w_hi = ((words >> (4 * J + 16)) & 0xF).to(tl.float32)
+        d_lo = tl.dot(x, w_lo, input_precision="ieee")
+        d_hi = tl.dot(x, w_hi, input_precision="ieee")
+    else:
+        w_lo, w_hi = _offset_pair(words >> (4 * J), EXP, ASM)
+        d_lo = tl.dot(x, w_lo)
+        d_hi = tl.dot(x, w_hi)
+    acc_lo = _scaled(acc_lo, d_lo, xs, s_lo, z_lo, OFFSET)
+    acc_hi = _scaled(acc_hi, d_hi, xs, s_hi, z_hi, OFFSET)
+    return acc_lo, acc_hi
 
 
 @triton.jit
@@ -164,18 +229,18 @@ def _x_tile(X, offs_m, M, stride_xm, offs_k, k_end):
 
 
 @triton.jit
-def _tile(a0, a1, a2, a3, a4, a5, a6, a7, x, words, sz,
-          EXP: tl.constexpr, OFFSET: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+def _tile(a0, a1, a2, a3, a4, a5, a6, a7, x, words, sz, EXP: tl.constexpr, OFFSET: tl.constexpr,
+          IEEE: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     """One K tile into the eight accumulators (nibble j: columns 8c + j); sz: _group_rows'."""
     xs = tl.sum(x.to(tl.float32), axis=1)
-    a0 = _nibble_dot(a0, x, xs, words, sz[0], sz[8], 0, EXP, OFFSET, IEEE)
-    a1 = _nibble_dot(a1, x, xs, words, sz[1], sz[9], 1, EXP, OFFSET, IEEE)
-    a2 = _nibble_dot(a2, x, xs, words, sz[2], sz[10], 2, EXP, OFFSET, IEEE)
-    a3 = _nibble_dot(a3, x, xs, words, sz[3], sz[11], 3, EXP, OFFSET, IEEE)
-    a4 = _nibble_dot(a4, x, xs, words, sz[4], sz[12], 4, EXP, OFFSET, IEEE)
-    a5 = _nibble_dot(a5, x, xs, words, sz[5], sz[13], 5, EXP, OFFSET, IEEE)
-    a6 = _nibble_dot(a6, x, xs, words, sz[6], sz[14], 6, EXP, OFFSET, IEEE)
-    a7 = _nibble_dot(a7, x, xs, words, sz[7], sz[15], 7, EXP, OFFSET, IEEE)
+    a0, a4 = _nibble_pair_dot(a0, a4, x, xs, words, sz[0], sz[8], sz[4], sz[12], 0, EXP, OFFSET,
+                              IEEE, ASM)  # fmt: skip
+    a1, a5 = _nibble_pair_dot(a1, a5, x, xs, words, sz[1], sz[9], sz[5], sz[13], 1, EXP, OFFSET,
+                              IEEE, ASM)  # fmt: skip
+    a2, a6 = _nibble_pair_dot(a2, a6, x, xs, words, sz[2], sz[10], sz[6], sz[14], 2, EXP, OFFSET,
+                              IEEE, ASM)  # fmt: skip
+    a3, a7 = _nibble_pair_dot(a3, a7, x, xs, words, sz[3], sz[11], sz[7], sz[15], 3, EXP, OFFSET,
+                              IEEE, ASM)  # fmt: skip
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
@@ -245,7 +310,7 @@ def _int4_gemv_kernel(
     EXP: tl.constexpr,
     OFFSET: tl.constexpr,
     IEEE: tl.constexpr,
-    PREFETCH: tl.constexpr,  # the GPU's L1 prefetch of scales and zeros (not the interpreter)
+    ASM: tl.constexpr,  # inline PTX: on the GPU, not the interpreter
     PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -259,46 +324,37 @@ def _int4_gemv_kernel(
     up_c = offs_c + N // 8  # SWIGLU: the up half's words
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    offs_k = k_start + tl.arange(0, BLOCK_K)
 
-    # weights before the PDL wait: the first two word tiles, the first tile's scales and zeros
-    w0 = _words(QW, offs_k, k_end, offs_c, in_c, n_words)
-    w1 = _words(QW, offs_k + BLOCK_K, k_end, offs_c, in_c, n_words)
-    _prefetch_group(S, Z, k_start, group_size, n_rows, offs_c, in_c, HAS_ZEROS, PREFETCH)
-    u0 = w0
-    u1 = w1
+    # before the PDL wait (the weights are no earlier kernel's output): the slice's first two
+    # word tiles and its scale and zero rows into L2, so the loop's first loads do not wait on
+    # HBM
+    _prefetch_tiles(QW, k_start, k_end, pid_n * NW, n_words, BLOCK_K, ASM)
+    _prefetch_scales(S, Z, k_start, k_end, group_size, n_rows, pid_n * BLOCK_N, BLOCK_N, HAS_ZEROS,
+                     ASM)  # fmt: skip
     if SWIGLU:
-        u0 = _words(QW, offs_k, k_end, up_c, in_c, n_words)
-        u1 = _words(QW, offs_k + BLOCK_K, k_end, up_c, in_c, n_words)
-        _prefetch_group(S, Z, k_start, group_size, n_rows, up_c, in_c, HAS_ZEROS, PREFETCH)
+        _prefetch_tiles(QW, k_start, k_end, pid_n * NW + N // 8, n_words, BLOCK_K, ASM)
+        _prefetch_scales(S, Z, k_start, k_end, group_size, n_rows, pid_n * BLOCK_N + N, BLOCK_N,
+                         HAS_ZEROS, ASM)  # fmt: skip
     pdl_wait(PDL)
-
     zero = tl.zeros([16, NW], dtype=tl.float32)
     a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
     b0, b1, b2, b3, b4, b5, b6, b7 = zero, zero, zero, zero, zero, zero, zero, zero
-    x0 = _x_tile(X, offs_m, M, stride_xm, offs_k, k_end)
+    # the word and x tiles stream through shared memory, num_stages - 1 tiles ahead (Triton's
+    # pipeliner, asynchronous copies); each word tile is read into the dot's operand layout once
     for k0 in range(k_start, k_end, BLOCK_K):
-        # ahead of this tile: the word tile two steps on (zeros, and no memory traffic, past
-        # k_end), x's tile and the scale and zero rows (into L1) one step on
-        ahead = offs_k + (k0 + 2 * BLOCK_K - k_start)
-        w2 = _words(QW, ahead, k_end, offs_c, in_c, n_words)
-        x1 = _x_tile(X, offs_m, M, stride_xm, ahead - BLOCK_K, k_end)
-        k1 = tl.minimum(k0 + BLOCK_K, K - 1)
-        _prefetch_group(S, Z, k1, group_size, n_rows, offs_c, in_c, HAS_ZEROS, PREFETCH)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = _x_tile(X, offs_m, M, stride_xm, offs_k, k_end)
+        words = _words(QW, offs_k, k_end, offs_c, in_c, n_words)
         sz = _group_rows(S, Z, k0, group_size, n_rows, offs_c, in_c, HAS_ZEROS)
         a0, a1, a2, a3, a4, a5, a6, a7 = _tile(
-            a0, a1, a2, a3, a4, a5, a6, a7, x0, w0, sz, EXP, OFFSET, IEEE
+            a0, a1, a2, a3, a4, a5, a6, a7, x, words, sz, EXP, OFFSET, IEEE, ASM
         )
-        w0, w1 = w1, w2
         if SWIGLU:
-            u2 = _words(QW, ahead, k_end, up_c, in_c, n_words)
-            _prefetch_group(S, Z, k1, group_size, n_rows, up_c, in_c, HAS_ZEROS, PREFETCH)
+            u = _words(QW, offs_k, k_end, up_c, in_c, n_words)
             szu = _group_rows(S, Z, k0, group_size, n_rows, up_c, in_c, HAS_ZEROS)
             b0, b1, b2, b3, b4, b5, b6, b7 = _tile(
-                b0, b1, b2, b3, b4, b5, b6, b7, x0, u0, szu, EXP, OFFSET, IEEE
+                b0, b1, b2, b3, b4, b5, b6, b7, x, u, szu, EXP, OFFSET, IEEE, ASM
             )
-            u0, u1 = u1, u2
-        x0 = x1
 
     sums = (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, Y, WS, Counters)
     where = (M, N, offs_m, offs_c, in_c, stride_ym, pid_k)
@@ -329,13 +385,12 @@ def pick_config(m: int, n: int, k: int, swiglu: bool = False) -> Int4GemvConfig:
     least two tiles). llama-8b at M = 1: qkv (24 tiles) in 8 slices, o_proj and down_proj (16)
     in 16, gate_up (56 tiles a half) in 4.
 
-    Compiled for sm_90 under Triton 3.6 (scripts/check_kernels_compile.py --ptxas), these
-    take about 225 registers a thread (swiglu 253) without spills, two programs an SM, and
-    their loop runs 6.2 instructions a weight element a thread (swiglu 8.3) at M = 1 and 16.
-    Tiles 128 deep, or 8 warps, spill or compute the dot's columns twice (8 warps on 32
-    columns a nibble); 32-deep plain tiles take 8.5 instructions an element (the per-tile
-    scale loads and epilogue weigh more). The timings are not measured here:
-    `scripts/bench_int4_matmul.py --sweep` times the alternatives on the GPU."""
+    Compiled for sm_90 under Triton 3.6 (scripts/check_kernels_compile.py --ptxas), the plain
+    config takes 168 registers a thread at M = 1 (three programs an SM; 178 at M = 16, two)
+    and its loop 4.9 instructions a weight element a thread; swiglu's 255 registers and 6.3
+    (both halves' scale loads and epilogues a 32-deep tile). 128-deep plain tiles take 4.3
+    instructions an element but 224 registers (two programs an SM). The timings are not
+    measured here: `scripts/bench_int4_matmul.py --sweep` times the alternatives on the GPU."""
     cfg = Int4GemvConfig(block_k=32) if swiglu else Int4GemvConfig()
     n_out = n // 2 if swiglu else n
     tiles = triton.cdiv(n_out, cfg.block_n)
@@ -392,7 +447,7 @@ def int4_gemv(
         m, n, k, k_per_split, w.group_size, x.stride(0), y.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=split_k, SWIGLU=swiglu,
         HAS_ZEROS=w.zeros is not None, EXP=exp_bits,
-        OFFSET=offset, IEEE=x.dtype == torch.float32, PREFETCH=x.is_cuda, num_warps=cfg.num_warps,
+        OFFSET=offset, IEEE=x.dtype == torch.float32, ASM=x.is_cuda, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip
     return y

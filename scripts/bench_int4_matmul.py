@@ -47,9 +47,9 @@ SWEEP = {
                 (128, 256, 64, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3)],
 }  # fmt: skip
 SPLITS = (1, 2, 4, 8, 16)
-# the decode GEMV's sweep: (block_n, block_k, num_warps) x SPLITS
-GEMV_SWEEP = [(256, 128, 8), (256, 64, 8), (256, 64, 4), (128, 128, 4), (512, 64, 8),
-              (256, 32, 4)]  # fmt: skip
+# the decode GEMV's sweep: (block_n, block_k, num_warps, num_stages) x SPLITS
+GEMV_SWEEP = [(256, 64, 4, 2), (256, 64, 4, 3), (256, 64, 4, 4), (256, 128, 4, 3),
+              (256, 32, 4, 4), (128, 64, 4, 3), (256, 64, 8, 3), (512, 64, 8, 3)]  # fmt: skip
 
 
 def packed_bytes(w: Int4Packed) -> int:
@@ -171,7 +171,9 @@ def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: bool) -> dict:
     candidates = [picked]
     if sweep:
         candidates += [
-            Int4GemvConfig(bn, bk, s, warps) for bn, bk, warps in GEMV_SWEEP for s in SPLITS
+            Int4GemvConfig(bn, bk, s, warps, stages)
+            for bn, bk, warps, stages in GEMV_SWEEP
+            for s in SPLITS
         ]
     results = []
     for c in candidates:

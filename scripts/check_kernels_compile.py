@@ -53,8 +53,8 @@ def _compile_only(arch: int, ptxas: bool) -> None:
     def compile_run(self, *args, grid, warmup, **kwargs):
         if "ROUND" in kwargs:  # fp8_quant: the GPU's conversion, not the interpreter's
             kwargs["ROUND"] = False
-        if "PREFETCH" in kwargs:  # int4_gemv: the GPU's prefetch (inline PTX)
-            kwargs["PREFETCH"] = True
+        if "ASM" in kwargs:  # int4_gemv: the GPU's inline PTX (prefetches, nibble pairs)
+            kwargs["ASM"] = True
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         if ptxas:
             print(f"      {self.fn.__name__}: {_ptxas_info(kernel.asm['ptx'], arch)}")
