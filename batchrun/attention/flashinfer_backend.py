@@ -142,35 +142,43 @@ def _build_reason() -> str | None:
 PROBE_TOKENS = 16
 
 
-def fa3_run_error(device, num_heads: int, num_kv_heads: int, head_dim: int, dtype) -> str | None:
-    """FlashInfer's FA3 prefill run once on a PROBE_TOKENS-token causal batch with a model's
-    heads (one rank's) and dtype, as FlashInferAttentionBackend plans and runs it: None when it
-    ran, else the error. The first call on a machine builds the kernels (nvcc, about 80 s on an
-    H100) into flashinfer's cache, where the engine's steps find them; a build that fails (an
-    nvcc that does not match torch's CUDA, say) fails here, at start-up, not at the first
+def fa3_run_error(
+    device, num_heads: int, num_kv_heads: int, head_dim: int, dtype, windows=(0,)
+) -> str | None:
+    """FlashInfer's FA3 prefill run on a PROBE_TOKENS-token causal batch with a model's heads
+    (one rank's) and dtype, as FlashInferAttentionBackend plans and runs it, once for the whole
+    context if `windows` (the model's layers' sliding windows, 0: none) holds a 0 and once
+    windowed if it holds another (FlashInfer builds the two as separate kernels): None when
+    they ran, else the error. The first call on a machine builds the kernels (nvcc, about 80 s
+    on an H100) into flashinfer's cache, where the engine's steps find them; a build that fails
+    (an nvcc that does not match torch's CUDA, say) fails here, at start-up, not at the first
     prefill. Call where fa3_unavailable_reason is None."""
     fi = import_flashinfer()
     device, n = torch.device(device), PROBE_TOKENS
+    windowed = [w for w in windows if w > 0]
+    lefts = [-1] if len(windowed) < len(windows) or not windows else []  # window_left
+    lefts += [min(windowed[0], n) - 1] if windowed else []
     try:
         workspace = torch.zeros(16 << 20, dtype=torch.uint8, device=device)
-        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa3")
         indptr = torch.tensor([0, n], dtype=torch.int32)
         indices = torch.arange(n, dtype=torch.int32, device=device)
         last_page_len = torch.ones(1, dtype=torch.int32)
-        wrapper.plan(
-            indptr, indptr, indices, last_page_len, num_heads, num_kv_heads, head_dim, 1,
-            causal=True, q_data_type=dtype, kv_data_type=dtype, sm_scale=head_dim**-0.5,
-            window_left=-1,
-        )  # fmt: skip
         q = torch.zeros((n, num_heads, head_dim), dtype=dtype, device=device)
         kv = torch.zeros((n, 1, num_kv_heads, head_dim), dtype=dtype, device=device)
-        out = wrapper.run(q, (kv, kv))
-        torch.cuda.synchronize(device)
+        for window_left in lefts:
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa3")
+            wrapper.plan(
+                indptr, indptr, indices, last_page_len, num_heads, num_kv_heads, head_dim, 1,
+                causal=True, q_data_type=dtype, kv_data_type=dtype, sm_scale=head_dim**-0.5,
+                window_left=window_left,
+            )  # fmt: skip
+            out = wrapper.run(q, (kv, kv))
+            torch.cuda.synchronize(device)
+            if out.shape != q.shape:
+                return f"it returned {tuple(out.shape)} for a query of {tuple(q.shape)}"
     except Exception as e:  # a failed build or launch: its message is the reason
         lines = [line for line in str(e).splitlines() if line.strip()]
         return f"{type(e).__name__}: {' / '.join(lines[-3:])[:600]}"
-    if out.shape != q.shape:
-        return f"it returned {tuple(out.shape)} for a query of {tuple(q.shape)}"
     return None
 
 

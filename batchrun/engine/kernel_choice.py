@@ -124,7 +124,8 @@ def _fa3_run_reason(config: EngineConfig, model_cfg, device: torch.device) -> st
     dtype = torch.float16 if config.dtype == "float16" else torch.bfloat16  # "auto": bf16 (sm_90)
     tp = config.tp_size
     heads, kv_heads = model_cfg.num_heads // tp, max(1, model_cfg.num_kv_heads // tp)
-    error = fa3_run_error(device, heads, kv_heads, model_cfg.head_dim, dtype)
+    windows = model_cfg.sliding_windows or (0,)
+    error = fa3_run_error(device, heads, kv_heads, model_cfg.head_dim, dtype, windows)
     if error is None:
         return None
     return f"FlashInfer's FA3 prefill failed on a {PROBE_TOKENS}-token batch ({error})"

@@ -163,6 +163,7 @@ def test_fa3_runs_its_start_up_batch(head_dim):
 
     assert fa3_run_error(DEV, 32, 8, head_dim, DTYPE) is None
     assert fa3_run_error(DEV, 16, 16, head_dim, torch.float16) is None
+    assert fa3_run_error(DEV, 32, 8, head_dim, DTYPE, (100, 0)) is None  # windowed too
     if head_dim == 128:
         from tiny_models import llama3_model_config
 

@@ -475,9 +475,12 @@ def test_extend_attention_fa3_runs_one_batch_at_start_up(gpu, monkeypatch, caplo
     error = [None]
     monkeypatch.setattr(kernel_choice, "fa3_run_error", lambda *args: seen.append(args) or error[0])
     assert resolve(LARGE, CUDA, tp_size=2).extend_attention == "fa3"
-    assert seen[-1][1:] == (16, 4, 128, torch.bfloat16)
+    assert seen[-1][1:] == (16, 4, 128, torch.bfloat16, (0,))
     assert resolve(LARGE, CUDA, dtype="float16").extend_attention == "fa3"
-    assert seen[-1][1:] == (32, 8, 128, torch.float16)
+    assert seen[-1][1:] == (32, 8, 128, torch.float16, (0,))
+    mixed = replace(LARGE, sliding_windows=(4096, 0) * 16)
+    assert resolve(mixed, CUDA).extend_attention == "fa3"
+    assert seen[-1][-1] == mixed.sliding_windows
     error[0] = "RuntimeError: ninja: build stopped: subcommand failed."
     with caplog.at_level("WARNING", logger=kernel_choice.__name__):
         assert resolve(LARGE, CUDA).extend_attention == "triton"
@@ -506,6 +509,7 @@ def test_fa3_run_error_plans_and_runs_as_the_backend_does(monkeypatch):
 
         def plan(self, *args, **kw):
             seen["plan"] = (args[4:], kw)
+            seen.setdefault("lefts", []).append(kw["window_left"])
 
         def run(self, q, kv):
             if seen.get("fail"):
@@ -522,6 +526,11 @@ def test_fa3_run_error_plans_and_runs_as_the_backend_does(monkeypatch):
     assert seen["plan"][1]["causal"] and seen["plan"][1]["window_left"] == -1
     assert seen["plan"][1]["q_data_type"] == seen["plan"][1]["kv_data_type"] == torch.bfloat16
     assert seen["kv"] == (fb.PROBE_TOKENS, 1, 8, 128)
+    assert seen["lefts"] == [-1]  # the whole context only
+    for windows, lefts in [((4096,) * 4, [15]), ((0, 8) * 2, [-1, 7]), ((), [-1])]:
+        seen["lefts"] = []
+        assert fb.fa3_run_error(CPU, 32, 8, 128, torch.bfloat16, windows) is None
+        assert seen["lefts"] == lefts, windows  # one run a kernel: windowed or not
     seen["fail"] = True
     error = fb.fa3_run_error(CPU, 32, 8, 128, torch.bfloat16)
     assert error == "RuntimeError: Error building extension / ninja: build stopped"
