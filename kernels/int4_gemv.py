@@ -173,29 +173,18 @@ def _offset_pair(shifted, EXP: tl.constexpr, ASM: tl.constexpr):
     0x4300, else fp16: on the GPU one lop3 makes both 16-bit numbers ((w & 0x000F000F) |
     EXP EXP) and a register move splits them; elsewhere (the interpreter) each half is masked
     and bitcast."""
+    dtype = tl.bfloat16 if EXP == 0x4300 else tl.float16
     if ASM:
-        if EXP == 0x4300:
-            lo, hi = tl.inline_asm_elementwise(
-                "{\n.reg .b32 t;\nlop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA;\n"
-                "mov.b32 {$0, $1}, t;\n}",
-                "=h,=h,r",
-                [shifted],
-                dtype=(tl.bfloat16, tl.bfloat16),
-                is_pure=True,
-                pack=1,
-            )
-        else:
-            lo, hi = tl.inline_asm_elementwise(
-                "{\n.reg .b32 t;\nlop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA;\n"
-                "mov.b32 {$0, $1}, t;\n}",
-                "=h,=h,r",
-                [shifted],
-                dtype=(tl.float16, tl.float16),
-                is_pure=True,
-                pack=1,
-            )
+        exp2 = tl.full(shifted.shape, EXP | (EXP << 16), tl.int32)
+        lo, hi = tl.inline_asm_elementwise(
+            "{\n.reg .b32 t;\nlop3.b32 t, $2, 0x000F000F, $3, 0xEA;\nmov.b32 {$0, $1}, t;\n}",
+            "=h,=h,r,r",
+            [shifted, exp2],
+            dtype=(dtype, dtype),
+            is_pure=True,
+            pack=1,
+        )
     else:
-        dtype = tl.bfloat16 if EXP == 0x4300 else tl.float16
         lo = ((shifted & 0xF) | EXP).to(tl.int16).to(dtype, bitcast=True)
         hi = (((shifted >> 16) & 0xF) | EXP).to(tl.int16).to(dtype, bitcast=True)
     return lo, hi
@@ -388,7 +377,8 @@ def pick_config(m: int, n: int, k: int, swiglu: bool = False) -> Int4GemvConfig:
     Compiled for sm_90 under Triton 3.6 (scripts/check_kernels_compile.py --ptxas), the plain
     config takes 168 registers a thread at M = 1 (three programs an SM; 178 at M = 16, two)
     and its loop 4.9 instructions a weight element a thread; swiglu's 255 registers and 6.3
-    (both halves' scale loads and epilogues a 32-deep tile). 128-deep plain tiles take 4.3
+    (both halves' scale loads and epilogues a 32-deep tile; 44 bytes spilled where K splits in
+    16, as a narrow gate_up's does, none at llama-8b's 4). 128-deep plain tiles take 4.3
     instructions an element but 224 registers (two programs an SM). The timings are not
     measured here: `scripts/bench_int4_matmul.py --sweep` times the alternatives on the GPU."""
     cfg = Int4GemvConfig(block_k=32) if swiglu else Int4GemvConfig()
