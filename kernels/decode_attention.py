@@ -37,9 +37,14 @@ this kernel; the backend takes it for decode graphs of up to 16 rows.
 A float8_e4m3fn pool (`kv_scale=` given): K and V blocks are converted as they are loaded (exact)
 to q's dtype, or with bf16 queries to fp16 with q and the softmax weights (FP8_FP16_DOT); the
 layer's k scale is folded into the softmax scale and its v scale multiplies the normalized output
-(the partials too: the combine is linear in them). With `rope`, the new token's k and v are
-quantized before the store (kernels/kv_store.py's `quantize_e4m3`) and attended as stored, as
-every other token.
+(the partials too: the combine is linear in them). With fp16 dots V is read as int32 words of
+four values (V_WORDS) and its four column classes d = 4i + r go through four dots into four
+accumulators, interleaved back at the end: V's operand of p @ v runs along the tokens, which
+are rows apart, so the float8 tile's own load into it reads shared memory a byte at a time (128
+one-byte loads a thread a 128-token block at D 128), and the words a word at a time (the loop's
+SASS 1,097 instructions against 776; scripts/check_kernels_compile.py, Triton 3.6, sm_90).
+With `rope`, the new token's k and v are quantized before the store (kernels/kv_store.py's
+`quantize_e4m3`) and attended as stored, as every other token.
 
 Attention sinks (gpt-oss, `sinks=` [H] fp32): split 0 of each request starts its online softmax
 from the head's sink logit (max = sink * log2(e), sum = 1, acc = 0), so the sink's term enters
@@ -130,31 +135,97 @@ def _rope_rows(X, offs_rows, mask_rows, c, s, offs_d, mask_d, HALF: tl.constexpr
 
 
 @triton.jit
-def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION: tl.constexpr):
-    """One BLOCK_N block of KV folded into the running (max, sum, acc) of the online softmax."""
+def _residues(x, BLOCK_D: tl.constexpr):
+    """x [R, BLOCK_D] as its four column classes d = 4i + r, [R, BLOCK_D / 4] each (r = 0..3)."""
+    x4 = tl.reshape(x, (x.shape[0], BLOCK_D // 4, 2, 2))  # [R, i, r // 2, r % 2]
+    even, odd = tl.split(x4)
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _fp8_words(w, ASM: tl.constexpr):
+    """The four float8_e4m3fn values of each int32 word w (little-endian: byte r is the value
+    at d = 4i + r) as fp16, exactly: (v0, v1, v2, v3). On the GPU two cvt.f16x2.e4m3x2 a word."""
+    if ASM:
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            "{\n.reg .b16 lo, hi;\n.reg .b32 a, b;\nmov.b32 {lo, hi}, $4;\n"
+            "cvt.rn.f16x2.e4m3x2 a, lo;\ncvt.rn.f16x2.e4m3x2 b, hi;\n"
+            "mov.b32 {$0, $1}, a;\nmov.b32 {$2, $3}, b;\n}",
+            "=h,=h,=h,=h,r",
+            [w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        v0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        v1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        v2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        v3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _attend_block(q, k, v0, v1, v2, v3, mask_n, m_i, l_i, a0, a1, a2, a3, sm_scale_log2,
+                  DOT_PRECISION: tl.constexpr, V_WORDS: tl.constexpr):  # fmt: skip
+    """One BLOCK_N block of KV folded into the running (max, sum, acc) of the online softmax.
+    acc is a0 [BLOCK_H, BLOCK_D] with V v0 [BLOCK_N, BLOCK_D] (a1-a3, v1-v3 unused); with
+    V_WORDS its column classes a0-a3 [BLOCK_H, BLOCK_D / 4] with V's, v0-v3."""
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
     qk = tl.where(mask_n[None, :], qk, float("-inf"))  # [BLOCK_H, BLOCK_N]
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    p = p.to(v0.dtype)
+    a0 = a0 * alpha[:, None] + tl.dot(p, v0, input_precision=DOT_PRECISION)
+    if V_WORDS:
+        a1 = a1 * alpha[:, None] + tl.dot(p, v1, input_precision=DOT_PRECISION)
+        a2 = a2 * alpha[:, None] + tl.dot(p, v2, input_precision=DOT_PRECISION)
+        a3 = a3 * alpha[:, None] + tl.dot(p, v3, input_precision=DOT_PRECISION)
+    return m_new, l_i, a0, a1, a2, a3
 
 
 @triton.jit
 def _kv_block(r2t, k_head, v_head, offs_n, load_mask, mask_d, stride_kt, stride_vt, offs_d,
-              dtype: tl.constexpr):  # fmt: skip
-    """K and V [BLOCK_N, BLOCK_D] at positions offs_n of the request (zeros where not load_mask),
-    in `dtype` (q's: a float8 pool's values convert exactly)."""
+              dtype: tl.constexpr, BLOCK_D: tl.constexpr, V_WORDS: tl.constexpr,
+              ASM: tl.constexpr):  # fmt: skip
+    """K [BLOCK_N, BLOCK_D] and V at positions offs_n of the request (zeros where not
+    load_mask), in `dtype` (q's: a float8 pool's values convert exactly): (k, v, v, v, v), or
+    with V_WORDS (a float8 pool, fp16 dots) (k, v0, v1, v2, v3), V's column classes read as
+    int32 words of four values: the dot's operand then comes from shared memory a word at a time,
+    where the float8 tile's own load into that operand's layout reads it a byte at a time."""
     # int64: slot * stride overflows int32 on large pools
     slots = tl.load(r2t + offs_n, mask=load_mask, other=0).to(tl.int64)
     kv_mask = load_mask[:, None] & mask_d[None, :]
     k_ptr = k_head + slots[:, None] * stride_kt + offs_d[None, :]
-    v_ptr = v_head + slots[:, None] * stride_vt + offs_d[None, :]
     k = tl.load(k_ptr, mask=kv_mask, other=0.0).to(dtype)
-    v = tl.load(v_ptr, mask=kv_mask, other=0.0).to(dtype)
-    return k, v
+    if V_WORDS:
+        offs_w = tl.arange(0, BLOCK_D // 4)
+        words = v_head.to(tl.pointer_type(tl.int32), bitcast=True)
+        w_ptr = words + slots[:, None] * (stride_vt // 4) + offs_w[None, :]
+        w = tl.load(w_ptr, mask=load_mask[:, None], other=0)
+        v0, v1, v2, v3 = _fp8_words(w, ASM)
+    else:
+        v_ptr = v_head + slots[:, None] * stride_vt + offs_d[None, :]
+        v0 = tl.load(v_ptr, mask=kv_mask, other=0.0).to(dtype)
+        v1, v2, v3 = v0, v0, v0
+    return k, v0, v1, v2, v3
+
+
+@triton.jit
+def _new_token(v0, v1, v2, v3, v_new, is_new, BLOCK_D: tl.constexpr, V_WORDS: tl.constexpr):
+    """V with the new token's row (is_new [BLOCK_N, 1]) taken from v_new [1, BLOCK_D]."""
+    if V_WORDS:
+        n0, n1, n2, n3 = _residues(v_new, BLOCK_D)
+        v0, v1 = tl.where(is_new, n0, v0), tl.where(is_new, n1, v1)
+        v2, v3 = tl.where(is_new, n2, v2), tl.where(is_new, n3, v3)
+    else:
+        v0 = tl.where(is_new, v_new, v0)
+        v1, v2, v3 = v0, v0, v0
+    return v0, v1, v2, v3
 
 
 # NOTE: no specialization on the split count, so 1 / 16 / others share one compiled kernel
@@ -198,6 +269,7 @@ def _decode_stage1_kernel(
     BLOCK_G: tl.constexpr,  # KV_GROUP's power of two (the folded combine's heads)
     KV_FP8: tl.constexpr,  # K and V hold float8_e4m3fn
     FP16_DOT: tl.constexpr,  # KV_FP8 with bf16 q: q, K, V and p as fp16 in the dots
+    V_WORDS: tl.constexpr,  # KV_FP8 with fp16 dots: V read as int32 words (_kv_block)
     PDL: tl.constexpr,
     KNew,  # ROTARY: the new tokens' k and v before rotary [B, KV, D], their slots, positions
     VNew,
@@ -213,7 +285,7 @@ def _decode_stage1_kernel(
     stride_sin,
     ROTARY: tl.constexpr,  # q and the new k raw: rotate them here, store the new k and v
     HALF: tl.constexpr,
-    EXACT_MUL: tl.constexpr,
+    ASM: tl.constexpr,  # on the GPU: inline PTX (exact rotary products, float8 words)
     Sinks,  # HAS_SINKS: [NUM_HEADS] fp32, each head's sink logit
     HAS_SINKS: tl.constexpr,
 ):
@@ -242,7 +314,9 @@ def _decode_stage1_kernel(
         sink = tl.load(Sinks + heads, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
         m_i = tl.where(split == 0, sink, m_i)
         l_i = tl.where(split == 0, 1.0, l_i)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    # the running output: a0 [BLOCK_H, BLOCK_D], or with V_WORDS its four column classes
+    a0 = tl.zeros([BLOCK_H, BLOCK_D // 4 if V_WORDS else BLOCK_D], dtype=tl.float32)
+    a1, a2, a3 = a0, a0, a0
     r2t = ReqToToken + row * stride_r2t
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
@@ -257,8 +331,9 @@ def _decode_stage1_kernel(
         newest = seq_len - 1
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n & (offs_n != newest), mask_d,
-                         stride_kt, stride_vt, offs_d, cdtype)  # fmt: skip
+        k, v0, v1, v2, v3 = _kv_block(r2t, k_head, v_head, offs_n, mask_n & (offs_n != newest),
+                                      mask_d, stride_kt, stride_vt, offs_d, cdtype, BLOCK_D,
+                                      V_WORDS, ASM)  # fmt: skip
         # NOTE: the position, its cos / sin row and the new token's slot before the wait too:
         # the step's inputs (written at the step's start) and constant tables, so the two
         # dependent loads (position, then its row) leave the chain after the wait
@@ -269,7 +344,7 @@ def _decode_stage1_kernel(
         slot = tl.load(Loc + b).to(tl.int64)
         pdl_wait(PDL)
         q = _rope_rows(Q + b * stride_qb, heads * stride_qh, mask_h, c, sn, offs_d, mask_d,
-                       HALF, EXACT_MUL).to(cdtype)  # fmt: skip
+                       HALF, ASM).to(cdtype)  # fmt: skip
         one = tl.arange(0, 1)
         k_new = _rope_rows(
             KNew + b * stride_knb + kvh * stride_knh,
@@ -280,7 +355,7 @@ def _decode_stage1_kernel(
             offs_d,
             mask_d,
             HALF,
-            EXACT_MUL,
+            ASM,
         )  # fmt: skip  [1, BLOCK_D]
         v_new = tl.load(VNew + b * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d, other=0.0)
         v_new = v_new[None, :]
@@ -293,18 +368,24 @@ def _decode_stage1_kernel(
             tl.store(k_head + slot * stride_kt + offs_d[None, :], k_store, mask=mask_d[None, :])
             tl.store(v_head + slot * stride_vt + offs_d[None, :], v_store, mask=mask_d[None, :])
         is_new = (offs_n == newest)[:, None]
-        k, v = tl.where(is_new, k_new, k), tl.where(is_new, v_new, v)
-        m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
-                                      DOT_PRECISION)  # fmt: skip
+        k = tl.where(is_new, k_new, k)
+        v0, v1, v2, v3 = _new_token(v0, v1, v2, v3, v_new, is_new, BLOCK_D, V_WORDS)
+        m_i, l_i, a0, a1, a2, a3 = _attend_block(q, k, v0, v1, v2, v3, mask_n, m_i, l_i, a0, a1,
+                                                 a2, a3, sm_scale_log2, DOT_PRECISION,
+                                                 V_WORDS)  # fmt: skip
         for n0 in range(start + BLOCK_N, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n & (offs_n != newest), mask_d,
-                             stride_kt, stride_vt, offs_d, cdtype)  # fmt: skip
+            k, v0, v1, v2, v3 = _kv_block(r2t, k_head, v_head, offs_n,
+                                          mask_n & (offs_n != newest), mask_d, stride_kt,
+                                          stride_vt, offs_d, cdtype, BLOCK_D, V_WORDS,
+                                          ASM)  # fmt: skip
             is_new = (offs_n == newest)[:, None]
-            k, v = tl.where(is_new, k_new, k), tl.where(is_new, v_new, v)
-            m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
-                                          DOT_PRECISION)  # fmt: skip
+            k = tl.where(is_new, k_new, k)
+            v0, v1, v2, v3 = _new_token(v0, v1, v2, v3, v_new, is_new, BLOCK_D, V_WORDS)
+            m_i, l_i, a0, a1, a2, a3 = _attend_block(q, k, v0, v1, v2, v3, mask_n, m_i, l_i,
+                                                     a0, a1, a2, a3, sm_scale_log2,
+                                                     DOT_PRECISION, V_WORDS)  # fmt: skip
     else:
         q = tl.load(
             Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -314,11 +395,16 @@ def _decode_stage1_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            k, v = _kv_block(r2t, k_head, v_head, offs_n, mask_n, mask_d, stride_kt,
-                             stride_vt, offs_d, cdtype)  # fmt: skip
-            m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2,
-                                          DOT_PRECISION)  # fmt: skip
+            k, v0, v1, v2, v3 = _kv_block(r2t, k_head, v_head, offs_n, mask_n, mask_d, stride_kt,
+                                          stride_vt, offs_d, cdtype, BLOCK_D, V_WORDS,
+                                          ASM)  # fmt: skip
+            m_i, l_i, a0, a1, a2, a3 = _attend_block(q, k, v0, v1, v2, v3, mask_n, m_i, l_i,
+                                                     a0, a1, a2, a3, sm_scale_log2,
+                                                     DOT_PRECISION, V_WORDS)  # fmt: skip
 
+    acc = a0
+    if V_WORDS:  # the column classes interleaved back: acc[:, 4i + r] = a_r[:, i]
+        acc = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (BLOCK_H, BLOCK_D))
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     l_out = l_safe  # acc / l_out: the output (the partial output)
     if KV_FP8:
@@ -467,6 +553,15 @@ def decode_attention_fwd(
     scale = kv_scale if kv_fp8 else None
     fp16_dot = FP8_FP16_DOT if fp16_dot is None else fp16_dot
     fp16_dot = kv_fp8 and q.dtype == torch.bfloat16 and fp16_dot
+    # V's float8 tile as int32 words of four values (_kv_block): fp16 dots, whole words a row
+    v_words = (
+        kv_fp8
+        and (fp16_dot or q.dtype == torch.float16)
+        and head_dim == block_d
+        and v_buf.stride(0) % 4 == 0
+        and v_buf.stride(1) % 4 == 0
+        and v_buf.data_ptr() % 4 == 0
+    )
 
     launch = pdl_launch_kwargs(pdl, q)
     _decode_stage1_kernel[(num_kv_heads, batch_size, num_kv_splits)](
@@ -511,6 +606,7 @@ def decode_attention_fwd(
         BLOCK_G=triton.next_power_of_2(kv_group),
         KV_FP8=kv_fp8,
         FP16_DOT=fp16_dot,
+        V_WORDS=v_words,
         num_warps=num_warps or DEFAULT_NUM_WARPS,
         num_stages=num_stages or DEFAULT_NUM_STAGES,
         **launch,
@@ -528,7 +624,7 @@ def decode_attention_fwd(
         stride_sin=r.sin.stride(0),
         ROTARY=rope is not None,
         HALF=head_dim // 2,
-        EXACT_MUL=q.is_cuda,
+        ASM=q.is_cuda,
         Sinks=q if sinks is None else sinks,  # (a stand-in that HAS_SINKS prunes)
         HAS_SINKS=sinks is not None,
     )

@@ -157,7 +157,8 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
 
 def _attention_cases() -> list[tuple[str, Callable[[], object]]]:
     """kernels/decode_attention.py and extend_attention.py at llama-8b's heads (32 / 8, D 128),
-    bf16, without and with a sliding window; the decode kernel with its own rotary too."""
+    bf16, without and with a sliding window; the decode kernel with its own rotary too, and over
+    a float8 pool."""
     from batchrun.kernels.decode_attention import (
         DecodeRope,
         decode_attention_fwd,
@@ -166,9 +167,12 @@ def _attention_cases() -> list[tuple[str, Callable[[], object]]]:
     )
     from batchrun.kernels.extend_attention import extend_attention_fwd
 
+    from batchrun.quant.kv_cache import KVScale
+
     bf16, bs = torch.bfloat16, 4
     k_buf = torch.empty(1025, 8, 128, dtype=bf16)
     v_buf = torch.empty(1025, 8, 128, dtype=bf16)
+    k_fp8, v_fp8 = (torch.empty(1025, 8, 128, dtype=torch.float8_e4m3fn) for _ in range(2))
     table = torch.zeros(bs + 1, 512, dtype=torch.int32)
     rows, seq_lens = torch.arange(bs), torch.full((bs,), 300)
     q = torch.empty(bs, 32, 128, dtype=bf16)
@@ -188,6 +192,16 @@ def _attention_cases() -> list[tuple[str, Callable[[], object]]]:
                 )  # fmt: skip
 
             out.append((f"decode_attention splits={splits} window={window}", decode))
+
+            def decode_fp8(window=window, splits=splits, rope=rope):  # V read as int32 words
+                workspace = torch.empty(decode_workspace_numel(bs, 32, 128, splits))
+                decode_attention_fwd(
+                    q, k_fp8, v_fp8, torch.empty_like(q), table, rows, seq_lens, 0.1, splits,
+                    workspace, decode_counters(bs, 8, "cpu"), window=window, rope=rope,
+                    kv_scale=KVScale(0.5, 0.25),
+                )  # fmt: skip
+
+            out.append((f"decode_attention fp8 splits={splits} window={window}", decode_fp8))
 
         for new in (64, 4096):  # the default tiles, and the long extends' (LONG_EXTEND)
 
