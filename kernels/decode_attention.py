@@ -367,14 +367,28 @@ def _decode_stage1_kernel(
         if (newest >= start) & (newest < end):  # this split holds the new token: store it
             tl.store(k_head + slot * stride_kt + offs_d[None, :], k_store, mask=mask_d[None, :])
             tl.store(v_head + slot * stride_vt + offs_d[None, :], v_store, mask=mask_d[None, :])
+        # NOTE: the new token (the request's last position) can only be in the split's last
+        # block: the first block and the last take it from registers, the blocks between load
+        # every position (the plain loop: patching every block's tiles costs a shared-memory
+        # round trip of K and V a block)
         is_new = (offs_n == newest)[:, None]
         k = tl.where(is_new, k_new, k)
         v0, v1, v2, v3 = _new_token(v0, v1, v2, v3, v_new, is_new, BLOCK_D, V_WORDS)
         m_i, l_i, a0, a1, a2, a3 = _attend_block(q, k, v0, v1, v2, v3, mask_n, m_i, l_i, a0, a1,
                                                  a2, a3, sm_scale_log2, DOT_PRECISION,
                                                  V_WORDS)  # fmt: skip
-        for n0 in range(start + BLOCK_N, end, BLOCK_N):
+        last = start + tl.maximum(end - start - 1, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start + BLOCK_N, last, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            k, v0, v1, v2, v3 = _kv_block(r2t, k_head, v_head, offs_n, mask_n, mask_d, stride_kt,
+                                          stride_vt, offs_d, cdtype, BLOCK_D, V_WORDS,
+                                          ASM)  # fmt: skip
+            m_i, l_i, a0, a1, a2, a3 = _attend_block(q, k, v0, v1, v2, v3, mask_n, m_i, l_i,
+                                                     a0, a1, a2, a3, sm_scale_log2,
+                                                     DOT_PRECISION, V_WORDS)  # fmt: skip
+        if last > start:
+            offs_n = last + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v0, v1, v2, v3 = _kv_block(r2t, k_head, v_head, offs_n,
                                           mask_n & (offs_n != newest), mask_d, stride_kt,
