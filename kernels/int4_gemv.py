@@ -30,7 +30,7 @@ shared memory into the dot's operand layout once and its eight nibble tiles are 
 tile carried through the loop by hand (loaded two iterations ahead into registers) keeps its
 load's layout instead, and each nibble tile then crosses shared memory on its own (eight
 stores, loads and barrier pairs a tile: 18 barriers and 790 instructions a 64 x 256 tile at
-M = 1 against 3 and 622; scripts/check_kernels_compile.py --ptxas, Triton 3.6, sm_90). Before
+M = 1 against 3 and 622; scripts/check_kernels_compile.py --sass, Triton 3.6, sm_90). Before
 the PDL wait (weights are no earlier kernel's output: the prefetches overlap the kernel before;
 kernels/pdl.py) the slice's first two word tiles and its groups' scale and zero rows are
 prefetched into L2 (inline PTX, on the GPU only).
@@ -374,7 +374,7 @@ def pick_config(m: int, n: int, k: int, swiglu: bool = False) -> Int4GemvConfig:
     least two tiles). llama-8b at M = 1: qkv (24 tiles) in 8 slices, o_proj and down_proj (16)
     in 16, gate_up (56 tiles a half) in 4.
 
-    Compiled for sm_90 under Triton 3.6 (scripts/check_kernels_compile.py --ptxas), the plain
+    Compiled for sm_90 under Triton 3.6 (scripts/check_kernels_compile.py --ptxas --sass), the plain
     config takes 168 registers a thread at M = 1 (three programs an SM; 178 at M = 16, two)
     and its loop 4.9 instructions a weight element a thread; swiglu's 255 registers and 6.3
     (both halves' scale loads and epilogues a 32-deep tile; 44 bytes spilled where K splits in

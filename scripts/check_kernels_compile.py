@@ -10,14 +10,17 @@ with returns of two types):
     PYTHONPATH=/tmp/triton36 python scripts/check_kernels_compile.py --arch 89 --ptxas
 
 It prints one line a kernel configuration (OK, or the compiler's error) and exits 1 on any
-error; with --ptxas, each kernel's registers and spills from the bundled ptxas. The kernels'
-numbers are not checked here: tests/gpu does that on the GPU.
+error; with --ptxas, each kernel's registers and spills from the bundled ptxas; with --sass, its
+largest loop in SASS (the bundled nvdisasm): instructions, barriers, shared-memory traffic and
+MMAs an iteration, which show a tile crossing shared memory more often than it needs to. The
+kernels' numbers are not checked here: tests/gpu does that on the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,7 +30,7 @@ from pathlib import Path
 import torch
 
 
-def _compile_only(arch: int, ptxas: bool) -> None:
+def _compile_only(arch: int, ptxas: bool, sass: bool = False) -> None:
     """Route every Triton launch to a compile for cuda sm_<arch>: a stand-in driver gives the
     target (no CUDA driver is loaded) and each launch becomes a warm-up."""
     from triton.backends.compiler import GPUTarget
@@ -58,6 +61,8 @@ def _compile_only(arch: int, ptxas: bool) -> None:
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         if ptxas:
             print(f"      {self.fn.__name__}: {_ptxas_info(kernel.asm['ptx'], arch)}")
+        if sass:
+            print(f"      {self.fn.__name__}: {_loop_info(kernel.asm['cubin'])}")
         return kernel
 
     JITFunction.run = compile_run
@@ -78,6 +83,41 @@ def _ptxas_info(ptx: str, arch: int) -> str:
         )
     lines = [ln.split("info    : ")[-1] for ln in out.stderr.splitlines()]
     return " | ".join(ln for ln in lines if "Used" in ln or "spill" in ln) or out.stderr[-200:]
+
+
+def _loop_info(cubin: bytes) -> str:
+    """The kernel's largest loop in SASS (the longest span from a label to a branch back to
+    it): its instructions, and of them the CTA barriers, shared-memory stores and loads (and
+    of the loads those of one byte), asynchronous global-to-shared copies and MMAs."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        lines = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True).stdout
+    lines = lines.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", ln))}
+    spans = [
+        (labels[m.group(1)], i)
+        for i, ln in enumerate(lines)
+        if (m := re.search(r"BRA `\((\.L_x_\d+)\)", ln)) and labels.get(m.group(1), i) < i
+    ]
+    if not spans:
+        return "no loop"
+    first, last = max(spans, key=lambda span: span[1] - span[0])
+    ops = [
+        m.group(1)
+        for ln in lines[first : last + 1]
+        if (m := re.match(r"\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_.]*)", ln))
+    ]
+    count = lambda *names: sum(op.split(".")[0] in names for op in ops)  # noqa: E731
+    byte_loads = sum(op.startswith("LDS.U8") or op.startswith("LDS.S8") for op in ops)
+    return (
+        f"loop {len(ops)} instructions: {count('BAR')} barriers, {count('STS', 'STSM')} shared "
+        f"stores, {count('LDS', 'LDSM')} shared loads ({byte_loads} of one byte), "
+        f"{count('LDGSTS')} async copies, {count('HMMA', 'HGMMA')} MMAs"
+    )
 
 
 def cases() -> list[tuple[str, Callable[[], object]]]:
@@ -423,10 +463,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90, 89")
     p.add_argument("--ptxas", action="store_true", help="registers and spills of each kernel")
+    p.add_argument(
+        "--sass", action="store_true", help="each kernel's largest loop in SASS (nvdisasm)"
+    )
     args = p.parse_args(argv)
     import triton
 
-    _compile_only(args.arch, args.ptxas)
+    _compile_only(args.arch, args.ptxas, args.sass)
     print(f"triton {triton.__version__}, cuda sm_{args.arch}")
     failed = 0
     for name, call in cases():
