@@ -216,8 +216,11 @@ def _kv_block(r2t, k_head, v_head, offs_n, load_mask, mask_d, stride_kt, stride_
 
 
 @triton.jit
-def _new_token(v0, v1, v2, v3, v_new, is_new, BLOCK_D: tl.constexpr, V_WORDS: tl.constexpr):
-    """V with the new token's row (is_new [BLOCK_N, 1]) taken from v_new [1, BLOCK_D]."""
+def _new_token(k, v0, v1, v2, v3, k_new, v_new, is_new, BLOCK_D: tl.constexpr,
+               V_WORDS: tl.constexpr):  # fmt: skip
+    """K and V (_kv_block's) with the new token's row (is_new [BLOCK_N, 1]) taken from k_new,
+    v_new [1, BLOCK_D]."""
+    k = tl.where(is_new, k_new, k)
     if V_WORDS:
         n0, n1, n2, n3 = _residues(v_new, BLOCK_D)
         v0, v1 = tl.where(is_new, n0, v0), tl.where(is_new, n1, v1)
@@ -225,7 +228,7 @@ def _new_token(v0, v1, v2, v3, v_new, is_new, BLOCK_D: tl.constexpr, V_WORDS: tl
     else:
         v0 = tl.where(is_new, v_new, v0)
         v1, v2, v3 = v0, v0, v0
-    return v0, v1, v2, v3
+    return k, v0, v1, v2, v3
 
 
 # NOTE: no specialization on the split count, so 1 / 16 / others share one compiled kernel
@@ -373,22 +376,30 @@ def _decode_stage1_kernel(
         # round trip of K and V a block, 1,064 SASS instructions a block against 463 at D 128;
         # scripts/check_kernels_compile.py --sass)
         is_new = (offs_n == newest)[:, None]
-        k = tl.where(is_new, k_new, k)
-        v0, v1, v2, v3 = _new_token(v0, v1, v2, v3, v_new, is_new, BLOCK_D, V_WORDS)
+        k, v0, v1, v2, v3 = _new_token(k, v0, v1, v2, v3, k_new, v_new, is_new, BLOCK_D, V_WORDS)
         m_i, l_i, a0, a1, a2, a3 = _attend_block(q, k, v0, v1, v2, v3, mask_n, m_i, l_i, a0, a1,
                                                  a2, a3, sm_scale_log2, DOT_PRECISION,
                                                  V_WORDS)  # fmt: skip
         last = start + tl.maximum(end - start - 1, 0) // BLOCK_N * BLOCK_N
-        for n0 in range(start + BLOCK_N, last, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            k, v0, v1, v2, v3 = _kv_block(r2t, k_head, v_head, offs_n, mask_n, mask_d, stride_kt,
-                                          stride_vt, offs_d, cdtype, BLOCK_D, V_WORDS,
-                                          ASM)  # fmt: skip
-            m_i, l_i, a0, a1, a2, a3 = _attend_block(q, k, v0, v1, v2, v3, mask_n, m_i, l_i,
-                                                     a0, a1, a2, a3, sm_scale_log2,
-                                                     DOT_PRECISION, V_WORDS)  # fmt: skip
-        if last > start:
+        first_plain, end_plain = start + BLOCK_N, last
+    else:
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_h[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(cdtype)  # [BLOCK_H, BLOCK_D]
+        first_plain, end_plain = start, end
+    for n0 in range(first_plain, end_plain, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        k, v0, v1, v2, v3 = _kv_block(r2t, k_head, v_head, offs_n, mask_n, mask_d, stride_kt,
+                                      stride_vt, offs_d, cdtype, BLOCK_D, V_WORDS,
+                                      ASM)  # fmt: skip
+        m_i, l_i, a0, a1, a2, a3 = _attend_block(q, k, v0, v1, v2, v3, mask_n, m_i, l_i, a0, a1,
+                                                 a2, a3, sm_scale_log2, DOT_PRECISION,
+                                                 V_WORDS)  # fmt: skip
+    if ROTARY:
+        if last > start:  # the split's last block, the new token from registers where it is
             offs_n = last + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v0, v1, v2, v3 = _kv_block(r2t, k_head, v_head, offs_n,
@@ -396,23 +407,8 @@ def _decode_stage1_kernel(
                                           stride_vt, offs_d, cdtype, BLOCK_D, V_WORDS,
                                           ASM)  # fmt: skip
             is_new = (offs_n == newest)[:, None]
-            k = tl.where(is_new, k_new, k)
-            v0, v1, v2, v3 = _new_token(v0, v1, v2, v3, v_new, is_new, BLOCK_D, V_WORDS)
-            m_i, l_i, a0, a1, a2, a3 = _attend_block(q, k, v0, v1, v2, v3, mask_n, m_i, l_i,
-                                                     a0, a1, a2, a3, sm_scale_log2,
-                                                     DOT_PRECISION, V_WORDS)  # fmt: skip
-    else:
-        q = tl.load(
-            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=mask_h[:, None] & mask_d[None, :],
-            other=0.0,
-        ).to(cdtype)  # [BLOCK_H, BLOCK_D]
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            k, v0, v1, v2, v3 = _kv_block(r2t, k_head, v_head, offs_n, mask_n, mask_d, stride_kt,
-                                          stride_vt, offs_d, cdtype, BLOCK_D, V_WORDS,
-                                          ASM)  # fmt: skip
+            k, v0, v1, v2, v3 = _new_token(k, v0, v1, v2, v3, k_new, v_new, is_new, BLOCK_D,
+                                           V_WORDS)  # fmt: skip
             m_i, l_i, a0, a1, a2, a3 = _attend_block(q, k, v0, v1, v2, v3, mask_n, m_i, l_i,
                                                      a0, a1, a2, a3, sm_scale_log2,
                                                      DOT_PRECISION, V_WORDS)  # fmt: skip

@@ -156,7 +156,7 @@ def fa3_run_error(
     fi = import_flashinfer()
     device, n = torch.device(device), PROBE_TOKENS
     windowed = [w for w in windows if w > 0]
-    lefts = [-1] if len(windowed) < len(windows) or not windows else []  # window_left
+    lefts = [-1] if 0 in windows or not windows else []  # window_left: -1 the whole context
     lefts += [min(windowed[0], n) - 1] if windowed else []
     try:
         workspace = torch.zeros(16 << 20, dtype=torch.uint8, device=device)
