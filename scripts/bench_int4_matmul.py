@@ -7,6 +7,7 @@ weights give over bf16 at decode (memory-bound: GB/s of weight bytes) and prefil
 
     python scripts/bench_int4_matmul.py                          # llama-8b, M = 1 ... 8192
     python scripts/bench_int4_matmul.py --models llama-8b,llama-1b --m 1,16 --sweep
+    python scripts/bench_int4_matmul.py --m 1,16 --sweep gemv     # the GEMV's configs only
     python scripts/bench_int4_matmul.py --m 1,4,16                # the decode columns
 
 Weights are AWQ-shaped (group 128, zero points; random values). Each measurement replays a CUDA
@@ -88,7 +89,7 @@ def error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref).abs().max() / ref.abs().max())
 
 
-def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: bool) -> list[dict]:
+def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     w = random_int4(n, k, 128, gen, symmetric=False)
     dense = w.dequantize(torch.bfloat16)
@@ -107,7 +108,7 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: bool) -> list[d
         bf16_us = graph_time_us(lambda d, x=x: F.linear(x, d), denses, calls)
         cfg, split = pick_config(m, n, k)
         candidates = [(cfg, split)]
-        if sweep:
+        if sweep == "all":
             bucket = "decode" if m <= CONFIGS[2][0] else "prefill"
             for c in SWEEP[bucket]:
                 splits = SPLITS if bucket == "decode" else (1,)
@@ -134,7 +135,7 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: bool) -> list[d
             bf16_gbs=dense.nbytes / bf16_us / 1e3,
             int4_tflops=flops / picked_us / 1e6, bf16_tflops=flops / bf16_us / 1e6,
         )  # fmt: skip
-        if sweep:
+        if sweep == "all":
             row.update(best_us=best_us, best_config=tuple(best_cfg), best_split_k=best_split)
         row.update(gemv_cols)
         rows.append(row)
@@ -144,7 +145,7 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: bool) -> list[d
             f" TFLOP/s  bf16 {row['bf16_gbs']:7.0f} GB/s {row['bf16_tflops']:6.1f} TFLOP/s"
             f"  {tuple(cfg)} split {split}"
         )
-        if sweep:
+        if sweep == "all":
             line += f"  | best {best_us:.1f} µs {tuple(best_cfg)} split {best_split}"
         if gemv_cols:
             line += (
@@ -162,7 +163,7 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: bool) -> list[d
     return rows
 
 
-def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: bool) -> dict:
+def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: str | None) -> dict:
     """The decode columns at x's M: int4_gemv (its picked config, and with sweep the best of
     GEMV_SWEEP x SPLITS) and bf16 kernels/gemv.py, µs a call."""
     m, k = x.shape
@@ -197,7 +198,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="llama-8b")
     p.add_argument("--m", default="1,4,16,64,256,2048,8192")
-    p.add_argument("--sweep", action="store_true", help="also time SWEEP's configs")
+    p.add_argument(
+        "--sweep", nargs="?", const="all", choices=("all", "gemv"),
+        help="also time SWEEP's and GEMV_SWEEP's configs (gemv: GEMV_SWEEP's alone)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench-out/int4_matmul"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

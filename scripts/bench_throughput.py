@@ -19,7 +19,7 @@ Models (dummy weights, written as config.json to a temp dir; benchlib.MODELS): l
 llama-1b, the mixtures of experts qwen3-30b-a3b, mixtral-8x7b and gpt-oss-20b, gemma-3-4b (and
 `tiny`, for CPU smoke tests). Workloads as BENCH.md defines them (benchlib.make_workload: W1
 random, W2 shared prefix, W3 single request, W2L a shared prefix whose distinct tokens exceed a
-capped KV pool, W5 long documents 256 x 16,384 -> 128, W6 very long 16 x 131,072 -> 64, run on
+capped KV pool, W5 long documents 256 x 16,384 -> 128, W6 very long 16 x 131,008 -> 64, run on
 llama-8b only; with W5 or W6 the models get Llama 3.1's 128k context, benchlib.LONG_CONTEXT).
 Prefill TFLOP/s: the prompts' model FLOPs (linear + causal attention, benchlib.prefill_flops)
 over the time to the last request's first token (no shared-prefix workloads); the extend
