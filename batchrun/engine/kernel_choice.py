@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import time
 from dataclasses import replace
 
 import torch
@@ -125,8 +126,15 @@ def _fa3_run_reason(config: EngineConfig, model_cfg, device: torch.device) -> st
     tp = config.tp_size
     heads, kv_heads = model_cfg.num_heads // tp, max(1, model_cfg.num_kv_heads // tp)
     windows = model_cfg.sliding_windows or (0,)
+    log.info(
+        "running FlashInfer's FA3 prefill once (a machine's first run builds its kernels with "
+        "nvcc: about 80 s on an H100, cached under ~/.cache/flashinfer; flashinfer-jit-cache "
+        "ships them built)"
+    )
+    start = time.monotonic()
     error = fa3_run_error(device, heads, kv_heads, model_cfg.head_dim, dtype, windows)
     if error is None:
+        log.info("FlashInfer's FA3 prefill ran in %.1f s", time.monotonic() - start)
         return None
     return f"FlashInfer's FA3 prefill failed on a {PROBE_TOKENS}-token batch ({error})"
 

@@ -474,8 +474,11 @@ def test_extend_attention_fa3_runs_one_batch_at_start_up(gpu, monkeypatch, caplo
     seen = []
     error = [None]
     monkeypatch.setattr(kernel_choice, "fa3_run_error", lambda *args: seen.append(args) or error[0])
-    assert resolve(LARGE, CUDA, tp_size=2).extend_attention == "fa3"
+    with caplog.at_level("INFO", logger=kernel_choice.__name__):
+        assert resolve(LARGE, CUDA, tp_size=2).extend_attention == "fa3"
     assert seen[-1][1:] == (16, 4, 128, torch.bfloat16, (0,))
+    # a first run's build is announced, not a silent stall at start-up
+    assert "builds its kernels with nvcc" in caplog.text and "FA3 prefill ran in" in caplog.text
     assert resolve(LARGE, CUDA, dtype="float16").extend_attention == "fa3"
     assert seen[-1][1:] == (32, 8, 128, torch.float16, (0,))
     mixed = replace(LARGE, sliding_windows=(4096, 0) * 16)
