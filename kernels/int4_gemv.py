@@ -42,12 +42,21 @@ act-order weight (`perm`: x's columns gathered by its permutation, and `groups`:
 tensor-parallel slice of one) is not taken here: kernels/int4_matmul.py runs it, whose
 act-order path the GPU tests check (tests/gpu/test_int4_kernel_gpu.py).
 
-No host syncs, no allocation that depends on data: the kernel runs inside CUDA graphs (the
+A second kernel, for one row (x [1, K]), runs on the CUDA cores (`Int4GemvConfig(fma=True)`,
+pick_fma_config): each thread streams one word column down its rows of a K tile, makes each
+nibble the fp32 number 1 + q / 16 with a shift and a lop3 and adds x[k] times it by an FMA,
+so the sums over K stay inside the thread until the loop ends (no tensor cores; under Triton
+3.6 no shared memory or barrier in the loop, 128 registers against the tensor-core kernel's
+168; not so under Triton 3.9, see the kernel). pick_config keeps the tensor-core kernel at
+every M; scripts/bench_int4_matmul.py times both.
+
+No host syncs, no allocation that depends on data: the kernels run inside CUDA graphs (the
 split counters are allocated on first use: call once eagerly before capturing).
 
     y = int4_gemv(x, packed)                           # a config from pick_config(M, N, K)
     a = int4_gemv(x, packed_gate_up, swiglu=True)       # silu(gate) * up, [M, N / 2]
     y = int4_gemv(x, packed, config=Int4GemvConfig(...))  # scripts/bench_int4_matmul.py
+    y = int4_gemv(x1, packed, config=pick_fma_config(N, K))  # x1 [1, K]: the CUDA cores
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ class Int4GemvConfig(NamedTuple):
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3  # word and x tiles in flight (Triton's pipeliner)
+    fma: bool = False  # M = 1: the CUDA-core kernel (_int4_gemv_fma_kernel), no tensor cores
 
 
 def takes(w: Int4Packed, m: int, swiglu: bool = False) -> bool:
@@ -360,11 +370,188 @@ def _int4_gemv_kernel(
             tl.atomic_xchg(Counters + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
 
 
+@triton.jit
+def _one_plus_q16(words, J: tl.constexpr, ASM: tl.constexpr):
+    """1 + q / 16 as fp32 (exact) for nibble J of each word: the nibble shifted into the top
+    four mantissa bits of 1.0, then (w & 0x00780000) | 0x3F800000, one lop3 on the GPU (inline
+    PTX, the exponent a register: a lop3 takes one immediate; as two constants ptxas makes
+    two)."""
+    if J <= 4:
+        t = words << (19 - 4 * J)
+    else:
+        t = words >> (4 * J - 19)  # the bits kept come from the word, not its sign
+    if ASM:
+        exp_one = tl.full(t.shape, 0x3F800000, tl.int32)
+        return tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, 0x00780000, $2, 0xEA;",
+            "=r,r,r",
+            [t, exp_one],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    return ((t & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fma_nibble(acc, words, x, xs, S, Z, sz_offs, mask_sz, J: tl.constexpr,
+                HAS_ZEROS: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """acc [W, WARPS] plus this tile's share of the columns 8w + J, from each thread's rows:
+
+        sum_k x[k] s (q - z) = s (16 sum_k x[k] (1 + q / 16) - (16 + z) sum_k x[k])
+
+    xs: sum_k x[k] over the thread's rows. sz_offs [W, WARPS, 1]: the columns' scale offsets
+    (a sum over that axis of one drops it without moving data)."""
+    part = tl.sum(x * _one_plus_q16(words, J, ASM), axis=2)
+    s = tl.sum(tl.load(S + sz_offs + J, mask=mask_sz, other=0.0).to(tl.float32), axis=2)
+    if HAS_ZEROS:
+        z = tl.sum(tl.load(Z + sz_offs + J, mask=mask_sz, other=0).to(tl.float32), axis=2)
+    else:
+        z = tl.full(s.shape, 8.0, tl.float32)
+    return acc + (16.0 * s) * part - (s * (16.0 + z)) * xs
+
+
+@triton.jit
+def _fma_tile(a0, a1, a2, a3, a4, a5, a6, a7, words, x, xs, S, Z, sz_offs, mask_sz,
+              HAS_ZEROS: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """One tile's eight nibble positions into their accumulators."""
+    a0 = _fma_nibble(a0, words, x, xs, S, Z, sz_offs, mask_sz, 0, HAS_ZEROS, ASM)
+    a1 = _fma_nibble(a1, words, x, xs, S, Z, sz_offs, mask_sz, 1, HAS_ZEROS, ASM)
+    a2 = _fma_nibble(a2, words, x, xs, S, Z, sz_offs, mask_sz, 2, HAS_ZEROS, ASM)
+    a3 = _fma_nibble(a3, words, x, xs, S, Z, sz_offs, mask_sz, 3, HAS_ZEROS, ASM)
+    a4 = _fma_nibble(a4, words, x, xs, S, Z, sz_offs, mask_sz, 4, HAS_ZEROS, ASM)
+    a5 = _fma_nibble(a5, words, x, xs, S, Z, sz_offs, mask_sz, 5, HAS_ZEROS, ASM)
+    a6 = _fma_nibble(a6, words, x, xs, S, Z, sz_offs, mask_sz, 6, HAS_ZEROS, ASM)
+    a7 = _fma_nibble(a7, words, x, xs, S, Z, sz_offs, mask_sz, 7, HAS_ZEROS, ASM)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _sum0(a):
+    """[W, WARPS] -> [1, W]: the warps' sums (the one exchange between threads)."""
+    return tl.sum(a, axis=1)[None, :]
+
+
+@triton.jit(do_not_specialize=["one"])
+def _int4_gemv_fma_kernel(
+    X,
+    QW,
+    S,
+    Z,
+    Y,
+    WS,
+    Counters,
+    N,  # output columns (swiglu: of each half)
+    K,
+    k_per_split,
+    group_size,
+    one,  # 1, not specialized: the word columns' stride (see below)
+    R: tl.constexpr,  # rows a thread a tile
+    WARPS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN: tl.constexpr,  # no masks: whole column tiles, K slices of whole tiles
+    SWIGLU: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    ASM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """x [1, K] @ W^T on the CUDA cores. A program owns 32 word columns (256 output columns)
+    and a K slice; a tile is [32, WARPS, R] words (column, warp, row r * WARPS + v): lane i
+    of warp v holds word i of the tile's rows r * WARPS + v, so the sums over K stay inside
+    each thread and the threads meet once, after the loop. The columns' and rows' stride
+    `one` is a runtime 1: knowing no contiguity, Triton 3.6 (the GPU machine's) lays the
+    threads of every load of the loop along the first axis, one word a thread (a warp reads a
+    128-byte row); told the columns are contiguous, it would load four words a thread and
+    spread K over the lanes. Triton 3.9 breaks that tie the other way: its loop converts the
+    tiles through shared memory (18 barriers, 3,972 instructions against 1,267). A tile lies inside
+    one group, whose scale and zero apply to each thread's sums. Per weight value: a shift, a
+    lop3 and an FMA; no shared memory inside the loop."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    W: tl.constexpr = 32
+    BLOCK_K: tl.constexpr = R * WARPS
+    n_rows = 2 * N if SWIGLU else N
+    n_words = n_rows // 8
+    offs_w = pid_n * W + tl.arange(0, W)
+    in_w = offs_w < N // 8
+    cols = (offs_w * one)[:, None, None]  # [W, 1, 1]
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    rows = (tl.arange(0, R)[None, None, :] * WARPS + tl.arange(0, WARPS)[None, :, None]) * one
+    sz_cols = cols * 8 + tl.zeros([1, WARPS, 1], dtype=tl.int32)  # [W, WARPS, 1]
+    up = (N // 8) * one
+    mask_sz = in_w[:, None, None]
+    # the tile's offsets from its first row, the same every tile (addresses: one add a row)
+    w_offs = rows * n_words + cols
+    x_offs = rows + cols * 0  # each thread's rows' x (the same addresses across a warp)
+
+    _prefetch_tiles(QW, k_start, k_end, pid_n * W, n_words, BLOCK_K, ASM)
+    _prefetch_scales(S, Z, k_start, k_end, group_size, n_rows, pid_n * W * 8, W * 8, HAS_ZEROS,
+                     ASM)  # fmt: skip
+    if SWIGLU:
+        _prefetch_tiles(QW, k_start, k_end, pid_n * W + N // 8, n_words, BLOCK_K, ASM)
+        _prefetch_scales(S, Z, k_start, k_end, group_size, n_rows, pid_n * W * 8 + N, W * 8,
+                         HAS_ZEROS, ASM)  # fmt: skip
+    pdl_wait(PDL)
+    zero = tl.zeros([W, WARPS], dtype=tl.float32)
+    a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
+    b0, b1, b2, b3, b4, b5, b6, b7 = zero, zero, zero, zero, zero, zero, zero, zero
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ptrs = QW + tl.cast(k0, tl.int64) * n_words + w_offs
+        xptrs = X + k0 + x_offs
+        sz_offs = tl.cast(k0 // group_size, tl.int64) * n_rows + sz_cols
+        if EVEN:
+            words = tl.load(ptrs)
+            x = tl.load(xptrs).to(tl.float32)
+        else:
+            in_k = k0 + rows < k_end
+            mask = in_k & in_w[:, None, None]
+            words = tl.load(ptrs, mask=mask, other=0)
+            x = tl.load(xptrs, mask=in_k, other=0.0).to(tl.float32)
+        xs = tl.sum(x, axis=2)  # [W, WARPS]
+        a0, a1, a2, a3, a4, a5, a6, a7 = _fma_tile(
+            a0, a1, a2, a3, a4, a5, a6, a7, words, x, xs, S, Z, sz_offs, mask_sz, HAS_ZEROS, ASM
+        )
+        if SWIGLU:
+            if EVEN:
+                u = tl.load(ptrs + up)
+            else:
+                u = tl.load(ptrs + up, mask=mask, other=0)
+            b0, b1, b2, b3, b4, b5, b6, b7 = _fma_tile(
+                b0, b1, b2, b3, b4, b5, b6, b7, u, x, xs, S, Z, sz_offs + N, mask_sz, HAS_ZEROS,
+                ASM,
+            )  # fmt: skip
+
+    a0, a1, a2, a3, a4, a5, a6, a7 = _sum0(a0), _sum0(a1), _sum0(a2), _sum0(a3), _sum0(a4), \
+        _sum0(a5), _sum0(a6), _sum0(a7)  # fmt: skip
+    if SWIGLU:
+        b0, b1, b2, b3, b4, b5, b6, b7 = _sum0(b0), _sum0(b1), _sum0(b2), _sum0(b3), \
+            _sum0(b4), _sum0(b5), _sum0(b6), _sum0(b7)  # fmt: skip
+    else:
+        b0, b1, b2, b3, b4, b5, b6, b7 = a0, a1, a2, a3, a4, a5, a6, a7
+    sums = (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, Y, WS, Counters)
+    where = (1, N, tl.arange(0, 1), offs_w, in_w, N, pid_k)
+    arrived = -1
+    if SPLIT_K > 1:
+        _finish_nibbles(*sums, arrived, *where, SPLIT_K, SWIGLU)
+        tl.debug_barrier()  # every thread's plane stores before the one release (as above)
+        arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel", scope="gpu")
+    _finish_nibbles(*sums, arrived, *where, SPLIT_K, SWIGLU)
+    if SPLIT_K > 1:
+        if arrived == SPLIT_K - 1:
+            tl.atomic_xchg(Counters + pid_n, 0, sem="relaxed", scope="gpu")
+
+
 # NOTE: K-split programs aimed at: about two per SM of the H200 (132 SMs), for matrices of at
 # most SPLIT_MAX_TILES column tiles; a slice keeps at least two K tiles (the prefetch's depth)
 TARGET_PROGRAMS = 256
 SPLIT_MAX_TILES = 128
 MAX_SPLIT_K = 16
+# M = 1: the CUDA-core kernel, 256 columns x 128 rows (a group of 128) a tile on 4 warps, in K
+# slices of at least one tile until there are about FMA_TARGET_PROGRAMS programs
+FMA_CONFIG = Int4GemvConfig(block_n=256, block_k=128, num_warps=4, num_stages=1, fma=True)
+FMA_TARGET_PROGRAMS = 768
+FMA_MAX_SPLIT_K = 32
 
 
 def pick_config(m: int, n: int, k: int, swiglu: bool = False) -> Int4GemvConfig:
@@ -382,14 +569,33 @@ def pick_config(m: int, n: int, k: int, swiglu: bool = False) -> Int4GemvConfig:
     instructions an element but 224 registers (two programs an SM). The timings are not
     measured here: `scripts/bench_int4_matmul.py --sweep` times the alternatives on the GPU."""
     cfg = Int4GemvConfig(block_k=32) if swiglu else Int4GemvConfig()
+    return _split(cfg, n, k, swiglu, TARGET_PROGRAMS, MAX_SPLIT_K, 2)
+
+
+def pick_fma_config(n: int, k: int, swiglu: bool = False) -> Int4GemvConfig:
+    """The CUDA-core kernel's config for x [1, K] (FMA_CONFIG, split along K by the rule of
+    pick_config with FMA_TARGET_PROGRAMS, slices of at least one tile). Compiled for sm_90
+    under Triton 3.6 (scripts/check_kernels_compile.py --ptxas --sass) its loop takes 128
+    registers, no barrier and no shared memory, 4.9 instructions a weight value a thread (a
+    shift, a lop3, an FMA, a row's two address adds and loads, a tile's scales); the
+    tensor-core kernel's, 168 registers, 3 barriers and 4.9. Not timed here:
+    `scripts/bench_int4_matmul.py --m 1` times both; pick_config keeps the tensor-core kernel
+    until a GPU measurement says otherwise."""
+    return _split(FMA_CONFIG, n, k, swiglu, FMA_TARGET_PROGRAMS, FMA_MAX_SPLIT_K, 1)
+
+
+def _split(cfg: Int4GemvConfig, n: int, k: int, swiglu: bool, target: int, max_split: int,
+           min_tiles: int) -> Int4GemvConfig:  # fmt: skip
+    """cfg split along K (powers of two, slices of at least min_tiles K tiles) until there are
+    about `target` programs, for matrices of at most SPLIT_MAX_TILES column tiles."""
     n_out = n // 2 if swiglu else n
     tiles = triton.cdiv(n_out, cfg.block_n)
     split_k = 1
     while (
         tiles <= SPLIT_MAX_TILES
-        and split_k < MAX_SPLIT_K
-        and tiles * split_k * 2 <= TARGET_PROGRAMS
-        and k >= 2 * 2 * split_k * cfg.block_k
+        and split_k < max_split
+        and tiles * split_k * 2 <= target
+        and k >= 2 * min_tiles * split_k * cfg.block_k
     ):
         split_k *= 2
     return cfg._replace(split_k=split_k)
@@ -431,6 +637,17 @@ def int4_gemv(
     counters = split_counters(x.device) if split_k > 1 else y
     ws = y if split_k == 1 else torch.empty(split_k * m * n_rows, dtype=torch.float32,
                                             device=x.device)  # fmt: skip
+    if cfg.fma:
+        assert m == 1 and cfg.block_n == 256 and block_k % cfg.num_warps == 0, (m, cfg, block_k)
+        even = n % 256 == 0 and k_per_split % block_k == 0 and k % k_per_split == 0
+        _int4_gemv_fma_kernel[(tiles, split_k)](
+            x, w.qweight, w.scales, y if w.zeros is None else w.zeros, y, ws, counters,
+            n, k, k_per_split, w.group_size, 1,
+            R=block_k // cfg.num_warps, WARPS=cfg.num_warps, SPLIT_K=split_k, EVEN=even,
+            SWIGLU=swiglu, HAS_ZEROS=w.zeros is not None, ASM=x.is_cuda,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
+        )  # fmt: skip
+        return y
     # NOTE: absent operands get y as a stand-in pointer: their constexpr flag prunes every access
     _int4_gemv_kernel[(tiles, split_k)](
         x, w.qweight, w.scales, y if w.zeros is None else w.zeros, y, ws, counters,

@@ -1,9 +1,10 @@
 """The INT4 W4A16 matmul (kernels/int4_matmul.py) against bf16 F.linear (cuBLAS) on the GPU, per
 projection of the benchmark models and per M, with an optional sweep of tile configs; at
-M <= 16 also the INT4 decode GEMV (kernels/int4_gemv.py, what QuantMatmul runs there) and the
-bf16 decode GEMV (kernels/gemv.py), µs and TB/s of weight bytes. Answers
-whether the kernel's config table (`CONFIGS`, `pick_config`) holds on this GPU, and what INT4
-weights give over bf16 at decode (memory-bound: GB/s of weight bytes) and prefill (TFLOP/s).
+M <= 16 also the INT4 decode GEMV (kernels/int4_gemv.py, what QuantMatmul runs there; at M = 1
+also its CUDA-core kernel, pick_fma_config) and the bf16 decode GEMV (kernels/gemv.py), µs and
+TB/s of weight bytes. Answers whether the kernel's config table (`CONFIGS`, `pick_config`)
+holds on this GPU, and what INT4 weights give over bf16 at decode (memory-bound: GB/s of weight
+bytes) and prefill (TFLOP/s).
 
     python scripts/bench_int4_matmul.py                          # llama-8b, M = 1 ... 8192
     python scripts/bench_int4_matmul.py --models llama-8b,llama-1b --m 1,16 --sweep
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from batchrun.kernels.gemv import gemv
 from batchrun.kernels.int4_gemv import MAX_M as GEMV_MAX_M
-from batchrun.kernels.int4_gemv import Int4GemvConfig, int4_gemv
+from batchrun.kernels.int4_gemv import Int4GemvConfig, int4_gemv, pick_fma_config
 from batchrun.kernels.int4_gemv import pick_config as pick_gemv_config
 from batchrun.kernels.int4_matmul import CONFIGS, Int4Config, int4_matmul, pick_config, prepare
 
@@ -48,6 +49,8 @@ SWEEP = {
                 (128, 256, 64, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3)],
 }  # fmt: skip
 SPLITS = (1, 2, 4, 8, 16)
+# the CUDA-core GEMV's sweep at M = 1: (block_k, num_warps) x SPLITS and 32 slices
+FMA_SWEEP = [(128, 4), (64, 4), (128, 8), (64, 2), (32, 1)]
 # the decode GEMV's sweep: (block_n, block_k, num_warps, num_stages) x SPLITS
 GEMV_SWEEP = [(256, 64, 4, 2), (256, 64, 4, 3), (256, 64, 4, 4), (256, 128, 4, 3),
               (256, 32, 4, 4), (128, 64, 4, 3), (256, 64, 8, 3), (512, 64, 8, 3)]  # fmt: skip
@@ -156,6 +159,13 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
                 f"cuBLAS {bf16_us:7.1f} µs {dense.nbytes / bf16_us / 1e6:5.2f} TB/s  "
                 f"{gemv_cols['int4_gemv_config']}"
             )
+            if "int4_gemv_fma_us" in gemv_cols:
+                fma_us = gemv_cols["int4_gemv_fma_us"]
+                line += (
+                    f"\n{'':31s}int4_gemv fma {fma_us:7.1f} µs "
+                    f"{packed_bytes(packed) / fma_us / 1e6:5.2f} TB/s  "
+                    f"{gemv_cols['int4_gemv_fma_config']}"
+                )
             if sweep:
                 line += f"  | best {gemv_cols['int4_gemv_best_us']:.1f} µs "
                 line += f"{gemv_cols['int4_gemv_best_config']}"
@@ -164,33 +174,45 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
 
 
 def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: str | None) -> dict:
-    """The decode columns at x's M: int4_gemv (its picked config, and with sweep the best of
-    GEMV_SWEEP x SPLITS) and bf16 kernels/gemv.py, µs a call."""
+    """The decode columns at x's M: int4_gemv (its picked config; at M = 1 also the CUDA-core
+    kernel's, pick_fma_config; with sweep the best of GEMV_SWEEP x SPLITS and, at M = 1,
+    FMA_SWEEP x SPLITS) and bf16 kernels/gemv.py, µs a call."""
     m, k = x.shape
     n = dense.shape[0]
     picked = pick_gemv_config(m, n, k)
-    candidates = [picked]
+    fma = pick_fma_config(n, k) if m == 1 else None
+    candidates = [picked] + ([fma] if fma else [])
     if sweep:
         candidates += [
             Int4GemvConfig(bn, bk, s, warps, stages)
             for bn, bk, warps, stages in GEMV_SWEEP
             for s in SPLITS
         ]
-    results = []
-    for c in candidates:
+        if m == 1:
+            candidates += [
+                Int4GemvConfig(256, bk, s, warps, 1, fma=True)
+                for bk, warps in FMA_SWEEP
+                for s in SPLITS + (32,)
+            ]
+    times = {}
+    for c in dict.fromkeys(candidates):
         err = error(int4_gemv(x, int4s[0], config=c), ref)
         if err > MAX_REL_ERROR:
             print(f"  int4_gemv M={m} {c}: error {err:.2e}, skipped", flush=True)
             continue
         fn = lambda p, x=x, c=c: int4_gemv(x, p, config=c, pdl=True)  # noqa: E731
-        results.append((graph_time_us(fn, int4s, calls), c))
-    best_us, best = min(results, key=lambda r: r[0])
+        times[c] = graph_time_us(fn, int4s, calls)
+    best = min(times, key=times.get)
     bf16_gemv_us = graph_time_us(lambda d, x=x: gemv(x, d, pdl=True), denses, calls)
+    nan = float("nan")
     cols = dict(
-        int4_gemv_us=results[0][0], int4_gemv_config=tuple(picked), bf16_gemv_us=bf16_gemv_us
-    )
+        int4_gemv_us=times.get(picked, nan), int4_gemv_config=tuple(picked),
+        bf16_gemv_us=bf16_gemv_us,
+    )  # fmt: skip
+    if fma:
+        cols.update(int4_gemv_fma_us=times.get(fma, nan), int4_gemv_fma_config=tuple(fma))
     if sweep:
-        cols.update(int4_gemv_best_us=best_us, int4_gemv_best_config=tuple(best))
+        cols.update(int4_gemv_best_us=times[best], int4_gemv_best_config=tuple(best))
     return cols
 
 
@@ -211,7 +233,8 @@ def main(argv=None) -> int:
     ms = [int(v) for v in args.m.split(",")]
     report = {"environment": benchlib.environment("cuda"), "rows": []}
     for model in args.models.split(","):
-        step = {"bf16_us": 0.0, "int4_us": 0.0, "int4_gemv_us": 0.0, "bf16_gemv_us": 0.0}
+        step = dict.fromkeys(("bf16_us", "int4_us", "int4_gemv_us", "int4_gemv_fma_us",
+                              "bf16_gemv_us"), 0.0)  # fmt: skip
         for name, n, k, count in benchlib.linear_shapes(model):
             if name == "lm_head":  # not quantized
                 continue
@@ -222,6 +245,7 @@ def main(argv=None) -> int:
                     step["bf16_us"] += row["bf16_us"] * count
                     step["int4_us"] += row["int4_us"] * count
                     step["int4_gemv_us"] += row["int4_gemv_us"] * count
+                    step["int4_gemv_fma_us"] += row["int4_gemv_fma_us"] * count
                     step["bf16_gemv_us"] += row["bf16_gemv_us"] * count
             report["rows"] += rows
             torch.cuda.empty_cache()
@@ -229,7 +253,8 @@ def main(argv=None) -> int:
             print(
                 f"{model}: one decode step's matmuls at M = 1: bf16 {step['bf16_us'] / 1e3:.3f} "
                 f"ms, int4 {step['int4_us'] / 1e3:.3f} ms, int4_gemv "
-                f"{step['int4_gemv_us'] / 1e3:.3f} ms, bf16 gemv.py "
+                f"{step['int4_gemv_us'] / 1e3:.3f} ms (fma {step['int4_gemv_fma_us'] / 1e3:.3f}"
+                f" ms), bf16 gemv.py "
                 f"{step['bf16_gemv_us'] / 1e3:.3f} ms",
                 flush=True,
             )

@@ -170,11 +170,19 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             x = torch.randn(m, 4096, dtype=torch.bfloat16)
             name = f"int4_gemv group={group} sym={symmetric} M={m}"
             out.append((name, lambda x=x, p=packed: int4_gemv.int4_gemv(x, p, pdl=True)))
+        if not act_order:  # the CUDA-core kernel (one row)
+            x = torch.randn(1, 4096, dtype=torch.bfloat16)
+            fma = int4_gemv.pick_fma_config(6144, 4096)
+            name = f"int4_gemv fma group={group} sym={symmetric}"
+            out.append((name, lambda x=x, p=packed, c=fma: int4_gemv.int4_gemv(x, p, c, pdl=True)))
     gate_up4 = pack_int4(_int4_weight(Int4Weight, 2 * 1024, 4096, 128, False, False))
     for m, dtype in ((1, torch.bfloat16), (16, torch.bfloat16), (4, torch.float16)):
         x = torch.randn(m, 4096, dtype=dtype)
         out.append((f"int4_gemv swiglu M={m} {dtype}", lambda x=x: int4_gemv.int4_gemv(
             x, gate_up4, swiglu=True, pdl=True)))  # fmt: skip
+    x, fma = torch.randn(1, 4096, dtype=torch.bfloat16), int4_gemv.pick_fma_config(2048, 4096, 1)
+    out.append(("int4_gemv fma swiglu", lambda x=x, c=fma: int4_gemv.int4_gemv(
+        x, gate_up4, c, swiglu=True, pdl=True)))  # fmt: skip
     # a row-parallel slice of an act-order weight: the kernel reads each column's group
     sliced = pack_int4(_int4_weight(Int4Weight, 4096, 14336, 128, False, True).narrow_in(0, 7168))
     for m in (1, 2048):

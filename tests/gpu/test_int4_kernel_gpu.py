@@ -16,6 +16,7 @@ differs from the reference by that rounding too, far inside the bound.
 
 from __future__ import annotations
 
+import functools
 import sys
 import tempfile
 from pathlib import Path
@@ -138,14 +139,14 @@ def test_cuda_graph_replay_equals_eager():
 GEMV_ROWS = list(range(1, 17))
 
 
-def check_gemv(w, m: int, swiglu: bool = False, pdl: bool = False) -> None:
+def check_gemv(w, m: int, swiglu: bool = False, pdl: bool = False, config=None) -> None:
     from batchrun.kernels.int4_gemv import int4_gemv
 
     from batchrun.quant.int4_layout import pack_int4
 
     g = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, w.in_features, generator=g, device="cuda").to(torch.bfloat16)
-    y = int4_gemv(x, pack_int4(w), swiglu=swiglu, pdl=pdl)
+    y = int4_gemv(x, pack_int4(w), swiglu=swiglu, pdl=pdl, config=config)
     ref = F.linear(x.float(), w.dequantize(torch.bfloat16).float())
     if swiglu:  # gate and up rounded as the matmul's output, silu rounded, the product once
         gate, up = ref.bfloat16().float().chunk(2, dim=-1)
@@ -179,10 +180,29 @@ def test_gemv_every_scheme_and_swiglu(group_size, symmetric, act_order):
             check_gemv(w, m, swiglu=True, pdl=True)
 
 
+@pytest.mark.parametrize(
+    "group_size,symmetric", [(128, False), (128, True), (32, False), (-1, True)]
+)
+def test_fma_gemv_every_scheme_and_swiglu(group_size, symmetric):
+    """The CUDA-core kernel (one row; pick_fma_config and a few other tilings) on llama-8b's
+    qkv, o_proj and down_proj and llama-1b's qkv (whole tiles: no masks), a narrow matrix
+    (masked), and the fused gate_up of llama-1b and llama-8b with the SwiGLU epilogue."""
+    from batchrun.kernels.int4_gemv import FMA_CONFIG, pick_fma_config
+
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336), (3072, 2048), (200, 1024)):
+        w = random_weight(n, k, group_size, symmetric, False, seed=n + k)
+        check_gemv(w, 1, pdl=True, config=pick_fma_config(n, k))
+        for bk, warps in ((64, 4), (128, 8), (32, 1)):
+            check_gemv(w, 1, config=FMA_CONFIG._replace(block_k=bk, num_warps=warps, split_k=4))
+    for n, k in ((16384, 2048), (28672, 4096)):
+        w = random_weight(n, k, group_size, symmetric, False, seed=n)
+        check_gemv(w, 1, swiglu=True, pdl=True, config=pick_fma_config(n, k, swiglu=True))
+
+
 def test_gemv_cuda_graph_replay_equals_eager():
-    """The decode GEMV (split-K, zero points, SwiGLU, PDL) captured in a CUDA graph and
-    replayed on new inputs gives the eager results bit for bit."""
-    from batchrun.kernels.int4_gemv import int4_gemv
+    """The decode GEMV (split-K, zero points, SwiGLU, PDL; both kernels at one row) captured
+    in a CUDA graph and replayed on new inputs gives the eager results bit for bit."""
+    from batchrun.kernels.int4_gemv import int4_gemv, pick_fma_config
     from batchrun.kernels.int4_matmul import prepare
 
     from batchrun.quant.int4_layout import pack_int4
@@ -191,16 +211,20 @@ def test_gemv_cuda_graph_replay_equals_eager():
     for n, swiglu in ((4096, False), (6144, False), (28672, True)):
         packed = pack_int4(random_weight(n, 4096, 128, False, False, seed=n))
         for m in (1, 16):
-            x = torch.zeros(m, 4096, device="cuda", dtype=torch.bfloat16)
-            int4_gemv(x, packed, swiglu=swiglu, pdl=True)  # compiles outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                y = int4_gemv(x, packed, swiglu=swiglu, pdl=True)
-            for seed in range(3):
-                g = torch.Generator(device="cuda").manual_seed(seed)
-                x.copy_(torch.randn(m, 4096, generator=g, device="cuda"))
-                graph.replay()
-                assert torch.equal(y, int4_gemv(x, packed, swiglu=swiglu)), (n, m, seed)
+            # the tensor-core kernel, and at one row also the CUDA-core one
+            fma = [pick_fma_config(n, 4096, swiglu)] if m == 1 else []
+            for config in [None, *fma]:
+                x = torch.zeros(m, 4096, device="cuda", dtype=torch.bfloat16)
+                run = functools.partial(int4_gemv, w=packed, swiglu=swiglu, config=config)
+                run(x, pdl=True)  # compiles outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    y = run(x, pdl=True)
+                for seed in range(3):
+                    g = torch.Generator(device="cuda").manual_seed(seed)
+                    x.copy_(torch.randn(m, 4096, generator=g, device="cuda"))
+                    graph.replay()
+                    assert torch.equal(y, run(x)), (n, m, seed, config)
 
 
 @pytest.mark.parametrize("fmt,group_size,act_order", [("awq", 128, False), ("gptq", 64, True)])

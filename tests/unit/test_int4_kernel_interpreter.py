@@ -110,7 +110,7 @@ def check_kernel() -> None:
 GEMV_ROWS = (1, 3, 16)
 
 
-def check_gemv_case(w, m: int, dtype, what: str, **kwargs) -> None:
+def check_gemv_case(w, m: int, dtype, what: str, tolerance=None, **kwargs) -> None:
     from batchrun.kernels.int4_gemv import int4_gemv
 
     from batchrun.quant.int4_layout import pack_int4
@@ -123,7 +123,7 @@ def check_gemv_case(w, m: int, dtype, what: str, **kwargs) -> None:
         ref = F.silu(gate).to(dtype).double() * up
     err = float((y.double() - ref).abs().max() / ref.abs().max())
     assert y.dtype == dtype and y.shape == ref.shape, what
-    assert err <= TOLERANCE[dtype], (what, m, dtype, err)
+    assert err <= (tolerance or TOLERANCE)[dtype], (what, m, dtype, err)
 
 
 def check_gemv() -> None:
@@ -160,6 +160,42 @@ def check_gemv() -> None:
     for out, inp in ((4096, 256), (256, 4096), (128, 14336)):  # llama-8b's widths
         w = decoded("awq", 128, False, False, out=out, inp=inp)
         check_gemv_case(w, 1, torch.float16, f"gemv {out}x{inp}")
+    check_fma_gemv()
+
+
+def check_fma_gemv() -> None:
+    """The CUDA-core kernel (one row): every scheme but act-order in fp32, fp16 and bf16 (no
+    tl.dot, so the interpreter runs bf16 too), masked tiles and whole ones (EVEN), split-K by
+    its rule and by hand (a short last slice, one tile a slice, one and two warps), the SwiGLU
+    epilogue split and not."""
+    from batchrun.kernels.int4_gemv import FMA_CONFIG, pick_fma_config
+
+    tolerance = {**TOLERANCE, torch.bfloat16: 3 * 2.0**-7}  # bf16: the GPU tests' swiglu bound
+    for case in CASES:
+        if case[3]:
+            continue
+        w = decoded(*case)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            cfg = pick_fma_config(w.out_features, w.in_features)
+            check_gemv_case(w, 1, dtype, f"fma {case}", tolerance, config=cfg)
+    w = decoded("awq", 32, False, False, out=160, inp=448)
+    for cfg in (
+        FMA_CONFIG._replace(block_k=32, split_k=4),  # 448 = 4 slices of 4, 4, 4, 2 tiles
+        FMA_CONFIG._replace(block_k=64, split_k=7),  # one tile a slice (a short last one)
+        FMA_CONFIG._replace(block_k=16, num_warps=1),
+        FMA_CONFIG._replace(block_k=32, num_warps=2, split_k=3),
+    ):
+        check_gemv_case(w, 1, torch.float16, f"fma {cfg}", tolerance, config=cfg)
+    w = decoded("awq", 128, True, False, out=512, inp=512)  # whole tiles and slices: EVEN
+    for split in (1, 2):
+        cfg = FMA_CONFIG._replace(block_k=64, split_k=split)
+        check_gemv_case(w, 1, torch.bfloat16, f"fma even {split}", tolerance, config=cfg)
+    for case in (("awq", 32, False, False), ("gptq", 64, True, False)):
+        w = decoded(*case, out=144, inp=256)  # gate_up: 72 columns a half, whole words
+        for cfg in (pick_fma_config(144, 256, True), FMA_CONFIG._replace(block_k=32, split_k=3)):
+            for dtype in (torch.float16, torch.bfloat16):
+                check_gemv_case(w, 1, dtype, f"fma swiglu {case} {cfg}", tolerance,
+                                swiglu=True, config=cfg)  # fmt: skip
 
 
 def check_quant_matmul() -> None:
