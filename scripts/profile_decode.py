@@ -37,7 +37,7 @@ from pathlib import Path
 
 import benchlib
 import torch
-from benchlib import MODELS, make_workload, random_tokens
+from benchlib import MODELS, make_workload, random_tokens, warmup_prompts
 
 from batchrun.engine.engine import Engine
 from batchrun.params import GenerateRequest, SamplingParams
@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     rng = random.Random(0)
     max_running = args.max_running or (None if args.workload else max(args.batch, 1))
     with tempfile.TemporaryDirectory() as tmp:
-        path = benchlib.write_model_dir(args.model, Path(tmp))
+        long = args.workload in benchlib.LONG_WORKLOADS  # W5, W6: Llama 3.1's 128k context
+        path = benchlib.write_model_dir(args.model, Path(tmp), long_context=long)
         engine = Engine(benchlib.engine_config(args, path, max_running=max_running))
     print(f"kernels: {engine.kernels.describe()}")
     if args.workload:
@@ -232,7 +233,8 @@ def profile_workload(args, engine) -> int:
     kind and by kernel, the GPU's busy fraction."""
     wl = make_workload(args.workload, args.scale)
     params = SamplingParams(max_new_tokens=wl.output_len, temperature=0.0, ignore_eos=True)
-    warm = [GenerateRequest(f"w{i}", p, params) for i, p in enumerate(wl.prompts[:8])]
+    # the warm-up's prompts: the run's lengths, other tokens (none of them cached for the run)
+    warm = [GenerateRequest(f"w{i}", p, params) for i, p in enumerate(warmup_prompts(wl, 8))]
     for _ in engine.generate(warm):  # compiles, warms the caches
         pass
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)

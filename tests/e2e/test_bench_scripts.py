@@ -213,6 +213,16 @@ def test_profile_decode_cpu_smoke():
     assert "kernels: attention=torch" in out and "tiny batch 2 context 16" in out
 
 
+def test_profile_decode_long_document_workload_cpu_smoke():
+    """--workload W5 profiles on the 128k-context model (a 16,384-token prompt fits), warmed up
+    on other prompts of the same lengths."""
+    out = run_script(
+        "profile_decode.py", "--device", "cpu", "--model", "tiny", "--workload", "W5",
+        "--scale", "0.004",
+    )  # fmt: skip
+    assert "tiny W5 (1 x 16,384 in, 128 out)" in out
+
+
 def test_bench_notify_batch_stand_in_engine():
     """The stand-in engine goes through a real engine process (its Ready message carries the
     engine's kernels)."""
