@@ -414,11 +414,8 @@ def _fma_nibble(acc, words, x, xs, S, Z, sz_offs, mask_sz, J: tl.constexpr,
     xs: sum_k x[k] over the thread's rows. sz_offs [W, WARPS, 1]: the columns' scale offsets
     (a sum over that axis of one drops it without moving data)."""
     part = tl.sum(x * _one_plus_q16(words, J, ASM), axis=2)
-    s = tl.sum(tl.load(S + sz_offs + J, mask=mask_sz, other=0.0).to(tl.float32), axis=2)
-    if HAS_ZEROS:
-        z = tl.sum(tl.load(Z + sz_offs + J, mask=mask_sz, other=0).to(tl.float32), axis=2)
-    else:
-        z = tl.full(s.shape, 8.0, tl.float32)
+    s, z = _sz(S, Z, sz_offs, J, mask_sz, HAS_ZEROS)
+    s, z = tl.sum(s, axis=2), tl.sum(z, axis=2)
     return acc + (16.0 * s) * part - (s * (16.0 + z)) * xs
 
 
@@ -474,9 +471,9 @@ def _int4_gemv_fma_kernel(
     threads of every load of the loop along the first axis, one word a thread (a warp reads a
     128-byte row); told the columns are contiguous, it would load four words a thread and
     spread K over the lanes. Triton 3.9 breaks that tie the other way: its loop converts the
-    tiles through shared memory (18 barriers, 3,972 instructions against 1,267). A tile lies inside
-    one group, whose scale and zero apply to each thread's sums. Per weight value: a shift, a
-    lop3 and an FMA; no shared memory inside the loop."""
+    tiles through shared memory (18 barriers, 3,972 instructions against 1,267). A tile lies
+    inside one group, whose scale and zero apply to each thread's sums. Per weight value: a
+    shift, a lop3 and an FMA."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     W: tl.constexpr = 32
@@ -641,7 +638,7 @@ def int4_gemv(
                                             device=x.device)  # fmt: skip
     if cfg.fma:
         assert m == 1 and cfg.block_n == 256 and block_k % cfg.num_warps == 0, (m, cfg, block_k)
-        even = n % 256 == 0 and k_per_split % block_k == 0 and k % k_per_split == 0
+        even = n % 256 == 0 and k % k_per_split == 0  # (k_per_split: whole K tiles)
         _int4_gemv_fma_kernel[(tiles, split_k)](
             x, w.qweight, w.scales, y if w.zeros is None else w.zeros, y, ws, counters,
             n, k, k_per_split, w.group_size, 1,

@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     p.add_argument("--m", default="1,4,16,64,256,2048,8192")
     p.add_argument(
         "--sweep", nargs="?", const="all", choices=("all", "gemv"),
-        help="also time SWEEP's and GEMV_SWEEP's configs (gemv: GEMV_SWEEP's alone)",
+        help="also time the configs of SWEEP, GEMV_SWEEP and FMA_SWEEP (gemv: the GEMVs' alone)",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench-out/int4_matmul"))
     args = p.parse_args(argv)
