@@ -111,25 +111,12 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "kv-fp8": ({"kv_cache_dtype": "fp8_e4m3"}, {}),
     "prefix-order": ({}, {}),
 }
-FP8_BLOCK_CONFIG = {
-    "quant_method": "fp8",
-    "fmt": "e4m3",
-    "activation_scheme": "dynamic",
-    "weight_block_size": [128, 128],
-}
-AWQ_CONFIG = {
-    "quant_method": "awq",
-    "version": "gemm",
-    "bits": 4,
-    "group_size": 128,
-    "zero_point": True,
-}
 # the quantization_config a variant's config.json carries (dummy weights in that format)
 VARIANT_QUANTIZATION = {
-    "fp8-block": FP8_BLOCK_CONFIG,
-    "int4-awq": AWQ_CONFIG,
-    "int4-awq-dequant": AWQ_CONFIG,
-    "fp8-block-dequant": FP8_BLOCK_CONFIG,
+    "fp8-block": benchlib.CHECKPOINT_FORMATS["fp8-block"],
+    "int4-awq": benchlib.CHECKPOINT_FORMATS["awq"],
+    "int4-awq-dequant": benchlib.CHECKPOINT_FORMATS["awq"],
+    "fp8-block-dequant": benchlib.CHECKPOINT_FORMATS["fp8-block"],
 }
 ALL_VARIANTS = (*VARIANTS, "hf")
 # BENCH.md targets: (workload, model) -> bound; W3 is ms per output token (lower is better), the

@@ -217,14 +217,38 @@ LONG_CONTEXT = dict(
 )
 
 
-def write_model_dir(name: str, root: Path, long_context: bool = False) -> Path:
+# the quantization_config of a checkpoint format's dummy weights: FP8 in 128 x 128 blocks with
+# activations per token in groups of 128 (`quant_method: fp8`), INT4 in AWQ's GEMM layout
+CHECKPOINT_FORMATS = {
+    "fp8-block": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
+    "awq": {
+        "quant_method": "awq",
+        "version": "gemm",
+        "bits": 4,
+        "group_size": 128,
+        "zero_point": True,
+    },
+}
+
+
+def write_model_dir(
+    name: str, root: Path, long_context: bool = False, checkpoint_format: str | None = None
+) -> Path:
     """Write `name`'s config.json under root/name and return that directory; `long_context`:
-    with LONG_CONTEXT's 128k context (a dense Llama shape)."""
+    with LONG_CONTEXT's 128k context (a dense Llama shape); `checkpoint_format`: with that
+    CHECKPOINT_FORMATS quantization_config (dummy weights in that format)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     path = root / name
     path.mkdir(parents=True, exist_ok=True)
     config = {**MODELS[name], **(LONG_CONTEXT if long_context else {})}
+    if checkpoint_format is not None:
+        config["quantization_config"] = CHECKPOINT_FORMATS[checkpoint_format]
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
 

@@ -7,6 +7,7 @@ time per step by kernel, the number of launches, and the GPU's busy fraction of 
     python scripts/profile_decode.py --model llama-8b --workload W1 --scale 0.25   # a whole run
     python scripts/profile_decode.py --model llama-8b --batch 1 --chain   # each kernel's cost
     python scripts/profile_decode.py --model llama-1b --batch 1 --kernel pdl=false   # a variant
+    python scripts/profile_decode.py --model llama-8b --checkpoint-format awq   # INT4's W3 step
 
 With --chain, each kernel of the steady step is also given what its end adds after the ends
 before it: its cost in the chain, where PDL kernels start early and wait (their durations count
@@ -65,6 +66,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32)
     benchlib.add_engine_args(p)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument(
+        "--checkpoint-format",
+        choices=sorted(benchlib.CHECKPOINT_FORMATS),
+        help="dummy weights in this format (its quantization_config in config.json)",
+    )
     p.add_argument("--workload", help="profile a whole run of this bench_throughput workload")
     p.add_argument("--scale", type=float, default=0.25, help="of the --workload's prompts")
     p.add_argument(
@@ -80,7 +86,9 @@ def main(argv=None) -> int:
     max_running = args.max_running or (None if args.workload else max(args.batch, 1))
     with tempfile.TemporaryDirectory() as tmp:
         long = args.workload in benchlib.LONG_WORKLOADS  # W5, W6: Llama 3.1's 128k context
-        path = benchlib.write_model_dir(args.model, Path(tmp), long_context=long)
+        path = benchlib.write_model_dir(
+            args.model, Path(tmp), long_context=long, checkpoint_format=args.checkpoint_format
+        )
         engine = Engine(benchlib.engine_config(args, path, max_running=max_running))
     print(f"kernels: {engine.kernels.describe()}")
     if args.workload:

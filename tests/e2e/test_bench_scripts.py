@@ -129,7 +129,7 @@ def test_int4_variants_load_awq_dummy_weights(tmp_path):
     for variant in ("int4-awq", "int4-awq-dequant"):
         path = bench_throughput.variant_model_dir(model_dir, variant)
         config = json.loads((path / "config.json").read_text())
-        assert config["quantization_config"] == bench_throughput.AWQ_CONFIG
+        assert config["quantization_config"] == benchlib.CHECKPOINT_FORMATS["awq"]
         assert config["hidden_size"] == benchlib.MODELS["tiny"]["hidden_size"]
 
 
@@ -211,6 +211,15 @@ def test_profile_decode_cpu_smoke():
         "--warmup-steps", "2", "--steps", "2", "--context", "16",
     )  # fmt: skip
     assert "kernels: attention=torch" in out and "tiny batch 2 context 16" in out
+
+
+def test_profile_decode_checkpoint_format_cpu_smoke():
+    """--checkpoint-format awq: the step of dummy INT4 weights in AWQ's layout."""
+    out = run_script(
+        "profile_decode.py", "--device", "cpu", "--model", "tiny", "--batch", "1",
+        "--warmup-steps", "2", "--steps", "2", "--context", "16", "--checkpoint-format", "awq",
+    )  # fmt: skip
+    assert "tiny batch 1 context 16" in out
 
 
 def test_profile_decode_long_document_workload_cpu_smoke():
