@@ -405,39 +405,93 @@ def _one_plus_q16(words, J: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _fma_nibble(acc, words, x, xs, S, Z, sz_offs, mask_sz, J: tl.constexpr,
-                HAS_ZEROS: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """acc [W, WARPS] plus this tile's share of the columns 8w + J, from each thread's rows:
+def _fma_row(p0, p1, p2, p3, p4, p5, p6, p7, words, x, ASM: tl.constexpr):
+    """One K row's eight nibbles into their partial sums: p_j + x * (1 + q_j / 16), a shift, a
+    lop3 and an FMA each (the row's x times the nibble, added, contracts to one FMA)."""
+    p0 += x * _one_plus_q16(words, 0, ASM)
+    p1 += x * _one_plus_q16(words, 1, ASM)
+    p2 += x * _one_plus_q16(words, 2, ASM)
+    p3 += x * _one_plus_q16(words, 3, ASM)
+    p4 += x * _one_plus_q16(words, 4, ASM)
+    p5 += x * _one_plus_q16(words, 5, ASM)
+    p6 += x * _one_plus_q16(words, 6, ASM)
+    p7 += x * _one_plus_q16(words, 7, ASM)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _fma_scaled(acc, part, xs, S, Z, sz_offs, mask_sz, J: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """acc plus a tile's partial sums of the columns 8w + J with their scale and zero applied:
 
         sum_k x[k] s (q - z) = s (16 sum_k x[k] (1 + q / 16) - (16 + z) sum_k x[k])
 
-    xs: sum_k x[k] over the thread's rows. sz_offs [W, WARPS, 1]: the columns' scale offsets
-    (a sum over that axis of one drops it without moving data)."""
-    part = tl.sum(x * _one_plus_q16(words, J, ASM), axis=2)
+    xs: sum_k x[k] over the thread's rows of the tile."""
     s, z = _sz(S, Z, sz_offs, J, mask_sz, HAS_ZEROS)
-    s, z = tl.sum(s, axis=2), tl.sum(z, axis=2)
     return acc + (16.0 * s) * part - (s * (16.0 + z)) * xs
 
 
 @triton.jit
-def _fma_tile(a0, a1, a2, a3, a4, a5, a6, a7, words, x, xs, S, Z, sz_offs, mask_sz,
-              HAS_ZEROS: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """One tile's eight nibble positions into their accumulators."""
-    a0 = _fma_nibble(a0, words, x, xs, S, Z, sz_offs, mask_sz, 0, HAS_ZEROS, ASM)
-    a1 = _fma_nibble(a1, words, x, xs, S, Z, sz_offs, mask_sz, 1, HAS_ZEROS, ASM)
-    a2 = _fma_nibble(a2, words, x, xs, S, Z, sz_offs, mask_sz, 2, HAS_ZEROS, ASM)
-    a3 = _fma_nibble(a3, words, x, xs, S, Z, sz_offs, mask_sz, 3, HAS_ZEROS, ASM)
-    a4 = _fma_nibble(a4, words, x, xs, S, Z, sz_offs, mask_sz, 4, HAS_ZEROS, ASM)
-    a5 = _fma_nibble(a5, words, x, xs, S, Z, sz_offs, mask_sz, 5, HAS_ZEROS, ASM)
-    a6 = _fma_nibble(a6, words, x, xs, S, Z, sz_offs, mask_sz, 6, HAS_ZEROS, ASM)
-    a7 = _fma_nibble(a7, words, x, xs, S, Z, sz_offs, mask_sz, 7, HAS_ZEROS, ASM)
+def _fma_tile_sums(a0, a1, a2, a3, a4, a5, a6, a7, base, xb, k0, k_end, rows, in_w,
+                   n_words: tl.constexpr, S, Z, sz_offs, mask_sz, R: tl.constexpr,
+                   WARPS: tl.constexpr, EVEN: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                   ASM: tl.constexpr):  # fmt: skip
+    """The accumulators plus one [BLOCK_K, 256] tile (base: its first row's words, xb: its x):
+    the thread's R rows r * WARPS + v unrolled, each a word load, an x load and eight FMAs, then
+    the tile's scales and zeros once (a tile lies inside one group)."""
+    zero = tl.zeros(a0.shape, dtype=tl.float32)
+    p0, p1, p2, p3, p4, p5, p6, p7 = zero, zero, zero, zero, zero, zero, zero, zero
+    xs = zero
+    for r in tl.static_range(R):
+        if EVEN:
+            words = tl.load(base + r * WARPS * n_words)
+            x = tl.load(xb + r * WARPS).to(tl.float32)
+        else:
+            in_k = k0 + r * WARPS + rows < k_end
+            words = tl.load(base + r * WARPS * n_words, mask=in_k & in_w, other=0)
+            x = tl.load(xb + r * WARPS, mask=in_k, other=0.0).to(tl.float32)
+        xs += x
+        p0, p1, p2, p3, p4, p5, p6, p7 = _fma_row(p0, p1, p2, p3, p4, p5, p6, p7, words, x, ASM)
+    a0 = _fma_scaled(a0, p0, xs, S, Z, sz_offs, mask_sz, 0, HAS_ZEROS)
+    a1 = _fma_scaled(a1, p1, xs, S, Z, sz_offs, mask_sz, 1, HAS_ZEROS)
+    a2 = _fma_scaled(a2, p2, xs, S, Z, sz_offs, mask_sz, 2, HAS_ZEROS)
+    a3 = _fma_scaled(a3, p3, xs, S, Z, sz_offs, mask_sz, 3, HAS_ZEROS)
+    a4 = _fma_scaled(a4, p4, xs, S, Z, sz_offs, mask_sz, 4, HAS_ZEROS)
+    a5 = _fma_scaled(a5, p5, xs, S, Z, sz_offs, mask_sz, 5, HAS_ZEROS)
+    a6 = _fma_scaled(a6, p6, xs, S, Z, sz_offs, mask_sz, 6, HAS_ZEROS)
+    a7 = _fma_scaled(a7, p7, xs, S, Z, sz_offs, mask_sz, 7, HAS_ZEROS)
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
-def _sum0(a):
-    """[W, WARPS] -> [1, W]: the warps' sums (the one exchange between threads)."""
-    return tl.sum(a, axis=1)[None, :]
+def _fma_plane_store(WS, a0, a1, a2, a3, a4, a5, a6, a7, offs):
+    """A program's sums of its 256 columns to its plane, nibble-major: column 8w + j at
+    j * 32 + w (offs: the plane's w = 0 .. 31), 128 contiguous bytes a nibble."""
+    tl.store(WS + offs, a0)
+    tl.store(WS + offs + 32, a1)
+    tl.store(WS + offs + 64, a2)
+    tl.store(WS + offs + 96, a3)
+    tl.store(WS + offs + 128, a4)
+    tl.store(WS + offs + 160, a5)
+    tl.store(WS + offs + 192, a6)
+    tl.store(WS + offs + 224, a7)
+
+
+@triton.jit
+def _fma_write(Y, a, up, j, w, pid_n, N, SWIGLU: tl.constexpr):
+    """y's columns 8 (32 pid_n + w) + j from their fp32 sums (and the up half's)."""
+    cols = (pid_n * 32 + w) * 8 + j
+    _write_y(a, up, Y + cols, cols < N, a, Y.dtype.element_ty, SWIGLU, False)
+
+
+@triton.jit
+def _fma_planes_sum(WS, first, plane, SPLIT_K: tl.constexpr, SPLIT_P2: tl.constexpr):
+    """The 256 sums of a column tile over every K slice's plane (first: the tile's offset in
+    the first plane), one [SPLIT_P2, 256] load from L2 (`.cg`: the other slices' stores are
+    there, this SM's L1 may hold an earlier call's) and a fixed-order sum: deterministic."""
+    ks = tl.arange(0, SPLIT_P2)[:, None]
+    offs = ks * plane + first + tl.arange(0, 256)[None, :]
+    parts = tl.load(WS + offs, mask=ks < SPLIT_K, other=0.0, cache_modifier=".cg")
+    return tl.sum(parts, axis=0)
 
 
 @triton.jit(do_not_specialize=["one"])
@@ -449,7 +503,7 @@ def _int4_gemv_fma_kernel(
     Y,
     WS,
     Counters,
-    N,  # output columns (swiglu: of each half)
+    N: tl.constexpr,  # output columns (swiglu: of each half); a constant: row offsets immediate
     K,
     k_per_split,
     group_size,
@@ -457,6 +511,7 @@ def _int4_gemv_fma_kernel(
     R: tl.constexpr,  # rows a thread a tile
     WARPS: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SPLIT_P2: tl.constexpr,  # SPLIT_K's next power of two
     EVEN: tl.constexpr,  # no masks: whole column tiles, K slices of whole tiles
     SWIGLU: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
@@ -464,34 +519,30 @@ def _int4_gemv_fma_kernel(
     PDL: tl.constexpr,
 ):
     """x [1, K] @ W^T on the CUDA cores. A program owns 32 word columns (256 output columns)
-    and a K slice; a tile is [32, WARPS, R] words (column, warp, row r * WARPS + v): lane i
-    of warp v holds word i of the tile's rows r * WARPS + v, so the sums over K stay inside
-    each thread and the threads meet once, after the loop. The columns' and rows' stride
-    `one` is a runtime 1: knowing no contiguity, Triton 3.6 (the GPU machine's) lays the
-    threads of every load of the loop along the first axis, one word a thread (a warp reads a
-    128-byte row); told the columns are contiguous, it would load four words a thread and
-    spread K over the lanes. Triton 3.9 breaks that tie the other way: its loop converts the
-    tiles through shared memory (18 barriers, 3,972 instructions against 1,267). A tile lies
-    inside one group, whose scale and zero apply to each thread's sums. Per weight value: a
-    shift, a lop3 and an FMA."""
+    and a K slice, in tiles of R * WARPS rows: lane i of warp v holds word column i of the
+    rows r * WARPS + v (r = 0 .. R - 1, unrolled: R independent word loads a thread in flight),
+    so the sums over K stay inside each thread, one FMA a weight value, and the warps meet once,
+    after the loop. The columns' stride `one` is a runtime 1: knowing no contiguity, Triton
+    lays a warp's threads along the columns, one word a thread (a warp reads a 128-byte row).
+    Split-K: each slice stores its 256 sums to its plane, the slice that arrives last sums the
+    planes (one load of all of them) and writes y."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     W: tl.constexpr = 32
     BLOCK_K: tl.constexpr = R * WARPS
-    n_rows = 2 * N if SWIGLU else N
-    n_words = n_rows // 8
+    n_rows: tl.constexpr = 2 * N if SWIGLU else N
+    n_words: tl.constexpr = n_rows // 8
     offs_w = pid_n * W + tl.arange(0, W)
-    in_w = offs_w < N // 8
-    cols = (offs_w * one)[:, None, None]  # [W, 1, 1]
+    in_w = (offs_w < N // 8)[:, None]  # [W, 1]
+    cols = (offs_w * one)[:, None]  # [W, 1]
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    rows = (tl.arange(0, R)[None, None, :] * WARPS + tl.arange(0, WARPS)[None, :, None]) * one
-    sz_cols = cols * 8 + tl.zeros([1, WARPS, 1], dtype=tl.int32)  # [W, WARPS, 1]
+    rows = tl.arange(0, WARPS)[None, :] * one  # [1, WARPS]: warp v's row of each row group
+    w_offs = rows * n_words + cols  # [W, WARPS]: the tile's first row group's words
+    x_offs = rows + cols * 0  # each thread's x (the same address across a warp)
+    sz_cols = cols * 8 + rows * 0  # [W, WARPS]: the columns' scale offsets in a group row
+    mask_sz = in_w & (rows >= 0)
     up = (N // 8) * one
-    mask_sz = in_w[:, None, None]
-    # the tile's offsets from its first row, the same every tile (addresses: one add a row)
-    w_offs = rows * n_words + cols
-    x_offs = rows + cols * 0  # each thread's rows' x (the same addresses across a warp)
 
     _prefetch_tiles(QW, k_start, k_end, pid_n * W, n_words, BLOCK_K, ASM)
     _prefetch_scales(S, Z, k_start, k_end, group_size, n_rows, pid_n * W * 8, W * 8, HAS_ZEROS,
@@ -505,40 +556,57 @@ def _int4_gemv_fma_kernel(
     a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
     b0, b1, b2, b3, b4, b5, b6, b7 = zero, zero, zero, zero, zero, zero, zero, zero
     for k0 in range(k_start, k_end, BLOCK_K):
-        ptrs = QW + tl.cast(k0, tl.int64) * n_words + w_offs
-        xptrs = X + k0 + x_offs
+        base = QW + tl.cast(k0, tl.int64) * n_words + w_offs
+        xb = X + k0 + x_offs
         sz_offs = tl.cast(k0 // group_size, tl.int64) * n_rows + sz_cols
-        if EVEN:
-            words = tl.load(ptrs)
-            x = tl.load(xptrs).to(tl.float32)
-        else:
-            in_k = k0 + rows < k_end
-            mask = in_k & in_w[:, None, None]
-            words = tl.load(ptrs, mask=mask, other=0)
-            x = tl.load(xptrs, mask=in_k, other=0.0).to(tl.float32)
-        xs = tl.sum(x, axis=2)  # [W, WARPS]
-        a0, a1, a2, a3, a4, a5, a6, a7 = _fma_tile(
-            a0, a1, a2, a3, a4, a5, a6, a7, words, x, xs, S, Z, sz_offs, mask_sz, HAS_ZEROS, ASM
-        )
+        a0, a1, a2, a3, a4, a5, a6, a7 = _fma_tile_sums(
+            a0, a1, a2, a3, a4, a5, a6, a7, base, xb, k0, k_end, rows, in_w, n_words, S, Z,
+            sz_offs, mask_sz, R, WARPS, EVEN, HAS_ZEROS, ASM,
+        )  # fmt: skip
         if SWIGLU:
-            if EVEN:
-                u = tl.load(ptrs + up)
-            else:
-                u = tl.load(ptrs + up, mask=mask, other=0)
-            b0, b1, b2, b3, b4, b5, b6, b7 = _fma_tile(
-                b0, b1, b2, b3, b4, b5, b6, b7, u, x, xs, S, Z, sz_offs + N, mask_sz, HAS_ZEROS,
-                ASM,
+            b0, b1, b2, b3, b4, b5, b6, b7 = _fma_tile_sums(
+                b0, b1, b2, b3, b4, b5, b6, b7, base + up, xb, k0, k_end, rows, in_w, n_words,
+                S, Z, sz_offs + N, mask_sz, R, WARPS, EVEN, HAS_ZEROS, ASM,
             )  # fmt: skip
 
-    a0, a1, a2, a3, a4, a5, a6, a7 = _sum0(a0), _sum0(a1), _sum0(a2), _sum0(a3), _sum0(a4), \
-        _sum0(a5), _sum0(a6), _sum0(a7)  # fmt: skip
+    # the warps' sums (the one exchange between threads): [W] each
+    a0, a1, a2, a3 = tl.sum(a0, axis=1), tl.sum(a1, axis=1), tl.sum(a2, axis=1), tl.sum(a3, axis=1)
+    a4, a5, a6, a7 = tl.sum(a4, axis=1), tl.sum(a5, axis=1), tl.sum(a6, axis=1), tl.sum(a7, axis=1)
     if SWIGLU:
-        b0, b1, b2, b3, b4, b5, b6, b7 = _sum0(b0), _sum0(b1), _sum0(b2), _sum0(b3), \
-            _sum0(b4), _sum0(b5), _sum0(b6), _sum0(b7)  # fmt: skip
+        b0, b1, b2, b3 = tl.sum(b0, 1), tl.sum(b1, 1), tl.sum(b2, 1), tl.sum(b3, 1)
+        b4, b5, b6, b7 = tl.sum(b4, 1), tl.sum(b5, 1), tl.sum(b6, 1), tl.sum(b7, 1)
     else:
         b0, b1, b2, b3, b4, b5, b6, b7 = a0, a1, a2, a3, a4, a5, a6, a7
-    sums = (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, Y, WS, Counters)
-    _store_sums(*sums, 1, N, tl.arange(0, 1), offs_w, in_w, N, pid_n, pid_k, SPLIT_K, SWIGLU)
+    w = tl.arange(0, W)
+    if SPLIT_K == 1:
+        _fma_write(Y, a0, b0, 0, w, pid_n, N, SWIGLU)
+        _fma_write(Y, a1, b1, 1, w, pid_n, N, SWIGLU)
+        _fma_write(Y, a2, b2, 2, w, pid_n, N, SWIGLU)
+        _fma_write(Y, a3, b3, 3, w, pid_n, N, SWIGLU)
+        _fma_write(Y, a4, b4, 4, w, pid_n, N, SWIGLU)
+        _fma_write(Y, a5, b5, 5, w, pid_n, N, SWIGLU)
+        _fma_write(Y, a6, b6, 6, w, pid_n, N, SWIGLU)
+        _fma_write(Y, a7, b7, 7, w, pid_n, N, SWIGLU)
+    else:
+        # planes [SPLIT_K, tiles * 256] (swiglu: the up half's after them, as many)
+        plane = tl.num_programs(0) * 256
+        first = pid_n * 256
+        _fma_plane_store(WS + pid_k * plane + first, a0, a1, a2, a3, a4, a5, a6, a7, w)
+        if SWIGLU:
+            _fma_plane_store(WS + (SPLIT_K + pid_k) * plane + first, b0, b1, b2, b3, b4, b5,
+                             b6, b7, w)  # fmt: skip
+        # NOTE: every thread's stores before the one release (as kernels/gemv.py): bar.sync,
+        # then a gpu-scope acq_rel atomic; the last slice's acquire sees every plane
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = _fma_planes_sum(WS, first, plane, SPLIT_K, SPLIT_P2)
+            total_up = total
+            if SWIGLU:
+                total_up = _fma_planes_sum(WS, SPLIT_K * plane + first, plane, SPLIT_K, SPLIT_P2)
+            idx = tl.arange(0, 256)  # nibble-major: column 8 (idx % 32) + idx // 32
+            _fma_write(Y, total, total_up, idx // 32, idx % 32, pid_n, N, SWIGLU)
+            tl.atomic_xchg(Counters + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
 
 
 # NOTE: K-split programs aimed at: about two per SM of the H200 (132 SMs), for matrices of at
@@ -554,19 +622,27 @@ FMA_MAX_SPLIT_K = 32
 
 
 def pick_config(m: int, n: int, k: int, swiglu: bool = False) -> Int4GemvConfig:
-    """256 columns x 64-deep K tiles a program, 4 warps (with swiglu 256 columns of each half x
-    32-deep tiles: the same bytes a step); matrices of few column tiles split along K until
-    there are about TARGET_PROGRAMS programs (a power of two, at most MAX_SPLIT_K slices of at
-    least two tiles). llama-8b at M = 1: qkv (24 tiles) in 8 slices, o_proj and down_proj (16)
-    in 16, gate_up (56 tiles a half) in 4.
+    """One row: the CUDA-core kernel (pick_fma_config); more: the tensor-core kernel
+    (pick_dot_config)."""
+    if m == 1:
+        return pick_fma_config(n, k, swiglu)
+    return pick_dot_config(m, n, k, swiglu)
 
-    Compiled for sm_90 under Triton 3.6 (scripts/check_kernels_compile.py --ptxas --sass), the plain
-    config takes 168 registers a thread at M = 1 (three programs an SM; 178 at M = 16, two)
-    and its loop 4.9 instructions a weight element a thread; swiglu's 255 registers and 6.3
-    (both halves' scale loads and epilogues a 32-deep tile; 44 bytes spilled where K splits in
-    16, as a narrow gate_up's does, none at llama-8b's 4). 128-deep plain tiles take 4.3
-    instructions an element but 224 registers (two programs an SM). The timings are not
-    measured here: `scripts/bench_int4_matmul.py --sweep` times the alternatives on the GPU."""
+
+def pick_dot_config(m: int, n: int, k: int, swiglu: bool = False) -> Int4GemvConfig:
+    """The tensor-core kernel's config: 256 columns x 64-deep K tiles a program, 4 warps (with
+    swiglu 256 columns of each half x 32-deep tiles: the same bytes a step); matrices of few
+    column tiles split along K until there are about TARGET_PROGRAMS programs (a power of two,
+    at most MAX_SPLIT_K slices of at least two tiles). llama-8b at M = 16: qkv (24 tiles) in 8
+    slices, o_proj and down_proj (16) in 16, gate_up (56 tiles a half) in 4.
+
+    Compiled for sm_90 under Triton 3.6 (scripts/check_kernels_compile.py --ptxas --sass), the
+    plain config takes 178 registers a thread at M = 16 (two programs an SM) and its loop 4.9
+    instructions a weight element a thread; swiglu's 255 registers and 6.3 (both halves' scale
+    loads and epilogues a 32-deep tile; 44 bytes spilled where K splits in 16, as a narrow
+    gate_up's does, none at llama-8b's 4). 128-deep plain tiles take 4.3 instructions an
+    element but 224 registers (two programs an SM). `scripts/bench_int4_matmul.py --sweep`
+    times the alternatives on the GPU."""
     cfg = Int4GemvConfig(block_k=32) if swiglu else Int4GemvConfig()
     return _split(cfg, n, k, swiglu, TARGET_PROGRAMS, MAX_SPLIT_K, 2)
 
@@ -634,19 +710,22 @@ def int4_gemv(
     if m == 0 or n == 0:
         return y
     counters = split_counters(x.device) if split_k > 1 else y
-    ws = y if split_k == 1 else torch.empty(split_k * m * n_rows, dtype=torch.float32,
-                                            device=x.device)  # fmt: skip
     if cfg.fma:
         assert m == 1 and cfg.block_n == 256 and block_k % cfg.num_warps == 0, (m, cfg, block_k)
         even = n % 256 == 0 and k % k_per_split == 0  # (k_per_split: whole K tiles)
+        planes = split_k * tiles * 256 * (2 if swiglu else 1)
+        ws = y if split_k == 1 else torch.empty(planes, dtype=torch.float32, device=x.device)
         _int4_gemv_fma_kernel[(tiles, split_k)](
             x, w.qweight, w.scales, y if w.zeros is None else w.zeros, y, ws, counters,
             n, k, k_per_split, w.group_size, 1,
-            R=block_k // cfg.num_warps, WARPS=cfg.num_warps, SPLIT_K=split_k, EVEN=even,
-            SWIGLU=swiglu, HAS_ZEROS=w.zeros is not None, ASM=x.is_cuda,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
+            R=block_k // cfg.num_warps, WARPS=cfg.num_warps, SPLIT_K=split_k,
+            SPLIT_P2=triton.next_power_of_2(split_k), EVEN=even, SWIGLU=swiglu,
+            HAS_ZEROS=w.zeros is not None, ASM=x.is_cuda, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
         )  # fmt: skip
         return y
+    ws = y if split_k == 1 else torch.empty(split_k * m * n_rows, dtype=torch.float32,
+                                            device=x.device)  # fmt: skip
     # NOTE: absent operands get y as a stand-in pointer: their constexpr flag prunes every access
     _int4_gemv_kernel[(tiles, split_k)](
         x, w.qweight, w.scales, y if w.zeros is None else w.zeros, y, ws, counters,

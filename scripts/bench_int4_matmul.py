@@ -9,6 +9,7 @@ bytes) and prefill (TFLOP/s).
     python scripts/bench_int4_matmul.py                          # llama-8b, M = 1 ... 8192
     python scripts/bench_int4_matmul.py --models llama-8b,llama-1b --m 1,16 --sweep
     python scripts/bench_int4_matmul.py --m 1,16 --sweep gemv     # the GEMV's configs only
+    python scripts/bench_int4_matmul.py --m 1 --sweep fma         # the CUDA-core GEMV's only
     python scripts/bench_int4_matmul.py --m 1,4,16                # the decode columns
 
 Weights are AWQ-shaped (group 128, zero points; random values). Each measurement replays a CUDA
@@ -31,8 +32,7 @@ import torch
 import torch.nn.functional as F
 from batchrun.kernels.gemv import gemv
 from batchrun.kernels.int4_gemv import MAX_M as GEMV_MAX_M
-from batchrun.kernels.int4_gemv import Int4GemvConfig, int4_gemv, pick_fma_config
-from batchrun.kernels.int4_gemv import pick_config as pick_gemv_config
+from batchrun.kernels.int4_gemv import Int4GemvConfig, int4_gemv, pick_dot_config, pick_fma_config
 from batchrun.kernels.int4_matmul import CONFIGS, Int4Config, int4_matmul, pick_config, prepare
 
 from batchrun.quant.dummy import random_int4
@@ -49,8 +49,8 @@ SWEEP = {
                 (128, 256, 64, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3)],
 }  # fmt: skip
 SPLITS = (1, 2, 4, 8, 16)
-# the CUDA-core GEMV's sweep at M = 1: (block_k, num_warps) x SPLITS and 32 slices
-FMA_SWEEP = [(128, 4), (64, 4), (128, 8), (64, 2), (32, 1)]
+# the CUDA-core GEMV's sweep at M = 1: (block_k, num_warps) x SPLITS and 32, 64 slices
+FMA_SWEEP = [(128, 4), (64, 4), (128, 8), (64, 2)]
 # the decode GEMV's sweep: (block_n, block_k, num_warps, num_stages) x SPLITS
 GEMV_SWEEP = [(256, 64, 4, 2), (256, 64, 4, 3), (256, 64, 4, 4), (256, 128, 4, 3),
               (256, 32, 4, 4), (128, 64, 4, 3), (256, 64, 8, 3), (512, 64, 8, 3)]  # fmt: skip
@@ -179,21 +179,21 @@ def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: str | None) -> d
     FMA_SWEEP x SPLITS) and bf16 kernels/gemv.py, µs a call."""
     m, k = x.shape
     n = dense.shape[0]
-    picked = pick_gemv_config(m, n, k)
+    picked = pick_dot_config(m, n, k)
     fma = pick_fma_config(n, k) if m == 1 else None
     candidates = [picked] + ([fma] if fma else [])
-    if sweep:
+    if sweep in ("all", "gemv"):
         candidates += [
             Int4GemvConfig(bn, bk, s, warps, stages)
             for bn, bk, warps, stages in GEMV_SWEEP
             for s in SPLITS
         ]
-        if m == 1:
-            candidates += [
-                Int4GemvConfig(256, bk, s, warps, 1, fma=True)
-                for bk, warps in FMA_SWEEP
-                for s in SPLITS + (32,)
-            ]
+    if sweep and m == 1:
+        candidates += [
+            Int4GemvConfig(256, bk, s, warps, 1, fma=True)
+            for bk, warps in FMA_SWEEP
+            for s in SPLITS + (32, 64)
+        ]
     times = {}
     for c in dict.fromkeys(candidates):
         err = error(int4_gemv(x, int4s[0], config=c), ref)
@@ -221,8 +221,9 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="llama-8b")
     p.add_argument("--m", default="1,4,16,64,256,2048,8192")
     p.add_argument(
-        "--sweep", nargs="?", const="all", choices=("all", "gemv"),
-        help="also time the configs of SWEEP, GEMV_SWEEP and FMA_SWEEP (gemv: the GEMVs' alone)",
+        "--sweep", nargs="?", const="all", choices=("all", "gemv", "fma"),
+        help="also time the configs of SWEEP, GEMV_SWEEP and FMA_SWEEP (gemv: the GEMVs' alone; "
+        "fma: FMA_SWEEP's alone)",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench-out/int4_matmul"))
     args = p.parse_args(argv)
