@@ -50,7 +50,7 @@ SWEEP = {
 }  # fmt: skip
 SPLITS = (1, 2, 4, 8, 16)
 # the CUDA-core GEMV's sweep at M = 1: (block_k, num_warps) x SPLITS and 32, 64 slices
-FMA_SWEEP = [(128, 4), (64, 4), (128, 8), (64, 2)]
+FMA_SWEEP = [(128, 4), (128, 8), (64, 4)]
 # the decode GEMV's sweep: (block_n, block_k, num_warps, num_stages) x SPLITS
 GEMV_SWEEP = [(256, 64, 4, 2), (256, 64, 4, 3), (256, 64, 4, 4), (256, 128, 4, 3),
               (256, 32, 4, 4), (128, 64, 4, 3), (256, 64, 8, 3), (512, 64, 8, 3)]  # fmt: skip
@@ -128,7 +128,7 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
         picked_us = results[0][0]
         gemv_cols = {}
         if m <= GEMV_MAX_M:
-            gemv_cols = bench_gemv(x, ref, dense, denses, int4s, calls, sweep)
+            gemv_cols = bench_gemv(x, ref, dense, denses, int4s, calls, sweep, name == "gate_up")
         best_us, best_cfg, best_split = min(results, key=lambda r: r[0])
         flops = 2 * m * n * k
         row = dict(
@@ -169,14 +169,24 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
             if sweep:
                 line += f"  | best {gemv_cols['int4_gemv_best_us']:.1f} µs "
                 line += f"{gemv_cols['int4_gemv_best_config']}"
+            if "int4_gemv_swiglu_us" in gemv_cols:
+                line += (
+                    f"\n{'':31s}int4_gemv fma swiglu {gemv_cols['int4_gemv_swiglu_us']:7.1f} µs "
+                    f"{gemv_cols['int4_gemv_swiglu_config']}  | best "
+                    f"{gemv_cols['int4_gemv_swiglu_best_us']:.1f} µs "
+                    f"{gemv_cols['int4_gemv_swiglu_best_config']}"
+                )
         print(line, flush=True)
     return rows
 
 
-def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: str | None) -> dict:
+def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: str | None,
+               swiglu: bool = False) -> dict:  # fmt: skip
     """The decode columns at x's M: int4_gemv (its picked config; at M = 1 also the CUDA-core
     kernel's, pick_fma_config; with sweep the best of GEMV_SWEEP x SPLITS and, at M = 1,
-    FMA_SWEEP x SPLITS) and bf16 kernels/gemv.py, µs a call."""
+    FMA_SWEEP x SPLITS) and bf16 kernels/gemv.py, µs a call. With swiglu (a gate_up) at M = 1
+    also the CUDA-core kernel with the SwiGLU epilogue (the engine's gate_up), and with sweep
+    its best of FMA_SWEEP x SPLITS."""
     m, k = x.shape
     n = dense.shape[0]
     picked = pick_dot_config(m, n, k)
@@ -213,6 +223,24 @@ def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: str | None) -> d
         cols.update(int4_gemv_fma_us=times.get(fma, nan), int4_gemv_fma_config=tuple(fma))
     if sweep:
         cols.update(int4_gemv_best_us=times[best], int4_gemv_best_config=tuple(best))
+    if fma and swiglu:
+        glu = [pick_fma_config(n, k, swiglu=True)]
+        if sweep:
+            glu += [
+                Int4GemvConfig(256, bk, s, warps, 1, fma=True)
+                for bk, warps in FMA_SWEEP
+                for s in SPLITS + (32, 64)
+            ]
+        glu_times = {}
+        for c in dict.fromkeys(glu):
+            fn = lambda p, x=x, c=c: int4_gemv(x, p, config=c, swiglu=True, pdl=True)  # noqa: E731
+            glu_times[c] = graph_time_us(fn, int4s, calls)
+        best_glu = min(glu_times, key=glu_times.get)
+        cols.update(
+            int4_gemv_swiglu_us=glu_times[glu[0]], int4_gemv_swiglu_config=tuple(glu[0]),
+            int4_gemv_swiglu_best_us=glu_times[best_glu],
+            int4_gemv_swiglu_best_config=tuple(best_glu),
+        )  # fmt: skip
     return cols
 
 
