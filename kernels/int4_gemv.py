@@ -42,13 +42,16 @@ act-order weight (`perm`: x's columns gathered by its permutation, and `groups`:
 tensor-parallel slice of one) is not taken here: kernels/int4_matmul.py runs it, whose
 act-order path the GPU tests check (tests/gpu/test_int4_kernel_gpu.py).
 
-A second kernel, for one row (x [1, K]), runs on the CUDA cores (`Int4GemvConfig(fma=True)`,
-pick_fma_config): each thread streams one word column down its rows of a K tile, makes each
-nibble the fp32 number 1 + q / 16 with a shift and a lop3 and adds x[k] times it by an FMA,
-so the sums over K stay inside the thread until the loop ends (no tensor cores; under Triton
-3.6 no shared memory or barrier in the loop, 128 registers against the tensor-core kernel's
-168; not so under Triton 3.9, see the kernel). pick_config keeps the tensor-core kernel at
-every M; scripts/bench_int4_matmul.py times both.
+One row (x [1, K]) runs on a second kernel, on the CUDA cores (`Int4GemvConfig(fma=True)`,
+pick_fma_config; pick_config takes it at M = 1): each thread streams one word column down its
+rows of a K tile, makes each nibble the fp32 number 1 + q / 16 with a shift and a lop3 and adds
+x[k] times it by an FMA, so the sums over K stay inside the thread until the loop ends, and
+the split-K planes are stored nibble-major so the last slice reads them in one load. Under
+Triton 3.6 and 3.9 (sm_90) its loop takes 4.0 instructions a weight value, no shared memory or
+barrier, 56 registers. On one H100 (scripts/bench_int4_matmul.py --models llama-8b --m 1) it
+takes llama-8b's qkv in 11.2 us (the tensor-core kernel 21.0), o 9.0 (16.4), gate_up with the
+SwiGLU gate 33.1, down 23.6 (35.3): a decode step's matmuls 2.64 ms against 5.14 and the bf16
+GEMV's 4.85.
 
 No host syncs, no allocation that depends on data: the kernels run inside CUDA graphs (the
 split counters are allocated on first use: call once eagerly before capturing).
@@ -56,7 +59,6 @@ split counters are allocated on first use: call once eagerly before capturing).
     y = int4_gemv(x, packed)                           # a config from pick_config(M, N, K)
     a = int4_gemv(x, packed_gate_up, swiglu=True)       # silu(gate) * up, [M, N / 2]
     y = int4_gemv(x, packed, config=Int4GemvConfig(...))  # scripts/bench_int4_matmul.py
-    y = int4_gemv(x1, packed, config=pick_fma_config(N, K))  # x1 [1, K]: the CUDA cores
 """
 
 from __future__ import annotations
@@ -615,7 +617,9 @@ TARGET_PROGRAMS = 256
 SPLIT_MAX_TILES = 128
 MAX_SPLIT_K = 16
 # M = 1: the CUDA-core kernel, 256 columns x 128 rows (a group of 128) a tile on 4 warps, in K
-# slices of at least one tile until there are about FMA_TARGET_PROGRAMS programs
+# slices of at least one tile until there are about FMA_TARGET_PROGRAMS programs. On one H100
+# (bench_int4_matmul.py --m 1 --sweep fma: 128 x 4, 128 x 8 and 64 x 4 tiles a split of 1 to
+# 64) this rule's pick is the fastest for qkv and the SwiGLU gate_up, and ties a 64-row tiling on o
 FMA_CONFIG = Int4GemvConfig(block_n=256, block_k=128, num_warps=4, num_stages=1, fma=True)
 FMA_TARGET_PROGRAMS = 768
 FMA_MAX_SPLIT_K = 32
@@ -649,13 +653,8 @@ def pick_dot_config(m: int, n: int, k: int, swiglu: bool = False) -> Int4GemvCon
 
 def pick_fma_config(n: int, k: int, swiglu: bool = False) -> Int4GemvConfig:
     """The CUDA-core kernel's config for x [1, K] (FMA_CONFIG, split along K by the rule of
-    pick_config with FMA_TARGET_PROGRAMS, slices of at least one tile). Compiled for sm_90
-    under Triton 3.6 (scripts/check_kernels_compile.py --ptxas --sass) its loop takes 128
-    registers, no barrier and no shared memory, 4.9 instructions a weight value a thread (a
-    shift, a lop3, an FMA, a row's two address adds and loads, a tile's scales); the
-    tensor-core kernel's, 168 registers, 3 barriers and 4.9. Not timed here:
-    `scripts/bench_int4_matmul.py --m 1` times both; pick_config keeps the tensor-core kernel
-    until a GPU measurement says otherwise."""
+    pick_dot_config with FMA_TARGET_PROGRAMS, slices of at least one tile). llama-8b: qkv (24
+    column tiles) in 32 slices, o and down (16) in 32, the SwiGLU gate_up (56 a half) in 8."""
     return _split(FMA_CONFIG, n, k, swiglu, FMA_TARGET_PROGRAMS, FMA_MAX_SPLIT_K, 1)
 
 
