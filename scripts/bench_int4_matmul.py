@@ -180,6 +180,15 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
     return rows
 
 
+def fma_sweep() -> list[Int4GemvConfig]:
+    """The CUDA-core GEMV's candidates: FMA_SWEEP's tilings x SPLITS and 32, 64 slices."""
+    return [
+        Int4GemvConfig(256, bk, s, warps, 1, fma=True)
+        for bk, warps in FMA_SWEEP
+        for s in SPLITS + (32, 64)
+    ]
+
+
 def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: str | None,
                swiglu: bool = False) -> dict:  # fmt: skip
     """The decode columns at x's M: int4_gemv (its picked config; at M = 1 also the CUDA-core
@@ -199,11 +208,7 @@ def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: str | None,
             for s in SPLITS
         ]
     if sweep and m == 1:
-        candidates += [
-            Int4GemvConfig(256, bk, s, warps, 1, fma=True)
-            for bk, warps in FMA_SWEEP
-            for s in SPLITS + (32, 64)
-        ]
+        candidates += fma_sweep()
     times = {}
     for c in dict.fromkeys(candidates):
         err = error(int4_gemv(x, int4s[0], config=c), ref)
@@ -226,11 +231,7 @@ def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: str | None,
     if fma and swiglu:
         glu = [pick_fma_config(n, k, swiglu=True)]
         if sweep:
-            glu += [
-                Int4GemvConfig(256, bk, s, warps, 1, fma=True)
-                for bk, warps in FMA_SWEEP
-                for s in SPLITS + (32, 64)
-            ]
+            glu += fma_sweep()
         glu_times = {}
         for c in dict.fromkeys(glu):
             fn = lambda p, x=x, c=c: int4_gemv(x, p, config=c, swiglu=True, pdl=True)  # noqa: E731
