@@ -46,12 +46,13 @@ One row (x [1, K]) runs on a second kernel, on the CUDA cores (`Int4GemvConfig(f
 pick_fma_config; pick_config takes it at M = 1): each thread streams one word column down its
 rows of a K tile, makes each nibble the fp32 number 1 + q / 16 with a shift and a lop3 and adds
 x[k] times it by an FMA, so the sums over K stay inside the thread until the loop ends, and
-the split-K planes are stored nibble-major so the last slice reads them in one load. Under
-Triton 3.6 and 3.9 (sm_90) its loop takes 4.0 instructions a weight value, no shared memory or
-barrier, 56 registers. On one H100 (scripts/bench_int4_matmul.py --models llama-8b --m 1) it
-takes llama-8b's qkv in 11.2 us (the tensor-core kernel 21.0), o 9.0 (16.4), gate_up with the
-SwiGLU gate 33.1, down 23.6 (35.3): a decode step's matmuls 2.64 ms against 5.14 and the bf16
-GEMV's 4.85.
+the split-K planes are stored nibble-major so the last slice reads them in one load. For
+sm_90 its loop takes 4.0 instructions a weight value and no shared memory or barrier under
+Triton 3.6 and 3.9, and 56 registers under 3.6 (scripts/check_kernels_compile.py --ptxas
+--sass). On one H100 (scripts/bench_int4_matmul.py --models llama-8b --m 1) it takes
+llama-8b's qkv in 11.2 us (the tensor-core kernel 21.0), o 9.0 (16.4), gate_up with the SwiGLU
+gate 33.1, down 23.6 (35.3): a decode step's matmuls 2.64 ms against 5.14 and the bf16 GEMV's
+4.85.
 
 No host syncs, no allocation that depends on data: the kernels run inside CUDA graphs (the
 split counters are allocated on first use: call once eagerly before capturing).
