@@ -1,7 +1,8 @@
 """The INT4 W4A16 matmul (kernels/int4_matmul.py) against bf16 F.linear (cuBLAS) on the GPU, per
 projection of the benchmark models and per M, with an optional sweep of tile configs; at
 M <= 16 also the INT4 decode GEMV (kernels/int4_gemv.py, what QuantMatmul runs there; at M = 1
-also its CUDA-core kernel, pick_fma_config) and the bf16 decode GEMV (kernels/gemv.py), µs and
+also its CUDA-core kernel, pick_fma_config), the Gluon MMA GEMV on mma_pack-ed weights
+(kernels/int4_gemv_mma.py, a candidate) and the bf16 decode GEMV (kernels/gemv.py), µs and
 TB/s of weight bytes. Answers whether the kernel's config table (`CONFIGS`, `pick_config`)
 holds on this GPU, and what INT4 weights give over bf16 at decode (memory-bound: GB/s of weight
 bytes) and prefill (TFLOP/s).
@@ -33,10 +34,12 @@ import torch.nn.functional as F
 from batchrun.kernels.gemv import gemv
 from batchrun.kernels.int4_gemv import MAX_M as GEMV_MAX_M
 from batchrun.kernels.int4_gemv import Int4GemvConfig, int4_gemv, pick_dot_config, pick_fma_config
+from batchrun.kernels.int4_gemv_mma import int4_gemv_mma
+from batchrun.kernels.int4_gemv_mma import takes as mma_takes
 from batchrun.kernels.int4_matmul import CONFIGS, Int4Config, int4_matmul, pick_config, prepare
 
 from batchrun.quant.dummy import random_int4
-from batchrun.quant.int4_layout import Int4Packed, pack_int4
+from batchrun.quant.int4_layout import Int4Packed, can_mma_pack, mma_pack, pack_int4
 
 L2_BYTES = 256 << 20  # read more than this per graph: the H200's L2 is 50 MB
 MAX_REL_ERROR = 1e-2
@@ -169,6 +172,14 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
             if sweep:
                 line += f"  | best {gemv_cols['int4_gemv_best_us']:.1f} µs "
                 line += f"{gemv_cols['int4_gemv_best_config']}"
+            if "int4_gemv_mma_us" in gemv_cols:
+                mma_us = gemv_cols["int4_gemv_mma_us"]
+                line += (
+                    f"\n{'':31s}int4_gemv_mma {mma_us:7.1f} µs "
+                    f"{packed_bytes(packed) / mma_us / 1e6:5.2f} TB/s"
+                )
+                if "int4_gemv_mma_swiglu_us" in gemv_cols:
+                    line += f"  swiglu {gemv_cols['int4_gemv_mma_swiglu_us']:.1f} µs"
             if "int4_gemv_swiglu_us" in gemv_cols:
                 line += (
                     f"\n{'':31s}int4_gemv fma swiglu {gemv_cols['int4_gemv_swiglu_us']:7.1f} µs "
@@ -187,6 +198,25 @@ def fma_sweep() -> list[Int4GemvConfig]:
         for bk, warps in FMA_SWEEP
         for s in SPLITS + (32, 64)
     ]
+
+
+def bench_mma(x, ref, int4s, calls: int, swiglu: bool) -> dict:
+    """kernels/int4_gemv_mma.py (the weights mma_pack-ed), µs a call, where it takes the
+    matrix: plain, and with swiglu (a gate_up) also with the SwiGLU epilogue."""
+    if not can_mma_pack(int4s[0]):
+        return {}
+    mmas = [mma_pack(p) for p in int4s]
+    if not mma_takes(mmas[0], x.shape[0]):
+        return {}
+    err = error(int4_gemv_mma(x, mmas[0]), ref)
+    if err > MAX_REL_ERROR:
+        print(f"  int4_gemv_mma M={x.shape[0]}: error {err:.2e}, skipped", flush=True)
+        return {}
+    cols = dict(int4_gemv_mma_us=graph_time_us(lambda w, x=x: int4_gemv_mma(x, w), mmas, calls))
+    if swiglu and mma_takes(mmas[0], x.shape[0], swiglu=True):
+        fn = lambda w, x=x: int4_gemv_mma(x, w, swiglu=True)  # noqa: E731
+        cols.update(int4_gemv_mma_swiglu_us=graph_time_us(fn, mmas, calls))
+    return cols
 
 
 def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: str | None,
@@ -219,6 +249,7 @@ def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: str | None,
         times[c] = graph_time_us(fn, int4s, calls)
     best = min(times, key=times.get)
     bf16_gemv_us = graph_time_us(lambda d, x=x: gemv(x, d, pdl=True), denses, calls)
+    mma_cols = bench_mma(x, ref, int4s, calls, swiglu)
     nan = float("nan")
     cols = dict(
         int4_gemv_us=times.get(picked, nan), int4_gemv_config=tuple(picked),
@@ -228,6 +259,7 @@ def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: str | None,
         cols.update(int4_gemv_fma_us=times.get(fma, nan), int4_gemv_fma_config=tuple(fma))
     if sweep:
         cols.update(int4_gemv_best_us=times[best], int4_gemv_best_config=tuple(best))
+    cols.update(mma_cols)
     if fma and swiglu:
         glu = [pick_fma_config(n, k, swiglu=True)]
         if sweep:
@@ -264,7 +296,7 @@ def main(argv=None) -> int:
     report = {"environment": benchlib.environment("cuda"), "rows": []}
     for model in args.models.split(","):
         step = dict.fromkeys(("bf16_us", "int4_us", "int4_gemv_us", "int4_gemv_fma_us",
-                              "bf16_gemv_us"), 0.0)  # fmt: skip
+                              "int4_gemv_mma_us", "bf16_gemv_us"), 0.0)  # fmt: skip
         for name, n, k, count in benchlib.linear_shapes(model):
             if name == "lm_head":  # not quantized
                 continue
@@ -276,6 +308,7 @@ def main(argv=None) -> int:
                     step["int4_us"] += row["int4_us"] * count
                     step["int4_gemv_us"] += row["int4_gemv_us"] * count
                     step["int4_gemv_fma_us"] += row["int4_gemv_fma_us"] * count
+                    step["int4_gemv_mma_us"] += row.get("int4_gemv_mma_us", float("nan")) * count
                     step["bf16_gemv_us"] += row["bf16_gemv_us"] * count
             report["rows"] += rows
             torch.cuda.empty_cache()
@@ -284,7 +317,7 @@ def main(argv=None) -> int:
                 f"{model}: one decode step's matmuls at M = 1: bf16 {step['bf16_us'] / 1e3:.3f} "
                 f"ms, int4 {step['int4_us'] / 1e3:.3f} ms, int4_gemv "
                 f"{step['int4_gemv_us'] / 1e3:.3f} ms (fma {step['int4_gemv_fma_us'] / 1e3:.3f}"
-                f" ms), bf16 gemv.py "
+                f" ms, mma {step['int4_gemv_mma_us'] / 1e3:.3f} ms), bf16 gemv.py "
                 f"{step['bf16_gemv_us'] / 1e3:.3f} ms",
                 flush=True,
             )

@@ -183,6 +183,7 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
     x, fma = torch.randn(1, 4096, dtype=torch.bfloat16), int4_gemv.pick_fma_config(2048, 4096, 1)
     out.append(("int4_gemv fma swiglu", lambda x=x, c=fma: int4_gemv.int4_gemv(
         x, gate_up4, c, swiglu=True, pdl=True)))  # fmt: skip
+    out += _mma_gemv_cases(Int4Weight)
     # a row-parallel slice of an act-order weight: the kernel reads each column's group
     sliced = pack_int4(_int4_weight(Int4Weight, 4096, 14336, 128, False, True).narrow_in(0, 7168))
     for m in (1, 2048):
@@ -200,6 +201,28 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
     out += _attention_cases()
     out += _rotary_cases()
     out += _activation_cases()
+    return out
+
+
+def _mma_gemv_cases(Int4Weight) -> list[tuple[str, Callable[[], object]]]:
+    """kernels/int4_gemv_mma.py (Gluon): one and 16 rows, bf16 and fp16, group 128 (two-step
+    chunks), 64 (one step) and one group a row, split-K and not, the SwiGLU epilogue."""
+    from batchrun.kernels import int4_gemv_mma
+
+    from batchrun.quant.int4_layout import mma_pack, pack_int4
+
+    out = []
+    for n, k, group, symmetric, swiglu, m, dtype, split in (
+        (6144, 4096, 128, False, False, 1, torch.bfloat16, None),
+        (4096, 14336, 64, True, False, 16, torch.float16, None),
+        (4096, 4096, 4096, False, False, 4, torch.bfloat16, 1),  # one group a row
+        (2 * 1024, 4096, 128, False, True, 1, torch.bfloat16, None),
+    ):
+        w = mma_pack(pack_int4(_int4_weight(Int4Weight, n, k, group, symmetric, False)))
+        x = torch.randn(m, k, dtype=dtype)
+        name = f"int4_gemv_mma {n}x{k} group={group} sym={symmetric} swiglu={swiglu} M={m}"
+        out.append((name, lambda x=x, w=w, g=swiglu, s=split: int4_gemv_mma.int4_gemv_mma(
+            x, w, swiglu=g, split_k=s)))  # fmt: skip
     return out
 
 

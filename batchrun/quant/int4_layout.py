@@ -11,6 +11,10 @@ Pure torch: the packing runs, and is tested, without Triton.
 
 W[n, perm[k]] = (q - zeros[g, n]) * scales[g, n] with g = groups[k] (or k // group_size).
 
+mma_pack reorders a plain (no act-order) weight's words for kernels/int4_gemv_mma.py, the
+tensor-core decode GEMV candidate (Int4MmaPacked: each thread's MMA fragments in one 16-byte
+load), sharing the scales and zeros.
+
 Why this layout:
 - K-major words of 8 consecutive output columns (AWQ's GEMM layout, nibbles in plain order): a
   kernel tile [BLOCK_K, BLOCK_N] is BLOCK_K rows of BLOCK_N / 8 consecutive words, so its loads
@@ -131,3 +135,78 @@ def pack_int4(w: Int4Weight) -> Int4Packed:
         perm=perm,
         groups=g.to(torch.int32).contiguous() if per_column else None,
     )
+
+
+# mma_pack: the decode layout of kernels/int4_gemv_mma.py (mma.m16n8k16's A operand)
+MMA_ROWS = 16  # output rows an MMA (a warp)
+MMA_K = 64  # K rows a step: four 16-deep k-blocks, one 16-byte load a thread
+
+
+@dataclass
+class Int4MmaPacked:
+    """An Int4Packed's weight in the order of kernels/int4_gemv_mma.py, its scales and zeros
+    shared (the same tensors, [num_groups, N]).
+
+        qweight int32 [K / 64, N / 2, 4, 4]: word (s, r', m, b), nibble p (bits [4p, 4p + 4))
+        holds q[n, k] with n = 16 (r' // 8) + 8 (p % 2) + r' % 8 and
+        k = 64 s + 16 m + 4 b + 2 ((p // 2) % 2) + p // 4
+
+    A warp's thread (r' % 8 = lane // 4, m = lane % 4) loads the 16 contiguous bytes (s, r', m,
+    :): its mma.m16n8k16 A fragments (rows n and n + 8) of the step's four 16-deep blocks, and
+    a warp's 32 loads are 512 contiguous bytes. Nibbles p and p + 4 are the two columns of one
+    fragment register. The MMA's column c = 16 b + 8 b_8 + 2 m + b_1 of a step is K row
+    64 s + 16 m + 4 b + 2 b_8 + b_1 (a permutation inside the step, the same for x): the B
+    fragments of thread m are then x's 16 contiguous values 64 s + 16 m .. + 15 (two 16-byte
+    loads a row of x)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    group_size: int
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[0] * MMA_K
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[1] * 2
+
+
+def can_mma_pack(w: Int4Packed) -> bool:
+    """Whether w takes mma_pack: no act-order, whole 16-row MMAs and 64-deep steps, groups of
+    whole steps (or one group a row)."""
+    k, n = w.in_features, w.out_features
+    groups_ok = w.group_size >= k or w.group_size % MMA_K == 0
+    return (
+        w.perm is None and w.groups is None and n % MMA_ROWS == 0 and k % MMA_K == 0 and groups_ok
+    )
+
+
+def mma_pack(w: Int4Packed) -> Int4MmaPacked:
+    """w's words in Int4MmaPacked's order (pure torch, on w's device)."""
+    if not can_mma_pack(w):
+        raise ValueError(
+            f"INT4 MMA layout: needs no act-order, output rows a multiple of {MMA_ROWS}, input "
+            f"rows of {MMA_K} and groups of whole {MMA_K}-row steps; got {w.out_features} x "
+            f"{w.in_features}, group {w.group_size}, act-order {w.perm is not None}"
+        )
+    k, n = w.in_features, w.out_features
+    q = unpack_words(w.qweight).long()  # [K, N]
+    # k = 64 s + 16 m + 4 b + 2 b_k8 + b_k1, n = 16 R + 8 b_r8 + r
+    q = q.reshape(k // MMA_K, 4, 4, 2, 2, n // MMA_ROWS, 2, 8)  # s m b b_k8 b_k1 R b_r8 r
+    q = q.permute(0, 5, 7, 1, 2, 4, 3, 6)  # s R r m b | b_k1 b_k8 b_r8: p = 4 b_k1 + 2 b_k8 + b_r8
+    q = q.reshape(k // MMA_K, n // 2, 4, 4, PACK)
+    words = (q << (torch.arange(PACK, device=q.device) * 4)).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+    return Int4MmaPacked(words, w.scales, w.zeros, w.group_size)
+
+
+def mma_unpack(w: Int4MmaPacked) -> torch.Tensor:
+    """mma_pack's inverse, uint8 [K, N], from Int4MmaPacked's index map (the one
+    kernels/int4_gemv_mma.py's joins and permutes read)."""
+    s_n, pairs = w.qweight.shape[:2]
+    q = (w.qweight.long()[..., None] >> (torch.arange(PACK, device=w.qweight.device) * 4)) & 0xF
+    q = q.reshape(s_n, pairs // 8, 8, 4, 4, 2, 2, 2)  # s R r m b b_k1 b_k8 b_r8
+    q = q.permute(0, 3, 4, 6, 5, 1, 7, 2)  # s m b b_k8 b_k1 R b_r8 r
+    return q.reshape(s_n * MMA_K, pairs * 2).to(torch.uint8)

@@ -1,8 +1,8 @@
 """kernels/int4_matmul.py and kernels/int4_gemv.py on the GPU: int4_matmul's two kernel shapes
 against the dequantized torch reference at M from 1 to 8,192 on the llama-8b and llama-1b
 projections, bf16; act-order, group sizes, symmetric zero points and a tensor-parallel slice;
-the decode GEMV at M 1 to 16 on the same projections, every scheme, its SwiGLU epilogue; CUDA
-graph replay against eager; and the
+the decode GEMV at M 1 to 16 on the same projections, every scheme, its SwiGLU epilogue; the
+Gluon MMA GEMV (kernels/int4_gemv_mma.py) likewise; CUDA graph replay against eager; and the
 engine (CUDA graphs on) on a tiny AWQ and a tiny GPTQ act-order checkpoint against the path that
 dequantizes at load.
 
@@ -197,6 +197,56 @@ def test_fma_gemv_every_scheme_and_swiglu(group_size, symmetric):
     for n, k in ((16384, 2048), (28672, 4096)):
         w = random_weight(n, k, group_size, symmetric, False, seed=n)
         check_gemv(w, 1, swiglu=True, pdl=True, config=pick_fma_config(n, k, swiglu=True))
+
+
+@pytest.mark.parametrize(
+    "group_size,symmetric,dtype",
+    [(128, False, torch.bfloat16), (128, True, torch.float16), (64, False, torch.bfloat16),
+     (-1, True, torch.bfloat16)],
+)  # fmt: skip
+def test_mma_gemv_matches_the_dequantized_reference(group_size, symmetric, dtype):
+    """kernels/int4_gemv_mma.py (Gluon, the weight mma_pack-ed) at M 1, 5, 8, 9 and 16 on
+    llama-8b's qkv, o_proj and down_proj (split-K by its rule and by hand), llama-1b's qkv, a
+    K of 4,160 (one-step chunks, a partial last group), and the fused gate_up of llama-1b and
+    llama-8b with the SwiGLU epilogue; CUDA graph replay gives the eager results bit for bit."""
+    from batchrun.kernels.int4_gemv_mma import int4_gemv_mma
+
+    from batchrun.quant.int4_layout import mma_pack, pack_int4
+
+    def check(w, m, swiglu=False, split_k=None):
+        g = torch.Generator(device="cuda").manual_seed(m)
+        x = torch.randn(m, w.in_features, generator=g, device="cuda").to(dtype)
+        y = int4_gemv_mma(x, mma_pack(pack_int4(w)), swiglu=swiglu, split_k=split_k)
+        ref = F.linear(x.float(), w.dequantize(dtype).float())
+        if swiglu:
+            gate, up = ref.to(dtype).float().chunk(2, dim=-1)
+            ref = F.silu(gate).to(dtype).float() * up
+        assert y.shape == ref.shape and y.dtype == dtype
+        err = float((y.float() - ref).abs().max() / ref.abs().max())
+        assert err <= (SWIGLU_MAX_REL_ERROR if swiglu else MAX_REL_ERROR), (m, ref.shape, err)
+
+    # (K 4,160: 64-deep chunks, the last group partial)
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336), (3072, 2048), (1024, 4160)):
+        w = random_weight(n, k, group_size, symmetric, False, seed=n + k)
+        for m in (1, 5, 8, 9, 16):
+            check(w, m)
+        check(w, 1, split_k=1)
+        check(w, 3, split_k=3)
+    for n, k in ((16384, 2048), (28672, 4096)):
+        w = random_weight(n, k, group_size, symmetric, False, seed=n)
+        for m in (1, 16):
+            check(w, m, swiglu=True)
+    packed = mma_pack(pack_int4(random_weight(4096, 4096, group_size, symmetric, False, seed=7)))
+    x = torch.zeros(1, 4096, device="cuda", dtype=dtype)
+    int4_gemv_mma(x, packed)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = int4_gemv_mma(x, packed)
+    for seed in range(3):
+        x.copy_(torch.randn(1, 4096, generator=torch.Generator(device="cuda").manual_seed(seed),
+                            device="cuda"))  # fmt: skip
+        graph.replay()
+        assert torch.equal(y, int4_gemv_mma(x, packed)), seed
 
 
 def test_gemv_cuda_graph_replay_equals_eager():

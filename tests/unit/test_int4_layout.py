@@ -23,6 +23,9 @@ from quant_checkpoints_int4 import (  # noqa: E402
 from batchrun.quant.formats import awq, compressed_tensors_int4, gptq  # noqa: E402
 from batchrun.quant.int4_layout import (  # noqa: E402
     Int4Packed,
+    can_mma_pack,
+    mma_pack,
+    mma_unpack,
     pack_int4,
     pack_words,
     unpack_words,
@@ -143,3 +146,39 @@ def test_output_rows_that_fill_no_word_are_refused():
     w = Int4Weight(q, torch.ones(12, 1).half(), torch.full((12, 1), 8, dtype=torch.uint8), 32)
     with pytest.raises(ValueError, match="12 output rows, not a multiple of 8"):
         pack_int4(w)
+
+
+def test_mma_layout_holds_each_value_where_its_index_map_says():
+    """mma_pack (kernels/int4_gemv_mma.py's layout): word (s, r', m, b), nibble p holds
+    q[16 (r' // 8) + 8 (p % 2) + r' % 8, 64 s + 16 m + 4 b + 2 ((p // 2) % 2) + p // 4], every
+    one of them; mma_unpack inverts it; the scales and zeros are the packed weight's own."""
+    n, k = 96, 256
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    zeros = torch.randint(0, 16, (2, n), dtype=torch.uint8)
+    packed = Int4Packed(pack_words(q), torch.rand(2, n).half(), zeros, 128)
+    w = mma_pack(packed)
+    assert w.qweight.shape == (k // 64, n // 2, 4, 4) and w.qweight.dtype == torch.int32
+    assert (w.in_features, w.out_features) == (k, n)
+    assert w.scales is packed.scales and w.zeros is packed.zeros and w.group_size == 128
+    s, rp, m, b, p = torch.meshgrid(*(torch.arange(d) for d in (k // 64, n // 2, 4, 4, 8)),
+                                    indexing="ij")  # fmt: skip
+    rows = 16 * (rp // 8) + 8 * (p % 2) + rp % 8
+    cols = 64 * s + 16 * m + 4 * b + 2 * ((p // 2) % 2) + p // 4
+    nibbles = (w.qweight.long()[..., None] >> (4 * torch.arange(8))) & 0xF
+    assert torch.equal(nibbles, q.long()[rows, cols])
+    assert torch.equal(mma_unpack(w), q.t())
+
+
+def test_mma_layout_takes_plain_weights_of_whole_steps_only():
+    """No act-order, rows in 16s, K in 64s, groups of whole 64-row steps or one group a row:
+    anything else is refused with the shape it got."""
+    for case in CASES:
+        packed = pack_int4(decoded(*case))  # 64 x 256
+        # (act-order with one group a row needs no permutation)
+        ok = case[1] == -1 or (not case[3] and case[1] % 64 == 0)
+        assert can_mma_pack(packed) == ok, case
+        if not ok:
+            with pytest.raises(ValueError, match="INT4 MMA layout"):
+                mma_pack(packed)
+    narrow = Int4Packed(torch.zeros(256, 1, dtype=torch.int32), torch.ones(2, 8), None, 128)
+    assert not can_mma_pack(narrow)  # 8 output rows
