@@ -289,28 +289,6 @@ def _finish_nibbles(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, 
 
 
 @triton.jit
-def _store_sums(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, Y, WS, Counters,
-                M, N, offs_m, offs_c, in_c, stride_ym, pid_n, pid_k, SPLIT_K: tl.constexpr,
-                SWIGLU: tl.constexpr):  # fmt: skip
-    """y from a program's sums (columns 8c + j in a_j, the up half's in b_j): stored, or with
-    SPLIT_K > 1 stored to this slice's planes, and by the slice that arrives last summed over
-    every plane into y."""
-    sums = (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, Y, WS, Counters)
-    where = (M, N, offs_m, offs_c, in_c, stride_ym, pid_k)
-    arrived = -1
-    if SPLIT_K > 1:  # this slice's planes first
-        _finish_nibbles(*sums, arrived, *where, SPLIT_K, SWIGLU)
-        # NOTE: every thread's stores before the one release (as kernels/gemv.py): bar.sync,
-        # then a gpu-scope acq_rel atomic; the last slice's acquire sees every plane
-        tl.debug_barrier()
-        arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel", scope="gpu")
-    _finish_nibbles(*sums, arrived, *where, SPLIT_K, SWIGLU)
-    if SPLIT_K > 1:
-        if arrived == SPLIT_K - 1:
-            tl.atomic_xchg(Counters + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
-
-
-@triton.jit
 def _int4_gemv_kernel(
     X,
     QW,
@@ -381,7 +359,18 @@ def _int4_gemv_kernel(
             )
 
     sums = (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, Y, WS, Counters)
-    _store_sums(*sums, M, N, offs_m, offs_c, in_c, stride_ym, pid_n, pid_k, SPLIT_K, SWIGLU)
+    where = (M, N, offs_m, offs_c, in_c, stride_ym, pid_k)
+    arrived = -1
+    if SPLIT_K > 1:  # this slice's planes first
+        _finish_nibbles(*sums, arrived, *where, SPLIT_K, SWIGLU)
+        # NOTE: every thread's stores before the one release (as kernels/gemv.py): bar.sync,
+        # then a gpu-scope acq_rel atomic; the last slice's acquire sees every plane
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel", scope="gpu")
+    _finish_nibbles(*sums, arrived, *where, SPLIT_K, SWIGLU)
+    if SPLIT_K > 1:
+        if arrived == SPLIT_K - 1:
+            tl.atomic_xchg(Counters + pid_n, 0, sem="relaxed", scope="gpu")  # for the next call
 
 
 @triton.jit

@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 import triton
 from batchrun.kernels.gemv import NUM_COUNTERS, split_counters
+from batchrun.kernels.int4_gemv import EXP_BITS as GEMV_EXP_BITS
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -53,8 +54,9 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 MAX_M = 16
 WARPS = 4
 ROWS = MMA_ROWS * WARPS  # output rows a program: 16 a warp
-# OFFSET + q as the 16-bit float of each nibble: the exponent bits OR-ed on, and OFFSET
-EXP_BITS = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.0)}
+# OFFSET + q as the 16-bit float of each nibble: kernels/int4_gemv.py's exponent bits in both
+# halves of a word, and OFFSET
+EXP_BITS = {dtype: (bits << 16 | bits, offset) for dtype, (bits, offset) in GEMV_EXP_BITS.items()}
 # K-split programs aimed at (about eight an SM of 132); a slice keeps at least two chunks
 TARGET_PROGRAMS = 1024
 MAX_SPLIT_K = 32
@@ -99,7 +101,7 @@ def _a_operand(words, R2: gl.constexpr, EXP: gl.constexpr, DTYPE: gl.constexpr,
 
 
 @gluon.jit
-def _step(QW, X, step, row_pair0, N_PAIRS: gl.constexpr, w_offs):
+def _step(QW, step, row_pair0, N_PAIRS: gl.constexpr, w_offs):
     """A 64-deep step's words [R2, 4, 4] (one 16-byte load a thread)."""
     return gl.load(QW + step.to(gl.int64) * (N_PAIRS * 16) + row_pair0 * 16 + w_offs)
 
@@ -132,9 +134,9 @@ def _chunk(QW, X, step0, row_pair0, N_PAIRS: gl.constexpr, w_offs, x_offs, x_mas
            DTYPE: gl.constexpr, A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr):  # fmt: skip
     """acc (sum (OFFSET + q) x) and accx (sum x) of a chunk of one or two 64-deep steps from
     step0: both steps' word loads first (in flight together), then their MMAs."""
-    w0 = _step(QW, X, step0, row_pair0, N_PAIRS, w_offs)
+    w0 = _step(QW, step0, row_pair0, N_PAIRS, w_offs)
     if CHUNK_STEPS == 2:
-        w1 = _step(QW, X, step0 + 1, row_pair0, N_PAIRS, w_offs)
+        w1 = _step(QW, step0 + 1, row_pair0, N_PAIRS, w_offs)
     acc, accx = _mma_step(w0, X, step0, x_offs, x_mask, ones, zero, zero, R2, MP, EXP, DTYPE,
                           A_LAYOUT, B_LAYOUT)  # fmt: skip
     if CHUNK_STEPS == 2:
