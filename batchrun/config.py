@@ -31,7 +31,8 @@ DECODE_NORMS = ("auto", "off", "all", "post", "fold", "fold-all")
 FP8_MATMULS = ("auto", "scaled_mm", "dequant")
 # the matmul of a quantized model's INT4 linears (AWQ, GPTQ, compressed-tensors W4A16): "triton"
 # kernels/int4_matmul.py on the packed weights (decode batches of up to 16 rows on
-# kernels/int4_gemv.py), "dequant" weights dequantized at load
+# kernels/int4_gemv_mma.py, or kernels/int4_gemv.py where that does not take the weight),
+# "dequant" weights dequantized at load
 INT4_MATMULS = ("auto", "triton", "dequant")
 # the experts of a mixture-of-experts model (layers/moe.py): "triton" kernels/fused_moe.py,
 # "torch" a per-expert loop that reads the routing on the host (the reference)

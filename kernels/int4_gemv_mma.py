@@ -1,7 +1,9 @@
 """W4A16 decode matmul on the tensor cores without a layout round trip: y[M, N] = x[M, K] @ W^T
 for M <= 16, written in Gluon (Triton's explicit-layout dialect, `triton.experimental.gluon`),
 over a weight repacked at load for it (`Int4MmaPacked`, batchrun/quant/int4_layout.py's
-mma_pack). A candidate for one-row and small-batch decode; nothing in the engine runs it yet.
+mma_pack). The decode matmul (M <= 16) of the engine's INT4 layers where it takes the weight
+(batchrun/quant/linear.py keeps such a weight in this order only; kernels/int4_matmul.py reads
+it for the other batches).
 
 The weight is the A operand of mma.m16n8k16 (16 output rows a warp; bf16 or fp16), x the B
 operand (its M rows padded to 8 or 16 columns). mma_pack orders the 4-bit values so that one
@@ -20,8 +22,12 @@ order) so that a thread's B fragments are 16 contiguous values of x, two 16-byte
 Compiled for sm_90 with Triton 3.6 (scripts/check_kernels_compile.py --ptxas --sass), one row,
 group 128: a 128-deep chunk is 189 instructions a thread (2.95 a weight value, against the
 CUDA-core kernel's 4.0): 2 LDG.128 of weights, 3 shifts and 4 lop3 a word, 16 MMAs (half of
-them for sum x), no shared memory, 40 registers. Not timed yet:
-`python scripts/bench_int4_matmul.py --m 1,16` prints it beside kernels/int4_gemv.py's.
+them for sum x), no shared memory, 40 registers. On one H100 (`python
+scripts/bench_int4_matmul.py --models llama-8b --m 1,16`, µs a call in CUDA graphs) llama-8b's
+qkv, o, gate_up with SwiGLU and down take 10.4, 7.6, 26.4 and 17.3 µs at M = 1 (kernels/
+int4_gemv.py's CUDA-core kernel: 11.4, 9.0, 33.4, 24.2; bf16 cuBLAS 20.5, 16.3, 81.4, 44.4) and
+13.0, 13.5, 37.7 (40.7 with SwiGLU) and 30.1 at M = 16 (int4_gemv's tensor-core kernel 38.5,
+55.4, 108.3, 62.2; bf16 cuBLAS 21.2, 16.5, 82.8, 45.2).
 
 Split-K reduces in the kernel, deterministically: each K slice stores its fp32 sums to its
 plane of a [SPLIT_K, M, N] workspace ([SPLIT_K, M, 2N] with swiglu), the slice that arrives last
@@ -42,6 +48,7 @@ import torch
 import triton
 from batchrun.kernels.gemv import NUM_COUNTERS, split_counters
 from batchrun.kernels.int4_gemv import EXP_BITS as GEMV_EXP_BITS
+from batchrun.kernels.pdl import pdl_launch_kwargs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -158,6 +165,19 @@ def _scaled(out, acc, accx, S, Z, g, rows, OFFSET: gl.constexpr, N_ROWS: gl.cons
 
 
 @gluon.jit
+def _pdl_wait(PDL: gl.constexpr):
+    """kernels/pdl.py's pdl_wait in Gluon: wait for the kernel before this one (its writes
+    visible), then let the next one launch; every thread runs both, as tl's scalar ops do."""
+    if PDL:
+        one_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # WARPS
+        t = gl.full([128], 0, gl.int32, layout=one_l)  # one a thread
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,r", [t], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r", [t],
+                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
 def _swiglu_y(gate, up, DTYPE: gl.constexpr):
     """silu(gate) * up from fp32 sums, rounded as the unfused path rounds them (gate and up to
     the dtype, silu to the dtype, the product once), as kernels/gemv.py's _swiglu."""
@@ -189,9 +209,11 @@ def _int4_gemv_mma_kernel(
     HAS_ZEROS: gl.constexpr,
     EXP: gl.constexpr,
     OFFSET: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """A program owns ROWS output rows (16 a warp; with swiglu the gate's and the up half's) and
-    a K slice of whole chunks; the last slice to arrive writes y."""
+    a K slice of whole chunks; the last slice to arrive writes y. With PDL it waits for the
+    kernel before it (kernels/pdl.py's rule) before its first load."""
     ROWS_: gl.constexpr = 64  # 16 a warp, 4 warps
     R2: gl.constexpr = ROWS_ // 2
     N_ROWS: gl.constexpr = 2 * N if SWIGLU else N
@@ -246,6 +268,7 @@ def _int4_gemv_mma_kernel(
     cols = gl.arange(0, MP, layout=gl.SliceLayout(0, mma_l))
     zero = gl.zeros([ROWS_, MP], gl.float32, layout=mma_l)
 
+    _pdl_wait(PDL)
     CHUNK: gl.constexpr = CHUNK_STEPS * 64
     first = pid_k * chunks_per_split
     last = gl.minimum(first + chunks_per_split, K // CHUNK)
@@ -319,6 +342,7 @@ def int4_gemv_mma(
     w: Int4MmaPacked,
     swiglu: bool = False,
     split_k: int | None = None,
+    pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ) -> torch.Tensor:
     """x @ W^T: [M, N] in x's dtype; with swiglu, silu(x @ W_gate^T) * (x @ W_up^T): [M, N / 2]."""
     m, k = x.shape
@@ -349,6 +373,6 @@ def int4_gemv_mma(
         m, n, k, per_split, x.stride(0), y.stride(0),
         GROUP=group, CHUNK_STEPS=chunk_steps, MP=8 if m <= 8 else 16, SPLIT_K=split,
         SWIGLU=swiglu, HAS_ZEROS=w.zeros is not None, EXP=exp_bits, OFFSET=offset,
-        num_warps=WARPS,
+        num_warps=WARPS, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip
     return y

@@ -25,6 +25,12 @@ A K tile lies inside one group (BLOCK_K divides the group size, or one group per
 reads one row of scales and zeros. Where the layout keeps each column's group (a tensor-parallel
 slice of an act-order weight), the tile gathers a scale and a zero per element instead.
 
+The weight may also come in kernels/int4_gemv_mma.py's order (Int4MmaPacked: what an engine
+layer keeps where that decode kernel takes it, so one copy of the weight serves decode and
+prefill): a tile's words are then BLOCK_K / 64 runs of BLOCK_N * 8 contiguous words, each
+word's eight nibbles split into an axis of their own, and one reshape and permute put the
+values in [BLOCK_K, BLOCK_N] order (`_mma_order_values`).
+
 No host syncs, no allocation that depends on data: the kernel runs inside CUDA graphs. The split
 counters are allocated on first use: call `int4_matmul` once eagerly before capturing a graph
 (`prepare` does it at load).
@@ -42,7 +48,7 @@ import triton
 import triton.language as tl
 from batchrun.kernels.gemv import NUM_COUNTERS, split_counters
 
-from batchrun.quant.int4_layout import Int4Packed
+from batchrun.quant.int4_layout import MMA_K, MMA_ROWS, Int4MmaPacked, Int4Packed
 
 DECODE_MAX_M = 64
 MAGIC = tl.constexpr(8388608.0)  # 2^23: (q | 0x4B000000) as fp32 is MAGIC + q
@@ -90,6 +96,26 @@ def pick_config(m: int, n: int, k: int) -> tuple[Int4Config, int]:
 
 
 @triton.jit
+def _mma_order_values(QW, k0, k_end, pid_n, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The 4-bit values [BLOCK_K, BLOCK_N] (int32, zeros past k_end and N) of the tile at K row
+    k0 and column tile pid_n of an Int4MmaPacked weight: word (s, r', m, b), nibble
+    p = 4 b_k1 + 2 b_k8 + b_r8 holds q[n, k] with n = 16 (r' // 8) + 8 b_r8 + r' % 8 and
+    k = 64 s + 16 m + 4 b + 2 b_k8 + b_k1 (batchrun/quant/int4_layout.py)."""
+    STEPS: tl.constexpr = BLOCK_K // 64
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    steps = k0 // 64 + tl.arange(0, STEPS)
+    pairs = pid_n * PAIRS + tl.arange(0, PAIRS)
+    t = tl.arange(0, 16)  # (m, b)
+    offs = (steps[:, None, None].to(tl.int64) * (N // 2) + pairs[None, :, None]) * 16
+    mask = (steps * 64 < k_end)[:, None, None] & (pairs < N // 2)[None, :, None]
+    words = tl.load(QW + offs + t[None, None, :], mask=mask, other=0)  # [STEPS, PAIRS, 16]
+    q = (words[:, :, :, None] >> (tl.arange(0, 8) * 4)[None, None, None, :]) & 0xF
+    q = tl.reshape(q, [STEPS, BLOCK_N // 16, 8, 4, 4, 2, 2, 2])  # s R r m b b_k1 b_k8 b_r8
+    q = tl.permute(q, (0, 3, 4, 6, 5, 1, 7, 2))  # s m b b_k8 b_k1 | R b_r8 r
+    return tl.reshape(q, [BLOCK_K, BLOCK_N])
+
+
+@triton.jit
 def _int4_matmul_kernel(
     X,
     QW,
@@ -115,6 +141,7 @@ def _int4_matmul_kernel(
     HAS_ZEROS: tl.constexpr,
     GATHER_X: tl.constexpr,  # x's columns through Perm as they are loaded
     COLUMN_GROUPS: tl.constexpr,  # each column's group from Groups (else k // group_size)
+    MMA_ORDER: tl.constexpr,  # QW in Int4MmaPacked's order (BLOCK_K a multiple of 64)
     IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -149,15 +176,18 @@ def _int4_matmul_kernel(
         if GATHER_X:
             cols = tl.load(Perm + offs_k, mask=in_k, other=0)
         x = tl.load(x_rows + cols[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
-        words = tl.load(
-            QW + offs_k[:, None].to(tl.int64) * n_words + offs_w[None, :],
-            mask=in_k[:, None] & in_w[None, :],
-            other=0,
-        )  # [BLOCK_K, BLOCK_N / 8]
-        words = tl.interleave(words, words)
-        words = tl.interleave(words, words)
-        words = tl.interleave(words, words)  # [BLOCK_K, BLOCK_N]: column n holds word n // 8
-        q = ((words >> shifts[None, :]) & 0xF) | 0x4B000000
+        if MMA_ORDER:
+            q = _mma_order_values(QW, k0, k_end, pid_n, N, BLOCK_K, BLOCK_N) | 0x4B000000
+        else:
+            words = tl.load(
+                QW + offs_k[:, None].to(tl.int64) * n_words + offs_w[None, :],
+                mask=in_k[:, None] & in_w[None, :],
+                other=0,
+            )  # [BLOCK_K, BLOCK_N / 8]
+            words = tl.interleave(words, words)
+            words = tl.interleave(words, words)
+            words = tl.interleave(words, words)  # [BLOCK_K, BLOCK_N]: column n holds word n // 8
+            q = ((words >> shifts[None, :]) & 0xF) | 0x4B000000
         qf = q.to(tl.float32, bitcast=True)  # MAGIC + q
         if COLUMN_GROUPS:
             g = tl.load(Groups + offs_k, mask=in_k, other=0)
@@ -206,11 +236,15 @@ def _int4_matmul_kernel(
 
 def int4_matmul(
     x: torch.Tensor,  # [M, K], unit stride along K; bf16 / fp16 (fp32 for the interpreter)
-    w: Int4Packed,
+    w: Int4Packed | Int4MmaPacked,
     config: Int4Config | None = None,
     split_k: int | None = None,
 ) -> torch.Tensor:
     """x @ W^T: [M, N] in x's dtype."""
+    mma_order = isinstance(w, Int4MmaPacked)
+    perm = groups = None
+    if not mma_order:
+        perm, groups = w.perm, w.groups
     m, k = x.shape
     n = w.out_features
     assert k == w.in_features and x.stride(1) == 1, (x.shape, x.stride(), w.in_features)
@@ -222,14 +256,17 @@ def int4_matmul(
     if m == 0 or n == 0:
         return y
     block_k = cfg.block_k
-    if w.groups is None and w.group_size < k:
+    if groups is None and w.group_size < k:
         block_k = min(block_k, w.group_size)  # a K tile inside one group
     if x.dtype == torch.float32:  # 4-byte tiles: fit the shared memory
         block_k = min(block_k, 64)
-    gather = w.perm is not None and m <= DECODE_MAX_M
-    if w.perm is not None and not gather:
-        x = x.index_select(1, w.perm)
-    tiles_m, tiles_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
+    block_n = cfg.block_n
+    if mma_order:  # whole 64-deep steps and 16-row MMA blocks (mma_pack's groups: whole steps)
+        block_k, block_n = max(block_k, MMA_K), max(block_n, MMA_ROWS)
+    gather = perm is not None and m <= DECODE_MAX_M
+    if perm is not None and not gather:
+        x = x.index_select(1, perm)
+    tiles_m, tiles_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, block_n)
     if tiles_m > 1 or tiles_n > NUM_COUNTERS:
         split = 1
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
@@ -239,11 +276,11 @@ def int4_matmul(
     # NOTE: absent operands get y as a stand-in pointer: their constexpr flag prunes every access
     _int4_matmul_kernel[(tiles_m * tiles_n, split)](
         x, w.qweight, w.scales, y if w.zeros is None else w.zeros,
-        w.perm if gather else y, y if w.groups is None else w.groups, y, ws, counters,
+        perm if gather else y, y if groups is None else groups, y, ws, counters,
         m, n, k, k_per_split, w.group_size, x.stride(0), y.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
         SPLIT_K=split, HAS_ZEROS=w.zeros is not None, GATHER_X=gather,
-        COLUMN_GROUPS=w.groups is not None, IEEE=x.dtype == torch.float32,
+        COLUMN_GROUPS=groups is not None, MMA_ORDER=mma_order, IEEE=x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y

@@ -106,6 +106,8 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
         for _ in range(copies(packed_bytes(packed)) - 1)
     ]
     denses = [dense] + [dense.clone() for _ in range(copies(dense.nbytes) - 1)]
+    # the weight in mma_pack's order, as an engine layer keeps it where int4_gemv_mma takes it
+    mma_int4s = [mma_pack(p) for p in int4s] if can_mma_pack(packed) else []
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -129,6 +131,10 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
             us = graph_time_us(fn, int4s, calls)
             results.append((us, c, s))
         picked_us = results[0][0]
+        mma_order_us = float("nan")
+        if mma_int4s and error(int4_matmul(x, mma_int4s[0]), ref) <= MAX_REL_ERROR:
+            fn = lambda p, x=x: int4_matmul(x, p)  # noqa: E731
+            mma_order_us = graph_time_us(fn, mma_int4s, calls)
         gemv_cols = {}
         if m <= GEMV_MAX_M:
             gemv_cols = bench_gemv(x, ref, dense, denses, int4s, calls, sweep, name == "gate_up")
@@ -140,6 +146,7 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
             int4_gbs=packed_bytes(packed) / picked_us / 1e3,
             bf16_gbs=dense.nbytes / bf16_us / 1e3,
             int4_tflops=flops / picked_us / 1e6, bf16_tflops=flops / bf16_us / 1e6,
+            int4_mma_order_us=mma_order_us,
         )  # fmt: skip
         if sweep == "all":
             row.update(best_us=best_us, best_config=tuple(best_cfg), best_split_k=best_split)
@@ -149,7 +156,7 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
             f"{name:8s} {n:6d}x{k:<6d} M={m:<5d} bf16 {bf16_us:9.1f} µs  int4 {picked_us:9.1f} µs"
             f"  x{row['speedup']:.2f}  int4 {row['int4_gbs']:7.0f} GB/s {row['int4_tflops']:6.1f}"
             f" TFLOP/s  bf16 {row['bf16_gbs']:7.0f} GB/s {row['bf16_tflops']:6.1f} TFLOP/s"
-            f"  {tuple(cfg)} split {split}"
+            f"  {tuple(cfg)} split {split}  mma order {mma_order_us:.1f} µs"
         )
         if sweep == "all":
             line += f"  | best {best_us:.1f} µs {tuple(best_cfg)} split {best_split}"

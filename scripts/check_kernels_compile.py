@@ -58,6 +58,8 @@ def _compile_only(arch: int, ptxas: bool, sass: bool = False) -> None:
             kwargs["ROUND"] = False
         if "ASM" in kwargs:  # int4_gemv: the GPU's inline PTX (prefetches, nibble pairs)
             kwargs["ASM"] = True
+        if "PDL" in kwargs and arch >= 90:  # the GPU's launch: PDL on sm_90+ (CPU tensors: off)
+            kwargs["PDL"] = True
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         if ptxas:
             print(f"      {self.fn.__name__}: {_ptxas_info(kernel.asm['ptx'], arch)}")
@@ -190,6 +192,14 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         x = torch.randn(m, 7168, dtype=torch.bfloat16)
         out.append((f"int4_matmul act-order slice M={m}", lambda x=x: (
             int4_matmul.int4_matmul(x, sliced))))  # fmt: skip
+    from batchrun.quant.int4_layout import mma_pack
+
+    for group, symmetric in ((128, False), (4096, True)):  # mma_pack order, as engines keep it
+        wm = mma_pack(pack_int4(_int4_weight(Int4Weight, 6144, 4096, group, symmetric, False)))
+        for m in (17, 64, 2048):
+            x = torch.randn(m, 4096, dtype=torch.bfloat16)
+            out.append((f"int4_matmul mma order group={group} sym={symmetric} M={m}",
+                        lambda x=x, w=wm: int4_matmul.int4_matmul(x, w)))  # fmt: skip
     from batchrun.kernels.fused_norm import rms_norm_heads
 
     for tokens in (1, 300):  # Qwen3's q and k norms (Qwen3-30B-A3B: 32 + 4 heads of 128)

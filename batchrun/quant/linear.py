@@ -15,10 +15,15 @@ weights.py) and how it multiplies, by device and kernel config.
                                              matmul (kernels/fp8_block_matmul.py); decode
                                              batches as "scaled_mm"'s, block-scaled
     "int4": INT4 (int4_matmul "triton":      the weight packed at load (batchrun/quant/
-    CUDA, or CPU tensors under Triton's      int4_layout.py); decode batches (M <= 16) on
-    interpreter)                             kernels/int4_gemv.py (the SwiGLU gate inside for
-                                             a gate_up), the rest and act-order weights on
-                                             kernels/int4_matmul.py
+    CUDA, or CPU tensors under Triton's      int4_layout.py); on CUDA, where the tensor-core
+    interpreter)                             decode GEMV takes it (no act-order, groups of
+                                             whole 64-row steps, 64-row blocks), in its order
+                                             (mma_pack) and decode batches (M <= 16) on
+                                             kernels/int4_gemv_mma.py; else decode batches on
+                                             kernels/int4_gemv.py (the SwiGLU gate inside
+                                             either for a gate_up); the rest and act-order
+                                             weights on kernels/int4_matmul.py (which reads
+                                             both orders: one copy of the weight)
     "dense": everything else                 the weight dequantized at load into the compute
                                              dtype, F.linear; on the CPU the FP8 activations
                                              are fake-quantized as the checkpoint says (the
@@ -46,7 +51,14 @@ from batchrun.quant.act_quant import (
     quant_per_token,
     quant_static,
 )
-from batchrun.quant.int4_layout import Int4Packed, can_pack, pack_int4
+from batchrun.quant.int4_layout import (
+    Int4MmaPacked,
+    Int4Packed,
+    can_mma_pack,
+    can_pack,
+    mma_pack,
+    pack_int4,
+)
 from batchrun.quant.weights import FP8_DTYPE, Fp8Weight, Int4Weight, QuantizedWeight
 
 try:
@@ -54,6 +66,11 @@ try:
     from batchrun.kernels import int4_matmul as int4_kernel
 except ImportError:  # no Triton (CPU-only installs): KernelConfig.int4_matmul is "dequant"
     int4_kernel = int4_gemv_kernel = None
+
+try:
+    from batchrun.kernels import int4_gemv_mma
+except ImportError:  # no Triton, or one without Gluon (triton.experimental.gluon, from 3.5)
+    int4_gemv_mma = None
 
 try:
     from batchrun.kernels import fp8_quant
@@ -186,6 +203,7 @@ class QuantMatmul(nn.Module):
             scale = torch.empty(scale_shape, dtype=torch.float32, device=device)
         self.register_buffer("weight_scale", scale)
         self.group_size = 0
+        self.mma = False  # the INT4 weight in Int4MmaPacked's order (set by `load`)
         if spec.kernel == "int4":  # shapes and presence known once loaded (Int4Packed)
             for name in INT4_BUFFERS:
                 self.register_buffer(name, None)
@@ -209,8 +227,17 @@ class QuantMatmul(nn.Module):
         if self.spec.kernel == "int4":
             assert isinstance(qw, Int4Weight)
             packed = pack_int4(qw)
+            self.mma = (
+                packed.qweight.is_cuda
+                and int4_gemv_mma is not None
+                and self.dtype in int4_gemv_mma.EXP_BITS
+                and can_mma_pack(packed)
+                and packed.out_features % int4_gemv_mma.ROWS == 0
+            )
+            if self.mma:
+                packed = mma_pack(packed)
             for name in INT4_BUFFERS:
-                setattr(self, name, getattr(packed, name))
+                setattr(self, name, getattr(packed, name, None))
             self.group_size = packed.group_size
             int4_kernel.prepare(packed.qweight.device)
             return
@@ -240,12 +267,12 @@ class QuantMatmul(nn.Module):
         """Whether x [M, K] runs on a decode kernel that can fuse the SwiGLU gate (`gemv`):
         kernels/fp8_gemv.py for a decode batch (M <= 16, unit stride along K) of a scaled_mm or
         fp8_block layer with decode_gemv "triton" (block FP8: a gate_up's halves whole 128-row
-        blocks); kernels/int4_gemv.py for one of an INT4 layer whose
-        halves are whole words, without act-order."""
+        blocks); kernels/int4_gemv_mma.py or kernels/int4_gemv.py for one of an INT4 layer
+        (`_int4_gemv_takes`)."""
         if x.dim() != 2 or x.stride(-1) != 1 or x.dtype != self.dtype:
             return False
         if self.spec.kernel == "int4":
-            return int4_gemv_kernel.takes(self._packed(), x.shape[0], swiglu=True)
+            return self._int4_gemv_takes(x.shape[0], swiglu=True)
         # block FP8: a fused gate_up's halves of whole 128-row blocks
         halves = self.spec.kernel != "fp8_block" or self.out_features % (2 * 128) == 0
         return self.fp8_gemv and halves and x.shape[0] <= FP8_GEMV_MAX_ROWS
@@ -254,6 +281,8 @@ class QuantMatmul(nn.Module):
         """x @ W^T on the decode kernel (`takes_gemv`); with swiglu, W is a fused gate_up
         and the result silu(gate) * up [M, out_features / 2]."""
         if self.spec.kernel == "int4":
+            if self.mma:
+                return int4_gemv_mma.int4_gemv_mma(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
             return int4_gemv_kernel.int4_gemv(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
         if self.spec.kernel == "fp8_block":
             return fp8_gemv(
@@ -342,23 +371,32 @@ class QuantMatmul(nn.Module):
             )
         return y.view(*shape[:-1], self.out_features)
 
-    def _packed(self) -> Int4Packed:
+    def _packed(self) -> Int4Packed | Int4MmaPacked:
+        if self.mma:
+            return Int4MmaPacked(self.qweight, self.scales, self.zeros, self.group_size)
         return Int4Packed(
             self.qweight, self.scales, self.zeros, self.group_size, self.perm, self.groups
         )
 
+    def _int4_gemv_takes(self, m: int, swiglu: bool = False) -> bool:
+        """Whether an INT4 layer's x [m, K] runs on a decode GEMV: kernels/int4_gemv_mma.py's
+        `takes` where the weight is in its order, else kernels/int4_gemv.py's (no act-order;
+        with swiglu, halves of whole words)."""
+        if self.mma:
+            return int4_gemv_mma.takes(self._packed(), m, swiglu=swiglu)
+        return int4_gemv_kernel.takes(self._packed(), m, swiglu=swiglu)
+
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
-        """Decode batches (M <= 16) on kernels/int4_gemv.py, the rest (and act-order weights) on
-        kernels/int4_matmul.py."""
+        """Decode batches (M <= 16) on a decode GEMV (`gemv`), the rest (and act-order weights)
+        on kernels/int4_matmul.py."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        packed = self._packed()
-        if int4_gemv_kernel.takes(packed, x2.shape[0]):
-            y = int4_gemv_kernel.int4_gemv(x2, packed, pdl=self.pdl)
+        if self._int4_gemv_takes(x2.shape[0]):
+            y = self.gemv(x2)
         else:
-            y = int4_kernel.int4_matmul(x2, packed)
+            y = int4_kernel.int4_matmul(x2, self._packed())
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -366,5 +404,5 @@ class QuantMatmul(nn.Module):
         if self.fp8_gemv:
             path += ", fp8_gemv for decode"
         if self.spec.kernel == "int4":
-            path += ", int4_gemv for decode"
+            path += ", int4_gemv_mma for decode" if self.mma else ", int4_gemv for decode"
         return f"{self.out_features}x{self.in_features}, {path}, {self.spec.describe}"

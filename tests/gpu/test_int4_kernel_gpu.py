@@ -136,6 +136,31 @@ def test_cuda_graph_replay_equals_eager():
             assert torch.equal(y, int4_matmul(x, packed)), (m, seed)
 
 
+@pytest.mark.parametrize("group_size,symmetric", [(128, False), (64, True), (-1, False)])
+def test_mma_order_gives_the_plain_orders_results(group_size, symmetric):
+    """int4_matmul on the weight in mma_pack's order (what an engine layer keeps where
+    int4_gemv_mma takes it) gives the plain order's results: the same values reach the same
+    tiles, but the compiler may pick another MMA instruction for the other operand layout, so
+    sums round apart by an ulp of bf16 at most; decode (split-K) and prefill rows, llama-8b's
+    qkv and down_proj, a K of 4,160 (a 128-deep tile's second step past K)."""
+    from batchrun.kernels.int4_matmul import int4_matmul, prepare
+
+    from batchrun.quant.int4_layout import mma_pack, pack_int4
+
+    prepare(torch.device("cuda"))
+    for n, k in ((6144, 4096), (4096, 14336), (1024, 4160)):
+        if group_size > 0 and k % group_size:
+            continue
+        packed = pack_int4(random_weight(n, k, group_size, symmetric, False, seed=n))
+        wm = mma_pack(packed)
+        for m in (1, 17, 64, 300, 2048):
+            g = torch.Generator(device="cuda").manual_seed(m)
+            x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+            ours, plain = int4_matmul(x, wm).float(), int4_matmul(x, packed).float()
+            err = float((ours - plain).abs().max() / plain.abs().max())
+            assert err <= 2.0**-7, (n, k, m, err)  # an ulp of bf16 at the largest output
+
+
 GEMV_ROWS = list(range(1, 17))
 
 
@@ -208,7 +233,8 @@ def test_mma_gemv_matches_the_dequantized_reference(group_size, symmetric, dtype
     """kernels/int4_gemv_mma.py (Gluon, the weight mma_pack-ed) at M 1, 5, 8, 9 and 16 on
     llama-8b's qkv, o_proj and down_proj (split-K by its rule and by hand), llama-1b's qkv, a
     K of 4,160 (one-step chunks, a partial last group), and the fused gate_up of llama-1b and
-    llama-8b with the SwiGLU epilogue; CUDA graph replay gives the eager results bit for bit."""
+    llama-8b with the SwiGLU epilogue; CUDA graph replay (a chain of calls launched with PDL,
+    each reading the one before) gives the eager results bit for bit."""
     from batchrun.kernels.int4_gemv_mma import int4_gemv_mma
 
     from batchrun.quant.int4_layout import mma_pack, pack_int4
@@ -238,15 +264,21 @@ def test_mma_gemv_matches_the_dequantized_reference(group_size, symmetric, dtype
             check(w, m, swiglu=True)
     packed = mma_pack(pack_int4(random_weight(4096, 4096, group_size, symmetric, False, seed=7)))
     x = torch.zeros(1, 4096, device="cuda", dtype=dtype)
-    int4_gemv_mma(x, packed)  # compiles outside the capture
+
+    def chain(x, pdl):  # each call's input the one before's output
+        for _ in range(3):
+            x = int4_gemv_mma(x, packed, pdl=pdl)
+        return x
+
+    chain(x, True)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = int4_gemv_mma(x, packed)
+        y = chain(x, True)
     for seed in range(3):
         x.copy_(torch.randn(1, 4096, generator=torch.Generator(device="cuda").manual_seed(seed),
                             device="cuda"))  # fmt: skip
         graph.replay()
-        assert torch.equal(y, int4_gemv_mma(x, packed)), seed
+        assert torch.equal(y, chain(x, False)), seed
 
 
 def test_gemv_cuda_graph_replay_equals_eager():
@@ -308,6 +340,8 @@ def test_engine_with_cuda_graphs_gives_the_dequantized_paths_tokens(fmt, group_s
             )
             engine = Engine(config)
             assert engine.kernels.cuda_graph_max_bs > 0 and engine.kernels.int4_matmul == path
+            if path == "triton":  # decodes on int4_gemv_mma where it takes the weight
+                assert engine.runner.model.layers[0].mlp.down_proj.quant.mma == (not act_order)
             engines[path] = engine
         reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
         theirs = {r.rid: r.output_ids for r in engines["dequant"].generate(reqs)}

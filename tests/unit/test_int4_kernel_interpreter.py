@@ -1,6 +1,7 @@
 """kernels/int4_matmul.py and kernels/int4_gemv.py under Triton's CPU interpreter, against
 Int4Weight.dequantize() and F.linear: both shapes of int4_matmul (decode: split-K, act-order's x
-gathered in the kernel; prefill: several row tiles, x gathered by index_select) and the decode
+gathered in the kernel; prefill: several row tiles, x gathered by index_select), on weights in
+either order (plain, and mma_pack's of the tensor-core decode GEMV), and the decode
 GEMV (M 1 to 16, split-K, the SwiGLU epilogue, llama-8b's widths), every group size, symmetric
 and asymmetric, act-order, a tensor-parallel slice of an act-order weight (each column's group
 read); the QuantMatmul that runs them (the GEMV for M <= 16); and a tiny AWQ and GPTQ act-order
@@ -74,13 +75,15 @@ def decoded(fmt: str, group_size: int, symmetric: bool, act_order: bool, out=OUT
     return scheme.decode(tensors, out, inp, "model.layers.0.mlp.down_proj")
 
 
-def check(w, m: int, dtype, what: str, **kwargs) -> None:
+def check(w, m: int, dtype, what: str, mma: bool = False, **kwargs) -> None:
+    """int4_matmul on w packed (mma: in Int4MmaPacked's order) against F.linear."""
     from batchrun.kernels.int4_matmul import int4_matmul
 
-    from batchrun.quant.int4_layout import pack_int4
+    from batchrun.quant.int4_layout import mma_pack, pack_int4
 
     x = torch.randn(m, w.in_features, generator=torch.Generator().manual_seed(m)).to(dtype)
-    y = int4_matmul(x, pack_int4(w), **kwargs)
+    packed = mma_pack(pack_int4(w)) if mma else pack_int4(w)
+    y = int4_matmul(x, packed, **kwargs)
     ref = F.linear(x.double(), w.dequantize(dtype).double())
     err = float((y.double() - ref).abs().max() / ref.abs().max())
     assert y.dtype == dtype and y.shape == (m, w.out_features), what
@@ -104,6 +107,25 @@ def check_kernel() -> None:
     # configs of other shapes: narrow column tiles, split-K by hand, 64-row decode tiles
     for cfg, split in ((Int4Config(16, 32, 64, 4, 2), 4), (Int4Config(64, 64, 32, 4, 2), 2)):
         check(w, 7, torch.float16, f"{cfg} split {split}", config=cfg, split_k=split)
+    check_mma_order()
+
+
+def check_mma_order() -> None:
+    """int4_matmul reading Int4MmaPacked's order (what an engine layer keeps where the tensor-
+    core decode GEMV takes it): groups of 64, 128 and one a row, symmetric and not, decode
+    (split-K) and prefill rows, a K of 320 (a 128-deep tile's second step past K) and of 384, narrow
+    tiles by hand (widened to whole 64-deep steps)."""
+    from batchrun.kernels.int4_matmul import Int4Config
+
+    for case, long_k in ((("awq", 128, False, False), 384), (("gptq", 64, True, False), 320),
+                         (("pack-quantized", -1, False, False), 320)):  # fmt: skip
+        for inp in (256, long_k):
+            w = decoded(*case, out=144, inp=inp)
+            for dtype in (torch.float32, torch.float16):
+                for m in ROWS:
+                    check(w, m, dtype, f"mma order {case} {inp}", mma=True)
+    w = decoded("gptq", 64, False, False, out=144, inp=320)
+    check(w, 7, torch.float16, "mma narrow", mma=True, config=Int4Config(16, 16, 32, 4, 2))
 
 
 # M of the decode GEMV: one row, a few, its largest
