@@ -32,8 +32,9 @@ FP8_MATMULS = ("auto", "scaled_mm", "dequant")
 # the matmul of a quantized model's INT4 linears (AWQ, GPTQ, compressed-tensors W4A16): "triton"
 # kernels/int4_matmul.py on the packed weights (decode batches of up to 16 rows on
 # kernels/int4_gemv_mma.py, or kernels/int4_gemv.py where that does not take the weight),
-# "dequant" weights dequantized at load
-INT4_MATMULS = ("auto", "triton", "dequant")
+# "dequant" weights dequantized at load, "dequant-gemv" dequantized and also kept packed for
+# kernels/int4_gemv_mma.py's decode batches (batchrun/quant/linear.py's "int4_dense")
+INT4_MATMULS = ("auto", "triton", "dequant", "dequant-gemv")
 # the experts of a mixture-of-experts model (layers/moe.py): "triton" kernels/fused_moe.py,
 # "torch" a per-expert loop that reads the routing on the host (the reference)
 MOE_BACKENDS = ("auto", "triton", "torch")
@@ -156,8 +157,10 @@ class KernelConfig:
                         dequantizes)
     int4_matmul         one of INT4_MATMULS for the INT4 linears of a quantized model; auto:
                         "triton" on CUDA where Triton imports and the bf16 weights would take
-                        more than half the GPU, "dequant" elsewhere (set by hand, "triton" runs
-                        on CPU tensors under Triton's interpreter)
+                        more than half the GPU, "dequant-gemv" where the bf16 weights and the
+                        packed copy fit that half on an sm_80+ GPU with Triton's Gluon,
+                        "dequant" elsewhere (set by hand, "triton" runs on CPU tensors under
+                        Triton's interpreter; "dequant-gemv" needs the GPU)
     moe                 one of MOE_BACKENDS for a mixture of experts' experts: "triton" the fused
                         MoE kernels (kernels/fused_moe.py), "torch" a per-expert loop; auto:
                         "triton" on CUDA where Triton imports, "torch" elsewhere

@@ -93,12 +93,13 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "fp8": ({"quantization": "fp8"}, {}),
     # dummy weights in a checkpoint format (VARIANT_QUANTIZATION): FP8 in 128 x 128 blocks,
     # activations per token in groups of 128 (`quant_method: fp8` with weight_block_size); INT4
-    # in AWQ's layout on kernels/int4_matmul.py / dequantized to bf16 at load
-    # (the kernels set: a model whose bf16 weights fit is dequantized at load by default)
+    # in AWQ's layout on kernels/int4_matmul.py / dequantized to bf16 at load / the default
+    # (a model whose bf16 weights fit: dequantized, decode batches on the packed copy)
     "fp8-block": ({}, {"fp8_matmul": "scaled_mm"}),
     "fp8-block-dequant": ({}, {"fp8_matmul": "dequant"}),
     "int4-awq": ({}, {"int4_matmul": "triton"}),
     "int4-awq-dequant": ({}, {"int4_matmul": "dequant"}),
+    "int4-awq-auto": ({}, {}),
     # per-channel FP8 decode batches on torch._scaled_mm (auto: kernels/fp8_gemv.py)
     "fp8-cublas": ({"quantization": "fp8"}, {"decode_gemv": "cublas"}),
     # a mixture of experts' decode batches on the grouped GEMMs (auto: the router in one kernel,
@@ -116,6 +117,7 @@ VARIANT_QUANTIZATION = {
     "fp8-block": benchlib.CHECKPOINT_FORMATS["fp8-block"],
     "int4-awq": benchlib.CHECKPOINT_FORMATS["awq"],
     "int4-awq-dequant": benchlib.CHECKPOINT_FORMATS["awq"],
+    "int4-awq-auto": benchlib.CHECKPOINT_FORMATS["awq"],
     "fp8-block-dequant": benchlib.CHECKPOINT_FORMATS["fp8-block"],
 }
 ALL_VARIANTS = (*VARIANTS, "hf")

@@ -303,8 +303,8 @@ kernel_options = option_group(
         "--int4-matmul",
         type=click.Choice(INT4_MATMULS),
         default="auto",
-        help="INT4 linears: batchrun's Triton W4A16 kernel, or weights dequantized; auto: dequant "
-        "where bf16 fits in half the GPU, else triton.",
+        help="INT4 linears: Triton W4A16 kernels, dequantized, or dequantized plus packed for "
+        "batches of up to 16 rows; auto: dequant-gemv where both fit half the GPU, else triton.",
     ),
     click.option(
         "--moe-kernel",

@@ -72,9 +72,26 @@ def supports_fp8_matmul(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
+def supports_int4_gemv_mma(device: torch.device) -> bool:
+    """kernels/int4_gemv_mma.py: Triton with Gluon (it imports) and bf16 MMAs (sm_80+)."""
+    if device.type != "cuda":
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if torch.cuda.get_device_capability(index) < (8, 0):
+        return False
+    try:
+        importlib.import_module("batchrun.kernels.int4_gemv_mma")
+    except ImportError:
+        return False
+    return True
+
+
 # a quantized model's weights are dequantized to bf16 at load where that takes at most this
 # fraction of the GPU's memory (the rest: the KV pool and activations)
 DEQUANT_MAX_MEMORY = 0.5
+# int4_matmul "dequant-gemv" keeps the packed INT4 weight beside the bf16 one: a quarter of its
+# bytes and the group scales and zeros (1/64 at group 128)
+INT4_COPY = 0.27
 # a quantized mixture of experts has no kernel for its experts: they run dequantized to bf16
 # wherever the decoder's bf16 weights take at most this fraction of the GPU (gpt-oss-120b's
 # 116 GB a rank at --tp 2 on an H200's 141 GiB leave about 20 GB to the KV pool)
@@ -221,12 +238,12 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     elif decode_gemv == "triton" and not triton:
         raise ValueError("decode_gemv 'triton' needs the triton package")
 
-    # NOTE: where the bf16 weights fit, block FP8 and INT4 run faster dequantized at load than
-    # on their kernels today (H200, llama-8b, `scripts/bench_throughput.py --models llama-8b
-    # --workloads W1,W3 --variants batchrun,fp8-block,int4-awq`): block FP8 W1 9,116 output
-    # tok/s and W3 5.70 ms per token against bf16's 11,119 and 4.08; INT4 (AWQ layout) W3 7.50.
-    # The kernels keep such a model's weights in a half (FP8) or a quarter (INT4) of the bytes:
-    # they run where the dequantized weights would take more than DEQUANT_MAX_MEMORY
+    # NOTE: where the bf16 weights fit, block FP8 runs faster dequantized at load than on its
+    # kernels today (H200, llama-8b, `scripts/bench_throughput.py --models llama-8b
+    # --workloads W1,W3 --variants batchrun,fp8-block`): W1 9,116 output tok/s and W3 5.70 ms
+    # per token against bf16's 11,119 and 4.08. The kernels keep such a model's weights in a
+    # half (FP8) or a quarter (INT4) of the bytes: they run where the dequantized weights would
+    # take more than DEQUANT_MAX_MEMORY
     need = bf16_weight_bytes(model_cfg, config.tp_size) if cuda else 0
     memory = gpu_memory(device) if cuda else 0
     dequant_fits = not cuda or need <= DEQUANT_MAX_MEMORY * memory
@@ -245,13 +262,30 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             "H200 or later); use 'dequant' or 'auto'"
         )
 
+    # NOTE: an INT4 model whose bf16 weights fit decodes its batches of up to 16 rows on the
+    # packed weight (kernels/int4_gemv_mma.py) and the rest on the bf16 one: one H100,
+    # llama-8b AWQ, W3 2.82 ms per token on the kernels against bf16's 5.29 (`scripts/
+    # bench_throughput.py --models llama-8b --workloads W3 --variants batchrun,int4-awq`),
+    # while the tiled W4A16 matmul runs W1 at half bf16's throughput
     int4_matmul = want.int4_matmul
+    gemv_mma = cuda and triton and supports_int4_gemv_mma(device)
+    int4_model = model_cfg.quantization is not None and model_cfg.quantization.family == "int4"
     if int4_matmul == "auto":
-        int4_matmul = "triton" if cuda and triton and not dequant_fits else "dequant"
+        int4_matmul = "dequant"
+        if cuda and triton and not dequant_fits:
+            int4_matmul = "triton"
+        elif int4_model and gemv_mma and need * (1 + INT4_COPY) <= DEQUANT_MAX_MEMORY * memory:
+            int4_matmul = "dequant-gemv"
     elif int4_matmul == "triton" and not triton:
         raise ValueError(
             "int4_matmul 'triton' (kernels/int4_matmul.py) needs the triton package; use "
             "'dequant' or 'auto'"
+        )
+    elif int4_matmul == "dequant-gemv" and not gemv_mma:
+        raise ValueError(
+            "int4_matmul 'dequant-gemv' (kernels/int4_gemv_mma.py) needs an sm_80+ GPU and "
+            "Triton with Gluon (triton.experimental.gluon, 3.5 or later); use 'dequant' or "
+            "'auto'"
         )
 
     moe = want.moe
@@ -330,7 +364,7 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         )
 
     fp8_kernels = quantized and fp8_matmul == "scaled_mm" and triton  # kernels/fp8_*.py
-    uses_triton = attention == "triton" or fp8_kernels or int4_matmul == "triton"
+    uses_triton = attention == "triton" or fp8_kernels or int4_matmul in ("triton", "dequant-gemv")
     fused_moe = model_cfg.moe is not None and moe == "triton"
     if triton_ops or decode_gemv == "triton" or uses_triton or fused_moe:
         _check_kernels_import()

@@ -24,6 +24,12 @@ weights.py) and how it multiplies, by device and kernel config.
                                              either for a gate_up); the rest and act-order
                                              weights on kernels/int4_matmul.py (which reads
                                              both orders: one copy of the weight)
+    "int4_dense": INT4 (int4_matmul          the weight dequantized at load (F.linear, as
+    "dequant-gemv")                          "dense") and, where kernels/int4_gemv_mma.py
+                                             takes it on CUDA, also kept in its order for the
+                                             decode batches (M <= 16): a quarter more bytes
+                                             than bf16, bf16's speed above 16 rows and the
+                                             INT4 GEMV's below
     "dense": everything else                 the weight dequantized at load into the compute
                                              dtype, F.linear; on the CPU the FP8 activations
                                              are fake-quantized as the checkpoint says (the
@@ -84,7 +90,8 @@ except ImportError:  # no Triton (CPU-only installs): KernelConfig.decode_gemv i
     fp8_gemv = row_amax = None
 
 SCALED_MM_ALIGN = 16  # torch._scaled_mm: K and N multiples of this
-KERNELS = ("scaled_mm", "fp8_block", "int4", "dense")  # QuantSpec.kernel
+KERNELS = ("scaled_mm", "fp8_block", "int4", "int4_dense", "dense")  # QuantSpec.kernel
+INT4_KERNELS = ("int4", "int4_dense")  # those that keep the packed INT4 weight
 # the layout's tensors (Int4Packed's fields), buffers of an INT4 QuantMatmul
 INT4_BUFFERS = ("qweight", "scales", "zeros", "perm", "groups")
 FP8_GEMV_MAX_ROWS = 16  # kernels/fp8_gemv.py's MAX_M
@@ -144,7 +151,9 @@ def _kernel(
 ):
     """The QuantSpec.kernel of a quantized linear (the module docstring's table)."""
     if scheme.family == "int4":
-        return "int4" if int4_matmul == "triton" and can_pack(out_features) else "dense"
+        if not can_pack(out_features):
+            return "dense"
+        return {"triton": "int4", "dequant-gemv": "int4_dense"}.get(int4_matmul, "dense")
     if fp8_matmul != "scaled_mm":
         return "dense"
     if scheme.block is not None:
@@ -204,7 +213,7 @@ class QuantMatmul(nn.Module):
         self.register_buffer("weight_scale", scale)
         self.group_size = 0
         self.mma = False  # the INT4 weight in Int4MmaPacked's order (set by `load`)
-        if spec.kernel == "int4":  # shapes and presence known once loaded (Int4Packed)
+        if spec.kernel in INT4_KERNELS:  # shapes and presence known once loaded (Int4Packed)
             for name in INT4_BUFFERS:
                 self.register_buffer(name, None)
         static = spec.activations == "static"
@@ -224,23 +233,11 @@ class QuantMatmul(nn.Module):
                 f"{where}: decoded weight is [{qw.out_features}, {qw.in_features}], the layer "
                 f"[{self.out_features}, {self.in_features}]"
             )
-        if self.spec.kernel == "int4":
+        if self.spec.kernel in INT4_KERNELS:
             assert isinstance(qw, Int4Weight)
-            packed = pack_int4(qw)
-            self.mma = (
-                packed.qweight.is_cuda
-                and int4_gemv_mma is not None
-                and self.dtype in int4_gemv_mma.EXP_BITS
-                and can_mma_pack(packed)
-                and packed.out_features % int4_gemv_mma.ROWS == 0
-            )
-            if self.mma:
-                packed = mma_pack(packed)
-            for name in INT4_BUFFERS:
-                setattr(self, name, getattr(packed, name, None))
-            self.group_size = packed.group_size
-            int4_kernel.prepare(packed.qweight.device)
-            return
+            self._keep_int4(qw, mma_only=self.spec.kernel == "int4_dense")
+            if self.spec.kernel == "int4":
+                return
         device = self.weight.device
         with torch.no_grad():
             if self.input_scale is not None:
@@ -263,6 +260,27 @@ class QuantMatmul(nn.Module):
         )
         self.triton_quant = device.type == "cuda" and fp8_quant is not None
 
+    def _keep_int4(self, qw: Int4Weight, mma_only: bool) -> None:
+        """Pack the INT4 weight: in kernels/int4_gemv_mma.py's order where that kernel takes it
+        (CUDA, bf16 / fp16, no act-order, groups of whole 64-row steps, whole 64-row programs),
+        else in the plain order unless mma_only (int4_dense keeps only that kernel's copy)."""
+        packed = pack_int4(qw)
+        self.mma = (
+            packed.qweight.is_cuda
+            and int4_gemv_mma is not None
+            and self.dtype in int4_gemv_mma.EXP_BITS
+            and can_mma_pack(packed)
+            and packed.out_features % int4_gemv_mma.ROWS == 0
+        )
+        if self.mma:
+            packed = mma_pack(packed)
+        elif mma_only:
+            return
+        for name in INT4_BUFFERS:
+            setattr(self, name, getattr(packed, name, None))
+        self.group_size = packed.group_size
+        int4_kernel.prepare(packed.qweight.device)
+
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether x [M, K] runs on a decode kernel that can fuse the SwiGLU gate (`gemv`):
         kernels/fp8_gemv.py for a decode batch (M <= 16, unit stride along K) of a scaled_mm or
@@ -271,7 +289,7 @@ class QuantMatmul(nn.Module):
         (`_int4_gemv_takes`)."""
         if x.dim() != 2 or x.stride(-1) != 1 or x.dtype != self.dtype:
             return False
-        if self.spec.kernel == "int4":
+        if self.spec.kernel in INT4_KERNELS:
             return self._int4_gemv_takes(x.shape[0], swiglu=True)
         # block FP8: a fused gate_up's halves of whole 128-row blocks
         halves = self.spec.kernel != "fp8_block" or self.out_features % (2 * 128) == 0
@@ -280,7 +298,7 @@ class QuantMatmul(nn.Module):
     def gemv(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         """x @ W^T on the decode kernel (`takes_gemv`); with swiglu, W is a fused gate_up
         and the result silu(gate) * up [M, out_features / 2]."""
-        if self.spec.kernel == "int4":
+        if self.spec.kernel in INT4_KERNELS:
             if self.mma:
                 return int4_gemv_mma.int4_gemv_mma(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
             return int4_gemv_kernel.int4_gemv(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
@@ -312,6 +330,8 @@ class QuantMatmul(nn.Module):
             return self._block_matmul(x)
         if self.spec.kernel == "int4":
             return self._int4(x)
+        if self.mma and x.dim() == 2 and self.takes_gemv(x):  # int4_dense's decode batches
+            return self.gemv(x)
         if self.fake_quant:
             x = self._fake_quant(x)
         return F.linear(x, self.weight)
@@ -384,6 +404,8 @@ class QuantMatmul(nn.Module):
         with swiglu, halves of whole words)."""
         if self.mma:
             return int4_gemv_mma.takes(self._packed(), m, swiglu=swiglu)
+        if self.spec.kernel != "int4":  # int4_dense without the tensor-core GEMV's copy
+            return False
         return int4_gemv_kernel.takes(self._packed(), m, swiglu=swiglu)
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
@@ -400,9 +422,12 @@ class QuantMatmul(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        path = self.spec.kernel if self.spec.kernel != "dense" else "dequantized"
+        dequantized = self.spec.kernel in ("dense", "int4_dense")
+        path = "dequantized" if dequantized else self.spec.kernel
         if self.fp8_gemv:
             path += ", fp8_gemv for decode"
-        if self.spec.kernel == "int4":
-            path += ", int4_gemv_mma for decode" if self.mma else ", int4_gemv for decode"
+        if self.mma:
+            path += ", int4_gemv_mma for decode"
+        elif self.spec.kernel == "int4":
+            path += ", int4_gemv for decode"
         return f"{self.out_features}x{self.in_features}, {path}, {self.spec.describe}"

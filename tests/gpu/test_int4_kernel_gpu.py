@@ -333,30 +333,70 @@ def test_engine_with_cuda_graphs_gives_the_dequantized_paths_tokens(fmt, group_s
     with tempfile.TemporaryDirectory() as tmp:
         write_int4_checkpoint(fmt, hf, Path(tmp), group_size=group_size, act_order=act_order)
         engines = {}
-        for path in ("triton", "dequant"):
+        for path in ("triton", "dequant", "dequant-gemv"):
             kernels = KernelConfig(int4_matmul=path, piecewise_graphs=True)
             config = EngineConfig(
                 model=tmp, device="cuda", dtype="bfloat16", kv_budget=20000, kernels=kernels
             )
             engine = Engine(config)
             assert engine.kernels.cuda_graph_max_bs > 0 and engine.kernels.int4_matmul == path
-            if path == "triton":  # decodes on int4_gemv_mma where it takes the weight
+            if path != "dequant":  # decodes on int4_gemv_mma where it takes the weight
                 assert engine.runner.model.layers[0].mlp.down_proj.quant.mma == (not act_order)
             engines[path] = engine
         reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
         theirs = {r.rid: r.output_ids for r in engines["dequant"].generate(reqs)}
-        ours = {r.rid: r.output_ids for r in engines["triton"].generate(reqs)}
-        forced = 0
-        for req in reqs:
-            seq = req.input_ids + theirs[req.rid]
-            logits = engines["triton"].score(seq[:-1])  # [T, V]
-            picks = logits[len(req.input_ids) - 1 :].argmax(-1).tolist()
-            forced += sum(a == b for a, b in zip(picks, theirs[req.rid]))
-        free = sum(
-            a == b for r in reqs for a, b in zip(ours[r.rid], theirs[r.rid])
-        )  # fmt: skip
-        total = 64 * len(reqs)
-        print(f"{fmt}: identical greedy tokens {forced / total:.3f} teacher-forced, "
-              f"{free / total:.3f} free")  # fmt: skip
-        assert forced / total >= 0.95, (forced / total, free / total)
+        for path in ("triton", "dequant-gemv"):  # scored by prefill: the decode GEMV's test is
+            ours = {r.rid: r.output_ids for r in engines[path].generate(reqs)}  # the next one
+            forced = 0
+            for req in reqs:
+                seq = req.input_ids + theirs[req.rid]
+                logits = engines[path].score(seq[:-1])  # [T, V]
+                picks = logits[len(req.input_ids) - 1 :].argmax(-1).tolist()
+                forced += sum(a == b for a, b in zip(picks, theirs[req.rid]))
+            free = sum(
+                a == b for r in reqs for a, b in zip(ours[r.rid], theirs[r.rid])
+            )  # fmt: skip
+            total = 64 * len(reqs)
+            print(f"{fmt} {path}: identical greedy tokens {forced / total:.3f} teacher-forced, "
+                  f"{free / total:.3f} free")  # fmt: skip
+            assert forced / total >= 0.95, (path, forced / total, free / total)
         del engines
+
+
+@pytest.mark.parametrize("kernel", ["int4", "int4_dense"])
+def test_decode_batches_of_an_int4_layer_run_on_the_tensor_core_gemv(kernel):
+    """QuantMatmul with kernel "int4" (int4_matmul "triton") and "int4_dense" ("dequant-gemv"):
+    the AWQ-shaped weight of llama-8b's gate_up kept in int4_gemv_mma's order; batches of 1 to
+    16 rows run on it (the SwiGLU gate too), within the bound of the dequantized reference;
+    int4_dense's larger batches are F.linear on its bf16 weight, bit for bit."""
+    from unittest import mock
+
+    from batchrun.kernels import int4_gemv_mma
+
+    from batchrun.quant.linear import QuantMatmul, QuantSpec
+
+    n, k = 28672, 4096
+    w = random_weight(n, k, 128, symmetric=False, act_order=False, seed=5)
+    spec = QuantSpec("int4", "none", None, kernel, "test")
+    layer = QuantMatmul(n, k, spec, torch.bfloat16, "cuda")
+    layer.load(w, "test")
+    assert layer.mma and layer.qweight.dim() == 4
+    dense = w.dequantize(torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m in (1, 7, 16):
+        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        assert layer.takes_gemv(x)
+        spy = mock.patch.object(int4_gemv_mma, "int4_gemv_mma", wraps=int4_gemv_mma.int4_gemv_mma)
+        with spy as calls:
+            y, a = layer(x), layer.gemv(x, swiglu=True)
+        assert calls.call_count == 2, m
+        ref = F.linear(x.float(), dense.float())
+        err = float((y.float() - ref).abs().max() / ref.abs().max())
+        assert err <= MAX_REL_ERROR, (m, err)
+        gate, up = ref.bfloat16().float().chunk(2, dim=-1)
+        ref_a = F.silu(gate).bfloat16().float() * up
+        err = float((a.float() - ref_a).abs().max() / ref_a.abs().max())
+        assert err <= SWIGLU_MAX_REL_ERROR, (m, err)
+    if kernel == "int4_dense":
+        x = torch.randn(300, k, generator=g, device="cuda").to(torch.bfloat16)
+        assert torch.equal(layer(x), F.linear(x, dense))

@@ -47,9 +47,10 @@ def resolve(model_cfg=SMALL, device=CPU, kernels: KernelConfig | None = None, **
 def gpu(monkeypatch):
     """A GPU with triton and the driver's stream wait: call with pdl=True for sm_90+ (an H200,
     with FP8 tensor cores), pdl=False for sm_80 (an A100, without); `memory` bytes (an H200's
-    by default); fa3: FlashInfer's FA3 prefill runs the model (flashinfer installed)."""
+    by default); fa3: FlashInfer's FA3 prefill runs the model (flashinfer installed); gemv_mma:
+    kernels/int4_gemv_mma.py runs (Gluon, sm_80+)."""
 
-    def make(pdl: bool, memory: int = H200_MEMORY, fa3: bool = False) -> None:
+    def make(pdl: bool, memory: int = H200_MEMORY, fa3: bool = False, gemv_mma=True) -> None:
         monkeypatch.setattr(kernel_choice, "gpu_memory", lambda device: memory)
         reason = None if fa3 else "flashinfer is not importable"
         monkeypatch.setattr(kernel_choice, "fa3_unavailable_reason", lambda *args: reason)
@@ -57,6 +58,7 @@ def gpu(monkeypatch):
         monkeypatch.setattr(kernel_choice, "has_triton", lambda: True)
         monkeypatch.setattr(kernel_choice, "supports_pdl", lambda device: pdl)
         monkeypatch.setattr(kernel_choice, "supports_fp8_matmul", lambda device: pdl)
+        monkeypatch.setattr(kernel_choice, "supports_int4_gemv_mma", lambda device: gemv_mma)
         monkeypatch.setattr(kernel_choice.HostGate, "available", staticmethod(lambda: True))
 
     return make
@@ -345,19 +347,29 @@ def test_int4_and_block_fp8_are_dequantized_where_the_bf16_weights_fit(gpu, monk
     """On CUDA, an INT4 or block-FP8 model's weights are dequantized to bf16 at load where that
     takes at most DEQUANT_MAX_MEMORY of the GPU (llama-8b's 15 GB of an H200's 150), else kept
     packed on kernels/int4_matmul.py / the Triton block matmul (llama-8b on a 24 GB GPU; or
-    llama-8b's ranks at TP=2 on a 16 GB one: half each). A hand-set choice is kept. The CPU
-    dequantizes unless "triton" is set by hand (Triton's interpreter), which needs triton."""
+    llama-8b's ranks at TP=2 on a 16 GB one: half each). An INT4 model also keeps its packed
+    weight for the decode GEMV ("dequant-gemv") where both fit and the GEMV runs (llama-8b's
+    ranks at TP=2 on a 16 GB GPU: the bf16 half fits, not with the copy). A hand-set choice is
+    kept. The CPU dequantizes unless "triton" is set by hand (Triton's interpreter), which
+    needs triton; "dequant-gemv" needs the GEMV."""
     gpu(pdl=True)
-    assert resolve(int4(LARGE), CUDA).int4_matmul == "dequant"
+    assert resolve(int4(LARGE), CUDA).int4_matmul == "dequant-gemv"
     assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "dequant"
     assert resolve(quantized(LARGE), CUDA).fp8_matmul == "scaled_mm"  # per channel: the cores
     gpu(pdl=True, memory=24_000_000_000)
     assert resolve(int4(LARGE), CUDA).int4_matmul == "triton"
     assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "scaled_mm"
-    assert resolve(int4(SMALL), CUDA).int4_matmul == "dequant"
+    assert resolve(int4(SMALL), CUDA).int4_matmul == "dequant-gemv"
     gpu(pdl=True, memory=16_000_000_000)
     assert resolve(int4(LARGE), CUDA).int4_matmul == "triton"
     assert resolve(int4(LARGE), CUDA, tp_size=2).int4_matmul == "dequant"
+    gpu(pdl=True, gemv_mma=False)
+    assert resolve(int4(LARGE), CUDA).int4_matmul == "dequant"
+    with pytest.raises(ValueError, match="int4_matmul 'dequant-gemv' .* needs an sm_80"):
+        resolve(int4(LARGE), CUDA, KernelConfig(int4_matmul="dequant-gemv"))
+    with pytest.raises(ValueError, match="int4_matmul 'dequant-gemv' .* needs an sm_80"):
+        resolve(int4(SMALL), CPU, KernelConfig(int4_matmul="dequant-gemv"))
+    gpu(pdl=True)
     hand_set = KernelConfig(int4_matmul="dequant", fp8_matmul="dequant")
     assert resolve(int4(LARGE), CUDA, hand_set).int4_matmul == "dequant"
     assert resolve(fp8_blocks(LARGE), CUDA, hand_set).fp8_matmul == "dequant"

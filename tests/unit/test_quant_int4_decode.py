@@ -229,3 +229,30 @@ def test_pack_quantized_is_what_compressed_tensors_writes_and_reads(symmetric, g
     decoded = scheme.decode(ours, 40, 128, WHERE).dequantize()
     # it dequantizes in the scales' dtype: one rounding of the exact product
     assert torch.equal(weight, decoded.to(weight.dtype))
+
+
+def test_dequant_gemv_plans_int4_dense_and_runs_dense_off_the_gpu():
+    """int4_matmul "dequant-gemv" plans an INT4 linear as "int4_dense" ("dequant" as "dense");
+    off the GPU (no tensor-core GEMV) the layer keeps no packed copy and is the dense path."""
+    from batchrun.quant.linear import QuantMatmul, plan_linear
+
+    scheme = awq.parse(int4_quantization_config("awq", 32, False, False), "test")
+    plans = {
+        path: plan_linear(scheme, "dequant", torch.float32, (WHERE,), 64, 128, path).kernel
+        for path in ("dequant", "dequant-gemv", "triton")
+    }
+    assert plans == {"dequant": "dense", "dequant-gemv": "int4_dense", "triton": "int4"}
+    ref = quantize_int4(torch.randn(64, 128) * 0.05, 32, False, torch.float16, None)
+    w = awq.parse(int4_quantization_config("awq", 32, False, False), "test").decode(
+        int4_tensors("awq", ref), 64, 128, WHERE
+    )
+    layers = {}
+    for path in ("dequant", "dequant-gemv"):
+        spec = plan_linear(scheme, "dequant", torch.float32, (WHERE,), 64, 128, path)
+        layers[path] = QuantMatmul(64, 128, spec, torch.float32, "cpu")
+        layers[path].load(w, WHERE)
+    hybrid = layers["dequant-gemv"]
+    assert not hybrid.mma and hybrid.qweight is None and "dequantized" in hybrid.extra_repr()
+    x = torch.randn(5, 128)
+    assert not hybrid.takes_gemv(x)
+    assert torch.equal(hybrid(x), layers["dequant"](x))
