@@ -24,7 +24,7 @@ group 128: a 128-deep chunk is 189 instructions a thread (2.95 a weight value, a
 CUDA-core kernel's 4.0): 2 LDG.128 of weights, 3 shifts and 4 lop3 a word, 16 MMAs (half of
 them for sum x), no shared memory, 40 registers. On one H100 (`python
 scripts/bench_int4_matmul.py --models llama-8b --m 1,16`, µs a call in CUDA graphs) llama-8b's
-qkv, o, gate_up with SwiGLU and down take 10.4, 7.6, 26.4 and 17.3 µs at M = 1 (kernels/
+qkv, o, gate_up with SwiGLU and down take 9.0, 7.6, 26.4 and 17.2 µs at M = 1 (kernels/
 int4_gemv.py's CUDA-core kernel: 11.4, 9.0, 33.4, 24.2; bf16 cuBLAS 20.5, 16.3, 81.4, 44.4) and
 13.0, 13.5, 37.7 (40.7 with SwiGLU) and 30.1 at M = 16 (int4_gemv's tensor-core kernel 38.5,
 55.4, 108.3, 62.2; bf16 cuBLAS 21.2, 16.5, 82.8, 45.2).
@@ -64,8 +64,12 @@ ROWS = MMA_ROWS * WARPS  # output rows a program: 16 a warp
 # OFFSET + q as the 16-bit float of each nibble: kernels/int4_gemv.py's exponent bits in both
 # halves of a word, and OFFSET
 EXP_BITS = {dtype: (bits << 16 | bits, offset) for dtype, (bits, offset) in GEMV_EXP_BITS.items()}
-# K-split programs aimed at (about eight an SM of 132); a slice keeps at least two chunks
-TARGET_PROGRAMS = 1024
+# NOTE: K-split programs at most (about 12 an SM of 132); a slice keeps at least two chunks.
+# `python scripts/bench_int4_matmul.py --models llama-8b --m 1 --sweep mma` on one H100, µs at
+# splits 4 / 8 / 16 / 32: qkv (96 programs of rows) 15.2 / 10.4 / 9.0 / 11.6, o (64) 14.7 /
+# 9.5 / 7.6 / 9.2, gate_up with SwiGLU (224) 26.4 / 28.6 / 29.3 / 31.3, down (64) 43.3 / 24.9 /
+# 17.2 / 19.5: the rule picks the best of each
+TARGET_PROGRAMS = 1536
 MAX_SPLIT_K = 32
 
 

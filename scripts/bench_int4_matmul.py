@@ -11,6 +11,7 @@ bytes) and prefill (TFLOP/s).
     python scripts/bench_int4_matmul.py --models llama-8b,llama-1b --m 1,16 --sweep
     python scripts/bench_int4_matmul.py --m 1,16 --sweep gemv     # the GEMV's configs only
     python scripts/bench_int4_matmul.py --m 1 --sweep fma         # the CUDA-core GEMV's only
+    python scripts/bench_int4_matmul.py --m 1 --sweep mma         # the tensor-core GEMV's splits
     python scripts/bench_int4_matmul.py --m 1,4,16                # the decode columns
 
 Weights are AWQ-shaped (group 128, zero points; random values). Each measurement replays a CUDA
@@ -54,6 +55,8 @@ SWEEP = {
 SPLITS = (1, 2, 4, 8, 16)
 # the CUDA-core GEMV's sweep at M = 1: (block_k, num_warps) x SPLITS and 32, 64 slices
 FMA_SWEEP = [(128, 4), (128, 8), (64, 4)]
+# the tensor-core GEMV's sweep: its K slices
+MMA_SPLITS = (1, 2, 4, 8, 16, 32)
 # the decode GEMV's sweep: (block_n, block_k, num_warps, num_stages) x SPLITS
 GEMV_SWEEP = [(256, 64, 4, 2), (256, 64, 4, 3), (256, 64, 4, 4), (256, 128, 4, 3),
               (256, 32, 4, 4), (128, 64, 4, 3), (256, 64, 8, 3), (512, 64, 8, 3)]  # fmt: skip
@@ -176,7 +179,7 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
                     f"{packed_bytes(packed) / fma_us / 1e6:5.2f} TB/s  "
                     f"{gemv_cols['int4_gemv_fma_config']}"
                 )
-            if sweep:
+            if "int4_gemv_best_us" in gemv_cols:
                 line += f"  | best {gemv_cols['int4_gemv_best_us']:.1f} µs "
                 line += f"{gemv_cols['int4_gemv_best_config']}"
             if "int4_gemv_mma_us" in gemv_cols:
@@ -207,9 +210,10 @@ def fma_sweep() -> list[Int4GemvConfig]:
     ]
 
 
-def bench_mma(x, ref, int4s, calls: int, swiglu: bool) -> dict:
+def bench_mma(x, ref, int4s, calls: int, swiglu: bool, sweep: bool = False) -> dict:
     """kernels/int4_gemv_mma.py (the weights mma_pack-ed), µs a call, where it takes the
-    matrix: plain, and with swiglu (a gate_up) also with the SwiGLU epilogue."""
+    matrix: plain, and with swiglu (a gate_up) also with the SwiGLU epilogue; with sweep also
+    the best of MMA_SPLITS (each printed)."""
     if not can_mma_pack(int4s[0]):
         return {}
     mmas = [mma_pack(p) for p in int4s]
@@ -220,9 +224,22 @@ def bench_mma(x, ref, int4s, calls: int, swiglu: bool) -> dict:
         print(f"  int4_gemv_mma M={x.shape[0]}: error {err:.2e}, skipped", flush=True)
         return {}
     cols = dict(int4_gemv_mma_us=graph_time_us(lambda w, x=x: int4_gemv_mma(x, w), mmas, calls))
-    if swiglu and mma_takes(mmas[0], x.shape[0], swiglu=True):
+    glu = swiglu and mma_takes(mmas[0], x.shape[0], swiglu=True)
+    if glu:
         fn = lambda w, x=x: int4_gemv_mma(x, w, swiglu=True)  # noqa: E731
         cols.update(int4_gemv_mma_swiglu_us=graph_time_us(fn, mmas, calls))
+    if sweep:
+        n, k = mmas[0].out_features, x.shape[1]
+        for g in (False, True) if glu else (False,):
+            times = {}
+            for s in MMA_SPLITS:
+                fn = lambda w, x=x, s=s, g=g: int4_gemv_mma(x, w, swiglu=g, split_k=s)  # noqa: E731
+                times[s] = graph_time_us(fn, mmas, calls)
+            line = " ".join(f"{s}: {us:.1f}" for s, us in times.items())
+            print(f"  int4_gemv_mma {n}x{k} M={x.shape[0]} swiglu={g} split_k -> µs: {line}")
+            best = min(times, key=times.get)
+            key = "int4_gemv_mma_swiglu" if g else "int4_gemv_mma"
+            cols.update({f"{key}_best_us": times[best], f"{key}_best_split": best})
     return cols
 
 
@@ -244,7 +261,8 @@ def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: str | None,
             for bn, bk, warps, stages in GEMV_SWEEP
             for s in SPLITS
         ]
-    if sweep and m == 1:
+    gemvs = sweep in ("all", "gemv", "fma")  # the int4_gemv sweeps
+    if gemvs and m == 1:
         candidates += fma_sweep()
     times = {}
     for c in dict.fromkeys(candidates):
@@ -256,7 +274,7 @@ def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: str | None,
         times[c] = graph_time_us(fn, int4s, calls)
     best = min(times, key=times.get)
     bf16_gemv_us = graph_time_us(lambda d, x=x: gemv(x, d, pdl=True), denses, calls)
-    mma_cols = bench_mma(x, ref, int4s, calls, swiglu)
+    mma_cols = bench_mma(x, ref, int4s, calls, swiglu, sweep in ("all", "mma"))
     nan = float("nan")
     cols = dict(
         int4_gemv_us=times.get(picked, nan), int4_gemv_config=tuple(picked),
@@ -264,12 +282,12 @@ def bench_gemv(x, ref, dense, denses, int4s, calls: int, sweep: str | None,
     )  # fmt: skip
     if fma:
         cols.update(int4_gemv_fma_us=times.get(fma, nan), int4_gemv_fma_config=tuple(fma))
-    if sweep:
+    if gemvs:
         cols.update(int4_gemv_best_us=times[best], int4_gemv_best_config=tuple(best))
     cols.update(mma_cols)
     if fma and swiglu:
         glu = [pick_fma_config(n, k, swiglu=True)]
-        if sweep:
+        if gemvs:
             glu += fma_sweep()
         glu_times = {}
         for c in dict.fromkeys(glu):
@@ -289,9 +307,9 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="llama-8b")
     p.add_argument("--m", default="1,4,16,64,256,2048,8192")
     p.add_argument(
-        "--sweep", nargs="?", const="all", choices=("all", "gemv", "fma"),
-        help="also time the configs of SWEEP, GEMV_SWEEP and FMA_SWEEP (gemv: the GEMVs' alone; "
-        "fma: FMA_SWEEP's alone)",
+        "--sweep", nargs="?", const="all", choices=("all", "gemv", "fma", "mma"),
+        help="also time the configs of SWEEP, GEMV_SWEEP, FMA_SWEEP and MMA_SPLITS (gemv: the "
+        "GEMVs' alone; fma: FMA_SWEEP's alone; mma: MMA_SPLITS alone)",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench-out/int4_matmul"))
     args = p.parse_args(argv)

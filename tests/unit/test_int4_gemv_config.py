@@ -1,6 +1,6 @@
 """kernels/int4_gemv.py's config rule: one row runs on the CUDA-core kernel, split along K by
 its rule (llama-8b's matrices as timed in scripts/bench_int4_matmul.py --sweep fma), more rows
-on the tensor-core kernel."""
+on the tensor-core kernel; and kernels/int4_gemv_mma.py's K split."""
 
 from __future__ import annotations
 
@@ -30,3 +30,16 @@ def test_fma_splits_of_llama_8b():
     assert pick_fma_config(4096, 14336).split_k == 32
     assert pick_fma_config(28672, 4096, swiglu=True).split_k == 8
     assert pick_fma_config(28672, 4096).block_k == 128
+
+
+def test_mma_splits_of_llama_8b():
+    """kernels/int4_gemv_mma.py's K slices for llama-8b's matrices at group 128 (128-deep
+    chunks): the best of `bench_int4_matmul.py --m 1 --sweep mma` on the H100 for each (qkv,
+    o and down 16, the SwiGLU gate_up's 14,336 rows a half 4)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from batchrun.kernels.int4_gemv_mma import pick_split
+
+    assert pick_split(6144, 4096, 128) == 16
+    assert pick_split(4096, 4096, 128) == 16
+    assert pick_split(14336, 4096, 128) == 4
+    assert pick_split(4096, 14336, 128) == 16
