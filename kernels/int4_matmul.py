@@ -35,8 +35,15 @@ No host syncs, no allocation that depends on data: the kernel runs inside CUDA g
 counters are allocated on first use: call `int4_matmul` once eagerly before capturing a graph
 (`prepare` does it at load).
 
+`int4_dequantize` writes the weight out in x's dtype ([N, K], the kernel's column order) with
+the same arithmetic, for a product that runs on cuBLAS instead: a candidate for large M, where
+the dequantization inside the tiled matmul costs as much as its MMAs (llama-8b's gate_up at
+M = 2,048: 1,711 µs against bf16 cuBLAS's 610 on one H100); `scripts/bench_int4_matmul.py`
+times it beside the matmul (`dequant + cuBLAS`); nothing in the engine runs it yet.
+
     y = int4_matmul(x, packed)                        # a config from pick_config(M, N, K)
     y = int4_matmul(x, packed, config=Int4Config(...))  # scripts/bench_int4_matmul.py
+    w = int4_dequantize(packed, torch.bfloat16)       # [N, K]; F.linear(x[:, perm], w)
 """
 
 from __future__ import annotations
@@ -284,6 +291,91 @@ def int4_matmul(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
+
+
+@triton.jit
+def _int4_dequantize_kernel(
+    QW,
+    S,
+    Z,
+    Groups,
+    W,
+    N,
+    K,
+    group_size,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    COLUMN_GROUPS: tl.constexpr,
+    MMA_ORDER: tl.constexpr,
+):
+    """W[n, k] = (q - zero) * scale of one [BLOCK_K, BLOCK_N] tile, written along K."""
+    pid_n = tl.program_id(0)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    in_n = offs_n < N
+    in_k = offs_k < K
+    if MMA_ORDER:
+        q = _mma_order_values(QW, k0, K, pid_n, N, BLOCK_K, BLOCK_N)
+    else:
+        offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        words = tl.load(
+            QW + offs_k[:, None].to(tl.int64) * (N // 8) + offs_w[None, :],
+            mask=in_k[:, None] & (offs_w < N // 8)[None, :],
+            other=0,
+        )
+        words = tl.interleave(words, words)
+        words = tl.interleave(words, words)
+        words = tl.interleave(words, words)
+        q = (words >> ((tl.arange(0, BLOCK_N) % 8) * 4)[None, :]) & 0xF
+    qf = (q | 0x4B000000).to(tl.float32, bitcast=True)  # MAGIC + q
+    if COLUMN_GROUPS:
+        g = tl.load(Groups + offs_k, mask=in_k, other=0)
+        sz = g[:, None].to(tl.int64) * N + offs_n[None, :]
+        sz_mask = in_k[:, None] & in_n[None, :]
+        s = tl.load(S + sz, mask=sz_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(Z + sz, mask=sz_mask, other=0).to(tl.float32) + MAGIC
+        else:
+            z = MAGIC + 8.0
+    else:
+        row = (k0 // group_size).to(tl.int64) * N
+        s = tl.load(S + row + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
+        if HAS_ZEROS:
+            z = tl.load(Z + row + offs_n, mask=in_n, other=0).to(tl.float32)[None, :] + MAGIC
+        else:
+            z = MAGIC + 8.0
+    w = tl.trans(((qf - z) * s).to(W.dtype.element_ty))  # [BLOCK_N, BLOCK_K]
+    out = W + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+    tl.store(out, w, mask=in_n[:, None] & in_k[None, :])
+
+
+def int4_dequantize(
+    w: Int4Packed | Int4MmaPacked, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """W [N, K] in dtype, in the kernel's column order (act-order: x's columns through w.perm
+    multiply it), computed as int4_matmul computes it; into `out` (an [N, K] view of a scratch
+    buffer, say) where given."""
+    mma_order = isinstance(w, Int4MmaPacked)
+    groups = None if mma_order else w.groups
+    n, k = w.out_features, w.in_features
+    if out is None:
+        out = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
+    assert out.shape == (n, k) and out.dtype == dtype and out.is_contiguous(), out.shape
+    block_n, block_k = 128, 64
+    if groups is None and w.group_size < k:
+        block_k = min(block_k, w.group_size)  # a K tile inside one group
+    if mma_order:  # whole 64-deep steps (mma_pack's groups: whole steps)
+        block_k = max(block_k, MMA_K)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    _int4_dequantize_kernel[grid](
+        w.qweight, w.scales, out if w.zeros is None else w.zeros,
+        out if groups is None else groups, out, n, k, w.group_size,
+        BLOCK_N=block_n, BLOCK_K=block_k, HAS_ZEROS=w.zeros is not None,
+        COLUMN_GROUPS=groups is not None, MMA_ORDER=mma_order, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 def prepare(device: torch.device) -> None:

@@ -1,9 +1,11 @@
 """The INT4 W4A16 matmul (kernels/int4_matmul.py) against bf16 F.linear (cuBLAS) on the GPU, per
-projection of the benchmark models and per M, with an optional sweep of tile configs; at
-M <= 16 also the INT4 decode GEMV (kernels/int4_gemv.py, what QuantMatmul runs there; at M = 1
-also its CUDA-core kernel, pick_fma_config), the Gluon MMA GEMV on mma_pack-ed weights
-(kernels/int4_gemv_mma.py, a candidate) and the bf16 decode GEMV (kernels/gemv.py), µs and
-TB/s of weight bytes. Answers whether the kernel's config table (`CONFIGS`, `pick_config`)
+projection of the benchmark models and per M, with an optional sweep of tile configs; on the
+weight in mma_pack's order too (what an engine layer keeps), and above 16 rows the weight
+dequantized into a scratch buffer by int4_dequantize then cuBLAS (a candidate); at M <= 16
+also the decode GEMVs: the Gluon MMA GEMV on mma_pack-ed weights (kernels/int4_gemv_mma.py,
+what QuantMatmul runs there), kernels/int4_gemv.py (for weights the first does not take; at
+M = 1 its CUDA-core kernel, pick_fma_config) and the bf16 decode GEMV (kernels/gemv.py), µs
+and TB/s of weight bytes. Answers whether the kernel's config table (`CONFIGS`, `pick_config`)
 holds on this GPU, and what INT4 weights give over bf16 at decode (memory-bound: GB/s of weight
 bytes) and prefill (TFLOP/s).
 
@@ -37,7 +39,14 @@ from batchrun.kernels.int4_gemv import MAX_M as GEMV_MAX_M
 from batchrun.kernels.int4_gemv import Int4GemvConfig, int4_gemv, pick_dot_config, pick_fma_config
 from batchrun.kernels.int4_gemv_mma import int4_gemv_mma
 from batchrun.kernels.int4_gemv_mma import takes as mma_takes
-from batchrun.kernels.int4_matmul import CONFIGS, Int4Config, int4_matmul, pick_config, prepare
+from batchrun.kernels.int4_matmul import (
+    CONFIGS,
+    Int4Config,
+    int4_dequantize,
+    int4_matmul,
+    pick_config,
+    prepare,
+)
 
 from batchrun.quant.dummy import random_int4
 from batchrun.quant.int4_layout import Int4Packed, can_mma_pack, mma_pack, pack_int4
@@ -111,6 +120,10 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
     denses = [dense] + [dense.clone() for _ in range(copies(dense.nbytes) - 1)]
     # the weight in mma_pack's order, as an engine layer keeps it where int4_gemv_mma takes it
     mma_int4s = [mma_pack(p) for p in int4s] if can_mma_pack(packed) else []
+    scratch = torch.empty((n, k), dtype=torch.bfloat16, device="cuda")  # int4_dequantize's
+    dequant_us = graph_time_us(
+        lambda p: int4_dequantize(p, torch.bfloat16, scratch), mma_int4s or int4s, 64
+    )
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -138,6 +151,11 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
         if mma_int4s and error(int4_matmul(x, mma_int4s[0]), ref) <= MAX_REL_ERROR:
             fn = lambda p, x=x: int4_matmul(x, p)  # noqa: E731
             mma_order_us = graph_time_us(fn, mma_int4s, calls)
+        # the weight dequantized into a scratch buffer, then cuBLAS (for M above the GEMVs')
+        deq_linear_us = float("nan")
+        deq = lambda p, x=x: F.linear(x, int4_dequantize(p, torch.bfloat16, scratch))  # noqa: E731
+        if m > GEMV_MAX_M and error(deq((mma_int4s or int4s)[0]), ref) <= MAX_REL_ERROR:
+            deq_linear_us = graph_time_us(deq, mma_int4s or int4s, calls)
         gemv_cols = {}
         if m <= GEMV_MAX_M:
             gemv_cols = bench_gemv(x, ref, dense, denses, int4s, calls, sweep, name == "gate_up")
@@ -149,7 +167,8 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
             int4_gbs=packed_bytes(packed) / picked_us / 1e3,
             bf16_gbs=dense.nbytes / bf16_us / 1e3,
             int4_tflops=flops / picked_us / 1e6, bf16_tflops=flops / bf16_us / 1e6,
-            int4_mma_order_us=mma_order_us,
+            int4_mma_order_us=mma_order_us, dequant_us=dequant_us,
+            dequant_linear_us=deq_linear_us,
         )  # fmt: skip
         if sweep == "all":
             row.update(best_us=best_us, best_config=tuple(best_cfg), best_split_k=best_split)
@@ -161,6 +180,8 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
             f" TFLOP/s  bf16 {row['bf16_gbs']:7.0f} GB/s {row['bf16_tflops']:6.1f} TFLOP/s"
             f"  {tuple(cfg)} split {split}  mma order {mma_order_us:.1f} µs"
         )
+        if m > GEMV_MAX_M:
+            line += f"  dequant {dequant_us:.1f} + cuBLAS: {deq_linear_us:.1f} µs"
         if sweep == "all":
             line += f"  | best {best_us:.1f} µs {tuple(best_cfg)} split {best_split}"
         if gemv_cols:

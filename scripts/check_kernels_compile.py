@@ -200,6 +200,14 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             x = torch.randn(m, 4096, dtype=torch.bfloat16)
             out.append((f"int4_matmul mma order group={group} sym={symmetric} M={m}",
                         lambda x=x, w=wm: int4_matmul.int4_matmul(x, w)))  # fmt: skip
+        out.append((f"int4_dequantize mma order group={group}",
+                    lambda w=wm: int4_matmul.int4_dequantize(w, torch.bfloat16)))  # fmt: skip
+    for group, act_order in ((128, False), (32, True)):  # the plain order
+        p = pack_int4(_int4_weight(Int4Weight, 6144, 4096, group, False, act_order))
+        out.append((f"int4_dequantize group={group} act_order={act_order}",
+                    lambda p=p: int4_matmul.int4_dequantize(p, torch.bfloat16)))  # fmt: skip
+    out.append(("int4_dequantize act-order slice",
+                lambda: int4_matmul.int4_dequantize(sliced, torch.bfloat16)))  # fmt: skip
     from batchrun.kernels.fused_norm import rms_norm_heads
 
     for tokens in (1, 300):  # Qwen3's q and k norms (Qwen3-30B-A3B: 32 + 4 heads of 128)

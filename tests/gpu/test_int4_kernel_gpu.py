@@ -161,6 +161,28 @@ def test_mma_order_gives_the_plain_orders_results(group_size, symmetric):
             assert err <= 2.0**-7, (n, k, m, err)  # an ulp of bf16 at the largest output
 
 
+@pytest.mark.parametrize(
+    "group_size,symmetric,act_order,mma",
+    [(128, False, False, True), (-1, True, False, True), (128, False, False, False),
+     (32, True, True, False)],
+)  # fmt: skip
+def test_dequantize_gives_the_reference_weight(group_size, symmetric, act_order, mma):
+    """int4_dequantize (a candidate for large M: the weight dequantized, then cuBLAS) writes
+    Int4Weight.dequantize's bf16 weight bit for bit, in the kernel's column order, on
+    llama-8b's gate_up and down_proj, from either order."""
+    from batchrun.kernels.int4_matmul import int4_dequantize
+
+    from batchrun.quant.int4_layout import mma_pack, pack_int4
+
+    for n, k in ((28672, 4096), (4096, 14336)):
+        w = random_weight(n, k, group_size, symmetric, act_order, seed=n)
+        packed = pack_int4(w)
+        ours = int4_dequantize(mma_pack(packed) if mma else packed, torch.bfloat16)
+        if packed.perm is not None:
+            ours = torch.empty_like(ours).index_copy_(1, packed.perm, ours)
+        assert torch.equal(ours, w.dequantize(torch.bfloat16)), (n, k)
+
+
 GEMV_ROWS = list(range(1, 17))
 
 

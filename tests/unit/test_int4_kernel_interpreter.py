@@ -1,11 +1,11 @@
 """kernels/int4_matmul.py and kernels/int4_gemv.py under Triton's CPU interpreter, against
 Int4Weight.dequantize() and F.linear: both shapes of int4_matmul (decode: split-K, act-order's x
 gathered in the kernel; prefill: several row tiles, x gathered by index_select), on weights in
-either order (plain, and mma_pack's of the tensor-core decode GEMV), and the decode
-GEMV (M 1 to 16, split-K, the SwiGLU epilogue, llama-8b's widths), every group size, symmetric
-and asymmetric, act-order, a tensor-parallel slice of an act-order weight (each column's group
-read); the QuantMatmul that runs them (the GEMV for M <= 16); and a tiny AWQ and GPTQ act-order
-model whose engine gives the dequantized path's logits and greedy tokens.
+either order (plain, and mma_pack's of the tensor-core decode GEMV), int4_dequantize, and the
+decode GEMV (M 1 to 16, split-K, the SwiGLU epilogue, llama-8b's widths), every group size,
+symmetric and asymmetric, act-order, a tensor-parallel slice of an act-order weight (each
+column's group read); the QuantMatmul that runs them (the GEMV for M <= 16); and a tiny AWQ
+and GPTQ act-order model whose engine gives the dequantized path's logits and greedy tokens.
 
 Skipped where triton is not installed. The interpreter's tl.dot is wrong for bf16 inputs (a
 triton limitation), so the activations here are fp32 and fp16; tests/gpu covers bf16.
@@ -126,6 +126,34 @@ def check_mma_order() -> None:
                     check(w, m, dtype, f"mma order {case} {inp}", mma=True)
     w = decoded("gptq", 64, False, False, out=144, inp=320)
     check(w, 7, torch.float16, "mma narrow", mma=True, config=Int4Config(16, 16, 32, 4, 2))
+    check_dequantize()
+
+
+def check_dequantize() -> None:
+    """int4_dequantize gives Int4Weight.dequantize's weight exactly (fp32 and fp16; act-order's
+    columns put back by perm), for every scheme, a tensor-parallel slice of an act-order weight
+    (each column's group) and weights in mma_pack's order (partial tiles along N and K)."""
+    from batchrun.kernels.int4_matmul import int4_dequantize
+
+    from batchrun.quant.int4_layout import mma_pack, pack_int4
+
+    def same(w, packed, what):
+        for dtype in (torch.float32, torch.float16):
+            ours = int4_dequantize(packed, dtype)
+            perm = getattr(packed, "perm", None)
+            if perm is not None:  # the kernel's column order back to x's
+                ours = torch.empty_like(ours).index_copy_(1, perm, ours)
+            assert torch.equal(ours, w.dequantize(dtype)), (what, dtype)
+
+    for case in CASES:
+        w = decoded(*case)
+        same(w, pack_int4(w), case)
+        if case[3]:
+            part = w.narrow_in(IN // 2, IN // 2)
+            same(part, pack_int4(part), f"{case} slice")
+    for case, inp in ((("awq", 128, False, False), 384), (("gptq", 64, True, False), 320)):
+        w = decoded(*case, out=144, inp=inp)
+        same(w, mma_pack(pack_int4(w)), f"mma {case}")
 
 
 # M of the decode GEMV: one row, a few, its largest
