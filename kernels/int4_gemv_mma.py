@@ -29,6 +29,12 @@ int4_gemv.py's CUDA-core kernel: 11.4, 9.0, 33.4, 24.2; bf16 cuBLAS 20.5, 16.3, 
 13.0, 13.5, 37.7 (40.7 with SwiGLU) and 30.1 at M = 16 (int4_gemv's tensor-core kernel 38.5,
 55.4, 108.3, 62.2; bf16 cuBLAS 21.2, 16.5, 82.8, 45.2).
 
+`prefetch=True` is a candidate, not timed: each chunk's MMAs run while the next chunk's words
+are in flight (a register double buffer, 48 registers), and the first chunk's words load before
+the PDL wait (weights are nothing an earlier kernel writes), as kernels/int4_gemv.py's kernels
+prefetch; the sums are the same, in the same order. `scripts/bench_int4_matmul.py --m 1,16`
+times both with PDL.
+
 Split-K reduces in the kernel, deterministically: each K slice stores its fp32 sums to its
 plane of a [SPLIT_K, M, N] workspace ([SPLIT_K, M, 2N] with swiglu), the slice that arrives last
 (kernels/gemv.py's counters) sums the planes in slice order and writes y.
@@ -140,14 +146,23 @@ def _mma_step(words, X, step, x_offs, x_mask, ones, acc, accx, R2: gl.constexpr,
 
 
 @gluon.jit
-def _chunk(QW, X, step0, row_pair0, N_PAIRS: gl.constexpr, w_offs, x_offs, x_mask, ones, zero,
-           CHUNK_STEPS: gl.constexpr, R2: gl.constexpr, MP: gl.constexpr, EXP: gl.constexpr,
-           DTYPE: gl.constexpr, A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr):  # fmt: skip
-    """acc (sum (OFFSET + q) x) and accx (sum x) of a chunk of one or two 64-deep steps from
-    step0: both steps' word loads first (in flight together), then their MMAs."""
+def _chunk_words(QW, step0, row_pair0, N_PAIRS: gl.constexpr, w_offs,
+                 CHUNK_STEPS: gl.constexpr):  # fmt: skip
+    """The words of a chunk of one or two 64-deep steps from step0 (both loads in flight
+    together; one step: the second is the first again, unused)."""
     w0 = _step(QW, step0, row_pair0, N_PAIRS, w_offs)
+    w1 = w0
     if CHUNK_STEPS == 2:
         w1 = _step(QW, step0 + 1, row_pair0, N_PAIRS, w_offs)
+    return w0, w1
+
+
+@gluon.jit
+def _chunk(w0, w1, X, step0, x_offs, x_mask, ones, zero, CHUNK_STEPS: gl.constexpr,
+           R2: gl.constexpr, MP: gl.constexpr, EXP: gl.constexpr, DTYPE: gl.constexpr,
+           A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr):  # fmt: skip
+    """acc (sum (OFFSET + q) x) and accx (sum x) of the chunk from step0 whose words are w0, w1
+    (`_chunk_words`)."""
     acc, accx = _mma_step(w0, X, step0, x_offs, x_mask, ones, zero, zero, R2, MP, EXP, DTYPE,
                           A_LAYOUT, B_LAYOUT)  # fmt: skip
     if CHUNK_STEPS == 2:
@@ -214,6 +229,7 @@ def _int4_gemv_mma_kernel(
     EXP: gl.constexpr,
     OFFSET: gl.constexpr,
     PDL: gl.constexpr,
+    PREFETCH: gl.constexpr,  # the next chunk's words loaded before this one's MMAs (candidate)
 ):
     """A program owns ROWS output rows (16 a warp; with swiglu the gate's and the up half's) and
     a K slice of whole chunks; the last slice to arrive writes y. With PDL it waits for the
@@ -272,22 +288,52 @@ def _int4_gemv_mma_kernel(
     cols = gl.arange(0, MP, layout=gl.SliceLayout(0, mma_l))
     zero = gl.zeros([ROWS_, MP], gl.float32, layout=mma_l)
 
-    _pdl_wait(PDL)
     CHUNK: gl.constexpr = CHUNK_STEPS * 64
     first = pid_k * chunks_per_split
     last = gl.minimum(first + chunks_per_split, K // CHUNK)
+    row_pair = pid_n * R2
+    up_pair = N // 2 + pid_n * R2  # swiglu: the up half's rows
     out = zero
     out_up = zero
-    for c in range(first, last):
-        acc, accx = _chunk(QW, X, c * CHUNK_STEPS, pid_n * R2, N_PAIRS, w_offs, x_offs, x_mask,
-                           ones, zero, CHUNK_STEPS, R2, MP, EXP, DTYPE, a_l, b_l)  # fmt: skip
-        g = (c * CHUNK) // GROUP
-        out = _scaled(out, acc, accx, S, Z, g, rows, OFFSET, N_ROWS, HAS_ZEROS)
+    if PREFETCH:
+        # the next chunk's words in flight while a chunk multiplies; the first chunk's
+        # (weights: nothing an earlier kernel writes) before the PDL wait
+        w0, w1 = _chunk_words(QW, first * CHUNK_STEPS, row_pair, N_PAIRS, w_offs, CHUNK_STEPS)
+        u0, u1 = w0, w1
         if SWIGLU:
-            acc, accx = _chunk(QW, X, c * CHUNK_STEPS, N // 2 + pid_n * R2, N_PAIRS, w_offs,
-                               x_offs, x_mask, ones, zero, CHUNK_STEPS, R2, MP, EXP, DTYPE,
-                               a_l, b_l)  # fmt: skip
-            out_up = _scaled(out_up, acc, accx, S, Z, g, rows + N, OFFSET, N_ROWS, HAS_ZEROS)
+            u0, u1 = _chunk_words(QW, first * CHUNK_STEPS, up_pair, N_PAIRS, w_offs,
+                                  CHUNK_STEPS)  # fmt: skip
+        _pdl_wait(PDL)
+        for c in range(first, last):
+            nxt = gl.minimum(c + 1, last - 1) * CHUNK_STEPS  # the last reloads itself (cached)
+            n0, n1 = _chunk_words(QW, nxt, row_pair, N_PAIRS, w_offs, CHUNK_STEPS)
+            acc, accx = _chunk(w0, w1, X, c * CHUNK_STEPS, x_offs, x_mask, ones, zero,
+                               CHUNK_STEPS, R2, MP, EXP, DTYPE, a_l, b_l)  # fmt: skip
+            g = (c * CHUNK) // GROUP
+            out = _scaled(out, acc, accx, S, Z, g, rows, OFFSET, N_ROWS, HAS_ZEROS)
+            w0, w1 = n0, n1
+            if SWIGLU:
+                m0, m1 = _chunk_words(QW, nxt, up_pair, N_PAIRS, w_offs, CHUNK_STEPS)
+                acc, accx = _chunk(u0, u1, X, c * CHUNK_STEPS, x_offs, x_mask, ones, zero,
+                                   CHUNK_STEPS, R2, MP, EXP, DTYPE, a_l, b_l)  # fmt: skip
+                out_up = _scaled(out_up, acc, accx, S, Z, g, rows + N, OFFSET, N_ROWS,
+                                 HAS_ZEROS)  # fmt: skip
+                u0, u1 = m0, m1
+    else:
+        _pdl_wait(PDL)
+        for c in range(first, last):
+            w0, w1 = _chunk_words(QW, c * CHUNK_STEPS, row_pair, N_PAIRS, w_offs, CHUNK_STEPS)
+            acc, accx = _chunk(w0, w1, X, c * CHUNK_STEPS, x_offs, x_mask, ones, zero,
+                               CHUNK_STEPS, R2, MP, EXP, DTYPE, a_l, b_l)  # fmt: skip
+            g = (c * CHUNK) // GROUP
+            out = _scaled(out, acc, accx, S, Z, g, rows, OFFSET, N_ROWS, HAS_ZEROS)
+            if SWIGLU:
+                w0, w1 = _chunk_words(QW, c * CHUNK_STEPS, up_pair, N_PAIRS, w_offs,
+                                      CHUNK_STEPS)  # fmt: skip
+                acc, accx = _chunk(w0, w1, X, c * CHUNK_STEPS, x_offs, x_mask, ones, zero,
+                                   CHUNK_STEPS, R2, MP, EXP, DTYPE, a_l, b_l)  # fmt: skip
+                out_up = _scaled(out_up, acc, accx, S, Z, g, rows + N, OFFSET, N_ROWS,
+                                 HAS_ZEROS)  # fmt: skip
 
     mask = (cols < M)[None, :] & (rows < N)[:, None]
     y_offs = cols[None, :] * stride_ym + rows[:, None]
@@ -347,6 +393,7 @@ def int4_gemv_mma(
     swiglu: bool = False,
     split_k: int | None = None,
     pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
+    prefetch: bool = False,  # a candidate, not timed: the next chunk's words in flight
 ) -> torch.Tensor:
     """x @ W^T: [M, N] in x's dtype; with swiglu, silu(x @ W_gate^T) * (x @ W_up^T): [M, N / 2]."""
     m, k = x.shape
@@ -377,6 +424,6 @@ def int4_gemv_mma(
         m, n, k, per_split, x.stride(0), y.stride(0),
         GROUP=group, CHUNK_STEPS=chunk_steps, MP=8 if m <= 8 else 16, SPLIT_K=split,
         SWIGLU=swiglu, HAS_ZEROS=w.zeros is not None, EXP=exp_bits, OFFSET=offset,
-        num_warps=WARPS, **pdl_launch_kwargs(pdl, x),
+        PREFETCH=prefetch, num_warps=WARPS, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip
     return y

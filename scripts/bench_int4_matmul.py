@@ -211,6 +211,15 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], sweep: str | None) -> 
                 )
                 if "int4_gemv_mma_swiglu_us" in gemv_cols:
                     line += f"  swiglu {gemv_cols['int4_gemv_mma_swiglu_us']:.1f} µs"
+                line += (
+                    f"\n{'':31s}int4_gemv_mma with PDL {gemv_cols['int4_gemv_mma_pdl_us']:.1f}"
+                    f" µs, prefetching {gemv_cols['int4_gemv_mma_pdl_prefetch_us']:.1f} µs"
+                )
+                if "int4_gemv_mma_swiglu_pdl_us" in gemv_cols:
+                    line += (
+                        f"; swiglu {gemv_cols['int4_gemv_mma_swiglu_pdl_us']:.1f} µs, "
+                        f"prefetching {gemv_cols['int4_gemv_mma_swiglu_pdl_prefetch_us']:.1f} µs"
+                    )
             if "int4_gemv_swiglu_us" in gemv_cols:
                 line += (
                     f"\n{'':31s}int4_gemv fma swiglu {gemv_cols['int4_gemv_swiglu_us']:7.1f} µs "
@@ -245,10 +254,23 @@ def bench_mma(x, ref, int4s, calls: int, swiglu: bool, sweep: bool = False) -> d
         print(f"  int4_gemv_mma M={x.shape[0]}: error {err:.2e}, skipped", flush=True)
         return {}
     cols = dict(int4_gemv_mma_us=graph_time_us(lambda w, x=x: int4_gemv_mma(x, w), mmas, calls))
+    # the candidate that prefetches the next chunk's words, launched with PDL as the engine
+    # launches both (the first chunk's words before the PDL wait)
+    for prefetch in (False, True):
+        fn = lambda w, x=x, p=prefetch: int4_gemv_mma(x, w, pdl=True, prefetch=p)  # noqa: E731
+        cols[f"int4_gemv_mma_pdl{'_prefetch' if prefetch else ''}_us"] = graph_time_us(
+            fn, mmas, calls
+        )
     glu = swiglu and mma_takes(mmas[0], x.shape[0], swiglu=True)
     if glu:
         fn = lambda w, x=x: int4_gemv_mma(x, w, swiglu=True)  # noqa: E731
         cols.update(int4_gemv_mma_swiglu_us=graph_time_us(fn, mmas, calls))
+        for prefetch in (False, True):
+            fn = lambda w, x=x, p=prefetch: int4_gemv_mma(  # noqa: E731
+                x, w, swiglu=True, pdl=True, prefetch=p
+            )
+            key = f"int4_gemv_mma_swiglu_pdl{'_prefetch' if prefetch else ''}_us"
+            cols[key] = graph_time_us(fn, mmas, calls)
     if sweep:
         n, k = mmas[0].out_features, x.shape[1]
         for g in (False, True) if glu else (False,):

@@ -224,7 +224,8 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
 
 def _mma_gemv_cases(Int4Weight) -> list[tuple[str, Callable[[], object]]]:
     """kernels/int4_gemv_mma.py (Gluon): one and 16 rows, bf16 and fp16, group 128 (two-step
-    chunks), 64 (one step) and one group a row, split-K and not, the SwiGLU epilogue."""
+    chunks), 64 (one step) and one group a row, split-K and not, the SwiGLU epilogue; each also
+    with the next chunk's words prefetched (the candidate)."""
     from batchrun.kernels import int4_gemv_mma
 
     from batchrun.quant.int4_layout import mma_pack, pack_int4
@@ -241,6 +242,8 @@ def _mma_gemv_cases(Int4Weight) -> list[tuple[str, Callable[[], object]]]:
         name = f"int4_gemv_mma {n}x{k} group={group} sym={symmetric} swiglu={swiglu} M={m}"
         out.append((name, lambda x=x, w=w, g=swiglu, s=split: int4_gemv_mma.int4_gemv_mma(
             x, w, swiglu=g, split_k=s)))  # fmt: skip
+        out.append((f"{name} prefetch", lambda x=x, w=w, g=swiglu, s=split: (
+            int4_gemv_mma.int4_gemv_mma(x, w, swiglu=g, split_k=s, prefetch=True))))  # fmt: skip
     return out
 
 

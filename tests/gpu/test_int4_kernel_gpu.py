@@ -255,8 +255,9 @@ def test_mma_gemv_matches_the_dequantized_reference(group_size, symmetric, dtype
     """kernels/int4_gemv_mma.py (Gluon, the weight mma_pack-ed) at M 1, 5, 8, 9 and 16 on
     llama-8b's qkv, o_proj and down_proj (split-K by its rule and by hand), llama-1b's qkv, a
     K of 4,160 (one-step chunks, a partial last group), and the fused gate_up of llama-1b and
-    llama-8b with the SwiGLU epilogue; CUDA graph replay (a chain of calls launched with PDL,
-    each reading the one before) gives the eager results bit for bit."""
+    llama-8b with the SwiGLU epilogue; the prefetching candidate gives the same results bit
+    for bit; CUDA graph replay (a chain of calls launched with PDL, each reading the one
+    before) gives the eager results bit for bit."""
     from batchrun.kernels.int4_gemv_mma import int4_gemv_mma
 
     from batchrun.quant.int4_layout import mma_pack, pack_int4
@@ -264,7 +265,10 @@ def test_mma_gemv_matches_the_dequantized_reference(group_size, symmetric, dtype
     def check(w, m, swiglu=False, split_k=None):
         g = torch.Generator(device="cuda").manual_seed(m)
         x = torch.randn(m, w.in_features, generator=g, device="cuda").to(dtype)
-        y = int4_gemv_mma(x, mma_pack(pack_int4(w)), swiglu=swiglu, split_k=split_k)
+        wm = mma_pack(pack_int4(w))
+        y = int4_gemv_mma(x, wm, swiglu=swiglu, split_k=split_k)
+        # the candidate that prefetches the next chunk: the same sums in the same order
+        assert torch.equal(y, int4_gemv_mma(x, wm, swiglu=swiglu, split_k=split_k, prefetch=True))
         ref = F.linear(x.float(), w.dequantize(dtype).float())
         if swiglu:
             gate, up = ref.to(dtype).float().chunk(2, dim=-1)
@@ -288,8 +292,8 @@ def test_mma_gemv_matches_the_dequantized_reference(group_size, symmetric, dtype
     x = torch.zeros(1, 4096, device="cuda", dtype=dtype)
 
     def chain(x, pdl):  # each call's input the one before's output
-        for _ in range(3):
-            x = int4_gemv_mma(x, packed, pdl=pdl)
+        for prefetch in (False, True, False):
+            x = int4_gemv_mma(x, packed, pdl=pdl, prefetch=prefetch)
         return x
 
     chain(x, True)  # compiles outside the capture
