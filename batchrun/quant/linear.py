@@ -415,7 +415,8 @@ class QuantMatmul(nn.Module):
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        if self._int4_gemv_takes(x2.shape[0]):
+        # (the tensor-core GEMV multiplies in the layer's dtype; int4_matmul takes any)
+        if (not self.mma or x2.dtype == self.dtype) and self._int4_gemv_takes(x2.shape[0]):
             y = self.gemv(x2)
         else:
             y = int4_kernel.int4_matmul(x2, self._packed())
