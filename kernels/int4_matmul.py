@@ -123,6 +123,45 @@ def _mma_order_values(QW, k0, k_end, pid_n, N, BLOCK_K: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
+def _dequant_tile(QW, S, Z, Groups, k0, k_end, offs_k, in_k, pid_n, offs_n, in_n, N, group_size,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                  COLUMN_GROUPS: tl.constexpr, MMA_ORDER: tl.constexpr):  # fmt: skip
+    """(q - zero) * scale in fp32 [BLOCK_K, BLOCK_N] of the weight tile at K rows offs_k (k0 on,
+    zeros past k_end) and column tile pid_n, from either order."""
+    if MMA_ORDER:
+        q = _mma_order_values(QW, k0, k_end, pid_n, N, BLOCK_K, BLOCK_N)
+    else:
+        offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        words = tl.load(
+            QW + offs_k[:, None].to(tl.int64) * (N // 8) + offs_w[None, :],
+            mask=in_k[:, None] & (offs_w < N // 8)[None, :],
+            other=0,
+        )  # [BLOCK_K, BLOCK_N / 8]
+        words = tl.interleave(words, words)
+        words = tl.interleave(words, words)
+        words = tl.interleave(words, words)  # [BLOCK_K, BLOCK_N]: column n holds word n // 8
+        q = (words >> ((tl.arange(0, BLOCK_N) % 8) * 4)[None, :]) & 0xF
+    qf = (q | 0x4B000000).to(tl.float32, bitcast=True)  # MAGIC + q
+    if COLUMN_GROUPS:
+        g = tl.load(Groups + offs_k, mask=in_k, other=0)
+        sz = g[:, None].to(tl.int64) * N + offs_n[None, :]
+        sz_mask = in_k[:, None] & in_n[None, :]
+        s = tl.load(S + sz, mask=sz_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(Z + sz, mask=sz_mask, other=0).to(tl.float32) + MAGIC
+        else:
+            z = MAGIC + 8.0
+    else:
+        row = (k0 // group_size).to(tl.int64) * N
+        s = tl.load(S + row + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
+        if HAS_ZEROS:
+            z = tl.load(Z + row + offs_n, mask=in_n, other=0).to(tl.float32)[None, :] + MAGIC
+        else:
+            z = MAGIC + 8.0
+    return (qf - z) * s
+
+
+@triton.jit
 def _int4_matmul_kernel(
     X,
     QW,
@@ -162,14 +201,10 @@ def _int4_matmul_kernel(
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
 
-    n_words = N // 8
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
     in_m = offs_m < M
     in_n = offs_n < N
-    in_w = offs_w < n_words
-    shifts = (tl.arange(0, BLOCK_N) % 8) * 4
     x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
     dtype = X.dtype.element_ty
 
@@ -183,36 +218,9 @@ def _int4_matmul_kernel(
         if GATHER_X:
             cols = tl.load(Perm + offs_k, mask=in_k, other=0)
         x = tl.load(x_rows + cols[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
-        if MMA_ORDER:
-            q = _mma_order_values(QW, k0, k_end, pid_n, N, BLOCK_K, BLOCK_N) | 0x4B000000
-        else:
-            words = tl.load(
-                QW + offs_k[:, None].to(tl.int64) * n_words + offs_w[None, :],
-                mask=in_k[:, None] & in_w[None, :],
-                other=0,
-            )  # [BLOCK_K, BLOCK_N / 8]
-            words = tl.interleave(words, words)
-            words = tl.interleave(words, words)
-            words = tl.interleave(words, words)  # [BLOCK_K, BLOCK_N]: column n holds word n // 8
-            q = ((words >> shifts[None, :]) & 0xF) | 0x4B000000
-        qf = q.to(tl.float32, bitcast=True)  # MAGIC + q
-        if COLUMN_GROUPS:
-            g = tl.load(Groups + offs_k, mask=in_k, other=0)
-            sz = g[:, None].to(tl.int64) * N + offs_n[None, :]
-            sz_mask = in_k[:, None] & in_n[None, :]
-            s = tl.load(S + sz, mask=sz_mask, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                z = tl.load(Z + sz, mask=sz_mask, other=0).to(tl.float32) + MAGIC
-            else:
-                z = MAGIC + 8.0
-        else:
-            row = (k0 // group_size).to(tl.int64) * N
-            s = tl.load(S + row + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
-            if HAS_ZEROS:
-                z = tl.load(Z + row + offs_n, mask=in_n, other=0).to(tl.float32)[None, :] + MAGIC
-            else:
-                z = MAGIC + 8.0
-        w = ((qf - z) * s).to(dtype)  # [BLOCK_K, BLOCK_N]
+        w = _dequant_tile(QW, S, Z, Groups, k0, k_end, offs_k, in_k, pid_n, offs_n, in_n, N,
+                          group_size, BLOCK_K, BLOCK_N, HAS_ZEROS, COLUMN_GROUPS,
+                          MMA_ORDER).to(dtype)  # fmt: skip
         if IEEE:  # fp32 inputs: full precision, not tf32
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
@@ -316,37 +324,9 @@ def _int4_dequantize_kernel(
     offs_k = k0 + tl.arange(0, BLOCK_K)
     in_n = offs_n < N
     in_k = offs_k < K
-    if MMA_ORDER:
-        q = _mma_order_values(QW, k0, K, pid_n, N, BLOCK_K, BLOCK_N)
-    else:
-        offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-        words = tl.load(
-            QW + offs_k[:, None].to(tl.int64) * (N // 8) + offs_w[None, :],
-            mask=in_k[:, None] & (offs_w < N // 8)[None, :],
-            other=0,
-        )
-        words = tl.interleave(words, words)
-        words = tl.interleave(words, words)
-        words = tl.interleave(words, words)
-        q = (words >> ((tl.arange(0, BLOCK_N) % 8) * 4)[None, :]) & 0xF
-    qf = (q | 0x4B000000).to(tl.float32, bitcast=True)  # MAGIC + q
-    if COLUMN_GROUPS:
-        g = tl.load(Groups + offs_k, mask=in_k, other=0)
-        sz = g[:, None].to(tl.int64) * N + offs_n[None, :]
-        sz_mask = in_k[:, None] & in_n[None, :]
-        s = tl.load(S + sz, mask=sz_mask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            z = tl.load(Z + sz, mask=sz_mask, other=0).to(tl.float32) + MAGIC
-        else:
-            z = MAGIC + 8.0
-    else:
-        row = (k0 // group_size).to(tl.int64) * N
-        s = tl.load(S + row + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
-        if HAS_ZEROS:
-            z = tl.load(Z + row + offs_n, mask=in_n, other=0).to(tl.float32)[None, :] + MAGIC
-        else:
-            z = MAGIC + 8.0
-    w = tl.trans(((qf - z) * s).to(W.dtype.element_ty))  # [BLOCK_N, BLOCK_K]
+    w = _dequant_tile(QW, S, Z, Groups, k0, K, offs_k, in_k, pid_n, offs_n, in_n, N, group_size,
+                      BLOCK_K, BLOCK_N, HAS_ZEROS, COLUMN_GROUPS, MMA_ORDER)  # fmt: skip
+    w = tl.trans(w.to(W.dtype.element_ty))  # [BLOCK_N, BLOCK_K]
     out = W + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
     tl.store(out, w, mask=in_n[:, None] & in_k[None, :])
 
