@@ -110,6 +110,9 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "extend-triton": ({}, {"extend_attention": "triton"}),
     # the KV cache in float8_e4m3fn (--kv-cache-dtype fp8_e4m3): one byte an element
     "kv-fp8": ({"kv_cache_dtype": "fp8_e4m3"}, {}),
+    # FP8 as an FP8 checkpoint runs with vLLM's or TensorRT-LLM's FP8 KV cache: the linears as
+    # `fp8` and the KV cache as `kv-fp8`
+    "fp8-kv-fp8": ({"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}, {}),
     "prefix-order": ({}, {}),
 }
 # the quantization_config a variant's config.json carries (dummy weights in that format)
