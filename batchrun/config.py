@@ -161,6 +161,11 @@ class KernelConfig:
                         packed copy fit that half on an sm_80+ GPU with Triton's Gluon,
                         "dequant" elsewhere (set by hand, "triton" runs on CPU tensors under
                         Triton's interpreter; "dequant-gemv" needs the GPU)
+    fp8_fast_accum      torch._scaled_mm's fast accumulation for the per-tensor / per-channel
+                        FP8 linears of prefill and large batches: the tensor cores' FP8
+                        accumulator over the whole K, not promoted to fp32 every few steps (as
+                        vLLM's and SGLang's CUTLASS FP8 GEMMs run); off: the promoted sums,
+                        whose rounding the decode GEMV (kernels/fp8_gemv.py) keeps
     moe                 one of MOE_BACKENDS for a mixture of experts' experts: "triton" the fused
                         MoE kernels (kernels/fused_moe.py), "torch" a per-expert loop; auto:
                         "triton" on CUDA where Triton imports, "torch" elsewhere
@@ -181,6 +186,7 @@ class KernelConfig:
     host_gate: bool | None = None
     fp8_matmul: str = "auto"
     int4_matmul: str = "auto"
+    fp8_fast_accum: bool = False
     moe: str = "auto"
     moe_decode: str = "auto"
 

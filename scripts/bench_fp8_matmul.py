@@ -3,7 +3,8 @@
     quant        activation quantization: act_quant.py's torch ops against kernels/fp8_quant.py
                  (per token; per token in groups of 128: a torch chain written here)
     bf16         F.linear on the bf16 weight (cuBLAS): the baseline
-    scaled_mm    per-channel FP8: quantize x per token + torch._scaled_mm (row-wise scales)
+    scaled_mm    per-channel FP8: quantize x per token + torch._scaled_mm (row-wise scales);
+                 "fast": the matmul with use_fast_accum (KernelConfig.fp8_fast_accum)
     block        block FP8: quantize x per token and group + kernels/fp8_block_matmul.py
 
     python scripts/bench_fp8_matmul.py                      # M = 1, 16, 64, 256, 2048, 8192
@@ -133,11 +134,15 @@ def bench(n: int, k: int, m: int, sweep: bool) -> dict:
     # correctness, against the dequantized fp32 weights and the quantized activations
     xq_t, sx_t = fp8_quant.quant_per_token(x)
 
-    def scaled_mm(op, xq=xq_t, sx=sx_t):
-        return torch._scaled_mm(xq, op[0].t(), scale_a=sx, scale_b=op[1], out_dtype=torch.bfloat16)
+    def scaled_mm(op, xq=xq_t, sx=sx_t, fast=False):
+        return torch._scaled_mm(
+            xq, op[0].t(), scale_a=sx, scale_b=op[1], out_dtype=torch.bfloat16,
+            use_fast_accum=fast,
+        )  # fmt: skip
 
     want = (xq_t.float() * sx_t) @ channel.dequantize().T
     r["scaled_mm_error"] = rel_error(scaled_mm(ch[0]), want)
+    r["fast_error"] = rel_error(scaled_mm(ch[0], fast=True), want)
     xq, sxg = fp8_quant.quant_per_token_group(x)
     want = (xq.float() * sxg.repeat_interleave(128, 1)) @ block.dequantize().T
     r["block_error"] = rel_error(block_fp8_matmul(xq, sxg, *bl[0]), want)
@@ -148,6 +153,7 @@ def bench(n: int, k: int, m: int, sweep: bool) -> dict:
     r["group_quant_triton_us"] = graph_time_us(fp8_quant.quant_per_token_group, xs, calls)
     r["bf16_us"] = graph_time_us(lambda wb: F.linear(x, wb), bf16, calls)
     r["scaled_mm_matmul_us"] = graph_time_us(scaled_mm, ch, calls)
+    r["fast_matmul_us"] = graph_time_us(lambda op: scaled_mm(op, fast=True), ch, calls)
     r["scaled_mm_us"] = graph_time_us(
         lambda op: scaled_mm(op, *fp8_quant.quant_per_token(x)), ch, calls
     )
@@ -195,7 +201,7 @@ def main(argv=None) -> int:
     report = {"device": torch.cuda.get_device_name(), "model": args.model, "results": []}
     print(
         "| matrix | N x K | M | quant torch / triton µs | group quant torch / triton µs "
-        "| bf16 µs | scaled_mm µs (matmul) | block µs (matmul) | block config | errors |"
+        "| bf16 µs | scaled_mm µs (matmul; fast) | block µs (matmul) | block config | errors |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, n, k, _ in benchlib.linear_shapes(args.model):
@@ -209,10 +215,11 @@ def main(argv=None) -> int:
                 f"| {name} | {n} x {k} | {m} | {r['quant_torch_us']:.1f} / "
                 f"{r['quant_triton_us']:.1f} | {r['group_quant_torch_us']:.1f} / "
                 f"{r['group_quant_triton_us']:.1f} | {r['bf16_us']:.1f} | "
-                f"{r['scaled_mm_us']:.1f} ({r['scaled_mm_matmul_us']:.1f}) | "
+                f"{r['scaled_mm_us']:.1f} ({r['scaled_mm_matmul_us']:.1f}; "
+                f"{r['fast_matmul_us']:.1f}) | "
                 f"{r['block_us']:.1f} ({r['block_matmul_us']:.1f}) | "
                 f"{tuple(r['block_config'])} | {r['scaled_mm_error']:.1e}, "
-                f"{r['block_error']:.1e} |",
+                f"{r['block_error']:.1e}, fast {r['fast_error']:.1e} |",
                 flush=True,
             )
             for lib in ("cublaslt", "flashinfer"):

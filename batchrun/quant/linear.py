@@ -195,6 +195,7 @@ class QuantMatmul(nn.Module):
             spec.kernel in ("scaled_mm", "fp8_block") and kernels.decode_gemv == "triton"
         )
         self.pdl = bool(kernels.pdl)
+        self.fast_accum = kernels.fp8_fast_accum
         # NOTE: per-token scales of a row-parallel input come from all its columns, on every
         # rank: one all-reduce of [M] floats per such layer makes TP=N quantize as TP=1
         self.reduce_max = reduce_max if spec.activations == "dynamic" and not spec.block else None
@@ -380,6 +381,7 @@ class QuantMatmul(nn.Module):
                 scale_a=scale_a,
                 scale_b=self.weight_scale[0, 0],
                 out_dtype=self.dtype,
+                use_fast_accum=self.fast_accum,
             )
         else:
             y = torch._scaled_mm(
@@ -388,6 +390,7 @@ class QuantMatmul(nn.Module):
                 scale_a=scale_a,
                 scale_b=self.weight_scale,
                 out_dtype=torch.bfloat16,
+                use_fast_accum=self.fast_accum,
             )
         return y.view(*shape[:-1], self.out_features)
 

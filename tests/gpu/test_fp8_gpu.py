@@ -8,6 +8,7 @@ with graphs and overlap as eager, and nearly the dequantized bf16 model's on Smo
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -43,14 +44,17 @@ SHAPES = {
 BF16_BOUND = 8e-3
 
 
-def quant_matmul(w: torch.Tensor, activations: str, per_tensor: bool):
+def quant_matmul(w: torch.Tensor, activations: str, per_tensor: bool, fast_accum: bool = False):
     from batchrun.quant.linear import QuantMatmul, QuantSpec
     from batchrun.quant.quantize import quantize_fp8
 
     input_scale = torch.tensor(0.02, device=w.device) if activations == "static" else None
     qw = quantize_fp8(w, "tensor" if per_tensor else "channel", None, input_scale)
     spec = QuantSpec("fp8", activations, None, "scaled_mm", "test")
-    m = QuantMatmul(w.shape[0], w.shape[1], spec, torch.bfloat16, w.device)
+    kernels = KernelConfig.reference()
+    if fast_accum:
+        kernels = replace(kernels, fp8_fast_accum=True)
+    m = QuantMatmul(w.shape[0], w.shape[1], spec, torch.bfloat16, w.device, kernels=kernels)
     m.load(qw, "test")
     return m, qw
 
@@ -85,6 +89,24 @@ def test_scaled_mm_linear_matches_the_dequantized_reference(shape, activations, 
         want = reference(x, qw, activations)
         rel = float((got.float() - want).norm() / want.norm())
         assert rel <= BF16_BOUND, f"{shape} M={num}: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("shape", ["8b-qkv", "8b-down"])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_fast_accumulation_stays_within_the_bf16_bound(shape, per_tensor):
+    """fp8_fast_accum: the tensor cores' FP8 accumulator over all of K (14,336 on down) stays
+    within twice the promoted sums' bound of the same reference, at prefill sizes."""
+    torch.manual_seed(0)
+    in_f, out_f = SHAPES[shape]
+    w = torch.randn(out_f, in_f, device="cuda") * 0.02
+    activations = "static" if per_tensor else "dynamic"
+    m, qw = quant_matmul(w, activations, per_tensor, fast_accum=True)
+    assert m.fast_accum
+    for num in (256, 2048):
+        x = torch.randn(num, in_f, device="cuda", dtype=torch.bfloat16)
+        want = reference(x, qw, activations)
+        rel = float((m(x).float() - want).norm() / want.norm())
+        assert rel <= 2 * BF16_BOUND, f"{shape} M={num}: relative error {rel:.2e}"
 
 
 def test_the_fp8_linear_replays_in_a_cuda_graph():
