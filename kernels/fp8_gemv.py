@@ -48,6 +48,8 @@ from batchrun.kernels.gemv import (
     SMEM_FOR_W,
     _sum_planes,
     _swiglu,
+    _w_tile,
+    _x_tile,
     split_counters,
 )
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
@@ -111,40 +113,71 @@ def _fp8_gemv_kernel(
         sw_rows = SW + (offs_n // 128) * stride_swn
         sw_up_rows = SW + ((offs_n + N) // 128) * stride_swn
     else:
+        sw_rows = SW  # unused: the epilogue scales
+        sw_up_rows = SW
         sw = tl.load(SW + offs_n, mask=offs_n < N, other=0.0)
         sw_up = sw
         if SWIGLU:
             sw_up = tl.load(SW + N + offs_n, mask=offs_n < N, other=0.0)
+    # NOTE: the first two weight tiles are peeled off the loop so that their loads come before
+    # the PDL wait, as kernels/gemv.py's: the weights are no earlier kernel's output, so their
+    # HBM latency overlaps the kernel before (the activations' quantization); q(x) is read after
+    # the wait. A slice of one tile gets a second of zeros (adding 0 keeps its sums' bits)
+    w = _w_tile(w_rows, in_n, k_start, k_end, BLOCK_K)
+    w2 = _w_tile(w_rows, in_n, k_start + BLOCK_K, k_end, BLOCK_K)
+    w_up, w2_up = w, w2
+    if SWIGLU:
+        w_up = _w_tile(up_rows, in_n, k_start, k_end, BLOCK_K)
+        w2_up = _w_tile(up_rows, in_n, k_start + BLOCK_K, k_end, BLOCK_K)
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        in_k = offs_k < k_end
-        xq = tl.load(XQ + offs_m[:, None] * stride_xm + offs_k[None, :],
-                     mask=in_m[:, None] & in_k[None, :], other=0.0)  # fmt: skip
-        w = tl.load(w_rows + offs_k[None, :], mask=in_n & in_k[None, :], other=0.0)
-        # each tile's dot from zeros, added in fp32: the e4m3 MMA's accumulator spans one tile
-        d = tl.dot(w, tl.trans(xq))
-        if BLOCKS:
-            kb = k0 // 128
-            sx_k = tl.load(XS + offs_m * stride_xs + kb * stride_xsk, mask=in_m, other=0.0)
-            sw_k = tl.load(sw_rows + kb, mask=offs_n < N, other=0.0)
-            d = d * sw_k[:, None] * sx_k[None, :]
-        acc = acc + d
+    acc, acc_up = _tile_step(acc, acc_up, w, w_up, k_start, k_end, XQ, XS, sw_rows, sw_up_rows,
+                             offs_m, offs_n, in_m, M, N, stride_xm, stride_xs, stride_xsk,
+                             BLOCK_K, SWIGLU, BLOCKS)  # fmt: skip
+    acc, acc_up = _tile_step(acc, acc_up, w2, w2_up, k_start + BLOCK_K, k_end, XQ, XS, sw_rows,
+                             sw_up_rows, offs_m, offs_n, in_m, M, N, stride_xm, stride_xs,
+                             stride_xsk, BLOCK_K, SWIGLU, BLOCKS)  # fmt: skip
+    for k0 in range(k_start + 2 * BLOCK_K, k_end, BLOCK_K):
+        w = _w_tile(w_rows, in_n, k0, k_end, BLOCK_K)
+        w_up = w
         if SWIGLU:
-            w_up = tl.load(up_rows + offs_k[None, :], mask=in_n & in_k[None, :], other=0.0)
-            d_up = tl.dot(w_up, tl.trans(xq))
-            if BLOCKS:
-                sw_k = tl.load(sw_up_rows + kb, mask=offs_n < N, other=0.0)
-                d_up = d_up * sw_k[:, None] * sx_k[None, :]
-            acc_up = acc_up + d_up
+            w_up = _w_tile(up_rows, in_n, k0, k_end, BLOCK_K)
+        acc, acc_up = _tile_step(acc, acc_up, w, w_up, k0, k_end, XQ, XS, sw_rows, sw_up_rows,
+                                 offs_m, offs_n, in_m, M, N, stride_xm, stride_xs, stride_xsk,
+                                 BLOCK_K, SWIGLU, BLOCKS)  # fmt: skip
     if BLOCKS:
         sx = tl.full([16], 1.0, tl.float32)
     else:
         sx = tl.load(XS + offs_m * stride_xs, mask=in_m, other=1.0)
     _finish(tl.trans(acc), tl.trans(acc_up), sx, sw, sw_up, Y, WS, Counters, offs_m, offs_n, M,
             N, stride_ym, pid_n, pid_k, SPLIT_K, SWIGLU)  # fmt: skip
+
+
+@triton.jit
+def _tile_step(acc, acc_up, w, w_up, k0, k_end, XQ, XS, sw_rows, sw_up_rows, offs_m, offs_n, in_m,
+               M, N, stride_xm, stride_xs, stride_xsk, BLOCK_K: tl.constexpr,
+               SWIGLU: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
+    """The sums acc [BLOCK_N, 16] (and acc_up) plus the K tile at k0: w (and w_up) loaded, q(x)'s
+    tile read here. Each tile's dot starts from zeros and is added in fp32: the e4m3 MMA's
+    accumulator spans one tile. With BLOCKS the dot is scaled by its block's weight scale and
+    its group's activation scales first."""
+    xq = _x_tile(XQ, offs_m, M, stride_xm, k0, k_end, BLOCK_K)
+    d = tl.dot(w, tl.trans(xq))
+    if BLOCKS:
+        # a slice's zero tile past its end takes its last group's (finite) scales: 0 all the same
+        kb = tl.minimum(k0, k_end - 1) // 128
+        sx_k = tl.load(XS + offs_m * stride_xs + kb * stride_xsk, mask=in_m, other=0.0)
+        sw_k = tl.load(sw_rows + kb, mask=offs_n < N, other=0.0)
+        d = d * sw_k[:, None] * sx_k[None, :]
+    acc = acc + d
+    if SWIGLU:
+        d_up = tl.dot(w_up, tl.trans(xq))
+        if BLOCKS:
+            sw_k = tl.load(sw_up_rows + kb, mask=offs_n < N, other=0.0)
+            d_up = d_up * sw_k[:, None] * sx_k[None, :]
+        acc_up = acc_up + d_up
+    return acc, acc_up
 
 
 @triton.jit
