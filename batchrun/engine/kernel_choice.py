@@ -312,33 +312,24 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
 
     # the norms inside the matmuls need every matmul whole and plain: a row-parallel matmul's
     # all-reduce comes between its sums and the residual, and a bias between them too; and
-    # bf16 weights (kernels/gemv.py's). A mixture's experts are no one matmul: it takes "post"
-    # (o_proj's residual add and the post-attention norm in o_proj's matmul) and no more
+    # bf16 weights (kernels/gemv.py's). A mixture's experts are no one matmul
     plain = config.tp_size == 1 and not (
-        model_cfg.qkv_bias or model_cfg.o_bias or model_cfg.mlp_bias
+        model_cfg.qkv_bias or model_cfg.o_bias or model_cfg.mlp_bias or model_cfg.moe is not None
         or model_cfg.sandwich_norms  # Gemma's norms between the matmuls and the residual adds
     )  # fmt: skip
-    moe_model = model_cfg.moe is not None
     decode_norms = want.decode_norms
     if decode_norms == "auto":
         if decode_gemv != "triton" or not plain or quantized:
             decode_norms = "off"
-        elif moe_model:
-            # NOTE: the one launch a layer "post" saves (W3 llama-8b 4.34 against 4.39 ms for
-            # "off", H200, docs/benchmarks.md) is a mixture's too: 48 a Qwen3-30B-A3B step
-            decode_norms = "post"
         elif model_cfg.hidden_size <= NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN:
             decode_norms = "all"
         else:
             decode_norms = "fold-all"
-    elif decode_norms != "off" and not (
-        decode_gemv == "triton" and plain and not quantized
-        and (decode_norms == "post" or not moe_model)
-    ):  # fmt: skip
+    elif decode_norms != "off" and not (decode_gemv == "triton" and plain and not quantized):
         raise ValueError(
             f"decode_norms {decode_norms!r} needs decode_gemv 'triton' and a model without "
-            "biases at tensor parallel size 1, not quantized, with Llama's two norms a layer "
-            "(not Gemma's four); a mixture of experts takes 'post' only; use 'off' or 'auto'"
+            "biases at tensor parallel size 1, dense (no experts), not quantized, with Llama's "
+            "two norms a layer (not Gemma's four); use 'off' or 'auto'"
         )
 
     graphs = want.cuda_graph_max_bs if cuda else 0

@@ -347,9 +347,7 @@ class DecoderLayer(nn.Module):
         input norm runs inside its qkv matmul (gemv_rms), and next_norm None that the next
         layer's does (returns h, None). fold_post ("fold-all"): the post-attention norm runs
         inside gate_up's matmul (gemv_rms with the SwiGLU gate), and o_proj only adds the
-        residual. A mixture of experts' layer ("post" only: the experts are no one matmul to
-        add the residual in) runs its experts on the post-attention norm and the next norm with
-        the residual add as one kernel after them."""
+        residual."""
         attn, mlp, post, pdl = self.self_attn, self.mlp, self.post_attention_layernorm, self.pdl
         if normed is None:  # "fold": this layer's input norm inside the qkv matmul
             qkv = gemv_rms(h, attn.qkv_weight_rms, self.input_layernorm.eps, pdl=pdl)
@@ -363,9 +361,6 @@ class DecoderLayer(nn.Module):
             h, normed = gemv_residual(
                 out, attn.o_proj.weight, h, norm=(post.weight, post.eps), pdl=pdl
             )
-            if not isinstance(mlp, MLP):  # the experts, then (next norm of h + y, h + y)
-                normed, h = next_norm.forward_with_residual(mlp(normed), h)
-                return h, normed
             act = gemv(normed, mlp.gate_up_proj.weight, swiglu=True, pdl=pdl)
         if fuse_next:
             norm = (next_norm.weight, next_norm.eps)
@@ -408,15 +403,14 @@ class LlamaForCausalLM(nn.Module):
         self.decode_norms = "post" if kernels.decode_norms in FOLD_MODES else kernels.decode_norms
         self.tp = tp = tp or TPGroup()
         if self.decode_norms != "off" and (
-            tp.is_parallel or cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.sandwich_norms
-            or (cfg.moe is not None and kernels.decode_norms not in ("off", "post"))
+            tp.is_parallel or cfg.qkv_bias or cfg.mlp_bias or cfg.moe is not None
+            or cfg.sandwich_norms
         ):  # fmt: skip
             # a bias or a row-parallel all-reduce sits between a matmul's sums and the residual;
-            # the experts are no one matmul (a mixture takes only o_proj's norm, "post");
-            # Gemma's norms sit between the matmul and the add
+            # the experts are no one matmul; Gemma's norms sit between the matmul and the add
             raise ValueError(
-                "decode_norms other than 'off' need a model without biases at TP=1, with "
-                "Llama's two norms a layer, and a mixture of experts 'post'"
+                "decode_norms other than 'off' need a dense model without biases at TP=1, "
+                "with Llama's two norms a layer"
             )
         if cfg.quantization is not None and kernels.decode_norms != "off":
             # the norms inside the matmuls (kernels/gemv.py) read plain bf16 weights

@@ -242,33 +242,21 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
     LlamaForCausalLM.forward_gemv: "all" the residual adds and norms inside the gemvs before
     them, "post" only the post-attention ones, "fold" those and each input norm inside the
     qkv matmul after it, on the folded weights that prepare_decode_norms makes, "fold-all"
-    both norms inside the matmuls after them (qkv's and gate_up's). The tiny Qwen3 mixture (one
-    dense layer among MoE ones) takes "post": o_proj's norm in its gemv, the experts after it,
-    the next norm with the residual add after them."""
-    from tiny_models import make_tiny_model
-
-    for kind, modes in (
-        ("llama", ("off", "all", "post", "fold", "fold-all")),
-        ("qwen3_moe", ("off", "post")),
-    ):
-        path = Path(tempfile.mkdtemp(dir=tmp_dir))
-        make_tiny_model(kind, path)
-        _check_decode_norm_modes(path, modes, dense=kind == "llama")
-
-
-def _check_decode_norm_modes(path: Path, modes, dense: bool) -> None:
+    both norms inside the matmuls after them (qkv's and gate_up's)."""
     from dataclasses import replace
 
-    from tiny_models import random_prompts
+    from tiny_models import make_tiny_model, random_prompts
 
     import batchrun.layers.linear as linear
     import batchrun.models.llama as llama
     from batchrun.config import KernelConfig
 
+    path = Path(tempfile.mkdtemp(dir=tmp_dir))
+    make_tiny_model("llama", path)
     ref_runner = _runner(path, KernelConfig.reference())
     prompts = random_prompts(3, seed=4, min_len=3, max_len=16) + [[5], [60]]
     refs = [ref_runner.all_logits(p, torch.arange(len(p))) for p in prompts]
-    for mode in modes:
+    for mode in ("off", "all", "post", "fold", "fold-all"):
         kernels = replace(
             INTERPRETER_KERNELS, attention="torch", decode_gemv="triton", decode_norms=mode
         )
@@ -288,8 +276,7 @@ def _check_decode_norm_modes(path: Path, modes, dense: bool) -> None:
                 fused = runner.all_logits(prompt, torch.arange(len(prompt)))
             takes = mode != "off" and len(prompt) == 1
             assert bool(one_row["n"]) == takes, (mode, len(prompt))
-            if dense:  # (a mixture's router is a linear of its own)
-                assert bool(matmuls["n"]) == (not takes), (mode, len(prompt))
+            assert bool(matmuls["n"]) == (not takes), (mode, len(prompt))
             rel = ((fused - ref).norm() / ref.norm()).item()
             assert rel <= 5e-3, (mode, len(prompt), rel)
 

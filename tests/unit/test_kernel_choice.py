@@ -398,8 +398,8 @@ def test_fp8_matmuls_need_sm_89(gpu):
 
 def test_a_mixture_of_experts_runs_the_fused_moe_on_cuda(gpu, monkeypatch):
     """auto: the fused Triton MoE on CUDA (its module must import at start-up), the torch loop on
-    the CPU; of the norms inside the matmuls only o_proj's ("post": the experts are no one
-    matmul); the torch loop reads the routing on the host, so it is refused with CUDA graphs."""
+    the CPU; no norms inside the matmuls (the experts are no one matmul); the torch loop reads
+    the routing on the host, so it is refused with CUDA graphs."""
     moe_cfg = ModelConfig.from_dict(QWEN3_30B_A3B)
     assert resolve(moe_cfg).moe == "torch"
     gpu(pdl=True)
@@ -408,12 +408,10 @@ def test_a_mixture_of_experts_runs_the_fused_moe_on_cuda(gpu, monkeypatch):
         kernel_choice, "_check_kernels_import", lambda module="gemv": checked.append(module)
     )
     kernels = resolve(moe_cfg, CUDA)
-    assert kernels.moe == "triton" and kernels.decode_norms == "post"
+    assert kernels.moe == "triton" and kernels.decode_norms == "off"
     assert "batchrun.kernels.fused_moe" in checked
-    for mode in ("all", "fold", "fold-all"):
-        with pytest.raises(ValueError, match="a mixture of experts takes 'post' only"):
-            resolve(moe_cfg, CUDA, KernelConfig(decode_norms=mode))
-    assert resolve(moe_cfg, CUDA, KernelConfig(decode_norms="off")).decode_norms == "off"
+    with pytest.raises(ValueError, match="decode_norms 'all' needs .* dense \\(no experts\\)"):
+        resolve(moe_cfg, CUDA, KernelConfig(decode_norms="all"))
     with pytest.raises(ValueError, match="moe 'torch' reads the routing on the host, which a CUDA"):
         resolve(moe_cfg, CUDA, KernelConfig(moe="torch"))
     eager = resolve(moe_cfg, CUDA, KernelConfig(moe="torch", cuda_graph_max_bs=0))
