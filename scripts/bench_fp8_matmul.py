@@ -4,7 +4,8 @@
                  (per token; per token in groups of 128: a torch chain written here)
     bf16         F.linear on the bf16 weight (cuBLAS): the baseline
     scaled_mm    per-channel FP8: quantize x per token + torch._scaled_mm (row-wise scales);
-                 "fast": the matmul with use_fast_accum (KernelConfig.fp8_fast_accum)
+                 "fast": the matmul with use_fast_accum (KernelConfig.fp8_fast_accum, the
+                 engine's default), the other figures with the sums promoted to fp32
     block        block FP8: quantize x per token and group + kernels/fp8_block_matmul.py
 
     python scripts/bench_fp8_matmul.py                      # M = 1, 16, 64, 256, 2048, 8192

@@ -112,8 +112,8 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "kv-fp8": ({"kv_cache_dtype": "fp8_e4m3"}, {}),
     # FP8 as an FP8 checkpoint runs with vLLM's or TensorRT-LLM's FP8 KV cache: the linears as
     # `fp8` and the KV cache as `kv-fp8`
-    # `fp8` with torch._scaled_mm's fast accumulation (KernelConfig.fp8_fast_accum)
-    "fp8-fast-accum": ({"quantization": "fp8"}, {"fp8_fast_accum": True}),
+    # `fp8` with torch._scaled_mm's sums promoted to fp32 (KernelConfig.fp8_fast_accum off)
+    "fp8-promoted": ({"quantization": "fp8"}, {"fp8_fast_accum": False}),
     "fp8-kv-fp8": ({"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}, {}),
     "prefix-order": ({}, {}),
 }

@@ -51,9 +51,7 @@ def quant_matmul(w: torch.Tensor, activations: str, per_tensor: bool, fast_accum
     input_scale = torch.tensor(0.02, device=w.device) if activations == "static" else None
     qw = quantize_fp8(w, "tensor" if per_tensor else "channel", None, input_scale)
     spec = QuantSpec("fp8", activations, None, "scaled_mm", "test")
-    kernels = KernelConfig.reference()
-    if fast_accum:
-        kernels = replace(kernels, fp8_fast_accum=True)
+    kernels = replace(KernelConfig.reference(), fp8_fast_accum=fast_accum)
     m = QuantMatmul(w.shape[0], w.shape[1], spec, torch.bfloat16, w.device, kernels=kernels)
     m.load(qw, "test")
     return m, qw
