@@ -24,9 +24,9 @@ rounded once to x's dtype.
 Everything else is kernels/gemv.py's, whose helpers this reuses: a program owns BLOCK_N output
 rows of w and, with SPLIT_K > 1, one K slice of them; split-K reduces in the kernel (fp32 planes
 summed in slice order by the last slice, the shared per-device counters); the weight scales and
-a slice's first two weight tiles load before the PDL wait; with swiglu, w is the fused [2I, K] gate_up weight (scales [2I]) and
-y = silu(gate) * up, [M, I], gate and up each rounded to the dtype first as the unfused path
-rounds them.
+a slice's first two weight tiles load before the PDL wait; with swiglu, w is the fused [2I, K]
+gate_up weight (scales [2I]) and y = silu(gate) * up, [M, I], gate and up each rounded to the
+dtype first as the unfused path rounds them.
 
     y = fp8_gemv(x, w, w_scale)                        # dynamic per-token activations
     y = fp8_gemv(x, w, w_scale, input_scale=s)         # static, s float32 scalar

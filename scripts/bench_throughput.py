@@ -110,10 +110,10 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "extend-triton": ({}, {"extend_attention": "triton"}),
     # the KV cache in float8_e4m3fn (--kv-cache-dtype fp8_e4m3): one byte an element
     "kv-fp8": ({"kv_cache_dtype": "fp8_e4m3"}, {}),
-    # FP8 as an FP8 checkpoint runs with vLLM's or TensorRT-LLM's FP8 KV cache: the linears as
-    # `fp8` and the KV cache as `kv-fp8`
     # `fp8` with torch._scaled_mm's sums promoted to fp32 (KernelConfig.fp8_fast_accum off)
     "fp8-promoted": ({"quantization": "fp8"}, {"fp8_fast_accum": False}),
+    # FP8 as an FP8 checkpoint runs with vLLM's or TensorRT-LLM's FP8 KV cache: the linears as
+    # `fp8` and the KV cache as `kv-fp8`
     "fp8-kv-fp8": ({"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}, {}),
     "prefix-order": ({}, {}),
 }
