@@ -90,7 +90,8 @@ def _ptxas_info(ptx: str, arch: int) -> str:
 def _loop_info(cubin: bytes) -> str:
     """The kernel's largest loop in SASS (the longest span from a label to a branch back to
     it): its instructions, and of them the CTA barriers, shared-memory stores and loads (and
-    of the loads those of one byte), asynchronous global-to-shared copies and MMAs."""
+    of the loads those of one byte), asynchronous global-to-shared copies and MMAs (HMMA,
+    and HGMMA / QGMMA: Hopper's bf16 / fp16 and e4m3 wgmma)."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
@@ -118,7 +119,7 @@ def _loop_info(cubin: bytes) -> str:
     return (
         f"loop {len(ops)} instructions: {count('BAR')} barriers, {count('STS', 'STSM')} shared "
         f"stores, {count('LDS', 'LDSM')} shared loads ({byte_loads} of one byte), "
-        f"{count('LDGSTS')} async copies, {count('HMMA', 'HGMMA')} MMAs"
+        f"{count('LDGSTS')} async copies, {count('HMMA', 'HGMMA', 'QGMMA')} MMAs"
     )
 
 
@@ -140,6 +141,12 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         for cfg in (picked, picked._replace(block_n=128, block_k=512, split_k=1)):
             out.append((f"fp8_gemv M={m} {tuple(cfg)}", lambda x=x, cfg=cfg: fp8_gemv.fp8_gemv(
                 x, w, sw, None, config=cfg, pdl=True)))  # fmt: skip
+        out.append((f"fp8_gemv M={m} fast accumulation", lambda x=x: fp8_gemv.fp8_gemv(
+            x, w, sw, None, fast_accum=True, pdl=True)))  # fmt: skip
+        out.append((f"fp8_gemv M={m} a16", lambda x=x: fp8_gemv.fp8_gemv(
+            x, w, sw, None, a16=True, pdl=True)))  # fmt: skip
+        out.append((f"fp8_gemv M={m} a16 swiglu", lambda x=x: fp8_gemv.fp8_gemv(
+            x, gate_up, sw_gate_up, None, a16=True, swiglu=True, pdl=True)))  # fmt: skip
         out.append((f"fp8_gemv M={m} static", lambda x=x: fp8_gemv.fp8_gemv(
             x, w, sw, torch.tensor(0.1), pdl=True)))  # fmt: skip
         out.append((f"fp8_gemv M={m} given amax", lambda x=x, m=m: fp8_gemv.fp8_gemv(
