@@ -169,12 +169,6 @@ class KernelConfig:
                         llama-8b FP8 reads 11,851 output tok/s against 11,237 with the promoted
                         sums (one H100, same run, docs/benchmarks.md). Off: the promoted sums,
                         as the decode GEMV (kernels/fp8_gemv.py) always sums
-    fp8_gemv_a16        the decode GEMV of a per-tensor / per-channel FP8 linear with dynamic
-                        activations (kernels/fp8_gemv.py) multiplies the unquantized
-                        activations by the FP8 weights converted to the model's dtype in
-                        registers (weight-only FP8, as Marlin's FP8 kernels run): no activation
-                        quantization kernel, and the exact product of x and the dequantized
-                        weights. Off: x quantized per token, an e4m3 MMA
     moe                 one of MOE_BACKENDS for a mixture of experts' experts: "triton" the fused
                         MoE kernels (kernels/fused_moe.py), "torch" a per-expert loop; auto:
                         "triton" on CUDA where Triton imports, "torch" elsewhere
@@ -196,7 +190,6 @@ class KernelConfig:
     fp8_matmul: str = "auto"
     int4_matmul: str = "auto"
     fp8_fast_accum: bool = True
-    fp8_gemv_a16: bool = False
     moe: str = "auto"
     moe_decode: str = "auto"
 

@@ -115,8 +115,6 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # FP8 as an FP8 checkpoint runs with vLLM's or TensorRT-LLM's FP8 KV cache: the linears as
     # `fp8` and the KV cache as `kv-fp8`
     "fp8-kv-fp8": ({"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}, {}),
-    # `fp8` with its decode GEMVs weight-only (KernelConfig.fp8_gemv_a16)
-    "fp8-a16": ({"quantization": "fp8"}, {"fp8_gemv_a16": True}),
     "prefix-order": ({}, {}),
 }
 # the quantization_config a variant's config.json carries (dummy weights in that format)

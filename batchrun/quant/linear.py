@@ -196,7 +196,6 @@ class QuantMatmul(nn.Module):
         )
         self.pdl = bool(kernels.pdl)
         self.fast_accum = kernels.fp8_fast_accum
-        self.gemv_a16 = kernels.fp8_gemv_a16 and spec.kernel == "scaled_mm"
         # NOTE: per-token scales of a row-parallel input come from all its columns, on every
         # rank: one all-reduce of [M] floats per such layer makes TP=N quantize as TP=1
         self.reduce_max = reduce_max if spec.activations == "dynamic" and not spec.block else None
@@ -308,9 +307,6 @@ class QuantMatmul(nn.Module):
             return fp8_gemv(
                 x, self.weight, self.weight_scale, blocks=True, swiglu=swiglu, pdl=self.pdl
             )
-        if self.gemv_a16 and self.input_scale is None:
-            return fp8_gemv(x, self.weight, self.weight_scale.view(-1), swiglu=swiglu,
-                            pdl=self.pdl, a16=True)  # fmt: skip
         amax = None
         if self.input_scale is None and self.reduce_max is not None:
             amax = self.reduce_max(row_amax(x))  # every rank's columns: TP=N quantizes as TP=1

@@ -221,16 +221,6 @@ def _check_wiring(gen):
         _check(layer.gemv(x, swiglu=True), ref, activations + " swiglu", 0.0, ulps=4)
         plain = QuantMatmul(64, 128, spec, torch.bfloat16, "cpu", kernels=INTERPRETER_KERNELS)
         assert not plain.takes_gemv(x)
-    # fp8_gemv_a16: a dynamic layer's GEMV multiplies x by the dequantized weights (fp16 x: the
-    # interpreter's bf16 dot is not exact)
-    qw = quantize_fp8(w, "channel", None, None)
-    spec = QuantSpec("fp8", "dynamic", None, "scaled_mm", "test")
-    kernels = replace(INTERPRETER_KERNELS, decode_gemv="triton", fp8_gemv_a16=True)
-    layer = QuantMatmul(64, 128, spec, torch.float16, "cpu", kernels=kernels)
-    layer.load(qw, "test")
-    xh = x.half()
-    want = ((xh.double() @ qw.weight.double().t()).float() * qw.scale.float().reshape(1, -1)).half()
-    _check(layer(xh), want, "a16", 0.0)
 
 
 def _run_checks():

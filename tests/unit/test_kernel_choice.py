@@ -89,7 +89,6 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         fp8_matmul="dequant",
         int4_matmul="dequant",
         fp8_fast_accum=True,
-        fp8_gemv_a16=False,
         moe="torch",
         moe_decode="grouped",
     )
@@ -222,7 +221,6 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         fp8_matmul="scaled_mm",  # the FP8 linears of a quantized model on the tensor cores
         int4_matmul="dequant",  # a plain model's (INT4 ones: the rule below)
         fp8_fast_accum=True,
-        fp8_gemv_a16=False,
         moe="triton",  # a mixture's experts on kernels/fused_moe.py
         moe_decode="gemv",  # and its decode batches on kernels/moe_gemv.py
     )
@@ -298,7 +296,6 @@ def test_fields_set_by_hand_are_kept(gpu):
         fp8_matmul="dequant",
         int4_matmul="dequant",
         fp8_fast_accum=True,
-        fp8_gemv_a16=False,
         moe="torch",
         moe_decode="grouped",
     )
