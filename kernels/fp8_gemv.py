@@ -92,8 +92,6 @@ def _fp8_gemv_kernel(
     SPLIT_K: tl.constexpr,
     SWIGLU: tl.constexpr,
     BLOCKS: tl.constexpr,  # 128 x 128 weight blocks, activations per 128-column group
-    FAST_ACCUM: tl.constexpr,  # the MMA accumulates over K (not BLOCKS)
-    A16: tl.constexpr,  # XQ is x itself: w's tiles converted to x's dtype, a bf16 / fp16 MMA
     PDL: tl.constexpr,
 ):
     """y from q(x) (e4m3 [M, K], its rows' scales XS) and w: BLOCK_N rows of w a program. With
@@ -136,10 +134,10 @@ def _fp8_gemv_kernel(
     acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc, acc_up = _tile_step(acc, acc_up, w, w_up, k_start, k_end, XQ, XS, sw_rows, sw_up_rows,
                              offs_m, offs_n, in_m, M, N, stride_xm, stride_xs, stride_xsk,
-                             BLOCK_K, SWIGLU, BLOCKS, FAST_ACCUM, A16)  # fmt: skip
+                             BLOCK_K, SWIGLU, BLOCKS)  # fmt: skip
     acc, acc_up = _tile_step(acc, acc_up, w2, w2_up, k_start + BLOCK_K, k_end, XQ, XS, sw_rows,
                              sw_up_rows, offs_m, offs_n, in_m, M, N, stride_xm, stride_xs,
-                             stride_xsk, BLOCK_K, SWIGLU, BLOCKS, FAST_ACCUM, A16)  # fmt: skip
+                             stride_xsk, BLOCK_K, SWIGLU, BLOCKS)  # fmt: skip
     for k0 in range(k_start + 2 * BLOCK_K, k_end, BLOCK_K):
         w = _w_tile(w_rows, in_n, k0, k_end, BLOCK_K)
         w_up = w
@@ -147,8 +145,8 @@ def _fp8_gemv_kernel(
             w_up = _w_tile(up_rows, in_n, k0, k_end, BLOCK_K)
         acc, acc_up = _tile_step(acc, acc_up, w, w_up, k0, k_end, XQ, XS, sw_rows, sw_up_rows,
                                  offs_m, offs_n, in_m, M, N, stride_xm, stride_xs, stride_xsk,
-                                 BLOCK_K, SWIGLU, BLOCKS, FAST_ACCUM, A16)  # fmt: skip
-    if BLOCKS or A16:
+                                 BLOCK_K, SWIGLU, BLOCKS)  # fmt: skip
+    if BLOCKS:
         sx = tl.full([16], 1.0, tl.float32)
     else:
         sx = tl.load(XS + offs_m * stride_xs, mask=in_m, other=1.0)
@@ -159,37 +157,26 @@ def _fp8_gemv_kernel(
 @triton.jit
 def _tile_step(acc, acc_up, w, w_up, k0, k_end, XQ, XS, sw_rows, sw_up_rows, offs_m, offs_n, in_m,
                M, N, stride_xm, stride_xs, stride_xsk, BLOCK_K: tl.constexpr,
-               SWIGLU: tl.constexpr, BLOCKS: tl.constexpr,
-               FAST_ACCUM: tl.constexpr, A16: tl.constexpr):  # fmt: skip
+               SWIGLU: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
     """The sums acc [BLOCK_N, 16] (and acc_up) plus the K tile at k0: w (and w_up) loaded, q(x)'s
     tile read here. Each tile's dot starts from zeros and is added in fp32: the e4m3 MMA's
     accumulator spans one tile. With BLOCKS the dot is scaled by its block's weight scale and
     its group's activation scales first."""
     xq = _x_tile(XQ, offs_m, M, stride_xm, k0, k_end, BLOCK_K)
-    if A16:
-        acc = tl.dot(w.to(xq.dtype), tl.trans(xq), acc)
-        if SWIGLU:
-            acc_up = tl.dot(w_up.to(xq.dtype), tl.trans(xq), acc_up)
-    elif FAST_ACCUM:
-        acc = tl.dot(w, tl.trans(xq), acc)
-        if SWIGLU:
-            acc_up = tl.dot(w_up, tl.trans(xq), acc_up)
-    else:
-        d = tl.dot(w, tl.trans(xq))
+    d = tl.dot(w, tl.trans(xq))
+    if BLOCKS:
+        # a slice's zero tile past its end takes its last group's (finite) scales: 0 all the same
+        kb = tl.minimum(k0, k_end - 1) // 128
+        sx_k = tl.load(XS + offs_m * stride_xs + kb * stride_xsk, mask=in_m, other=0.0)
+        sw_k = tl.load(sw_rows + kb, mask=offs_n < N, other=0.0)
+        d = d * sw_k[:, None] * sx_k[None, :]
+    acc = acc + d
+    if SWIGLU:
+        d_up = tl.dot(w_up, tl.trans(xq))
         if BLOCKS:
-            # a slice's zero tile past its end takes its last group's (finite) scales: 0 all the
-            # same
-            kb = tl.minimum(k0, k_end - 1) // 128
-            sx_k = tl.load(XS + offs_m * stride_xs + kb * stride_xsk, mask=in_m, other=0.0)
-            sw_k = tl.load(sw_rows + kb, mask=offs_n < N, other=0.0)
-            d = d * sw_k[:, None] * sx_k[None, :]
-        acc = acc + d
-        if SWIGLU:
-            d_up = tl.dot(w_up, tl.trans(xq))
-            if BLOCKS:
-                sw_k = tl.load(sw_up_rows + kb, mask=offs_n < N, other=0.0)
-                d_up = d_up * sw_k[:, None] * sx_k[None, :]
-            acc_up = acc_up + d_up
+            sw_k = tl.load(sw_up_rows + kb, mask=offs_n < N, other=0.0)
+            d_up = d_up * sw_k[:, None] * sx_k[None, :]
+        acc_up = acc_up + d_up
     return acc, acc_up
 
 
@@ -268,8 +255,6 @@ def fp8_gemv(
     config: Fp8GemvConfig | None = None,
     swiglu: bool = False,
     pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
-    fast_accum: bool = False,  # the MMA's accumulator over all of K (per-channel / per-tensor)
-    a16: bool = False,  # x unquantized: w @ x.T in x's dtype, scaled by w_scale (dynamic only)
 ) -> torch.Tensor:
     """sx * sw * (q(x) @ w.T): [M, N] in x's dtype; with swiglu, silu(gate) * up: [M, N / 2].
     blocks: the sum over K's 128-column groups of each group's dot times its scales."""
@@ -293,11 +278,7 @@ def fp8_gemv(
     tile_bytes = (2 if swiglu else 1) * cfg.block_n * cfg.block_k
     while cfg.num_stages > 1 and tile_bytes * cfg.num_stages > SMEM_FOR_W:
         cfg = cfg._replace(num_stages=cfg.num_stages - 1)
-    if a16:
-        assert not blocks and input_scale is None and amax is None, "a16: per-channel, dynamic"
-        xq, sx = x, w_scale  # sx unused
-        stride_xs, stride_xsk, stride_swn = 0, 0, 0
-    elif blocks:
+    if blocks:
         xq, sx = quant_per_token_group(x, BLOCK, pdl=pdl)  # sx [M, K / 128]
         stride_xs, stride_xsk, stride_swn = sx.stride(0), sx.stride(1), w_scale.stride(0)
     else:
@@ -322,7 +303,6 @@ def fp8_gemv(
         xq, w, w_scale, sx, y, ws, counters, m, n, k, k_per_split, n * w.stride(0),
         xq.stride(0), w.stride(0), y.stride(0), stride_xs, stride_xsk, stride_swn,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu, BLOCKS=blocks,
-        FAST_ACCUM=fast_accum and not blocks, A16=a16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip
     return y

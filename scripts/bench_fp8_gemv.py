@@ -85,14 +85,6 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> di
         "default_correct": correct(default),
         "default_us": graph_time_us(run(default), fp8),
     }
-    # the variants of the default config: the MMA's accumulator over all of K, and a16 (x
-    # unquantized, w converted to bf16 in registers: no activation quantization kernel)
-    for key, kw in (("fast", {"fast_accum": True}), ("a16", {"a16": True})):
-        out[f"{key}_us"] = graph_time_us(
-            lambda pair, kw=kw: fp8_gemv(x, pair[0], pair[1], swiglu=swiglu, pdl=pdl, **kw), fp8
-        )
-        got = fp8_gemv(x, w0, sw0, swiglu=swiglu, pdl=pdl, **kw).float()
-        out[f"{key}_error"] = ((got - ref).norm() / ref.norm()).item()
     timed = []
     for cfg in sweep_configs(m, n, k) if sweep else ():
         if correct(cfg):
@@ -108,7 +100,7 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> di
     bf16.clear()
     torch.cuda.empty_cache()
     for key, nbytes in (("scaled_mm", n * k), ("default", n * k), ("best", n * k),
-                        ("fast", n * k), ("a16", n * k), ("bf16_gemv", 2 * n * k)):  # fmt: skip
+                        ("bf16_gemv", 2 * n * k)):  # fmt: skip
         out[f"{key}_tb_s"] = nbytes / (out[f"{key}_us"] * 1e-6) / 1e12
     return out
 
@@ -128,14 +120,12 @@ def main(argv=None) -> int:
     report = {"device": torch.cuda.get_device_name(), "pdl": pdl, "results": []}
     for model in args.models.split(","):
         for m in (int(v) for v in args.m.split(",")):
-            keys = ("scaled_mm", "default", "best", "fast", "a16", "bf16_gemv")
-            totals = dict.fromkeys(keys, 0.0)
+            totals = {"scaled_mm": 0.0, "default": 0.0, "best": 0.0, "bf16_gemv": 0.0}
             print(f"\n{model}, M = {m} (µs a call, weight TB/s)")
             print(
-                "| matrix | N x K | scaled_mm | fp8_gemv default | best | fast accum | a16 "
-                "| bf16 gemv | cuBLAS bf16 |"
+                "| matrix | N x K | scaled_mm | fp8_gemv default | best | bf16 gemv | cuBLAS bf16 |"
             )
-            print("|---|---|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|")
             for name, n, k, count in benchlib.linear_shapes(model):
                 if name not in args.matrices.split(","):
                     continue
@@ -148,9 +138,7 @@ def main(argv=None) -> int:
                 print(
                     f"| {name} | {n} x {k} | {r['scaled_mm_us']:.1f} ({r['scaled_mm_tb_s']:.2f}) "
                     f"| {r['default_us']:.1f}{flag} ({r['default_tb_s']:.2f}) | {r['best_us']:.1f} "
-                    f"({r['best_tb_s']:.2f}) | {r['fast_us']:.1f} ({r['fast_tb_s']:.2f}) "
-                    f"| {r['a16_us']:.1f} ({r['a16_tb_s']:.2f}, err {r['a16_error']:.1e}) "
-                    f"| {r['bf16_gemv_us']:.1f} ({r['bf16_gemv_tb_s']:.2f}) "
+                    f"({r['best_tb_s']:.2f}) | {r['bf16_gemv_us']:.1f} ({r['bf16_gemv_tb_s']:.2f}) "
                     f"| {r['bf16_cublas_us']:.1f} |",
                     flush=True,
                 )
