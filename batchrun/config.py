@@ -29,6 +29,10 @@ DECODE_NORMS = ("auto", "off", "all", "post", "fold", "fold-all")
 # per tensor / channel torch._scaled_mm, 128 x 128 blocks kernels/fp8_block_matmul.py),
 # "dequant" weights dequantized at load
 FP8_MATMULS = ("auto", "scaled_mm", "dequant")
+# the matmul of a 128 x 128 block-FP8 linear kept in FP8, above the decode GEMV's 16 rows:
+# "cublaslt" torch's scaled_mm with BlockWise1x128 activations and BlockWise128x128 weights
+# (cuBLASLt; sm_90 and a torch built with CUDA 12.9+), "triton" kernels/fp8_block_matmul.py
+FP8_BLOCK_GEMMS = ("auto", "cublaslt", "triton")
 # the matmul of a quantized model's INT4 linears (AWQ, GPTQ, compressed-tensors W4A16): "triton"
 # kernels/int4_matmul.py on the packed weights (decode batches of up to 16 rows on
 # kernels/int4_gemv_mma.py, or kernels/int4_gemv.py where that does not take the weight),
@@ -155,6 +159,12 @@ class KernelConfig:
                         except for 128 x 128 blocks whose bf16 weights take at most half the
                         GPU (dequantized: faster today), "dequant" elsewhere (the CPU always
                         dequantizes)
+    fp8_block_gemm      one of FP8_BLOCK_GEMMS for a block-FP8 linear's batches of more than 16
+                        rows with fp8_matmul "scaled_mm"; auto: "cublaslt" where it runs (sm_90,
+                        torch with CUDA 12.9+), else "triton". On one H100 (`python
+                        scripts/bench_fp8_matmul.py`) cuBLASLt's block matmul takes 1,501.7 µs
+                        on llama-8b's gate_up at 8,192 rows where the Triton kernel takes
+                        3,412.4 and bf16 cuBLAS 2,607.7
     int4_matmul         one of INT4_MATMULS for the INT4 linears of a quantized model; auto:
                         "triton" on CUDA where Triton imports and the bf16 weights would take
                         more than half the GPU, "dequant-gemv" where the bf16 weights and the
@@ -188,6 +198,7 @@ class KernelConfig:
     piecewise_graphs: bool | None = None
     host_gate: bool | None = None
     fp8_matmul: str = "auto"
+    fp8_block_gemm: str = "auto"
     int4_matmul: str = "auto"
     fp8_fast_accum: bool = True
     moe: str = "auto"
@@ -207,6 +218,7 @@ class KernelConfig:
             piecewise_graphs=False,
             host_gate=False,
             fp8_matmul="dequant",
+            fp8_block_gemm="triton",
             int4_matmul="dequant",
             moe="torch",
             moe_decode="grouped",
@@ -218,6 +230,7 @@ class KernelConfig:
         _one_of("decode_gemv", self.decode_gemv, DECODE_GEMVS)
         _one_of("decode_norms", self.decode_norms, DECODE_NORMS)
         _one_of("fp8_matmul", self.fp8_matmul, FP8_MATMULS)
+        _one_of("fp8_block_gemm", self.fp8_block_gemm, FP8_BLOCK_GEMMS)
         _one_of("int4_matmul", self.int4_matmul, INT4_MATMULS)
         _one_of("moe backend", self.moe, MOE_BACKENDS)
         _one_of("moe_decode", self.moe_decode, MOE_DECODES)
@@ -228,7 +241,7 @@ class KernelConfig:
     def is_resolved(self) -> bool:
         auto = {
             "attention", "extend_attention", "decode_gemv", "decode_norms", "fp8_matmul",
-            "int4_matmul", "moe", "moe_decode",
+            "fp8_block_gemm", "int4_matmul", "moe", "moe_decode",
         }  # fmt: skip
         return all(
             getattr(self, f.name) != "auto" if f.name in auto else getattr(self, f.name) is not None

@@ -97,6 +97,10 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # (a model whose bf16 weights fit: dequantized, decode batches on the packed copy)
     "fp8-block": ({}, {"fp8_matmul": "scaled_mm"}),
     "fp8-block-dequant": ({}, {"fp8_matmul": "dequant"}),
+    # block FP8 on kernels/fp8_block_matmul.py above 16 rows (auto: cuBLASLt's block matmul)
+    "fp8-block-triton": ({}, {"fp8_matmul": "scaled_mm", "fp8_block_gemm": "triton"}),
+    # block FP8 kept in FP8 with the FP8 KV cache
+    "fp8-block-kv-fp8": ({"kv_cache_dtype": "fp8_e4m3"}, {"fp8_matmul": "scaled_mm"}),
     "int4-awq": ({}, {"int4_matmul": "triton"}),
     "int4-awq-dequant": ({}, {"int4_matmul": "dequant"}),
     "int4-awq-auto": ({}, {}),
@@ -124,6 +128,8 @@ VARIANT_QUANTIZATION = {
     "int4-awq-dequant": benchlib.CHECKPOINT_FORMATS["awq"],
     "int4-awq-auto": benchlib.CHECKPOINT_FORMATS["awq"],
     "fp8-block-dequant": benchlib.CHECKPOINT_FORMATS["fp8-block"],
+    "fp8-block-triton": benchlib.CHECKPOINT_FORMATS["fp8-block"],
+    "fp8-block-kv-fp8": benchlib.CHECKPOINT_FORMATS["fp8-block"],
 }
 ALL_VARIANTS = (*VARIANTS, "hf")
 # BENCH.md targets: (workload, model) -> bound; W3 is ms per output token (lower is better), the

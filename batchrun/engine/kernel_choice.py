@@ -72,6 +72,17 @@ def supports_fp8_matmul(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
+def supports_block_scaled_mm(device: torch.device) -> bool:
+    """torch's scaled_mm with DeepSeek-style block scales (BlockWise1x128 activations,
+    BlockWise128x128 weights): cuBLASLt's, on sm_90 with a torch built with CUDA 12.9+."""
+    if device.type != "cuda" or not hasattr(torch.nn.functional, "ScalingType"):
+        return False
+    if tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]) < (12, 9):
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
 def supports_int4_gemv_mma(device: torch.device) -> bool:
     """kernels/int4_gemv_mma.py: Triton with Gluon (it imports) and bf16 MMAs (sm_80+)."""
     if device.type != "cuda":
@@ -262,6 +273,16 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             "H200 or later); use 'dequant' or 'auto'"
         )
 
+    fp8_block_gemm = want.fp8_block_gemm
+    if fp8_block_gemm == "auto":
+        fp8_block_gemm = "cublaslt" if supports_block_scaled_mm(device) else "triton"
+    elif fp8_block_gemm == "cublaslt" and not supports_block_scaled_mm(device):
+        raise ValueError(
+            "fp8_block_gemm 'cublaslt' needs an sm_90 GPU (H100, H200) and a torch built with "
+            "CUDA 12.9 or later (torch.nn.functional.scaled_mm's block scales); use 'triton' "
+            "or 'auto'"
+        )
+
     # NOTE: an INT4 model whose bf16 weights fit decodes its batches of up to 16 rows on the
     # packed weight (kernels/int4_gemv_mma.py) and the rest on the bf16 one: one H100,
     # llama-8b AWQ (`scripts/bench_throughput.py --models llama-8b --variants
@@ -385,6 +406,7 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         piecewise_graphs=piecewise,
         host_gate=host_gate,
         fp8_matmul=fp8_matmul,
+        fp8_block_gemm=fp8_block_gemm,
         int4_matmul=int4_matmul,
         moe=moe,
         moe_decode=moe_decode,

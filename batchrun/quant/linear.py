@@ -170,6 +170,15 @@ def _kernel(
     return "dense"
 
 
+def cublaslt_block_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A weight's 128 x 128 block scales [ceil(N / 128), K / 128] as cuBLASLt's BlockWise128x128
+    operand of w.t(): [L4, ceil(N / 128)] with strides (1, L4), L4 = K / 128 rounded up to a
+    multiple of 4 (the library's padding; the padded scales are never read against data)."""
+    blocks_k = scale.shape[1]
+    padded = F.pad(scale, (0, -blocks_k % 4), value=1.0).contiguous()
+    return padded.t()
+
+
 class QuantMatmul(nn.Module):
     """x @ W^T for this rank's quantized W [out_features, in_features]; its tensors are buffers
     (not parameters: the plain-weight loaders leave them alone), filled by `load`."""
@@ -191,11 +200,24 @@ class QuantMatmul(nn.Module):
         super().__init__()
         self.spec, self.dtype = spec, dtype
         kernels = kernels or KernelConfig.reference()
+        # kernels/fp8_gemv.py takes bf16 / fp16 activations (an fp32 model decodes on the
+        # matmuls of its larger batches)
         self.fp8_gemv = (
-            spec.kernel in ("scaled_mm", "fp8_block") and kernels.decode_gemv == "triton"
+            spec.kernel in ("scaled_mm", "fp8_block")
+            and kernels.decode_gemv == "triton"
+            and dtype in (torch.bfloat16, torch.float16)
         )
         self.pdl = bool(kernels.pdl)
         self.fast_accum = kernels.fp8_fast_accum
+        # block FP8 on cuBLASLt's block-scaled matmul: weights whose K is whole 128-column
+        # groups and whose rows keep the FP8 matmul's 16-byte alignment
+        self.cublaslt_blocks = (
+            spec.kernel == "fp8_block"
+            and kernels.fp8_block_gemm == "cublaslt"
+            and spec.block == (128, 128)
+            and in_features % 128 == 0
+            and out_features % 16 == 0
+        )
         # NOTE: per-token scales of a row-parallel input come from all its columns, on every
         # rank: one all-reduce of [M] floats per such layer makes TP=N quantize as TP=1
         self.reduce_max = reduce_max if spec.activations == "dynamic" and not spec.block else None
@@ -254,6 +276,8 @@ class QuantMatmul(nn.Module):
                 assert isinstance(qw, Fp8Weight) and qw.block == self.spec.block
                 self.weight.copy_(qw.weight)
                 self.weight_scale.copy_(qw.scale)
+                if self.cublaslt_blocks:
+                    self.register_buffer("cublaslt_scale", cublaslt_block_scale(self.weight_scale))
             else:
                 self.weight.copy_(qw.dequantize(self.dtype))
         self.fake_quant = (
@@ -347,6 +371,21 @@ class QuantMatmul(nn.Module):
     def _block_matmul(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()  # [M, K]
+        if self.cublaslt_blocks:
+            m = x2.shape[0]
+            if m % 4:  # cuBLASLt's rows of x: a multiple of 4
+                x2 = F.pad(x2, (0, 0, 0, -m % 4))
+            xq, scale_x = fp8_quant.quant_per_token_group(x2, self.spec.block[1])
+            y = F.scaled_mm(
+                xq,
+                self.weight.t(),
+                scale_x,  # [M, K / 128], column-major: BlockWise1x128
+                F.ScalingType.BlockWise1x128,
+                self.cublaslt_scale,
+                F.ScalingType.BlockWise128x128,
+                output_dtype=self.dtype,
+            )[:m]
+            return y.view(*shape[:-1], self.out_features)
         xq, scale_x = fp8_quant.quant_per_token_group(x2, self.spec.block[1])
         y = block_fp8_matmul(xq, scale_x, self.weight, self.weight_scale, self.dtype)
         return y.view(*shape[:-1], self.out_features)

@@ -1,7 +1,8 @@
 """The FP8 Triton kernels on the GPU (sm_89+): activation quantization (kernels/fp8_quant.py)
 against act_quant.py's torch ops, the block-wise FP8 matmul (kernels/fp8_block_matmul.py)
 against the dequantized fp32 reference at the llama-1b / llama-8b projections, the block linear
-in a CUDA graph, and engines on a block-FP8 checkpoint.
+(on that kernel and on cuBLASLt's block-scaled matmul) in a CUDA graph, and engines on a
+block-FP8 checkpoint.
 
     pytest tests/gpu/test_fp8_kernels_gpu.py -q          (about a minute on an H200)
 """
@@ -128,37 +129,56 @@ def test_block_matmul_matches_the_dequantized_reference(shape):
         assert rel <= BF16_BOUND, f"{shape} M={num}: relative error {rel:.2e}"
 
 
-def test_block_linear_matches_the_fake_quantized_reference():
+def _block_gemm_kernels(gemm: str) -> KernelConfig:
+    """The reference kernels with fp8_block_gemm `gemm` (skipped where cuBLASLt's block matmul
+    does not run)."""
+    from dataclasses import replace
+
+    from batchrun.engine.kernel_choice import supports_block_scaled_mm
+
+    if gemm == "cublaslt" and not supports_block_scaled_mm(torch.device("cuda")):
+        pytest.skip("cuBLASLt's block-scaled matmul needs sm_90 and a torch with CUDA 12.9+")
+    return replace(KernelConfig.reference(), fp8_block_gemm=gemm)
+
+
+@pytest.mark.parametrize("gemm", ["triton", "cublaslt"])
+def test_block_linear_matches_the_fake_quantized_reference(gemm):
     """QuantMatmul on a block-FP8 weight (kernel "fp8_block", as plan_linear picks it on
-    CUDA) against act_quant's fake quantization of x times the dequantized weight, in fp32."""
+    CUDA) against act_quant's fake quantization of x times the dequantized weight, in fp32,
+    on either matmul (cuBLASLt's pads x to a multiple of 4 rows: M = 3, 101)."""
     from batchrun.quant.act_quant import fake_quant_dynamic
     from batchrun.quant.linear import QuantMatmul, QuantSpec
 
     torch.manual_seed(3)
-    qw = _block_weight(3072, 2048)
+    kernels = _block_gemm_kernels(gemm)
     spec = QuantSpec("fp8", "dynamic", (128, 128), "fp8_block", "test")
-    for dtype, bound in ((torch.bfloat16, BF16_BOUND), (torch.float32, WGMMA_FP32_BOUND)):
-        m = QuantMatmul(3072, 2048, spec, dtype, torch.device("cuda"))
-        m.load(qw, "test")
-        for num in (1, 100):
-            x = torch.randn(2, num, 2048, device="cuda", dtype=dtype)
-            got = m(x)
-            assert got.shape == (2, num, 3072) and got.dtype == dtype
-            xf = fake_quant_dynamic(x.float().reshape(-1, 2048), 128)
-            want = F.linear(xf, qw.dequantize()).view(2, num, 3072)
-            rel = float((got.float() - want).norm() / want.norm())
-            assert rel <= bound, f"{dtype} M={num}: relative error {rel:.2e}"
+    for out_f, in_f in ((3072, 2048), (4096, 14336), (208, 384)):
+        qw = _block_weight(out_f, in_f)
+        for dtype, bound in ((torch.bfloat16, BF16_BOUND), (torch.float32, WGMMA_FP32_BOUND)):
+            m = QuantMatmul(out_f, in_f, spec, dtype, torch.device("cuda"), kernels=kernels)
+            m.load(qw, "test")
+            assert m.cublaslt_blocks == (gemm == "cublaslt")
+            for num in (1, 3, 101, 1000):
+                x = torch.randn(2, num, in_f, device="cuda", dtype=dtype)
+                got = m(x)
+                assert got.shape == (2, num, out_f) and got.dtype == dtype
+                xf = fake_quant_dynamic(x.float().reshape(-1, in_f), 128)
+                want = F.linear(xf, qw.dequantize()).view(2, num, out_f)
+                rel = float((got.float() - want).norm() / want.norm())
+                assert rel <= bound, f"{gemm} {dtype} {out_f}x{in_f} M={num}: error {rel:.2e}"
 
 
-def test_the_block_linear_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("gemm", ["triton", "cublaslt"])
+def test_the_block_linear_replays_in_a_cuda_graph(gemm):
     """No host sync and no data-dependent shape: captured once, replayed on new inputs."""
     from batchrun.quant.linear import QuantMatmul, QuantSpec
 
     torch.manual_seed(4)
+    kernels = _block_gemm_kernels(gemm)
     spec = QuantSpec("fp8", "dynamic", (128, 128), "fp8_block", "test")
-    m = QuantMatmul(512, 256, spec, torch.bfloat16, torch.device("cuda"))
+    m = QuantMatmul(512, 256, spec, torch.bfloat16, torch.device("cuda"), kernels=kernels)
     m.load(_block_weight(512, 256), "test")
-    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(37, 256, device="cuda", dtype=torch.bfloat16)  # padded to 40 rows
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

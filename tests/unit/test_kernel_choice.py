@@ -58,6 +58,7 @@ def gpu(monkeypatch):
         monkeypatch.setattr(kernel_choice, "has_triton", lambda: True)
         monkeypatch.setattr(kernel_choice, "supports_pdl", lambda device: pdl)
         monkeypatch.setattr(kernel_choice, "supports_fp8_matmul", lambda device: pdl)
+        monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: pdl)
         monkeypatch.setattr(kernel_choice, "supports_int4_gemv_mma", lambda device: gemv_mma)
         monkeypatch.setattr(kernel_choice.HostGate, "available", staticmethod(lambda: True))
 
@@ -87,6 +88,7 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         piecewise_graphs=False,
         host_gate=False,
         fp8_matmul="dequant",
+        fp8_block_gemm="triton",
         int4_matmul="dequant",
         fp8_fast_accum=True,
         moe="torch",
@@ -219,6 +221,7 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         piecewise_graphs=True,  # a small model's mixed steps are bound by the host
         host_gate=True,
         fp8_matmul="scaled_mm",  # the FP8 linears of a quantized model on the tensor cores
+        fp8_block_gemm="cublaslt",  # block FP8 above 16 rows on cuBLASLt's block matmul
         int4_matmul="dequant",  # a plain model's (INT4 ones: the rule below)
         fp8_fast_accum=True,
         moe="triton",  # a mixture's experts on kernels/fused_moe.py
@@ -294,6 +297,7 @@ def test_fields_set_by_hand_are_kept(gpu):
         piecewise_graphs=False,
         host_gate=False,
         fp8_matmul="dequant",
+        fp8_block_gemm="triton",
         int4_matmul="dequant",
         fp8_fast_accum=True,
         moe="torch",
@@ -618,3 +622,17 @@ def test_gemma3_decodes_with_its_norms_apart(gpu):
     assert (kernels.decode_gemv, kernels.decode_norms) == ("triton", "off")
     with pytest.raises(ValueError, match=r"decode_norms 'all' needs .* \(not Gemma's four\)"):
         resolve(gemma, CUDA, KernelConfig(decode_norms="all"))
+
+
+def test_block_fp8_runs_cublaslt_where_torch_has_its_block_scales(gpu, monkeypatch):
+    """fp8_block_gemm auto: cuBLASLt's block matmul on sm_90 with a CUDA 12.9+ torch, else the
+    Triton kernel; set by hand where it cannot run, a clear error."""
+    gpu(pdl=True)
+    assert resolve(SMALL, CUDA).fp8_block_gemm == "cublaslt"
+    monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: False)
+    assert resolve(SMALL, CUDA).fp8_block_gemm == "triton"
+    with pytest.raises(ValueError, match="fp8_block_gemm 'cublaslt' needs an sm_90 GPU"):
+        resolve(SMALL, CUDA, KernelConfig(fp8_block_gemm="cublaslt"))
+    assert resolve(kernels=KernelConfig()).fp8_block_gemm == "triton"  # the CPU
+    with pytest.raises(ValueError, match="fp8_block_gemm must be one of"):
+        KernelConfig(fp8_block_gemm="cutlass").validate()
