@@ -156,9 +156,10 @@ class KernelConfig:
                         tensor / channel torch._scaled_mm, 128 x 128 blocks the Triton block
                         matmul; activations quantized by kernels/fp8_quant.py), "dequant"
                         dequantizes them to bf16 at load; auto: "scaled_mm" on sm_89+ GPUs,
-                        except for 128 x 128 blocks whose bf16 weights take at most half the
-                        GPU (dequantized: faster today), "dequant" elsewhere (the CPU always
-                        dequantizes)
+                        except for 128 x 128 blocks without cuBLASLt's block matmul
+                        (fp8_block_gemm "triton") whose bf16 weights take at most half the GPU
+                        (dequantized: faster than the Triton block matmul), "dequant" elsewhere
+                        (the CPU always dequantizes)
     fp8_block_gemm      one of FP8_BLOCK_GEMMS for a block-FP8 linear's batches of more than 16
                         rows with fp8_matmul "scaled_mm"; auto: "cublaslt" where it runs (sm_90,
                         torch with CUDA 12.9+), else "triton". On one H100 (`python

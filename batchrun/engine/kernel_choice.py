@@ -249,12 +249,25 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     elif decode_gemv == "triton" and not triton:
         raise ValueError("decode_gemv 'triton' needs the triton package")
 
-    # NOTE: where the bf16 weights fit, block FP8 runs faster dequantized at load than on its
-    # kernels today (H200, llama-8b, `scripts/bench_throughput.py --models llama-8b
-    # --workloads W1,W3 --variants batchrun,fp8-block`): W1 9,116 output tok/s and W3 5.70 ms
-    # per token against bf16's 11,119 and 4.08. The kernels keep such a model's weights in a
-    # half (FP8) or a quarter (INT4) of the bytes: they run where the dequantized weights would
-    # take more than DEQUANT_MAX_MEMORY
+    fp8_block_gemm = want.fp8_block_gemm
+    if fp8_block_gemm == "auto":
+        fp8_block_gemm = "cublaslt" if supports_block_scaled_mm(device) else "triton"
+    elif fp8_block_gemm == "cublaslt" and not supports_block_scaled_mm(device):
+        raise ValueError(
+            "fp8_block_gemm 'cublaslt' needs an sm_90 GPU (H100, H200) and a torch built with "
+            "CUDA 12.9 or later (torch.nn.functional.scaled_mm's block scales); use 'triton' "
+            "or 'auto'"
+        )
+
+    # NOTE: block FP8 on cuBLASLt's block-scaled matmul runs faster than bf16; on the Triton
+    # block matmul it runs slower, so where the bf16 weights fit it is dequantized at load
+    # unless cuBLASLt runs. One H100, llama-8b, same run (`scripts/bench_throughput.py --models
+    # llama-8b --workloads W1,W3 --variants batchrun,fp8-block-kv-fp8,fp8-block`): cuBLASLt's
+    # W1 10,246 output tok/s and W3 3.70 ms per token against bf16's 9,666 and 5.30 (15,312
+    # with the FP8 KV cache); the Triton kernel's W1 9,116 and W3 5.70 against bf16's 11,119 and
+    # 4.08 (H200, `--variants batchrun,fp8-block` at 1e6ccd4). The kernels keep such a model's
+    # weights in a half (FP8) or a quarter (INT4) of the bytes: they run where the dequantized
+    # weights would take more than DEQUANT_MAX_MEMORY
     need = bf16_weight_bytes(model_cfg, config.tp_size) if cuda else 0
     memory = gpu_memory(device) if cuda else 0
     dequant_fits = not cuda or need <= DEQUANT_MAX_MEMORY * memory
@@ -265,22 +278,12 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     fp8_matmul = want.fp8_matmul
     if fp8_matmul == "auto":
         fp8_matmul = "scaled_mm" if supports_fp8_matmul(device) else "dequant"
-        if blocks and dequant_fits:
+        if blocks and dequant_fits and fp8_block_gemm != "cublaslt":
             fp8_matmul = "dequant"
     elif fp8_matmul == "scaled_mm" and not supports_fp8_matmul(device):
         raise ValueError(
             "fp8_matmul 'scaled_mm' needs the FP8 tensor cores of an sm_89+ GPU (L40, H100, "
             "H200 or later); use 'dequant' or 'auto'"
-        )
-
-    fp8_block_gemm = want.fp8_block_gemm
-    if fp8_block_gemm == "auto":
-        fp8_block_gemm = "cublaslt" if supports_block_scaled_mm(device) else "triton"
-    elif fp8_block_gemm == "cublaslt" and not supports_block_scaled_mm(device):
-        raise ValueError(
-            "fp8_block_gemm 'cublaslt' needs an sm_90 GPU (H100, H200) and a torch built with "
-            "CUDA 12.9 or later (torch.nn.functional.scaled_mm's block scales); use 'triton' "
-            "or 'auto'"
         )
 
     # NOTE: an INT4 model whose bf16 weights fit decodes its batches of up to 16 rows on the

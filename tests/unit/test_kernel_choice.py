@@ -354,16 +354,20 @@ def test_int4_and_block_fp8_are_dequantized_where_the_bf16_weights_fit(gpu, monk
     """On CUDA, an INT4 or block-FP8 model's weights are dequantized to bf16 at load where that
     takes at most DEQUANT_MAX_MEMORY of the GPU (llama-8b's 15 GB of an H200's 150), else kept
     packed on kernels/int4_matmul.py / the Triton block matmul (llama-8b on a 24 GB GPU; or
-    llama-8b's ranks at TP=2 on a 16 GB one: half each). An INT4 model also keeps its packed
+    llama-8b's ranks at TP=2 on a 16 GB one: half each); block FP8 stays in FP8 wherever
+    cuBLASLt's block matmul runs (faster than bf16). An INT4 model also keeps its packed
     weight for the decode GEMV ("dequant-gemv") where both fit and the GEMV runs (llama-8b's
     ranks at TP=2 on a 16 GB GPU: the bf16 half fits, not with the copy). A hand-set choice is
     kept. The CPU dequantizes unless "triton" is set by hand (Triton's interpreter), which
     needs triton; "dequant-gemv" needs the GEMV."""
     gpu(pdl=True)
     assert resolve(int4(LARGE), CUDA).int4_matmul == "dequant-gemv"
-    assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "dequant"
+    assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "scaled_mm"  # cuBLASLt's blocks
     assert resolve(quantized(LARGE), CUDA).fp8_matmul == "scaled_mm"  # per channel: the cores
+    monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: False)
+    assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "dequant"
     gpu(pdl=True, memory=24_000_000_000)
+    monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: False)
     assert resolve(int4(LARGE), CUDA).int4_matmul == "triton"
     assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "scaled_mm"
     assert resolve(int4(SMALL), CUDA).int4_matmul == "dequant-gemv"

@@ -123,11 +123,16 @@ def test_a_bad_expert_scale_is_named(fp8_moe, tmp_path, damage):
         load(tmp_path / "bad", ModelConfig.from_dir(tmp_path / "bad"))
 
 
-def test_refused_on_cuda_where_the_dequantized_weights_do_not_fit(gpu):  # noqa: F811
+def test_refused_on_cuda_where_the_dequantized_weights_do_not_fit(gpu, monkeypatch):  # noqa: F811
     """Qwen3-30B-A3B's decoder takes 59.8 GB in bf16: it fits 85 % of an 80 GB GPU at TP=1,
-    not of a 48 GB one, where TP=2 (29.9 GB a rank) does."""
+    not of a 48 GB one, where TP=2 (29.9 GB a rank) does. Its attention's block-FP8 linears
+    stay in FP8 where cuBLASLt's block matmul runs, else are dequantized where they fit."""
+    from batchrun.engine import kernel_choice
+
     fp8 = ModelConfig.from_dict(QWEN3_30B_A3B_FP8)
     gpu(pdl=True)
+    assert resolve(fp8, CUDA).fp8_matmul == "scaled_mm"
+    monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: False)
     assert resolve(fp8, CUDA).fp8_matmul == "dequant"
     gpu(pdl=True, memory=80_000_000_000)  # the experts dequantized, the rest on FP8 kernels
     assert resolve(fp8, CUDA).fp8_matmul == "scaled_mm"
