@@ -26,8 +26,8 @@ DECODE_GEMVS = ("auto", "cublas", "triton")
 # norms inside the matmul after them (qkv's, gate_up's)
 DECODE_NORMS = ("auto", "off", "all", "post", "fold", "fold-all")
 # the matmul of a quantized model's FP8 linears: "scaled_mm" the FP8 tensor cores (sm_89+;
-# per tensor / channel torch._scaled_mm, 128 x 128 blocks kernels/fp8_block_matmul.py),
-# "dequant" weights dequantized at load
+# per tensor / channel torch._scaled_mm, 128 x 128 blocks as FP8_BLOCK_GEMMS picks), "dequant"
+# weights dequantized at load
 FP8_MATMULS = ("auto", "scaled_mm", "dequant")
 # the matmul of a 128 x 128 block-FP8 linear kept in FP8, above the decode GEMV's 16 rows:
 # "cublaslt" torch's scaled_mm with BlockWise1x128 activations and BlockWise128x128 weights
@@ -153,7 +153,7 @@ class KernelConfig:
                         operations. Off: such a step is sampled once the bitmask is filled
     fp8_matmul          one of FP8_MATMULS for the FP8 linears of a quantized model:
                         "scaled_mm" keeps the FP8 weights and runs the FP8 tensor cores (per
-                        tensor / channel torch._scaled_mm, 128 x 128 blocks the Triton block
+                        tensor / channel torch._scaled_mm, 128 x 128 blocks fp8_block_gemm's
                         matmul; activations quantized by kernels/fp8_quant.py), "dequant"
                         dequantizes them to bf16 at load; auto: "scaled_mm" on sm_89+ GPUs,
                         except for 128 x 128 blocks without cuBLASLt's block matmul
