@@ -212,9 +212,8 @@ def _generate(config: EngineConfig) -> list[list[int]]:
 def test_decode_on_fp8_gemv_gives_the_scaled_mm_tokens(fmt, tmp_path):
     """Graphs on, decode batches of up to 16 rows on kernels/fp8_gemv.py (decode_gemv
     "triton") against every matmul on torch._scaled_mm or the block matmul (decode_gemv
-    "cublas"): the same
-    quantized operands, summed in another order, so the same greedy tokens (a request may
-    part at a near-tie: at least 22 of the 24 identical)."""
+    "cublas"): the same quantized operands, summed in another order, so the same greedy tokens
+    (a request may part at a near-tie: at least 22 of the 24 identical)."""
     from quant_checkpoints import make_fp32_model, write_quantized
 
     kw = {}
@@ -226,8 +225,9 @@ def test_decode_on_fp8_gemv_gives_the_scaled_mm_tokens(fmt, tmp_path):
     base = dict(
         model=str(tmp_path), device="cuda", dtype="bfloat16", kv_budget=20000, max_running=32, **kw
     )
-    # block FP8 keeps its blocks (fp8_matmul "auto" dequantizes a model that fits): decode on the
-    # block-scaled GEMV against the block matmul
+    # block FP8 keeps its blocks (fp8_matmul "auto" dequantizes a model that fits where
+    # cuBLASLt's block matmul does not run): decode on the block-scaled GEMV against the block
+    # matmul (cuBLASLt's on sm_90 with a CUDA 12.9+ torch)
     kernels = KernelConfig(fp8_matmul="scaled_mm")
     gemv = _generate(EngineConfig(**base, kernels=replace(kernels, decode_gemv="triton")))
     scaled_mm = _generate(EngineConfig(**base, kernels=replace(kernels, decode_gemv="cublas")))

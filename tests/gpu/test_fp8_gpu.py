@@ -160,7 +160,8 @@ def test_graphs_and_overlap_give_the_eager_tokens(fmt, tmp_path):
     base = dict(
         model=str(tmp_path), device="cuda", dtype="bfloat16", kv_budget=20000, max_running=32, **kw
     )
-    # fp8_matmul set: block FP8 dequantizes at load by default where its bf16 weights fit
+    # fp8_matmul set: without cuBLASLt's block matmul, block FP8 dequantizes at load by default
+    # where its bf16 weights fit
     fast = EngineConfig(**base, kernels=KernelConfig(piecewise_graphs=True, fp8_matmul="scaled_mm"))
     eager = EngineConfig(
         **base,
