@@ -371,11 +371,11 @@ class QuantMatmul(nn.Module):
     def _block_matmul(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()  # [M, K]
+        m = x2.shape[0]
+        if self.cublaslt_blocks and m % 4:  # cuBLASLt's rows of x: a multiple of 4
+            x2 = F.pad(x2, (0, 0, 0, -m % 4))
+        xq, scale_x = fp8_quant.quant_per_token_group(x2, self.spec.block[1])
         if self.cublaslt_blocks:
-            m = x2.shape[0]
-            if m % 4:  # cuBLASLt's rows of x: a multiple of 4
-                x2 = F.pad(x2, (0, 0, 0, -m % 4))
-            xq, scale_x = fp8_quant.quant_per_token_group(x2, self.spec.block[1])
             y = F.scaled_mm(
                 xq,
                 self.weight.t(),
@@ -385,9 +385,8 @@ class QuantMatmul(nn.Module):
                 F.ScalingType.BlockWise128x128,
                 output_dtype=self.dtype,
             )[:m]
-            return y.view(*shape[:-1], self.out_features)
-        xq, scale_x = fp8_quant.quant_per_token_group(x2, self.spec.block[1])
-        y = block_fp8_matmul(xq, scale_x, self.weight, self.weight_scale, self.dtype)
+        else:
+            y = block_fp8_matmul(xq, scale_x, self.weight, self.weight_scale, self.dtype)
         return y.view(*shape[:-1], self.out_features)
 
     def _quant_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
