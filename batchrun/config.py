@@ -46,6 +46,10 @@ MOE_BACKENDS = ("auto", "triton", "torch")
 # "gemv" the router in one kernel (kernels/moe_route.py's route_gemv) and the experts on
 # kernels/moe_gemv.py, "grouped" as every other batch (kernels/fused_moe.py's grouped GEMMs)
 MOE_DECODES = ("auto", "grouped", "gemv")
+# the fused experts' batches past 32 routed rows an expert (kernels/fused_moe.py's pick_config
+# gathers those): "triton" kernels/fused_moe.py's grouped GEMMs, "grouped_mm" torch._grouped_mm
+# (CUTLASS's grouped GEMM on sm_90) with kernels/moe_grouped_mm.py's gather, SwiGLU and sum
+MOE_PREFILLS = ("auto", "triton", "grouped_mm")
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: a bf16 checkpoint quantized at load
 # EngineConfig.kv_cache_dtype: "auto" the compute dtype; "fp8_e4m3" float8_e4m3fn with the
 # checkpoint's per-layer k/v scales (else 1.0), one byte an element (batchrun/quant/kv_cache.py)
@@ -187,6 +191,12 @@ class KernelConfig:
                         GEMVs of kernels/moe_gemv.py where its `takes_gemv` holds, "grouped"
                         the grouped GEMMs always; auto: "gemv" with moe "triton"
                         (engine/kernel_choice.py says what was measured)
+    moe_prefill         one of MOE_PREFILLS for moe "triton"'s batches of more than 32 routed
+                        rows an expert: "grouped_mm" the experts' matmuls on torch._grouped_mm
+                        (kernels/moe_grouped_mm.py), "triton" kernels/fused_moe.py's grouped
+                        GEMMs; auto: "grouped_mm" for bf16 experts on sm_90 (CUTLASS's grouped
+                        GEMM), "triton" elsewhere (engine/kernel_choice.py says what was
+                        measured)
     """
 
     attention: str = "auto"
@@ -204,6 +214,7 @@ class KernelConfig:
     fp8_fast_accum: bool = True
     moe: str = "auto"
     moe_decode: str = "auto"
+    moe_prefill: str = "auto"
 
     @classmethod
     def reference(cls) -> KernelConfig:
@@ -223,6 +234,7 @@ class KernelConfig:
             int4_matmul="dequant",
             moe="torch",
             moe_decode="grouped",
+            moe_prefill="triton",
         )
 
     def validate(self) -> None:
@@ -235,6 +247,7 @@ class KernelConfig:
         _one_of("int4_matmul", self.int4_matmul, INT4_MATMULS)
         _one_of("moe backend", self.moe, MOE_BACKENDS)
         _one_of("moe_decode", self.moe_decode, MOE_DECODES)
+        _one_of("moe_prefill", self.moe_prefill, MOE_PREFILLS)
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0; got {self.cuda_graph_max_bs}")
 
@@ -242,7 +255,7 @@ class KernelConfig:
     def is_resolved(self) -> bool:
         auto = {
             "attention", "extend_attention", "decode_gemv", "decode_norms", "fp8_matmul",
-            "fp8_block_gemm", "int4_matmul", "moe", "moe_decode",
+            "fp8_block_gemm", "int4_matmul", "moe", "moe_decode", "moe_prefill",
         }  # fmt: skip
         return all(
             getattr(self, f.name) != "auto" if f.name in auto else getattr(self, f.name) is not None

@@ -35,6 +35,7 @@ GATHER_ROWS = 16  # rows a program of the gather copies
 def _gather_kernel(
     X,  # [T, H]
     Xs,  # [S, H]: the aligned rows
+    Slots,  # WRITE_SLOTS: int32 [T * k], where each routed row landed in Xs
     SortedIds,
     NumPadded,
     num_rows,
@@ -44,12 +45,15 @@ def _gather_kernel(
     stride_sm,
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    WRITE_SLOTS: tl.constexpr,
 ):
     first = tl.program_id(0) * ROWS
     if first < tl.load(NumPadded):
         p = first + tl.arange(0, ROWS)
         rows = tl.load(SortedIds + p)
         valid = rows < num_rows
+        if WRITE_SLOTS:
+            tl.store(Slots + tl.where(valid, rows, 0), p, mask=valid)
         tokens = tl.where(valid, rows // top_k, 0).to(tl.int64)
         for h0 in range(0, hidden, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
@@ -138,6 +142,24 @@ def _down_tma_kernel(
                         hidden, stride_om, HAS_BIAS)  # fmt: skip
 
 
+def gather_rows(
+    x: torch.Tensor,  # [T, H]
+    xs: torch.Tensor,  # [S, H], S a multiple of GATHER_ROWS and of the alignment's rows
+    slots: torch.Tensor | None,  # int32 [T * k]: each routed row's place in xs (None: not kept)
+    align,  # kernels/moe_align.py's Alignment, its block a multiple of GATHER_ROWS
+    num_rows: int,  # T * k
+    top_k: int,
+) -> None:
+    """xs[p] = x[sorted_ids[p] // k] for the aligned rows p < num_padded (zeros on the padding);
+    slots[r] = p for each routed row r where given."""
+    hidden = x.shape[1]
+    _gather_kernel[(xs.shape[0] // GATHER_ROWS,)](
+        x, xs, xs if slots is None else slots, align.sorted_ids, align.num_padded, num_rows,
+        top_k, hidden, x.stride(0), xs.stride(0), ROWS=GATHER_ROWS,
+        BLOCK_H=min(512, triton.next_power_of_2(hidden)), WRITE_SLOTS=slots is not None,
+    )  # fmt: skip
+
+
 def gathered_experts(
     x: torch.Tensor,  # [T, H], this pass's tokens
     w13: torch.Tensor,  # [E, 2I, H], contiguous
@@ -161,10 +183,7 @@ def gathered_experts(
     rows_aligned = blocks * bm
     xs = torch.empty((rows_aligned, hidden), dtype=x.dtype, device=x.device)
     inter = torch.empty((rows_aligned, inter_size), dtype=x.dtype, device=x.device)
-    _gather_kernel[(blocks * bm // GATHER_ROWS,)](
-        x, xs, align.sorted_ids, align.num_padded, num_rows, top_k, hidden, x.stride(0),
-        xs.stride(0), ROWS=GATHER_ROWS, BLOCK_H=min(512, triton.next_power_of_2(hidden)),
-    )  # fmt: skip
+    gather_rows(x, xs, None, align, num_rows, top_k)
     w13_rows = w13.view(num_experts * two_i, hidden)
     _gate_up_tma_kernel[(blocks * triton.cdiv(inter_size, g.block_n),)](
         TensorDescriptor.from_tensor(xs, [bm, g.block_k]),

@@ -42,6 +42,7 @@ class Alignment(NamedTuple):
     sorted_ids: torch.Tensor  # int32 [max_blocks * block_m]
     expert_ids: torch.Tensor  # int32 [max_blocks]
     num_padded: torch.Tensor  # int32 [1]
+    ends: torch.Tensor | None = None  # int32 [E], each expert's group end (align_by_expert's ends)
 
 
 def max_blocks(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -55,11 +56,13 @@ def _align_kernel(
     SortedIds,  # int32 [max_blocks * BLOCK_M]
     ExpertIds,  # int32 [max_blocks]
     NumPadded,  # int32 [1]
+    Ends,  # WRITE_ENDS: int32 [E], each expert's group end (the padded rows before it and its own)
     N,  # T * k: the rows, and the sentinel of padding slots
     E: tl.constexpr,
     NUM_BINS: tl.constexpr,  # a power of two > E: bin E takes the masked lanes
     BLOCK_M: tl.constexpr,
     SCAN: tl.constexpr,
+    WRITE_ENDS: tl.constexpr,
 ):
     expert = tl.program_id(0)
     offs = tl.arange(0, SCAN)
@@ -74,6 +77,8 @@ def _align_kernel(
     group_start = tl.sum(tl.where(bins < expert, padded, 0))
     group_rows = tl.sum(tl.where(bins == expert, counts, 0))
     group_len = tl.sum(tl.where(bins == expert, padded, 0))
+    if WRITE_ENDS:
+        tl.store(Ends + expert, group_start + group_len)
 
     # this expert's rows in ascending order, then the sentinel in its padding
     ranked = group_start
@@ -98,28 +103,34 @@ def _align_kernel(
         tl.store(NumPadded, tl.sum(padded))
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, ends: bool = False
+) -> Alignment:
     """topk_ids [T, k] (int32 or int64, values in [0, num_experts)) sorted and block-aligned by
-    expert as the module docstring draws it; no host sync, buffers sized by shape."""
+    expert as the module docstring draws it; no host sync, buffers sized by shape. `ends`: also
+    each expert's group end, the cumulative padded lengths (torch._grouped_mm's offsets)."""
     num_rows = topk_ids.numel()
     blocks = max_blocks(num_rows, num_experts, block_m)
     device = topk_ids.device
     sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     expert_ids = torch.empty(blocks, dtype=torch.int32, device=device)
     num_padded = torch.zeros(1, dtype=torch.int32, device=device)
+    group_ends = torch.zeros(num_experts, dtype=torch.int32, device=device) if ends else None
     if num_rows == 0:
-        return Alignment(sorted_ids, expert_ids, num_padded)
+        return Alignment(sorted_ids, expert_ids, num_padded, group_ends)
     scan = SCAN if num_rows <= LONG_ROWS else LONG_SCAN
     _align_kernel[(num_experts,)](
         topk_ids.reshape(-1),
         sorted_ids,
         expert_ids,
         num_padded,
+        num_padded if group_ends is None else group_ends,
         num_rows,
         E=num_experts,
         NUM_BINS=triton.next_power_of_2(num_experts + 1),
         BLOCK_M=block_m,
         SCAN=scan,
+        WRITE_ENDS=ends,
         num_warps=4 if scan <= 1024 else 8,
     )
-    return Alignment(sorted_ids, expert_ids, num_padded)
+    return Alignment(sorted_ids, expert_ids, num_padded, group_ends)

@@ -6,6 +6,9 @@
                 where the rule gathers x's routed rows in the aligned order and reads both
                 GEMMs' operands through TMA descriptors (kernels/fused_moe_tma.py): x's rows
                 gathered by the GEMMs themselves; --sweep varies it too
+    grouped_mm  kernels/moe_grouped_mm.py (KernelConfig.moe_prefill "grouped_mm") at prefill sizes:
+                the experts' matmuls on torch._grouped_mm (CUTLASS on sm_90), the whole MoE and
+                its two grouped GEMMs alone (on inputs gathered beforehand)
     moe_gemv    kernels/moe_gemv.py (KernelConfig.moe_decode "gemv"), up to GEMV_MAX_ROWS
                 routed rows: the decode batches' GEMVs against fused's grouped GEMMs
     loop        the per-expert torch loop (gather, F.linear x2, SiLU, index_add): the baseline
@@ -120,6 +123,37 @@ def sweep_configs(config):
     return out
 
 
+def bench_grouped_mm(r: dict, x, w13, w2, routings, want, calls: int) -> None:
+    """grouped_mm's columns of a prefill row: the MoE, and its two grouped GEMMs alone."""
+    from batchrun.kernels.fused_moe_tma import gather_rows
+    from batchrun.kernels.moe_align import align_by_expert, max_blocks
+    from batchrun.kernels.moe_grouped_mm import ALIGN_M, grouped_mm_moe
+
+    n = len(routings)
+    got = grouped_mm_moe(x, w13, w2, *routings[0])
+    r["grouped_mm_error"] = float((got.float() - want).norm() / want.norm())
+    r["grouped_mm_us"] = events_time_us(
+        lambda i: grouped_mm_moe(x, w13, w2, *routings[i % n]), calls, graph=True
+    )
+    num_experts, top_k = w13.shape[0], routings[0][1].shape[1]
+    rows = x.shape[0] * top_k
+    align = align_by_expert(routings[0][1], num_experts, ALIGN_M, ends=True)
+    xs = torch.empty((max_blocks(rows, num_experts, ALIGN_M) * ALIGN_M, x.shape[1]), device="cuda",
+                     dtype=x.dtype)  # fmt: skip
+    gather_rows(x, xs, None, align, rows, top_k)
+    inter = torch.randn(xs.shape[0], w2.shape[2], device="cuda", dtype=x.dtype)
+    w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
+    r["grouped_gemms_us"] = events_time_us(
+        lambda i: (
+            torch._grouped_mm(xs, w13_t, offs=align.ends),
+            torch._grouped_mm(inter, w2_t, offs=align.ends),
+        ),
+        calls,
+        graph=True,
+    )
+    r["grouped_rows"] = int(align.num_padded)
+
+
 def bench(model: str, num_tokens: int, sweep: bool, copy_bw: float) -> dict:
     from batchrun.kernels.fused_moe import fused_moe, pick_config, tokens_per_pass
     from batchrun.kernels.moe_align import align_by_expert
@@ -159,6 +193,7 @@ def bench(model: str, num_tokens: int, sweep: bool, copy_bw: float) -> dict:
         r["rows_us"] = events_time_us(
             lambda i: fused_moe(x, w13, w2, *routings[i % n], config=by_rows), calls, graph=True
         )
+        bench_grouped_mm(r, x, w13, w2, routings, want, calls)
     rows = num_tokens * top_k
     xr = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     ar = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16)
@@ -239,6 +274,16 @@ def main(argv=None) -> int:
                     f"    rows gathered by the GEMMs: {r['rows_us']:.1f} µs, {tflops:.0f} "
                     f"TFLOP/s ({r['dense_us'] / r['rows_us']:.0%} of dense), error "
                     f"{r['rows_error']:.1e}",
+                    flush=True,
+                )
+                flops = 6 * num_tokens * k * h * i
+                print(
+                    f"    grouped_mm: {r['grouped_mm_us']:.1f} µs "
+                    f"({r['dense_us'] / r['grouped_mm_us']:.0%} of dense), error "
+                    f"{r['grouped_mm_error']:.1e}; its grouped GEMMs alone "
+                    f"{r['grouped_gemms_us']:.1f} µs, {flops / r['grouped_gemms_us'] / 1e6:.0f} "
+                    f"TFLOP/s ({r['dense_us'] / r['grouped_gemms_us']:.0%} of dense; "
+                    f"{r['grouped_rows']} aligned rows for {num_tokens * k})",
                     flush=True,
                 )
             if "gemv_us" in r:

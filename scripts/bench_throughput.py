@@ -109,6 +109,9 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # a mixture of experts' decode batches on the grouped GEMMs (auto: the router in one kernel,
     # the experts on kernels/moe_gemv.py)
     "moe-grouped": ({}, {"moe_decode": "grouped"}),
+    # a mixture of experts' prefill batches on kernels/fused_moe.py's Triton grouped GEMMs (auto
+    # on sm_90: torch._grouped_mm, kernels/moe_grouped_mm.py)
+    "moe-triton-prefill": ({}, {"moe_prefill": "triton"}),
     # prefill and mixed steps' extend rows on kernels/extend_attention.py (auto on Hopper with
     # flashinfer: FlashInfer's FA3 prefill)
     "extend-triton": ({}, {"extend_attention": "triton"}),

@@ -83,6 +83,14 @@ def supports_block_scaled_mm(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
+def supports_grouped_mm(device: torch.device) -> bool:
+    """torch._grouped_mm on CUTLASS's grouped GEMM (bf16, no host sync): sm_90."""
+    if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
 def supports_int4_gemv_mma(device: torch.device) -> bool:
     """kernels/int4_gemv_mma.py: Triton with Gluon (it imports) and bf16 MMAs (sm_80+)."""
     if device.type != "cuda":
@@ -334,6 +342,20 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             "needs moe 'triton'; use 'grouped' or 'auto'"
         )
 
+    moe_prefill = want.moe_prefill
+    bf16 = config.dtype in ("auto", "bfloat16")
+    grouped_mm = supports_grouped_mm(device) and bf16
+    if moe_prefill == "auto":
+        # NOTE: `python scripts/bench_fused_moe.py` times both paths at prefill sizes (its
+        # grouped_mm lines); docs/benchmarks.md gives the figures that decide this default
+        moe_prefill = "grouped_mm" if moe == "triton" and grouped_mm else "triton"
+    elif moe_prefill == "grouped_mm" and (moe != "triton" or (cuda and not grouped_mm)):
+        raise ValueError(
+            "moe_prefill 'grouped_mm' (kernels/moe_grouped_mm.py) runs with moe 'triton' and, on "
+            "CUDA, bf16 on an sm_90 GPU (CUTLASS's grouped GEMM behind torch._grouped_mm); use "
+            "'triton' or 'auto'"
+        )
+
     # the norms inside the matmuls need every matmul whole and plain: a row-parallel matmul's
     # all-reduce comes between its sums and the residual, and a bias between them too; and
     # bf16 weights (kernels/gemv.py's). A mixture's experts are no one matmul
@@ -397,6 +419,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         _check_kernels_import("batchrun.kernels.fused_moe")
         if moe_decode == "gemv":
             _check_kernels_import("batchrun.kernels.moe_gemv")
+        if moe_prefill == "grouped_mm":
+            _check_kernels_import("batchrun.kernels.moe_grouped_mm")
     return replace(
         want,
         attention=attention,
@@ -413,4 +437,5 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         int4_matmul=int4_matmul,
         moe=moe,
         moe_decode=moe_decode,
+        moe_prefill=moe_prefill,
     )

@@ -9,7 +9,9 @@ Qwen2-MoE, a shared expert's output times a sigmoid gate).
     out[t]  = sum_j w[t, j] * down_ids[t,j](silu(gate(x[t])) * up(x[t]))
 
 With KernelConfig.moe_decode "gemv", a decode batch (kernels/moe_gemv.py's `takes_gemv`) runs the
-router in one kernel (moe_route.py's `route_gemv`) and the experts as GEMVs (moe_gemv.py).
+router in one kernel (moe_route.py's `route_gemv`) and the experts as GEMVs (moe_gemv.py); with
+moe_prefill "grouped_mm", a batch past 32 routed rows an expert (kernels/moe_grouped_mm.py's
+`takes_grouped_mm`) runs the experts' matmuls on torch._grouped_mm (moe_grouped_mm.py).
 
 gpt-oss: router and experts have biases (b13 [E, 2I] on gate and up, b2 [E, H] on down) and the
 gate is its clamped SwiGLU (`swiglu`); its softmax over the top-k logits is the renormalized
@@ -75,18 +77,24 @@ def moe_experts(
     backend: str,
     extras: ExpertExtras | None = None,
     decode: str = "grouped",
+    prefill: str = "triton",
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j],
     as [T, H] in x's dtype. x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
     topk_weights [T, k] float32; topk_ids [T, k] int. backend "torch": a per-expert loop (the
     reference; it reads the routing on the host); "triton": batchrun.kernels.fused_moe
-    (CUDA, no host sync), or with decode "gemv" batchrun.kernels.moe_gemv (a decode batch:
-    MoE.forward decides by its rule). `extras`: gpt-oss's biases and clamped SwiGLU."""
+    (CUDA, no host sync), or with decode "gemv" batchrun.kernels.moe_gemv (a decode batch), with
+    prefill "grouped_mm" batchrun.kernels.moe_grouped_mm (a prefill batch): MoE.forward decides
+    by their rules. `extras`: gpt-oss's biases and clamped SwiGLU."""
     if backend == "triton":  # Triton: imported on CUDA only
         if decode == "gemv":
             from batchrun.kernels.moe_gemv import moe_gemv
 
             return moe_gemv(x, w13, w2, topk_weights, topk_ids, extras=extras)
+        if prefill == "grouped_mm":
+            from batchrun.kernels.moe_grouped_mm import grouped_mm_moe
+
+            return grouped_mm_moe(x, w13, w2, topk_weights, topk_ids, extras=extras)
         from batchrun.kernels.fused_moe import fused_moe
 
         return fused_moe(x, w13, w2, topk_weights, topk_ids, extras=extras)
@@ -181,6 +189,7 @@ class MoE(nn.Module):
         self._rows_for = None  # the fused experts' graph-invariant row count (see _router_input)
         self._route = route
         self._takes_gemv = None  # moe_decode "gemv": whether a batch of T tokens takes it
+        self._takes_grouped_mm = None  # moe_prefill "grouped_mm": the same
         if self.backend == "triton":  # Triton: imported on CUDA only
             from batchrun.kernels.fused_moe import tile_tokens
             from batchrun.kernels.moe_route import topk_softmax
@@ -191,6 +200,10 @@ class MoE(nn.Module):
                 from batchrun.kernels.moe_route import route_gemv
 
                 self._takes_gemv, self._route_gemv = takes_gemv, route_gemv
+            if kernels.moe_prefill == "grouped_mm":
+                from batchrun.kernels.moe_grouped_mm import takes_grouped_mm
+
+                self._takes_grouped_mm = takes_grouped_mm
 
     def param_shards(self) -> dict[str, ShardSpec]:
         width = self._cfg.moe.intermediate_size
@@ -237,7 +250,14 @@ class MoE(nn.Module):
             padded = self._router_input(x)
             weights, ids = self._route(self.gate(padded)[:num_tokens], self.top_k, self.renormalize)
             decode = "grouped"
-        out = moe_experts(x, self.w13, self.w2, weights, ids, self.backend, self.extras(), decode)
+        prefill = "triton"
+        if self._takes_grouped_mm is not None and self._takes_grouped_mm(
+            num_tokens, num_experts, self.top_k, x.shape[1], self.w2.shape[2]
+        ):
+            prefill = "grouped_mm"
+        out = moe_experts(
+            x, self.w13, self.w2, weights, ids, self.backend, self.extras(), decode, prefill
+        )
         if self.shared_expert is not None:
             padded = self._router_input(x) if padded is None else padded
             gate = torch.sigmoid(self.shared_expert_gate(padded)[:num_tokens])  # [T, 1]

@@ -1,6 +1,7 @@
-"""The fused MoE (kernels/moe_align.py, kernels/fused_moe.py, and the decode batches'
-kernels/moe_gemv.py) on the GPU in bf16, at the real models' expert widths and 1 to 16,384 tokens,
-against a per-expert torch loop; no host sync; the same bits in a CUDA graph as eager.
+"""The fused MoE (kernels/moe_align.py, kernels/fused_moe.py, the decode batches'
+kernels/moe_gemv.py and the prefill batches' kernels/moe_grouped_mm.py) on the GPU in bf16, at
+the real models' expert widths and 1 to 16,384 tokens, against a per-expert torch loop; no host
+sync; the same bits in a CUDA graph as eager.
 
     pytest tests/gpu/test_fused_moe_gpu.py -q          (a few minutes on an H200)
 """
@@ -100,7 +101,7 @@ def test_alignment_at_prefill_size():
     from batchrun.kernels.moe_align import align_by_expert
 
     _, _, _, _, ids = make_inputs(16384, 128, 8, 64, 64)
-    sorted_ids, expert_ids, num_padded = align_by_expert(ids, 128, 64)
+    sorted_ids, expert_ids, num_padded, _ = align_by_expert(ids, 128, 64)
     counts = torch.bincount(ids.view(-1).long(), minlength=128)
     padded = (counts + 63) // 64 * 64
     assert int(num_padded) == int(padded.sum())
@@ -154,6 +155,81 @@ def test_cuda_graph_replays_equal_eager(num_tokens, gather):
         graph.replay()
         want = fused_moe(nx, w13, w2, nweights, nids, config)
         assert torch.equal(out, want), (num_tokens, seed)
+
+
+needs_grouped_mm = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="torch._grouped_mm's CUTLASS kernels: sm_90",
+)
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("model", list(MODELS))
+def test_grouped_mm_moe_matches_the_per_expert_loop(model):
+    """kernels/moe_grouped_mm.py at the token counts the rule gives it (past 32 routed rows an
+    expert) and below; deterministic; a token's output the same bits with other rows beside it
+    in the pass (the buffers sized by tile_tokens)."""
+    from batchrun.kernels.moe_grouped_mm import grouped_mm_moe
+
+    num_experts, top_k, hidden, inter = MODELS[model]
+    x, w13, w2, weights, ids = make_inputs(16384, num_experts, top_k, hidden, inter)
+    for num_tokens in (7, 64, 300, 1024, 4096, 16384):
+        args = (x[:num_tokens], w13, w2, weights[:num_tokens], ids[:num_tokens])
+        got = grouped_mm_moe(*args)
+        assert got.dtype == torch.bfloat16 and got.shape == (num_tokens, hidden)
+        rel = rel_error(got, reference_moe(*args))
+        assert rel < BF16_BOUND, (model, num_tokens, rel)
+        assert torch.equal(grouped_mm_moe(*args), got), (model, num_tokens)
+    fewer = grouped_mm_moe(x[:299], w13, w2, weights[:299], ids[:299])
+    assert torch.equal(fewer, grouped_mm_moe(x[:300], w13, w2, weights[:300], ids[:300])[:299])
+
+
+@needs_grouped_mm
+def test_grouped_mm_moe_with_gpt_oss_extras_and_no_host_sync():
+    """gpt-oss's biases and clamped SwiGLU against layers/moe.py's loop; no host sync."""
+    from batchrun.kernels.moe_grouped_mm import grouped_mm_moe
+
+    from batchrun.layers.moe import ExpertExtras, _experts_loop
+
+    x, w13, w2, weights, ids = make_inputs(2048, 32, 4, 2880, 2880)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    b13 = torch.randn(32, 2 * 2880, device="cuda", generator=gen).to(torch.bfloat16)
+    b2 = torch.randn(32, 2880, device="cuda", generator=gen).to(torch.bfloat16)
+    extras = ExpertExtras(b13, b2, alpha=1.702, limit=7.0)
+    got = grouped_mm_moe(x, w13, w2, weights, ids, extras=extras)
+    want = _experts_loop(x.float(), w13.float(), w2.float(), weights, ids, extras._replace(
+        b13=b13.float(), b2=b2.float()))  # fmt: skip
+    assert rel_error(got, want) < BF16_BOUND
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_mm_moe(x, w13, w2, weights, ids, extras=extras)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("num_tokens", [300, 4096])
+def test_grouped_mm_graph_replays_equal_eager(num_tokens):
+    """kernels/moe_grouped_mm.py captured on one routing, replayed on others."""
+    from batchrun.kernels.moe_grouped_mm import grouped_mm_moe
+
+    x, w13, w2, weights, ids = make_inputs(num_tokens, 128, 8, 2048, 768)
+    static = [x.clone(), weights.clone(), ids.clone()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        grouped_mm_moe(static[0], w13, w2, static[1], static[2])  # warm-up: compiles
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = grouped_mm_moe(static[0], w13, w2, static[1], static[2])
+    for seed in (1, 2):
+        nx, _, _, nweights, nids = make_inputs(num_tokens, 128, 8, 2048, 768, seed=seed)
+        for buf, new in zip(static, (nx, nweights, nids)):
+            buf.copy_(new)
+        graph.replay()
+        assert torch.equal(out, grouped_mm_moe(nx, w13, w2, nweights, nids)), (num_tokens, seed)
 
 
 @pytest.mark.parametrize("model", list(MODELS))

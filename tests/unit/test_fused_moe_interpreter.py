@@ -1,5 +1,6 @@
 """The fused MoE (kernels/moe_route.py, kernels/moe_align.py, kernels/fused_moe.py, the decode
-batches' kernels/moe_gemv.py) under Triton's CPU interpreter: the router against layers/moe.py's
+batches' kernels/moe_gemv.py, the prefill batches' kernels/moe_grouped_mm.py on torch's CPU
+grouped matmul) under Triton's CPU interpreter: the router against layers/moe.py's
 `route`, the alignment against its definition, the experts against a per-expert torch loop
 written here.
 
@@ -69,7 +70,9 @@ def _check_alignment():
         for dtype in (torch.int32, torch.int64):
             _, ids = make_routing(num_tokens, num_experts, top_k, gen)
             ids = ids.to(dtype)
-            sorted_ids, expert_ids, num_padded = align_by_expert(ids, num_experts, block_m)
+            sorted_ids, expert_ids, num_padded, ends = align_by_expert(
+                ids, num_experts, block_m, ends=True
+            )
             num_rows = ids.numel()
             blocks = max_blocks(num_rows, num_experts, block_m)
             assert sorted_ids.shape == (blocks * block_m,) and expert_ids.shape == (blocks,)
@@ -77,6 +80,7 @@ def _check_alignment():
             counts = torch.bincount(flat, minlength=num_experts)
             padded = (counts + block_m - 1) // block_m * block_m
             assert int(num_padded) == int(padded.sum()) <= blocks * block_m
+            assert ends.dtype == torch.int32 and torch.equal(ends.long(), padded.cumsum(0))
             start = 0
             for expert in range(num_experts):
                 group = sorted_ids[start : start + int(padded[expert])]
@@ -88,7 +92,7 @@ def _check_alignment():
                 start += int(padded[expert])
     # the bound is reached: every expert gets one row more than a whole number of blocks
     ids = torch.arange(4).repeat_interleave(17).view(-1, 1)
-    sorted_ids, _, num_padded = align_by_expert(ids, 4, 16)
+    sorted_ids, _, num_padded, _ = align_by_expert(ids, 4, 16)
     assert int(num_padded) == sorted_ids.numel() == max_blocks(68, 4, 16) * 16 == 128
 
 
@@ -174,6 +178,65 @@ def _check_configs_and_edges():
     assert takes_descriptors(x, w13, w2)  # 96 and 80 fp32 elements
     assert not takes_descriptors(x[:, :90], w13[:, :, :90], w2[:, :90])
     assert not takes_descriptors(x.half()[:, :36], w13.half()[:, :, :36], w2.half()[:, :36])
+
+
+def _check_grouped_mm(dtype, rel_bound):
+    """kernels/moe_grouped_mm.py against the loop: the real models' expert counts and top-k, H and
+    I off the tiles, gpt-oss's biases and clamped SwiGLU (layers/moe.py's loop), several passes,
+    strided x, no tokens; a token's output the same bits whatever rows share its pass."""
+    from batchrun.kernels import moe_grouped_mm as module
+    from batchrun.kernels.moe_grouped_mm import grouped_mm_moe, takes_grouped_mm
+
+    from batchrun.layers.moe import ExpertExtras, _experts_loop
+
+    gen = torch.Generator().manual_seed(4)
+    cases = [(300, 8, 2, 128, 64), (300, 128, 8, 64, 32), (70, 60, 4, 80, 40), (5, 8, 1, 96, 48)]
+    for num_tokens, num_experts, top_k, hidden, inter in cases:
+        x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+        w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+        w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+        weights, ids = make_routing(num_tokens, num_experts, top_k, gen)
+        want = reference_moe(x, w13, w2, weights, ids)
+        got = grouped_mm_moe(x, w13, w2, weights, ids.int())
+        assert got.dtype == dtype and got.shape == x.shape
+        rel = float((got.float() - want).norm() / want.norm())
+        assert rel < rel_bound, (num_tokens, num_experts, top_k, hidden, inter, dtype, rel)
+        fewer = grouped_mm_moe(x[:-1], w13, w2, weights[:-1], ids[:-1])
+        assert torch.equal(fewer, got[:-1]), (num_tokens, num_experts, top_k)
+
+    num_tokens, num_experts, top_k, hidden, inter = 70, 16, 4, 96, 80
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    weights, ids = make_routing(num_tokens, num_experts, top_k, gen, experts=[0, 3, 9, 14, 15])
+    extras = ExpertExtras(
+        torch.randn(num_experts, 2 * inter, generator=gen), torch.randn(num_experts, hidden,
+        generator=gen), alpha=1.702, limit=7.0,
+    )  # fmt: skip
+    for e in (None, extras, extras._replace(limit=0.0, b2=None)):
+        want = _experts_loop(x, w13, w2, weights, ids, e or ExpertExtras())
+        got = grouped_mm_moe(x, w13, w2, weights, ids, extras=e)
+        assert float((got - want).norm() / want.norm()) < 1e-5, e
+    want = reference_moe(x, w13, w2, weights, ids)
+    saved = module.MAX_H_ELEMENTS
+    module.MAX_H_ELEMENTS = 0  # passes of TILE_STEP (256) tokens: 350 tokens in two
+    try:
+        assert module.tokens_per_pass(top_k, inter) == module.TILE_STEP
+        got = grouped_mm_moe(x.repeat(5, 1), w13, w2, weights.repeat(5, 1), ids.repeat(5, 1))
+    finally:
+        module.MAX_H_ELEMENTS = saved
+    assert float((got - want.repeat(5, 1)).norm() / want.repeat(5, 1).norm()) < 1e-5
+    wide = torch.randn(num_tokens, 2 * hidden, generator=gen)
+    wide[:, :hidden] = x  # x with a row stride of 2H
+    got = grouped_mm_moe(wide[:, :hidden], w13, w2, weights, ids)
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    assert grouped_mm_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, hidden)
+
+    # past 32 routed rows an expert, counted at tile_tokens(T); operands of whole 16-byte rows
+    assert not takes_grouped_mm(512, 128, 8, 2048, 768)  # 32 an expert
+    assert takes_grouped_mm(513, 128, 8, 2048, 768) and takes_grouped_mm(300, 8, 2, 4096, 14336)
+    assert not takes_grouped_mm(4096, 128, 8, 2048, 100)
+    assert module.tokens_per_pass(8, 768) == 4096 and module.tokens_per_pass(2, 14336) == 1024
 
 
 def _check_gemv(dtype, rel_bound):
@@ -284,6 +347,8 @@ def _run_checks():
     _check_experts(torch.float16, 2e-3, every=2)
     _check_gemv(torch.float32, 1e-5)
     _check_gemv(torch.float16, 2e-3)
+    _check_grouped_mm(torch.float32, 1e-5)
+    _check_grouped_mm(torch.float16, 2e-3)
     _check_configs_and_edges()
     print("ok")
 

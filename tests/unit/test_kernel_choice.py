@@ -60,6 +60,7 @@ def gpu(monkeypatch):
         monkeypatch.setattr(kernel_choice, "supports_fp8_matmul", lambda device: pdl)
         monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: pdl)
         monkeypatch.setattr(kernel_choice, "supports_int4_gemv_mma", lambda device: gemv_mma)
+        monkeypatch.setattr(kernel_choice, "supports_grouped_mm", lambda device: pdl)
         monkeypatch.setattr(kernel_choice.HostGate, "available", staticmethod(lambda: True))
 
     return make
@@ -93,6 +94,7 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         fp8_fast_accum=True,
         moe="torch",
         moe_decode="grouped",
+        moe_prefill="triton",
     )
     assert kernels.is_resolved
 
@@ -226,6 +228,7 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         fp8_fast_accum=True,
         moe="triton",  # a mixture's experts on kernels/fused_moe.py
         moe_decode="gemv",  # and its decode batches on kernels/moe_gemv.py
+        moe_prefill="grouped_mm",  # its prefill batches on torch._grouped_mm (CUTLASS)
     )
     assert kernels.is_resolved
 
@@ -302,6 +305,7 @@ def test_fields_set_by_hand_are_kept(gpu):
         fp8_fast_accum=True,
         moe="torch",
         moe_decode="grouped",
+        moe_prefill="triton",
     )
     assert resolve(SMALL, CUDA, want) == want
 
@@ -454,6 +458,38 @@ def test_moe_decode_gemv_with_the_fused_experts(gpu, monkeypatch):
     assert resolve(moe_cfg, CUDA, KernelConfig(moe="torch", cuda_graph_max_bs=0)).moe_decode == (
         "grouped"
     )
+
+
+def test_moe_prefill_grouped_mm_where_cutlass_runs(gpu, monkeypatch):
+    """moe_prefill auto: "grouped_mm" (kernels/moe_grouped_mm.py) with the fused experts in bf16
+    where torch._grouped_mm runs CUTLASS's grouped GEMM (sm_90), its module checked at start-up;
+    "triton" elsewhere; "grouped_mm" asked for is refused without it on CUDA, and beside the
+    per-expert loop; the CPU runs it when asked (torch's CPU grouped matmul, the interpreter)."""
+    moe_cfg = ModelConfig.from_dict(QWEN3_30B_A3B)
+    assert resolve(moe_cfg).moe_prefill == "triton"  # the CPU: moe "torch"
+    with pytest.raises(ValueError, match="moe_prefill 'grouped_mm' .* runs with moe 'triton'"):
+        resolve(moe_cfg, CPU, KernelConfig(moe_prefill="grouped_mm"))
+    monkeypatch.setattr(kernel_choice, "has_triton", lambda: True)
+    cpu = resolve(moe_cfg, CPU, KernelConfig(moe="triton", moe_prefill="grouped_mm"))
+    assert cpu.moe_prefill == "grouped_mm"
+    with pytest.raises(ValueError, match="moe_prefill must be one of auto, triton, grouped_mm"):
+        resolve(moe_cfg, CPU, KernelConfig(moe_prefill="cutlass"))
+    gpu(pdl=True)
+    checked = []
+    monkeypatch.setattr(
+        kernel_choice, "_check_kernels_import", lambda module="gemv": checked.append(module)
+    )
+    assert resolve(moe_cfg, CUDA, KernelConfig(moe_prefill="triton")).moe_prefill == "triton"
+    assert "batchrun.kernels.moe_grouped_mm" not in checked
+    assert resolve(moe_cfg, CUDA).moe_prefill == "grouped_mm"
+    assert "batchrun.kernels.moe_grouped_mm" in checked
+    assert resolve(moe_cfg, CUDA, dtype="float16").moe_prefill == "triton"  # bf16 only
+    with pytest.raises(ValueError, match="bf16 on an sm_90 GPU"):
+        resolve(moe_cfg, CUDA, KernelConfig(moe_prefill="grouped_mm"), dtype="float16")
+    gpu(pdl=False)  # an A100
+    assert resolve(moe_cfg, CUDA).moe_prefill == "triton"
+    with pytest.raises(ValueError, match="bf16 on an sm_90 GPU"):
+        resolve(moe_cfg, CUDA, KernelConfig(moe_prefill="grouped_mm"))
 
 
 def test_extend_attention_fa3_where_it_runs(gpu, monkeypatch):

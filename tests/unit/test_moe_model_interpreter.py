@@ -1,8 +1,9 @@
 """The MoE block with moe "triton" (batchrun.kernels.fused_moe; its decode batches also on
-batchrun.kernels.moe_gemv) under Triton's CPU interpreter: the tiny Qwen3-MoE, Qwen2-MoE and
-Mixtral give transformers' prefill logits and the torch loop's greedy tokens, in fp32 (the
-interpreter's tl.dot is wrong for bf16). Skipped where triton or the fused MoE module is not
-installed; runs in a subprocess (TRITON_INTERPRET must be set before triton is first imported)."""
+batchrun.kernels.moe_gemv, every batch on batchrun.kernels.moe_grouped_mm) under Triton's CPU
+interpreter: the tiny Qwen3-MoE, Qwen2-MoE and Mixtral give transformers' prefill logits and the
+torch loop's greedy tokens, in fp32 (the interpreter's tl.dot is wrong for bf16). Skipped where
+triton or the fused MoE module is not installed; runs in a subprocess (TRITON_INTERPRET must be
+set before triton is first imported)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def test_moe_models_under_interpreter():
 
 
 def _check_model(kind: str, root: Path) -> None:
+    from batchrun.kernels import moe_grouped_mm
     from tiny_models import make_tiny_model, random_prompts
 
     from batchrun.config import EngineConfig, KernelConfig
@@ -45,21 +47,27 @@ def _check_model(kind: str, root: Path) -> None:
     path = root / kind
     hf = make_tiny_model(kind, path)
     outs = []
-    for moe, decode in (("triton", "grouped"), ("triton", "gemv"), ("torch", "grouped")):
-        kernels = replace(KernelConfig.reference(), moe=moe, moe_decode=decode)
+    # every batch that is not a GEMV's on torch._grouped_mm (its rule's threshold at 0 rows)
+    moe_grouped_mm.MIN_ROWS_PER_EXPERT = 0
+    for moe, decode, prefill in (
+        ("triton", "grouped", "triton"), ("triton", "gemv", "triton"),
+        ("triton", "grouped", "grouped_mm"), ("torch", "grouped", "triton"),
+    ):  # fmt: skip
+        kernels = replace(KernelConfig.reference(), moe=moe, moe_decode=decode, moe_prefill=prefill)
         engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32",
                                      kv_budget=4096, kernels=kernels))  # fmt: skip
-        assert (engine.runner.kernels.moe, engine.runner.kernels.moe_decode) == (moe, decode)
+        resolved = engine.runner.kernels
+        assert (resolved.moe, resolved.moe_decode, resolved.moe_prefill) == (moe, decode, prefill)
         prompts = random_prompts(3, seed=4, min_len=6, max_len=40)
         with torch.no_grad():
             ref = hf(torch.tensor([prompts[0]])).logits[0]
         logits = engine.score(prompts[0])
         rel = float((logits - ref).norm() / ref.norm())
-        assert rel <= 1e-4, f"{kind} moe={moe} {decode}: relative error {rel:.2e}"
+        assert rel <= 1e-4, f"{kind} moe={moe} {decode} {prefill}: relative error {rel:.2e}"
         params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
         reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
         outs.append({r.rid: r.output_ids for r in engine.generate(reqs)})
-    assert outs[0] == outs[1] == outs[2], kind
+    assert outs[0] == outs[1] == outs[2] == outs[3], kind
 
 
 if __name__ == "__main__":
