@@ -138,23 +138,30 @@ def test_cuda_graph_replays_equal_eager(num_tokens, gather):
     from batchrun.kernels.fused_moe import fused_moe, pick_config, tile_tokens
 
     config = pick_config(tile_tokens(num_tokens), 128, 8, 2048, 768)._replace(gather=gather)
+    check_graph_replays(
+        lambda x, w13, w2, w, ids: fused_moe(x, w13, w2, w, ids, config), num_tokens
+    )
+
+
+def check_graph_replays(moe, num_tokens: int, seeds=(1, 2, 3)) -> None:
+    """moe(x, w13, w2, weights, ids) at Qwen3-30B-A3B's widths captured in a CUDA graph on one
+    routing, replayed on others copied into its inputs: the bits of an eager call each time."""
     x, w13, w2, weights, ids = make_inputs(num_tokens, 128, 8, 2048, 768)
     static = [x.clone(), weights.clone(), ids.clone()]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_moe(static[0], w13, w2, static[1], static[2], config)  # warm-up: compiles
+        moe(static[0], w13, w2, static[1], static[2])  # warm-up: compiles
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(static[0], w13, w2, static[1], static[2], config)
-    for seed in (1, 2, 3):
+        out = moe(static[0], w13, w2, static[1], static[2])
+    for seed in seeds:
         nx, _, _, nweights, nids = make_inputs(num_tokens, 128, 8, 2048, 768, seed=seed)
         for buf, new in zip(static, (nx, nweights, nids)):
             buf.copy_(new)
         graph.replay()
-        want = fused_moe(nx, w13, w2, nweights, nids, config)
-        assert torch.equal(out, want), (num_tokens, seed)
+        assert torch.equal(out, moe(nx, w13, w2, nweights, nids)), (num_tokens, seed)
 
 
 needs_grouped_mm = pytest.mark.skipif(
@@ -214,22 +221,7 @@ def test_grouped_mm_graph_replays_equal_eager(num_tokens):
     """kernels/moe_grouped_mm.py captured on one routing, replayed on others."""
     from batchrun.kernels.moe_grouped_mm import grouped_mm_moe
 
-    x, w13, w2, weights, ids = make_inputs(num_tokens, 128, 8, 2048, 768)
-    static = [x.clone(), weights.clone(), ids.clone()]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        grouped_mm_moe(static[0], w13, w2, static[1], static[2])  # warm-up: compiles
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = grouped_mm_moe(static[0], w13, w2, static[1], static[2])
-    for seed in (1, 2):
-        nx, _, _, nweights, nids = make_inputs(num_tokens, 128, 8, 2048, 768, seed=seed)
-        for buf, new in zip(static, (nx, nweights, nids)):
-            buf.copy_(new)
-        graph.replay()
-        assert torch.equal(out, grouped_mm_moe(nx, w13, w2, nweights, nids)), (num_tokens, seed)
+    check_graph_replays(grouped_mm_moe, num_tokens, seeds=(1, 2))
 
 
 @pytest.mark.parametrize("model", list(MODELS))
