@@ -240,11 +240,24 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="qwen3-30b-a3b,mixtral-8x7b", help=f"of {list(MODELS)}")
     p.add_argument("--tokens", default="1,8,32,128,512,2048,8192,16384", help="comma-separated")
     p.add_argument("--sweep", action="store_true", help="time other tiles per shape")
+    p.add_argument(
+        "--pass-rows",
+        type=int,
+        help="routed rows a pass runs at most, in place of the kernels' bounds (fused_moe's "
+        "MAX_CHUNK_ROWS, moe_grouped_mm's MAX_PASS_ROWS and MAX_H_ELEMENTS): what larger "
+        "passes, each reading every expert's weights once, are worth",
+    )
     p.add_argument("--out", type=Path, default=benchlib.OUT_DIR)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_fused_moe: needs CUDA")
         return 0
+    if args.pass_rows:
+        from batchrun.kernels import fused_moe, moe_grouped_mm
+
+        fused_moe.MAX_CHUNK_ROWS = moe_grouped_mm.MAX_PASS_ROWS = args.pass_rows
+        moe_grouped_mm.MAX_H_ELEMENTS = 1 << 40
+        print(f"passes of at most {args.pass_rows} routed rows")
     copy_bw = copy_gbps()
     report = {"environment": benchlib.environment("cuda"), "copy_gbps": copy_bw, "results": []}
     print(f"device-to-device copy: {copy_bw:.0f} GB/s")
