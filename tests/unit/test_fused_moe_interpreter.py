@@ -232,9 +232,12 @@ def _check_grouped_mm(dtype, rel_bound):
     assert float((got - want).norm() / want.norm()) < 1e-5
     assert grouped_mm_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, hidden)
 
-    # past 32 routed rows an expert, counted at tile_tokens(T); operands of whole 16-byte rows
+    # past 32 routed rows an expert, counted at tile_tokens(T); passes no shorter than
+    # fused_moe's (Mixtral's 1,024 tokens against 16,384); operands of whole 16-byte rows
     assert not takes_grouped_mm(512, 128, 8, 2048, 768)  # 32 an expert
-    assert takes_grouped_mm(513, 128, 8, 2048, 768) and takes_grouped_mm(300, 8, 2, 4096, 14336)
+    assert takes_grouped_mm(513, 128, 8, 2048, 768) and takes_grouped_mm(16384, 128, 8, 2048, 768)
+    assert takes_grouped_mm(300, 8, 2, 4096, 14336) and takes_grouped_mm(1024, 8, 2, 4096, 14336)
+    assert not takes_grouped_mm(1025, 8, 2, 4096, 14336)
     assert not takes_grouped_mm(4096, 128, 8, 2048, 100)
     assert module.tokens_per_pass(8, 768) == 4096 and module.tokens_per_pass(2, 14336) == 1024
 
