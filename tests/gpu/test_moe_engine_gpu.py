@@ -2,8 +2,8 @@
 piecewise) or eager, overlap on or off, on the real models' widths (Qwen3-30B-A3B's and
 Qwen1.5-MoE's layers, two of them, dummy weights in float32: in bf16, random weights' near-ties
 flip where a retracted request's re-prefill recomputes in one GEMM shape what decode wrote in
-another); the fused Triton MoE's logits in bf16 are the torch loop's within bf16's precision;
-and the tiny models equal HF transformers in fp32 with the experts on the torch loop."""
+another); the fused Triton MoE's logits in bf16 are the torch loop's within bf16's precision,
+and a long prefill's on torch._grouped_mm (sm_90) theirs; and the tiny models equal HF transformers in fp32 with the experts on the torch loop."""
 
 from __future__ import annotations
 
@@ -123,6 +123,29 @@ def test_fused_moe_logits_match_the_torch_loop(dummy_dir):
     for req in _requests(4):
         a, b = fused.score(req.input_ids).float(), loop.score(req.input_ids).float()
         assert ((a - b).norm() / b.norm()).item() < 2e-2
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="moe_prefill 'grouped_mm': sm_90",
+)
+def test_grouped_mm_prefill_logits_match_the_triton_gemms_and_the_loop(dummy_dir):
+    """A prompt of 1,500 tokens in one prefill step (past 32 routed rows an expert): the default
+    on sm_90 in bf16 runs its experts on torch._grouped_mm; its logits are the Triton grouped
+    GEMMs' and the torch loop's within bf16's precision."""
+    from tiny_models import random_prompts
+
+    def engine(**kernels):
+        return _engine(dummy_dir, dict(cuda_graph_max_bs=0, piecewise_graphs=False, **kernels),
+                       chunked_prefill_size=2048)  # fmt: skip
+
+    grouped_mm = engine(moe="triton")
+    assert grouped_mm.runner.kernels.moe_prefill == "grouped_mm"
+    prompt = random_prompts(1, seed=9, min_len=1500, max_len=1500)[0]
+    got = grouped_mm.score(prompt).float()
+    for other in (engine(moe="triton", moe_prefill="triton"), engine(moe="torch")):
+        want = other.score(prompt).float()
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral"])
