@@ -3,7 +3,8 @@ piecewise) or eager, overlap on or off, on the real models' widths (Qwen3-30B-A3
 Qwen1.5-MoE's layers, two of them, dummy weights in float32: in bf16, random weights' near-ties
 flip where a retracted request's re-prefill recomputes in one GEMM shape what decode wrote in
 another); the fused Triton MoE's logits in bf16 are the torch loop's within bf16's precision,
-and a long prefill's on torch._grouped_mm (sm_90) theirs; and the tiny models equal HF transformers in fp32 with the experts on the torch loop."""
+and a long prefill's on torch._grouped_mm (sm_90) theirs; and the tiny models equal HF
+transformers in fp32 with the experts on the torch loop."""
 
 from __future__ import annotations
 
