@@ -399,11 +399,13 @@ MOE_SHAPES = (
 
 
 def _moe_cases() -> list[tuple[str, Callable[[], object]]]:
-    """kernels/fused_moe.py (and its alignment) at the tile buckets its rule picks, and
-    kernels/moe_gemv.py at decode sizes: torch.empty weights (no pages touched), every token
-    routed to expert 0; kernels/moe_route.py's router."""
+    """kernels/fused_moe.py (and its alignment) at the tile buckets its rule picks,
+    kernels/moe_gemv.py at decode sizes, kernels/moe_grouped_mm.py's kernels at a prefill size:
+    torch.empty weights (no pages touched), every token routed to expert 0;
+    kernels/moe_route.py's router."""
     from batchrun.kernels.fused_moe import fused_moe, pick_config, tile_tokens
     from batchrun.kernels.moe_gemv import moe_gemv
+    from batchrun.kernels.moe_grouped_mm import grouped_mm_moe
     from batchrun.kernels.moe_route import route_gemv, topk_softmax
 
     out: list[tuple[str, Callable[[], object]]] = []
@@ -449,8 +451,30 @@ def _moe_cases() -> list[tuple[str, Callable[[], object]]]:
                 return moe_gemv(x, w13, w2, torch.rand(t, k), ids)
 
             out.append((f"moe_gemv {name} T={tokens}", gemv_call))
+
+        def grouped(k=top_k, h=hidden, w13=w13, w2=w2):
+            x = torch.empty(1024, h, dtype=torch.bfloat16)
+            ids = torch.zeros(1024, k, dtype=torch.int32)
+            return _with_empty_grouped_mm(grouped_mm_moe, x, w13, w2, torch.rand(1024, k), ids)
+
+        out.append((f"grouped_mm_moe {name} T=1024", grouped))
     out += _gpt_oss_moe_cases()
     return out
+
+
+def _with_empty_grouped_mm(fn, *args, **kwargs):
+    """fn with torch._grouped_mm (the library's GEMM: nothing of batchrun's to compile) giving an
+    empty result of its shape, so that the Triton kernels around it compile without the CPU
+    computing the GEMMs."""
+
+    def empty(a, b, offs=None):
+        return torch.empty(a.shape[0], b.shape[-1], dtype=a.dtype)
+
+    real, torch._grouped_mm = torch._grouped_mm, empty
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch._grouped_mm = real
 
 
 def _gpt_oss_moe_cases() -> list[tuple[str, Callable[[], object]]]:
@@ -458,6 +482,7 @@ def _gpt_oss_moe_cases() -> list[tuple[str, Callable[[], object]]]:
     SwiGLU, with and without the down bias (TP ranks other than 0)."""
     from batchrun.kernels.fused_moe import fused_moe
     from batchrun.kernels.moe_gemv import moe_gemv
+    from batchrun.kernels.moe_grouped_mm import grouped_mm_moe
     from batchrun.kernels.moe_route import route_gemv
 
     from batchrun.layers.moe import ExpertExtras
@@ -487,6 +512,17 @@ def _gpt_oss_moe_cases() -> list[tuple[str, Callable[[], object]]]:
 
             if tokens == 1:
                 out.append((f"moe_gemv gpt-oss-20b {bias} T=1", gemv_call))
+            else:
+
+                def grouped(t=tokens, extras=extras):
+                    x = torch.empty(t, hidden, dtype=torch.bfloat16)
+                    ids = torch.zeros(t, top_k, dtype=torch.int32)
+                    weights = torch.rand(t, top_k)
+                    return _with_empty_grouped_mm(
+                        grouped_mm_moe, x, w13, w2, weights, ids, extras=extras
+                    )
+
+                out.append((f"grouped_mm_moe gpt-oss-20b {bias} T={tokens}", grouped))
 
     def router():
         x = torch.empty(1, hidden, dtype=torch.bfloat16)
