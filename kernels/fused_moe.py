@@ -86,10 +86,12 @@ class MoeConfig(NamedTuple):
     gather: bool = False
 
 
-def tokens_per_pass(top_k: int) -> int:
-    """The tokens one pass of fused_moe runs: MAX_CHUNK_ROWS routed rows, rounded down to a
-    multiple of TILE_STEP so that a step's last pass pads like the step (`tile_tokens`)."""
-    return max(TILE_STEP, MAX_CHUNK_ROWS // top_k // TILE_STEP * TILE_STEP)
+def tokens_per_pass(top_k: int, max_rows: int | None = None) -> int:
+    """The tokens one pass of fused_moe runs: MAX_CHUNK_ROWS routed rows (or max_rows where
+    fewer), rounded down to a multiple of TILE_STEP so that a step's last pass pads like the step
+    (`tile_tokens`)."""
+    rows = MAX_CHUNK_ROWS if max_rows is None else min(MAX_CHUNK_ROWS, max_rows)
+    return max(TILE_STEP, rows // top_k // TILE_STEP * TILE_STEP)
 
 
 def tile_tokens(num_tokens: int) -> int:

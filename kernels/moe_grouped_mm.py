@@ -34,7 +34,6 @@ import torch
 import triton
 import triton.language as tl
 from batchrun.kernels.fused_moe import (
-    TILE_STEP,
     _check_shapes,
     _swiglu,
     tile_tokens,
@@ -47,14 +46,12 @@ from batchrun.kernels.moe_align import align_by_expert, max_blocks
 MIN_ROWS_PER_EXPERT = 32  # takes_grouped_mm: batches past this many routed rows an expert
 ALIGN_M = 16  # rows each expert's group is padded to: a multiple of GATHER_ROWS
 MAX_H_ELEMENTS = 1 << 26  # h's elements a pass holds (128 MiB in bf16)
-MAX_PASS_ROWS = 32768  # routed rows a pass runs at most (kernels/fused_moe.py's MAX_CHUNK_ROWS)
 
 
 def tokens_per_pass(top_k: int, intermediate: int) -> int:
-    """The tokens one pass runs: at most MAX_PASS_ROWS routed rows and MAX_H_ELEMENTS of h, a
-    multiple of TILE_STEP (so that a step's last pass pads like the step, as in fused_moe)."""
-    rows = min(MAX_PASS_ROWS, MAX_H_ELEMENTS // (2 * intermediate))
-    return max(TILE_STEP, rows // top_k // TILE_STEP * TILE_STEP)
+    """The tokens one pass runs: fused_moe's passes (at most its MAX_CHUNK_ROWS routed rows, a
+    multiple of TILE_STEP), shortened to hold at most MAX_H_ELEMENTS of h."""
+    return fused_tokens_per_pass(top_k, MAX_H_ELEMENTS // (2 * intermediate))
 
 
 def takes_grouped_mm(
@@ -66,13 +63,13 @@ def takes_grouped_mm(
     reads every expert's weights: wide experts, whose h bounds the pass, stay on fused_moe's
     longer passes), with rows of H and I elements in whole 16-byte units (the grouped GEMM's
     operand alignment, for 2-byte elements)."""
-    tokens = tile_tokens(min(num_tokens, tokens_per_pass(top_k, intermediate)))
+    grouped_pass = tokens_per_pass(top_k, intermediate)
+    tokens = tile_tokens(min(num_tokens, grouped_pass))
     aligned = hidden % 8 == 0 and intermediate % 8 == 0
-    fused_pass = min(num_tokens, fused_tokens_per_pass(top_k))
     return (
         aligned
         and tokens * top_k > MIN_ROWS_PER_EXPERT * num_experts
-        and tokens_per_pass(top_k, intermediate) >= fused_pass
+        and grouped_pass >= min(num_tokens, fused_tokens_per_pass(top_k))
     )
 
 

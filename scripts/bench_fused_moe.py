@@ -244,7 +244,7 @@ def main(argv=None) -> int:
         "--pass-rows",
         type=int,
         help="routed rows a pass runs at most, in place of the kernels' bounds (fused_moe's "
-        "MAX_CHUNK_ROWS, moe_grouped_mm's MAX_PASS_ROWS and MAX_H_ELEMENTS): what larger "
+        "MAX_CHUNK_ROWS, moe_grouped_mm's MAX_H_ELEMENTS): what larger "
         "passes, each reading every expert's weights once, are worth",
     )
     p.add_argument("--out", type=Path, default=benchlib.OUT_DIR)
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
     if args.pass_rows:
         from batchrun.kernels import fused_moe, moe_grouped_mm
 
-        fused_moe.MAX_CHUNK_ROWS = moe_grouped_mm.MAX_PASS_ROWS = args.pass_rows
+        fused_moe.MAX_CHUNK_ROWS = args.pass_rows
         moe_grouped_mm.MAX_H_ELEMENTS = 1 << 40
         print(f"passes of at most {args.pass_rows} routed rows")
     copy_bw = copy_gbps()

@@ -114,16 +114,24 @@ def _check_experts(dtype, rel_bound, every=1):
         (33, 128, 8, 48, 64),
         (300, 128, 8, 64, 32),
     ]
-    for num_tokens, num_experts, top_k, hidden, inter in cases[::every]:
-        x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
-        w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
-        w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
-        weights, ids = make_routing(num_tokens, num_experts, top_k, gen)
-        want = reference_moe(x, w13, w2, weights, ids)
-        got = fused_moe(x, w13, w2, weights, ids.int())
-        assert got.dtype == dtype and got.shape == x.shape
-        rel = float((got.float() - want).norm() / want.norm())
-        assert rel < rel_bound, (num_tokens, num_experts, top_k, hidden, inter, dtype, rel)
+    for case in cases[::every]:
+        check_against_loop(fused_moe, case, dtype, rel_bound, gen)
+
+
+def check_against_loop(moe, case, dtype, rel_bound, gen):
+    """moe(x, w13, w2, weights, ids) on a random case (T, E, k, H, I) in dtype against the loop;
+    returns (got, x, w13, w2, weights, ids)."""
+    num_tokens, num_experts, top_k, hidden, inter = case
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    weights, ids = make_routing(num_tokens, num_experts, top_k, gen)
+    want = reference_moe(x, w13, w2, weights, ids)
+    got = moe(x, w13, w2, weights, ids.int())
+    assert got.dtype == dtype and got.shape == x.shape
+    rel = float((got.float() - want).norm() / want.norm())
+    assert rel < rel_bound, (*case, dtype, rel)
+    return got, x, w13, w2, weights, ids
 
 
 def _check_configs_and_edges():
@@ -191,18 +199,11 @@ def _check_grouped_mm(dtype, rel_bound):
 
     gen = torch.Generator().manual_seed(4)
     cases = [(300, 8, 2, 128, 64), (300, 128, 8, 64, 32), (70, 60, 4, 80, 40), (5, 8, 1, 96, 48)]
-    for num_tokens, num_experts, top_k, hidden, inter in cases:
-        x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
-        w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
-        w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
-        weights, ids = make_routing(num_tokens, num_experts, top_k, gen)
-        want = reference_moe(x, w13, w2, weights, ids)
-        got = grouped_mm_moe(x, w13, w2, weights, ids.int())
-        assert got.dtype == dtype and got.shape == x.shape
-        rel = float((got.float() - want).norm() / want.norm())
-        assert rel < rel_bound, (num_tokens, num_experts, top_k, hidden, inter, dtype, rel)
+    for case in cases:
+        got, x, w13, w2, weights, ids = check_against_loop(grouped_mm_moe, case, dtype,
+                                                           rel_bound, gen)  # fmt: skip
         fewer = grouped_mm_moe(x[:-1], w13, w2, weights[:-1], ids[:-1])
-        assert torch.equal(fewer, got[:-1]), (num_tokens, num_experts, top_k)
+        assert torch.equal(fewer, got[:-1]), case
 
     num_tokens, num_experts, top_k, hidden, inter = 70, 16, 4, 96, 80
     x = torch.randn(num_tokens, hidden, generator=gen)
@@ -221,7 +222,7 @@ def _check_grouped_mm(dtype, rel_bound):
     saved = module.MAX_H_ELEMENTS
     module.MAX_H_ELEMENTS = 0  # passes of TILE_STEP (256) tokens: 350 tokens in two
     try:
-        assert module.tokens_per_pass(top_k, inter) == module.TILE_STEP
+        assert module.tokens_per_pass(top_k, inter) == 256  # fused_moe's TILE_STEP
         got = grouped_mm_moe(x.repeat(5, 1), w13, w2, weights.repeat(5, 1), ids.repeat(5, 1))
     finally:
         module.MAX_H_ELEMENTS = saved
