@@ -146,7 +146,10 @@ class KernelConfig:
                         is not quantized (engine/kernel_choice.py says what was measured)
     decode_norms        one of DECODE_NORMS for one-row decode steps on kernels/gemv.py; auto:
                         "all" for hidden sizes up to 2048, "fold-all" above (its folded weights
-                        only within a quarter of the free memory, else "fold", else "post")
+                        only within a quarter of the free memory, else "fold", else "post");
+                        a mixture of experts' one-token decode takes the residual add and the
+                        next norm in its experts' down GEMV (kernels/moe_gemv.py), "fold" above
+                        2048
     cuda_graph_max_bs   decode batches up to this size replay CUDA graphs; 0: none
     piecewise_graphs    prefill and mixed steps replay graphs around an eager attention
                         (engine/piecewise_graph.py); auto: on for models under

@@ -12,6 +12,13 @@ kernels/fused_moe.py's grouped GEMMs take four (align, gate_up, down, sum).
                programs of a column tile to arrive (a counter per token and tile, as
                kernels/gemv.py's split-K) sums the k planes in slot order and writes y[t]
 
+moe_gemv_residual also adds the residual stream in the down kernel's epilogue and, for one token,
+normalizes the sum in the column tile that finishes last (kernels/gemv.py's gemv_residual does the
+same for a dense matmul): a decoder layer's residual add after its experts and the next layer's
+input norm cost no kernel (LlamaForCausalLM's one-row decode, KernelConfig.decode_norms). With PDL
+(kernels/pdl.py) gate_up waits first (its expert ids are the router's output, the kernel before)
+and down loads its ids and first weight tile before its wait.
+
 Each program streams its weight rows as kernels/gemv.py does at M = 1 (K tiles of 256 through
 the pipelined shared-memory stages, x's one row padded to the tensor cores' 16 with zeros), the
 recipe that reads llama-8b's decode matrices at 3.2-4.2 TB/s on the H200 (docs/benchmarks.md).
@@ -41,13 +48,17 @@ import triton.language as tl
 from batchrun.kernels.fused_moe import _check_shapes, _swiglu, tile_tokens, unpack_extras
 from batchrun.kernels.gemv import (
     NUM_COUNTERS,
+    ROW_COUNTER,
     SMEM_FOR_W,
+    ResidualStream,
     _mma,
+    _norm_after_last_tile,
     _sum_planes,
     _w_tile,
     _x_tile,
     split_counters,
 )
+from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 MAX_ROWS = 16  # routed rows (tile_tokens(T) * top_k) this path takes
 TARGET_PROGRAMS = 256  # about two programs per SM of the H200's 132, as kernels/gemv.py aims
@@ -114,10 +125,12 @@ def _gate_up_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     CLAMP: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = (row // top_k).to(tl.int64)
+    pdl_wait(PDL)  # the expert ids are the kernel before's (the router's) output
     expert = tl.load(Ids + row).to(tl.int64)
     offs_m = tl.arange(0, 16)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,10 +157,13 @@ def _down_gemv_kernel(
     W2,  # [E, H, I]
     Y,  # [T, H]
     WS,  # TOP_K > 1: fp32 [k, T, H], each slot's weighted rows
-    Counters,  # int32, zero: one per (token, column tile)
+    Counters,  # int32, zero: one per (token, column tile), and kernels/gemv.py's row counter
     TopkWeights,  # float32 [T * k]
     Ids,  # [T * k]
     B2,  # HAS_BIAS: [E, H]
+    R,  # ADD_RES: [T, H], the residual stream
+    G,  # NORM_OUT: [H], the next norm's weight
+    NormOut,  # NORM_OUT: [1, H]
     num_tokens,
     hidden,  # H: the N of this GEMV
     inter_size,  # I: its K
@@ -156,34 +172,56 @@ def _down_gemv_kernel(
     stride_wn,
     stride_ym,
     stride_be,
+    stride_rm,
+    eps,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ADD_RES: tl.constexpr,
+    NORM_OUT: tl.constexpr,  # one token: the last column tile normalizes y (kernels/gemv.py's)
+    BLOCK_ROW: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = row // TOP_K
     slot = row % TOP_K
+    # NOTE: the expert ids and the first weight tile are read before the PDL wait: the ids are
+    # the router's output, two kernels back, and this kernel starts only once every program of
+    # the gate_up kernel before it has passed its own wait, which returned when everything
+    # launched before gate_up had finished (kernels/pdl.py: never two kernels ahead). So the
+    # weight stream begins while gate_up drains
     expert = tl.load(Ids + row).to(tl.int64)
     offs_m = tl.arange(0, 16)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = offs_n[:, None] < hidden
     w_rows = W2 + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
     a_row = Inter + row.to(tl.int64) * stride_im
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, inter_size, BLOCK_K):
+    w = _w_tile(w_rows, in_n, 0, inter_size, BLOCK_K)
+    pdl_wait(PDL)
+    mask = (offs_m[:, None] == 0) & (offs_n < hidden)[None, :]
+    res = tl.zeros((16, BLOCK_N), dtype=Y.dtype.element_ty)
+    if ADD_RES:  # read now, where its latency hides behind the loop
+        res_ptrs = R + token.to(tl.int64) * stride_rm + offs_m[:, None] * 0 + offs_n[None, :]
+        res = tl.load(res_ptrs, mask=mask, other=0.0)
+    acc = _mma(tl.zeros((16, BLOCK_N), dtype=tl.float32),
+               _x_tile(a_row, offs_m, 1, stride_im, 0, inter_size, BLOCK_K), w, IEEE)  # fmt: skip
+    for k0 in range(BLOCK_K, inter_size, BLOCK_K):
         a = _x_tile(a_row, offs_m, 1, stride_im, k0, inter_size, BLOCK_K)
         acc = _mma(acc, a, _w_tile(w_rows, in_n, k0, inter_size, BLOCK_K), IEEE)
     if HAS_BIAS:
         cols = tl.minimum(offs_n, hidden - 1)
         acc += tl.load(B2 + expert * stride_be + cols).to(tl.float32)[None, :]
     acc = acc * tl.load(TopkWeights + row)
-    mask = (offs_m[:, None] == 0) & (offs_n < hidden)[None, :]
     out = Y + token.to(tl.int64) * stride_ym + offs_m[:, None] * 0 + offs_n[None, :]
+    dtype = Y.dtype.element_ty
     if TOP_K == 1:
-        tl.store(out, acc.to(Y.dtype.element_ty), mask=mask)
+        _write_out(acc, res, out, mask, dtype, ADD_RES)
+        if NORM_OUT:
+            _norm_after_last_tile(Y, G, NormOut, Counters + ROW_COUNTER, hidden, eps,
+                                  tl.num_programs(1), BLOCK_ROW)  # fmt: skip
     else:
         plane_stride = num_tokens * hidden
         plane_offs = token * hidden + offs_m[:, None] * 0 + offs_n[None, :]
@@ -195,8 +233,21 @@ def _down_gemv_kernel(
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == TOP_K - 1:
             total = _sum_planes(WS, plane_offs, mask, plane_stride, TOP_K)
-            tl.store(out, total.to(Y.dtype.element_ty), mask=mask)
+            _write_out(total, res, out, mask, dtype, ADD_RES)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
+            if NORM_OUT:
+                _norm_after_last_tile(Y, G, NormOut, Counters + ROW_COUNTER, hidden, eps,
+                                      tl.num_programs(1), BLOCK_ROW)  # fmt: skip
+
+
+@triton.jit
+def _write_out(total, res, out, mask, dtype: tl.constexpr, ADD_RES: tl.constexpr):
+    """y from the fp32 sum over the token's experts, rounded to the dtype as the MLP's output,
+    and with ADD_RES the residual added and rounded again (torch's `mlp(x) + residual`)."""
+    y = total.to(dtype)
+    if ADD_RES:
+        y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
+    tl.store(out, y, mask=mask)
 
 
 def moe_gemv(
@@ -207,10 +258,43 @@ def moe_gemv(
     topk_ids: torch.Tensor,
     config: MoeGemvConfig | None = None,
     extras=None,
+    *,
+    pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ) -> torch.Tensor:
     """y [T, H] in x's dtype, as the module docstring says, for any T (`takes_gemv` says where
     it is the faster path); arguments as kernels/fused_moe.py's fused_moe. Run one call eagerly
     before capturing a CUDA graph (it may allocate kernels/gemv.py's counters)."""
+    return _launch(x, w13, w2, topk_weights, topk_ids, config, extras, None, None, pdl)[0]
+
+
+def moe_gemv_residual(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    residual: torch.Tensor,  # [T, H], x's dtype, unit stride along H; not written
+    norm: tuple[torch.Tensor, float] | None = None,  # (weight [H], eps); one token only
+    extras=None,
+    *,
+    pdl: bool = False,
+) -> ResidualStream:
+    """h = moe_gemv(...) + residual, rounded as torch's `moe(x) + residual`; with norm, also
+    rmsnorm(h) * weight, computed by the down kernel's column tile that finishes last (as
+    kernels/gemv.py's gemv_residual does): a decoder layer's residual add after its experts and
+    the next layer's input norm cost no kernel of their own."""
+    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
+    if norm is not None:
+        weight, _ = norm
+        assert x.shape[0] == 1, "the in-kernel norm takes one token (decode batch 1)"
+        assert weight.shape == (x.shape[1],) and weight.dtype == x.dtype and weight.is_contiguous()
+    return ResidualStream(
+        *_launch(x, w13, w2, topk_weights, topk_ids, None, extras, residual, norm, pdl)
+    )
+
+
+def _launch(x, w13, w2, topk_weights, topk_ids, config, extras, residual, norm, pdl):
+    """(y, normed): normed when norm is given, else None."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
     b13, b2, alpha, limit = unpack_extras(extras, w13, w2)
     num_tokens, hidden = x.shape
@@ -218,8 +302,9 @@ def moe_gemv(
     top_k = topk_ids.shape[1]
     num_rows = num_tokens * top_k
     y = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    normed = None if norm is None else torch.empty_like(y)
     if num_tokens == 0:
-        return y
+        return y, normed
     c = config or pick_config(tile_tokens(num_tokens) * top_k, hidden, inter_size, x.element_size())
     down_tiles = triton.cdiv(hidden, c.down_n)
     assert num_tokens * down_tiles <= NUM_COUNTERS, "more (token, tile) pairs than counters"
@@ -228,18 +313,25 @@ def moe_gemv(
     inter = torch.empty((num_rows, inter_size), dtype=x.dtype, device=x.device)
     ws = y if top_k == 1 else torch.empty(num_rows * hidden, dtype=torch.float32, device=x.device)
     ieee = x.dtype == torch.float32
+    launch = pdl_launch_kwargs(pdl, x)
     _gate_up_gemv_kernel[(num_rows, triton.cdiv(inter_size, c.gate_n))](
         x, w13, inter, ids, w13 if b13 is None else b13, top_k, inter_size, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         0 if b13 is None else b13.stride(0), alpha, limit,
         BLOCK_N=c.gate_n, BLOCK_K=c.block_k, HAS_BIAS=b13 is not None, CLAMP=limit > 0,
-        IEEE=ieee, num_warps=c.num_warps, num_stages=c.gate_stages,
+        IEEE=ieee, num_warps=c.num_warps, num_stages=c.gate_stages, **launch,
     )  # fmt: skip
+    # NOTE: absent operands get y as a stand-in pointer: their constexpr flag prunes every access
+    r = y if residual is None else residual
+    norm_w, eps = (y, 0.0) if norm is None else norm
     _down_gemv_kernel[(num_rows, down_tiles)](
         inter, w2, y, ws, split_counters(x.device), weights, ids, w2 if b2 is None else b2,
-        num_tokens, hidden, inter_size, inter.stride(0), w2.stride(0), w2.stride(1),
-        y.stride(0), 0 if b2 is None else b2.stride(0),
+        r, norm_w, y if normed is None else normed, num_tokens, hidden, inter_size,
+        inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        0 if b2 is None else b2.stride(0), r.stride(0), eps,
         TOP_K=top_k, BLOCK_N=c.down_n, BLOCK_K=c.block_k, HAS_BIAS=b2 is not None,
-        IEEE=ieee, num_warps=c.num_warps, num_stages=c.down_stages,
+        ADD_RES=residual is not None, NORM_OUT=norm is not None,
+        BLOCK_ROW=triton.next_power_of_2(hidden) if norm is not None else 1,
+        IEEE=ieee, num_warps=c.num_warps, num_stages=c.down_stages, **launch,
     )  # fmt: skip
-    return y
+    return y, normed

@@ -12,7 +12,8 @@ chain of small launches (softmax, topk, sum, divide: four a layer, 192 for Qwen3
 layers); this is one.
 
 `route_gemv` is the whole router of a decode batch in one launch (the cast of x, the fp32 matmul
-and the routing: three launches on the path above), for KernelConfig.moe_decode "gemv".
+and the routing: three launches on the path above), for KernelConfig.moe_decode "gemv"; with
+PDL (kernels/pdl.py) it loads its first tile of the router's weight before its wait.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 from batchrun.kernels.gemv import split_counters
+from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 
 @triton.jit
@@ -64,6 +66,14 @@ def _topk_softmax_kernel(
 
 
 @triton.jit
+def _router_tile(X, offs_m, M, stride_xm, offs_h, k_end, w, acc):
+    """acc + x[:, offs_h] @ w.T in fp32 (x's rows past M and columns past k_end: zeros)."""
+    mask = (offs_m[:, None] < M) & (offs_h < k_end)[None, :]
+    x = tl.load(X + offs_m[:, None] * stride_xm + offs_h[None, :], mask=mask, other=0.0)
+    return tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+
+
+@triton.jit
 def _route_gemv_kernel(
     X,  # [M, H] bf16 / fp16 / fp32, M <= 16
     W,  # fp32 [E, H]: the router
@@ -85,6 +95,7 @@ def _route_gemv_kernel(
     BLOCK_E: tl.constexpr,  # all experts, a power of two
     BLOCK_K: tl.constexpr,  # TOP_K's power of two
     RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -92,15 +103,19 @@ def _route_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, hidden)
+    own_e = offs_n[:, None] < num_experts  # this program's experts
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    # the first weight tile before the PDL wait (the router is no kernel's output): on
+    # Qwen3-30B-A3B's widths it is a program's whole slice, loaded while the kernel before drains
+    offs_h = k_start + tl.arange(0, BLOCK_H)
+    w = tl.load(w_rows + offs_h[None, :], mask=own_e & (offs_h < k_end)[None, :], other=0.0)
+    pdl_wait(PDL)
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_H):
+    acc = _router_tile(X, offs_m, M, stride_xm, offs_h, k_end, w, acc)
+    for k0 in range(k_start + BLOCK_H, k_end, BLOCK_H):
         offs_h = k0 + tl.arange(0, BLOCK_H)
-        in_h = offs_h < k_end
-        x = tl.load(X + offs_m[:, None] * stride_xm + offs_h[None, :],
-                    mask=(offs_m[:, None] < M) & in_h[None, :], other=0.0)  # fmt: skip
-        w = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_h[None, :],
-                    mask=(offs_n[:, None] < num_experts) & in_h[None, :], other=0.0)  # fmt: skip
-        acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        w = tl.load(w_rows + offs_h[None, :], mask=own_e & (offs_h < k_end)[None, :], other=0.0)
+        acc = _router_tile(X, offs_m, M, stride_xm, offs_h, k_end, w, acc)
     plane_stride = M * num_experts
     offs_plane = offs_m[:, None] * num_experts + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < num_experts)
@@ -162,6 +177,8 @@ def route_gemv(
     bias: torch.Tensor | None,  # fp32 [E] (gpt-oss) or None
     top_k: int,
     renormalize: bool,
+    *,
+    pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_softmax(x.float() @ weight.T + bias) for a decode batch in one launch: the fp32
     logits as split-K partial sums over the experts' tiles, then the last program to finish
@@ -188,6 +205,6 @@ def route_gemv(
         ids, num_tokens, num_experts, hidden, k_per_split, x.stride(0), weight.stride(0),
         HAS_BIAS=bias is not None, TOP_K=top_k, BLOCK_N=block_n, BLOCK_H=block_h,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize, num_warps=4,
+        RENORMALIZE=renormalize, num_warps=4, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip
     return weights, ids

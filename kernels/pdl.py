@@ -13,7 +13,10 @@ Every kernel of ours that is launched with PDL follows one rule, `pdl_wait` firs
 weight-only prefetch, if any) and nothing written by an earlier kernel read before it; nothing
 written at all before it. `pdl_wait` also calls `gdc_launch_dependents` right after the wait:
 the next kernel may then start its prefetch while this one computes, but never two kernels ahead
-(the next one's own trigger comes after its wait, that is after this kernel has finished).
+(the next one's own trigger comes after its wait, that is after this kernel has finished). So a
+kernel launched right after one of ours may read before its wait what was written before that
+one was launched (kernels/moe_gemv.py's down kernel reads the router's expert ids, two kernels
+back, to start its weight stream), never what the kernel just before it writes.
 
 A kernel that is not ours (cuBLAS, torch's) never triggers early: the next PDL kernel then starts
 when it completes, as without PDL, and a plain kernel after a PDL one waits for it in full. So PDL

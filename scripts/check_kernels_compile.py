@@ -404,7 +404,7 @@ def _moe_cases() -> list[tuple[str, Callable[[], object]]]:
     torch.empty weights (no pages touched), every token routed to expert 0;
     kernels/moe_route.py's router."""
     from batchrun.kernels.fused_moe import fused_moe, pick_config, tile_tokens
-    from batchrun.kernels.moe_gemv import moe_gemv
+    from batchrun.kernels.moe_gemv import moe_gemv, moe_gemv_residual
     from batchrun.kernels.moe_grouped_mm import grouped_mm_moe
     from batchrun.kernels.moe_route import route_gemv, topk_softmax
 
@@ -451,6 +451,14 @@ def _moe_cases() -> list[tuple[str, Callable[[], object]]]:
                 return moe_gemv(x, w13, w2, torch.rand(t, k), ids)
 
             out.append((f"moe_gemv {name} T={tokens}", gemv_call))
+
+        def residual_call(k=top_k, h=hidden, w13=w13, w2=w2):
+            x = torch.empty(1, h, dtype=torch.bfloat16)
+            ids = torch.zeros(1, k, dtype=torch.int32)
+            norm = (torch.empty(h, dtype=torch.bfloat16), 1e-6)
+            return moe_gemv_residual(x, w13, w2, torch.rand(1, k), ids, torch.empty_like(x), norm)
+
+        out.append((f"moe_gemv_residual {name} T=1 (the next norm)", residual_call))
 
         def grouped(k=top_k, h=hidden, w13=w13, w2=w2):
             x = torch.empty(1024, h, dtype=torch.bfloat16)

@@ -40,6 +40,18 @@ log = logging.getLogger(__name__)
 NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN = 2048
 
 
+def _experts_take_norms(experts, moe: str, moe_decode: str) -> bool:
+    """Whether a mixture's one-token decode runs the residual add and the next norm inside its
+    experts' down GEMV (layers/moe.py's MoE.takes_residual): the experts alone (no shared expert,
+    no biases, plain SiLU) on kernels/moe_gemv.py."""
+    if moe != "triton" or moe_decode != "gemv":
+        return False
+    from batchrun.kernels.moe_gemv import takes_gemv  # moe "triton": Triton is installed
+
+    alone = not (experts.shared_expert_intermediate_size or experts.expert_bias)
+    return alone and not experts.swiglu_limit and takes_gemv(1, experts.top_k, experts.num_experts)
+
+
 def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -361,24 +373,34 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
 
     # the norms inside the matmuls need every matmul whole and plain: a row-parallel matmul's
     # all-reduce comes between its sums and the residual, and a bias between them too; and
-    # bf16 weights (kernels/gemv.py's). A mixture's experts are no one matmul
+    # bf16 weights (kernels/gemv.py's). A mixture's experts take the residual add and the next
+    # norm inside their down GEMV (kernels/moe_gemv.py), alone: no shared expert beside them
     plain = config.tp_size == 1 and not (
-        model_cfg.qkv_bias or model_cfg.o_bias or model_cfg.mlp_bias or model_cfg.moe is not None
+        model_cfg.qkv_bias or model_cfg.o_bias or model_cfg.mlp_bias
         or model_cfg.sandwich_norms  # Gemma's norms between the matmuls and the residual adds
     )  # fmt: skip
+    experts = model_cfg.moe
+    if experts is not None:
+        plain = plain and _experts_take_norms(experts, moe, moe_decode)
     decode_norms = want.decode_norms
     if decode_norms == "auto":
         if decode_gemv != "triton" or not plain or quantized:
             decode_norms = "off"
         elif model_cfg.hidden_size <= NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN:
             decode_norms = "all"
-        else:
-            decode_norms = "fold-all"
+        else:  # a mixture's MLP is no one matmul to fold the post-attention norm into
+            decode_norms = "fold-all" if experts is None else "fold"
     elif decode_norms != "off" and not (decode_gemv == "triton" and plain and not quantized):
         raise ValueError(
             f"decode_norms {decode_norms!r} needs decode_gemv 'triton' and a model without "
-            "biases at tensor parallel size 1, dense (no experts), not quantized, with Llama's "
-            "two norms a layer (not Gemma's four); use 'off' or 'auto'"
+            "biases at tensor parallel size 1, not quantized, with Llama's two norms a layer "
+            "(not Gemma's four), and a mixture's experts alone (no shared expert) on "
+            "kernels/moe_gemv.py (moe 'triton', moe_decode 'gemv'); use 'off' or 'auto'"
+        )
+    elif decode_norms == "fold-all" and experts is not None:
+        raise ValueError(
+            "decode_norms 'fold-all' folds the post-attention norm into gate_up's weight, which "
+            "a mixture of experts does not have; use 'fold', 'all', 'post', 'off' or 'auto'"
         )
 
     graphs = want.cuda_graph_max_bs if cuda else 0

@@ -78,6 +78,7 @@ def moe_experts(
     extras: ExpertExtras | None = None,
     decode: str = "grouped",
     prefill: str = "triton",
+    pdl: bool = False,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j],
     as [T, H] in x's dtype. x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
@@ -85,12 +86,13 @@ def moe_experts(
     reference; it reads the routing on the host); "triton": batchrun.kernels.fused_moe
     (CUDA, no host sync), or with decode "gemv" batchrun.kernels.moe_gemv (a decode batch), with
     prefill "grouped_mm" batchrun.kernels.moe_grouped_mm (a prefill batch): MoE.forward decides
-    by their rules. `extras`: gpt-oss's biases and clamped SwiGLU."""
+    by their rules. `extras`: gpt-oss's biases and clamped SwiGLU; `pdl`: the GEMVs launched with
+    programmatic dependent launch (kernels/pdl.py)."""
     if backend == "triton":  # Triton: imported on CUDA only
         if decode == "gemv":
             from batchrun.kernels.moe_gemv import moe_gemv
 
-            return moe_gemv(x, w13, w2, topk_weights, topk_ids, extras=extras)
+            return moe_gemv(x, w13, w2, topk_weights, topk_ids, extras=extras, pdl=pdl)
         if prefill == "grouped_mm":
             from batchrun.kernels.moe_grouped_mm import grouped_mm_moe
 
@@ -165,6 +167,7 @@ class MoE(nn.Module):
         moe = cfg.moe
         assert moe is not None
         self.tp, self.backend, self.decode = tp, kernels.moe, kernels.moe_decode
+        self.pdl = kernels.pdl
         self.top_k, self.renormalize = moe.top_k, moe.norm_topk_prob
         self._part, self._cfg = part, cfg
         hidden, local = cfg.hidden_size, part.moe_intermediate_size
@@ -243,7 +246,7 @@ class MoE(nn.Module):
         if self._takes_gemv is not None and self._takes_gemv(num_tokens, self.top_k, num_experts):
             # a decode batch: the router in one kernel, the experts as GEMVs
             weights, ids = self._route_gemv(
-                x, self.gate.weight, self.gate.bias, self.top_k, self.renormalize
+                x, self.gate.weight, self.gate.bias, self.top_k, self.renormalize, pdl=self.pdl
             )
             decode = "gemv"
         else:
@@ -256,10 +259,35 @@ class MoE(nn.Module):
         ):
             prefill = "grouped_mm"
         out = moe_experts(
-            x, self.w13, self.w2, weights, ids, self.backend, self.extras(), decode, prefill
-        )
+            x, self.w13, self.w2, weights, ids, self.backend, self.extras(), decode, prefill,
+            self.pdl,
+        )  # fmt: skip
         if self.shared_expert is not None:
             padded = self._router_input(x) if padded is None else padded
             gate = torch.sigmoid(self.shared_expert_gate(padded)[:num_tokens])  # [T, 1]
             out = out + gate * self.shared_expert(x)
         return self.tp.all_reduce(out) if self.tp.is_parallel else out
+
+    def takes_residual(self) -> bool:
+        """Whether `forward_residual` runs here: the experts alone (no shared expert, no
+        biases), whole (TP=1), on the GEMVs (kernels/moe_gemv.py) for one token."""
+        return (
+            self._takes_gemv is not None
+            and self.shared_expert is None
+            and self.extras() is None
+            and not self.tp.is_parallel
+            and self._takes_gemv(1, self.top_k, self.w13.shape[0])
+        )
+
+    def forward_residual(self, x, residual, norm: tuple[torch.Tensor, float] | None):
+        """A one-token decode batch's experts with the residual add after them, and the next
+        norm (weight, eps) of its sum where given, inside the down GEMV's kernel
+        (kernels/moe_gemv.py's moe_gemv_residual): (h = experts(x) + residual, rmsnorm(h) * weight
+        or None). LlamaForCausalLM's one-row decode with decode_norms other than "off"; needs
+        `takes_residual`."""
+        from batchrun.kernels.moe_gemv import moe_gemv_residual
+
+        weights, ids = self._route_gemv(
+            x, self.gate.weight, self.gate.bias, self.top_k, self.renormalize, pdl=self.pdl
+        )
+        return moe_gemv_residual(x, self.w13, self.w2, weights, ids, residual, norm, pdl=self.pdl)

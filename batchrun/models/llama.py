@@ -347,7 +347,9 @@ class DecoderLayer(nn.Module):
         input norm runs inside its qkv matmul (gemv_rms), and next_norm None that the next
         layer's does (returns h, None). fold_post ("fold-all"): the post-attention norm runs
         inside gate_up's matmul (gemv_rms with the SwiGLU gate), and o_proj only adds the
-        residual."""
+        residual. A mixture's layer (not with "fold-all") runs its router in one kernel and
+        the experts' GEMVs in place of gate_up and down (MoE.forward_residual), the residual add
+        and the next norm inside their down kernel."""
         attn, mlp, post, pdl = self.self_attn, self.mlp, self.post_attention_layernorm, self.pdl
         if normed is None:  # "fold": this layer's input norm inside the qkv matmul
             qkv = gemv_rms(h, attn.qkv_weight_rms, self.input_layernorm.eps, pdl=pdl)
@@ -361,11 +363,15 @@ class DecoderLayer(nn.Module):
             h, normed = gemv_residual(
                 out, attn.o_proj.weight, h, norm=(post.weight, post.eps), pdl=pdl
             )
-            act = gemv(normed, mlp.gate_up_proj.weight, swiglu=True, pdl=pdl)
+        norm = (next_norm.weight, next_norm.eps) if fuse_next else None
+        if isinstance(mlp, MoE):  # the router and the experts' GEMVs, the add in their down's
+            h, normed = mlp.forward_residual(normed, h, norm)
+        else:
+            if not fold_post:
+                act = gemv(normed, mlp.gate_up_proj.weight, swiglu=True, pdl=pdl)
+            h, normed = gemv_residual(act, mlp.down_proj.weight, h, norm=norm, pdl=pdl)
         if fuse_next:
-            norm = (next_norm.weight, next_norm.eps)
-            return gemv_residual(act, mlp.down_proj.weight, h, norm=norm, pdl=pdl)
-        h = gemv_residual(act, mlp.down_proj.weight, h, pdl=pdl).h
+            return h, normed
         return h, None if next_norm is None else next_norm(h)
 
 
@@ -403,14 +409,13 @@ class LlamaForCausalLM(nn.Module):
         self.decode_norms = "post" if kernels.decode_norms in FOLD_MODES else kernels.decode_norms
         self.tp = tp = tp or TPGroup()
         if self.decode_norms != "off" and (
-            tp.is_parallel or cfg.qkv_bias or cfg.mlp_bias or cfg.moe is not None
-            or cfg.sandwich_norms
+            tp.is_parallel or cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.sandwich_norms
         ):  # fmt: skip
             # a bias or a row-parallel all-reduce sits between a matmul's sums and the residual;
-            # the experts are no one matmul; Gemma's norms sit between the matmul and the add
+            # Gemma's norms sit between the matmul and the add
             raise ValueError(
-                "decode_norms other than 'off' need a dense model without biases at TP=1, "
-                "with Llama's two norms a layer"
+                "decode_norms other than 'off' need a model without biases at TP=1, with "
+                "Llama's two norms a layer"
             )
         if cfg.quantization is not None and kernels.decode_norms != "off":
             # the norms inside the matmuls (kernels/gemv.py) read plain bf16 weights
@@ -424,6 +429,16 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, part, tp, i, dtype, device, kernels) for i in range(cfg.num_layers)
         )
+        experts = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        if kernels.decode_norms != "off" and experts and (
+            kernels.decode_norms == "fold-all" or not all(m.takes_residual() for m in experts)
+        ):  # fmt: skip
+            # the residual add and the next norm run inside the experts' down GEMV
+            raise ValueError(
+                "decode_norms other than 'off' on a mixture of experts need its experts alone "
+                "(no shared expert, no biases) on kernels/moe_gemv.py (moe 'triton', moe_decode "
+                "'gemv'), and not 'fold-all' (the experts are no one matmul to fold a norm into)"
+            )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, kernels)
         # SmolLM2 and other tied models reuse embed_tokens, whose vocab slice is the same
         self.lm_head = (
@@ -492,7 +507,11 @@ class LlamaForCausalLM(nn.Module):
         if mode not in FOLD_MODES:
             return mode
         qkv = sum(layer.self_attn.qkv_proj.weight.nbytes for layer in self.layers)
-        gate_up = sum(layer.mlp.gate_up_proj.weight.nbytes for layer in self.layers)
+        gate_up = sum(
+            layer.mlp.gate_up_proj.weight.nbytes
+            for layer in self.layers
+            if not isinstance(layer.mlp, MoE)  # a mixture's decode_norms is never "fold-all"
+        )
         budget = fold_budget(self.lm_head_weight.device)
         skipped = "%s's folded weights (%.1f GB) left out: over the budget of %.1f GB"
         if mode == "fold-all" and qkv + gate_up > budget:

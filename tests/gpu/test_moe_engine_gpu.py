@@ -3,7 +3,9 @@ piecewise) or eager, overlap on or off, on the real models' widths (Qwen3-30B-A3
 Qwen1.5-MoE's layers, two of them, dummy weights in float32: in bf16, random weights' near-ties
 flip where a retracted request's re-prefill recomputes in one GEMM shape what decode wrote in
 another); the fused Triton MoE's logits in bf16 are the torch loop's within bf16's precision,
-and a long prefill's on torch._grouped_mm (sm_90) theirs; and the tiny models equal HF
+and a long prefill's on torch._grouped_mm (sm_90) theirs; a one-token decode with the norms
+inside the GEMVs (decode_norms) gives the same tokens in graphs, and with PDL as without; and
+the tiny models equal HF
 transformers in fp32 with the experts on the torch loop."""
 
 from __future__ import annotations
@@ -116,6 +118,38 @@ def test_moe_gemv_decode_graphs_give_its_eager_tokens(dummy_dir, num):
     for prefix in (ids[:1], ids[:2]):  # one- and two-token batches: decode-sized
         a, b = gemv.score(prefix).float(), grouped.score(prefix).float()
         assert ((a - b).norm() / b.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("mode", ["all", "fold"])
+def test_one_token_decode_with_the_norms_in_the_gemvs(dummy_dir, mode):
+    """decode_norms on a mixture (bf16; the experts' residual add and the next norm inside their
+    down GEMV, the route and expert GEMVs launched with PDL): one request's greedy tokens are
+    the same in decode graphs with overlap as eager, and with PDL as without; a one-token
+    step's logits are those of "off" within bf16's precision. Qwen1.5-MoE's shared expert
+    keeps it off."""
+    if "qwen1.5" in dummy_dir:
+        pytest.skip("a shared expert: decode_norms 'off'")
+
+    def engine(**kernels):
+        kernels = dict(moe="triton", moe_decode="gemv", decode_norms=mode, **kernels)
+        return _engine(dummy_dir, kernels, overlap=kernels.get("cuda_graph_max_bs", 64) > 0)
+
+    def tokens(**kernels):
+        eng = engine(**kernels)
+        assert eng.runner.kernels.decode_norms == mode
+        out = {r.rid: r.output_ids for r in eng.generate(_requests()[:1])}
+        eng.check_integrity()
+        return out
+
+    eager = tokens(cuda_graph_max_bs=0, piecewise_graphs=False)
+    assert tokens(cuda_graph_max_bs=64) == eager
+    assert tokens(cuda_graph_max_bs=64, pdl=False) == eager
+    fused = engine(cuda_graph_max_bs=0, piecewise_graphs=False)
+    off = _engine(dummy_dir, dict(moe="triton", decode_norms="off", cuda_graph_max_bs=0,
+                                  piecewise_graphs=False))  # fmt: skip
+    for token in _requests(1)[0].input_ids[:3]:
+        a, b = fused.score([token]).float(), off.score([token]).float()
+        assert ((a - b).norm() / b.norm()).item() < 2e-2, token
 
 
 def test_fused_moe_logits_match_the_torch_loop(dummy_dir):

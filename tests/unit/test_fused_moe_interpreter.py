@@ -289,6 +289,38 @@ def _check_gemv(dtype, rel_bound):
     assert pick_config(8, 2048, 768, 4).block_k == 128
 
 
+def _check_gemv_residual():
+    """kernels/moe_gemv.py's moe_gemv_residual: h = moe_gemv(...) + residual bit for bit (top-k
+    1, 2 and 8; 1 to 3 tokens), and for one token the next norm computed by the down kernel's
+    last column tile within an ulp of kernels/fused_norm.py's rms_norm of h; the counters left
+    at zero."""
+    from batchrun.kernels.fused_norm import rms_norm
+    from batchrun.kernels.gemv import split_counters
+    from batchrun.kernels.moe_gemv import moe_gemv, moe_gemv_residual
+    from test_fused_kernels_interpreter import max_ulps
+
+    gen = torch.Generator().manual_seed(4)
+    dtype = torch.float16
+    for num_tokens, num_experts, top_k, hidden, inter in (
+        (1, 8, 2, 96, 48), (1, 128, 8, 64, 32), (1, 8, 1, 80, 40), (3, 60, 4, 64, 96),
+    ):  # fmt: skip
+        x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+        w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+        w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+        weights, ids = make_routing(num_tokens, num_experts, top_k, gen)
+        ids = ids.int()
+        residual = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+        norm_w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+        want_h = (moe_gemv(x, w13, w2, weights, ids).float() + residual.float()).to(dtype)
+        h, normed = moe_gemv_residual(x, w13, w2, weights, ids, residual)
+        assert torch.equal(h, want_h) and normed is None, (num_tokens, num_experts, top_k)
+        if num_tokens == 1:
+            h, normed = moe_gemv_residual(x, w13, w2, weights, ids, residual, (norm_w, 1e-5))
+            assert torch.equal(h, want_h)
+            assert max_ulps(normed, rms_norm(want_h, norm_w, 1e-5)) <= 1, (num_experts, top_k)
+        assert int(split_counters(x.device).abs().sum()) == 0
+
+
 def _check_route():
     """kernels/moe_route.py against layers/moe.py's `route` (softmax, topk, renormalize) on random
     logits, and on tied logits against a stable sort: of equal probabilities the lower id first."""
@@ -351,6 +383,7 @@ def _run_checks():
     _check_experts(torch.float16, 2e-3, every=2)
     _check_gemv(torch.float32, 1e-5)
     _check_gemv(torch.float16, 2e-3)
+    _check_gemv_residual()
     _check_grouped_mm(torch.float32, 1e-5)
     _check_grouped_mm(torch.float16, 2e-3)
     _check_configs_and_edges()

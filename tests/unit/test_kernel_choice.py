@@ -19,7 +19,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moe_configs import QWEN3_30B_A3B  # noqa: E402
+from moe_configs import MIXTRAL_8X7B_INSTRUCT, QWEN3_30B_A3B, QWEN15_MOE_A27B  # noqa: E402
 from tiny_models import llama3_model_config  # noqa: E402
 
 from batchrun.config import EngineConfig, KernelConfig, is_large, resolve_sizes  # noqa: E402
@@ -410,8 +410,7 @@ def test_fp8_matmuls_need_sm_89(gpu):
 
 def test_a_mixture_of_experts_runs_the_fused_moe_on_cuda(gpu, monkeypatch):
     """auto: the fused Triton MoE on CUDA (its module must import at start-up), the torch loop on
-    the CPU; no norms inside the matmuls (the experts are no one matmul); the torch loop reads
-    the routing on the host, so it is refused with CUDA graphs."""
+    the CPU; the torch loop reads the routing on the host, so it is refused with CUDA graphs."""
     moe_cfg = ModelConfig.from_dict(QWEN3_30B_A3B)
     assert resolve(moe_cfg).moe == "torch"
     gpu(pdl=True)
@@ -420,10 +419,8 @@ def test_a_mixture_of_experts_runs_the_fused_moe_on_cuda(gpu, monkeypatch):
         kernel_choice, "_check_kernels_import", lambda module="gemv": checked.append(module)
     )
     kernels = resolve(moe_cfg, CUDA)
-    assert kernels.moe == "triton" and kernels.decode_norms == "off"
+    assert kernels.moe == "triton"
     assert "batchrun.kernels.fused_moe" in checked
-    with pytest.raises(ValueError, match="decode_norms 'all' needs .* dense \\(no experts\\)"):
-        resolve(moe_cfg, CUDA, KernelConfig(decode_norms="all"))
     with pytest.raises(ValueError, match="moe 'torch' reads the routing on the host, which a CUDA"):
         resolve(moe_cfg, CUDA, KernelConfig(moe="torch"))
     eager = resolve(moe_cfg, CUDA, KernelConfig(moe="torch", cuda_graph_max_bs=0))
@@ -458,6 +455,29 @@ def test_moe_decode_gemv_with_the_fused_experts(gpu, monkeypatch):
     assert resolve(moe_cfg, CUDA, KernelConfig(moe="torch", cuda_graph_max_bs=0)).moe_decode == (
         "grouped"
     )
+
+
+def test_a_mixtures_one_token_decode_takes_the_norms_into_its_gemvs(gpu):
+    """decode_norms auto on a mixture: the residual add and the next norm inside the experts'
+    down GEMV (kernels/moe_gemv.py) with "all" up to hidden 2048 (Qwen3-30B-A3B), "fold" above
+    (Mixtral: no gate_up weight for "fold-all"); "off" with the grouped GEMMs for decode, or a
+    shared expert and biases (Qwen1.5-MoE); each refused where it cannot run."""
+    gpu(pdl=True)
+    qwen3 = ModelConfig.from_dict(QWEN3_30B_A3B)
+    mixtral = ModelConfig.from_dict(MIXTRAL_8X7B_INSTRUCT)
+    shared = ModelConfig.from_dict(QWEN15_MOE_A27B)
+    assert resolve(qwen3, CUDA).decode_norms == "all"
+    assert resolve(mixtral, CUDA).decode_norms == "fold"
+    assert resolve(shared, CUDA).decode_norms == "off"
+    grouped = KernelConfig(moe_decode="grouped")
+    assert resolve(qwen3, CUDA, grouped).decode_norms == "off"
+    for mode in ("all", "post", "fold"):
+        assert resolve(mixtral, CUDA, KernelConfig(decode_norms=mode)).decode_norms == mode
+    with pytest.raises(ValueError, match="decode_norms 'fold-all' folds the post-attention"):
+        resolve(mixtral, CUDA, KernelConfig(decode_norms="fold-all"))
+    for cfg, kernels in ((shared, KernelConfig()), (qwen3, grouped)):
+        with pytest.raises(ValueError, match="decode_norms 'all' needs .* experts alone"):
+            resolve(cfg, CUDA, replace(kernels, decode_norms="all"))
 
 
 def test_moe_prefill_grouped_mm_where_cutlass_runs(gpu, monkeypatch):

@@ -1,7 +1,9 @@
 """The MoE block with moe "triton" (batchrun.kernels.fused_moe; its decode batches also on
 batchrun.kernels.moe_gemv, every batch on batchrun.kernels.moe_grouped_mm) under Triton's CPU
 interpreter: the tiny Qwen3-MoE, Qwen2-MoE and Mixtral give transformers' prefill logits and the
-torch loop's greedy tokens, in fp32 (the interpreter's tl.dot is wrong for bf16). Skipped where
+torch loop's greedy tokens, in fp32 (the interpreter's tl.dot is wrong for bf16); their
+one-token decode with the norms inside the GEMVs (decode_norms) gives the logits of "off", in
+fp16. Skipped where
 triton or the fused MoE module is not installed; runs in a subprocess (TRITON_INTERPRET must be
 set before triton is first imported)."""
 
@@ -70,6 +72,39 @@ def _check_model(kind: str, root: Path) -> None:
     assert outs[0] == outs[1] == outs[2] == outs[3], kind
 
 
+def _check_decode_norms(root: Path) -> None:
+    """The one-token decode of the tiny Qwen3-MoE (its layer 1 dense) and Mixtral in fp16 with
+    decode_gemv "triton": LlamaForCausalLM.forward_gemv with decode_norms "all", "post" and
+    "fold" (the experts' residual add and the next norm inside their down GEMV,
+    MoE.forward_residual, once an expert layer) gives the logits of "off"."""
+    from spies import count_calls
+    from test_fused_kernels_interpreter import _runner
+    from tiny_models import make_tiny_model, random_prompts
+    from triton_interpreter import INTERPRETER_KERNELS
+
+    from batchrun.layers.moe import MoE
+
+    base = replace(INTERPRETER_KERNELS, attention="torch", decode_gemv="triton", moe="triton",
+                   moe_decode="gemv")  # fmt: skip
+    for kind in ("qwen3_moe", "mixtral"):
+        path = root / f"{kind}-norms"
+        make_tiny_model(kind, path)
+        prompts = random_prompts(2, seed=5, min_len=3, max_len=16) + [[5], [60]]
+        ref_runner = _runner(path, replace(base, decode_norms="off"))
+        refs = [ref_runner.all_logits(p, torch.arange(len(p))) for p in prompts]
+        for mode in ("all", "post", "fold"):
+            runner = _runner(path, replace(base, decode_norms=mode))
+            assert runner.kernels.decode_norms == runner.model.decode_norms == mode
+            experts = sum(isinstance(layer.mlp, MoE) for layer in runner.model.layers)
+            for prompt, ref in zip(prompts, refs):
+                with pytest.MonkeyPatch.context() as mp:
+                    calls = count_calls(mp, MoE, "forward_residual")
+                    got = runner.all_logits(prompt, torch.arange(len(prompt)))
+                assert calls["n"] == (experts if len(prompt) == 1 else 0), (kind, mode)
+                rel = ((got - ref).norm() / ref.norm()).item()
+                assert rel <= 5e-3, (kind, mode, len(prompt), rel)
+
+
 if __name__ == "__main__":
     import tempfile
 
@@ -78,4 +113,5 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         for kind in MOE_KINDS:
             _check_model(kind, Path(tmp))
+        _check_decode_norms(Path(tmp))
     print("ok")
