@@ -12,8 +12,11 @@ chain of small launches (softmax, topk, sum, divide: four a layer, 192 for Qwen3
 layers); this is one.
 
 `route_gemv` is the whole router of a decode batch in one launch (the cast of x, the fp32 matmul
-and the routing: three launches on the path above), for KernelConfig.moe_decode "gemv"; with
-PDL (kernels/pdl.py) it loads its first tile of the router's weight before its wait.
+and the routing: three launches on the path above), for KernelConfig.moe_decode "gemv". It is
+launched without PDL: on the H100 (`scripts/profile_decode.py --model qwen3-30b-a3b --batch 1
+--chain`) an early launch behind o_proj's matmul with the norm in its last tile (decode_norms
+"all") adds 20.3 µs a layer to the chain against 8.6 launched after it, and behind the norm
+kernel ("off") the router and the experts' gate_up add 30.0 µs with it against 30.1 without.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 from batchrun.kernels.gemv import split_counters
-from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 
 @triton.jit
@@ -94,8 +96,8 @@ def _route_gemv_kernel(
     BLOCK_H: tl.constexpr,  # K tile
     BLOCK_E: tl.constexpr,  # all experts, a power of two
     BLOCK_K: tl.constexpr,  # TOP_K's power of two
+    BLOCK_S: tl.constexpr,  # the K slices' power of two
     RENORMALIZE: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -105,14 +107,8 @@ def _route_gemv_kernel(
     k_end = tl.minimum(k_start + k_per_split, hidden)
     own_e = offs_n[:, None] < num_experts  # this program's experts
     w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
-    # the first weight tile before the PDL wait (the router is no kernel's output): on
-    # Qwen3-30B-A3B's widths it is a program's whole slice, loaded while the kernel before drains
-    offs_h = k_start + tl.arange(0, BLOCK_H)
-    w = tl.load(w_rows + offs_h[None, :], mask=own_e & (offs_h < k_end)[None, :], other=0.0)
-    pdl_wait(PDL)
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    acc = _router_tile(X, offs_m, M, stride_xm, offs_h, k_end, w, acc)
-    for k0 in range(k_start + BLOCK_H, k_end, BLOCK_H):
+    for k0 in range(k_start, k_end, BLOCK_H):
         offs_h = k0 + tl.arange(0, BLOCK_H)
         w = tl.load(w_rows + offs_h[None, :], mask=own_e & (offs_h < k_end)[None, :], other=0.0)
         acc = _router_tile(X, offs_m, M, stride_xm, offs_h, k_end, w, acc)
@@ -131,12 +127,14 @@ def _route_gemv_kernel(
         bias = tl.zeros([BLOCK_E], dtype=tl.float32)
         if HAS_BIAS:
             bias = tl.load(B + offs, mask=in_e, other=0.0)
+        # every slice's partial logits of a row in one load (one L2 round trip, not one a
+        # slice), summed by one reduction tree: the same sums every run
+        offs_s = tl.arange(0, BLOCK_S)
+        in_s = (offs_s < tl.num_programs(1))[:, None] & in_e[None, :]
         for row in range(0, M):
-            logits = tl.zeros([BLOCK_E], dtype=tl.float32)
-            for s in range(0, tl.num_programs(1)):  # slice order: the same sums every run
-                plane = Planes + s * plane_stride + row * num_experts + offs
-                logits += tl.load(plane, mask=in_e, other=0.0, cache_modifier=".cg")
-            logits = tl.where(in_e, logits + bias, -float("inf"))
+            planes = Planes + offs_s[:, None] * plane_stride + row * num_experts + offs[None, :]
+            partials = tl.load(planes, mask=in_s, other=0.0, cache_modifier=".cg")
+            logits = tl.where(in_e, tl.sum(partials, axis=0) + bias, -float("inf"))
             _route_row(logits, offs, Weights, Ids, row, TOP_K, BLOCK_K, RENORMALIZE)
         tl.atomic_xchg(Counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
@@ -177,8 +175,6 @@ def route_gemv(
     bias: torch.Tensor | None,  # fp32 [E] (gpt-oss) or None
     top_k: int,
     renormalize: bool,
-    *,
-    pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_softmax(x.float() @ weight.T + bias) for a decode batch in one launch: the fp32
     logits as split-K partial sums over the experts' tiles, then the last program to finish
@@ -205,6 +201,6 @@ def route_gemv(
         ids, num_tokens, num_experts, hidden, k_per_split, x.stride(0), weight.stride(0),
         HAS_BIAS=bias is not None, TOP_K=top_k, BLOCK_N=block_n, BLOCK_H=block_h,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize, num_warps=4, **pdl_launch_kwargs(pdl, x),
+        BLOCK_S=triton.next_power_of_2(split), RENORMALIZE=renormalize, num_warps=4,
     )  # fmt: skip
     return weights, ids

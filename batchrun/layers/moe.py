@@ -246,7 +246,7 @@ class MoE(nn.Module):
         if self._takes_gemv is not None and self._takes_gemv(num_tokens, self.top_k, num_experts):
             # a decode batch: the router in one kernel, the experts as GEMVs
             weights, ids = self._route_gemv(
-                x, self.gate.weight, self.gate.bias, self.top_k, self.renormalize, pdl=self.pdl
+                x, self.gate.weight, self.gate.bias, self.top_k, self.renormalize
             )
             decode = "gemv"
         else:
@@ -288,6 +288,6 @@ class MoE(nn.Module):
         from batchrun.kernels.moe_gemv import moe_gemv_residual
 
         weights, ids = self._route_gemv(
-            x, self.gate.weight, self.gate.bias, self.top_k, self.renormalize, pdl=self.pdl
+            x, self.gate.weight, self.gate.bias, self.top_k, self.renormalize
         )
         return moe_gemv_residual(x, self.w13, self.w2, weights, ids, residual, norm, pdl=self.pdl)
