@@ -55,6 +55,7 @@ from batchrun.kernels.gemv import (
     _norm_after_last_tile,
     _sum_planes,
     _w_tile,
+    _write_y,
     _x_tile,
     split_counters,
 )
@@ -218,7 +219,7 @@ def _down_gemv_kernel(
     out = Y + token.to(tl.int64) * stride_ym + offs_m[:, None] * 0 + offs_n[None, :]
     dtype = Y.dtype.element_ty
     if TOP_K == 1:
-        _write_out(acc, res, out, mask, dtype, ADD_RES)
+        _write_y(acc, acc, out, mask, res, dtype, False, ADD_RES)
         if NORM_OUT:
             _norm_after_last_tile(Y, G, NormOut, Counters + ROW_COUNTER, hidden, eps,
                                   tl.num_programs(1), BLOCK_ROW)  # fmt: skip
@@ -233,21 +234,11 @@ def _down_gemv_kernel(
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == TOP_K - 1:
             total = _sum_planes(WS, plane_offs, mask, plane_stride, TOP_K)
-            _write_out(total, res, out, mask, dtype, ADD_RES)
+            _write_y(total, total, out, mask, res, dtype, False, ADD_RES)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
             if NORM_OUT:
                 _norm_after_last_tile(Y, G, NormOut, Counters + ROW_COUNTER, hidden, eps,
                                       tl.num_programs(1), BLOCK_ROW)  # fmt: skip
-
-
-@triton.jit
-def _write_out(total, res, out, mask, dtype: tl.constexpr, ADD_RES: tl.constexpr):
-    """y from the fp32 sum over the token's experts, rounded to the dtype as the MLP's output,
-    and with ADD_RES the residual added and rounded again (torch's `mlp(x) + residual`)."""
-    y = total.to(dtype)
-    if ADD_RES:
-        y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
-    tl.store(out, y, mask=mask)
 
 
 def moe_gemv(
