@@ -27,6 +27,7 @@ from batchrun.attention.flashinfer_backend import (
 )
 from batchrun.config import EngineConfig, KernelConfig, decoder_params, is_large
 from batchrun.engine.host_gate import HostGate
+from batchrun.layers.moe import experts_take_norms
 from batchrun.models.moe_weights import has_quantized_experts
 
 log = logging.getLogger(__name__)
@@ -38,18 +39,6 @@ log = logging.getLogger(__name__)
 # on folded weights) reads 4.07 against 4.14 for "fold"; on llama-1b "fold" loses to "all"
 # (0.98 against 0.96)
 NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN = 2048
-
-
-def _experts_take_norms(experts, moe: str, moe_decode: str) -> bool:
-    """Whether a mixture's one-token decode runs the residual add and the next norm inside its
-    experts' down GEMV (layers/moe.py's MoE.takes_residual): the experts alone (no shared expert,
-    no biases, plain SiLU) on kernels/moe_gemv.py."""
-    if moe != "triton" or moe_decode != "gemv":
-        return False
-    from batchrun.kernels.moe_gemv import takes_gemv  # moe "triton": Triton is installed
-
-    alone = not (experts.shared_expert_intermediate_size or experts.expert_bias)
-    return alone and not experts.swiglu_limit and takes_gemv(1, experts.top_k, experts.num_experts)
 
 
 def has_triton() -> bool:
@@ -381,7 +370,7 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     )  # fmt: skip
     experts = model_cfg.moe
     if experts is not None:
-        plain = plain and _experts_take_norms(experts, moe, moe_decode)
+        plain = plain and experts_take_norms(experts, moe, moe_decode)
     decode_norms = want.decode_norms
     if decode_norms == "auto":
         if decode_gemv != "triton" or not plain or quantized:

@@ -128,6 +128,19 @@ def _experts_loop(x, w13, w2, topk_weights, topk_ids, extras: ExpertExtras) -> t
     return out
 
 
+def experts_take_norms(moe, backend: str, decode: str) -> bool:
+    """Whether a mixture's one-token decode can run the residual add and the next norm inside
+    its experts' down GEMV (MoE.forward_residual): the experts alone (no shared expert, no
+    biases, plain SiLU) on kernels/moe_gemv.py (backend "triton", decode "gemv"). moe: the
+    model's MoeConfig."""
+    if backend != "triton" or decode != "gemv":
+        return False
+    from batchrun.kernels.moe_gemv import takes_gemv  # backend "triton": Triton is installed
+
+    alone = not (moe.shared_expert_intermediate_size or moe.expert_bias or moe.swiglu_limit)
+    return alone and takes_gemv(1, moe.top_k, moe.num_experts)
+
+
 class Router(nn.Module):
     """The router's weight [E, H] (and gpt-oss's bias [E]), kept in fp32: its logits and softmax
     are fp32 whatever the model's dtype."""
@@ -269,14 +282,9 @@ class MoE(nn.Module):
         return self.tp.all_reduce(out) if self.tp.is_parallel else out
 
     def takes_residual(self) -> bool:
-        """Whether `forward_residual` runs here: the experts alone (no shared expert, no
-        biases), whole (TP=1), on the GEMVs (kernels/moe_gemv.py) for one token."""
-        return (
-            self._takes_gemv is not None
-            and self.shared_expert is None
-            and self.extras() is None
-            and not self.tp.is_parallel
-            and self._takes_gemv(1, self.top_k, self.w13.shape[0])
+        """Whether `forward_residual` runs here: `experts_take_norms`, whole (TP=1)."""
+        return not self.tp.is_parallel and experts_take_norms(
+            self._cfg.moe, self.backend, self.decode
         )
 
     def forward_residual(self, x, residual, norm: tuple[torch.Tensor, float] | None):
