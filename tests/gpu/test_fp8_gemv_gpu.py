@@ -94,6 +94,9 @@ def test_fp8_gemv_matches_scaled_mm_and_the_dequantized_reference(shape, activat
         what = f"{shape} M={m} {activations}"
         got = fp8_gemv(x, w, sw, s)
         _close_to(got, _scaled_mm(x, w, sw, s), what)
+        for inside in (False, True):  # q(x) by its own kernel first or inside: the same bytes
+            same = fp8_gemv(x, w, sw, s, quantize_inside=inside)
+            assert torch.equal(same, got), f"{what} quantize_inside={inside}"
         xf = x.float()
         if s is None:
             sx = (xf.abs().amax(dim=-1, keepdim=True) * (1.0 / 448.0)).clamp(min=1e-12)
@@ -132,7 +135,10 @@ def test_block_fp8_matches_the_block_matmul(shape):
         xq, sx = quant_per_token_group(x, 128)
         want = block_fp8_matmul(xq, sx, qw.weight, qw.scale)
         what = f"{shape} M={m} blocks"
-        _close_to(fp8_gemv(x, qw.weight, qw.scale, blocks=True), want, what)
+        got = fp8_gemv(x, qw.weight, qw.scale, blocks=True)
+        _close_to(got, want, what)
+        first = fp8_gemv(x, qw.weight, qw.scale, blocks=True, quantize_inside=False)
+        assert torch.equal(first, got), f"{what}: the groups quantized first differ"
         if shape.endswith("gate_up"):
             gate, up = want.chunk(2, dim=-1)
             gated = (F.silu(gate.float()).to(torch.bfloat16).float() * up.float()).bfloat16()
