@@ -52,10 +52,13 @@ from batchrun.kernels.fp8_quant import (
 from batchrun.kernels.gemv import (
     MAX_M,
     NUM_COUNTERS,
+    ROW_COUNTER,
     SMEM_FOR_W,
+    ResidualStream,
+    _norm_after_last_tile,
     _sum_planes,
-    _swiglu,
     _w_tile,
+    _write_y,
     _x_tile,
     split_counters,
 )
@@ -92,6 +95,9 @@ def _fp8_gemv_kernel(
     Y,
     WS,
     Counters,
+    R,  # ADD_RES: the residual [M, N]
+    G,  # NORM_OUT: the norm's weight [N]
+    NormOut,  # NORM_OUT: rmsnorm(y) * G, [1, N]
     M,
     N,
     K,
@@ -100,6 +106,8 @@ def _fp8_gemv_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
+    stride_rm,
+    eps,
     stride_xs,
     stride_xsk,  # BLOCKS: XS [M, K / 128], a group's column
     stride_swn,  # BLOCKS: SW [N / 128, K / 128], a block row's
@@ -112,6 +120,9 @@ def _fp8_gemv_kernel(
     AMAX_ROWS: tl.constexpr,  # Q_DYNAMIC: the rows whose maxima the prologue takes (>= M)
     AMAX_CHUNKS: tl.constexpr,  # Q_DYNAMIC: K in chunks of AMAX_CHUNK columns
     ROUND: tl.constexpr,  # q(x) rounded to e4m3 in fp32 arithmetic (the interpreter's CPU)
+    ADD_RES: tl.constexpr,  # y = the product + R (kernels/gemv.py's gemv_residual)
+    NORM_OUT: tl.constexpr,  # and, for one row, rmsnorm(y) * G by the tile finishing last
+    BLOCK_ROW: tl.constexpr,  # NORM_OUT: the row's width, a power of two
     PDL: tl.constexpr,
 ):
     """y from q(x) and w: BLOCK_N rows of w a program. QUANT 0: q(x) given (e4m3 [M, K], its
@@ -119,7 +130,8 @@ def _fp8_gemv_kernel(
     their maxima over K (Q_DYNAMIC: the prologue reads the rows whole; Q_AMAX: XS holds the
     maxima) or the static scale XS (Q_STATIC). With BLOCKS, each K tile is one 128-column group
     (BLOCK_K 128): its dot is scaled by the block's weight scale and the group's activation
-    scales (XS's, or with QUANT the tile's own maxima) before it is added."""
+    scales (XS's, or with QUANT the tile's own maxima) before it is added. ADD_RES / NORM_OUT:
+    kernels/gemv.py's residual add and in-kernel norm (its `_write_y`, `_norm_after_last_tile`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, 16)
@@ -164,6 +176,10 @@ def _fp8_gemv_kernel(
         sx = _scale_of(tl.load(XS + offs_m, mask=in_m, other=0.0))
     else:
         sx = tl.load(XS + offs_m * 0)
+    res = tl.zeros([16, BLOCK_N], dtype=Y.dtype.element_ty)
+    if ADD_RES:  # read by every slice now, where its latency hides behind the loop
+        res = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :],
+                      mask=in_m[:, None] & (offs_n < N)[None, :], other=0.0)  # fmt: skip
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc, acc_up = _tile_step(acc, acc_up, w, w_up, k_start, k_end, XQ, XS, sx, sw_rows,
@@ -181,8 +197,9 @@ def _fp8_gemv_kernel(
         acc, acc_up = _tile_step(acc, acc_up, w, w_up, k0, k_end, XQ, XS, sx, sw_rows,
                                  sw_up_rows, offs_m, offs_n, in_m, M, N, stride_xm, stride_xs,
                                  stride_xsk, BLOCK_K, SWIGLU, BLOCKS, QUANT, ROUND)  # fmt: skip
-    _finish(tl.trans(acc), tl.trans(acc_up), sx, sw, sw_up, Y, WS, Counters, offs_m, offs_n, M,
-            N, stride_ym, pid_n, pid_k, SPLIT_K, SWIGLU)  # fmt: skip
+    _finish(tl.trans(acc), tl.trans(acc_up), sx, sw, sw_up, Y, WS, Counters, res, G, NormOut,
+            offs_m, offs_n, M, N, stride_ym, eps, pid_n, pid_k, SPLIT_K, SWIGLU, ADD_RES,
+            NORM_OUT, BLOCK_ROW)  # fmt: skip
 
 
 @triton.jit
@@ -241,15 +258,20 @@ def _tile_step(acc, acc_up, w, w_up, k0, k_end, XQ, XS, sx, sw_rows, sw_up_rows,
 
 
 @triton.jit
-def _finish(acc, acc_up, sx, sw, sw_up, Y, WS, Counters, offs_m, offs_n, M, N, stride_ym, pid_n,
-            pid_k, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr):  # fmt: skip
-    """y from a program's fp32 sums acc [16, BLOCK_N] (and acc_up): written scaled, or with
-    SPLIT_K > 1 stored to this slice's plane, the last slice summing the planes into y."""
+def _finish(acc, acc_up, sx, sw, sw_up, Y, WS, Counters, res, G, NormOut, offs_m, offs_n, M, N,
+            stride_ym, eps, pid_n, pid_k, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr,
+            ADD_RES: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_ROW: tl.constexpr):  # fmt: skip
+    """y from a program's fp32 sums acc [16, BLOCK_N] (and acc_up): written scaled (the residual
+    added), or with SPLIT_K > 1 stored to this slice's plane, the last slice summing the planes
+    into y; with NORM_OUT the column tile that finishes last then normalizes the row."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     dtype = Y.dtype.element_ty
+    row_counter = Counters + ROW_COUNTER
     if SPLIT_K == 1:
-        _write_scaled(acc, acc_up, sx, sw, sw_up, out, mask, dtype, SWIGLU)
+        _write_scaled(acc, acc_up, sx, sw, sw_up, out, mask, res, dtype, SWIGLU, ADD_RES)
+        if NORM_OUT:
+            _norm_after_last_tile(Y, G, NormOut, row_counter, N, eps, tl.num_programs(0), BLOCK_ROW)
     else:
         # planes [SPLIT_K, M, WS_N]: WS_N = N, or 2N with the up sums in the second half
         ws_n = 2 * N if SWIGLU else N
@@ -268,20 +290,24 @@ def _finish(acc, acc_up, sx, sw, sw_up, Y, WS, Counters, offs_m, offs_n, M, N, s
             total_up = total
             if SWIGLU:
                 total_up = _sum_planes(WS, plane_offs + N, mask, plane_stride, SPLIT_K)
-            _write_scaled(total, total_up, sx, sw, sw_up, out, mask, dtype, SWIGLU)
+            _write_scaled(total, total_up, sx, sw, sw_up, out, mask, res, dtype, SWIGLU, ADD_RES)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
+            if NORM_OUT:
+                _norm_after_last_tile(
+                    Y, G, NormOut, row_counter, N, eps, tl.num_programs(0), BLOCK_ROW
+                )
 
 
 @triton.jit
-def _write_scaled(acc, acc_up, sx, sw, sw_up, out, mask, dtype: tl.constexpr,
-                  SWIGLU: tl.constexpr):  # fmt: skip
-    """y from the fp32 sums: (acc * sw) * sx rounded to the dtype, or the SwiGLU gate of the
-    gate and up sums so scaled."""
+def _write_scaled(acc, acc_up, sx, sw, sw_up, out, mask, res, dtype: tl.constexpr,
+                  SWIGLU: tl.constexpr, ADD_RES: tl.constexpr):  # fmt: skip
+    """y from the fp32 sums: (acc * sw) * sx, then kernels/gemv.py's writer (the SwiGLU gate,
+    or the residual added, rounded as the unfused path rounds)."""
     y = (acc * sw[None, :]) * sx[:, None]
+    up = y
     if SWIGLU:
         up = (acc_up * sw_up[None, :]) * sx[:, None]
-        y = _swiglu(y, up, dtype)
-    tl.store(out, y.to(dtype), mask=mask)
+    _write_y(y, up, out, mask, res, dtype, SWIGLU, ADD_RES)
 
 
 def pick_config(m: int, n: int, k: int) -> Fp8GemvConfig:
@@ -320,6 +346,40 @@ def fp8_gemv(
     """sx * sw * (q(x) @ w.T): [M, N] in x's dtype; with swiglu, silu(gate) * up: [M, N / 2].
     blocks: the sum over K's 128-column groups of each group's dot times its scales. q(x) is the
     same bytes whether kernels/fp8_quant.py makes it first or the matmul makes it inside."""
+    return _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl,
+                   quantize_inside, None, None)[0]  # fmt: skip
+
+
+def fp8_gemv_residual(
+    x: torch.Tensor,  # [M, K], as fp8_gemv's
+    w: torch.Tensor,  # [N, K] float8_e4m3fn
+    w_scale: torch.Tensor,
+    residual: torch.Tensor,  # [M, N], x's dtype, unit stride along N; not written
+    norm: tuple[torch.Tensor, float] | None = None,  # (weight [N], eps); only for M = 1
+    input_scale: torch.Tensor | None = None,
+    *,
+    amax: torch.Tensor | None = None,
+    blocks: bool = False,
+    config: Fp8GemvConfig | None = None,
+    pdl: bool = False,
+    quantize_inside: bool | None = None,
+) -> ResidualStream:
+    """h = fp8_gemv(x, w, ...) + residual, rounded as the unfused `linear + residual`; with norm,
+    also rmsnorm(h) * weight for one row, computed by the column tile that finishes last
+    (kernels/gemv.py's gemv_residual, on FP8 weights)."""
+    m, n = x.shape[0], w.shape[0]
+    assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1
+    if norm is not None:
+        weight, _ = norm
+        assert m == 1, "the in-kernel norm takes one row (decode batch 1)"
+        assert weight.shape == (n,) and weight.dtype == x.dtype and weight.is_contiguous()
+    return ResidualStream(*_launch(x, w, w_scale, input_scale, amax, blocks, config, False, pdl,
+                                   quantize_inside, residual, norm))  # fmt: skip
+
+
+def _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl, quantize_inside,
+            residual, norm) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(y, normed): normed when norm is given, else None."""
     m, k = x.shape
     n_rows, k_w = w.shape
     assert k == k_w and m <= MAX_M and x.stride(1) == 1 and w.stride(1) == 1
@@ -375,17 +435,23 @@ def fp8_gemv(
     if tiles > NUM_COUNTERS:
         split_k, k_per_split = 1, k
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    normed = None if norm is None else torch.empty_like(y)
     if m == 0 or n == 0:
-        return y
+        return y, normed
     counters = split_counters(x.device)
     ws = y if split_k == 1 else torch.empty(split_k * m * n_rows, dtype=torch.float32,
                                             device=x.device)  # fmt: skip
+    # NOTE: absent operands get y as a stand-in pointer: their constexpr flag prunes every access
+    r = y if residual is None else residual
+    norm_w, eps = (y, 0.0) if norm is None else norm
     _fp8_gemv_kernel[(tiles, split_k)](
-        xq, w, w_scale, sx, y, ws, counters, m, n, k, k_per_split, n * w.stride(0),
-        xq.stride(0), w.stride(0), y.stride(0), stride_xs, stride_xsk, stride_swn,
+        xq, w, w_scale, sx, y, ws, counters, r, norm_w, y if normed is None else normed, m, n, k,
+        k_per_split, n * w.stride(0), xq.stride(0), w.stride(0), y.stride(0), r.stride(0), eps,
+        stride_xs, stride_xsk, stride_swn,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu, BLOCKS=blocks,
         QUANT=quant, AMAX_ROWS=amax_rows, AMAX_CHUNKS=amax_chunks,
-        ROUND=quant != Q_GIVEN and _rounds(x, torch.float8_e4m3fn), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
+        ROUND=quant != Q_GIVEN and _rounds(x, torch.float8_e4m3fn), ADD_RES=residual is not None,
+        NORM_OUT=norm is not None, BLOCK_ROW=triton.next_power_of_2(n if norm is not None else 1),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip
-    return y
+    return y, normed

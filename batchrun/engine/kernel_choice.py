@@ -190,6 +190,10 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     triton = has_triton()
     # a quantized checkpoint, or one quantized at load (--quantization)
     quantized = model_cfg.quantization is not None or config.quantization is not None
+    # --quantization is "fp8"; a checkpoint's scheme says its family
+    fp8_model = quantized and (
+        model_cfg.quantization.family == "fp8" if model_cfg.quantization else True
+    )
 
     attention = want.attention
     sinks = getattr(model_cfg, "attention_sinks", False)
@@ -371,6 +375,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     experts = model_cfg.moe
     if experts is not None:
         plain = plain and experts_take_norms(experts, moe, moe_decode)
+    # an FP8 model's decode matmuls (kernels/fp8_gemv.py) take the norms as kernels/gemv.py's do
+    fp8_or_plain = not quantized or (fp8_model and fp8_matmul == "scaled_mm")
     decode_norms = want.decode_norms
     if decode_norms == "auto":
         if decode_gemv != "triton" or not plain or quantized:
@@ -383,12 +389,18 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         # --workloads W3 --variants batchrun,no-norm-fusion`) reads 3.66 ms per token with "all"
         # against 3.77 with the norms as kernels; Mixtral's "fold" follows the dense models'
         # width rule, unmeasured on a mixture
-    elif decode_norms != "off" and not (decode_gemv == "triton" and plain and not quantized):
+    elif decode_norms != "off" and not (decode_gemv == "triton" and plain and fp8_or_plain):
         raise ValueError(
             f"decode_norms {decode_norms!r} needs decode_gemv 'triton' and a model without "
-            "biases at tensor parallel size 1, not quantized, with Llama's two norms a layer "
-            "(not Gemma's four), and a mixture's experts alone (no shared expert) on "
-            "kernels/moe_gemv.py (moe 'triton', moe_decode 'gemv'); use 'off' or 'auto'"
+            "biases at tensor parallel size 1, bf16 or FP8 kept in FP8 (fp8_matmul "
+            "'scaled_mm'; not INT4), with Llama's two norms a layer (not Gemma's four), and a "
+            "mixture's experts alone (no shared expert) on kernels/moe_gemv.py (moe 'triton', "
+            "moe_decode 'gemv'); use 'off' or 'auto'"
+        )
+    elif decode_norms in ("fold", "fold-all") and quantized:
+        raise ValueError(
+            f"decode_norms {decode_norms!r} folds the norms' weights into bf16 matmul weights, "
+            "which a quantized model does not have; use 'all', 'post', 'off' or 'auto'"
         )
     elif decode_norms == "fold-all" and experts is not None:
         raise ValueError(

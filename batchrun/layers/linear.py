@@ -35,9 +35,9 @@ from batchrun.quant.linear import QuantMatmul, QuantSpec
 from batchrun.quant.weights import QuantizedWeight
 
 try:
-    from batchrun.kernels.gemv import gemv
+    from batchrun.kernels.gemv import gemv, gemv_residual
 except ImportError:  # no Triton (CPU-only installs): KernelConfig.decode_gemv is "cublas"
-    gemv = None
+    gemv = gemv_residual = None
 
 GEMV_MAX_ROWS = 16  # kernels/gemv.py's MAX_M
 
@@ -65,6 +65,39 @@ def linear(
     if kernels is not None and takes_gemv(x, bias, kernels):
         return gemv(x, weight, pdl=kernels.pdl)
     return F.linear(x, weight, bias)
+
+
+def takes_decode_norms(layer: ColumnParallelLinear | RowParallelLinear) -> bool:
+    """Whether the layer's one-row decode matmul adds the residual and normalizes the sum in its
+    epilogue (`decode_gemv_residual`): a plain weight (kernels/gemv.py) or an FP8 one on
+    kernels/fp8_gemv.py, without a bias, on one rank."""
+    parallel = isinstance(layer, RowParallelLinear) and layer.tp.is_parallel
+    if layer.bias is not None or parallel:
+        return False
+    return layer.quant is None or layer.quant.takes_norms()
+
+
+def decode_gemv(
+    layer: ColumnParallelLinear | RowParallelLinear, x: torch.Tensor, swiglu: bool = False
+) -> torch.Tensor:
+    """The layer's matmul of a decode batch on its GEMV kernel (kernels/gemv.py, or the
+    quantized weight's: QuantMatmul.gemv); with swiglu, of a fused gate_up, silu(gate) * up."""
+    if layer.quant is not None:
+        return layer.quant.gemv(x, swiglu)
+    return gemv(x, layer.weight, swiglu=swiglu, pdl=layer.kernels.pdl)
+
+
+def decode_gemv_residual(
+    layer: ColumnParallelLinear | RowParallelLinear,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm: tuple[torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h, normed): h = the layer's matmul of x plus residual, and with norm (one row) normed =
+    rmsnorm(h) times its weight, inside the matmul's kernel (`takes_decode_norms`)."""
+    if layer.quant is not None:
+        return layer.quant.gemv_residual(x, residual, norm)
+    return gemv_residual(x, layer.weight, residual, norm=norm, pdl=layer.kernels.pdl)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -29,7 +29,10 @@ from batchrun.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    decode_gemv,
+    decode_gemv_residual,
     linear,
+    takes_decode_norms,
     takes_gemv,
 )
 from batchrun.layers.moe import MoE
@@ -42,9 +45,9 @@ from batchrun.quant.linear import plan_linear
 
 try:
     from batchrun.kernels.activation import gelu_tanh_and_mul, silu_and_mul
-    from batchrun.kernels.gemv import gemv, gemv_residual, gemv_rms, rms_fold_weight
+    from batchrun.kernels.gemv import gemv, gemv_rms, rms_fold_weight
 except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is off
-    silu_and_mul = gelu_tanh_and_mul = gemv = gemv_residual = gemv_rms = rms_fold_weight = None
+    silu_and_mul = gelu_tanh_and_mul = gemv = gemv_rms = rms_fold_weight = None
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +340,8 @@ class DecoderLayer(nn.Module):
         self, h, normed, next_norm: RMSNorm | None, positions, rotary, backend,
         fuse_next: bool = True, fold_post: bool = False,
     ):  # fmt: skip
-        """The layer for a decode batch of one row with every matmul on kernels/gemv.py, in 6
+        """The layer for a decode batch of one row with every matmul on kernels/gemv.py (an FP8
+        layer's on kernels/fp8_gemv.py, with the same epilogues; `takes_decode_norms`), in 6
         kernels instead of 8 (5 with "fold"): each residual add and the norm after it run
         inside the matmul before (o_proj, down_proj: gemv_residual), the SwiGLU gate inside
         gate_up's. Takes h (the residual stream) and normed (this layer's input norm of it);
@@ -354,22 +358,20 @@ class DecoderLayer(nn.Module):
         if normed is None:  # "fold": this layer's input norm inside the qkv matmul
             qkv = gemv_rms(h, attn.qkv_weight_rms, self.input_layernorm.eps, pdl=pdl)
         else:
-            qkv = gemv(normed, attn.qkv_proj.weight, pdl=pdl)
+            qkv = decode_gemv(attn.qkv_proj, normed)
         out = attn.attention(qkv, positions, rotary, backend)
         if fold_post:
-            h = gemv_residual(out, attn.o_proj.weight, h, pdl=pdl).h
+            h = decode_gemv_residual(attn.o_proj, out, h)[0]
             act = gemv_rms(h, mlp.gate_up_weight_rms, post.eps, swiglu=True, pdl=pdl)
         else:
-            h, normed = gemv_residual(
-                out, attn.o_proj.weight, h, norm=(post.weight, post.eps), pdl=pdl
-            )
+            h, normed = decode_gemv_residual(attn.o_proj, out, h, (post.weight, post.eps))
         norm = (next_norm.weight, next_norm.eps) if fuse_next else None
         if isinstance(mlp, MoE):  # the router and the experts' GEMVs, the add in their down's
             h, normed = mlp.forward_residual(normed, h, norm)
         else:
             if not fold_post:
-                act = gemv(normed, mlp.gate_up_proj.weight, swiglu=True, pdl=pdl)
-            h, normed = gemv_residual(act, mlp.down_proj.weight, h, norm=norm, pdl=pdl)
+                act = decode_gemv(mlp.gate_up_proj, normed, swiglu=True)
+            h, normed = decode_gemv_residual(mlp.down_proj, act, h, norm)
         if fuse_next:
             return h, normed
         return h, None if next_norm is None else next_norm(h)
@@ -417,9 +419,6 @@ class LlamaForCausalLM(nn.Module):
                 "decode_norms other than 'off' need a model without biases at TP=1, with "
                 "Llama's two norms a layer"
             )
-        if cfg.quantization is not None and kernels.decode_norms != "off":
-            # the norms inside the matmuls (kernels/gemv.py) read plain bf16 weights
-            raise ValueError("a quantized model runs with decode_norms 'off'")
         self.partition = part = partition_model(cfg, tp.rank, tp.size)
         self.num_kv_heads = part.num_kv_heads  # per rank: what the KV pool holds
         vocab = part.vocab_spec()
@@ -429,6 +428,32 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, part, tp, i, dtype, device, kernels) for i in range(cfg.num_layers)
         )
+        matmuls = [
+            proj
+            for layer in self.layers
+            for proj in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                getattr(layer.mlp, "gate_up_proj", None),
+                getattr(layer.mlp, "down_proj", None),
+            )  # fmt: skip
+            if proj is not None
+        ]
+        if kernels.decode_norms != "off" and not all(map(takes_decode_norms, matmuls)):
+            # the residual add and the norm run in the epilogues of kernels/gemv.py and
+            # kernels/fp8_gemv.py
+            raise ValueError(
+                "decode_norms other than 'off' need every decode matmul on kernels/gemv.py or, "
+                "for an FP8 model, kernels/fp8_gemv.py (decode_gemv 'triton'); an INT4 model "
+                "runs with 'off'"
+            )
+        quantized = any(proj.quant is not None for proj in matmuls)
+        if kernels.decode_norms in FOLD_MODES and quantized:
+            raise ValueError(
+                f"decode_norms {kernels.decode_norms!r} folds the norms' weights into bf16 "
+                "matmul weights, which a quantized model does not have; use 'all', 'post' or "
+                "'off'"
+            )
         experts = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
         if kernels.decode_norms != "off" and experts and (
             kernels.decode_norms == "fold-all" or not all(m.takes_residual() for m in experts)

@@ -218,8 +218,8 @@ def _check_model_wiring(tmp_dir: Path) -> None:
     _check_decode_gemv_wiring(tmp_dir)
 
 
-def _runner(path: Path, kernels):
-    """A ModelRunner (model, KV pool, attention backend) of the model at `path` in fp16, built
+def _runner(path: Path, kernels, dtype: str = "float16"):
+    """A ModelRunner (model, KV pool, attention backend) of the model at `path` in `dtype`, built
     with `kernels` as given: an Engine on the CPU refuses decode_gemv "triton", which runs here
     on the interpreter."""
     from batchrun.config import EngineConfig, resolve_sizes
@@ -228,7 +228,7 @@ def _runner(path: Path, kernels):
 
     model_cfg = ModelConfig.from_dir(path)
     config = EngineConfig(
-        model=str(path), device="cpu", dtype="float16", kv_budget=512, overlap=False,
+        model=str(path), device="cpu", dtype=dtype, kv_budget=512, overlap=False,
         kernels=kernels,
     )  # fmt: skip
     config = resolve_sizes(config, model_cfg)
@@ -272,7 +272,7 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
         for prompt, ref in zip(prompts, refs):
             with pytest.MonkeyPatch.context() as mp:
                 one_row = count_calls(mp, llama.LlamaForCausalLM, "forward_gemv")
-                matmuls = count_calls(mp, linear, "gemv")
+                matmuls = count_calls(mp, linear, "linear")  # a layer's forward, not its gemv
                 fused = runner.all_logits(prompt, torch.arange(len(prompt)))
             takes = mode != "off" and len(prompt) == 1
             assert bool(one_row["n"]) == takes, (mode, len(prompt))
