@@ -149,7 +149,8 @@ class KernelConfig:
                         only within a quarter of the free memory, else "fold", else "post");
                         a mixture of experts' one-token decode takes the residual add and the
                         next norm in its experts' down GEMV (kernels/moe_gemv.py), "fold" above
-                        2048
+                        2048; an FP8 model kept in FP8 runs "all" / "post" in
+                        kernels/fp8_gemv.py's epilogue when set (auto: "off"), never "fold"
     cuda_graph_max_bs   decode batches up to this size replay CUDA graphs; 0: none
     piecewise_graphs    prefill and mixed steps replay graphs around an eager attention
                         (engine/piecewise_graph.py); auto: on for models under
