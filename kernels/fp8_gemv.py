@@ -60,6 +60,7 @@ from batchrun.kernels.gemv import (
     _w_tile,
     _write_y,
     _x_tile,
+    check_residual,
     split_counters,
 )
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
@@ -367,12 +368,7 @@ def fp8_gemv_residual(
     """h = fp8_gemv(x, w, ...) + residual, rounded as the unfused `linear + residual`; with norm,
     also rmsnorm(h) * weight for one row, computed by the column tile that finishes last
     (kernels/gemv.py's gemv_residual, on FP8 weights)."""
-    m, n = x.shape[0], w.shape[0]
-    assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1
-    if norm is not None:
-        weight, _ = norm
-        assert m == 1, "the in-kernel norm takes one row (decode batch 1)"
-        assert weight.shape == (n,) and weight.dtype == x.dtype and weight.is_contiguous()
+    check_residual(x, w.shape[0], residual, norm)
     return ResidualStream(*_launch(x, w, w_scale, input_scale, amax, blocks, config, False, pdl,
                                    quantize_inside, residual, norm))  # fmt: skip
 

@@ -359,13 +359,19 @@ def gemv_residual(
     rmsnorm(h) * weight computed inside the kernel by the column tile that finishes last (the
     numerics of kernels/fused_norm.py), for a single row: the residual add and the norm that
     sit between two decode matmuls without a kernel of their own."""
-    m, n = x.shape[0], w.shape[0]
+    check_residual(x, w.shape[0], residual, norm)
+    return ResidualStream(*_launch(x, w, config, False, residual, norm, pdl=pdl))
+
+
+def check_residual(x: torch.Tensor, n: int, residual: torch.Tensor, norm) -> None:
+    """A residual epilogue's operands: residual [M, N] in x's dtype with unit stride along N;
+    the in-kernel norm's (weight [N] contiguous, eps) for one row only."""
+    m = x.shape[0]
     assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(1) == 1
     if norm is not None:
         weight, _ = norm
         assert m == 1, "the in-kernel norm takes one row (decode batch 1)"
         assert weight.shape == (n,) and weight.dtype == x.dtype and weight.is_contiguous()
-    return ResidualStream(*_launch(x, w, config, False, residual, norm, pdl=pdl))
 
 
 def _launch(
