@@ -1,7 +1,7 @@
 """Skinny FP8 matmul for decode: y[M, N] = sx[m] * sw[n] * (q(x)[M, K] @ w[N, K]^T) for M <= 16,
 the weight float8_e4m3fn with one float32 scale per output row (a per-tensor scale broadcast),
-the activations quantized per token first by kernels/fp8_quant.py (its bytes and scales are
-batchrun/quant/act_quant.py's torch ops on CUDA, as torch._scaled_mm's path quantizes):
+the activations quantized per token with kernels/fp8_quant.py's arithmetic (its bytes and scales
+are batchrun/quant/act_quant.py's torch ops on CUDA, as torch._scaled_mm's path quantizes):
 
     q(x) = x / sx[m] clamped to +-448, rounded to e4m3 (to nearest even)
     sx[m] = max(max |x[m, :]| * fp32(1 / 448), 1e-12)   dynamic
@@ -14,6 +14,12 @@ x on the M side (padded to 16 rows, as kernels/gemv.py runs bf16) Sm90 has no e4
 shape and the dot falls back to conversions; in-kernel quantization with fp32 multiply-adds read
 llama-8b's qkv at 1.2 TB/s. This reads it at 2.1 TB/s, gate_up at 3.6 (`python
 scripts/bench_fp8_gemv.py --models llama-8b --m 1`, H200).
+
+q(x) is made inside the matmul (no kernel of its own before it, QUANT_IN_MAX_M): each x tile is
+quantized in registers before its dot, by the rows' scales (static; TP's given maxima; the rows'
+own maxima, which each program first reads its rows whole for) or, for block FP8, by the tile's
+own 128-column group maxima. Larger dynamic batches are quantized by kernels/fp8_quant.py first.
+Either way q(x) is the same bytes.
 
 Products of e4m3 values are exact in fp32. Each K tile's dot starts from zeros and is added to
 the fp32 sums: the tensor cores' e4m3 accumulator keeps fewer bits than fp32, so it spans one
@@ -32,6 +38,7 @@ dtype first as the unfused path rounds them.
     y = fp8_gemv(x, w, w_scale, input_scale=s)         # static, s float32 scalar
     a = fp8_gemv(x, w_gate_up, scale_gate_up, swiglu=True)
     y = fp8_gemv(x, w, w_scale, amax=reduce_max(row_amax(x)))  # TP: the maxima of all ranks
+    h, normed = fp8_gemv_residual(x, w, w_scale, residual, norm=(g, eps))  # gemv.py's epilogue
 """
 
 from __future__ import annotations
@@ -117,7 +124,7 @@ def _fp8_gemv_kernel(
     SPLIT_K: tl.constexpr,
     SWIGLU: tl.constexpr,
     BLOCKS: tl.constexpr,  # 128 x 128 weight blocks, activations per 128-column group
-    QUANT: tl.constexpr,  # where q(x) comes from: Q_* below
+    QUANT: tl.constexpr,  # where q(x) comes from (Q_*)
     AMAX_ROWS: tl.constexpr,  # Q_DYNAMIC: the rows whose maxima the prologue takes (>= M)
     AMAX_CHUNKS: tl.constexpr,  # Q_DYNAMIC: K in chunks of AMAX_CHUNK columns
     ROUND: tl.constexpr,  # q(x) rounded to e4m3 in fp32 arithmetic (the interpreter's CPU)
