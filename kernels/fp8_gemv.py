@@ -1,7 +1,7 @@
 """Skinny FP8 matmul for decode: y[M, N] = sx[m] * sw[n] * (q(x)[M, K] @ w[N, K]^T) for M <= 16,
 the weight float8_e4m3fn with one float32 scale per output row (a per-tensor scale broadcast),
-the activations quantized per token with kernels/fp8_quant.py's arithmetic (its bytes and scales
-are batchrun/quant/act_quant.py's torch ops on CUDA, as torch._scaled_mm's path quantizes):
+the activations quantized per token first by kernels/fp8_quant.py (its bytes and scales are
+batchrun/quant/act_quant.py's torch ops on CUDA, as torch._scaled_mm's path quantizes):
 
     q(x) = x / sx[m] clamped to +-448, rounded to e4m3 (to nearest even)
     sx[m] = max(max |x[m, :]| * fp32(1 / 448), 1e-12)   dynamic
@@ -14,12 +14,6 @@ x on the M side (padded to 16 rows, as kernels/gemv.py runs bf16) Sm90 has no e4
 shape and the dot falls back to conversions; in-kernel quantization with fp32 multiply-adds read
 llama-8b's qkv at 1.2 TB/s. This reads it at 2.1 TB/s, gate_up at 3.6 (`python
 scripts/bench_fp8_gemv.py --models llama-8b --m 1`, H200).
-
-q(x) is made inside the matmul (no kernel of its own before it, QUANT_IN_MAX_M): each x tile is
-quantized in registers before its dot, by the rows' scales (static; TP's given maxima; the rows'
-own maxima, which each program first reads its rows whole for) or, for block FP8, by the tile's
-own 128-column group maxima. Larger dynamic batches are quantized by kernels/fp8_quant.py first.
-Either way q(x) is the same bytes.
 
 Products of e4m3 values are exact in fp32. Each K tile's dot starts from zeros and is added to
 the fp32 sums: the tensor cores' e4m3 accumulator keeps fewer bits than fp32, so it spans one
@@ -48,14 +42,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from batchrun.kernels.fp8_quant import (
-    _quantize,
-    _rounds,
-    _scale_of,
-    quant_per_token,
-    quant_per_token_group,
-    quant_static,
-)
+from batchrun.kernels.fp8_quant import quant_per_token, quant_per_token_group, quant_static
 from batchrun.kernels.gemv import (
     MAX_M,
     NUM_COUNTERS,
@@ -75,15 +62,6 @@ from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 BLOCK = 128  # block FP8's weight blocks and activation groups
 # the programs: splits along K up to this many (at most 8 slices of at least two K tiles)
 TARGET_PROGRAMS = 512
-# q(x) made inside the matmul, no quantization kernel before it: always from given scales (static,
-# TP's maxima) or a K tile's own maxima (block FP8's groups); from the rows' own maxima over K
-# for batches of up to this many rows, as each program then reads its rows whole first (M * K * 2
-# bytes from L2)
-QUANT_IN_MAX_M = 4
-AMAX_CHUNK = tl.constexpr(4096)  # the prologue's columns a load: 32 values a thread (4 warps)
-# where q(x) comes from (the kernel's QUANT): quantized by kernels/fp8_quant.py before the
-# matmul, or inside it from the rows' own maxima, given maxima (TP), or the static scale
-Q_GIVEN, Q_DYNAMIC, Q_AMAX, Q_STATIC = 0, 1, 2, 3
 
 
 class Fp8GemvConfig(NamedTuple):
@@ -96,7 +74,7 @@ class Fp8GemvConfig(NamedTuple):
 
 @triton.jit
 def _fp8_gemv_kernel(
-    XQ,  # QUANT 0: q(x) float8 [M, K]; else x itself (bf16 / fp16), quantized here
+    XQ,
     W,
     SW,
     XS,
@@ -124,21 +102,14 @@ def _fp8_gemv_kernel(
     SPLIT_K: tl.constexpr,
     SWIGLU: tl.constexpr,
     BLOCKS: tl.constexpr,  # 128 x 128 weight blocks, activations per 128-column group
-    QUANT: tl.constexpr,  # where q(x) comes from (Q_*)
-    AMAX_ROWS: tl.constexpr,  # Q_DYNAMIC: the rows whose maxima the prologue takes (>= M)
-    AMAX_CHUNKS: tl.constexpr,  # Q_DYNAMIC: K in chunks of AMAX_CHUNK columns
-    ROUND: tl.constexpr,  # q(x) rounded to e4m3 in fp32 arithmetic (the interpreter's CPU)
     ADD_RES: tl.constexpr,  # y = the product + R (kernels/gemv.py's gemv_residual)
     NORM_OUT: tl.constexpr,  # and, for one row, rmsnorm(y) * G by the tile finishing last
     BLOCK_ROW: tl.constexpr,  # NORM_OUT: the row's width, a power of two
     PDL: tl.constexpr,
 ):
-    """y from q(x) and w: BLOCK_N rows of w a program. QUANT 0: q(x) given (e4m3 [M, K], its
-    rows' scales XS); otherwise x is quantized tile by tile here, with its rows' scales from
-    their maxima over K (Q_DYNAMIC: the prologue reads the rows whole; Q_AMAX: XS holds the
-    maxima) or the static scale XS (Q_STATIC). With BLOCKS, each K tile is one 128-column group
-    (BLOCK_K 128): its dot is scaled by the block's weight scale and the group's activation
-    scales (XS's, or with QUANT the tile's own maxima) before it is added. ADD_RES / NORM_OUT:
+    """y from q(x) (e4m3 [M, K], its rows' scales XS) and w: BLOCK_N rows of w a program. With
+    BLOCKS, each K tile is one 128-column group (BLOCK_K 128): its dot is scaled by the block's
+    weight scale and the group's activation scales before it is added. ADD_RES / NORM_OUT:
     kernels/gemv.py's residual add and in-kernel norm (its `_write_y`, `_norm_after_last_tile`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -173,86 +144,49 @@ def _fp8_gemv_kernel(
         w_up = _w_tile(up_rows, in_n, k_start, k_end, BLOCK_K)
         w2_up = _w_tile(up_rows, in_n, k_start + BLOCK_K, k_end, BLOCK_K)
     pdl_wait(PDL)
-    # the rows' activation scales [16] (BLOCKS: per group, inside the tile steps)
-    if BLOCKS:
-        sx = tl.full([16], 1.0, tl.float32)
-    elif QUANT == 0:
-        sx = tl.load(XS + offs_m * stride_xs, mask=in_m, other=1.0)
-    elif QUANT == 1:
-        sx = _row_scales(XQ, offs_m, M, K, stride_xm, AMAX_ROWS, AMAX_CHUNKS)
-    elif QUANT == 2:
-        sx = _scale_of(tl.load(XS + offs_m, mask=in_m, other=0.0))
-    else:
-        sx = tl.load(XS + offs_m * 0)
     res = tl.zeros([16, BLOCK_N], dtype=Y.dtype.element_ty)
     if ADD_RES:  # read by every slice now, where its latency hides behind the loop
         res = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :],
                       mask=in_m[:, None] & (offs_n < N)[None, :], other=0.0)  # fmt: skip
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    acc, acc_up = _tile_step(acc, acc_up, w, w_up, k_start, k_end, XQ, XS, sx, sw_rows,
+    acc, acc_up = _tile_step(acc, acc_up, w, w_up, k_start, k_end, XQ, XS, sw_rows, sw_up_rows,
+                             offs_m, offs_n, in_m, M, N, stride_xm, stride_xs, stride_xsk,
+                             BLOCK_K, SWIGLU, BLOCKS)  # fmt: skip
+    acc, acc_up = _tile_step(acc, acc_up, w2, w2_up, k_start + BLOCK_K, k_end, XQ, XS, sw_rows,
                              sw_up_rows, offs_m, offs_n, in_m, M, N, stride_xm, stride_xs,
-                             stride_xsk, BLOCK_K, SWIGLU, BLOCKS, QUANT, ROUND)  # fmt: skip
-    acc, acc_up = _tile_step(acc, acc_up, w2, w2_up, k_start + BLOCK_K, k_end, XQ, XS, sx,
-                             sw_rows, sw_up_rows, offs_m, offs_n, in_m, M, N, stride_xm,
-                             stride_xs, stride_xsk, BLOCK_K, SWIGLU, BLOCKS, QUANT,
-                             ROUND)  # fmt: skip
+                             stride_xsk, BLOCK_K, SWIGLU, BLOCKS)  # fmt: skip
     for k0 in range(k_start + 2 * BLOCK_K, k_end, BLOCK_K):
         w = _w_tile(w_rows, in_n, k0, k_end, BLOCK_K)
         w_up = w
         if SWIGLU:
             w_up = _w_tile(up_rows, in_n, k0, k_end, BLOCK_K)
-        acc, acc_up = _tile_step(acc, acc_up, w, w_up, k0, k_end, XQ, XS, sx, sw_rows,
-                                 sw_up_rows, offs_m, offs_n, in_m, M, N, stride_xm, stride_xs,
-                                 stride_xsk, BLOCK_K, SWIGLU, BLOCKS, QUANT, ROUND)  # fmt: skip
+        acc, acc_up = _tile_step(acc, acc_up, w, w_up, k0, k_end, XQ, XS, sw_rows, sw_up_rows,
+                                 offs_m, offs_n, in_m, M, N, stride_xm, stride_xs, stride_xsk,
+                                 BLOCK_K, SWIGLU, BLOCKS)  # fmt: skip
+    if BLOCKS:
+        sx = tl.full([16], 1.0, tl.float32)
+    else:
+        sx = tl.load(XS + offs_m * stride_xs, mask=in_m, other=1.0)
     _finish(tl.trans(acc), tl.trans(acc_up), sx, sw, sw_up, Y, WS, Counters, res, G, NormOut,
             offs_m, offs_n, M, N, stride_ym, eps, pid_n, pid_k, SPLIT_K, SWIGLU, ADD_RES,
             NORM_OUT, BLOCK_ROW)  # fmt: skip
 
 
 @triton.jit
-def _row_scales(X, offs_m, M, K, stride_xm, AMAX_ROWS: tl.constexpr, AMAX_CHUNKS: tl.constexpr):
-    """Each row's dynamic scale [16] (kernels/fp8_quant.py's) from its maximum |x| over all of
-    K: every chunk of a row loaded at once (one L2 round trip), rows past M not read."""
-    sx = tl.full([16], 1.0, tl.float32)
-    offs = tl.arange(0, AMAX_CHUNK)
-    for r in tl.static_range(AMAX_ROWS):
-        amax = tl.zeros([AMAX_CHUNK], dtype=tl.float32)
-        row_k = tl.minimum(K, (M - r) * K)  # K, or <= 0: a padding row, not read
-        for c in tl.static_range(AMAX_CHUNKS):
-            cols = c * AMAX_CHUNK + offs
-            v = tl.load(X + r * stride_xm + cols, mask=cols < row_k, other=0.0)
-            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-        sx = tl.where(offs_m == r, _scale_of(tl.max(amax, axis=0)), sx)
-    return sx
-
-
-@triton.jit
-def _tile_step(acc, acc_up, w, w_up, k0, k_end, XQ, XS, sx, sw_rows, sw_up_rows, offs_m, offs_n,
-               in_m, M, N, stride_xm, stride_xs, stride_xsk, BLOCK_K: tl.constexpr,
-               SWIGLU: tl.constexpr, BLOCKS: tl.constexpr, QUANT: tl.constexpr,
-               ROUND: tl.constexpr):  # fmt: skip
+def _tile_step(acc, acc_up, w, w_up, k0, k_end, XQ, XS, sw_rows, sw_up_rows, offs_m, offs_n, in_m,
+               M, N, stride_xm, stride_xs, stride_xsk, BLOCK_K: tl.constexpr,
+               SWIGLU: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
     """The sums acc [BLOCK_N, 16] (and acc_up) plus the K tile at k0: w (and w_up) loaded, q(x)'s
-    tile read here (with QUANT, x's tile quantized here by the rows' scales sx, or with BLOCKS
-    by the tile's own row maxima, kernels/fp8_quant.py's arithmetic). Each tile's dot starts
-    from zeros and is added in fp32: the e4m3 MMA's accumulator spans one tile. With BLOCKS the
-    dot is scaled by its block's weight scale and its group's activation scales first."""
-    x = _x_tile(XQ, offs_m, M, stride_xm, k0, k_end, BLOCK_K)
-    # a slice's zero tile past its end takes its last group's (finite) scales: 0 all the same
-    kb = tl.minimum(k0, k_end - 1) // 128
-    if QUANT == 0:
-        xq = x
-        sx_k = sx
-        if BLOCKS:
-            sx_k = tl.load(XS + offs_m * stride_xs + kb * stride_xsk, mask=in_m, other=0.0)
-    else:
-        xf = x.to(tl.float32)
-        sx_k = sx
-        if BLOCKS:  # the group's scales from its maxima (a zero tile: 1e-12, zeros out)
-            sx_k = _scale_of(tl.max(tl.abs(xf), axis=1))
-        xq = _quantize(xf, sx_k[:, None], ROUND).to(tl.float8e4nv)
+    tile read here. Each tile's dot starts from zeros and is added in fp32: the e4m3 MMA's
+    accumulator spans one tile. With BLOCKS the dot is scaled by its block's weight scale and
+    its group's activation scales first."""
+    xq = _x_tile(XQ, offs_m, M, stride_xm, k0, k_end, BLOCK_K)
     d = tl.dot(w, tl.trans(xq))
     if BLOCKS:
+        # a slice's zero tile past its end takes its last group's (finite) scales: 0 all the same
+        kb = tl.minimum(k0, k_end - 1) // 128
+        sx_k = tl.load(XS + offs_m * stride_xs + kb * stride_xsk, mask=in_m, other=0.0)
         sw_k = tl.load(sw_rows + kb, mask=offs_n < N, other=0.0)
         d = d * sw_k[:, None] * sx_k[None, :]
     acc = acc + d
@@ -349,13 +283,10 @@ def fp8_gemv(
     config: Fp8GemvConfig | None = None,
     swiglu: bool = False,
     pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
-    quantize_inside: bool | None = None,  # q(x) made in the matmul; None: M <= QUANT_IN_MAX_M
 ) -> torch.Tensor:
     """sx * sw * (q(x) @ w.T): [M, N] in x's dtype; with swiglu, silu(gate) * up: [M, N / 2].
-    blocks: the sum over K's 128-column groups of each group's dot times its scales. q(x) is the
-    same bytes whether kernels/fp8_quant.py makes it first or the matmul makes it inside."""
-    return _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl,
-                   quantize_inside, None, None)[0]  # fmt: skip
+    blocks: the sum over K's 128-column groups of each group's dot times its scales."""
+    return _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl, None, None)[0]
 
 
 def fp8_gemv_residual(
@@ -370,18 +301,17 @@ def fp8_gemv_residual(
     blocks: bool = False,
     config: Fp8GemvConfig | None = None,
     pdl: bool = False,
-    quantize_inside: bool | None = None,
 ) -> ResidualStream:
     """h = fp8_gemv(x, w, ...) + residual, rounded as the unfused `linear + residual`; with norm,
     also rmsnorm(h) * weight for one row, computed by the column tile that finishes last
     (kernels/gemv.py's gemv_residual, on FP8 weights)."""
     check_residual(x, w.shape[0], residual, norm)
     return ResidualStream(*_launch(x, w, w_scale, input_scale, amax, blocks, config, False, pdl,
-                                   quantize_inside, residual, norm))  # fmt: skip
+                                   residual, norm))  # fmt: skip
 
 
-def _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl, quantize_inside,
-            residual, norm) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl, residual,
+            norm) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """(y, normed): normed when norm is given, else None."""
     m, k = x.shape
     n_rows, k_w = w.shape
@@ -403,29 +333,10 @@ def _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl, quant
     tile_bytes = (2 if swiglu else 1) * cfg.block_n * cfg.block_k
     while cfg.num_stages > 1 and tile_bytes * cfg.num_stages > SMEM_FOR_W:
         cfg = cfg._replace(num_stages=cfg.num_stages - 1)
-    if quantize_inside is None:  # only the rows' own maxima cost the kernel a prologue
-        dynamic_rows = not blocks and input_scale is None and amax is None
-        quantize_inside = not dynamic_rows or m <= QUANT_IN_MAX_M
-    amax_rows, amax_chunks = 1, 1
-    if quantize_inside:
-        # x is read by the kernel itself; XS: the per-row source of its scales
-        xq, stride_xs, stride_xsk, stride_swn = x, 1, 0, 0
-        if blocks:
-            quant, sx, stride_swn = Q_DYNAMIC, w_scale, w_scale.stride(0)
-        elif input_scale is not None:
-            quant, sx = Q_STATIC, input_scale.reshape(1)
-        elif amax is not None:
-            quant, sx = Q_AMAX, amax.contiguous()
-        else:
-            quant, sx = Q_DYNAMIC, w_scale  # unread: the prologue takes the maxima
-            amax_rows = triton.next_power_of_2(max(m, 1))
-            amax_chunks = triton.cdiv(k, AMAX_CHUNK.value)
-    elif blocks:
-        quant = Q_GIVEN
+    if blocks:
         xq, sx = quant_per_token_group(x, BLOCK, pdl=pdl)  # sx [M, K / 128]
         stride_xs, stride_xsk, stride_swn = sx.stride(0), sx.stride(1), w_scale.stride(0)
     else:
-        quant = Q_GIVEN
         if input_scale is not None:
             xq, sx = quant_static(x, input_scale, pdl=pdl)
         else:
@@ -452,9 +363,8 @@ def _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl, quant
         k_per_split, n * w.stride(0), xq.stride(0), w.stride(0), y.stride(0), r.stride(0), eps,
         stride_xs, stride_xsk, stride_swn,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu, BLOCKS=blocks,
-        QUANT=quant, AMAX_ROWS=amax_rows, AMAX_CHUNKS=amax_chunks,
-        ROUND=quant != Q_GIVEN and _rounds(x, torch.float8_e4m3fn), ADD_RES=residual is not None,
-        NORM_OUT=norm is not None, BLOCK_ROW=triton.next_power_of_2(n if norm is not None else 1),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
+        ADD_RES=residual is not None, NORM_OUT=norm is not None,
+        BLOCK_ROW=triton.next_power_of_2(n if norm is not None else 1), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip
     return y, normed

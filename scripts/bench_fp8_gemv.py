@@ -2,8 +2,7 @@
 quant_per_token + torch._scaled_mm (the torch quantization chain and cuBLASLt), and against
 bf16 kernels/gemv.py on the same shape, per weight of the benchmark models at M = 1, 4, 16.
 Answers what fp8_gemv's pick_config should be per shape: weight rows a program, K tiles and
-splits; and where q(x) is made (the "other way" column: by kernels/fp8_quant.py first where the
-rule quantizes inside the matmul, QUANT_IN_MAX_M, and the reverse).
+splits.
 
     python scripts/bench_fp8_gemv.py                         # llama-1b and llama-8b, M = 1, 4, 16
     python scripts/bench_fp8_gemv.py --models llama-8b --m 1 --no-sweep
@@ -52,7 +51,7 @@ def sweep_configs(m: int, n: int, k: int):
 
 def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> dict:
     from batchrun.kernels.activation import silu_and_mul
-    from batchrun.kernels.fp8_gemv import QUANT_IN_MAX_M, fp8_gemv, pick_config
+    from batchrun.kernels.fp8_gemv import fp8_gemv, pick_config
     from batchrun.kernels.gemv import gemv
 
     swiglu = name == "gate_up"
@@ -68,11 +67,8 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> di
     if swiglu:
         ref = silu_and_mul(ref.bfloat16()).float()
 
-    inside = m <= QUANT_IN_MAX_M  # the rule: q(x) made inside the matmul, or by its own kernel
-
-    def run(cfg, quantize_inside=inside):
-        return lambda pair: fp8_gemv(x, pair[0], pair[1], config=cfg, swiglu=swiglu, pdl=pdl,
-                                     quantize_inside=quantize_inside)  # fmt: skip
+    def run(cfg):
+        return lambda pair: fp8_gemv(x, pair[0], pair[1], config=cfg, swiglu=swiglu, pdl=pdl)
 
     def correct(cfg) -> bool:
         out = run(cfg)(fp8[0]).float()
@@ -88,8 +84,6 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> di
         "default_config": default._asdict(),
         "default_correct": correct(default),
         "default_us": graph_time_us(run(default), fp8),
-        "quant_inside": inside,
-        "other_placement_us": graph_time_us(run(default, not inside), fp8),
     }
     timed = []
     for cfg in sweep_configs(m, n, k) if sweep else ():
@@ -128,14 +122,10 @@ def main(argv=None) -> int:
         for m in (int(v) for v in args.m.split(",")):
             totals = {"scaled_mm": 0.0, "default": 0.0, "best": 0.0, "bf16_gemv": 0.0}
             print(f"\n{model}, M = {m} (µs a call, weight TB/s)")
-            from batchrun.kernels.fp8_gemv import QUANT_IN_MAX_M
-
-            where = "inside" if m <= QUANT_IN_MAX_M else "first"
             print(
-                f"| matrix | N x K | scaled_mm | fp8_gemv default (q(x) {where}) | q(x) the other "
-                "way | best | bf16 gemv | cuBLAS bf16 |"
+                "| matrix | N x K | scaled_mm | fp8_gemv default | best | bf16 gemv | cuBLAS bf16 |"
             )
-            print("|---|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|")
             for name, n, k, count in benchlib.linear_shapes(model):
                 if name not in args.matrices.split(","):
                     continue
@@ -147,8 +137,7 @@ def main(argv=None) -> int:
                 flag = "" if r["default_correct"] else " WRONG"
                 print(
                     f"| {name} | {n} x {k} | {r['scaled_mm_us']:.1f} ({r['scaled_mm_tb_s']:.2f}) "
-                    f"| {r['default_us']:.1f}{flag} ({r['default_tb_s']:.2f}) "
-                    f"| {r['other_placement_us']:.1f} | {r['best_us']:.1f} "
+                    f"| {r['default_us']:.1f}{flag} ({r['default_tb_s']:.2f}) | {r['best_us']:.1f} "
                     f"({r['best_tb_s']:.2f}) | {r['bf16_gemv_us']:.1f} ({r['bf16_gemv_tb_s']:.2f}) "
                     f"| {r['bf16_cublas_us']:.1f} |",
                     flush=True,

@@ -1,8 +1,9 @@
 """kernels/fp8_gemv.py on the GPU (sm_89+): against quant_per_token / quant_static +
 torch._scaled_mm (the same quantized operands: equal up to the order of accumulation) and against
 the dequantized fp32 reference, M = 1..16 on the llama-8b and llama-1b projections, dynamic and
-static activations, the SwiGLU epilogue; in a CUDA graph with PDL; and engines on FP8
-checkpoints whose decode batches run the kernel giving the scaled_mm path's greedy tokens.
+static activations, the SwiGLU and residual (+ norm) epilogues; in a CUDA graph with PDL; and
+engines on FP8 checkpoints whose decode batches run the kernel giving the scaled_mm path's greedy
+tokens.
 
     pytest tests/gpu/test_fp8_gemv_gpu.py -q
 """
@@ -94,9 +95,6 @@ def test_fp8_gemv_matches_scaled_mm_and_the_dequantized_reference(shape, activat
         what = f"{shape} M={m} {activations}"
         got = fp8_gemv(x, w, sw, s)
         _close_to(got, _scaled_mm(x, w, sw, s), what)
-        for inside in (False, True):  # q(x) by its own kernel first or inside: the same bytes
-            same = fp8_gemv(x, w, sw, s, quantize_inside=inside)
-            assert torch.equal(same, got), f"{what} quantize_inside={inside}"
         xf = x.float()
         if s is None:
             sx = (xf.abs().amax(dim=-1, keepdim=True) * (1.0 / 448.0)).clamp(min=1e-12)
@@ -135,10 +133,7 @@ def test_block_fp8_matches_the_block_matmul(shape):
         xq, sx = quant_per_token_group(x, 128)
         want = block_fp8_matmul(xq, sx, qw.weight, qw.scale)
         what = f"{shape} M={m} blocks"
-        got = fp8_gemv(x, qw.weight, qw.scale, blocks=True)
-        _close_to(got, want, what)
-        first = fp8_gemv(x, qw.weight, qw.scale, blocks=True, quantize_inside=False)
-        assert torch.equal(first, got), f"{what}: the groups quantized first differ"
+        _close_to(fp8_gemv(x, qw.weight, qw.scale, blocks=True), want, what)
         if shape.endswith("gate_up"):
             gate, up = want.chunk(2, dim=-1)
             gated = (F.silu(gate.float()).to(torch.bfloat16).float() * up.float()).bfloat16()
@@ -159,6 +154,40 @@ def test_the_swiglu_epilogue_matches_scaled_mm_then_the_gate(shape):
         gate, up = _scaled_mm(x, w, sw).chunk(2, dim=-1)
         want = (F.silu(gate.float()).to(torch.bfloat16).float() * up.float()).bfloat16()
         _close_to(fp8_gemv(x, w, sw, swiglu=True), want, f"{shape} M={m}", roundings=3)
+
+
+@pytest.mark.parametrize("shape", ["8b-o", "8b-down", "1b-o", "1b-down"])
+@pytest.mark.parametrize("blocks", [False, True])
+def test_the_residual_epilogue_adds_and_normalizes_as_the_unfused_path(shape, blocks):
+    """fp8_gemv_residual: h = fp8_gemv + residual bit for bit (M = 1, 4, 16), and for one row
+    the norm by the last column tile within two bf16 steps of kernels/fused_norm.py's rms_norm
+    of h (the same formula; the sum of squares reduces in another order); the split counters
+    left at zero."""
+    from batchrun.kernels.fp8_gemv import fp8_gemv, fp8_gemv_residual
+    from batchrun.kernels.fused_norm import rms_norm
+    from batchrun.kernels.gemv import split_counters
+
+    from batchrun.quant.quantize import quantize_fp8
+
+    torch.manual_seed(0)
+    n, k = SHAPES[shape]
+    if blocks:
+        qw = quantize_fp8(torch.randn(n, k, device="cuda") * 0.02, "block", (128, 128))
+        w, sw = qw.weight, qw.scale
+    else:
+        w, sw, _ = _weights(n, k)
+    g = (1 + 0.1 * torch.randn(n, device="cuda")).bfloat16()
+    for m in (1, 4, 16):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        want = (fp8_gemv(x, w, sw, blocks=blocks).float() + residual.float()).bfloat16()
+        h, normed = fp8_gemv_residual(x, w, sw, residual, blocks=blocks)
+        assert torch.equal(h, want) and normed is None, (shape, m)
+        if m == 1:
+            h, normed = fp8_gemv_residual(x, w, sw, residual, (g, 1e-5), blocks=blocks)
+            assert torch.equal(h, want), shape
+            _close_to(normed, rms_norm(want, g, 1e-5), f"{shape} norm", roundings=2)
+        assert not split_counters(x.device).any(), (shape, m)
 
 
 @pytest.mark.parametrize("static", [False, True])

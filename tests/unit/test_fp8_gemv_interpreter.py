@@ -84,13 +84,12 @@ def _check_quantization(gen):
     x[3, :8] = torch.tensor([448.0, 0.5, 0.5625, 0.53125, -0.59375, 2.0**-9, 3 * 2.0**-10, 1e-4])
     x = x.to(torch.float16).to(torch.float32)
     cfg = Fp8GemvConfig(block_k=32)
+    out = fp8_gemv(x.half(), w, sw, config=cfg).float()
     xq, sx = quant_per_token(x)
+    assert torch.equal(out, (xq.float() * sx).half().float())
     s = torch.tensor(0.004)  # x up to ~10: clamped at 448 * s
-    for inside in (False, True):  # quantized by its own kernel first, or inside the matmul
-        out = fp8_gemv(x.half(), w, sw, config=cfg, quantize_inside=inside).float()
-        assert torch.equal(out, (xq.float() * sx).half().float()), inside
-        out = fp8_gemv(x.half(), w, sw, s, config=cfg, quantize_inside=inside).float()
-        assert torch.equal(out, (quant_static(x, s).float() * s).half().float()), inside
+    out = fp8_gemv(x.half(), w, sw, s, config=cfg).float()
+    assert torch.equal(out, (quant_static(x, s).float() * s).half().float())
 
 
 def _check_matmuls(gen):
@@ -109,23 +108,20 @@ def _check_matmuls(gen):
         w, sw = _weights(n, k, gen)
         x = torch.randn(m, k, generator=gen).half()
         x[0, 7] = 30.0  # an outlier: the other columns quantize coarsely
+        what = f"M={m} N={n} K={k} {cfg}"
         ref = _reference(x, w, sw)
+        _check(fp8_gemv(x, w, sw, config=cfg), ref, what)
+        _check(fp8_gemv(x, w, sw, amax=row_amax(x), config=cfg), ref, what + " amax")
         s = torch.tensor(0.05)
+        _check(fp8_gemv(x, w, sw, s, config=cfg), _reference(x, w, sw, s), what + " static")
         xb = x.bfloat16()
-        for inside in (False, True):  # q(x) by kernels/fp8_quant.py first, or in the matmul
-            what = f"M={m} N={n} K={k} {cfg} inside={inside}"
-            kw = {"config": cfg, "quantize_inside": inside}
-            _check(fp8_gemv(x, w, sw, **kw), ref, what)
-            _check(fp8_gemv(x, w, sw, amax=row_amax(x), **kw), ref, what + " amax")
-            _check(fp8_gemv(x, w, sw, s, **kw), _reference(x, w, sw, s), what + " static")
-            _check(fp8_gemv(xb, w, sw, **kw), _reference(xb, w, sw), what + " bf16", 0.0)
+        _check(fp8_gemv(xb, w, sw, config=cfg), _reference(xb, w, sw), what + " bf16", 0.0)
     swiglu_cases = ((1, None), (5, Fp8GemvConfig(block_k=64, split_k=2)))
-    for (m, cfg), inside in itertools.product(swiglu_cases, (False, True)):
+    for m, cfg in swiglu_cases:
         w, sw = _weights(2 * 48, 256, gen)
         x = torch.randn(m, 256, generator=gen).half()
         ref = _reference(x, w, sw, swiglu=True)
-        got = fp8_gemv(x, w, sw, config=cfg, swiglu=True, quantize_inside=inside)
-        _check(got, ref, f"swiglu M={m} inside={inside}")
+        _check(fp8_gemv(x, w, sw, config=cfg, swiglu=True), ref, f"swiglu M={m}")
 
 
 def _block_reference(x, w, sw, swiglu=False):
@@ -164,12 +160,9 @@ def _check_blocks(gen):
         qw = quantize_fp8(torch.randn(n, k, generator=gen) * 0.05, "block", (128, 128))
         x = torch.randn(m, k, generator=gen).half()
         x[0, 3] = 20.0  # an outlier: its group quantizes coarsely, the others do not
+        got = fp8_gemv(x, qw.weight, qw.scale, blocks=True, config=cfg, swiglu=swiglu)
         want = _block_reference(x, qw.weight, qw.scale, swiglu)
-        for inside in (False, True):  # the groups quantized first, or tile by tile inside
-            got = fp8_gemv(x, qw.weight, qw.scale, blocks=True, config=cfg, swiglu=swiglu,
-                           quantize_inside=inside)  # fmt: skip
-            what = f"blocks M={m} N={n} K={k} {cfg} swiglu={swiglu} inside={inside}"
-            _check(got, want, what, 0.0, ulps=2)
+        _check(got, want, f"blocks M={m} N={n} K={k} {cfg} swiglu={swiglu}", 0.0, ulps=2)
     qw = quantize_fp8(torch.randn(256, 256, generator=gen) * 0.05, "block", (128, 128))
     spec = QuantSpec("fp8", "dynamic", (128, 128), "fp8_block", "test")
     kernels = replace(INTERPRETER_KERNELS, decode_gemv="triton")
@@ -210,8 +203,8 @@ def _check_wiring(gen):
 
 def _check_residual(gen):
     """fp8_gemv_residual (fp16): h = fp8_gemv(...) + residual bit for bit, per-channel and block
-    FP8, q(x) inside and first, split-K on and off; for one row the norm by the last column
-    tile within an ulp of kernels/fused_norm.py's rms_norm of h; the counters left at zero."""
+    FP8, split-K on and off; for one row the norm by the last column tile within 2 ulps of
+    kernels/fused_norm.py's rms_norm of h; the counters left at zero."""
     from batchrun.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, fp8_gemv_residual
     from batchrun.kernels.fused_norm import rms_norm
     from batchrun.kernels.gemv import split_counters
@@ -220,7 +213,7 @@ def _check_residual(gen):
 
     cases = [(1, 256, 192, None), (1, 320, 256, Fp8GemvConfig(block_k=64, split_k=3)),
              (3, 256, 128, Fp8GemvConfig(split_k=2))]  # fmt: skip
-    for (m, k, n, cfg), blocks, inside in itertools.product(cases, (False, True), (False, True)):
+    for (m, k, n, cfg), blocks in itertools.product(cases, (False, True)):
         if blocks:
             qw = quantize_fp8(torch.randn(n, k, generator=gen) * 0.05, "block", (128, 128))
             w, sw = qw.weight, qw.scale
@@ -230,8 +223,8 @@ def _check_residual(gen):
         x = torch.randn(m, k, generator=gen).half()
         residual = torch.randn(m, n, generator=gen).half()
         norm_w = (1 + 0.1 * torch.randn(n, generator=gen)).half()
-        kw = {"blocks": blocks, "config": cfg, "quantize_inside": inside}
-        what = f"M={m} K={k} N={n} {cfg} blocks={blocks} inside={inside}"
+        kw = {"blocks": blocks, "config": cfg}
+        what = f"M={m} K={k} N={n} {cfg} blocks={blocks}"
         want_h = (fp8_gemv(x, w, sw, **kw).float() + residual.float()).half()
         h, normed = fp8_gemv_residual(x, w, sw, residual, **kw)
         assert torch.equal(h, want_h) and normed is None, what
