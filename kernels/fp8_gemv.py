@@ -13,7 +13,10 @@ rows padded to 16 on the N side (w @ q(x)^T, then the [BLOCK_N, 16] sums transpo
 x on the M side (padded to 16 rows, as kernels/gemv.py runs bf16) Sm90 has no e4m3 MMA for that
 shape and the dot falls back to conversions; in-kernel quantization with fp32 multiply-adds read
 llama-8b's qkv at 1.2 TB/s. This reads it at 2.1 TB/s, gate_up at 3.6 (`python
-scripts/bench_fp8_gemv.py --models llama-8b --m 1`, H200).
+scripts/bench_fp8_gemv.py --models llama-8b --m 1`, H200). q(x) comes from kernels/fp8_quant.py's
+kernel before the matmul: quantizing each x tile in registers inside the loop, before its e4m3
+dot (the same bytes), doubles the decode step (W3 llama-8b `--variants fp8`: 7.54 ms per token
+against 3.78, one H100).
 
 Products of e4m3 values are exact in fp32. Each K tile's dot starts from zeros and is added to
 the fp32 sums: the tensor cores' e4m3 accumulator keeps fewer bits than fp32, so it spans one
