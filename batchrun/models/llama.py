@@ -436,7 +436,7 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.o_proj,
                 getattr(layer.mlp, "gate_up_proj", None),
                 getattr(layer.mlp, "down_proj", None),
-            )  # fmt: skip
+            )
             if proj is not None
         ]
         if kernels.decode_norms != "off" and not all(map(takes_decode_norms, matmuls)):
