@@ -243,13 +243,16 @@ class MLP(nn.Module):
                 return self.down_proj(gelu_tanh_and_mul(gate_up, pdl=kernels.pdl))
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        if proj.quant is None and takes_gemv(x, proj.bias, kernels):
-            # NOTE: a decode batch on kernels/gemv.py: the gate as the matmul's epilogue, one
-            # kernel a layer less (the gate's kernel costs ~1.5 µs at batch 1 on the H200)
-            return self.down_proj(gemv(x, proj.weight, swiglu=True, pdl=kernels.pdl))
-        if proj.quant is not None and proj.bias is None and proj.quant.takes_gemv(x):
-            # the same on kernels/fp8_gemv.py for an FP8 gate_up
-            return self.down_proj(proj.quant.gemv(x, swiglu=True))
+        decode = (
+            takes_gemv(x, proj.bias, kernels)
+            if proj.quant is None
+            else (proj.bias is None and proj.quant.takes_gemv(x))
+        )
+        if decode:
+            # NOTE: a decode batch on kernels/gemv.py (an FP8 gate_up's on kernels/fp8_gemv.py):
+            # the gate as the matmul's epilogue, one kernel a layer less (the gate's kernel costs
+            # ~1.5 µs at batch 1 on the H200)
+            return self.down_proj(decode_gemv(proj, x, swiglu=True))
         gate_up = proj(x)  # [T, 2 * I]
         if kernels.triton_ops:
             return self.down_proj(silu_and_mul(gate_up, pdl=kernels.pdl))
