@@ -2,7 +2,8 @@
 quant_per_token + torch._scaled_mm (the torch quantization chain and cuBLASLt), and against
 bf16 kernels/gemv.py on the same shape, per weight of the benchmark models at M = 1, 4, 16.
 Answers what fp8_gemv's pick_config should be per shape: weight rows a program, K tiles and
-splits.
+splits; and what its W8A16 mode (`weight_only`: x unquantized, no quantization kernel) costs
+against the W8A8 default, at the default config and the sweep's best.
 
     python scripts/bench_fp8_gemv.py                         # llama-1b and llama-8b, M = 1, 4, 16
     python scripts/bench_fp8_gemv.py --models llama-8b --m 1 --no-sweep
@@ -67,11 +68,12 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> di
     if swiglu:
         ref = silu_and_mul(ref.bfloat16()).float()
 
-    def run(cfg):
-        return lambda pair: fp8_gemv(x, pair[0], pair[1], config=cfg, swiglu=swiglu, pdl=pdl)
+    def run(cfg, weight_only=False):
+        return lambda pair: fp8_gemv(x, pair[0], pair[1], config=cfg, swiglu=swiglu, pdl=pdl,
+                                     weight_only=weight_only)  # fmt: skip
 
-    def correct(cfg) -> bool:
-        out = run(cfg)(fp8[0]).float()
+    def correct(cfg, weight_only=False) -> bool:
+        out = run(cfg, weight_only)(fp8[0]).float()
         return ((out - ref).norm() / ref.norm()).item() <= 1e-2
 
     def torch_path(pair):
@@ -92,6 +94,15 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> di
     timed.sort(key=lambda item: item[1])
     out["top_configs"] = timed[:8]
     out["best_us"] = min([out["default_us"]] + [us for _, us in timed])
+    out["w8a16_correct"] = correct(default, True)
+    out["w8a16_us"] = graph_time_us(run(default, True), fp8)
+    timed = []
+    for cfg in sweep_configs(m, n, k) if sweep else ():
+        if correct(cfg, True):
+            timed.append((cfg._asdict(), graph_time_us(run(cfg, True), fp8)))
+    timed.sort(key=lambda item: item[1])
+    out["w8a16_top_configs"] = timed[:8]
+    out["w8a16_best_us"] = min([out["w8a16_us"]] + [us for _, us in timed])
     fp8.clear()
     bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(
         max(2, -(-L2_BYTES // (2 * n * k))))]  # fmt: skip
@@ -100,6 +111,7 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> di
     bf16.clear()
     torch.cuda.empty_cache()
     for key, nbytes in (("scaled_mm", n * k), ("default", n * k), ("best", n * k),
+                        ("w8a16", n * k), ("w8a16_best", n * k),
                         ("bf16_gemv", 2 * n * k)):  # fmt: skip
         out[f"{key}_tb_s"] = nbytes / (out[f"{key}_us"] * 1e-6) / 1e12
     return out
@@ -120,12 +132,14 @@ def main(argv=None) -> int:
     report = {"device": torch.cuda.get_device_name(), "pdl": pdl, "results": []}
     for model in args.models.split(","):
         for m in (int(v) for v in args.m.split(",")):
-            totals = {"scaled_mm": 0.0, "default": 0.0, "best": 0.0, "bf16_gemv": 0.0}
+            totals = {"scaled_mm": 0.0, "default": 0.0, "best": 0.0, "w8a16": 0.0,
+                      "w8a16_best": 0.0, "bf16_gemv": 0.0}  # fmt: skip
             print(f"\n{model}, M = {m} (µs a call, weight TB/s)")
             print(
-                "| matrix | N x K | scaled_mm | fp8_gemv default | best | bf16 gemv | cuBLAS bf16 |"
+                "| matrix | N x K | scaled_mm | fp8_gemv default | best | W8A16 default | W8A16 "
+                "best | bf16 gemv | cuBLAS bf16 |"
             )
-            print("|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|---|")
             for name, n, k, count in benchlib.linear_shapes(model):
                 if name not in args.matrices.split(","):
                     continue
@@ -135,15 +149,19 @@ def main(argv=None) -> int:
                 for key in totals:
                     totals[key] += count * r[f"{key}_us"]
                 flag = "" if r["default_correct"] else " WRONG"
+                flag16 = "" if r["w8a16_correct"] else " WRONG"
                 print(
                     f"| {name} | {n} x {k} | {r['scaled_mm_us']:.1f} ({r['scaled_mm_tb_s']:.2f}) "
                     f"| {r['default_us']:.1f}{flag} ({r['default_tb_s']:.2f}) | {r['best_us']:.1f} "
-                    f"({r['best_tb_s']:.2f}) | {r['bf16_gemv_us']:.1f} ({r['bf16_gemv_tb_s']:.2f}) "
-                    f"| {r['bf16_cublas_us']:.1f} |",
+                    f"({r['best_tb_s']:.2f}) | {r['w8a16_us']:.1f}{flag16} "
+                    f"({r['w8a16_tb_s']:.2f}) | {r['w8a16_best_us']:.1f} "
+                    f"({r['w8a16_best_tb_s']:.2f}) | {r['bf16_gemv_us']:.1f} "
+                    f"({r['bf16_gemv_tb_s']:.2f}) | {r['bf16_cublas_us']:.1f} |",
                     flush=True,
                 )
-                for cfg, us in r["top_configs"][:4]:
-                    print(f"    {us:.1f} µs  {cfg}", flush=True)
+                for key in ("top_configs", "w8a16_top_configs"):
+                    for cfg, us in r[key][:3]:
+                        print(f"    {key[:5]} {us:.1f} µs  {cfg}", flush=True)
             print(
                 "per decode step (the layers' matmuls): "
                 + ", ".join(f"{key} {v:.0f} µs" for key, v in totals.items())

@@ -151,11 +151,18 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             x, w, torch.rand(48, 32), blocks=True, pdl=True)))  # fmt: skip
         out.append((f"fp8_gemv M={m} blocks swiglu", lambda x=x: fp8_gemv.fp8_gemv(
             x, gate_up, torch.rand(16, 32), blocks=True, swiglu=True, pdl=True)))  # fmt: skip
+        out.append((f"fp8_gemv M={m} weight_only", lambda x=x: fp8_gemv.fp8_gemv(
+            x, w, sw, weight_only=True, pdl=True)))  # fmt: skip
+        out.append((f"fp8_gemv M={m} weight_only blocks swiglu", lambda x=x: fp8_gemv.fp8_gemv(
+            x, gate_up, torch.rand(16, 32), blocks=True, swiglu=True, weight_only=True,
+            pdl=True)))  # fmt: skip
     down, sw_down = torch.randn(4096, 14336).to(f8), torch.rand(4096)
     x = torch.randn(1, 14336, dtype=torch.bfloat16)
     h, g = torch.randn(1, 4096, dtype=torch.bfloat16), torch.randn(4096, dtype=torch.bfloat16)
     out.append(("fp8_gemv down + residual + norm", lambda x=x: fp8_gemv.fp8_gemv_residual(
         x, down, sw_down, h, (g, 1e-5), pdl=True)))  # fmt: skip
+    out.append(("fp8_gemv down W8A16 + residual + norm", lambda x=x: fp8_gemv.fp8_gemv_residual(
+        x, down, sw_down, h, (g, 1e-5), weight_only=True, pdl=True)))  # fmt: skip
     o, x = torch.randn(4096, 4096).to(f8), torch.randn(1, 4096, dtype=torch.bfloat16)
     out.append(("fp8_gemv o blocks + residual + norm", lambda x=x: fp8_gemv.fp8_gemv_residual(
         x, o, torch.rand(32, 32), h, (g, 1e-5), blocks=True, pdl=True)))  # fmt: skip

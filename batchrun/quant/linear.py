@@ -207,6 +207,8 @@ class QuantMatmul(nn.Module):
             and kernels.decode_gemv == "triton"
             and dtype in (torch.bfloat16, torch.float16)
         )
+        # decode batches on kernels/fp8_gemv.py with x unquantized (fp8_decode "w8a16")
+        self.weight_only = kernels.fp8_decode == "w8a16"
         self.pdl = bool(kernels.pdl)
         self.fast_accum = kernels.fp8_fast_accum
         # block FP8 on cuBLASLt's block-scaled matmul: weights whose K is whole 128-column
@@ -331,9 +333,10 @@ class QuantMatmul(nn.Module):
 
     def takes_norms(self) -> bool:
         """Whether the decode kernel adds a residual and normalizes the sum in its epilogue
-        (`gemv_residual`): kernels/fp8_gemv.py's FP8 layers, whose per-token scales need no
-        all-reduce (the norms run in the decode matmuls of one rank only)."""
-        return self.fp8_gemv and self.reduce_max is None
+        (`gemv_residual`): kernels/fp8_gemv.py's FP8 layers, whose activations need no
+        all-reduce of their per-token maxima (the norms run in the decode matmuls of one rank
+        only)."""
+        return self.fp8_gemv and (self.reduce_max is None or self.weight_only)
 
     def gemv_residual(
         self,
@@ -349,7 +352,12 @@ class QuantMatmul(nn.Module):
 
     def _fp8_operands(self, x: torch.Tensor) -> dict:
         """kernels/fp8_gemv.py's arguments for x besides the weight: its scales, the static
-        input scale, or the per-token maxima over every rank (a row-parallel layer's)."""
+        input scale, or the per-token maxima over every rank (a row-parallel layer's); none of
+        them with fp8_decode "w8a16"."""
+        if self.weight_only:
+            blocks = self.spec.kernel == "fp8_block"
+            w_scale = self.weight_scale if blocks else self.weight_scale.view(-1)
+            return {"w_scale": w_scale, "blocks": blocks, "weight_only": True, "pdl": self.pdl}
         if self.spec.kernel == "fp8_block":
             return {"w_scale": self.weight_scale, "blocks": True, "pdl": self.pdl}
         amax = None

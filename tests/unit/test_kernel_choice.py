@@ -89,6 +89,7 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         piecewise_graphs=False,
         host_gate=False,
         fp8_matmul="dequant",
+        fp8_decode="w8a8",
         fp8_block_gemm="triton",
         int4_matmul="dequant",
         fp8_fast_accum=True,
@@ -223,6 +224,7 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         piecewise_graphs=True,  # a small model's mixed steps are bound by the host
         host_gate=True,
         fp8_matmul="scaled_mm",  # the FP8 linears of a quantized model on the tensor cores
+        fp8_decode="w8a8",  # their decode batches on kernels/fp8_gemv.py with q(x)
         fp8_block_gemm="cublaslt",  # block FP8 above 16 rows on cuBLASLt's block matmul
         int4_matmul="dequant",  # a plain model's (INT4 ones: the rule below)
         fp8_fast_accum=True,
@@ -300,6 +302,7 @@ def test_fields_set_by_hand_are_kept(gpu):
         piecewise_graphs=False,
         host_gate=False,
         fp8_matmul="dequant",
+        fp8_decode="w8a8",
         fp8_block_gemm="triton",
         int4_matmul="dequant",
         fp8_fast_accum=True,
@@ -706,3 +709,14 @@ def test_block_fp8_runs_cublaslt_where_torch_has_its_block_scales(gpu, monkeypat
     assert resolve(kernels=KernelConfig()).fp8_block_gemm == "triton"  # the CPU
     with pytest.raises(ValueError, match="fp8_block_gemm must be one of"):
         KernelConfig(fp8_block_gemm="cutlass").validate()
+
+
+def test_fp8_decode_resolves_and_validates(gpu):
+    """fp8_decode auto: "w8a8" (the activations quantized); "w8a16" set by hand is kept; another
+    value names the choices."""
+    gpu(pdl=True)
+    assert resolve(SMALL, CUDA).fp8_decode == "w8a8"
+    assert resolve(SMALL, CUDA, KernelConfig(fp8_decode="w8a16")).fp8_decode == "w8a16"
+    assert KernelConfig.reference().fp8_decode == "w8a8"
+    with pytest.raises(ValueError, match="fp8_decode must be one of"):
+        KernelConfig(fp8_decode="w4a16").validate()
