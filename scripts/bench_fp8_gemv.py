@@ -7,6 +7,7 @@ against the W8A8 default, at the default config and the sweep's best.
 
     python scripts/bench_fp8_gemv.py                         # llama-1b and llama-8b, M = 1, 4, 16
     python scripts/bench_fp8_gemv.py --models llama-8b --m 1 --no-sweep
+    python scripts/bench_fp8_gemv.py --models llama-8b --m 1 --sweep w8a16   # W8A16's tiles only
 
 Timing as scripts/bench_gemv.py's (CUDA graphs of many calls cycling through weight copies past
 the L2 cache, CUDA events, one run). Reports µs per call and the weight bytes read per second
@@ -50,7 +51,7 @@ def sweep_configs(m: int, n: int, k: int):
             yield cfg
 
 
-def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> dict:
+def bench_shape(name: str, n: int, k: int, m: int, sweep: str, pdl: bool) -> dict:
     from batchrun.kernels.activation import silu_and_mul
     from batchrun.kernels.fp8_gemv import fp8_gemv, pick_config
     from batchrun.kernels.gemv import gemv
@@ -88,7 +89,7 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> di
         "default_us": graph_time_us(run(default), fp8),
     }
     timed = []
-    for cfg in sweep_configs(m, n, k) if sweep else ():
+    for cfg in sweep_configs(m, n, k) if sweep in ("both", "w8a8") else ():
         if correct(cfg):
             timed.append((cfg._asdict(), graph_time_us(run(cfg), fp8)))
     timed.sort(key=lambda item: item[1])
@@ -97,7 +98,7 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> di
     out["w8a16_correct"] = correct(default, True)
     out["w8a16_us"] = graph_time_us(run(default, True), fp8)
     timed = []
-    for cfg in sweep_configs(m, n, k) if sweep else ():
+    for cfg in sweep_configs(m, n, k) if sweep in ("both", "w8a16") else ():
         if correct(cfg, True):
             timed.append((cfg._asdict(), graph_time_us(run(cfg, True), fp8)))
     timed.sort(key=lambda item: item[1])
@@ -121,6 +122,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", default="llama-1b,llama-8b")
     p.add_argument("--m", default="1,4,16", help="rows of x (decode batch), comma-separated")
+    p.add_argument("--sweep", choices=("both", "w8a8", "w8a16", "none"), default="both",
+                   help="which mode's tile configs to sweep besides the default")  # fmt: skip
     p.add_argument("--no-sweep", action="store_true", help="only the default config")
     p.add_argument("--matrices", default="qkv,o,gate_up,down", help="which of each model's")
     p.add_argument("--out", default=str(benchlib.OUT_DIR))
@@ -143,7 +146,7 @@ def main(argv=None) -> int:
             for name, n, k, count in benchlib.linear_shapes(model):
                 if name not in args.matrices.split(","):
                     continue
-                r = bench_shape(name, n, k, m, not args.no_sweep, pdl)
+                r = bench_shape(name, n, k, m, "none" if args.no_sweep else args.sweep, pdl)
                 r.update(model=model, m=m, matrix=name, n=n, k=k, count=count)
                 report["results"].append(r)
                 for key in totals:
