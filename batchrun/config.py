@@ -33,10 +33,11 @@ FP8_MATMULS = ("auto", "scaled_mm", "dequant")
 # "cublaslt" torch's scaled_mm with BlockWise1x128 activations and BlockWise128x128 weights
 # (cuBLASLt; sm_90 and a torch built with CUDA 12.9+), "triton" kernels/fp8_block_matmul.py
 FP8_BLOCK_GEMMS = ("auto", "cublaslt", "triton")
-# the activations of an FP8 linear's decode batches on kernels/fp8_gemv.py: "w8a8" quantized to
-# e4m3 per token (or with the static input_scale, or per 128-column group for block FP8) by
-# kernels/fp8_quant.py, then the e4m3 tensor cores; "w8a16" left in the model's dtype, the
-# weight converted to it in registers (no quantization kernel, no activation scale)
+# the activations of an FP8 linear's decode batches: "w8a8" quantized to e4m3 per token (or with
+# the static input_scale, or per 128-column group for block FP8) by kernels/fp8_quant.py, then
+# kernels/fp8_gemv.py on the e4m3 tensor cores; "w8a16" left in the model's dtype, the weight
+# converted to it in registers (no quantization kernel, no activation scale): kernels/
+# fp8_gemv_mma.py on CUDA where it takes the shape, else kernels/fp8_gemv.py's weight_only mode
 FP8_DECODES = ("auto", "w8a8", "w8a16")
 # the matmul of a quantized model's INT4 linears (AWQ, GPTQ, compressed-tensors W4A16): "triton"
 # kernels/int4_matmul.py on the packed weights (decode batches of up to 16 rows on
@@ -174,7 +175,7 @@ class KernelConfig:
                         (dequantized: faster than the Triton block matmul), "dequant" elsewhere
                         (the CPU always dequantizes)
     fp8_decode          one of FP8_DECODES for the decode batches (up to 16 rows) of FP8 linears
-                        kept in FP8 on kernels/fp8_gemv.py; auto: "w8a8". "w8a16" computes
+                        kept in FP8 with decode_gemv "triton"; auto: "w8a8". "w8a16" computes
                         them as the dequantized model does (a static input_scale's clamp
                         does not apply to them); prefill and larger batches stay W8A8
     fp8_block_gemm      one of FP8_BLOCK_GEMMS for a block-FP8 linear's batches of more than 16

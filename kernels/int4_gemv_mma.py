@@ -135,6 +135,34 @@ def _b_operand(X, step, x_offs, x_mask, MP: gl.constexpr, B_LAYOUT: gl.constexpr
 
 
 @gluon.jit
+def _x_offsets(M, stride_xm, MP: gl.constexpr):
+    """x's offsets and mask [MP, 4 (m), 16] for `_b_operand`: a thread's 16 contiguous values
+    (registers), its m and row (lanes); every warp the same."""
+    if MP == 16:
+        x_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[0, 0, 0], [0, 0, 0]],
+            block_bases=[],
+            shape=[MP, 4, 16],
+        )
+    else:
+        x_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[0, 0, 0], [0, 0, 0]],
+            block_bases=[],
+            shape=[MP, 4, 16],
+        )
+    tt = gl.arange(0, MP, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_l)))
+    mm = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_l)))
+    jj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_l)))
+    x_offs = tt[:, None, None] * stride_xm + mm[None, :, None] * 16 + jj[None, None, :]
+    x_mask = (tt < M)[:, None, None] & (mm >= 0)[None, :, None] & (jj >= 0)[None, None, :]
+    return x_offs, x_mask
+
+
+@gluon.jit
 def _mma_step(words, X, step, x_offs, x_mask, ones, acc, accx, R2: gl.constexpr,
               MP: gl.constexpr, EXP: gl.constexpr, DTYPE: gl.constexpr, A_LAYOUT: gl.constexpr,
               B_LAYOUT: gl.constexpr):  # fmt: skip
@@ -260,29 +288,7 @@ def _int4_gemv_mma_kernel(
     m = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_l)))
     b = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_l)))
     w_offs = r[:, None, None] * 16 + m[None, :, None] * 4 + b[None, None, :]
-    # x's step as [MP, 4 (m), 16]: a thread's 16 contiguous values (registers), its m and row
-    # (lanes); every warp the same
-    if MP == 16:
-        x_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
-            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[0, 0, 0], [0, 0, 0]],
-            block_bases=[],
-            shape=[MP, 4, 16],
-        )
-    else:
-        x_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
-            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[0, 0, 0], [0, 0, 0]],
-            block_bases=[],
-            shape=[MP, 4, 16],
-        )
-    tt = gl.arange(0, MP, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_l)))
-    mm = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_l)))
-    jj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_l)))
-    x_offs = tt[:, None, None] * stride_xm + mm[None, :, None] * 16 + jj[None, None, :]
-    x_mask = (tt < M)[:, None, None] & (mm >= 0)[None, :, None] & (jj >= 0)[None, None, :]
+    x_offs, x_mask = _x_offsets(M, stride_xm, MP)
     ones = gl.full([ROWS_, 64], 1.0, DTYPE, layout=a_l)
     rows = pid_n * ROWS_ + gl.arange(0, ROWS_, layout=gl.SliceLayout(1, mma_l))
     cols = gl.arange(0, MP, layout=gl.SliceLayout(0, mma_l))

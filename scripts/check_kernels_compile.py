@@ -238,6 +238,7 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
     out += _attention_cases()
     out += _rotary_cases()
     out += _activation_cases()
+    out += _fp8_mma_cases()
     return out
 
 
@@ -263,6 +264,30 @@ def _mma_gemv_cases(Int4Weight) -> list[tuple[str, Callable[[], object]]]:
             x, w, swiglu=g, split_k=s)))  # fmt: skip
         out.append((f"{name} prefetch", lambda x=x, w=w, g=swiglu, s=split: (
             int4_gemv_mma.int4_gemv_mma(x, w, swiglu=g, split_k=s, prefetch=True))))  # fmt: skip
+    return out
+
+
+def _fp8_mma_cases() -> list[tuple[str, Callable[[], object]]]:
+    """kernels/fp8_gemv_mma.py (Gluon): one, 4 and 16 rows, bf16 and fp16, per channel and
+    128 x 128 blocks, split-K and not, the SwiGLU epilogue, a K of one-step chunks."""
+    from batchrun.kernels import fp8_gemv_mma
+
+    f8 = torch.float8_e4m3fn
+    out = []
+    for n, k, blocks, swiglu, m, dtype, split in (
+        (6144, 4096, False, False, 1, torch.bfloat16, None),
+        (4096, 14336, False, False, 16, torch.float16, None),
+        (4096, 4096, False, False, 4, torch.bfloat16, 1),
+        (2 * 1024, 4096, False, True, 1, torch.bfloat16, None),
+        (6144, 4096, True, False, 1, torch.bfloat16, None),
+        (2 * 1024, 4096, True, True, 16, torch.bfloat16, None),
+        (1024, 4160, False, False, 1, torch.bfloat16, None),  # 65 steps: one-step chunks
+    ):
+        w, x = torch.randn(n, k).to(f8), torch.randn(m, k, dtype=dtype)
+        sw = torch.rand(-(-n // 128), k // 128) if blocks else torch.rand(n)
+        name = f"fp8_gemv_mma {n}x{k} blocks={blocks} swiglu={swiglu} M={m} split={split}"
+        kw = {"blocks": blocks, "swiglu": swiglu, "split_k": split, "pdl": True}
+        out.append((name, lambda x=x, w=w, sw=sw, kw=kw: fp8_gemv_mma.fp8_gemv_mma(x, w, sw, **kw)))
     return out
 
 

@@ -74,9 +74,9 @@ except ImportError:  # no Triton (CPU-only installs): KernelConfig.int4_matmul i
     int4_kernel = int4_gemv_kernel = None
 
 try:
-    from batchrun.kernels import int4_gemv_mma
+    from batchrun.kernels import fp8_gemv_mma, int4_gemv_mma
 except ImportError:  # no Triton, or one without Gluon (triton.experimental.gluon, from 3.5)
-    int4_gemv_mma = None
+    fp8_gemv_mma = int4_gemv_mma = None
 
 try:
     from batchrun.kernels import fp8_quant
@@ -207,7 +207,9 @@ class QuantMatmul(nn.Module):
             and kernels.decode_gemv == "triton"
             and dtype in (torch.bfloat16, torch.float16)
         )
-        # decode batches on kernels/fp8_gemv.py with x unquantized (fp8_decode "w8a16")
+        # decode batches with x unquantized (fp8_decode "w8a16"): on kernels/fp8_gemv_mma.py
+        # where it takes the shape (CUDA), else kernels/fp8_gemv.py's weight_only mode (and its
+        # residual epilogue)
         self.weight_only = kernels.fp8_decode == "w8a16"
         self.pdl = bool(kernels.pdl)
         self.fast_accum = kernels.fp8_fast_accum
@@ -329,6 +331,16 @@ class QuantMatmul(nn.Module):
             if self.mma:
                 return int4_gemv_mma.int4_gemv_mma(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
             return int4_gemv_kernel.int4_gemv(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
+        blocks = self.spec.kernel == "fp8_block"
+        if (  # W8A16 on the GPU: kernels/fp8_gemv_mma.py where it takes the shape
+            self.weight_only
+            and fp8_gemv_mma is not None
+            and x.is_cuda
+            and fp8_gemv_mma.takes(self.out_features, self.in_features, x.shape[0], blocks, swiglu)
+        ):
+            w_scale = self.weight_scale if blocks else self.weight_scale.view(-1)
+            return fp8_gemv_mma.fp8_gemv_mma(x, self.weight, w_scale, blocks=blocks,
+                                             swiglu=swiglu, pdl=self.pdl)  # fmt: skip
         return fp8_gemv(x, self.weight, swiglu=swiglu, **self._fp8_operands(x))
 
     def takes_norms(self) -> bool:

@@ -1,9 +1,10 @@
 """kernels/fp8_gemv.py on the GPU (sm_89+): against quant_per_token / quant_static +
 torch._scaled_mm (the same quantized operands: equal up to the order of accumulation) and against
 the dequantized fp32 reference, M = 1..16 on the llama-8b and llama-1b projections, dynamic and
-static activations, the SwiGLU and residual (+ norm) epilogues; in a CUDA graph with PDL; and
-engines on FP8 checkpoints whose decode batches run the kernel giving the scaled_mm path's greedy
-tokens.
+static activations, the SwiGLU and residual (+ norm) epilogues; its W8A16 mode and
+kernels/fp8_gemv_mma.py against the dequantized product; in a CUDA graph with PDL; and engines on
+FP8 checkpoints whose decode batches run the kernels giving the scaled_mm path's greedy tokens
+(W8A8) or the dequantized model's (W8A16).
 
     pytest tests/gpu/test_fp8_gemv_gpu.py -q
 """
@@ -192,6 +193,42 @@ def test_the_residual_epilogue_adds_and_normalizes_as_the_unfused_path(shape, bl
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("blocks", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_gemv_mma_matches_the_dequantized_product(shape, blocks, dtype):
+    """kernels/fp8_gemv_mma.py (Gluon W8A16): x unquantized against the e4m3 weight in its
+    row-major order, M = 1..16, per channel and 128 x 128 blocks, the default split and one
+    slice; the SwiGLU epilogue of a gate_up; the split counters left at zero."""
+    import torch.nn.functional as F
+    from batchrun.kernels.fp8_gemv_mma import fp8_gemv_mma
+    from batchrun.kernels.gemv import split_counters
+
+    from batchrun.quant.quantize import quantize_fp8
+
+    torch.manual_seed(0)
+    n, k = SHAPES[shape]
+    if blocks:
+        qw = quantize_fp8(torch.randn(n, k, device="cuda") * 0.02, "block", (128, 128))
+        w, sw = qw.weight, qw.scale
+        w_ref = w.float() * sw.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    else:
+        w, sw, w_ref = _weights(n, k)
+    for m in MS:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        want = (x.float() @ w_ref.t()).to(dtype)
+        what = f"{shape} M={m} blocks={blocks} {dtype} mma"
+        _close_to(fp8_gemv_mma(x, w, sw, blocks=blocks), want, what)
+        if m in (1, 16):
+            _close_to(fp8_gemv_mma(x, w, sw, blocks=blocks, split_k=1), want, what + " one slice")
+        if shape.endswith("gate_up") and m in (1, 4, 16):
+            gate, up = want.chunk(2, dim=-1)
+            gated = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
+            got = fp8_gemv_mma(x, w, sw, blocks=blocks, swiglu=True)
+            _close_to(got, gated, what + " swiglu", roundings=3)
+        assert not split_counters(x.device).any(), what
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("blocks", [False, True])
 def test_weight_only_matches_the_dequantized_product(shape, blocks):
     """weight_only (W8A16): x unquantized against the e4m3 weight converted in registers, the
     scales after each dot: the fp32 product of x with the dequantized weight (products exact,
@@ -233,11 +270,12 @@ def test_weight_only_matches_the_dequantized_product(shape, blocks):
                 _close_to(normed, rms_norm(h, g, 1e-5), what + " norm", roundings=2)
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_fp8_gemv_replays_in_a_cuda_graph_with_pdl(static):
+@pytest.mark.parametrize("mode", ["dynamic", "static", "mma"])
+def test_fp8_gemv_replays_in_a_cuda_graph_with_pdl(mode):
     """Captured after one eager call (the split counters), replayed on new inputs: the same
-    bits as eager (split-K sums its planes in slice order)."""
+    bits as eager (split-K sums its planes in slice order). "mma": kernels/fp8_gemv_mma.py."""
     from batchrun.kernels.fp8_gemv import fp8_gemv
+    from batchrun.kernels.fp8_gemv_mma import fp8_gemv_mma
 
     from batchrun.engine.kernel_choice import supports_pdl
 
@@ -245,10 +283,13 @@ def test_fp8_gemv_replays_in_a_cuda_graph_with_pdl(static):
     pdl = supports_pdl(torch.device("cuda"))
     w, sw, _ = _weights(4096, 4096)
     w2, sw2, _ = _weights(2 * 1024, 4096)
-    s = torch.tensor(0.05, device="cuda") if static else None
+    s = torch.tensor(0.05, device="cuda") if mode == "static" else None
     x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
 
     def chain(x):
+        if mode == "mma":
+            h = fp8_gemv_mma(x, w, sw, pdl=pdl)
+            return fp8_gemv_mma(h, w2, sw2, swiglu=True, pdl=pdl)
         h = fp8_gemv(x, w, sw, s, pdl=pdl)  # split along K (64 column tiles)
         return fp8_gemv(h, w2, sw2, s, swiglu=True, pdl=pdl)
 

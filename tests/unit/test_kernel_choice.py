@@ -720,3 +720,17 @@ def test_fp8_decode_resolves_and_validates(gpu):
     assert KernelConfig.reference().fp8_decode == "w8a8"
     with pytest.raises(ValueError, match="fp8_decode must be one of"):
         KernelConfig(fp8_decode="w4a16").validate()
+
+
+def test_fp8_gemv_mma_takes_whole_programs_and_steps():
+    """kernels/fp8_gemv_mma.py takes up to 16 rows against whole 64-row programs and 64-deep
+    steps (block FP8: whole 128-column groups, a gate_up's halves of whole blocks)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from batchrun.kernels.fp8_gemv_mma import takes
+
+    assert takes(6144, 4096, 1) and takes(6144, 4096, 16) and not takes(6144, 4096, 17)
+    assert not takes(6144 + 32, 4096, 1) and not takes(6144, 4096 + 32, 1)
+    assert takes(1024, 4160, 1) and not takes(1024, 4160, 1, blocks=True)
+    assert takes(2 * 1024, 4096, 4, swiglu=True) and not takes(2 * 1056, 4096, 4, swiglu=True)
+    assert takes(2 * 1024, 4096, 4, blocks=True, swiglu=True)
+    assert not takes(2 * 1088, 4096, 4, blocks=True, swiglu=True)  # 1,088: not whole blocks
