@@ -17,8 +17,11 @@ fp32; the row scales apply once after the sums, a block's scale once a 128-deep 
 
 kernels/fp8_gemv.py's Triton mode (`weight_only=True`) computes the same product through the
 compiler's shared-memory pipeline: a 2-byte shared load and two conversions a weight value
-(Triton 3.6, sm_90: a 128-deep tile is 304 instructions a thread). Its residual / norm epilogue
-serves decode_norms; this kernel has none.
+(Triton 3.6, sm_90: a 128-deep tile is 304 instructions a thread).
+
+`fp8_gemv_mma_residual` adds the residual in the epilogue and, for one row, normalizes the sum
+in the program that finishes last, as kernels/gemv.py's gemv_residual (decode_norms "all" /
+"post" on an FP8 model decoding W8A16).
 
 Split-K reduces in the kernel, deterministically, as kernels/gemv.py's: each K slice stores its
 fp32 sums to its plane of a [SPLIT_K, M, N] workspace ([SPLIT_K, M, 2N] with swiglu), the slice
@@ -30,13 +33,20 @@ Gluon has no CPU interpreter: this kernel is checked by compiling it here
     y = fp8_gemv_mma(x, w, w_scale)                       # w_scale float32 [N]
     y = fp8_gemv_mma(x, w, w_scale, blocks=True)          # w_scale [N / 128, K / 128]
     a = fp8_gemv_mma(x, w_gate_up, w_scale, swiglu=True)  # silu(gate) * up, [M, N / 2]
+    h, normed = fp8_gemv_mma_residual(x, w, w_scale, residual, norm=(g, eps))
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-from batchrun.kernels.gemv import NUM_COUNTERS, split_counters
+from batchrun.kernels.gemv import (
+    NUM_COUNTERS,
+    ROW_COUNTER,
+    ResidualStream,
+    check_residual,
+    split_counters,
+)
 from batchrun.kernels.int4_gemv_mma import (
     _b_operand,
     _cta_barrier,
@@ -97,6 +107,9 @@ def _fp8_gemv_mma_kernel(
     Y,
     WS,
     Counters,
+    R,  # ADD_RES: the residual [M, N]
+    G,  # NORM_OUT: the norm's weight [N]
+    NormOut,  # NORM_OUT: rmsnorm(y) * G, [1, N]
     M,
     N: gl.constexpr,  # output rows (swiglu: of each half)
     K,
@@ -104,12 +117,17 @@ def _fp8_gemv_mma_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
+    stride_rm,
     stride_swn,  # BLOCKS: SW [N_ROWS / 128, K / 128], a block row's
+    eps,
     CHUNK_STEPS: gl.constexpr,  # 64-deep steps a chunk (BLOCKS: two, one 128-column group)
     MP: gl.constexpr,  # x's rows padded: the MMA's N (8 or 16)
     SPLIT_K: gl.constexpr,
     SWIGLU: gl.constexpr,
     BLOCKS: gl.constexpr,
+    ADD_RES: gl.constexpr,  # y = the product + R
+    NORM_OUT: gl.constexpr,  # and, for one row, rmsnorm(y) * G by the program finishing last
+    BLOCK_ROW: gl.constexpr,  # NORM_OUT: the row's width, a power of two
     PDL: gl.constexpr,
 ):
     """A program owns ROWS output rows (16 a warp; with swiglu the gate's and the up half's) and
@@ -179,6 +197,9 @@ def _fp8_gemv_mma_kernel(
 
     mask = (cols < M)[None, :] & (rows < N)[:, None]
     y_offs = cols[None, :] * stride_ym + rows[:, None]
+    res = zero
+    if ADD_RES:  # [64, MP] of R [M, N]
+        res = gl.load(R + cols[None, :] * stride_rm + rows[:, None], mask=mask, other=0.0)
     if SPLIT_K > 1:
         ws_n: gl.constexpr = 2 * N if SWIGLU else N
         plane = M * ws_n
@@ -198,16 +219,54 @@ def _fp8_gemv_mma_kernel(
                 if SWIGLU:
                     out_up += gl.load(WS + s * plane + ws_offs + N, mask=mask, other=0.0,
                                       cache_modifier=".cg")  # fmt: skip
-            if SWIGLU:
-                gl.store(Y + y_offs, _swiglu_y(out, out_up, DTYPE).to(DTYPE), mask=mask)
-            else:
-                gl.store(Y + y_offs, out.to(DTYPE), mask=mask)
+            _write_y(out, out_up, res, Y + y_offs, mask, DTYPE, SWIGLU, ADD_RES)
             gl.atomic_xchg(Counters + pid_n, 0, sem="relaxed", scope="gpu")  # the next call's
+            if NORM_OUT:
+                _norm_after_last_tile(Y, G, NormOut, Counters + ROW_COUNTER, N, eps,
+                                      gl.num_programs(0), BLOCK_ROW)  # fmt: skip
     else:
-        if SWIGLU:
-            gl.store(Y + y_offs, _swiglu_y(out, out_up, DTYPE).to(DTYPE), mask=mask)
-        else:
-            gl.store(Y + y_offs, out.to(DTYPE), mask=mask)
+        _write_y(out, out_up, res, Y + y_offs, mask, DTYPE, SWIGLU, ADD_RES)
+        if NORM_OUT:
+            _norm_after_last_tile(Y, G, NormOut, Counters + ROW_COUNTER, N, eps,
+                                  gl.num_programs(0), BLOCK_ROW)  # fmt: skip
+
+
+@gluon.jit
+def _write_y(out, out_up, res, ptrs, mask, DTYPE: gl.constexpr, SWIGLU: gl.constexpr,
+             ADD_RES: gl.constexpr):  # fmt: skip
+    """y from the fp32 sums, rounded as kernels/gemv.py's `_write_y`: the SwiGLU gate, or the
+    product rounded to the dtype and the residual added in fp32, rounded once more."""
+    if SWIGLU:
+        y = _swiglu_y(out, out_up, DTYPE).to(DTYPE)
+    else:
+        y = out.to(DTYPE)
+    if ADD_RES:
+        y = (y.to(gl.float32) + res.to(gl.float32)).to(DTYPE)
+    gl.store(ptrs, y, mask=mask)
+
+
+@gluon.jit
+def _norm_after_last_tile(Y, G, NormOut, RowCounter, N, eps, num_tiles,
+                          BLOCK_ROW: gl.constexpr):  # fmt: skip
+    """kernels/gemv.py's `_norm_after_last_tile` in Gluon: once every program of rows has
+    written its part of the row y (M = 1), the one that finished last normalizes the row as
+    kernels/fused_norm.py does (rmsnorm in fp32, rounded, times the weight, rounded) into
+    NormOut and resets the counter."""
+    # NOTE: every thread's stores, a CTA barrier, one gpu-scope acq_rel atomic (the split-K
+    # release / acquire); the last program reads the others' parts from L2 (`.cg`)
+    _cta_barrier()
+    done = gl.atomic_add(RowCounter, 1, sem="acq_rel", scope="gpu")
+    if done == num_tiles - 1:
+        row_l: gl.constexpr = gl.BlockedLayout([BLOCK_ROW // 128], [32], [4], [0])  # >= 128
+        offs = gl.arange(0, BLOCK_ROW, layout=row_l)
+        in_row = offs < N
+        h = gl.load(Y + offs, mask=in_row, other=0.0, cache_modifier=".cg").to(gl.float32)
+        mean_sq = gl.sum(h * h, axis=0) / N
+        normed = (h * gl.rsqrt(mean_sq + eps)).to(NormOut.dtype.element_ty)
+        g = gl.load(G + offs, mask=in_row, other=0.0).to(gl.float32)
+        gl.store(NormOut + offs, (g * normed.to(gl.float32)).to(NormOut.dtype.element_ty),
+                 mask=in_row)  # fmt: skip
+        gl.atomic_xchg(RowCounter, 0, sem="relaxed", scope="gpu")
 
 
 def takes(n_rows: int, k: int, m: int, blocks: bool = False, swiglu: bool = False) -> bool:
@@ -242,6 +301,30 @@ def fp8_gemv_mma(
     pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ) -> torch.Tensor:
     """x @ (sw * w)^T: [M, N] in x's dtype; with swiglu, silu(gate) * up: [M, N / 2]."""
+    return _launch(x, w, w_scale, blocks, swiglu, split_k, pdl, None, None)[0]
+
+
+def fp8_gemv_mma_residual(
+    x: torch.Tensor,  # [M, K], as fp8_gemv_mma's
+    w: torch.Tensor,  # [N, K] float8_e4m3fn
+    w_scale: torch.Tensor,
+    residual: torch.Tensor,  # [M, N], x's dtype, unit stride along N; not written
+    norm: tuple[torch.Tensor, float] | None = None,  # (weight [N], eps); only for M = 1
+    *,
+    blocks: bool = False,
+    split_k: int | None = None,
+    pdl: bool = False,
+) -> ResidualStream:
+    """h = x @ (sw * w)^T + residual, rounded as the unfused `linear + residual`; with norm,
+    also rmsnorm(h) * weight for one row, computed by the program of rows that finishes last
+    (kernels/gemv.py's gemv_residual, on FP8 weights)."""
+    check_residual(x, w.shape[0], residual, norm)
+    return ResidualStream(*_launch(x, w, w_scale, blocks, False, split_k, pdl, residual, norm))
+
+
+def _launch(x, w, w_scale, blocks, swiglu, split_k, pdl, residual,
+            norm) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(y, normed): normed when norm is given, else None."""
     m, k = x.shape
     n_rows = w.shape[0]
     assert w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1, (x.shape, w.shape)
@@ -254,6 +337,7 @@ def fp8_gemv_mma(
         assert w_scale.shape == (n_rows,) and w_scale.is_contiguous()
     n = n_rows // 2 if swiglu else n_rows
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    normed = None if norm is None else torch.empty_like(y)
     chunk_steps = 2 if k % (2 * STEP) == 0 else 1
     chunks = k // (chunk_steps * STEP)
     split = split_k or pick_split(n, k, chunk_steps * STEP)
@@ -261,14 +345,21 @@ def fp8_gemv_mma(
     split = triton.cdiv(chunks, per_split)
     if n // ROWS > NUM_COUNTERS:
         split, per_split = 1, chunks
-    counters = split_counters(x.device) if split > 1 else y
+    # the split counters and, past them, the norm's row counter
+    counters = split_counters(x.device) if split > 1 or norm is not None else y
     ws = y
     if split > 1:
         ws = torch.empty(split * m * n_rows, dtype=torch.float32, device=x.device)
+    # NOTE: absent operands get y as a stand-in pointer: their constexpr flag prunes every access
+    r = y if residual is None else residual
+    norm_w, eps = (y, 0.0) if norm is None else norm
     _fp8_gemv_mma_kernel[(n // ROWS, split)](
-        x, w, w_scale, y, ws, counters, m, n, k, per_split, x.stride(0), w.stride(0), y.stride(0),
-        w_scale.stride(0) if blocks else 0,
+        x, w, w_scale, y, ws, counters, r, norm_w, y if normed is None else normed, m, n, k,
+        per_split, x.stride(0), w.stride(0), y.stride(0), r.stride(0),
+        w_scale.stride(0) if blocks else 0, eps,
         CHUNK_STEPS=chunk_steps, MP=8 if m <= 8 else 16, SPLIT_K=split, SWIGLU=swiglu,
-        BLOCKS=blocks, num_warps=WARPS, **pdl_launch_kwargs(pdl, x),
+        BLOCKS=blocks, ADD_RES=residual is not None, NORM_OUT=norm is not None,
+        BLOCK_ROW=max(triton.next_power_of_2(n if norm is not None else 1), 128),
+        num_warps=WARPS, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip
-    return y
+    return y, normed

@@ -288,6 +288,16 @@ def _fp8_mma_cases() -> list[tuple[str, Callable[[], object]]]:
         name = f"fp8_gemv_mma {n}x{k} blocks={blocks} swiglu={swiglu} M={m} split={split}"
         kw = {"blocks": blocks, "swiglu": swiglu, "split_k": split, "pdl": True}
         out.append((name, lambda x=x, w=w, sw=sw, kw=kw: fp8_gemv_mma.fp8_gemv_mma(x, w, sw, **kw)))
+    down, x = torch.randn(4096, 14336).to(f8), torch.randn(1, 14336, dtype=torch.bfloat16)
+    h, g = torch.randn(1, 4096, dtype=torch.bfloat16), torch.randn(4096, dtype=torch.bfloat16)
+    for blocks in (False, True):
+        sw = torch.rand(32, 112) if blocks else torch.rand(4096)
+        name = f"fp8_gemv_mma down + residual + norm blocks={blocks}"
+        out.append((name, lambda sw=sw, b=blocks: fp8_gemv_mma.fp8_gemv_mma_residual(
+            x, down, sw, h, (g, 1e-5), blocks=b, pdl=True)))  # fmt: skip
+    out.append(("fp8_gemv_mma o + residual, M=4", lambda: fp8_gemv_mma.fp8_gemv_mma_residual(
+        torch.randn(4, 4096, dtype=torch.bfloat16), torch.randn(4096, 4096).to(f8),
+        torch.rand(4096), torch.randn(4, 4096, dtype=torch.bfloat16), pdl=True)))  # fmt: skip
     return out
 
 

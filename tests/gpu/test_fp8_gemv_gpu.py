@@ -197,9 +197,11 @@ def test_the_residual_epilogue_adds_and_normalizes_as_the_unfused_path(shape, bl
 def test_fp8_gemv_mma_matches_the_dequantized_product(shape, blocks, dtype):
     """kernels/fp8_gemv_mma.py (Gluon W8A16): x unquantized against the e4m3 weight in its
     row-major order, M = 1..16, per channel and 128 x 128 blocks, the default split and one
-    slice; the SwiGLU epilogue of a gate_up; the split counters left at zero."""
+    slice; the SwiGLU epilogue of a gate_up; the residual epilogue bit for bit against the
+    matmul plus the residual, and its norm; the counters left at zero."""
     import torch.nn.functional as F
-    from batchrun.kernels.fp8_gemv_mma import fp8_gemv_mma
+    from batchrun.kernels.fp8_gemv_mma import fp8_gemv_mma, fp8_gemv_mma_residual
+    from batchrun.kernels.fused_norm import rms_norm
     from batchrun.kernels.gemv import split_counters
 
     from batchrun.quant.quantize import quantize_fp8
@@ -224,6 +226,15 @@ def test_fp8_gemv_mma_matches_the_dequantized_product(shape, blocks, dtype):
             gated = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
             got = fp8_gemv_mma(x, w, sw, blocks=blocks, swiglu=True)
             _close_to(got, gated, what + " swiglu", roundings=3)
+        if shape.endswith(("o", "down")) and m in (1, 4, 16):  # the residual (+ norm) epilogue
+            residual = torch.randn(m, n, device="cuda", dtype=dtype)
+            g = (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype)
+            norm = (g, 1e-5) if m == 1 else None
+            h, normed = fp8_gemv_mma_residual(x, w, sw, residual, norm, blocks=blocks)
+            plain = fp8_gemv_mma(x, w, sw, blocks=blocks)
+            assert torch.equal(h, (plain.float() + residual.float()).to(dtype)), what
+            if m == 1:
+                _close_to(normed, rms_norm(h, g, 1e-5), what + " norm", roundings=2)
         assert not split_counters(x.device).any(), what
 
 
