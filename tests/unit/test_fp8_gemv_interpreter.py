@@ -303,10 +303,9 @@ def _check_weight_only(gen):
 def _check_decode_norms(root: Path) -> None:
     """The one-token decode of tiny FP8 Llamas (block FP8 in fp16; per-channel FP8 with layer
     1's down_proj left in bf16, in bf16; block FP8 decoding W8A16, in fp16) with decode_gemv
-    "triton":
-    decode_norms "all" and "post"
-    (the residual adds and norms in kernels/fp8_gemv.py's epilogue, QuantMatmul.gemv_residual,
-    two a layer with "all") give the logits of "off"; "fold" is refused."""
+    "triton": decode_norms "all" and "post" (the residual adds and norms in kernels/fp8_gemv.py's
+    epilogue, QuantMatmul.gemv_residual, two a layer with "all") give the logits of "off";
+    "fold" is refused."""
     from dataclasses import replace
 
     from quant_checkpoints import write_quantized
