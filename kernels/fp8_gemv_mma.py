@@ -40,19 +40,13 @@ from __future__ import annotations
 
 import torch
 import triton
-from batchrun.kernels.gemv import (
-    NUM_COUNTERS,
-    ROW_COUNTER,
-    ResidualStream,
-    check_residual,
-    split_counters,
-)
+from batchrun.kernels.gemv import NUM_COUNTERS, ResidualStream, check_residual, split_counters
 from batchrun.kernels.int4_gemv_mma import (
     _b_operand,
-    _cta_barrier,
+    _finish,
     _pdl_wait,
-    _swiglu_y,
     _x_offsets,
+    pick_split,
 )
 from batchrun.kernels.pdl import pdl_launch_kwargs
 from triton.experimental import gluon
@@ -64,10 +58,6 @@ WARPS = 4
 ROWS = 16 * WARPS  # output rows a program: 16 a warp
 STEP = 64  # K rows a step: one 16-byte load a thread and row
 BLOCK = 128  # block FP8's weight blocks: a chunk of two steps
-# NOTE: K-split programs at most, as kernels/int4_gemv_mma.py's rule (a slice keeps at least
-# two chunks)
-TARGET_PROGRAMS = 1536
-MAX_SPLIT_K = 32
 
 
 @gluon.jit
@@ -195,78 +185,12 @@ def _fp8_gemv_mma_kernel(
         if SWIGLU:
             out_up = out_up * gl.load(SW + N + rows)[:, None]
 
-    mask = (cols < M)[None, :] & (rows < N)[:, None]
-    y_offs = cols[None, :] * stride_ym + rows[:, None]
     res = zero
     if ADD_RES:  # [64, MP] of R [M, N]
+        mask = (cols < M)[None, :] & (rows < N)[:, None]
         res = gl.load(R + cols[None, :] * stride_rm + rows[:, None], mask=mask, other=0.0)
-    if SPLIT_K > 1:
-        ws_n: gl.constexpr = 2 * N if SWIGLU else N
-        plane = M * ws_n
-        ws_offs = cols[None, :] * ws_n + rows[:, None]
-        gl.store(WS + pid_k * plane + ws_offs, out, mask=mask)
-        if SWIGLU:
-            gl.store(WS + pid_k * plane + ws_offs + N, out_up, mask=mask)
-        # NOTE: every thread's stores before the one release (as kernels/gemv.py): bar.sync,
-        # then a gpu-scope acq_rel atomic; the last slice's acquire sees every plane
-        _cta_barrier()
-        arrived = gl.atomic_add(Counters + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            out = zero
-            out_up = zero
-            for s in gl.static_range(SPLIT_K):
-                out += gl.load(WS + s * plane + ws_offs, mask=mask, other=0.0, cache_modifier=".cg")
-                if SWIGLU:
-                    out_up += gl.load(WS + s * plane + ws_offs + N, mask=mask, other=0.0,
-                                      cache_modifier=".cg")  # fmt: skip
-            _write_y(out, out_up, res, Y + y_offs, mask, DTYPE, SWIGLU, ADD_RES)
-            gl.atomic_xchg(Counters + pid_n, 0, sem="relaxed", scope="gpu")  # the next call's
-            if NORM_OUT:
-                _norm_after_last_tile(Y, G, NormOut, Counters + ROW_COUNTER, N, eps,
-                                      gl.num_programs(0), BLOCK_ROW)  # fmt: skip
-    else:
-        _write_y(out, out_up, res, Y + y_offs, mask, DTYPE, SWIGLU, ADD_RES)
-        if NORM_OUT:
-            _norm_after_last_tile(Y, G, NormOut, Counters + ROW_COUNTER, N, eps,
-                                  gl.num_programs(0), BLOCK_ROW)  # fmt: skip
-
-
-@gluon.jit
-def _write_y(out, out_up, res, ptrs, mask, DTYPE: gl.constexpr, SWIGLU: gl.constexpr,
-             ADD_RES: gl.constexpr):  # fmt: skip
-    """y from the fp32 sums, rounded as kernels/gemv.py's `_write_y`: the SwiGLU gate, or the
-    product rounded to the dtype and the residual added in fp32, rounded once more."""
-    if SWIGLU:
-        y = _swiglu_y(out, out_up, DTYPE).to(DTYPE)
-    else:
-        y = out.to(DTYPE)
-    if ADD_RES:
-        y = (y.to(gl.float32) + res.to(gl.float32)).to(DTYPE)
-    gl.store(ptrs, y, mask=mask)
-
-
-@gluon.jit
-def _norm_after_last_tile(Y, G, NormOut, RowCounter, N, eps, num_tiles,
-                          BLOCK_ROW: gl.constexpr):  # fmt: skip
-    """kernels/gemv.py's `_norm_after_last_tile` in Gluon: once every program of rows has
-    written its part of the row y (M = 1), the one that finished last normalizes the row as
-    kernels/fused_norm.py does (rmsnorm in fp32, rounded, times the weight, rounded) into
-    NormOut and resets the counter."""
-    # NOTE: every thread's stores, a CTA barrier, one gpu-scope acq_rel atomic (the split-K
-    # release / acquire); the last program reads the others' parts from L2 (`.cg`)
-    _cta_barrier()
-    done = gl.atomic_add(RowCounter, 1, sem="acq_rel", scope="gpu")
-    if done == num_tiles - 1:
-        row_l: gl.constexpr = gl.BlockedLayout([BLOCK_ROW // 128], [32], [4], [0])  # >= 128
-        offs = gl.arange(0, BLOCK_ROW, layout=row_l)
-        in_row = offs < N
-        h = gl.load(Y + offs, mask=in_row, other=0.0, cache_modifier=".cg").to(gl.float32)
-        mean_sq = gl.sum(h * h, axis=0) / N
-        normed = (h * gl.rsqrt(mean_sq + eps)).to(NormOut.dtype.element_ty)
-        g = gl.load(G + offs, mask=in_row, other=0.0).to(gl.float32)
-        gl.store(NormOut + offs, (g * normed.to(gl.float32)).to(NormOut.dtype.element_ty),
-                 mask=in_row)  # fmt: skip
-        gl.atomic_xchg(RowCounter, 0, sem="relaxed", scope="gpu")
+    _finish(out, out_up, res, Y, WS, Counters, G, NormOut, rows, cols, M, N, stride_ym, eps,
+            pid_n, pid_k, DTYPE, SPLIT_K, SWIGLU, ADD_RES, NORM_OUT, BLOCK_ROW)  # fmt: skip
 
 
 def takes(n_rows: int, k: int, m: int, blocks: bool = False, swiglu: bool = False) -> bool:
@@ -276,18 +200,6 @@ def takes(n_rows: int, k: int, m: int, blocks: bool = False, swiglu: bool = Fals
     n = n_rows // 2 if swiglu else n_rows
     whole = n % ROWS == 0 and k % (BLOCK if blocks else STEP) == 0
     return 0 < m <= MAX_M and whole and (not blocks or not swiglu or n % BLOCK == 0)
-
-
-def pick_split(n: int, k: int, chunk: int) -> int:
-    """K slices (a power of two, each at least two chunks) until there are about
-    TARGET_PROGRAMS programs."""
-    programs = n // ROWS
-    split = 1
-    while (
-        split < MAX_SPLIT_K and programs * split * 2 <= TARGET_PROGRAMS and k >= 4 * split * chunk
-    ):
-        split *= 2
-    return split
 
 
 def fp8_gemv_mma(
@@ -340,6 +252,7 @@ def _launch(x, w, w_scale, blocks, swiglu, split_k, pdl, residual,
     normed = None if norm is None else torch.empty_like(y)
     chunk_steps = 2 if k % (2 * STEP) == 0 else 1
     chunks = k // (chunk_steps * STEP)
+    # int4_gemv_mma's rule (64-row programs, as here): about 1,536 programs
     split = split_k or pick_split(n, k, chunk_steps * STEP)
     per_split = triton.cdiv(chunks, split)
     split = triton.cdiv(chunks, per_split)
