@@ -33,12 +33,6 @@ FP8_MATMULS = ("auto", "scaled_mm", "dequant")
 # "cublaslt" torch's scaled_mm with BlockWise1x128 activations and BlockWise128x128 weights
 # (cuBLASLt; sm_90 and a torch built with CUDA 12.9+), "triton" kernels/fp8_block_matmul.py
 FP8_BLOCK_GEMMS = ("auto", "cublaslt", "triton")
-# the activations of an FP8 linear's decode batches: "w8a8" quantized to e4m3 per token (or with
-# the static input_scale, or per 128-column group for block FP8) by kernels/fp8_quant.py, then
-# kernels/fp8_gemv.py on the e4m3 tensor cores; "w8a16" left in the model's dtype, the weight
-# converted to it in registers (no quantization kernel, no activation scale): kernels/
-# fp8_gemv_mma.py on CUDA where it takes the shape, else kernels/fp8_gemv.py's weight_only mode
-FP8_DECODES = ("auto", "w8a8", "w8a16")
 # the matmul of a quantized model's INT4 linears (AWQ, GPTQ, compressed-tensors W4A16): "triton"
 # kernels/int4_matmul.py on the packed weights (decode batches of up to 16 rows on
 # kernels/int4_gemv_mma.py, or kernels/int4_gemv.py where that does not take the weight),
@@ -174,10 +168,6 @@ class KernelConfig:
                         (fp8_block_gemm "triton") whose bf16 weights take at most half the GPU
                         (dequantized: faster than the Triton block matmul), "dequant" elsewhere
                         (the CPU always dequantizes)
-    fp8_decode          one of FP8_DECODES for the decode batches (up to 16 rows) of FP8 linears
-                        kept in FP8 with decode_gemv "triton"; auto: "w8a8". "w8a16" computes
-                        them as the dequantized model does (a static input_scale's clamp
-                        does not apply to them); prefill and larger batches stay W8A8
     fp8_block_gemm      one of FP8_BLOCK_GEMMS for a block-FP8 linear's batches of more than 16
                         rows with fp8_matmul "scaled_mm"; auto: "cublaslt" where it runs (sm_90,
                         torch with CUDA 12.9+), else "triton". On one H100 (`python
@@ -223,7 +213,6 @@ class KernelConfig:
     piecewise_graphs: bool | None = None
     host_gate: bool | None = None
     fp8_matmul: str = "auto"
-    fp8_decode: str = "auto"
     fp8_block_gemm: str = "auto"
     int4_matmul: str = "auto"
     fp8_fast_accum: bool = True
@@ -245,7 +234,6 @@ class KernelConfig:
             piecewise_graphs=False,
             host_gate=False,
             fp8_matmul="dequant",
-            fp8_decode="w8a8",
             fp8_block_gemm="triton",
             int4_matmul="dequant",
             moe="torch",
@@ -259,7 +247,6 @@ class KernelConfig:
         _one_of("decode_gemv", self.decode_gemv, DECODE_GEMVS)
         _one_of("decode_norms", self.decode_norms, DECODE_NORMS)
         _one_of("fp8_matmul", self.fp8_matmul, FP8_MATMULS)
-        _one_of("fp8_decode", self.fp8_decode, FP8_DECODES)
         _one_of("fp8_block_gemm", self.fp8_block_gemm, FP8_BLOCK_GEMMS)
         _one_of("int4_matmul", self.int4_matmul, INT4_MATMULS)
         _one_of("moe backend", self.moe, MOE_BACKENDS)
@@ -272,7 +259,7 @@ class KernelConfig:
     def is_resolved(self) -> bool:
         auto = {
             "attention", "extend_attention", "decode_gemv", "decode_norms", "fp8_matmul",
-            "fp8_decode", "fp8_block_gemm", "int4_matmul", "moe", "moe_decode", "moe_prefill",
+            "fp8_block_gemm", "int4_matmul", "moe", "moe_decode", "moe_prefill",
         }  # fmt: skip
         return all(
             getattr(self, f.name) != "auto" if f.name in auto else getattr(self, f.name) is not None

@@ -105,7 +105,6 @@ def _fp8_gemv_kernel(
     SPLIT_K: tl.constexpr,
     SWIGLU: tl.constexpr,
     BLOCKS: tl.constexpr,  # 128 x 128 weight blocks, activations per 128-column group
-    A16: tl.constexpr,  # XQ is x itself (its dtype), w converted to it in registers: no XS
     ADD_RES: tl.constexpr,  # y = the product + R (kernels/gemv.py's gemv_residual)
     NORM_OUT: tl.constexpr,  # and, for one row, rmsnorm(y) * G by the tile finishing last
     BLOCK_ROW: tl.constexpr,  # NORM_OUT: the row's width, a power of two
@@ -156,10 +155,10 @@ def _fp8_gemv_kernel(
     acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc, acc_up = _tile_step(acc, acc_up, w, w_up, k_start, k_end, XQ, XS, sw_rows, sw_up_rows,
                              offs_m, offs_n, in_m, M, N, stride_xm, stride_xs, stride_xsk,
-                             BLOCK_K, SWIGLU, BLOCKS, A16)  # fmt: skip
+                             BLOCK_K, SWIGLU, BLOCKS)  # fmt: skip
     acc, acc_up = _tile_step(acc, acc_up, w2, w2_up, k_start + BLOCK_K, k_end, XQ, XS, sw_rows,
                              sw_up_rows, offs_m, offs_n, in_m, M, N, stride_xm, stride_xs,
-                             stride_xsk, BLOCK_K, SWIGLU, BLOCKS, A16)  # fmt: skip
+                             stride_xsk, BLOCK_K, SWIGLU, BLOCKS)  # fmt: skip
     for k0 in range(k_start + 2 * BLOCK_K, k_end, BLOCK_K):
         w = _w_tile(w_rows, in_n, k0, k_end, BLOCK_K)
         w_up = w
@@ -167,8 +166,8 @@ def _fp8_gemv_kernel(
             w_up = _w_tile(up_rows, in_n, k0, k_end, BLOCK_K)
         acc, acc_up = _tile_step(acc, acc_up, w, w_up, k0, k_end, XQ, XS, sw_rows, sw_up_rows,
                                  offs_m, offs_n, in_m, M, N, stride_xm, stride_xs, stride_xsk,
-                                 BLOCK_K, SWIGLU, BLOCKS, A16)  # fmt: skip
-    if BLOCKS or A16:
+                                 BLOCK_K, SWIGLU, BLOCKS)  # fmt: skip
+    if BLOCKS:
         sx = tl.full([16], 1.0, tl.float32)
     else:
         sx = tl.load(XS + offs_m * stride_xs, mask=in_m, other=1.0)
@@ -180,38 +179,25 @@ def _fp8_gemv_kernel(
 @triton.jit
 def _tile_step(acc, acc_up, w, w_up, k0, k_end, XQ, XS, sw_rows, sw_up_rows, offs_m, offs_n, in_m,
                M, N, stride_xm, stride_xs, stride_xsk, BLOCK_K: tl.constexpr,
-               SWIGLU: tl.constexpr, BLOCKS: tl.constexpr, A16: tl.constexpr):  # fmt: skip
+               SWIGLU: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
     """The sums acc [BLOCK_N, 16] (and acc_up) plus the K tile at k0: w (and w_up) loaded, q(x)'s
     tile read here. Each tile's dot starts from zeros and is added in fp32: the e4m3 MMA's
     accumulator spans one tile. With BLOCKS the dot is scaled by its block's weight scale and
-    its group's activation scales first. With A16 the tile is x's own (bf16 / fp16) and w is
-    converted to that dtype (exactly: e4m3 values are bf16 and fp16 values) for the dot."""
+    its group's activation scales first."""
     xq = _x_tile(XQ, offs_m, M, stride_xm, k0, k_end, BLOCK_K)
-    if A16:
-        d = tl.dot(w.to(xq.dtype), tl.trans(xq))
-    else:
-        d = tl.dot(w, tl.trans(xq))
+    d = tl.dot(w, tl.trans(xq))
     if BLOCKS:
         # a slice's zero tile past its end takes its last group's (finite) scales: 0 all the same
         kb = tl.minimum(k0, k_end - 1) // 128
+        sx_k = tl.load(XS + offs_m * stride_xs + kb * stride_xsk, mask=in_m, other=0.0)
         sw_k = tl.load(sw_rows + kb, mask=offs_n < N, other=0.0)
-        if A16:
-            d = d * sw_k[:, None]
-        else:
-            sx_k = tl.load(XS + offs_m * stride_xs + kb * stride_xsk, mask=in_m, other=0.0)
-            d = d * sw_k[:, None] * sx_k[None, :]
+        d = d * sw_k[:, None] * sx_k[None, :]
     acc = acc + d
     if SWIGLU:
-        if A16:
-            d_up = tl.dot(w_up.to(xq.dtype), tl.trans(xq))
-        else:
-            d_up = tl.dot(w_up, tl.trans(xq))
+        d_up = tl.dot(w_up, tl.trans(xq))
         if BLOCKS:
             sw_k = tl.load(sw_up_rows + kb, mask=offs_n < N, other=0.0)
-            if A16:
-                d_up = d_up * sw_k[:, None]
-            else:
-                d_up = d_up * sw_k[:, None] * sx_k[None, :]
+            d_up = d_up * sw_k[:, None] * sx_k[None, :]
         acc_up = acc_up + d_up
     return acc, acc_up
 
@@ -297,16 +283,13 @@ def fp8_gemv(
     *,
     amax: torch.Tensor | None = None,  # float32 [M]: dynamic with these row maxima (TP)
     blocks: bool = False,  # w_scale [N / 128, K / 128] per block, x quantized per 128 columns
-    weight_only: bool = False,  # x not quantized: sw * (x @ w.T) (W8A16)
     config: Fp8GemvConfig | None = None,
     swiglu: bool = False,
     pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ) -> torch.Tensor:
     """sx * sw * (q(x) @ w.T): [M, N] in x's dtype; with swiglu, silu(gate) * up: [M, N / 2].
-    blocks: the sum over K's 128-column groups of each group's dot times its scales.
-    weight_only: x in its own dtype against w converted to it, no activation scales (W8A16)."""
-    return _launch(x, w, w_scale, input_scale, amax, blocks, weight_only, config, swiglu, pdl,
-                   None, None)[0]  # fmt: skip
+    blocks: the sum over K's 128-column groups of each group's dot times its scales."""
+    return _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl, None, None)[0]
 
 
 def fp8_gemv_residual(
@@ -319,7 +302,6 @@ def fp8_gemv_residual(
     *,
     amax: torch.Tensor | None = None,
     blocks: bool = False,
-    weight_only: bool = False,
     config: Fp8GemvConfig | None = None,
     pdl: bool = False,
 ) -> ResidualStream:
@@ -327,11 +309,11 @@ def fp8_gemv_residual(
     also rmsnorm(h) * weight for one row, computed by the column tile that finishes last
     (kernels/gemv.py's gemv_residual, on FP8 weights)."""
     check_residual(x, w.shape[0], residual, norm)
-    return ResidualStream(*_launch(x, w, w_scale, input_scale, amax, blocks, weight_only, config,
-                                   False, pdl, residual, norm))  # fmt: skip
+    return ResidualStream(*_launch(x, w, w_scale, input_scale, amax, blocks, config, False, pdl,
+                                   residual, norm))  # fmt: skip
 
 
-def _launch(x, w, w_scale, input_scale, amax, blocks, weight_only, config, swiglu, pdl, residual,
+def _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl, residual,
             norm) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """(y, normed): normed when norm is given, else None."""
     m, k = x.shape
@@ -341,7 +323,6 @@ def _launch(x, w, w_scale, input_scale, amax, blocks, weight_only, config, swigl
     assert w_scale.dtype == torch.float32 and (not swiglu or n_rows % 2 == 0)
     assert input_scale is None or amax is None
     assert amax is None or (amax.dtype == torch.float32 and amax.shape == (m,))
-    assert not weight_only or (input_scale is None and amax is None), "x is not quantized"
     n = n_rows // 2 if swiglu else n_rows
     if blocks:
         assert input_scale is None and amax is None, "block FP8 quantizes x per 128 columns"
@@ -355,11 +336,7 @@ def _launch(x, w, w_scale, input_scale, amax, blocks, weight_only, config, swigl
     tile_bytes = (2 if swiglu else 1) * cfg.block_n * cfg.block_k
     while cfg.num_stages > 1 and tile_bytes * cfg.num_stages > SMEM_FOR_W:
         cfg = cfg._replace(num_stages=cfg.num_stages - 1)
-    if weight_only:  # x as it is; sx a stand-in pointer (A16 reads no activation scale)
-        xq, sx = x, w_scale
-        stride_xs, stride_xsk = 0, 0
-        stride_swn = w_scale.stride(0) if blocks else 0
-    elif blocks:
+    if blocks:
         xq, sx = quant_per_token_group(x, BLOCK, pdl=pdl)  # sx [M, K / 128]
         stride_xs, stride_xsk, stride_swn = sx.stride(0), sx.stride(1), w_scale.stride(0)
     else:
@@ -389,7 +366,7 @@ def _launch(x, w, w_scale, input_scale, amax, blocks, weight_only, config, swigl
         k_per_split, n * w.stride(0), xq.stride(0), w.stride(0), y.stride(0), r.stride(0), eps,
         stride_xs, stride_xsk, stride_swn,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu, BLOCKS=blocks,
-        A16=weight_only, ADD_RES=residual is not None, NORM_OUT=norm is not None,
+        ADD_RES=residual is not None, NORM_OUT=norm is not None,
         BLOCK_ROW=triton.next_power_of_2(n if norm is not None else 1), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import torch
 import triton
-from batchrun.kernels.gemv import NUM_COUNTERS, ROW_COUNTER, split_counters
+from batchrun.kernels.gemv import NUM_COUNTERS, split_counters
 from batchrun.kernels.int4_gemv import EXP_BITS as GEMV_EXP_BITS
 from batchrun.kernels.pdl import pdl_launch_kwargs
 from triton.experimental import gluon
@@ -132,34 +132,6 @@ def _b_operand(X, step, x_offs, x_mask, MP: gl.constexpr, B_LAYOUT: gl.constexpr
     xt = gl.reshape(xt, [MP, 4, 4, 2, 2])  # t m b b_8 b_1
     xt = gl.permute(xt, (2, 3, 1, 4, 0))  # b b_8 m b_1 t
     return gl.convert_layout(gl.reshape(xt, [64, MP]), B_LAYOUT, assert_trivial=True)
-
-
-@gluon.jit
-def _x_offsets(M, stride_xm, MP: gl.constexpr):
-    """x's offsets and mask [MP, 4 (m), 16] for `_b_operand`: a thread's 16 contiguous values
-    (registers), its m and row (lanes); every warp the same."""
-    if MP == 16:
-        x_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
-            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[0, 0, 0], [0, 0, 0]],
-            block_bases=[],
-            shape=[MP, 4, 16],
-        )
-    else:
-        x_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
-            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[0, 0, 0], [0, 0, 0]],
-            block_bases=[],
-            shape=[MP, 4, 16],
-        )
-    tt = gl.arange(0, MP, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_l)))
-    mm = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_l)))
-    jj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_l)))
-    x_offs = tt[:, None, None] * stride_xm + mm[None, :, None] * 16 + jj[None, None, :]
-    x_mask = (tt < M)[:, None, None] & (mm >= 0)[None, :, None] & (jj >= 0)[None, None, :]
-    return x_offs, x_mask
 
 
 @gluon.jit
@@ -288,7 +260,29 @@ def _int4_gemv_mma_kernel(
     m = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, words_l)))
     b = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, words_l)))
     w_offs = r[:, None, None] * 16 + m[None, :, None] * 4 + b[None, None, :]
-    x_offs, x_mask = _x_offsets(M, stride_xm, MP)
+    # x's step as [MP, 4 (m), 16]: a thread's 16 contiguous values (registers), its m and row
+    # (lanes); every warp the same
+    if MP == 16:
+        x_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[0, 0, 0], [0, 0, 0]],
+            block_bases=[],
+            shape=[MP, 4, 16],
+        )
+    else:
+        x_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[0, 0, 0], [0, 0, 0]],
+            block_bases=[],
+            shape=[MP, 4, 16],
+        )
+    tt = gl.arange(0, MP, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_l)))
+    mm = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_l)))
+    jj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_l)))
+    x_offs = tt[:, None, None] * stride_xm + mm[None, :, None] * 16 + jj[None, None, :]
+    x_mask = (tt < M)[:, None, None] & (mm >= 0)[None, :, None] & (jj >= 0)[None, None, :]
     ones = gl.full([ROWS_, 64], 1.0, DTYPE, layout=a_l)
     rows = pid_n * ROWS_ + gl.arange(0, ROWS_, layout=gl.SliceLayout(1, mma_l))
     cols = gl.arange(0, MP, layout=gl.SliceLayout(0, mma_l))
@@ -341,24 +335,10 @@ def _int4_gemv_mma_kernel(
                 out_up = _scaled(out_up, acc, accx, S, Z, g, rows + N, OFFSET, N_ROWS,
                                  HAS_ZEROS)  # fmt: skip
 
-    _finish(out, out_up, zero, Y, WS, Counters, Y, Y, rows, cols, M, N, stride_ym, 0.0, pid_n,
-            pid_k, DTYPE, SPLIT_K, SWIGLU, False, False, 1)  # fmt: skip
-
-
-@gluon.jit
-def _finish(out, out_up, res, Y, WS, Counters, G, NormOut, rows, cols, M, N: gl.constexpr,
-            stride_ym, eps, pid_n, pid_k, DTYPE: gl.constexpr, SPLIT_K: gl.constexpr,
-            SWIGLU: gl.constexpr, ADD_RES: gl.constexpr, NORM_OUT: gl.constexpr,
-            BLOCK_ROW: gl.constexpr):  # fmt: skip
-    """y from a program's fp32 sums out [rows, cols] (and out_up) in the MMA's layout: written
-    (`_write_y`), or with SPLIT_K > 1 stored to this slice's plane of WS ([SPLIT_K, M, N], or
-    [SPLIT_K, M, 2N] with swiglu), the slice that arrives last summing the planes in slice
-    order into y; with NORM_OUT (one row) the program that finishes last then normalizes the
-    row (`_norm_after_last_tile`). res: ADD_RES's residual tile."""
     mask = (cols < M)[None, :] & (rows < N)[:, None]
     y_offs = cols[None, :] * stride_ym + rows[:, None]
     if SPLIT_K > 1:
-        ws_n: gl.constexpr = 2 * N if SWIGLU else N
+        ws_n: gl.constexpr = N_ROWS
         plane = M * ws_n
         ws_offs = cols[None, :] * ws_n + rows[:, None]
         gl.store(WS + pid_k * plane + ws_offs, out, mask=mask)
@@ -369,61 +349,23 @@ def _finish(out, out_up, res, Y, WS, Counters, G, NormOut, rows, cols, M, N: gl.
         _cta_barrier()
         arrived = gl.atomic_add(Counters + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
-            out = gl.zeros_like(out)
-            out_up = gl.zeros_like(out)
+            out = zero
+            out_up = zero
             for s in gl.static_range(SPLIT_K):
                 out += gl.load(WS + s * plane + ws_offs, mask=mask, other=0.0, cache_modifier=".cg")
                 if SWIGLU:
                     out_up += gl.load(WS + s * plane + ws_offs + N, mask=mask, other=0.0,
                                       cache_modifier=".cg")  # fmt: skip
-            _write_y(out, out_up, res, Y + y_offs, mask, DTYPE, SWIGLU, ADD_RES)
+            if SWIGLU:
+                gl.store(Y + y_offs, _swiglu_y(out, out_up, DTYPE).to(DTYPE), mask=mask)
+            else:
+                gl.store(Y + y_offs, out.to(DTYPE), mask=mask)
             gl.atomic_xchg(Counters + pid_n, 0, sem="relaxed", scope="gpu")  # the next call's
-            if NORM_OUT:
-                _norm_after_last_tile(Y, G, NormOut, Counters + ROW_COUNTER, N, eps,
-                                      gl.num_programs(0), BLOCK_ROW)  # fmt: skip
     else:
-        _write_y(out, out_up, res, Y + y_offs, mask, DTYPE, SWIGLU, ADD_RES)
-        if NORM_OUT:
-            _norm_after_last_tile(Y, G, NormOut, Counters + ROW_COUNTER, N, eps,
-                                  gl.num_programs(0), BLOCK_ROW)  # fmt: skip
-
-
-@gluon.jit
-def _write_y(out, out_up, res, ptrs, mask, DTYPE: gl.constexpr, SWIGLU: gl.constexpr,
-             ADD_RES: gl.constexpr):  # fmt: skip
-    """y from the fp32 sums, rounded as kernels/gemv.py's `_write_y`: the SwiGLU gate, or the
-    product rounded to the dtype and the residual added in fp32, rounded once more."""
-    if SWIGLU:
-        y = _swiglu_y(out, out_up, DTYPE).to(DTYPE)
-    else:
-        y = out.to(DTYPE)
-    if ADD_RES:
-        y = (y.to(gl.float32) + res.to(gl.float32)).to(DTYPE)
-    gl.store(ptrs, y, mask=mask)
-
-
-@gluon.jit
-def _norm_after_last_tile(Y, G, NormOut, RowCounter, N, eps, num_tiles,
-                          BLOCK_ROW: gl.constexpr):  # fmt: skip
-    """kernels/gemv.py's `_norm_after_last_tile` in Gluon: once every program of rows has
-    written its part of the row y (M = 1), the one that finished last normalizes the row as
-    kernels/fused_norm.py does (rmsnorm in fp32, rounded, times the weight, rounded) into
-    NormOut and resets the counter."""
-    # NOTE: every thread's stores, a CTA barrier, one gpu-scope acq_rel atomic (the split-K
-    # release / acquire); the last program reads the others' parts from L2 (`.cg`)
-    _cta_barrier()
-    done = gl.atomic_add(RowCounter, 1, sem="acq_rel", scope="gpu")
-    if done == num_tiles - 1:
-        row_l: gl.constexpr = gl.BlockedLayout([BLOCK_ROW // 128], [32], [4], [0])  # >= 128
-        offs = gl.arange(0, BLOCK_ROW, layout=row_l)
-        in_row = offs < N
-        h = gl.load(Y + offs, mask=in_row, other=0.0, cache_modifier=".cg").to(gl.float32)
-        mean_sq = gl.sum(h * h, axis=0) / N
-        normed = (h * gl.rsqrt(mean_sq + eps)).to(NormOut.dtype.element_ty)
-        g = gl.load(G + offs, mask=in_row, other=0.0).to(gl.float32)
-        gl.store(NormOut + offs, (g * normed.to(gl.float32)).to(NormOut.dtype.element_ty),
-                 mask=in_row)  # fmt: skip
-        gl.atomic_xchg(RowCounter, 0, sem="relaxed", scope="gpu")
+        if SWIGLU:
+            gl.store(Y + y_offs, _swiglu_y(out, out_up, DTYPE).to(DTYPE), mask=mask)
+        else:
+            gl.store(Y + y_offs, out.to(DTYPE), mask=mask)
 
 
 def takes(w: Int4MmaPacked, m: int, swiglu: bool = False) -> bool:

@@ -2,14 +2,10 @@
 quant_per_token + torch._scaled_mm (the torch quantization chain and cuBLASLt), and against
 bf16 kernels/gemv.py on the same shape, per weight of the benchmark models at M = 1, 4, 16.
 Answers what fp8_gemv's pick_config should be per shape: weight rows a program, K tiles and
-splits; and what W8A16 (x unquantized, no quantization kernel) costs against the W8A8 default:
-fp8_gemv's `weight_only` mode at the default config and the sweep's best, and
-kernels/fp8_gemv_mma.py (Gluon) at its split rule and each split.
+splits.
 
     python scripts/bench_fp8_gemv.py                         # llama-1b and llama-8b, M = 1, 4, 16
     python scripts/bench_fp8_gemv.py --models llama-8b --m 1 --no-sweep
-    python scripts/bench_fp8_gemv.py --models llama-8b --m 1 --sweep w8a16   # W8A16's tiles only
-    python scripts/bench_fp8_gemv.py --models llama-8b --m 1 --sweep mma     # fp8_gemv_mma's splits
 
 Timing as scripts/bench_gemv.py's (CUDA graphs of many calls cycling through weight copies past
 the L2 cache, CUDA events, one run). Reports µs per call and the weight bytes read per second
@@ -53,8 +49,7 @@ def sweep_configs(m: int, n: int, k: int):
             yield cfg
 
 
-def bench_shape(name: str, n: int, k: int, m: int, sweep: str, pdl: bool) -> dict:
-    from batchrun.kernels import fp8_gemv_mma
+def bench_shape(name: str, n: int, k: int, m: int, sweep: bool, pdl: bool) -> dict:
     from batchrun.kernels.activation import silu_and_mul
     from batchrun.kernels.fp8_gemv import fp8_gemv, pick_config
     from batchrun.kernels.gemv import gemv
@@ -72,12 +67,11 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: str, pdl: bool) -> dic
     if swiglu:
         ref = silu_and_mul(ref.bfloat16()).float()
 
-    def run(cfg, weight_only=False):
-        return lambda pair: fp8_gemv(x, pair[0], pair[1], config=cfg, swiglu=swiglu, pdl=pdl,
-                                     weight_only=weight_only)  # fmt: skip
+    def run(cfg):
+        return lambda pair: fp8_gemv(x, pair[0], pair[1], config=cfg, swiglu=swiglu, pdl=pdl)
 
-    def correct(cfg, weight_only=False) -> bool:
-        out = run(cfg, weight_only)(fp8[0]).float()
+    def correct(cfg) -> bool:
+        out = run(cfg)(fp8[0]).float()
         return ((out - ref).norm() / ref.norm()).item() <= 1e-2
 
     def torch_path(pair):
@@ -92,33 +86,12 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: str, pdl: bool) -> dic
         "default_us": graph_time_us(run(default), fp8),
     }
     timed = []
-    for cfg in sweep_configs(m, n, k) if sweep in ("both", "w8a8") else ():
+    for cfg in sweep_configs(m, n, k) if sweep else ():
         if correct(cfg):
             timed.append((cfg._asdict(), graph_time_us(run(cfg), fp8)))
     timed.sort(key=lambda item: item[1])
     out["top_configs"] = timed[:8]
     out["best_us"] = min([out["default_us"]] + [us for _, us in timed])
-    out["w8a16_correct"] = correct(default, True)
-    out["w8a16_us"] = graph_time_us(run(default, True), fp8)
-    timed = []
-    for cfg in sweep_configs(m, n, k) if sweep in ("both", "w8a16") else ():
-        if correct(cfg, True):
-            timed.append((cfg._asdict(), graph_time_us(run(cfg, True), fp8)))
-    timed.sort(key=lambda item: item[1])
-    out["w8a16_top_configs"] = timed[:8]
-    out["w8a16_best_us"] = min([out["w8a16_us"]] + [us for _, us in timed])
-    out["mma_us"] = float("nan")  # kernels/fp8_gemv_mma.py (W8A16 in Gluon), where it takes
-    if fp8_gemv_mma.takes(n, k, m, swiglu=swiglu):
-
-        def mma(split=None):
-            return lambda pair: fp8_gemv_mma.fp8_gemv_mma(x, pair[0], pair[1], swiglu=swiglu,
-                                                          split_k=split, pdl=pdl)  # fmt: skip
-
-        got = mma()(fp8[0]).float()
-        out["mma_correct"] = ((got - ref).norm() / ref.norm()).item() <= 1e-2
-        out["mma_us"] = graph_time_us(mma(), fp8)
-        splits = (1, 2, 4, 8, 16, 32) if sweep in ("both", "mma") else ()
-        out["mma_splits"] = {split: graph_time_us(mma(split), fp8) for split in splits}
     fp8.clear()
     bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(
         max(2, -(-L2_BYTES // (2 * n * k))))]  # fmt: skip
@@ -127,7 +100,6 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: str, pdl: bool) -> dic
     bf16.clear()
     torch.cuda.empty_cache()
     for key, nbytes in (("scaled_mm", n * k), ("default", n * k), ("best", n * k),
-                        ("w8a16", n * k), ("w8a16_best", n * k), ("mma", n * k),
                         ("bf16_gemv", 2 * n * k)):  # fmt: skip
         out[f"{key}_tb_s"] = nbytes / (out[f"{key}_us"] * 1e-6) / 1e12
     return out
@@ -137,8 +109,6 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", default="llama-1b,llama-8b")
     p.add_argument("--m", default="1,4,16", help="rows of x (decode batch), comma-separated")
-    p.add_argument("--sweep", choices=("both", "w8a8", "w8a16", "mma", "none"), default="both",
-                   help="which mode's tile configs to sweep besides the default")  # fmt: skip
     p.add_argument("--no-sweep", action="store_true", help="only the default config")
     p.add_argument("--matrices", default="qkv,o,gate_up,down", help="which of each model's")
     p.add_argument("--out", default=str(benchlib.OUT_DIR))
@@ -150,41 +120,30 @@ def main(argv=None) -> int:
     report = {"device": torch.cuda.get_device_name(), "pdl": pdl, "results": []}
     for model in args.models.split(","):
         for m in (int(v) for v in args.m.split(",")):
-            totals = {"scaled_mm": 0.0, "default": 0.0, "best": 0.0, "w8a16": 0.0,
-                      "w8a16_best": 0.0, "mma": 0.0, "bf16_gemv": 0.0}  # fmt: skip
+            totals = {"scaled_mm": 0.0, "default": 0.0, "best": 0.0, "bf16_gemv": 0.0}
             print(f"\n{model}, M = {m} (µs a call, weight TB/s)")
             print(
-                "| matrix | N x K | scaled_mm | fp8_gemv default | best | W8A16 default | W8A16 "
-                "best | fp8_gemv_mma | bf16 gemv | cuBLAS bf16 |"
+                "| matrix | N x K | scaled_mm | fp8_gemv default | best | bf16 gemv | cuBLAS bf16 |"
             )
-            print("|---|---|---|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|")
             for name, n, k, count in benchlib.linear_shapes(model):
                 if name not in args.matrices.split(","):
                     continue
-                r = bench_shape(name, n, k, m, "none" if args.no_sweep else args.sweep, pdl)
+                r = bench_shape(name, n, k, m, not args.no_sweep, pdl)
                 r.update(model=model, m=m, matrix=name, n=n, k=k, count=count)
                 report["results"].append(r)
                 for key in totals:
                     totals[key] += count * r[f"{key}_us"]
                 flag = "" if r["default_correct"] else " WRONG"
-                flag16 = "" if r["w8a16_correct"] else " WRONG"
                 print(
                     f"| {name} | {n} x {k} | {r['scaled_mm_us']:.1f} ({r['scaled_mm_tb_s']:.2f}) "
                     f"| {r['default_us']:.1f}{flag} ({r['default_tb_s']:.2f}) | {r['best_us']:.1f} "
-                    f"({r['best_tb_s']:.2f}) | {r['w8a16_us']:.1f}{flag16} "
-                    f"({r['w8a16_tb_s']:.2f}) | {r['w8a16_best_us']:.1f} "
-                    f"({r['w8a16_best_tb_s']:.2f}) | {r['mma_us']:.1f}"
-                    f"{'' if r.get('mma_correct', True) else ' WRONG'} ({r['mma_tb_s']:.2f}) "
-                    f"| {r['bf16_gemv_us']:.1f} "
-                    f"({r['bf16_gemv_tb_s']:.2f}) | {r['bf16_cublas_us']:.1f} |",
+                    f"({r['best_tb_s']:.2f}) | {r['bf16_gemv_us']:.1f} ({r['bf16_gemv_tb_s']:.2f}) "
+                    f"| {r['bf16_cublas_us']:.1f} |",
                     flush=True,
                 )
-                for key in ("top_configs", "w8a16_top_configs"):
-                    for cfg, us in r[key][:3]:
-                        print(f"    {key[:5]} {us:.1f} µs  {cfg}", flush=True)
-                if r.get("mma_splits"):
-                    splits = ", ".join(f"{s}: {us:.1f}" for s, us in r["mma_splits"].items())
-                    print(f"    fp8_gemv_mma by split: {splits}", flush=True)
+                for cfg, us in r["top_configs"][:4]:
+                    print(f"    {us:.1f} µs  {cfg}", flush=True)
             print(
                 "per decode step (the layers' matmuls): "
                 + ", ".join(f"{key} {v:.0f} µs" for key, v in totals.items())

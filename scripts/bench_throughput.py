@@ -126,10 +126,6 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # decode_norms "all" (every norm) / "post" (the post-attention norms only)
     "fp8-norms": ({"quantization": "fp8"}, {"decode_norms": "all"}),
     "fp8-norms-post": ({"quantization": "fp8"}, {"decode_norms": "post"}),
-    # decode batches W8A16 on kernels/fp8_gemv.py: no activation quantization kernel
-    "fp8-w8a16": ({"quantization": "fp8"}, {"fp8_decode": "w8a16"}),
-    "fp8-w8a16-norms": ({"quantization": "fp8"}, {"fp8_decode": "w8a16", "decode_norms": "all"}),
-    "fp8-block-w8a16": ({}, {"fp8_matmul": "scaled_mm", "fp8_decode": "w8a16"}),
     "fp8-block-norms": ({}, {"fp8_matmul": "scaled_mm", "decode_norms": "all"}),
     "prefix-order": ({}, {}),
 }
@@ -143,7 +139,6 @@ VARIANT_QUANTIZATION = {
     "fp8-block-triton": benchlib.CHECKPOINT_FORMATS["fp8-block"],
     "fp8-block-kv-fp8": benchlib.CHECKPOINT_FORMATS["fp8-block"],
     "fp8-block-norms": benchlib.CHECKPOINT_FORMATS["fp8-block"],
-    "fp8-block-w8a16": benchlib.CHECKPOINT_FORMATS["fp8-block"],
 }
 ALL_VARIANTS = (*VARIANTS, "hf")
 # BENCH.md targets: (workload, model) -> bound; W3 is ms per output token (lower is better), the

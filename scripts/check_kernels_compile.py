@@ -151,18 +151,11 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             x, w, torch.rand(48, 32), blocks=True, pdl=True)))  # fmt: skip
         out.append((f"fp8_gemv M={m} blocks swiglu", lambda x=x: fp8_gemv.fp8_gemv(
             x, gate_up, torch.rand(16, 32), blocks=True, swiglu=True, pdl=True)))  # fmt: skip
-        out.append((f"fp8_gemv M={m} weight_only", lambda x=x: fp8_gemv.fp8_gemv(
-            x, w, sw, weight_only=True, pdl=True)))  # fmt: skip
-        out.append((f"fp8_gemv M={m} weight_only blocks swiglu", lambda x=x: fp8_gemv.fp8_gemv(
-            x, gate_up, torch.rand(16, 32), blocks=True, swiglu=True, weight_only=True,
-            pdl=True)))  # fmt: skip
     down, sw_down = torch.randn(4096, 14336).to(f8), torch.rand(4096)
     x = torch.randn(1, 14336, dtype=torch.bfloat16)
     h, g = torch.randn(1, 4096, dtype=torch.bfloat16), torch.randn(4096, dtype=torch.bfloat16)
     out.append(("fp8_gemv down + residual + norm", lambda x=x: fp8_gemv.fp8_gemv_residual(
         x, down, sw_down, h, (g, 1e-5), pdl=True)))  # fmt: skip
-    out.append(("fp8_gemv down W8A16 + residual + norm", lambda x=x: fp8_gemv.fp8_gemv_residual(
-        x, down, sw_down, h, (g, 1e-5), weight_only=True, pdl=True)))  # fmt: skip
     o, x = torch.randn(4096, 4096).to(f8), torch.randn(1, 4096, dtype=torch.bfloat16)
     out.append(("fp8_gemv o blocks + residual + norm", lambda x=x: fp8_gemv.fp8_gemv_residual(
         x, o, torch.rand(32, 32), h, (g, 1e-5), blocks=True, pdl=True)))  # fmt: skip
@@ -238,7 +231,6 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
     out += _attention_cases()
     out += _rotary_cases()
     out += _activation_cases()
-    out += _fp8_mma_cases()
     return out
 
 
@@ -264,40 +256,6 @@ def _mma_gemv_cases(Int4Weight) -> list[tuple[str, Callable[[], object]]]:
             x, w, swiglu=g, split_k=s)))  # fmt: skip
         out.append((f"{name} prefetch", lambda x=x, w=w, g=swiglu, s=split: (
             int4_gemv_mma.int4_gemv_mma(x, w, swiglu=g, split_k=s, prefetch=True))))  # fmt: skip
-    return out
-
-
-def _fp8_mma_cases() -> list[tuple[str, Callable[[], object]]]:
-    """kernels/fp8_gemv_mma.py (Gluon): one, 4 and 16 rows, bf16 and fp16, per channel and
-    128 x 128 blocks, split-K and not, the SwiGLU epilogue, a K of one-step chunks."""
-    from batchrun.kernels import fp8_gemv_mma
-
-    f8 = torch.float8_e4m3fn
-    out = []
-    for n, k, blocks, swiglu, m, dtype, split in (
-        (6144, 4096, False, False, 1, torch.bfloat16, None),
-        (4096, 14336, False, False, 16, torch.float16, None),
-        (4096, 4096, False, False, 4, torch.bfloat16, 1),
-        (2 * 1024, 4096, False, True, 1, torch.bfloat16, None),
-        (6144, 4096, True, False, 1, torch.bfloat16, None),
-        (2 * 1024, 4096, True, True, 16, torch.bfloat16, None),
-        (1024, 4160, False, False, 1, torch.bfloat16, None),  # 65 steps: one-step chunks
-    ):
-        w, x = torch.randn(n, k).to(f8), torch.randn(m, k, dtype=dtype)
-        sw = torch.rand(-(-n // 128), k // 128) if blocks else torch.rand(n)
-        name = f"fp8_gemv_mma {n}x{k} blocks={blocks} swiglu={swiglu} M={m} split={split}"
-        kw = {"blocks": blocks, "swiglu": swiglu, "split_k": split, "pdl": True}
-        out.append((name, lambda x=x, w=w, sw=sw, kw=kw: fp8_gemv_mma.fp8_gemv_mma(x, w, sw, **kw)))
-    down, x = torch.randn(4096, 14336).to(f8), torch.randn(1, 14336, dtype=torch.bfloat16)
-    h, g = torch.randn(1, 4096, dtype=torch.bfloat16), torch.randn(4096, dtype=torch.bfloat16)
-    for blocks in (False, True):
-        sw = torch.rand(32, 112) if blocks else torch.rand(4096)
-        name = f"fp8_gemv_mma down + residual + norm blocks={blocks}"
-        out.append((name, lambda sw=sw, b=blocks: fp8_gemv_mma.fp8_gemv_mma_residual(
-            x, down, sw, h, (g, 1e-5), blocks=b, pdl=True)))  # fmt: skip
-    out.append(("fp8_gemv_mma o + residual, M=4", lambda: fp8_gemv_mma.fp8_gemv_mma_residual(
-        torch.randn(4, 4096, dtype=torch.bfloat16), torch.randn(4096, 4096).to(f8),
-        torch.rand(4096), torch.randn(4, 4096, dtype=torch.bfloat16), pdl=True)))  # fmt: skip
     return out
 
 

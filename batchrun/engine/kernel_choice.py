@@ -262,8 +262,6 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     elif decode_gemv == "triton" and not triton:
         raise ValueError("decode_gemv 'triton' needs the triton package")
 
-    # NOTE: auto is "w8a8" until a same-run W3 measurement of "w8a16" decides it
-    fp8_decode = "w8a8" if want.fp8_decode == "auto" else want.fp8_decode
     fp8_block_gemm = want.fp8_block_gemm
     if fp8_block_gemm == "auto":
         fp8_block_gemm = "cublaslt" if supports_block_scaled_mm(device) else "triton"
@@ -465,7 +463,6 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         piecewise_graphs=piecewise,
         host_gate=host_gate,
         fp8_matmul=fp8_matmul,
-        fp8_decode=fp8_decode,
         fp8_block_gemm=fp8_block_gemm,
         int4_matmul=int4_matmul,
         moe=moe,

@@ -74,9 +74,9 @@ except ImportError:  # no Triton (CPU-only installs): KernelConfig.int4_matmul i
     int4_kernel = int4_gemv_kernel = None
 
 try:
-    from batchrun.kernels import fp8_gemv_mma, int4_gemv_mma
+    from batchrun.kernels import int4_gemv_mma
 except ImportError:  # no Triton, or one without Gluon (triton.experimental.gluon, from 3.5)
-    fp8_gemv_mma = int4_gemv_mma = None
+    int4_gemv_mma = None
 
 try:
     from batchrun.kernels import fp8_quant
@@ -207,9 +207,6 @@ class QuantMatmul(nn.Module):
             and kernels.decode_gemv == "triton"
             and dtype in (torch.bfloat16, torch.float16)
         )
-        # decode batches with x unquantized (fp8_decode "w8a16"): on kernels/fp8_gemv_mma.py
-        # where it takes the shape (CUDA), else kernels/fp8_gemv.py's weight_only mode
-        self.weight_only = kernels.fp8_decode == "w8a16"
         self.pdl = bool(kernels.pdl)
         self.fast_accum = kernels.fp8_fast_accum
         # block FP8 on cuBLASLt's block-scaled matmul: weights whose K is whole 128-column
@@ -330,34 +327,13 @@ class QuantMatmul(nn.Module):
             if self.mma:
                 return int4_gemv_mma.int4_gemv_mma(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
             return int4_gemv_kernel.int4_gemv(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
-        if self._mma_takes(x, swiglu):
-            blocks = self.spec.kernel == "fp8_block"
-            return fp8_gemv_mma.fp8_gemv_mma(x, self.weight, self._w_scale(), blocks=blocks,
-                                             swiglu=swiglu, pdl=self.pdl)  # fmt: skip
         return fp8_gemv(x, self.weight, swiglu=swiglu, **self._fp8_operands(x))
-
-    def _mma_takes(self, x: torch.Tensor, swiglu: bool = False) -> bool:
-        """Whether x runs W8A16 on kernels/fp8_gemv_mma.py (fp8_decode "w8a16", CUDA, a shape
-        it takes)."""
-        blocks = self.spec.kernel == "fp8_block"
-        return (
-            self.weight_only
-            and fp8_gemv_mma is not None
-            and x.is_cuda
-            and fp8_gemv_mma.takes(self.out_features, self.in_features, x.shape[0], blocks, swiglu)
-        )
-
-    def _w_scale(self) -> torch.Tensor:
-        """The FP8 weight's scales as the decode kernels take them: [N] per row, or the
-        blocks' [N / 128, K / 128]."""
-        return self.weight_scale if self.spec.kernel == "fp8_block" else self.weight_scale.view(-1)
 
     def takes_norms(self) -> bool:
         """Whether the decode kernel adds a residual and normalizes the sum in its epilogue
-        (`gemv_residual`): kernels/fp8_gemv.py's FP8 layers, whose activations need no
-        all-reduce of their per-token maxima (the norms run in the decode matmuls of one rank
-        only)."""
-        return self.fp8_gemv and (self.reduce_max is None or self.weight_only)
+        (`gemv_residual`): kernels/fp8_gemv.py's FP8 layers, whose per-token scales need no
+        all-reduce (the norms run in the decode matmuls of one rank only)."""
+        return self.fp8_gemv and self.reduce_max is None
 
     def gemv_residual(
         self,
@@ -368,22 +344,12 @@ class QuantMatmul(nn.Module):
         """(h, normed): h = x @ W^T + residual on kernels/fp8_gemv.py (`takes_norms`); with
         norm, for one row, normed = rmsnorm(h) times the norm's weight, inside the kernel (else
         None)."""
-        if self._mma_takes(x):
-            kw = {"blocks": self.spec.kernel == "fp8_block", "pdl": self.pdl}
-            return fp8_gemv_mma.fp8_gemv_mma_residual(
-                x, self.weight, self._w_scale(), residual, norm, **kw
-            )
         return fp8_gemv_residual(x, self.weight, residual=residual, norm=norm,
                                  **self._fp8_operands(x))  # fmt: skip
 
     def _fp8_operands(self, x: torch.Tensor) -> dict:
         """kernels/fp8_gemv.py's arguments for x besides the weight: its scales, the static
-        input scale, or the per-token maxima over every rank (a row-parallel layer's); none of
-        them with fp8_decode "w8a16"."""
-        if self.weight_only:
-            blocks = self.spec.kernel == "fp8_block"
-            return {"w_scale": self._w_scale(), "blocks": blocks, "weight_only": True,
-                    "pdl": self.pdl}  # fmt: skip
+        input scale, or the per-token maxima over every rank (a row-parallel layer's)."""
         if self.spec.kernel == "fp8_block":
             return {"w_scale": self.weight_scale, "blocks": True, "pdl": self.pdl}
         amax = None

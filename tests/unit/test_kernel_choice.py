@@ -89,7 +89,6 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         piecewise_graphs=False,
         host_gate=False,
         fp8_matmul="dequant",
-        fp8_decode="w8a8",
         fp8_block_gemm="triton",
         int4_matmul="dequant",
         fp8_fast_accum=True,
@@ -224,7 +223,6 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         piecewise_graphs=True,  # a small model's mixed steps are bound by the host
         host_gate=True,
         fp8_matmul="scaled_mm",  # the FP8 linears of a quantized model on the tensor cores
-        fp8_decode="w8a8",  # their decode batches on kernels/fp8_gemv.py with q(x)
         fp8_block_gemm="cublaslt",  # block FP8 above 16 rows on cuBLASLt's block matmul
         int4_matmul="dequant",  # a plain model's (INT4 ones: the rule below)
         fp8_fast_accum=True,
@@ -302,7 +300,6 @@ def test_fields_set_by_hand_are_kept(gpu):
         piecewise_graphs=False,
         host_gate=False,
         fp8_matmul="dequant",
-        fp8_decode="w8a8",
         fp8_block_gemm="triton",
         int4_matmul="dequant",
         fp8_fast_accum=True,
@@ -709,28 +706,3 @@ def test_block_fp8_runs_cublaslt_where_torch_has_its_block_scales(gpu, monkeypat
     assert resolve(kernels=KernelConfig()).fp8_block_gemm == "triton"  # the CPU
     with pytest.raises(ValueError, match="fp8_block_gemm must be one of"):
         KernelConfig(fp8_block_gemm="cutlass").validate()
-
-
-def test_fp8_decode_resolves_and_validates(gpu):
-    """fp8_decode auto: "w8a8" (the activations quantized); "w8a16" set by hand is kept; another
-    value names the choices."""
-    gpu(pdl=True)
-    assert resolve(SMALL, CUDA).fp8_decode == "w8a8"
-    assert resolve(SMALL, CUDA, KernelConfig(fp8_decode="w8a16")).fp8_decode == "w8a16"
-    assert KernelConfig.reference().fp8_decode == "w8a8"
-    with pytest.raises(ValueError, match="fp8_decode must be one of"):
-        KernelConfig(fp8_decode="w4a16").validate()
-
-
-def test_fp8_gemv_mma_takes_whole_programs_and_steps():
-    """kernels/fp8_gemv_mma.py takes up to 16 rows against whole 64-row programs and 64-deep
-    steps (block FP8: whole 128-column groups, a gate_up's halves of whole blocks)."""
-    pytest.importorskip("triton.experimental.gluon")
-    from batchrun.kernels.fp8_gemv_mma import takes
-
-    assert takes(6144, 4096, 1) and takes(6144, 4096, 16) and not takes(6144, 4096, 17)
-    assert not takes(6144 + 32, 4096, 1) and not takes(6144, 4096 + 32, 1)
-    assert takes(1024, 4160, 1) and not takes(1024, 4160, 1, blocks=True)
-    assert takes(2 * 1024, 4096, 4, swiglu=True) and not takes(2 * 1056, 4096, 4, swiglu=True)
-    assert takes(2 * 1024, 4096, 4, blocks=True, swiglu=True)
-    assert not takes(2 * 1088, 4096, 4, blocks=True, swiglu=True)  # 1,088: not whole blocks
