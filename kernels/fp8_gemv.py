@@ -16,7 +16,11 @@ llama-8b's qkv at 1.2 TB/s. This reads it at 2.1 TB/s, gate_up at 3.6 (`python
 scripts/bench_fp8_gemv.py --models llama-8b --m 1`, H200). q(x) comes from kernels/fp8_quant.py's
 kernel before the matmul: quantizing each x tile in registers inside the loop, before its e4m3
 dot (the same bytes), doubles the decode step (W3 llama-8b `--variants fp8`: 7.54 ms per token
-against 3.78, one H100).
+against 3.78, one H100). Leaving x unquantized (W8A16: the e4m3 tile converted to bf16 in
+registers) loses too: the conversion is two instructions a value, and on one H100 a decode
+step's matmuls at M = 1 take 3,577 µs through the compiler's pipeline and 3,398 in a Gluon
+kernel whose 16-byte loads are the MMA's register fragments, against this kernel's 2,913 with
+its quantization kernel (`scripts/bench_fp8_gemv.py --models llama-8b --m 1`).
 
 Products of e4m3 values are exact in fp32. Each K tile's dot starts from zeros and is added to
 the fp32 sums: the tensor cores' e4m3 accumulator keeps fewer bits than fp32, so it spans one
