@@ -7,11 +7,15 @@ as a kill -9 because the manifest is the commit record (replaced atomically) and
 its committed lengths is cut off on resume.
 
 Handlers are installed only in the main thread (Python delivers signals there; ``signal.signal``
-raises elsewhere) and the previous ones are restored afterwards.
+raises elsewhere) and the previous ones are restored afterwards. A CLI process keeps them past
+the run (``finish``): a late signal exits with the run's own code. Python's finalization puts
+SIG_DFL back for every signal with a Python handler before it tears the modules down (torch's
+teardown takes a while), so from the exit handlers on the stop signals are ignored instead.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import threading
@@ -76,6 +80,8 @@ class StopSignals:
     def finish(self, exit_code: int) -> None:
         """The run is over (committed): from now on a stop signal exits the process at once
         with `exit_code` instead of the default action (for a CLI process about to exit)."""
+        if self._previous and self._final_code is None:
+            atexit.register(_ignore_stop_signals)
         self._final_code = exit_code
 
     def restore(self) -> None:
@@ -89,6 +95,13 @@ class StopSignals:
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+
+def _ignore_stop_signals() -> None:
+    """At exit, after the run committed: a stop signal changes nothing any more (the process
+    exits with the run's code), and the default action would kill it by the signal."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
 
 
 def _say(message: str) -> None:
