@@ -209,9 +209,10 @@ def manifest(out: Path) -> dict | None:
 def test_killing_the_engine_process_is_a_clear_error_and_resumable(model, tmp_path):
     ds = dataset(tmp_path / "in.jsonl", 150)
     out = tmp_path / "out"
-    argv = cli_args(
-        model, ds, out, "--commit-every", "2", "--notify-batch", "2", "--max-tokens", "24"
-    )
+    # one row at a time: the run takes ~6 s on two cores (at full width, 0.2 s: it could end
+    # before the kill)
+    argv = cli_args(model, ds, out, "--commit-every", "2", "--notify-batch", "2")
+    argv += ["--max-tokens", "64", "--ignore-eos", "--max-running", "1"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "batchrun.cli", *argv],
