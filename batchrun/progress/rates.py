@@ -63,8 +63,14 @@ def eta_seconds(
     Needed: `rows_left` x the average output tokens of the rows finished so far
     (`completion_tokens / rows_ok`, whatever attempt finished them), less the `tokens_in_flight`
     already generated for rows not finished yet. None while that is unknown: no total, no row
-    finished, or no rate."""
+    finished, no rate, or rows left whose tokens so far already exceed what the average gives
+    them all. The rows that finish first are the short ones (all of a small run's rows start
+    at once, and the first to stop are those that met their end of text early): a difference
+    of zero or less then says only that the running rows are longer than the finished ones,
+    not that the run is done; an ETA of 0 would be wrong for the rest of such a run."""
     if rows_left is None or rows_ok <= 0 or tok_s <= 0:
         return None
+    if rows_left == 0:
+        return 0.0
     needed = rows_left * completion_tokens / rows_ok - tokens_in_flight
-    return max(needed, 0.0) / tok_s
+    return needed / tok_s if needed > 0 else None

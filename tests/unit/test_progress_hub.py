@@ -148,7 +148,11 @@ def test_eta_from_tokens():
     assert eta_seconds(100, 0, 0, 500, 400.0) is None  # no row finished: unknown
     assert eta_seconds(None, 20, 1000, 0, 400.0) is None  # total unknown
     assert eta_seconds(100, 20, 1000, 0, 0.0) is None  # no rate
-    assert eta_seconds(1, 20, 1000, 10_000, 400.0) == 0.0
+    assert eta_seconds(0, 20, 1000, 0, 400.0) == 0.0  # every row done
+    # the rows in flight are longer than the finished ones (these are the short ones that
+    # stopped first): how long they go on is unknown, not zero
+    assert eta_seconds(1, 20, 1000, 10_000, 400.0) is None
+    assert eta_seconds(23, 3, 30, 460, 100.0) is None
 
 
 def test_snapshots_rate_eta_and_engine_lines():
@@ -172,8 +176,9 @@ def test_snapshots_rate_eta_and_engine_lines():
         (0, 60.0, 10),
         (1, 20.0, 10),
     ]
-    # 90 rows x 20 tokens, less the 3,000 in flight, is already generated: done any moment
-    assert s.eta_s == 0.0
+    # 90 rows x 20 tokens, less the 3,000 in flight: the rows in flight have outrun the
+    # finished rows' average, so the time left is unknown
+    assert s.eta_s is None
     assert snaps[38].eta_s is None  # before any row finished
     # at 20 s: 90 rows x 20 tokens, less 1,600 - 200 in flight, at 80 tok/s
     assert snaps[39].eta_s == 5.0
