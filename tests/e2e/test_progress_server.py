@@ -109,9 +109,10 @@ def wait_until_running(url: str) -> None:
 
 
 def test_clients_metrics_tail_and_page_during_a_run(model, tmp_path):
-    # 2,000 rows of 32 tokens: the run outlasts the clients' 2 s of reading
+    # 6,000 rows of 32 tokens: the run outlasts the clients' 2 s of reading (it takes ~9 s on
+    # two cores at 21,000 tokens/s; 2,000 rows would end within 3 s of the start)
     args = ("--max-tokens", "32", "--serve-progress", ":0")
-    proc = start_submit(model, dataset(tmp_path, 2000), tmp_path / "out", *args)
+    proc = start_submit(model, dataset(tmp_path, 6000), tmp_path / "out", *args)
     url = wait_for_url(proc)
     assert url.startswith("http://127.0.0.1:")
     tail = subprocess.Popen(
@@ -127,7 +128,7 @@ def test_clients_metrics_tail_and_page_during_a_run(model, tmp_path):
     text = urllib.request.urlopen(url + "metrics", timeout=10).read().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert families["batchrun_rows_done"].type == "counter"
-    assert families["batchrun_rows"].samples[0].value == 2000
+    assert families["batchrun_rows"].samples[0].value == 6000
     results: list = [None] * 50
     errors: list = []
 
@@ -151,7 +152,7 @@ def test_clients_metrics_tail_and_page_during_a_run(model, tmp_path):
     tail_out, tail_err = tail.communicate(timeout=60)
     assert tail.returncode == 0, tail_err
     lines = tail_err.splitlines()
-    assert len(lines) >= 2 and lines[-1].startswith("complete: 2,000/2,000 rows"), lines[-3:]
+    assert len(lines) >= 2 and lines[-1].startswith("complete: 6,000/6,000 rows"), lines[-3:]
 
 
 def chromium(tmp_path: Path, url: str, *args: str, timeout: float = 90) -> str:
