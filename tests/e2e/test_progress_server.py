@@ -261,8 +261,10 @@ def test_live_page_screenshot_while_running_matches_events(model, tmp_path):
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (CI installs it)")
 def test_live_page_follows_a_run_to_its_end(model, tmp_path):
+    # the page loads while the model does (the URL comes first), and the run (2.7 s on two
+    # cores) gives it time to show a first snapshot before the end
     args = ("--max-tokens", "16", "--serve-progress", ":0")
-    proc = start_submit(model, dataset(tmp_path, 600), tmp_path / "out", *args)
+    proc = start_submit(model, dataset(tmp_path, 4000), tmp_path / "out", *args)
     url = wait_for_url(proc)
     # --dump-dom waits for the page's network: it dumps when the stream ends with the run
     dom = chromium(tmp_path, url, "--dump-dom", "--virtual-time-budget=60000", timeout=300)
@@ -272,10 +274,10 @@ def test_live_page_follows_a_run_to_its_end(model, tmp_path):
         return int(dom.split(f'data-{name}="')[1].split('"')[0])
 
     assert attr("snapshots") >= 2, dom[-2000:]
-    assert attr("rows-done") == 600 > attr("first-rows-done")
-    assert 'id="rows_done">600<' in dom
+    assert attr("rows-done") == 4000 > attr("first-rows-done")
+    assert 'id="rows_done">4,000<' in dom
     assert page_text(dom, "status") == "complete" and page_text(dom, "eta") == "\u2014"
-    assert re.search(r'id="final" class="complete">Run complete: 600 rows \(0 failed\)', dom)
+    assert re.search(r'id="final" class="complete">Run complete: 4,000 rows \(0 failed\)', dom)
 
 
 def test_a_client_that_never_reads_does_not_stall_the_run(model, tmp_path):
