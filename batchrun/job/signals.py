@@ -79,7 +79,9 @@ class StopSignals:
 
     def finish(self, exit_code: int) -> None:
         """The run is over (committed): from now on a stop signal exits the process at once
-        with `exit_code` instead of the default action (for a CLI process about to exit)."""
+        with `exit_code` instead of the default action (for a CLI process about to exit), and
+        from the interpreter's exit handlers on it is ignored (the process exits with its code
+        anyway)."""
         if self._previous and self._final_code is None:
             atexit.register(_ignore_stop_signals)
         self._final_code = exit_code
