@@ -74,6 +74,30 @@ _OPENAI_UNSUPPORTED = tuple(
 )
 
 
+def schema_problem(columns: list[str] | None, spec: RowSpec) -> str | None:
+    """Why every row of an input with these columns would fail, or None. A CSV or Parquet
+    file's (or a datasets split's) columns are every row's, so a missing prompt or id column is
+    the whole input's problem, refused before the model loads; JSON rows (no schema, None) each
+    have their own keys and fail one by one. OpenAI Batch rows (custom_id and body) are left to
+    the row checks."""
+    if columns is None or {"custom_id", "body"} <= set(columns):
+        return None
+    shown = ", ".join(map(repr, columns[:20])) + (", ..." if len(columns) > 20 else "")
+    if spec.id_column and spec.id_column not in columns:
+        return (
+            f"no id column {spec.id_column!r}: the input's columns are {shown}; name another "
+            "with --id-column, or drop it to use the row numbers"
+        )
+    wanted = [c for c in (spec.prompt_column, spec.messages_column) if c]
+    if PROMPT_TOKEN_IDS in columns or any(c in columns for c in wanted):
+        return None
+    return (
+        f"no {' or '.join(map(repr, wanted)) or 'prompt'} column: the input's columns are "
+        f"{shown}; name the prompt's with --prompt-column (text) or --messages-column (chat "
+        "messages)"
+    )
+
+
 def detect_openai_batch(first_row: dict | None) -> bool:
     """True when a row looks like an OpenAI Batch request line (has custom_id and a body)."""
     return (

@@ -17,7 +17,7 @@ import numpy as np
 from batchrun.config import EngineConfig, resolve_sizes
 from batchrun.errors import ModelConfigError
 from batchrun.io.readers import BadInputError, open_dataset
-from batchrun.io.rows import RowError, RowSpec
+from batchrun.io.rows import RowError, RowSpec, schema_problem
 from batchrun.io.stdin import STDIN, spool_stdin
 from batchrun.job.config import default_served_model_name
 from batchrun.job.order import (
@@ -102,6 +102,9 @@ def _make_plan(
         source = open_dataset(dataset, split)
     except BadInputError as e:
         raise PlanError(str(e), 3) from e
+    problem = schema_problem(source.columns, spec)
+    if problem is not None:  # submit refuses it too (exit 3)
+        raise PlanError(f"{dataset}: {problem}", 3)
     tokenizer, cfg, model_path = load_tokenizer_and_context(model, quantization)
     try:
         context_len = served_context_len(max_model_len, cfg)

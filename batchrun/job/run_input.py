@@ -9,7 +9,7 @@ from typing import BinaryIO
 
 from batchrun.errors import InputError, OptionError
 from batchrun.io.readers import BadInputError, DatasetSource, open_dataset
-from batchrun.io.rows import detect_openai_batch
+from batchrun.io.rows import RowSpec, detect_openai_batch, schema_problem
 from batchrun.io.stdin import STDIN, SpooledInput, spool_stdin
 
 
@@ -58,6 +58,13 @@ class RunInput:
             return open_dataset(path, self.split)
         except BadInputError as e:
             raise InputError(str(e)) from e
+
+    def check_columns(self, spec: RowSpec) -> None:
+        """Refuse, before the model loads, an input whose schema gives no row a prompt or an
+        id (rows/schema_problem)."""
+        problem = schema_problem(self.source.columns, spec)
+        if problem is not None:
+            raise InputError(f"{self.name}: {problem}")
 
     def check_keep_columns(self, keep: tuple[str, ...]) -> list[str]:
         """Refuse --keep-columns for OpenAI Batch input (its output has a fixed shape), before

@@ -70,6 +70,7 @@ class Runner:
             # refused before --out is touched and the model loads
             if self._input_is_empty():
                 raise InputError(f"{self.input.name}: the input has no rows; nothing to do")
+            self.input.check_columns(config.spec)
             self._refuse_repeated_custom_ids()
             self.warnings = self.input.check_keep_columns(config.spec.keep_columns)
             fresh = Manifest(

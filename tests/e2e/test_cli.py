@@ -342,9 +342,6 @@ def test_no_row_can_run_exits_6_with_the_errors_by_type(model, tmp_path):
     r = submit(model, binary, out, code=6)
     assert "resuming" in r.output and f"errors: {num} invalid_json" in r.output
 
-    pq.write_table(pa.Table.from_pylist([{"question": "hi"}] * 3), tmp_path / "q.parquet")
-    r = submit(model, tmp_path / "q.parquet", tmp_path / "o2", code=6)
-    assert "errors: 3 invalid_request" in r.output
     ds = write_jsonl(tmp_path / "in.jsonl", [ROWS[0], ROWS[2]])  # no row sets max_tokens
     r = submit(model, ds, tmp_path / "o3", "--max-tokens", "1000000000", code=6)
     assert "errors: 2 context_length_exceeded" in r.output
@@ -363,6 +360,28 @@ def test_empty_input_is_refused_before_the_model_loads(tmp_path):
     )
     r = submit(nomodel, tmp_path / "e.parquet", tmp_path / "o", code=3)
     assert "no rows" in r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_schema_without_a_prompt_or_id_column_is_refused_before_the_model_loads(tmp_path):
+    """A CSV or Parquet file's columns are every row's: with no prompt column (or no column
+    that --id-column names) no row could run, so submit and plan refuse it (exit 3) and name the
+    columns there are; JSON rows, which have no schema, fail one by one instead."""
+    nomodel = str(tmp_path / "nomodel")
+    pq.write_table(pa.Table.from_pylist([{"question": "hi", "n": 1}] * 3), tmp_path / "q.parquet")
+    (tmp_path / "q.csv").write_text("question,n\nhi,1\n")
+    for data in (tmp_path / "q.parquet", tmp_path / "q.csv"):
+        r = submit(nomodel, data, tmp_path / "o", code=3)
+        assert f"{data}: no 'prompt' or 'messages' column: the input's columns are " in r.output
+        assert "'question', 'n'; name the prompt's with --prompt-column" in r.output
+        r = submit(nomodel, data, tmp_path / "o", "--messages-column", "", code=3)
+        assert "no 'prompt' column" in r.output
+        r = submit(nomodel, data, tmp_path / "o", "--prompt-column", "question", "--id-column",
+                   "uid", code=3)  # fmt: skip
+        assert "no id column 'uid': the input's columns are 'question', 'n'" in r.output
+        r = CliRunner().invoke(main, ["plan", str(data), "--model", nomodel])
+        assert r.exit_code == 3 and "no 'prompt' or 'messages' column" in r.output, r.output
+        assert "nomodel" not in r.output  # refused before the model is looked for
     assert not (tmp_path / "o").exists()
 
 
