@@ -22,6 +22,7 @@ import msgspec
 
 from batchrun import __version__
 from batchrun.job.config import SAMPLING_OPTIONS, RunConfig
+from batchrun.params import SamplingParams
 
 EDGE_BYTES = 64 * 1024
 MAX_HASHED = 64
@@ -154,7 +155,9 @@ def fingerprint_diff(old: dict, new: dict, ignore: tuple[str, ...] = ()) -> list
         if key in ("batchrun_version", "order", "shards", "seed"):
             label += f": was {old.get(key)}, now {new.get(key)}"
         elif key == "sampling":
-            a, b = old.get(key) or {}, new.get(key) or {}
+            # the fingerprint omits the fields at SamplingParams' defaults: show those values
+            base = normalize(msgspec.structs.asdict(SamplingParams()))
+            a, b = {**base, **(old.get(key) or {})}, {**base, **(new.get(key) or {})}
             changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
             label += ": " + ", ".join(
                 f"{SAMPLING_OPTIONS.get(k, k)} {a.get(k)} -> {b.get(k)}" for k in changed

@@ -299,6 +299,9 @@ def test_fingerprint_diff_names_what_changed() -> None:
     diff = fingerprint_diff(a, b)
     assert len(diff) == 2 and any("was ['prefix', 10], now ['input', 10]" in d for d in diff)
     assert fingerprint_diff(a, {**a, "shards": [2, 1]}, ignore=("shards",)) == []
+    # sampling fields at their defaults are not in a fingerprint: the diff shows the default
+    diff = fingerprint_diff({**a, "sampling": {}}, {**a, "sampling": {"max_new_tokens": 64}})
+    assert diff == ["sampling defaults: --max-tokens 128 -> 64"]
 
 
 def test_stop_signals_flag_and_restore() -> None:
