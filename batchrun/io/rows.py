@@ -91,10 +91,10 @@ def schema_problem(columns: list[str] | None, spec: RowSpec) -> str | None:
     wanted = [c for c in (spec.prompt_column, spec.messages_column) if c]
     if PROMPT_TOKEN_IDS in columns or any(c in columns for c in wanted):
         return None
+    named = " or ".join(map(repr, wanted or [PROMPT_TOKEN_IDS]))
     return (
-        f"no {' or '.join(map(repr, wanted)) or 'prompt'} column: the input's columns are "
-        f"{shown}; name the prompt's with --prompt-column (text) or --messages-column (chat "
-        "messages)"
+        f"no {named} column: the input's columns are {shown}; name the prompt's with "
+        "--prompt-column (text) or --messages-column (chat messages)"
     )
 
 
