@@ -82,7 +82,7 @@ def schema_problem(columns: list[str] | None, spec: RowSpec) -> str | None:
     the row checks."""
     if columns is None or {"custom_id", "body"} <= set(columns):
         return None
-    shown = ", ".join(map(repr, columns[:20])) + (", ..." if len(columns) > 20 else "")
+    shown = show_columns([repr(c) for c in columns])
     if spec.id_column and spec.id_column not in columns:
         return (
             f"no id column {spec.id_column!r}: the input's columns are {shown}; name another "
@@ -96,6 +96,11 @@ def schema_problem(columns: list[str] | None, spec: RowSpec) -> str | None:
         f"no {named} column: the input's columns are {shown}; name the prompt's with "
         "--prompt-column (text) or --messages-column (chat messages)"
     )
+
+
+def show_columns(names: list[str], most: int = 20) -> str:
+    """An input's column names for a message: the first `most`, then "..." if there are more."""
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
 
 
 def detect_openai_batch(first_row: dict | None) -> bool:

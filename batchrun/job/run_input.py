@@ -9,7 +9,7 @@ from typing import BinaryIO
 
 from batchrun.errors import InputError, OptionError
 from batchrun.io.readers import BadInputError, DatasetSource, open_dataset
-from batchrun.io.rows import RowSpec, detect_openai_batch, schema_problem
+from batchrun.io.rows import RowSpec, detect_openai_batch, schema_problem, show_columns
 from batchrun.io.stdin import STDIN, SpooledInput, spool_stdin
 
 
@@ -92,8 +92,5 @@ def _is_openai_batch(source: DatasetSource) -> bool:
 
 
 def no_column_warning(name: str, columns: list[str] | None) -> str:
-    shown = ""
-    if columns is not None:
-        shown = " (the input's columns: " + ", ".join(columns[:20])
-        shown += ", ...)" if len(columns) > 20 else ")"
+    shown = "" if columns is None else f" (the input's columns: {show_columns(columns)})"
     return f"--keep-columns: no row has a column {name!r}{shown}; it is null in every record"
