@@ -51,6 +51,7 @@ from batchrun.job.config import RunConfig
 from batchrun.job.inspect_run import InspectError, inspect_run
 from batchrun.job.merge import MergeError, merge_run
 from batchrun.job.shards import ShardOptionError, resolve_shards
+from batchrun.serve.cli import serve
 
 # NOTE: a module that loads torch, transformers, aiohttp or urllib (the runner, the engine
 # processes, plan, the progress server and its client) is imported inside the command that needs
@@ -388,6 +389,8 @@ def inspect(out: str) -> None:
     if report.damaged:
         sys.exit(EXIT_FAILED)
 
+
+main.add_command(serve)
 
 if __name__ == "__main__":
     main()

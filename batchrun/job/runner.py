@@ -127,6 +127,11 @@ class Runner:
             )
         return EngineProcess(cfg.engine, notify_batch=cfg.notify_batch, device_index=indices[0])
 
+    def request_stop(self, reason: str = "stop") -> None:
+        """Stop as a first stop signal does (drain, commit, status interrupted); from any
+        thread, for code that runs the runner off the main thread (batchrun serve)."""
+        self._stop.request(reason)
+
     def close(self) -> None:
         """Stop the engine processes this runner started (run() does it; idempotent)."""
         close = getattr(self.engine, "close", None)  # engine processes, tensor-parallel ranks
