@@ -22,11 +22,11 @@ class ServeError(Exception):
     """A setting that cannot serve (the message says which); nothing was started."""
 
 
-def make_backend(config: ServeConfig, layout: Layout):
+def make_backend(config: ServeConfig, layout: Layout, store: Store):
     if config.executor == "slurm":
         from batchrun.serve.slurm import SlurmBackend
 
-        return SlurmBackend(config, layout)
+        return SlurmBackend(config, layout, store)
     from batchrun.serve.local import LocalBackend
 
     return LocalBackend(config, layout)
@@ -41,7 +41,7 @@ def serve(config: ServeConfig, say=print) -> None:
         )
     layout = Layout(config.data_dir).make()
     store = Store(layout.db)
-    executor = Executor(config, store, layout, make_backend(config, layout))
+    executor = Executor(config, store, layout, make_backend(config, layout, store))
     api = Api(config, store, layout, keys, executor)
     app = api.app()
 
