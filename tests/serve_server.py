@@ -50,8 +50,10 @@ def jsonl(lines: list) -> io.BytesIO:
 
 
 class Server:
-    def __init__(self, data_dir: Path, *args: str):
-        self.data_dir, self.args = data_dir, args
+    def __init__(self, data_dir: Path, *args: str, device: bool = True):
+        # device: the engine options of a local executor (CPU, a small KV pool)
+        self.data_dir = data_dir
+        self.args = (*args, "--device", "cpu", "--kv-budget", "4096") if device else args
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.log_path = data_dir.parent / f"{data_dir.name}-serve.log"
@@ -64,8 +66,7 @@ class Server:
         # one thread: the tiny runs gain nothing from more on the shared CI cores
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         argv = [sys.executable, "-m", "batchrun.cli", "serve", "--data-dir", str(self.data_dir),
-                "--port", str(self.port), "--device", "cpu", "--kv-budget", "4096",
-                *self.args]  # fmt: skip
+                "--port", str(self.port), *self.args]  # fmt: skip
         log = open(self.log_path, "a")
         self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=log, start_new_session=True)
         log.close()

@@ -91,6 +91,11 @@ def serve(**o) -> None:
     slurm = None
     if o["executor"] == "slurm":
         _refuse_engine_options()
+        if not Path(o["slurm_script"]).is_file():
+            raise click.UsageError(
+                f"--slurm-script {o['slurm_script']}: no such file (jobs/batchrun-array.sbatch "
+                "of a batchrun checkout, or your own array job script)"
+            )
         batchrun = Path(sys.executable).parent / "batchrun"
         slurm = SlurmOptions(
             script=o["slurm_script"],

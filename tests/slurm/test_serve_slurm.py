@@ -1,0 +1,101 @@
+"""`batchrun serve --executor slurm` on a real local Slurm (scripts/slurm-local.sh start), CPU.
+
+A batch of 450 rows runs as an array job of 3 tasks (jobs/batchrun-array.sbatch). After every
+task has committed rows, task 1 is requeued (`scontrol requeue JOB_1`, as a preemption does) and
+the server is killed (SIGKILL) and started again: it tracks the same job (no second sbatch),
+merges the shards when the job ends, and the batch completes with every custom_id exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_server import Server, batch_lines, jsonl, output_lines, wait_batch  # noqa: E402
+from test_slurm import PROBLEM, REQUIRED, diagnostics, sh  # noqa: E402
+from tiny_models import make_tiny_chat_model  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.skipif(PROBLEM is not None and not REQUIRED, reason=str(PROBLEM)),
+]
+NUM_ROWS, NUM_TASKS = 450, 3
+
+
+@pytest.fixture(autouse=True)
+def _cluster_up():
+    if PROBLEM is not None:
+        pytest.fail(f"BATCHRUN_REQUIRE_SLURM=1 but {PROBLEM}")
+
+
+def _job_id(data_dir: Path, batch_id: str) -> str | None:
+    db = sqlite3.connect(data_dir / "state.db")
+    try:
+        row = db.execute("SELECT executor FROM batches WHERE id = ?", (batch_id,)).fetchone()
+    finally:
+        db.close()
+    return json.loads(row[0]).get("job") if row else None
+
+
+def _committed(shard: Path) -> int:
+    try:
+        return json.loads((shard / "manifest.json").read_text()).get("ledger_rows", 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _wait(what: str, predicate, run: Path, job: str | None, timeout: float = 180.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    logs = "\n".join(p.read_text()[-2000:] for p in sorted(run.glob("slurm-*.log")))
+    pytest.fail(f"timed out waiting for {what}\n{diagnostics(run, job) if job else ''}\n{logs}")
+
+
+def test_batch_as_array_job_survives_requeue_and_restart(tmp_path):
+    model = tmp_path / "tinychat"
+    make_tiny_chat_model(model)
+    submit = ("--device", "cpu", "--kv-budget", "4096", "--max-running", "1", "--ignore-eos",
+              "--commit-every", "5", "--drain-timeout", "2")  # fmt: skip
+    server = Server(
+        tmp_path / "data", "--executor", "slurm", "--model", f"tiny={model}",
+        "--slurm-tasks", str(NUM_TASKS), "--slurm-sbatch-arg=--gres=none",
+        "--slurm-sbatch-arg=--cpus-per-task=1", *(f"--slurm-submit-arg={a}" for a in submit),
+        device=False,
+    ).start()  # fmt: skip
+    client = server.client()
+    rows = batch_lines(NUM_ROWS, max_tokens=48, model="tiny")
+    upload = client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    run = server.data_dir / "runs" / batch.id
+    job = _wait("the array job", lambda: _job_id(server.data_dir, batch.id), run, None)
+    shards = [run / f"shard-{i}" for i in range(NUM_TASKS)]
+    _wait("every task to commit rows", lambda: all(_committed(s) for s in shards), run, job)
+    assert _committed(shards[1]) < NUM_ROWS // NUM_TASKS, "task 1 ended before the requeue"
+    sh("scontrol", "requeue", f"{job}_1")
+    server.kill()
+    server.start()
+    client = server.client()
+    done = wait_batch(
+        client, batch.id, lambda b: b.status == "completed", timeout=300, server=server
+    )
+    assert _job_id(server.data_dir, batch.id) == job  # tracked, never submitted again
+    ids = [r["custom_id"] for r in output_lines(client, done.output_file_id)]
+    assert len(ids) == len(set(ids)) == NUM_ROWS, diagnostics(run, job)
+    assert done.request_counts.completed == NUM_ROWS
+    assert "SLURM_RESTART_COUNT=1" in (run / f"slurm-{job}_1.log").read_text()
+    assert server.stop() == 0, server.log()
