@@ -54,9 +54,11 @@ class Executor:
         self._wake.set()
 
     def request_stop(self, batch_id: str | None, reason: str) -> None:
+        """Stop the batch's run (it drains and commits); the backend reads the reason back
+        through the callable it runs with, so a stop that comes before its run starts holds."""
         if batch_id is not None and batch_id == self.current and self.reason is None:
             self.reason = reason
-            self.backend.stop(reason)
+            self.backend.stop()
 
     def live_counts(self, batch_id: str) -> dict | None:
         return self.backend.live_counts() if batch_id == self.current else None
@@ -138,7 +140,7 @@ class Executor:
                 self.reason = "cancel"
             if self._stopping:
                 return None
-            finished = self.backend.run(batch, self.reason)
+            finished = self.backend.run(batch, lambda: self.reason)
         except BatchFailed as e:
             self._end(batch_id, owner, "failed", str(e))
             return "failed"

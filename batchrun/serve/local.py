@@ -5,6 +5,7 @@ pass on (its page and SSE stream, its metrics)."""
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import replace
 
 from batchrun.engine_process.client import EngineProcessError
@@ -45,11 +46,9 @@ class LocalBackend:
         self.runner: Runner | None = None
         self.progress: ProgressServer | None = None  # the running batch's, on loopback
         self.progress_token = secrets.token_urlsafe(24)
-        self._stop_reason: str | None = None
 
-    def run(self, batch: dict, reason: str | None) -> bool:
+    def run(self, batch: dict, stop_reason: Callable[[], str | None]) -> bool:
         """True when every row is done; False when stopped (cancel, expiry, shutdown)."""
-        self._stop_reason = reason
         try:
             engine = self.engines.get(batch["model"])
         except (RunError, ValueError, OSError) as e:
@@ -62,8 +61,9 @@ class LocalBackend:
             except RunError as e:
                 raise BatchFailed(str(e)) from e
             self.runner, self.progress = runner, progress
-            if self._stop_reason is not None:
-                runner.request_stop(self._stop_reason)
+            reason = stop_reason()  # NOTE: after self.runner is set: stop() sees one of the two
+            if reason is not None:
+                runner.request_stop(reason)
             try:
                 summary = runner.run()
             except EngineProcessError as e:
@@ -78,11 +78,10 @@ class LocalBackend:
             self.runner, self.progress = None, None
             progress.stop()
 
-    def stop(self, reason: str) -> None:
-        self._stop_reason = reason
+    def stop(self) -> None:
         runner = self.runner
         if runner is not None:
-            runner.request_stop(reason)
+            runner.request_stop("stop")
 
     def live_counts(self) -> dict | None:
         runner = self.runner

@@ -13,6 +13,7 @@ import os
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 
 from batchrun.io.manifest import read_manifest
 from batchrun.job.merge import MergeError, merge_run
@@ -29,27 +30,26 @@ class SlurmBackend:
     def __init__(self, config: ServeConfig, layout: Layout, store: Store):
         self.config, self.layout, self.store = config, layout, store
         self.options = config.slurm
-        self._stop_reason: str | None = None
         self._wake = threading.Event()
         self._counts: dict | None = None  # the running batch's, summed over its shards
 
-    def run(self, batch: dict, reason: str | None) -> bool:
+    def run(self, batch: dict, stop_reason: Callable[[], str | None]) -> bool:
         """True when every row is done and merged; False when stopped (the job is cancelled
         for cancel and expiry, left running for shutdown)."""
-        self._stop_reason = reason
         self._wake.clear()
         batch_id = batch["id"]
         job = self.store.executor_state(batch_id).get("job")
         if job is None:
-            if self._stop_reason is not None:
+            if stop_reason() is not None:
                 return False
             job = self._submit(batch)
             self.store.set_executor_state(batch_id, {"job": job})
         gone = 0
         while gone < GONE_POLLS:
-            if self._stop_reason == "shutdown":
+            reason = stop_reason()
+            if reason == "shutdown":
                 return False
-            if self._stop_reason is not None:
+            if reason is not None:
                 self._cancel(job)
                 return False
             gone = gone + 1 if not self._tasks(job) else 0
@@ -64,8 +64,7 @@ class SlurmBackend:
             raise BatchFailed(f"Slurm job {job} ended incomplete:\n{report.text()}")
         return True
 
-    def stop(self, reason: str) -> None:
-        self._stop_reason = reason
+    def stop(self) -> None:
         self._wake.set()
 
     def live_counts(self) -> dict | None:

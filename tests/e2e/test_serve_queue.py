@@ -1,0 +1,141 @@
+"""The serve worker with a stand-in backend (no model, fast): first in first out, a restart
+takes the batch it was on first, cancel before a batch starts, expiry queued and mid-run, and
+the output files hold exactly the committed records of the run directory."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from batchrun.io.manifest import Counts, InputInfo, Manifest, write_manifest
+from batchrun.io.writer import ShardFile
+from batchrun.serve.config import Layout, ServeConfig
+from batchrun.serve.executor import Executor
+from batchrun.serve.objects import new_batch
+from batchrun.serve.store import Store, new_id
+
+OWNER = "key-test"
+
+
+class StandIn:
+    """Runs a batch by writing one committed record per row (and a torn tail past it); with
+    `block`, waits for a stop instead."""
+
+    def __init__(self, layout: Layout, block: bool = False):
+        self.layout, self.block = layout, block
+        self.ran: list[str] = []
+        self._wake = threading.Event()
+
+    def run(self, batch: dict, stop_reason) -> bool:
+        self.ran.append(batch["id"])
+        if self.block:
+            while stop_reason() is None:
+                self._wake.wait(0.05)
+            return False
+        run = self.layout.run_dir(batch["id"])
+        run.mkdir(parents=True)
+        line = json.dumps({"custom_id": "a", "response": None, "error": None}).encode() + b"\n"
+        (run / "results-00000.jsonl").write_bytes(line + b'{"custom_id": "torn')
+        manifest = Manifest(
+            created="now", model="m", input=InputInfo("in", "jsonl"), status="complete",
+            counts=Counts(rows_total=1, rows_ok=1), files=[ShardFile("results-00000.jsonl", 1,
+            len(line))],
+        )  # fmt: skip
+        write_manifest(run, manifest)
+        return True
+
+    def stop(self) -> None:
+        self._wake.set()
+
+    def live_counts(self):
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def env(tmp_path: Path):
+    layout = Layout(tmp_path / "data").make()
+    store = Store(layout.db)
+    config = ServeConfig(data_dir=layout.root, models=(("m", None),))
+    yield config, store, layout
+    store.close()
+
+
+def add(store: Store, layout: Layout, expires_in: float = 3600) -> dict:
+    file_id = new_id("file-")
+    line = {"custom_id": "a", "url": "/v1/chat/completions", "body": {"model": "m"}}
+    layout.file_path(file_id).write_text(json.dumps(line) + "\n")
+    store.add_file(file_id, OWNER, "batch", "in.jsonl", 1)
+    batch = new_batch(file_id, "/v1/chat/completions", "24h", 3600, None)
+    batch["expires_at"] = int(time.time() + expires_in)
+    store.add_batch(batch, OWNER)
+    return batch
+
+
+def wait_final(store: Store, batch_id: str, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = store.get_batch(batch_id)
+        if batch["status"] in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        time.sleep(0.02)
+    raise AssertionError(store.get_batch(batch_id))
+
+
+def test_fifo_and_committed_records_only(env):
+    config, store, layout = env
+    batches = [add(store, layout) for _ in range(3)]
+    backend = StandIn(layout)
+    executor = Executor(config, store, layout, backend).start()
+    try:
+        done = [wait_final(store, b["id"]) for b in batches]
+    finally:
+        executor.stop()
+    assert backend.ran == [b["id"] for b in batches]
+    for b in done:
+        assert b["status"] == "completed" and b["request_counts"]["completed"] == 1
+        text = layout.file_path(b["output_file_id"]).read_text()
+        assert text.endswith("\n") and "torn" not in text  # past the committed length: not out
+        assert store.get_file(b["output_file_id"], OWNER)["purpose"] == "batch_output"
+
+
+def test_restart_takes_the_batch_it_was_on_first(env):
+    config, store, layout = env
+    older, taken = add(store, layout), add(store, layout)
+    store.update_batch(taken["id"], status="in_progress", model="m")
+    store._db.execute("UPDATE batches SET started = 1 WHERE id = ?", (taken["id"],))
+    backend = StandIn(layout)
+    executor = Executor(config, store, layout, backend).start()
+    try:
+        wait_final(store, older["id"])
+    finally:
+        executor.stop()
+    assert backend.ran == [taken["id"], older["id"]]
+
+
+def test_cancel_before_start_and_expiry(env):
+    config, store, layout = env
+    running, queued = add(store, layout, expires_in=1.5), add(store, layout)
+    expired = add(store, layout, expires_in=-1)
+    backend = StandIn(layout, block=True)
+    executor = Executor(config, store, layout, backend).start()
+    try:
+        deadline = time.monotonic() + 10
+        while backend.ran != [running["id"]] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        batch, act = store.cancel_batch(queued["id"], OWNER)
+        assert batch["status"] == "cancelled" and not act  # never taken: ends at once
+        assert store.cancel_batch(queued["id"], "key-other") == (None, False)
+        end = wait_final(store, running["id"])  # its window passes mid-run
+        assert end["status"] == "expired" and end["expired_at"]
+        assert wait_final(store, expired["id"])["status"] == "expired"
+    finally:
+        executor.stop()
+    assert backend.ran == [running["id"]]  # the cancelled and the expired ones never ran
+    assert store.get_batch(queued["id"])["cancelled_at"]
