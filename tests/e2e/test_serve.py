@@ -5,6 +5,8 @@ with line numbers, cancel mid-run with the live progress and /metrics on the way
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 import time
 import urllib.error
@@ -28,6 +30,20 @@ from serve_server import (  # noqa: E402
 )
 
 OTHER_KEY = "other-key-fedcba9876543210"
+REPO = Path(__file__).resolve().parents[2]
+SNIPPET = [  # docs/serve.md's client -> what runs here: this server, short completions
+    ('base_url="http://127.0.0.1:8000/v1", api_key="KEY"', 'base_url="{url}", api_key="{key}"'),
+    ('"max_tokens": 32', '"max_tokens": 4'),
+    ("time.sleep(5)", "time.sleep(0.5)"),
+]
+
+
+def client_snippet(path: Path) -> str | None:
+    """The ```python block of `path` that creates a batch (None: there is none)."""
+    for block in re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S):
+        if "client.batches.create" in block:
+            return block
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +201,25 @@ def test_cancel_mid_run_keeps_the_rows_done(server):
     time.sleep(0.5)
     assert client.batches.retrieve(batch.id).status == "cancelled"
     assert json.loads(_get(server.base_url + f"/batches/{batch.id}")[1])["status"] == "cancelled"
+
+
+def test_the_docs_client_snippet_runs(server, tmp_path):
+    code = client_snippet(REPO / "docs" / "serve.md")
+    for old, new in SNIPPET:
+        assert old in code, f"docs/serve.md's client no longer holds {old!r}: update SNIPPET"
+        code = code.replace(old, new.format(url=server.base_url, key=KEY))
+    (tmp_path / "client.py").write_text(code)
+    done = subprocess.run(
+        [sys.executable, "client.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:] + server.log()[-3000:]
+    assert done.stdout.startswith("completed") and "q2 " in done.stdout, done.stdout
+
+
+def test_the_readme_client_snippet_is_the_docs_one():
+    """README's Batch API client (when it has one) is docs/serve.md's, which the test above
+    runs."""
+    readme = client_snippet(REPO / "README.md")
+    if readme is None:
+        pytest.skip("README.md has no Batch API client snippet")
+    assert readme == client_snippet(REPO / "docs" / "serve.md")
