@@ -79,8 +79,9 @@ def serve(**o) -> None:
     batchrun serve --data-dir /srv/batches --host 0.0.0.0 --api-key-file keys.txt \\
         --model llama-8b=~/models/Llama-3.1-8B-Instruct --dp 8
 
-    Clients use the official `openai` package with base_url http://HOST:PORT/v1. A batch runs
-    as a batchrun run directory under --data-dir/runs/; killed and started again, the server
+    Clients use the official `openai` package with base_url http://HOST:PORT/v1. One batch
+    runs at a time (first in, first out) on one engine per GPU (--dp: default every GPU), as a
+    batchrun run directory under --data-dir/runs/; killed and started again, the server
     continues every batch where it stopped. SIGTERM / Ctrl-C: the running batch drains and
     commits, then the server exits 0.
     """
@@ -107,7 +108,8 @@ def serve(**o) -> None:
     elif o["sbatch_args"] or o["submit_args"]:
         raise click.UsageError("--slurm-sbatch-arg / --slurm-submit-arg need --executor slurm")
     engine = build_engine_config({**o, "model": None, "quantization": None})
-    if o["dp"] > 1 and not o["engine_process"]:
+    dp = o["dp"] if _given("dp") or o["executor"] == "slurm" else _every_gpu(o)
+    if dp > 1 and not o["engine_process"]:
         raise click.UsageError("--dp runs engine processes; drop --in-process")
     config = ServeConfig(
         data_dir=Path(os.path.expanduser(o["data_dir"])),
@@ -118,7 +120,7 @@ def serve(**o) -> None:
         max_file_bytes=o["max_file_bytes"],
         engine=engine,
         engine_process=o["engine_process"],
-        dp=o["dp"],
+        dp=dp,
         notify_batch=o["notify_batch"],
         commit_every=o["commit_every"],
         drain_timeout=o["drain_timeout"],
@@ -136,6 +138,21 @@ def serve(**o) -> None:
     except OSError as e:
         click.echo(f"error: cannot serve on {o['host']}:{o['port']}: {e}", err=True)
         sys.exit(1)
+
+
+def _given(name: str) -> bool:
+    source = click.get_current_context().get_parameter_source(name)
+    return source not in (None, ParameterSource.DEFAULT)
+
+
+def _every_gpu(o: dict) -> int:
+    """--dp not given: one engine per GPU of the box (per --tp group), 1 on the CPU or with
+    --in-process."""
+    if o["device"] == "cpu" or not o["engine_process"]:
+        return 1
+    import torch  # local: `batchrun --help` never loads torch
+
+    return max(1, torch.cuda.device_count() // o["tp"]) if torch.cuda.is_available() else 1
 
 
 def _refuse_engine_options() -> None:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from batchrun.config import EngineConfig
 from batchrun.engine_process.notify import DEFAULT_NOTIFY_BATCH
+from batchrun.io.rows import OPENAI_URLS
 from batchrun.job.config import EMBEDDED_SERVED_NAME
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = OPENAI_URLS  # what the OpenAI Batch reader runs (batchrun/io/rows.py)
 COMPLETION_WINDOWS = {"24h": 24 * 3600}  # OpenAI's one window
 EXECUTORS = ("local", "slurm")
 DEFAULT_MAX_FILE_BYTES = 200 * 1000 * 1000

@@ -167,6 +167,7 @@ class Executor:
             "output_file_id": outcome.output_file_id,
             "error_file_id": outcome.error_file_id,
             "request_counts": counts,
+            "usage": outcome.usage,
         }
         if status == "cancelled" and not batch.get("cancelling_at"):
             fields["cancelling_at"] = now

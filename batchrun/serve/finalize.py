@@ -23,6 +23,7 @@ class Outcome:
     failed: int
     output_file_id: str | None
     error_file_id: str | None
+    usage: dict  # OpenAI's batch usage: the tokens of the rows done
 
 
 def derived_file_id(batch_id: str, kind: str) -> str:
@@ -37,7 +38,7 @@ def run_dirs(run: Path) -> list[Path]:
 
 
 def finalize(store: Store, layout: Layout, batch_id: str, owner: str) -> Outcome:
-    completed = failed = 0
+    completed = failed = prompt = cached = output = 0
     parts: dict[str, list[tuple[Path, int | None]]] = {"results": [], "errors": []}
     run = layout.run_dir(batch_id)
     for d in run_dirs(run) if run.exists() else []:
@@ -46,6 +47,9 @@ def finalize(store: Store, layout: Layout, batch_id: str, owner: str) -> Outcome
             continue
         completed += manifest.counts.rows_ok
         failed += manifest.counts.rows_failed
+        prompt += manifest.counts.prompt_tokens
+        cached += manifest.counts.cached_tokens
+        output += manifest.counts.completion_tokens
         for f in manifest.files:
             kind = Path(f.path).name.split("-", 1)[0]
             if kind in parts and f.rows:
@@ -60,7 +64,14 @@ def finalize(store: Store, layout: Layout, batch_id: str, owner: str) -> Outcome
         name = f"{batch_id}_{'output' if kind == 'results' else 'error'}.jsonl"
         store.put_file(file_id, owner, purpose, name, size)
         ids[kind] = file_id
-    return Outcome(completed, failed, ids["results"], ids["errors"])
+    usage = {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + output,
+    }
+    return Outcome(completed, failed, ids["results"], ids["errors"], usage)
 
 
 def _concatenate(parts: list[tuple[Path, int | None]], dest: Path, tmp_dir: Path) -> int:

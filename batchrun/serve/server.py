@@ -55,6 +55,11 @@ def serve(config: ServeConfig, say=print) -> None:
     app.on_startup.append(start_worker)
     app.on_shutdown.append(stop_worker)
     where = f"http://{config.host}:{config.port}/v1"
+    models = ", ".join(f"{n} ({p or 'embedded'})" for n, p in config.models)
+    if config.executor == "slurm":
+        say(f"batchrun serve: models {models}; each batch a Slurm array job", file=sys.stderr)
+    else:
+        say(f"batchrun serve: models {models}; {config.dp} engine(s) (--dp)", file=sys.stderr)
     if keys is None:
         say(f"batchrun serve: {where} (no --api-key-file: loopback only, no keys)", file=sys.stderr)
     else:

@@ -89,6 +89,7 @@ def test_client_end_to_end(server):
     for stamp in ("created_at", "in_progress_at", "finalizing_at", "completed_at", "expires_at"):
         assert getattr(done, stamp), stamp
     assert done.model == EMBEDDED
+    assert done.usage.output_tokens > 0 and done.usage.input_tokens > 0
     results = output_lines(client, done.output_file_id)
     assert sorted(r["custom_id"] for r in results) == [f"req-{i}" for i in range(4)]
     for r in results:

@@ -139,3 +139,47 @@ def test_cancel_before_start_and_expiry(env):
         executor.stop()
     assert backend.ran == [running["id"]]  # the cancelled and the expired ones never ran
     assert store.get_batch(queued["id"])["cancelled_at"]
+
+
+def test_the_engine_stays_loaded_for_the_same_model(monkeypatch, tmp_path):
+    import batchrun.serve.engines as engines
+
+    started: list[str | None] = []
+    closed: list[str | None] = []
+
+    class FakeEngine:
+        def __init__(self, config, **kwargs):
+            self.model = config.model
+            started.append(config.model)
+
+        def close(self) -> None:
+            closed.append(self.model)
+
+    monkeypatch.setattr(engines, "EngineProcess", FakeEngine)
+    config = ServeConfig(data_dir=tmp_path, models=(("a", "/m/a"), ("b", "/m/b")))
+    pool = engines.EnginePool(config)
+    first = pool.get("a")
+    assert pool.get("a") is first and started == ["/m/a"]  # kept for the next batch
+    pool.get("b")
+    assert started == ["/m/a", "/m/b"] and closed == ["/m/a"]
+    pool.close()
+    assert closed == ["/m/a", "/m/b"]
+
+
+def test_cli_refuses_what_it_cannot_serve(tmp_path):
+    from click.testing import CliRunner
+
+    from batchrun.cli import main
+
+    def serve(*args: str):
+        return CliRunner().invoke(main, ["serve", "--data-dir", str(tmp_path), *args])
+
+    r = serve("--host", "0.0.0.0", "--device", "cpu")
+    assert r.exit_code == 2 and "--api-key-file" in r.output
+    (tmp_path / "keys").write_text("short\n")
+    r = serve("--api-key-file", str(tmp_path / "keys"), "--device", "cpu")
+    assert r.exit_code == 2 and "16 characters" in r.output
+    r = serve("--model", "no-equals-sign", "--device", "cpu")
+    assert r.exit_code == 2 and "NAME=PATH" in r.output
+    r = serve("--executor", "slurm", "--max-running", "4")
+    assert r.exit_code == 2 and "--slurm-submit-arg" in r.output
