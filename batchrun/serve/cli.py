@@ -30,23 +30,25 @@ DEFAULT_SCRIPT = Path(__file__).resolve().parents[2] / "jobs" / "batchrun-array.
 server_options = option_group(
     SERVER,
     click.option("--model", "-m", "models", multiple=True, metavar="NAME=PATH",
-                 help="A model the rows may name (repeatable). Default: the embedded "
-                 "SmolLM2-135M-Instruct, named SmolLM2-135M-Instruct."),
+                 show_default="the embedded model, as SmolLM2-135M-Instruct",
+                 help="A model the rows may name in body.model (repeatable)."),
     click.option("--data-dir", required=True, type=click.Path(file_okay=False),
                  help="Files, batches and their runs (state.db: SQLite, WAL)."),
     click.option("--host", default="127.0.0.1", show_default=True,
                  help="Address to listen on; a non-loopback one needs --api-key-file."),
-    click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True),
+    click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+                 help="Port to listen on (0: any free one)."),
     click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
-                 help="API keys, one a line; each key sees only its own files and batches. "
-                 "None: loopback only, no keys."),
+                 show_default="none: loopback only, no keys",
+                 help="API keys, one a line; each key sees only its own files and batches."),
     click.option("--max-file-bytes", type=click.IntRange(min=1), default=DEFAULT_MAX_FILE_BYTES,
                  show_default=True, help="Largest upload; a larger one gets 413."),
     click.option("--executor", type=click.Choice(EXECUTORS), default="local", show_default=True,
                  help="local: this box's engine; slurm: each batch an array job."),
     click.option("--load-format", type=click.Choice(LOAD_FORMATS), default="auto",
-                 help="How to read the weights; dummy: random, from config.json."),
-    click.option("--seed", type=int, default=0, help="Base seed; a row's derives from it."),
+                 show_default=True, help="Weights: dummy is random, from config.json."),
+    click.option("--seed", type=int, default=0, show_default=True,
+                 help="Base seed; a row's derives from it."),
     click.option("--commit-every", type=click.IntRange(min=1), default=1000, show_default=True,
                  help="Commit a batch's rows at least every N rows."),
     click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0,
@@ -60,10 +62,11 @@ slurm_options = option_group(
     click.option("--slurm-script", type=click.Path(dir_okay=False), default=str(DEFAULT_SCRIPT),
                  show_default="jobs/batchrun-array.sbatch", help="The array job script."),
     click.option("--slurm-sbatch-arg", "sbatch_args", multiple=True, metavar="ARG",
-                 help="An sbatch argument (repeatable), e.g. --slurm-sbatch-arg=--partition=gpu."),
+                 show_default="none", help="An sbatch argument (repeatable), e.g. "
+                 "--slurm-sbatch-arg=--partition=gpu."),
     click.option("--slurm-submit-arg", "submit_args", multiple=True, metavar="ARG",
-                 help="A `batchrun submit` argument for every task (repeatable): the engine "
-                 "options of the tasks."),
+                 show_default="none", help="A `batchrun submit` argument of every task "
+                 "(repeatable): the tasks' engine options."),
 )  # fmt: skip
 
 

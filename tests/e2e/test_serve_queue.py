@@ -5,6 +5,7 @@ the output files hold exactly the committed records of the run directory."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -183,3 +184,28 @@ def test_cli_refuses_what_it_cannot_serve(tmp_path):
     assert r.exit_code == 2 and "NAME=PATH" in r.output
     r = serve("--executor", "slurm", "--max-running", "4")
     assert r.exit_code == 2 and "--slurm-submit-arg" in r.output
+
+
+def test_serve_help_reads_section_by_section():
+    """As test_cli_help.py holds submit and plan to: every option with a one-line help, a
+    default and a section; the sections in order, each a screen."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from test_cli_help import SCREEN, help_sections, options
+
+    from batchrun.cli.options import ENGINE, KERNELS
+    from batchrun.cli.sections import OTHER, section_of
+    from batchrun.serve.cli import SERVER, SLURM
+
+    params, ctx = options("serve")
+    for param in params:
+        if "--help" in param.opts:
+            continue
+        assert section_of(param) in (SERVER, ENGINE, KERNELS, SLURM), param.opts
+        assert param.help and "\n" not in param.help.strip(), param.opts
+        _, record = param.get_help_record(ctx)
+        if not param.is_flag or param.secondary_opts:
+            assert param.required or "default: " in record, f"{param.opts} shows no default"
+    for width in (80, 100):
+        sections = help_sections("serve", width)
+        assert list(sections) == [SERVER, ENGINE, KERNELS, SLURM, OTHER]
+        assert all(len(lines) <= SCREEN for lines in sections.values()), width
