@@ -76,11 +76,23 @@ class Executor:
             self.current, self.reason = batch["id"], None
             try:
                 self._process(batch, owner)
-            except Exception as e:  # a bug must fail its batch, not the server
+            except Exception as e:  # a bug (or a full disk) fails its batch, not the server
                 traceback.print_exc()
-                self._end(batch["id"], owner, "failed", f"internal error: {e}")
+                self._fail_anyway(batch["id"], owner, f"internal error: {e}")
             finally:
                 self.current = None
+
+    def _fail_anyway(self, batch_id: str, owner: str, message: str) -> None:
+        """Failed, with the rows done if their files can be made, else without files."""
+        try:
+            self._end(batch_id, owner, "failed", message)
+        except Exception:
+            traceback.print_exc()
+            error = {"code": "batch_failed", "message": message, "param": None, "line": None}
+            self.store.update_batch(
+                batch_id, status="failed", failed_at=int(time.time()),
+                errors={"object": "list", "data": [error]},
+            )  # fmt: skip
 
     def _process(self, batch: dict, owner: str) -> None:
         batch_id, status = batch["id"], batch["status"]

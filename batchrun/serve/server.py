@@ -40,6 +40,8 @@ def serve(config: ServeConfig, say=print) -> None:
             "anyone who can reach it could read every batch; give --api-key-file FILE"
         )
     layout = Layout(config.data_dir).make()
+    for part in layout.tmp.iterdir():  # uploads and outputs that a kill left half written
+        part.unlink()
     store = Store(layout.db)
     executor = Executor(config, store, layout, make_backend(config, layout, store))
     api = Api(config, store, layout, keys, executor)
