@@ -100,12 +100,34 @@ def test_client_end_to_end(server):
     assert [e["custom_id"] for e in errors] == ["req-4"] and errors[0]["error"]["message"]
     listed = client.batches.list(limit=100)
     assert batch.id in [b.id for b in listed.data]
+    paged = [b.id for b in client.batches.list(limit=1)]  # the client follows `after`
+    assert paged == [b.id for b in listed.data]
+    assert client.batches.list(limit=1).has_more == (len(paged) > 1)
     files = [f.id for f in client.files.list()]
     assert {upload.id, done.output_file_id, done.error_file_id} <= set(files)
     deleted = client.files.delete(upload.id)
     assert deleted.deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(upload.id)
+
+
+def test_completions_endpoint(server):
+    client = server.client()
+    rows = [
+        {"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": EMBEDDED, "prompt": f"The number {i} is", "max_tokens": 4}}
+        for i in range(2)
+    ]  # fmt: skip
+    upload = client.files.create(file=("c.jsonl", jsonl(rows)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    done = wait_batch(client, batch.id, lambda b: b.status == "completed", server=server)
+    results = output_lines(client, done.output_file_id)
+    assert sorted(r["custom_id"] for r in results) == ["c0", "c1"]
+    for r in results:
+        completion = openai.types.Completion.model_validate(r["response"]["body"])
+        assert completion.choices[0].text
 
 
 def test_keys_limits_and_paths(server):
