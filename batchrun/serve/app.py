@@ -247,7 +247,7 @@ class Api:
             raise web.HTTPFound(request.rel_url.with_path(request.path + "/"))
         url = None
         if self.executor.current == batch["id"]:
-            url = getattr(self.executor.backend, "progress_url", lambda: None)()
+            url = self.executor.backend.progress_url()
         if url is None:
             return error(409, f"batch {batch['id']} is {batch['status']}, not running here")
         token = self.executor.backend.progress_token
@@ -255,7 +255,7 @@ class Api:
 
     async def metrics(self, request: web.Request) -> web.Response:
         upstream = None
-        url = getattr(self.executor.backend, "progress_url", lambda: None)()
+        url = self.executor.backend.progress_url()
         if url is not None:
             token = self.executor.backend.progress_token
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,9 @@ def parse_models(values: tuple[str, ...]) -> tuple[tuple[str, str | None], ...]:
             raise ValueError(f"--model {value!r}: expected NAME=PATH (the name the rows give)")
         if name in models:
             raise ValueError(f"--model: the name {name!r} is given twice")
-        models[name.strip()] = path.strip()
+        path = os.path.expanduser(path.strip())
+        # NOTE: absolute when it exists (Slurm tasks run elsewhere); else a hub name, as given
+        models[name.strip()] = os.path.abspath(path) if os.path.exists(path) else path
     return tuple(models.items())
 
 

@@ -23,6 +23,7 @@ from batchrun.serve.finalize import run_dirs
 from batchrun.serve.store import Store
 
 GONE_POLLS = 2  # polls in a row that list no task of the job: it has ended
+CANCEL_POLLS = 60  # after scancel, polls until the tasks are gone (then the batch ends anyway)
 SLURM_TIMEOUT_S = 60
 
 
@@ -69,6 +70,9 @@ class SlurmBackend:
 
     def live_counts(self) -> dict | None:
         return self._counts
+
+    def progress_url(self) -> str | None:
+        return None  # the tasks run elsewhere: their progress is their logs
 
     def _committed(self, batch_id: str) -> dict:
         """Rows the shards committed so far (read once a poll, so a GET reads no file)."""
@@ -118,8 +122,10 @@ class SlurmBackend:
     def _cancel(self, job: str) -> None:
         _run(["scancel", job])
         gone = 0
-        while gone < GONE_POLLS:
+        for _ in range(CANCEL_POLLS):
             gone = gone + 1 if not self._tasks(job) else 0
+            if gone >= GONE_POLLS:
+                return
             time.sleep(self.options.poll_s)
 
 
