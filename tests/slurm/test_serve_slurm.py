@@ -4,6 +4,7 @@ A batch of 450 rows runs as an array job of 3 tasks (jobs/batchrun-array.sbatch)
 task has committed rows, task 1 is requeued (`scontrol requeue JOB_1`, as a preemption does) and
 the server is killed (SIGKILL) and started again: it tracks the same job (no second sbatch),
 merges the shards when the job ends, and the batch completes with every custom_id exactly once.
+A cancelled batch's job is scancelled; its output holds the rows its shards committed, once.
 """
 
 from __future__ import annotations
@@ -64,17 +65,28 @@ def _wait(what: str, predicate, run: Path, job: str | None, timeout: float = 180
     pytest.fail(f"timed out waiting for {what}\n{diagnostics(run, job) if job else ''}\n{logs}")
 
 
-def test_batch_as_array_job_survives_requeue_and_restart(tmp_path):
-    model = tmp_path / "tinychat"
-    make_tiny_chat_model(model)
-    submit = ("--device", "cpu", "--kv-budget", "4096", "--max-running", "1", "--ignore-eos",
-              "--commit-every", "5", "--drain-timeout", "2")  # fmt: skip
-    server = Server(
-        tmp_path / "data", "--executor", "slurm", "--model", f"tiny={model}",
+SUBMIT = ("--device", "cpu", "--kv-budget", "4096", "--max-running", "1", "--ignore-eos",
+          "--commit-every", "5", "--drain-timeout", "2")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tinychat")
+    make_tiny_chat_model(path)
+    return path
+
+
+def slurm_server(data_dir: Path, model: Path) -> Server:
+    return Server(
+        data_dir, "--executor", "slurm", "--model", f"tiny={model}",
         "--slurm-tasks", str(NUM_TASKS), "--slurm-sbatch-arg=--gres=none",
-        "--slurm-sbatch-arg=--cpus-per-task=1", *(f"--slurm-submit-arg={a}" for a in submit),
+        "--slurm-sbatch-arg=--cpus-per-task=1", *(f"--slurm-submit-arg={a}" for a in SUBMIT),
         device=False,
-    ).start()  # fmt: skip
+    )  # fmt: skip
+
+
+def test_batch_as_array_job_survives_requeue_and_restart(model, tmp_path):
+    server = slurm_server(tmp_path / "data", model).start()
     client = server.client()
     rows = batch_lines(NUM_ROWS, max_tokens=48, model="tiny")
     upload = client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
@@ -98,4 +110,28 @@ def test_batch_as_array_job_survives_requeue_and_restart(tmp_path):
     assert len(ids) == len(set(ids)) == NUM_ROWS, diagnostics(run, job)
     assert done.request_counts.completed == NUM_ROWS
     assert "SLURM_RESTART_COUNT=1" in (run / f"slurm-{job}_1.log").read_text()
+    assert server.stop() == 0, server.log()
+
+
+def test_cancel_scancels_and_keeps_the_rows_done(model, tmp_path):
+    server = slurm_server(tmp_path / "data", model).start()
+    client = server.client()
+    rows = batch_lines(NUM_ROWS, max_tokens=48, model="tiny")
+    upload = client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    run = server.data_dir / "runs" / batch.id
+    job = _wait("the array job", lambda: _job_id(server.data_dir, batch.id), run, None)
+    shards = [run / f"shard-{i}" for i in range(NUM_TASKS)]
+    _wait("every task to commit rows", lambda: all(_committed(s) for s in shards), run, job)
+    client.batches.cancel(batch.id)
+    end = wait_batch(
+        client, batch.id, lambda b: b.status in ("cancelled", "completed"), server=server
+    )
+    assert end.status == "cancelled", diagnostics(run, job)
+    assert not sh("squeue", "-h", "-j", job, check=False).stdout.strip()
+    ids = [r["custom_id"] for r in output_lines(client, end.output_file_id)]
+    assert len(ids) == len(set(ids)) == end.request_counts.completed > 0
+    assert len(ids) < NUM_ROWS and len(ids) == sum(_committed(s) for s in shards)
     assert server.stop() == 0, server.log()
