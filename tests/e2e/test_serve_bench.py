@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("openai")
-
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_serve.py"
 

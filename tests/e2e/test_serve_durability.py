@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-openai = pytest.importorskip("openai")
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serve_server import (  # noqa: E402
     Server,

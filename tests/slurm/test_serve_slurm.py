@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-openai = pytest.importorskip("openai")
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_server import Server, batch_lines, jsonl, output_lines, wait_batch  # noqa: E402
