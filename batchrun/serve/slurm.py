@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from batchrun.io.manifest import read_manifest
 from batchrun.job.merge import MergeError, merge_run
+from batchrun.params import SamplingParams
 from batchrun.serve.config import Layout, ServeConfig
 from batchrun.serve.executor import BatchFailed
 from batchrun.serve.finalize import run_dirs
@@ -102,7 +103,8 @@ class SlurmBackend:
             *opts.sbatch_args, opts.script,
             str(self.layout.file_path(batch["input_file_id"])), str(run),
             "--served-model-name", batch["model"], *(("--model", model) if model else ()),
-            *opts.submit_args,
+            # a row without max_tokens gets the local executor's default (--slurm-submit-arg wins)
+            "--max-tokens", str(SamplingParams().max_new_tokens), *opts.submit_args,
         ]  # fmt: skip
         env = {**os.environ, "BATCHRUN": opts.batchrun}
         r = _run(argv, env)
