@@ -76,8 +76,8 @@ def resolve_parsers(tokenizer: Any, reasoning: str = AUTO, tools: str = AUTO) ->
     if tools == AUTO:
         t = HARMONY if r == HARMONY else None
         if t is None and (markers is None or markers.family != HARMONY):
-            vocab = tokenizer.get_vocab()
-            t = next((name for name, tok in _TOOL_DETECT if tok in vocab), None)
+            found = (name for name, tok in _TOOL_DETECT if token_id(tokenizer, tok) is not None)
+            t = next(found, None)
     elif tools == NONE:
         t = None
     else:
@@ -117,8 +117,8 @@ class OutputParser:
         `call_seed`: what the tool call ids derive from (the row id and sample index)."""
         if self.harmony is not None:
             h = self.harmony.parse(ids, with_calls=self.choice.tools == HARMONY)
-            text = "\n".join([h.text, *h.bad]).strip() if h.bad else h.text
-            return self._result(text, h.reasoning, h.calls, h.bad, h.unfinished, call_seed)
+            text = "\n".join([h.text, *h.bad_calls]).strip() if h.bad_calls else h.text
+            return self._result(text, h.reasoning, h.calls, h.bad_calls, h.unfinished, call_seed)
         reasoning = None
         unfinished = False
         answer = ids
