@@ -92,34 +92,67 @@ MISTRAL_TEMPLATE = (
 FAMILIES = {
     "qwen3": dict(
         special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        added=["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
-               "</tool_response>"],  # fmt: skip
+        added=[
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<tool_response>",
+            "</tool_response>",
+        ],  # fmt: skip
         eos="<|im_end|>",
         template=QWEN3_TEMPLATE,
     ),
     "deepseek_r1": dict(
-        special=["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"],
+        special=[
+            "<｜begin▁of▁sentence｜>",
+            "<｜end▁of▁sentence｜>",
+            "<｜User｜>",
+            "<｜Assistant｜>",
+        ],
         added=["<think>", "</think>"],
         eos="<｜end▁of▁sentence｜>",
         template=R1_TEMPLATE,
     ),
     "gpt_oss": dict(
-        special=["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
-                 "<|constrain|>", "<|return|>", "<|call|>"],  # fmt: skip
+        special=[
+            "<|endoftext|>",
+            "<|start|>",
+            "<|end|>",
+            "<|message|>",
+            "<|channel|>",
+            "<|constrain|>",
+            "<|return|>",
+            "<|call|>",
+        ],  # fmt: skip
         added=[],
         eos="<|return|>",
         template=GPT_OSS_TEMPLATE,
     ),
     "llama3": dict(
-        special=["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-                 "<|eom_id|>", "<|python_tag|>"],  # fmt: skip
+        special=[
+            "<|begin_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+            "<|eom_id|>",
+            "<|python_tag|>",
+        ],  # fmt: skip
         added=[],
         eos="<|eot_id|>",
         template=LLAMA3_TEMPLATE,
     ),
     "mistral": dict(
-        special=["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
-                 "[/AVAILABLE_TOOLS]", "[ARGS]"],  # fmt: skip
+        special=[
+            "<s>",
+            "</s>",
+            "[INST]",
+            "[/INST]",
+            "[TOOL_CALLS]",
+            "[AVAILABLE_TOOLS]",
+            "[/AVAILABLE_TOOLS]",
+            "[ARGS]",
+        ],  # fmt: skip
         added=[],
         eos="</s>",
         template=MISTRAL_TEMPLATE,

@@ -47,7 +47,8 @@ def test_qwen3_thinking_then_answer(toks):
     tok = toks["qwen3"]
     out = ids(tok, "<think>\nThe user adds 2 and 2.\n</think>\n\nIt is 4.<|im_end|>")
     p = parser(tok).parse(out)
-    assert (p.reasoning, p.text, p.thinking_unfinished) == ("The user adds 2 and 2.", "It is 4.", False)
+    assert (p.reasoning, p.text) == ("The user adds 2 and 2.", "It is 4.")
+    assert not p.thinking_unfinished
 
 
 def test_qwen3_thinking_cut_by_max_tokens_has_no_answer(toks):
@@ -64,8 +65,8 @@ def test_thinking_off_in_the_template_gives_plain_text(toks):
 
 def test_a_block_opened_in_the_prompt_is_closed_by_the_output(toks):
     tok = toks["deepseek_r1"]
-    prompt = ids(tok, tok.apply_chat_template([{"role": "user", "content": "2+2?"}],
-                                               add_generation_prompt=True, tokenize=False))  # fmt: skip
+    messages = [{"role": "user", "content": "2+2?"}]
+    prompt = ids(tok, tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
     markers = think_markers(tok)
     assert markers.opens_in(prompt)
     out = ids(tok, "Two and two.\n</think>\n\n4<｜end▁of▁sentence｜>")

@@ -25,7 +25,7 @@ def toks():
 
 
 def parse(tok, text: str, **kw):
-    return OutputParser(tok, resolve_parsers(tok)).parse(ids(tok, text), call_seed="r1\0" + "0", **kw)
+    return OutputParser(tok, resolve_parsers(tok)).parse(ids(tok, text), call_seed="r1", **kw)
 
 
 def calls(p) -> list[tuple[str, dict]]:
@@ -81,9 +81,7 @@ def test_harmony_commentary_calls(toks):
 
 
 def test_harmony_malformed_call(toks):
-    out = (
-        "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{not json<|call|>"
-    )
+    out = "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{not json<|call|>"
     p = parse(toks["gpt_oss"], out)
     assert p.tool_calls is None and "{not json" in p.text and p.warning
 
