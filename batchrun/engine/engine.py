@@ -138,6 +138,7 @@ class Engine:
         self._tokenizer = None
         self._stop_checker: StopStringChecker | None = None
         self._think_markers: ThinkMarkers | None = None  # the tokenizer's (thinking budgets)
+        self._has_budgets = False  # a request with a thinking budget came: steps look for them
         self._arrivals = 0
         self._finished: list[GenerateResult] = []
         self._inflight: _Launched | None = None
@@ -226,6 +227,7 @@ class Engine:
             reqs.append(Req(request.rid, i, ids, params, seed, self._arrivals))
             if markers is not None:
                 reqs[-1].budget = ThinkingBudget.create(markers, params.max_thinking_tokens, ids)
+                self._has_budgets = True
         if params.grammar is None:
             for req in reqs:
                 self.scheduler.add(req)
@@ -354,7 +356,7 @@ class Engine:
         sampling = self._sampling_batch(sampling_reqs) if sampling_reqs else None
         # which output index each sampled token will fill
         out_index = [len(r.output_ids) for r in sampling_reqs]
-        if sampling is not None:
+        if sampling is not None and self._has_budgets:
             sampling = self._with_forced(sampling, sampling_reqs, out_index)
         constrained = sampling is not None and any(r.matcher is not None for r in sampling_reqs)
         gate = fill = gate_events = mask = None
