@@ -112,11 +112,19 @@ class OutputParser:
         """No parser applies: the text is the whole decoded output."""
         return self.choice.reasoning is None and self.choice.tools is None
 
-    def parse(self, ids: list[int], prompt_open: bool = False, call_seed: str = "") -> Parsed:
+    def parse(
+        self,
+        ids: list[int],
+        prompt_open: bool = False,
+        call_seed: str = "",
+        with_tools: bool = True,
+    ) -> Parsed:
         """`prompt_open`: the prompt left a thinking block open (ThinkMarkers.opens_in);
-        `call_seed`: what the tool call ids derive from (the row id and sample index)."""
+        `call_seed`: what the tool call ids derive from (the row id and sample index);
+        `with_tools`: the row gave the model tools (else its answer holds no calls to parse,
+        as an OpenAI-compatible server reads it)."""
         if self.harmony is not None:
-            h = self.harmony.parse(ids, with_calls=self.choice.tools == HARMONY)
+            h = self.harmony.parse(ids, with_calls=with_tools and self.choice.tools == HARMONY)
             text = "\n".join([h.text, *h.bad_calls]).strip() if h.bad_calls else h.text
             return self._result(text, h.reasoning, h.calls, h.bad_calls, h.unfinished, call_seed)
         reasoning = None
@@ -127,7 +135,7 @@ class OutputParser:
             answer, unfinished = split.answer_ids, split.unfinished
             if split.reasoning_ids is not None:
                 reasoning = self._decode(split.reasoning_ids).strip()
-        if self._parse_tools is not None and answer:
+        if self._parse_tools is not None and with_tools and answer:
             raw = self.tokenizer.decode(
                 [t for t in answer if t not in self._drop], skip_special_tokens=False
             )

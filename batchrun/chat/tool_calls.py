@@ -32,7 +32,9 @@ class ToolParse(NamedTuple):
 def _call(obj: object, args_keys: tuple[str, ...] = ("arguments",)) -> RawCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = next((obj[k] for k in args_keys if k in obj), {})
+    if not any(k in obj for k in args_keys):
+        return None
+    args = next(obj[k] for k in args_keys if k in obj)
     text = arguments_text(args)
     return None if text is None else RawCall(obj["name"], text)
 

@@ -56,7 +56,10 @@ class RowSink:
         """One finished sample, its text decoded (and cut at the stop string it matched), its
         reasoning and tool calls apart (batchrun/chat/)."""
         parsed = self.parser.parse(
-            r.output_ids, prepared.thinking_open, f"{prepared.id}\0{r.index}"
+            r.output_ids,
+            prepared.thinking_open,
+            f"{prepared.id}\0{r.index}",
+            with_tools=self._has_tools(prepared),
         )
         text = parsed.text
         if r.finish_reason == "stop" and isinstance(r.matched_stop, str):
@@ -78,6 +81,11 @@ class RowSink:
             tool_calls=parsed.tool_calls,
             warning=parsed.warning,
         )
+
+    def _has_tools(self, prepared: PreparedRow) -> bool:
+        """Whether the row's template got tools (its own, or --chat-template-kwargs')."""
+        spec_kwargs = self.config.spec.chat_template_kwargs or {}
+        return "tools" in {**spec_kwargs, **(prepared.template_kwargs or {})}
 
     def results(self, prepared: PreparedRow, done: list[Completion]) -> None:
         """A row whose n samples all finished: its result lines."""

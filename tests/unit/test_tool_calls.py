@@ -66,6 +66,12 @@ def test_plain_answer_has_no_calls(toks):
     assert (p.text, p.tool_calls, p.warning) == ("Just text.", None, None)
 
 
+def test_a_row_without_tools_gets_no_calls_parsed(toks):
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    p = parse(toks["qwen3"], call + "<|im_end|>", with_tools=False)
+    assert (p.text, p.tool_calls, p.warning) == (call, None, None)
+
+
 def test_harmony_commentary_calls(toks):
     out = (
         "<|channel|>analysis<|message|>Need weather and time.<|end|>"
@@ -93,6 +99,8 @@ def test_llama3_json_calls(toks):
     assert calls(one) == [("get_weather", NESTED)] and one.text == ""
     two = parse(tok, '{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}')
     assert calls(two) == [("a", {"x": 1}), ("b", {})]
+    answer = parse(tok, '{"name": "Bob", "age": 3}<|eot_id|>')  # JSON, but no call
+    assert (answer.text, answer.tool_calls) == ('{"name": "Bob", "age": 3}', None)
     plain = parse(tok, "The weather is fine.<|eot_id|>")
     assert (plain.text, plain.tool_calls) == ("The weather is fine.", None)
     bad = parse(tok, '<|python_tag|>{"name": "a", "parameters": {"x": }<|eom_id|>')
