@@ -92,3 +92,14 @@ def apply_forced(
     keep = prev_ids[index] == condition
     chosen = torch.where(keep, next_ids[index], tokens.to(next_ids.dtype))
     return next_ids.index_copy(0, index, chosen)
+
+
+def forced_logprobs(
+    logits: torch.Tensor, forced: torch.Tensor, next_ids: torch.Tensor, logprobs: torch.Tensor
+) -> torch.Tensor:
+    """logprobs [S] with the forced rows' entries for the token they ended with (the sampler
+    gave the one it drew): the raw log_softmax of logits [S, V] there, as for any token."""
+    index = forced[0]
+    rows = torch.log_softmax(logits[index].float(), dim=-1)  # [F, V]
+    chosen = rows.gather(1, next_ids[index][:, None]).squeeze(1)
+    return logprobs.index_copy(0, index, chosen.to(logprobs.dtype))

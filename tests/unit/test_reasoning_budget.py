@@ -7,7 +7,12 @@ from __future__ import annotations
 import torch
 
 from batchrun.chat.markers import ThinkMarkers
-from batchrun.engine.thinking import NO_CONDITION, ThinkingBudget, apply_forced
+from batchrun.engine.thinking import (
+    NO_CONDITION,
+    ThinkingBudget,
+    apply_forced,
+    forced_logprobs,
+)
 
 START, END = 100, 101
 FORCED = (10, END, 11)  # "\n", "</think>", "\n\n"
@@ -64,3 +69,13 @@ def test_apply_forced_on_the_device_tensors():
     prev = torch.tensor([1, END, 3, 4])
     forced = torch.tensor([[0, 1, 3], [10, 10, 11], [END, END, NO_CONDITION]])
     assert apply_forced(next_ids, forced, prev).tolist() == [10, 6, 7, 11]
+
+
+def test_forced_rows_get_the_logprob_of_the_forced_token():
+    logits = torch.randn(3, 16)
+    next_ids = torch.tensor([4, 10, 6])  # row 1 forced to 10
+    forced = torch.tensor([[1], [10], [NO_CONDITION]])
+    sampled = torch.tensor([-1.0, -2.0, -3.0])
+    lp = forced_logprobs(logits, forced, next_ids, sampled)
+    assert lp[0] == -1.0 and lp[2] == -3.0
+    assert torch.allclose(lp[1], torch.log_softmax(logits[1], -1)[10])
