@@ -48,6 +48,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     logprobs: bool = False  # logprob of each chosen token
     top_logprobs: int = 0  # and the N most likely tokens at each step
     grammar: GrammarSpec | None = None  # structured output: the output must match it
+    # thinking budget: after this many reasoning tokens the engine ends the thinking block the
+    # model's own way and the answer follows (engine/thinking.py); None: no budget
+    max_thinking_tokens: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -94,6 +97,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             raise ValueError(f"{name('n')} must be >= 1, got {self.n}")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"{name('top_logprobs')} must be in [0, 20], got {self.top_logprobs}")
+        if self.max_thinking_tokens is not None and self.max_thinking_tokens < 1:
+            raise ValueError(
+                f"{name('max_thinking_tokens')} must be >= 1, got {self.max_thinking_tokens} "
+                "(to skip thinking, turn it off in the template: chat_template_kwargs "
+                '{"enable_thinking": false})'
+            )
         if any(not s for s in self.stop):
             raise ValueError(f"{name('stop')}: a stop string must not be empty")
         if vocab_size is not None:

@@ -62,6 +62,7 @@ def build_defaults(o: dict) -> SamplingParams:
         logprobs=o["logprobs"] is not None,
         top_logprobs=o["logprobs"] or 0,
         grammar=build_grammar(o),
+        max_thinking_tokens=o.get("max_thinking_tokens"),
     )
     try:
         params.validate(names=SAMPLING_OPTIONS)
@@ -226,6 +227,7 @@ def build_spec(o: dict):
         use_chat_template=not o["no_chat_template"],
         chat_template=_read_chat_template(o.get("chat_template")),
         keep_columns=tuple(o.get("keep_columns") or ()),
+        chat_template_kwargs=o.get("chat_template_kwargs"),
     )
 
 

@@ -44,6 +44,7 @@ from batchrun.cli.options import (
     run_control_options,
     sampling_options,
     structured_options,
+    thinking_options,
 )
 from batchrun.cli.sections import SectionedCommand
 from batchrun.io.stdin import STDIN
@@ -86,6 +87,7 @@ def main() -> None:
 @row_options
 @sampling_options
 @structured_options
+@thinking_options
 @model_options
 @engine_options
 @output_options
@@ -147,6 +149,8 @@ def submit(dataset: str, out: str, **o) -> None:
         notify_batch=o["notify_batch"],
         dp=o["dp"],
         served_model_name=o["served_model_name"],
+        reasoning_parser=o["reasoning_parser"],
+        tool_call_parser=o["tool_call_parser"],
         num_shards=num_shards,
         shard_index=shard_index,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import click
 
+from batchrun.chat.parsers import REASONING_CHOICES, TOOL_CHOICES
 from batchrun.cli.sections import option_group
 from batchrun.config import (
     ATTENTION_BACKENDS,
@@ -36,6 +37,7 @@ ENGINE = "Model and engine"
 KERNELS = "GPU kernels (CUDA)"
 OUTPUT = "Job and output"
 PROGRESS = "Progress"
+THINKING = "Thinking and tool calls"
 
 NONE = "none"
 MAX_RUNNING_DEFAULT = "512 on CUDA, 1024 there for 3B+ models, 256 on the CPU"
@@ -185,6 +187,52 @@ sampling_options = option_group(
         default=None,
         show_default=NONE,
         help="Write each token's logprob and text, with the N likeliest.",
+    ),
+)
+
+
+def _json_object(ctx: click.Context, param: click.Parameter, value: str | None) -> dict | None:
+    if value is None:
+        return None
+    import json
+
+    from batchrun.io.row_chat import check_cli_kwargs
+
+    try:
+        return check_cli_kwargs(json.loads(value))
+    except ValueError as e:
+        raise click.BadParameter(f"{value!r}: {e}", ctx=ctx, param=param) from e
+
+
+thinking_options = option_group(
+    THINKING,
+    click.option(
+        "--reasoning-parser",
+        type=click.Choice(REASONING_CHOICES),
+        default="auto",
+        help='Write the reasoning apart from the text ("reasoning"); auto: from the tokenizer.',
+    ),
+    click.option(
+        "--tool-call-parser",
+        type=click.Choice(TOOL_CHOICES),
+        default="auto",
+        help='Parse tool calls into "tool_calls"; auto: from the tokenizer.',
+    ),
+    click.option(
+        "--chat-template-kwargs",
+        metavar="JSON",
+        default=None,
+        callback=_json_object,
+        show_default=NONE,
+        help='Chat template variables for every row, e.g. {"enable_thinking": false}.',
+    ),
+    click.option(
+        "--max-thinking-tokens",
+        metavar="N",
+        type=click.IntRange(min=1),
+        default=None,
+        show_default="no budget",
+        help="End a row's thinking after N tokens (the model's own way); the answer follows.",
     ),
 )
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from batchrun.chat.markers import ThinkMarkers, think_markers
 from batchrun.config import EngineConfig, KernelConfig, resolve_sizes
 from batchrun.engine.allocator import TokenAllocator
 from batchrun.engine.gc_pause import frozen_gc
@@ -34,6 +35,7 @@ from batchrun.engine.sampler import SamplingBatch
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler
 from batchrun.engine.stop import StopStringChecker
 from batchrun.engine.structured import GateRelease, StructuredOutput
+from batchrun.engine.thinking import ThinkingBudget
 from batchrun.models.config import ModelConfig
 from batchrun.models.context import served_context_len
 from batchrun.models.embedded import resolve_model_path
@@ -135,6 +137,8 @@ class Engine:
         self.stats = EngineStats()
         self._tokenizer = None
         self._stop_checker: StopStringChecker | None = None
+        self._think_markers: ThinkMarkers | None = None  # the tokenizer's (thinking budgets)
+        self._has_budgets = False  # a request with a thinking budget came: steps look for them
         self._arrivals = 0
         self._finished: list[GenerateResult] = []
         self._inflight: _Launched | None = None
@@ -211,6 +215,7 @@ class Engine:
             )
         if params.stop and self._stop_checker is None:
             self._stop_checker = StopStringChecker(self.tokenizer)
+        markers = self._markers_for(request) if params.max_thinking_tokens else None
         base = (
             params.seed if params.seed is not None else derive_seed(self.config.seed, request.rid)
         )
@@ -220,6 +225,9 @@ class Engine:
             self._arrivals += 1
             ids = input_ids if i == 0 else list(input_ids)
             reqs.append(Req(request.rid, i, ids, params, seed, self._arrivals))
+            if markers is not None:
+                reqs[-1].budget = ThinkingBudget.create(markers, params.max_thinking_tokens, ids)
+                self._has_budgets = True
         if params.grammar is None:
             for req in reqs:
                 self.scheduler.add(req)
@@ -227,6 +235,16 @@ class Engine:
             # NOTE: admitted once compiled (a cached grammar: at once); requests behind go ahead
             self.structured.submit(reqs, params.grammar)
             self._admit_compiled()
+
+    def _markers_for(self, request: GenerateRequest) -> ThinkMarkers:
+        if self._think_markers is None:
+            self._think_markers = think_markers(self.tokenizer)
+        if self._think_markers is None:
+            raise ValueError(
+                f"request {request.rid!r}: max_thinking_tokens needs a thinking model; this "
+                "tokenizer has no <think> / </think> or harmony (<|channel|>) tokens"
+            )
+        return self._think_markers
 
     @property
     def grammar(self) -> GrammarBackend:
@@ -338,6 +356,8 @@ class Engine:
         sampling = self._sampling_batch(sampling_reqs) if sampling_reqs else None
         # which output index each sampled token will fill
         out_index = [len(r.output_ids) for r in sampling_reqs]
+        if sampling is not None and self._has_budgets:
+            sampling = self._with_forced(sampling, sampling_reqs, out_index)
         constrained = sampling is not None and any(r.matcher is not None for r in sampling_reqs)
         gate = fill = gate_events = mask = None
         if constrained and self.gate is not None:
@@ -353,6 +373,26 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.num_forward_tokens += batch.num_tokens
         return _Launched(sampling_reqs, out_index, handle, fill, gate, gate_events)
+
+    def _with_forced(
+        self, sampling: SamplingBatch, reqs: list[Req], out_index: list[int]
+    ) -> SamplingBatch:
+        """`sampling` with the thinking budgets' forced tokens of this step (engine/thinking.py)."""
+        cols: list[list[int]] = [[], [], []]
+        for i, req in enumerate(reqs):
+            if req.budget is None:
+                continue
+            j = out_index[i]
+            o = req.budget.override(j, req.output_ids, j - req.num_inflight)
+            if o is not None:
+                cols[0].append(i)
+                cols[1].append(o[0])
+                cols[2].append(o[1])
+        if not cols[0]:
+            return sampling
+        flat = cols[0] + cols[1] + cols[2]
+        forced = self.runner.staging.to_device(flat, torch.int64).view(3, -1)
+        return replace(sampling, forced=forced)
 
     def _start_gated_job(self, reqs: list[Req]) -> tuple[GateRelease, Future]:
         """The fill job of a gated step sampling `reqs`: it takes the in-flight step's tokens

@@ -31,6 +31,7 @@ from batchrun.engine.piecewise_graph import MAX_TOKENS, PiecewiseGraphRunner
 from batchrun.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingBatch
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.staging import PinnedStaging
+from batchrun.engine.thinking import apply_forced, forced_logprobs
 from batchrun.models.config import ModelConfig
 from batchrun.models.llama import ForwardBatch
 from batchrun.models.loader import load_model
@@ -350,6 +351,13 @@ class ModelRunner:
             if mask is not None:
                 grammar.apply(logits, mask)  # in place: the logits are this step's own
             out = self.sampler(logits, sampling, self.penalties)
+        if sampling.forced is not None:
+            prev = self.token_pool[fwd.sample_rows]
+            next_ids = apply_forced(out.next_token_ids, sampling.forced, prev)
+            out = out._replace(next_token_ids=next_ids)
+            if out.logprobs is not None:
+                lp = forced_logprobs(logits, sampling.forced, next_ids, out.logprobs)
+                out = out._replace(logprobs=lp)
         if sampling.has_penalties:
             self.penalties.update(sampling.rows, out.next_token_ids)
         self.token_pool[fwd.sample_rows] = out.next_token_ids

@@ -51,6 +51,7 @@ class Req:
     error: str | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    budget: Any = None  # engine/thinking.ThinkingBudget with params.max_thinking_tokens
 
     @property
     def fill_ids(self) -> list[int]:

@@ -95,6 +95,9 @@ class SamplingBatch:
     has_frequency_presence: bool
     needs_logprobs: bool
     num_top_logprobs: int  # K = max top_logprobs over the batch
+    # [3, F] int64 (batch index, token, condition): sampled ids the device overrides
+    # (the thinking budget's forced tokens; engine/thinking.py); None: none
+    forced: torch.Tensor | None = None
 
     @property
     def has_penalties(self) -> bool:

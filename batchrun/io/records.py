@@ -2,9 +2,16 @@
 
 Plain output, one line per completion (n > 1 gives n lines that share the id)::
 
-    {"id", "text", "finish_reason", "usage": {"prompt_tokens", "completion_tokens",
-     "cached_tokens"}, "index"?, "token_ids"?, "logprobs"?, "row"?, "input"?, "latency_s"?,
-     "ttft_s"?}
+    {"id", "text", "reasoning"?, "tool_calls"?, "warning"?, "finish_reason", "usage":
+     {"prompt_tokens", "completion_tokens", "cached_tokens"}, "index"?, "token_ids"?,
+     "logprobs"?, "row"?, "input"?, "latency_s"?, "ttft_s"?}
+
+``reasoning``: a thinking model's reasoning, apart from its answer ``text`` (batchrun/chat/);
+``tool_calls``: ``[{"id", "type": "function", "function": {"name", "arguments"}}]`` as the chat
+completions API gives them (``arguments``: a JSON object as text), and then ``finish_reason`` is
+``tool_calls``; ``warning``: what of the output did not parse (e.g. a malformed tool call, kept
+in ``text``). A completion whose thinking never ended has its reasoning, an empty ``text`` and
+the finish reason that ended it (``length`` at max_tokens).
 
 ``index`` appears only when the request asked for n > 1. ``logprobs`` is one entry per generated
 token: ``{"token_id", "token", "logprob", "top"?: [{"token_id", "token", "logprob"}, ...]}``
@@ -16,7 +23,10 @@ the row lacks one). NOTE: under one key, not at the top level: an input column m
 ``id``, ``text`` or ``error``, and a record's own fields must keep their meaning.
 
 OpenAI Batch output follows the OpenAI Batch API files: all n choices of a request in ONE line;
-``response`` / ``error`` are always present (one of them null).
+``response`` / ``error`` are always present (one of them null). A chat choice's ``message`` has
+``content`` (null when the answer is only tool calls), ``reasoning_content`` (as the
+OpenAI-compatible servers write a thinking model's reasoning) and ``tool_calls`` when there are
+any. This module is the one owner of these shapes.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from batchrun.chat.types import ToolCall
 from batchrun.io.rows import PreparedRow, RowError
 from batchrun.params import TopLogprobs
 
@@ -46,6 +57,9 @@ class Completion(NamedTuple):
     top_logprobs: list[TopLogprobs] | None = None
     latency_s: float | None = None  # from admission to the last token
     ttft_s: float | None = None  # from admission to the first token
+    reasoning: str | None = None  # a thinking model's reasoning (None: it did not think)
+    tool_calls: tuple[ToolCall, ...] | None = None
+    warning: str | None = None  # what of the output did not parse (kept in text)
 
 
 class Usage(msgspec.Struct):
@@ -67,9 +81,23 @@ class TokenLogprob(msgspec.Struct, kw_only=True, omit_defaults=True):
     top: list[TopEntry] | None = None
 
 
-class ResultRecord(msgspec.Struct, omit_defaults=True):
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallRecord(msgspec.Struct):
+    id: str
+    type: str
+    function: FunctionCall
+
+
+class ResultRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     id: str
     text: str
+    reasoning: str | None = None
+    tool_calls: list[ToolCallRecord] | None = None
+    warning: str | None = None
     finish_reason: str
     usage: Usage
     index: int | None = None
@@ -119,6 +147,9 @@ def result_records(
             ResultRecord(
                 id=prepared.id,
                 text=c.text,
+                reasoning=c.reasoning,
+                tool_calls=_tool_calls(c),
+                warning=c.warning,
                 finish_reason=c.finish_reason,
                 usage=Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens),
                 index=c.index if multi else None,
@@ -131,6 +162,14 @@ def result_records(
             )
         )
     return records
+
+
+def _tool_calls(c: Completion) -> list[ToolCallRecord] | None:
+    if not c.tool_calls:
+        return None
+    return [
+        ToolCallRecord(t.id, "function", FunctionCall(t.name, t.arguments)) for t in c.tool_calls
+    ]
 
 
 def error_record(error: RowError) -> ErrorRecord:
@@ -188,9 +227,11 @@ class OpenAIUsage(msgspec.Struct):
     prompt_tokens_details: OpenAIUsageDetails
 
 
-class ChatMessage(msgspec.Struct):
+class ChatMessage(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # always written; null when the answer is only tool calls
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallRecord] | None = None
 
 
 class ChatChoice(msgspec.Struct, omit_defaults=True):
@@ -251,9 +292,10 @@ def openai_result_record(
     for c in sorted(completions, key=lambda c: c.index):
         if chat:
             lp = _chat_logprobs(c, render) if c.logprobs is not None else None
-            choices.append(
-                ChatChoice(c.index, ChatMessage("assistant", c.text), c.finish_reason, lp)
-            )
+            calls = _tool_calls(c)
+            content = None if calls and not c.text else c.text
+            message = ChatMessage("assistant", content, c.reasoning, calls)
+            choices.append(ChatChoice(c.index, message, c.finish_reason, lp))
         else:
             lp = _text_logprobs(c, render) if c.logprobs is not None else None
             choices.append(TextChoice(c.index, c.text, c.finish_reason, lp))

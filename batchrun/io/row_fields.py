@@ -78,6 +78,7 @@ ROW_PARAM_FIELDS: dict[str, tuple[str, Any]] = {
     "seed": ("seed", _as_int),
     "n": ("n", _as_int),
     "top_logprobs": ("top_logprobs", _as_int),
+    "max_thinking_tokens": ("max_thinking_tokens", _as_int),
 }
 
 

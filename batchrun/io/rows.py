@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from batchrun.io.readers import RawRow
+from batchrun.io.row_chat import parse_template_kwargs
 from batchrun.io.row_fields import InvalidRow, decode_text, parse_params
 from batchrun.io.row_structured import parse_structured
 from batchrun.params import SamplingParams
@@ -43,6 +44,8 @@ class RowSpec:
     use_chat_template: bool = True
     chat_template: str | None = None  # Jinja text used instead of the tokenizer's template
     keep_columns: tuple[str, ...] = ()  # input columns copied into the records (under "input")
+    # --chat-template-kwargs: template variables for every row (a row's own win)
+    chat_template_kwargs: dict | None = None
 
 
 class PreparedRow(NamedTuple):
@@ -56,6 +59,9 @@ class PreparedRow(NamedTuple):
     extra: dict  # OpenAI: "url", "method", "model", maybe "unsupported_fields"
     prompt_token_ids: list[int] | None = None  # pre-tokenized: no tokenizer, no chat template
     kept: dict | None = None  # the RowSpec.keep_columns of the input row (None when none kept)
+    # chat_template_kwargs, tools, reasoning_effort of the row (io/row_chat.py); None: none
+    template_kwargs: dict | None = None
+    thinking_open: bool = False  # its prompt leaves a thinking block open (job/tokenize.py)
 
 
 class RowError(NamedTuple):
@@ -70,7 +76,7 @@ class RowError(NamedTuple):
 
 # OpenAI body fields we accept but do not act on; reported so the CLI can warn once.
 _OPENAI_UNSUPPORTED = tuple(
-    "logit_bias tools tool_choice functions suffix echo best_of audio modalities prediction".split()
+    "logit_bias functions suffix echo best_of audio modalities prediction".split()
 )
 
 
@@ -202,7 +208,10 @@ def _prepare_plain(
     else:
         prompt = _check_prompt(prompt, prompt_col or "prompt")
     params, response_format = parse_structured(data, parse_params(data, defaults))
-    return PreparedRow(row_id, row, prompt, messages, params, False, response_format, {})
+    return PreparedRow(
+        row_id, row, prompt, messages, params, False, response_format, {},
+        template_kwargs=parse_template_kwargs(data),
+    )  # fmt: skip
 
 
 def _prepare_openai(
@@ -229,7 +238,10 @@ def _prepare_openai(
     unsupported = [k for k in _OPENAI_UNSUPPORTED if body.get(k) is not None]
     if unsupported:
         extra["unsupported_fields"] = unsupported
-    return PreparedRow(row_id, row, prompt, messages, params, True, response_format, extra)
+    return PreparedRow(
+        row_id, row, prompt, messages, params, True, response_format, extra,
+        template_kwargs=parse_template_kwargs(body, "body."),
+    )  # fmt: skip
 
 
 def _require(body: dict, key: str) -> None:

@@ -47,6 +47,7 @@ SAMPLING_OPTIONS = {
     "logprobs": "--logprobs",
     "ignore_eos": "--ignore-eos",
     "grammar": "--response-format / --json-schema / --regex / --choice / --ebnf",
+    "max_thinking_tokens": "--max-thinking-tokens",
 }
 
 
@@ -78,6 +79,9 @@ class RunConfig:
     dp: int = 1  # data parallel: engine processes, one per GPU (or tensor-parallel group)
     # "model" of every OpenAI Batch output line; None: default_served_model_name(engine.model)
     served_model_name: str | None = None
+    # batchrun/chat/parsers.py: what of the output is reasoning and which parts are tool calls
+    reasoning_parser: str = "auto"
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:

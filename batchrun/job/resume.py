@@ -5,7 +5,8 @@ and refuses otherwise: rows from two different runs must never share an output. 
 by content, not by path, so a dataset or model copied to another node (or mounted elsewhere)
 still resumes; cheap enough for huge inputs (sizes plus hashes of each file's first and last
 64 KiB, at most MAX_HASHED files; config.json and the weight files' names and sizes, and
---quantization, which changes the model that runs).
+--quantization, which changes the model that runs). The thinking budget (--max-thinking-tokens)
+is a sampling default; the reasoning and tool-call parsers are output options.
 
 Not in the fingerprint, so they may change between attempts: device, dtype, KV cache dtype, KV
 budget, max-running, chunked prefill, attention backend, shard size, commit and drain settings.
@@ -34,12 +35,13 @@ LABELS = {
     "model": "model (config.json or weight files)",
     "input": "input dataset (content, format or split)",
     "sampling": "sampling defaults",
-    "rows": "row options (columns, system prompt, chat template, --chat-template, --limit, "
-    "--max-model-len)",
+    "rows": "row options (columns, system prompt, chat template, --chat-template, "
+    "--chat-template-kwargs, --limit, --max-model-len)",
     "order": "--order / --order-window",
     "shards": "--num-shards / --shard-index",
     "seed": "--seed",
-    "output": "output options (--token-ids, --keep-columns)",
+    "output": "output options (--token-ids, --keep-columns, --reasoning-parser, "
+    "--tool-call-parser)",
 }
 
 
@@ -113,6 +115,10 @@ def make_fingerprint(config: RunConfig, input_format: str, input_ident: dict | N
     output: dict[str, Any] = {"token_ids": cfg.with_token_ids}
     if cfg.spec.keep_columns:  # NOTE: only when given, so runs without it keep their fingerprint
         output["keep_columns"] = list(cfg.spec.keep_columns)
+    # what of the output is reasoning and which parts are tool calls (the default: no key)
+    for key in ("reasoning_parser", "tool_call_parser"):
+        if getattr(cfg, key) != "auto":
+            output[key] = getattr(cfg, key)
     return {
         "batchrun_version": __version__,
         "model": model_identity(cfg.engine.model, cfg.engine.load_format, cfg.engine.quantization),
@@ -133,6 +139,8 @@ def _rows_identity(config: RunConfig) -> dict:
     if config.engine.context_len is not None:  # --max-model-len: which rows fail as too long
         rows["max_model_len"] = config.engine.context_len
     rows.pop("keep_columns")  # an output option (the fingerprint's "output")
+    if rows["chat_template_kwargs"] is None:  # only when given (--chat-template-kwargs)
+        rows.pop("chat_template_kwargs")
     template = rows.pop("chat_template")
     if template is not None:
         rows["chat_template"] = hashlib.blake2b(template.encode(), digest_size=16).hexdigest()

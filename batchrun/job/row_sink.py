@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from batchrun.chat.parsers import OutputParser, resolve_parsers
 from batchrun.engine.stop import cut_at_stop
+from batchrun.errors import RunError
 from batchrun.io.records import (
     Completion,
     encode_line,
@@ -44,23 +46,46 @@ class RowSink:
         self.hub = hub
         self.progress = Progress(None, quiet=True)  # the runner's bar once the run starts
         self._token_texts = TokenTexts(tokenizer)
+        try:
+            choice = resolve_parsers(tokenizer, config.reasoning_parser, config.tool_call_parser)
+        except ValueError as e:
+            raise RunError(str(e)) from e
+        self.parser = OutputParser(tokenizer, choice)
 
     def completion(self, prepared: PreparedRow, r: GenerateResult) -> Completion:
-        """One finished sample, its text decoded (and cut at the stop string it matched)."""
-        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        """One finished sample, its text decoded (and cut at the stop string it matched), its
+        reasoning and tool calls apart (batchrun/chat/)."""
+        parsed = self.parser.parse(
+            r.output_ids,
+            prepared.thinking_open,
+            f"{prepared.id}\0{r.index}",
+            with_tools=self._has_tools(prepared),
+        )
+        text = parsed.text
         if r.finish_reason == "stop" and isinstance(r.matched_stop, str):
             text = cut_at_stop(text, prepared.params.stop, matched=r.matched_stop)
+        finish = r.finish_reason
+        if parsed.tool_calls and finish == "stop":
+            finish = "tool_calls"
         return Completion(
             index=r.index,
             text=text,
             token_ids=r.output_ids,
-            finish_reason=r.finish_reason,
+            finish_reason=finish,
             prompt_tokens=r.prompt_tokens,
             completion_tokens=r.completion_tokens,
             cached_tokens=r.cached_tokens,
             logprobs=r.logprobs,
             top_logprobs=r.top_logprobs,
+            reasoning=parsed.reasoning,
+            tool_calls=parsed.tool_calls,
+            warning=parsed.warning,
         )
+
+    def _has_tools(self, prepared: PreparedRow) -> bool:
+        """Whether the row's template got tools (its own, or --chat-template-kwargs')."""
+        spec_kwargs = self.config.spec.chat_template_kwargs or {}
+        return "tools" in {**spec_kwargs, **(prepared.template_kwargs or {})}
 
     def results(self, prepared: PreparedRow, done: list[Completion]) -> None:
         """A row whose n samples all finished: its result lines."""

@@ -9,12 +9,23 @@ Prompt rows without a template are tokenized in a second batched call with
 (tokenized as a server tokenizes a completions prompt, with the tokenizer's BOS), whatever the
 chat template setting: only chat rows are templated. Pre-tokenized rows
 (``prompt_token_ids``) skip both: their ids are checked against the model's vocabulary instead.
+
+The template gets the row's keyword arguments (``chat_template_kwargs`` over
+``--chat-template-kwargs``, ``tools``, ``reasoning_effort``: io/row_chat.py). Past assistant turns
+reach it as the model's templates read them: a tool call's ``arguments`` as an object (OpenAI
+sends text), the reasoning as ``reasoning_content`` (Qwen's) and as ``thinking`` (gpt-oss's); the
+template decides whether past reasoning is kept. A row whose prompt leaves a thinking block open
+(templates that write ``<think>`` after the assistant header) is marked so, for the reasoning
+parser (batchrun/chat/); with a response format it fails (a grammar constrains the output from
+its first token, the thinking's).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, NamedTuple
 
+from batchrun.chat.markers import think_markers
 from batchrun.io.rows import PreparedRow, RowError, RowSpec
 
 
@@ -63,10 +74,19 @@ def tokenize_rows(
     template = spec.chat_template  # None: the tokenizer's
     has_template = template is not None or has_chat_template(tokenizer)
     use_template = spec.use_chat_template and has_template
+    markers = think_markers(tokenizer)
     out: list[TokenizedRow | RowError | None] = [None] * len(rows)
     templated: list[tuple[int, str]] = []  # (position in rows, rendered text)
     plain: list[tuple[int, str]] = []
     for i, row in enumerate(rows):
+        if row.params.max_thinking_tokens is not None and markers is None:
+            out[i] = _error(
+                row,
+                "invalid_request",
+                "max_thinking_tokens needs a thinking model: this tokenizer has no <think> / "
+                "</think> or harmony (<|channel|>) tokens",
+            )
+            continue
         if row.prompt_token_ids is not None:
             out[i] = _check_token_ids(row, vocab_size) or _check(
                 row, row.prompt_token_ids, context_len
@@ -83,7 +103,7 @@ def tokenize_rows(
                     "to messages)",
                 )
                 continue
-            conversation = row.messages
+            conversation = _template_messages(row.messages)
         elif use_template and not _is_text_completion(row):
             conversation = [{"role": "user", "content": row.prompt}]
             if spec.system_prompt:
@@ -91,9 +111,14 @@ def tokenize_rows(
         else:
             plain.append((i, row.prompt or ""))
             continue
+        kwargs = {**(spec.chat_template_kwargs or {}), **(row.template_kwargs or {})}
         try:
             text = tokenizer.apply_chat_template(
-                conversation, chat_template=template, add_generation_prompt=True, tokenize=False
+                conversation,
+                chat_template=template,
+                add_generation_prompt=True,
+                tokenize=False,
+                **kwargs,
             )
         except Exception as e:  # jinja raises TemplateError (e.g. "roles must alternate")
             out[i] = _error(row, "invalid_request", f"chat template failed: {e}")
@@ -111,7 +136,62 @@ def tokenize_rows(
         )["input_ids"]
         for (i, _), ids in zip(batch, encoded, strict=True):
             out[i] = _check(rows[i], list(ids), context_len)
+    if markers is not None:
+        for i, item in enumerate(out):
+            if not isinstance(item, TokenizedRow) or not markers.opens_in(item.input_ids):
+                continue
+            if item.prepared.params.grammar is not None:
+                # NOTE: the grammar constrains the output from its first token, which would be
+                # the thinking's
+                out[i] = _error(
+                    item.prepared,
+                    "invalid_request",
+                    "structured output constrains the whole output, but this prompt opens a "
+                    "thinking block (the chat template writes <think>): turn thinking off for "
+                    'the row (chat_template_kwargs {"enable_thinking": false}) or drop its '
+                    "response format",
+                )
+                continue
+            out[i] = item._replace(prepared=item.prepared._replace(thinking_open=True))
     return out  # type: ignore[return-value]  # every slot was filled above
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """`messages` as chat templates read them (the module's docstring); a message is copied
+    only when it changes."""
+    out = messages
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        changed = dict(m)
+        reasoning = m.get("reasoning_content", m.get("reasoning"))
+        if reasoning is not None:
+            changed.setdefault("reasoning_content", reasoning)
+            changed.setdefault("thinking", reasoning)
+        if isinstance(m.get("tool_calls"), list):
+            changed["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
+        if changed != m:
+            if out is messages:
+                out = list(messages)
+            out[i] = changed
+    return out
+
+
+def _template_call(call: Any) -> Any:
+    """An OpenAI tool call with its ``function.arguments`` text as an object (templates write
+    it with ``tojson``); arguments that are not a JSON object's text stay as they are."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    fn = dict(call["function"])
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            fn["arguments"] = parsed
+    return {**call, "function": fn}
 
 
 def _is_text_completion(row: PreparedRow) -> bool:

@@ -1,0 +1,67 @@
+"""The tokens that open and close a model's thinking block, and the text that ends it early.
+
+Two families, told apart by the tokenizer's vocabulary:
+
+- ``think``: ``<think> ... </think>`` (Qwen3, Qwen3.5, DeepSeek-R1 distills, Phi-4-reasoning).
+  Some templates open the block in the prompt (``<think>\\n`` after the assistant header), so the
+  output only closes it. Ending it early writes ``\\n</think>\\n\\n``, the text Qwen's model card
+  gives for a thinking budget, and the answer follows.
+- ``harmony`` (gpt-oss): the reasoning is the ``analysis`` channel,
+  ``<|channel|>analysis<|message|> ... <|end|>``; ending it early writes ``<|end|>`` and the
+  header of the final answer, ``<|start|>assistant<|channel|>final<|message|>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchrun.chat.vocab import encode, token_ids
+
+THINK, HARMONY = "think", "harmony"
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
+# how far back from a prompt's end an opening of the thinking block counts as open
+PROMPT_TAIL = 16
+
+
+@dataclass(frozen=True)
+class ThinkMarkers:
+    family: str  # THINK | HARMONY
+    start_ids: tuple[int, ...]  # the tokens that open a thinking block
+    end_id: int  # the token that closes it
+    forced_ids: tuple[int, ...]  # what ends it early; the answer follows
+
+    def opens_in(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt leaves a thinking block open (the template opened it): the
+        start tokens close to its end, with no end token after them."""
+        tail = prompt_ids[-PROMPT_TAIL:]
+        n = len(self.start_ids)
+        for i in range(len(tail) - 1, -1, -1):
+            if tail[i] == self.end_id:
+                return False
+            if i + 1 >= n and tuple(tail[i + 1 - n : i + 1]) == self.start_ids:
+                return True
+        return False
+
+
+def think_markers(tokenizer: Any, family: str | None = None) -> ThinkMarkers | None:
+    """The markers of `family` (None: whichever the vocabulary has; harmony first), or None
+    when the tokenizer lacks its tokens."""
+    if family in (None, HARMONY):
+        ids = token_ids(tokenizer, *HARMONY_TOKENS)
+        if ids is not None:
+            start, channel, message, end = ids
+            return ThinkMarkers(
+                HARMONY,
+                (channel, *encode(tokenizer, "analysis"), message),
+                end,
+                (end, start, *encode(tokenizer, "assistant"), channel,
+                 *encode(tokenizer, "final"), message),
+            )  # fmt: skip
+    if family in (None, THINK):
+        ids = token_ids(tokenizer, "<think>", "</think>")
+        if ids is not None:
+            start, end = ids
+            forced = (*encode(tokenizer, "\n"), end, *encode(tokenizer, "\n\n"))
+            return ThinkMarkers(THINK, (start,), end, forced)
+    return None
