@@ -31,9 +31,9 @@ from batchrun.models.llama import ForwardBatch
 
 log = logging.getLogger(__name__)
 
-# NOTE: the input kernel serves decode batches up to this size: at batch 1 it takes llama-1b W3
-# from 1.01-1.07 to 0.99-1.00 ms per token on the H200, where six copies and index kernels are
-# ~1 % of a step; a 256-row step is several ms, where the copies cost nothing that shows
+# NOTE: the input kernel serves decode batches up to this size: it pays where a step is short
+# enough for six copies and index kernels to show (batch 1, docs/benchmarks.md, "What each
+# feature is worth": decode graphs' inputs in one kernel); a 256-row step hides them
 GRAPH_INPUTS_MAX_BS = 16
 
 

@@ -2,8 +2,8 @@
 graph captures.
 
 `frozen_gc()`: a full (generation 2) collection walks every tracked object in the process: after
-loading a model and its tokenizer that is millions, and one such pass takes ~160 ms (H200 host,
-`scripts/bench_throughput.py --workloads W1 --models llama-8b`, in its step trace). `gc.freeze()`
+loading a model and its tokenizer that is millions, and one such pass stalls the step loop
+(docs/benchmarks.md, "What each feature is worth": start-up heap frozen). `gc.freeze()`
 moves the objects alive at a run's start into a permanent generation that no collection walks,
 so a run's collections only see the run's own objects; `gc.unfreeze()` hands them back when the
 last run ends, so nothing that became garbage meanwhile stays uncollected. Reference counting

@@ -120,16 +120,15 @@ class GrammarBackend:
         self._executor = ThreadPoolExecutor(
             max_workers or min(4, cpus), thread_name_prefix="batchrun-grammar"
         )
-        # NOTE: TokenizerInfo reads the whole vocabulary (~1 s for 128k tokens): built on a worker
-        # too, by the first job; compile jobs wait for it there, never the step loop
+        # NOTE: TokenizerInfo reads the whole vocabulary (slow for a 128k vocabulary): built on a
+        # worker too, by the first job; compile jobs wait for it there, never the step loop
         self._compiler: Future = self._executor.submit(
             self._make_compiler, tokenizer, self.mask_vocab, list(stop_token_ids), min(8, cpus)
         )
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
-        # NOTE: fills rows on C++ threads. "auto" (half the cores) is slower on the 32-core GPU
-        # host than 8 (1.67 vs 1.06 ms for 256 JSON rows); 4 fill as fast as 8 on the 16-core
-        # one (1.06-1.09 vs 1.06-1.07 ms) and slow the step loop less (W4 of docs/benchmarks.md:
-        # `python scripts/bench_structured.py --fill 8x1,4x1`)
+        # NOTE: fills rows on C++ threads: at most 4, which fill as fast as 8 and slow the step
+        # loop less, where "auto" (half the cores) is slower on a 32-core host
+        # (docs/benchmarks.md, "Structured output (W4)")
         self._xgr_batch = xgr.BatchGrammarMatcher
         self.set_fill_parallelism(
             max(1, min(FILL_THREADS, cpus // 2)), max(1, min(FILL_SHARDS, cpus // 2))
@@ -221,8 +220,7 @@ class GrammarBackend:
             return None if all(ok) else ok
         result = core_call([m._handle for m in matchers], tokens, False)
         # NOTE: `in` on the result is one call into C++; the public wrapper converts the result
-        # element by element under the GIL (~2 µs each on the GPU host: 0.5 ms a step, while the
-        # step loop waits for this job)
+        # element by element under the GIL, a cost per row that the step loop waits for
         return None if 0 not in result else [bool(x) for x in result]  # flags come as 0 / 1
 
     def fill_mask(self, matchers: list, rows: list[int]) -> TokenMask:

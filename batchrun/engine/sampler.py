@@ -262,8 +262,9 @@ class SampleOutput(NamedTuple):
 
 def greedy_ids(logits: torch.Tensor, kernels: KernelConfig | None = None) -> torch.Tensor:
     """logits.argmax(-1); with the Triton kernels kernels/argmax.py, which spreads each row over
-    many programs: torch gives a row one block (35.7 µs for one 128k-vocabulary row on the H200,
-    against a decode step of ~1 ms at batch 1). The same ids: ties go to the lowest."""
+    many programs where torch gives a row one block, a visible share of a batch-1 decode step
+    (docs/benchmarks.md, "What each feature is worth": argmax kernel). The same ids: ties go to
+    the lowest."""
     if kernels is not None and kernels.triton_ops and logits.dim() == 2:
         return argmax(logits, pdl=kernels.pdl)
     return logits.argmax(dim=-1)
@@ -334,10 +335,11 @@ class Sampler:
         """The argmax of each row with its banned ids (flat indices into logits) left out.
 
         NOTE: no copy of the logits: the banned entries go to -inf in place for the argmax and
-        get their values back after it, so the caller's tensor ends as it came. The general
-        path's fp32 copy and out-of-place fill took ~150 µs a step at [256, 128k] bf16 on the
-        H200 (a W1 llama-1b decode step is ~3 ms; its requests all ban EOS until their last
-        token). An overlapping view (an expanded row) is filled out of place instead."""
+        get their values back after it, so the caller's tensor ends as it came: an fp32 copy
+        and an out-of-place fill of [256, 128k] logits cost a W1 llama-1b decode step, whose
+        requests all ban EOS until their last token, a measurable share (docs/benchmarks.md,
+        "What each feature is worth": greedy batch with banned ids). An overlapping view (an
+        expanded row) is filled out of place instead."""
         if not logits.is_contiguous():
             masked = logits.flatten().index_fill(0, flat_ids, float("-inf"))
             return greedy_ids(masked.view(logits.shape), self.kernels)

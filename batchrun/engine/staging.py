@@ -1,7 +1,7 @@
 """Host lists -> device tensors on the step path, through a ring of pinned buffers.
 
-`torch.tensor(list)` walks the list element by element (~0.1 µs each: 0.3 ms for a step's 3,000
-ids on the GPU machine's host) and `.pin_memory()` then allocates and copies again. Here a list
+`torch.tensor(list)` walks the list element by element, a cost that grows with a step's ids,
+and `.pin_memory()` then allocates and copies again. Here a list
 becomes bytes in one C loop (`array.array`), lands in a pinned buffer that lives as long as the
 engine, and goes to the device with one non-blocking copy:
 

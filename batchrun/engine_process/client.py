@@ -74,7 +74,7 @@ class EngineProcess:
         config.validate()
         # NOTE: resolved here, before the engine process starts: the embedded model's one-time
         # GGUF conversion then happens once, and the tokenizer below loads from the same place.
-        # A custom engine_factory (benchmarks) brings no model: no tokenizer either.
+        # A custom engine_factory (tests) brings no model: no tokenizer either.
         self.model_dir = resolve_model_path(config.model) if engine_factory is None else None
         if self.model_dir is not None:  # the engine's own default, known before it starts
             try:

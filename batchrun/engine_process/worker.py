@@ -39,7 +39,7 @@ def worker_main(
     engine_factory: Callable | None = None,
 ) -> None:
     """The engine process's main. `engine_factory(config, device_index)` builds the engine
-    (default: batchrun's Engine; benchmarks pass a stand-in with the same surface)."""
+    (default: batchrun's Engine; tests pass a stand-in with the same surface)."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     try:
@@ -93,8 +93,8 @@ def load_engine(config: EngineConfig, device_index: int | None):
         torch.cuda.set_device(device_index)
         # NOTE: a GPU engine's host work is single-threaded Python and small tensors; with
         # torch's default of one thread per core, data-parallel engine processes on one host
-        # oversubscribe it: two engines on the H200 pair give 1.36x one, 2.14x with these
-        # threads (`python scripts/bench_dp.py --model llama-1b --workload W1 --dp 1,2`)
+        # oversubscribe it, and two engines scale far below 2x; with a few threads each they
+        # scale past it (docs/benchmarks.md, "Data and tensor parallel")
         torch.set_num_threads(GPU_ENGINE_THREADS)
     return Engine(config)
 

@@ -97,7 +97,7 @@ class CsvSource(DatasetSource):
     def _open(self, columns: list[str], bad: list[tuple[int, str]]) -> Any:
         """A streaming reader; a record with the wrong number of cells is skipped and appended
         to ``bad`` as (row, why), in file order."""
-        # local: pyarrow takes ~150 ms to import; the CLI's option parsing imports this module
+        # local: pyarrow is slow to import; the CLI's option parsing imports this module
         import pyarrow as pa
         import pyarrow.csv as pacsv
 

@@ -5,8 +5,8 @@ An id is kept as 96 bits of its BLAKE2b digest (a 64-bit key, 0 meaning an empty
 32-bit check) plus its first row number (uint32; the array widens to int64 past 2**32 - 1
 rows), in numpy arrays under open addressing: linear probing over a power-of-two table at most
 3/4 full. That is 16 bytes a slot: 2 GiB for 100M ids (2**27 slots), 3 GiB for the moment
-the table doubles (it is rehashed chunk by chunk, so nothing else grows with it).
-scripts/bench_duplicate_ids.py measures it.
+the table doubles (it is rehashed chunk by chunk, so nothing else grows with it). Its time
+and memory: docs/benchmarks.md, "CPU".
 
 NOTE: false positives. Two different ids look alike only when all 96 bits agree: with n ids the
 chance that any pair does is about n**2 / 2**97, 6e-14 for 100M ids and 6e-12 for 1G. A 64-bit

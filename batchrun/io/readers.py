@@ -112,7 +112,7 @@ class ParquetSource(DatasetSource):
     format = "parquet"
 
     def __init__(self, path: Path) -> None:
-        # local: pyarrow takes ~150 ms to import and only Parquet needs it; io.rows imports
+        # local: pyarrow is slow to import and only Parquet needs it; io.rows imports
         # this module, and through it the CLI's option parsing
         import pyarrow.parquet as pq
 

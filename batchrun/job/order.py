@@ -4,9 +4,8 @@ A lexicographic sort of token-id sequences visits them in exactly the order of a
 of their trie (children in ascending token order, a prompt before its extensions), so prompts that
 share a prefix come out back to back and the radix cache computes each shared prefix once. No trie
 is built: each prompt becomes one ``bytes`` key of its ids as big-endian uint32 (bytes compare
-like the id sequences, with memcmp in C), about 4 bytes per token, and Python's sort orders them.
-On the 2-core CPU machine, keys plus sort of 1,000,000 prompts of ~300 tokens take 6.5-8.0 s
-within 2.46 GiB peak RSS, input included (`python scripts/bench_order.py`).
+like the id sequences, with memcmp in C), about 4 bytes per token, and Python's sort orders them
+(time and memory for a million prompts: docs/benchmarks.md, "CPU").
 
     keys = [sort_key(ids) for ids in prompts]
     order = dfs_order(keys)             # indices, DFS order

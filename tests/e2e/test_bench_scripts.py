@@ -232,14 +232,6 @@ def test_profile_decode_long_document_workload_cpu_smoke():
     assert "tiny W5 (1 x 16,384 in, 128 out)" in out
 
 
-def test_bench_notify_batch_stand_in_engine():
-    """The stand-in engine goes through a real engine process (its Ready message carries the
-    engine's kernels)."""
-    out = run_script("bench_notify_batch.py", "--rows", "200", "--batches", "1,16")
-    rows = [line for line in out.splitlines() if re.match(r"\| (1|16) \|", line)]
-    assert len(rows) == 2
-
-
 def test_bench_scheduler_cpu_smoke():
     out = run_script(
         "bench_scheduler.py", "--num-requests", "20", "--prompt-len", "32", "--output-len", "8",
@@ -267,15 +259,18 @@ def test_bench_duplicate_ids_json(strings):
     assert strings or result["openai_pass_us_per_row"] > 0
 
 
-def test_bench_msgspec_vs_pydantic():
-    pytest.importorskip("pydantic")
-    out = run_script("bench_msgspec_vs_pydantic.py", "--n", "50")
-    assert "result record" in out and "snapshot" in out
-
-
 def test_make_examples_parquet_is_current():
     pytest.importorskip("pyarrow")
     assert "matches" in run_script("make_examples.py", "--check")
+
+
+def test_bench_cpu_engine_vs_hf_cpu_smoke():
+    """Two prompts, four tokens, one run a side on the embedded model."""
+    out = run_script(
+        "bench_cpu_engine_vs_hf.py", "--num-prompts", "2", "--new-tokens", "4", "--repeats", "1",
+        "--hf-batch-size", "2",
+    )  # fmt: skip
+    assert "| engine tok/s | HF tok/s |" in out and "identical greedy outputs 2/2" in out
 
 
 def test_bench_cpu_engine_vs_hf_prompts_are_distinct():
@@ -291,15 +286,51 @@ def test_bench_cpu_engine_vs_hf_prompts_are_distinct():
 # -- GPU-only scripts --------------------------------------------------------------------------
 
 
-def test_gpu_scripts_exit_cleanly_without_cuda(tmp_path):
+# script -> its arguments for a run that needs no GPU to start (--out in a temporary directory)
+GPU_SCRIPTS = {
+    "bench_gemv.py": ("--out", "{tmp}"),
+    "bench_attention_kernels.py": (),
+    "bench_decode_attention_fp8.py": (),
+    "bench_fp8_gemv.py": ("--out", "{tmp}"),
+    "bench_fp8_matmul.py": ("--out", "{tmp}"),
+    "bench_fused_moe.py": ("--out", "{tmp}"),
+    "bench_int4_matmul.py": ("--out", "{tmp}"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GPU_SCRIPTS))
+def test_gpu_script_help(name):
+    """Each GPU micro-benchmark parses its options and imports its kernels on the CPU."""
+    pytest.importorskip("triton")
+    assert "usage: " + name in run_script(name, "--help")
+
+
+@pytest.mark.parametrize("name", sorted(GPU_SCRIPTS))
+def test_gpu_script_exits_cleanly_without_cuda(name, tmp_path):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present: tests/gpu runs these")
-    assert "needs a CUDA GPU" in run_script("bench_gemv.py", "--out", str(tmp_path))
     pytest.importorskip("triton")
-    assert "needs a CUDA GPU" in run_script("bench_attention_kernels.py")
-    assert "needs a CUDA GPU" in run_script("bench_decode_attention_fp8.py")
+    args = [a.format(tmp=tmp_path) for a in GPU_SCRIPTS[name]]
+    assert f"{name.removesuffix('.py')}: needs " in run_script(name, *args)
+
+
+def test_every_script_is_smoke_tested():
+    """A script in scripts/ is run by a test of this file (or is a helper they import)."""
+    helpers = {"benchlib.py", "host_phases.py", "triton_compiles.py", "step_trace.py"}
+    others = {  # script -> the test that runs it elsewhere
+        "check_kernels_compile.py": "tests/unit/test_kernels_compile.py",
+        "readme_sample.py": "tests/e2e/test_readme_sample.py",
+    }
+    text = Path(__file__).read_text()
+    for path in sorted(SCRIPTS.glob("*.py")):
+        if path.name in helpers:
+            continue
+        if path.name in others:
+            assert path.name in (REPO / others[path.name]).read_text(), path.name
+            continue
+        assert f'"{path.name}"' in text, f"scripts/{path.name} has no smoke test here"
 
 
 # -- benchlib ----------------------------------------------------------------------------------

@@ -146,8 +146,6 @@ SHELL_NOT_RUN = {
     "batchrun submit data.parquet": "needs a dataset and a model (and --device cuda a GPU)",
     "batchrun tail": "needs a run serving progress (tests/e2e/test_progress_server.py)",
     "batchrun export runs/exp": "needs a run (tests/e2e/test_inputs_export.py exports runs)",
-    "batchrun submit prompts.jsonl": "needs a quantized checkpoint (tests/e2e/test_quant_*.py "
-    "write tiny ones)",
 }
 # options of other programs that the README mentions
 OTHER_OPTIONS = {"--no-deps", "--signal"}
@@ -198,6 +196,41 @@ def test_every_option_the_readme_mentions_exists():
         known |= options_of(command)
     mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", README.read_text()))
     assert mentioned - known == set()
+
+
+# the pages of docs/ a user reads beside the README (benchmarks.md names the scripts' options)
+DOCS = ("guide.md", "models.md", "formats.md", "kernels.md")
+
+
+def test_every_option_the_docs_mention_exists():
+    known = set(OTHER_OPTIONS)
+    for command in (main, *main.commands.values()):
+        known |= options_of(command)
+    for name in DOCS:
+        text = (REPO / "docs" / name).read_text()
+        mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
+        assert mentioned - known == set(), name
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_pages_resolve():
+    """Every relative link of README.md and docs/*.md names a file that exists and, with a
+    #fragment, a heading of that file."""
+    pages = [README, *sorted((REPO / "docs").glob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, fragment = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.name}: link to {target}: no such file"
+            if fragment:
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(), flags=re.M)
+                assert fragment in {slug(h) for h in headings}, f"{page.name}: {target}"
 
 
 def test_every_command_line_is_run_or_says_why_not():
