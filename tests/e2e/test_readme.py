@@ -77,7 +77,9 @@ PYTHON_BLOCKS = {
         ("max_new_tokens=256", "max_new_tokens=8"),
     ],
 }  # fmt: skip
-PYTHON_NOT_RUN: dict[str, str] = {}  # section -> why its python block does not run here
+PYTHON_NOT_RUN: dict[str, str] = {  # section -> why its python block does not run here
+    "`batchrun serve`": "needs a running server: tests/e2e/test_serve.py runs the same block",
+}
 
 
 def python_blocks() -> list[Block]:
@@ -146,6 +148,7 @@ SHELL_NOT_RUN = {
     "batchrun submit data.parquet": "needs a dataset and a model (and --device cuda a GPU)",
     "batchrun tail": "needs a run serving progress (tests/e2e/test_progress_server.py)",
     "batchrun export runs/exp": "needs a run (tests/e2e/test_inputs_export.py exports runs)",
+    "batchrun serve": "starts a server (tests/e2e/test_serve.py runs one)",
 }
 # options of other programs that the README mentions
 OTHER_OPTIONS = {"--no-deps", "--signal"}
