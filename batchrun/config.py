@@ -14,7 +14,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DUMMY_INITS = ("normal", "uniform")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # attention "triton"'s prefill and mixed steps: "triton" kernels/extend_attention.py, "fa3"
 # FlashInfer's FlashAttention-3 paged prefill (Hopper) on the steps' extend rows
 EXTEND_ATTENTIONS = ("auto", "triton", "fa3")
@@ -126,15 +126,10 @@ class KernelConfig:
     """What the GPU path runs. On the CPU everything resolves to plain PyTorch.
 
     attention           attention backend: "torch" (reference, any device), "triton"
-                        (kernels/decode_attention.py, extend_attention.py), "flashinfer"
+                        (kernels/decode_attention.py, extend_attention.py)
     extend_attention    one of EXTEND_ATTENTIONS for attention "triton"'s extend rows (prefill
-                        chunks; the decode rows stay on the Triton decode kernel). "fa3"
-                        runs on sm_90 GPUs where flashinfer imports and the model's attention
-                        is one it runs (head dim 64 / 128 / 256, a bf16 / fp16 KV pool, no
-                        attention sinks), FlashInfer has its kernels (flashinfer-jit-cache,
-                        or nvcc to build them) and they run one batch at start-up; auto:
-                        "fa3" where it runs, else "triton" (engine/kernel_choice.py gives
-                        the figures)
+                        chunks; the decode rows stay on the Triton decode kernel); auto:
+                        engine/kernel_choice.py's fa3_extend_reason
     triton_ops          the small Triton kernels: RMSNorm (with the residual add), rotary with
                         the KV store, the SwiGLU gate, the greedy argmax, the decode graphs'
                         inputs; auto: on CUDA where Triton imports

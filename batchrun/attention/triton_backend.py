@@ -14,7 +14,7 @@ each layer's call with its window).
 
 With KernelConfig.extend_attention "fa3" the extend rows (a prefill step's, a mixed step's after
 its decodes) run FlashInfer's FlashAttention-3 paged prefill instead of the extend kernel
-(flashinfer_backend.py's wrappers, planned once a step for those rows); the decode rows and the
+(fa3_prefill.py's wrappers, planned once a step for those rows); the decode rows and the
 CUDA graphs stay on the decode kernel. engine/kernel_choice.py decides where it runs.
 
 CUDA graphs (decode only). The graph runner owns capture and replay; this backend gives it
@@ -115,11 +115,11 @@ class TritonAttentionBackend(AttentionBackend):
         # the decode kernel's split counters (each call leaves them zero): as the workspaces
         self._counters = decode_counters(0, self.num_kv_heads, self.device)  # eager, grows
         self._graph_counters: torch.Tensor | None = None  # init_graph_buffers, never replaced
-        self._fa3 = None  # extend_attention "fa3": the FlashInfer backend of the extend rows
+        self._fa3 = None  # extend_attention "fa3": FlashInfer's prefill of the extend rows
         if kernels.extend_attention == "fa3":
-            from batchrun.attention.flashinfer_backend import FlashInferAttentionBackend
+            from batchrun.attention.fa3_prefill import FA3Prefill
 
-            self._fa3 = FlashInferAttentionBackend(kv_pool, req_to_token, prefill_kernels="fa3")
+            self._fa3 = FA3Prefill(kv_pool, req_to_token)
 
     # ---- eager steps -------------------------------------------------------------------------
 

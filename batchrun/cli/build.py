@@ -120,18 +120,13 @@ def build_engine_config(o: dict) -> EngineConfig:
     _check_gpu_memory_utilization(o)
     check_quantization(o)
     attention = cfg.kernels.attention
-    if attention in ("triton", "flashinfer"):
+    if attention == "triton":
         import torch
 
         if o["device"] == "cpu" or not torch.cuda.is_available():
             raise click.UsageError(
                 f"--attention-backend {attention} needs a CUDA device; "
                 "use --attention-backend torch (or auto) on the CPU"
-            )
-        if attention == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
-            raise click.UsageError(
-                "--attention-backend flashinfer: the flashinfer package is not installed "
-                "(pip install flashinfer-python); or use triton (or auto)"
             )
     _check_extend_attention(cfg, o["device"])
     return cfg

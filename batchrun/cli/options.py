@@ -275,14 +275,14 @@ kernel_options = option_group(
         "--attention-backend",
         type=click.Choice(ATTENTION_BACKENDS),
         default="auto",
-        help="torch (any device), triton, or flashinfer (if installed); auto: triton on CUDA.",
+        help="torch (any device) or triton; auto: triton on CUDA.",
     ),
     click.option(
         "--extend-attention",
         type=click.Choice(EXTEND_ATTENTIONS),
         default="auto",
         help="Triton backend's prefill attention: its kernel or FlashInfer's FA3; auto: fa3 on "
-        "sm_90 where it runs.",
+        "sm_90 where its kernels are built (else built in the background for the next run).",
     ),
     click.option(
         "--decode-gemv",

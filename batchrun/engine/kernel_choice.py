@@ -19,12 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from batchrun.attention.flashinfer_backend import (
-    PROBE_TOKENS,
-    fa3_run_error,
-    fa3_unavailable_reason,
-    unavailable_reason,
-)
+from batchrun.attention import fa3_cache
 from batchrun.config import EngineConfig, KernelConfig, decoder_params, is_large
 from batchrun.engine.host_gate import HostGate
 from batchrun.layers.moe import experts_take_norms
@@ -155,25 +150,46 @@ def experts_too_large(model_cfg, tp_size: int, memory: int) -> str:
     )
 
 
-def _fa3_run_reason(config: EngineConfig, model_cfg, device: torch.device) -> str | None:
-    """Why FlashInfer's FA3 prefill, available by fa3_unavailable_reason, still cannot run the
-    model's attention: its one-batch start-up run (fa3_run_error, which builds the kernels on
-    a machine's first run) failed. None: it ran."""
-    dtype = torch.float16 if config.dtype == "float16" else torch.bfloat16  # "auto": bf16 (sm_90)
+def fa3_extend_reason(config: EngineConfig, model_cfg, device: torch.device) -> str | None:
+    """Why the extend rows do not run on FlashInfer's FA3 prefill here (None: they do). The rule:
+    FA3 where it runs the model (fa3_cache.unavailable_reason) and its kernels are built already
+    (flashinfer-jit-cache, or flashinfer's JIT cache from an earlier run), and its one-batch
+    start-up run passes; where they are not built and nvcc is here, a detached process builds
+    them for the next run (rank 0 only), and this run keeps the Triton extend kernel: no compiler
+    on the start-up path (docs/benchmarks.md, Start-up)."""
+    sinks = getattr(model_cfg, "attention_sinks", False)
+    fp8_kv = config.kv_cache_dtype == "fp8_e4m3"
+    reason = fa3_cache.unavailable_reason(device, model_cfg.head_dim, config.dtype, fp8_kv, sinks)
+    if reason is not None:
+        return reason
+    dtype = fa3_cache.torch_dtype(config.dtype)
+    windows = model_cfg.sliding_windows or (0,)
+    try:
+        missing = fa3_cache.missing_modules(model_cfg.head_dim, dtype, windows)
+    except (ImportError, AttributeError) as e:  # a flashinfer without 0.6's JIT layout
+        return f"this flashinfer does not say where its JIT modules are ({e})"
+    if missing:
+        if fa3_cache.find_nvcc() is None:
+            return (
+                f"its kernels ({', '.join(missing)}) are not built here, and no nvcc is here to "
+                "build them (install flashinfer-jit-cache for this flashinfer and CUDA)"
+            )
+        if config.tp_rank == 0:
+            log_path = fa3_cache.start_build(model_cfg.head_dim, dtype, windows)
+            return (
+                "its kernels are not built here yet; a background process builds them for the "
+                f"next run on this machine (log: {log_path})"
+            )
+        return "its kernels are not built here yet (rank 0 builds them)"
     tp = config.tp_size
     heads, kv_heads = model_cfg.num_heads // tp, max(1, model_cfg.num_kv_heads // tp)
-    windows = model_cfg.sliding_windows or (0,)
-    log.info(
-        "running FlashInfer's FA3 prefill once (a machine's first run builds its kernels with "
-        "nvcc: about 80 s on an H100, cached under ~/.cache/flashinfer; flashinfer-jit-cache "
-        "ships them built)"
-    )
     start = time.monotonic()
-    error = fa3_run_error(device, heads, kv_heads, model_cfg.head_dim, dtype, windows)
-    if error is None:
-        log.info("FlashInfer's FA3 prefill ran in %.1f s", time.monotonic() - start)
-        return None
-    return f"FlashInfer's FA3 prefill failed on a {PROBE_TOKENS}-token batch ({error})"
+    error = fa3_cache.probe_error(device, heads, kv_heads, model_cfg.head_dim, dtype, windows)
+    if error is not None:
+        tokens = fa3_cache.PROBE_TOKENS
+        return f"FlashInfer's FA3 prefill failed on a {tokens}-token batch ({error})"
+    log.info("FlashInfer's FA3 prefill ran its start-up batch in %.1f s", time.monotonic() - start)
+    return None
 
 
 def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> KernelConfig:
@@ -196,48 +212,29 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     )
 
     attention = want.attention
-    sinks = getattr(model_cfg, "attention_sinks", False)
-    if sinks and attention == "flashinfer":
-        raise ValueError(
-            f"attention backend 'flashinfer' runs no attention sinks, which this model "
-            f"({model_cfg.architecture}) has; use triton, torch or auto"
-        )
     if attention == "auto":
         attention = "triton" if cuda and triton else "torch"
     elif attention == "triton" and not triton:
         raise ValueError("attention backend 'triton' needs the triton package; use torch or auto")
-    elif attention == "flashinfer":
-        reason = unavailable_reason(device)
-        if reason is not None:
-            raise ValueError(f"attention backend 'flashinfer' cannot run here: {reason}")
 
     extend_attention = want.extend_attention
-    fa3_reason = "attention is not 'triton'"
-    if attention == "triton" and extend_attention != "triton":
-        fp8_kv = config.kv_cache_dtype == "fp8_e4m3"
-        fa3_reason = fa3_unavailable_reason(device, model_cfg.head_dim, config.dtype, fp8_kv, sinks)
     if extend_attention == "auto":
-        # FlashInfer's FA3 prefill reads a 16,384-token prefill at 546 TFLOP/s and 4,096 tokens
-        # over a 126,976-token prefix at 554, where kernels/extend_attention.py reads 381 and
-        # 371 (H100: `scripts/bench_attention_kernels.py --extend-cases
-        # 1x16384,1x131072,1x4096+126976`); W5 on llama-8b runs 1.085x the Triton kernel's
-        # total tok/s (H100: `scripts/bench_throughput.py --models llama-8b --workloads W5
-        # --scale 0.125 --variants batchrun,extend-triton`)
-        if fa3_reason is None:
-            fa3_reason = _fa3_run_reason(config, model_cfg, device)
-            if fa3_reason is not None:
-                log.warning("the extend rows run on the Triton kernel: %s", fa3_reason)
-        extend_attention = "triton" if fa3_reason else "fa3"
+        extend_attention = "triton"
+        if attention == "triton":
+            reason = fa3_extend_reason(config, model_cfg, device)
+            if reason is None:
+                extend_attention = "fa3"
+            else:
+                log.info("the extend rows run on the Triton kernel, not FA3: %s", reason)
     elif extend_attention == "fa3":
         if attention != "triton":
             raise ValueError(
                 f"extend_attention 'fa3' runs attention 'triton''s extend rows, and the attention "
                 f"backend is {attention!r}; use extend_attention 'triton' or 'auto'"
             )
-        if fa3_reason is None:
-            fa3_reason = _fa3_run_reason(config, model_cfg, device)
-        if fa3_reason is not None:
-            raise ValueError(f"extend_attention 'fa3' cannot run here: {fa3_reason}")
+        reason = fa3_extend_reason(config, model_cfg, device)
+        if reason is not None:
+            raise ValueError(f"extend_attention 'fa3' cannot run here: {reason}")
 
     triton_ops = want.triton_ops
     if triton_ops is None:

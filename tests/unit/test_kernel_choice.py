@@ -2,8 +2,8 @@
 CPU and on a simulated GPU, and the requests it refuses with a message.
 
 The GPU cases run without CUDA: `supports_pdl` (the device's compute capability), `has_triton`
-`HostGate.available` (the driver's stream wait call) and `fa3_unavailable_reason` (FlashInfer's
-FA3 prefill) are patched to describe an H200 (sm_90,
+`HostGate.available` (the driver's stream wait call) and attention/fa3_cache.py (FlashInfer's
+FA3 prefill and its built kernels) are patched to describe an H200 (sm_90,
 PDL) or an A100 (sm_80), and resolve_kernels reads nothing else of the device. ModelConfigs of
 the Llama 3 shapes stand in for the models (no weights): llama-1b (hidden 2048, 1.0B decoder
 parameters) and llama-8b (hidden 4096, 7.0B: batchrun.config.is_large).
@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_configs import MIXTRAL_8X7B_INSTRUCT, QWEN3_30B_A3B, QWEN15_MOE_A27B  # noqa: E402
 from tiny_models import llama3_model_config  # noqa: E402
 
+from batchrun.attention import fa3_cache  # noqa: E402
 from batchrun.config import EngineConfig, KernelConfig, is_large, resolve_sizes  # noqa: E402
 from batchrun.engine import kernel_choice  # noqa: E402
 from batchrun.engine.kernel_choice import (  # noqa: E402
@@ -47,14 +48,17 @@ def resolve(model_cfg=SMALL, device=CPU, kernels: KernelConfig | None = None, **
 def gpu(monkeypatch):
     """A GPU with triton and the driver's stream wait: call with pdl=True for sm_90+ (an H200,
     with FP8 tensor cores), pdl=False for sm_80 (an A100, without); `memory` bytes (an H200's
-    by default); fa3: FlashInfer's FA3 prefill runs the model (flashinfer installed); gemv_mma:
+    by default); fa3: FlashInfer's FA3 prefill runs the model (flashinfer installed, its kernels
+    built); gemv_mma:
     kernels/int4_gemv_mma.py runs (Gluon, sm_80+)."""
 
     def make(pdl: bool, memory: int = H200_MEMORY, fa3: bool = False, gemv_mma=True) -> None:
         monkeypatch.setattr(kernel_choice, "gpu_memory", lambda device: memory)
         reason = None if fa3 else "flashinfer is not importable"
-        monkeypatch.setattr(kernel_choice, "fa3_unavailable_reason", lambda *args: reason)
-        monkeypatch.setattr(kernel_choice, "fa3_run_error", lambda *args: None)
+        monkeypatch.setattr(fa3_cache, "unavailable_reason", lambda *args: reason)
+        monkeypatch.setattr(fa3_cache, "missing_modules", lambda *args: [])
+        monkeypatch.setattr(fa3_cache, "probe_error", lambda *args: None)
+        monkeypatch.setattr(fa3_cache, "start_build", lambda *args: pytest.fail("no build"))
         monkeypatch.setattr(kernel_choice, "has_triton", lambda: True)
         monkeypatch.setattr(kernel_choice, "supports_pdl", lambda device: pdl)
         monkeypatch.setattr(kernel_choice, "supports_fp8_matmul", lambda device: pdl)
@@ -132,7 +136,7 @@ def test_is_resolved_only_without_auto_fields():
         (KernelConfig(host_gate=True), "host_gate needs CUDA, overlap and a driver"),
         (KernelConfig(piecewise_graphs=True), "piecewise CUDA graphs need CUDA"),
         (KernelConfig(decode_norms="all"), "decode_norms 'all' needs decode_gemv 'triton'"),
-        (KernelConfig(attention="flashinfer"), "'flashinfer' cannot run here: it needs a CUDA"),
+        (KernelConfig(attention="flashinfer"), "attention backend must be one of auto, torch, "),
     ],
 )
 def test_the_cpu_refuses(kernels, message):
@@ -523,9 +527,9 @@ def test_moe_prefill_grouped_mm_where_cutlass_runs(gpu, monkeypatch):
 
 
 def test_extend_attention_fa3_where_it_runs(gpu, monkeypatch):
-    """extend_attention auto: "fa3" with attention "triton" where fa3_unavailable_reason finds
-    nothing against it (flashinfer, sm_90, its kernels built or buildable, the head dim, the
-    dtypes, no sinks), else "triton"; "fa3" asked for is refused where it cannot run or beside
+    """extend_attention auto: "fa3" with attention "triton" where fa3_cache.unavailable_reason
+    finds nothing against it (flashinfer, sm_90, the head dim, the dtypes, no sinks) and its
+    kernels are built, else "triton"; "fa3" asked for is refused where it cannot run or beside
     another attention backend."""
     assert resolve(SMALL).extend_attention == "triton"  # the CPU
     with pytest.raises(ValueError, match="extend_attention must be one of auto, triton, fa3"):
@@ -546,38 +550,53 @@ def test_extend_attention_fa3_where_it_runs(gpu, monkeypatch):
     with pytest.raises(ValueError, match="runs attention 'triton''s extend rows, and the attent"):
         resolve(SMALL, CUDA, replace(fa3, attention="torch"))
     seen = []
-    monkeypatch.setattr(
-        kernel_choice, "fa3_unavailable_reason", lambda *args: seen.append(args) or "sinks"
-    )
+    monkeypatch.setattr(fa3_cache, "unavailable_reason", lambda *args: seen.append(args) or "sinks")
     with pytest.raises(ValueError, match="'fa3' cannot run here: sinks"):
         resolve(SMALL, CUDA, fa3)
     assert seen[0][1:] == (SMALL.head_dim, "auto", False, False)
     assert resolve(SMALL, CUDA).extend_attention == "triton"
 
 
-def test_extend_attention_fa3_runs_one_batch_at_start_up(gpu, monkeypatch, caplog):
-    """Where FA3 is available, one FA3 prefill runs at start-up with one rank's heads and the
-    dtype (fa3_run_error, which builds the kernels): auto falls back to "triton" with a warning
-    when it fails, "fa3" asked for is refused with its error."""
+def test_extend_attention_fa3_only_where_its_kernels_are_built(gpu, monkeypatch, caplog):
+    """No compiler on the start-up path: where FA3's kernels are not built, the extend rows run
+    on the Triton kernel and rank 0 starts their build in the background (where nvcc is), for
+    the next run; where they are built, one FA3 prefill runs at start-up with one rank's heads
+    and the dtype (fa3_cache.probe_error), and its failure keeps the Triton kernel."""
     gpu(pdl=True, fa3=True)
-    seen = []
-    error = [None]
-    monkeypatch.setattr(kernel_choice, "fa3_run_error", lambda *args: seen.append(args) or error[0])
+    missing, builds, nvcc = [["fa3_module"]], [], ["/usr/local/cuda/bin/nvcc"]
+    monkeypatch.setattr(fa3_cache, "missing_modules", lambda *args: missing[0])
+    monkeypatch.setattr(fa3_cache, "find_nvcc", lambda: nvcc[0])
+    monkeypatch.setattr(
+        fa3_cache, "start_build", lambda *args: builds.append(args) or Path("/tmp/build.log")
+    )
+    with caplog.at_level("INFO", logger=kernel_choice.__name__):
+        assert resolve(LARGE, CUDA).extend_attention == "triton"
+    assert builds == [(128, torch.bfloat16, (0,))]
+    assert "a background process builds them for the next run" in caplog.text
+    assert "/tmp/build.log" in caplog.text
+    assert resolve(LARGE, CUDA, tp_size=2, tp_rank=1).extend_attention == "triton"
+    assert len(builds) == 1  # rank 0 builds
+    mixed = replace(LARGE, sliding_windows=(4096, 0) * 16)
+    assert resolve(mixed, CUDA, dtype="float16").extend_attention == "triton"
+    assert builds[-1] == (128, torch.float16, mixed.sliding_windows)
+    nvcc[0] = None
+    with pytest.raises(ValueError, match=r"not built here, and no nvcc .* flashinfer-jit-cache"):
+        resolve(LARGE, CUDA, KernelConfig(extend_attention="fa3"))
+    assert len(builds) == 2
+
+    missing[0] = []
+    seen, error = [], [None]
+    monkeypatch.setattr(fa3_cache, "probe_error", lambda *args: seen.append(args) or error[0])
     with caplog.at_level("INFO", logger=kernel_choice.__name__):
         assert resolve(LARGE, CUDA, tp_size=2).extend_attention == "fa3"
     assert seen[-1][1:] == (16, 4, 128, torch.bfloat16, (0,))
-    # a first run's build is announced, not a silent stall at start-up
-    assert "builds its kernels with nvcc" in caplog.text and "FA3 prefill ran in" in caplog.text
-    assert resolve(LARGE, CUDA, dtype="float16").extend_attention == "fa3"
-    assert seen[-1][1:] == (32, 8, 128, torch.float16, (0,))
-    mixed = replace(LARGE, sliding_windows=(4096, 0) * 16)
-    assert resolve(mixed, CUDA).extend_attention == "fa3"
-    assert seen[-1][-1] == mixed.sliding_windows
-    error[0] = "RuntimeError: ninja: build stopped: subcommand failed."
-    with caplog.at_level("WARNING", logger=kernel_choice.__name__):
+    assert "FA3 prefill ran its start-up batch in" in caplog.text
+    error[0] = "RuntimeError: an illegal instruction was encountered"
+    with caplog.at_level("INFO", logger=kernel_choice.__name__):
         assert resolve(LARGE, CUDA).extend_attention == "triton"
-    assert "extend rows run on the Triton kernel: FlashInfer's FA3 prefill failed" in caplog.text
-    assert "ninja: build stopped" in caplog.text
+    assert "extend rows run on the Triton kernel, not FA3: FlashInfer's FA3 prefill failed" in (
+        caplog.text
+    )
     with pytest.raises(ValueError, match="'fa3' cannot run here: FlashInfer's FA3 prefill fail"):
         resolve(LARGE, CUDA, KernelConfig(extend_attention="fa3"))
     calls = len(seen)
@@ -585,93 +604,6 @@ def test_extend_attention_fa3_runs_one_batch_at_start_up(gpu, monkeypatch, caplo
         "triton"
     )
     assert len(seen) == calls  # nothing runs where the extend rows stay on Triton
-
-
-def test_fa3_run_error_plans_and_runs_as_the_backend_does(monkeypatch):
-    """fa3_run_error against a stand-in flashinfer: the wrapper on the "fa3" backend, planned
-    causal over page size 1 with the heads and dtypes given, run on a (k, v) pair; a failure
-    comes back as its type and last lines."""
-    from batchrun.attention import flashinfer_backend as fb
-
-    seen = {}
-
-    class Wrapper:
-        def __init__(self, workspace, layout, backend):
-            seen["init"] = (layout, backend)
-
-        def plan(self, *args, **kw):
-            seen["plan"] = (args[4:], kw)
-            seen.setdefault("lefts", []).append(kw["window_left"])
-
-        def run(self, q, kv):
-            if seen.get("fail"):
-                raise RuntimeError("Error building extension\n\nninja: build stopped\n")
-            seen["kv"] = kv[0].shape
-            return torch.empty_like(q)
-
-    stub = type("flashinfer", (), {"BatchPrefillWithPagedKVCacheWrapper": Wrapper})
-    monkeypatch.setattr(fb, "import_flashinfer", lambda: stub)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    assert fb.fa3_run_error(CPU, 32, 8, 128, torch.bfloat16) is None
-    assert seen["init"] == ("NHD", "fa3")
-    assert seen["plan"][0] == (32, 8, 128, 1)
-    assert seen["plan"][1]["causal"] and seen["plan"][1]["window_left"] == -1
-    assert seen["plan"][1]["q_data_type"] == seen["plan"][1]["kv_data_type"] == torch.bfloat16
-    assert seen["kv"] == (fb.PROBE_TOKENS, 1, 8, 128)
-    assert seen["lefts"] == [-1]  # the whole context only
-    for windows, lefts in [((4096,) * 4, [15]), ((0, 8) * 2, [-1, 7]), ((), [-1])]:
-        seen["lefts"] = []
-        assert fb.fa3_run_error(CPU, 32, 8, 128, torch.bfloat16, windows) is None
-        assert seen["lefts"] == lefts, windows  # one run a kernel: windowed or not
-    seen["fail"] = True
-    error = fb.fa3_run_error(CPU, 32, 8, 128, torch.bfloat16)
-    assert error == "RuntimeError: Error building extension / ninja: build stopped"
-
-
-def test_fa3_unavailable_reasons(monkeypatch):
-    """What keeps FlashInfer's FA3 prefill from a model, once flashinfer imports on a GPU."""
-    from batchrun.attention import flashinfer_backend as fb
-
-    monkeypatch.setattr(fb, "unavailable_reason", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    capability = [(9, 0)]
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability[0])
-    monkeypatch.setattr(fb, "_build_reason", lambda: None)
-    assert fb.fa3_unavailable_reason(CUDA, 128, "auto", False, False) is None
-    assert fb.fa3_unavailable_reason(CUDA, 256, "bfloat16", False, False) is None
-    assert "head dims" in fb.fa3_unavailable_reason(CUDA, 80, "auto", False, False)
-    assert "float32" in fb.fa3_unavailable_reason(CUDA, 128, "float32", False, False)
-    assert "float8" in fb.fa3_unavailable_reason(CUDA, 128, "auto", True, False)
-    assert "sinks" in fb.fa3_unavailable_reason(CUDA, 64, "auto", False, True)
-    capability[0] = (10, 0)
-    assert "sm_90" in fb.fa3_unavailable_reason(CUDA, 128, "auto", False, False)
-    capability[0] = (9, 0)
-    monkeypatch.setattr(fb, "_build_reason", lambda: "no nvcc")
-    assert fb.fa3_unavailable_reason(CUDA, 128, "auto", False, False) == "no nvcc"
-
-
-def test_fa3_kernels_come_from_the_jit_cache_or_nvcc(monkeypatch, tmp_path):
-    """FlashInfer's FA3 kernels: compiled in flashinfer-jit-cache, or built with an nvcc found
-    as torch's extension builder finds it (CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda)."""
-    from batchrun.attention import flashinfer_backend as fb
-
-    monkeypatch.setattr(fb.importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(fb.shutil, "which", lambda name: None)
-    monkeypatch.delenv("CUDA_HOME", raising=False)
-    monkeypatch.delenv("CUDA_PATH", raising=False)
-    isfile = fb.os.path.isfile
-    monkeypatch.setattr(fb.os.path, "isfile", lambda p: p.startswith(str(tmp_path)) and isfile(p))
-    assert "neither nvcc" in fb._build_reason()
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "nvcc").write_text("")
-    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
-    assert fb._build_reason() is None
-    monkeypatch.delenv("CUDA_HOME")
-    monkeypatch.setattr(fb.shutil, "which", lambda name: str(tmp_path / "bin" / "nvcc"))
-    assert fb._build_reason() is None
-    monkeypatch.setattr(fb.shutil, "which", lambda name: None)
-    monkeypatch.setattr(fb.importlib.util, "find_spec", lambda name: object())
-    assert fb._build_reason() is None
 
 
 def test_moe_triton_needs_triton(monkeypatch):
