@@ -144,8 +144,9 @@ def test_decode_graph_inputs_in_one_kernel_or_by_copies(
 def test_piecewise_graphs_give_the_same_tokens(model_dir, reference, monkeypatch, kernels, kw):
     """Prefill and mixed steps (and decodes past the decode graphs) replay piecewise graphs
     around an eager attention (engine/piecewise_graph.py): the tokens do not change. Small
-    chunks make many mixed steps of odd sizes, padded up to a captured size. (FlashInfer, which
-    needs head dim 64+ and bf16, runs them in test_flashinfer_backend.py's graph-overlap case.)"""
+    chunks make many mixed steps of odd sizes, padded up to a captured size. (FlashInfer's FA3
+    prefill, which needs head dim 64+ and bf16, runs them in test_fa3_prefill.py's graph-overlap
+    case.)"""
     from spies import count_calls
 
     from batchrun.engine.piecewise_graph import PiecewiseGraphRunner
