@@ -23,7 +23,13 @@ from moe_configs import MIXTRAL_8X7B_INSTRUCT, QWEN3_30B_A3B, QWEN15_MOE_A27B  #
 from tiny_models import llama3_model_config  # noqa: E402
 
 from batchrun.attention import fa3_cache  # noqa: E402
-from batchrun.config import EngineConfig, KernelConfig, is_large, resolve_sizes  # noqa: E402
+from batchrun.config import (  # noqa: E402
+    CUDA_GRAPH_MAX_BS,
+    EngineConfig,
+    KernelConfig,
+    is_large,
+    resolve_sizes,
+)
 from batchrun.engine import kernel_choice  # noqa: E402
 from batchrun.engine.kernel_choice import (  # noqa: E402
     NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN,
@@ -40,8 +46,8 @@ SMALL, LARGE = llama3_model_config("llama-1b"), llama3_model_config("llama-8b")
 def resolve(model_cfg=SMALL, device=CPU, kernels: KernelConfig | None = None, **config):
     """resolve_kernels as the engine calls it: sizes resolved, overlap decided (on for CUDA)."""
     config.setdefault("overlap", device.type == "cuda")
-    engine_config = EngineConfig(device=device.type, kernels=kernels or KernelConfig(), **config)
-    return resolve_kernels(resolve_sizes(engine_config, model_cfg), model_cfg, device)
+    engine_config = EngineConfig(device=device.type, **config)
+    return resolve_kernels(resolve_sizes(engine_config, model_cfg), model_cfg, device, kernels)
 
 
 @pytest.fixture
@@ -93,7 +99,6 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         piecewise_graphs=False,
         host_gate=False,
         fp8_matmul="dequant",
-        fp8_block_gemm="triton",
         int4_matmul="dequant",
         fp8_fast_accum=True,
         moe="torch",
@@ -223,11 +228,10 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         pdl=True,
         decode_gemv="triton",
         decode_norms="all",  # hidden 2048: each norm inside the matmul before it
-        cuda_graph_max_bs=KernelConfig.cuda_graph_max_bs,
+        cuda_graph_max_bs=CUDA_GRAPH_MAX_BS,
         piecewise_graphs=True,  # a small model's mixed steps are bound by the host
         host_gate=True,
         fp8_matmul="scaled_mm",  # the FP8 linears of a quantized model on the tensor cores
-        fp8_block_gemm="cublaslt",  # block FP8 above 16 rows on cuBLASLt's block matmul
         int4_matmul="dequant",  # a plain model's (INT4 ones: the rule below)
         fp8_fast_accum=True,
         moe="triton",  # a mixture's experts on kernels/fused_moe.py
@@ -243,7 +247,7 @@ def test_an_h200_folds_the_norms_of_a_wide_model_and_keeps_its_mixed_steps_eager
     assert kernels.decode_gemv == "triton" and kernels.pdl is True
     assert kernels.decode_norms == "fold-all"  # hidden 4096: both norms in the matmul after
     assert kernels.piecewise_graphs is False  # 3B+ decoder parameters
-    assert kernels.cuda_graph_max_bs == KernelConfig.cuda_graph_max_bs
+    assert kernels.cuda_graph_max_bs == CUDA_GRAPH_MAX_BS
 
 
 def test_piecewise_graphs_need_decode_graphs_and_a_chunk_size(gpu):
@@ -288,7 +292,7 @@ def test_a_gpu_without_triton_runs_torch_and_cublas(gpu, monkeypatch):
     kernels = resolve(SMALL, CUDA)
     assert (kernels.attention, kernels.triton_ops, kernels.pdl) == ("torch", False, False)
     assert (kernels.decode_gemv, kernels.decode_norms) == ("cublas", "off")
-    assert kernels.cuda_graph_max_bs == KernelConfig.cuda_graph_max_bs
+    assert kernels.cuda_graph_max_bs == CUDA_GRAPH_MAX_BS
 
 
 def test_fields_set_by_hand_are_kept(gpu):
@@ -304,7 +308,6 @@ def test_fields_set_by_hand_are_kept(gpu):
         piecewise_graphs=False,
         host_gate=False,
         fp8_matmul="dequant",
-        fp8_block_gemm="triton",
         int4_matmul="dequant",
         fp8_fast_accum=True,
         moe="torch",
@@ -368,26 +371,19 @@ def fp8_blocks(model_cfg):
     return replace(model_cfg, quantization=scheme)
 
 
-def test_int4_and_block_fp8_are_dequantized_where_the_bf16_weights_fit(gpu, monkeypatch):
-    """On CUDA, an INT4 or block-FP8 model's weights are dequantized to bf16 at load where that
-    takes at most DEQUANT_MAX_MEMORY of the GPU (llama-8b's 15 GB of an H200's 150), else kept
-    packed on kernels/int4_matmul.py / the Triton block matmul (llama-8b on a 24 GB GPU; or
-    llama-8b's ranks at TP=2 on a 16 GB one: half each); block FP8 stays in FP8 wherever
-    cuBLASLt's block matmul runs (faster than bf16). An INT4 model also keeps its packed
+def test_int4_is_dequantized_where_the_bf16_weights_fit(gpu, monkeypatch):
+    """On CUDA, an INT4 model's weights are dequantized to bf16 at load where that takes at most
+    DEQUANT_MAX_MEMORY of the GPU (llama-8b's 15 GB of an H200's 150), else kept packed on
+    kernels/int4_matmul.py (llama-8b on a 24 GB GPU; or llama-8b's ranks at TP=2 on a 16 GB
+    one: half each). An INT4 model also keeps its packed
     weight for the decode GEMV ("dequant-gemv") where both fit and the GEMV runs (llama-8b's
     ranks at TP=2 on a 16 GB GPU: the bf16 half fits, not with the copy). A hand-set choice is
     kept. The CPU dequantizes unless "triton" is set by hand (Triton's interpreter), which
     needs triton; "dequant-gemv" needs the GEMV."""
     gpu(pdl=True)
     assert resolve(int4(LARGE), CUDA).int4_matmul == "dequant-gemv"
-    assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "scaled_mm"  # cuBLASLt's blocks
-    assert resolve(quantized(LARGE), CUDA).fp8_matmul == "scaled_mm"  # per channel: the cores
-    monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: False)
-    assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "dequant"
     gpu(pdl=True, memory=24_000_000_000)
-    monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: False)
     assert resolve(int4(LARGE), CUDA).int4_matmul == "triton"
-    assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "scaled_mm"
     assert resolve(int4(SMALL), CUDA).int4_matmul == "dequant-gemv"
     gpu(pdl=True, memory=16_000_000_000)
     assert resolve(int4(LARGE), CUDA).int4_matmul == "triton"
@@ -626,15 +622,51 @@ def test_gemma3_decodes_with_its_norms_apart(gpu):
         resolve(gemma, CUDA, KernelConfig(decode_norms="all"))
 
 
-def test_block_fp8_runs_cublaslt_where_torch_has_its_block_scales(gpu, monkeypatch):
-    """fp8_block_gemm auto: cuBLASLt's block matmul on sm_90 with a CUDA 12.9+ torch, else the
-    Triton kernel; set by hand where it cannot run, a clear error."""
+def test_block_fp8_needs_cublaslt_or_room_to_dequantize(gpu, monkeypatch):
+    """Block FP8 stays in FP8 only on cuBLASLt's block matmul (sm_90, a torch with CUDA 12.9+);
+    without it, a model whose bf16 weights fit is dequantized, and one too large to dequantize
+    is refused by name at start-up, as "scaled_mm" asked for there."""
     gpu(pdl=True)
-    assert resolve(SMALL, CUDA).fp8_block_gemm == "cublaslt"
+    assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "scaled_mm"
     monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: False)
-    assert resolve(SMALL, CUDA).fp8_block_gemm == "triton"
-    with pytest.raises(ValueError, match="fp8_block_gemm 'cublaslt' needs an sm_90 GPU"):
-        resolve(SMALL, CUDA, KernelConfig(fp8_block_gemm="cublaslt"))
-    assert resolve(kernels=KernelConfig()).fp8_block_gemm == "triton"  # the CPU
-    with pytest.raises(ValueError, match="fp8_block_gemm must be one of"):
-        KernelConfig(fp8_block_gemm="cutlass").validate()
+    assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "dequant"
+    with pytest.raises(ValueError, match="fp8_matmul 'scaled_mm' runs 128 x 128 block-FP8"):
+        resolve(fp8_blocks(LARGE), CUDA, KernelConfig(fp8_matmul="scaled_mm"))
+    assert resolve(quantized(LARGE), CUDA).fp8_matmul == "scaled_mm"  # per channel: any sm_89+
+    gpu(pdl=True, memory=24_000_000_000)
+    monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: False)
+    with pytest.raises(ValueError, match=r"cuBLASLt's block-scaled matmul.*and is missing here; "
+                       r"dequantized, the decoder's bf16 weights take 14.0 GB"):  # fmt: skip
+        resolve(fp8_blocks(LARGE), CUDA)
+    assert resolve(fp8_blocks(LARGE), CUDA, tp_size=2).fp8_matmul == "dequant"
+
+
+def test_dequantize_is_the_users_choice(gpu):
+    """EngineConfig.dequantize (--dequantize): a quantized checkpoint's weights dequantized at
+    load wherever the rules would keep them."""
+    gpu(pdl=True)
+    assert resolve(quantized(LARGE), CUDA, dequantize=True).fp8_matmul == "dequant"
+    assert resolve(int4(LARGE), CUDA, dequantize=True).int4_matmul == "dequant"
+    gpu(pdl=True, memory=24_000_000_000)
+    assert resolve(int4(LARGE), CUDA).int4_matmul == "triton"
+    assert resolve(int4(LARGE), CUDA, dequantize=True).int4_matmul == "dequant"
+
+
+def test_the_users_kernel_choices(gpu):
+    """EngineConfig's kernel choices: the reference path (every field the override leaves is the
+    reference's), CUDA graphs' largest batch (0: none, piecewise ones neither), PDL and the host
+    gate off."""
+    gpu(pdl=True)
+    reference = resolve(SMALL, CUDA, reference_kernels=True)
+    assert reference == KernelConfig.reference()
+    partial = resolve(SMALL, CUDA, KernelConfig(attention="triton"), reference_kernels=True)
+    assert partial == replace(KernelConfig.reference(), attention="triton")
+    assert resolve(SMALL, CUDA, cuda_graph_max_bs=64).cuda_graph_max_bs == 64
+    none = resolve(SMALL, CUDA, cuda_graph_max_bs=0)
+    assert (none.cuda_graph_max_bs, none.piecewise_graphs) == (0, False)
+    assert resolve(SMALL, CUDA, piecewise_graphs=False).piecewise_graphs is False
+    no_pdl = resolve(SMALL, CUDA, pdl=False)
+    assert (no_pdl.pdl, no_pdl.decode_gemv, no_pdl.decode_norms) == (False, "cublas", "off")
+    assert resolve(SMALL, CUDA, host_gate=False).host_gate is False
+    with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 0"):
+        EngineConfig(cuda_graph_max_bs=-1).validate()
