@@ -10,10 +10,10 @@ weights.py) and how it multiplies, by device and kernel config.
                                              batches (M <= 16) with decode_gemv "triton" on
                                              kernels/fp8_gemv.py
     "fp8_block": FP8 in 128 x 128 blocks,    float8 weight and block scales kept; activations
-    dynamic activations, CUDA sm_89+         quantized per token and group of 128 columns
-    (fp8_matmul "scaled_mm"), any dtype      (kernels/fp8_quant.py), then the Triton block
-                                             matmul (kernels/fp8_block_matmul.py); decode
-                                             batches as "scaled_mm"'s, block-scaled
+    dynamic activations, CUDA sm_90 with     quantized per token and group of 128 columns
+    cuBLASLt's block matmul (fp8_matmul      (kernels/fp8_quant.py), then cuBLASLt's block-
+    "scaled_mm"), K a multiple of 128, N     scaled F.scaled_mm; decode batches as
+    of 16                                    "scaled_mm"'s, block-scaled
     "int4": INT4 (int4_matmul "triton":      the weight packed at load (batchrun/quant/
     CUDA, or CPU tensors under Triton's      int4_layout.py); on CUDA, where the tensor-core
     interpreter)                             decode GEMV takes it (no act-order, groups of
@@ -80,9 +80,8 @@ except ImportError:  # no Triton, or one without Gluon (triton.experimental.gluo
 
 try:
     from batchrun.kernels import fp8_quant
-    from batchrun.kernels.fp8_block_matmul import block_fp8_matmul
 except ImportError:  # no Triton (CPU-only installs): FP8 blocks are dequantized, and the
-    fp8_quant = block_fp8_matmul = None  # activations quantized by the torch ops
+    fp8_quant = None  # activations quantized by the torch ops
 
 try:
     from batchrun.kernels.fp8_gemv import fp8_gemv, fp8_gemv_residual, row_amax
@@ -156,10 +155,10 @@ def _kernel(
         return {"triton": "int4", "dequant-gemv": "int4_dense"}.get(int4_matmul, "dense")
     if fp8_matmul != "scaled_mm":
         return "dense"
-    if scheme.block is not None:
+    if scheme.block is not None:  # cuBLASLt's block matmul (kernel_choice's fp8_rule)
         fits = scheme.block == (128, 128) and scheme.activations == "dynamic"
-        runs = block_fp8_matmul is not None
-        return "fp8_block" if fits and runs else "dense"
+        aligned = in_features % 128 == 0 and out_features % SCALED_MM_ALIGN == 0
+        return "fp8_block" if fits and aligned and fp8_quant is not None else "dense"
     if (
         scheme.activations in ("dynamic", "static")
         and dtype == torch.bfloat16
@@ -209,15 +208,6 @@ class QuantMatmul(nn.Module):
         )
         self.pdl = bool(kernels.pdl)
         self.fast_accum = kernels.fp8_fast_accum
-        # block FP8 on cuBLASLt's block-scaled matmul: weights whose K is whole 128-column
-        # groups and whose rows keep the FP8 matmul's 16-byte alignment
-        self.cublaslt_blocks = (
-            spec.kernel == "fp8_block"
-            and kernels.fp8_block_gemm == "cublaslt"
-            and spec.block == (128, 128)
-            and in_features % 128 == 0
-            and out_features % 16 == 0
-        )
         # NOTE: per-token scales of a row-parallel input come from all its columns, on every
         # rank: one all-reduce of [M] floats per such layer makes TP=N quantize as TP=1
         self.reduce_max = reduce_max if spec.activations == "dynamic" and not spec.block else None
@@ -276,8 +266,7 @@ class QuantMatmul(nn.Module):
                 assert isinstance(qw, Fp8Weight) and qw.block == self.spec.block
                 self.weight.copy_(qw.weight)
                 self.weight_scale.copy_(qw.scale)
-                if self.cublaslt_blocks:
-                    self.register_buffer("cublaslt_scale", cublaslt_block_scale(self.weight_scale))
+                self.register_buffer("cublaslt_scale", cublaslt_block_scale(self.weight_scale))
             else:
                 self.weight.copy_(qw.dequantize(self.dtype))
         self.fake_quant = (
@@ -386,21 +375,18 @@ class QuantMatmul(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()  # [M, K]
         m = x2.shape[0]
-        if self.cublaslt_blocks and m % 4:  # cuBLASLt's rows of x: a multiple of 4
+        if m % 4:  # cuBLASLt's rows of x: a multiple of 4
             x2 = F.pad(x2, (0, 0, 0, -m % 4))
         xq, scale_x = fp8_quant.quant_per_token_group(x2, self.spec.block[1])
-        if self.cublaslt_blocks:
-            y = F.scaled_mm(
-                xq,
-                self.weight.t(),
-                scale_x,  # [M, K / 128], column-major: BlockWise1x128
-                F.ScalingType.BlockWise1x128,
-                self.cublaslt_scale,
-                F.ScalingType.BlockWise128x128,
-                output_dtype=self.dtype,
-            )[:m]
-        else:
-            y = block_fp8_matmul(xq, scale_x, self.weight, self.weight_scale, self.dtype)
+        y = F.scaled_mm(
+            xq,
+            self.weight.t(),
+            scale_x,  # [M, K / 128], column-major: BlockWise1x128
+            F.ScalingType.BlockWise1x128,
+            self.cublaslt_scale,
+            F.ScalingType.BlockWise128x128,
+            output_dtype=self.dtype,
+        )[:m]
         return y.view(*shape[:-1], self.out_features)
 
     def _quant_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

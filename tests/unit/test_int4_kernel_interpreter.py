@@ -310,8 +310,8 @@ def check_engine() -> None:
             results = {}
             for path in ("triton", "dequant"):
                 kernels = replace(KernelConfig.reference(), int4_matmul=path)
-                cfg = EngineConfig(model=tmp, device="cpu", dtype="float32", kernels=kernels)
-                engine = Engine(cfg)
+                cfg = EngineConfig(model=tmp, device="cpu", dtype="float32")
+                engine = Engine(cfg, kernels=kernels)
                 layer = engine.runner.model.layers[0].mlp.down_proj.quant
                 assert layer.spec.kernel == ("int4" if path == "triton" else "dense")
                 reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]

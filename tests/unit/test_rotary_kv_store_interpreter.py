@@ -232,10 +232,8 @@ def _engine_run(path: Path, kernels, fuse: bool):
 
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(3, seed=5, min_len=2, max_len=10)
-    config = EngineConfig(
-        model=str(path), device="cpu", dtype="float16", kv_budget=512, kernels=kernels
-    )
-    engine = Engine(config)
+    config = EngineConfig(model=str(path), device="cpu", dtype="float16", kv_budget=512)
+    engine = Engine(config, kernels=kernels)
     assert engine.kernels.attention == kernels.attention
     assert engine.kernels.triton_ops == kernels.triton_ops
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
