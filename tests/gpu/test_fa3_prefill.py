@@ -242,7 +242,7 @@ def _generate(model_dir: str, kernels: dict, **kw):
     prompts = [shared + p if i % 2 else p for i, p in enumerate(prompts)]
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
     cfg = dict(model=model_dir, device="cuda", dtype="bfloat16", kv_budget=20000)
-    engine = Engine(EngineConfig(**{**cfg, **kw}, kernels=KernelConfig(**kernels)))
+    engine = Engine(EngineConfig(**{**cfg, **kw}), kernels=KernelConfig(**kernels))
     assert engine.kernels.attention == kernels["attention"]
     out = {r.rid: r for r in engine.generate(reqs)}
     engine.check_integrity()

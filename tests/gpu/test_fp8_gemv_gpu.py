@@ -226,7 +226,7 @@ def test_fp8_gemv_replays_in_a_cuda_graph_with_pdl(static):
 # -- engines ------------------------------------------------------------------------------------
 
 
-def _generate(config: EngineConfig) -> list[list[int]]:
+def _generate(config: EngineConfig, kernels: KernelConfig) -> list[list[int]]:
     from tiny_models import random_prompts
 
     from batchrun.engine.engine import Engine
@@ -234,7 +234,7 @@ def _generate(config: EngineConfig) -> list[list[int]]:
 
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(24, seed=5, min_len=4, max_len=100)
-    engine = Engine(config)
+    engine = Engine(config, kernels)
     assert engine.kernels.fp8_matmul == "scaled_mm"
     outs = {r.rid: r.output_ids for r in engine.generate(
         [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
@@ -264,8 +264,8 @@ def test_decode_on_fp8_gemv_gives_the_scaled_mm_tokens(fmt, tmp_path):
     # cuBLASLt's block matmul does not run): decode on the block-scaled GEMV against the block
     # matmul (cuBLASLt's on sm_90 with a CUDA 12.9+ torch)
     kernels = KernelConfig(fp8_matmul="scaled_mm")
-    gemv = _generate(EngineConfig(**base, kernels=replace(kernels, decode_gemv="triton")))
-    scaled_mm = _generate(EngineConfig(**base, kernels=replace(kernels, decode_gemv="cublas")))
+    gemv = _generate(EngineConfig(**base), replace(kernels, decode_gemv="triton"))
+    scaled_mm = _generate(EngineConfig(**base), replace(kernels, decode_gemv="cublas"))
     same = sum(a == b for a, b in zip(gemv, scaled_mm))
     print(f"{fmt}: {same} of {len(gemv)} requests identical")
     assert same >= 22, f"{fmt}: {same} of {len(gemv)} requests identical"

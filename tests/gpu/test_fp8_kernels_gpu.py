@@ -200,12 +200,8 @@ def test_block_fp8_engine_gives_the_exact_models_tokens(fmt, tmp_path):
     prompts = random_prompts(8, seed=5, min_len=4, max_len=100)
     base = dict(model=str(tmp_path), kv_budget=20000, max_running=16)
     cuda = Engine(
-        EngineConfig(
-            **base,
-            device="cuda",
-            dtype="float32",
-            kernels=KernelConfig(piecewise_graphs=True, fp8_matmul="scaled_mm"),
-        )
+        EngineConfig(**base, device="cuda", dtype="float32"),
+        kernels=KernelConfig(piecewise_graphs=True, fp8_matmul="scaled_mm"),
     )
     assert cuda.kernels.fp8_matmul == "scaled_mm" and _block_kernels(cuda) == {"fp8_block"}
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
@@ -219,9 +215,8 @@ def test_block_fp8_engine_gives_the_exact_models_tokens(fmt, tmp_path):
         total += len(picks)
     assert same / total >= agreement_floor, f"{same} of {total} tokens agree"
     bf16 = Engine(
-        EngineConfig(
-            **base, device="cuda", dtype="bfloat16", kernels=KernelConfig(fp8_matmul="scaled_mm")
-        )
+        EngineConfig(**base, device="cuda", dtype="bfloat16"),
+        kernels=KernelConfig(fp8_matmul="scaled_mm"),
     )
     assert _block_kernels(bf16) == {"fp8_block"}
     from batchrun.engine.kernel_choice import supports_block_scaled_mm

@@ -361,10 +361,8 @@ def test_engine_with_cuda_graphs_gives_the_dequantized_paths_tokens(fmt, group_s
         engines = {}
         for path in ("triton", "dequant", "dequant-gemv"):
             kernels = KernelConfig(int4_matmul=path, piecewise_graphs=True)
-            config = EngineConfig(
-                model=tmp, device="cuda", dtype="bfloat16", kv_budget=20000, kernels=kernels
-            )
-            engine = Engine(config)
+            config = EngineConfig(model=tmp, device="cuda", dtype="bfloat16", kv_budget=20000)
+            engine = Engine(config, kernels)
             assert engine.kernels.cuda_graph_max_bs > 0 and engine.kernels.int4_matmul == path
             if path != "dequant":  # decodes on int4_gemv_mma where it takes the weight
                 assert engine.runner.model.layers[0].mlp.down_proj.quant.mma == (not act_order)

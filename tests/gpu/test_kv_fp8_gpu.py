@@ -321,11 +321,11 @@ def test_decode_graph_replay_matches_eager():
 # -- engines --------------------------------------------------------------------------------------
 
 
-def _generate(config: EngineConfig, prompts, new: int) -> dict[str, list[int]]:
+def _generate(config: EngineConfig, prompts, new: int, kernels=None) -> dict[str, list[int]]:
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
 
-    engine = Engine(config)
+    engine = Engine(config, kernels)
     assert engine.runner.kv_pool.is_fp8 == (config.kv_cache_dtype == "fp8_e4m3")
     params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
@@ -347,12 +347,14 @@ def test_graphs_and_overlap_give_the_eager_torch_tokens(attention, tmp_path):
     dtype = "float32" if attention == "triton" else "bfloat16"
     base = dict(model=str(tmp_path), device="cuda", dtype=dtype, kv_budget=20000,
                 max_running=32, kv_cache_dtype="fp8_e4m3")  # fmt: skip
-    fast = EngineConfig(**base, kernels=KernelConfig(attention=attention, piecewise_graphs=True))
+    fast = KernelConfig(attention=attention, piecewise_graphs=True)
     eager_kernels = KernelConfig.reference() if dtype == "float32" else KernelConfig(
         attention=attention, cuda_graph_max_bs=0, piecewise_graphs=False
     )  # fmt: skip
-    eager = EngineConfig(**base, overlap=False, kernels=eager_kernels)
-    assert _generate(fast, prompts, 48) == _generate(eager, prompts, 48)
+    eager = EngineConfig(**base, overlap=False)
+    assert _generate(EngineConfig(**base), prompts, 48, fast) == _generate(
+        eager, prompts, 48, eager_kernels
+    )
 
 
 def test_smollm2_fp8_cache_agrees_with_the_bf16_cache():
