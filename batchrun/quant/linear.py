@@ -19,11 +19,10 @@ weights.py) and how it multiplies, by device and kernel config.
     interpreter)                             decode GEMV takes it (no act-order, groups of
                                              whole 64-row steps, 64-row blocks), in its order
                                              (mma_pack) and decode batches (M <= 16) on
-                                             kernels/int4_gemv_mma.py; else decode batches on
-                                             kernels/int4_gemv.py (the SwiGLU gate inside
-                                             either for a gate_up); the rest and act-order
-                                             weights on kernels/int4_matmul.py (which reads
-                                             both orders: one copy of the weight)
+                                             kernels/int4_gemv_mma.py (the SwiGLU gate inside
+                                             for a gate_up); the rest and act-order weights on
+                                             kernels/int4_matmul.py (which reads both orders:
+                                             one copy of the weight)
     "int4_dense": INT4 (int4_matmul          the weight dequantized at load (F.linear, as
     "dequant-gemv")                          "dense") and, where kernels/int4_gemv_mma.py
                                              takes it on CUDA, also kept in its order for the
@@ -68,10 +67,9 @@ from batchrun.quant.int4_layout import (
 from batchrun.quant.weights import FP8_DTYPE, Fp8Weight, Int4Weight, QuantizedWeight
 
 try:
-    from batchrun.kernels import int4_gemv as int4_gemv_kernel
     from batchrun.kernels import int4_matmul as int4_kernel
 except ImportError:  # no Triton (CPU-only installs): KernelConfig.int4_matmul is "dequant"
-    int4_kernel = int4_gemv_kernel = None
+    int4_kernel = None
 
 try:
     from batchrun.kernels import int4_gemv_mma
@@ -299,7 +297,7 @@ class QuantMatmul(nn.Module):
         """Whether x [M, K] runs on a decode kernel that can fuse the SwiGLU gate (`gemv`):
         kernels/fp8_gemv.py for a decode batch (M <= 16, unit stride along K) of a scaled_mm or
         fp8_block layer with decode_gemv "triton" (block FP8: a gate_up's halves whole 128-row
-        blocks); kernels/int4_gemv_mma.py or kernels/int4_gemv.py for one of an INT4 layer
+        blocks); kernels/int4_gemv_mma.py for one of an INT4 layer kept in its order
         (`_int4_gemv_takes`)."""
         if x.dim() != 2 or x.stride(-1) != 1 or x.dtype != self.dtype:
             return False
@@ -312,10 +310,8 @@ class QuantMatmul(nn.Module):
     def gemv(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         """x @ W^T on the decode kernel (`takes_gemv`); with swiglu, W is a fused gate_up
         and the result silu(gate) * up [M, out_features / 2]."""
-        if self.spec.kernel in INT4_KERNELS:
-            if self.mma:
-                return int4_gemv_mma.int4_gemv_mma(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
-            return int4_gemv_kernel.int4_gemv(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
+        if self.spec.kernel in INT4_KERNELS:  # (takes_gemv: only in the tensor-core GEMV's order)
+            return int4_gemv_mma.int4_gemv_mma(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
         return fp8_gemv(x, self.weight, swiglu=swiglu, **self._fp8_operands(x))
 
     def takes_norms(self) -> bool:
@@ -440,24 +436,19 @@ class QuantMatmul(nn.Module):
         )
 
     def _int4_gemv_takes(self, m: int, swiglu: bool = False) -> bool:
-        """Whether an INT4 layer's x [m, K] runs on a decode GEMV: kernels/int4_gemv_mma.py's
-        `takes` where the weight is in its order, else kernels/int4_gemv.py's (no act-order;
-        with swiglu, halves of whole words)."""
-        if self.mma:
-            return int4_gemv_mma.takes(self._packed(), m, swiglu=swiglu)
-        if self.spec.kernel != "int4":  # int4_dense without the tensor-core GEMV's copy
-            return False
-        return int4_gemv_kernel.takes(self._packed(), m, swiglu=swiglu)
+        """Whether an INT4 layer's x [m, K] runs on kernels/int4_gemv_mma.py: its `takes`, where
+        the weight is in its order."""
+        return self.mma and int4_gemv_mma.takes(self._packed(), m, swiglu=swiglu)
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
-        """Decode batches (M <= 16) on a decode GEMV (`gemv`), the rest (and act-order weights)
-        on kernels/int4_matmul.py."""
+        """Decode batches (M <= 16) on the tensor-core decode GEMV (`gemv`) where the weight is
+        in its order, the rest (and act-order weights) on kernels/int4_matmul.py."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         # (the tensor-core GEMV multiplies in the layer's dtype; int4_matmul takes any)
-        if (not self.mma or x2.dtype == self.dtype) and self._int4_gemv_takes(x2.shape[0]):
+        if x2.dtype == self.dtype and self._int4_gemv_takes(x2.shape[0]):
             y = self.gemv(x2)
         else:
             y = int4_kernel.int4_matmul(x2, self._packed())
@@ -470,6 +461,4 @@ class QuantMatmul(nn.Module):
             path += ", fp8_gemv for decode"
         if self.mma:
             path += ", int4_gemv_mma for decode"
-        elif self.spec.kernel == "int4":
-            path += ", int4_gemv for decode"
         return f"{self.out_features}x{self.in_features}, {path}, {self.spec.describe}"
