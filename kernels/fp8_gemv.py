@@ -39,7 +39,6 @@ dtype first as the unfused path rounds them.
     y = fp8_gemv(x, w, w_scale, input_scale=s)         # static, s float32 scalar
     a = fp8_gemv(x, w_gate_up, scale_gate_up, swiglu=True)
     y = fp8_gemv(x, w, w_scale, amax=reduce_max(row_amax(x)))  # TP: the maxima of all ranks
-    h, normed = fp8_gemv_residual(x, w, w_scale, residual, norm=(g, eps))  # gemv.py's epilogue
 """
 
 from __future__ import annotations
@@ -53,15 +52,11 @@ from batchrun.kernels.fp8_quant import quant_per_token, quant_per_token_group, q
 from batchrun.kernels.gemv import (
     MAX_M,
     NUM_COUNTERS,
-    ROW_COUNTER,
     SMEM_FOR_W,
-    ResidualStream,
-    _norm_after_last_tile,
     _sum_planes,
     _w_tile,
     _write_y,
     _x_tile,
-    check_residual,
     split_counters,
 )
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
@@ -88,9 +83,6 @@ def _fp8_gemv_kernel(
     Y,
     WS,
     Counters,
-    R,  # ADD_RES: the residual [M, N]
-    G,  # NORM_OUT: the norm's weight [N]
-    NormOut,  # NORM_OUT: rmsnorm(y) * G, [1, N]
     M,
     N,
     K,
@@ -99,8 +91,6 @@ def _fp8_gemv_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
-    stride_rm,
-    eps,
     stride_xs,
     stride_xsk,  # BLOCKS: XS [M, K / 128], a group's column
     stride_swn,  # BLOCKS: SW [N / 128, K / 128], a block row's
@@ -109,15 +99,11 @@ def _fp8_gemv_kernel(
     SPLIT_K: tl.constexpr,
     SWIGLU: tl.constexpr,
     BLOCKS: tl.constexpr,  # 128 x 128 weight blocks, activations per 128-column group
-    ADD_RES: tl.constexpr,  # y = the product + R (kernels/gemv.py's gemv_residual)
-    NORM_OUT: tl.constexpr,  # and, for one row, rmsnorm(y) * G by the tile finishing last
-    BLOCK_ROW: tl.constexpr,  # NORM_OUT: the row's width, a power of two
     PDL: tl.constexpr,
 ):
     """y from q(x) (e4m3 [M, K], its rows' scales XS) and w: BLOCK_N rows of w a program. With
     BLOCKS, each K tile is one 128-column group (BLOCK_K 128): its dot is scaled by the block's
-    weight scale and the group's activation scales before it is added. ADD_RES / NORM_OUT:
-    kernels/gemv.py's residual add and in-kernel norm (its `_write_y`, `_norm_after_last_tile`)."""
+    weight scale and the group's activation scales before it is added."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, 16)
@@ -151,10 +137,6 @@ def _fp8_gemv_kernel(
         w_up = _w_tile(up_rows, in_n, k_start, k_end, BLOCK_K)
         w2_up = _w_tile(up_rows, in_n, k_start + BLOCK_K, k_end, BLOCK_K)
     pdl_wait(PDL)
-    res = tl.zeros([16, BLOCK_N], dtype=Y.dtype.element_ty)
-    if ADD_RES:  # read by every slice now, where its latency hides behind the loop
-        res = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :],
-                      mask=in_m[:, None] & (offs_n < N)[None, :], other=0.0)  # fmt: skip
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc, acc_up = _tile_step(acc, acc_up, w, w_up, k_start, k_end, XQ, XS, sw_rows, sw_up_rows,
@@ -175,9 +157,8 @@ def _fp8_gemv_kernel(
         sx = tl.full([16], 1.0, tl.float32)
     else:
         sx = tl.load(XS + offs_m * stride_xs, mask=in_m, other=1.0)
-    _finish(tl.trans(acc), tl.trans(acc_up), sx, sw, sw_up, Y, WS, Counters, res, G, NormOut,
-            offs_m, offs_n, M, N, stride_ym, eps, pid_n, pid_k, SPLIT_K, SWIGLU, ADD_RES,
-            NORM_OUT, BLOCK_ROW)  # fmt: skip
+    _finish(tl.trans(acc), tl.trans(acc_up), sx, sw, sw_up, Y, WS, Counters, offs_m, offs_n,
+            M, N, stride_ym, pid_n, pid_k, SPLIT_K, SWIGLU)  # fmt: skip
 
 
 @triton.jit
@@ -207,20 +188,15 @@ def _tile_step(acc, acc_up, w, w_up, k0, k_end, XQ, XS, sw_rows, sw_up_rows, off
 
 
 @triton.jit
-def _finish(acc, acc_up, sx, sw, sw_up, Y, WS, Counters, res, G, NormOut, offs_m, offs_n, M, N,
-            stride_ym, eps, pid_n, pid_k, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr,
-            ADD_RES: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_ROW: tl.constexpr):  # fmt: skip
-    """y from a program's fp32 sums acc [16, BLOCK_N] (and acc_up): written scaled (the residual
-    added), or with SPLIT_K > 1 stored to this slice's plane, the last slice summing the planes
-    into y; with NORM_OUT the column tile that finishes last then normalizes the row."""
+def _finish(acc, acc_up, sx, sw, sw_up, Y, WS, Counters, offs_m, offs_n, M, N, stride_ym, pid_n,
+            pid_k, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr):  # fmt: skip
+    """y from a program's fp32 sums acc [16, BLOCK_N] (and acc_up): written scaled, or with
+    SPLIT_K > 1 stored to this slice's plane, the last slice summing the planes into y."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     dtype = Y.dtype.element_ty
-    row_counter = Counters + ROW_COUNTER
     if SPLIT_K == 1:
-        _write_scaled(acc, acc_up, sx, sw, sw_up, out, mask, res, dtype, SWIGLU, ADD_RES)
-        if NORM_OUT:
-            _norm_after_last_tile(Y, G, NormOut, row_counter, N, eps, tl.num_programs(0), BLOCK_ROW)
+        _write_scaled(acc, acc_up, sx, sw, sw_up, out, mask, dtype, SWIGLU)
     else:
         # planes [SPLIT_K, M, WS_N]: WS_N = N, or 2N with the up sums in the second half
         ws_n = 2 * N if SWIGLU else N
@@ -239,24 +215,20 @@ def _finish(acc, acc_up, sx, sw, sw_up, Y, WS, Counters, res, G, NormOut, offs_m
             total_up = total
             if SWIGLU:
                 total_up = _sum_planes(WS, plane_offs + N, mask, plane_stride, SPLIT_K)
-            _write_scaled(total, total_up, sx, sw, sw_up, out, mask, res, dtype, SWIGLU, ADD_RES)
+            _write_scaled(total, total_up, sx, sw, sw_up, out, mask, dtype, SWIGLU)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
-            if NORM_OUT:
-                _norm_after_last_tile(
-                    Y, G, NormOut, row_counter, N, eps, tl.num_programs(0), BLOCK_ROW
-                )
 
 
 @triton.jit
-def _write_scaled(acc, acc_up, sx, sw, sw_up, out, mask, res, dtype: tl.constexpr,
-                  SWIGLU: tl.constexpr, ADD_RES: tl.constexpr):  # fmt: skip
-    """y from the fp32 sums: (acc * sw) * sx, then kernels/gemv.py's writer (the SwiGLU gate,
-    or the residual added, rounded as the unfused path rounds)."""
+def _write_scaled(acc, acc_up, sx, sw, sw_up, out, mask, dtype: tl.constexpr,
+                  SWIGLU: tl.constexpr):  # fmt: skip
+    """y from the fp32 sums: (acc * sw) * sx, then kernels/gemv.py's writer (the SwiGLU gate
+    rounded as the unfused path rounds)."""
     y = (acc * sw[None, :]) * sx[:, None]
     up = y
     if SWIGLU:
         up = (acc_up * sw_up[None, :]) * sx[:, None]
-    _write_y(y, up, out, mask, res, dtype, SWIGLU, ADD_RES)
+    _write_y(y, up, out, mask, y, dtype, SWIGLU, False)  # (no residual: y stands in)
 
 
 def pick_config(m: int, n: int, k: int) -> Fp8GemvConfig:
@@ -293,33 +265,10 @@ def fp8_gemv(
 ) -> torch.Tensor:
     """sx * sw * (q(x) @ w.T): [M, N] in x's dtype; with swiglu, silu(gate) * up: [M, N / 2].
     blocks: the sum over K's 128-column groups of each group's dot times its scales."""
-    return _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl, None, None)[0]
+    return _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl)
 
 
-def fp8_gemv_residual(
-    x: torch.Tensor,  # [M, K], as fp8_gemv's
-    w: torch.Tensor,  # [N, K] float8_e4m3fn
-    w_scale: torch.Tensor,
-    residual: torch.Tensor,  # [M, N], x's dtype, unit stride along N; not written
-    norm: tuple[torch.Tensor, float] | None = None,  # (weight [N], eps); only for M = 1
-    input_scale: torch.Tensor | None = None,
-    *,
-    amax: torch.Tensor | None = None,
-    blocks: bool = False,
-    config: Fp8GemvConfig | None = None,
-    pdl: bool = False,
-) -> ResidualStream:
-    """h = fp8_gemv(x, w, ...) + residual, rounded as the unfused `linear + residual`; with norm,
-    also rmsnorm(h) * weight for one row, computed by the column tile that finishes last
-    (kernels/gemv.py's gemv_residual, on FP8 weights)."""
-    check_residual(x, w.shape[0], residual, norm)
-    return ResidualStream(*_launch(x, w, w_scale, input_scale, amax, blocks, config, False, pdl,
-                                   residual, norm))  # fmt: skip
-
-
-def _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl, residual,
-            norm) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """(y, normed): normed when norm is given, else None."""
+def _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl) -> torch.Tensor:
     m, k = x.shape
     n_rows, k_w = w.shape
     assert k == k_w and m <= MAX_M and x.stride(1) == 1 and w.stride(1) == 1
@@ -356,22 +305,15 @@ def _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl, resid
     if tiles > NUM_COUNTERS:
         split_k, k_per_split = 1, k
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    normed = None if norm is None else torch.empty_like(y)
     if m == 0 or n == 0:
-        return y, normed
+        return y
     counters = split_counters(x.device)
     ws = y if split_k == 1 else torch.empty(split_k * m * n_rows, dtype=torch.float32,
                                             device=x.device)  # fmt: skip
-    # NOTE: absent operands get y as a stand-in pointer: their constexpr flag prunes every access
-    r = y if residual is None else residual
-    norm_w, eps = (y, 0.0) if norm is None else norm
     _fp8_gemv_kernel[(tiles, split_k)](
-        xq, w, w_scale, sx, y, ws, counters, r, norm_w, y if normed is None else normed, m, n, k,
-        k_per_split, n * w.stride(0), xq.stride(0), w.stride(0), y.stride(0), r.stride(0), eps,
-        stride_xs, stride_xsk, stride_swn,
+        xq, w, w_scale, sx, y, ws, counters, m, n, k, k_per_split, n * w.stride(0), xq.stride(0),
+        w.stride(0), y.stride(0), stride_xs, stride_xsk, stride_swn,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu, BLOCKS=blocks,
-        ADD_RES=residual is not None, NORM_OUT=norm is not None,
-        BLOCK_ROW=triton.next_power_of_2(n if norm is not None else 1), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip
-    return y, normed
+    return y

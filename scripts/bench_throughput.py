@@ -121,11 +121,6 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # FP8 as an FP8 checkpoint runs with vLLM's or TensorRT-LLM's FP8 KV cache: the linears as
     # `fp8` and the KV cache as `kv-fp8`
     "fp8-kv-fp8": ({"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}, {}),
-    # a one-row decode's residual adds and norms inside kernels/fp8_gemv.py's epilogues:
-    # decode_norms "all" (every norm) / "post" (the post-attention norms only)
-    "fp8-norms": ({"quantization": "fp8"}, {"decode_norms": "all"}),
-    "fp8-norms-post": ({"quantization": "fp8"}, {"decode_norms": "post"}),
-    "fp8-block-norms": ({}, {"fp8_matmul": "scaled_mm", "decode_norms": "all"}),
     "prefix-order": ({}, {}),
 }
 # the quantization_config a variant's config.json carries (dummy weights in that format)
@@ -136,7 +131,6 @@ VARIANT_QUANTIZATION = {
     "int4-awq-auto": benchlib.CHECKPOINT_FORMATS["awq"],
     "fp8-block-dequant": benchlib.CHECKPOINT_FORMATS["fp8-block"],
     "fp8-block-kv-fp8": benchlib.CHECKPOINT_FORMATS["fp8-block"],
-    "fp8-block-norms": benchlib.CHECKPOINT_FORMATS["fp8-block"],
 }
 ALL_VARIANTS = (*VARIANTS, "hf")
 # BENCH.md targets: (workload, model) -> bound; W3 is ms per output token (lower is better), the

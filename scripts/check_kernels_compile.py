@@ -151,17 +151,6 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             x, w, torch.rand(48, 32), blocks=True, pdl=True)))  # fmt: skip
         out.append((f"fp8_gemv M={m} blocks swiglu", lambda x=x: fp8_gemv.fp8_gemv(
             x, gate_up, torch.rand(16, 32), blocks=True, swiglu=True, pdl=True)))  # fmt: skip
-    down, sw_down = torch.randn(4096, 14336).to(f8), torch.rand(4096)
-    x = torch.randn(1, 14336, dtype=torch.bfloat16)
-    h, g = torch.randn(1, 4096, dtype=torch.bfloat16), torch.randn(4096, dtype=torch.bfloat16)
-    out.append(("fp8_gemv down + residual + norm", lambda x=x: fp8_gemv.fp8_gemv_residual(
-        x, down, sw_down, h, (g, 1e-5), pdl=True)))  # fmt: skip
-    o, x = torch.randn(4096, 4096).to(f8), torch.randn(1, 4096, dtype=torch.bfloat16)
-    out.append(("fp8_gemv o blocks + residual + norm", lambda x=x: fp8_gemv.fp8_gemv_residual(
-        x, o, torch.rand(32, 32), h, (g, 1e-5), blocks=True, pdl=True)))  # fmt: skip
-    out.append(("fp8_gemv o + residual, M=4", lambda: fp8_gemv.fp8_gemv_residual(
-        torch.randn(4, 4096, dtype=torch.bfloat16), o, torch.rand(4096),
-        torch.randn(4, 4096, dtype=torch.bfloat16), pdl=True)))  # fmt: skip
     for k in (4096, 20000):
         x = torch.randn(3, k, dtype=torch.bfloat16)
         out.append((f"fp8_quant per token K={k}", lambda x=x: fp8_quant.quant_per_token(x)))

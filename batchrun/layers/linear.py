@@ -69,12 +69,10 @@ def linear(
 
 def takes_decode_norms(layer: ColumnParallelLinear | RowParallelLinear) -> bool:
     """Whether the layer's one-row decode matmul adds the residual and normalizes the sum in its
-    epilogue (`decode_gemv_residual`): a plain weight (kernels/gemv.py) or an FP8 one on
-    kernels/fp8_gemv.py, without a bias, on one rank."""
+    epilogue (`decode_gemv_residual`): a plain weight (kernels/gemv.py), without a bias, on one
+    rank."""
     parallel = isinstance(layer, RowParallelLinear) and layer.tp.is_parallel
-    if layer.bias is not None or parallel:
-        return False
-    return layer.quant is None or layer.quant.takes_norms()
+    return layer.quant is None and layer.bias is None and not parallel
 
 
 def decode_gemv(
@@ -95,8 +93,6 @@ def decode_gemv_residual(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(h, normed): h = the layer's matmul of x plus residual, and with norm (one row) normed =
     rmsnorm(h) times its weight, inside the matmul's kernel (`takes_decode_norms`)."""
-    if layer.quant is not None:
-        return layer.quant.gemv_residual(x, residual, norm)
     return gemv_residual(x, layer.weight, residual, norm=norm, pdl=layer.kernels.pdl)
 
 

@@ -82,9 +82,9 @@ except ImportError:  # no Triton (CPU-only installs): FP8 blocks are dequantized
     fp8_quant = None  # activations quantized by the torch ops
 
 try:
-    from batchrun.kernels.fp8_gemv import fp8_gemv, fp8_gemv_residual, row_amax
+    from batchrun.kernels.fp8_gemv import fp8_gemv, row_amax
 except ImportError:  # no Triton (CPU-only installs): KernelConfig.decode_gemv is "cublas"
-    fp8_gemv = fp8_gemv_residual = row_amax = None
+    fp8_gemv = row_amax = None
 
 SCALED_MM_ALIGN = 16  # torch._scaled_mm: K and N multiples of this
 KERNELS = ("scaled_mm", "fp8_block", "int4", "int4_dense", "dense")  # QuantSpec.kernel
@@ -313,24 +313,6 @@ class QuantMatmul(nn.Module):
         if self.spec.kernel in INT4_KERNELS:  # (takes_gemv: only in the tensor-core GEMV's order)
             return int4_gemv_mma.int4_gemv_mma(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
         return fp8_gemv(x, self.weight, swiglu=swiglu, **self._fp8_operands(x))
-
-    def takes_norms(self) -> bool:
-        """Whether the decode kernel adds a residual and normalizes the sum in its epilogue
-        (`gemv_residual`): kernels/fp8_gemv.py's FP8 layers, whose per-token scales need no
-        all-reduce (the norms run in the decode matmuls of one rank only)."""
-        return self.fp8_gemv and self.reduce_max is None
-
-    def gemv_residual(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        norm: tuple[torch.Tensor, float] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(h, normed): h = x @ W^T + residual on kernels/fp8_gemv.py (`takes_norms`); with
-        norm, for one row, normed = rmsnorm(h) times the norm's weight, inside the kernel (else
-        None)."""
-        return fp8_gemv_residual(x, self.weight, residual=residual, norm=norm,
-                                 **self._fp8_operands(x))  # fmt: skip
 
     def _fp8_operands(self, x: torch.Tensor) -> dict:
         """kernels/fp8_gemv.py's arguments for x besides the weight: its scales, the static

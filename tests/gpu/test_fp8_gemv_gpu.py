@@ -1,7 +1,7 @@
 """kernels/fp8_gemv.py on the GPU (sm_89+): against quant_per_token / quant_static +
 torch._scaled_mm (the same quantized operands: equal up to the order of accumulation) and against
 the dequantized fp32 reference, M = 1..16 on the llama-8b and llama-1b projections, dynamic and
-static activations, the SwiGLU and residual (+ norm) epilogues; in a CUDA graph with PDL; and
+static activations, the SwiGLU epilogue; in a CUDA graph with PDL; and
 engines on FP8 checkpoints whose decode batches run the kernel giving the scaled_mm path's greedy
 tokens.
 
@@ -154,40 +154,6 @@ def test_the_swiglu_epilogue_matches_scaled_mm_then_the_gate(shape):
         gate, up = _scaled_mm(x, w, sw).chunk(2, dim=-1)
         want = (F.silu(gate.float()).to(torch.bfloat16).float() * up.float()).bfloat16()
         _close_to(fp8_gemv(x, w, sw, swiglu=True), want, f"{shape} M={m}", roundings=3)
-
-
-@pytest.mark.parametrize("shape", ["8b-o", "8b-down", "1b-o", "1b-down"])
-@pytest.mark.parametrize("blocks", [False, True])
-def test_the_residual_epilogue_adds_and_normalizes_as_the_unfused_path(shape, blocks):
-    """fp8_gemv_residual: h = fp8_gemv + residual bit for bit (M = 1, 4, 16), and for one row
-    the norm by the last column tile within two bf16 steps of kernels/fused_norm.py's rms_norm
-    of h (the same formula; the sum of squares reduces in another order); the split counters
-    left at zero."""
-    from batchrun.kernels.fp8_gemv import fp8_gemv, fp8_gemv_residual
-    from batchrun.kernels.fused_norm import rms_norm
-    from batchrun.kernels.gemv import split_counters
-
-    from batchrun.quant.quantize import quantize_fp8
-
-    torch.manual_seed(0)
-    n, k = SHAPES[shape]
-    if blocks:
-        qw = quantize_fp8(torch.randn(n, k, device="cuda") * 0.02, "block", (128, 128))
-        w, sw = qw.weight, qw.scale
-    else:
-        w, sw, _ = _weights(n, k)
-    g = (1 + 0.1 * torch.randn(n, device="cuda")).bfloat16()
-    for m in (1, 4, 16):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        want = (fp8_gemv(x, w, sw, blocks=blocks).float() + residual.float()).bfloat16()
-        h, normed = fp8_gemv_residual(x, w, sw, residual, blocks=blocks)
-        assert torch.equal(h, want) and normed is None, (shape, m)
-        if m == 1:
-            h, normed = fp8_gemv_residual(x, w, sw, residual, (g, 1e-5), blocks=blocks)
-            assert torch.equal(h, want), shape
-            _close_to(normed, rms_norm(want, g, 1e-5), f"{shape} norm", roundings=2)
-        assert not split_counters(x.device).any(), (shape, m)
 
 
 @pytest.mark.parametrize("static", [False, True])
