@@ -53,17 +53,19 @@ from batchrun.kernels.gemv import (
     MAX_M,
     NUM_COUNTERS,
     SMEM_FOR_W,
+    SplitRule,
     _sum_planes,
     _w_tile,
     _write_y,
     _x_tile,
     split_counters,
+    split_k_for,
 )
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 BLOCK = 128  # block FP8's weight blocks and activation groups
-# the programs: splits along K up to this many (at most 8 slices of at least two K tiles)
-TARGET_PROGRAMS = 512
+# splits along K up to 512 programs, at most 8 slices of at least two K tiles
+SPLIT = SplitRule(target_programs=512, max_split=8, min_tiles=2)
 
 
 class Fp8GemvConfig(NamedTuple):
@@ -232,16 +234,11 @@ def _write_scaled(acc, acc_up, sx, sw, sw_up, out, mask, dtype: tl.constexpr,
 
 
 def pick_config(m: int, n: int, k: int) -> Fp8GemvConfig:
-    """64-row x 128-wide tiles, split along K up to TARGET_PROGRAMS programs. On the H200 at
-    M = 1 (`python scripts/bench_fp8_gemv.py --models llama-8b --m 1`): qkv 12.1 µs, o 10.7,
-    gate_up with the SwiGLU 33.0, down 23.2 (torch._scaled_mm: 31.3, 27.9, 62.8, 60.6; bf16
-    kernels/gemv.py: 15.6, 10.5, 56.0, 29.2); the sweep's best tiles are within 7 %."""
+    """64-row x 128-wide tiles, split along K by SPLIT; the sweep's best tiles are within a few
+    percent of it (docs/benchmarks.md, Quantized models)."""
     del m  # one rule for every decode batch: w is read once whatever M is
     block_n, block_k = 64, 128
-    tiles = triton.cdiv(n, block_n)
-    split = 1
-    while split < 8 and tiles * split * 2 <= TARGET_PROGRAMS and k >= 4 * split * block_k:
-        split *= 2
+    split = split_k_for(triton.cdiv(n, block_n), k, block_k, SPLIT)
     return Fp8GemvConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 import triton
-from batchrun.kernels.gemv import NUM_COUNTERS, split_counters
+from batchrun.kernels.gemv import NUM_COUNTERS, SplitRule, split_counters, split_k_for
 from batchrun.kernels.pdl import pdl_launch_kwargs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -62,8 +62,7 @@ EXP_BITS = {dtype: (bits << 16 | bits, offset) for dtype, (bits, offset) in HALF
 # NOTE: K-split programs at most (about 12 an SM of 132); a slice keeps at least two chunks:
 # the split that is fastest for each of llama-8b's matrices (docs/benchmarks.md, Quantized
 # models)
-TARGET_PROGRAMS = 1536
-MAX_SPLIT_K = 32
+SPLIT = SplitRule(target_programs=1536, max_split=32, min_tiles=2)
 
 
 @gluon.jit
@@ -337,15 +336,8 @@ def takes(w: Int4MmaPacked, m: int, swiglu: bool = False) -> bool:
 
 
 def pick_split(n: int, k: int, chunk: int) -> int:
-    """K slices (a power of two, each at least two chunks) until there are about
-    TARGET_PROGRAMS programs."""
-    programs = n // ROWS
-    split = 1
-    while (
-        split < MAX_SPLIT_K and programs * split * 2 <= TARGET_PROGRAMS and k >= 4 * split * chunk
-    ):
-        split *= 2
-    return split
+    """K slices by SPLIT (each at least two chunks)."""
+    return split_k_for(n // ROWS, k, chunk, SPLIT)
 
 
 def int4_gemv_mma(

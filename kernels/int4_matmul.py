@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from batchrun.kernels.gemv import NUM_COUNTERS, split_counters
+from batchrun.kernels.gemv import NUM_COUNTERS, SplitRule, split_counters, split_k_for
 
 from batchrun.quant.int4_layout import MMA_K, MMA_ROWS, Int4MmaPacked, Int4Packed
 
@@ -72,11 +72,9 @@ CONFIGS: tuple[tuple[int, Int4Config], ...] = (
     (256, Int4Config(64, 128, 64, 4, 4)),
     (1 << 62, Int4Config(128, 128, 64, 8, 3)),
 )
-# NOTE: split-K as kernels/gemv.py's rule: about two programs an SM of the H200 (132 SMs), only
-# for matrices of at most SPLIT_MAX_TILES column tiles, slices of at least two K tiles
-TARGET_PROGRAMS = 256
-SPLIT_MAX_TILES = 128
-MAX_SPLIT_K = 16
+# NOTE: split-K by kernels/gemv.py's rule: about two programs an SM of the H200 (132 SMs), only
+# for matrices of at most 128 column tiles, slices of at least two K tiles
+SPLIT = SplitRule(target_programs=256, max_split=16, min_tiles=2, max_tiles=128)
 
 
 def pick_config(m: int, n: int, k: int) -> tuple[Int4Config, int]:
@@ -84,14 +82,7 @@ def pick_config(m: int, n: int, k: int) -> tuple[Int4Config, int]:
     cfg = next(c for max_m, c in CONFIGS if m <= max_m)
     split_k = 1
     if m <= DECODE_MAX_M:
-        tiles = triton.cdiv(n, cfg.block_n)
-        while (
-            tiles <= SPLIT_MAX_TILES
-            and split_k < MAX_SPLIT_K
-            and tiles * split_k * 2 <= TARGET_PROGRAMS
-            and k >= 4 * split_k * cfg.block_k
-        ):
-            split_k *= 2
+        split_k = split_k_for(triton.cdiv(n, cfg.block_n), k, cfg.block_k, SPLIT)
     return cfg, split_k
 
 
