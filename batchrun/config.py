@@ -65,12 +65,10 @@ def auto_sizes(model_cfg, device_type: str) -> tuple[int, int]:
     """The default (max_running, chunked_prefill_size): on CUDA (512, 4096), or (1024, 12288)
     for a model of LARGE_MODEL_PARAMS or more; on the CPU (256, 4096).
 
-    NOTE: on the H200 (docs/benchmarks.md, `scripts/bench_throughput.py --workloads W1,W2
-    --max-running N --chunked-prefill-size C`): a large model's matmuls need more rows than 256
-    or 512 decodes to run at the tensor cores' rate (llama-8b W1 9,888 / 10,827 / 10,942 output
-    tok/s at 256 / 512 / 1024 running), and 12,288-token chunks read 0.4 % above 8,192. A small
-    model's step is short enough that the host's work per row counts: llama-1b W1 reads 55,597
-    at 512 against 51,664 at 256. The KV pool bounds admission either way.
+    NOTE: a large model's matmuls need more rows than 256 or 512 decodes to run at the tensor
+    cores' rate, and its larger prefill chunks read a little faster; a small model's step is
+    short enough that the host's work per row counts, so it runs 512, not 256
+    (docs/benchmarks.md, Throughput and latency). The KV pool bounds admission either way.
     """
     if device_type != "cuda":
         return MAX_RUNNING, CHUNKED_PREFILL

@@ -11,16 +11,13 @@ The matmul puts the weight on the tensor cores' M side: a program streams [BLOCK
 tiles of w through the compiler's pipelined shared-memory stages into e4m3 wgmma, against q(x)'s
 rows padded to 16 on the N side (w @ q(x)^T, then the [BLOCK_N, 16] sums transposed once). With
 x on the M side (padded to 16 rows, as kernels/gemv.py runs bf16) Sm90 has no e4m3 MMA for that
-shape and the dot falls back to conversions; in-kernel quantization with fp32 multiply-adds read
-llama-8b's qkv at 1.2 TB/s. This reads it at 2.1 TB/s, gate_up at 3.6 (`python
-scripts/bench_fp8_gemv.py --models llama-8b --m 1`, H200). q(x) comes from kernels/fp8_quant.py's
+shape and the dot falls back to conversions (in-kernel quantization with fp32 multiply-adds
+reads the weights at about half this kernel's rate). q(x) comes from kernels/fp8_quant.py's
 kernel before the matmul: quantizing each x tile in registers inside the loop, before its e4m3
-dot (the same bytes), doubles the decode step (W3 llama-8b `--variants fp8`: 7.54 ms per token
-against 3.78, one H100). Leaving x unquantized (W8A16: the e4m3 tile converted to bf16 in
-registers) loses too: the conversion is two instructions a value, and on one H100 a decode
-step's matmuls at M = 1 take 3,577 µs through the compiler's pipeline and 3,398 in a Gluon
-kernel whose 16-byte loads are the MMA's register fragments, against this kernel's 2,913 with
-its quantization kernel (`scripts/bench_fp8_gemv.py --models llama-8b --m 1`).
+dot (the same bytes), doubles the decode step. Leaving x unquantized (W8A16: the e4m3 tile
+converted to bf16 in registers) loses too: the conversion is two instructions a value, slower
+through the compiler's pipeline and in a Gluon kernel whose 16-byte loads are the MMA's register
+fragments (docs/benchmarks.md, Quantized models: every figure of this paragraph).
 
 Products of e4m3 values are exact in fp32. Each K tile's dot starts from zeros and is added to
 the fp32 sums: the tensor cores' e4m3 accumulator keeps fewer bits than fp32, so it spans one

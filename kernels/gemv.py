@@ -1,11 +1,11 @@
 """Skinny matmul for decode: y[M, N] = x[M, K] @ w[N, K]^T for M <= 16 (F.linear without bias),
 optionally with the SwiGLU gate as its epilogue (gate_up -> silu(gate) * up in one kernel).
 
-At batch 1 a decode step is GEMVs: on the H200, llama-1b's 64 cuBLAS GEMVs per step read 1.95 GB
-of weights at 2.5 TB/s (59 % of the copy ceiling), llama-8b's at 4.0 TB/s (94 %;
-`scripts/bench_gemv.py`). The small matrices of a 1b model (2048 x 2048, 2048 x 512) leave cuBLAS
-few blocks in flight. This kernel streams w in [BLOCK_N, BLOCK_K] tiles: a program owns BLOCK_N
-output columns and, with SPLIT_K > 1, one K-slice of them, so small N still fills the GPU.
+At batch 1 a decode step is GEMVs, and cuBLAS reads a small model's weights far below the copy
+ceiling (docs/benchmarks.md, Kernels: Decode GEMV): the small matrices of a 1b model (2048 x
+2048, 2048 x 512) leave it few blocks in flight. This kernel streams w in [BLOCK_N, BLOCK_K]
+tiles: a program owns BLOCK_N output columns and, with SPLIT_K > 1, one K-slice of them, so
+small N still fills the GPU.
 
 Split-K reduces inside the kernel, deterministically: each slice stores its fp32 partial sums to
 its own plane of a [SPLIT_K, M, N] workspace, then bumps its column tile's counter; the slice
@@ -22,9 +22,8 @@ the planes would cost two more launches a matmul and break the PDL chain (kernel
 
 gemv_residual adds the residual in the epilogue and, for one row, normalizes it in the column
 tile that finishes last (a second counter, past the split counters, the same release / acquire):
-a decoder layer's residual add and the RMSNorm after it cost no kernel of their own (llama-1b
-W3 on the H200: 1.00 against 1.03-1.04 ms per token; `scripts/bench_throughput.py --workloads
-W3 --variants batchrun,no-norm-fusion`).
+a decoder layer's residual add and the RMSNorm after it cost no kernel of their own
+(docs/benchmarks.md, Kernels: Decode GEMV).
 
 With swiglu, w is [2I, K] (gate rows, then up rows, as the fused gate_up projection) and a
 program owns BLOCK_N columns of both halves; gate and up are rounded to the activation dtype
@@ -183,9 +182,8 @@ def _gemv_kernel(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     # NOTE: the first two tiles are peeled off the loop so that their w loads come before the
     # PDL wait: weights are no earlier kernel's output, so with PDL those loads overlap the
-    # kernel before (kernels/pdl.py); x is read after the wait. Two tiles, not one: W3 on the
-    # H200 (`scripts/bench_throughput.py --workloads W3`) reads 0.5 % (llama-8b) and 1 %
-    # (llama-1b) fewer ms per token than with one
+    # kernel before (kernels/pdl.py); x is read after the wait. Two tiles, not one: W3 reads
+    # faster (docs/benchmarks.md, Kernels: Decode GEMV)
     w = _w_tile(w_rows, in_n, k_start, k_end, BLOCK_K)
     if SWIGLU:
         w_up = _w_tile(up_rows, in_n, k_start, k_end, BLOCK_K)
@@ -286,8 +284,8 @@ SPLIT = SplitRule(target_programs=256, max_split=8, min_tiles=1, max_tiles=128)
 
 
 def pick_config(m: int, n: int, k: int) -> GemvConfig:
-    """The best configs of `scripts/bench_gemv.py` on the H200 (M = 1, the matrices of llama-1b
-    and llama-8b), as a rule: 64 columns x 256-wide K tiles a program, split along K by SPLIT
+    """The sweep's best configs on the H200 (M = 1, the matrices of llama-1b and llama-8b), as a
+    rule: 64 columns x 256-wide K tiles a program, split along K by SPLIT
     (docs/benchmarks.md, Kernels: Decode GEMV)."""
     block_n, block_k = 64, 256
     split_k = split_k_for(triton.cdiv(n, block_n), k, block_k, SPLIT)

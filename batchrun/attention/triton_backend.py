@@ -54,18 +54,17 @@ from batchrun.kernels.decode_attention import (
 )
 from batchrun.kernels.extend_attention import extend_attention_fwd
 
-# NOTE: W3 on the H200 (batch 1, 8 KV heads: 16 splits) reads llama-8b 1.6-2.3 % and llama-1b
-# 1 % fewer ms per token than with at most 8 splits; up to 32 splits reads no better
+# NOTE: W3 (batch 1, 8 KV heads: 16 splits) reads faster than with at most 8 splits, and 32
+# no faster (docs/benchmarks.md, Kernels: Decode attention)
 MAX_KV_SPLITS = 16
 # NOTE: the decode kernel's own rotary and store (DecodeRope) serve CUDA-graph decode batches up
-# to this size, whose variant compiles at capture, never mid-run: W3 llama-1b reads 0.97-0.98
-# against 0.99 ms per token with the rotary-store kernel apart. Larger batches, eager ones
-# included, keep the two kernels.
+# to this size, whose variant compiles at capture, never mid-run; it pays on W3 against the
+# rotary-store kernel apart (docs/benchmarks.md, Kernels: Decode attention). Larger batches,
+# eager ones included, keep the two kernels.
 DECODE_ROPE_MAX_BS = 16
-# split the KV until the decode grid has this many programs per SM. NOTE: on the H200, 64 x 1024
-# tokens with 8 KV heads (512 programs unsplit) read 3.4 TB/s unsplit, 3.1 in 2 splits and 2.8
-# in 16 (`scripts/bench_attention_kernels.py`): splitting pays only where the grid would leave
-# SMs idle
+# split the KV until the decode grid has this many programs per SM. NOTE: splitting pays only
+# where the grid would leave SMs idle: a grid of 512 programs reads slower in 2 or 16 splits
+# than unsplit (docs/benchmarks.md, Kernels: Decode attention)
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_LEN = 64  # ... but give no split fewer KV tokens than this (eager only)
 

@@ -16,10 +16,9 @@ parameter. Its decode batches run on kernels/fp8_gemv.py where decode_gemv is "t
 layer keeps its FP8 weight (scaled_mm).
 
 The matmuls of decode batches (at most GEMV_MAX_ROWS rows, bf16 / fp16, no bias) run on
-kernels/gemv.py where the kernel config's decode_gemv is "triton", else on cuBLAS (F.linear).
-NOTE: on the H200 at M = 1 (`scripts/bench_gemv.py`) the kernel reads llama-1b's down_proj in
-10.7 µs against cuBLAS's 13.9 and llama-8b's o_proj in 10.5 against 13.2; W3 llama-1b 1.04 ms per
-token against 1.13 (`scripts/bench_throughput.py --workloads W3 --variants batchrun,cublas`).
+kernels/gemv.py where the kernel plan's decode_gemv is "triton", else on cuBLAS (F.linear).
+NOTE: the kernel beats cuBLAS at M = 1 on the llama matrices, and W3 with it (docs/benchmarks.md,
+Kernels: Decode GEMV).
 """
 
 from __future__ import annotations
