@@ -1,8 +1,6 @@
 """The FP8 Triton kernels on the GPU (sm_89+): activation quantization (kernels/fp8_quant.py)
-against act_quant.py's torch ops, the block-wise FP8 matmul (kernels/fp8_block_matmul.py)
-against the dequantized fp32 reference at the llama-1b / llama-8b projections, the block linear
-(on that kernel and on cuBLASLt's block-scaled matmul) in a CUDA graph, and engines on a
-block-FP8 checkpoint.
+against act_quant.py's torch ops, the block linear on cuBLASLt's block-scaled matmul against
+the fake-quantized reference and in a CUDA graph, and engines on a block-FP8 checkpoint.
 
     pytest tests/gpu/test_fp8_kernels_gpu.py -q          (about a minute on an H200)
 """

@@ -1,5 +1,5 @@
-"""The FP8 kernels (kernels/fp8_quant.py, kernels/fp8_block_matmul.py) under Triton's CPU
-interpreter, against torch references, and QuantMatmul's FP8 paths running them.
+"""The FP8 quantization kernels (kernels/fp8_quant.py) under Triton's CPU interpreter, against
+torch references, and QuantMatmul's scaled_mm path running them.
 
 Skipped where triton is not installed. The checks run in a subprocess (TRITON_INTERPRET must be
 set before triton is first imported).
