@@ -20,8 +20,6 @@ here is read again on the step path: every block is built with the plan.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import time
 from dataclasses import fields, replace
@@ -29,8 +27,25 @@ from dataclasses import fields, replace
 import torch
 
 from batchrun.attention import fa3_cache
-from batchrun.config import EngineConfig, KernelConfig, decoder_params, is_large
+from batchrun.config import EngineConfig, KernelConfig, is_large
+from batchrun.engine.device_support import (
+    _check_kernels_import,
+    has_triton,
+    supports_block_scaled_mm,
+    supports_fp8_matmul,
+    supports_grouped_mm,
+    supports_int4_gemv_mma,
+    supports_pdl,
+)
 from batchrun.engine.host_gate import HostGate
+from batchrun.engine.weight_memory import (
+    DEQUANT_MAX_MEMORY,
+    EXPERTS_MAX_MEMORY,
+    INT4_COPY,
+    bf16_weight_bytes,
+    experts_too_large,
+    mxfp4_experts,
+)
 from batchrun.layers.moe import experts_take_norms
 from batchrun.models.moe_weights import has_quantized_experts
 
@@ -45,118 +60,9 @@ log = logging.getLogger(__name__)
 NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN = 2048
 
 
-def has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def _check_kernels_import(module: str = "batchrun.kernels.gemv") -> None:
-    """batchrun's Triton kernels import (an install without them fails here, not mid-start)."""
-    try:
-        importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(
-            f"batchrun's Triton kernels (batchrun.kernels) do not import ({e}); install batchrun "
-            "(pip install ., or pip install -e . in a checkout) so that they are part of it"
-        ) from e
-
-
-def supports_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: sm_90 (Hopper) and later; older GPUs reject the launch
-    attribute."""
-    if device.type != "cuda":
-        return False
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def supports_fp8_matmul(device: torch.device) -> bool:
-    """torch._scaled_mm's FP8 tensor cores: sm_89 (Ada) and later."""
-    if device.type != "cuda":
-        return False
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return torch.cuda.get_device_capability(index) >= (8, 9)
-
-
-def supports_block_scaled_mm(device: torch.device) -> bool:
-    """torch's scaled_mm with DeepSeek-style block scales (BlockWise1x128 activations,
-    BlockWise128x128 weights): cuBLASLt's, on sm_90 with a torch built with CUDA 12.9+."""
-    if device.type != "cuda" or not hasattr(torch.nn.functional, "ScalingType"):
-        return False
-    if tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]) < (12, 9):
-        return False
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
-def supports_grouped_mm(device: torch.device) -> bool:
-    """torch._grouped_mm on CUTLASS's grouped GEMM (bf16, no host sync): sm_90."""
-    if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
-        return False
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
-def supports_int4_gemv_mma(device: torch.device) -> bool:
-    """kernels/int4_gemv_mma.py: Triton with Gluon (it imports) and bf16 MMAs (sm_80+)."""
-    if device.type != "cuda":
-        return False
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if torch.cuda.get_device_capability(index) < (8, 0):
-        return False
-    try:
-        importlib.import_module("batchrun.kernels.int4_gemv_mma")
-    except ImportError:
-        return False
-    return True
-
-
-# a quantized model's weights are dequantized to bf16 at load where that takes at most this
-# fraction of the GPU's memory (the rest: the KV pool and activations)
-DEQUANT_MAX_MEMORY = 0.5
-# int4_matmul "dequant-gemv" keeps the packed INT4 weight beside the bf16 one: a quarter of its
-# bytes and the group scales and zeros (1/64 at group 128)
-INT4_COPY = 0.27
-# a quantized mixture of experts has no kernel for its experts: they run dequantized to bf16
-# wherever the decoder's bf16 weights take at most this fraction of the GPU (gpt-oss-120b's
-# 116 GB a rank at --tp 2 on an H200's 141 GiB leave about 20 GB to the KV pool)
-EXPERTS_MAX_MEMORY = 0.85
-
-
 def gpu_memory(device: torch.device) -> int:
     """The GPU's memory in bytes."""
     return torch.cuda.get_device_properties(device).total_memory
-
-
-def bf16_weight_bytes(model_cfg, tp_size: int) -> int:
-    """The bytes of one rank's decoder weights in bf16."""
-    return 2 * decoder_params(model_cfg) // tp_size
-
-
-def mxfp4_experts(model_cfg) -> bool:
-    """Whether the checkpoint's experts are gpt-oss's MXFP4 (dequantized at load)."""
-    return model_cfg.moe is not None and model_cfg.moe.mxfp4
-
-
-def experts_too_large(model_cfg, tp_size: int, memory: int) -> str:
-    """The refusal of a quantized mixture of experts whose dequantized weights do not fit."""
-    need, share = bf16_weight_bytes(model_cfg, tp_size), EXPERTS_MAX_MEMORY * memory
-    scheme = (
-        "quantization_config mxfp4 (gpt-oss's experts)"
-        if mxfp4_experts(model_cfg)
-        else model_cfg.quantization.describe()
-    )
-    fits = next((tp for tp in (2, 4, 8, 16) if bf16_weight_bytes(model_cfg, tp) <= share), None)
-    larger = (
-        f"--tp {fits} ({bf16_weight_bytes(model_cfg, fits) / 1e9:.1f} GB a rank) fits"
-        if fits is not None and fits > tp_size
-        else "no --tp up to 16 fits"
-    )
-    return (
-        f"{scheme}: a quantized mixture of experts runs its experts "
-        f"dequantized to bf16, and the decoder's bf16 weights take {need / 1e9:.1f} GB a rank at "
-        f"--tp {tp_size}, more than {EXPERTS_MAX_MEMORY:.0%} of this GPU's {memory / 1e9:.1f} GB "
-        f"({share / 1e9:.1f} GB); {larger}"
-    )
 
 
 def dequant_fits(config: EngineConfig, model_cfg, device, factor: float = 1.0) -> bool:
