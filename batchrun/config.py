@@ -1,55 +1,35 @@
-"""Engine configuration: EngineConfig, with the GPU path's kernel choices in KernelConfig.
+"""Engine configuration: EngineConfig (the user's choices) and KernelConfig (the kernel plan).
 
-Both are frozen (build a new one with dataclasses.replace). Fields left at "auto" / None are
-resolved once, when the engine starts: the step sizes by `resolve_sizes`, the kernels by
-`engine/kernel_choice.py` from the device, the GPU's capability and the model's shape. The
-resolved KernelConfig is logged at start-up and written into a run's manifest.json.
+Both are frozen (build a new one with dataclasses.replace). EngineConfig holds what a user
+chooses, each with a CLI option: among them the few kernel choices (the reference path or the
+fast path, CUDA graphs and their largest batch, the compatibility switches PDL and host gate,
+quantized weights dequantized or kept). Fields left at "auto" / None are resolved once, when the
+engine starts: the step sizes by `resolve_sizes`; the kernel plan, a KernelConfig with every
+field concrete, by `engine/kernel_choice.py`'s rules from the device, the torch build and the
+model. The plan is logged at start-up and written into a run's manifest.json. A benchmark
+overrides plan fields explicitly (Engine(config, kernels=KernelConfig(field=...))), never
+through EngineConfig.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DUMMY_INITS = ("normal", "uniform")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
-# attention "triton"'s prefill and mixed steps: "triton" kernels/extend_attention.py, "fa3"
-# FlashInfer's FlashAttention-3 paged prefill (Hopper) on the steps' extend rows
+# the kernel plan's fields (KernelConfig), "auto": engine/kernel_choice.py's rule decides
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 EXTEND_ATTENTIONS = ("auto", "triton", "fa3")
 DECODE_GEMVS = ("auto", "cublas", "triton")
-# how a one-row decode step on kernels/gemv.py runs the residual adds and RMSNorms between its
-# matmuls (models/llama.py's forward_gemv): "off" kernels of their own; "all" each inside the
-# matmul before it (o_proj, down_proj); "post" only the post-attention one; "fold" "post" and
-# each input norm inside the qkv matmul after it, on weights times the norm's; "fold-all" both
-# norms inside the matmul after them (qkv's, gate_up's)
 DECODE_NORMS = ("auto", "off", "all", "post", "fold", "fold-all")
-# the matmul of a quantized model's FP8 linears: "scaled_mm" the FP8 tensor cores (sm_89+;
-# per tensor / channel torch._scaled_mm, 128 x 128 blocks as FP8_BLOCK_GEMMS picks), "dequant"
-# weights dequantized at load
 FP8_MATMULS = ("auto", "scaled_mm", "dequant")
-# the matmul of a 128 x 128 block-FP8 linear kept in FP8, above the decode GEMV's 16 rows:
-# "cublaslt" torch's scaled_mm with BlockWise1x128 activations and BlockWise128x128 weights
-# (cuBLASLt; sm_90 and a torch built with CUDA 12.9+), "triton" kernels/fp8_block_matmul.py
-FP8_BLOCK_GEMMS = ("auto", "cublaslt", "triton")
-# the matmul of a quantized model's INT4 linears (AWQ, GPTQ, compressed-tensors W4A16): "triton"
-# kernels/int4_matmul.py on the packed weights (decode batches of up to 16 rows on
-# kernels/int4_gemv_mma.py, or kernels/int4_gemv.py where that does not take the weight),
-# "dequant" weights dequantized at load, "dequant-gemv" dequantized and also kept packed for
-# kernels/int4_gemv_mma.py's decode batches (batchrun/quant/linear.py's "int4_dense")
 INT4_MATMULS = ("auto", "triton", "dequant", "dequant-gemv")
-# the experts of a mixture-of-experts model (layers/moe.py): "triton" kernels/fused_moe.py,
-# "torch" a per-expert loop that reads the routing on the host (the reference)
 MOE_BACKENDS = ("auto", "triton", "torch")
-# the fused experts' decode batches (of at most kernels/moe_gemv.py's MAX_ROWS routed rows):
-# "gemv" the router in one kernel (kernels/moe_route.py's route_gemv) and the experts on
-# kernels/moe_gemv.py, "grouped" as every other batch (kernels/fused_moe.py's grouped GEMMs)
 MOE_DECODES = ("auto", "grouped", "gemv")
-# the fused experts' batches past 32 routed rows an expert (kernels/fused_moe.py's pick_config
-# gathers those): "triton" kernels/fused_moe.py's grouped GEMMs, "grouped_mm" torch._grouped_mm
-# (CUTLASS's grouped GEMM on sm_90) with kernels/moe_grouped_mm.py's gather, SwiGLU and sum
 MOE_PREFILLS = ("auto", "triton", "grouped_mm")
+CUDA_GRAPH_MAX_BS = 512  # EngineConfig.cuda_graph_max_bs: decode batches replayed as graphs
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: a bf16 checkpoint quantized at load
 # EngineConfig.kv_cache_dtype: "auto" the compute dtype; "fp8_e4m3" float8_e4m3fn with the
 # checkpoint's per-layer k/v scales (else 1.0), one byte an element (batchrun/quant/kv_cache.py)
@@ -85,12 +65,10 @@ def auto_sizes(model_cfg, device_type: str) -> tuple[int, int]:
     """The default (max_running, chunked_prefill_size): on CUDA (512, 4096), or (1024, 12288)
     for a model of LARGE_MODEL_PARAMS or more; on the CPU (256, 4096).
 
-    NOTE: on the H200 (docs/benchmarks.md, `scripts/bench_throughput.py --workloads W1,W2
-    --max-running N --chunked-prefill-size C`): a large model's matmuls need more rows than 256
-    or 512 decodes to run at the tensor cores' rate (llama-8b W1 9,888 / 10,827 / 10,942 output
-    tok/s at 256 / 512 / 1024 running), and 12,288-token chunks read 0.4 % above 8,192. A small
-    model's step is short enough that the host's work per row counts: llama-1b W1 reads 55,597
-    at 512 against 51,664 at 256. The KV pool bounds admission either way.
+    NOTE: a large model's matmuls need more rows than 256 or 512 decodes to run at the tensor
+    cores' rate, and its larger prefill chunks read a little faster; a small model's step is
+    short enough that the host's work per row counts, so it runs 512, not 256
+    (docs/benchmarks.md, Throughput and latency). The KV pool bounds admission either way.
     """
     if device_type != "cuda":
         return MAX_RUNNING, CHUNKED_PREFILL
@@ -123,84 +101,57 @@ def _one_of(name: str, value, allowed: tuple) -> None:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """What the GPU path runs. On the CPU everything resolves to plain PyTorch.
+    """The kernel plan: what the GPU path runs, every field concrete once resolved
+    (engine/kernel_choice.py holds the rule of each; on the CPU everything is plain PyTorch,
+    `reference()`). A field left "auto" / None is the rule's to decide: so KernelConfig(...) with
+    a few fields set is also how a benchmark or a test overrides the plan (Engine(config,
+    kernels=...)); an override that cannot run here is refused with a message.
 
-    attention           attention backend: "torch" (reference, any device), "triton"
-                        (kernels/decode_attention.py, extend_attention.py), "flashinfer"
-    extend_attention    one of EXTEND_ATTENTIONS for attention "triton"'s extend rows (prefill
-                        chunks; the decode rows stay on the Triton decode kernel). "fa3"
-                        runs on sm_90 GPUs where flashinfer imports and the model's attention
-                        is one it runs (head dim 64 / 128 / 256, a bf16 / fp16 KV pool, no
-                        attention sinks), FlashInfer has its kernels (flashinfer-jit-cache,
-                        or nvcc to build them) and they run one batch at start-up; auto:
-                        "fa3" where it runs, else "triton" (engine/kernel_choice.py gives
-                        the figures)
+    attention           "torch" (reference, any device), "triton" (kernels/decode_attention.py,
+                        extend_attention.py)
+    extend_attention    attention "triton"'s extend rows (prefill chunks; the decode rows stay
+                        on the decode kernel): "triton" kernels/extend_attention.py, "fa3"
+                        FlashInfer's FlashAttention-3 paged prefill (attention/fa3_prefill.py)
     triton_ops          the small Triton kernels: RMSNorm (with the residual add), rotary with
                         the KV store, the SwiGLU gate, the greedy argmax, the decode graphs'
-                        inputs; auto: on CUDA where Triton imports
-    pdl                 programmatic dependent launch of those kernels (kernels/pdl.py); auto:
-                        on sm_90+ GPUs. Off is for drivers that reject the launch attribute
-    decode_gemv         the matmuls of decode batches of up to 16 rows on kernels/gemv.py, an
-                        FP8 linear's (scaled_mm) on kernels/fp8_gemv.py ("triton"), or on
-                        cuBLAS / torch._scaled_mm; auto: triton where PDL is on and the model
-                        is not quantized (engine/kernel_choice.py says what was measured)
-    decode_norms        one of DECODE_NORMS for one-row decode steps on kernels/gemv.py; auto:
-                        "all" for hidden sizes up to 2048, "fold-all" above (its folded weights
-                        only within a quarter of the free memory, else "fold", else "post");
-                        a mixture of experts' one-token decode takes the residual add and the
-                        next norm in its experts' down GEMV (kernels/moe_gemv.py), "fold" above
-                        2048; an FP8 model kept in FP8 runs "all" / "post" in
-                        kernels/fp8_gemv.py's epilogue when set (auto: "off"), never "fold"
+                        inputs
+    pdl                 programmatic dependent launch of the Triton kernels (kernels/pdl.py)
+    decode_gemv         the matmuls of decode batches of up to 16 rows: "triton"
+                        kernels/gemv.py (an FP8 linear's: kernels/fp8_gemv.py), "cublas"
+                        F.linear / torch._scaled_mm
+    decode_norms        one of DECODE_NORMS: how a one-row decode step on kernels/gemv.py runs
+                        the residual adds and RMSNorms between its matmuls (models/llama.py's
+                        forward_gemv): "off" kernels of their own; "all" each inside the matmul
+                        before it; "post" only the post-attention one; "fold" "post" and each
+                        input norm inside the qkv matmul after it, on weights times the norm's;
+                        "fold-all" both norms inside the matmul after them
     cuda_graph_max_bs   decode batches up to this size replay CUDA graphs; 0: none
     piecewise_graphs    prefill and mixed steps replay graphs around an eager attention
-                        (engine/piecewise_graph.py); auto: on for models under
-                        LARGE_MODEL_PARAMS while cuda_graph_max_bs > 0 (so 0 means no graphs
-                        at all unless this is set); needs a chunked prefill size
+                        (engine/piecewise_graph.py)
     host_gate           a grammar step's sampling waits on the device for the host's token
-                        bitmask (engine/host_gate.py); auto: where the driver has stream memory
-                        operations. Off: such a step is sampled once the bitmask is filled
-    fp8_matmul          one of FP8_MATMULS for the FP8 linears of a quantized model:
-                        "scaled_mm" keeps the FP8 weights and runs the FP8 tensor cores (per
-                        tensor / channel torch._scaled_mm, 128 x 128 blocks fp8_block_gemm's
-                        matmul; activations quantized by kernels/fp8_quant.py), "dequant"
-                        dequantizes them to bf16 at load; auto: "scaled_mm" on sm_89+ GPUs,
-                        except for 128 x 128 blocks without cuBLASLt's block matmul
-                        (fp8_block_gemm "triton") whose bf16 weights take at most half the GPU
-                        (dequantized: faster than the Triton block matmul), "dequant" elsewhere
-                        (the CPU always dequantizes)
-    fp8_block_gemm      one of FP8_BLOCK_GEMMS for a block-FP8 linear's batches of more than 16
-                        rows with fp8_matmul "scaled_mm"; auto: "cublaslt" where it runs (sm_90,
-                        torch with CUDA 12.9+), else "triton". On one H100 (`python
-                        scripts/bench_fp8_matmul.py`) cuBLASLt's block matmul takes 1,501.7 µs
-                        on llama-8b's gate_up at 8,192 rows where the Triton kernel takes
-                        3,412.4 and bf16 cuBLAS 2,607.7
-    int4_matmul         one of INT4_MATMULS for the INT4 linears of a quantized model; auto:
-                        "triton" on CUDA where Triton imports and the bf16 weights would take
-                        more than half the GPU, "dequant-gemv" where the bf16 weights and the
-                        packed copy fit that half on an sm_80+ GPU with Triton's Gluon,
-                        "dequant" elsewhere (set by hand, "triton" runs on CPU tensors under
-                        Triton's interpreter; "dequant-gemv" needs the GPU)
+                        bitmask (engine/host_gate.py); off: sampled once the bitmask is filled
+    fp8_matmul          a quantized model's FP8 linears: "scaled_mm" the FP8 weights kept, on
+                        the FP8 tensor cores (per tensor / channel torch._scaled_mm, 128 x 128
+                        blocks cuBLASLt's block-scaled F.scaled_mm; activations quantized by
+                        kernels/fp8_quant.py), "dequant" dequantized to the compute dtype at load
+    int4_matmul         a quantized model's INT4 linears (AWQ, GPTQ, compressed-tensors W4A16):
+                        "triton" the packed weights on kernels/int4_matmul.py (decode batches
+                        of up to 16 rows on kernels/int4_gemv_mma.py where it takes the
+                        weight), "dequant" dequantized at load, "dequant-gemv" dequantized and
+                        also kept packed for kernels/int4_gemv_mma.py's decode batches
     fp8_fast_accum      torch._scaled_mm's fast accumulation for the per-tensor / per-channel
-                        FP8 linears of prefill and large batches: the tensor cores' FP8
-                        accumulator over the whole K, not promoted to fp32 every few steps (as
-                        vLLM's and SGLang's CUTLASS FP8 GEMMs run; within twice the promoted
-                        sums' bf16 error bound, tests/gpu/test_fp8_gpu.py). On by default: W1
-                        llama-8b FP8 reads 11,851 output tok/s against 11,237 with the promoted
-                        sums (one H100, same run, docs/benchmarks.md). Off: the promoted sums,
-                        as the decode GEMV (kernels/fp8_gemv.py) always sums
-    moe                 one of MOE_BACKENDS for a mixture of experts' experts: "triton" the fused
-                        MoE kernels (kernels/fused_moe.py), "torch" a per-expert loop; auto:
-                        "triton" on CUDA where Triton imports, "torch" elsewhere
-    moe_decode          one of MOE_DECODES for moe "triton"'s decode batches: "gemv" the
-                        GEMVs of kernels/moe_gemv.py where its `takes_gemv` holds, "grouped"
-                        the grouped GEMMs always; auto: "gemv" with moe "triton"
-                        (engine/kernel_choice.py says what was measured)
-    moe_prefill         one of MOE_PREFILLS for moe "triton"'s batches of more than 32 routed
-                        rows an expert: "grouped_mm" the experts' matmuls on torch._grouped_mm
-                        (kernels/moe_grouped_mm.py), "triton" kernels/fused_moe.py's grouped
-                        GEMMs; auto: "grouped_mm" for bf16 experts on sm_90 (CUTLASS's grouped
-                        GEMM), "triton" elsewhere (engine/kernel_choice.py says what was
-                        measured)
+                        FP8 linears of prefill and large batches (the tensor cores' FP8
+                        accumulator over the whole K, as vLLM's and SGLang's CUTLASS FP8 GEMMs
+                        run); off: the sums promoted to fp32, as kernels/fp8_gemv.py sums
+    moe                 a mixture of experts' experts: "triton" kernels/fused_moe.py, "torch" a
+                        per-expert loop that reads the routing on the host (the reference)
+    moe_decode          moe "triton"'s decode batches: "gemv" the router in one kernel
+                        (kernels/moe_route.py) and the experts on kernels/moe_gemv.py where its
+                        `takes_gemv` holds, "grouped" kernels/fused_moe.py's grouped GEMMs
+    moe_prefill         moe "triton"'s batches past 32 routed rows an expert: "grouped_mm"
+                        torch._grouped_mm (CUTLASS's grouped GEMM) with
+                        kernels/moe_grouped_mm.py's gather, SwiGLU and sum, "triton"
+                        kernels/fused_moe.py's grouped GEMMs
     """
 
     attention: str = "auto"
@@ -209,13 +160,12 @@ class KernelConfig:
     pdl: bool | None = None
     decode_gemv: str = "auto"
     decode_norms: str = "auto"
-    cuda_graph_max_bs: int = 512
+    cuda_graph_max_bs: int | None = None
     piecewise_graphs: bool | None = None
     host_gate: bool | None = None
     fp8_matmul: str = "auto"
-    fp8_block_gemm: str = "auto"
     int4_matmul: str = "auto"
-    fp8_fast_accum: bool = True
+    fp8_fast_accum: bool | None = None
     moe: str = "auto"
     moe_decode: str = "auto"
     moe_prefill: str = "auto"
@@ -234,8 +184,8 @@ class KernelConfig:
             piecewise_graphs=False,
             host_gate=False,
             fp8_matmul="dequant",
-            fp8_block_gemm="triton",
             int4_matmul="dequant",
+            fp8_fast_accum=True,
             moe="torch",
             moe_decode="grouped",
             moe_prefill="triton",
@@ -247,24 +197,16 @@ class KernelConfig:
         _one_of("decode_gemv", self.decode_gemv, DECODE_GEMVS)
         _one_of("decode_norms", self.decode_norms, DECODE_NORMS)
         _one_of("fp8_matmul", self.fp8_matmul, FP8_MATMULS)
-        _one_of("fp8_block_gemm", self.fp8_block_gemm, FP8_BLOCK_GEMMS)
         _one_of("int4_matmul", self.int4_matmul, INT4_MATMULS)
         _one_of("moe backend", self.moe, MOE_BACKENDS)
         _one_of("moe_decode", self.moe_decode, MOE_DECODES)
         _one_of("moe_prefill", self.moe_prefill, MOE_PREFILLS)
-        if self.cuda_graph_max_bs < 0:
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0; got {self.cuda_graph_max_bs}")
 
     @property
     def is_resolved(self) -> bool:
-        auto = {
-            "attention", "extend_attention", "decode_gemv", "decode_norms", "fp8_matmul",
-            "fp8_block_gemm", "int4_matmul", "moe", "moe_decode", "moe_prefill",
-        }  # fmt: skip
-        return all(
-            getattr(self, f.name) != "auto" if f.name in auto else getattr(self, f.name) is not None
-            for f in fields(self)
-        )
+        return all(getattr(self, f.name) not in ("auto", None) for f in fields(self))
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -294,7 +236,16 @@ class EngineConfig:
     chunked_prefill_size: int | str | None = "auto"
     page_size: int = 1
     enable_radix_cache: bool = True
-    kernels: KernelConfig = field(default_factory=KernelConfig)
+    # the kernel choices (engine/kernel_choice.py turns them and the machine into the plan):
+    # plain PyTorch everywhere (the reference path) rather than the fast path
+    reference_kernels: bool = False
+    cuda_graph_max_bs: int = CUDA_GRAPH_MAX_BS  # 0: every step eagerly (no graphs at all)
+    piecewise_graphs: bool = True  # False: prefill and mixed steps eagerly
+    pdl: bool = True  # False: no programmatic dependent launch (drivers that reject it)
+    host_gate: bool = True  # False: no stream wait on the host (drivers without one)
+    # a quantized checkpoint's weights dequantized to the compute dtype at load; False: kept
+    # quantized where a kernel runs them (the plan's rule: kernel_choice.py)
+    dequantize: bool = False
     seed: int = 0  # base of per-request seeds when a request has none
     max_pending: int = 4096  # requests pulled from the input iterator ahead of admission
     new_token_ratio: float = 0.4  # expected decode growth as a fraction of max_new_tokens
@@ -313,7 +264,8 @@ class EngineConfig:
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _one_of("device", self.device, DEVICES)
-        self.kernels.validate()
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs must be >= 0; got {self.cuda_graph_max_bs}")
         if self.max_running is not None and self.max_running < 1:
             raise ValueError(f"max_running must be >= 1; got {self.max_running}")
         if self.page_size < 1:

@@ -1,10 +1,8 @@
 """Greedy argmax over a large vocabulary, each row split across the GPU.
 
-torch's `logits.argmax(-1)` on [1, 128256] bf16 logits is one reduction kernel of 35.7 µs on
-the H200 (llama-1b W3: 3.3 % of a decode step's kernel time, `scripts/profile_decode.py`): a
-single row leaves it one block. At W1's batch sizes this kernel is faster too: the device's gap
-between forwards reads p50 0.251 ms at 256 rows against 0.267 with torch's, 0.830 against 0.881
-at ~1,008 (`scripts/bench_throughput.py --workloads W1`, its step trace). Here stage 1 gives
+torch's `logits.argmax(-1)` on [1, 128256] bf16 logits is one reduction kernel: a single row
+leaves it one block, a visible share of a small model's decode step. This kernel is faster at
+one row and at W1's batch sizes too (docs/benchmarks.md, Kernels). Here stage 1 gives
 each (row, chunk of CHUNK ids) a program that writes the chunk's max and the lowest id reaching
 it; stage 2 takes, per row, the first chunk holding the row's max. So ties resolve to the lowest
 id, as torch's argmax does.

@@ -20,7 +20,8 @@
 The combine runs inside stage 1: every split program, after its partial stores, passes a CTA
 barrier and adds 1 to its (b, kv head) counter (acq_rel, GPU scope); the program that sees
 num_kv_splits - 1 is the last, combines the KV_GROUP heads of its KV head and resets the counter
-to 0. Why: at batch 1 a second small kernel costs ~1.5-2 µs a layer on the H200.
+to 0. Why: at batch 1 a second small kernel a layer costs more than the combine inside stage 1
+(docs/benchmarks.md, Kernels: Decode attention).
 NOTE: the last program reads every split back from memory, its own included, and sums them in
 a fixed order, so the result does not depend on which split finished last. It loads all its
 heads' partials at once ([KV_GROUP, splits, D]) before any reduction: head by head, each head's
@@ -78,13 +79,13 @@ if TYPE_CHECKING:
 LOG2E = 1.4426950408889634
 FOLD_BLOCK_S = 16  # the folded combine's split tile (TritonAttentionBackend's MAX_KV_SPLITS)
 
-# defaults from scripts/bench_attention_kernels.py on the H200 (64 x 1024 tokens, GQA 32/8, D 128,
-# bf16): BLOCK_N 64, 4 warps, 3 stages read 3.3 TB/s; BLOCK_N 32 / 2 stages 2.7; 8 warps <= 2.9
+# defaults: the sweep's best on the H200 (64 x 1024 tokens, GQA 32/8, D 128, bf16;
+# docs/benchmarks.md, Kernels: Decode attention)
 DEFAULT_BLOCK_N = 64
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
-# a float8 pool's tokens take half the bytes: 128 a block (`scripts/bench_decode_attention_fp8.py`
-# on the H200, fp16 dots: 256 x 4096 tokens 797 µs against 838 with 64, 64 x 2048 120 / 153)
+# a float8 pool's tokens take half the bytes: 128 a block, faster than 64 at long and at short
+# contexts (docs/benchmarks.md, Kernels: Decode attention)
 FP8_BLOCK_N = 128
 # a float8 pool read by bf16 queries: e4m3 converts to fp16 in one instruction a pair (to bf16
 # through fp32), and fp16 holds every e4m3 value and softmax weight at least as well as bf16;

@@ -50,24 +50,20 @@ if TYPE_CHECKING:
 
 LOG2E = 1.4426950408889634
 
-# defaults from scripts/bench_attention_kernels.py on the H200 (8 x 1024 new tokens, GQA 32/8,
-# D 128, bf16): the best of 8 (BLOCK_M, BLOCK_N, warps) configurations at prefix 0 and 1024
+# defaults: the best of 8 (BLOCK_M, BLOCK_N, warps) configurations on the H200 (8 x 1024 new
+# tokens, GQA 32/8, D 128, bf16) at prefix 0 and 1024 (docs/benchmarks.md, Kernels: Extend
+# attention)
 DEFAULT_BLOCK_N = 64
 DEFAULT_NUM_STAGES = 2
-# packed (GQA) programs: query rows (tokens x PACK heads) a program. H200, GQA 32/8, D 128, bf16
-# (`scripts/bench_attention_kernels.py --extend-cases`): 16 tokens x 4 heads, BLOCK_N 64, 4 warps,
-# 2 stages take 16 x 512 new tokens in 179.5 µs against 186.0 for one head a program (64 tokens
-# x 1 head, the unpacked grid), 8 x 1,024 in
-# 270 against 279, and over a 1,024 prefix 645 against 654; 32 tokens (4 or 8 warps, 2-3 stages)
-# and 64 tokens read 195-203 µs at 16 x 512
+# packed (GQA) programs: query rows (tokens x PACK heads) a program: 16 tokens x 4 heads,
+# BLOCK_N 64, 4 warps, 2 stages beat one head a program and 32 or 64 tokens a program
+# (docs/benchmarks.md, Kernels: Extend attention)
 DEFAULT_PACKED_ROWS = 64
 DEFAULT_PACKED_WARPS = 4
 # long extends (LONG_EXTEND new tokens or more in a request; GQA, head dim <= 128): 256 query rows
-# (64 tokens x 4 heads), 8 warps. H200, GQA 32/8, D 128, bf16, `--extend-cases
-# 1x16384,8x16384,1x4096+126976`: 5,819 / 47,119 / 23,931 µs (378 / 373 / 362 TFLOP/s) where
-# the 64-row default takes 6,080 / 53,503 / 34,748 (362 / 329 / 249); ptxas keeps 255 registers
-# and spills 272 bytes a thread at D 128 (`scripts/check_kernels_compile.py --ptxas`), in those
-# figures
+# (64 tokens x 4 heads), 8 warps: faster than the 64-row default on long prefills and long
+# prefixes (docs/benchmarks.md, Kernels: Extend attention), though ptxas keeps 255 registers and
+# spills 272 bytes a thread at D 128 (`scripts/check_kernels_compile.py --ptxas`)
 LONG_EXTEND = 4096
 LONG_PACKED_ROWS = 256
 LONG_PACKED_WARPS = 8

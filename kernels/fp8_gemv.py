@@ -11,16 +11,13 @@ The matmul puts the weight on the tensor cores' M side: a program streams [BLOCK
 tiles of w through the compiler's pipelined shared-memory stages into e4m3 wgmma, against q(x)'s
 rows padded to 16 on the N side (w @ q(x)^T, then the [BLOCK_N, 16] sums transposed once). With
 x on the M side (padded to 16 rows, as kernels/gemv.py runs bf16) Sm90 has no e4m3 MMA for that
-shape and the dot falls back to conversions; in-kernel quantization with fp32 multiply-adds read
-llama-8b's qkv at 1.2 TB/s. This reads it at 2.1 TB/s, gate_up at 3.6 (`python
-scripts/bench_fp8_gemv.py --models llama-8b --m 1`, H200). q(x) comes from kernels/fp8_quant.py's
+shape and the dot falls back to conversions (in-kernel quantization with fp32 multiply-adds
+reads the weights at about half this kernel's rate). q(x) comes from kernels/fp8_quant.py's
 kernel before the matmul: quantizing each x tile in registers inside the loop, before its e4m3
-dot (the same bytes), doubles the decode step (W3 llama-8b `--variants fp8`: 7.54 ms per token
-against 3.78, one H100). Leaving x unquantized (W8A16: the e4m3 tile converted to bf16 in
-registers) loses too: the conversion is two instructions a value, and on one H100 a decode
-step's matmuls at M = 1 take 3,577 µs through the compiler's pipeline and 3,398 in a Gluon
-kernel whose 16-byte loads are the MMA's register fragments, against this kernel's 2,913 with
-its quantization kernel (`scripts/bench_fp8_gemv.py --models llama-8b --m 1`).
+dot (the same bytes), doubles the decode step. Leaving x unquantized (W8A16: the e4m3 tile
+converted to bf16 in registers) loses too: the conversion is two instructions a value, slower
+through the compiler's pipeline and in a Gluon kernel whose 16-byte loads are the MMA's register
+fragments (docs/benchmarks.md, Quantized models: every figure of this paragraph).
 
 Products of e4m3 values are exact in fp32. Each K tile's dot starts from zeros and is added to
 the fp32 sums: the tensor cores' e4m3 accumulator keeps fewer bits than fp32, so it spans one
@@ -39,7 +36,6 @@ dtype first as the unfused path rounds them.
     y = fp8_gemv(x, w, w_scale, input_scale=s)         # static, s float32 scalar
     a = fp8_gemv(x, w_gate_up, scale_gate_up, swiglu=True)
     y = fp8_gemv(x, w, w_scale, amax=reduce_max(row_amax(x)))  # TP: the maxima of all ranks
-    h, normed = fp8_gemv_residual(x, w, w_scale, residual, norm=(g, eps))  # gemv.py's epilogue
 """
 
 from __future__ import annotations
@@ -53,22 +49,20 @@ from batchrun.kernels.fp8_quant import quant_per_token, quant_per_token_group, q
 from batchrun.kernels.gemv import (
     MAX_M,
     NUM_COUNTERS,
-    ROW_COUNTER,
     SMEM_FOR_W,
-    ResidualStream,
-    _norm_after_last_tile,
+    SplitRule,
     _sum_planes,
     _w_tile,
     _write_y,
     _x_tile,
-    check_residual,
     split_counters,
+    split_k_for,
 )
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
 
 BLOCK = 128  # block FP8's weight blocks and activation groups
-# the programs: splits along K up to this many (at most 8 slices of at least two K tiles)
-TARGET_PROGRAMS = 512
+# splits along K up to 512 programs, at most 8 slices of at least two K tiles
+SPLIT = SplitRule(target_programs=512, max_split=8, min_tiles=2)
 
 
 class Fp8GemvConfig(NamedTuple):
@@ -88,9 +82,6 @@ def _fp8_gemv_kernel(
     Y,
     WS,
     Counters,
-    R,  # ADD_RES: the residual [M, N]
-    G,  # NORM_OUT: the norm's weight [N]
-    NormOut,  # NORM_OUT: rmsnorm(y) * G, [1, N]
     M,
     N,
     K,
@@ -99,8 +90,6 @@ def _fp8_gemv_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
-    stride_rm,
-    eps,
     stride_xs,
     stride_xsk,  # BLOCKS: XS [M, K / 128], a group's column
     stride_swn,  # BLOCKS: SW [N / 128, K / 128], a block row's
@@ -109,15 +98,11 @@ def _fp8_gemv_kernel(
     SPLIT_K: tl.constexpr,
     SWIGLU: tl.constexpr,
     BLOCKS: tl.constexpr,  # 128 x 128 weight blocks, activations per 128-column group
-    ADD_RES: tl.constexpr,  # y = the product + R (kernels/gemv.py's gemv_residual)
-    NORM_OUT: tl.constexpr,  # and, for one row, rmsnorm(y) * G by the tile finishing last
-    BLOCK_ROW: tl.constexpr,  # NORM_OUT: the row's width, a power of two
     PDL: tl.constexpr,
 ):
     """y from q(x) (e4m3 [M, K], its rows' scales XS) and w: BLOCK_N rows of w a program. With
     BLOCKS, each K tile is one 128-column group (BLOCK_K 128): its dot is scaled by the block's
-    weight scale and the group's activation scales before it is added. ADD_RES / NORM_OUT:
-    kernels/gemv.py's residual add and in-kernel norm (its `_write_y`, `_norm_after_last_tile`)."""
+    weight scale and the group's activation scales before it is added."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, 16)
@@ -151,10 +136,6 @@ def _fp8_gemv_kernel(
         w_up = _w_tile(up_rows, in_n, k_start, k_end, BLOCK_K)
         w2_up = _w_tile(up_rows, in_n, k_start + BLOCK_K, k_end, BLOCK_K)
     pdl_wait(PDL)
-    res = tl.zeros([16, BLOCK_N], dtype=Y.dtype.element_ty)
-    if ADD_RES:  # read by every slice now, where its latency hides behind the loop
-        res = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :],
-                      mask=in_m[:, None] & (offs_n < N)[None, :], other=0.0)  # fmt: skip
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc, acc_up = _tile_step(acc, acc_up, w, w_up, k_start, k_end, XQ, XS, sw_rows, sw_up_rows,
@@ -175,9 +156,8 @@ def _fp8_gemv_kernel(
         sx = tl.full([16], 1.0, tl.float32)
     else:
         sx = tl.load(XS + offs_m * stride_xs, mask=in_m, other=1.0)
-    _finish(tl.trans(acc), tl.trans(acc_up), sx, sw, sw_up, Y, WS, Counters, res, G, NormOut,
-            offs_m, offs_n, M, N, stride_ym, eps, pid_n, pid_k, SPLIT_K, SWIGLU, ADD_RES,
-            NORM_OUT, BLOCK_ROW)  # fmt: skip
+    _finish(tl.trans(acc), tl.trans(acc_up), sx, sw, sw_up, Y, WS, Counters, offs_m, offs_n,
+            M, N, stride_ym, pid_n, pid_k, SPLIT_K, SWIGLU)  # fmt: skip
 
 
 @triton.jit
@@ -207,20 +187,15 @@ def _tile_step(acc, acc_up, w, w_up, k0, k_end, XQ, XS, sw_rows, sw_up_rows, off
 
 
 @triton.jit
-def _finish(acc, acc_up, sx, sw, sw_up, Y, WS, Counters, res, G, NormOut, offs_m, offs_n, M, N,
-            stride_ym, eps, pid_n, pid_k, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr,
-            ADD_RES: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_ROW: tl.constexpr):  # fmt: skip
-    """y from a program's fp32 sums acc [16, BLOCK_N] (and acc_up): written scaled (the residual
-    added), or with SPLIT_K > 1 stored to this slice's plane, the last slice summing the planes
-    into y; with NORM_OUT the column tile that finishes last then normalizes the row."""
+def _finish(acc, acc_up, sx, sw, sw_up, Y, WS, Counters, offs_m, offs_n, M, N, stride_ym, pid_n,
+            pid_k, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr):  # fmt: skip
+    """y from a program's fp32 sums acc [16, BLOCK_N] (and acc_up): written scaled, or with
+    SPLIT_K > 1 stored to this slice's plane, the last slice summing the planes into y."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     dtype = Y.dtype.element_ty
-    row_counter = Counters + ROW_COUNTER
     if SPLIT_K == 1:
-        _write_scaled(acc, acc_up, sx, sw, sw_up, out, mask, res, dtype, SWIGLU, ADD_RES)
-        if NORM_OUT:
-            _norm_after_last_tile(Y, G, NormOut, row_counter, N, eps, tl.num_programs(0), BLOCK_ROW)
+        _write_scaled(acc, acc_up, sx, sw, sw_up, out, mask, dtype, SWIGLU)
     else:
         # planes [SPLIT_K, M, WS_N]: WS_N = N, or 2N with the up sums in the second half
         ws_n = 2 * N if SWIGLU else N
@@ -239,37 +214,28 @@ def _finish(acc, acc_up, sx, sw, sw_up, Y, WS, Counters, res, G, NormOut, offs_m
             total_up = total
             if SWIGLU:
                 total_up = _sum_planes(WS, plane_offs + N, mask, plane_stride, SPLIT_K)
-            _write_scaled(total, total_up, sx, sw, sw_up, out, mask, res, dtype, SWIGLU, ADD_RES)
+            _write_scaled(total, total_up, sx, sw, sw_up, out, mask, dtype, SWIGLU)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
-            if NORM_OUT:
-                _norm_after_last_tile(
-                    Y, G, NormOut, row_counter, N, eps, tl.num_programs(0), BLOCK_ROW
-                )
 
 
 @triton.jit
-def _write_scaled(acc, acc_up, sx, sw, sw_up, out, mask, res, dtype: tl.constexpr,
-                  SWIGLU: tl.constexpr, ADD_RES: tl.constexpr):  # fmt: skip
-    """y from the fp32 sums: (acc * sw) * sx, then kernels/gemv.py's writer (the SwiGLU gate,
-    or the residual added, rounded as the unfused path rounds)."""
+def _write_scaled(acc, acc_up, sx, sw, sw_up, out, mask, dtype: tl.constexpr,
+                  SWIGLU: tl.constexpr):  # fmt: skip
+    """y from the fp32 sums: (acc * sw) * sx, then kernels/gemv.py's writer (the SwiGLU gate
+    rounded as the unfused path rounds)."""
     y = (acc * sw[None, :]) * sx[:, None]
     up = y
     if SWIGLU:
         up = (acc_up * sw_up[None, :]) * sx[:, None]
-    _write_y(y, up, out, mask, res, dtype, SWIGLU, ADD_RES)
+    _write_y(y, up, out, mask, y, dtype, SWIGLU, False)  # (no residual: y stands in)
 
 
 def pick_config(m: int, n: int, k: int) -> Fp8GemvConfig:
-    """64-row x 128-wide tiles, split along K up to TARGET_PROGRAMS programs. On the H200 at
-    M = 1 (`python scripts/bench_fp8_gemv.py --models llama-8b --m 1`): qkv 12.1 µs, o 10.7,
-    gate_up with the SwiGLU 33.0, down 23.2 (torch._scaled_mm: 31.3, 27.9, 62.8, 60.6; bf16
-    kernels/gemv.py: 15.6, 10.5, 56.0, 29.2); the sweep's best tiles are within 7 %."""
+    """64-row x 128-wide tiles, split along K by SPLIT; the sweep's best tiles are within a few
+    percent of it (docs/benchmarks.md, Quantized models)."""
     del m  # one rule for every decode batch: w is read once whatever M is
     block_n, block_k = 64, 128
-    tiles = triton.cdiv(n, block_n)
-    split = 1
-    while split < 8 and tiles * split * 2 <= TARGET_PROGRAMS and k >= 4 * split * block_k:
-        split *= 2
+    split = split_k_for(triton.cdiv(n, block_n), k, block_k, SPLIT)
     return Fp8GemvConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
@@ -293,33 +259,10 @@ def fp8_gemv(
 ) -> torch.Tensor:
     """sx * sw * (q(x) @ w.T): [M, N] in x's dtype; with swiglu, silu(gate) * up: [M, N / 2].
     blocks: the sum over K's 128-column groups of each group's dot times its scales."""
-    return _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl, None, None)[0]
+    return _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl)
 
 
-def fp8_gemv_residual(
-    x: torch.Tensor,  # [M, K], as fp8_gemv's
-    w: torch.Tensor,  # [N, K] float8_e4m3fn
-    w_scale: torch.Tensor,
-    residual: torch.Tensor,  # [M, N], x's dtype, unit stride along N; not written
-    norm: tuple[torch.Tensor, float] | None = None,  # (weight [N], eps); only for M = 1
-    input_scale: torch.Tensor | None = None,
-    *,
-    amax: torch.Tensor | None = None,
-    blocks: bool = False,
-    config: Fp8GemvConfig | None = None,
-    pdl: bool = False,
-) -> ResidualStream:
-    """h = fp8_gemv(x, w, ...) + residual, rounded as the unfused `linear + residual`; with norm,
-    also rmsnorm(h) * weight for one row, computed by the column tile that finishes last
-    (kernels/gemv.py's gemv_residual, on FP8 weights)."""
-    check_residual(x, w.shape[0], residual, norm)
-    return ResidualStream(*_launch(x, w, w_scale, input_scale, amax, blocks, config, False, pdl,
-                                   residual, norm))  # fmt: skip
-
-
-def _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl, residual,
-            norm) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """(y, normed): normed when norm is given, else None."""
+def _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl) -> torch.Tensor:
     m, k = x.shape
     n_rows, k_w = w.shape
     assert k == k_w and m <= MAX_M and x.stride(1) == 1 and w.stride(1) == 1
@@ -356,22 +299,15 @@ def _launch(x, w, w_scale, input_scale, amax, blocks, config, swiglu, pdl, resid
     if tiles > NUM_COUNTERS:
         split_k, k_per_split = 1, k
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    normed = None if norm is None else torch.empty_like(y)
     if m == 0 or n == 0:
-        return y, normed
+        return y
     counters = split_counters(x.device)
     ws = y if split_k == 1 else torch.empty(split_k * m * n_rows, dtype=torch.float32,
                                             device=x.device)  # fmt: skip
-    # NOTE: absent operands get y as a stand-in pointer: their constexpr flag prunes every access
-    r = y if residual is None else residual
-    norm_w, eps = (y, 0.0) if norm is None else norm
     _fp8_gemv_kernel[(tiles, split_k)](
-        xq, w, w_scale, sx, y, ws, counters, r, norm_w, y if normed is None else normed, m, n, k,
-        k_per_split, n * w.stride(0), xq.stride(0), w.stride(0), y.stride(0), r.stride(0), eps,
-        stride_xs, stride_xsk, stride_swn,
+        xq, w, w_scale, sx, y, ws, counters, m, n, k, k_per_split, n * w.stride(0), xq.stride(0),
+        w.stride(0), y.stride(0), stride_xs, stride_xsk, stride_swn,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, SWIGLU=swiglu, BLOCKS=blocks,
-        ADD_RES=residual is not None, NORM_OUT=norm is not None,
-        BLOCK_ROW=triton.next_power_of_2(n if norm is not None else 1), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip
-    return y, normed
+    return y

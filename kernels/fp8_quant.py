@@ -10,8 +10,8 @@ The arithmetic is batchrun/quant/act_quant.py's (the CPU's torch ops, the model 
 kernels) in float32: scale = max(amax * fp32(1 / 448), MIN_SCALE) (torch's division by a Python
 scalar on CUDA), q = clamp(x / scale, -448, 448) (an IEEE division, div_rn) rounded to the
 nearest even float8 value, so the kernels give the same bytes as the torch ops on CUDA. torch's
-chain is five kernels (cast, abs, amax, div, clamp + cast) and reads x three times; on the H200
-`scripts/bench_fp8_matmul.py` times both.
+chain is five kernels (cast, abs, amax, div, clamp + cast) and reads x three times
+(docs/benchmarks.md, Quantized models).
 
 Per token, a program quantizes one row: the whole row in registers where it fits
 (MAX_ROW_BLOCK columns), else in chunks read twice (the second read from L2). Per token group,

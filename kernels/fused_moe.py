@@ -37,22 +37,17 @@ graph's size picks the tiles its eager run picks):
     <= 256      64-row blocks, 64 x 128 tiles in both
     larger      prefill: 128-row blocks, 8 warps
 
-The 64-row tiles are `scripts/bench_fused_moe.py --sweep`'s best on the H200 at Qwen3-30B-A3B's
-widths (E 128, top 8, H 2048, I 768): 1,024 tokens (64 rows an expert) in 522 µs where 32-row
-blocks take 594, and 4,096 tokens (256 rows, a whole pass) in 997 µs where 64 x 64 gate_up tiles
-take 1,129; no tile of the sweep's grid goes past 41 % of a dense GEMM of the same FLOPs there.
-The decode tiles read one token's 8 experts in 41.9 µs (1.8 TB/s, docs/benchmarks.md).
+The 64-row tiles are the sweep's best on the H200 at Qwen3-30B-A3B's widths (E 128, top 8,
+H 2048, I 768), at 64 and at 256 rows an expert (docs/benchmarks.md, Other architectures: MoE,
+with the decode tiles' rate).
 `scripts/check_kernels_compile.py` compiles the tiles the rule picks at the real models' shapes
 for sm_90 under Triton 3.6 (no spills).
 
 MoeConfig gather=True runs the same GEMMs on x's routed rows gathered into the aligned order
 first, both operands read through TMA descriptors (kernels/fused_moe_tma.py; the PTX has TMA
 loads and wgmma where these kernels have cp.async). The rule picks it past 32 rows an expert
-(the 64- and 128-row blocks), where it was faster at every size measured on the H100
-(`python scripts/bench_fused_moe.py --models qwen3-30b-a3b,mixtral-8x7b --tokens
-1024,4096,16384`, one run, µs gathered / row by row): Qwen3-30B-A3B 554 / 586, 1,036 / 1,097,
-4,163 / 4,424; Mixtral 2,021 / 2,256, 6,175 / 6,665, 23,416 / 25,321 (73 % of a dense GEMM's
-rate at 16,384 tokens; Qwen3's 41 %).
+(the 64- and 128-row blocks), where it is faster at every size measured on Qwen3-30B-A3B's and
+Mixtral's widths (docs/benchmarks.md, Other architectures: MoE).
 """
 
 from __future__ import annotations

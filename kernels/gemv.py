@@ -1,11 +1,11 @@
 """Skinny matmul for decode: y[M, N] = x[M, K] @ w[N, K]^T for M <= 16 (F.linear without bias),
 optionally with the SwiGLU gate as its epilogue (gate_up -> silu(gate) * up in one kernel).
 
-At batch 1 a decode step is GEMVs: on the H200, llama-1b's 64 cuBLAS GEMVs per step read 1.95 GB
-of weights at 2.5 TB/s (59 % of the copy ceiling), llama-8b's at 4.0 TB/s (94 %;
-`scripts/bench_gemv.py`). The small matrices of a 1b model (2048 x 2048, 2048 x 512) leave cuBLAS
-few blocks in flight. This kernel streams w in [BLOCK_N, BLOCK_K] tiles: a program owns BLOCK_N
-output columns and, with SPLIT_K > 1, one K-slice of them, so small N still fills the GPU.
+At batch 1 a decode step is GEMVs, and cuBLAS reads a small model's weights far below the copy
+ceiling (docs/benchmarks.md, Kernels: Decode GEMV): the small matrices of a 1b model (2048 x
+2048, 2048 x 512) leave it few blocks in flight. This kernel streams w in [BLOCK_N, BLOCK_K]
+tiles: a program owns BLOCK_N output columns and, with SPLIT_K > 1, one K-slice of them, so
+small N still fills the GPU.
 
 Split-K reduces inside the kernel, deterministically: each slice stores its fp32 partial sums to
 its own plane of a [SPLIT_K, M, N] workspace, then bumps its column tile's counter; the slice
@@ -22,9 +22,8 @@ the planes would cost two more launches a matmul and break the PDL chain (kernel
 
 gemv_residual adds the residual in the epilogue and, for one row, normalizes it in the column
 tile that finishes last (a second counter, past the split counters, the same release / acquire):
-a decoder layer's residual add and the RMSNorm after it cost no kernel of their own (llama-1b
-W3 on the H200: 1.00 against 1.03-1.04 ms per token; `scripts/bench_throughput.py --workloads
-W3 --variants batchrun,no-norm-fusion`).
+a decoder layer's residual add and the RMSNorm after it cost no kernel of their own
+(docs/benchmarks.md, Kernels: Decode GEMV).
 
 With swiglu, w is [2I, K] (gate rows, then up rows, as the fused gate_up projection) and a
 program owns BLOCK_N columns of both halves; gate and up are rounded to the activation dtype
@@ -183,9 +182,8 @@ def _gemv_kernel(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     # NOTE: the first two tiles are peeled off the loop so that their w loads come before the
     # PDL wait: weights are no earlier kernel's output, so with PDL those loads overlap the
-    # kernel before (kernels/pdl.py); x is read after the wait. Two tiles, not one: W3 on the
-    # H200 (`scripts/bench_throughput.py --workloads W3`) reads 0.5 % (llama-8b) and 1 %
-    # (llama-1b) fewer ms per token than with one
+    # kernel before (kernels/pdl.py); x is read after the wait. Two tiles, not one: W3 reads
+    # faster (docs/benchmarks.md, Kernels: Decode GEMV)
     w = _w_tile(w_rows, in_n, k_start, k_end, BLOCK_K)
     if SWIGLU:
         w_up = _w_tile(up_rows, in_n, k_start, k_end, BLOCK_K)
@@ -251,35 +249,46 @@ def _gemv_kernel(
                 )
 
 
+class SplitRule(NamedTuple):
+    """How a decode kernel splits K (`split_k_for`): slices double while the programs stay
+    within target_programs, up to max_split slices of at least min_tiles K tiles each; with
+    max_tiles, only matrices of at most that many column tiles split."""
+
+    target_programs: int
+    max_split: int
+    min_tiles: int = 1
+    max_tiles: int | None = None
+
+
+def split_k_for(tiles: int, k: int, block_k: int, rule: SplitRule) -> int:
+    """The K slices (a power of two) of a product of `tiles` column tiles (programs) and
+    depth k in block_k tiles: the one split-K rule of the decode kernels, each with its own
+    SplitRule."""
+    split = 1
+    if rule.max_tiles is not None and tiles > rule.max_tiles:
+        return split
+    while (
+        split < rule.max_split
+        and tiles * split * 2 <= rule.target_programs
+        and k >= 2 * rule.min_tiles * split * block_k
+    ):
+        split *= 2
+    return split
+
+
 # NOTE: K-split programs aimed at: about two per SM of the H200 (132 SMs); only matrices of at
-# most SPLIT_MAX_TILES column tiles split. llama-8b's qkv (96 tiles) splits in 2: alone it reads
-# fastest unsplit (15.3 µs, `scripts/bench_gemv.py`), but in the decode chain its 96 programs,
-# one an SM, keep too few bytes in flight; split in 2 it adds 14.5 µs a layer against 17.7, and
-# W3 llama-8b reads 1.4 % fewer ms per token
-TARGET_PROGRAMS = 256
-SPLIT_MAX_TILES = 128
-MAX_SPLIT_K = 8
+# most 128 column tiles split (gate_up, lm_head are not). llama-8b's qkv (96 tiles) splits in 2:
+# alone it reads fastest unsplit, but in the decode chain its 96 programs, one an SM, keep too
+# few bytes in flight (docs/benchmarks.md, Kernels: Decode GEMV)
+SPLIT = SplitRule(target_programs=256, max_split=8, min_tiles=1, max_tiles=128)
 
 
 def pick_config(m: int, n: int, k: int) -> GemvConfig:
-    """The best configs of `scripts/bench_gemv.py` on the H200 (M = 1, the matrices of llama-1b
-    and llama-8b), as a rule: 64 columns x 256-wide K tiles a program, and matrices with few
-    column tiles split along K until there are about TARGET_PROGRAMS programs (a power of two,
-    at most MAX_SPLIT_K slices of at least one tile). llama-1b's down_proj (2048 x 8192) in 8
-    slices reads 10.7 µs (unsplit 13.5, cuBLAS 13.9), its o_proj 4.9 (5.3, cuBLAS 6.0);
-    llama-8b's o_proj and down_proj in 4 slices 10.5 and 29.4 (unsplit 11.7 and 30.6, cuBLAS
-    13.2 and 31.9). Matrices of more than SPLIT_MAX_TILES tiles (gate_up, lm_head) are not
-    split."""
+    """The sweep's best configs on the H200 (M = 1, the matrices of llama-1b and llama-8b), as a
+    rule: 64 columns x 256-wide K tiles a program, split along K by SPLIT
+    (docs/benchmarks.md, Kernels: Decode GEMV)."""
     block_n, block_k = 64, 256
-    tiles = triton.cdiv(n, block_n)
-    split_k = 1
-    while (
-        tiles <= SPLIT_MAX_TILES
-        and split_k < MAX_SPLIT_K
-        and tiles * split_k * 2 <= TARGET_PROGRAMS
-        and k >= 2 * split_k * block_k
-    ):
-        split_k *= 2
+    split_k = split_k_for(triton.cdiv(n, block_n), k, block_k, SPLIT)
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k)
 
 

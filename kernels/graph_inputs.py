@@ -5,7 +5,7 @@ from the step's packed device tensors into the graph's static buffers, padding r
 Without it, a batch-1 decode step runs seven small operations outside its graph for this: the
 placeholder gather and scatter (two index kernels), five device-to-device copies (ids,
 positions, request rows, sequence lengths, cache slots); each costs its launch and a kernel
-boundary (~1-2 µs at batch 1 on the H200, where a llama-1b step is ~1 ms).
+boundary, a visible share of a small model's batch-1 step (docs/benchmarks.md, Kernels).
 
     load_decode_graph_inputs(src, dst, token_pool, n, pad_row, pad_slot)
 
@@ -24,7 +24,7 @@ import triton.language as tl
 
 # NOTE: one compiled variant for every step: Triton specializes integer arguments (== 1, multiples
 # of 16) and a constexpr block per batch size would compile more; a variant first met mid-run
-# compiled inside the timed region (W1 llama-1b read 38,957 tok/s against 50,238 by copies)
+# compiles inside the timed region (docs/benchmarks.md, Kernels)
 BLOCK = 256
 
 

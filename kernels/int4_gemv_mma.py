@@ -12,7 +12,7 @@ step is one LDG.128 a thread. Each word's nibbles become the numbers OFFSET + q 
 1024 for fp16, exact) in pairs, one lop3 a pair (inline PTX), and the pairs joined, reshaped
 and permuted are already the operand's registers: `gl.convert_layout(..., assert_trivial=True)`
 proves it at compile time (no shared memory). The zero point and scale apply once a chunk of K
-(inside one group), as kernels/int4_gemv.py's tensor-core kernel applies them:
+(inside one group), after the dot:
 
     sum_k (q - z) * s * x[k] = s * (sum_k (OFFSET + q) x[k] - (OFFSET + z) * sum_k x[k])
 
@@ -20,20 +20,9 @@ with sum_k x[k] from a second MMA whose A operand is all ones (it lands in the a
 layout). x's step is loaded the same way: K is permuted inside each 64-deep step (mma_pack's
 order) so that a thread's B fragments are 16 contiguous values of x, two 16-byte loads a row.
 Compiled for sm_90 with Triton 3.6 (scripts/check_kernels_compile.py --ptxas --sass), one row,
-group 128: a 128-deep chunk is 189 instructions a thread (2.95 a weight value, against the
-CUDA-core kernel's 4.0): 2 LDG.128 of weights, 3 shifts and 4 lop3 a word, 16 MMAs (half of
-them for sum x), no shared memory, 40 registers. On one H100 (`python
-scripts/bench_int4_matmul.py --models llama-8b --m 1,16`, µs a call in CUDA graphs) llama-8b's
-qkv, o, gate_up with SwiGLU and down take 9.0, 7.6, 26.4 and 17.2 µs at M = 1 (kernels/
-int4_gemv.py's CUDA-core kernel: 11.4, 9.0, 33.4, 24.2; bf16 cuBLAS 20.5, 16.3, 81.4, 44.4) and
-13.0, 13.5, 37.7 (40.7 with SwiGLU) and 30.1 at M = 16 (int4_gemv's tensor-core kernel 38.5,
-55.4, 108.3, 62.2; bf16 cuBLAS 21.2, 16.5, 82.8, 45.2).
-
-`prefetch=True` is a candidate, not timed: each chunk's MMAs run while the next chunk's words
-are in flight (a register double buffer, 48 registers), and the first chunk's words load before
-the PDL wait (weights are nothing an earlier kernel writes), as kernels/int4_gemv.py's kernels
-prefetch; the sums are the same, in the same order. `scripts/bench_int4_matmul.py --m 1,16`
-times both with PDL.
+group 128: a 128-deep chunk is 189 instructions a thread (2.95 a weight value): 2 LDG.128 of
+weights, 3 shifts and 4 lop3 a word, 16 MMAs (half of them for sum x), no shared memory, 40
+registers. Its times against bf16 cuBLAS: docs/benchmarks.md, Quantized models.
 
 Split-K reduces in the kernel, deterministically: each K slice stores its fp32 sums to its
 plane of a [SPLIT_K, M, N] workspace ([SPLIT_K, M, 2N] with swiglu), the slice that arrives last
@@ -52,8 +41,7 @@ from __future__ import annotations
 
 import torch
 import triton
-from batchrun.kernels.gemv import NUM_COUNTERS, split_counters
-from batchrun.kernels.int4_gemv import EXP_BITS as GEMV_EXP_BITS
+from batchrun.kernels.gemv import NUM_COUNTERS, SplitRule, split_counters, split_k_for
 from batchrun.kernels.pdl import pdl_launch_kwargs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -67,16 +55,14 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 MAX_M = 16
 WARPS = 4
 ROWS = MMA_ROWS * WARPS  # output rows a program: 16 a warp
-# OFFSET + q as the 16-bit float of each nibble: kernels/int4_gemv.py's exponent bits in both
-# halves of a word, and OFFSET
-EXP_BITS = {dtype: (bits << 16 | bits, offset) for dtype, (bits, offset) in GEMV_EXP_BITS.items()}
-# NOTE: K-split programs at most (about 12 an SM of 132); a slice keeps at least two chunks.
-# `python scripts/bench_int4_matmul.py --models llama-8b --m 1 --sweep mma` on one H100, µs at
-# splits 4 / 8 / 16 / 32: qkv (96 programs of rows) 15.2 / 10.4 / 9.0 / 11.6, o (64) 14.7 /
-# 9.5 / 7.6 / 9.2, gate_up with SwiGLU (224) 26.4 / 28.6 / 29.3 / 31.3, down (64) 43.3 / 24.9 /
-# 17.2 / 19.5: the rule picks the best of each
-TARGET_PROGRAMS = 1536
-MAX_SPLIT_K = 32
+# OFFSET + q as the 16-bit float of each nibble: the low 16 bits OR-ed onto a nibble make the
+# bf16 / fp16 number OFFSET + q (OFFSET: its ulp is 1); in both halves of a word, and OFFSET
+HALF_EXP_BITS = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+EXP_BITS = {dtype: (bits << 16 | bits, offset) for dtype, (bits, offset) in HALF_EXP_BITS.items()}
+# NOTE: K-split programs at most (about 12 an SM of 132); a slice keeps at least two chunks:
+# the split that is fastest for each of llama-8b's matrices (docs/benchmarks.md, Quantized
+# models)
+SPLIT = SplitRule(target_programs=1536, max_split=32, min_tiles=2)
 
 
 @gluon.jit
@@ -229,7 +215,6 @@ def _int4_gemv_mma_kernel(
     EXP: gl.constexpr,
     OFFSET: gl.constexpr,
     PDL: gl.constexpr,
-    PREFETCH: gl.constexpr,  # the next chunk's words loaded before this one's MMAs (candidate)
 ):
     """A program owns ROWS output rows (16 a warp; with swiglu the gate's and the up half's) and
     a K slice of whole chunks; the last slice to arrive writes y. With PDL it waits for the
@@ -295,45 +280,20 @@ def _int4_gemv_mma_kernel(
     up_pair = N // 2 + pid_n * R2  # swiglu: the up half's rows
     out = zero
     out_up = zero
-    if PREFETCH:
-        # the next chunk's words in flight while a chunk multiplies; the first chunk's
-        # (weights: nothing an earlier kernel writes) before the PDL wait
-        w0, w1 = _chunk_words(QW, first * CHUNK_STEPS, row_pair, N_PAIRS, w_offs, CHUNK_STEPS)
-        u0, u1 = w0, w1
+    _pdl_wait(PDL)
+    for c in range(first, last):
+        w0, w1 = _chunk_words(QW, c * CHUNK_STEPS, row_pair, N_PAIRS, w_offs, CHUNK_STEPS)
+        acc, accx = _chunk(w0, w1, X, c * CHUNK_STEPS, x_offs, x_mask, ones, zero,
+                           CHUNK_STEPS, R2, MP, EXP, DTYPE, a_l, b_l)  # fmt: skip
+        g = (c * CHUNK) // GROUP
+        out = _scaled(out, acc, accx, S, Z, g, rows, OFFSET, N_ROWS, HAS_ZEROS)
         if SWIGLU:
-            u0, u1 = _chunk_words(QW, first * CHUNK_STEPS, up_pair, N_PAIRS, w_offs,
+            w0, w1 = _chunk_words(QW, c * CHUNK_STEPS, up_pair, N_PAIRS, w_offs,
                                   CHUNK_STEPS)  # fmt: skip
-        _pdl_wait(PDL)
-        for c in range(first, last):
-            nxt = gl.minimum(c + 1, last - 1) * CHUNK_STEPS  # the last reloads itself (cached)
-            n0, n1 = _chunk_words(QW, nxt, row_pair, N_PAIRS, w_offs, CHUNK_STEPS)
             acc, accx = _chunk(w0, w1, X, c * CHUNK_STEPS, x_offs, x_mask, ones, zero,
                                CHUNK_STEPS, R2, MP, EXP, DTYPE, a_l, b_l)  # fmt: skip
-            g = (c * CHUNK) // GROUP
-            out = _scaled(out, acc, accx, S, Z, g, rows, OFFSET, N_ROWS, HAS_ZEROS)
-            w0, w1 = n0, n1
-            if SWIGLU:
-                m0, m1 = _chunk_words(QW, nxt, up_pair, N_PAIRS, w_offs, CHUNK_STEPS)
-                acc, accx = _chunk(u0, u1, X, c * CHUNK_STEPS, x_offs, x_mask, ones, zero,
-                                   CHUNK_STEPS, R2, MP, EXP, DTYPE, a_l, b_l)  # fmt: skip
-                out_up = _scaled(out_up, acc, accx, S, Z, g, rows + N, OFFSET, N_ROWS,
-                                 HAS_ZEROS)  # fmt: skip
-                u0, u1 = m0, m1
-    else:
-        _pdl_wait(PDL)
-        for c in range(first, last):
-            w0, w1 = _chunk_words(QW, c * CHUNK_STEPS, row_pair, N_PAIRS, w_offs, CHUNK_STEPS)
-            acc, accx = _chunk(w0, w1, X, c * CHUNK_STEPS, x_offs, x_mask, ones, zero,
-                               CHUNK_STEPS, R2, MP, EXP, DTYPE, a_l, b_l)  # fmt: skip
-            g = (c * CHUNK) // GROUP
-            out = _scaled(out, acc, accx, S, Z, g, rows, OFFSET, N_ROWS, HAS_ZEROS)
-            if SWIGLU:
-                w0, w1 = _chunk_words(QW, c * CHUNK_STEPS, up_pair, N_PAIRS, w_offs,
-                                      CHUNK_STEPS)  # fmt: skip
-                acc, accx = _chunk(w0, w1, X, c * CHUNK_STEPS, x_offs, x_mask, ones, zero,
-                                   CHUNK_STEPS, R2, MP, EXP, DTYPE, a_l, b_l)  # fmt: skip
-                out_up = _scaled(out_up, acc, accx, S, Z, g, rows + N, OFFSET, N_ROWS,
-                                 HAS_ZEROS)  # fmt: skip
+            out_up = _scaled(out_up, acc, accx, S, Z, g, rows + N, OFFSET, N_ROWS,
+                             HAS_ZEROS)  # fmt: skip
 
     mask = (cols < M)[None, :] & (rows < N)[:, None]
     y_offs = cols[None, :] * stride_ym + rows[:, None]
@@ -376,15 +336,8 @@ def takes(w: Int4MmaPacked, m: int, swiglu: bool = False) -> bool:
 
 
 def pick_split(n: int, k: int, chunk: int) -> int:
-    """K slices (a power of two, each at least two chunks) until there are about
-    TARGET_PROGRAMS programs."""
-    programs = n // ROWS
-    split = 1
-    while (
-        split < MAX_SPLIT_K and programs * split * 2 <= TARGET_PROGRAMS and k >= 4 * split * chunk
-    ):
-        split *= 2
-    return split
+    """K slices by SPLIT (each at least two chunks)."""
+    return split_k_for(n // ROWS, k, chunk, SPLIT)
 
 
 def int4_gemv_mma(
@@ -393,7 +346,6 @@ def int4_gemv_mma(
     swiglu: bool = False,
     split_k: int | None = None,
     pdl: bool = False,  # launched with programmatic dependent launch (kernels/pdl.py)
-    prefetch: bool = False,  # a candidate, not timed: the next chunk's words in flight
 ) -> torch.Tensor:
     """x @ W^T: [M, N] in x's dtype; with swiglu, silu(x @ W_gate^T) * (x @ W_up^T): [M, N / 2]."""
     m, k = x.shape
@@ -424,6 +376,6 @@ def int4_gemv_mma(
         m, n, k, per_split, x.stride(0), y.stride(0),
         GROUP=group, CHUNK_STEPS=chunk_steps, MP=8 if m <= 8 else 16, SPLIT_K=split,
         SWIGLU=swiglu, HAS_ZEROS=w.zeros is not None, EXP=exp_bits, OFFSET=offset,
-        PREFETCH=prefetch, num_warps=WARPS, **pdl_launch_kwargs(pdl, x),
+        num_warps=WARPS, **pdl_launch_kwargs(pdl, x),
     )  # fmt: skip
     return y

@@ -35,15 +35,8 @@ No host syncs, no allocation that depends on data: the kernel runs inside CUDA g
 counters are allocated on first use: call `int4_matmul` once eagerly before capturing a graph
 (`prepare` does it at load).
 
-`int4_dequantize` writes the weight out in x's dtype ([N, K], the kernel's column order) with
-the same arithmetic, for a product that runs on cuBLAS instead: a candidate for large M, where
-the dequantization inside the tiled matmul costs as much as its MMAs (llama-8b's gate_up at
-M = 2,048: 1,711 µs against bf16 cuBLAS's 610 on one H100); `scripts/bench_int4_matmul.py`
-times it beside the matmul (`dequant + cuBLAS`); nothing in the engine runs it yet.
-
     y = int4_matmul(x, packed)                        # a config from pick_config(M, N, K)
-    y = int4_matmul(x, packed, config=Int4Config(...))  # scripts/bench_int4_matmul.py
-    w = int4_dequantize(packed, torch.bfloat16)       # [N, K]; F.linear(x[:, perm], w)
+    y = int4_matmul(x, packed, config=Int4Config(...))  # a config by hand
 """
 
 from __future__ import annotations
@@ -53,7 +46,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from batchrun.kernels.gemv import NUM_COUNTERS, split_counters
+from batchrun.kernels.gemv import NUM_COUNTERS, SplitRule, split_counters, split_k_for
 
 from batchrun.quant.int4_layout import MMA_K, MMA_ROWS, Int4MmaPacked, Int4Packed
 
@@ -79,11 +72,9 @@ CONFIGS: tuple[tuple[int, Int4Config], ...] = (
     (256, Int4Config(64, 128, 64, 4, 4)),
     (1 << 62, Int4Config(128, 128, 64, 8, 3)),
 )
-# NOTE: split-K as kernels/gemv.py's rule: about two programs an SM of the H200 (132 SMs), only
-# for matrices of at most SPLIT_MAX_TILES column tiles, slices of at least two K tiles
-TARGET_PROGRAMS = 256
-SPLIT_MAX_TILES = 128
-MAX_SPLIT_K = 16
+# NOTE: split-K by kernels/gemv.py's rule: about two programs an SM of the H200 (132 SMs), only
+# for matrices of at most 128 column tiles, slices of at least two K tiles
+SPLIT = SplitRule(target_programs=256, max_split=16, min_tiles=2, max_tiles=128)
 
 
 def pick_config(m: int, n: int, k: int) -> tuple[Int4Config, int]:
@@ -91,14 +82,7 @@ def pick_config(m: int, n: int, k: int) -> tuple[Int4Config, int]:
     cfg = next(c for max_m, c in CONFIGS if m <= max_m)
     split_k = 1
     if m <= DECODE_MAX_M:
-        tiles = triton.cdiv(n, cfg.block_n)
-        while (
-            tiles <= SPLIT_MAX_TILES
-            and split_k < MAX_SPLIT_K
-            and tiles * split_k * 2 <= TARGET_PROGRAMS
-            and k >= 4 * split_k * cfg.block_k
-        ):
-            split_k *= 2
+        split_k = split_k_for(triton.cdiv(n, cfg.block_n), k, cfg.block_k, SPLIT)
     return cfg, split_k
 
 
@@ -299,63 +283,6 @@ def int4_matmul(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
-
-
-@triton.jit
-def _int4_dequantize_kernel(
-    QW,
-    S,
-    Z,
-    Groups,
-    W,
-    N,
-    K,
-    group_size,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
-    COLUMN_GROUPS: tl.constexpr,
-    MMA_ORDER: tl.constexpr,
-):
-    """W[n, k] = (q - zero) * scale of one [BLOCK_K, BLOCK_N] tile, written along K."""
-    pid_n = tl.program_id(0)
-    k0 = tl.program_id(1) * BLOCK_K
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    in_n = offs_n < N
-    in_k = offs_k < K
-    w = _dequant_tile(QW, S, Z, Groups, k0, K, offs_k, in_k, pid_n, offs_n, in_n, N, group_size,
-                      BLOCK_K, BLOCK_N, HAS_ZEROS, COLUMN_GROUPS, MMA_ORDER)  # fmt: skip
-    w = tl.trans(w.to(W.dtype.element_ty))  # [BLOCK_N, BLOCK_K]
-    out = W + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
-    tl.store(out, w, mask=in_n[:, None] & in_k[None, :])
-
-
-def int4_dequantize(
-    w: Int4Packed | Int4MmaPacked, dtype: torch.dtype, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """W [N, K] in dtype, in the kernel's column order (act-order: x's columns through w.perm
-    multiply it), computed as int4_matmul computes it; into `out` (an [N, K] view of a scratch
-    buffer, say) where given."""
-    mma_order = isinstance(w, Int4MmaPacked)
-    groups = None if mma_order else w.groups
-    n, k = w.out_features, w.in_features
-    if out is None:
-        out = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
-    assert out.shape == (n, k) and out.dtype == dtype and out.is_contiguous(), out.shape
-    block_n, block_k = 128, 64
-    if groups is None and w.group_size < k:
-        block_k = min(block_k, w.group_size)  # a K tile inside one group
-    if mma_order:  # whole 64-deep steps (mma_pack's groups: whole steps)
-        block_k = max(block_k, MMA_K)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
-    _int4_dequantize_kernel[grid](
-        w.qweight, w.scales, out if w.zeros is None else w.zeros,
-        out if groups is None else groups, out, n, k, w.group_size,
-        BLOCK_N=block_n, BLOCK_K=block_k, HAS_ZEROS=w.zeros is not None,
-        COLUMN_GROUPS=groups is not None, MMA_ORDER=mma_order, num_warps=4,
-    )  # fmt: skip
-    return out
 
 
 def prepare(device: torch.device) -> None:

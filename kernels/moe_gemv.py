@@ -21,7 +21,8 @@ and down loads its ids and first weight tile before its wait.
 
 Each program streams its weight rows as kernels/gemv.py does at M = 1 (K tiles of 256 through
 the pipelined shared-memory stages, x's one row padded to the tensor cores' 16 with zeros), the
-recipe that reads llama-8b's decode matrices at 3.2-4.2 TB/s on the H200 (docs/benchmarks.md).
+recipe that reads llama-8b's decode matrices near the copy ceiling (docs/benchmarks.md, Kernels:
+Decode GEMV).
 The grid's first axis is the routed row, so the programs of one column tile run together and
 rows routed to one expert read its tile from L2. The sum over a token's experts is in slot
 order whatever program finishes last, and a row's result does not depend on the other rows of
@@ -30,12 +31,10 @@ the batch: graphs (which pad a step) and eager give the same bits.
 Where it runs (`takes_gemv`): batches of at most MAX_ROWS routed rows, and no more routed rows
 than experts, counted at fused_moe.tile_tokens(T) (the size a CUDA graph pads the step to, so
 eager and graph take one path). Past that, rows routed to one expert share its weight tiles
-better in the grouped GEMMs' blocks. Measured on the H100 (`python scripts/bench_fused_moe.py
---models qwen3-30b-a3b,mixtral-8x7b --tokens 1,2,4,8`, one run, µs: GEMVs / grouped):
-Qwen3-30B-A3B (128 experts, top 8) T = 1 33.7 / 46.0, T = 2 59.0 / 67.6, and still ahead at
-T = 4 and 8 (101.5 / 109.9, 171.5 / 178.1); Mixtral (8 experts, top 2) T = 1, 2, 4 239 / 267,
-401 / 428, 624 / 640, but T = 8 (16 rows over 8 experts) 871 / 817. gpt-oss's biases and
-clamped SwiGLU (`extras`) are fused_moe's.
+better in the grouped GEMMs' blocks: the GEMVs win on Qwen3-30B-A3B (128 experts, top 8) from
+1 to 8 tokens and on Mixtral (8 experts, top 2) up to 4, and lose at 8 (16 rows over 8 experts;
+docs/benchmarks.md, Other architectures: MoE). gpt-oss's biases and clamped SwiGLU (`extras`)
+are fused_moe's.
 """
 
 from __future__ import annotations

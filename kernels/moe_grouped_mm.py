@@ -15,11 +15,9 @@ no host sync, so a step runs inside a CUDA graph:
 
 Beside kernels/fused_moe.py's Triton grouped GEMMs, which fuse the SwiGLU into gate_up's epilogue
 and the top-k weights into down's, this writes and reads h and o once more (S * (2I + H)
-elements each way); the library's GEMMs are what pays. On one H100 (`python
-scripts/bench_fused_moe.py --models qwen3-30b-a3b,mixtral-8x7b --tokens 1024,4096,16384`,
-docs/benchmarks.md) Qwen3-30B-A3B's experts take 957 µs at 4,096 tokens (256 rows an expert)
-against the Triton GEMMs' 1,037, of which the two grouped GEMMs are 714 (61 % of a dense GEMM's
-rate; 84-96 % from 1,024 rows an expert) and the gather, SwiGLU and sum most of the rest.
+elements each way); the library's GEMMs are what pays: Qwen3-30B-A3B's experts run faster than
+on the Triton GEMMs from 256 rows an expert, the gather, SwiGLU and sum taking most of the time
+the grouped GEMMs leave (docs/benchmarks.md, Other architectures: MoE).
 
 The buffers are sized by shape: S from tile_tokens(T) (kernels/fused_moe.py), so a step padded to
 a graph's size runs the grouped GEMMs at the shapes its eager run does (torch picks the CUTLASS

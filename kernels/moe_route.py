@@ -13,10 +13,9 @@ layers); this is one.
 
 `route_gemv` is the whole router of a decode batch in one launch (the cast of x, the fp32 matmul
 and the routing: three launches on the path above), for KernelConfig.moe_decode "gemv". It is
-launched without PDL: on H100s (`scripts/profile_decode.py --model qwen3-30b-a3b --batch 1
---chain`) an early launch behind o_proj's matmul with the norm in its last tile (decode_norms
-"all") adds 20.3 µs a layer to the chain against 8.0-8.6 launched after it, and behind the norm
-kernel ("off", one run) the router and the experts' gate_up add 30.0 µs with it, 30.1 without.
+launched without PDL: an early launch behind o_proj's matmul with the norm in its last tile
+(decode_norms "all") adds more to the decode chain than a launch after it, and behind the norm
+kernel ("off") PDL changes nothing (docs/benchmarks.md, Other architectures: MoE).
 """
 
 from __future__ import annotations

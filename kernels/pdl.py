@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL) for the decode kernels: Hopper and later GPUs may start a
 kernel while the one before it on the stream is still draining.
 
-At batch 1 a decode step is a chain of small kernels, several a layer, each a few µs long
+At batch 1 a decode step is a chain of small kernels, several a layer, each short
 (`scripts/profile_decode.py --model llama-1b --batch 1` lists them). Each boundary costs the
 launch, the drain of the last wave and the first loads' latency, because nothing of kernel n + 1
 runs before the last block of kernel n exits. With PDL (`launch_pdl=True`), kernel n + 1 is

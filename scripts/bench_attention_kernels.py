@@ -9,10 +9,8 @@ Decode (one query token per request, GQA 32/8, head dim 128, bf16): achieved KV-
 a sweep of kernel configurations, the backend's own choice (eager and CUDA-graph replay) and the
 torch reference backend. Extend (8 requests x 1024 new tokens, prefix 0 and 1024): TFLOP/s of
 the causal attention against the torch reference backend and, for prefix 0, torch's own
-scaled_dot_product_attention on contiguous (unpaged) tensors. The FlashInfer backend (eager, and
-graph for decode; plan() untimed, as the backends' prepare()) where flashinfer is importable; on
-extends also with its FlashAttention-3 prefill kernels ("fa3"; an error is printed where the
-build has none).
+scaled_dot_product_attention on contiguous (unpaged) tensors; on extends also the Triton backend
+with its extend rows on FlashInfer's FlashAttention-3 prefill ("fa3") where it runs.
 Timings are medians of triton.testing.do_bench (L2 flushed between runs) unless marked "graph".
 The kernels run as the engine runs them on this GPU (KERNELS).
 """
@@ -37,8 +35,8 @@ from batchrun.kernels.decode_attention import (
 from batchrun.kernels.extend_attention import extend_attention_fwd
 from triton.testing import do_bench, do_bench_cudagraph
 
+from batchrun.attention import fa3_cache
 from batchrun.attention.base import AttentionInputs
-from batchrun.attention.flashinfer_backend import unavailable_reason
 from batchrun.attention.torch_backend import TorchAttentionBackend
 from batchrun.attention.triton_backend import TritonAttentionBackend
 from batchrun.config import KernelConfig
@@ -97,28 +95,18 @@ def time_backend(backend, inputs, q, k, v):
     return bench(lambda: backend.forward(q, k, v, 0, D**-0.5))
 
 
-def bench_flashinfer(
-    pool, table, inputs, q, k, v, add, graph: bool, label: str = "", prefill_kernels: str = "fa2"
-) -> None:
-    if unavailable_reason(DEV) is not None:
+def bench_fa3(pool, table, inputs, q, k, v, add) -> None:
+    """The Triton backend with its extend rows on FlashInfer's FA3 prefill (extend_attention
+    "fa3"; plan() untimed, as the backends' prepare()), where it runs the model here (its
+    kernels are built at the first call, here outside the engine's start-up)."""
+    if fa3_cache.unavailable_reason(DEV, D, "bfloat16", False, False) is not None:
         return
-    from batchrun.attention.flashinfer_backend import FlashInferAttentionBackend
-
-    backend = FlashInferAttentionBackend(pool, table, prefill_kernels=prefill_kernels)
-    name = f"flashinfer backend {label} (store + kernels), eager".replace("  ", " ")
+    backend = TritonAttentionBackend(pool, table, replace(KERNELS, extend_attention="fa3"))
+    name = "flashinfer fa3 extend (store + kernels), eager"
     try:
         add(name, time_backend(backend, inputs, q, k, v))
     except Exception as e:  # e.g. a kernel this FlashInfer build does not have: reported
         print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        return
-    if graph:
-        bs = inputs.batch_size
-        backend.init_graph_buffers(bs)
-        backend.load_graph_inputs(inputs, bs)
-        backend.prepare_graph(bs)
-        backend.forward(q, k, v, 0, D**-0.5)  # plans outside the capture
-        ms = bench(lambda: backend.forward(q, k, v, 0, D**-0.5), graph=True)
-        add("flashinfer backend graph", ms)
 
 
 def bench_decode(batch_size, seq_len, rows, shuffle=False, decode_only=False):
@@ -164,7 +152,6 @@ def bench_decode(batch_size, seq_len, rows, shuffle=False, decode_only=False):
     backend.forward(q, k, v, 0, D**-0.5)
     ms = bench(lambda: backend.forward(q, k, v, 0, D**-0.5), graph=True)
     add(f"triton backend graph splits={backend._num_kv_splits(batch_size)}", ms)
-    bench_flashinfer(pool, table, inputs, q, k, v, add, graph=True)
     reference = TorchAttentionBackend(pool, table)
     add("torch reference backend", time_backend(reference, inputs, q, k, v))
 
@@ -339,18 +326,13 @@ def bench_extend(prefix_len, rows, batch_size=8, extend_len=1024, sweep_only=Fal
         )  # fmt: skip
         add(label, bench(fn))
     if sweep_only:
-        bench_flashinfer(pool, table, inputs, q, k, v, add, graph=False)  # page size 1
-        bench_flashinfer(pool, table, inputs, q, k, v, add, graph=False, label="fa3",
-                         prefill_kernels="fa3")  # fmt: skip
+        bench_fa3(pool, table, inputs, q, k, v, add)  # page size 1
         return
     triton_backend = TritonAttentionBackend(pool, table, KERNELS)
     add("triton backend (store + kernel)", time_backend(triton_backend, inputs, q, k, v))
     reference = TorchAttentionBackend(pool, table)
     add("torch reference backend", time_backend(reference, inputs, q, k, v))
-    bench_flashinfer(pool, table, inputs, q, k, v, add, graph=False)
-    # FlashInfer's FlashAttention-3 (Hopper) prefill over the same page-size-1 pool
-    bench_flashinfer(pool, table, inputs, q, k, v, add, graph=False, label="fa3",
-                     prefill_kernels="fa3")  # fmt: skip
+    bench_fa3(pool, table, inputs, q, k, v, add)  # over the same page-size-1 pool
     if prefix_len == 0:  # the unpaged ceiling: torch SDPA (flash) on contiguous tensors
         qc = q.view(batch_size, extend_len, H, D).transpose(1, 2).contiguous()
         kc = k.view(batch_size, extend_len, KV, D).transpose(1, 2).repeat_interleave(H // KV, 1)

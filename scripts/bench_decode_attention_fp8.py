@@ -5,11 +5,10 @@
 For each case (batch x context, GQA 32/8, head dim 128, bf16 queries, each request's KV in
 shuffled pool slots): the Triton decode kernel (kernels/decode_attention.py) with the split
 count the backend picks, on a bf16 pool and on a float8_e4m3fn pool with k/v scales, and a few
-tile configurations on the float8 pool; the FlashInfer backend (store + kernel) on both where
-flashinfer is importable. Each row gives the median time (triton.testing.do_bench, L2 flushed),
-the KV bytes read per second (K and V of every request's context, 1 or 2 bytes an element) and
-that as a fraction of the device-to-device copy bandwidth measured in the same run (a torch
-copy of a 1 GiB buffer, bytes read + written). The figure: the float8 pool's default row at
+tile configurations on the float8 pool. Each row gives the median time (triton.testing.do_bench,
+L2 flushed), the KV bytes read per second (K and V of every request's context, 1 or 2 bytes an
+element) and that as a fraction of the device-to-device copy bandwidth measured in the same run
+(a torch copy of a 1 GiB buffer, bytes read + written). The figure: the float8 pool's default row at
 >= 80 % of the copy bandwidth where the bf16 one is (batch x context large enough to be
 memory-bound), and its time about half the bf16 one's.
 """
@@ -31,7 +30,6 @@ from batchrun.kernels.decode_attention import (
 from triton.testing import do_bench
 
 from batchrun.attention.base import AttentionInputs
-from batchrun.attention.flashinfer_backend import unavailable_reason
 from batchrun.attention.triton_backend import TritonAttentionBackend
 from batchrun.config import KernelConfig
 from batchrun.engine.kernel_choice import supports_pdl
@@ -130,14 +128,6 @@ def bench_pool(batch_size, context, dtype, kernels, copy_tbs: float, rows: list[
         if fp16_dot is not None:
             label += " fp16 dot" if fp16_dot else " bf16 dot"
         add(label, do_bench(fn, return_mode="median"))
-    if unavailable_reason(DEV) is None:
-        from batchrun.attention.flashinfer_backend import FlashInferAttentionBackend
-
-        fi = FlashInferAttentionBackend(pool, table)
-        fi.prepare(inputs)
-        fi.forward(q, k, v, 0, D**-0.5)  # plans (host work, outside the timing)
-        ms = do_bench(lambda: fi.forward(q, k, v, 0, D**-0.5), return_mode="median")
-        add("flashinfer (store + kernel)", ms)
 
 
 def summarize(rows: list[dict]) -> None:

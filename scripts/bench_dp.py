@@ -22,7 +22,7 @@ from pathlib import Path
 import benchlib
 from benchlib import greedy_params, make_workload, warmup_prompts
 
-from batchrun.config import EngineConfig
+from batchrun.config import EngineConfig, KernelConfig
 from batchrun.engine.engine import drive
 from batchrun.engine_process.data_parallel import DataParallelEngine
 from batchrun.params import GenerateRequest
@@ -59,6 +59,8 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=64, help="warm-up requests per engine")
     benchlib.add_engine_args(ap)
     args = ap.parse_args(argv)
+    if benchlib.kernel_plan(args) != KernelConfig():
+        ap.error("the data-parallel engines run their own plans: no --attention-backend, --kernel")
     wl = make_workload(args.workload, args.scale)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = benchlib.write_model_dir(args.model, Path(tmp))

@@ -6,16 +6,14 @@
     scaled_mm    per-channel FP8: quantize x per token + torch._scaled_mm (row-wise scales);
                  "fast": the matmul with use_fast_accum (KernelConfig.fp8_fast_accum, the
                  engine's default), the other figures with the sums promoted to fp32
-    block        block FP8: quantize x per token and group + kernels/fp8_block_matmul.py
+    block        block FP8: quantize x per token and group + cuBLASLt's block-scaled matmul
+                 (torch's F.scaled_mm, CUDA 12.9+ on sm_90), and FlashInfer's where installed
 
     python scripts/bench_fp8_matmul.py                      # M = 1, 16, 64, 256, 2048, 8192
-    python scripts/bench_fp8_matmul.py --m 1,8192 --sweep   # the block matmul's other configs
 
 What decides: `quant triton` below `quant torch` at every M keeps the Triton quantization on
 (QuantMatmul's scaled_mm path on CUDA); `block` against `scaled_mm` and `bf16` per M says what
-block FP8 costs against per-channel FP8 and what it gains over bf16; with --sweep, a config that
-beats the table's (kernels/fp8_block_matmul.py CONFIGS) by more than a few % at an M belongs in
-the table.
+block FP8 costs against per-channel FP8 and what it gains over bf16.
 
 Each time is µs per call from a CUDA graph of many calls (no launch overhead, as in the engine's
 graphs), timed with CUDA events; at M <= 256 the calls cycle through enough copies of the weight
@@ -79,18 +77,6 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm())
 
 
-def sweep_configs():
-    from batchrun.kernels.fp8_block_matmul import BlockMatmulConfig
-
-    out = []
-    for bm, bn in ((16, 32), (16, 64), (16, 128), (32, 64), (64, 64), (64, 128), (128, 128)):
-        for warps, stages in ((4, 3), (4, 4), (8, 3), (4, 5)):
-            if bm * bn >= 128 * 128 and warps == 4 and stages > 3:
-                continue
-            out.append(BlockMatmulConfig(bm, bn, 8 if bm >= 64 else 1, warps, stages))
-    return out
-
-
 def cublaslt_block(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
     """The block-FP8 matmul of torch's scaled_mm (cuBLASLt, CUDA 12.9+ on sm_90): x quantized
     per token and group of 128 (column-major scales), the weight's 128 x 128 block scales; M
@@ -114,9 +100,8 @@ def flashinfer_block(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor) -> torc
     return fp8_blockscale_gemm_sm90(x, w, None, sw)
 
 
-def bench(n: int, k: int, m: int, sweep: bool) -> dict:
+def bench(n: int, k: int, m: int) -> dict:
     from batchrun.kernels import fp8_quant
-    from batchrun.kernels.fp8_block_matmul import block_fp8_matmul, pick_config
 
     torch.manual_seed(0)
     memory_bound = m <= 256
@@ -146,7 +131,6 @@ def bench(n: int, k: int, m: int, sweep: bool) -> dict:
     r["fast_error"] = rel_error(scaled_mm(ch[0], fast=True), want)
     xq, sxg = fp8_quant.quant_per_token_group(x)
     want = (xq.float() * sxg.repeat_interleave(128, 1)) @ block.dequantize().T
-    r["block_error"] = rel_error(block_fp8_matmul(xq, sxg, *bl[0]), want)
 
     r["quant_torch_us"] = graph_time_us(lambda a: quant_per_token(a), xs, calls)
     r["quant_triton_us"] = graph_time_us(lambda a: fp8_quant.quant_per_token(a), xs, calls)
@@ -158,31 +142,12 @@ def bench(n: int, k: int, m: int, sweep: bool) -> dict:
     r["scaled_mm_us"] = graph_time_us(
         lambda op: scaled_mm(op, *fp8_quant.quant_per_token(x)), ch, calls
     )
-    r["block_matmul_us"] = graph_time_us(lambda op: block_fp8_matmul(xq, sxg, *op), bl, calls)
-    r["block_us"] = graph_time_us(
-        lambda op: block_fp8_matmul(*fp8_quant.quant_per_token_group(x), *op), bl, calls
-    )
-    r["block_config"] = list(pick_config(m, n))
     for name, fn in (("cublaslt", cublaslt_block), ("flashinfer", flashinfer_block)):
         try:  # another library's block-FP8 matmul, where this torch / install has it
             r[f"{name}_error"] = rel_error(fn(x, *bl[0]), want)
             r[f"{name}_us"] = graph_time_us(lambda op, fn=fn: fn(x, *op), bl, calls)
         except Exception as e:  # not supported here: reported, not fatal
             r[f"{name}_us"] = f"{type(e).__name__}: {str(e)[:120]}"
-    if sweep:
-        timed = []
-        for cfg in sweep_configs():
-            try:
-                if rel_error(block_fp8_matmul(xq, sxg, *bl[0], config=cfg), want) > 1e-2:
-                    timed.append((list(cfg), "wrong"))
-                    continue
-                fn = lambda op, cfg=cfg: block_fp8_matmul(xq, sxg, *op, config=cfg)  # noqa: E731
-                timed.append((list(cfg), graph_time_us(fn, bl, calls)))
-            except Exception as e:  # e.g. out of shared memory: reported, not fatal
-                timed.append((list(cfg), f"error: {type(e).__name__}"))
-        ok = sorted((t for t in timed if isinstance(t[1], float)), key=lambda t: t[1])
-        r["sweep_top"] = ok[:5]
-        r["sweep_failed"] = [t for t in timed if not isinstance(t[1], float)]
     del bf16, ch, bl
     torch.cuda.empty_cache()
     return r
@@ -193,7 +158,6 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="llama-8b", choices=["llama-8b", "llama-1b"])
     p.add_argument("--m", default="1,16,64,256,2048,8192", help="rows of x, comma-separated")
     p.add_argument("--matrices", default=",".join(MATRICES), help="which of the model's")
-    p.add_argument("--sweep", action="store_true", help="time the block matmul's other configs")
     p.add_argument("--out", type=Path, default=benchlib.OUT_DIR)
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
@@ -202,14 +166,14 @@ def main(argv=None) -> int:
     report = {"device": torch.cuda.get_device_name(), "model": args.model, "results": []}
     print(
         "| matrix | N x K | M | quant torch / triton µs | group quant torch / triton µs "
-        "| bf16 µs | scaled_mm µs (matmul; fast) | block µs (matmul) | block config | errors |"
+        "| bf16 µs | scaled_mm µs (matmul; fast) | errors |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, n, k, _ in benchlib.linear_shapes(args.model):
         if name not in args.matrices.split(","):
             continue
         for m in (int(v) for v in args.m.split(",")):
-            r = bench(n, k, m, args.sweep)
+            r = bench(n, k, m)
             r.update(matrix=name, n=n, k=k, m=m)
             report["results"].append(r)
             print(
@@ -218,18 +182,13 @@ def main(argv=None) -> int:
                 f"{r['group_quant_triton_us']:.1f} | {r['bf16_us']:.1f} | "
                 f"{r['scaled_mm_us']:.1f} ({r['scaled_mm_matmul_us']:.1f}; "
                 f"{r['fast_matmul_us']:.1f}) | "
-                f"{r['block_us']:.1f} ({r['block_matmul_us']:.1f}) | "
-                f"{tuple(r['block_config'])} | {r['scaled_mm_error']:.1e}, "
-                f"{r['block_error']:.1e}, fast {r['fast_error']:.1e} |",
+                f"{r['scaled_mm_error']:.1e}, fast {r['fast_error']:.1e} |",
                 flush=True,
             )
             for lib in ("cublaslt", "flashinfer"):
                 us, err = r[f"{lib}_us"], r.get(f"{lib}_error")
                 got = f"{us:.1f} µs, error {err:.1e}" if isinstance(us, float) else us
                 print(f"    block on {lib}: {got}", flush=True)
-            if args.sweep:
-                top = ", ".join(f"{tuple(c)} {us:.1f}" for c, us in r["sweep_top"])
-                print(f"    sweep top: {top}; failed: {r['sweep_failed']}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_fp8_matmul.json").write_text(json.dumps(report, indent=2) + "\n")
     return 0

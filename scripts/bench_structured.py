@@ -197,7 +197,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(args.model, Path(tmp), args.tokenizer)
         t = time.perf_counter()
-        engine = Engine(benchlib.engine_config(args, path, overlap=not args.no_overlap))
+        config = benchlib.engine_config(args, path, overlap=not args.no_overlap)
+        engine = Engine(config, benchlib.kernel_plan(args))
         startup = time.perf_counter() - t
         print(f"kernels: {engine.kernels.describe()}", flush=True)
         # warm-up: CUDA graphs, the grammar compile, Triton's JIT (other prompts: no cache hits).

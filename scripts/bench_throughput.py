@@ -69,13 +69,14 @@ from host_phases import HostPhases
 from step_trace import StepTrace
 from triton_compiles import CompileLog
 
-# each engine variant: (EngineConfig fields, KernelConfig fields) over the options' config
+from batchrun.config import EngineConfig, KernelConfig
+
+# each engine variant: (EngineConfig fields, plan fields) over the options' config and plan
 VARIANTS: dict[str, tuple[dict, dict]] = {
     "batchrun": ({}, {}),
     "no-overlap": ({"overlap": False}, {}),
-    "no-graph": ({}, {"cuda_graph_max_bs": 0}),
+    "no-graph": ({"cuda_graph_max_bs": 0}, {}),
     "no-radix": ({"enable_radix_cache": False}, {}),
-    "flashinfer": ({}, {"attention": "flashinfer"}),
     # prefill and mixed steps without / with piecewise CUDA graphs, whatever the default
     "no-piecewise": ({}, {"piecewise_graphs": False}),
     "piecewise": ({}, {"piecewise_graphs": True}),
@@ -83,7 +84,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "cublas": ({}, {"decode_gemv": "cublas"}),
     "triton-gemv": ({}, {"decode_gemv": "triton"}),
     # without programmatic dependent launch; decode_gemv "auto" then takes cuBLAS
-    "no-pdl": ({}, {"pdl": False}),
+    "no-pdl": ({"pdl": False}, {}),
     # the decoder's residual adds and norms in kernels of their own, not inside the gemvs
     "no-norm-fusion": ({}, {"decode_norms": "off"}),
     # every weight U(-1e-3, 1e-3), as vLLM's and SGLang's dummy loaders draw them
@@ -97,8 +98,6 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # (a model whose bf16 weights fit: dequantized, decode batches on the packed copy)
     "fp8-block": ({}, {"fp8_matmul": "scaled_mm"}),
     "fp8-block-dequant": ({}, {"fp8_matmul": "dequant"}),
-    # block FP8 on kernels/fp8_block_matmul.py above 16 rows (auto: cuBLASLt's block matmul)
-    "fp8-block-triton": ({}, {"fp8_matmul": "scaled_mm", "fp8_block_gemm": "triton"}),
     # block FP8 kept in FP8 with the FP8 KV cache
     "fp8-block-kv-fp8": ({"kv_cache_dtype": "fp8_e4m3"}, {"fp8_matmul": "scaled_mm"}),
     "int4-awq": ({}, {"int4_matmul": "triton"}),
@@ -122,11 +121,6 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # FP8 as an FP8 checkpoint runs with vLLM's or TensorRT-LLM's FP8 KV cache: the linears as
     # `fp8` and the KV cache as `kv-fp8`
     "fp8-kv-fp8": ({"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}, {}),
-    # a one-row decode's residual adds and norms inside kernels/fp8_gemv.py's epilogues:
-    # decode_norms "all" (every norm) / "post" (the post-attention norms only)
-    "fp8-norms": ({"quantization": "fp8"}, {"decode_norms": "all"}),
-    "fp8-norms-post": ({"quantization": "fp8"}, {"decode_norms": "post"}),
-    "fp8-block-norms": ({}, {"fp8_matmul": "scaled_mm", "decode_norms": "all"}),
     "prefix-order": ({}, {}),
 }
 # the quantization_config a variant's config.json carries (dummy weights in that format)
@@ -136,9 +130,7 @@ VARIANT_QUANTIZATION = {
     "int4-awq-dequant": benchlib.CHECKPOINT_FORMATS["awq"],
     "int4-awq-auto": benchlib.CHECKPOINT_FORMATS["awq"],
     "fp8-block-dequant": benchlib.CHECKPOINT_FORMATS["fp8-block"],
-    "fp8-block-triton": benchlib.CHECKPOINT_FORMATS["fp8-block"],
     "fp8-block-kv-fp8": benchlib.CHECKPOINT_FORMATS["fp8-block"],
-    "fp8-block-norms": benchlib.CHECKPOINT_FORMATS["fp8-block"],
 }
 ALL_VARIANTS = (*VARIANTS, "hf")
 # BENCH.md targets: (workload, model) -> bound; W3 is ms per output token (lower is better), the
@@ -156,17 +148,17 @@ TARGETS = {
 # -- batchrun -------------------------------------------------------------------------------------
 
 
-def engine_config(args, model_dir: Path, variant: str):
-    """The variant's EngineConfig: the options' config (overlap on) with its fields changed."""
+def engine_config(args, model_dir: Path, variant: str) -> tuple[EngineConfig, KernelConfig]:
+    """The variant's EngineConfig (the options' config, overlap on, with its fields changed)
+    and its plan overrides: Engine(*engine_config(...))."""
     engine_fields, kernel_fields = VARIANTS[variant]
-    config = benchlib.engine_config(
-        args, model_dir, kernels=kernel_fields, **{"overlap": True, **engine_fields}
-    )
+    config = benchlib.engine_config(args, model_dir, **{"overlap": True, **engine_fields})
+    kernels = benchlib.kernel_plan(args, kernel_fields)
     if args.kv_budget_same_bytes and config.kv_budget and config.kv_cache_dtype != "auto":
         # the bytes of --kv-budget tokens in the compute dtype, in one-byte elements
         size = torch.empty(0, dtype=getattr(torch, benchlib.dtype_name(args))).element_size()
         config = dataclasses.replace(config, kv_budget=config.kv_budget * size)
-    return config
+    return config, kernels
 
 
 def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe) -> None:
@@ -582,7 +574,7 @@ def start(args, model_dir: Path, variant: str, dev: Device):
     if variant == "hf":
         target, kernels = load_hf(model_dir, args, dev), None
     else:
-        target = Engine(engine_config(args, model_dir, variant))
+        target = Engine(*engine_config(args, model_dir, variant))
         kernels = dataclasses.asdict(target.kernels)
     dev.sync()
     return target, time.perf_counter() - t, kernels

@@ -66,7 +66,8 @@ def bench_one(
     res = RunResult(model, "W3", f"tp{tp}")
     dev.sync()
     t = time.perf_counter()
-    engine = start_tp_engine(engine_config(args, model_dir), tp, args.base_device)
+    kernels = benchlib.kernel_plan(args)
+    engine = start_tp_engine(engine_config(args, model_dir), tp, args.base_device, kernels=kernels)
     dev.sync()
     res.startup_s = time.perf_counter() - t
     res.kernels = dataclasses.asdict(engine.kernels)

@@ -1,11 +1,12 @@
 """What the benchmark scripts share: the benchmark models' shapes, the source tree's commit id,
 a run's header, the device's sync and memory calls, the engine options every engine benchmark
-takes (they build one EngineConfig and its KernelConfig), BENCH.md's workloads, and a timed
+takes (they build one EngineConfig and the plan's overrides), BENCH.md's workloads, and a timed
 `engine.generate` with its first-token probe.
 
     import benchlib
     model_dir = benchlib.write_model_dir("llama-1b", tmp)        # config.json for dummy weights
     config = benchlib.engine_config(args, model_dir, overlap=False)   # args: add_engine_args
+    engine = Engine(config, benchlib.kernel_plan(args))          # the plan's fields set by hand
 
 The models are Llama-3 shapes for `--load-format dummy`: only config.json is written; batchrun's
 dummy loader and HF's `from_config` build random weights of those shapes. `tiny` is a CPU-only
@@ -33,7 +34,7 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from batchrun.config import ATTENTION_BACKENDS, EngineConfig, KernelConfig
+from batchrun.config import ATTENTION_BACKENDS, CUDA_GRAPH_MAX_BS, EngineConfig, KernelConfig
 
 # NOTE: the scripts import batchrun as installed (`pip install -e .`): its kernels are the
 # top-level kernels/ folder installed as batchrun.kernels, which no path of the checkout gives
@@ -396,16 +397,16 @@ def _chunk_size(value: str) -> int | str:
 
 
 def _kernel_field(item: str) -> tuple[str, object]:
-    """FIELD=VALUE of a KernelConfig field: true / false / auto (None) for the switches, an
-    integer for cuda_graph_max_bs, a name for the others."""
+    """FIELD=VALUE of a KernelConfig (plan) field: true / false / auto (None) for the switches,
+    an integer for cuda_graph_max_bs, a name for the others."""
     name, sep, value = item.partition("=")
     default = {f.name: f.default for f in fields(KernelConfig)}
     if not sep or name not in default:
         raise argparse.ArgumentTypeError(f"FIELD=VALUE with FIELD one of {', '.join(default)}")
     if isinstance(default[name], str):
         return name, value
-    if isinstance(default[name], int) and not isinstance(default[name], bool):
-        return name, int(value)
+    if name == "cuda_graph_max_bs":
+        return name, None if value == "auto" else int(value)
     switch = {"true": True, "false": False, "auto": None}
     if value.lower() not in switch:
         raise argparse.ArgumentTypeError(f"{name} takes true, false or auto; got {value!r}")
@@ -417,9 +418,10 @@ def add_engine_args(
     *,
     max_running: int | None = None,
     kv_budget: int | None = None,
-    cuda_graph_max_bs: int = KernelConfig.cuda_graph_max_bs,
+    cuda_graph_max_bs: int = CUDA_GRAPH_MAX_BS,
 ) -> None:
-    """The options that engine_config turns into an EngineConfig and its KernelConfig."""
+    """The options that engine_config turns into an EngineConfig and kernel_plan into the
+    plan's overrides (a KernelConfig whose fields left auto are the engine's rules')."""
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--max-running", type=int, default=max_running, help="default: the engine's")
@@ -429,13 +431,16 @@ def add_engine_args(
         help="prefill tokens a step (default: the engine's)",
     )  # fmt: skip
     p.add_argument("--page-size", type=int, default=1, help="KV slots allocated together")
-    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    p.add_argument(
+        "--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+        help="the plan's attention field (auto: the engine's rule)",
+    )  # fmt: skip
     p.add_argument("--cuda-graph-max-bs", type=int, default=cuda_graph_max_bs, help="0: no graphs")
     p.add_argument("--quantization", default=None, help="fp8: the bf16 weights quantized at load")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8_e4m3")
     p.add_argument(
         "--kernel", type=_kernel_field, action="append", default=[], metavar="FIELD=VALUE",
-        help="a KernelConfig field (batchrun/config.py), repeatable: decode_norms=fold, pdl=false",
+        help="a plan (KernelConfig) field over the engine's rule, repeatable: moe_decode=grouped",
     )  # fmt: skip
 
 
@@ -443,12 +448,18 @@ def dtype_name(args) -> str:
     return args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
 
 
-def engine_config(args, model_dir: Path, kernels: dict | None = None, **changes) -> EngineConfig:
-    """The EngineConfig of add_engine_args' options for dummy weights in model_dir; `kernels`:
-    KernelConfig fields over the options' (a variant's), `changes`: EngineConfig fields."""
-    kernel_fields = dict(attention=args.attention_backend, cuda_graph_max_bs=args.cuda_graph_max_bs)
+def kernel_plan(args, kernels: dict | None = None) -> KernelConfig:
+    """The plan fields of add_engine_args' options (--attention-backend, --kernel), and
+    `kernels` (a variant's) over them: Engine(config, kernels=kernel_plan(args))."""
+    kernel_fields = dict(attention=args.attention_backend)
     kernel_fields.update(args.kernel)
     kernel_fields.update(kernels or {})
+    return KernelConfig(**kernel_fields)
+
+
+def engine_config(args, model_dir: Path, **changes) -> EngineConfig:
+    """The EngineConfig of add_engine_args' options for dummy weights in model_dir; `changes`:
+    EngineConfig fields over them."""
     config = dict(
         model=str(model_dir),
         load_format="dummy",
@@ -460,7 +471,7 @@ def engine_config(args, model_dir: Path, kernels: dict | None = None, **changes)
         page_size=args.page_size,
         quantization=getattr(args, "quantization", None),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-        kernels=KernelConfig(**kernel_fields),
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
     config.update(changes)
     return EngineConfig(**config)

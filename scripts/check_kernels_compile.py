@@ -56,7 +56,7 @@ def _compile_only(arch: int, ptxas: bool, sass: bool = False) -> None:
     def compile_run(self, *args, grid, warmup, **kwargs):
         if "ROUND" in kwargs:  # fp8_quant: the GPU's conversion, not the interpreter's
             kwargs["ROUND"] = False
-        if "ASM" in kwargs:  # int4_gemv: the GPU's inline PTX (prefetches, nibble pairs)
+        if "ASM" in kwargs:  # decode_attention: the GPU's inline PTX (rotary, float8 words)
             kwargs["ASM"] = True
         if "PDL" in kwargs and arch >= 90:  # the GPU's launch: PDL on sm_90+ (CPU tensors: off)
             kwargs["PDL"] = True
@@ -126,7 +126,7 @@ def _loop_info(cubin: bytes) -> str:
 def cases() -> list[tuple[str, Callable[[], object]]]:
     """(name, call) for each kernel configuration: the llama-8b shapes at decode and prefill
     sizes, each scale mode and each INT4 scheme."""
-    from batchrun.kernels import fp8_block_matmul, fp8_gemv, fp8_quant, int4_gemv, int4_matmul
+    from batchrun.kernels import fp8_gemv, fp8_quant, int4_matmul
 
     from batchrun.quant.int4_layout import pack_int4
     from batchrun.quant.weights import Int4Weight
@@ -151,17 +151,6 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             x, w, torch.rand(48, 32), blocks=True, pdl=True)))  # fmt: skip
         out.append((f"fp8_gemv M={m} blocks swiglu", lambda x=x: fp8_gemv.fp8_gemv(
             x, gate_up, torch.rand(16, 32), blocks=True, swiglu=True, pdl=True)))  # fmt: skip
-    down, sw_down = torch.randn(4096, 14336).to(f8), torch.rand(4096)
-    x = torch.randn(1, 14336, dtype=torch.bfloat16)
-    h, g = torch.randn(1, 4096, dtype=torch.bfloat16), torch.randn(4096, dtype=torch.bfloat16)
-    out.append(("fp8_gemv down + residual + norm", lambda x=x: fp8_gemv.fp8_gemv_residual(
-        x, down, sw_down, h, (g, 1e-5), pdl=True)))  # fmt: skip
-    o, x = torch.randn(4096, 4096).to(f8), torch.randn(1, 4096, dtype=torch.bfloat16)
-    out.append(("fp8_gemv o blocks + residual + norm", lambda x=x: fp8_gemv.fp8_gemv_residual(
-        x, o, torch.rand(32, 32), h, (g, 1e-5), blocks=True, pdl=True)))  # fmt: skip
-    out.append(("fp8_gemv o + residual, M=4", lambda: fp8_gemv.fp8_gemv_residual(
-        torch.randn(4, 4096, dtype=torch.bfloat16), o, torch.rand(4096),
-        torch.randn(4, 4096, dtype=torch.bfloat16), pdl=True)))  # fmt: skip
     for k in (4096, 20000):
         x = torch.randn(3, k, dtype=torch.bfloat16)
         out.append((f"fp8_quant per token K={k}", lambda x=x: fp8_quant.quant_per_token(x)))
@@ -169,10 +158,6 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
     out.append(("fp8_quant given amax", lambda: fp8_quant.quant_per_token(x, torch.rand(4, 1))))
     out.append(("fp8_quant per group", lambda: fp8_quant.quant_per_token_group(x)))
     out.append(("fp8_quant static", lambda: fp8_quant.quant_static(x, torch.tensor(0.1))))
-    for m in (1, 16, 64, 256, 2048):
-        xq, sx = torch.randn(m, 4096).to(f8), torch.rand(32, m).t()
-        out.append((f"fp8_block_matmul M={m}", lambda xq=xq, sx=sx: (
-            fp8_block_matmul.block_fp8_matmul(xq, sx, w, torch.rand(48, 32)))))  # fmt: skip
     int4_matmul.prepare(torch.device("cpu"))
     for group, symmetric, act_order in ((128, False, False), (128, True, True), (32, True, False)):
         packed = pack_int4(_int4_weight(Int4Weight, 6144, 4096, group, symmetric, act_order))
@@ -180,23 +165,6 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             x = torch.randn(m, 4096, dtype=torch.bfloat16)
             name = f"int4_matmul group={group} sym={symmetric} act_order={act_order} M={m}"
             out.append((name, lambda x=x, p=packed: int4_matmul.int4_matmul(x, p)))
-        for m in (1, 16) if not act_order else ():  # act-order: int4_matmul's alone
-            x = torch.randn(m, 4096, dtype=torch.bfloat16)
-            name = f"int4_gemv group={group} sym={symmetric} M={m}"
-            out.append((name, lambda x=x, p=packed: int4_gemv.int4_gemv(x, p, pdl=True)))
-        if not act_order:  # the CUDA-core kernel (one row)
-            x = torch.randn(1, 4096, dtype=torch.bfloat16)
-            fma = int4_gemv.pick_fma_config(6144, 4096)
-            name = f"int4_gemv fma group={group} sym={symmetric}"
-            out.append((name, lambda x=x, p=packed, c=fma: int4_gemv.int4_gemv(x, p, c, pdl=True)))
-    gate_up4 = pack_int4(_int4_weight(Int4Weight, 2 * 1024, 4096, 128, False, False))
-    for m, dtype in ((1, torch.bfloat16), (16, torch.bfloat16), (4, torch.float16)):
-        x = torch.randn(m, 4096, dtype=dtype)
-        out.append((f"int4_gemv swiglu M={m} {dtype}", lambda x=x: int4_gemv.int4_gemv(
-            x, gate_up4, swiglu=True, pdl=True)))  # fmt: skip
-    x, fma = torch.randn(1, 4096, dtype=torch.bfloat16), int4_gemv.pick_fma_config(2048, 4096, 1)
-    out.append(("int4_gemv fma swiglu", lambda x=x, c=fma: int4_gemv.int4_gemv(
-        x, gate_up4, c, swiglu=True, pdl=True)))  # fmt: skip
     out += _mma_gemv_cases(Int4Weight)
     # a row-parallel slice of an act-order weight: the kernel reads each column's group
     sliced = pack_int4(_int4_weight(Int4Weight, 4096, 14336, 128, False, True).narrow_in(0, 7168))
@@ -212,14 +180,6 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             x = torch.randn(m, 4096, dtype=torch.bfloat16)
             out.append((f"int4_matmul mma order group={group} sym={symmetric} M={m}",
                         lambda x=x, w=wm: int4_matmul.int4_matmul(x, w)))  # fmt: skip
-        out.append((f"int4_dequantize mma order group={group}",
-                    lambda w=wm: int4_matmul.int4_dequantize(w, torch.bfloat16)))  # fmt: skip
-    for group, act_order in ((128, False), (32, True)):  # the plain order
-        p = pack_int4(_int4_weight(Int4Weight, 6144, 4096, group, False, act_order))
-        out.append((f"int4_dequantize group={group} act_order={act_order}",
-                    lambda p=p: int4_matmul.int4_dequantize(p, torch.bfloat16)))  # fmt: skip
-    out.append(("int4_dequantize act-order slice",
-                lambda: int4_matmul.int4_dequantize(sliced, torch.bfloat16)))  # fmt: skip
     from batchrun.kernels.fused_norm import rms_norm_heads
 
     for tokens in (1, 300):  # Qwen3's q and k norms (Qwen3-30B-A3B: 32 + 4 heads of 128)
@@ -236,8 +196,7 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
 
 def _mma_gemv_cases(Int4Weight) -> list[tuple[str, Callable[[], object]]]:
     """kernels/int4_gemv_mma.py (Gluon): one and 16 rows, bf16 and fp16, group 128 (two-step
-    chunks), 64 (one step) and one group a row, split-K and not, the SwiGLU epilogue; each also
-    with the next chunk's words prefetched (the candidate)."""
+    chunks), 64 (one step) and one group a row, split-K and not, the SwiGLU epilogue."""
     from batchrun.kernels import int4_gemv_mma
 
     from batchrun.quant.int4_layout import mma_pack, pack_int4
@@ -254,8 +213,6 @@ def _mma_gemv_cases(Int4Weight) -> list[tuple[str, Callable[[], object]]]:
         name = f"int4_gemv_mma {n}x{k} group={group} sym={symmetric} swiglu={swiglu} M={m}"
         out.append((name, lambda x=x, w=w, g=swiglu, s=split: int4_gemv_mma.int4_gemv_mma(
             x, w, swiglu=g, split_k=s)))  # fmt: skip
-        out.append((f"{name} prefetch", lambda x=x, w=w, g=swiglu, s=split: (
-            int4_gemv_mma.int4_gemv_mma(x, w, swiglu=g, split_k=s, prefetch=True))))  # fmt: skip
     return out
 
 

@@ -89,7 +89,8 @@ def main(argv=None) -> int:
         path = benchlib.write_model_dir(
             args.model, Path(tmp), long_context=long, checkpoint_format=args.checkpoint_format
         )
-        engine = Engine(benchlib.engine_config(args, path, max_running=max_running))
+        config = benchlib.engine_config(args, path, max_running=max_running)
+        engine = Engine(config, benchlib.kernel_plan(args))
     print(f"kernels: {engine.kernels.describe()}")
     if args.workload:
         return profile_workload(args, engine)

@@ -1,5 +1,6 @@
 """Attention backends behind one interface (see base.py). Imported lazily by name, so that the
-torch backend runs where Triton or FlashInfer is not installed."""
+torch backend runs where Triton or FlashInfer is not installed. FlashInfer's FA3 prefill
+(fa3_prefill.py) serves the Triton backend's extend rows; it is no backend of its own."""
 
 from __future__ import annotations
 
@@ -18,10 +19,6 @@ def create_backend(kernels: KernelConfig, kv_pool, req_to_token) -> AttentionBac
         from batchrun.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(kv_pool, req_to_token, kernels)
-    if name == "flashinfer":
-        from batchrun.attention.flashinfer_backend import FlashInferAttentionBackend
-
-        return FlashInferAttentionBackend(kv_pool, req_to_token)
     raise ValueError(f"attention backend {name!r} is not resolved; see engine/kernel_choice.py")
 
 

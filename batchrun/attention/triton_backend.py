@@ -14,7 +14,7 @@ each layer's call with its window).
 
 With KernelConfig.extend_attention "fa3" the extend rows (a prefill step's, a mixed step's after
 its decodes) run FlashInfer's FlashAttention-3 paged prefill instead of the extend kernel
-(flashinfer_backend.py's wrappers, planned once a step for those rows); the decode rows and the
+(fa3_prefill.py's wrappers, planned once a step for those rows); the decode rows and the
 CUDA graphs stay on the decode kernel. engine/kernel_choice.py decides where it runs.
 
 CUDA graphs (decode only). The graph runner owns capture and replay; this backend gives it
@@ -54,18 +54,17 @@ from batchrun.kernels.decode_attention import (
 )
 from batchrun.kernels.extend_attention import extend_attention_fwd
 
-# NOTE: W3 on the H200 (batch 1, 8 KV heads: 16 splits) reads llama-8b 1.6-2.3 % and llama-1b
-# 1 % fewer ms per token than with at most 8 splits; up to 32 splits reads no better
+# NOTE: W3 (batch 1, 8 KV heads: 16 splits) reads faster than with at most 8 splits, and 32
+# no faster (docs/benchmarks.md, Kernels: Decode attention)
 MAX_KV_SPLITS = 16
 # NOTE: the decode kernel's own rotary and store (DecodeRope) serve CUDA-graph decode batches up
-# to this size, whose variant compiles at capture, never mid-run: W3 llama-1b reads 0.97-0.98
-# against 0.99 ms per token with the rotary-store kernel apart. Larger batches, eager ones
-# included, keep the two kernels.
+# to this size, whose variant compiles at capture, never mid-run; it pays on W3 against the
+# rotary-store kernel apart (docs/benchmarks.md, Kernels: Decode attention). Larger batches,
+# eager ones included, keep the two kernels.
 DECODE_ROPE_MAX_BS = 16
-# split the KV until the decode grid has this many programs per SM. NOTE: on the H200, 64 x 1024
-# tokens with 8 KV heads (512 programs unsplit) read 3.4 TB/s unsplit, 3.1 in 2 splits and 2.8
-# in 16 (`scripts/bench_attention_kernels.py`): splitting pays only where the grid would leave
-# SMs idle
+# split the KV until the decode grid has this many programs per SM. NOTE: splitting pays only
+# where the grid would leave SMs idle: a grid of 512 programs reads slower in 2 or 16 splits
+# than unsplit (docs/benchmarks.md, Kernels: Decode attention)
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_LEN = 64  # ... but give no split fewer KV tokens than this (eager only)
 
@@ -115,11 +114,11 @@ class TritonAttentionBackend(AttentionBackend):
         # the decode kernel's split counters (each call leaves them zero): as the workspaces
         self._counters = decode_counters(0, self.num_kv_heads, self.device)  # eager, grows
         self._graph_counters: torch.Tensor | None = None  # init_graph_buffers, never replaced
-        self._fa3 = None  # extend_attention "fa3": the FlashInfer backend of the extend rows
+        self._fa3 = None  # extend_attention "fa3": FlashInfer's prefill of the extend rows
         if kernels.extend_attention == "fa3":
-            from batchrun.attention.flashinfer_backend import FlashInferAttentionBackend
+            from batchrun.attention.fa3_prefill import FA3Prefill
 
-            self._fa3 = FlashInferAttentionBackend(kv_pool, req_to_token, prefill_kernels="fa3")
+            self._fa3 = FA3Prefill(kv_pool, req_to_token)
 
     # ---- eager steps -------------------------------------------------------------------------
 

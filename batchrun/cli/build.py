@@ -4,14 +4,13 @@ defaults, the row spec and the structured-output default. Each refuses a bad opt
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import click
 from click.core import ParameterSource
 
-from batchrun.config import GPU_MEMORY_UTILIZATION, EngineConfig, KernelConfig
+from batchrun.config import CUDA_GRAPH_MAX_BS, GPU_MEMORY_UTILIZATION, EngineConfig
 from batchrun.io.row_structured import structured_from_options
 from batchrun.io.rows import RowSpec
 from batchrun.job.config import SAMPLING_OPTIONS
@@ -80,6 +79,7 @@ def _chunk(value: int | None) -> int | str | None:
 
 
 def build_engine_config(o: dict) -> EngineConfig:
+    graphs = 0 if o["disable_cuda_graph"] else o.get("cuda_graph_max_bs", CUDA_GRAPH_MAX_BS)
     cfg = EngineConfig(
         model=o["model"],
         load_format=o["load_format"],
@@ -93,18 +93,12 @@ def build_engine_config(o: dict) -> EngineConfig:
         chunked_prefill_size=_chunk(o["chunked_prefill_size"]),
         context_len=o.get("max_model_len"),
         enable_radix_cache=not o["no_radix_cache"],
-        kernels=KernelConfig(
-            attention=o["attention_backend"],
-            extend_attention=o.get("extend_attention", "auto"),
-            decode_gemv=o["decode_gemv"],
-            fp8_matmul=o.get("fp8_matmul", "auto"),
-            int4_matmul=o.get("int4_matmul", "auto"),
-            moe=o.get("moe_kernel", "auto"),
-            pdl=False if o["disable_pdl"] else None,
-            cuda_graph_max_bs=0 if o["disable_cuda_graph"] else KernelConfig.cuda_graph_max_bs,
-            piecewise_graphs=False if o["disable_piecewise_cuda_graph"] else None,
-            host_gate=False if o["disable_host_gate"] else None,
-        ),
+        reference_kernels=o.get("reference_kernels", False),
+        dequantize=o.get("dequantize", False),
+        pdl=not o["disable_pdl"],
+        cuda_graph_max_bs=graphs,
+        piecewise_graphs=not o["disable_piecewise_cuda_graph"],
+        host_gate=not o["disable_host_gate"],
         overlap=False if o["disable_overlap"] else None,
         seed=o["seed"],
         tp_size=o["tp"],
@@ -120,46 +114,7 @@ def build_engine_config(o: dict) -> EngineConfig:
             raise click.UsageError("--device cuda: CUDA is not available here; use --device cpu")
     _check_gpu_memory_utilization(o)
     check_quantization(o)
-    attention = cfg.kernels.attention
-    if attention in ("triton", "flashinfer"):
-        import torch
-
-        if o["device"] == "cpu" or not torch.cuda.is_available():
-            raise click.UsageError(
-                f"--attention-backend {attention} needs a CUDA device; "
-                "use --attention-backend torch (or auto) on the CPU"
-            )
-        if attention == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
-            raise click.UsageError(
-                "--attention-backend flashinfer: the flashinfer package is not installed "
-                "(pip install flashinfer-python); or use triton (or auto)"
-            )
-    _check_extend_attention(cfg, o["device"])
     return cfg
-
-
-def _check_extend_attention(cfg, device: str) -> None:
-    """--extend-attention fa3 runs the triton backend's extend rows on FlashInfer, on CUDA; the
-    GPU's and the model's side (sm_90, head dim, KV dtype) is checked where the engine starts."""
-    kernels = cfg.kernels
-    if kernels.extend_attention != "fa3":
-        return
-    if kernels.attention not in ("auto", "triton"):
-        raise click.UsageError(
-            f"--extend-attention fa3 runs the triton attention backend's extend rows, and "
-            f"--attention-backend is {kernels.attention}; use triton or auto"
-        )
-    import torch
-
-    if device == "cpu" or not torch.cuda.is_available():
-        raise click.UsageError(
-            "--extend-attention fa3 needs a CUDA device (an H100 or H200); use triton or auto"
-        )
-    if importlib.util.find_spec("flashinfer") is None:
-        raise click.UsageError(
-            "--extend-attention fa3: the flashinfer package is not installed "
-            "(pip install flashinfer-python); or use triton (or auto)"
-        )
 
 
 def _given(name: str) -> bool:

@@ -13,17 +13,12 @@ import click
 from batchrun.chat.parsers import REASONING_CHOICES, TOOL_CHOICES
 from batchrun.cli.sections import option_group
 from batchrun.config import (
-    ATTENTION_BACKENDS,
-    DECODE_GEMVS,
+    CUDA_GRAPH_MAX_BS,
     DEVICES,
     DTYPES,
-    EXTEND_ATTENTIONS,
-    FP8_MATMULS,
     GPU_MEMORY_UTILIZATION,
-    INT4_MATMULS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
-    MOE_BACKENDS,
     QUANTIZATIONS,
 )
 from batchrun.engine_process.notify import DEFAULT_MAX_DELAY, DEFAULT_NOTIFY_BATCH
@@ -320,46 +315,15 @@ model_options = option_group(
 kernel_options = option_group(
     KERNELS,
     click.option(
-        "--attention-backend",
-        type=click.Choice(ATTENTION_BACKENDS),
-        default="auto",
-        help="torch (any device), triton, or flashinfer (if installed); auto: triton on CUDA.",
+        "--reference-kernels",
+        is_flag=True,
+        help="Plain PyTorch everywhere (the CPU's path): the reference for the fast kernels.",
     ),
     click.option(
-        "--extend-attention",
-        type=click.Choice(EXTEND_ATTENTIONS),
-        default="auto",
-        help="Triton backend's prefill attention: its kernel or FlashInfer's FA3; auto: fa3 on "
-        "sm_90 where it runs.",
-    ),
-    click.option(
-        "--decode-gemv",
-        type=click.Choice(DECODE_GEMVS),
-        default="auto",
-        help="Decode matmuls up to 16 rows (FP8 too); auto: triton on sm_90+ for bf16 models, "
-        "else cublas.",
-    ),
-    click.option(
-        "--fp8-matmul",
-        type=click.Choice(FP8_MATMULS),
-        default="auto",
-        help="FP8 linears: FP8 tensor cores (torch._scaled_mm; Triton for 128x128 blocks), or "
-        "weights dequantized; auto: scaled_mm on sm_89+ (blocks: dequant where bf16 fits in "
-        "half the GPU).",
-    ),
-    click.option(
-        "--int4-matmul",
-        type=click.Choice(INT4_MATMULS),
-        default="auto",
-        help="INT4 linears: Triton W4A16 kernels, dequantized, or dequantized plus packed for "
-        "batches of up to 16 rows; auto: dequant-gemv where both fit half the GPU, else triton.",
-    ),
-    click.option(
-        "--moe-kernel",
-        type=click.Choice(MOE_BACKENDS),
-        default="auto",
-        help="A mixture of experts' experts: the fused Triton MoE, or a per-expert torch loop; "
-        "auto: triton on CUDA.",
+        "--dequantize",
+        is_flag=True,
+        help="Dequantize a quantized checkpoint's weights at load (default: kept quantized "
+        "where a kernel runs them faster).",
     ),
     click.option(
         "--kv-cache-dtype",
@@ -367,6 +331,14 @@ kernel_options = option_group(
         default="auto",
         help="KV cache elements; fp8_e4m3: one byte, the checkpoint's k/v scales (else 1.0); "
         "auto: --dtype.",
+    ),
+    click.option(
+        "--cuda-graph-max-bs",
+        type=click.IntRange(min=0),
+        default=CUDA_GRAPH_MAX_BS,
+        show_default=True,
+        metavar="N",
+        help="Decode batches up to N rows replay CUDA graphs.",
     ),
     click.option("--disable-cuda-graph", is_flag=True, help="Run every step eagerly."),
     click.option(

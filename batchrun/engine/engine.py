@@ -109,7 +109,9 @@ def derive_seed(base: int, rid: str, index: int = 0) -> int:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kernels: KernelConfig | None = None):
+        """kernels: plan fields set by a benchmark or a test (engine/kernel_choice.py checks
+        them); None: the plan is the rules' alone."""
         config.validate()
         self.model_dir = self._resolve_model_dir(config)
         # the checkpoint's quantization, or --quantization's
@@ -121,11 +123,10 @@ class Engine:
         # overlap needs an asynchronous device; on the CPU every op is synchronous anyway
         overlap = config.overlap if config.overlap is not None else device.type == "cuda"
         config = replace(config, overlap=overlap)
-        config = replace(config, kernels=resolve_kernels(config, self.model_config, device))
+        plan = resolve_kernels(config, self.model_config, device, kernels)
         self.context_len = served_context_len(config.context_len, self.model_config)
-        self.runner = ModelRunner(config, self.model_config, self.model_dir, self.context_len)
-        # the kernels as the model made them (KernelConfig.decode_norms may step down)
-        self.config = config = replace(config, kernels=self.runner.kernels)
+        self.runner = ModelRunner(config, plan, self.model_config, self.model_dir, self.context_len)
+        self.config = config
         self.device = self.runner.device
         allocator = TokenAllocator(self.runner.num_slots, config.page_size)
         cache = RadixCache(allocator, config.page_size, disable=not config.enable_radix_cache)
@@ -151,12 +152,13 @@ class Engine:
         self.overlap = overlap
         # with overlap on CUDA, a grammar step's sampling is enqueued at once behind a gate
         # (host_gate.py) that its fill job opens; else it is sampled in line (_sample_constrained)
-        self.gate = HostGate.create(self.device) if config.kernels.host_gate else None
+        self.gate = HostGate.create(self.device) if self.kernels.host_gate else None
 
     @property
     def kernels(self) -> KernelConfig:
-        """The kernel config this engine runs (resolved)."""
-        return self.config.kernels
+        """The kernel plan this engine runs, as the model made it (decode_norms may step
+        down)."""
+        return self.runner.kernels
 
     @staticmethod
     def _resolve_model_dir(config: EngineConfig) -> Path:

@@ -1,32 +1,51 @@
-"""The kernel config an engine runs, resolved once at start-up (batchrun/config.py's KernelConfig
-says what each field is).
+"""The kernel plan an engine runs (batchrun/config.py's KernelConfig says what each field is),
+resolved once at start-up from the user's choices (EngineConfig), the device, the torch build
+and the model, by one rule a family:
 
-    requested = config.kernels                 # "auto" / None where the user left the choice
-    kernels = resolve_kernels(config, model_cfg, device)   # every field concrete
+    plan = resolve_kernels(config, model_cfg, device)            # every field concrete
+    plan = resolve_kernels(config, model_cfg, device, KernelConfig(moe_decode="grouped"))
+                                                                 # a benchmark's override
 
-Auto fields follow the device, what is installed, the GPU's capability and the model's shape;
-a field set by hand is kept, or refused with a message when it cannot run here. Nothing here is
-read again on the step path: every block is built with the resolved config.
+    attention_rule   attention, extend_attention
+    dense_rule       triton_ops, pdl, decode_gemv
+    fp8_rule         fp8_matmul, fp8_fast_accum
+    int4_rule        int4_matmul
+    moe_rule         moe, moe_decode, moe_prefill
+    graph_rule       cuda_graph_max_bs, piecewise_graphs, host_gate
+    (decode_norms: its rule in resolve_kernels)
+
+A field the override sets is kept, or refused with a message when it cannot run here. Nothing
+here is read again on the step path: every block is built with the plan.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 
-from batchrun.attention.flashinfer_backend import (
-    PROBE_TOKENS,
-    fa3_run_error,
-    fa3_unavailable_reason,
-    unavailable_reason,
+from batchrun.attention import fa3_cache
+from batchrun.config import EngineConfig, KernelConfig, is_large
+from batchrun.engine.device_support import (
+    _check_kernels_import,
+    has_triton,
+    supports_block_scaled_mm,
+    supports_fp8_matmul,
+    supports_grouped_mm,
+    supports_int4_gemv_mma,
+    supports_pdl,
 )
-from batchrun.config import EngineConfig, KernelConfig, decoder_params, is_large
 from batchrun.engine.host_gate import HostGate
+from batchrun.engine.weight_memory import (
+    DEQUANT_MAX_MEMORY,
+    EXPERTS_MAX_MEMORY,
+    INT4_COPY,
+    bf16_weight_bytes,
+    experts_too_large,
+    mxfp4_experts,
+)
 from batchrun.layers.moe import experts_take_norms
 from batchrun.models.moe_weights import has_quantized_experts
 
@@ -41,146 +60,276 @@ log = logging.getLogger(__name__)
 NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN = 2048
 
 
-def has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def _check_kernels_import(module: str = "batchrun.kernels.gemv") -> None:
-    """batchrun's Triton kernels import (an install without them fails here, not mid-start)."""
-    try:
-        importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(
-            f"batchrun's Triton kernels (batchrun.kernels) do not import ({e}); install batchrun "
-            "(pip install ., or pip install -e . in a checkout) so that they are part of it"
-        ) from e
-
-
-def supports_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: sm_90 (Hopper) and later; older GPUs reject the launch
-    attribute."""
-    if device.type != "cuda":
-        return False
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def supports_fp8_matmul(device: torch.device) -> bool:
-    """torch._scaled_mm's FP8 tensor cores: sm_89 (Ada) and later."""
-    if device.type != "cuda":
-        return False
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return torch.cuda.get_device_capability(index) >= (8, 9)
-
-
-def supports_block_scaled_mm(device: torch.device) -> bool:
-    """torch's scaled_mm with DeepSeek-style block scales (BlockWise1x128 activations,
-    BlockWise128x128 weights): cuBLASLt's, on sm_90 with a torch built with CUDA 12.9+."""
-    if device.type != "cuda" or not hasattr(torch.nn.functional, "ScalingType"):
-        return False
-    if tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]) < (12, 9):
-        return False
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
-def supports_grouped_mm(device: torch.device) -> bool:
-    """torch._grouped_mm on CUTLASS's grouped GEMM (bf16, no host sync): sm_90."""
-    if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
-        return False
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
-def supports_int4_gemv_mma(device: torch.device) -> bool:
-    """kernels/int4_gemv_mma.py: Triton with Gluon (it imports) and bf16 MMAs (sm_80+)."""
-    if device.type != "cuda":
-        return False
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if torch.cuda.get_device_capability(index) < (8, 0):
-        return False
-    try:
-        importlib.import_module("batchrun.kernels.int4_gemv_mma")
-    except ImportError:
-        return False
-    return True
-
-
-# a quantized model's weights are dequantized to bf16 at load where that takes at most this
-# fraction of the GPU's memory (the rest: the KV pool and activations)
-DEQUANT_MAX_MEMORY = 0.5
-# int4_matmul "dequant-gemv" keeps the packed INT4 weight beside the bf16 one: a quarter of its
-# bytes and the group scales and zeros (1/64 at group 128)
-INT4_COPY = 0.27
-# a quantized mixture of experts has no kernel for its experts: they run dequantized to bf16
-# wherever the decoder's bf16 weights take at most this fraction of the GPU (gpt-oss-120b's
-# 116 GB a rank at --tp 2 on an H200's 141 GiB leave about 20 GB to the KV pool)
-EXPERTS_MAX_MEMORY = 0.85
-
-
 def gpu_memory(device: torch.device) -> int:
     """The GPU's memory in bytes."""
     return torch.cuda.get_device_properties(device).total_memory
 
 
-def bf16_weight_bytes(model_cfg, tp_size: int) -> int:
-    """The bytes of one rank's decoder weights in bf16."""
-    return 2 * decoder_params(model_cfg) // tp_size
+def dequant_fits(config: EngineConfig, model_cfg, device, factor: float = 1.0) -> bool:
+    """Whether the decoder's bf16 weights (times `factor`) take at most DEQUANT_MAX_MEMORY of
+    the GPU (the CPU: always)."""
+    if device.type != "cuda":
+        return True
+    need = bf16_weight_bytes(model_cfg, config.tp_size) * factor
+    return need <= DEQUANT_MAX_MEMORY * gpu_memory(device)
 
 
-def mxfp4_experts(model_cfg) -> bool:
-    """Whether the checkpoint's experts are gpt-oss's MXFP4 (dequantized at load)."""
-    return model_cfg.moe is not None and model_cfg.moe.mxfp4
+BLOCK_SCALED_MM = (
+    "runs 128 x 128 block-FP8 weights on cuBLASLt's block-scaled matmul, which needs an sm_90 GPU "
+    "(H100, H200) and a torch built with CUDA 12.9 or later (torch.nn.functional.scaled_mm's "
+    "block scales)"
+)
 
 
-def experts_too_large(model_cfg, tp_size: int, memory: int) -> str:
-    """The refusal of a quantized mixture of experts whose dequantized weights do not fit."""
-    need, share = bf16_weight_bytes(model_cfg, tp_size), EXPERTS_MAX_MEMORY * memory
-    scheme = (
-        "quantization_config mxfp4 (gpt-oss's experts)"
-        if mxfp4_experts(model_cfg)
-        else model_cfg.quantization.describe()
-    )
-    fits = next((tp for tp in (2, 4, 8, 16) if bf16_weight_bytes(model_cfg, tp) <= share), None)
-    larger = (
-        f"--tp {fits} ({bf16_weight_bytes(model_cfg, fits) / 1e9:.1f} GB a rank) fits"
-        if fits is not None and fits > tp_size
-        else "no --tp up to 16 fits"
-    )
+def block_fp8_too_large(config: EngineConfig, model_cfg, device) -> str:
+    """The refusal of a block-FP8 model where cuBLASLt's block matmul is missing and its
+    dequantized weights do not fit."""
+    need = bf16_weight_bytes(model_cfg, config.tp_size)
+    share = DEQUANT_MAX_MEMORY * gpu_memory(device)
     return (
-        f"{scheme}: a quantized mixture of experts runs its experts "
-        f"dequantized to bf16, and the decoder's bf16 weights take {need / 1e9:.1f} GB a rank at "
-        f"--tp {tp_size}, more than {EXPERTS_MAX_MEMORY:.0%} of this GPU's {memory / 1e9:.1f} GB "
-        f"({share / 1e9:.1f} GB); {larger}"
+        f"{model_cfg.quantization.describe()}: batchrun {BLOCK_SCALED_MM}, and is missing "
+        f"here; dequantized, the decoder's bf16 weights take {need / 1e9:.1f} GB a rank at --tp "
+        f"{config.tp_size}, more than {DEQUANT_MAX_MEMORY:.0%} of this GPU's memory "
+        f"({share / 1e9:.1f} GB); run it on an H100 / H200 with such a torch, or at a larger --tp"
     )
 
 
-def _fa3_run_reason(config: EngineConfig, model_cfg, device: torch.device) -> str | None:
-    """Why FlashInfer's FA3 prefill, available by fa3_unavailable_reason, still cannot run the
-    model's attention: its one-batch start-up run (fa3_run_error, which builds the kernels on
-    a machine's first run) failed. None: it ran."""
-    dtype = torch.float16 if config.dtype == "float16" else torch.bfloat16  # "auto": bf16 (sm_90)
+def fa3_extend_reason(config: EngineConfig, model_cfg, device: torch.device) -> str | None:
+    """Why the extend rows do not run on FlashInfer's FA3 prefill here (None: they do). The rule:
+    FA3 where it runs the model (fa3_cache.unavailable_reason) and its kernels are built already
+    (flashinfer-jit-cache, or flashinfer's JIT cache from an earlier run), and its one-batch
+    start-up run passes; where they are not built and nvcc is here, a detached process builds
+    them for the next run (rank 0 only), and this run keeps the Triton extend kernel: no compiler
+    on the start-up path (docs/benchmarks.md, Start-up)."""
+    sinks = getattr(model_cfg, "attention_sinks", False)
+    fp8_kv = config.kv_cache_dtype == "fp8_e4m3"
+    reason = fa3_cache.unavailable_reason(device, model_cfg.head_dim, config.dtype, fp8_kv, sinks)
+    if reason is not None:
+        return reason
+    dtype = fa3_cache.torch_dtype(config.dtype)
+    windows = model_cfg.sliding_windows or (0,)
+    try:
+        missing = fa3_cache.missing_modules(model_cfg.head_dim, dtype, windows)
+    except (ImportError, AttributeError) as e:  # a flashinfer without 0.6's JIT layout
+        return f"this flashinfer does not say where its JIT modules are ({e})"
+    if missing:
+        if fa3_cache.find_nvcc() is None:
+            return (
+                f"its kernels ({', '.join(missing)}) are not built here, and no nvcc is here to "
+                "build them (install flashinfer-jit-cache for this flashinfer and CUDA)"
+            )
+        if config.tp_rank == 0:
+            log_path = fa3_cache.start_build(model_cfg.head_dim, dtype, windows)
+            return (
+                "its kernels are not built here yet; a background process builds them for the "
+                f"next run on this machine (log: {log_path})"
+            )
+        return "its kernels are not built here yet (rank 0 builds them)"
     tp = config.tp_size
     heads, kv_heads = model_cfg.num_heads // tp, max(1, model_cfg.num_kv_heads // tp)
-    windows = model_cfg.sliding_windows or (0,)
-    log.info(
-        "running FlashInfer's FA3 prefill once (a machine's first run builds its kernels with "
-        "nvcc: about 80 s on an H100, cached under ~/.cache/flashinfer; flashinfer-jit-cache "
-        "ships them built)"
-    )
     start = time.monotonic()
-    error = fa3_run_error(device, heads, kv_heads, model_cfg.head_dim, dtype, windows)
-    if error is None:
-        log.info("FlashInfer's FA3 prefill ran in %.1f s", time.monotonic() - start)
-        return None
-    return f"FlashInfer's FA3 prefill failed on a {PROBE_TOKENS}-token batch ({error})"
+    error = fa3_cache.probe_error(device, heads, kv_heads, model_cfg.head_dim, dtype, windows)
+    if error is not None:
+        tokens = fa3_cache.PROBE_TOKENS
+        return f"FlashInfer's FA3 prefill failed on a {tokens}-token batch ({error})"
+    log.info("FlashInfer's FA3 prefill ran its start-up batch in %.1f s", time.monotonic() - start)
+    return None
 
 
-def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> KernelConfig:
-    """config.kernels with every auto field decided for `device` and the model. `config` has
-    its sizes resolved (chunked_prefill_size) and its overlap decided."""
-    want = config.kernels
+def attention_rule(config: EngineConfig, model_cfg, device, want: KernelConfig, triton: bool):
+    """(attention, extend_attention): the Triton kernels on CUDA where Triton imports, else
+    torch; the extend rows on FA3 where fa3_extend_reason finds nothing against it."""
+    cuda = device.type == "cuda"
+    attention = want.attention
+    if attention == "auto":
+        attention = "triton" if cuda and triton else "torch"
+    elif attention == "triton" and not triton:
+        raise ValueError("attention backend 'triton' needs the triton package; use torch or auto")
+    extend_attention = want.extend_attention
+    if extend_attention == "auto":
+        extend_attention = "triton"
+        if attention == "triton":
+            reason = fa3_extend_reason(config, model_cfg, device)
+            if reason is None:
+                extend_attention = "fa3"
+            else:
+                log.info("the extend rows run on the Triton kernel, not FA3: %s", reason)
+    elif extend_attention == "fa3":
+        if attention != "triton":
+            raise ValueError(
+                f"extend_attention 'fa3' runs attention 'triton''s extend rows, and the attention "
+                f"backend is {attention!r}; use extend_attention 'triton' or 'auto'"
+            )
+        reason = fa3_extend_reason(config, model_cfg, device)
+        if reason is not None:
+            raise ValueError(f"extend_attention 'fa3' cannot run here: {reason}")
+    return attention, extend_attention
+
+
+def dense_rule(config: EngineConfig, device, want: KernelConfig, triton: bool):
+    """(triton_ops, pdl, decode_gemv): the small Triton kernels on CUDA where Triton imports;
+    PDL on sm_90+ unless the user turned it off; the decode matmuls on kernels/gemv.py only with
+    PDL (docs/benchmarks.md, Kernels: Decode GEMV)."""
+    cuda = device.type == "cuda"
+    triton_ops = want.triton_ops
+    if triton_ops is None:
+        triton_ops = cuda and triton
+    elif triton_ops and not triton:
+        raise ValueError("triton_ops needs the triton package")
+    pdl = want.pdl
+    if pdl is None:
+        pdl = config.pdl and triton_ops and supports_pdl(device)
+    elif pdl and not (triton_ops and supports_pdl(device)):
+        raise ValueError("pdl needs the Triton kernels on an sm_90+ GPU (H100, H200 or later)")
+    decode_gemv = want.decode_gemv
+    if decode_gemv == "auto":
+        decode_gemv = "triton" if pdl else "cublas"
+    elif decode_gemv == "triton" and not triton:
+        raise ValueError("decode_gemv 'triton' needs the triton package")
+    return triton_ops, pdl, decode_gemv
+
+
+def fp8_rule(config: EngineConfig, model_cfg, device, want: KernelConfig):
+    """(fp8_matmul, fp8_fast_accum): FP8 weights kept on the FP8 tensor cores (sm_89+) unless
+    the user dequantizes; 128 x 128 blocks only on cuBLASLt's block-scaled matmul (a torch
+    built with CUDA 12.9+ on sm_90), dequantized where it is missing and the bf16 weights fit
+    DEQUANT_MAX_MEMORY, else refused; fast accumulation on (docs/benchmarks.md, Quantized
+    models)."""
+    cuda = device.type == "cuda"
+    blocks = model_cfg.quantization is not None and model_cfg.quantization.block is not None
+    fp8_matmul = want.fp8_matmul
+    if fp8_matmul == "auto":
+        keep = cuda and supports_fp8_matmul(device) and not config.dequantize
+        fp8_matmul = "scaled_mm" if keep else "dequant"
+        if keep and blocks and not supports_block_scaled_mm(device):
+            if not dequant_fits(config, model_cfg, device):
+                raise ValueError(block_fp8_too_large(config, model_cfg, device))
+            fp8_matmul = "dequant"
+    elif fp8_matmul == "scaled_mm":
+        if not supports_fp8_matmul(device):
+            raise ValueError(
+                "fp8_matmul 'scaled_mm' needs the FP8 tensor cores of an sm_89+ GPU (L40, H100, "
+                "H200 or later); use 'dequant' or 'auto'"
+            )
+        if blocks and not supports_block_scaled_mm(device):
+            raise ValueError(f"fp8_matmul 'scaled_mm' {BLOCK_SCALED_MM}; use 'dequant' or 'auto'")
+    fast_accum = True if want.fp8_fast_accum is None else want.fp8_fast_accum
+    return fp8_matmul, fast_accum
+
+
+def int4_rule(config: EngineConfig, model_cfg, device, want: KernelConfig, triton: bool) -> str:
+    """int4_matmul: an INT4 model whose bf16 weights and packed copy fit DEQUANT_MAX_MEMORY
+    decodes its batches of up to 16 rows on the packed weight (kernels/int4_gemv_mma.py) and
+    the rest on the bf16 one ("dequant-gemv"); one whose bf16 weights do not fit runs the packed
+    weights ("triton"); elsewhere, or where the user dequantizes, "dequant" (docs/benchmarks.md,
+    Quantized models)."""
+    cuda = device.type == "cuda"
+    int4_matmul = want.int4_matmul
+    gemv_mma = cuda and triton and supports_int4_gemv_mma(device)
+    int4_model = model_cfg.quantization is not None and model_cfg.quantization.family == "int4"
+    if int4_matmul == "auto":
+        int4_matmul = "dequant"
+        if config.dequantize:
+            pass
+        elif cuda and triton and not dequant_fits(config, model_cfg, device):
+            int4_matmul = "triton"
+        elif int4_model and gemv_mma and dequant_fits(config, model_cfg, device, 1 + INT4_COPY):
+            int4_matmul = "dequant-gemv"
+    elif int4_matmul == "triton" and not triton:
+        raise ValueError(
+            "int4_matmul 'triton' (kernels/int4_matmul.py) needs the triton package; use "
+            "'dequant' or 'auto'"
+        )
+    elif int4_matmul == "dequant-gemv" and not gemv_mma:
+        raise ValueError(
+            "int4_matmul 'dequant-gemv' (kernels/int4_gemv_mma.py) needs an sm_80+ GPU and "
+            "Triton with Gluon (triton.experimental.gluon, 3.5 or later); use 'dequant' or "
+            "'auto'"
+        )
+    return int4_matmul
+
+
+def moe_rule(config: EngineConfig, device, want: KernelConfig, triton: bool):
+    """(moe, moe_decode, moe_prefill): the fused Triton experts on CUDA where Triton imports;
+    their decode batches on kernels/moe_gemv.py's GEMVs; their large batches on
+    torch._grouped_mm for bf16 on sm_90 (kernels/moe_grouped_mm.py's `takes_grouped_mm` keeps
+    the shapes it loses on the Triton GEMMs; docs/benchmarks.md, Other architectures: MoE)."""
+    cuda = device.type == "cuda"
+    moe = want.moe
+    if moe == "auto":
+        moe = "triton" if cuda and triton else "torch"
+    elif moe == "triton" and not triton:
+        raise ValueError(
+            "moe 'triton' (kernels/fused_moe.py) needs the triton package; use 'torch' or 'auto'"
+        )
+    moe_decode = want.moe_decode
+    if moe_decode == "auto":
+        moe_decode = "gemv" if moe == "triton" else "grouped"
+    elif moe_decode == "gemv" and moe != "triton":
+        raise ValueError(
+            "moe_decode 'gemv' (kernels/moe_gemv.py) runs the fused experts' decode batches: it "
+            "needs moe 'triton'; use 'grouped' or 'auto'"
+        )
+    moe_prefill = want.moe_prefill
+    grouped_mm = supports_grouped_mm(device) and config.dtype in ("auto", "bfloat16")
+    if moe_prefill == "auto":
+        moe_prefill = "grouped_mm" if moe == "triton" and grouped_mm else "triton"
+    elif moe_prefill == "grouped_mm" and (moe != "triton" or (cuda and not grouped_mm)):
+        raise ValueError(
+            "moe_prefill 'grouped_mm' (kernels/moe_grouped_mm.py) runs with moe 'triton' and, on "
+            "CUDA, bf16 on an sm_90 GPU (CUTLASS's grouped GEMM behind torch._grouped_mm); use "
+            "'triton' or 'auto'"
+        )
+    return moe, moe_decode, moe_prefill
+
+
+def graph_rule(config: EngineConfig, model_cfg, device, want: KernelConfig):
+    """(cuda_graph_max_bs, piecewise_graphs, host_gate): decode graphs up to the user's batch
+    on CUDA; piecewise graphs where the host is the bottleneck, a small model's mixed steps (a
+    large one's GPU time hides their launches, and the padding to a captured size costs; a
+    mixture of experts' padded rows each run top_k experts) and the user left them on; the host
+    gate where overlap runs and the driver has stream memory operations."""
+    cuda = device.type == "cuda"
+    graphs = config.cuda_graph_max_bs if want.cuda_graph_max_bs is None else want.cuda_graph_max_bs
+    graphs = graphs if cuda else 0
+    piecewise = want.piecewise_graphs
+    runs_piecewise = cuda and isinstance(config.chunked_prefill_size, int)
+    if piecewise and not runs_piecewise:
+        raise ValueError(
+            "piecewise CUDA graphs need CUDA and a chunked prefill size (a step's tokens bounded)"
+        )
+    if not runs_piecewise:
+        piecewise = False
+    elif piecewise is None:
+        small = not is_large(model_cfg) and model_cfg.moe is None
+        piecewise = config.piecewise_graphs and graphs > 0 and small
+    host_gate = want.host_gate
+    available = cuda and bool(config.overlap) and HostGate.available()
+    if host_gate is None:
+        host_gate = config.host_gate and available
+    elif host_gate and not available:
+        raise ValueError(
+            "host_gate needs CUDA, overlap and a driver with stream memory operations "
+            "(cuStreamWaitValue32)"
+        )
+    return graphs, piecewise, host_gate
+
+
+def resolve_kernels(
+    config: EngineConfig, model_cfg, device: torch.device, want: KernelConfig | None = None
+) -> KernelConfig:
+    """The plan for `device` and the model: `want`'s fields where set (checked), the rules'
+    elsewhere. `config` has its sizes resolved (chunked_prefill_size) and its overlap decided;
+    with config.reference_kernels every field `want` leaves is the reference's."""
+    want = want or KernelConfig()
     want.validate()
+    if config.reference_kernels:
+        chosen = {f.name: getattr(want, f.name) for f in fields(want)}
+        reference = KernelConfig.reference()
+        want = replace(want, **{
+            name: getattr(reference, name) for name, value in chosen.items()
+            if value in ("auto", None)
+        })  # fmt: skip
     cuda = device.type == "cuda"
     if config.kv_cache_dtype == "fp8_e4m3" and cuda and not supports_fp8_matmul(device):
         raise ValueError(
@@ -194,175 +343,17 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     fp8_model = quantized and (
         model_cfg.quantization.family == "fp8" if model_cfg.quantization else True
     )
+    if cuda and (has_quantized_experts(model_cfg) or mxfp4_experts(model_cfg)):
+        memory = gpu_memory(device)
+        if bf16_weight_bytes(model_cfg, config.tp_size) > EXPERTS_MAX_MEMORY * memory:
+            raise ValueError(experts_too_large(model_cfg, config.tp_size, memory))
 
-    attention = want.attention
-    sinks = getattr(model_cfg, "attention_sinks", False)
-    if sinks and attention == "flashinfer":
-        raise ValueError(
-            f"attention backend 'flashinfer' runs no attention sinks, which this model "
-            f"({model_cfg.architecture}) has; use triton, torch or auto"
-        )
-    if attention == "auto":
-        attention = "triton" if cuda and triton else "torch"
-    elif attention == "triton" and not triton:
-        raise ValueError("attention backend 'triton' needs the triton package; use torch or auto")
-    elif attention == "flashinfer":
-        reason = unavailable_reason(device)
-        if reason is not None:
-            raise ValueError(f"attention backend 'flashinfer' cannot run here: {reason}")
-
-    extend_attention = want.extend_attention
-    fa3_reason = "attention is not 'triton'"
-    if attention == "triton" and extend_attention != "triton":
-        fp8_kv = config.kv_cache_dtype == "fp8_e4m3"
-        fa3_reason = fa3_unavailable_reason(device, model_cfg.head_dim, config.dtype, fp8_kv, sinks)
-    if extend_attention == "auto":
-        # FlashInfer's FA3 prefill reads a 16,384-token prefill at 546 TFLOP/s and 4,096 tokens
-        # over a 126,976-token prefix at 554, where kernels/extend_attention.py reads 381 and
-        # 371 (H100: `scripts/bench_attention_kernels.py --extend-cases
-        # 1x16384,1x131072,1x4096+126976`); W5 on llama-8b runs 1.085x the Triton kernel's
-        # total tok/s (H100: `scripts/bench_throughput.py --models llama-8b --workloads W5
-        # --scale 0.125 --variants batchrun,extend-triton`)
-        if fa3_reason is None:
-            fa3_reason = _fa3_run_reason(config, model_cfg, device)
-            if fa3_reason is not None:
-                log.warning("the extend rows run on the Triton kernel: %s", fa3_reason)
-        extend_attention = "triton" if fa3_reason else "fa3"
-    elif extend_attention == "fa3":
-        if attention != "triton":
-            raise ValueError(
-                f"extend_attention 'fa3' runs attention 'triton''s extend rows, and the attention "
-                f"backend is {attention!r}; use extend_attention 'triton' or 'auto'"
-            )
-        if fa3_reason is None:
-            fa3_reason = _fa3_run_reason(config, model_cfg, device)
-        if fa3_reason is not None:
-            raise ValueError(f"extend_attention 'fa3' cannot run here: {fa3_reason}")
-
-    triton_ops = want.triton_ops
-    if triton_ops is None:
-        triton_ops = cuda and triton
-    elif triton_ops and not triton:
-        raise ValueError("triton_ops needs the triton package")
-
-    pdl = want.pdl
-    if pdl is None:
-        pdl = triton_ops and supports_pdl(device)
-    elif pdl and not (triton_ops and supports_pdl(device)):
-        raise ValueError("pdl needs the Triton kernels on an sm_90+ GPU (H100, H200 or later)")
-
-    decode_gemv = want.decode_gemv
-    if decode_gemv == "auto":
-        # NOTE: the Triton matmuls pay only with PDL: without it they read W3 llama-1b 1.28 ms
-        # per token against cuBLAS's 1.16 on the H200. A per-channel FP8 model's decode batches
-        # run on kernels/fp8_gemv.py: llama-8b W3 3.05 ms per token against 5.05 on
-        # torch._scaled_mm (bf16: 4.12; `scripts/bench_throughput.py --models llama-8b
-        # --workloads W3 --variants batchrun,fp8,fp8-gemv`)
-        decode_gemv = "triton" if pdl else "cublas"
-    elif decode_gemv == "triton" and not triton:
-        raise ValueError("decode_gemv 'triton' needs the triton package")
-
-    fp8_block_gemm = want.fp8_block_gemm
-    if fp8_block_gemm == "auto":
-        fp8_block_gemm = "cublaslt" if supports_block_scaled_mm(device) else "triton"
-    elif fp8_block_gemm == "cublaslt" and not supports_block_scaled_mm(device):
-        raise ValueError(
-            "fp8_block_gemm 'cublaslt' needs an sm_90 GPU (H100, H200) and a torch built with "
-            "CUDA 12.9 or later (torch.nn.functional.scaled_mm's block scales); use 'triton' "
-            "or 'auto'"
-        )
-
-    # NOTE: block FP8 on cuBLASLt's block-scaled matmul runs faster than bf16; on the Triton
-    # block matmul it runs slower, so where the bf16 weights fit it is dequantized at load
-    # unless cuBLASLt runs. One H100, llama-8b, same run (`scripts/bench_throughput.py --models
-    # llama-8b --workloads W1,W3 --variants batchrun,fp8-block-kv-fp8,fp8-block`): cuBLASLt's
-    # W1 10,246 output tok/s and W3 3.70 ms per token against bf16's 9,666 and 5.30 (15,312
-    # with the FP8 KV cache); the Triton kernel's W1 9,116 and W3 5.70 against bf16's 11,119 and
-    # 4.08 (H200, `--variants batchrun,fp8-block` at 1e6ccd4). The kernels keep such a model's
-    # weights in a half (FP8) or a quarter (INT4) of the bytes: they run where the dequantized
-    # weights would take more than DEQUANT_MAX_MEMORY
-    need = bf16_weight_bytes(model_cfg, config.tp_size) if cuda else 0
-    memory = gpu_memory(device) if cuda else 0
-    dequant_fits = not cuda or need <= DEQUANT_MAX_MEMORY * memory
-    dequant_experts = has_quantized_experts(model_cfg) or mxfp4_experts(model_cfg)
-    if cuda and dequant_experts and need > EXPERTS_MAX_MEMORY * memory:
-        raise ValueError(experts_too_large(model_cfg, config.tp_size, memory))
-    blocks = model_cfg.quantization is not None and model_cfg.quantization.block is not None
-    fp8_matmul = want.fp8_matmul
-    if fp8_matmul == "auto":
-        fp8_matmul = "scaled_mm" if supports_fp8_matmul(device) else "dequant"
-        if blocks and dequant_fits and fp8_block_gemm != "cublaslt":
-            fp8_matmul = "dequant"
-    elif fp8_matmul == "scaled_mm" and not supports_fp8_matmul(device):
-        raise ValueError(
-            "fp8_matmul 'scaled_mm' needs the FP8 tensor cores of an sm_89+ GPU (L40, H100, "
-            "H200 or later); use 'dequant' or 'auto'"
-        )
-
-    # NOTE: an INT4 model whose bf16 weights fit decodes its batches of up to 16 rows on the
-    # packed weight (kernels/int4_gemv_mma.py) and the rest on the bf16 one: one H100,
-    # llama-8b AWQ (`scripts/bench_throughput.py --models llama-8b --variants
-    # batchrun,int4-awq,int4-awq-auto`), W3 2.73 ms per token against bf16's 5.41 (the packed
-    # weight alone: 2.80) and W1 x0.25 10,919 output tok/s against 10,268, where the tiled
-    # W4A16 matmul alone runs W1 at half bf16's throughput
-    int4_matmul = want.int4_matmul
-    gemv_mma = cuda and triton and supports_int4_gemv_mma(device)
-    int4_model = model_cfg.quantization is not None and model_cfg.quantization.family == "int4"
-    if int4_matmul == "auto":
-        int4_matmul = "dequant"
-        if cuda and triton and not dequant_fits:
-            int4_matmul = "triton"
-        elif int4_model and gemv_mma and need * (1 + INT4_COPY) <= DEQUANT_MAX_MEMORY * memory:
-            int4_matmul = "dequant-gemv"
-    elif int4_matmul == "triton" and not triton:
-        raise ValueError(
-            "int4_matmul 'triton' (kernels/int4_matmul.py) needs the triton package; use "
-            "'dequant' or 'auto'"
-        )
-    elif int4_matmul == "dequant-gemv" and not gemv_mma:
-        raise ValueError(
-            "int4_matmul 'dequant-gemv' (kernels/int4_gemv_mma.py) needs an sm_80+ GPU and "
-            "Triton with Gluon (triton.experimental.gluon, 3.5 or later); use 'dequant' or "
-            "'auto'"
-        )
-
-    moe = want.moe
-    if moe == "auto":
-        moe = "triton" if cuda and triton else "torch"
-    elif moe == "triton" and not triton:
-        raise ValueError(
-            "moe 'triton' (kernels/fused_moe.py) needs the triton package; use 'torch' or 'auto'"
-        )
-
-    moe_decode = want.moe_decode
-    if moe_decode == "auto":
-        # NOTE: kernels/moe_gemv.py's GEMVs (and the router in one kernel) read Qwen3-30B-A3B's
-        # W3 at 3.90 ms per token against 4.53 on the grouped GEMMs (H100, one run:
-        # `scripts/bench_throughput.py --models qwen3-30b-a3b --workloads W3 --variants
-        # batchrun,moe-grouped`); its `takes_gemv` says which decode batches take them
-        moe_decode = "gemv" if moe == "triton" else "grouped"
-    elif moe_decode == "gemv" and moe != "triton":
-        raise ValueError(
-            "moe_decode 'gemv' (kernels/moe_gemv.py) runs the fused experts' decode batches: it "
-            "needs moe 'triton'; use 'grouped' or 'auto'"
-        )
-
-    moe_prefill = want.moe_prefill
-    bf16 = config.dtype in ("auto", "bfloat16")
-    grouped_mm = supports_grouped_mm(device) and bf16
-    if moe_prefill == "auto":
-        # NOTE: on one H100 (`python scripts/bench_fused_moe.py --models qwen3-30b-a3b,mixtral-8x7b
-        # --tokens 1024,4096,16384`) Qwen3-30B-A3B's experts take 957 µs at 4,096 tokens on it
-        # against 1,037 on the Triton grouped GEMMs; Mixtral's, 1,867 against 2,010 at 1,024 and
-        # slower past it, where its pass (h's bound) is shorter than fused_moe's: its rule,
-        # takes_grouped_mm, keeps those on the Triton GEMMs
-        moe_prefill = "grouped_mm" if moe == "triton" and grouped_mm else "triton"
-    elif moe_prefill == "grouped_mm" and (moe != "triton" or (cuda and not grouped_mm)):
-        raise ValueError(
-            "moe_prefill 'grouped_mm' (kernels/moe_grouped_mm.py) runs with moe 'triton' and, on "
-            "CUDA, bf16 on an sm_90 GPU (CUTLASS's grouped GEMM behind torch._grouped_mm); use "
-            "'triton' or 'auto'"
-        )
+    attention, extend_attention = attention_rule(config, model_cfg, device, want, triton)
+    triton_ops, pdl, decode_gemv = dense_rule(config, device, want, triton)
+    fp8_matmul, fp8_fast_accum = fp8_rule(config, model_cfg, device, want)
+    int4_matmul = int4_rule(config, model_cfg, device, want, triton)
+    moe, moe_decode, moe_prefill = moe_rule(config, device, want, triton)
+    graphs, piecewise, host_gate = graph_rule(config, model_cfg, device, want)
 
     # the norms inside the matmuls need every matmul whole and plain: a row-parallel matmul's
     # all-reduce comes between its sums and the residual, and a bias between them too; and
@@ -408,36 +399,11 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             "a mixture of experts does not have; use 'fold', 'all', 'post', 'off' or 'auto'"
         )
 
-    graphs = want.cuda_graph_max_bs if cuda else 0
-    piecewise = want.piecewise_graphs
-    runs_piecewise = cuda and isinstance(config.chunked_prefill_size, int)
-    if piecewise and not runs_piecewise:
-        raise ValueError(
-            "piecewise CUDA graphs need CUDA and a chunked prefill size (a step's tokens bounded)"
-        )
-    if not runs_piecewise:
-        piecewise = False
-    elif piecewise is None:
-        # NOTE: on by default only where the host is the bottleneck: a small model's mixed steps
-        # (a large one's GPU time hides their launches, and the padding to a captured size costs).
-        # A mixture of experts takes them when asked: its padded rows each run top_k experts
-        piecewise = graphs > 0 and not is_large(model_cfg) and model_cfg.moe is None
-
     if model_cfg.moe is not None and moe == "torch" and (graphs or piecewise):
         raise ValueError(
             "moe 'torch' reads the routing on the host, which a CUDA graph cannot capture; use "
             "moe 'triton' or 'auto', or no CUDA graphs (cuda_graph_max_bs 0, piecewise_graphs "
             "off)"
-        )
-
-    host_gate = want.host_gate
-    available = cuda and bool(config.overlap) and HostGate.available()
-    if host_gate is None:
-        host_gate = available
-    elif host_gate and not available:
-        raise ValueError(
-            "host_gate needs CUDA, overlap and a driver with stream memory operations "
-            "(cuStreamWaitValue32)"
         )
 
     fp8_kernels = quantized and fp8_matmul == "scaled_mm" and triton  # kernels/fp8_*.py
@@ -451,8 +417,7 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
             _check_kernels_import("batchrun.kernels.moe_gemv")
         if moe_prefill == "grouped_mm":
             _check_kernels_import("batchrun.kernels.moe_grouped_mm")
-    return replace(
-        want,
+    return KernelConfig(
         attention=attention,
         extend_attention=extend_attention,
         triton_ops=triton_ops,
@@ -463,8 +428,8 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         piecewise_graphs=piecewise,
         host_gate=host_gate,
         fp8_matmul=fp8_matmul,
-        fp8_block_gemm=fp8_block_gemm,
         int4_matmul=int4_matmul,
+        fp8_fast_accum=fp8_fast_accum,
         moe=moe,
         moe_decode=moe_decode,
         moe_prefill=moe_prefill,

@@ -24,7 +24,7 @@ import psutil
 import torch
 
 from batchrun.attention import AttentionInputs, create_backend
-from batchrun.config import EngineConfig
+from batchrun.config import EngineConfig, KernelConfig
 from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.kv_pool import KVPool, ReqToTokenPool
 from batchrun.engine.piecewise_graph import MAX_TOKENS, PiecewiseGraphRunner
@@ -114,18 +114,24 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    """config: resolved (sizes, overlap, and config.kernels by engine/kernel_choice.py). The
-    runner's `kernels` is that config as the model made it (decode_norms may step down when
+    """config: resolved (sizes, overlap); kernels: the plan (engine/kernel_choice.py). The
+    runner's `kernels` is that plan as the model made it (decode_norms may step down when
     its folded weights do not fit: LlamaForCausalLM.prepare_decode_norms)."""
 
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model_dir, context_len: int):
-        assert config.kernels.is_resolved, "resolve the kernel config first (kernel_choice)"
+    def __init__(
+        self,
+        config: EngineConfig,
+        kernels: KernelConfig,
+        model_cfg: ModelConfig,
+        model_dir,
+        context_len: int,
+    ):
+        assert kernels.is_resolved, "resolve the kernel plan first (kernel_choice)"
         self.config = config
         self.model_cfg = model_cfg
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
         self.context_len = context_len
-        kernels = config.kernels
         self.model = load_model(
             model_dir,
             model_cfg,

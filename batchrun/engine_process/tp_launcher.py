@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from batchrun.config import EngineConfig
+from batchrun.config import EngineConfig, KernelConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.model_runner import resolve_device
 from batchrun.engine_process.lockstep import LockstepEngine, follower_loop, stop_processes
@@ -54,11 +54,13 @@ def start_tp_engine(
     init_method: str | None = None,
     timeout_s: float = 600.0,
     check_sync: bool = False,
+    kernels: KernelConfig | None = None,
 ) -> LockstepEngine:
     """Start `tp_size` lockstep engines for `config` and return rank 0's LockstepEngine (the
     caller closes it). `init_method`: torch.distributed rendezvous (tcp://127.0.0.1:PORT or
     file:///path); default a free local port. `timeout_s` bounds start-up and every collective.
     `check_sync`: compare the ranks' engine state after every step (tests; see lockstep.py).
+    `kernels`: plan fields every rank's Engine takes (a benchmark's or a test's override).
     tp_size 1 builds a plain Engine in this process (no torch.distributed)."""
     replace(config, tp_size=tp_size, tp_rank=0).validate()
     device = resolve_device(config.device)
@@ -72,7 +74,7 @@ def start_tp_engine(
             )
         torch.cuda.set_device(base_device_index)
     if tp_size == 1:
-        return LockstepEngine(Engine(replace(config, tp_size=1, tp_rank=0)))
+        return LockstepEngine(Engine(replace(config, tp_size=1, tp_rank=0), kernels))
     if dist.is_initialized():
         raise RuntimeError(
             "this process already ran a tensor-parallel group (NCCL's are kept until the "
@@ -90,7 +92,7 @@ def start_tp_engine(
             cfg = replace(config, model=str(model_dir), tp_size=tp_size, tp_rank=rank)
             proc = ctx.Process(
                 target=_follower_main,
-                args=(cfg, base_device_index, init_method, backend, timeout_s, check_sync),
+                args=(cfg, base_device_index, init_method, backend, timeout_s, check_sync, kernels),
                 name=f"batchrun-tp{rank}",
                 daemon=True,
             )
@@ -105,7 +107,7 @@ def start_tp_engine(
         control = dist.new_group(list(range(tp_size)), backend="gloo", timeout=CONTROL_TIMEOUT)
         engine, error = None, ""
         try:
-            engine = Engine(replace(config, tp_size=tp_size, tp_rank=0))
+            engine = Engine(replace(config, tp_size=tp_size, tp_rank=0), kernels)
         except Exception as e:
             error, cause = f"{type(e).__name__}: {e}", e
         statuses = _exchange_status(error, control, tp_size)
@@ -131,6 +133,7 @@ def _follower_main(
     backend: str,
     timeout_s: float,
     check_sync: bool,
+    kernels: KernelConfig | None = None,
 ) -> None:
     """Entry point of rank config.tp_rank > 0 (a spawned process)."""
     # NOTE: a Ctrl-C or a Slurm SIGTERM/USR1 is rank 0's to handle (stop admitting, drain,
@@ -151,7 +154,7 @@ def _follower_main(
     control = dist.new_group(list(range(size)), backend="gloo", timeout=CONTROL_TIMEOUT)
     engine, error = None, ""
     try:
-        engine = Engine(config)
+        engine = Engine(config, kernels)
     except Exception as e:
         traceback.print_exc()
         error = f"{type(e).__name__}: {e}"

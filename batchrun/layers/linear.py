@@ -16,10 +16,9 @@ parameter. Its decode batches run on kernels/fp8_gemv.py where decode_gemv is "t
 layer keeps its FP8 weight (scaled_mm).
 
 The matmuls of decode batches (at most GEMV_MAX_ROWS rows, bf16 / fp16, no bias) run on
-kernels/gemv.py where the kernel config's decode_gemv is "triton", else on cuBLAS (F.linear).
-NOTE: on the H200 at M = 1 (`scripts/bench_gemv.py`) the kernel reads llama-1b's down_proj in
-10.7 µs against cuBLAS's 13.9 and llama-8b's o_proj in 10.5 against 13.2; W3 llama-1b 1.04 ms per
-token against 1.13 (`scripts/bench_throughput.py --workloads W3 --variants batchrun,cublas`).
+kernels/gemv.py where the kernel plan's decode_gemv is "triton", else on cuBLAS (F.linear).
+NOTE: the kernel beats cuBLAS at M = 1 on the llama matrices, and W3 with it (docs/benchmarks.md,
+Kernels: Decode GEMV).
 """
 
 from __future__ import annotations
@@ -69,12 +68,10 @@ def linear(
 
 def takes_decode_norms(layer: ColumnParallelLinear | RowParallelLinear) -> bool:
     """Whether the layer's one-row decode matmul adds the residual and normalizes the sum in its
-    epilogue (`decode_gemv_residual`): a plain weight (kernels/gemv.py) or an FP8 one on
-    kernels/fp8_gemv.py, without a bias, on one rank."""
+    epilogue (`decode_gemv_residual`): a plain weight (kernels/gemv.py), without a bias, on one
+    rank."""
     parallel = isinstance(layer, RowParallelLinear) and layer.tp.is_parallel
-    if layer.bias is not None or parallel:
-        return False
-    return layer.quant is None or layer.quant.takes_norms()
+    return layer.quant is None and layer.bias is None and not parallel
 
 
 def decode_gemv(
@@ -95,8 +92,6 @@ def decode_gemv_residual(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(h, normed): h = the layer's matmul of x plus residual, and with norm (one row) normed =
     rmsnorm(h) times its weight, inside the matmul's kernel (`takes_decode_norms`)."""
-    if layer.quant is not None:
-        return layer.quant.gemv_residual(x, residual, norm)
     return gemv_residual(x, layer.weight, residual, norm=norm, pdl=layer.kernels.pdl)
 
 

@@ -10,20 +10,19 @@ weights.py) and how it multiplies, by device and kernel config.
                                              batches (M <= 16) with decode_gemv "triton" on
                                              kernels/fp8_gemv.py
     "fp8_block": FP8 in 128 x 128 blocks,    float8 weight and block scales kept; activations
-    dynamic activations, CUDA sm_89+         quantized per token and group of 128 columns
-    (fp8_matmul "scaled_mm"), any dtype      (kernels/fp8_quant.py), then the Triton block
-                                             matmul (kernels/fp8_block_matmul.py); decode
-                                             batches as "scaled_mm"'s, block-scaled
+    dynamic activations, CUDA sm_90 with     quantized per token and group of 128 columns
+    cuBLASLt's block matmul (fp8_matmul      (kernels/fp8_quant.py), then cuBLASLt's block-
+    "scaled_mm"), K a multiple of 128, N     scaled F.scaled_mm; decode batches as
+    of 16                                    "scaled_mm"'s, block-scaled
     "int4": INT4 (int4_matmul "triton":      the weight packed at load (batchrun/quant/
     CUDA, or CPU tensors under Triton's      int4_layout.py); on CUDA, where the tensor-core
     interpreter)                             decode GEMV takes it (no act-order, groups of
                                              whole 64-row steps, 64-row blocks), in its order
                                              (mma_pack) and decode batches (M <= 16) on
-                                             kernels/int4_gemv_mma.py; else decode batches on
-                                             kernels/int4_gemv.py (the SwiGLU gate inside
-                                             either for a gate_up); the rest and act-order
-                                             weights on kernels/int4_matmul.py (which reads
-                                             both orders: one copy of the weight)
+                                             kernels/int4_gemv_mma.py (the SwiGLU gate inside
+                                             for a gate_up); the rest and act-order weights on
+                                             kernels/int4_matmul.py (which reads both orders:
+                                             one copy of the weight)
     "int4_dense": INT4 (int4_matmul          the weight dequantized at load (F.linear, as
     "dequant-gemv")                          "dense") and, where kernels/int4_gemv_mma.py
                                              takes it on CUDA, also kept in its order for the
@@ -68,10 +67,9 @@ from batchrun.quant.int4_layout import (
 from batchrun.quant.weights import FP8_DTYPE, Fp8Weight, Int4Weight, QuantizedWeight
 
 try:
-    from batchrun.kernels import int4_gemv as int4_gemv_kernel
     from batchrun.kernels import int4_matmul as int4_kernel
 except ImportError:  # no Triton (CPU-only installs): KernelConfig.int4_matmul is "dequant"
-    int4_kernel = int4_gemv_kernel = None
+    int4_kernel = None
 
 try:
     from batchrun.kernels import int4_gemv_mma
@@ -80,14 +78,13 @@ except ImportError:  # no Triton, or one without Gluon (triton.experimental.gluo
 
 try:
     from batchrun.kernels import fp8_quant
-    from batchrun.kernels.fp8_block_matmul import block_fp8_matmul
 except ImportError:  # no Triton (CPU-only installs): FP8 blocks are dequantized, and the
-    fp8_quant = block_fp8_matmul = None  # activations quantized by the torch ops
+    fp8_quant = None  # activations quantized by the torch ops
 
 try:
-    from batchrun.kernels.fp8_gemv import fp8_gemv, fp8_gemv_residual, row_amax
+    from batchrun.kernels.fp8_gemv import fp8_gemv, row_amax
 except ImportError:  # no Triton (CPU-only installs): KernelConfig.decode_gemv is "cublas"
-    fp8_gemv = fp8_gemv_residual = row_amax = None
+    fp8_gemv = row_amax = None
 
 SCALED_MM_ALIGN = 16  # torch._scaled_mm: K and N multiples of this
 KERNELS = ("scaled_mm", "fp8_block", "int4", "int4_dense", "dense")  # QuantSpec.kernel
@@ -156,10 +153,10 @@ def _kernel(
         return {"triton": "int4", "dequant-gemv": "int4_dense"}.get(int4_matmul, "dense")
     if fp8_matmul != "scaled_mm":
         return "dense"
-    if scheme.block is not None:
+    if scheme.block is not None:  # cuBLASLt's block matmul (kernel_choice's fp8_rule)
         fits = scheme.block == (128, 128) and scheme.activations == "dynamic"
-        runs = block_fp8_matmul is not None
-        return "fp8_block" if fits and runs else "dense"
+        aligned = in_features % 128 == 0 and out_features % SCALED_MM_ALIGN == 0
+        return "fp8_block" if fits and aligned and fp8_quant is not None else "dense"
     if (
         scheme.activations in ("dynamic", "static")
         and dtype == torch.bfloat16
@@ -209,15 +206,6 @@ class QuantMatmul(nn.Module):
         )
         self.pdl = bool(kernels.pdl)
         self.fast_accum = kernels.fp8_fast_accum
-        # block FP8 on cuBLASLt's block-scaled matmul: weights whose K is whole 128-column
-        # groups and whose rows keep the FP8 matmul's 16-byte alignment
-        self.cublaslt_blocks = (
-            spec.kernel == "fp8_block"
-            and kernels.fp8_block_gemm == "cublaslt"
-            and spec.block == (128, 128)
-            and in_features % 128 == 0
-            and out_features % 16 == 0
-        )
         # NOTE: per-token scales of a row-parallel input come from all its columns, on every
         # rank: one all-reduce of [M] floats per such layer makes TP=N quantize as TP=1
         self.reduce_max = reduce_max if spec.activations == "dynamic" and not spec.block else None
@@ -276,8 +264,7 @@ class QuantMatmul(nn.Module):
                 assert isinstance(qw, Fp8Weight) and qw.block == self.spec.block
                 self.weight.copy_(qw.weight)
                 self.weight_scale.copy_(qw.scale)
-                if self.cublaslt_blocks:
-                    self.register_buffer("cublaslt_scale", cublaslt_block_scale(self.weight_scale))
+                self.register_buffer("cublaslt_scale", cublaslt_block_scale(self.weight_scale))
             else:
                 self.weight.copy_(qw.dequantize(self.dtype))
         self.fake_quant = (
@@ -310,7 +297,7 @@ class QuantMatmul(nn.Module):
         """Whether x [M, K] runs on a decode kernel that can fuse the SwiGLU gate (`gemv`):
         kernels/fp8_gemv.py for a decode batch (M <= 16, unit stride along K) of a scaled_mm or
         fp8_block layer with decode_gemv "triton" (block FP8: a gate_up's halves whole 128-row
-        blocks); kernels/int4_gemv_mma.py or kernels/int4_gemv.py for one of an INT4 layer
+        blocks); kernels/int4_gemv_mma.py for one of an INT4 layer kept in its order
         (`_int4_gemv_takes`)."""
         if x.dim() != 2 or x.stride(-1) != 1 or x.dtype != self.dtype:
             return False
@@ -323,29 +310,9 @@ class QuantMatmul(nn.Module):
     def gemv(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
         """x @ W^T on the decode kernel (`takes_gemv`); with swiglu, W is a fused gate_up
         and the result silu(gate) * up [M, out_features / 2]."""
-        if self.spec.kernel in INT4_KERNELS:
-            if self.mma:
-                return int4_gemv_mma.int4_gemv_mma(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
-            return int4_gemv_kernel.int4_gemv(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
+        if self.spec.kernel in INT4_KERNELS:  # (takes_gemv: only in the tensor-core GEMV's order)
+            return int4_gemv_mma.int4_gemv_mma(x, self._packed(), swiglu=swiglu, pdl=self.pdl)
         return fp8_gemv(x, self.weight, swiglu=swiglu, **self._fp8_operands(x))
-
-    def takes_norms(self) -> bool:
-        """Whether the decode kernel adds a residual and normalizes the sum in its epilogue
-        (`gemv_residual`): kernels/fp8_gemv.py's FP8 layers, whose per-token scales need no
-        all-reduce (the norms run in the decode matmuls of one rank only)."""
-        return self.fp8_gemv and self.reduce_max is None
-
-    def gemv_residual(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        norm: tuple[torch.Tensor, float] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(h, normed): h = x @ W^T + residual on kernels/fp8_gemv.py (`takes_norms`); with
-        norm, for one row, normed = rmsnorm(h) times the norm's weight, inside the kernel (else
-        None)."""
-        return fp8_gemv_residual(x, self.weight, residual=residual, norm=norm,
-                                 **self._fp8_operands(x))  # fmt: skip
 
     def _fp8_operands(self, x: torch.Tensor) -> dict:
         """kernels/fp8_gemv.py's arguments for x besides the weight: its scales, the static
@@ -386,21 +353,18 @@ class QuantMatmul(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()  # [M, K]
         m = x2.shape[0]
-        if self.cublaslt_blocks and m % 4:  # cuBLASLt's rows of x: a multiple of 4
+        if m % 4:  # cuBLASLt's rows of x: a multiple of 4
             x2 = F.pad(x2, (0, 0, 0, -m % 4))
         xq, scale_x = fp8_quant.quant_per_token_group(x2, self.spec.block[1])
-        if self.cublaslt_blocks:
-            y = F.scaled_mm(
-                xq,
-                self.weight.t(),
-                scale_x,  # [M, K / 128], column-major: BlockWise1x128
-                F.ScalingType.BlockWise1x128,
-                self.cublaslt_scale,
-                F.ScalingType.BlockWise128x128,
-                output_dtype=self.dtype,
-            )[:m]
-        else:
-            y = block_fp8_matmul(xq, scale_x, self.weight, self.weight_scale, self.dtype)
+        y = F.scaled_mm(
+            xq,
+            self.weight.t(),
+            scale_x,  # [M, K / 128], column-major: BlockWise1x128
+            F.ScalingType.BlockWise1x128,
+            self.cublaslt_scale,
+            F.ScalingType.BlockWise128x128,
+            output_dtype=self.dtype,
+        )[:m]
         return y.view(*shape[:-1], self.out_features)
 
     def _quant_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -454,24 +418,19 @@ class QuantMatmul(nn.Module):
         )
 
     def _int4_gemv_takes(self, m: int, swiglu: bool = False) -> bool:
-        """Whether an INT4 layer's x [m, K] runs on a decode GEMV: kernels/int4_gemv_mma.py's
-        `takes` where the weight is in its order, else kernels/int4_gemv.py's (no act-order;
-        with swiglu, halves of whole words)."""
-        if self.mma:
-            return int4_gemv_mma.takes(self._packed(), m, swiglu=swiglu)
-        if self.spec.kernel != "int4":  # int4_dense without the tensor-core GEMV's copy
-            return False
-        return int4_gemv_kernel.takes(self._packed(), m, swiglu=swiglu)
+        """Whether an INT4 layer's x [m, K] runs on kernels/int4_gemv_mma.py: its `takes`, where
+        the weight is in its order."""
+        return self.mma and int4_gemv_mma.takes(self._packed(), m, swiglu=swiglu)
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
-        """Decode batches (M <= 16) on a decode GEMV (`gemv`), the rest (and act-order weights)
-        on kernels/int4_matmul.py."""
+        """Decode batches (M <= 16) on the tensor-core decode GEMV (`gemv`) where the weight is
+        in its order, the rest (and act-order weights) on kernels/int4_matmul.py."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         # (the tensor-core GEMV multiplies in the layer's dtype; int4_matmul takes any)
-        if (not self.mma or x2.dtype == self.dtype) and self._int4_gemv_takes(x2.shape[0]):
+        if x2.dtype == self.dtype and self._int4_gemv_takes(x2.shape[0]):
             y = self.gemv(x2)
         else:
             y = int4_kernel.int4_matmul(x2, self._packed())
@@ -484,6 +443,4 @@ class QuantMatmul(nn.Module):
             path += ", fp8_gemv for decode"
         if self.mma:
             path += ", int4_gemv_mma for decode"
-        elif self.spec.kernel == "int4":
-            path += ", int4_gemv for decode"
         return f"{self.out_features}x{self.in_features}, {path}, {self.spec.describe}"

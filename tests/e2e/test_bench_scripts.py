@@ -89,8 +89,9 @@ def test_bench_throughput_long_documents_cpu_smoke(tmp_path):
 
 
 def test_bench_throughput_variants_change_only_the_config():
-    """Every engine variant is its options' EngineConfig with the fields VARIANTS names changed
-    (the CLI's kernel options feed the KernelConfig; a variant's fields win over them)."""
+    """Every engine variant is its options' EngineConfig and plan overrides with the fields
+    VARIANTS names changed (--attention-backend and --kernel feed the plan's overrides, a
+    variant's fields win over them; --cuda-graph-max-bs is the EngineConfig's)."""
     import bench_throughput
 
     args = bench_throughput.parse_args(
@@ -98,23 +99,26 @@ def test_bench_throughput_variants_change_only_the_config():
          "--max-running", "8", "--kv-budget", "1024", "--kernel", "decode_norms=fold",
          "--kernel", "pdl=auto", "--kernel", "triton_ops=false"]
     )  # fmt: skip
-    base = bench_throughput.engine_config(args, REPO, "batchrun")
-    assert base.kernels == KernelConfig(
-        attention="torch", cuda_graph_max_bs=4, decode_norms="fold", pdl=None, triton_ops=False
+    base, base_kernels = bench_throughput.engine_config(args, REPO, "batchrun")
+    assert base_kernels == KernelConfig(
+        attention="torch", decode_norms="fold", pdl=None, triton_ops=False
     )
     assert (base.model, base.load_format, base.device, base.dtype) == (
         str(REPO), "dummy", "cpu", "float32"
     )  # fmt: skip
-    assert (base.max_running, base.kv_budget, base.overlap) == (8, 1024, True)
+    assert (base.max_running, base.kv_budget, base.overlap, base.cuda_graph_max_bs) == (
+        8, 1024, True, 4
+    )  # fmt: skip
     for variant, (engine_fields, kernel_fields) in bench_throughput.VARIANTS.items():
-        cfg = bench_throughput.engine_config(args, REPO, variant)
+        cfg, kernels = bench_throughput.engine_config(args, REPO, variant)
         cfg.validate()
-        kernels = dataclasses.replace(base.kernels, **kernel_fields)
-        assert cfg == dataclasses.replace(base, kernels=kernels, **engine_fields), variant
-    no_pdl = bench_throughput.engine_config(args, REPO, "no-pdl")
-    assert no_pdl.kernels.pdl is False and no_pdl.kernels.decode_gemv == "auto"
-    assert bench_throughput.engine_config(args, REPO, "no-graph").kernels.cuda_graph_max_bs == 0
-    assert bench_throughput.engine_config(args, REPO, "dummy-uniform").dummy_init == "uniform"
+        kernels.validate()
+        assert kernels == dataclasses.replace(base_kernels, **kernel_fields), variant
+        assert cfg == dataclasses.replace(base, **engine_fields), variant
+    no_pdl, no_pdl_kernels = bench_throughput.engine_config(args, REPO, "no-pdl")
+    assert no_pdl.pdl is False and no_pdl_kernels.decode_gemv == "auto"
+    assert bench_throughput.engine_config(args, REPO, "no-graph")[0].cuda_graph_max_bs == 0
+    assert bench_throughput.engine_config(args, REPO, "dummy-uniform")[0].dummy_init == "uniform"
     assert set(bench_throughput.ALL_VARIANTS) == {*bench_throughput.VARIANTS, "hf"}
 
 
@@ -294,7 +298,6 @@ GPU_SCRIPTS = {
     "bench_fp8_gemv.py": ("--out", "{tmp}"),
     "bench_fp8_matmul.py": ("--out", "{tmp}"),
     "bench_fused_moe.py": ("--out", "{tmp}"),
-    "bench_int4_matmul.py": ("--out", "{tmp}"),
 }
 
 

@@ -1,5 +1,5 @@
 """A mixture of experts through the CLI: `plan` reports its total and active parameters,
-`submit` runs it (the experts on the torch loop, `--moe-kernel torch`) and logs the same counts
+`submit` runs it (on the CPU: the experts on the torch loop) and logs the same counts
 at start-up, and a tensor-parallel size that does not split the experts is refused by name
 (before any process starts)."""
 
@@ -55,7 +55,7 @@ def test_submit_runs_and_logs_the_counts(model, tmp_path, caplog):
     out = tmp_path / "o"
     args = ["submit", str(dataset(tmp_path)), "--out", str(out), "--model", model, "--device",
             "cpu", "--max-tokens", "6", "--temperature", "0", "--kv-budget", "2048", "--quiet",
-            "--in-process", "--moe-kernel", "torch"]  # fmt: skip
+            "--in-process"]  # fmt: skip
     with caplog.at_level(logging.INFO, logger="batchrun"):
         r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, (r.output, r.exception)

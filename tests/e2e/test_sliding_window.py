@@ -5,7 +5,7 @@ layers), on prompts far longer than the window; and the tokens do not depend on 
 cache, the chunked-prefill size (chunks shorter and longer than the window) or --tp 2.
 
 The Triton kernels' windows: tests/unit/test_window_interpreter.py (CPU) and
-tests/gpu/test_kernels.py; FlashInfer's: tests/gpu/test_flashinfer_backend.py.
+tests/gpu/test_kernels.py; FlashInfer's FA3 prefill: tests/gpu/test_fa3_prefill.py.
 """
 
 from __future__ import annotations

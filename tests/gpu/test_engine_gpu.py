@@ -45,10 +45,11 @@ def _requests(num: int, new: int):
     return [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
 
 
-def _config(model_dir: str, kernels: dict, **kw) -> EngineConfig:
-    """An fp32 engine config on CUDA with KernelConfig(**kernels); kw: other EngineConfig fields."""
+def _config(model_dir: str, kernels: dict, **kw) -> tuple[EngineConfig, KernelConfig]:
+    """An fp32 engine config on CUDA (kw: other EngineConfig fields) and the plan fields
+    KernelConfig(**kernels): Engine(*_config(...))."""
     cfg = dict(model=model_dir, device="cuda", dtype="float32", kv_budget=20000)
-    return EngineConfig(**{**cfg, **kw}, kernels=KernelConfig(**kernels))
+    return EngineConfig(**{**cfg, **kw}), KernelConfig(**kernels)
 
 
 def _generate(engine, num: int = 40, new: int = 48) -> dict[str, list[int]]:
@@ -60,7 +61,7 @@ def _generate(engine, num: int = 40, new: int = 48) -> dict[str, list[int]]:
 def _run(model_dir: str, kernels: dict, **kw) -> dict[str, list[int]]:
     from batchrun.engine.engine import Engine
 
-    return _generate(Engine(_config(model_dir, kernels, **kw)))
+    return _generate(Engine(*_config(model_dir, kernels, **kw)))
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +145,9 @@ def test_decode_graph_inputs_in_one_kernel_or_by_copies(
 def test_piecewise_graphs_give_the_same_tokens(model_dir, reference, monkeypatch, kernels, kw):
     """Prefill and mixed steps (and decodes past the decode graphs) replay piecewise graphs
     around an eager attention (engine/piecewise_graph.py): the tokens do not change. Small
-    chunks make many mixed steps of odd sizes, padded up to a captured size. (FlashInfer, which
-    needs head dim 64+ and bf16, runs them in test_flashinfer_backend.py's graph-overlap case.)"""
+    chunks make many mixed steps of odd sizes, padded up to a captured size. (FlashInfer's FA3
+    prefill, which needs head dim 64+ and bf16, runs them in test_fa3_prefill.py's graph-overlap
+    case.)"""
     from spies import count_calls
 
     from batchrun.engine.piecewise_graph import PiecewiseGraphRunner
@@ -168,7 +170,7 @@ def test_piecewise_graphs_default_on_small_models_only(model_dir):
         (dict(cuda_graph_max_bs=8, piecewise_graphs=False), {}, False),
         (dict(cuda_graph_max_bs=8), dict(chunked_prefill_size=None), False),
     ):
-        engine = Engine(EngineConfig(**base, **kw, kernels=KernelConfig(**kernels)))
+        engine = Engine(EngineConfig(**base, **kw), kernels=KernelConfig(**kernels))
         assert (engine.runner.piecewise is not None) == want, (kernels, kw)
         assert engine.kernels.piecewise_graphs == want, (kernels, kw)
         if want:  # the default chunk + max_running (4,096 + 512 on CUDA), in steps of 256
@@ -230,7 +232,7 @@ def test_the_kernel_config_resolved_on_this_gpu(model_dir):
     engine = Engine(EngineConfig(model=model_dir, device="cuda", kv_budget=2000))
     kernels = engine.kernels
     assert kernels.is_resolved, kernels.describe()
-    assert engine.config.kernels == kernels == engine.runner.kernels
+    assert kernels == engine.runner.kernels
     assert kernels.attention == "triton"
     assert kernels.triton_ops is True
     if torch.cuda.get_device_capability()[0] >= 9:
@@ -301,7 +303,7 @@ def _second_engine_captures_while_the_first_is_garbage(monkeypatch, config, owne
     capture; after B is built, one collection frees A, outside any capture."""
     from batchrun.engine.engine import Engine
 
-    keep = [Engine(config)]
+    keep = [Engine(*config)]
     want = _generate(keep[0], num=24, new=24)
     ref, died = _held_only_by_a_cycle(keep)
     gc.collect()
@@ -313,7 +315,7 @@ def _second_engine_captures_while_the_first_is_garbage(monkeypatch, config, owne
     try:
         gc.enable()
         gc.set_threshold(1, 1, 1)
-        second = Engine(config)
+        second = Engine(*config)
     finally:
         gc.callbacks.remove(callback)
         gc.set_threshold(*threshold)
@@ -383,7 +385,7 @@ def test_graph_capture_pauses_the_collector_and_restores_it(model_dir, monkeypat
         else:
             gc.disable()
         kernels = dict(attention="triton", cuda_graph_max_bs=8, piecewise_graphs=False)
-        engine = Engine(_config(model_dir, kernels, kv_budget=2000, max_running=8))
+        engine = Engine(*_config(model_dir, kernels, kv_budget=2000, max_running=8))
         assert gc.isenabled() == enabled
     finally:
         if was_enabled:

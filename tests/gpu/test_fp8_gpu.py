@@ -129,7 +129,7 @@ def test_the_fp8_linear_replays_in_a_cuda_graph():
 # -- engines ------------------------------------------------------------------------------------
 
 
-def _generate(config: EngineConfig, num: int = 24, new: int = 24) -> dict[str, list[int]]:
+def _generate(config: EngineConfig, kernels: KernelConfig, num=24, new=24) -> dict[str, list[int]]:
     from tiny_models import random_prompts
 
     from batchrun.engine.engine import Engine
@@ -137,7 +137,7 @@ def _generate(config: EngineConfig, num: int = 24, new: int = 24) -> dict[str, l
 
     params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(num, seed=5, min_len=4, max_len=100)
-    engine = Engine(config)
+    engine = Engine(config, kernels)
     assert engine.kernels.fp8_matmul == "scaled_mm"
     out = {r.rid: r.output_ids for r in engine.generate(
         [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
@@ -162,13 +162,11 @@ def test_graphs_and_overlap_give_the_eager_tokens(fmt, tmp_path):
     )
     # fp8_matmul set: without cuBLASLt's block matmul, block FP8 dequantizes at load by default
     # where its bf16 weights fit
-    fast = EngineConfig(**base, kernels=KernelConfig(piecewise_graphs=True, fp8_matmul="scaled_mm"))
-    eager = EngineConfig(
-        **base,
-        overlap=False,
-        kernels=KernelConfig(cuda_graph_max_bs=0, piecewise_graphs=False, fp8_matmul="scaled_mm"),
+    fast = KernelConfig(piecewise_graphs=True, fp8_matmul="scaled_mm")
+    eager = KernelConfig(cuda_graph_max_bs=0, piecewise_graphs=False, fp8_matmul="scaled_mm")
+    assert _generate(EngineConfig(**base), fast) == _generate(
+        EngineConfig(**base, overlap=False), eager
     )
-    assert _generate(fast) == _generate(eager)
 
 
 def test_fp8_smollm2_agrees_with_its_dequantized_bf16_model():
@@ -192,7 +190,7 @@ def test_fp8_smollm2_agrees_with_its_dequantized_bf16_model():
     params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
     reqs = [GenerateRequest(str(i), tok(t)["input_ids"], params) for i, t in enumerate(texts)]
     base = dict(model=model, device="cuda", dtype="bfloat16", kv_budget=20000, quantization="fp8")
-    dequant = Engine(EngineConfig(**base, kernels=KernelConfig(fp8_matmul="dequant")))
+    dequant = Engine(EngineConfig(**base), kernels=KernelConfig(fp8_matmul="dequant"))
     outs = {r.rid: r.output_ids for r in dequant.generate(reqs)}
     fp8 = Engine(EngineConfig(**base))
     same = total = 0

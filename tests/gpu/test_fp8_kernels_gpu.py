@@ -1,8 +1,6 @@
 """The FP8 Triton kernels on the GPU (sm_89+): activation quantization (kernels/fp8_quant.py)
-against act_quant.py's torch ops, the block-wise FP8 matmul (kernels/fp8_block_matmul.py)
-against the dequantized fp32 reference at the llama-1b / llama-8b projections, the block linear
-(on that kernel and on cuBLASLt's block-scaled matmul) in a CUDA graph, and engines on a
-block-FP8 checkpoint.
+against act_quant.py's torch ops, the block linear on cuBLASLt's block-scaled matmul against
+the fake-quantized reference and in a CUDA graph, and engines on a block-FP8 checkpoint.
 
     pytest tests/gpu/test_fp8_kernels_gpu.py -q          (about a minute on an H200)
 """
@@ -109,55 +107,30 @@ def _block_weight(out_features: int, in_features: int):
     return quantize_fp8(w, "block", (128, 128))
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_block_matmul_matches_the_dequantized_reference(shape):
-    from batchrun.kernels import fp8_quant
-    from batchrun.kernels.fp8_block_matmul import block_fp8_matmul
-
-    torch.manual_seed(2)
-    out_f, in_f = SHAPES[shape]
-    qw = _block_weight(out_f, in_f)
-    w_ref = qw.dequantize()  # fp32 [N, K]
-    for num in MS:
-        x = torch.randn(num, in_f, device="cuda", dtype=torch.bfloat16)
-        xq, sx = fp8_quant.quant_per_token_group(x, 128)
-        got = block_fp8_matmul(xq, sx, qw.weight, qw.scale)
-        assert got.shape == (num, out_f) and got.dtype == torch.bfloat16
-        x_ref = xq.float() * sx.repeat_interleave(128, 1)
-        want = x_ref @ w_ref.T
-        rel = float((got.float() - want).norm() / want.norm())
-        assert rel <= BF16_BOUND, f"{shape} M={num}: relative error {rel:.2e}"
-
-
-def _block_gemm_kernels(gemm: str) -> KernelConfig:
-    """The reference kernels with fp8_block_gemm `gemm` (skipped where cuBLASLt's block matmul
-    does not run)."""
-    from dataclasses import replace
-
+def _needs_cublaslt() -> None:
+    """Skip where cuBLASLt's block matmul does not run (the plan keeps such a model off it)."""
     from batchrun.engine.kernel_choice import supports_block_scaled_mm
 
-    if gemm == "cublaslt" and not supports_block_scaled_mm(torch.device("cuda")):
+    if not supports_block_scaled_mm(torch.device("cuda")):
         pytest.skip("cuBLASLt's block-scaled matmul needs sm_90 and a torch with CUDA 12.9+")
-    return replace(KernelConfig.reference(), fp8_block_gemm=gemm)
 
 
-@pytest.mark.parametrize("gemm", ["triton", "cublaslt"])
-def test_block_linear_matches_the_fake_quantized_reference(gemm):
+def test_block_linear_matches_the_fake_quantized_reference():
     """QuantMatmul on a block-FP8 weight (kernel "fp8_block", as plan_linear picks it on
     CUDA) against act_quant's fake quantization of x times the dequantized weight, in fp32,
-    on either matmul (cuBLASLt's pads x to a multiple of 4 rows: M = 3, 101)."""
+    on cuBLASLt's block matmul (which pads x to a multiple of 4 rows: M = 3, 101)."""
     from batchrun.quant.act_quant import fake_quant_dynamic
     from batchrun.quant.linear import QuantMatmul, QuantSpec
 
+    _needs_cublaslt()
     torch.manual_seed(3)
-    kernels = _block_gemm_kernels(gemm)
+    kernels = KernelConfig.reference()
     spec = QuantSpec("fp8", "dynamic", (128, 128), "fp8_block", "test")
     for out_f, in_f in ((3072, 2048), (4096, 14336), (208, 384)):
         qw = _block_weight(out_f, in_f)
         for dtype, bound in ((torch.bfloat16, BF16_BOUND), (torch.float32, WGMMA_FP32_BOUND)):
             m = QuantMatmul(out_f, in_f, spec, dtype, torch.device("cuda"), kernels=kernels)
             m.load(qw, "test")
-            assert m.cublaslt_blocks == (gemm == "cublaslt")
             for num in (1, 3, 101, 1000):
                 x = torch.randn(2, num, in_f, device="cuda", dtype=dtype)
                 got = m(x)
@@ -165,16 +138,16 @@ def test_block_linear_matches_the_fake_quantized_reference(gemm):
                 xf = fake_quant_dynamic(x.float().reshape(-1, in_f), 128)
                 want = F.linear(xf, qw.dequantize()).view(2, num, out_f)
                 rel = float((got.float() - want).norm() / want.norm())
-                assert rel <= bound, f"{gemm} {dtype} {out_f}x{in_f} M={num}: error {rel:.2e}"
+                assert rel <= bound, f"{dtype} {out_f}x{in_f} M={num}: error {rel:.2e}"
 
 
-@pytest.mark.parametrize("gemm", ["triton", "cublaslt"])
-def test_the_block_linear_replays_in_a_cuda_graph(gemm):
+def test_the_block_linear_replays_in_a_cuda_graph():
     """No host sync and no data-dependent shape: captured once, replayed on new inputs."""
     from batchrun.quant.linear import QuantMatmul, QuantSpec
 
+    _needs_cublaslt()
     torch.manual_seed(4)
-    kernels = _block_gemm_kernels(gemm)
+    kernels = KernelConfig.reference()
     spec = QuantSpec("fp8", "dynamic", (128, 128), "fp8_block", "test")
     m = QuantMatmul(512, 256, spec, torch.bfloat16, torch.device("cuda"), kernels=kernels)
     m.load(_block_weight(512, 256), "test")
@@ -225,12 +198,8 @@ def test_block_fp8_engine_gives_the_exact_models_tokens(fmt, tmp_path):
     prompts = random_prompts(8, seed=5, min_len=4, max_len=100)
     base = dict(model=str(tmp_path), kv_budget=20000, max_running=16)
     cuda = Engine(
-        EngineConfig(
-            **base,
-            device="cuda",
-            dtype="float32",
-            kernels=KernelConfig(piecewise_graphs=True, fp8_matmul="scaled_mm"),
-        )
+        EngineConfig(**base, device="cuda", dtype="float32"),
+        kernels=KernelConfig(piecewise_graphs=True, fp8_matmul="scaled_mm"),
     )
     assert cuda.kernels.fp8_matmul == "scaled_mm" and _block_kernels(cuda) == {"fp8_block"}
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
@@ -244,9 +213,8 @@ def test_block_fp8_engine_gives_the_exact_models_tokens(fmt, tmp_path):
         total += len(picks)
     assert same / total >= agreement_floor, f"{same} of {total} tokens agree"
     bf16 = Engine(
-        EngineConfig(
-            **base, device="cuda", dtype="bfloat16", kernels=KernelConfig(fp8_matmul="scaled_mm")
-        )
+        EngineConfig(**base, device="cuda", dtype="bfloat16"),
+        kernels=KernelConfig(fp8_matmul="scaled_mm"),
     )
     assert _block_kernels(bf16) == {"fp8_block"}
     from batchrun.engine.kernel_choice import supports_block_scaled_mm

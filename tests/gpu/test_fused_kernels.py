@@ -283,13 +283,8 @@ def test_model_logits_fused_vs_torch(tiny_dir, dtype, tol):
 
     engines = [
         Engine(
-            EngineConfig(
-                model=str(tiny_dir),
-                device="cuda",
-                dtype=dtype,
-                kv_budget=8192,
-                kernels=KernelConfig(cuda_graph_max_bs=0, triton_ops=triton_ops),
-            )
+            EngineConfig(model=str(tiny_dir), device="cuda", dtype=dtype, kv_budget=8192),
+            kernels=KernelConfig(cuda_graph_max_bs=0, triton_ops=triton_ops),
         )
         for triton_ops in (None, False)
     ]

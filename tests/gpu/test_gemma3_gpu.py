@@ -74,5 +74,5 @@ def test_gemma3_1b_shapes_graphs_and_overlap_equal_eager(tmp_path):
     reqs = _requests(24, 900)  # past the 512-token window
     graphs = _generate(Engine(EngineConfig(**base)), reqs)
     eager_kernels = KernelConfig(cuda_graph_max_bs=0, piecewise_graphs=False)
-    eager = Engine(EngineConfig(**base, overlap=False, kernels=eager_kernels))
+    eager = Engine(EngineConfig(**base, overlap=False), kernels=eager_kernels)
     assert _generate(eager, reqs) == graphs

@@ -303,10 +303,8 @@ def test_engine_with_decode_gemv(kind, norms, tmp_path):
         )
         # NOTE: a small KV pool: by default an engine takes most of the GPU's free memory, and
         # the tests after this one need some
-        config = EngineConfig(
-            model=str(tmp_path), device="cuda", dtype="bfloat16", kv_budget=8192, kernels=kernels
-        )
-        engine = Engine(config)
+        config = EngineConfig(model=str(tmp_path), device="cuda", dtype="bfloat16", kv_budget=8192)
+        engine = Engine(config, kernels)
         try:
             assert engine.kernels.decode_gemv == ("triton" if on else "cublas")
             assert engine.kernels.decode_norms == (norms if on else "off")

@@ -58,7 +58,7 @@ def _engine(model_dir: str, kernels: dict, **kw):
 
     cfg = dict(model=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
                kv_budget=40000, chunked_prefill_size=256)  # fmt: skip
-    return Engine(EngineConfig(**{**cfg, **kw}, kernels=KernelConfig(**kernels)))
+    return Engine(EngineConfig(**{**cfg, **kw}), kernels=KernelConfig(**kernels))
 
 
 def _generate(engine) -> dict[str, list[int]]:
@@ -123,7 +123,7 @@ def test_tiny_model_equals_transformers_in_fp32(checkpoint, tmp_path):
     # the fused experts run fp32 on TF32 tensor cores: the torch loop for the 1e-4 bound
     kernels = KernelConfig(moe="torch", cuda_graph_max_bs=0)
     engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32",
-                                 kv_budget=8192, kernels=kernels))  # fmt: skip
+                                 kv_budget=8192), kernels=kernels)  # fmt: skip
     assert engine.runner.kernels.attention == "triton"
     for prompt in random_prompts(3, seed=1, min_len=16, max_len=60):
         ours = engine.score(prompt).float()
@@ -152,14 +152,15 @@ def _tp2_main(path: Path) -> None:
 
     make_tiny_model("gpt_oss", path)
     cfg = EngineConfig(model=str(path), device="cuda", dtype="float32", kv_budget=8192,
-                       kernels=KernelConfig(moe="torch", cuda_graph_max_bs=0))  # fmt: skip
+                       cuda_graph_max_bs=0)  # fmt: skip
+    kernels = KernelConfig(moe="torch")
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(random_prompts(8, seed=3))]
-    ref_engine = Engine(cfg)
+    ref_engine = Engine(cfg, kernels)
     ref = {r.rid: r.output_ids for r in ref_engine.generate(reqs)}
     ref_logits = ref_engine.score(reqs[0].input_ids)
     del ref_engine
-    with start_tp_engine(cfg, tp_size=2, timeout_s=300) as engine:
+    with start_tp_engine(cfg, tp_size=2, timeout_s=300, kernels=kernels) as engine:
         out = {r.rid: r.output_ids for r in engine.generate(reqs)}
         logits = engine.score(reqs[0].input_ids)
     assert out == ref

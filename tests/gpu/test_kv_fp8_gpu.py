@@ -1,6 +1,6 @@
 """The FP8 KV cache on the GPU (sm_89+): the stores (kernels/kv_store.py, rotary_kv_store.py, the
 decode kernel's own) give the torch quantization's bits; the decode and extend kernels and the
-FlashInfer backend reading a float8_e4m3fn pool match the fp32 torch backend over the
+Triton backend reading a float8_e4m3fn pool match the fp32 torch backend over the
 dequantized values (batch 1 to 64, contexts up to 8k, GQA 32/8 and 9/3, head dim 128 and 64);
 a decode graph replays as its eager launch; engines with graphs and overlap give the eager
 torch path's tokens, and SmolLM2 with the FP8 cache agrees with its bf16 cache.
@@ -251,14 +251,12 @@ def test_extend_matches_reference(heads, head_dim, dtype, prefix):
 
 
 @pytest.mark.parametrize("extend_lens", [(1, 1, 1), (1, 40, 3), (1, 1, 700)])
-@pytest.mark.parametrize("backend_name", ["triton", "flashinfer"])
+@pytest.mark.parametrize("backend_name", ["triton"])
 def test_backends_match_reference(backend_name, extend_lens):
-    """The Triton and FlashInfer backends' forward (store, then attend) on a float8 pool:
-    decode, mixed and prefill plans."""
+    """The Triton backend's forward (store, then attend) on a float8 pool: decode, mixed and
+    prefill plans."""
     from batchrun.attention import create_backend
 
-    if backend_name == "flashinfer":
-        pytest.importorskip("flashinfer")
     seq_lens = [1000 + e for e in extend_lens]
     pool, table, inputs, q, k, v = make_batch(seq_lens, list(extend_lens), 32, 8, 128,
                                               torch.bfloat16)  # fmt: skip
@@ -323,11 +321,11 @@ def test_decode_graph_replay_matches_eager():
 # -- engines --------------------------------------------------------------------------------------
 
 
-def _generate(config: EngineConfig, prompts, new: int) -> dict[str, list[int]]:
+def _generate(config: EngineConfig, prompts, new: int, kernels=None) -> dict[str, list[int]]:
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
 
-    engine = Engine(config)
+    engine = Engine(config, kernels)
     assert engine.runner.kv_pool.is_fp8 == (config.kv_cache_dtype == "fp8_e4m3")
     params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
@@ -336,27 +334,27 @@ def _generate(config: EngineConfig, prompts, new: int) -> dict[str, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("attention", ["triton", "flashinfer"])
+@pytest.mark.parametrize("attention", ["triton"])
 def test_graphs_and_overlap_give_the_eager_torch_tokens(attention, tmp_path):
-    """A tiny Llama with the FP8 cache (fp32; bf16 and head dim 64 for FlashInfer): CUDA
-    graphs, piecewise graphs and overlap on the Triton (or FlashInfer) kernels give the eager
-    path's greedy tokens (the same stored bits; attention differs by fp32 rounding only)."""
+    """A tiny Llama with the FP8 cache (fp32): CUDA graphs, piecewise graphs and overlap on the
+    Triton kernels give the eager path's greedy tokens (the same stored bits; attention differs
+    by fp32 rounding only)."""
     from tiny_models import make_tiny_model, random_prompts
 
-    if attention == "flashinfer":
-        pytest.importorskip("flashinfer")
-    make_tiny_model("llama" if attention == "triton" else "llama-d64", tmp_path)
+    make_tiny_model("llama", tmp_path)
     prompts = random_prompts(24, seed=11, min_len=4, max_len=120)
     prompts = [prompts[0][:30] + p if i % 2 else p for i, p in enumerate(prompts)]
     dtype = "float32" if attention == "triton" else "bfloat16"
     base = dict(model=str(tmp_path), device="cuda", dtype=dtype, kv_budget=20000,
                 max_running=32, kv_cache_dtype="fp8_e4m3")  # fmt: skip
-    fast = EngineConfig(**base, kernels=KernelConfig(attention=attention, piecewise_graphs=True))
+    fast = KernelConfig(attention=attention, piecewise_graphs=True)
     eager_kernels = KernelConfig.reference() if dtype == "float32" else KernelConfig(
         attention=attention, cuda_graph_max_bs=0, piecewise_graphs=False
     )  # fmt: skip
-    eager = EngineConfig(**base, overlap=False, kernels=eager_kernels)
-    assert _generate(fast, prompts, 48) == _generate(eager, prompts, 48)
+    eager = EngineConfig(**base, overlap=False)
+    assert _generate(EngineConfig(**base), prompts, 48, fast) == _generate(
+        eager, prompts, 48, eager_kernels
+    )
 
 
 def test_smollm2_fp8_cache_agrees_with_the_bf16_cache():

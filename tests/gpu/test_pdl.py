@@ -180,9 +180,8 @@ def test_engine_tokens_and_logits_identical_with_and_without_pdl(decode_gemv, tm
             device="cuda",
             dtype="bfloat16",
             kv_budget=16384,
-            kernels=kernels,
         )
-        engine = Engine(config)
+        engine = Engine(config, kernels)
         try:
             assert engine.kernels.pdl is pdl and engine.kernels.decode_gemv == decode_gemv
             norms = "all" if decode_gemv == "triton" else "off"

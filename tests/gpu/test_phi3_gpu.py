@@ -2,7 +2,7 @@
 Phi-4-mini's widths (two layers, dummy bf16 weights; 96 of 128 dims rotating) greedy tokens are
 the same with CUDA graphs (decode and piecewise) or eager, overlap on or off, the one-row decode
 on kernels/gemv.py or not, with the short factors (a context of 4096) and the long ones; the
-Triton and FlashInfer attention's logits are the torch backend's within bf16's precision; and the
+Triton attention's logits are the torch backend's within bf16's precision; and the
 tiny Phi-3 equals transformers in fp32 on the torch attention, and its CUDA-graph run on the
 Triton attention gives the eager torch engine's tokens."""
 
@@ -54,7 +54,7 @@ def _engine(model_dir: str, kernels: dict, **kw):
 
     cfg = dict(model=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
                kv_budget=20000, chunked_prefill_size=256)  # fmt: skip
-    return Engine(EngineConfig(**{**cfg, **kw}, kernels=KernelConfig(**kernels)))
+    return Engine(EngineConfig(**{**cfg, **kw}), kernels=KernelConfig(**kernels))
 
 
 def _generate(engine) -> dict[str, list[int]]:
@@ -100,12 +100,8 @@ def test_graphs_and_overlap_give_eager_tokens(phi4_dir, context_len, eager, kern
     assert _generate(engine) == reference
 
 
-@pytest.mark.parametrize("attention", ["triton", "flashinfer"])
+@pytest.mark.parametrize("attention", ["triton"])
 def test_attention_backends_match_the_torch_backend(phi4_dir, attention):
-    from batchrun.attention.flashinfer_backend import unavailable_reason
-
-    if attention == "flashinfer" and unavailable_reason("cuda") is not None:
-        pytest.skip(unavailable_reason("cuda"))
     kernels = dict(cuda_graph_max_bs=0, piecewise_graphs=False)
     fused = _engine(phi4_dir, dict(kernels, attention=attention))
     ref = _engine(phi4_dir, dict(kernels, attention="torch", triton_ops=False))
@@ -124,13 +120,13 @@ def test_tiny_phi3_equals_transformers_and_its_graph_run_the_eager_one(tmp_path)
     base = dict(model=str(tmp_path), device="cuda", dtype="float32", kv_budget=8192,
                 context_len=128)  # fmt: skip
     torch_kernels = KernelConfig(attention="torch", cuda_graph_max_bs=0, piecewise_graphs=False)
-    ref = Engine(EngineConfig(**base, overlap=False, kernels=torch_kernels))
+    ref = Engine(EngineConfig(**base, overlap=False), kernels=torch_kernels)
     for prompt in random_prompts(3, seed=1, min_len=8, max_len=60):
         ours = ref.score(prompt).float()
         with torch.no_grad():
             want = hf(torch.tensor([prompt], device="cuda")).logits[0].float()
         assert ((ours - want).norm() / want.norm()).item() <= 1e-4
-    graphs = Engine(EngineConfig(**base, kernels=KernelConfig(attention="triton")))
+    graphs = Engine(EngineConfig(**base), kernels=KernelConfig(attention="triton"))
     assert graphs.runner.kernels.cuda_graph_max_bs > 0
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(random_prompts(8, seed=2))]

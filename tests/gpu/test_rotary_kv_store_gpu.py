@@ -224,10 +224,8 @@ def test_engine_same_tokens_with_the_decode_kernels_rotary_or_the_rotary_store(
                 triton_backend.TritonAttentionBackend, "_rotates_in_decode", lambda *a: False
             )
         kernels = KernelConfig(attention="triton", cuda_graph_max_bs=16, piecewise_graphs=False)
-        config = EngineConfig(
-            model=tiny_dir, device="cuda", dtype="bfloat16", kv_budget=4096, kernels=kernels
-        )
-        engine = Engine(config)
+        config = EngineConfig(model=tiny_dir, device="cuda", dtype="bfloat16", kv_budget=4096)
+        engine = Engine(config, kernels)
         (alone,) = [
             r.output_ids for r in engine.generate([GenerateRequest("a", prompts[0], params)])
         ]

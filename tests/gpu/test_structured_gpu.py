@@ -51,11 +51,11 @@ def _requests():
 def _run(model_dir: str, kernels=None, **kw):
     """(engine, results) of the requests on an fp32 engine; kernels: a KernelConfig, else the
     defaults; kw: other EngineConfig fields."""
-    from batchrun.config import EngineConfig, KernelConfig
+    from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
 
     cfg = dict(model=model_dir, device="cuda", dtype="float32", kv_budget=20000)
-    engine = Engine(EngineConfig(**{**cfg, **kw}, kernels=kernels or KernelConfig()))
+    engine = Engine(EngineConfig(**{**cfg, **kw}), kernels=kernels)
     out = {r.rid: r for r in engine.generate(_requests())}
     engine.check_integrity()
     return engine, out

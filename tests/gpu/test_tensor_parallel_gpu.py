@@ -63,7 +63,7 @@ def model_dir(tmp_path_factory):
 
 
 def _config(model_dir: str, graphs: bool):
-    from batchrun.config import EngineConfig, KernelConfig
+    from batchrun.config import EngineConfig
 
     return EngineConfig(
         model=model_dir,
@@ -72,7 +72,7 @@ def _config(model_dir: str, graphs: bool):
         dtype="bfloat16",
         kv_budget=65536,
         max_running=64,
-        kernels=KernelConfig(cuda_graph_max_bs=64 if graphs else 0),
+        cuda_graph_max_bs=64 if graphs else 0,
     )
 
 

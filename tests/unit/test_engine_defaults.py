@@ -1,12 +1,11 @@
 """The engine's automatic sizes: max_running 512 and 4,096-token prefill chunks on CUDA, 1,024
 and 12,288 for a 3B+ model there, 256 and 4,096 on the CPU (the measured reasons are in
-batchrun/config.py); the CLI's kernel options as EngineConfig.kernels; the kernel config an
-engine on the CPU resolves and hands to its blocks."""
+batchrun/config.py); the CLI's kernel options as EngineConfig's kernel choices; the kernel plan
+an engine on the CPU resolves and hands to its blocks."""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -50,11 +49,11 @@ def test_an_explicit_max_running_is_kept():
     assert auto.max_running == MAX_RUNNING_LARGE
 
 
-def tiny_engine(tmp_path, **config):
+def tiny_engine(tmp_path, kernels: KernelConfig | None = None, **config):
     from batchrun.engine.engine import Engine
 
     model = str(write_config_dir("tiny", tmp_path))
-    return Engine(EngineConfig(model=model, load_format="dummy", device="cpu", **config))
+    return Engine(EngineConfig(model=model, load_format="dummy", device="cpu", **config), kernels)
 
 
 def test_the_engine_resolves_it(tmp_path):
@@ -64,36 +63,37 @@ def test_the_engine_resolves_it(tmp_path):
     assert engine.scheduler.prefill_budget == CHUNKED_PREFILL
 
 
+KERNEL_CHOICES = ("reference_kernels", "cuda_graph_max_bs", "piecewise_graphs", "pdl",
+                  "host_gate", "dequantize", "overlap")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
         ([], {}),
-        (["--attention-backend", "torch"], dict(attention="torch")),
-        (["--extend-attention", "triton"], dict(extend_attention="triton")),
-        (["--decode-gemv", "cublas"], dict(decode_gemv="cublas")),
-        (["--decode-gemv", "triton"], dict(decode_gemv="triton")),
+        (["--reference-kernels"], dict(reference_kernels=True)),
+        (["--dequantize"], dict(dequantize=True)),
+        (["--cuda-graph-max-bs", "64"], dict(cuda_graph_max_bs=64)),
         (["--disable-cuda-graph"], dict(cuda_graph_max_bs=0)),
         (["--disable-piecewise-cuda-graph"], dict(piecewise_graphs=False)),
         (["--disable-pdl"], dict(pdl=False)),
         (["--disable-host-gate"], dict(host_gate=False)),
-        (["--disable-overlap"], {}),
+        (["--disable-overlap"], dict(overlap=False)),
     ],
 )
 def test_cli_switches_reach_the_engine_config(flags, expected):
-    """submit's kernel options set their KernelConfig field (every other field stays auto, for
-    the engine to resolve) and --disable-overlap sets overlap."""
+    """submit's kernel options set their EngineConfig field (the user's kernel choices; the
+    plan is the engine's to resolve), every other one keeps its default."""
     config = _cli_config(["--device", "cpu", *flags])
-    assert asdict(config.kernels) == {**asdict(KernelConfig()), **expected}
-    assert config.overlap is (False if "--disable-overlap" in flags else None)
+    default = EngineConfig()
+    got = {name: getattr(config, name) for name in KERNEL_CHOICES}
+    assert got == {**{name: getattr(default, name) for name in KERNEL_CHOICES}, **expected}
 
 
-def test_the_cli_refuses_gpu_attention_on_the_cpu():
-    result = _cli_config(["--device", "cpu", "--attention-backend", "triton"], exit_code=2)
-    assert "--attention-backend triton needs a CUDA device" in result
-    result = _cli_config(["--device", "cpu", "--extend-attention", "fa3"], exit_code=2)
-    assert "--extend-attention fa3 needs a CUDA device" in result
-    result = _cli_config(["--attention-backend", "torch", "--extend-attention", "fa3"], 2)
-    assert "--extend-attention fa3 runs the triton attention backend's" in result
+def test_the_cli_has_no_plan_options():
+    """The plan's fields are no CLI options (a benchmark overrides them): click refuses them."""
+    for flag in ("--attention-backend", "--extend-attention", "--decode-gemv", "--moe-kernel"):
+        assert "No such option" in _cli_config(["--device", "cpu", flag, "torch"], exit_code=2)
 
 
 def _cli_config(args: list[str], exit_code: int = 0):
@@ -130,7 +130,7 @@ def test_decode_gemv_defaults_to_cublas_off_cuda(tmp_path):
         assert model.layers[0].mlp.down_proj.kernels == engine.kernels
         assert model.kernels == engine.runner.kernels == engine.kernels
     with pytest.raises(ValueError, match="decode_gemv"):
-        EngineConfig(kernels=KernelConfig(decode_gemv="fast")).validate()
+        KernelConfig(decode_gemv="fast").validate()
 
 
 def test_gpu_memory_utilization_sizes_the_cuda_kv_pool(monkeypatch):

@@ -1,5 +1,5 @@
-"""The FP8 kernels (kernels/fp8_quant.py, kernels/fp8_block_matmul.py) under Triton's CPU
-interpreter, against torch references, and QuantMatmul's FP8 paths running them.
+"""The FP8 quantization kernels (kernels/fp8_quant.py) under Triton's CPU interpreter, against
+torch references, and QuantMatmul's scaled_mm path running them.
 
 Skipped where triton is not installed. The checks run in a subprocess (TRITON_INTERPRET must be
 set before triton is first imported).
@@ -117,57 +117,15 @@ def _check_quant_per_token_group():
     assert torch.equal(back, x.float())
 
 
-def _block_reference(xq, sx, w, sw):
-    rows, cols = xq.shape
-    out = w.shape[0]
-    xd = xq.float() * sx.repeat_interleave(128, 1)[:, :cols]
-    wd = w.float() * sw.repeat_interleave(128, 0).repeat_interleave(128, 1)[:out, :cols]
-    return xd @ wd.T
-
-
-def _check_block_matmul():
-    from batchrun.kernels.fp8_block_matmul import CONFIGS, block_fp8_matmul, pick_config
-
-    gen = torch.Generator().manual_seed(3)
-    shapes = [(1, 256, 384), (7, 200, 300), (33, 384, 256), (130, 130, 128)]
-    for (rows, out, cols), (_, config) in zip(shapes, CONFIGS):
-        w = (torch.randn(out, cols, generator=gen) * 50).to(FP8)
-        sw = torch.rand(-(-out // 128), -(-cols // 128), generator=gen) + 0.5
-        xq = (torch.randn(rows, cols, generator=gen) * 50).to(FP8)
-        sx = torch.rand(rows, -(-cols // 128), generator=gen) + 0.5
-        want = _block_reference(xq, sx, w, sw)
-        for scales in (sx, sx.t().contiguous().t()):  # row-major, column-major
-            got = block_fp8_matmul(xq, scales, w, sw, torch.float32, config)
-            rel = float((got - want).norm() / want.norm())
-            assert got.shape == (rows, out) and rel < 1e-6, (rows, out, cols, config, rel)
-        got = block_fp8_matmul(xq, sx, w, sw)  # the table's config, bf16 out
-        assert got.dtype == torch.bfloat16
-        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * float(want.std()))
-    assert pick_config(1, 4096).block_n == 32 and pick_config(1, 28672).block_n == 64
-    assert pick_config(8192, 4096) == CONFIGS[-1][1]
-    empty = block_fp8_matmul(xq[:0], sx[:0], w, sw)
-    assert empty.shape == (0, w.shape[0])
-
-
 def _check_quant_matmul_paths():
-    """QuantMatmul's block path (both kernels) and scaled_mm path with the Triton quantization,
-    against the dequantized weights times the exactly quantized activations."""
+    """QuantMatmul's scaled_mm path with the Triton quantization, against the dequantized
+    weights times the exactly quantized activations (the block path runs cuBLASLt's block
+    matmul: tests/gpu/test_fp8_kernels_gpu.py)."""
     from batchrun.quant.linear import QuantMatmul, QuantSpec
     from batchrun.quant.quantize import quantize_fp8
 
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(256, 384, generator=gen) * 0.02
-    x = _exact_fp8_input(5, 384, 128, gen)
-    block = quantize_fp8(w, "block", (128, 128))
-    spec = QuantSpec("fp8", "dynamic", (128, 128), "fp8_block", "test")
-    m = QuantMatmul(256, 384, spec, torch.float32, "cpu")
-    m.load(block, "test")
-    assert m.weight.dtype == FP8 and m.weight_scale.shape == (2, 3)
-    got = m(x.view(1, 5, 384))
-    want = x @ block.dequantize().T
-    assert got.shape == (1, 5, 256)
-    assert float((got[0] - want).norm() / want.norm()) < 1e-6  # fp32 sums in another order
-
     # scaled_mm (torch's CPU implementation) fed by kernels/fp8_quant.py
     x = _exact_fp8_input(5, 384, 384, gen)
     for activations, weights in (
@@ -207,7 +165,6 @@ def _run_checks():
     _check_quant_per_token()
     _check_quant_static()
     _check_quant_per_token_group()
-    _check_block_matmul()
     _check_quant_matmul_paths()
     print("ok")
 

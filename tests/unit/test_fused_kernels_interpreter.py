@@ -208,8 +208,8 @@ def _check_model_wiring(tmp_dir: Path) -> None:
         path = Path(tempfile.mkdtemp(dir=tmp_dir))
         make_tiny_model(kind, path)
         base = dict(model=str(path), device="cpu", dtype="float32", kv_budget=512)
-        ref_engine = Engine(EngineConfig(**base, kernels=KernelConfig.reference()))
-        engine = Engine(EngineConfig(**base, kernels=triton))
+        ref_engine = Engine(EngineConfig(**base), kernels=KernelConfig.reference())
+        engine = Engine(EngineConfig(**base), kernels=triton)
         assert engine.kernels == triton == engine.runner.model.norm.kernels
         for prompt in random_prompts(2, seed=3, min_len=5, max_len=20):
             ref, fused = ref_engine.score(prompt), engine.score(prompt)
@@ -227,12 +227,9 @@ def _runner(path: Path, kernels, dtype: str = "float16"):
     from batchrun.models.config import ModelConfig
 
     model_cfg = ModelConfig.from_dir(path)
-    config = EngineConfig(
-        model=str(path), device="cpu", dtype=dtype, kv_budget=512, overlap=False,
-        kernels=kernels,
-    )  # fmt: skip
+    config = EngineConfig(model=str(path), device="cpu", dtype=dtype, kv_budget=512, overlap=False)
     config = resolve_sizes(config, model_cfg)
-    return ModelRunner(config, model_cfg, path, model_cfg.max_position_embeddings)
+    return ModelRunner(config, kernels, model_cfg, path, model_cfg.max_position_embeddings)
 
 
 def _check_decode_gemv_wiring(tmp_dir: Path) -> None:

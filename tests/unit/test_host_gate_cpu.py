@@ -50,7 +50,7 @@ def test_the_cpu_resolves_no_gate():
     cpu, model_cfg = torch.device("cpu"), llama3_model_config("tiny")
     assert resolve_kernels(EngineConfig(), model_cfg, cpu).host_gate is False
     with pytest.raises(ValueError, match="host_gate needs CUDA, overlap and a driver"):
-        resolve_kernels(EngineConfig(kernels=KernelConfig(host_gate=True)), model_cfg, cpu)
+        resolve_kernels(EngineConfig(), model_cfg, cpu, KernelConfig(host_gate=True))
 
 
 def test_an_engine_without_the_gate_has_none(tmp_path):

@@ -2,8 +2,8 @@
 CPU and on a simulated GPU, and the requests it refuses with a message.
 
 The GPU cases run without CUDA: `supports_pdl` (the device's compute capability), `has_triton`
-`HostGate.available` (the driver's stream wait call) and `fa3_unavailable_reason` (FlashInfer's
-FA3 prefill) are patched to describe an H200 (sm_90,
+`HostGate.available` (the driver's stream wait call) and attention/fa3_cache.py (FlashInfer's
+FA3 prefill and its built kernels) are patched to describe an H200 (sm_90,
 PDL) or an A100 (sm_80), and resolve_kernels reads nothing else of the device. ModelConfigs of
 the Llama 3 shapes stand in for the models (no weights): llama-1b (hidden 2048, 1.0B decoder
 parameters) and llama-8b (hidden 4096, 7.0B: batchrun.config.is_large).
@@ -22,7 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_configs import MIXTRAL_8X7B_INSTRUCT, QWEN3_30B_A3B, QWEN15_MOE_A27B  # noqa: E402
 from tiny_models import llama3_model_config  # noqa: E402
 
-from batchrun.config import EngineConfig, KernelConfig, is_large, resolve_sizes  # noqa: E402
+from batchrun.attention import fa3_cache  # noqa: E402
+from batchrun.config import (  # noqa: E402
+    CUDA_GRAPH_MAX_BS,
+    EngineConfig,
+    KernelConfig,
+    is_large,
+    resolve_sizes,
+)
 from batchrun.engine import kernel_choice  # noqa: E402
 from batchrun.engine.kernel_choice import (  # noqa: E402
     NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN,
@@ -39,22 +46,25 @@ SMALL, LARGE = llama3_model_config("llama-1b"), llama3_model_config("llama-8b")
 def resolve(model_cfg=SMALL, device=CPU, kernels: KernelConfig | None = None, **config):
     """resolve_kernels as the engine calls it: sizes resolved, overlap decided (on for CUDA)."""
     config.setdefault("overlap", device.type == "cuda")
-    engine_config = EngineConfig(device=device.type, kernels=kernels or KernelConfig(), **config)
-    return resolve_kernels(resolve_sizes(engine_config, model_cfg), model_cfg, device)
+    engine_config = EngineConfig(device=device.type, **config)
+    return resolve_kernels(resolve_sizes(engine_config, model_cfg), model_cfg, device, kernels)
 
 
 @pytest.fixture
 def gpu(monkeypatch):
     """A GPU with triton and the driver's stream wait: call with pdl=True for sm_90+ (an H200,
     with FP8 tensor cores), pdl=False for sm_80 (an A100, without); `memory` bytes (an H200's
-    by default); fa3: FlashInfer's FA3 prefill runs the model (flashinfer installed); gemv_mma:
+    by default); fa3: FlashInfer's FA3 prefill runs the model (flashinfer installed, its kernels
+    built); gemv_mma:
     kernels/int4_gemv_mma.py runs (Gluon, sm_80+)."""
 
     def make(pdl: bool, memory: int = H200_MEMORY, fa3: bool = False, gemv_mma=True) -> None:
         monkeypatch.setattr(kernel_choice, "gpu_memory", lambda device: memory)
         reason = None if fa3 else "flashinfer is not importable"
-        monkeypatch.setattr(kernel_choice, "fa3_unavailable_reason", lambda *args: reason)
-        monkeypatch.setattr(kernel_choice, "fa3_run_error", lambda *args: None)
+        monkeypatch.setattr(fa3_cache, "unavailable_reason", lambda *args: reason)
+        monkeypatch.setattr(fa3_cache, "missing_modules", lambda *args: [])
+        monkeypatch.setattr(fa3_cache, "probe_error", lambda *args: None)
+        monkeypatch.setattr(fa3_cache, "start_build", lambda *args: pytest.fail("no build"))
         monkeypatch.setattr(kernel_choice, "has_triton", lambda: True)
         monkeypatch.setattr(kernel_choice, "supports_pdl", lambda device: pdl)
         monkeypatch.setattr(kernel_choice, "supports_fp8_matmul", lambda device: pdl)
@@ -89,7 +99,6 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         piecewise_graphs=False,
         host_gate=False,
         fp8_matmul="dequant",
-        fp8_block_gemm="triton",
         int4_matmul="dequant",
         fp8_fast_accum=True,
         moe="torch",
@@ -132,7 +141,7 @@ def test_is_resolved_only_without_auto_fields():
         (KernelConfig(host_gate=True), "host_gate needs CUDA, overlap and a driver"),
         (KernelConfig(piecewise_graphs=True), "piecewise CUDA graphs need CUDA"),
         (KernelConfig(decode_norms="all"), "decode_norms 'all' needs decode_gemv 'triton'"),
-        (KernelConfig(attention="flashinfer"), "'flashinfer' cannot run here: it needs a CUDA"),
+        (KernelConfig(attention="flashinfer"), "attention backend must be one of auto, torch, "),
     ],
 )
 def test_the_cpu_refuses(kernels, message):
@@ -219,11 +228,10 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         pdl=True,
         decode_gemv="triton",
         decode_norms="all",  # hidden 2048: each norm inside the matmul before it
-        cuda_graph_max_bs=KernelConfig.cuda_graph_max_bs,
+        cuda_graph_max_bs=CUDA_GRAPH_MAX_BS,
         piecewise_graphs=True,  # a small model's mixed steps are bound by the host
         host_gate=True,
         fp8_matmul="scaled_mm",  # the FP8 linears of a quantized model on the tensor cores
-        fp8_block_gemm="cublaslt",  # block FP8 above 16 rows on cuBLASLt's block matmul
         int4_matmul="dequant",  # a plain model's (INT4 ones: the rule below)
         fp8_fast_accum=True,
         moe="triton",  # a mixture's experts on kernels/fused_moe.py
@@ -239,7 +247,7 @@ def test_an_h200_folds_the_norms_of_a_wide_model_and_keeps_its_mixed_steps_eager
     assert kernels.decode_gemv == "triton" and kernels.pdl is True
     assert kernels.decode_norms == "fold-all"  # hidden 4096: both norms in the matmul after
     assert kernels.piecewise_graphs is False  # 3B+ decoder parameters
-    assert kernels.cuda_graph_max_bs == KernelConfig.cuda_graph_max_bs
+    assert kernels.cuda_graph_max_bs == CUDA_GRAPH_MAX_BS
 
 
 def test_piecewise_graphs_need_decode_graphs_and_a_chunk_size(gpu):
@@ -284,7 +292,7 @@ def test_a_gpu_without_triton_runs_torch_and_cublas(gpu, monkeypatch):
     kernels = resolve(SMALL, CUDA)
     assert (kernels.attention, kernels.triton_ops, kernels.pdl) == ("torch", False, False)
     assert (kernels.decode_gemv, kernels.decode_norms) == ("cublas", "off")
-    assert kernels.cuda_graph_max_bs == KernelConfig.cuda_graph_max_bs
+    assert kernels.cuda_graph_max_bs == CUDA_GRAPH_MAX_BS
 
 
 def test_fields_set_by_hand_are_kept(gpu):
@@ -300,7 +308,6 @@ def test_fields_set_by_hand_are_kept(gpu):
         piecewise_graphs=False,
         host_gate=False,
         fp8_matmul="dequant",
-        fp8_block_gemm="triton",
         int4_matmul="dequant",
         fp8_fast_accum=True,
         moe="torch",
@@ -364,26 +371,19 @@ def fp8_blocks(model_cfg):
     return replace(model_cfg, quantization=scheme)
 
 
-def test_int4_and_block_fp8_are_dequantized_where_the_bf16_weights_fit(gpu, monkeypatch):
-    """On CUDA, an INT4 or block-FP8 model's weights are dequantized to bf16 at load where that
-    takes at most DEQUANT_MAX_MEMORY of the GPU (llama-8b's 15 GB of an H200's 150), else kept
-    packed on kernels/int4_matmul.py / the Triton block matmul (llama-8b on a 24 GB GPU; or
-    llama-8b's ranks at TP=2 on a 16 GB one: half each); block FP8 stays in FP8 wherever
-    cuBLASLt's block matmul runs (faster than bf16). An INT4 model also keeps its packed
+def test_int4_is_dequantized_where_the_bf16_weights_fit(gpu, monkeypatch):
+    """On CUDA, an INT4 model's weights are dequantized to bf16 at load where that takes at most
+    DEQUANT_MAX_MEMORY of the GPU (llama-8b's 15 GB of an H200's 150), else kept packed on
+    kernels/int4_matmul.py (llama-8b on a 24 GB GPU; or llama-8b's ranks at TP=2 on a 16 GB
+    one: half each). An INT4 model also keeps its packed
     weight for the decode GEMV ("dequant-gemv") where both fit and the GEMV runs (llama-8b's
     ranks at TP=2 on a 16 GB GPU: the bf16 half fits, not with the copy). A hand-set choice is
     kept. The CPU dequantizes unless "triton" is set by hand (Triton's interpreter), which
     needs triton; "dequant-gemv" needs the GEMV."""
     gpu(pdl=True)
     assert resolve(int4(LARGE), CUDA).int4_matmul == "dequant-gemv"
-    assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "scaled_mm"  # cuBLASLt's blocks
-    assert resolve(quantized(LARGE), CUDA).fp8_matmul == "scaled_mm"  # per channel: the cores
-    monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: False)
-    assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "dequant"
     gpu(pdl=True, memory=24_000_000_000)
-    monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: False)
     assert resolve(int4(LARGE), CUDA).int4_matmul == "triton"
-    assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "scaled_mm"
     assert resolve(int4(SMALL), CUDA).int4_matmul == "dequant-gemv"
     gpu(pdl=True, memory=16_000_000_000)
     assert resolve(int4(LARGE), CUDA).int4_matmul == "triton"
@@ -523,9 +523,9 @@ def test_moe_prefill_grouped_mm_where_cutlass_runs(gpu, monkeypatch):
 
 
 def test_extend_attention_fa3_where_it_runs(gpu, monkeypatch):
-    """extend_attention auto: "fa3" with attention "triton" where fa3_unavailable_reason finds
-    nothing against it (flashinfer, sm_90, its kernels built or buildable, the head dim, the
-    dtypes, no sinks), else "triton"; "fa3" asked for is refused where it cannot run or beside
+    """extend_attention auto: "fa3" with attention "triton" where fa3_cache.unavailable_reason
+    finds nothing against it (flashinfer, sm_90, the head dim, the dtypes, no sinks) and its
+    kernels are built, else "triton"; "fa3" asked for is refused where it cannot run or beside
     another attention backend."""
     assert resolve(SMALL).extend_attention == "triton"  # the CPU
     with pytest.raises(ValueError, match="extend_attention must be one of auto, triton, fa3"):
@@ -546,38 +546,53 @@ def test_extend_attention_fa3_where_it_runs(gpu, monkeypatch):
     with pytest.raises(ValueError, match="runs attention 'triton''s extend rows, and the attent"):
         resolve(SMALL, CUDA, replace(fa3, attention="torch"))
     seen = []
-    monkeypatch.setattr(
-        kernel_choice, "fa3_unavailable_reason", lambda *args: seen.append(args) or "sinks"
-    )
+    monkeypatch.setattr(fa3_cache, "unavailable_reason", lambda *args: seen.append(args) or "sinks")
     with pytest.raises(ValueError, match="'fa3' cannot run here: sinks"):
         resolve(SMALL, CUDA, fa3)
     assert seen[0][1:] == (SMALL.head_dim, "auto", False, False)
     assert resolve(SMALL, CUDA).extend_attention == "triton"
 
 
-def test_extend_attention_fa3_runs_one_batch_at_start_up(gpu, monkeypatch, caplog):
-    """Where FA3 is available, one FA3 prefill runs at start-up with one rank's heads and the
-    dtype (fa3_run_error, which builds the kernels): auto falls back to "triton" with a warning
-    when it fails, "fa3" asked for is refused with its error."""
+def test_extend_attention_fa3_only_where_its_kernels_are_built(gpu, monkeypatch, caplog):
+    """No compiler on the start-up path: where FA3's kernels are not built, the extend rows run
+    on the Triton kernel and rank 0 starts their build in the background (where nvcc is), for
+    the next run; where they are built, one FA3 prefill runs at start-up with one rank's heads
+    and the dtype (fa3_cache.probe_error), and its failure keeps the Triton kernel."""
     gpu(pdl=True, fa3=True)
-    seen = []
-    error = [None]
-    monkeypatch.setattr(kernel_choice, "fa3_run_error", lambda *args: seen.append(args) or error[0])
+    missing, builds, nvcc = [["fa3_module"]], [], ["/usr/local/cuda/bin/nvcc"]
+    monkeypatch.setattr(fa3_cache, "missing_modules", lambda *args: missing[0])
+    monkeypatch.setattr(fa3_cache, "find_nvcc", lambda: nvcc[0])
+    monkeypatch.setattr(
+        fa3_cache, "start_build", lambda *args: builds.append(args) or Path("/tmp/build.log")
+    )
+    with caplog.at_level("INFO", logger=kernel_choice.__name__):
+        assert resolve(LARGE, CUDA).extend_attention == "triton"
+    assert builds == [(128, torch.bfloat16, (0,))]
+    assert "a background process builds them for the next run" in caplog.text
+    assert "/tmp/build.log" in caplog.text
+    assert resolve(LARGE, CUDA, tp_size=2, tp_rank=1).extend_attention == "triton"
+    assert len(builds) == 1  # rank 0 builds
+    mixed = replace(LARGE, sliding_windows=(4096, 0) * 16)
+    assert resolve(mixed, CUDA, dtype="float16").extend_attention == "triton"
+    assert builds[-1] == (128, torch.float16, mixed.sliding_windows)
+    nvcc[0] = None
+    with pytest.raises(ValueError, match=r"not built here, and no nvcc .* flashinfer-jit-cache"):
+        resolve(LARGE, CUDA, KernelConfig(extend_attention="fa3"))
+    assert len(builds) == 2
+
+    missing[0] = []
+    seen, error = [], [None]
+    monkeypatch.setattr(fa3_cache, "probe_error", lambda *args: seen.append(args) or error[0])
     with caplog.at_level("INFO", logger=kernel_choice.__name__):
         assert resolve(LARGE, CUDA, tp_size=2).extend_attention == "fa3"
     assert seen[-1][1:] == (16, 4, 128, torch.bfloat16, (0,))
-    # a first run's build is announced, not a silent stall at start-up
-    assert "builds its kernels with nvcc" in caplog.text and "FA3 prefill ran in" in caplog.text
-    assert resolve(LARGE, CUDA, dtype="float16").extend_attention == "fa3"
-    assert seen[-1][1:] == (32, 8, 128, torch.float16, (0,))
-    mixed = replace(LARGE, sliding_windows=(4096, 0) * 16)
-    assert resolve(mixed, CUDA).extend_attention == "fa3"
-    assert seen[-1][-1] == mixed.sliding_windows
-    error[0] = "RuntimeError: ninja: build stopped: subcommand failed."
-    with caplog.at_level("WARNING", logger=kernel_choice.__name__):
+    assert "FA3 prefill ran its start-up batch in" in caplog.text
+    error[0] = "RuntimeError: an illegal instruction was encountered"
+    with caplog.at_level("INFO", logger=kernel_choice.__name__):
         assert resolve(LARGE, CUDA).extend_attention == "triton"
-    assert "extend rows run on the Triton kernel: FlashInfer's FA3 prefill failed" in caplog.text
-    assert "ninja: build stopped" in caplog.text
+    assert "extend rows run on the Triton kernel, not FA3: FlashInfer's FA3 prefill failed" in (
+        caplog.text
+    )
     with pytest.raises(ValueError, match="'fa3' cannot run here: FlashInfer's FA3 prefill fail"):
         resolve(LARGE, CUDA, KernelConfig(extend_attention="fa3"))
     calls = len(seen)
@@ -585,93 +600,6 @@ def test_extend_attention_fa3_runs_one_batch_at_start_up(gpu, monkeypatch, caplo
         "triton"
     )
     assert len(seen) == calls  # nothing runs where the extend rows stay on Triton
-
-
-def test_fa3_run_error_plans_and_runs_as_the_backend_does(monkeypatch):
-    """fa3_run_error against a stand-in flashinfer: the wrapper on the "fa3" backend, planned
-    causal over page size 1 with the heads and dtypes given, run on a (k, v) pair; a failure
-    comes back as its type and last lines."""
-    from batchrun.attention import flashinfer_backend as fb
-
-    seen = {}
-
-    class Wrapper:
-        def __init__(self, workspace, layout, backend):
-            seen["init"] = (layout, backend)
-
-        def plan(self, *args, **kw):
-            seen["plan"] = (args[4:], kw)
-            seen.setdefault("lefts", []).append(kw["window_left"])
-
-        def run(self, q, kv):
-            if seen.get("fail"):
-                raise RuntimeError("Error building extension\n\nninja: build stopped\n")
-            seen["kv"] = kv[0].shape
-            return torch.empty_like(q)
-
-    stub = type("flashinfer", (), {"BatchPrefillWithPagedKVCacheWrapper": Wrapper})
-    monkeypatch.setattr(fb, "import_flashinfer", lambda: stub)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    assert fb.fa3_run_error(CPU, 32, 8, 128, torch.bfloat16) is None
-    assert seen["init"] == ("NHD", "fa3")
-    assert seen["plan"][0] == (32, 8, 128, 1)
-    assert seen["plan"][1]["causal"] and seen["plan"][1]["window_left"] == -1
-    assert seen["plan"][1]["q_data_type"] == seen["plan"][1]["kv_data_type"] == torch.bfloat16
-    assert seen["kv"] == (fb.PROBE_TOKENS, 1, 8, 128)
-    assert seen["lefts"] == [-1]  # the whole context only
-    for windows, lefts in [((4096,) * 4, [15]), ((0, 8) * 2, [-1, 7]), ((), [-1])]:
-        seen["lefts"] = []
-        assert fb.fa3_run_error(CPU, 32, 8, 128, torch.bfloat16, windows) is None
-        assert seen["lefts"] == lefts, windows  # one run a kernel: windowed or not
-    seen["fail"] = True
-    error = fb.fa3_run_error(CPU, 32, 8, 128, torch.bfloat16)
-    assert error == "RuntimeError: Error building extension / ninja: build stopped"
-
-
-def test_fa3_unavailable_reasons(monkeypatch):
-    """What keeps FlashInfer's FA3 prefill from a model, once flashinfer imports on a GPU."""
-    from batchrun.attention import flashinfer_backend as fb
-
-    monkeypatch.setattr(fb, "unavailable_reason", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    capability = [(9, 0)]
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability[0])
-    monkeypatch.setattr(fb, "_build_reason", lambda: None)
-    assert fb.fa3_unavailable_reason(CUDA, 128, "auto", False, False) is None
-    assert fb.fa3_unavailable_reason(CUDA, 256, "bfloat16", False, False) is None
-    assert "head dims" in fb.fa3_unavailable_reason(CUDA, 80, "auto", False, False)
-    assert "float32" in fb.fa3_unavailable_reason(CUDA, 128, "float32", False, False)
-    assert "float8" in fb.fa3_unavailable_reason(CUDA, 128, "auto", True, False)
-    assert "sinks" in fb.fa3_unavailable_reason(CUDA, 64, "auto", False, True)
-    capability[0] = (10, 0)
-    assert "sm_90" in fb.fa3_unavailable_reason(CUDA, 128, "auto", False, False)
-    capability[0] = (9, 0)
-    monkeypatch.setattr(fb, "_build_reason", lambda: "no nvcc")
-    assert fb.fa3_unavailable_reason(CUDA, 128, "auto", False, False) == "no nvcc"
-
-
-def test_fa3_kernels_come_from_the_jit_cache_or_nvcc(monkeypatch, tmp_path):
-    """FlashInfer's FA3 kernels: compiled in flashinfer-jit-cache, or built with an nvcc found
-    as torch's extension builder finds it (CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda)."""
-    from batchrun.attention import flashinfer_backend as fb
-
-    monkeypatch.setattr(fb.importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(fb.shutil, "which", lambda name: None)
-    monkeypatch.delenv("CUDA_HOME", raising=False)
-    monkeypatch.delenv("CUDA_PATH", raising=False)
-    isfile = fb.os.path.isfile
-    monkeypatch.setattr(fb.os.path, "isfile", lambda p: p.startswith(str(tmp_path)) and isfile(p))
-    assert "neither nvcc" in fb._build_reason()
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "nvcc").write_text("")
-    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
-    assert fb._build_reason() is None
-    monkeypatch.delenv("CUDA_HOME")
-    monkeypatch.setattr(fb.shutil, "which", lambda name: str(tmp_path / "bin" / "nvcc"))
-    assert fb._build_reason() is None
-    monkeypatch.setattr(fb.shutil, "which", lambda name: None)
-    monkeypatch.setattr(fb.importlib.util, "find_spec", lambda name: object())
-    assert fb._build_reason() is None
 
 
 def test_moe_triton_needs_triton(monkeypatch):
@@ -694,15 +622,51 @@ def test_gemma3_decodes_with_its_norms_apart(gpu):
         resolve(gemma, CUDA, KernelConfig(decode_norms="all"))
 
 
-def test_block_fp8_runs_cublaslt_where_torch_has_its_block_scales(gpu, monkeypatch):
-    """fp8_block_gemm auto: cuBLASLt's block matmul on sm_90 with a CUDA 12.9+ torch, else the
-    Triton kernel; set by hand where it cannot run, a clear error."""
+def test_block_fp8_needs_cublaslt_or_room_to_dequantize(gpu, monkeypatch):
+    """Block FP8 stays in FP8 only on cuBLASLt's block matmul (sm_90, a torch with CUDA 12.9+);
+    without it, a model whose bf16 weights fit is dequantized, and one too large to dequantize
+    is refused by name at start-up, as "scaled_mm" asked for there."""
     gpu(pdl=True)
-    assert resolve(SMALL, CUDA).fp8_block_gemm == "cublaslt"
+    assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "scaled_mm"
     monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: False)
-    assert resolve(SMALL, CUDA).fp8_block_gemm == "triton"
-    with pytest.raises(ValueError, match="fp8_block_gemm 'cublaslt' needs an sm_90 GPU"):
-        resolve(SMALL, CUDA, KernelConfig(fp8_block_gemm="cublaslt"))
-    assert resolve(kernels=KernelConfig()).fp8_block_gemm == "triton"  # the CPU
-    with pytest.raises(ValueError, match="fp8_block_gemm must be one of"):
-        KernelConfig(fp8_block_gemm="cutlass").validate()
+    assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "dequant"
+    with pytest.raises(ValueError, match="fp8_matmul 'scaled_mm' runs 128 x 128 block-FP8"):
+        resolve(fp8_blocks(LARGE), CUDA, KernelConfig(fp8_matmul="scaled_mm"))
+    assert resolve(quantized(LARGE), CUDA).fp8_matmul == "scaled_mm"  # per channel: any sm_89+
+    gpu(pdl=True, memory=24_000_000_000)
+    monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: False)
+    with pytest.raises(ValueError, match=r"cuBLASLt's block-scaled matmul.*and is missing here; "
+                       r"dequantized, the decoder's bf16 weights take 14.0 GB"):  # fmt: skip
+        resolve(fp8_blocks(LARGE), CUDA)
+    assert resolve(fp8_blocks(LARGE), CUDA, tp_size=2).fp8_matmul == "dequant"
+
+
+def test_dequantize_is_the_users_choice(gpu):
+    """EngineConfig.dequantize (--dequantize): a quantized checkpoint's weights dequantized at
+    load wherever the rules would keep them."""
+    gpu(pdl=True)
+    assert resolve(quantized(LARGE), CUDA, dequantize=True).fp8_matmul == "dequant"
+    assert resolve(int4(LARGE), CUDA, dequantize=True).int4_matmul == "dequant"
+    gpu(pdl=True, memory=24_000_000_000)
+    assert resolve(int4(LARGE), CUDA).int4_matmul == "triton"
+    assert resolve(int4(LARGE), CUDA, dequantize=True).int4_matmul == "dequant"
+
+
+def test_the_users_kernel_choices(gpu):
+    """EngineConfig's kernel choices: the reference path (every field the override leaves is the
+    reference's), CUDA graphs' largest batch (0: none, piecewise ones neither), PDL and the host
+    gate off."""
+    gpu(pdl=True)
+    reference = resolve(SMALL, CUDA, reference_kernels=True)
+    assert reference == KernelConfig.reference()
+    partial = resolve(SMALL, CUDA, KernelConfig(attention="triton"), reference_kernels=True)
+    assert partial == replace(KernelConfig.reference(), attention="triton")
+    assert resolve(SMALL, CUDA, cuda_graph_max_bs=64).cuda_graph_max_bs == 64
+    none = resolve(SMALL, CUDA, cuda_graph_max_bs=0)
+    assert (none.cuda_graph_max_bs, none.piecewise_graphs) == (0, False)
+    assert resolve(SMALL, CUDA, piecewise_graphs=False).piecewise_graphs is False
+    no_pdl = resolve(SMALL, CUDA, pdl=False)
+    assert (no_pdl.pdl, no_pdl.decode_gemv, no_pdl.decode_norms) == (False, "cublas", "off")
+    assert resolve(SMALL, CUDA, host_gate=False).host_gate is False
+    with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 0"):
+        EngineConfig(cuda_graph_max_bs=-1).validate()

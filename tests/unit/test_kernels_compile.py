@@ -21,10 +21,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_kernels_compil
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_the_quantization_kernels_compile_for_sm_90():
     """Every case compiles; and the loops that moved tiles through shared memory more often than
-    they need to do not again (--sass, the kernels' docstrings): the INT4 GEMV reads each word
-    tile into the dot's operand layout once (it took 18 barriers a tile when each nibble tile
-    crossed shared memory), the decode kernel reads a float8 pool's V without one-byte shared
-    loads, and with its own rotary runs the plain loop (its new token patched outside it)."""
+    they need to do not again (--sass, the kernels' docstrings): the decode kernel reads a
+    float8 pool's V without one-byte shared loads, and with its own rotary runs the plain loop
+    (its new token patched outside it)."""
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--arch", "90", "--sass"],
         capture_output=True,
@@ -34,7 +33,6 @@ def test_the_quantization_kernels_compile_for_sm_90():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "0 failed" in proc.stdout
     loops = _loops(proc.stdout)
-    assert loops["int4_gemv group=128 sym=False M=1"]["barriers"] <= 4
     for splits in (1, 16):
         assert loops[f"decode_attention fp8 splits={splits} window=0"]["byte_loads"] == 0
     plain = loops["decode_attention splits=1 window=0"]["instructions"]

@@ -278,9 +278,9 @@ def _check_engine() -> None:
         for kernels in (INTERPRETER_KERNELS, KernelConfig.reference()):
             cfg = EngineConfig(
                 model=tmp, device="cpu", dtype="float32", kv_budget=1024,
-                kv_cache_dtype="fp8_e4m3", kernels=replace(kernels, cuda_graph_max_bs=0),
+                kv_cache_dtype="fp8_e4m3",
             )  # fmt: skip
-            engine = Engine(cfg)
+            engine = Engine(cfg, kernels=replace(kernels, cuda_graph_max_bs=0))
             reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
             tokens = {r.rid: r.output_ids for r in engine.generate(reqs)}
             results.append((tokens, engine.score(prompts[0])))

@@ -57,7 +57,7 @@ def _check_model(kind: str, root: Path) -> None:
     ):  # fmt: skip
         kernels = replace(KernelConfig.reference(), moe=moe, moe_decode=decode, moe_prefill=prefill)
         engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32",
-                                     kv_budget=4096, kernels=kernels))  # fmt: skip
+                                     kv_budget=4096), kernels=kernels)  # fmt: skip
         resolved = engine.runner.kernels
         assert (resolved.moe, resolved.moe_decode, resolved.moe_prefill) == (moe, decode, prefill)
         prompts = random_prompts(3, seed=4, min_len=6, max_len=40)

@@ -77,8 +77,8 @@ def _check_engine(tmp_dir: Path) -> None:
     path = Path(tempfile.mkdtemp(dir=tmp_dir))
     make_tiny_model("phi3", path)
     base = dict(model=str(path), device="cpu", dtype="float32", kv_budget=1024, context_len=128)
-    ref_engine = Engine(EngineConfig(**base, kernels=KernelConfig.reference()))
-    engine = Engine(EngineConfig(**base, kernels=INTERPRETER_KERNELS))
+    ref_engine = Engine(EngineConfig(**base), kernels=KernelConfig.reference())
+    engine = Engine(EngineConfig(**base), kernels=INTERPRETER_KERNELS)
     runner = engine.runner
     assert engine.kernels.attention == "triton" and engine.kernels.triton_ops
     rotary = runner.model.rotary

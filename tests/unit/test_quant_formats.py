@@ -353,8 +353,8 @@ def resolved(kernels: KernelConfig, quantized: bool = True) -> KernelConfig:
         from dataclasses import replace
 
         cfg = replace(cfg, quantization=OnlineFp8Scheme())
-    config = EngineConfig(device="cpu", kernels=kernels, overlap=False, chunked_prefill_size=64)
-    return resolve_kernels(config, cfg, torch.device("cpu"))
+    config = EngineConfig(device="cpu", overlap=False, chunked_prefill_size=64)
+    return resolve_kernels(config, cfg, torch.device("cpu"), kernels)
 
 
 def test_a_quantized_model_resolves_cublas_no_folded_norms_and_dequant_on_the_cpu():
@@ -388,11 +388,11 @@ def test_a_quantized_model_resolves_cublas_no_folded_norms_and_dequant_on_the_cp
     ],
 )
 def test_plan_linear_picks_the_kernel(qcfg, fp8_matmul, dtype, want):
-    """Block FP8 runs the Triton block matmul wherever fp8_matmul is "scaled_mm" (the FP8
-    tensor cores; its output in any dtype); per tensor / channel torch._scaled_mm in bf16."""
-    from batchrun.quant.linear import block_fp8_matmul, plan_linear
+    """Block FP8 runs cuBLASLt's block matmul wherever fp8_matmul is "scaled_mm" (the plan
+    keeps it there; its output in any dtype); per tensor / channel torch._scaled_mm in bf16."""
+    from batchrun.quant.linear import fp8_quant, plan_linear
 
-    if want == "fp8_block" and block_fp8_matmul is None:
+    if want == "fp8_block" and fp8_quant is None:
         want = "dense"  # no Triton: blocks are dequantized
     scheme = parse_quant_config({"quantization_config": qcfg}, "config.json")
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]

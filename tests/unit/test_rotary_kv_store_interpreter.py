@@ -1,8 +1,8 @@
 """kernels/rotary_kv_store.py under Triton's CPU interpreter: the one-launch rotary + KV store
 against the two kernels it replaces (`apply_rotary_` then `store_kv`) and the torch path, bit for
-bit; `KVPool.store_rotated` with the Triton kernels against rotary + store; the Triton and
-FlashInfer (over a torch stand-in) backends' `forward_rotary` against rotary + forward (decode,
-extend and mixed plans); a tiny model's tokens and logits on the one kernel against the two.
+bit; `KVPool.store_rotated` with the Triton kernels against rotary + store; the Triton
+backend's `forward_rotary` against rotary + forward (decode, extend and mixed plans); a tiny
+model's tokens and logits on the one kernel against the two.
 
 Skipped where triton is not installed. The kernels run in a subprocess because TRITON_INTERPRET
 must be set before triton is first imported. The interpreter casts fp32 to bf16 by truncation
@@ -192,23 +192,6 @@ def _triton_backend(pool, table):
     return TritonAttentionBackend(pool, table, INTERPRETER_KERNELS)
 
 
-def _flashinfer_stand_in(pool, table):
-    """FlashInferAttentionBackend over test_flashinfer_backend_cpu.py's torch stand-in wrappers
-    (this process only: it runs under the interpreter, in its own subprocess)."""
-    import types
-
-    from batchrun.attention import flashinfer_backend
-
-    sys.path.insert(0, str(REPO / "tests" / "unit"))
-    from test_flashinfer_backend_cpu import _Decode, _Prefill
-
-    sys.modules["flashinfer"] = types.SimpleNamespace(
-        BatchDecodeWithPagedKVCacheWrapper=_Decode, BatchPrefillWithPagedKVCacheWrapper=_Prefill
-    )
-    flashinfer_backend.WORKSPACE_BYTES = 1024
-    return flashinfer_backend.FlashInferAttentionBackend(pool, table)
-
-
 def _check_engine() -> None:
     """The tiny llama and qwen3 (q/k norm before rotary) on the Triton kernels and the Triton
     attention backend, fp16: every step's rotary and KV store run as the one kernel, and the
@@ -249,10 +232,8 @@ def _engine_run(path: Path, kernels, fuse: bool):
 
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(3, seed=5, min_len=2, max_len=10)
-    config = EngineConfig(
-        model=str(path), device="cpu", dtype="float16", kv_budget=512, kernels=kernels
-    )
-    engine = Engine(config)
+    config = EngineConfig(model=str(path), device="cpu", dtype="float16", kv_budget=512)
+    engine = Engine(config, kernels=kernels)
     assert engine.kernels.attention == kernels.attention
     assert engine.kernels.triton_ops == kernels.triton_ops
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
@@ -273,7 +254,6 @@ def _run_checks() -> None:
     # NOTE: the attention kernels' tl.dot is wrong for bf16 on the interpreter
     for dtype in (torch.float32, torch.float16):
         _check_backend(dtype, _triton_backend)
-    _check_backend(torch.float16, _flashinfer_stand_in)  # it runs in fp16 / bf16 only
     _check_engine()
     print("ok")
 
