@@ -20,11 +20,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 EXTEND_ATTENTIONS = ("auto", "triton", "fa3")
 DECODE_GEMVS = ("auto", "cublas", "triton")
 # how a one-row decode step on kernels/gemv.py runs the residual adds and RMSNorms between its
-# matmuls (models/llama.py's forward_gemv): "off" kernels of their own; "all" each inside the
-# matmul before it (o_proj, down_proj); "post" only the post-attention one; "fold" "post" and
-# each input norm inside the qkv matmul after it, on weights times the norm's; "fold-all" both
-# norms inside the matmul after them (qkv's, gate_up's)
-DECODE_NORMS = ("auto", "off", "all", "post", "fold", "fold-all")
+# matmuls (models/fused_decode.py): "off" kernels of their own; "all" each inside the matmul
+# before it (o_proj, down_proj); "fold-all" inside the matmul after them (qkv's, gate_up's)
+DECODE_NORMS = ("auto", "off", "all", "fold-all")
 # the matmul of a quantized model's FP8 linears: "scaled_mm" the FP8 tensor cores (sm_89+;
 # per tensor / channel torch._scaled_mm, 128 x 128 blocks as FP8_BLOCK_GEMMS picks), "dequant"
 # weights dequantized at load
@@ -145,12 +143,8 @@ class KernelConfig:
                         cuBLAS / torch._scaled_mm; auto: triton where PDL is on and the model
                         is not quantized (engine/kernel_choice.py says what was measured)
     decode_norms        one of DECODE_NORMS for one-row decode steps on kernels/gemv.py; auto:
-                        "all" for hidden sizes up to 2048, "fold-all" above (its folded weights
-                        only within a quarter of the free memory, else "fold", else "post");
-                        a mixture of experts' one-token decode takes the residual add and the
-                        next norm in its experts' down GEMV (kernels/moe_gemv.py), "fold" above
-                        2048; an FP8 model kept in FP8 runs "all" / "post" in
-                        kernels/fp8_gemv.py's epilogue when set (auto: "off"), never "fold"
+                        models/fused_decode.py's rule ("all" for hidden sizes up to 2048,
+                        "fold-all" above on a dense model whose folded weights fit, else "off")
     cuda_graph_max_bs   decode batches up to this size replay CUDA graphs; 0: none
     piecewise_graphs    prefill and mixed steps replay graphs around an eager attention
                         (engine/piecewise_graph.py); auto: on for models under
