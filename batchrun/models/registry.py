@@ -11,6 +11,7 @@ from batchrun.models import (
     gemma3,
     gpt_oss,
     llama,
+    mistral,
     mixtral,
     phi3,
     qwen2,
@@ -23,6 +24,7 @@ from batchrun.models.spec import ArchSpec
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": llama.SPEC,
+    "MistralForCausalLM": mistral.SPEC,
     "Qwen2ForCausalLM": qwen2.SPEC,
     "Qwen3ForCausalLM": qwen3.SPEC,
     "Qwen2MoeForCausalLM": qwen2_moe.SPEC,
