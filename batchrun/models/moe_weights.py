@@ -10,11 +10,11 @@ default; the architecture's spec may name them otherwise). Offsets are in the fu
 I; a rank reads only the rows (columns of down) of its slice (the parameter's ShardSpec).
 
 A quantized checkpoint's experts (the linears its quantization_config covers: 128x128-block FP8
-`weight` + `weight_scale_inv`, or any format of batchrun/quant/formats) are decoded, dequantized in fp32 at full (TP=1) size and stacked like plain ones: w13 and w2 hold
-the dequantized weights in the model's dtype, which the MoE paths (layers/moe.py) run as they
-run a bf16 checkpoint's. A rank slices the dequantized tensor, so its slice need not fall on
-the format's blocks or groups (a width of 768 at --tp 4: 192 rows, half a block).
-The experts' activations are not quantized (the checkpoint's dynamic activation scheme applies
+`weight` + `weight_scale_inv`, or any format of batchrun/quant/formats) are decoded, dequantized
+in fp32 at full (TP=1) size and stacked like plain ones: w13 and w2 hold the dequantized weights
+in the model's dtype, which the MoE paths (layers/moe.py) run as they run a bf16 checkpoint's.
+A rank slices the dequantized tensor, so its slice need not fall on the format's blocks or
+groups (a width of 768 at --tp 4: 192 rows, half a block). The experts' activations are not quantized (the checkpoint's dynamic activation scheme applies
 to its other linears).
 """
 

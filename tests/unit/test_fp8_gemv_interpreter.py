@@ -240,9 +240,9 @@ def _check_residual(gen):
 
 def _check_decode_norms(root: Path) -> None:
     """The one-token decode of tiny FP8 Llamas (block FP8 in fp16; per-channel FP8 with layer
-    1's down_proj left in bf16, in bf16) with decode_gemv "triton": decode_norms "all" and "post"
-    (the residual adds and norms in kernels/fp8_gemv.py's epilogue, QuantMatmul.gemv_residual,
-    two a layer with "all") give the logits of "off"; "fold" is refused."""
+    1's down_proj left in bf16, in bf16) with decode_gemv "triton": decode_norms "all" (the
+    residual adds and norms in kernels/fp8_gemv.py's epilogue, QuantMatmul.gemv_residual, two a
+    layer) gives the logits of "off"; "fold-all" is refused."""
     from dataclasses import replace
 
     from quant_checkpoints import write_quantized
@@ -260,9 +260,9 @@ def _check_decode_norms(root: Path) -> None:
         prompts = [[5], [60], [7, 8, 9]]
         ref_runner = _runner(path, replace(base, decode_norms="off"), dtype)
         refs = [ref_runner.all_logits(p, torch.arange(len(p))) for p in prompts]
-        for mode in ("all", "post"):
+        for mode in ("all",):
             runner = _runner(path, replace(base, decode_norms=mode), dtype)
-            assert runner.model.decode_norms == mode
+            assert runner.model.fused.mode == mode
             fp8_adds = sum(  # the FP8 matmuls a residual follows (the rest: kernels/gemv.py's)
                 proj.quant is not None
                 for layer in runner.model.layers
@@ -277,7 +277,7 @@ def _check_decode_norms(root: Path) -> None:
                 rel = ((got - ref).norm() / ref.norm()).item()
                 assert rel <= 5e-3, (fmt, mode, len(prompt), rel)
         with pytest.raises(ValueError, match="folds the norms"):
-            _runner(path, replace(base, decode_norms="fold"), dtype)
+            _runner(path, replace(base, decode_norms="fold-all"), dtype)
 
 
 def _run_checks():
