@@ -14,8 +14,8 @@ A quantized checkpoint's experts (the linears its quantization_config covers: 12
 in fp32 at full (TP=1) size and stacked like plain ones: w13 and w2 hold the dequantized weights
 in the model's dtype, which the MoE paths (layers/moe.py) run as they run a bf16 checkpoint's.
 A rank slices the dequantized tensor, so its slice need not fall on the format's blocks or
-groups (a width of 768 at --tp 4: 192 rows, half a block). The experts' activations are not quantized (the checkpoint's dynamic activation scheme applies
-to its other linears).
+groups (a width of 768 at --tp 4: 192 rows, half a block). The experts' activations are not
+quantized (the checkpoint's dynamic activation scheme applies to its other linears).
 """
 
 from __future__ import annotations

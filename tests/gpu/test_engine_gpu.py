@@ -339,9 +339,7 @@ def test_a_dropped_engine_is_not_collected_inside_a_decode_capture(model_dir, mo
 
     kernels = dict(attention="triton", cuda_graph_max_bs=16, piecewise_graphs=False)
     config = _config(model_dir, kernels, kv_budget=2000, max_running=16)
-    _second_engine_captures_while_the_first_is_garbage(
-        monkeypatch, config, CausalLM, "forward"
-    )
+    _second_engine_captures_while_the_first_is_garbage(monkeypatch, config, CausalLM, "forward")
 
 
 def test_a_dropped_engine_is_not_collected_inside_a_piecewise_capture(model_dir, monkeypatch):
