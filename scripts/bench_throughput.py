@@ -7,7 +7,7 @@
     python scripts/bench_throughput.py --models llama-8b --workloads W2L --kv-budget 65536 \
         --variants batchrun,prefix-order                                # prefix vs input order
     python scripts/bench_throughput.py --models llama-8b --workloads W3 --repeats 3 \
-        --kernel decode_norms=fold                                      # one kernel field set
+        --kernel decode_norms=fold-all                                  # one kernel field set
     python scripts/bench_throughput.py --models llama-8b --workloads W1,W3 \
         --variants batchrun,fp8,fp8-block                # bf16, per-channel FP8, block FP8
     python scripts/bench_throughput.py --models llama-8b --workloads W5,W6 \
@@ -123,9 +123,8 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # `fp8` and the KV cache as `kv-fp8`
     "fp8-kv-fp8": ({"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}, {}),
     # a one-row decode's residual adds and norms inside kernels/fp8_gemv.py's epilogues:
-    # decode_norms "all" (every norm) / "post" (the post-attention norms only)
+    # decode_norms "all" (every norm)
     "fp8-norms": ({"quantization": "fp8"}, {"decode_norms": "all"}),
-    "fp8-norms-post": ({"quantization": "fp8"}, {"decode_norms": "post"}),
     "fp8-block-norms": ({}, {"fp8_matmul": "scaled_mm", "decode_norms": "all"}),
     "prefix-order": ({}, {}),
 }

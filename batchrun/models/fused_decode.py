@@ -13,7 +13,7 @@ gate inside gate_up's. Its modes (KernelConfig.decode_norms):
 
 `resolve_mode` is the rule that picks the mode (engine/kernel_choice.py calls it): "all" up to
 NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN, "fold-all" above it on a dense bf16 model, else "off"; the
-figures behind it are in docs/benchmarks.md, "Decode GEMV (M = 1) against cuBLAS". The folded
+figures behind it are in docs/benchmarks.md, "What each feature is worth". The folded
 weights are made by `prepare`, after the weights are loaded and before the KV pool takes the free
 memory, only where they fit FOLD_MAX_FREE_SHARE of it: else the decode runs "off".
 """
