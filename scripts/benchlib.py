@@ -435,7 +435,7 @@ def add_engine_args(
     p.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8_e4m3")
     p.add_argument(
         "--kernel", type=_kernel_field, action="append", default=[], metavar="FIELD=VALUE",
-        help="a KernelConfig field (batchrun/config.py), repeatable: decode_norms=fold-all, pdl=false",
+        help="a KernelConfig field (batchrun/config.py), repeatable: decode_norms=all, pdl=false",
     )  # fmt: skip
 
 
