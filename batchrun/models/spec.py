@@ -72,7 +72,7 @@ class TensorNames:
 class ArchSpec:
     name: str  # config.json's `architectures` entry
     model_type: str  # config.json's model_type, for a file that lists no architectures
-    family: str  # what users call it, for messages: "Llama 2/3/3.x, SmolLM"
+    family: str  # what users call it, for messages
     build: Callable[[ModelConfig, BuildContext], nn.Module]
     # --- config.json
     qkv_bias: bool = False  # attention_bias's default
