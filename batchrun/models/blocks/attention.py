@@ -5,8 +5,8 @@ backend (full context or a sliding window, optional sink logits), o_proj.
     attend(q, k, v, ...)         -> [T, H * D]   rotary, then attention over the paged KV
     o_proj(out)                  -> [T, hidden]
 
-The block reads and writes the KV of `layer_id` in the pool; head dims and the window are its
-own, so layers may differ in both.
+The block reads and writes the KV of `layer_id` in the pool; its window, scaling, q/k norms and
+sinks are its own, so layers of one model may differ in them.
 """
 
 from __future__ import annotations
