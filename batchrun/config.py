@@ -23,7 +23,7 @@ DUMMY_INITS = ("normal", "uniform")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 EXTEND_ATTENTIONS = ("auto", "triton", "fa3")
 DECODE_GEMVS = ("auto", "cublas", "triton")
-DECODE_NORMS = ("auto", "off", "all", "post", "fold", "fold-all")
+DECODE_NORMS = ("auto", "off", "all", "fold-all")
 FP8_MATMULS = ("auto", "scaled_mm", "dequant")
 INT4_MATMULS = ("auto", "triton", "dequant", "dequant-gemv")
 MOE_BACKENDS = ("auto", "triton", "torch")
@@ -119,12 +119,10 @@ class KernelConfig:
     decode_gemv         the matmuls of decode batches of up to 16 rows: "triton"
                         kernels/gemv.py (an FP8 linear's: kernels/fp8_gemv.py), "cublas"
                         F.linear / torch._scaled_mm
-    decode_norms        one of DECODE_NORMS: how a one-row decode step on kernels/gemv.py runs
-                        the residual adds and RMSNorms between its matmuls (models/llama.py's
-                        forward_gemv): "off" kernels of their own; "all" each inside the matmul
-                        before it; "post" only the post-attention one; "fold" "post" and each
-                        input norm inside the qkv matmul after it, on weights times the norm's;
-                        "fold-all" both norms inside the matmul after them
+    decode_norms        how a one-row decode step on kernels/gemv.py runs the residual adds and
+                        RMSNorms between its matmuls (models/fused_decode.py): "off" kernels of
+                        their own; "all" each inside the matmul before it (o_proj, down_proj);
+                        "fold-all" inside the matmul after them (qkv's, gate_up's)
     cuda_graph_max_bs   decode batches up to this size replay CUDA graphs; 0: none
     piecewise_graphs    prefill and mixed steps replay graphs around an eager attention
                         (engine/piecewise_graph.py)

@@ -7,7 +7,7 @@
     python scripts/bench_throughput.py --models llama-8b --workloads W2L --kv-budget 65536 \
         --variants batchrun,prefix-order                                # prefix vs input order
     python scripts/bench_throughput.py --models llama-8b --workloads W3 --repeats 3 \
-        --kernel decode_norms=fold                                      # one kernel field set
+        --kernel decode_norms=fold-all                                  # one kernel field set
     python scripts/bench_throughput.py --models llama-8b --workloads W1,W3 \
         --variants batchrun,fp8,fp8-block                # bf16, per-channel FP8, block FP8
     python scripts/bench_throughput.py --models llama-8b --workloads W5,W6 \

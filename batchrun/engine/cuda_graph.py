@@ -27,7 +27,7 @@ import torch
 from batchrun.attention.base import AttentionInputs
 from batchrun.engine.gc_pause import no_gc
 from batchrun.kernels.graph_inputs import load_decode_graph_inputs
-from batchrun.models.llama import ForwardBatch
+from batchrun.models.blocks.model import ForwardBatch
 
 log = logging.getLogger(__name__)
 

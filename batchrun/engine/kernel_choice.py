@@ -46,18 +46,10 @@ from batchrun.engine.weight_memory import (
     experts_too_large,
     mxfp4_experts,
 )
-from batchrun.layers.moe import experts_take_norms
+from batchrun.models.fused_decode import resolve_mode as resolve_decode_norms
 from batchrun.models.moe_weights import has_quantized_experts
 
 log = logging.getLogger(__name__)
-
-# NOTE: decode_norms' width rule. On the H200 (W3, `scripts/bench_throughput.py --workloads W3
-# --variants batchrun,no-norm-fusion`): llama-1b (hidden 2048) reads 1.00 ms per token with "all"
-# against 1.03-1.04 without; on llama-8b (4096) the last column tile's norm of a 4096-wide row
-# costs more than the kernel it saves, and "fold-all" (both norms inside the matmul after them,
-# on folded weights) reads 4.07 against 4.14 for "fold"; on llama-1b "fold" loses to "all"
-# (0.98 against 0.96)
-NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN = 2048
 
 
 def gpu_memory(device: torch.device) -> int:
@@ -339,10 +331,6 @@ def resolve_kernels(
     triton = has_triton()
     # a quantized checkpoint, or one quantized at load (--quantization)
     quantized = model_cfg.quantization is not None or config.quantization is not None
-    # --quantization is "fp8"; a checkpoint's scheme says its family
-    fp8_model = quantized and (
-        model_cfg.quantization.family == "fp8" if model_cfg.quantization else True
-    )
     if cuda and (has_quantized_experts(model_cfg) or mxfp4_experts(model_cfg)):
         memory = gpu_memory(device)
         if bf16_weight_bytes(model_cfg, config.tp_size) > EXPERTS_MAX_MEMORY * memory:
@@ -355,49 +343,11 @@ def resolve_kernels(
     moe, moe_decode, moe_prefill = moe_rule(config, device, want, triton)
     graphs, piecewise, host_gate = graph_rule(config, model_cfg, device, want)
 
-    # the norms inside the matmuls need every matmul whole and plain: a row-parallel matmul's
-    # all-reduce comes between its sums and the residual, and a bias between them too; and
-    # bf16 weights (kernels/gemv.py's). A mixture's experts take the residual add and the next
-    # norm inside their down GEMV (kernels/moe_gemv.py), alone: no shared expert beside them
-    plain = config.tp_size == 1 and not (
-        model_cfg.qkv_bias or model_cfg.o_bias or model_cfg.mlp_bias
-        or model_cfg.sandwich_norms  # Gemma's norms between the matmuls and the residual adds
+    decode_norms = resolve_decode_norms(
+        want.decode_norms, model_cfg, tp_size=config.tp_size, decode_gemv=decode_gemv,
+        quantized=quantized, moe=moe,
+        moe_decode=moe_decode,
     )  # fmt: skip
-    experts = model_cfg.moe
-    if experts is not None:
-        plain = plain and experts_take_norms(experts, moe, moe_decode)
-    # an FP8 model's decode matmuls (kernels/fp8_gemv.py) take the norms as kernels/gemv.py's do
-    fp8_or_plain = not quantized or (fp8_model and fp8_matmul == "scaled_mm")
-    decode_norms = want.decode_norms
-    if decode_norms == "auto":
-        if decode_gemv != "triton" or not plain or quantized:
-            decode_norms = "off"
-        elif model_cfg.hidden_size <= NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN:
-            decode_norms = "all"
-        else:  # a mixture's MLP is no one matmul to fold the post-attention norm into
-            decode_norms = "fold-all" if experts is None else "fold"
-        # NOTE: on a mixture, W3 qwen3-30b-a3b on one H100 (`scripts/bench_throughput.py
-        # --workloads W3 --variants batchrun,no-norm-fusion`) reads 3.66 ms per token with "all"
-        # against 3.77 with the norms as kernels; Mixtral's "fold" follows the dense models'
-        # width rule, unmeasured on a mixture
-    elif decode_norms != "off" and not (decode_gemv == "triton" and plain and fp8_or_plain):
-        raise ValueError(
-            f"decode_norms {decode_norms!r} needs decode_gemv 'triton' and a model without "
-            "biases at tensor parallel size 1, bf16 or FP8 kept in FP8 (fp8_matmul "
-            "'scaled_mm'; not INT4), with Llama's two norms a layer (not Gemma's four), and a "
-            "mixture's experts alone (no shared expert) on kernels/moe_gemv.py (moe 'triton', "
-            "moe_decode 'gemv'); use 'off' or 'auto'"
-        )
-    elif decode_norms in ("fold", "fold-all") and quantized:
-        raise ValueError(
-            f"decode_norms {decode_norms!r} folds the norms' weights into bf16 matmul weights, "
-            "which a quantized model does not have; use 'all', 'post', 'off' or 'auto'"
-        )
-    elif decode_norms == "fold-all" and experts is not None:
-        raise ValueError(
-            "decode_norms 'fold-all' folds the post-attention norm into gate_up's weight, which "
-            "a mixture of experts does not have; use 'fold', 'all', 'post', 'off' or 'auto'"
-        )
 
     if model_cfg.moe is not None and moe == "torch" and (graphs or piecewise):
         raise ValueError(

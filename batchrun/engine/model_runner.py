@@ -32,8 +32,9 @@ from batchrun.engine.sampler import PenaltyState, SampleOutput, Sampler, Samplin
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.staging import PinnedStaging
 from batchrun.engine.thinking import apply_forced, forced_logprobs
+from batchrun.models import fused_decode
+from batchrun.models.blocks.model import ForwardBatch
 from batchrun.models.config import ModelConfig
-from batchrun.models.llama import ForwardBatch
 from batchrun.models.loader import load_model
 from batchrun.parallel.state import tp_group_for
 from batchrun.quant.kv_cache import kv_storage_dtype, layer_scales
@@ -115,8 +116,8 @@ def resolve_device(name: str) -> torch.device:
 
 class ModelRunner:
     """config: resolved (sizes, overlap); kernels: the plan (engine/kernel_choice.py). The
-    runner's `kernels` is that plan as the model made it (decode_norms may step down when
-    its folded weights do not fit: LlamaForCausalLM.prepare_decode_norms)."""
+    runner's `kernels` is that plan as the model made it (decode_norms "fold-all" runs "off"
+    when its folded weights do not fit: models/fused_decode.py)."""
 
     def __init__(
         self,
@@ -144,7 +145,7 @@ class ModelRunner:
             kernels=kernels,
             dummy_init=config.dummy_init,
         )
-        self.kernels = kernels = replace(kernels, decode_norms=self.model.prepare_decode_norms())
+        self.kernels = kernels = replace(kernels, decode_norms=fused_decode.prepare(self.model))
         log.info("kernels: %s", kernels.describe())
         if kernels.decode_gemv == "triton":
             split_counters(self.device)  # NOTE: allocated before any graph capture

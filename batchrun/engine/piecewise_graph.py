@@ -6,13 +6,17 @@ between them.
                                           256; a mixture of experts also 1, 2, 4, ..., 128)
     static input_ids / positions [0, T) <- batch   (rows T..b: stale ids and positions, computed
                                                     and never read)
-    piece 0           embed, layer 0's norm, qkv (q/k norm)   -> static q, k, v, residual
-    attention 0       backend.forward_rotary(q[:T], k[:T], v[:T], positions[:T])
+    piece 0           embed, model.piece(0): layer 0's norm, qkv (q/k norm)
+                                                              -> static q, k, v, residual
+    attention 0       model.attention(0, q[:T], k[:T], v[:T], positions[:T])
                                                               -> static attn_out[:T]  (eager)
-    piece i (1..L-1)  layer i-1's o_proj, norm, MLP, then layer i's norm, qkv (q/k norm)
+    piece i (1..L-1)  model.piece(i): layer i-1's o_proj, norm, MLP, then layer i's norm, qkv
     attention i ...
-    piece L           layer L-1's o_proj, norm, MLP            -> static hidden, residual
+    piece L           model.piece(L): layer L-1's o_proj, norm, MLP -> static hidden, residual
     logits            model.logits(hidden[:T], residual[:T])  (eager: the rows vary)
+
+The pieces and the attention are the model's own (models/blocks/model.py), the ones its eager
+forward runs.
 
 Why: an eager forward of a mixed step launches ~10 kernels a layer from Python, and on the GPU
 machine's host that costs ~8-17 ms of main-thread time per mixed step of llama-1b, while the GPU
@@ -105,17 +109,18 @@ class PiecewiseGraphRunner:
 
     def _piece(self, b: int, i: int) -> None:
         """Piece i of a b-token forward, from and into the static buffers."""
-        model, layers = self.model, self.model.layers
+        model = self.model
         residual = self.residual[:b]
         if i == 0:
             x, res = model.embed(self.input_ids[:b]), None
         else:
-            x, res = layers[i - 1].post_attention(self.attn_out[:b], residual)
-        if i == len(layers):
+            x, res = self.attn_out[:b], residual
+        if i == len(model.layers):
+            x, res = model.piece(i, x, res)
             _store(x, self.hidden[:b])
             _store(res, residual)
             return
-        q, k, v, res = layers[i].pre_attention(x, res)
+        q, k, v, res = model.piece(i, x, res)
         for got, static in zip((q, k, v), self._qkv_views(b)):
             _store(got, static)
         _store(res, residual)
@@ -158,14 +163,10 @@ class PiecewiseGraphRunner:
         graphs = self.graphs.get(b)
         q, k, v = self._qkv_views(t)
         out = self.attn_out[:t].view(t, self.num_heads, self.head_dim)
-        forward, positions = self.backend.forward_rotary, self.positions[:t]
-        for i, layer in enumerate(self.model.layers):
+        positions = self.positions[:t]
+        for i in range(len(self.model.layers)):
             self._replay(graphs, b, i)
-            attn, rotary = layer.self_attn, self.model.rotary_of(i)
-            forward(
-                q, k, v, attn.layer_id, attn.scaling, positions, rotary, out=out,
-                window=attn.window, sinks=attn.sinks,
-            )  # fmt: skip
+            self.model.attention(i, q, k, v, positions, self.backend, out=out)
         self._replay(graphs, b, len(self.model.layers))
         return self.model.logits(self.hidden[:t], self.residual[:t], logits_indices)
 

@@ -1,6 +1,6 @@
-"""The mixture-of-experts MLP of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss: a router picks top-k
-of E experts per token, each a SwiGLU MLP, and the token's output is their weighted sum (plus, in
-Qwen2-MoE, a shared expert's output times a sigmoid gate).
+"""The mixture-of-experts MLP: a router picks top-k of E experts per token, each a SwiGLU MLP, and
+the token's output is their weighted sum (plus, with a shared expert, its output times a sigmoid
+gate).
 
     logits  = x @ router^T (+ bias)         fp32, [T, E]
     probs   = softmax(logits)               fp32
@@ -13,9 +13,8 @@ router in one kernel (moe_route.py's `route_gemv`) and the experts as GEMVs (moe
 moe_prefill "grouped_mm", a batch past 32 routed rows an expert (kernels/moe_grouped_mm.py's
 `takes_grouped_mm`) runs the experts' matmuls on torch._grouped_mm (moe_grouped_mm.py).
 
-gpt-oss: router and experts have biases (b13 [E, 2I] on gate and up, b2 [E, H] on down) and the
-gate is its clamped SwiGLU (`swiglu`); its softmax over the top-k logits is the renormalized
-top-k of the softmax.
+Where MoeConfig says so, router and experts have biases (b13 [E, 2I] on gate and up, b2 [E, H] on
+down) and the gate is a clamped SwiGLU (`swiglu`).
 
 The experts' weights are stacked: w13 [E, 2I, H] (each expert's gate rows, then its up rows) and
 w2 [E, H, I]. Under tensor parallelism each rank holds a slice of every expert's width I
@@ -25,16 +24,16 @@ outputs are summed locally and all-reduced once.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.config import KernelConfig
-from batchrun.models.config import ModelConfig
-from batchrun.parallel.partition import ShardSpec, TPPartition
-from batchrun.parallel.state import TPGroup
+from batchrun.parallel.partition import ShardSpec
+
+if TYPE_CHECKING:
+    from batchrun.models.blocks.context import BuildContext
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,8 +48,8 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 class ExpertExtras(NamedTuple):
-    """gpt-oss's additions to the experts: biases (None: none) and the clamped SwiGLU's alpha and
-    limit (limit 0: plain SiLU)."""
+    """The experts' biases (None: none) and the clamped SwiGLU's alpha and limit (limit 0: plain
+    SiLU)."""
 
     b13: torch.Tensor | None = None  # [E, 2I] gate then up, of this rank's width
     b2: torch.Tensor | None = None  # [E, H]; under TP on one rank only (added once)
@@ -59,7 +58,7 @@ class ExpertExtras(NamedTuple):
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, extras: ExpertExtras) -> torch.Tensor:
-    """silu(gate) * up, or gpt-oss's clamped form (transformers' GptOssExperts._apply_gate):
+    """silu(gate) * up, or the clamped form (transformers' GptOssExperts._apply_gate):
     gate clamped to <= limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
     if not extras.limit:
         return F.silu(gate) * up
@@ -86,7 +85,7 @@ def moe_experts(
     reference; it reads the routing on the host); "triton": batchrun.kernels.fused_moe
     (CUDA, no host sync), or with decode "gemv" batchrun.kernels.moe_gemv (a decode batch), with
     prefill "grouped_mm" batchrun.kernels.moe_grouped_mm (a prefill batch): MoE.forward decides
-    by their rules. `extras`: gpt-oss's biases and clamped SwiGLU; `pdl`: the GEMVs launched with
+    by their rules. `extras`: the experts' biases and clamped SwiGLU; `pdl`: the GEMVs launched with
     programmatic dependent launch (kernels/pdl.py)."""
     if backend == "triton":  # Triton: imported on CUDA only
         if decode == "gemv":
@@ -142,8 +141,8 @@ def experts_take_norms(moe, backend: str, decode: str) -> bool:
 
 
 class Router(nn.Module):
-    """The router's weight [E, H] (and gpt-oss's bias [E]), kept in fp32: its logits and softmax
-    are fp32 whatever the model's dtype."""
+    """The router's weight [E, H] (and its bias [E], where the model has one), kept in fp32: its
+    logits and softmax are fp32 whatever the model's dtype."""
 
     def __init__(self, num_experts: int, hidden: int, device, bias: bool = False):
         super().__init__()
@@ -161,22 +160,15 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """A decoder layer's MLP as experts: router (`gate`), stacked experts (`w13`, `w2`), and
-    Qwen2-MoE's `shared_expert` with its `shared_expert_gate` [1, H]. The shared expert is a
-    dense MLP built by the model with a TP=1 group for its down_proj: its partial sums join the
-    experts' in this block's one all-reduce."""
+    """A decoder layer's MLP as experts: router (`gate`), stacked experts (`w13`, `w2`), and an
+    optional `shared_expert` with its `shared_expert_gate` [1, H]. The shared expert is a dense
+    MLP built with a TP=1 group for its down_proj: its partial sums join the experts' in this
+    block's one all-reduce."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        part: TPPartition,
-        tp: TPGroup,
-        dtype,
-        device,
-        kernels: KernelConfig,
-        shared_expert: nn.Module | None = None,
-    ):
+    def __init__(self, ctx: BuildContext, shared_expert: nn.Module | None = None):
         super().__init__()
+        cfg, part, tp, kernels = ctx.cfg, ctx.part, ctx.tp, ctx.kernels
+        dtype, device = ctx.dtype, ctx.device
         moe = cfg.moe
         assert moe is not None
         self.tp, self.backend, self.decode = tp, kernels.moe, kernels.moe_decode
@@ -232,7 +224,7 @@ class MoE(nn.Module):
         return specs
 
     def extras(self) -> ExpertExtras | None:
-        """gpt-oss's biases and clamped SwiGLU; None for the other models. Under TP every rank
+        """The experts' biases and clamped SwiGLU; None where they have neither. Under TP every rank
         adds its slice of b13; b2 is added by rank 0 alone, its output's one share of the
         all-reduce."""
         if self.b13 is None and not self.limit:
@@ -242,10 +234,10 @@ class MoE(nn.Module):
 
     def _router_input(self, x: torch.Tensor) -> torch.Tensor:
         """x, padded where the experts run fused with zero rows to fused_moe's tile_tokens(T): the
-        router's matmul (and Qwen2-MoE's shared-expert gate) then runs at a shape that a CUDA
+        router's matmul (and the shared-expert gate) then runs at a shape that a CUDA
         graph's padding of the step does not change. cuBLAS picks its kernel, and with it the
-        order of a row's sums, by the shape: the fp32 router of Qwen3-30B-A3B's widths gives rows
-        whose last bits differ between T = 300 and 512 rows on the H200, enough to flip a
+        order of a row's sums, by the shape: an fp32 router of a 30B mixture's widths gives rows
+        whose last bits differ between T = 300 and 512 rows, enough to flip a
         near-tie of the top-k and the greedy tokens between a graph and the eager step. Each row
         of one shape's matmul is computed alone, so the padding rows do not touch the others."""
         if self._rows_for is None:
@@ -291,8 +283,7 @@ class MoE(nn.Module):
         """A one-token decode batch's experts with the residual add after them, and the next
         norm (weight, eps) of its sum where given, inside the down GEMV's kernel
         (kernels/moe_gemv.py's moe_gemv_residual): (h = experts(x) + residual, rmsnorm(h) * weight
-        or None). LlamaForCausalLM's one-row decode with decode_norms other than "off"; needs
-        `takes_residual`."""
+        or None). The one-row fused decode (models/fused_decode.py); needs `takes_residual`."""
         from batchrun.kernels.moe_gemv import moe_gemv_residual
 
         weights, ids = self._route_gemv(

@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_triton(x):
-            # NOTE: reshape copies a strided view (q/k norm of Qwen3); the kernel writes a new
+            # NOTE: reshape copies a strided view (the q/k norms); the kernel writes a new
             # tensor anyway
             x2d = x.reshape(-1, x.shape[-1])
             return rms_norm(x2d, self.weight, self.eps, pdl=self.kernels.pdl).view(x.shape)
@@ -58,7 +58,7 @@ class RMSNorm(nn.Module):
 
 
 def norm_heads_in_place(heads: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_q: int) -> bool:
-    """Qwen3's q and k norms on heads [T, num_q + KV, D] (the qkv projection's q heads, then its
+    """The q and k norms on heads [T, num_q + KV, D] (the qkv projection's q heads, then its
     k heads: a strided view) in one Triton launch, in place, with the bits of q_norm(q) and
     k_norm(k) (two launches, each with a copy of its strided view first past one token).
     False: not taken (no Triton kernels, or another dtype); the caller applies the two norms."""

@@ -1,9 +1,8 @@
 """Rotary position embedding (neox, rotate-half) with default, linear, llama3, LongRoPE and YaRN
-scaling,
-over the whole head or its first `rotary_dim` dims (partial rotary: Phi-3 / Phi-4), the rest
-passing through.
+scaling, over the whole head or its first `rotary_dim` dims (partial rotary), the rest passing
+through.
 
-LongRoPE (Phi-3 / Phi-4): transformers picks the short factors while a sequence is at most
+LongRoPE: transformers picks the short factors while a sequence is at most
 original_max_position_embeddings long and the long ones past it, and when a sequence grows past
 that length it drops its KV cache and computes every position again with the long factors.
 batchrun picks one set for the whole run, from the context it serves (max_positions, the

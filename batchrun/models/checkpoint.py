@@ -11,21 +11,7 @@ import torch
 from safetensors import safe_open
 
 from batchrun.errors import WeightLoadError
-
-# Gemma3ForConditionalGeneration's text model under its names as transformers 5 saves them and
-# as the hub's checkpoints (transformers 4) have them -> the text model's names
-_TEXT_PREFIXES = (
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-)
-# its vision tower and projector, which batchrun does not run
-_VISION_PREFIXES = (
-    "model.vision_tower.",
-    "vision_tower.",
-    "model.multi_modal_projector.",
-    "multi_modal_projector.",
-)
+from batchrun.models.spec import TensorNames
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -49,29 +35,20 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def text_name(name: str) -> str | None:
-    """The text model's name of a checkpoint tensor (Gemma3ForConditionalGeneration's are under
-    language_model); None for the vision tower's."""
-    if name.startswith(_VISION_PREFIXES):
-        return None
-    for prefix, text in _TEXT_PREFIXES:
-        if name.startswith(prefix):
-            return text + name[len(prefix) :]
-    return name
-
-
 class Checkpoint:
     """The open safetensors files of `model_dir` (a context manager: closes them on exit).
 
     for path, f in ckpt.files: ...     # each file and its handle, in order
     ckpt.get(name)                     # a tensor from whichever file holds it
 
-    `name` is the text model's (`text_name`): Gemma3ForConditionalGeneration's
-    `language_model.model.layers.0...` is `model.layers.0...`; its vision tower has none.
+    `name` is the text model's (`names.text_name`, the architecture's spec's: a multimodal
+    checkpoint's `language_model.model.layers.0...` is `model.layers.0...`; its vision tower
+    has none).
     """
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, names: TensorNames | None = None):
         self.model_dir = model_dir
+        self.names = names or TensorNames()
         self._stack = ExitStack()
         self.files: list[tuple[Path, object]] = []
         # the text model's tensor name -> its file's handle and its name in the file
@@ -83,7 +60,7 @@ class Checkpoint:
                 handle = self._open(path)
                 self.files.append((path, handle))
                 for stored in handle.keys():
-                    name = text_name(stored)
+                    name = self.names.text_name(stored)
                     if name is not None:
                         self._where[name] = (handle, stored)
         except BaseException:

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from batchrun.models import llama
+
 # Written last; its presence means the directory is complete.
 MARKER_FILE = "batchrun_gguf.json"
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -140,8 +142,8 @@ def build_hf_config(reader: Any, path: Path, dtype: torch.dtype) -> dict[str, An
     vocab_size = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     names = {t.name for t in reader.tensors}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [llama.SPEC.name],
+        "model_type": llama.SPEC.model_type,
         "hidden_size": hidden,
         "intermediate_size": int(_require(reader, f"{arch}.feed_forward_length", path)),
         "num_hidden_layers": int(_require(reader, f"{arch}.block_count", path)),

@@ -1,14 +1,16 @@
-"""Build a LlamaForCausalLM and fill it from safetensors (plain or sharded) or with random weights.
+"""Build a model (its architecture's spec: models/registry.py) and fill it from safetensors
+(plain or sharded) or with random weights.
 
 HF checkpoint names map onto our fused parameters:
     self_attn.{q,k,v}_proj  -> self_attn.qkv_proj  rows [0:q | q:q+kv | q+kv:q+2kv]
     mlp.{gate,up}_proj      -> mlp.gate_up_proj    rows [0:inter | inter:2*inter]
-    mlp.shared_expert.{gate,up}_proj -> mlp.shared_expert.gate_up_proj (Qwen2-MoE)
-    block_sparse_moe.*      -> mlp.* (Mixtral's MoE block)
+    mlp.shared_expert.{gate,up}_proj -> mlp.shared_expert.gate_up_proj
+    {MoeConfig.block_name}.* -> mlp.* (the MoE block under another name)
     *.experts.{e}.*         -> mlp.w13, mlp.w2, stacked by models/moe_weights.py
-    mlp.experts.*, mlp.router.* (gpt-oss: stacked, MXFP4 or plain) -> models/gptoss_weights.py
-    self_attn.qkv_proj, mlp.gate_up_proj (Phi-3 / Phi-4 ship them fused, in our row order)
+    self_attn.qkv_proj, mlp.gate_up_proj (a fused checkpoint's, in our row order)
                             -> the same parameters, whole
+and the spec's quirks: its tensor names (TensorNames: a multimodal checkpoint's text model,
+renamed modules) and a reader of its own for expert tensors stored otherwise.
 
 Those offsets are in the full (TP=1) tensor; a fused checkpoint tensor covers all of its
 parameter's rows. Under tensor parallelism a parameter holds a slice
@@ -32,12 +34,11 @@ import torch
 from batchrun.config import KernelConfig
 from batchrun.errors import ModelConfigError, WeightLoadError
 from batchrun.layers.rotary import uses_long_factors
-from batchrun.models.checkpoint import Checkpoint, safetensors_files, text_name
+from batchrun.models.blocks.context import BuildContext
+from batchrun.models.blocks.model import CausalLM
+from batchrun.models.checkpoint import Checkpoint, safetensors_files
 from batchrun.models.config import ModelConfig
 from batchrun.models.dummy import init_dummy_
-from batchrun.models.gptoss_config import GPT_OSS
-from batchrun.models.gptoss_weights import GptOssExperts
-from batchrun.models.llama import LlamaForCausalLM, make_rotaries
 from batchrun.models.moe_weights import (
     describe_experts,
     expert_target,
@@ -52,7 +53,7 @@ from batchrun.models.quant_loader import (
     load_kv_scale,
     load_quantized,
 )
-from batchrun.parallel.partition import ShardSpec, replicated
+from batchrun.parallel.partition import ShardSpec, partition_model, replicated
 from batchrun.parallel.state import TPGroup
 from batchrun.quant.linear import QuantMatmul
 
@@ -62,9 +63,6 @@ log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = ("rotary_emb.inv_freq",)
-# architectures whose checkpoints hold qkv_proj and gate_up_proj fused (what the quantized
-# linears, read from separate q / k / v and gate / up, do not cover)
-FUSED_CHECKPOINTS = frozenset({"Phi3ForCausalLM"})
 # safetensors dtypes of plain weights; anything else (F8_E4M3, I32, U8) is a quantized tensor
 _PLAIN_DTYPES = ("F64", "F32", "F16", "BF16")
 
@@ -76,16 +74,27 @@ def build_model(
     max_positions: int,
     tp: TPGroup | None = None,
     kernels: KernelConfig | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """An uninitialized model on `device` (no time spent on random init of real weights), but
     for the vocabulary padding of the last TP rank, which is zeroed."""
-    if cfg.quantization is not None and cfg.architecture in FUSED_CHECKPOINTS:
+    spec = cfg.spec
+    if cfg.quantization is not None and spec.fused_checkpoint:
         raise ModelConfigError(
             f"{cfg.architecture} with quantization ({cfg.quantization.describe()}) is not "
             "supported: its checkpoint's fused qkv_proj / gate_up_proj linears are read as "
             "plain bf16 / fp16 / fp32 weights only"
         )
-    model = LlamaForCausalLM(cfg, dtype, "meta", max_positions, tp, kernels)
+    tp = tp or TPGroup()
+    ctx = BuildContext(
+        cfg=cfg,
+        dtype=dtype,
+        device="meta",
+        kernels=kernels or KernelConfig.reference(),
+        tp=tp,
+        part=partition_model(cfg, tp.rank, tp.size),
+        max_positions=max_positions,
+    )
+    model = spec.build(cfg, ctx)
     model.to_empty(device=device)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -95,7 +104,7 @@ def build_model(
             if pad:
                 param.narrow(spec.dim, spec.local_len, pad).zero_()
     # meta construction left the rotary tables empty: build them for real
-    model.rotary, model.local_rotary = make_rotaries(cfg, max_positions, device, model.kernels)
+    model.make_rotaries(device)
     scaling = cfg.rope_scaling
     if scaling.get("rope_type") == "longrope":
         original = scaling["original_max_position_embeddings"]
@@ -119,7 +128,7 @@ def load_model(
     tp: TPGroup | None = None,
     kernels: KernelConfig | None = None,
     dummy_init: str = "normal",
-) -> LlamaForCausalLM:
+) -> CausalLM:
     model = build_model(cfg, dtype, device, max_positions, tp, kernels)
     if load_format == "dummy":
         init_dummy_(model, dummy_init, seed=seed, shards=model.param_shards())
@@ -133,7 +142,7 @@ def load_model(
     return model.eval()
 
 
-def describe_weights(model: LlamaForCausalLM) -> str:
+def describe_weights(model: CausalLM) -> str:
     """The weights' format and bytes on their device, for the start-up log."""
     tensors = list(model.parameters())
     for module in model.modules():
@@ -158,11 +167,9 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int] | None:
     m = _LAYER.match(name)
     if not m:
         return None
-    i, rest = m.group(1), m.group(2)
+    i, rest = m.group(1), cfg.spec.names.layer_name(m.group(2))
     if cfg.moe is not None and rest.startswith(cfg.moe.block_name + "."):
         rest = "mlp." + rest[len(cfg.moe.block_name) + 1 :]
-    if cfg.architecture == GPT_OSS and rest.startswith("mlp.router."):
-        rest = "mlp.gate." + rest[len("mlp.router.") :]
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     fused = {
         "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
@@ -182,8 +189,8 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int] | None:
     return f"layers.{i}.{rest}", 0, -1
 
 
-def load_safetensors(model: LlamaForCausalLM, model_dir: Path, cfg: ModelConfig) -> None:
-    with Checkpoint(model_dir) as ckpt:
+def load_safetensors(model: CausalLM, model_dir: Path, cfg: ModelConfig) -> None:
+    with Checkpoint(model_dir, cfg.spec.names) as ckpt:
         filled = _load_plain(model, ckpt, cfg)
         if cfg.quantization is not None:
             device = model.lm_head_weight.device
@@ -194,7 +201,7 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: Path, cfg: ModelConfig)
         _check_complete(model, ckpt, filled)
 
 
-def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> dict[str, int]:
+def _load_plain(model: CausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> dict[str, int]:
     """Every parameter from the checkpoint: all but the quantized linears' weights and the
     quantized experts. Returns the elements filled per parameter."""
     params = dict(model.named_parameters())
@@ -206,11 +213,12 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
 
     # elements filled per parameter, to report what the checkpoint lacks
     filled: dict[str, int] = {name: 0 for name in params}
-    skipped = 0  # the vision tower's tensors
-    gpt_oss = GptOssExperts(params, specs, cfg) if cfg.architecture == GPT_OSS else None
+    skipped = 0  # the tensors of what batchrun does not run (a vision tower)
+    reader = cfg.spec.experts_reader
+    experts = None if reader is None else reader(params, specs, cfg)
     for path, f in ckpt.files:
         for stored in f.keys():
-            name = text_name(stored)
+            name = ckpt.names.text_name(stored)
             if name is None:
                 skipped += 1
                 continue
@@ -221,7 +229,7 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
             module, _, kind = name.rpartition(".")
             if module in claimed and kind != "bias":
                 continue  # read by the quantized linear (quant_loader)
-            if gpt_oss is not None and gpt_oss.take(
+            if experts is not None and experts.take(
                 name, lambda f=f, stored=stored: f.get_tensor(stored), path
             ):
                 continue
@@ -264,9 +272,9 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
                 pieces = spec.pieces(start, rows if rows != -1 else spec.full_size)
             else:  # split columns: the tensor fills the parameter's rows whole
                 pieces = spec.pieces(0, spec.full_size)
-            # Gemma 3 stores each RMSNorm weight w as its offset from 1: the norm multiplies
-            # by 1 + w, added here in fp32 (as transformers computes it) so every norm kernel
-            # reads a plain weight
+            # a norm_plus_one checkpoint stores each RMSNorm weight w as its offset from 1: the
+            # norm multiplies by 1 + w, added here in fp32 (as transformers computes it) so
+            # every norm kernel reads a plain weight
             plus_one = cfg.norm_plus_one and pname.endswith("norm.weight")
             for src, dst, n in pieces:
                 part = sliced[src : src + n] if spec.dim == 0 else sliced[:, src : src + n]
@@ -275,9 +283,9 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
                 dest = param.data.narrow(spec.dim, dst, n)
                 dest.copy_(part.to(dest.dtype), non_blocking=True)
                 filled[pname] += dest.numel()
-    if gpt_oss is not None:
-        gpt_oss.check_complete()
-        for pname, n in gpt_oss.filled.items():
+    if experts is not None:
+        experts.check_complete()
+        for pname, n in experts.filled.items():
             filled[pname] += n
     if skipped:
         log.info(
@@ -288,7 +296,7 @@ def _load_plain(model: LlamaForCausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> 
     return filled
 
 
-def _check_complete(model: LlamaForCausalLM, ckpt: Checkpoint, filled: dict[str, int]) -> None:
+def _check_complete(model: CausalLM, ckpt: Checkpoint, filled: dict[str, int]) -> None:
     """WeightLoadError naming the parameters the checkpoint left (partly) unfilled."""
     specs = model.param_shards()
     params = dict(model.named_parameters())

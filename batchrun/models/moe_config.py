@@ -1,49 +1,27 @@
-"""MoeConfig: the mixture-of-experts numbers of Qwen3-MoE, Qwen2-MoE and Mixtral, read from an HF
-config.json (ModelConfig.moe; None for a dense model).
+"""MoeConfig: the mixture-of-experts numbers of a config.json (ModelConfig.moe; None for a dense
+model), read by two rules that an architecture's spec picks (models/spec.py's `moe` hook):
 
-The fields read, per architecture, and what each does:
-
-    Qwen3MoeForCausalLM / Qwen2MoeForCausalLM
-        num_experts (transformers 5 writes num_local_experts)   experts per MoE layer
-        num_experts_per_tok                                      top-k
-        moe_intermediate_size                                    each expert's width
-        norm_topk_prob                                           renormalize the top-k weights
-        decoder_sparse_step, mlp_only_layers                     which layers are MoE; the
-                                                                 others a dense MLP of
-                                                                 intermediate_size
-        shared_expert_intermediate_size (Qwen2-MoE only)         the shared expert's width;
-                                                                 its output times a sigmoid gate
-    MixtralForCausalLM
-        num_local_experts, num_experts_per_tok                   experts, top-k (renormalized)
-        intermediate_size                                        each expert's width; every
-                                                                 layer is MoE
-    GptOssForCausalLM
-        as Mixtral's (the softmax over the top-k logits is the renormalized top-k of the
-        softmax), with a router bias, expert biases and the clamped SwiGLU of
-        swiglu_alpha / swiglu_limit (models/gptoss_config.py)
+    experts_every_layer   num_local_experts, num_experts_per_tok, intermediate_size (each
+                          expert's width); every layer is MoE, the top-k renormalized
+    experts_by_step       num_experts (transformers 5 writes num_local_experts),
+                          num_experts_per_tok, moe_intermediate_size, norm_topk_prob;
+                          decoder_sparse_step and mlp_only_layers say which layers are MoE (the
+                          others a dense MLP of intermediate_size); with `shared_expert`,
+                          shared_expert_intermediate_size, the shared expert's width (its output
+                          times a sigmoid gate)
 
 Fields not read change nothing at inference: router_aux_loss_coef and output_router_logits (the
-training loss on the router), router_jitter_noise (Mixtral's noise on the inputs, training only),
-max_window_layers (read by transformers only with use_sliding_window, which ModelConfig reads).
+training loss on the router), router_jitter_noise (noise on the inputs, training only).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from batchrun.errors import ModelConfigError
-from batchrun.models.gptoss_config import GPT_OSS, GptOss
 
-# architecture -> how its checkpoint names the MoE block and the experts' three matrices
-# (gate, up, down)
-MOE_ARCHITECTURES: dict[str, tuple[str, tuple[str, str, str]]] = {
-    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "Qwen2MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
-    # stacked in the checkpoint: models/gptoss_weights.py reads them
-    GPT_OSS: ("mlp", ("gate_up_proj", "gate_up_proj", "down_proj")),
-}
+GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -53,11 +31,12 @@ class MoeConfig:
     intermediate_size: int  # each expert's width
     norm_topk_prob: bool  # the top-k weights divided by their sum
     layers: tuple[int, ...]  # the layers whose MLP is the experts
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
+    shared_expert_intermediate_size: int = 0  # a shared expert's width; 0: none
     block_name: str = "mlp"  # the checkpoint's module name of the MoE block
-    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    # gpt-oss: the router's bias, the experts' biases (b13 [E, 2I], b2 [E, H]), the clamped
-    # SwiGLU (swiglu_limit 0: plain SiLU), and MXFP4 expert weights in the checkpoint
+    expert_names: tuple[str, str, str] = GATE_UP_DOWN  # the experts' gate, up, down
+    width_field: str = "moe_intermediate_size"  # config.json's name of the experts' width
+    # biases on the router and the experts (b13 [E, 2I], b2 [E, H]), the clamped SwiGLU
+    # (swiglu_limit 0: plain SiLU), and MXFP4 expert weights in the checkpoint
     router_bias: bool = False
     expert_bias: bool = False
     swiglu_alpha: float = 1.0
@@ -68,21 +47,71 @@ class MoeConfig:
         return layer_id in self.layers
 
 
-def parse_moe(raw: dict[str, Any], arch: str, num_layers: int, source: str) -> MoeConfig | None:
-    """The MoE part of config.json for `arch`; None for a dense architecture, or a Qwen-MoE
-    config whose every layer is dense."""
-    if arch not in MOE_ARCHITECTURES:
-        return None
-    block_name, expert_names = MOE_ARCHITECTURES[arch]
-    mixtral = arch in ("MixtralForCausalLM", GPT_OSS)  # the same fields
-    num_experts = raw.get("num_local_experts" if mixtral else "num_experts")
+def experts_every_layer(
+    raw: dict[str, Any],
+    arch: str,
+    num_layers: int,
+    source: str,
+    block_name: str = "mlp",
+    expert_names: tuple[str, str, str] = GATE_UP_DOWN,
+) -> MoeConfig:
+    num_experts = raw.get("num_local_experts")
     if num_experts is None:
-        num_experts = raw.get("num_experts" if mixtral else "num_local_experts")
-    width = raw.get("intermediate_size" if mixtral else "moe_intermediate_size")
+        num_experts = raw.get("num_experts")
+    counts = _counts(raw, arch, source, "num_local_experts", num_experts, "intermediate_size")
+    return _checked(
+        arch, source, *counts, norm=True, layers=tuple(range(num_layers)), shared=0,
+        block_name=block_name, expert_names=expert_names, width_field="intermediate_size",
+    )  # fmt: skip
+
+
+def experts_by_step(
+    raw: dict[str, Any], arch: str, num_layers: int, source: str, shared_expert: bool = False
+) -> MoeConfig | None:
+    """None for a config whose every layer is dense."""
+    num_experts = raw.get("num_experts")
+    if num_experts is None:
+        num_experts = raw.get("num_local_experts")
+    counts = _counts(raw, arch, source, "num_experts", num_experts, "moe_intermediate_size")
+    step = int(raw.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise ModelConfigError(f"{source}: decoder_sparse_step must be >= 1; got {step}")
+    dense = raw.get("mlp_only_layers") or []
+    bad = [i for i in dense if not (isinstance(i, int) and 0 <= i < num_layers)]
+    if bad:
+        raise ModelConfigError(
+            f"{source}: mlp_only_layers has {bad}, not layer indices in [0, {num_layers})"
+        )
+    # transformers' rule: MoE where (i + 1) % decoder_sparse_step == 0, but mlp_only_layers
+    layers = tuple(
+        i for i in range(num_layers) if counts[0] > 0 and (i + 1) % step == 0 and i not in dense
+    )
+    shared = 0
+    if shared_expert:
+        shared = raw.get("shared_expert_intermediate_size")
+        if shared is None:
+            raise ModelConfigError(
+                f"{source}: {arch} needs shared_expert_intermediate_size (the shared expert's "
+                "width)"
+            )
+        shared = int(shared)
+    if not layers:
+        return None
+    norm = bool(raw.get("norm_topk_prob", False))
+    return _checked(
+        arch, source, *counts, norm=norm, layers=layers, shared=shared,
+        shared_required=shared_expert,
+    )  # fmt: skip
+
+
+def _counts(
+    raw: dict[str, Any], arch: str, source: str, experts_key: str, num_experts, width_key: str
+) -> tuple[int, int, int]:
+    width = raw.get(width_key)
     needed = {
-        "num_local_experts" if mixtral else "num_experts": num_experts,
+        experts_key: num_experts,
         "num_experts_per_tok": raw.get("num_experts_per_tok"),
-        "intermediate_size" if mixtral else "moe_intermediate_size": width,
+        width_key: width,
     }
     missing = [k for k, v in needed.items() if v is None]
     if missing:
@@ -90,47 +119,22 @@ def parse_moe(raw: dict[str, Any], arch: str, num_layers: int, source: str) -> M
             f"{source}: {arch} needs {', '.join(missing)} (the experts' count, top-k and width); "
             "use the config.json saved with the weights"
         )
-    num_experts, top_k, width = int(num_experts), int(raw["num_experts_per_tok"]), int(width)
-    if mixtral:
-        layers = tuple(range(num_layers))
-        norm, shared = True, 0
-    else:
-        step = int(raw.get("decoder_sparse_step", 1))
-        if step < 1:
-            raise ModelConfigError(f"{source}: decoder_sparse_step must be >= 1; got {step}")
-        dense = raw.get("mlp_only_layers") or []
-        bad = [i for i in dense if not (isinstance(i, int) and 0 <= i < num_layers)]
-        if bad:
-            raise ModelConfigError(
-                f"{source}: mlp_only_layers has {bad}, not layer indices in [0, {num_layers})"
-            )
-        # transformers' rule: MoE where (i + 1) % decoder_sparse_step == 0, but mlp_only_layers
-        layers = tuple(
-            i
-            for i in range(num_layers)
-            if num_experts > 0 and (i + 1) % step == 0 and i not in dense
-        )
-        norm = bool(raw.get("norm_topk_prob", False))
-        shared = 0
-        if arch == "Qwen2MoeForCausalLM":
-            shared = raw.get("shared_expert_intermediate_size")
-            if shared is None:
-                raise ModelConfigError(
-                    f"{source}: Qwen2MoeForCausalLM needs shared_expert_intermediate_size "
-                    "(the shared expert's width)"
-                )
-            shared = int(shared)
-    if not layers:
-        return None
+    return int(num_experts), int(raw["num_experts_per_tok"]), int(width)
+
+
+def _checked(
+    arch: str, source: str, num_experts: int, top_k: int, width: int, **fields: Any
+) -> MoeConfig:
     if num_experts < 1 or not 1 <= top_k <= num_experts:
         raise ModelConfigError(
             f"{source}: num_experts_per_tok {top_k} must be in [1, number of experts {num_experts}]"
         )
-    if width < 1 or (arch == "Qwen2MoeForCausalLM" and shared < 1):
+    if width < 1 or (fields.pop("shared_required", False) and fields["shared"] < 1):
         raise ModelConfigError(
-            f"{source}: the experts' width ({width}) and the shared expert's ({shared}) must "
-            "be >= 1"
+            f"{source}: the experts' width ({width}) and the shared expert's "
+            f"({fields['shared']}) must be >= 1"
         )
+    norm, layers, shared = fields.pop("norm"), fields.pop("layers"), fields.pop("shared")
     return MoeConfig(
         num_experts=num_experts,
         top_k=top_k,
@@ -138,18 +142,5 @@ def parse_moe(raw: dict[str, Any], arch: str, num_layers: int, source: str) -> M
         norm_topk_prob=norm,
         layers=layers,
         shared_expert_intermediate_size=shared,
-        block_name=block_name,
-        expert_names=expert_names,
-    )
-
-
-def gpt_oss_experts(moe: MoeConfig, gpt_oss: GptOss) -> MoeConfig:
-    """`moe` with what gpt-oss's experts add."""
-    return replace(
-        moe,
-        router_bias=True,
-        expert_bias=True,
-        swiglu_alpha=gpt_oss.swiglu_alpha,
-        swiglu_limit=gpt_oss.swiglu_limit,
-        mxfp4=gpt_oss.mxfp4,
+        **fields,
     )

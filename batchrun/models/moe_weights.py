@@ -5,18 +5,17 @@ weights:
     {block}.experts.{e}.{up}.weight    [I, H]  ->  mlp.w13[e, I:2I]     (the up rows)
     {block}.experts.{e}.{down}.weight  [H, I]  ->  mlp.w2[e]
 
-with {block} and the three names from MoeConfig: Qwen's mlp / gate_proj, up_proj, down_proj,
-Mixtral's block_sparse_moe / w1, w3, w2. Offsets are in the full (TP=1) width I; a rank reads
-only the rows (columns of down) of its slice (the parameter's ShardSpec).
+with {block} and the three names from MoeConfig (mlp / gate_proj, up_proj, down_proj by
+default; the architecture's spec may name them otherwise). Offsets are in the full (TP=1) width
+I; a rank reads only the rows (columns of down) of its slice (the parameter's ShardSpec).
 
-A quantized checkpoint's experts (the linears its quantization_config covers: Qwen3 "-FP8"'s
-128x128-block FP8 `weight` + `weight_scale_inv`, or any format of batchrun/quant/formats) are
-decoded, dequantized in fp32 at full (TP=1) size and stacked like plain ones: w13 and w2 hold
-the dequantized weights in the model's dtype, which the MoE paths (layers/moe.py) run as they
-run a bf16 checkpoint's. A rank slices the dequantized tensor, so its slice need not fall on
-the format's blocks or groups (Qwen3-30B-A3B's width 768 at --tp 4: 192 rows, half a block).
-The experts' activations are not quantized (the checkpoint's dynamic activation scheme applies
-to its other linears).
+A quantized checkpoint's experts (the linears its quantization_config covers: 128x128-block FP8
+`weight` + `weight_scale_inv`, or any format of batchrun/quant/formats) are decoded, dequantized
+in fp32 at full (TP=1) size and stacked like plain ones: w13 and w2 hold the dequantized weights
+in the model's dtype, which the MoE paths (layers/moe.py) run as they run a bf16 checkpoint's.
+A rank slices the dequantized tensor, so its slice need not fall on the format's blocks or
+groups (a width of 768 at --tp 4: 192 rows, half a block). The experts' activations are not
+quantized (the checkpoint's dynamic activation scheme applies to its other linears).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
         attention += 2 * cfg.head_dim
     if cfg.attention_sinks:
         attention += cfg.num_heads
-    norms = (4 if cfg.sandwich_norms else 2) * h  # Gemma 3: four norms a layer
+    norms = (4 if cfg.sandwich_norms else 2) * h  # sandwich norms: four a layer
     dense_mlp = _mlp(h, cfg.intermediate_size, cfg.mlp_bias)
     total = active = 0
     moe = cfg.moe

@@ -46,7 +46,7 @@ def layer_linears(
 ) -> list[tuple[str, tuple[tuple[str, int], ...], int]]:
     """(our linear under decoder layer `layer_id`, its checkpoint linears with their rows, in
     order, and their input columns), all at full size. A mixture of experts' MoE layer has no
-    dense MLP: its experts are models/moe_weights.py's, its shared expert (Qwen2-MoE) is a
+    dense MLP: its experts are models/moe_weights.py's, its shared expert (if any) is a
     dense MLP under mlp.shared_expert."""
     q, kv, inter, hidden = cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.hidden_size
     linears = [

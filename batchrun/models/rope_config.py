@@ -1,6 +1,7 @@
 """The rotary settings of a config.json beyond the rope type: how many dims of a head rotate
-(`partial_rotary_factor`) and LongRoPE's parameters (Phi-3 / Phi-4), read as transformers 5
-reads them (`modeling_rope_utils.py`, `Phi3Config`)."""
+(`partial_rotary_factor`), LongRoPE's and YaRN's parameters, read as transformers 5 reads them
+(`modeling_rope_utils.py`). What differs by architecture comes from its spec (models/spec.py):
+whether it rotates part of a head, its rope aliases, LongRoPE's default original length."""
 
 from __future__ import annotations
 
@@ -9,35 +10,26 @@ from typing import Any
 
 from batchrun.errors import ModelConfigError
 
-# architectures whose attention rotates only the first head_dim * partial_rotary_factor dims
-# (transformers' Phi3 apply_rotary_pos_emb); the others rotate the whole head, whatever the field
-PARTIAL_ROTARY = frozenset({"Phi3ForCausalLM"})
-# older names of rope types -> the name batchrun runs: "su" is Phi-3's first name for LongRoPE;
-# transformers' Phi3Config reads "yarn" as LongRoPE too
-ROPE_ALIASES = {"su": "longrope"}
-PHI3_ALIASES = {"su": "longrope", "yarn": "longrope"}
-# Phi3Config's original_max_position_embeddings when config.json has none
-PHI3_ORIGINAL_MAX_POSITIONS = 4096
-
-
-def canonical_rope_type(rope_type: str, arch: str) -> str:
-    aliases = PHI3_ALIASES if arch == "Phi3ForCausalLM" else ROPE_ALIASES
-    return aliases.get(rope_type, rope_type)
-
 
 def rotary_dim(
-    raw: dict[str, Any], rope: dict[str, Any], arch: str, head_dim: int, source: str
+    raw: dict[str, Any],
+    rope: dict[str, Any],
+    arch: str,
+    head_dim: int,
+    source: str,
+    partial: tuple[str, ...] = (),
 ) -> int:
     """The dims of each head that rotate: head_dim * partial_rotary_factor (the rope parameters'
-    or the top-level field), the first ones; the rest pass through."""
+    or the top-level field), the first ones; the rest pass through. `partial`: the architectures
+    that rotate part of a head (`arch` among them, or the factor is refused)."""
     factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if factor is None or float(factor) == 1.0:
         return head_dim
     factor = float(factor)
-    if arch not in PARTIAL_ROTARY:
+    if arch not in partial:
         raise ModelConfigError(
             f"{source}: partial_rotary_factor {factor} is not supported for {arch} (its "
-            f"attention rotates the whole head); supported for {', '.join(sorted(PARTIAL_ROTARY))}"
+            f"attention rotates the whole head); supported for {', '.join(sorted(partial))}"
         )
     dim = int(head_dim * factor)
     if not 0.0 < factor < 1.0 or dim < 2 or dim % 2:
@@ -51,14 +43,15 @@ def rotary_dim(
 def longrope_parameters(
     raw: dict[str, Any],
     rope: dict[str, Any],
-    arch: str,
     rotary: int,
     max_pos: int,
     source: str,
+    original_default: int | None = None,
 ) -> dict[str, Any]:
     """`rope` with LongRoPE's numbers resolved: short_factor and long_factor (rotary // 2 floats
-    each), original_max_position_embeddings (config.json's top-level field first, as Phi3Config
-    gives it priority, else the rope parameters', else max_position_embeddings), and the
+    each), original_max_position_embeddings (config.json's top-level field first, as transformers
+    gives it priority, else `original_default` where the architecture has one, else the rope
+    parameters', else max_position_embeddings), and the
     attention_factor that scales cos and sin (given, else sqrt(1 + ln(factor) / ln(original))
     for a factor > 1, the factor being given or max_position_embeddings / original)."""
     out = dict(rope)
@@ -80,7 +73,7 @@ def longrope_parameters(
     original = raw.get("original_max_position_embeddings")
     if original is None:
         fallback = rope.get("original_max_position_embeddings", max_pos)
-        original = PHI3_ORIGINAL_MAX_POSITIONS if arch == "Phi3ForCausalLM" else fallback
+        original = fallback if original_default is None else original_default
     original = int(original)
     if original <= 0:
         raise ModelConfigError(

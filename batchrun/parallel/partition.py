@@ -159,14 +159,11 @@ def partition_model(cfg: ModelConfig, rank: int = 0, size: int = 1) -> TPPartiti
         )
     widths = {}
     if moe is not None:
-        widths = {
-            "expert width (moe_intermediate_size)": moe.intermediate_size,
-            "shared expert width (shared_expert_intermediate_size)": (
+        widths = {f"expert width ({moe.width_field})": moe.intermediate_size}
+        if moe.shared_expert_intermediate_size:
+            widths["shared expert width (shared_expert_intermediate_size)"] = (
                 moe.shared_expert_intermediate_size
-            ),
-        }
-        if cfg.architecture == "MixtralForCausalLM":
-            widths = {"expert width (intermediate_size)": moe.intermediate_size}
+            )
     for what, width in widths.items():
         if width % size:
             raise ModelConfigError(

@@ -337,13 +337,11 @@ def test_a_dropped_engine_is_not_collected_inside_a_decode_capture(model_dir, mo
     CudaGraphRunner._capture runs with the collector off (engine/gc_pause.py's no_gc); this
     test makes the dropped engine garbage at the capture's first forward, with collections due
     at almost every allocation, so that any collection inside the capture would show."""
-    from batchrun.models.llama import LlamaForCausalLM
+    from batchrun.models.blocks.model import CausalLM
 
     kernels = dict(attention="triton", cuda_graph_max_bs=16, piecewise_graphs=False)
     config = _config(model_dir, kernels, kv_budget=2000, max_running=16)
-    _second_engine_captures_while_the_first_is_garbage(
-        monkeypatch, config, LlamaForCausalLM, "forward"
-    )
+    _second_engine_captures_while_the_first_is_garbage(monkeypatch, config, CausalLM, "forward")
 
 
 def test_a_dropped_engine_is_not_collected_inside_a_piecewise_capture(model_dir, monkeypatch):
@@ -366,17 +364,17 @@ def test_graph_capture_pauses_the_collector_and_restores_it(model_dir, monkeypat
 
     from batchrun.engine.cuda_graph import CudaGraphRunner
     from batchrun.engine.engine import Engine
-    from batchrun.models.llama import LlamaForCausalLM
+    from batchrun.models.blocks.model import CausalLM
 
     during = []  # gc.isenabled() at each forward inside a capture
-    real_forward = LlamaForCausalLM.forward
+    real_forward = CausalLM.forward
 
     def forward(self, batch, backend):
         if torch.cuda.is_current_stream_capturing():
             during.append(gc.isenabled())
         return real_forward(self, batch, backend)
 
-    monkeypatch.setattr(LlamaForCausalLM, "forward", forward)
+    monkeypatch.setattr(CausalLM, "forward", forward)
     captures = count_calls(monkeypatch, CudaGraphRunner, "_capture")
     was_enabled = gc.isenabled()
     try:

@@ -120,7 +120,7 @@ def test_moe_gemv_decode_graphs_give_its_eager_tokens(dummy_dir, num):
         assert ((a - b).norm() / b.norm()).item() < 2e-2
 
 
-@pytest.mark.parametrize("mode", ["all", "fold"])
+@pytest.mark.parametrize("mode", ["all"])
 def test_one_token_decode_with_the_norms_in_the_gemvs(dummy_dir, mode):
     """decode_norms on a mixture (bf16; the experts' residual add and the next norm inside their
     down GEMV, the route and expert GEMVs launched with PDL): one request's greedy tokens are

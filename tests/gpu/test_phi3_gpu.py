@@ -80,7 +80,7 @@ def eager(phi4_dir, context_len):
         (dict(EAGER, cuda_graph_max_bs=64), dict(overlap=False)),
         (dict(EAGER, cuda_graph_max_bs=64, piecewise_graphs=True), dict(overlap=True)),
         (dict(EAGER, cuda_graph_max_bs=64, decode_gemv="triton"), dict(overlap=True)),
-        # one-row decode steps: LlamaForCausalLM.forward_gemv, the norms inside the matmuls
+        # one-row decode steps: models/fused_decode.py, the norms inside the matmuls
         (dict(EAGER, cuda_graph_max_bs=64, decode_gemv="triton"), dict(max_running=1)),
     ],
 )

@@ -203,7 +203,7 @@ def test_engine_same_tokens_with_the_decode_kernels_rotary_or_the_rotary_store(
     kernels/rotary_kv_store.py. Built with the decode kernel's own rotary turned off
     (TritonAttentionBackend._rotates_in_decode), the graphs run the rotary-store kernel then
     the plain decode kernel instead: greedy tokens (batches of 6 and of 1, one-row decodes
-    through forward_gemv) and logits are the same bits."""
+    through the fused decode) and logits are the same bits."""
     from spies import count_calls
     from tiny_models import random_prompts
 

@@ -1,6 +1,6 @@
-"""The folded decode weights of decode_norms "fold" and "fold-all": which copies
-LlamaForCausalLM.prepare_decode_norms makes within its memory budget, and the mode the one-row
-decode then runs (the mode it returns, which the runner's kernel config records)."""
+"""The folded decode weights of decode_norms "fold-all" (models/fused_decode.py): which copies
+FusedDecode.prepare makes within its memory budget, and the mode the one-row decode then runs
+(the mode it returns, which the runner's kernel config records)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batchrun.kernels.gemv import pick_config  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
-import batchrun.models.llama as llama  # noqa: E402
 from batchrun.config import KernelConfig  # noqa: E402
+from batchrun.models import fused_decode  # noqa: E402
 from batchrun.models.config import ModelConfig  # noqa: E402
 from batchrun.models.loader import load_model  # noqa: E402
 
@@ -37,54 +37,46 @@ def tiny_model(model_dir: Path, decode_norms: str):
     model = load_model(
         model_dir, cfg, "auto", torch.float16, "cpu", cfg.max_position_embeddings, kernels=kernels
     )
-    # a mode with folded weights runs as "post" until prepare_decode_norms has made them
-    assert model.decode_norms == ("post" if decode_norms in ("fold", "fold-all") else decode_norms)
+    # "fold-all" runs as "off" until prepare has made its folded weights
+    mode = None if model.fused is None else model.fused.mode
+    assert mode == {"off": None, "all": "all", "fold-all": "off"}[decode_norms]
     return model
 
 
-def folded(model) -> tuple[bool, bool]:
-    layer = model.layers[0]
-    return hasattr(layer.self_attn, "qkv_weight_rms"), hasattr(layer.mlp, "gate_up_weight_rms")
+def folded(model) -> bool:
+    return model.fused is not None and bool(model.fused.qkv_rms or model.fused.gate_up_rms)
 
 
 def test_fold_all_folds_both_norms_within_the_budget(model_dir):
     model = tiny_model(model_dir, "fold-all")
-    assert folded(model) == (False, False)  # made by prepare_decode_norms, not at construction
-    assert model.prepare_decode_norms() == "fold-all"
-    assert model.decode_norms == "fold-all" and folded(model) == (True, True)
-    layer = model.layers[1]
+    assert not folded(model)  # made by prepare, not at construction
+    assert fused_decode.prepare(model) == "fold-all"
+    assert model.fused.mode == "fold-all" and folded(model)
+    layer, fused = model.layers[1], model.fused
     want = layer.mlp.gate_up_proj.weight.float() * layer.post_attention_layernorm.weight.float()
-    assert torch.equal(layer.mlp.gate_up_weight_rms, want.to(torch.float16))
+    assert torch.equal(fused.gate_up_rms[1], want.to(torch.float16))
     want = layer.self_attn.qkv_proj.weight.float() * layer.input_layernorm.weight.float()
-    assert torch.equal(layer.self_attn.qkv_weight_rms, want.to(torch.float16))
+    assert torch.equal(fused.qkv_rms[1], want.to(torch.float16))
 
 
-def test_fold_makes_only_the_qkv_copies(model_dir):
-    model = tiny_model(model_dir, "fold")
-    assert model.prepare_decode_norms() == "fold"
-    assert folded(model) == (True, False)
-
-
-@pytest.mark.parametrize("mode", ["off", "all", "post"])
+@pytest.mark.parametrize("mode", ["off", "all"])
 def test_modes_without_folded_weights_make_none(model_dir, mode):
     model = tiny_model(model_dir, mode)
-    assert model.prepare_decode_norms() == mode
-    assert model.decode_norms == mode and folded(model) == (False, False)
+    assert fused_decode.prepare(model) == mode
+    assert not folded(model)
 
 
 def test_copies_over_the_budget_are_left_out(model_dir, monkeypatch):
-    """gate_up's copy goes first, then qkv's; the one-row decode then runs "fold", or "post"."""
+    """Folded copies that do not fit the budget are not made: the one-row decode runs "off"."""
     model = tiny_model(model_dir, "fold-all")
-    qkv = sum(layer.self_attn.qkv_proj.weight.nbytes for layer in model.layers)
-    monkeypatch.setattr(llama, "fold_budget", lambda device: qkv + 1)
-    assert model.prepare_decode_norms() == "fold"
-    assert model.decode_norms == "fold" and folded(model) == (True, False)
-
-    monkeypatch.setattr(llama, "fold_budget", lambda device: qkv - 1)
-    for mode in ("fold-all", "fold"):
-        model = tiny_model(model_dir, mode)
-        assert model.prepare_decode_norms() == "post", mode
-        assert model.decode_norms == "post" and folded(model) == (False, False), mode
+    size = sum(
+        layer.self_attn.qkv_proj.weight.nbytes + layer.mlp.gate_up_proj.weight.nbytes
+        for layer in model.layers
+    )
+    monkeypatch.setattr(fused_decode, "fold_budget", lambda device: size - 1)
+    assert fused_decode.prepare(model) == "off"
+    assert model.fused.mode == "off" and not folded(model)
+    assert not model.fused.takes(torch.zeros(1, model.config.hidden_size, dtype=torch.float16))
 
 
 def test_pick_config_splits_narrow_matrices():

@@ -236,39 +236,35 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
     """Forwards of a few tokens and of one token with decode_gemv "triton" (fp16, the tiny
     llama, the torch attention) give the torch path's logits. Rows of up to 16 take
     kernels/gemv.py for every matmul; one row, with decode_norms other than "off", takes
-    LlamaForCausalLM.forward_gemv: "all" the residual adds and norms inside the gemvs before
-    them, "post" only the post-attention ones, "fold" those and each input norm inside the
-    qkv matmul after it, on the folded weights that prepare_decode_norms makes, "fold-all"
-    both norms inside the matmuls after them (qkv's and gate_up's)."""
+    the fused decode (models/fused_decode.py): "all" the residual adds and norms inside the
+    gemvs before them, "fold-all" both norms inside the matmuls after them (qkv's and
+    gate_up's), on the folded weights that its prepare makes."""
     from dataclasses import replace
 
     from tiny_models import make_tiny_model, random_prompts
 
     import batchrun.layers.linear as linear
-    import batchrun.models.llama as llama
     from batchrun.config import KernelConfig
+    from batchrun.models.fused_decode import FusedDecode
 
     path = Path(tempfile.mkdtemp(dir=tmp_dir))
     make_tiny_model("llama", path)
     ref_runner = _runner(path, KernelConfig.reference())
     prompts = random_prompts(3, seed=4, min_len=3, max_len=16) + [[5], [60]]
     refs = [ref_runner.all_logits(p, torch.arange(len(p))) for p in prompts]
-    for mode in ("off", "all", "post", "fold", "fold-all"):
+    for mode in ("off", "all", "fold-all"):
         kernels = replace(
             INTERPRETER_KERNELS, attention="torch", decode_gemv="triton", decode_norms=mode
         )
         runner = _runner(path, kernels)
         model = runner.model
-        assert runner.kernels.decode_norms == model.decode_norms == mode  # folds fit the CPU
-        layer = model.layers[0]
-        folds = (
-            hasattr(layer.self_attn, "qkv_weight_rms"),
-            hasattr(layer.mlp, "gate_up_weight_rms"),
-        )
-        assert folds == (mode in ("fold", "fold-all"), mode == "fold-all"), (mode, folds)
+        fused_mode = "off" if model.fused is None else model.fused.mode
+        assert runner.kernels.decode_norms == fused_mode == mode  # folds fit the CPU
+        folds = model.fused is not None and len(model.fused.gate_up_rms) == len(model.layers)
+        assert folds == (mode == "fold-all"), (mode, folds)
         for prompt, ref in zip(prompts, refs):
             with pytest.MonkeyPatch.context() as mp:
-                one_row = count_calls(mp, llama.LlamaForCausalLM, "forward_gemv")
+                one_row = count_calls(mp, FusedDecode, "forward")
                 matmuls = count_calls(mp, linear, "linear")  # a layer's forward, not its gemv
                 fused = runner.all_logits(prompt, torch.arange(len(prompt)))
             takes = mode != "off" and len(prompt) == 1

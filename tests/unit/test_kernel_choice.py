@@ -31,12 +31,9 @@ from batchrun.config import (  # noqa: E402
     resolve_sizes,
 )
 from batchrun.engine import kernel_choice  # noqa: E402
-from batchrun.engine.kernel_choice import (  # noqa: E402
-    NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN,
-    has_triton,
-    resolve_kernels,
-)
+from batchrun.engine.kernel_choice import has_triton, resolve_kernels  # noqa: E402
 from batchrun.models.config import ModelConfig  # noqa: E402
+from batchrun.models.fused_decode import NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN  # noqa: E402
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 H200_MEMORY = 150_000_000_000
@@ -162,7 +159,7 @@ def test_the_triton_fields_need_triton(monkeypatch):
     [
         (KernelConfig(attention="fast"), "attention backend must be one of auto, torch"),
         (KernelConfig(decode_gemv="fast"), "decode_gemv must be one of auto, cublas, triton"),
-        (KernelConfig(decode_norms="some"), "decode_norms must be one of auto, off, all, post"),
+        (KernelConfig(decode_norms="some"), "decode_norms must be one of auto, off, all, fold-all"),
         (KernelConfig(cuda_graph_max_bs=-1), "cuda_graph_max_bs must be >= 0"),
     ],
 )
@@ -171,7 +168,7 @@ def test_unknown_values_fail_validation(kernels, message):
         resolve(kernels=kernels)
 
 
-@pytest.mark.parametrize("mode", ["all", "post", "fold", "fold-all"])
+@pytest.mark.parametrize("mode", ["all", "fold-all"])
 def test_norms_in_the_matmuls_need_the_triton_matmuls(gpu, mode):
     gpu(pdl=True)
     with pytest.raises(ValueError, match=f"decode_norms {mode!r} needs decode_gemv 'triton'"):
@@ -303,7 +300,7 @@ def test_fields_set_by_hand_are_kept(gpu):
         triton_ops=True,
         pdl=True,
         decode_gemv="triton",
-        decode_norms="post",
+        decode_norms="all",
         cuda_graph_max_bs=64,
         piecewise_graphs=False,
         host_gate=False,
@@ -329,8 +326,8 @@ def quantized(model_cfg):
 def test_a_quantized_model_on_an_h200_decodes_on_the_triton_kernels_without_folded_norms(gpu):
     """A quantized model's decode batches run on kernels/fp8_gemv.py (and gemv.py for its bf16
     layers) with PDL, on cuBLAS (torch._scaled_mm for FP8) when set by hand; its norms stay
-    kernels by default, go inside kernels/fp8_gemv.py's epilogues with decode_norms "all" or
-    "post" set by hand, and are never folded into weights (bf16 ones only)."""
+    kernels by default, go inside kernels/fp8_gemv.py's epilogues with decode_norms "all" set
+    by hand, and are never folded into weights (bf16 ones only)."""
     gpu(pdl=True)
     for model_cfg in (quantized(SMALL), quantized(LARGE)):
         kernels = resolve(model_cfg, CUDA)
@@ -339,7 +336,7 @@ def test_a_quantized_model_on_an_h200_decodes_on_the_triton_kernels_without_fold
     assert resolve(SMALL, CUDA, quantization="fp8").decode_gemv == "triton"
     hand_set = resolve(quantized(SMALL), CUDA, KernelConfig(decode_gemv="cublas"))
     assert (hand_set.decode_gemv, hand_set.decode_norms) == ("cublas", "off")
-    for mode in ("all", "post"):
+    for mode in ("all",):
         assert resolve(quantized(LARGE), CUDA, KernelConfig(decode_norms=mode)).decode_norms == (
             mode
         )
@@ -347,9 +344,8 @@ def test_a_quantized_model_on_an_h200_decodes_on_the_triton_kernels_without_fold
             resolve(quantized(SMALL), CUDA, KernelConfig(decode_norms=mode, fp8_matmul="dequant"))
         with pytest.raises(ValueError, match="not INT4"):
             resolve(int4(LARGE), CUDA, KernelConfig(decode_norms=mode))
-    for mode in ("fold", "fold-all"):
-        with pytest.raises(ValueError, match="folds the norms' weights into bf16"):
-            resolve(quantized(SMALL), CUDA, KernelConfig(decode_norms=mode))
+    with pytest.raises(ValueError, match="folds the norms' weights into bf16"):
+        resolve(quantized(SMALL), CUDA, KernelConfig(decode_norms="fold-all"))
     assert resolve(quantized(SMALL), CUDA, KernelConfig(fp8_matmul="dequant")).fp8_matmul == (
         "dequant"
     )
@@ -469,7 +465,7 @@ def test_moe_decode_gemv_with_the_fused_experts(gpu, monkeypatch):
 
 def test_a_mixtures_one_token_decode_takes_the_norms_into_its_gemvs(gpu):
     """decode_norms auto on a mixture: the residual add and the next norm inside the experts'
-    down GEMV (kernels/moe_gemv.py) with "all" up to hidden 2048 (Qwen3-30B-A3B), "fold" above
+    down GEMV (kernels/moe_gemv.py) with "all" up to hidden 2048 (Qwen3-30B-A3B), "off" above
     (Mixtral: no gate_up weight for "fold-all"); "off" with the grouped GEMMs for decode, or a
     shared expert and biases (Qwen1.5-MoE); each refused where it cannot run."""
     gpu(pdl=True)
@@ -477,11 +473,11 @@ def test_a_mixtures_one_token_decode_takes_the_norms_into_its_gemvs(gpu):
     mixtral = ModelConfig.from_dict(MIXTRAL_8X7B_INSTRUCT)
     shared = ModelConfig.from_dict(QWEN15_MOE_A27B)
     assert resolve(qwen3, CUDA).decode_norms == "all"
-    assert resolve(mixtral, CUDA).decode_norms == "fold"
+    assert resolve(mixtral, CUDA).decode_norms == "off"
     assert resolve(shared, CUDA).decode_norms == "off"
     grouped = KernelConfig(moe_decode="grouped")
     assert resolve(qwen3, CUDA, grouped).decode_norms == "off"
-    for mode in ("all", "post", "fold"):
+    for mode in ("all",):
         assert resolve(mixtral, CUDA, KernelConfig(decode_norms=mode)).decode_norms == mode
     with pytest.raises(ValueError, match="decode_norms 'fold-all' folds the post-attention"):
         resolve(mixtral, CUDA, KernelConfig(decode_norms="fold-all"))
@@ -618,7 +614,7 @@ def test_gemma3_decodes_with_its_norms_apart(gpu):
     gemma = ModelConfig.from_dict(GEMMA3_1B_IT)
     kernels = resolve(gemma, CUDA)
     assert (kernels.decode_gemv, kernels.decode_norms) == ("triton", "off")
-    with pytest.raises(ValueError, match=r"decode_norms 'all' needs .* \(not Gemma's four\)"):
+    with pytest.raises(ValueError, match=r"decode_norms 'all' needs .* \(no sandwich norms\)"):
         resolve(gemma, CUDA, KernelConfig(decode_norms="all"))
 
 

@@ -17,13 +17,9 @@ from tiny_models import make_tiny_model  # noqa: E402
 
 from batchrun.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.models.config import (  # noqa: E402
-    MODEL_TYPES,
-    SUPPORTED_ARCHITECTURES,
-    ModelConfig,
-    ModelConfigError,
-)
+from batchrun.models.config import ModelConfig, ModelConfigError  # noqa: E402
 from batchrun.models.loader import WeightLoadError  # noqa: E402
+from batchrun.models.registry import ARCHITECTURES, MODEL_TYPES  # noqa: E402
 
 WEIGHTS = "model.safetensors"
 
@@ -75,7 +71,7 @@ def test_unsupported_architecture(model_dir):
     assert str(model_dir / "config.json") in msg
     assert "GPT2LMHeadModel" in msg and "unsupported architecture" in msg
     assert "model_type 'gpt2'" in msg
-    assert all(arch in msg for arch in SUPPORTED_ARCHITECTURES)
+    assert all(arch in msg for arch in ARCHITECTURES)
     assert all(kind in msg for kind in MODEL_TYPES)
 
 

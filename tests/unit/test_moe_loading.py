@@ -20,8 +20,9 @@ from tiny_models import MOE_KINDS, make_tiny_model  # noqa: E402
 
 from batchrun.config import KernelConfig  # noqa: E402
 from batchrun.errors import WeightLoadError  # noqa: E402
+from batchrun.models.blocks.context import BuildContext  # noqa: E402
+from batchrun.models.blocks.mlp import experts_or_dense  # noqa: E402
 from batchrun.models.config import ModelConfig  # noqa: E402
-from batchrun.models.llama import make_mlp  # noqa: E402
 from batchrun.models.loader import load_model  # noqa: E402
 from batchrun.parallel.partition import partition_model  # noqa: E402
 from batchrun.parallel.state import TPGroup  # noqa: E402
@@ -97,8 +98,9 @@ def test_one_all_reduce_per_moe_block():
     )
     calls: list = []
     tp = CountingGroup(0, 2, None, calls)
-    block = make_mlp(cfg, partition_model(cfg, 0, 2), tp, 0, torch.float32, "cpu",
-                     KernelConfig.reference())  # fmt: skip
+    ctx = BuildContext(cfg, torch.float32, "cpu", KernelConfig.reference(), tp,
+                       partition_model(cfg, 0, 2), cfg.max_position_embeddings)  # fmt: skip
+    block = experts_or_dense(ctx, 0)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.1)
     assert block.shared_expert is not None

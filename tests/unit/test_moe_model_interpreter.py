@@ -74,9 +74,9 @@ def _check_model(kind: str, root: Path) -> None:
 
 def _check_decode_norms(root: Path) -> None:
     """The one-token decode of the tiny Qwen3-MoE (its layer 1 dense) and Mixtral in fp16 with
-    decode_gemv "triton": LlamaForCausalLM.forward_gemv with decode_norms "all", "post" and
-    "fold" (the experts' residual add and the next norm inside their down GEMV,
-    MoE.forward_residual, once an expert layer) gives the logits of "off"."""
+    decode_gemv "triton": the fused decode (models/fused_decode.py) with decode_norms "all" (the
+    experts' residual add and the next norm inside their down GEMV, MoE.forward_residual, once
+    an expert layer) gives the logits of "off"."""
     from spies import count_calls
     from test_fused_kernels_interpreter import _runner
     from tiny_models import make_tiny_model, random_prompts
@@ -92,9 +92,9 @@ def _check_decode_norms(root: Path) -> None:
         prompts = random_prompts(2, seed=5, min_len=3, max_len=16) + [[5], [60]]
         ref_runner = _runner(path, replace(base, decode_norms="off"))
         refs = [ref_runner.all_logits(p, torch.arange(len(p))) for p in prompts]
-        for mode in ("all", "post", "fold"):
+        for mode in ("all",):
             runner = _runner(path, replace(base, decode_norms=mode))
-            assert runner.kernels.decode_norms == runner.model.decode_norms == mode
+            assert runner.kernels.decode_norms == runner.model.fused.mode == mode
             experts = sum(isinstance(layer.mlp, MoE) for layer in runner.model.layers)
             for prompt, ref in zip(prompts, refs):
                 with pytest.MonkeyPatch.context() as mp:

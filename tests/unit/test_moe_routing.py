@@ -15,8 +15,9 @@ from tiny_models import make_moe_config  # noqa: E402
 
 from batchrun.config import KernelConfig  # noqa: E402
 from batchrun.layers.moe import moe_experts, route  # noqa: E402
+from batchrun.models.blocks.context import BuildContext  # noqa: E402
+from batchrun.models.blocks.mlp import experts_or_dense  # noqa: E402
 from batchrun.models.config import ModelConfig  # noqa: E402
-from batchrun.models.llama import make_mlp  # noqa: E402
 from batchrun.parallel.partition import partition_model  # noqa: E402
 from batchrun.parallel.state import TPGroup  # noqa: E402
 
@@ -117,8 +118,9 @@ def test_block_equals_transformers_sparse_moe_block_in_bf16(kind):
     hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
     ref_block = hf.model.layers[0].mlp
     cfg = ModelConfig.from_dict(hf_cfg.to_dict() | {"architectures": [type(hf).__name__]})
-    block = make_mlp(cfg, partition_model(cfg), TPGroup(), 0, torch.float32, "cpu",
-                     KernelConfig.reference())  # fmt: skip
+    ctx = BuildContext(cfg, torch.float32, "cpu", KernelConfig.reference(), TPGroup(),
+                       partition_model(cfg), cfg.max_position_embeddings)  # fmt: skip
+    block = experts_or_dense(ctx, 0)
     with torch.no_grad():
         block.gate.weight.copy_(ref_block.gate.weight)
         block.w13.copy_(ref_block.experts.gate_up_proj)

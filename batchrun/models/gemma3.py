@@ -1,4 +1,8 @@
-"""Gemma 3's config.json, read into the fields of ModelConfig (models/config.py).
+"""Gemma 3 (Gemma3ForCausalLM, Gemma3ForConditionalGeneration's text model): a decoder of
+sandwich-norm layers (four norms a layer: models/blocks/layer.py), a GELU-tanh gated MLP,
+embeddings scaled by sqrt(hidden_size), q/k norms, attention scaled by query_pre_attn_scalar,
+sliding layers with a rotary table of their own, every RMSNorm weight stored as its offset from 1.
+Quantized checkpoints are refused.
 
 `Gemma3ForCausalLM` (gemma-3-1b, model_type gemma3_text) has its numbers at the top level;
 `Gemma3ForConditionalGeneration` (4b / 12b / 27b, model_type gemma3) has them in `text_config`,
@@ -24,12 +28,19 @@ batchrun runs the text model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from batchrun.errors import ModelConfigError
+from batchrun.models.blocks.attention import Attention
+from batchrun.models.blocks.context import BuildContext
+from batchrun.models.blocks.layer import SandwichNormLayer
+from batchrun.models.blocks.mlp import GatedMLP
+from batchrun.models.blocks.model import CausalLM, Rope
+from batchrun.models.config import ModelConfig
+from batchrun.models.spec import ArchSpec, TensorNames
 
-GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+MULTIMODAL = "Gemma3ForConditionalGeneration"
 # transformers' Gemma3TextConfig defaults (configuration_gemma3.py)
 TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208,
@@ -65,24 +76,16 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 REFUSED = ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention")
 
 
-@dataclass(frozen=True)
-class Gemma3Text:
-    """The text model's config.json fields, flattened (rope_theta / rope_scaling: the full
-    layers'), and what Gemma 3 adds to a Llama-family decoder."""
-
-    raw: dict[str, Any]
-    sliding_windows: tuple[int, ...]  # per layer; 0: a full layer
-    local_rope_theta: float
-    query_pre_attn_scalar: float
-
-
-def parse_gemma3(raw: dict[str, Any], arch: str, source: str) -> Gemma3Text:
-    if arch == "Gemma3ForConditionalGeneration":
+def prepare(
+    raw: dict[str, Any], source: str, multimodal: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the text model's config.json fields, flattened: rope_theta / rope_scaling the full
+    layers'; the ModelConfig fields Gemma 3 sets itself)."""
+    if multimodal:
         text = raw.get("text_config")
         if not isinstance(text, dict):
             raise ModelConfigError(
-                f"{source}: Gemma3ForConditionalGeneration needs text_config (the text model's "
-                f"config), got {text!r}"
+                f"{source}: {MULTIMODAL} needs text_config (the text model's config), got {text!r}"
             )
         where = f"{source} text_config"
         text = {**TEXT_DEFAULTS, **text}
@@ -107,11 +110,13 @@ def parse_gemma3(raw: dict[str, Any], arch: str, source: str) -> Gemma3Text:
     flat = {k: v for k, v in text.items() if k not in ("rope_parameters", "rope_scaling")}
     flat["rope_theta"] = full.pop("rope_theta")
     flat["rope_scaling"] = full
-    return Gemma3Text(
-        raw=flat,
+    return flat, dict(
         sliding_windows=tuple(window if t == "sliding_attention" else 0 for t in layer_types),
         local_rope_theta=float(local["rope_theta"]),
         query_pre_attn_scalar=float(text["query_pre_attn_scalar"]),
+        embed_scale=True,
+        norm_plus_one=True,
+        sandwich_norms=True,
     )
 
 
@@ -156,3 +161,49 @@ def _rope(text: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, A
             "(rope_parameters.sliding_attention); supported: default"
         )
     return local, full
+
+
+def build(cfg: ModelConfig, ctx: BuildContext) -> CausalLM:
+    """Sandwich-norm layers of a GELU-tanh MLP; the sliding layers rotate with their own base
+    (default rope), the full ones with rope_theta and rope_scaling."""
+    scaling = cfg.query_pre_attn_scalar**-0.5
+    layers = [
+        SandwichNormLayer(
+            ctx,
+            Attention(ctx, i, window=cfg.window(i), scaling=scaling, qk_norm=True),
+            GatedMLP(ctx, i, act="gelu_pytorch_tanh"),
+        )
+        for i in range(cfg.num_layers)
+    ]
+    ropes = (
+        Rope(cfg.rope_theta, cfg.rope_scaling),
+        Rope(cfg.local_rope_theta, {"rope_type": "default"}),
+    )
+    layer_ropes = tuple(1 if cfg.window(i) else 0 for i in range(cfg.num_layers))
+    return CausalLM(ctx, layers, embed_scale=True, ropes=ropes, layer_ropes=layer_ropes)
+
+
+# the multimodal checkpoint's text model under its names as transformers 5 saves them and as the
+# hub's checkpoints (transformers 4) have them; its vision tower and projector are not run
+TEXT_MODEL = TensorNames(
+    renames=(
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ),
+    skipped=(
+        "model.vision_tower.",
+        "vision_tower.",
+        "model.multi_modal_projector.",
+        "multi_modal_projector.",
+    ),
+)
+SPEC = ArchSpec(name="Gemma3ForCausalLM", model_type="gemma3_text", family="Gemma 3",
+                build=build, qk_norm=True, act_field="hidden_activation",
+                activations=("gelu_pytorch_tanh",), prepare=prepare,
+                quantizable=False)  # fmt: skip
+MULTIMODAL_SPEC = ArchSpec(name=MULTIMODAL, model_type="gemma3", family="Gemma 3", build=build,
+                           qk_norm=True, act_field="hidden_activation",
+                           activations=("gelu_pytorch_tanh",),
+                           prepare=partial(prepare, multimodal=True), quantizable=False,
+                           names=TEXT_MODEL)  # fmt: skip

@@ -1,5 +1,5 @@
-"""gpt-oss (`GptOssForCausalLM`): what its config.json adds to a Llama-family decoder, read as
-transformers 5's GptOssConfig reads it.
+"""gpt-oss (`GptOssForCausalLM`): Llama's blocks (models/llama.py) with attention sinks and
+experts on every layer; what its config.json adds, read as transformers 5's GptOssConfig reads it.
 
     layer_types / sliding_window      sliding layers (window sliding_window) and full ones;
                                       without layer_types the even layers slide
@@ -15,6 +15,8 @@ transformers 5's GptOssConfig reads it.
     quantization_config mxfp4         the experts' weights in MXFP4 (*_blocks / *_scales),
                                       dequantized at load (models/gptoss_weights.py); the
                                       other weights are plain
+    (checkpoint)                      mlp.router -> our mlp.gate; the experts stacked
+                                      (models/gptoss_weights.py reads them)
     rope_parameters yarn              models/rope_config.py
 
 Fields not read change nothing at inference: router_aux_loss_coef, output_router_logits,
@@ -23,10 +25,17 @@ original_max_position_embeddings and num_experts_per_tok, which the file also ha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 from batchrun.errors import ModelConfigError
+from batchrun.models import llama
+from batchrun.models.blocks.context import BuildContext
+from batchrun.models.blocks.model import CausalLM
+from batchrun.models.config import ModelConfig
+from batchrun.models.gptoss_weights import GptOssExperts
+from batchrun.models.moe_config import experts_every_layer
+from batchrun.models.spec import ArchSpec, TensorNames
 
 GPT_OSS = "GptOssForCausalLM"
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -39,16 +48,9 @@ SLIDING_WINDOW = 128
 MXFP4_PLAIN = ("self_attn", "mlp.router", "embed_tokens", "lm_head")
 
 
-@dataclass(frozen=True)
-class GptOss:
-    raw: dict[str, Any]  # config.json without its quantization_config (the experts' alone)
-    sliding_windows: tuple[int, ...]  # per layer; 0: a full layer
-    swiglu_alpha: float
-    swiglu_limit: float
-    mxfp4: bool  # the experts' weights are MXFP4 blocks and scales
-
-
-def parse_gpt_oss(raw: dict[str, Any], source: str) -> GptOss:
+def prepare(raw: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json without its quantization_config, which covers the experts alone; the
+    ModelConfig fields gpt-oss sets itself: its windows, sinks and experts)."""
     num_layers = int(raw["num_hidden_layers"])
     types = raw.get("layer_types")
     if types is None:
@@ -72,12 +74,21 @@ def parse_gpt_oss(raw: dict[str, Any], source: str) -> GptOss:
     if limit <= 0:
         raise ModelConfigError(f"{source}: swiglu_limit {limit} must be positive")
     mxfp4, rest = _quantization(raw, source)
-    return GptOss(
-        raw=rest,
-        sliding_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-        swiglu_alpha=alpha,
-        swiglu_limit=limit,
+    experts = experts_every_layer(
+        rest,
+        GPT_OSS,
+        num_layers,
+        source,
+        expert_names=("gate_up_proj", "gate_up_proj", "down_proj"),
+    )
+    experts = replace(
+        experts, router_bias=True, expert_bias=True, swiglu_alpha=alpha, swiglu_limit=limit,
         mxfp4=mxfp4,
+    )  # fmt: skip
+    return rest, dict(
+        sliding_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+        attention_sinks=True,
+        moe=experts,
     )
 
 
@@ -112,3 +123,14 @@ def _quantization(raw: dict[str, Any], source: str) -> tuple[bool, dict[str, Any
             f"(modules_to_not_convert naming {', '.join(MXFP4_PLAIN)})"
         )
     return True, {k: v for k, v in raw.items() if k != "quantization_config"}
+
+
+def build(cfg: ModelConfig, ctx: BuildContext) -> CausalLM:
+    layers = [llama.decoder_layer(ctx, i, sinks=True) for i in range(cfg.num_layers)]
+    return CausalLM(ctx, layers)
+
+
+SPEC = ArchSpec(name=GPT_OSS, model_type="gpt_oss", family="gpt-oss", build=build,
+                qkv_bias=True, o_proj_bias=True, prepare=prepare,
+                names=TensorNames(layer_renames=(("mlp.router.", "mlp.gate."),)),
+                experts_reader=GptOssExperts)  # fmt: skip
