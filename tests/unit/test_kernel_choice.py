@@ -326,8 +326,8 @@ def quantized(model_cfg):
 def test_a_quantized_model_on_an_h200_decodes_on_the_triton_kernels_without_folded_norms(gpu):
     """A quantized model's decode batches run on kernels/fp8_gemv.py (and gemv.py for its bf16
     layers) with PDL, on cuBLAS (torch._scaled_mm for FP8) when set by hand; its norms stay
-    kernels by default, go inside kernels/fp8_gemv.py's epilogues with decode_norms "all" set
-    by hand, and are never folded into weights (bf16 ones only)."""
+    kernels of their own: decode_norms other than "off" is refused (kernels/fp8_gemv.py and the
+    INT4 GEMV have no residual epilogue, and norms fold into bf16 weights only)."""
     gpu(pdl=True)
     for model_cfg in (quantized(SMALL), quantized(LARGE)):
         kernels = resolve(model_cfg, CUDA)
@@ -336,16 +336,11 @@ def test_a_quantized_model_on_an_h200_decodes_on_the_triton_kernels_without_fold
     assert resolve(SMALL, CUDA, quantization="fp8").decode_gemv == "triton"
     hand_set = resolve(quantized(SMALL), CUDA, KernelConfig(decode_gemv="cublas"))
     assert (hand_set.decode_gemv, hand_set.decode_norms) == ("cublas", "off")
-    for mode in ("all",):
-        assert resolve(quantized(LARGE), CUDA, KernelConfig(decode_norms=mode)).decode_norms == (
-            mode
-        )
-        with pytest.raises(ValueError, match=f"decode_norms '{mode}' needs .* FP8 kept in FP8"):
-            resolve(quantized(SMALL), CUDA, KernelConfig(decode_norms=mode, fp8_matmul="dequant"))
-        with pytest.raises(ValueError, match="not INT4"):
+    for mode in ("all", "fold-all"):
+        with pytest.raises(ValueError, match=f"decode_norms '{mode}' needs .* unquantized"):
+            resolve(quantized(LARGE), CUDA, KernelConfig(decode_norms=mode))
+        with pytest.raises(ValueError, match=f"decode_norms '{mode}' needs .* unquantized"):
             resolve(int4(LARGE), CUDA, KernelConfig(decode_norms=mode))
-    with pytest.raises(ValueError, match="folds the norms' weights into bf16"):
-        resolve(quantized(SMALL), CUDA, KernelConfig(decode_norms="fold-all"))
     assert resolve(quantized(SMALL), CUDA, KernelConfig(fp8_matmul="dequant")).fp8_matmul == (
         "dequant"
     )
