@@ -6,8 +6,8 @@ matchers advance with each token the host sees, and a step's bitmask rows are ch
     process(n)  -> record(req, idx, token): queued for the matcher; True on a stop token
     step n+1    -> fill_mask(sampling reqs), in line: the matchers accept the queued tokens
                    (a thinking model's: those of the answer, thinking.AnswerGate), then the
-                   bitmask rows are filled (past the thinking) -> TokenMask for the model runner (None: no
-                   rows), and the tokens a matcher rejected
+                   bitmask rows are filled (past the thinking) -> TokenMask for the model
+                   runner (None: no rows), and the tokens a matcher rejected
     or, gated (CUDA with overlap: host_gate.py), as soon as step n+1 is scheduled:
                    start_fill_after(step n's reqs, their tokens (waits for them), n+1's reqs,
                    release): the same on the fill thread, which then opens the gate; step n's

@@ -108,9 +108,7 @@ class AnswerGate:
     matched: int = 0  # answer_ids matched so far (WAIT)
 
     @classmethod
-    def create(
-        cls, markers: ThinkMarkers, limit: int | None, prompt_ids: list[int]
-    ) -> AnswerGate:
+    def create(cls, markers: ThinkMarkers, limit: int | None, prompt_ids: list[int]) -> AnswerGate:
         budget = ThinkingBudget.create(markers, limit or sys.maxsize, prompt_ids)
         if markers.family == HARMONY or markers.opens_in(prompt_ids):
             phase = WAIT
