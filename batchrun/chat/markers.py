@@ -33,10 +33,16 @@ class ThinkMarkers:
     # the tokens after which the answer starts: the end token, or harmony's final header
     answer_ids: tuple[int, ...]
 
-    def closes_in(self, prompt_ids: list[int]) -> bool:
-        """Whether the prompt ends a thinking block near its end (a template that turns
-        thinking off writes an empty one): the answer comes first. The think family only."""
-        return self.family == THINK and self.end_id in prompt_ids[-PROMPT_TAIL:]
+    def answers_first(self, prompt_ids: list[int]) -> bool:
+        """Whether the output starts with the answer: a think-family prompt that ends a
+        thinking block near its end (a template that turns thinking off writes an empty one),
+        or a harmony prompt that does not open an assistant message (no chat template wrote
+        ``<|start|>assistant``: a text completion)."""
+        tail = prompt_ids[-PROMPT_TAIL:]
+        if self.family == THINK:
+            return self.end_id in tail
+        start = self.forced_ids[1]  # harmony's <|start|>
+        return start not in tail or self.end_id in tail[len(tail) - tail[::-1].index(start) :]
 
     def opens_in(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt leaves a thinking block open (the template opened it): the

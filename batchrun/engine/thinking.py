@@ -93,12 +93,13 @@ class AnswerGate:
     thinking. Folded by the fill jobs (engine/structured.py) from the output tokens in order;
     each fill knows every token before the one it masks, so no lag applies here.
 
-        WAIT   thinking, or before harmony's final header: no bitmask row, the matcher idle;
+        WAIT   thinking, or before harmony's final header (in an assistant message the prompt
+               opens): no bitmask row, the matcher idle;
                the answer starts after `answer_ids` (</think>; <|channel|>final<|message|>),
                or after the budget's forced tokens (their own fold, as ThinkingBudget's)
         FIRST  a think-family prompt that neither opens nor closes the block, first token:
                the grammar's row, plus the start token (the model may open its thinking)
-        ANSWER the grammar constrains every token
+        ANSWER the grammar constrains every token (from the first: markers.answers_first)
     """
 
     markers: ThinkMarkers
@@ -110,10 +111,12 @@ class AnswerGate:
     @classmethod
     def create(cls, markers: ThinkMarkers, limit: int | None, prompt_ids: list[int]) -> AnswerGate:
         budget = ThinkingBudget.create(markers, limit or sys.maxsize, prompt_ids)
-        if markers.family == HARMONY or markers.opens_in(prompt_ids):
+        if markers.answers_first(prompt_ids):
+            phase = ANSWER
+        elif markers.family == HARMONY or markers.opens_in(prompt_ids):
             phase = WAIT
         else:
-            phase = ANSWER if markers.closes_in(prompt_ids) else FIRST
+            phase = FIRST
         return cls(markers, budget, phase)
 
     @property

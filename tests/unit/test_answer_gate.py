@@ -93,3 +93,11 @@ def test_harmony_budget_forced_header(harmony):
     rows, accepted = walk(gate, [*head, 50])
     assert accepted == [False] * len(head) + [True]
     assert rows == accepted
+
+
+def test_harmony_text_completion_constrains_from_the_first_token(harmony):
+    # no template wrote an assistant message: the model need not write channels
+    tok, markers = harmony
+    for prompt in ("Say yes:", "<|start|>user<|message|>Hi<|end|>"):
+        gate = AnswerGate.create(markers, None, ids(tok, prompt))
+        assert walk(gate, ids(tok, '{"ok": 1}'))[1] == [True] * len(ids(tok, '{"ok": 1}'))
