@@ -136,3 +136,21 @@ def test_openai_text_completions_keep_the_whole_output_as_text(model, tok, tmp_p
     choice = lines["text"]["choices"][0]
     assert "reasoning" not in choice and "reasoning_content" not in choice
     assert choice["text"].strip() == message["reasoning"]
+
+
+def test_generate_dataset_keeps_reasoning_apart(model, tok):
+    datasets = pytest.importorskip("datasets")
+    from batchrun.job.datasets_api import generate_dataset
+
+    forced = list(think_markers(tok).forced_ids)
+    p = SamplingParams(
+        max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, max_thinking_tokens=BUDGET
+    )
+    ds = datasets.Dataset.from_dict({"prompt": ["What is 2+2?"]})
+    out = generate_dataset(
+        ds, model=str(model), sampling=p, device="cpu", dtype="float32", kv_budget=2048
+    )
+    ids_out = generate(model, prompt(tok), max_new_tokens=MAX_NEW, max_thinking_tokens=BUDGET)
+    assert out["reasoning"] == [tok.decode(ids_out[:BUDGET], skip_special_tokens=True).strip()]
+    answer = tok.decode(ids_out[BUDGET + len(forced) :], skip_special_tokens=True).strip()
+    assert out["completion"] == [answer]
