@@ -150,3 +150,24 @@ def test_the_first_token_may_open_the_thinking(qwen3_opening, overlap):
     # thinking off (the template writes an empty block): the grammar from the first token
     off = generate(path, prompt(tok, enable_thinking=False), overlap, grammar=GRAMMAR)
     check_answer(tok, off, 0)
+
+
+def test_job_row_with_a_response_format_thinks_then_answers(r1, tmp_path):
+    # the template opens <think> in the prompt: the record keeps the reasoning, the text is JSON
+    from click.testing import CliRunner
+
+    from batchrun.cli import main
+
+    path, tok = r1
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps({"messages": USER, "response_format": fmt}) + "\n")
+    out = tmp_path / "out"
+    args = ["submit", str(data), "--out", str(out), "--model", str(path), "--device", "cpu",
+            "--temperature", "0", "--kv-budget", "2048", "--quiet", "--in-process",
+            "--max-tokens", str(MAX_NEW), "--max-thinking-tokens", str(BUDGET)]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    (rec,) = [json.loads(line) for f in out.glob("results-*.jsonl") for line in f.open()]
+    assert rec["finish_reason"] == "stop" and rec["reasoning"]
+    assert set(json.loads(rec["text"])) == {"ok"}
