@@ -30,6 +30,19 @@ class ThinkMarkers:
     start_ids: tuple[int, ...]  # the tokens that open a thinking block
     end_id: int  # the token that closes it
     forced_ids: tuple[int, ...]  # what ends it early; the answer follows
+    # the tokens after which the answer starts: the end token, or harmony's final header
+    answer_ids: tuple[int, ...]
+
+    def answers_first(self, prompt_ids: list[int]) -> bool:
+        """Whether the output starts with the answer: a think-family prompt that ends a
+        thinking block near its end (a template that turns thinking off writes an empty one),
+        or a harmony prompt that does not open an assistant message (no chat template wrote
+        ``<|start|>assistant``: a text completion)."""
+        tail = prompt_ids[-PROMPT_TAIL:]
+        if self.family == THINK:
+            return self.end_id in tail
+        start = self.forced_ids[1]  # harmony's <|start|>
+        return start not in tail or self.end_id in tail[len(tail) - tail[::-1].index(start) :]
 
     def opens_in(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt leaves a thinking block open (the template opened it): the
@@ -51,17 +64,18 @@ def think_markers(tokenizer: Any, family: str | None = None) -> ThinkMarkers | N
         ids = token_ids(tokenizer, *HARMONY_TOKENS)
         if ids is not None:
             start, channel, message, end = ids
+            final = (channel, *encode(tokenizer, "final"), message)
             return ThinkMarkers(
                 HARMONY,
                 (channel, *encode(tokenizer, "analysis"), message),
                 end,
-                (end, start, *encode(tokenizer, "assistant"), channel,
-                 *encode(tokenizer, "final"), message),
-            )  # fmt: skip
+                (end, start, *encode(tokenizer, "assistant"), *final),
+                final,
+            )
     if family in (None, THINK):
         ids = token_ids(tokenizer, "<think>", "</think>")
         if ids is not None:
             start, end = ids
             forced = (*encode(tokenizer, "\n"), end, *encode(tokenizer, "\n\n"))
-            return ThinkMarkers(THINK, (start,), end, forced)
+            return ThinkMarkers(THINK, (start,), end, forced, (end,))
     return None

@@ -35,7 +35,7 @@ from batchrun.engine.sampler import SamplingBatch
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler
 from batchrun.engine.stop import StopStringChecker
 from batchrun.engine.structured import GateRelease, StructuredOutput
-from batchrun.engine.thinking import ThinkingBudget
+from batchrun.engine.thinking import AnswerGate, ThinkingBudget
 from batchrun.models.config import ModelConfig
 from batchrun.models.context import served_context_len
 from batchrun.models.embedded import resolve_model_path
@@ -138,7 +138,8 @@ class Engine:
         self.stats = EngineStats()
         self._tokenizer = None
         self._stop_checker: StopStringChecker | None = None
-        self._think_markers: ThinkMarkers | None = None  # the tokenizer's (thinking budgets)
+        # the tokenizer's (thinking budgets, grammars after the thinking); False: it has none
+        self._think_markers: ThinkMarkers | bool | None = None
         self._has_budgets = False  # a request with a thinking budget came: steps look for them
         self._arrivals = 0
         self._finished: list[GenerateResult] = []
@@ -218,6 +219,8 @@ class Engine:
         if params.stop and self._stop_checker is None:
             self._stop_checker = StopStringChecker(self.tokenizer)
         markers = self._markers_for(request) if params.max_thinking_tokens else None
+        # a thinking model's grammar applies to its answer (thinking.AnswerGate)
+        answer_markers = self._thinking_markers() if params.grammar is not None else None
         base = (
             params.seed if params.seed is not None else derive_seed(self.config.seed, request.rid)
         )
@@ -230,6 +233,9 @@ class Engine:
             if markers is not None:
                 reqs[-1].budget = ThinkingBudget.create(markers, params.max_thinking_tokens, ids)
                 self._has_budgets = True
+            if answer_markers is not None:
+                limit = params.max_thinking_tokens
+                reqs[-1].answer_gate = AnswerGate.create(answer_markers, limit, ids)
         if params.grammar is None:
             for req in reqs:
                 self.scheduler.add(req)
@@ -238,15 +244,20 @@ class Engine:
             self.structured.submit(reqs, params.grammar)
             self._admit_compiled()
 
+    def _thinking_markers(self) -> ThinkMarkers | None:
+        """The tokenizer's thinking markers (None: not a thinking model)."""
+        if self._think_markers is None:
+            self._think_markers = think_markers(self.tokenizer) or False
+        return self._think_markers or None
+
     def _markers_for(self, request: GenerateRequest) -> ThinkMarkers:
-        if self._think_markers is None:
-            self._think_markers = think_markers(self.tokenizer)
-        if self._think_markers is None:
+        markers = self._thinking_markers()
+        if markers is None:
             raise ValueError(
                 f"request {request.rid!r}: max_thinking_tokens needs a thinking model; this "
                 "tokenizer has no <think> / </think> or harmony (<|channel|>) tokens"
             )
-        return self._think_markers
+        return markers
 
     @property
     def grammar(self) -> GrammarBackend:

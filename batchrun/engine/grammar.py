@@ -316,6 +316,12 @@ class GrammarBackend:
             return None
         return self._argmax(logits, mask.bitmask, mask.row_flags, self.mask_vocab)
 
+    def allow_token(self, row: int, token: int) -> None:
+        """Bitmask row `row` allows `token` too (after its fill)."""
+        word, bit = divmod(token, 32)
+        value = (int(self._mask_cpu[row, word]) & 0xFFFFFFFF) | (1 << bit)
+        self._mask_cpu[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
     def allow_all(self, rows: list[int]) -> None:
         """Bitmask rows that allow every token (rows of a gated upload the job leaves alone)."""
         for row in rows:

@@ -52,6 +52,8 @@ class Req:
     logprobs: list[float] | None = None
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
     budget: Any = None  # engine/thinking.ThinkingBudget with params.max_thinking_tokens
+    # engine/thinking.AnswerGate: a grammar request of a thinking model (the fill jobs' own)
+    answer_gate: Any = None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -4,9 +4,10 @@ matchers advance with each token the host sees, and a step's bitmask rows are ch
     add_request -> submit(reqs, spec) --compile on a worker--> poll() -> req.matcher set, or
                                                                          req aborted (error)
     process(n)  -> record(req, idx, token): queued for the matcher; True on a stop token
-    step n+1    -> fill_mask(sampling reqs), in line: the matchers accept the queued tokens,
-                   then the bitmask rows are filled -> TokenMask for the model runner (None: no
-                   rows), and the tokens a matcher rejected
+    step n+1    -> fill_mask(sampling reqs), in line: the matchers accept the queued tokens
+                   (a thinking model's: those of the answer, thinking.AnswerGate), then the
+                   bitmask rows are filled (past the thinking) -> TokenMask for the model
+                   runner (None: no rows), and the tokens a matcher rejected
     or, gated (CUDA with overlap: host_gate.py), as soon as step n+1 is scheduled:
                    start_fill_after(step n's reqs, their tokens (waits for them), n+1's reqs,
                    release): the same on the fill thread, which then opens the gate; step n's
@@ -153,10 +154,9 @@ class StructuredOutput:
         copy (release: the copy is enqueued already, behind a gate the job opens; then
         finish_gated). Nothing may touch the matchers until finish_fill returns."""
         accepts, self._accepts = self._accepts, []
-        rows = _mask_rows(reqs)
-        matchers = [reqs[i].matcher for i in rows]
-        args = (release, self._job, accepts, matchers, rows)
-        if not background or not (rows or accepts or release):
+        args = (release, self._job_for, accepts, reqs)
+        live = any(r.matcher is not None and not r.is_finished for r in reqs)
+        if not background or not (live or accepts or release):
             future: Future = Future()
             future.set_result(self._released(*args))
             return future
@@ -192,8 +192,14 @@ class StructuredOutput:
             accepts.append((req, idx, token))
             if token in stop_ids:
                 stopping.add(id(req))
+        return self._job_for(accepts, reqs, stopping)
+
+    def _job_for(self, accepts: list[Recorded], reqs: list[Req], stopping: set[int] = frozenset()):
+        """_job for the sampling `reqs`: the answer gates (engine/thinking.AnswerGate) pass
+        the tokens of the answers to the matchers, in order, then tell which rows get a mask."""
+        accepts = [a for a in accepts if a[0].answer_gate is None or a[0].answer_gate.fold(a[2])]
         rows = _mask_rows(reqs, stopping)
-        return self._job(accepts, [reqs[i].matcher for i in rows], rows)
+        return self._job(accepts, reqs, rows)
 
     def _thread(self) -> ThreadPoolExecutor:
         if self._fill_thread is None:
@@ -217,13 +223,19 @@ class StructuredOutput:
                 self.backend.allow_all(blank)
             release.open()
 
-    def _job(self, accepts: list[Recorded], matchers: list, rows: list[int]):
+    def _job(self, accepts: list[Recorded], reqs: list[Req], rows: list[int]):
+        matchers = [reqs[i].matcher for i in rows]
         shards = min(self.backend.fill_shards, len(rows) // MIN_SHARD_ROWS)
         if shards > 1:
-            return rows, self._sharded_job(accepts, matchers, rows, shards)
-        rejected = self._accept(accepts)
-        if rows:
-            self.backend.fill_rows(matchers, rows)
+            rejected = self._sharded_job(accepts, matchers, rows, shards)
+        else:
+            rejected = self._accept(accepts)
+            if rows:
+                self.backend.fill_rows(matchers, rows)
+        for i in rows:  # a thinking model's first token may open its thinking instead
+            gate = reqs[i].answer_gate
+            if gate is not None and gate.opening_token is not None:
+                self.backend.allow_token(i, gate.opening_token)
         return rows, rejected
 
     def _accept(self, accepts: list[Recorded]) -> list[Recorded]:
@@ -287,13 +299,17 @@ class StructuredOutput:
 
 
 def _mask_rows(reqs: list[Req], stopping: set[int] = frozenset()) -> list[int]:
-    """The rows of a step's sampling requests that get a bitmask: those with a live grammar. A
-    request that finished on its previous token samples a wasted token (no mask); `stopping`:
-    ids of requests ending on a stop token not yet accepted (no mask either)."""
+    """The rows of a step's sampling requests that get a bitmask: those with a live grammar,
+    past the thinking (AnswerGate). A request that finished on its previous token samples a
+    wasted token (no mask); `stopping`: ids of requests ending on a stop token not yet
+    accepted (no mask either)."""
     return [
         i
         for i, r in enumerate(reqs)
-        if r.matcher is not None and not r.is_finished and id(r) not in stopping
+        if r.matcher is not None
+        and not r.is_finished
+        and id(r) not in stopping
+        and (r.answer_gate is None or r.answer_gate.constrains_next)
     ]
 
 

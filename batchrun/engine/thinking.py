@@ -21,11 +21,12 @@ token), so the reasoning holds at most `limit` tokens the model wrote.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 
 import torch
 
-from batchrun.chat.markers import ThinkMarkers
+from batchrun.chat.markers import HARMONY, ThinkMarkers
 
 BEFORE, OPEN, FORCING, DONE = range(4)
 NO_CONDITION = -1  # never a token id
@@ -81,6 +82,77 @@ class ThinkingBudget:
         if self.phase == OPEN and num_known == j - 1 and self.count == self.limit - 1:
             return forced[0], self.markers.end_id
         return None
+
+
+WAIT, FIRST, ANSWER = range(3)  # AnswerGate phases
+
+
+@dataclass(eq=False, slots=True)
+class AnswerGate:
+    """Where a grammar request's answer starts: its grammar applies to the answer, not to the
+    thinking. Folded by the fill jobs (engine/structured.py) from the output tokens in order;
+    each fill knows every token before the one it masks, so no lag applies here.
+
+        WAIT   thinking, or before harmony's final header (in an assistant message the prompt
+               opens): no bitmask row, the matcher idle;
+               the answer starts after `answer_ids` (</think>; <|channel|>final<|message|>),
+               or after the budget's forced tokens (their own fold, as ThinkingBudget's)
+        FIRST  a think-family prompt that neither opens nor closes the block, first token:
+               the grammar's row, plus the start token (the model may open its thinking)
+        ANSWER the grammar constrains every token (from the first: markers.answers_first)
+    """
+
+    markers: ThinkMarkers
+    budget: ThinkingBudget  # a fold of its own, to tell the forced tokens
+    phase: int
+    tokens: list[int] = field(default_factory=list)  # output tokens folded
+    matched: int = 0  # answer_ids matched so far (WAIT)
+
+    @classmethod
+    def create(cls, markers: ThinkMarkers, limit: int | None, prompt_ids: list[int]) -> AnswerGate:
+        budget = ThinkingBudget.create(markers, limit or sys.maxsize, prompt_ids)
+        if markers.answers_first(prompt_ids):
+            phase = ANSWER
+        elif markers.family == HARMONY or markers.opens_in(prompt_ids):
+            phase = WAIT
+        else:
+            phase = FIRST
+        return cls(markers, budget, phase)
+
+    @property
+    def constrains_next(self) -> bool:
+        """Whether the next token gets a bitmask row."""
+        return self.phase != WAIT
+
+    @property
+    def opening_token(self) -> int | None:
+        """A token the next row allows beside the grammar's (FIRST: the start token)."""
+        return self.markers.start_ids[0] if self.phase == FIRST else None
+
+    def fold(self, token: int) -> bool:
+        """The next output token; True when it is the answer's (the matcher accepts it)."""
+        if self.phase == ANSWER:
+            return True
+        idx = len(self.tokens)
+        self.tokens.append(token)
+        budget = self.budget
+        budget.fold(self.tokens, idx + 1)
+        if self.phase == FIRST:
+            self.phase = WAIT if token == self.markers.start_ids[0] else ANSWER
+            return self.phase == ANSWER
+        if budget.phase == FORCING and idx >= budget.forced_from:
+            # a forced token; the answer starts after the last one
+            if idx + 1 == budget.forced_from + len(self.markers.forced_ids):
+                self.phase = ANSWER
+            return False
+        header = self.markers.answer_ids
+        if token == header[self.matched]:
+            self.matched += 1
+            if self.matched == len(header):
+                self.phase = ANSWER
+        else:
+            self.matched = 1 if token == header[0] else 0
+        return False
 
 
 def apply_forced(

@@ -24,9 +24,11 @@ the row lacks one). NOTE: under one key, not at the top level: an input column m
 
 OpenAI Batch output follows the OpenAI Batch API files: all n choices of a request in ONE line;
 ``response`` / ``error`` are always present (one of them null). A chat choice's ``message`` has
-``content`` (null when the answer is only tool calls), ``reasoning_content`` (as the
-OpenAI-compatible servers write a thinking model's reasoning) and ``tool_calls`` when there are
-any. This module is the one owner of these shapes.
+``content`` (null when the answer is only tool calls), the reasoning of a thinking model both as
+``reasoning_content`` (SGLang's name, and vLLM's before it took ``reasoning``) and as
+``reasoning``, and ``tool_calls`` when there are any. A text completion's choice has no
+reasoning field: the servers keep the reasoning to the chat endpoint (its reasoning stays in
+``text``). This module is the one owner of these shapes.
 """
 
 from __future__ import annotations
@@ -232,6 +234,7 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
     content: str | None  # always written; null when the answer is only tool calls
     reasoning_content: str | None = None
     tool_calls: list[ToolCallRecord] | None = None
+    reasoning: str | None = None  # the same text: vLLM's current name for it
 
 
 class ChatChoice(msgspec.Struct, omit_defaults=True):
@@ -294,7 +297,7 @@ def openai_result_record(
             lp = _chat_logprobs(c, render) if c.logprobs is not None else None
             calls = _tool_calls(c)
             content = None if calls and not c.text else c.text
-            message = ChatMessage("assistant", content, c.reasoning, calls)
+            message = ChatMessage("assistant", content, c.reasoning, calls, c.reasoning)
             choices.append(ChatChoice(c.index, message, c.finish_reason, lp))
         else:
             lp = _text_logprobs(c, render) if c.logprobs is not None else None

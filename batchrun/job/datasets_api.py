@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from batchrun.chat.parsers import OutputParser, resolve_parsers
 from batchrun.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.params import GenerateRequest, SamplingParams
@@ -40,11 +41,14 @@ def generate_dataset(
     sampling: SamplingParams = DEFAULT_SAMPLING,
     system_prompt: str | None = None,
     output_column: str = "completion",
+    reasoning_parser: str = "auto",
     engine: Engine | None = None,
     **engine_kw: Any,
 ) -> datasets.Dataset:
     """Return `ds` with `output_column` (the completion text) and `finish_reason`,
-    `prompt_tokens`, `completion_tokens` columns, one value per row, in row order.
+    `prompt_tokens`, `completion_tokens` columns, one value per row, in row order. A thinking
+    model's reasoning goes to a `reasoning` column, apart from the answer (`reasoning_parser`:
+    auto, none or a name, as `batchrun submit --reasoning-parser`; docs/thinking.md).
 
     `model` and `engine_kw` (any `EngineConfig` field: device, kv_budget, max_running, ...) build
     the engine; pass `engine` to reuse one. A row that cannot run (too long for the context,
@@ -62,26 +66,45 @@ def generate_dataset(
     if engine is None:
         engine = Engine(EngineConfig(model=model, **engine_kw))
     sampling.validate(engine.model_config.vocab_size)
+    tokenizer = engine.tokenizer
+    # the rows give the template no tools: their answers hold no calls to parse
+    parser = OutputParser(tokenizer, resolve_parsers(tokenizer, reasoning_parser, "none"))
+    if parser.markers is not None and "reasoning" in ds.column_names:
+        raise ValueError("the dataset already has a column 'reasoning'")
 
     num_rows = len(ds)
     texts: list[str | None] = [None] * num_rows
     finish: list[str] = ["error"] * num_rows
     prompt_tokens = [0] * num_rows
     completion_tokens = [0] * num_rows
+    reasoning: list[str | None] = [None] * num_rows
+    thinking_open: set[int] = set()  # rows whose prompt opens the thinking block
     requests = _requests(engine, ds, column, messages_column is not None, sampling, system_prompt)
-    tokenizer = engine.tokenizer
-    for r in engine.generate(requests):
+    for r in engine.generate(_marking(requests, parser, thinking_open)):
         i = int(r.rid)
         if r.finish_reason == "abort":  # the engine could not fit it: leave it an error row
             continue
-        texts[i] = tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        parsed = parser.parse(r.output_ids, i in thinking_open, with_tools=False)
+        texts[i], reasoning[i] = parsed.text, parsed.reasoning
         finish[i] = r.finish_reason
         prompt_tokens[i] = r.prompt_tokens
         completion_tokens[i] = r.completion_tokens
     out = ds.add_column(output_column, texts)
     for name, values in zip(COLUMNS, (finish, prompt_tokens, completion_tokens)):
         out = out.add_column(name, values)
+    if parser.markers is not None:
+        out = out.add_column("reasoning", reasoning)
     return out
+
+
+def _marking(
+    requests: Iterator[GenerateRequest], parser: OutputParser, thinking_open: set[int]
+) -> Iterator[GenerateRequest]:
+    """`requests`, adding to `thinking_open` the rows whose prompt opens the thinking block."""
+    for request in requests:
+        if parser.markers is not None and parser.markers.opens_in(request.input_ids):
+            thinking_open.add(int(request.rid))
+        yield request
 
 
 def _requests(

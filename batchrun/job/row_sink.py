@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from batchrun.chat.parsers import OutputParser, resolve_parsers
+from batchrun.chat.parsers import OutputParser, ParserChoice, resolve_parsers
 from batchrun.engine.stop import cut_at_stop
 from batchrun.errors import RunError
 from batchrun.io.records import (
@@ -51,11 +51,16 @@ class RowSink:
         except ValueError as e:
             raise RunError(str(e)) from e
         self.parser = OutputParser(tokenizer, choice)
+        # OpenAI /v1/completions rows: the whole output is the text, as the OpenAI-compatible
+        # servers write it (they parse reasoning and tool calls on the chat endpoint only)
+        self._text_parser = OutputParser(tokenizer, ParserChoice(None, None))
 
     def completion(self, prepared: PreparedRow, r: GenerateResult) -> Completion:
         """One finished sample, its text decoded (and cut at the stop string it matched), its
         reasoning and tool calls apart (batchrun/chat/)."""
-        parsed = self.parser.parse(
+        text_completion = prepared.openai and prepared.extra.get("url") == "/v1/completions"
+        parser = self._text_parser if text_completion else self.parser
+        parsed = parser.parse(
             r.output_ids,
             prepared.thinking_open,
             f"{prepared.id}\0{r.index}",

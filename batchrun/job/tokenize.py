@@ -16,8 +16,7 @@ reach it as the model's templates read them: a tool call's ``arguments`` as an o
 sends text), the reasoning as ``reasoning_content`` (Qwen's) and as ``thinking`` (gpt-oss's); the
 template decides whether past reasoning is kept. A row whose prompt leaves a thinking block open
 (templates that write ``<think>`` after the assistant header) is marked so, for the reasoning
-parser (batchrun/chat/); with a response format it fails (a grammar constrains the output from
-its first token, the thinking's).
+parser (batchrun/chat/); a response format applies to the answer after it (engine/thinking.py).
 """
 
 from __future__ import annotations
@@ -138,21 +137,8 @@ def tokenize_rows(
             out[i] = _check(rows[i], list(ids), context_len)
     if markers is not None:
         for i, item in enumerate(out):
-            if not isinstance(item, TokenizedRow) or not markers.opens_in(item.input_ids):
-                continue
-            if item.prepared.params.grammar is not None:
-                # NOTE: the grammar constrains the output from its first token, which would be
-                # the thinking's
-                out[i] = _error(
-                    item.prepared,
-                    "invalid_request",
-                    "structured output constrains the whole output, but this prompt opens a "
-                    "thinking block (the chat template writes <think>): turn thinking off for "
-                    'the row (chat_template_kwargs {"enable_thinking": false}) or drop its '
-                    "response format",
-                )
-                continue
-            out[i] = item._replace(prepared=item.prepared._replace(thinking_open=True))
+            if isinstance(item, TokenizedRow) and markers.opens_in(item.input_ids):
+                out[i] = item._replace(prepared=item.prepared._replace(thinking_open=True))
     return out  # type: ignore[return-value]  # every slot was filled above
 
 

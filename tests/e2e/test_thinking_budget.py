@@ -116,3 +116,41 @@ def test_job_records_keep_reasoning_apart(model, tok, tmp_path):
             "--token-ids", "--max-tokens", str(MAX_NEW), "--max-thinking-tokens", "2"]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code != 0 and "--max-thinking-tokens 4 -> 2" in result.output
+
+
+def test_openai_text_completions_keep_the_whole_output_as_text(model, tok, tmp_path):
+    # as the OpenAI-compatible servers write them: reasoning is parsed on the chat endpoint only
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    rows = [
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": messages, "max_tokens": 3}},
+        {"custom_id": "text", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "m", "prompt": text, "max_tokens": 3}},
+    ]  # fmt: skip
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = {r["custom_id"]: r["response"]["body"] for r in submit(model, data, tmp_path / "o")}
+    message = lines["chat"]["choices"][0]["message"]
+    assert message["content"] == "" and message["reasoning"] == message["reasoning_content"]
+    choice = lines["text"]["choices"][0]
+    assert "reasoning" not in choice and "reasoning_content" not in choice
+    assert choice["text"].strip() == message["reasoning"]
+
+
+def test_generate_dataset_keeps_reasoning_apart(model, tok):
+    datasets = pytest.importorskip("datasets")
+    from batchrun.job.datasets_api import generate_dataset
+
+    forced = list(think_markers(tok).forced_ids)
+    p = SamplingParams(
+        max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, max_thinking_tokens=BUDGET
+    )
+    ds = datasets.Dataset.from_dict({"prompt": ["What is 2+2?"]})
+    out = generate_dataset(
+        ds, model=str(model), sampling=p, device="cpu", dtype="float32", kv_budget=2048
+    )
+    ids_out = generate(model, prompt(tok), max_new_tokens=MAX_NEW, max_thinking_tokens=BUDGET)
+    assert out["reasoning"] == [tok.decode(ids_out[:BUDGET], skip_special_tokens=True).strip()]
+    answer = tok.decode(ids_out[BUDGET + len(forced) :], skip_special_tokens=True).strip()
+    assert out["completion"] == [answer]

@@ -118,6 +118,7 @@ class FakeBackend:
 class FakeReq:
     def __init__(self, finished: bool = False):
         self.matcher = object()
+        self.answer_gate = None  # not a thinking model
         self.finish_reason = "stop" if finished else None
 
     @property

@@ -16,7 +16,7 @@ from batchrun.engine.thinking import (
 
 START, END = 100, 101
 FORCED = (10, END, 11)  # "\n", "</think>", "\n\n"
-MARKERS = ThinkMarkers("think", (START,), END, FORCED)
+MARKERS = ThinkMarkers("think", (START,), END, FORCED, (END,))
 
 
 def drive(model: list[int], limit: int, lag: int, prompt_open: bool = True) -> list[int]:
