@@ -1,0 +1,79 @@
+"""Attention over packed variable-length sequences for prefill-only work: no KV pool, no padding.
+
+    tokens   [T] = seq 0 | seq 1 | ... | seq B-1        cu_seqlens [B + 1]: where each begins
+
+Each sequence attends over its own tokens only: causal for decoders, bidirectional for encoders.
+The CPU path runs torch's scaled_dot_product_attention per sequence (the reference the GPU
+kernels are checked against)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from batchrun.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from batchrun.layers.rotary import RotaryEmbedding
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: tuple[int, ...],
+    scaling: float,
+    causal: bool,
+) -> torch.Tensor:
+    """q [T, H, D], k and v [T, KV, D] packed by `seq_lens` -> [T, H * D]."""
+    num_heads, num_kv = q.shape[1], k.shape[1]
+    out = torch.empty_like(q)
+    start = 0
+    for n in seq_lens:
+        sl = slice(start, start + n)
+        qs, ks, vs = (t[sl].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
+        if num_kv != num_heads:
+            ks = ks.repeat_interleave(num_heads // num_kv, dim=0)
+            vs = vs.repeat_interleave(num_heads // num_kv, dim=0)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scaling)
+        out[sl] = o.transpose(0, 1)
+        start += n
+    return out.reshape(q.shape[0], -1)
+
+
+class VarlenBackend(AttentionBackend):
+    """The decoder blocks' attention backend for one packed prefill-only step: causal attention
+    within each sequence, nothing stored (`prepare` is not used: the step's lengths are given)."""
+
+    def __init__(self, seq_lens: tuple[int, ...]):
+        self.seq_lens = seq_lens
+
+    def forward(self, q, k, v, layer_id, scaling, out=None, window=0, sinks=None):
+        if window or sinks is not None:
+            raise ValueError(
+                "prefill-only tasks run full-context attention: a sliding window or attention "
+                "sinks are not supported for embed / rerank / score / classify"
+            )
+        result = varlen_attention(q, k, v, self.seq_lens, scaling, causal=True)
+        if out is not None:
+            out.view(result.shape).copy_(result)
+            return out.view(result.shape)
+        return result
+
+    def forward_rotary(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        scaling: float,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        out: torch.Tensor | None = None,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        q, k = rotary(positions, q, k)
+        return self.forward(q, k, v, layer_id, scaling, out, window, sinks)
