@@ -84,11 +84,20 @@ def save_hf(path: Path, model, family: str, seed: int = 0):
 
 
 def make_encoder(path: Path, kind: str, num_labels: int = 0, seed: int = 0):
-    """kind bert / xlm-roberta; num_labels 0: the base model, else its sequence classifier."""
+    """kind bert / xlm-roberta / modernbert; num_labels 0: the base model, else its sequence
+    classifier."""
     import transformers
 
     torch.manual_seed(seed)
-    if kind == "bert":
+    if kind == "modernbert":
+        # local layers see |q - k| <= 4: the test texts are longer than the window
+        cfg = transformers.ModernBertConfig(
+            **ENCODER, pad_token_id=258, cls_token_id=256, sep_token_id=257, local_attention=8,
+            global_attn_every_n_layers=2, classifier_pooling="mean", norm_bias=True,
+        )  # fmt: skip
+        base = transformers.ModernBertModel
+        head = transformers.ModernBertForSequenceClassification
+    elif kind == "bert":
         cfg = transformers.BertConfig(**ENCODER, pad_token_id=258)
         base, head = transformers.BertModel, transformers.BertForSequenceClassification
     else:
@@ -102,8 +111,8 @@ def make_encoder(path: Path, kind: str, num_labels: int = 0, seed: int = 0):
         cfg.num_labels = num_labels
         model = head(cfg)
     else:
-        model = base(cfg, add_pooling_layer=False)
-    return save_hf(path, model, "bert" if kind == "bert" else "roberta")
+        model = base(cfg) if kind == "modernbert" else base(cfg, add_pooling_layer=False)
+    return save_hf(path, model, "roberta" if kind == "xlm-roberta" else "bert")
 
 
 def make_decoder(path: Path, kind: str, head: str, num_labels: int = 1, seed: int = 0):

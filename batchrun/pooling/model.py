@@ -2,8 +2,8 @@
 sentence-transformers / transformers do and runs packed batches of them.
 
     architecture                          kind      tasks             default
-    BertModel, XLMRobertaModel            encoder   embed             embed
-    Bert/XLMRobertaForSequenceClassif.    encoder   score, rerank,    score
+    Bert / XLMRoberta / ModernBertModel   encoder   embed             embed
+    ...ForSequenceClassification (same)   encoder   score, rerank,    score
                                                     classify
     <decoder>Model (Qwen3Model, ...)      decoder   embed             embed
     <decoder>ForSequenceClassification    decoder   classify, score   classify
@@ -25,9 +25,10 @@ from batchrun.pooling.decoder import causal_architecture, load_decoder
 from batchrun.pooling.encoder import Encoder, EncoderConfig
 from batchrun.pooling.heads import finish_embeddings, pool, scores, yes_no_score
 from batchrun.pooling.layout import POOLING_MODES, PoolingSpec, read_layout
+from batchrun.pooling.modernbert import ModernBert, ModernBertConfig
 
 _ENCODERS = {"Bert": False, "XLMRoberta": True}  # name -> XLM-RoBERTa's positions and head
-_CHECKPOINT_PREFIXES = ("bert.", "roberta.")
+_CHECKPOINT_PREFIXES = ("bert.", "roberta.", "model.")
 # a classification head's output rows, one per label
 _HEAD_TENSORS = ("score.weight", "classifier.weight", "classifier.out_proj.weight")
 # Qwen3-Reranker's documented prompt around "<Instruct>: ...\n<Query>: ...\n<Document>: ..."
@@ -147,7 +148,15 @@ def load_pooling_model(
     spec = read_layout(model_dir)
     labels = _labels(raw, model_dir, load_format)
     family = arch.removesuffix("Model").removesuffix("ForSequenceClassification")
-    if family in _ENCODERS and arch.endswith(("Model", "ForSequenceClassification")):
+    is_encoder = arch.endswith(("Model", "ForSequenceClassification"))
+    if family == "ModernBert" and is_encoder:
+        head = "classify" if arch.endswith("ForSequenceClassification") else "base"
+        mcfg = ModernBertConfig.from_dict(raw, len(labels) if head != "base" else 0,
+                                          str(model_dir))  # fmt: skip
+        net = ModernBert(mcfg)
+        _load_encoder(net, model_dir, load_format, dtype, device)
+        kind, model_max = "encoder", mcfg.max_tokens
+    elif family in _ENCODERS and is_encoder:
         roberta = _ENCODERS[family]
         head = "classify" if arch.endswith("ForSequenceClassification") else "base"
         cfg = EncoderConfig.from_dict(raw, roberta, len(labels) if head != "base" else 0,
@@ -165,7 +174,7 @@ def load_pooling_model(
     else:
         raise ModelConfigError(
             f"{model_dir}: architecture {arch or '(none)'} is not supported for embed / rerank / "
-            "score / classify; supported: BertModel, XLMRobertaModel, their "
+            "score / classify; supported: BertModel, XLMRobertaModel, ModernBertModel, their "
             "ForSequenceClassification heads, and the decoders' <Arch>Model, "
             "<Arch>ForSequenceClassification and <Arch>ForCausalLM (a yes/no reranker) for "
             f"{', '.join(sorted({a.removesuffix('ForCausalLM') for a in _decoders()}))}"
@@ -195,7 +204,9 @@ def _labels(raw: dict[str, Any], model_dir: Path, load_format: str) -> tuple[str
     return tuple(str(id2label.get(str(i), f"LABEL_{i}")) for i in range(n or 1))
 
 
-def _load_encoder(net: Encoder, model_dir: Path, load_format: str, dtype, device) -> None:
+def _load_encoder(
+    net: Encoder | ModernBert, model_dir: Path, load_format: str, dtype, device
+) -> None:
     from safetensors.torch import load_file
 
     from batchrun.models.checkpoint import safetensors_files

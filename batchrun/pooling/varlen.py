@@ -26,8 +26,10 @@ def varlen_attention(
     seq_lens: tuple[int, ...],
     scaling: float,
     causal: bool,
+    half_window: int = 0,
 ) -> torch.Tensor:
-    """q [T, H, D], k and v [T, KV, D] packed by `seq_lens` -> [T, H * D]."""
+    """q [T, H, D], k and v [T, KV, D] packed by `seq_lens` -> [T, H * D]; `half_window` > 0
+    (bidirectional only): each query sees the keys at most that many positions away."""
     num_heads, num_kv = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
     start = 0
@@ -37,7 +39,13 @@ def varlen_attention(
         if num_kv != num_heads:
             ks = ks.repeat_interleave(num_heads // num_kv, dim=0)
             vs = vs.repeat_interleave(num_heads // num_kv, dim=0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scaling)
+        mask = None
+        if half_window and n > half_window:
+            pos = torch.arange(n, device=q.device)
+            mask = (pos[:, None] - pos[None, :]).abs() <= half_window  # [n, n]
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scaling
+        )
         out[sl] = o.transpose(0, 1)
         start += n
     return out.reshape(q.shape[0], -1)

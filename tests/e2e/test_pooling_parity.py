@@ -36,6 +36,7 @@ pytest.importorskip("sentence_transformers")
     [
         ("bert", "encoder", "mean", True),
         ("xlm-roberta", "encoder", "cls", True),
+        ("modernbert", "encoder", "mean", True),
         ("qwen3", "decoder", "lasttoken", True),
         ("llama", "decoder", "mean", False),
     ],
@@ -72,7 +73,7 @@ def test_matryoshka_dimensions_renormalize(tmp_path):
     assert torch.allclose(cut.norm(dim=-1), torch.ones(4))
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "modernbert"])
 @pytest.mark.parametrize("num_labels", [1, 3])
 def test_cross_encoder_scores_equal_transformers(tmp_path, kind, num_labels):
     from transformers import AutoTokenizer
