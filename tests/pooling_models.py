@@ -116,22 +116,29 @@ def make_encoder(path: Path, kind: str, num_labels: int = 0, seed: int = 0):
 
 
 def make_decoder(path: Path, kind: str, head: str, num_labels: int = 1, seed: int = 0):
-    """kind llama / qwen3; head base (<Arch>Model), classify, lm (<Arch>ForCausalLM)."""
+    """kind llama / qwen3 / gemma3 (text, sliding layers); head base (<Arch>Model), classify,
+    lm (<Arch>ForCausalLM)."""
     import transformers
 
     torch.manual_seed(seed)
-    extra = {"head_dim": 32} if kind == "qwen3" else {}
-    config_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[kind]
+    extra = {"head_dim": 32} if kind in ("qwen3", "gemma3") else {}
+    if kind == "gemma3":  # layers 0-1 slide over 6 positions, layer 2 sees all
+        extra.update(sliding_window=6, layer_types=["sliding_attention"] * 2 + ["full_attention"],
+                     num_hidden_layers=3, hidden_activation="gelu_pytorch_tanh")  # fmt: skip
+    config_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
+                  "gemma3": transformers.Gemma3TextConfig}[kind]  # fmt: skip
     # NOTE: Qwen3-Reranker's prompt alone is ~200 byte tokens
-    cfg = config_cls(**{**DECODER, "max_position_embeddings": 1024}, **extra, num_labels=num_labels)
-    prefix = {"llama": "Llama", "qwen3": "Qwen3"}[kind]
+    cfg = config_cls(**{**DECODER, "max_position_embeddings": 1024, **extra}, num_labels=num_labels)
+    prefix = {"llama": "Llama", "qwen3": "Qwen3", "gemma3": "Gemma3Text"}[kind]
     suffix = {"base": "Model", "classify": "ForSequenceClassification", "lm": "ForCausalLM"}[head]
     model = getattr(transformers, prefix + suffix)(cfg)
     return save_hf(path, model, "decoder")
 
 
-def make_sentence_transformer(src: Path, dest: Path, pooling: str, normalize: bool,
-                              max_seq_length: int) -> None:  # fmt: skip
+def make_sentence_transformer(
+    src: Path, dest: Path, pooling: str, normalize: bool,
+    max_seq_length: int, prompts: dict | None = None,
+) -> None:  # fmt: skip
     """A sentence-transformers folder at `dest` of the HF model at `src`."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import modules
@@ -140,4 +147,4 @@ def make_sentence_transformer(src: Path, dest: Path, pooling: str, normalize: bo
     mods = [word, modules.Pooling(word.get_embedding_dimension(), pooling)]
     if normalize:
         mods.append(modules.Normalize())
-    SentenceTransformer(modules=mods, device="cpu").save(str(dest))
+    SentenceTransformer(modules=mods, device="cpu", prompts=prompts).save(str(dest))

@@ -30,6 +30,8 @@ from batchrun.pooling.heads import last_indices
 from batchrun.pooling.varlen import VarlenBackend
 
 _SUFFIXES = ("Model", "ForSequenceClassification", "ForCausalLM")
+# a text-only model's prefix -> its causal LM's (Gemma3TextModel -> Gemma3ForCausalLM)
+_TEXT_PREFIXES = {"Gemma3Text": "Gemma3"}
 # a base model's top-level names -> the causal LM's; the heads batchrun reads itself are skipped
 _BASE_NAMES = TensorNames(
     renames=(
@@ -46,7 +48,8 @@ def causal_architecture(arch: str) -> tuple[str, str] | None:
     name; None where it is no decoder the registry builds."""
     for suffix, head in zip(_SUFFIXES, ("base", "classify", "lm"), strict=True):
         if arch.endswith(suffix):
-            causal = arch[: -len(suffix)] + "ForCausalLM"
+            base = arch[: -len(suffix)]
+            causal = _TEXT_PREFIXES.get(base, base) + "ForCausalLM"
             return (causal, head) if causal in ARCHITECTURES else None
     return None
 

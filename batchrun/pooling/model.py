@@ -58,8 +58,12 @@ class PoolingModel:
         self.tokenizer, self.max_len, self.device, self.labels = tokenizer, max_len, device, labels
 
     # --- tokenization, as sentence-transformers and transformers do it
-    def tokenize(self, text: str, pair: str | None = None) -> TokenRow:
-        """`text` (and a second text for a cross-encoder) truncated to max_seq_length."""
+    def tokenize(self, text: str, pair: str | None = None, prompt: str | None = None) -> TokenRow:
+        """`text` (and a second text for a cross-encoder) truncated to max_seq_length;
+        `prompt` (an instruction, a prompt of the folder's) goes before the text, as
+        sentence-transformers puts it."""
+        if prompt:
+            text = prompt + text
         full = self.tokenizer(text, pair, truncation=False)
         enc = self.tokenizer(text, pair, truncation=True, max_length=self.max_len)
         types = enc.get("token_type_ids") if self.kind == "encoder" else None
@@ -68,6 +72,13 @@ class PoolingModel:
             None if types is None else tuple(types),
             truncated=len(full["input_ids"]) > len(enc["input_ids"]),
         )
+
+    def prompt(self, name: str) -> str:
+        """The folder's prompt `name` (config_sentence_transformers.json's prompts)."""
+        if name not in self.spec.prompts:
+            have = ", ".join(self.spec.prompts) or "none"
+            raise ModelConfigError(f"prompt {name!r} is not one of the model's prompts ({have})")
+        return self.spec.prompts[name]
 
     def tokenize_yes_no(self, query: str, document: str, instruction: str | None) -> TokenRow:
         """Qwen3-Reranker's prompt of (query, document), the pair cut to fit as its card does."""

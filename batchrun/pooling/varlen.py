@@ -27,9 +27,11 @@ def varlen_attention(
     scaling: float,
     causal: bool,
     half_window: int = 0,
+    window: int = 0,
 ) -> torch.Tensor:
-    """q [T, H, D], k and v [T, KV, D] packed by `seq_lens` -> [T, H * D]; `half_window` > 0
-    (bidirectional only): each query sees the keys at most that many positions away."""
+    """q [T, H, D], k and v [T, KV, D] packed by `seq_lens` -> [T, H * D]. `half_window` > 0
+    (bidirectional): each query sees the keys at most that many positions away; `window` > 0
+    (causal): the query at p sees the keys p - window < k <= p (attention/base.py's rule)."""
     num_heads, num_kv = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
     start = 0
@@ -39,12 +41,15 @@ def varlen_attention(
         if num_kv != num_heads:
             ks = ks.repeat_interleave(num_heads // num_kv, dim=0)
             vs = vs.repeat_interleave(num_heads // num_kv, dim=0)
-        mask = None
+        mask, is_causal = None, causal
+        pos = torch.arange(n, device=q.device)
+        dist = pos[:, None] - pos[None, :]  # [n, n] query - key
         if half_window and n > half_window:
-            pos = torch.arange(n, device=q.device)
-            mask = (pos[:, None] - pos[None, :]).abs() <= half_window  # [n, n]
+            mask = dist.abs() <= half_window
+        elif window and n > window:
+            mask, is_causal = (dist >= 0) & (dist < window), False
         o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scaling
+            qs, ks, vs, attn_mask=mask, is_causal=is_causal, scale=scaling
         )
         out[sl] = o.transpose(0, 1)
         start += n
@@ -59,12 +64,11 @@ class VarlenBackend(AttentionBackend):
         self.seq_lens = seq_lens
 
     def forward(self, q, k, v, layer_id, scaling, out=None, window=0, sinks=None):
-        if window or sinks is not None:
+        if sinks is not None:
             raise ValueError(
-                "prefill-only tasks run full-context attention: a sliding window or attention "
-                "sinks are not supported for embed / rerank / score / classify"
+                "attention sinks (gpt-oss) are not supported for embed / rerank / score / classify"
             )
-        result = varlen_attention(q, k, v, self.seq_lens, scaling, causal=True)
+        result = varlen_attention(q, k, v, self.seq_lens, scaling, causal=True, window=window)
         if out is not None:
             out.view(result.shape).copy_(result)
             return out.view(result.shape)

@@ -93,7 +93,7 @@ def test_cross_encoder_scores_equal_transformers(tmp_path, kind, num_labels):
     assert torch.allclose(scores, expect, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
 def test_sequence_classification_equals_transformers(tmp_path, kind):
     hf = make_decoder(tmp_path, kind, "classify", num_labels=2)
     model = load_pooling_model(tmp_path)
@@ -142,3 +142,19 @@ def test_unsupported_module_and_missing_pooling_are_refused(tmp_path):
     (tmp_path / "st" / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ModelConfigError, match="module 'sentence_transformers.models.Dense'"):
         load_pooling_model(tmp_path / "st")
+
+
+def test_a_folder_prompt_goes_before_the_text_as_sentence_transformers_puts_it(tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    make_decoder(tmp_path / "hf", "qwen3", "base")
+    prompts = {"query": "Instruct: find the passage\nQuery:"}
+    make_sentence_transformer(tmp_path / "hf", tmp_path / "st", "lasttoken", True, 64, prompts)
+    ref = SentenceTransformer(str(tmp_path / "st"), device="cpu").encode(
+        TEXTS, prompt_name="query", convert_to_tensor=True
+    )
+    model = load_pooling_model(tmp_path / "st")
+    got = model.embed([model.tokenize(t, prompt=model.prompt("query")) for t in TEXTS])
+    assert F.cosine_similarity(got, ref.float()).min() >= 0.99999
+    with pytest.raises(ModelConfigError, match="not one of the model's prompts"):
+        model.prompt("passage")
