@@ -116,7 +116,8 @@ def make_encoder(path: Path, kind: str, num_labels: int = 0, seed: int = 0):
 
 
 def make_decoder(path: Path, kind: str, head: str, num_labels: int = 1, seed: int = 0):
-    """kind llama / qwen3 / gemma3 (text, sliding layers); head base (<Arch>Model), classify,
+    """kind llama / qwen2 (gte-Qwen2) / qwen3 / mistral (e5-mistral) / gemma3 (text, sliding
+    layers); head base (<Arch>Model), classify,
     lm (<Arch>ForCausalLM)."""
     import transformers
 
@@ -125,11 +126,15 @@ def make_decoder(path: Path, kind: str, head: str, num_labels: int = 1, seed: in
     if kind == "gemma3":  # layers 0-1 slide over 6 positions, layer 2 sees all
         extra.update(sliding_window=6, layer_types=["sliding_attention"] * 2 + ["full_attention"],
                      num_hidden_layers=3, hidden_activation="gelu_pytorch_tanh")  # fmt: skip
+    if kind == "mistral":  # e5-mistral: every layer over the whole context
+        extra["sliding_window"] = None
     config_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
+                  "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig,
                   "gemma3": transformers.Gemma3TextConfig}[kind]  # fmt: skip
     # NOTE: Qwen3-Reranker's prompt alone is ~200 byte tokens
     cfg = config_cls(**{**DECODER, "max_position_embeddings": 1024, **extra}, num_labels=num_labels)
-    prefix = {"llama": "Llama", "qwen3": "Qwen3", "gemma3": "Gemma3Text"}[kind]
+    prefix = {"llama": "Llama", "qwen3": "Qwen3", "qwen2": "Qwen2", "mistral": "Mistral",
+              "gemma3": "Gemma3Text"}[kind]  # fmt: skip
     suffix = {"base": "Model", "classify": "ForSequenceClassification", "lm": "ForCausalLM"}[head]
     model = getattr(transformers, prefix + suffix)(cfg)
     return save_hf(path, model, "decoder")

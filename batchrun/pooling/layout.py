@@ -27,6 +27,8 @@ _MODE_FLAGS = {
     "pooling_mode_weightedmean_tokens": "weightedmean",
 }
 _RUN_MODULES = ("Transformer", "Pooling", "Normalize")
+# bge-m3's sparse and multi-vector heads, beside its dense model: batchrun gives the dense vector
+OTHER_HEADS = ("sparse_linear.pt", "colbert_linear.pt")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class PoolingSpec:
     prompts: dict[str, str] = field(default_factory=dict)  # prompt name -> its text
     default_prompt_name: str | None = None
     is_sentence_transformers: bool = False
+    # heads in the folder that batchrun does not run (bge-m3's sparse / multi-vector), for the
+    # start-up log: the vectors are the dense ones
+    other_heads: tuple[str, ...] = ()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -106,4 +111,5 @@ def read_layout(model_dir: Path) -> PoolingSpec:
         prompts={k: v for k, v in (st.get("prompts") or {}).items() if isinstance(v, str)},
         default_prompt_name=st.get("default_prompt_name"),
         is_sentence_transformers=True,
+        other_heads=tuple(h for h in OTHER_HEADS if (model_dir / h).is_file()),
     )

@@ -14,6 +14,7 @@ sentence-transformers / transformers do and runs packed batches of them.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from batchrun.pooling.encoder import Encoder, EncoderConfig
 from batchrun.pooling.heads import finish_embeddings, pool, scores, yes_no_score
 from batchrun.pooling.layout import POOLING_MODES, PoolingSpec, read_layout
 from batchrun.pooling.modernbert import ModernBert, ModernBertConfig
+
+log = logging.getLogger(__name__)
 
 _ENCODERS = {"Bert": False, "XLMRoberta": True}  # name -> XLM-RoBERTa's positions and head
 _CHECKPOINT_PREFIXES = ("bert.", "roberta.", "model.")
@@ -190,6 +193,11 @@ def load_pooling_model(
             "<Arch>ForSequenceClassification and <Arch>ForCausalLM (a yes/no reranker) for "
             f"{', '.join(sorted({a.removesuffix('ForCausalLM') for a in _decoders()}))}"
         )
+    if spec.other_heads:
+        log.info(
+            "%s: %s not run: batchrun gives the dense vectors only (no sparse or multi-vector "
+            "output)", model_dir, ", ".join(spec.other_heads),
+        )  # fmt: skip
     max_len = min(spec.max_seq_length or model_max, model_max)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     return PoolingModel(net, kind, head, spec, tokenizer, max_len, device, labels)

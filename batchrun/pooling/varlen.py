@@ -3,8 +3,9 @@
     tokens   [T] = seq 0 | seq 1 | ... | seq B-1        cu_seqlens [B + 1]: where each begins
 
 Each sequence attends over its own tokens only: causal for decoders, bidirectional for encoders.
-The CPU path runs torch's scaled_dot_product_attention per sequence (the reference the GPU
-kernels are checked against)."""
+On CUDA in fp16 / bf16 one call of torch's varlen_attn (FlashAttention over cu_seqlens, its
+window as (left, right)) runs the whole step; elsewhere torch's scaled_dot_product_attention
+runs per sequence, the reference that tests/gpu/test_pooling_gpu.py checks the GPU path against."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def varlen_attention(
     """q [T, H, D], k and v [T, KV, D] packed by `seq_lens` -> [T, H * D]. `half_window` > 0
     (bidirectional): each query sees the keys at most that many positions away; `window` > 0
     (causal): the query at p sees the keys p - window < k <= p (attention/base.py's rule)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return _flash_varlen(q, k, v, seq_lens, scaling, causal, half_window, window)
     num_heads, num_kv = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
     start = 0
@@ -53,6 +56,26 @@ def varlen_attention(
         )
         out[sl] = o.transpose(0, 1)
         start += n
+    return out.reshape(q.shape[0], -1)
+
+
+def _flash_varlen(q, k, v, seq_lens, scaling, causal, half_window, window) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    # (left, right): -1 is unbounded; a causal window W sees the W - 1 keys before the query
+    if half_window:
+        bounds = (half_window, half_window)
+    elif causal:
+        bounds = (window - 1 if window else -1, 0)
+    else:
+        bounds = (-1, -1)
+    cu = torch.tensor((0, *seq_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu = cu.pin_memory().to(q.device, non_blocking=True)
+    longest = max(seq_lens)
+    out = varlen_attn(
+        q, k, v, cu, cu, longest, longest, scale=scaling, window_size=bounds,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )  # fmt: skip
     return out.reshape(q.shape[0], -1)
 
 

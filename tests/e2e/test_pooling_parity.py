@@ -39,6 +39,8 @@ pytest.importorskip("sentence_transformers")
         ("modernbert", "encoder", "mean", True),
         ("qwen3", "decoder", "lasttoken", True),
         ("llama", "decoder", "mean", False),
+        ("qwen2", "decoder", "lasttoken", True),
+        ("mistral", "decoder", "lasttoken", True),
     ],
 )
 def test_embeddings_equal_sentence_transformers(tmp_path, kind, family, pooling, normalize):
