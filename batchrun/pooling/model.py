@@ -51,37 +51,27 @@ class TokenRow:
     truncated: bool = False  # the text was longer than max_seq_length and was cut
 
 
-class PoolingModel:
-    """One model's prefill-only forward: `hidden(rows)` -> packed hidden states, and what each
-    task makes of them (`embed`, `classify_logits`, `yes_no`)."""
+class RowTokenizer:
+    """A row's texts -> TokenRow, as sentence-transformers and transformers tokenize them:
+    special tokens added, truncated to `max_len` (counted in TokenRow.truncated)."""
 
-    def __init__(self, net, kind: str, head: str, spec: PoolingSpec, tokenizer, max_len: int,
-                 device: str, labels: tuple[str, ...]):  # fmt: skip
-        self.net, self.kind, self.head, self.spec = net, kind, head, spec
-        self.tokenizer, self.max_len, self.device, self.labels = tokenizer, max_len, device, labels
+    def __init__(self, tokenizer, max_len: int, kind: str):
+        self.tokenizer, self.max_len, self.kind = tokenizer, max_len, kind
 
-    # --- tokenization, as sentence-transformers and transformers do it
     def tokenize(self, text: str, pair: str | None = None, prompt: str | None = None) -> TokenRow:
         """`text` (and a second text for a cross-encoder) truncated to max_seq_length;
         `prompt` (an instruction, a prompt of the folder's) goes before the text, as
         sentence-transformers puts it."""
         if prompt:
             text = prompt + text
-        full = self.tokenizer(text, pair, truncation=False)
-        enc = self.tokenizer(text, pair, truncation=True, max_length=self.max_len)
+        if not text or (pair is not None and not pair):
+            raise ValueError("an empty text: nothing to embed or score")
+        enc = self.tokenizer(text, pair, truncation=False)
+        truncated = len(enc["input_ids"]) > self.max_len
+        if truncated:  # cut as sentence-transformers does (the longest text first)
+            enc = self.tokenizer(text, pair, truncation=True, max_length=self.max_len)
         types = enc.get("token_type_ids") if self.kind == "encoder" else None
-        return TokenRow(
-            tuple(enc["input_ids"]),
-            None if types is None else tuple(types),
-            truncated=len(full["input_ids"]) > len(enc["input_ids"]),
-        )
-
-    def prompt(self, name: str) -> str:
-        """The folder's prompt `name` (config_sentence_transformers.json's prompts)."""
-        if name not in self.spec.prompts:
-            have = ", ".join(self.spec.prompts) or "none"
-            raise ModelConfigError(f"prompt {name!r} is not one of the model's prompts ({have})")
-        return self.spec.prompts[name]
+        return TokenRow(tuple(enc["input_ids"]), None if types is None else tuple(types), truncated)
 
     def tokenize_yes_no(self, query: str, document: str, instruction: str | None) -> TokenRow:
         """Qwen3-Reranker's prompt of (query, document), the pair cut to fit as its card does."""
@@ -95,6 +85,31 @@ class PoolingModel:
         ids = tok.encode(body, add_special_tokens=False)
         room = self.max_len - len(prefix) - len(suffix)
         return TokenRow(tuple(prefix + ids[:room] + suffix), truncated=len(ids) > room)
+
+
+class PoolingModel:
+    """One model's prefill-only forward: `hidden(rows)` -> packed hidden states, and what each
+    task makes of them (`embed`, `classify_logits`, `yes_no`)."""
+
+    def __init__(self, net, kind: str, head: str, spec: PoolingSpec, tokenizer, max_len: int,
+                 device: str, labels: tuple[str, ...], hidden_size: int):  # fmt: skip
+        self.net, self.kind, self.head, self.spec = net, kind, head, spec
+        self.hidden_size = hidden_size
+        self.tokenizer, self.max_len, self.device, self.labels = tokenizer, max_len, device, labels
+        self.row_tokenizer = RowTokenizer(tokenizer, max_len, kind)
+
+    def tokenize(self, text: str, pair: str | None = None, prompt: str | None = None) -> TokenRow:
+        return self.row_tokenizer.tokenize(text, pair, prompt)
+
+    def tokenize_yes_no(self, query: str, document: str, instruction: str | None) -> TokenRow:
+        return self.row_tokenizer.tokenize_yes_no(query, document, instruction)
+
+    def prompt(self, name: str) -> str:
+        """The folder's prompt `name` (config_sentence_transformers.json's prompts)."""
+        if name not in self.spec.prompts:
+            have = ", ".join(self.spec.prompts) or "none"
+            raise ModelConfigError(f"prompt {name!r} is not one of the model's prompts ({have})")
+        return self.spec.prompts[name]
 
     # --- the forward
     def hidden(self, rows: list[TokenRow]) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -200,7 +215,8 @@ def load_pooling_model(
         )  # fmt: skip
     max_len = min(spec.max_seq_length or model_max, model_max)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return PoolingModel(net, kind, head, spec, tokenizer, max_len, device, labels)
+    hidden = int(raw["hidden_size"])
+    return PoolingModel(net, kind, head, spec, tokenizer, max_len, device, labels, hidden)
 
 
 def _decoders() -> tuple[str, ...]:
