@@ -41,7 +41,7 @@ class ParallelTokenizer:
 
     def __init__(self, model_dir: str | Path, max_len: int, kind: str, num_workers: int = 4,
                  chunk: int = 256):  # fmt: skip
-        self.chunk = chunk
+        self.chunk, self.num_workers = chunk, num_workers
         self.work = partial(_tokenize, (str(model_dir), max_len, kind))
         self.pool = ProcessPoolExecutor(num_workers, mp_context=get_context("spawn"))
 
@@ -58,6 +58,10 @@ class ParallelTokenizer:
 
         for rows in self.pool.map(self.work, chunks()):
             yield from rows
+
+    def warm(self) -> None:
+        """Start every worker and load its tokenizer (before a timed region)."""
+        list(self.pool.map(self.work, [[("warm", None, None)]] * self.num_workers * 2))
 
     def close(self) -> None:
         self.pool.shutdown()
