@@ -30,8 +30,6 @@ from batchrun.pooling.heads import last_indices
 from batchrun.pooling.varlen import VarlenBackend
 
 _SUFFIXES = ("Model", "ForSequenceClassification", "ForCausalLM")
-# a text-only model's prefix -> its causal LM's (Gemma3TextModel -> Gemma3ForCausalLM)
-_TEXT_PREFIXES = {"Gemma3Text": "Gemma3"}
 # a base model's top-level names -> the causal LM's; the heads batchrun reads itself are skipped
 _BASE_NAMES = TensorNames(
     renames=(
@@ -49,8 +47,11 @@ def causal_architecture(arch: str) -> tuple[str, str] | None:
     for suffix, head in zip(_SUFFIXES, ("base", "classify", "lm"), strict=True):
         if arch.endswith(suffix):
             base = arch[: -len(suffix)]
-            causal = _TEXT_PREFIXES.get(base, base) + "ForCausalLM"
-            return (causal, head) if causal in ARCHITECTURES else None
+            # a multimodal family's text model (<Family>TextModel) is its causal LM's decoder
+            for causal in (base + "ForCausalLM", base.removesuffix("Text") + "ForCausalLM"):
+                if causal in ARCHITECTURES:
+                    return causal, head
+            return None
     return None
 
 
