@@ -51,6 +51,11 @@ class TaskOptions:
                     f"--dimensions {self.dimensions}: the model's vectors have {hidden_size} "
                     f"dimensions; give 1 to {hidden_size}"
                 )
+        elif self.task == "classify" and model.head != "classify":
+            raise ModelConfigError(
+                "--task classify needs a sequence-classification head (<Arch>ForSequenceClassif"
+                "ication); a yes/no reranker gives scores: --task rerank or --task score"
+            )
         elif model.head == "base":
             raise ModelConfigError(
                 f"--task {self.task} needs a classification head or a yes/no reranker; the model "

@@ -48,6 +48,8 @@ def test_options_are_checked_against_the_model(st_dir):
         TaskOptions("embed", dimensions=65).validate(model)
     with pytest.raises(ModelConfigError, match="needs a classification head"):
         TaskOptions("rerank").validate(model)
+    with pytest.raises(ModelConfigError, match="classify needs a sequence-classification head"):
+        TaskOptions("classify").validate(model)
     with pytest.raises(ModelConfigError, match="pass --pooling"):
         TaskOptions("embed").validate(load_pooling_model(st_dir / "hf"))
     TaskOptions("embed", pooling="cls").validate(load_pooling_model(st_dir / "hf"))
