@@ -1,0 +1,271 @@
+"""Prefill-only tasks on the GPU: batchrun's PoolingEngine (packed steps, no padding, tokenization
+in worker processes) against sentence-transformers in the same run, both end to end from text.
+
+    python scripts/bench_pooling.py                                   # the full set (below)
+    python scripts/bench_pooling.py --cases bert-base --rows 20000    # one case, fewer rows
+    python scripts/bench_pooling.py --device cpu --tiny --rows 64     # CPU smoke test
+
+Cases (random weights of each shape, saved with a synthetic word-level tokenizer to a temp dir, so
+both sides load the same folder):
+  bert-base          200,000 passages of 32-512 words, mean pooling, vs SentenceTransformer.encode
+  qwen3-embed-0.6b   the same passages on Qwen3-Embedding-0.6B's shape (last-token pooling)
+  qwen3-rerank-0.6b  20,000 rows of (query, 10 documents) on Qwen3-Reranker-0.6B's shape (the
+                     yes/no score), vs the model card's transformers loop (left padding)
+  reward-llama-8b    20,000 conversations on Llama-3.1-8B's shape with a one-label
+                     classification head (dummy weights; batchrun only)
+The baseline runs in fp16 at each of --st-batch-sizes and reports its best; batchrun in fp16 with
+--max-step-tokens per step and --tokenizer-workers processes. Rows/s and tokens/s are printed and
+written as JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from batchrun.pooling.engine import PoolingEngine, PoolRequest, TaskOptions
+from batchrun.pooling.model import load_pooling_model
+from batchrun.pooling.tokenize import ParallelTokenizer
+
+SHAPES = {
+    "bert-base": dict(kind="bert", hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                      intermediate_size=3072, vocab_size=30522, max_position_embeddings=512),
+    "qwen3-embed-0.6b": dict(kind="qwen3", hidden_size=1024, num_hidden_layers=28,
+                             num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                             intermediate_size=3072, vocab_size=151669,
+                             max_position_embeddings=32768),
+    "qwen3-rerank-0.6b": dict(kind="qwen3-lm", hidden_size=1024, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                              intermediate_size=3072, vocab_size=151669,
+                              max_position_embeddings=32768),
+    "reward-llama-8b": dict(kind="llama-reward", hidden_size=4096, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=8,
+                            intermediate_size=14336, vocab_size=128256,
+                            max_position_embeddings=8192),
+}  # fmt: skip
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=2000, head_dim=16)  # fmt: skip
+
+
+def save_word_tokenizer(path: Path, vocab_size: int, family: str) -> None:
+    """Words w0..wN as tokens, whitespace split; BERT's [CLS] / [SEP] or an end token after."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "yes", "no"]
+    vocab = {s: i for i, s in enumerate(specials)}
+    vocab.update({f"w{i}": i + len(specials) for i in range(vocab_size - len(specials))})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if family == "bert":
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+        )  # fmt: skip
+    else:
+        tok.post_processor = processors.TemplateProcessing(
+            single="$A [SEP]", pair="$A $B [SEP]", special_tokens=[("[SEP]", 3)]
+        )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
+    fast.padding_side = "right" if family == "bert" else "left"
+    fast.save_pretrained(path)
+
+
+def make_model(root: Path, case: str, tiny: bool, device: str) -> Path:
+    """The case's model folder: random weights saved (or config.json alone for dummy weights),
+    a word tokenizer, and for the embedders a sentence-transformers layout."""
+    import transformers
+
+    shape = dict(SHAPES[case])
+    kind = shape.pop("kind")
+    if tiny:
+        shape.update(TINY)
+        if kind == "bert":
+            shape.pop("head_dim", None)
+            shape.pop("num_key_value_heads", None)
+    path = root / case
+    torch.manual_seed(0)
+    if kind == "bert":
+        model = transformers.BertModel(transformers.BertConfig(**shape), add_pooling_layer=False)
+    elif kind == "qwen3":
+        model = transformers.Qwen3Model(transformers.Qwen3Config(**shape))
+    elif kind == "qwen3-lm":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape))
+    else:  # the reward model's weights are batchrun's dummy ones: config.json alone
+        cfg = transformers.LlamaConfig(**shape, num_labels=1)
+        cfg.architectures = ["LlamaForSequenceClassification"]
+        path.mkdir(parents=True)
+        cfg.save_pretrained(path)
+        save_word_tokenizer(path, shape["vocab_size"], "decoder")
+        return path
+    model.half().save_pretrained(path)
+    save_word_tokenizer(path, shape["vocab_size"], "bert" if kind == "bert" else "decoder")
+    if kind in ("bert", "qwen3"):
+        from sentence_transformers import SentenceTransformer
+        from sentence_transformers.sentence_transformer import modules
+
+        word = modules.Transformer(str(path), max_seq_length=512 + 2)
+        pooling = modules.Pooling(shape["hidden_size"], "mean" if kind == "bert" else "lasttoken")
+        st = SentenceTransformer(modules=[word, pooling, modules.Normalize()], device="cpu")
+        st.save(str(root / f"{case}-st"))
+        return root / f"{case}-st"
+    return path
+
+
+def passages(n: int, vocab: int, seed: int, lo: int = 32, hi: int = 512) -> list[str]:
+    rng = random.Random(seed)
+    words = vocab - 6
+    return [
+        " ".join(f"w{rng.randrange(words)}" for _ in range(rng.randint(lo, hi))) for _ in range(n)
+    ]
+
+
+def _dtype(args) -> torch.dtype:
+    return torch.float16 if args.device == "cuda" else torch.float32
+
+
+def run_batchrun(path, items, options, args, load_format: str = "auto") -> dict:
+    """End to end from text: worker processes tokenize window k + 1 while the GPU runs window k."""
+    model = load_pooling_model(path, _dtype(args), args.device, load_format=load_format)
+    options.validate(model)
+    engine = PoolingEngine(model, options, args.max_step_tokens)
+    window = 8192
+    with ParallelTokenizer(path, model.max_len, model.kind, args.tokenizer_workers) as tok:
+        tok.warm()
+        t0, tokens, done = time.perf_counter(), 0, 0
+        chunks = [items[i : i + window] for i in range(0, len(items), window)]
+        pending = tok.map(chunks[0]) if chunks else iter(())
+        for k in range(len(chunks)):
+            rows = list(pending)
+            if k + 1 < len(chunks):
+                pending = tok.map(chunks[k + 1])
+            engine.add([PoolRequest(i, r) for i, r in enumerate(rows) if not isinstance(r, str)])
+            while engine.has_work:
+                for result in engine.step():
+                    tokens += result.num_tokens
+                    done += 1
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return {"rows": done, "seconds": dt, "rows_per_s": done / dt, "tokens_per_s": tokens / dt}
+
+
+def run_st(path, texts, args) -> dict:
+    from sentence_transformers import SentenceTransformer
+
+    kwargs = {"dtype": _dtype(args)}
+    st = SentenceTransformer(str(path), device=args.device, model_kwargs=kwargs)
+    best = None
+    for bs in args.st_batch_sizes:
+        t0 = time.perf_counter()
+        st.encode(texts, batch_size=bs)
+        dt = time.perf_counter() - t0
+        if best is None or dt < best["seconds"]:
+            best = {"batch_size": bs, "seconds": dt, "rows_per_s": len(texts) / dt}
+    return best
+
+
+def run_hf_rerank(path, pairs, args) -> dict:
+    """The Qwen3-Reranker card's loop: left-padded batches, yes/no logits at the last position."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from batchrun.pooling.model import RERANK_INSTRUCTION, RERANK_PREFIX, RERANK_SUFFIX
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dtype(args))
+    model = model.to(args.device).eval()
+    yes, no = tok.convert_tokens_to_ids("yes"), tok.convert_tokens_to_ids("no")
+    texts = [f"{RERANK_PREFIX}<Instruct>: {RERANK_INSTRUCTION}\n<Query>: {q}\n<Document>: {d}"
+             f"{RERANK_SUFFIX}" for q, d in pairs]  # fmt: skip
+    best = None
+    for bs in args.st_batch_sizes:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for i in range(0, len(texts), bs):
+                enc = tok(texts[i : i + bs], padding=True, return_tensors="pt",
+                          add_special_tokens=False).to(args.device)  # fmt: skip
+                last = model(**enc).logits[:, -1]
+                torch.softmax(torch.stack([last[:, no], last[:, yes]], 1).float(), 1)[:, 1].cpu()
+        dt = time.perf_counter() - t0
+        if best is None or dt < best["seconds"]:
+            best = {"batch_size": bs, "seconds": dt, "rows_per_s": len(texts) / dt / 10}
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--cases", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES)
+    )
+    p.add_argument("--rows", type=int, default=200_000, help="passages (rerank / reward: a tenth)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--max-step-tokens", type=int, default=32768)
+    p.add_argument("--tokenizer-workers", type=int, default=8)
+    p.add_argument("--st-batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[32, 64, 128, 256])  # fmt: skip
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("bench_pooling.json"))
+    args = p.parse_args(argv)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in args.cases.split(","):
+            path = make_model(Path(tmp), case, args.tiny, args.device)
+            vocab = TINY["vocab_size"] if args.tiny else SHAPES[case]["vocab_size"]
+            hi = 64 if args.tiny else 512
+            row: dict = {
+                "case": case,
+                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            }
+            if case in ("bert-base", "qwen3-embed-0.6b"):
+                texts = passages(args.rows, vocab, 0, hi=hi)
+                row["batchrun"] = run_batchrun(path, [(t, None, None) for t in texts],
+                                               TaskOptions("embed"), args)  # fmt: skip
+                if not args.no_baseline:
+                    row["sentence_transformers"] = run_st(path, texts, args)
+            elif case == "qwen3-rerank-0.6b":
+                n = max(1, args.rows // 10)
+                queries = passages(n, vocab, 1, 8, 32)
+                docs = passages(n * 10, vocab, 2, 32, hi)
+                pairs = [(queries[i // 10], d) for i, d in enumerate(docs)]
+                row["batchrun"] = run_rerank(path, pairs, args)
+                if not args.no_baseline:
+                    row["transformers"] = run_hf_rerank(path, pairs, args)
+            else:
+                n = max(1, args.rows // 10)
+                texts = passages(n, vocab, 3, 64, hi)
+                items = [(t, None, None) for t in texts]
+                options = TaskOptions("score", raw_scores=True)
+                row["batchrun"] = run_batchrun(path, items, options, args, "dummy")
+            print(json.dumps(row), flush=True)
+            results.append(row)
+            args.out.write_text(json.dumps({"results": results}, indent=1))
+    return 0
+
+
+def run_rerank(path, pairs, args) -> dict:
+    """The yes/no reranker: rows tokenized in-process with the card's prompt (rows/s counts
+    (query, 10 documents) rows)."""
+    model = load_pooling_model(path, _dtype(args), args.device)
+    options = TaskOptions("rerank")
+    options.validate(model)
+    engine = PoolingEngine(model, options, args.max_step_tokens)
+    t0 = time.perf_counter()
+    engine.add(
+        [PoolRequest(i, model.tokenize_yes_no(q, d, None)) for i, (q, d) in enumerate(pairs)]
+    )
+    while engine.has_work:
+        engine.step()
+    dt = time.perf_counter() - t0
+    return {"rows": len(pairs) // 10, "seconds": dt, "rows_per_s": len(pairs) / 10 / dt}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""scripts/bench_pooling.py on the CPU: --help, and a tiny run of each case writing its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_pooling.py"
+
+
+def test_help_names_the_cases():
+    out = subprocess.run([sys.executable, "-P", str(SCRIPT), "--help"], capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    assert "qwen3-rerank-0.6b" in out and "--st-batch-sizes" in out
+
+
+@pytest.mark.slow  # CI's slow tier (BATCHRUN_SLOW_TESTS=1): four models, ~90 s on two cores
+def test_tiny_cpu_run(tmp_path):
+    out = tmp_path / "bench.json"
+    subprocess.run(
+        [sys.executable, "-P", str(SCRIPT), "--device", "cpu", "--tiny", "--rows", "20",
+         "--tokenizer-workers", "1", "--st-batch-sizes", "8", "--out", str(out)],
+        check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    rows = {r["case"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"bert-base", "qwen3-embed-0.6b", "qwen3-rerank-0.6b", "reward-llama-8b"}
+    assert rows["bert-base"]["batchrun"]["rows"] == 20
+    assert rows["bert-base"]["sentence_transformers"]["rows_per_s"] > 0
+    assert rows["qwen3-rerank-0.6b"]["batchrun"]["rows"] == 2
