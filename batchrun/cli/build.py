@@ -12,10 +12,12 @@ import click
 from click.core import ParameterSource
 
 from batchrun.config import GPU_MEMORY_UTILIZATION, EngineConfig, KernelConfig
+from batchrun.errors import ModelConfigError, ModelError
 from batchrun.io.row_structured import structured_from_options
 from batchrun.io.rows import RowSpec
 from batchrun.job.config import SAMPLING_OPTIONS
 from batchrun.job.tokenize import check_chat_template
+from batchrun.models.hub import is_repo_id, resolve_hub_model
 from batchrun.params import SamplingParams
 
 
@@ -215,6 +217,44 @@ def check_quantization(o: dict) -> None:
             f"--quantization {quantization}: {model} is quantized already (config.json's "
             f"quantization_config, quant_method {method!r}); drop the option to run it as it is"
         )
+
+
+def resolve_model(o: dict) -> str | None:
+    """--model as the engine reads it: a name ORG/NAME (not a path here) becomes its snapshot
+    directory in the local Hugging Face hub cache at --revision (ModelError, exit 4, when it is
+    not there); a path or None (the embedded model) stays."""
+    model, revision = o["model"], o.get("revision")
+    if model is None or not is_repo_id(model) or Path(model).expanduser().exists():
+        if revision is not None:
+            what = f"--model {model}" if model is not None else "the embedded model (no --model)"
+            raise click.UsageError(
+                f"--revision {revision}: picks a snapshot of a --model ORG/NAME in the local "
+                f"Hugging Face hub cache, and {what} is not one; drop --revision"
+            )
+        return model
+    try:
+        return str(resolve_hub_model(model, revision))
+    except ModelConfigError as e:
+        raise ModelError(str(e)) from e
+
+
+def check_model(o: dict) -> None:
+    """What the model's config.json says, checked before the input is read, the tokenizer
+    loads or --out is made: an architecture or config batchrun cannot run (ModelError, exit 4),
+    a --max-model-len above the model's context (exit 2)."""
+    # local: these load torch, which `batchrun --help` never loads
+    from batchrun.models.config import ModelConfig
+    from batchrun.models.context import served_context_len
+    from batchrun.models.embedded import resolve_model_path
+
+    try:
+        cfg = ModelConfig.from_dir(resolve_model_path(o["model"]))
+    except (ValueError, OSError) as e:
+        raise ModelError(f"cannot load the model: {e}") from e
+    try:
+        served_context_len(o.get("max_model_len"), cfg)
+    except ModelConfigError as e:
+        raise click.BadParameter(str(e), param_hint="--max-model-len") from e
 
 
 def build_spec(o: dict):
