@@ -238,25 +238,6 @@ def resolve_model(o: dict) -> str | None:
         raise ModelError(str(e)) from e
 
 
-def check_model(o: dict) -> None:
-    """What the model's config.json says, checked before the input is read, the tokenizer
-    loads or --out is made: an architecture or config batchrun cannot run (ModelError, exit 4),
-    a --max-model-len above the model's context (exit 2)."""
-    # local: these load torch, which `batchrun --help` never loads
-    from batchrun.models.config import ModelConfig
-    from batchrun.models.context import served_context_len
-    from batchrun.models.embedded import resolve_model_path
-
-    try:
-        cfg = ModelConfig.from_dir(resolve_model_path(o["model"]))
-    except (ValueError, OSError) as e:
-        raise ModelError(f"cannot load the model: {e}") from e
-    try:
-        served_context_len(o.get("max_model_len"), cfg)
-    except ModelConfigError as e:
-        raise click.BadParameter(str(e), param_hint="--max-model-len") from e
-
-
 def build_spec(o: dict):
     return RowSpec(
         prompt_column=o["prompt_column"] or None,

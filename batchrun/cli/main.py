@@ -31,7 +31,6 @@ from batchrun.cli.build import (
     build_defaults,
     build_engine_config,
     build_spec,
-    check_model,
     check_quantization,
     resolve_model,
 )
@@ -120,7 +119,6 @@ def submit(dataset: str, out: str, **o) -> None:
     try:
         o["model"] = resolve_model(o)
         engine = build_engine_config(o)
-        check_model(o)
     except RunError as e:
         _fail(str(e), e.exit_code)
     if o["dp"] > 1:

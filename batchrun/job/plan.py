@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from batchrun.config import EngineConfig, resolve_sizes
-from batchrun.errors import ModelConfigError
+from batchrun.errors import ModelConfigError, ModelError, OptionError
 from batchrun.io.readers import BadInputError, open_dataset
 from batchrun.io.rows import RowError, RowSpec, schema_problem
 from batchrun.io.stdin import STDIN, spool_stdin
@@ -59,6 +59,20 @@ def load_tokenizer_and_context(model: str | None, quantization: str | None = Non
     except (ValueError, OSError) as e:
         raise PlanError(f"cannot load the model's tokenizer: {e}", 4) from e
     return tokenizer, cfg, path
+
+
+def check_model(engine: EngineConfig) -> None:
+    """What the model's config.json says, checked once the input is (before --out is made, the
+    tokenizer or the weights load): an architecture or config batchrun cannot run (ModelError,
+    exit 4), a context_len (--max-model-len) above the model's context (OptionError, exit 2)."""
+    try:
+        cfg = ModelConfig.from_dir(resolve_model_path(engine.model))
+    except (ValueError, OSError) as e:
+        raise ModelError(f"cannot load the model: {e}") from e
+    try:
+        served_context_len(engine.context_len, cfg)
+    except ModelConfigError as e:
+        raise OptionError(str(e)) from e
 
 
 def describe_weights(cfg: ModelConfig, path: Path, gguf: bool) -> str:

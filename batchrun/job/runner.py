@@ -36,6 +36,7 @@ from batchrun.job.commit import RunOutput
 from batchrun.job.config import RunConfig
 from batchrun.job.order import ordered_windows, shard_of
 from batchrun.job.pipeline import RowPipeline, openai_duplicates
+from batchrun.job.plan import check_model
 from batchrun.job.resume import make_fingerprint
 from batchrun.job.row_sink import RowSink
 from batchrun.job.run_input import RunInput, no_column_warning
@@ -74,6 +75,8 @@ class Runner:
                 raise InputError(f"{self.input.name}: the input has no rows; nothing to do")
             self.input.check_columns(config.spec)
             self._refuse_repeated_custom_ids()
+            if engine is None:
+                check_model(config.engine)  # before --out is made and the tokenizer loads
             self.warnings = self.input.check_keep_columns(config.spec.keep_columns)
             fresh = Manifest(
                 created=utc_now(),
