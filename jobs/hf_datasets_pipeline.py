@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="HF dir, .gguf or ORG/NAME in the local hub cache (default: embedded demo model)",
     )
+    p.add_argument("--revision", default=None, help="with --model ORG/NAME: branch, tag, commit")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         messages_column=args.messages_column or None,
         system_prompt=args.system_prompt,
         model=args.model,
+        revision=args.revision,
         sampling=SamplingParams(
             max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
         ),

@@ -26,6 +26,7 @@ from batchrun.engine.engine import Engine
 from batchrun.io.rows import PreparedRow, RowSpec, prepare_row
 from batchrun.io.source import RawRow
 from batchrun.job.tokenize import TokenizedRow, tokenize_rows
+from batchrun.models.hub import resolve_hub_model
 from batchrun.params import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ def generate_dataset(
     *,
     messages_column: str | None = "messages",
     model: str | None = None,
+    revision: str | None = None,
     sampling: SamplingParams = DEFAULT_SAMPLING,
     system_prompt: str | None = None,
     output_column: str = "completion",
@@ -53,9 +55,10 @@ def generate_dataset(
 
     A row's prompt is its `prompt_column` text or its `messages_column` chat messages, whichever
     is set (a datasets table gives every row both columns, the other one null), read as
-    `batchrun submit` reads them. `model` (a directory, a .gguf, or a hub name in the local
-    Hugging Face cache) and `engine_kw` (any `EngineConfig` field: device, kv_budget,
-    max_running, ...) build the engine; pass `engine` to reuse one. A row that cannot run (no
+    `batchrun submit` reads them. `model` (a directory, a .gguf, or ORG/NAME in the local
+    Hugging Face hub cache, at `revision`: a branch, tag or commit, default main) and
+    `engine_kw` (any `EngineConfig` field: device, kv_budget, max_running, ...) build the
+    engine; pass `engine` to reuse one. A row that cannot run (no
     prompt, too long for the context, no tokens, messages with an image or other non-text part,
     a chat template that fails on it) gets completion None and finish_reason "error", the rest
     still run.
@@ -73,7 +76,9 @@ def generate_dataset(
     if taken:
         raise ValueError(f"the dataset already has columns {sorted(taken)}")
     if engine is None:
-        engine = Engine(_engine_config(model, engine_kw))
+        if revision is not None:  # else Engine resolves a hub name at main
+            model = str(resolve_hub_model(model, revision)) if model else model
+        engine = Engine(EngineConfig(model=model, **engine_kw))
     sampling.validate(engine.model_config.vocab_size)
 
     num_rows = len(ds)
@@ -100,13 +105,6 @@ def generate_dataset(
     for name, values in zip(COLUMNS, (finish, prompt_tokens, completion_tokens)):
         out = out.add_column(name, values)
     return out
-
-
-def _engine_config(model: str | None, engine_kw: dict[str, Any]) -> EngineConfig:
-    """The engine's config from the API's arguments; a ValueError names the argument."""
-    cfg = EngineConfig(model=model, **engine_kw)
-    cfg.validate()
-    return cfg
 
 
 def _requests(

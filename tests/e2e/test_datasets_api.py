@@ -177,3 +177,14 @@ def test_pipeline_script_on_the_example_file(engine, tmp_path, monkeypatch):
     assert exit_info.value.code == 0
     back = datasets.load_from_disk(str(out))
     assert all(c is not None for c in back["completion"])
+
+
+def test_cuda_error_names_the_api_argument(engine):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    ds = datasets.Dataset.from_dict({"prompt": ["Hi"]})
+    with pytest.raises(ValueError, match="device='cpu'") as e:
+        generate_dataset(ds, model=str(engine.model_dir), device="cuda")
+    assert "--device" not in str(e.value)
