@@ -11,16 +11,16 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
 from batchrun.config import EngineConfig, resolve_sizes
-from batchrun.errors import ModelConfigError, ModelError, OptionError
+from batchrun.errors import ModelConfigError
 from batchrun.io.readers import BadInputError, open_dataset
 from batchrun.io.rows import RowError, RowSpec, schema_problem
 from batchrun.io.stdin import STDIN, spool_stdin
 from batchrun.job.config import default_served_model_name
+from batchrun.job.kv_bytes import KVElement, gb, kv_bytes_line
 from batchrun.job.order import (
     DEFAULT_WINDOW,
     LRUEstimate,
@@ -31,7 +31,7 @@ from batchrun.job.order import (
 )
 from batchrun.job.pipeline import RowPipeline
 from batchrun.models.config import ModelConfig
-from batchrun.models.context import KV_ELEMENT_BYTES, kv_bytes_per_token, served_context_len
+from batchrun.models.context import served_context_len
 from batchrun.models.embedded import resolve_model_path
 from batchrun.models.hub import load_tokenizer
 from batchrun.models.moe_weights import describe_experts
@@ -59,20 +59,6 @@ def load_tokenizer_and_context(model: str | None, quantization: str | None = Non
     except (ValueError, OSError) as e:
         raise PlanError(f"cannot load the model's tokenizer: {e}", 4) from e
     return tokenizer, cfg, path
-
-
-def check_model(engine: EngineConfig) -> None:
-    """What the model's config.json says, checked once the input is (before --out is made, the
-    tokenizer or the weights load): an architecture or config batchrun cannot run (ModelError,
-    exit 4), a context_len (--max-model-len) above the model's context (OptionError, exit 2)."""
-    try:
-        cfg = ModelConfig.from_dir(resolve_model_path(engine.model))
-    except (ValueError, OSError) as e:
-        raise ModelError(f"cannot load the model: {e}") from e
-    try:
-        served_context_len(engine.context_len, cfg)
-    except ModelConfigError as e:
-        raise OptionError(str(e)) from e
 
 
 def describe_weights(cfg: ModelConfig, path: Path, gguf: bool) -> str:
@@ -202,7 +188,7 @@ def _make_plan(
                     else "TOO SMALL for the longest request"
                 )
             )
-            pool = _gb(kv_budget * kv.bytes_per_token(cfg))
+            pool = gb(kv_budget * kv.bytes_per_token(cfg))
             lines.append(f"KV budget    {kv_budget:,} tokens ({pool}): {verdict}")
         lines += reuse.report(order_window)
     repeats = errors["duplicate_id"]
@@ -227,48 +213,6 @@ def _context(context_len: int, cfg: ModelConfig) -> str:
     if context_len == cfg.max_position_embeddings:
         return f"{context_len:,}"
     return f"{context_len:,}, --max-model-len; the model's {cfg.max_position_embeddings:,}"
-
-
-class KVElement(NamedTuple):
-    """A KV cache element as the run would store it: its bytes and what decides them."""
-
-    num_bytes: int
-    kind: str  # "fp8_e4m3", or the compute dtype's name ("float32 (--dtype auto on the CPU)")
-
-    @classmethod
-    def of(cls, kv_cache_dtype: str, dtype: str, device: str) -> KVElement:
-        """--kv-cache-dtype's element, or ("auto") the compute dtype's, which --dtype and
-        --device resolve as the engine does: float32 on the CPU, bfloat16 on CUDA."""
-        if kv_cache_dtype != "auto":
-            return cls(KV_ELEMENT_BYTES[kv_cache_dtype], kv_cache_dtype)
-        if dtype != "auto":
-            return cls(4 if dtype == "float32" else 2, dtype)
-        on_cpu = device == "cpu"
-        if device == "auto":
-            import torch  # local: plan loads it with transformers anyway
-
-            on_cpu = not torch.cuda.is_available()
-        if on_cpu:
-            return cls(4, "float32 (--dtype auto on the CPU)")
-        return cls(2, "bfloat16 (--dtype auto on CUDA)")
-
-    def bytes_per_token(self, cfg: ModelConfig) -> int:
-        # kv_bytes_per_token's "auto" counts 16-bit elements
-        return kv_bytes_per_token(cfg, "auto") // KV_ELEMENT_BYTES["auto"] * self.num_bytes
-
-
-def kv_bytes_line(cfg: ModelConfig, kv: KVElement, longest: int, peak: int) -> str:
-    """The KV cache bytes of the longest request and of the longest --max-running at once."""
-    per_token = kv.bytes_per_token(cfg)
-    return (
-        f"KV bytes     {_gb(longest * per_token)} for the longest request, {_gb(peak * per_token)}"
-        f" for those at once ({per_token:,} bytes a token, {kv.kind} KV; the pool holds "
-        f"--kv-budget tokens or --gpu-memory-utilization of the GPU memory after the weights)"
-    )
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 class PrefixReuse:

@@ -34,9 +34,9 @@ from batchrun.io.records import Completion
 from batchrun.io.rows import PreparedRow, RowError
 from batchrun.job.commit import RunOutput
 from batchrun.job.config import RunConfig
+from batchrun.job.model_check import check_model
 from batchrun.job.order import ordered_windows, shard_of
 from batchrun.job.pipeline import RowPipeline, openai_duplicates
-from batchrun.job.plan import check_model
 from batchrun.job.resume import make_fingerprint
 from batchrun.job.row_sink import RowSink
 from batchrun.job.run_input import RunInput, no_column_warning
