@@ -141,3 +141,19 @@ def test_plan_kv_bytes_follow_dtype_and_device(model, dataset, args, per_token):
     r = run("plan", str(dataset), "--model", str(model), *args)
     assert r.exit_code == 0, r.output
     assert f"({per_token:,} bytes a token" in r.output
+
+
+@pytest.mark.parametrize("mode", [[], ["--in-process"]])
+def test_a_failed_start_leaves_no_out_directory(model, dataset, tmp_path, mode):
+    """The weights do not match config.json: the engine fails at start, after --out was made
+    (and its parent); both go again, as nothing was committed. An --out that existed stays."""
+    bad = edited(model, tmp_path, hidden_size=128)
+    out = tmp_path / "runs" / "exp"
+    r = run("submit", str(dataset), "--model", str(bad), "--out", str(out), "--device", "cpu",
+            *mode)  # fmt: skip
+    assert r.exit_code == 4 and "expected (260, 128)" in r.output, r.output
+    assert not (tmp_path / "runs").exists()
+    out.mkdir(parents=True)
+    r = run("submit", str(dataset), "--model", str(bad), "--out", str(out), "--device", "cpu",
+            *mode)  # fmt: skip
+    assert r.exit_code == 4 and out.is_dir()
