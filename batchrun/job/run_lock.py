@@ -37,8 +37,8 @@ class RunLock:
 
     @classmethod
     def acquire(cls, out: Path) -> RunLock:
-        """Take `out`'s lock and write this process into it; RunError when a live process holds
-        it."""
+        """Take `out`'s lock; RunError when a live process holds it. The file is not written
+        (a complete run run again touches nothing): `record` writes this process into it."""
         if Path(out).exists() and not Path(out).is_dir():
             raise RunError(f"--out {out} exists and is not a directory")
         try:
@@ -56,6 +56,13 @@ class RunLock:
                 f"{out} is in use: {who} is running into it ({info.command or 'command unknown'})"
                 "; wait for it to end, or give another --out"
             ) from None
+        return cls(file)
+
+    def record(self) -> None:
+        """Write this process (pid, host, directory, command) into the held lock file."""
+        file = self._file
+        if file is None:
+            return
         file.seek(0)
         file.truncate()
         record = {
@@ -66,7 +73,6 @@ class RunLock:
         }
         file.write(json.dumps(record) + "\n")
         file.flush()
-        return cls(file)
 
     def release(self) -> None:
         """Drop the lock (idempotent); the file stays, naming the last command."""

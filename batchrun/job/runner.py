@@ -104,6 +104,7 @@ class Runner:
             self.summary.status = "already complete"
             self._release_lock()
             return
+        self._lock.record()
         # NOTE: handlers go in before the (slow) model load, so a Slurm signal that comes while
         # loading still ends in a commit and exit 5; run() restores the previous ones.
         self._stop = StopSignals(config.handle_signals, config.drain_timeout).install()
