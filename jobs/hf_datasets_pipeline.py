@@ -45,10 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="where to save_to_disk the result")
     p.add_argument("--parquet", help="also write the result to this Parquet file")
     p.add_argument("--split", default="train")
-    p.add_argument("--prompt-column", default="prompt")
-    p.add_argument("--messages-column", default=None)
+    p.add_argument("--prompt-column", default="prompt", help="text prompts ('' for none)")
+    p.add_argument("--messages-column", default="messages", help="chat messages ('' for none)")
     p.add_argument("--system-prompt", default=None)
-    p.add_argument("--model", default=None, help="HF dir or .gguf (default: embedded demo model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF dir, .gguf or ORG/NAME in the local hub cache (default: embedded demo model)",
+    )
+    p.add_argument("--revision", default=None, help="with --model ORG/NAME: branch, tag, commit")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -66,10 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     out = generate_dataset(
         ds,
-        prompt_column=args.prompt_column,
-        messages_column=args.messages_column,
+        prompt_column=args.prompt_column or None,
+        messages_column=args.messages_column or None,
         system_prompt=args.system_prompt,
         model=args.model,
+        revision=args.revision,
         sampling=SamplingParams(
             max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
         ),

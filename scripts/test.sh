@@ -5,6 +5,25 @@
 #   2. tests/slurm, when a local Slurm is up (bash scripts/slurm-local.sh start), else skipped.
 #      BATCHRUN_SLURM_TESTS=0 skips it; BATCHRUN_REQUIRE_SLURM=1 (CI) fails without a cluster.
 set -euo pipefail
+usage() {
+  cat <<'EOF_USAGE'
+usage: bash scripts/test.sh [PYTEST ARGS...]
+
+Installs batchrun and its test dependencies into .venv (idempotent), then runs:
+  1. tests/unit, tests/e2e and tests/gpu (skipped without CUDA), not the slow tests, with the
+     PYTEST ARGS given (e.g. -x, -k NAME, -n 4 with pytest-xdist);
+  2. the slow tests too with BATCHRUN_SLOW_TESTS=1 (CI sets it);
+  3. tests/slurm when a local Slurm is up (bash scripts/slurm-local.sh start);
+     BATCHRUN_SLURM_TESTS=0 skips it, BATCHRUN_REQUIRE_SLURM=1 fails without one.
+
+pytest's own options: .venv/bin/python -P -m pytest --help
+EOF_USAGE
+}
+for arg in "$@"; do
+  case "$arg" in
+    -h | --help) usage; exit 0 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 EXTRAS=test bash scripts/setup-env.sh
 . .venv/bin/activate

@@ -99,11 +99,19 @@ def make_moe_model(seed: int = 0, kind: str = "qwen3_moe", **changes):
 
 
 def write_quantized_moe(
-    fmt: str, path: Path, seed: int = 0, shards: int = 2, kind: str = "qwen3_moe", **changes
+    fmt: str,
+    path: Path,
+    seed: int = 0,
+    shards: int = 2,
+    kind: str = "qwen3_moe",
+    plain_experts: bool = False,
+    **changes,
 ):
     """Save the tiny `kind` model quantized in `fmt` (FORMATS) to `path` (config.json,
     safetensors in `shards` files with an index); returns the fp32 reference model (the
-    dequantized weights, the activation hooks of the linears that are not experts)."""
+    dequantized weights, the activation hooks of the linears that are not experts).
+    `plain_experts`: the experts are saved unquantized, per expert, under the same config (as
+    transformers 5 saves a compressed-tensors Qwen3-MoE, whose experts are not nn.Linear)."""
     model = make_moe_model(seed, kind, **changes)
     state = model.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -121,7 +129,7 @@ def write_quantized_moe(
             for proj, per_expert in parts.items():
                 deq[proj] = []
                 for e, w in enumerate(per_expert):
-                    stored, d = quantize(fmt, w)
+                    stored, d = ({"weight": w}, w) if plain_experts else quantize(fmt, w)
                     for suffix, t in stored.items():
                         tensors[f"{module}.{e}.{proj}.{suffix}"] = t.contiguous()
                     deq[proj].append(d)

@@ -11,10 +11,12 @@ import click
 from click.core import ParameterSource
 
 from batchrun.config import CUDA_GRAPH_MAX_BS, GPU_MEMORY_UTILIZATION, EngineConfig
+from batchrun.errors import ModelConfigError, ModelError
 from batchrun.io.row_structured import structured_from_options
 from batchrun.io.rows import RowSpec
 from batchrun.job.config import SAMPLING_OPTIONS
 from batchrun.job.tokenize import check_chat_template
+from batchrun.models.hub import is_repo_id, resolve_hub_model
 from batchrun.params import SamplingParams
 
 
@@ -171,6 +173,25 @@ def check_quantization(o: dict) -> None:
             f"--quantization {quantization}: {model} is quantized already (config.json's "
             f"quantization_config, quant_method {method!r}); drop the option to run it as it is"
         )
+
+
+def resolve_model(o: dict) -> str | None:
+    """--model as the engine reads it: a name ORG/NAME (not a path here) becomes its snapshot
+    directory in the local Hugging Face hub cache at --revision (ModelError, exit 4, when it is
+    not there); a path or None (the embedded model) stays."""
+    model, revision = o["model"], o.get("revision")
+    if model is None or not is_repo_id(model) or Path(model).expanduser().exists():
+        if revision is not None:
+            what = f"--model {model}" if model is not None else "the embedded model (no --model)"
+            raise click.UsageError(
+                f"--revision {revision}: picks a snapshot of a --model ORG/NAME in the local "
+                f"Hugging Face hub cache, and {what} is not one; drop --revision"
+            )
+        return model
+    try:
+        return str(resolve_hub_model(model, revision))
+    except ModelConfigError as e:
+        raise ModelError(str(e)) from e
 
 
 def build_spec(o: dict):

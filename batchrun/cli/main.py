@@ -32,7 +32,9 @@ from batchrun.cli.build import (
     build_engine_config,
     build_spec,
     check_quantization,
+    resolve_model,
 )
+from batchrun.cli.fresh_out import FreshOut
 from batchrun.cli.options import (
     engine_options,
     model_options,
@@ -47,6 +49,7 @@ from batchrun.cli.options import (
     thinking_options,
 )
 from batchrun.cli.sections import SectionedCommand
+from batchrun.errors import RunError
 from batchrun.io.stdin import STDIN
 from batchrun.job.config import RunConfig
 from batchrun.job.inspect_run import InspectError, inspect_run
@@ -116,7 +119,11 @@ def submit(dataset: str, out: str, **o) -> None:
     except ShardOptionError as e:
         raise click.UsageError(str(e)) from e
     _check_stdin(dataset)
-    engine = build_engine_config(o)
+    try:
+        o["model"] = resolve_model(o)
+        engine = build_engine_config(o)
+    except RunError as e:
+        _fail(str(e), e.exit_code)
     if o["dp"] > 1:
         from batchrun.engine_process.data_parallel import device_indices
 
@@ -191,18 +198,23 @@ def _progress_server(bind: str | None, token: str | None):
 
 
 def _submit(config, server) -> None:
-    from batchrun.job.runner import RunError, Runner
+    from batchrun.job.runner import Runner
 
+    fresh = FreshOut(config.out)
     try:
-        runner = Runner(
-            config,
-            hub=server.hub if server is not None else None,
-            stdin=click.get_binary_stream("stdin"),
-        )
-    except RunError as e:
-        _fail(str(e), e.exit_code)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        _fail(f"cannot load the model: {e}", EXIT_MODEL)
+        try:
+            runner = Runner(
+                config,
+                hub=server.hub if server is not None else None,
+                stdin=click.get_binary_stream("stdin"),
+            )
+        except RunError as e:
+            _fail(str(e), e.exit_code)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            _fail(f"cannot load the model: {e}", EXIT_MODEL)
+    except BaseException:
+        fresh.discard_if_uncommitted()
+        raise
     for warning in runner.warnings:
         click.echo(f"warning: {warning}", err=True)
     num_warned = len(runner.warnings)
@@ -269,6 +281,10 @@ def plan(dataset: str, **o) -> None:
     from batchrun.job.plan import PlanError, make_plan
 
     _check_stdin(dataset)
+    try:
+        o["model"] = resolve_model(o)
+    except RunError as e:
+        _fail(str(e), e.exit_code)
     check_quantization(o)
     try:
         report = make_plan(
@@ -283,6 +299,8 @@ def plan(dataset: str, **o) -> None:
             max_running=o["max_running"],
             max_model_len=o["max_model_len"],
             kv_cache_dtype=o["kv_cache_dtype"],
+            device=o["device"],
+            dtype=o["dtype"],
             show_errors=o["show_errors"],
             order=o["order"],
             order_window=o["order_window"],

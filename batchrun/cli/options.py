@@ -285,8 +285,14 @@ model_options = option_group(
         "-m",
         default=None,
         metavar="PATH",
-        show_default="the embedded SmolLM2-135M-Instruct",
-        help="HF model directory (config.json + safetensors) or a .gguf file.",
+        show_default="embedded SmolLM2-135M-Instruct",
+        help="HF model dir, .gguf file or hub ORG/NAME.",
+    ),
+    click.option(
+        "--revision",
+        default=None,
+        metavar="REV",
+        help="Branch, tag or commit hash (default: main).",
     ),
     click.option(
         "--load-format",
@@ -585,6 +591,18 @@ progress_options = option_group(
 plan_engine_options = option_group(
     ENGINE,
     click.option(
+        "--device",
+        type=click.Choice(DEVICES),
+        default="auto",
+        help="Where the run would go (as submit's), for the KV bytes.",
+    ),
+    click.option(
+        "--dtype",
+        type=click.Choice(DTYPES),
+        default="auto",
+        help="As submit's (auto: float32 on CPU, bfloat16 on CUDA), for the KV bytes.",
+    ),
+    click.option(
         "--max-model-len",
         metavar="TOKENS",
         type=click.IntRange(min=1),
@@ -597,7 +615,7 @@ plan_engine_options = option_group(
         type=click.Choice(KV_CACHE_DTYPES),
         default="auto",
         show_default=True,
-        help="KV cache elements, for the KV bytes (auto: 16-bit; fp8_e4m3: one byte).",
+        help="KV cache elements, for the KV bytes (auto: --dtype's; fp8_e4m3: one byte).",
     ),
     click.option(
         "--kv-budget",

@@ -39,6 +39,7 @@ from batchrun.engine.thinking import AnswerGate, ThinkingBudget
 from batchrun.models.config import ModelConfig
 from batchrun.models.context import served_context_len
 from batchrun.models.embedded import resolve_model_path
+from batchrun.models.hub import load_tokenizer
 from batchrun.params import (
     EngineCounters,
     GenerateRequest,
@@ -169,9 +170,7 @@ class Engine:
     def tokenizer(self):
         """The model directory's tokenizer (loaded on first use)."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer  # seconds to import: only when asked for
-
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+            self._tokenizer = load_tokenizer(self.model_dir)
         return self._tokenizer
 
     @property

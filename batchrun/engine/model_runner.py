@@ -110,7 +110,10 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but CUDA is not available; use --device cpu")
+        raise ValueError(
+            "device 'cuda' was asked for (EngineConfig.device, the device= argument of the "
+            "Python API), but CUDA is not available here; use device='cpu' (or 'auto')"
+        )
     return torch.device(name)
 
 

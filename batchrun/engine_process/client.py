@@ -33,6 +33,7 @@ from batchrun.engine_process.worker import worker_main
 from batchrun.errors import ModelError, RunError
 from batchrun.models.config import ModelConfig, ModelConfigError
 from batchrun.models.embedded import resolve_model_path
+from batchrun.models.hub import load_tokenizer
 from batchrun.params import GenerateRequest, GenerateResult, check_input_ids
 
 _EOF = object()  # the reader thread's last item: the connection closed
@@ -136,9 +137,7 @@ class EngineProcess:
         self.kernels = KernelConfig(**ready.kernels)  # as the engine process resolved them
 
     def _load_tokenizer(self):
-        from transformers import AutoTokenizer  # local: ~1 s to import, only when a model loads
-
-        return AutoTokenizer.from_pretrained(str(self.model_dir))
+        return load_tokenizer(self.model_dir)
 
     @property
     def tokenizer(self):

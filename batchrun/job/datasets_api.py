@@ -8,8 +8,9 @@
                            sampling=SamplingParams(max_new_tokens=256, temperature=0))
     out.to_parquet("completions.parquet")
 
-Each row is rendered with the tokenizer's chat template (a user turn, after an optional system
-prompt; or the row's own messages with `messages_column`) and goes through one `Engine` in a
+Each row is read as `batchrun submit` reads it (its `prompt` text, or its `messages` where the
+prompt is null), rendered with the tokenizer's chat template (a user turn after an optional
+system prompt, or the row's own messages) and goes through one `Engine` in a
 single `generate` call, so rows share the prefix cache and are batched continuously. This is
 the in-memory path for notebooks and pipelines: nothing is written to disk and nothing resumes.
 For big or preemptible runs use `batchrun submit` (sharded, crash-safe output).
@@ -23,6 +24,10 @@ from typing import TYPE_CHECKING, Any
 from batchrun.chat.parsers import OutputParser, resolve_parsers
 from batchrun.config import EngineConfig
 from batchrun.engine.engine import Engine
+from batchrun.io.rows import PreparedRow, RowSpec, prepare_row
+from batchrun.io.source import RawRow
+from batchrun.job.tokenize import TokenizedRow, tokenize_rows
+from batchrun.models.hub import resolve_hub_model
 from batchrun.params import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -30,14 +35,16 @@ if TYPE_CHECKING:
 
 COLUMNS = ("finish_reason", "prompt_tokens", "completion_tokens")
 DEFAULT_SAMPLING = SamplingParams()
+BATCH_ROWS = 256  # rows prepared and tokenized together
 
 
 def generate_dataset(
     ds: datasets.Dataset,
-    prompt_column: str = "prompt",
+    prompt_column: str | None = "prompt",
     *,
-    messages_column: str | None = None,
+    messages_column: str | None = "messages",
     model: str | None = None,
+    revision: str | None = None,
     sampling: SamplingParams = DEFAULT_SAMPLING,
     system_prompt: str | None = None,
     output_column: str = "completion",
@@ -50,20 +57,31 @@ def generate_dataset(
     model's reasoning goes to a `reasoning` column, apart from the answer (`reasoning_parser`:
     auto, none or a name, as `batchrun submit --reasoning-parser`; docs/thinking.md).
 
-    `model` and `engine_kw` (any `EngineConfig` field: device, kv_budget, max_running, ...) build
-    the engine; pass `engine` to reuse one. A row that cannot run (too long for the context,
-    no tokens, messages with an image or other non-text part) gets completion None and
-    finish_reason "error", the rest still run.
+    A row's prompt is its `prompt_column` text or its `messages_column` chat messages, whichever
+    is set (a datasets table gives every row both columns, the other one null), read as
+    `batchrun submit` reads them. `model` (a directory, a .gguf, or ORG/NAME in the local
+    Hugging Face hub cache, at `revision`: a branch, tag or commit, default main) and
+    `engine_kw` (any `EngineConfig` field: device, kv_budget, max_running, ...) build the
+    engine; pass `engine` to reuse one. A row that cannot run (no
+    prompt, too long for the context, no tokens, messages with an image or other non-text part,
+    a chat template that fails on it) gets completion None and finish_reason "error", the rest
+    still run.
     """
     if sampling.n != 1:
         raise ValueError("generate_dataset returns one completion per row; use n=1")
-    column = messages_column or prompt_column
-    if column not in ds.column_names:
-        raise ValueError(f"no column {column!r} in the dataset (columns: {ds.column_names})")
+    columns = [c for c in (prompt_column, messages_column) if c and c in ds.column_names]
+    if not columns:
+        wanted = " or ".join(repr(c) for c in (prompt_column, messages_column) if c)
+        raise ValueError(
+            f"no column {wanted or '(none named)'} in the dataset (columns: {ds.column_names}); "
+            "name the prompt's with prompt_column= (text) or messages_column= (chat messages)"
+        )
     taken = {output_column, *COLUMNS} & set(ds.column_names)
     if taken:
         raise ValueError(f"the dataset already has columns {sorted(taken)}")
     if engine is None:
+        if revision is not None:  # else Engine resolves a hub name at main
+            model = str(resolve_hub_model(model, revision)) if model else model
         engine = Engine(EngineConfig(model=model, **engine_kw))
     sampling.validate(engine.model_config.vocab_size)
     tokenizer = engine.tokenizer
@@ -79,7 +97,12 @@ def generate_dataset(
     completion_tokens = [0] * num_rows
     reasoning: list[str | None] = [None] * num_rows
     thinking_open: set[int] = set()  # rows whose prompt opens the thinking block
-    requests = _requests(engine, ds, column, messages_column is not None, sampling, system_prompt)
+    spec = RowSpec(
+        prompt_column=prompt_column if prompt_column in columns else None,
+        messages_column=messages_column if messages_column in columns else None,
+        system_prompt=system_prompt,
+    )
+    requests = _requests(engine, ds.select_columns(columns), spec, sampling)
     for r in engine.generate(_marking(requests, parser, thinking_open)):
         i = int(r.rid)
         if r.finish_reason == "abort":  # the engine could not fit it: leave it an error row
@@ -108,44 +131,22 @@ def _marking(
 
 
 def _requests(
-    engine: Engine,
-    ds: datasets.Dataset,
-    column: str,
-    is_messages: bool,
-    sampling: SamplingParams,
-    system_prompt: str | None,
+    engine: Engine, ds: datasets.Dataset, spec: RowSpec, sampling: SamplingParams
 ) -> Iterator[GenerateRequest]:
-    """Requests with rid = row number, pulled lazily by the engine (one column read at a time)."""
-    tokenizer = engine.tokenizer
-    use_template = bool(getattr(tokenizer, "chat_template", None))
-    if is_messages and not use_template:
-        raise ValueError("messages need a tokenizer with a chat template")
-    limit = engine.context_len - sampling.max_new_tokens
-    for i, row in enumerate(ds.select_columns([column])):
-        value = row[column]
-        if is_messages and _has_media(value):
-            continue  # an image (or other media) part: batchrun runs the text model; an error row
-        if use_template:
-            conversation = list(value) if is_messages else [{"role": "user", "content": value}]
-            if system_prompt and not is_messages:
-                conversation.insert(0, {"role": "system", "content": system_prompt})
-            text = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False
-            )
-            # the template already writes BOS where the model wants it
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = tokenizer(value, add_special_tokens=True)["input_ids"]
-        if 0 < len(ids) <= limit:
-            yield GenerateRequest(str(i), list(ids), sampling)
-
-
-def _has_media(messages: Any) -> bool:
-    """Whether a messages row has a content part that is not text (an image, audio, a file)."""
-    for message in messages if isinstance(messages, list) else ():
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list) and any(
-            not isinstance(part, dict) or part.get("type") != "text" for part in content
-        ):
-            return True
-    return False
+    """Requests with rid = row number, pulled lazily by the engine a batch of rows at a time:
+    each row prepared and tokenized as `batchrun submit` does it (batchrun.io.rows,
+    batchrun.job.tokenize); a row that cannot run yields no request."""
+    start = 0
+    for batch in ds.iter(batch_size=BATCH_ROWS):
+        num = len(next(iter(batch.values())))
+        rows = [{k: v[j] for k, v in batch.items()} for j in range(num)]
+        prepared = [
+            prepare_row(RawRow(start + j, data, None), spec, sampling, openai=False)
+            for j, data in enumerate(rows)
+        ]
+        start += num
+        ok = [p for p in prepared if isinstance(p, PreparedRow)]
+        for item in tokenize_rows(engine.tokenizer, ok, spec, engine.context_len):
+            if isinstance(item, TokenizedRow):
+                rid = str(item.prepared.row)
+                yield GenerateRequest(rid, list(item.input_ids), sampling)

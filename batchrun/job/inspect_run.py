@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 from batchrun.io.manifest import Manifest, read_manifest
 from batchrun.io.writer import RowLedger
+from batchrun.job.run_lock import is_locked, read_lock
 from batchrun.job.summary import describe_errors, errors_path
 
 
@@ -47,9 +49,10 @@ def inspect_run(out: str | Path) -> InspectReport:
             )
         raise InspectError(f"{out} has no manifest.json: not a batchrun output directory")
     c = m.counts
+    status, resume = _status(out, m)
     lines = [
         f"run          {out}",
-        f"status       {m.status} (created {m.created}"
+        f"status       {status} (created {m.created}"
         + (f", finished {m.finished})" if m.finished else ")"),
         f"batchrun     {m.batchrun_version}",
         f"model        {m.model}",
@@ -69,12 +72,35 @@ def inspect_run(out: str | Path) -> InspectReport:
     ]
     damage, notes = _check(out, m)
     lines.append("check        " + ("; ".join(damage + notes) if damage or notes else "ok"))
+    if resume is not None:
+        lines.append(f"resume       {resume}")
     if damage:
         lines.append(
             "repair       committed records are gone: the same `batchrun submit` command runs "
             "their rows again (or says why it cannot); --overwrite starts over"
         )
     return InspectReport("\n".join(lines), bool(damage))
+
+
+def _status(out: Path, m: Manifest) -> tuple[str, str | None]:
+    """The run's status as it stands (a manifest that says "running" while no live process
+    holds the run's lock is an interrupted run), and the command that resumes it (None when
+    there is nothing to resume)."""
+    info = read_lock(out)
+    status = m.status
+    if status == "running":
+        if is_locked(out):
+            who = f"process {info.pid} on {info.host}" if info.pid else "a live process"
+            return f"running ({who} holds the run's lock)", None
+        status = (
+            "interrupted (no process runs it: it was killed, or stopped before its final commit)"
+        )
+    elif status not in ("interrupted", "failed"):
+        return status, None
+    if info.command:
+        where = f"cd {shlex.quote(info.cwd)} && " if info.cwd else ""
+        return status, f"{where}{info.command}  (the command that ran it: committed rows kept)"
+    return status, "run the same `batchrun submit` command again (committed rows are kept)"
 
 
 def _check(out: Path, m: Manifest) -> tuple[list[str], list[str]]:

@@ -20,6 +20,7 @@ from batchrun.io.readers import BadInputError, open_dataset
 from batchrun.io.rows import RowError, RowSpec, schema_problem
 from batchrun.io.stdin import STDIN, spool_stdin
 from batchrun.job.config import default_served_model_name
+from batchrun.job.kv_bytes import KVElement, gb, kv_bytes_line
 from batchrun.job.order import (
     DEFAULT_WINDOW,
     LRUEstimate,
@@ -30,8 +31,9 @@ from batchrun.job.order import (
 )
 from batchrun.job.pipeline import RowPipeline
 from batchrun.models.config import ModelConfig
-from batchrun.models.context import kv_bytes_per_token, served_context_len
+from batchrun.models.context import served_context_len
 from batchrun.models.embedded import resolve_model_path
+from batchrun.models.hub import load_tokenizer
 from batchrun.models.moe_weights import describe_experts
 from batchrun.models.param_count import describe_params
 from batchrun.params import SamplingParams
@@ -47,12 +49,13 @@ class PlanError(Exception):
 def load_tokenizer_and_context(model: str | None, quantization: str | None = None):
     """Tokenizer and config (context length, quantization) of a model directory (converting a
     GGUF once if needed)."""
-    from transformers import AutoTokenizer  # local: ~1 s to import, after the input is checked
-
     try:
         path = resolve_model_path(model)
         cfg = with_quantization(ModelConfig.from_dir(path), quantization, model)
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (ValueError, OSError) as e:
+        raise PlanError(f"cannot load the model: {e}", 4) from e
+    try:
+        tokenizer = load_tokenizer(path)
     except (ValueError, OSError) as e:
         raise PlanError(f"cannot load the model's tokenizer: {e}", 4) from e
     return tokenizer, cfg, path
@@ -93,6 +96,8 @@ def _make_plan(
     max_running: int | None,
     max_model_len: int | None = None,
     kv_cache_dtype: str = "auto",
+    device: str = "auto",
+    dtype: str = "auto",
     show_errors: int = 10,
     order: str = "prefix",
     order_window: int = DEFAULT_WINDOW,
@@ -112,7 +117,8 @@ def _make_plan(
         raise PlanError(str(e), 2) from e
     is_gguf = model is None or model.endswith(".gguf")
     if max_running is None:  # the engine's default on this machine
-        max_running = resolve_sizes(EngineConfig(), cfg).max_running
+        max_running = resolve_sizes(EngineConfig(device=device), cfg).max_running
+    kv = KVElement.of(kv_cache_dtype, dtype, device)
     pipeline = RowPipeline(
         source,
         spec,
@@ -170,7 +176,7 @@ def _make_plan(
             f"KV need      {int(need[0]):,} tokens for the longest request; {peak:,} tokens to "
             f"run {min(max_running, len(need))} of the longest at once (--max-running "
             f"{max_running})",
-            kv_bytes_line(cfg, kv_cache_dtype, int(need[0]), peak),
+            kv_bytes_line(cfg, kv, int(need[0]), peak),
         ]
         if kv_budget is not None:
             verdict = (
@@ -182,7 +188,7 @@ def _make_plan(
                     else "TOO SMALL for the longest request"
                 )
             )
-            pool = _gb(kv_budget * kv_bytes_per_token(cfg, kv_cache_dtype))
+            pool = gb(kv_budget * kv.bytes_per_token(cfg))
             lines.append(f"KV budget    {kv_budget:,} tokens ({pool}): {verdict}")
         lines += reuse.report(order_window)
     repeats = errors["duplicate_id"]
@@ -207,21 +213,6 @@ def _context(context_len: int, cfg: ModelConfig) -> str:
     if context_len == cfg.max_position_embeddings:
         return f"{context_len:,}"
     return f"{context_len:,}, --max-model-len; the model's {cfg.max_position_embeddings:,}"
-
-
-def kv_bytes_line(cfg: ModelConfig, kv_cache_dtype: str, longest: int, peak: int) -> str:
-    """The KV cache bytes of the longest request and of the longest --max-running at once."""
-    per_token = kv_bytes_per_token(cfg, kv_cache_dtype)
-    kind = "16-bit" if kv_cache_dtype == "auto" else kv_cache_dtype
-    return (
-        f"KV bytes     {_gb(longest * per_token)} for the longest request, {_gb(peak * per_token)}"
-        f" for those at once ({per_token:,} bytes a token, {kind} KV; the pool holds "
-        f"--kv-budget tokens or --gpu-memory-utilization of the GPU memory after the weights)"
-    )
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 class PrefixReuse:

@@ -34,11 +34,13 @@ from batchrun.io.records import Completion
 from batchrun.io.rows import PreparedRow, RowError
 from batchrun.job.commit import RunOutput
 from batchrun.job.config import RunConfig
+from batchrun.job.model_check import check_model
 from batchrun.job.order import ordered_windows, shard_of
 from batchrun.job.pipeline import RowPipeline, openai_duplicates
 from batchrun.job.resume import make_fingerprint
 from batchrun.job.row_sink import RowSink
 from batchrun.job.run_input import RunInput, no_column_warning
+from batchrun.job.run_lock import RunLock
 from batchrun.job.shards import error_shard_of, shard_dir
 from batchrun.job.signals import EXIT_INTERRUPTED, StopSignals
 from batchrun.job.summary import RunSummary
@@ -66,12 +68,15 @@ class Runner:
         # DATASET "-": the rows are read from `stdin` (default: this process's standard input)
         self.input = RunInput(config.dataset, config.split, self.out, stdin)
         self.source = self.input.source
+        self._lock: RunLock | None = None
         try:
             # refused before --out is touched and the model loads
             if self._input_is_empty():
                 raise InputError(f"{self.input.name}: the input has no rows; nothing to do")
             self.input.check_columns(config.spec)
             self._refuse_repeated_custom_ids()
+            if engine is None:
+                check_model(config.engine)  # before --out is made and the tokenizer loads
             self.warnings = self.input.check_keep_columns(config.spec.keep_columns)
             fresh = Manifest(
                 created=utc_now(),
@@ -82,9 +87,12 @@ class Runner:
                 shard_index=config.shard_index,
                 fingerprint=self._fingerprint(),
             )
+            # the lock first: a resume repairs files, which no other process may be writing
+            self._lock = RunLock.acquire(self.out)
             self.output = RunOutput.open(self.out, fresh, config.shard_size, config.overwrite)
         except BaseException:
             self.input.discard()
+            self._release_lock()
             raise
         self.source = self.input.accept()
         self._manifest = self.output.manifest
@@ -94,7 +102,9 @@ class Runner:
         self.summary.error_files = self._error_files()
         if self.output.is_complete:
             self.summary.status = "already complete"
+            self._release_lock()
             return
+        self._lock.record()
         # NOTE: handlers go in before the (slow) model load, so a Slurm signal that comes while
         # loading still ends in a commit and exit 5; run() restores the previous ones.
         self._stop = StopSignals(config.handle_signals, config.drain_timeout).install()
@@ -105,6 +115,7 @@ class Runner:
             self._manifest.kernels = asdict(self.engine.kernels)
         except BaseException:
             self._stop.restore()
+            self._release_lock()
             raise
         self._pipeline: RowPipeline | None = None
         self.progress = Progress(None, quiet=True)  # run() makes the real one
@@ -137,6 +148,11 @@ class Runner:
         close = getattr(self.engine, "close", None)  # engine processes, tensor-parallel ranks
         if self._owns_engine and close is not None:
             close()
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
 
     def _refuse_repeated_custom_ids(self) -> None:
         """OpenAI Batch input that gives a custom_id twice is refused whole, before the model

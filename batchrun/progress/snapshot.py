@@ -104,7 +104,12 @@ class SnapshotMaker:
         if state.status == "running" and state.total is not None:
             in_flight = e.generated_tokens - c.session_tokens
             eta = eta_seconds(
-                max(state.total - c.rows, 0), c.rows_ok, c.completion_tokens, in_flight, recent
+                max(state.total - c.rows, 0),
+                c.rows_ok,
+                c.completion_tokens,
+                in_flight,
+                recent,
+                e.num_running,
             )
         index, count = state.shard or (0, 1)
         return Snapshot(

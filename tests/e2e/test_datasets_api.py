@@ -128,3 +128,63 @@ def test_pipeline_example_script(engine, tmp_path, monkeypatch):
     back = datasets.load_from_disk(str(out))
     assert back["prompt"] == PROMPTS and all(c is not None for c in back["completion"])
     assert datasets.Dataset.from_parquet(str(tmp_path / "out.parquet")).num_rows == 5
+
+
+def test_mixed_prompt_and_messages_rows(engine):
+    """examples/prompts.jsonl mixes prompt rows and messages rows: a datasets table gives every
+    row both columns, one of them null; each row runs with the one it has, as in submit."""
+    ds = datasets.load_dataset(
+        "json", data_files=str(ROOT / "examples" / "prompts.jsonl"), split="train"
+    )
+    assert None in ds["prompt"] and None in ds["messages"]
+    out = generate_dataset(ds, engine=engine, sampling=GREEDY)
+    assert "error" not in out["finish_reason"]
+    chat = next(r for r in out if r["prompt"] is None)
+    (plain,) = generate_dataset(
+        datasets.Dataset.from_dict({"m": [chat["messages"]]}),
+        prompt_column=None,
+        messages_column="m",
+        engine=engine,
+        sampling=GREEDY,
+    )
+    assert plain["completion"] == chat["completion"]
+
+
+def test_a_row_that_cannot_run_fails_alone(engine):
+    """No prompt at all, both set, or a conversation the chat template rejects: an error row."""
+    user = {"role": "user", "content": "Hi"}
+    ds = datasets.Dataset.from_list(
+        [
+            {"prompt": "ok", "messages": None},
+            {"prompt": None, "messages": None},
+            {"prompt": "both", "messages": [user]},
+            {"prompt": None, "messages": [user]},
+        ]
+    )
+    out = generate_dataset(ds, engine=engine, sampling=GREEDY)
+    assert out["finish_reason"][1] == out["finish_reason"][2] == "error"
+    assert out["finish_reason"][0] != "error" and out["finish_reason"][3] != "error"
+    assert out["completion"][1] is None
+
+
+def test_pipeline_script_on_the_example_file(engine, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    argv = ["hf_datasets_pipeline.py", str(ROOT / "examples" / "prompts.jsonl"), "--out", str(out)]
+    argv += ["--model", str(engine.model_dir), "--device", "cpu", "--max-tokens", "4"]
+    monkeypatch.setattr(sys, "argv", argv + ["--kv-budget", "4096"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(ROOT / "jobs" / "hf_datasets_pipeline.py"), run_name="__main__")
+    assert exit_info.value.code == 0
+    back = datasets.load_from_disk(str(out))
+    assert all(c is not None for c in back["completion"])
+
+
+def test_cuda_error_names_the_api_argument(engine):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    ds = datasets.Dataset.from_dict({"prompt": ["Hi"]})
+    with pytest.raises(ValueError, match="device='cpu'") as e:
+        generate_dataset(ds, model=str(engine.model_dir), device="cuda")
+    assert "--device" not in str(e.value)

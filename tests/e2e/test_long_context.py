@@ -230,6 +230,7 @@ def test_plan_reports_the_kv_bytes_of_the_longest_rows(long_model, tmp_path):
     path, _ = long_model
     dataset = write_rows(tmp_path / "in.jsonl", [[5] * 3000, [6] * 1000, [7] * 5000])
     base = ["plan", str(dataset), "--model", str(path), "--max-tokens", "96", "--max-running", "2"]
+    base += ["--dtype", "bfloat16"]  # a GPU run's KV elements (on the CPU, auto is float32)
     r = CliRunner().invoke(main, [*base, "--max-model-len", "4096", "--kv-budget", "10000"])
     assert r.exit_code == 0, r.output
     assert "context 4,096, --max-model-len; the model's 32,768" in r.output

@@ -153,6 +153,51 @@ def test_eta_from_tokens():
     # stopped first): how long they go on is unknown, not zero
     assert eta_seconds(1, 20, 1000, 10_000, 400.0) is None
     assert eta_seconds(23, 3, 30, 460, 100.0) is None
+    # with the running rows known: 20 running have 500 tokens each so far and are counted as
+    # needing as many again, one token a step (a step: 20 rows / 400 tok/s = 0.05 s)
+    assert eta_seconds(20, 20, 1000, 10_000, 400.0, num_running=20) == 25.0
+    # 80 more not started, each a row of the average length (1000 + 2 x 10,000) / 40 = 525,
+    # spread over the 20 running
+    assert eta_seconds(100, 20, 1000, 10_000, 400.0, num_running=20) == pytest.approx(130.0)
+
+
+def simulate_mixed_run(
+    num_rows: int = 300, max_running: int = 64
+) -> list[tuple[int, float, float]]:
+    """A continuous-batching decode of rows of mixed lengths (a third short, the rest long):
+    one token per running row per step, a step's time growing with the batch. (rows done, ETA,
+    true seconds left) after every step."""
+    lengths = [8 + i % 5 if i % 3 == 0 else 150 + (37 * i) % 250 for i in range(num_rows)]
+    waiting, running = list(range(num_rows)), {}
+    t, generated, rows_ok, completion = 0.0, 0, 0, 0
+    history, points = [(0.0, 0)], []
+    while waiting or running:
+        while waiting and len(running) < max_running:
+            running[waiting.pop(0)] = 0
+        t += 0.02 + 0.0002 * len(running)
+        for row in list(running):
+            running[row] += 1
+            generated += 1
+            if running[row] == lengths[row]:
+                completion += running.pop(row)
+                rows_ok += 1
+        history.append((t, generated))
+        t0, g0 = next(x for x in history if x[0] >= t - 20.0)
+        rate = (generated - g0) / (t - t0) if t > t0 else 0.0
+        in_flight = generated - completion
+        eta = eta_seconds(num_rows - rows_ok, rows_ok, completion, in_flight, rate, len(running))
+        points.append((rows_ok, eta, t))
+    return [(rows, eta, t - now) for rows, eta, now in points]
+
+
+def test_eta_early_in_a_run_of_mixed_lengths():
+    """The short rows finish first: an ETA from their average alone reads a fraction of the time
+    left (issue 55: 2.5 s at 42 of 300 rows when 13 s remained)."""
+    points = [p for p in simulate_mixed_run() if 0.1 <= p[0] / 300 <= 0.9 and p[2] > 1.0]
+    ratios = sorted(eta / left for _, eta, left in points if eta is not None)
+    assert len(ratios) == len(points)  # known once a row finished
+    assert 0.6 <= ratios[len(ratios) // 2] <= 1.5
+    assert ratios[len(ratios) // 10] >= 0.4
 
 
 def test_snapshots_rate_eta_and_engine_lines():
@@ -176,12 +221,11 @@ def test_snapshots_rate_eta_and_engine_lines():
         (0, 60.0, 10),
         (1, 20.0, 10),
     ]
-    # 90 rows x 20 tokens, less the 3,000 in flight: the rows in flight have outrun the
-    # finished rows' average, so the time left is unknown
-    assert s.eta_s is None
+    # 3 rows running with 1,000 tokens each so far, counted as needing as many again: the
+    # average row (200 + 2 x 3,000) / 13 tokens, 87 not started, over 3 rows at 80 tok/s
+    assert s.eta_s == pytest.approx((87 * 6200 / 13 + 3000) / 80, abs=0.1)
     assert snaps[38].eta_s is None  # before any row finished
-    # at 20 s: 90 rows x 20 tokens, less 1,600 - 200 in flight, at 80 tok/s
-    assert snaps[39].eta_s == 5.0
+    assert snaps[39].eta_s == pytest.approx((87 * 3000 / 13 + 1400) / 80, abs=0.1)
     assert all(x.recent_tok_s == 80.0 for x in snaps)  # steady from the first tick
     text = metrics_text(s)
     families = {f.name: f for f in text_string_to_metric_families(text)}

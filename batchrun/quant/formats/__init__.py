@@ -11,6 +11,10 @@ listed in FORMATS under its `quant_method` (and, for compressed-tensors, its `fo
 format is one line there and one module here. Only the decoder linears are quantized
 (q/k/v/o_proj, gate/up/down_proj); embeddings and lm_head are read as plain weights.
 
+Where the config selects linears by class (compressed-tensors' "Linear" target) or selects every
+linear, the checkpoint's tensors decide which it holds quantized (checkpoint_targets.py: a
+transformers-5 Qwen3-MoE holds its experts plain under a "Linear" target).
+
 Errors: a config batchrun cannot run raises ModelConfigError naming the field, its value and
 what is supported; a tensor that does not match its format raises WeightLoadError naming the
 tensor, its shape and dtype, and the shape expected.
@@ -22,6 +26,7 @@ import importlib
 from typing import TYPE_CHECKING, Any, Protocol
 
 from batchrun.errors import ModelConfigError
+from batchrun.quant.formats.checkpoint_targets import bind_checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -120,7 +125,8 @@ def parse_quant_config(raw_config: dict[str, Any], source: str) -> Scheme | None
             f"{f' (format {fmt!r})' if fmt else ''} is a format batchrun reads, but its reader "
             f"({full_name}) is missing from this installation; reinstall batchrun"
         ) from None
-    return module.parse(qcfg, source)
+    # where the config selects linears by class, the checkpoint's tensors say which it holds
+    return bind_checkpoint(module.parse(qcfg, source), source)
 
 
 def supported_formats() -> str:
