@@ -27,6 +27,7 @@ from batchrun.attention import AttentionInputs, create_backend
 from batchrun.config import EngineConfig
 from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.kv_pool import KVPool, ReqToTokenPool
+from batchrun.engine.state_pool import state_budget
 from batchrun.engine.piecewise_graph import MAX_TOKENS, PiecewiseGraphRunner
 from batchrun.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingBatch
 from batchrun.engine.scheduler import ScheduledBatch
@@ -140,6 +141,8 @@ class ModelRunner:
         )
         self.kernels = kernels = replace(kernels, decode_norms=fused_decode.prepare(self.model))
         log.info("kernels: %s", kernels.describe())
+        # a hybrid model's recurrent states, one slot a request row (engine/state_pool.py)
+        self.states = getattr(self.model, "state_pool", None)
         if kernels.decode_gemv == "triton":
             split_counters(self.device)  # NOTE: allocated before any graph capture
         # the KV pool's element type: the compute dtype, or float8_e4m3fn with the checkpoint's
@@ -159,6 +162,8 @@ class ModelRunner:
         )
         log.info("KV cache: %d tokens of %s", self.num_slots, str(self.kv_dtype).split(".")[-1])
         self.req_pool = ReqToTokenPool(config.max_running, context_len, self.device)
+        if self.states is not None:
+            self.states.allocate(config.max_running + 1, self.device)
         self.backend = create_backend(kernels, self.kv_pool, self.req_pool.table)
         self.sampler = Sampler(kernels)
         self.penalties = PenaltyState(config.max_running + 1, model_cfg.vocab_size, self.device)
@@ -175,7 +180,9 @@ class ModelRunner:
         # chunks alone has no host copy to wait for, so its forward may still run at wait()
         self._timed: collections.deque = collections.deque()
         self.graphs = None  # CUDA-graph runner for decode batches
-        if kernels.cuda_graph_max_bs > 0 and hasattr(self.backend, "init_graph_buffers"):
+        # NOTE: the graphs do not carry a hybrid's recurrent state (docs/hybrid.md)
+        graphs_fit = self.states is None
+        if graphs_fit and kernels.cuda_graph_max_bs > 0 and hasattr(self.backend, "init_graph_buffers"):
             from batchrun.engine.cuda_graph import CudaGraphRunner  # imports Triton: CUDA only
 
             self.graphs = CudaGraphRunner(
@@ -189,7 +196,7 @@ class ModelRunner:
                 token_pool=self.token_pool if kernels.triton_ops else None,
             )
         self.piecewise = None  # piecewise graphs for the other steps
-        if kernels.piecewise_graphs:
+        if kernels.piecewise_graphs and graphs_fit:
             self.piecewise = PiecewiseGraphRunner(
                 self.model,
                 self.backend,
@@ -201,6 +208,9 @@ class ModelRunner:
         cfg, page = self.config, self.config.page_size
         if cfg.kv_budget is not None:
             return max(page, cfg.kv_budget // page * page)
+        state_bytes = 0 if self.states is None else self.states.bytes_per_row() * (
+            cfg.max_running + 1
+        )
         per_token = KVPool.bytes_per_token(
             self.model_cfg.num_layers,
             self.model.num_kv_heads,
@@ -214,6 +224,8 @@ class ModelRunner:
             # NOTE: a CPU run is a demo or a test: an eighth of available memory, at most 32k
             # tokens (the pool is zeroed up front, so a huge one costs seconds at start-up)
             budget = min(psutil.virtual_memory().available // 8, per_token << 15)
+        if state_bytes:
+            budget = state_budget(budget, state_bytes, per_token, page)
         slots = max(budget // per_token, page)
         return slots // page * page
 
@@ -373,6 +385,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(attn):
             return self.graphs.replay(input_ids, positions, attn)
         self.backend.prepare(attn)
+        if self.states is not None:
+            self.states.prepare(attn)
         if self.piecewise is not None and self.piecewise.can_run(input_ids.shape[0]):
             return self.piecewise.run(input_ids, positions, logits_idx)
         fwd = ForwardBatch(input_ids=input_ids, positions=positions, logits_indices=logits_idx)
@@ -423,5 +437,7 @@ class ModelRunner:
             extend_lens_cpu=(n,),
         )
         self.backend.prepare(attn)
+        if self.states is not None:
+            self.states.prepare(attn)
         fwd = ForwardBatch(self._to_device(input_ids), self._to_device(list(range(n))), None)
         return self.model(fwd, self.backend).float()

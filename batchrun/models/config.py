@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchrun.errors import ModelConfigError
+from batchrun.models.hybrid_config import LinearAttentionConfig
 from batchrun.models.moe_config import MoeConfig
 from batchrun.models.rope_config import longrope_parameters, rotary_dim, yarn_parameters
 from batchrun.quant.formats import Scheme, parse_quant_config
@@ -76,6 +77,11 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # a learned logit per head in each softmax's denominator (self_attn.sinks)
     attention_sinks: bool = False
+    # a hybrid model's Gated DeltaNet layers (models/hybrid_config.py); None: attention only.
+    # attn_output_gate: q_proj also gives a gate per head dim, the attention's output times its
+    # sigmoid (q_proj's rows per head: [query | gate])
+    linear_attention: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
 
     @property
     def rotary_dim(self) -> int:
