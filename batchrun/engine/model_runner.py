@@ -159,6 +159,7 @@ class ModelRunner:
             self.device,
             kernels,
             layer_scales(self.model) if kv_fp8 else None,
+            kv_layers=model_cfg.kv_layers,
         )
         log.info("KV cache: %d tokens of %s", self.num_slots, str(self.kv_dtype).split(".")[-1])
         self.req_pool = ReqToTokenPool(config.max_running, context_len, self.device)
@@ -182,7 +183,11 @@ class ModelRunner:
         self.graphs = None  # CUDA-graph runner for decode batches
         # NOTE: the graphs do not carry a hybrid's recurrent state (docs/hybrid.md)
         graphs_fit = self.states is None
-        if graphs_fit and kernels.cuda_graph_max_bs > 0 and hasattr(self.backend, "init_graph_buffers"):
+        if (
+            graphs_fit
+            and kernels.cuda_graph_max_bs > 0
+            and hasattr(self.backend, "init_graph_buffers")
+        ):
             from batchrun.engine.cuda_graph import CudaGraphRunner  # imports Triton: CUDA only
 
             self.graphs = CudaGraphRunner(
@@ -208,11 +213,11 @@ class ModelRunner:
         cfg, page = self.config, self.config.page_size
         if cfg.kv_budget is not None:
             return max(page, cfg.kv_budget // page * page)
-        state_bytes = 0 if self.states is None else self.states.bytes_per_row() * (
-            cfg.max_running + 1
+        state_bytes = (
+            0 if self.states is None else self.states.bytes_per_row() * (cfg.max_running + 1)
         )
         per_token = KVPool.bytes_per_token(
-            self.model_cfg.num_layers,
+            len(self.model_cfg.kv_layers),
             self.model.num_kv_heads,
             self.model_cfg.head_dim,
             kv_storage_dtype(cfg.kv_cache_dtype, self.dtype),  # float8: one byte an element

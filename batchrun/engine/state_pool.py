@@ -9,8 +9,8 @@ scoring and padded batches. A request whose step starts at position 0 starts fro
 (`prepare` clears it); a later chunk or decode step continues from the slot. Rows under this
 regime never reuse a cached prefix: the radix cache shares KV, not states (docs/hybrid.md).
 
-The states are fp32: a bf16 state rounds once a token and drifts over long prompts; the memory
-rule (docs/hybrid.md) counts them beside the KV pool.
+The states are fp32, as transformers keeps them between steps (docs/hybrid.md: the memory rule
+that counts them beside the KV pool, and why not bf16).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from batchrun.attention.base import AttentionInputs
 from batchrun.errors import ModelConfigError
 from batchrun.models.hybrid_config import LinearAttentionConfig
 
-STATE_DTYPE = torch.float32
+STATE_DTYPE = torch.float32  # hybrid_config.STATE_ELEMENT_BYTES a element
 
 
 class StatePool:
@@ -36,9 +36,7 @@ class StatePool:
         self.extend_lens_cpu: tuple[int, ...] = ()
 
     def bytes_per_row(self) -> int:
-        conv, ssm = self.lin.state_elements()
-        per = (conv + ssm) // self.tp_size * STATE_DTYPE.itemsize
-        return per * len(self.lin.layers)
+        return self.lin.state_bytes(self.tp_size)
 
     def allocate(self, num_rows: int, device: torch.device | str) -> None:
         lin, tp = self.lin, self.tp_size
@@ -57,9 +55,7 @@ class StatePool:
         self.rows = inputs.req_pool_indices
         self.extend_lens_cpu = inputs.extend_lens_cpu
         fresh = [
-            b
-            for b, (s, e) in enumerate(zip(inputs.seq_lens_cpu, inputs.extend_lens_cpu))
-            if s == e
+            b for b, (s, e) in enumerate(zip(inputs.seq_lens_cpu, inputs.extend_lens_cpu)) if s == e
         ]
         if fresh:
             rows = self.rows[fresh] if len(fresh) < len(self.rows) else self.rows

@@ -92,6 +92,13 @@ class ModelConfig:
         return self.sliding_windows[layer_id] if self.sliding_windows else 0
 
     @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep KV: all but a hybrid's linear-attention layers."""
+        lin = self.linear_attention
+        layers = range(self.num_layers)
+        return tuple(i for i in layers if lin is None or not lin.is_linear(i))
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

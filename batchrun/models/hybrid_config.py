@@ -22,6 +22,7 @@ from typing import Any
 from batchrun.errors import ModelConfigError
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+STATE_ELEMENT_BYTES = 4  # fp32 (engine/state_pool.py)
 FIELDS = (
     "linear_num_key_heads",
     "linear_num_value_heads",
@@ -53,10 +54,11 @@ class LinearAttentionConfig:
         """Linear layer `layer_id`'s index among the linear layers (its state's)."""
         return self.layers.index(layer_id)
 
-    def state_elements(self) -> tuple[int, int]:
-        """(conv state, delta-rule state) elements of one request in one linear layer."""
+    def state_bytes(self, tp_size: int = 1) -> int:
+        """The fp32 state of one request over every linear layer (one rank's heads)."""
+        conv = self.conv_dim * (self.conv_kernel - 1)
         ssm = self.num_v_heads * self.head_k_dim * self.head_v_dim
-        return self.conv_dim * (self.conv_kernel - 1), ssm
+        return (conv + ssm) // tp_size * STATE_ELEMENT_BYTES * len(self.layers)
 
 
 def read(raw: dict[str, Any], where: str, fused_projections: bool) -> LinearAttentionConfig:
