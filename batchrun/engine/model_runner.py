@@ -27,11 +27,11 @@ from batchrun.attention import AttentionInputs, create_backend
 from batchrun.config import EngineConfig
 from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.kv_pool import KVPool, ReqToTokenPool
-from batchrun.engine.state_pool import state_budget
 from batchrun.engine.piecewise_graph import MAX_TOKENS, PiecewiseGraphRunner
 from batchrun.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingBatch
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.staging import PinnedStaging
+from batchrun.engine.state_pool import state_budget
 from batchrun.models import fused_decode
 from batchrun.models.blocks.model import ForwardBatch
 from batchrun.models.config import ModelConfig

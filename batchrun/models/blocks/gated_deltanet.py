@@ -87,7 +87,7 @@ class GatedDeltaNet(nn.Module):
         """The conv and the delta rule of each request from its state, which they advance;
         the gated RMSNorm. -> [T, Hv * Dv] (`positions`, `rotary`, `backend` unused: the
         state is the request's position)."""
-        lin, pool = self.lin, self.states
+        pool = self.states
         conv, ssm = pool.conv[self.index], pool.ssm[self.index]
         beta = ba[:, 0].sigmoid()
         g = -self.A_log.float().exp() * F.softplus(ba[:, 1].float() + self.dt_bias.float())
