@@ -54,9 +54,8 @@ def tiny(request, saved):
 
 
 def engine_of(path, **changes) -> Engine:
-    return Engine(
-        EngineConfig(model=str(path), device="cpu", dtype="float32", kv_budget=8192, **changes)
-    )
+    fields = {"device": "cpu", "dtype": "float32", "kv_budget": 8192, **changes}
+    return Engine(EngineConfig(model=str(path), **fields))
 
 
 def greedy(engine: Engine, prompts=PROMPTS) -> list[list[int]]:
