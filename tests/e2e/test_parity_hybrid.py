@@ -117,3 +117,17 @@ def test_missing_linear_layer_weight_is_refused(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(WeightLoadError, match="A_log"):
         engine_of(tmp_path)
+
+
+def test_fp8_kv_cache_applies_to_the_full_attention_layers(dense):
+    path, _ = dense
+    engine = engine_of(path, kv_cache_dtype="fp8_e4m3")
+    pool = engine.runner.kv_pool
+    full = engine.model_config.kv_layers
+    assert full == (1, 4)
+    for i, buf in enumerate(pool.k_buffers):
+        assert buf.dtype == torch.float8_e4m3fn and (buf.shape[0] > 0) == (i in full)
+    prompt = PROMPTS[-1]
+    plain = engine_of(path).score(prompt)
+    rel = float((engine.score(prompt) - plain).norm() / plain.norm())
+    assert 1e-6 < rel < 5e-2, rel
