@@ -131,3 +131,13 @@ def test_fp8_kv_cache_applies_to_the_full_attention_layers(dense):
     plain = engine_of(path).score(prompt)
     rel = float((engine.score(prompt) - plain).norm() / plain.norm())
     assert 1e-6 < rel < 5e-2, rel
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
+def test_parameter_count_is_the_checkpoints(kind, tmp_path):
+    from batchrun.models.config import ModelConfig
+    from batchrun.models.param_count import count_params
+
+    hf = make_hybrid_model(kind, tmp_path)
+    text = [v.numel() for k, v in hf.state_dict().items() if "visual" not in k]
+    assert count_params(ModelConfig.from_dir(tmp_path)).total == sum(text)
