@@ -140,9 +140,12 @@ class ModelRunner:
             dummy_init=config.dummy_init,
         )
         self.kernels = kernels = replace(kernels, decode_norms=fused_decode.prepare(self.model))
-        log.info("kernels: %s", kernels.describe())
         # a hybrid model's recurrent states, one slot a request row (engine/state_pool.py)
         self.states = getattr(self.model, "state_pool", None)
+        if self.states is not None:  # NOTE: no graph holds the states (docs/hybrid.md)
+            kernels = replace(kernels, cuda_graph_max_bs=0, piecewise_graphs=False)
+            self.kernels = kernels
+        log.info("kernels: %s", kernels.describe())
         if kernels.decode_gemv == "triton":
             split_counters(self.device)  # NOTE: allocated before any graph capture
         # the KV pool's element type: the compute dtype, or float8_e4m3fn with the checkpoint's
@@ -181,13 +184,7 @@ class ModelRunner:
         # chunks alone has no host copy to wait for, so its forward may still run at wait()
         self._timed: collections.deque = collections.deque()
         self.graphs = None  # CUDA-graph runner for decode batches
-        # NOTE: the graphs do not carry a hybrid's recurrent state (docs/hybrid.md)
-        graphs_fit = self.states is None
-        if (
-            graphs_fit
-            and kernels.cuda_graph_max_bs > 0
-            and hasattr(self.backend, "init_graph_buffers")
-        ):
+        if kernels.cuda_graph_max_bs > 0 and hasattr(self.backend, "init_graph_buffers"):
             from batchrun.engine.cuda_graph import CudaGraphRunner  # imports Triton: CUDA only
 
             self.graphs = CudaGraphRunner(
@@ -201,7 +198,7 @@ class ModelRunner:
                 token_pool=self.token_pool if kernels.triton_ops else None,
             )
         self.piecewise = None  # piecewise graphs for the other steps
-        if kernels.piecewise_graphs and graphs_fit:
+        if kernels.piecewise_graphs:
             self.piecewise = PiecewiseGraphRunner(
                 self.model,
                 self.backend,
