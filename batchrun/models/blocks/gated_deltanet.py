@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchrun.engine.state_pool import StatePool
+from batchrun.errors import ModelConfigError
 from batchrun.layers.linear import ColumnParallelLinear, RowParallelLinear
 from batchrun.models.blocks import delta_rule
 from batchrun.models.blocks.context import BuildContext
@@ -32,7 +33,10 @@ class GatedDeltaNet(nn.Module):
         cfg, lin = ctx.cfg, ctx.cfg.linear_attention
         assert lin is not None
         if ctx.tp.is_parallel:
-            raise NotImplementedError("tensor parallelism of linear-attention layers")
+            raise ModelConfigError(
+                f"--tp {ctx.tp.size}: the linear-attention (Gated DeltaNet) layers of "
+                f"{cfg.architecture} run at tensor-parallel size 1 only; use --tp 1"
+            )
         self.layer_id = layer_id
         self.index = lin.index(layer_id)
         self.states = states
