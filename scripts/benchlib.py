@@ -64,6 +64,26 @@ LLAMA3_COMMON = dict(
     use_cache=True,
 )
 
+# the fields Qwen3.5's dense and MoE default configs share (transformers' Qwen3_5TextConfig)
+QWEN3_5_COMMON = dict(
+    vocab_size=248320,
+    num_attention_heads=16,
+    head_dim=256,
+    hidden_act="silu",
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    full_attention_interval=4,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    attention_bias=False,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+)
+
 MODELS: dict[str, dict] = {
     # 16.1 GB of bf16 weights
     "llama-8b": dict(
@@ -126,6 +146,29 @@ MODELS: dict[str, dict] = {
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     ),
+    # hybrid linear attention (docs/hybrid.md), transformers' default configs' text models:
+    # Qwen3_5Config's (dense) and Qwen3_5MoeConfig's (35B-A3B)
+    "qwen3.5-9b": dict(
+        QWEN3_5_COMMON,
+        architectures=["Qwen3_5ForCausalLM"],
+        model_type="qwen3_5_text",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_key_value_heads=4,
+    ),  # fmt: skip
+    "qwen3.5-35b-a3b": dict(
+        QWEN3_5_COMMON,
+        architectures=["Qwen3_5MoeForCausalLM"],
+        model_type="qwen3_5_moe_text",
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_key_value_heads=2,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        num_experts=256,
+        num_experts_per_tok=8,
+    ),  # fmt: skip
     # 93.4 GB of bf16 weights, 12.88 B of the 46.70 B parameters active a token
     "mixtral-8x7b": dict(
         architectures=["MixtralForCausalLM"],

@@ -43,6 +43,8 @@ class KVPool:
         device: torch.device | str,
         kernels: KernelConfig | None = None,
         scales: list[KVScale] | None = None,  # float8 only: per layer; None: all 1.0
+        kv_layers: tuple[int, ...] | None = None,  # the layers with KV (None: all; a hybrid's
+        # linear layers have none: an empty buffer)
     ):
         self.kernels = kernels or KernelConfig.reference()
         self.num_slots = num_slots
@@ -51,8 +53,12 @@ class KVPool:
         assert scales is None or (self.is_fp8 and len(scales) == num_layers)
         self._scales = scales or [KVScale()] * num_layers
         shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shapes = [
+            shape if kv_layers is None or i in kv_layers else (0, *shape[1:])
+            for i in range(num_layers)
+        ]
+        self.k_buffers = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
+        self.v_buffers = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:

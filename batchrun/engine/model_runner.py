@@ -32,6 +32,7 @@ from batchrun.engine.sampler import PenaltyState, SampleOutput, Sampler, Samplin
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.staging import PinnedStaging
 from batchrun.engine.thinking import apply_forced, forced_logprobs
+from batchrun.engine.state_pool import state_budget
 from batchrun.models import fused_decode
 from batchrun.models.blocks.model import ForwardBatch
 from batchrun.models.config import ModelConfig
@@ -149,6 +150,11 @@ class ModelRunner:
             dummy_init=config.dummy_init,
         )
         self.kernels = kernels = replace(kernels, decode_norms=fused_decode.prepare(self.model))
+        # a hybrid model's recurrent states, one slot a request row (engine/state_pool.py)
+        self.states = getattr(self.model, "state_pool", None)
+        if self.states is not None:  # NOTE: no graph holds the states (docs/hybrid.md)
+            kernels = replace(kernels, cuda_graph_max_bs=0, piecewise_graphs=False)
+            self.kernels = kernels
         log.info("kernels: %s", kernels.describe())
         if kernels.decode_gemv == "triton":
             split_counters(self.device)  # NOTE: allocated before any graph capture
@@ -166,9 +172,12 @@ class ModelRunner:
             self.device,
             kernels,
             layer_scales(self.model) if kv_fp8 else None,
+            kv_layers=model_cfg.kv_layers,
         )
         log.info("KV cache: %d tokens of %s", self.num_slots, str(self.kv_dtype).split(".")[-1])
         self.req_pool = ReqToTokenPool(config.max_running, context_len, self.device)
+        if self.states is not None:
+            self.states.allocate(config.max_running + 1, self.device)
         self.backend = create_backend(kernels, self.kv_pool, self.req_pool.table)
         self.sampler = Sampler(kernels)
         self.penalties = PenaltyState(config.max_running + 1, model_cfg.vocab_size, self.device)
@@ -211,8 +220,11 @@ class ModelRunner:
         cfg, page = self.config, self.config.page_size
         if cfg.kv_budget is not None:
             return max(page, cfg.kv_budget // page * page)
+        state_bytes = (
+            0 if self.states is None else self.states.bytes_per_row() * (cfg.max_running + 1)
+        )
         per_token = KVPool.bytes_per_token(
-            self.model_cfg.num_layers,
+            len(self.model_cfg.kv_layers),
             self.model.num_kv_heads,
             self.model_cfg.head_dim,
             kv_storage_dtype(cfg.kv_cache_dtype, self.dtype),  # float8: one byte an element
@@ -224,6 +236,8 @@ class ModelRunner:
             # NOTE: a CPU run is a demo or a test: an eighth of available memory, at most 32k
             # tokens (the pool is zeroed up front, so a huge one costs seconds at start-up)
             budget = min(psutil.virtual_memory().available // 8, per_token << 15)
+        if state_bytes:
+            budget = state_budget(budget, state_bytes, per_token, page)
         slots = max(budget // per_token, page)
         return slots // page * page
 
@@ -390,6 +404,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(attn):
             return self.graphs.replay(input_ids, positions, attn)
         self.backend.prepare(attn)
+        if self.states is not None:
+            self.states.prepare(attn)
         if self.piecewise is not None and self.piecewise.can_run(input_ids.shape[0]):
             return self.piecewise.run(input_ids, positions, logits_idx)
         fwd = ForwardBatch(input_ids=input_ids, positions=positions, logits_indices=logits_idx)
@@ -440,5 +456,7 @@ class ModelRunner:
             extend_lens_cpu=(n,),
         )
         self.backend.prepare(attn)
+        if self.states is not None:
+            self.states.prepare(attn)
         fwd = ForwardBatch(self._to_device(input_ids), self._to_device(list(range(n))), None)
         return self.model(fwd, self.backend).float()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchrun.errors import ModelConfigError
+from batchrun.models.hybrid_config import LinearAttentionConfig
 from batchrun.models.moe_config import MoeConfig
 from batchrun.models.rope_config import longrope_parameters, rotary_dim, yarn_parameters
 from batchrun.quant.formats import Scheme, parse_quant_config
@@ -76,6 +77,11 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # a learned logit per head in each softmax's denominator (self_attn.sinks)
     attention_sinks: bool = False
+    # a hybrid model's Gated DeltaNet layers (models/hybrid_config.py); None: attention only.
+    # attn_output_gate: q_proj also gives a gate per head dim, the attention's output times its
+    # sigmoid (q_proj's rows per head: [query | gate])
+    linear_attention: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
 
     @property
     def rotary_dim(self) -> int:
@@ -84,6 +90,13 @@ class ModelConfig:
     def window(self, layer_id: int) -> int:
         """Layer layer_id's sliding window, 0 for the whole context."""
         return self.sliding_windows[layer_id] if self.sliding_windows else 0
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep KV: all but a hybrid's linear-attention layers."""
+        lin = self.linear_attention
+        layers = range(self.num_layers)
+        return tuple(i for i in layers if lin is None or not lin.is_linear(i))
 
     @property
     def q_size(self) -> int:

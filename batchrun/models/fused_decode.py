@@ -69,7 +69,12 @@ def resolve_mode(
     bias too, and sandwich norms sit between the matmul and the add; the weights unquantized. A
     mixture's experts take the add and the next norm in their down GEMV (kernels/moe_gemv.py),
     alone: no shared expert beside them."""
-    plain = tp_size == 1 and not (cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.sandwich_norms)
+    # NOTE: a hybrid's linear layers have no qkv matmul to fold a norm into
+    plain = (
+        tp_size == 1
+        and cfg.linear_attention is None
+        and not (cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.sandwich_norms)
+    )
     if cfg.moe is not None:
         plain = plain and experts_take_norms(cfg.moe, moe, moe_decode)
     if requested == "auto":

@@ -171,6 +171,7 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int] | None:
     if cfg.moe is not None and rest.startswith(cfg.moe.block_name + "."):
         rest = "mlp." + rest[len(cfg.moe.block_name) + 1 :]
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    q *= 2 if cfg.attn_output_gate else 1  # q_proj's rows: [query | gate] per head
     fused = {
         "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
         "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
@@ -289,8 +290,8 @@ def _load_plain(model: CausalLM, ckpt: Checkpoint, cfg: ModelConfig) -> dict[str
             filled[pname] += n
     if skipped:
         log.info(
-            "%d tensors of the vision tower and its projector skipped: batchrun runs the "
-            "text model (images are refused per row)",
+            "%d tensors of the vision tower, its projector or the MTP head skipped: batchrun "
+            "runs the text model (images are refused per row)",
             skipped,
         )
     return filled

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from batchrun.models.config import ModelConfig
+from batchrun.models.hybrid_config import LinearAttentionConfig
 
 
 class ParamCounts(NamedTuple):
@@ -30,6 +31,14 @@ def _mlp(hidden: int, width: int, bias: bool) -> int:
     return 3 * hidden * width + (2 * width + hidden if bias else 0)
 
 
+def _linear_attention(hidden: int, lin: LinearAttentionConfig) -> int:
+    """A Gated DeltaNet layer: the q, k, v, z, b, a projections, the conv, dt_bias, A_log, the
+    gated norm and out_proj."""
+    value = lin.num_v_heads * lin.head_v_dim
+    projections = hidden * (lin.conv_dim + value + 2 * lin.num_v_heads) + value * hidden
+    return projections + lin.conv_dim * lin.conv_kernel + 2 * lin.num_v_heads + lin.head_v_dim
+
+
 def count_params(cfg: ModelConfig) -> ParamCounts:
     h = cfg.hidden_size
     q, kv = cfg.q_size, cfg.kv_size
@@ -42,12 +51,17 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
         attention += 2 * cfg.head_dim
     if cfg.attention_sinks:
         attention += cfg.num_heads
+    if cfg.attn_output_gate:  # q_proj's gate rows
+        attention += q * h
+    lin = cfg.linear_attention
     norms = (4 if cfg.sandwich_norms else 2) * h  # sandwich norms: four a layer
     dense_mlp = _mlp(h, cfg.intermediate_size, cfg.mlp_bias)
     total = active = 0
     moe = cfg.moe
     for i in range(cfg.num_layers):
         layer = attention + norms
+        if lin is not None and lin.is_linear(i):
+            layer = _linear_attention(h, lin) + norms
         if moe is None or not moe.is_moe_layer(i):
             total += layer + dense_mlp
             active += layer + dense_mlp

@@ -17,7 +17,9 @@ from batchrun.models import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
+    qwen3_next,
 )
 from batchrun.models.config import what_it_has
 from batchrun.models.spec import ArchSpec
@@ -34,6 +36,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Gemma3ForCausalLM": gemma3.SPEC,
     "Gemma3ForConditionalGeneration": gemma3.MULTIMODAL_SPEC,
     "GptOssForCausalLM": gpt_oss.SPEC,
+    "Qwen3NextForCausalLM": qwen3_next.SPEC,
+    "Qwen3_5ForCausalLM": qwen3_5.SPEC,
+    "Qwen3_5MoeForCausalLM": qwen3_5.MOE_SPEC,
+    "Qwen3_5ForConditionalGeneration": qwen3_5.MULTIMODAL_SPEC,
+    "Qwen3_5MoeForConditionalGeneration": qwen3_5.MULTIMODAL_MOE_SPEC,
 }
 # model_type -> the architecture batchrun runs for it when config.json lists no architectures
 # (what transformers' AutoModelForCausalLM does)

@@ -144,7 +144,7 @@ def test_gpu_memory_utilization_sizes_the_cuda_kv_pool(monkeypatch):
 
     free = 10 * 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
-    model_cfg = SimpleNamespace(num_layers=4, head_dim=64)
+    model_cfg = SimpleNamespace(num_layers=4, head_dim=64, kv_layers=(0, 1, 2, 3))
     per_token = 2 * 4 * 2 * 64 * 2  # k and v, layers, kv heads, head dim, bf16
 
     def slots(**config):
@@ -152,6 +152,7 @@ def test_gpu_memory_utilization_sizes_the_cuda_kv_pool(monkeypatch):
             config=EngineConfig(**config),
             model_cfg=model_cfg,
             model=SimpleNamespace(num_kv_heads=2),
+            states=None,  # no recurrent states (a hybrid's: engine/state_pool.py)
             dtype=torch.bfloat16,
             device=torch.device("cuda"),
         )

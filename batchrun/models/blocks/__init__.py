@@ -2,6 +2,9 @@
 
     context.py     BuildContext: dtype, device, kernel config, TP group and partition, the config
     attention.py   Attention: fused qkv, q/k norm, full or sliding window, sinks, o_proj
+    gated_attention.py  GatedAttention: Attention with an output gate (Qwen3-Next, Qwen3.5)
+    gated_deltanet.py   GatedDeltaNet: linear attention with a recurrent state a request
+                   (engine/state_pool.py), on delta_rule.py's plain-torch recurrence
     mlp.py         GatedMLP (SiLU or GELU-tanh gate); experts_or_dense: the MoE (layers/moe.py)
                    with or without a shared expert
     layer.py       PreNormLayer, SandwichNormLayer: a layer as two halves around its attention

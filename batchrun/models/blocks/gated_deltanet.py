@@ -1,0 +1,146 @@
+"""The Gated DeltaNet block (a hybrid model's linear attention), in the seat of a layer's
+attention (PreNormLayer.self_attn):
+
+    project(x)             -> (qkv [T, conv_dim], z [T, Hv, Dv], ba [T, 2, Hv])
+    attend(qkv, z, ba, ..) -> [T, Hv * Dv]   conv1d, delta rule over the request's state, gated
+                                             RMSNorm times silu(z)
+    o_proj(out)            -> [T, hidden]    the checkpoint's out_proj
+
+Two checkpoint layouts of the input projections: Qwen3-Next fuses them per key head
+(in_proj_qkvz rows per key head [q | k | v of its value heads | z of them], in_proj_ba
+[b | a]); Qwen3.5 stores in_proj_qkv ([q | k | v], the conv's channel order), in_proj_z,
+in_proj_b, in_proj_a. The state of each request lives in the StatePool (engine/state_pool.py);
+the recurrence is delta_rule.py's (decode: the recurrent form, prefill: the chunked one).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchrun.engine.state_pool import StatePool
+from batchrun.errors import ModelConfigError
+from batchrun.layers.linear import ColumnParallelLinear, RowParallelLinear
+from batchrun.models.blocks import delta_rule
+from batchrun.models.blocks.context import BuildContext
+from batchrun.parallel.partition import Run, ShardSpec, replicated
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, ctx: BuildContext, layer_id: int, states: StatePool):
+        super().__init__()
+        cfg, lin = ctx.cfg, ctx.cfg.linear_attention
+        assert lin is not None
+        if ctx.tp.is_parallel:
+            raise ModelConfigError(
+                f"--tp {ctx.tp.size}: the linear-attention (Gated DeltaNet) layers of "
+                f"{cfg.architecture} run at tensor-parallel size 1 only; use --tp 1"
+            )
+        self.layer_id = layer_id
+        self.index = lin.index(layer_id)
+        self.states = states
+        self.lin = lin
+        self.eps = cfg.rms_norm_eps
+        hk, hv, dk, dv = lin.num_k_heads, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim
+        self.key_dim, self.value_dim = hk * dk, hv * dv
+
+        def proj(rows: int) -> ColumnParallelLinear:
+            return ColumnParallelLinear(
+                cfg.hidden_size, replicated(rows), rows, False, ctx.dtype, ctx.device, ctx.kernels
+            )
+
+        if lin.fused_projections:
+            self.in_proj_qkvz = proj(2 * self.key_dim + 2 * self.value_dim)
+            self.in_proj_ba = proj(2 * hv)
+        else:
+            self.in_proj_qkv = proj(lin.conv_dim)
+            self.in_proj_z = proj(self.value_dim)
+            self.in_proj_b = proj(hv)
+            self.in_proj_a = proj(hv)
+        self.conv1d = nn.Conv1d(
+            lin.conv_dim, lin.conv_dim, lin.conv_kernel, groups=lin.conv_dim, bias=False,
+            dtype=ctx.dtype, device=ctx.device,
+        )  # fmt: skip
+        self.dt_bias = nn.Parameter(torch.empty(hv, dtype=ctx.dtype, device=ctx.device))
+        self.A_log = nn.Parameter(torch.empty(hv, dtype=ctx.dtype, device=ctx.device))
+        # the gated RMSNorm's weight (plain, not zero-centred: the checkpoint's linear_attn.norm)
+        self.gated_rms = nn.Module()
+        self.gated_rms.weight = nn.Parameter(torch.empty(dv, dtype=ctx.dtype, device=ctx.device))
+        self.o_proj = RowParallelLinear(
+            replicated_cols(self.value_dim), cfg.hidden_size, False, ctx.tp, ctx.dtype,
+            ctx.device, ctx.kernels,
+        )  # fmt: skip
+
+    def project(self, x: torch.Tensor):
+        lin, t = self.lin, x.shape[0]
+        hk, hv, dv = lin.num_k_heads, lin.num_v_heads, lin.head_v_dim
+        if not lin.fused_projections:
+            z = self.in_proj_z(x).view(t, hv, dv)
+            ba = torch.stack([self.in_proj_b(x), self.in_proj_a(x)], dim=1)  # [T, 2, Hv]
+            return self.in_proj_qkv(x), z, ba
+        group = hv // hk
+        qkvz = self.in_proj_qkvz(x).view(t, hk, -1)
+        dk = lin.head_k_dim
+        q, k, v, z = qkvz.split([dk, dk, group * dv, group * dv], dim=-1)
+        qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, hk, 2, group).unbind(2)
+        return qkv, z.reshape(t, hv, dv), torch.stack([b.reshape(t, hv), a.reshape(t, hv)], 1)
+
+    def attend(self, qkv, z, ba, positions, rotary, backend, out=None) -> torch.Tensor:
+        """The conv and the delta rule of each request from its state, which they advance;
+        the gated RMSNorm. -> [T, Hv * Dv] (`positions`, `rotary`, `backend` unused: the
+        state is the request's position)."""
+        pool = self.states
+        conv, ssm = pool.conv[self.index], pool.ssm[self.index]
+        beta = ba[:, 0].sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(ba[:, 1].float() + self.dt_bias.float())
+        rows, lens = pool.rows, pool.extend_lens_cpu
+        weight = self.conv1d.weight
+        if all(n == 1 for n in lens):  # decode: every request's one token, batched
+            window = torch.cat([conv[rows], qkv.float()[:, :, None]], dim=-1)  # [B, C, K]
+            conv[rows] = window[..., 1:]
+            mixed = F.silu((window * weight[:, 0].float()).sum(-1)).to(qkv.dtype)
+            q, k, v = self._heads(mixed, 1)
+            o, s = delta_rule.recurrent(q, k, v, g[:, None], beta[:, None], ssm[rows])
+            ssm[rows] = s
+            o = o[:, 0]  # [B, Hv, Dv]
+        else:
+            outs, start = [], 0
+            for b, n in enumerate(lens):
+                row = rows[b : b + 1]
+                seg = slice(start, start + n)
+                mixed, conv[row[0]] = delta_rule.causal_conv(qkv[seg], weight, conv[row[0]])
+                q, k, v = self._heads(mixed[None], n)
+                rule = delta_rule.recurrent if n == 1 else delta_rule.chunked
+                o, s = rule(q, k, v, g[None, seg], beta[None, seg], ssm[row])
+                ssm[row] = s
+                outs.append(o[0])
+                start += n
+            o = torch.cat(outs)  # [T, Hv, Dv]
+        return self._gated_norm(o, z).flatten(1)
+
+    def _heads(self, mixed: torch.Tensor, n: int):
+        """q, k [N, n, Hk, Dk], v [N, n, Hv, Dv] of the conv's output [N, n, C] ([B, C]: n 1)."""
+        lin = self.lin
+        mixed = mixed.reshape(-1, n, lin.conv_dim)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        shape = (mixed.shape[0], n)
+        return (
+            q.reshape(*shape, lin.num_k_heads, lin.head_k_dim),
+            k.reshape(*shape, lin.num_k_heads, lin.head_k_dim),
+            v.reshape(*shape, lin.num_v_heads, lin.head_v_dim),
+        )
+
+    def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over each head's Dv (fp32), times the weight, times silu(z)."""
+        dtype = z.dtype
+        x = o.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = self.gated_rms.weight * x.to(dtype)
+        return (x * F.silu(z.float())).to(dtype)
+
+
+def replicated_cols(size: int) -> ShardSpec:
+    """All `size` input columns of a row-parallel linear (TP=1)."""
+    return ShardSpec(1, size, (Run(0, 0, size),))
