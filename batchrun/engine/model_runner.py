@@ -31,8 +31,8 @@ from batchrun.engine.piecewise_graph import MAX_TOKENS, PiecewiseGraphRunner
 from batchrun.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingBatch
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.staging import PinnedStaging
-from batchrun.engine.thinking import apply_forced, forced_logprobs
 from batchrun.engine.state_pool import state_budget
+from batchrun.engine.thinking import apply_forced, forced_logprobs
 from batchrun.models import fused_decode
 from batchrun.models.blocks.model import ForwardBatch
 from batchrun.models.config import ModelConfig

@@ -181,8 +181,8 @@ def _make_plan(
         if cfg.linear_attention is not None:  # a hybrid's recurrent states (docs/hybrid.md)
             state = cfg.linear_attention.state_bytes()
             lines.append(
-                f"state bytes  {_gb(state)} a request (fp32, its linear-attention layers), "
-                f"{_gb(state * (max_running + 1))} for --max-running {max_running}, taken from "
+                f"state bytes  {gb(state)} a request (fp32, its linear-attention layers), "
+                f"{gb(state * (max_running + 1))} for --max-running {max_running}, taken from "
                 "the memory budget before the KV pool"
             )
         if kv_budget is not None:
