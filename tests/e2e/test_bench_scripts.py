@@ -96,12 +96,12 @@ def test_bench_throughput_variants_change_only_the_config():
 
     args = bench_throughput.parse_args(
         ["--device", "cpu", "--attention-backend", "torch", "--cuda-graph-max-bs", "4",
-         "--max-running", "8", "--kv-budget", "1024", "--kernel", "decode_norms=fold",
+         "--max-running", "8", "--kv-budget", "1024", "--kernel", "decode_norms=fold-all",
          "--kernel", "pdl=auto", "--kernel", "triton_ops=false"]
     )  # fmt: skip
     base, base_kernels = bench_throughput.engine_config(args, REPO, "batchrun")
     assert base_kernels == KernelConfig(
-        attention="torch", decode_norms="fold", pdl=None, triton_ops=False
+        attention="torch", decode_norms="fold-all", pdl=None, triton_ops=False
     )
     assert (base.model, base.load_format, base.device, base.dtype) == (
         str(REPO), "dummy", "cpu", "float32"
@@ -324,6 +324,8 @@ def test_every_script_is_smoke_tested():
     helpers = {"benchlib.py", "host_phases.py", "triton_compiles.py", "step_trace.py"}
     others = {  # script -> the test that runs it elsewhere
         "check_kernels_compile.py": "tests/unit/test_kernels_compile.py",
+        "bench_pooling.py": "tests/e2e/test_bench_pooling.py",
+        "bench_serve.py": "tests/e2e/test_serve_bench.py",
         "readme_sample.py": "tests/e2e/test_readme_sample.py",
     }
     text = Path(__file__).read_text()
