@@ -281,7 +281,8 @@ class FlashInferAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         refuse_sinks(sinks, "flashinfer")
         batch, wrapper = self._planned_wrapper(q, scaling, window)
-        self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
+        if k is not None:  # None: a layer that reads another layer's KV
+            self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
         return self._run(wrapper, q, layer_id, out)
 
     def forward_rotary(

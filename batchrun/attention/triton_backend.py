@@ -161,7 +161,8 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(
         self, q, k, v, layer_id: int, scaling: float, out=None, window=0, sinks=None
     ) -> torch.Tensor:
-        self.kv_pool.store(layer_id, self._out_cache_loc(), k, v)
+        if k is not None:  # None: a layer that reads another layer's KV
+            self.kv_pool.store(layer_id, self._out_cache_loc(), k, v)
         return self._attend(q, layer_id, scaling, out, window, sinks)
 
     def forward_rotary(

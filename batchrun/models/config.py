@@ -76,6 +76,13 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # a learned logit per head in each softmax's denominator (self_attn.sinks)
     attention_sinks: bool = False
+    # per layer: its head_dim and KV heads (empty: every layer has head_dim and num_kv_heads),
+    # and the layer whose KV it attends over (itself where it writes its own; empty: all do)
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    kv_sources: tuple[int, ...] = ()
+    # what only the architecture's own blocks read (a frozen object of its file; None: none)
+    arch_options: Any = None
 
     @property
     def rotary_dim(self) -> int:
@@ -84,6 +91,21 @@ class ModelConfig:
     def window(self, layer_id: int) -> int:
         """Layer layer_id's sliding window, 0 for the whole context."""
         return self.sliding_windows[layer_id] if self.sliding_windows else 0
+
+    def head_dim_of(self, layer_id: int) -> int:
+        return self.layer_head_dims[layer_id] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_of(self, layer_id: int) -> int:
+        return self.layer_kv_heads[layer_id] if self.layer_kv_heads else self.num_kv_heads
+
+    def kv_source(self, layer_id: int) -> int:
+        """The layer whose KV layer_id attends over (layer_id where it writes its own)."""
+        return self.kv_sources[layer_id] if self.kv_sources else layer_id
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that write KV, in order: the KV pool holds one buffer pair for each."""
+        return tuple(i for i in range(self.num_layers) if self.kv_source(i) == i)
 
     @property
     def q_size(self) -> int:

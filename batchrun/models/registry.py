@@ -9,6 +9,7 @@ from typing import Any
 from batchrun.errors import ModelConfigError
 from batchrun.models import (
     gemma3,
+    gemma4,
     gpt_oss,
     llama,
     mistral,
@@ -33,6 +34,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Phi3ForCausalLM": phi3.SPEC,
     "Gemma3ForCausalLM": gemma3.SPEC,
     "Gemma3ForConditionalGeneration": gemma3.MULTIMODAL_SPEC,
+    "Gemma4ForCausalLM": gemma4.SPEC,
+    "Gemma4ForConditionalGeneration": gemma4.MULTIMODAL_SPEC,
     "GptOssForCausalLM": gpt_oss.SPEC,
 }
 # model_type -> the architecture batchrun runs for it when config.json lists no architectures
