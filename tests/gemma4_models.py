@@ -55,7 +55,9 @@ def text_config(kind: str):
         },
     )
     if kind == "moe":
-        fields.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+        fields.update(
+            enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32
+        )
     if kind in ("e-model", "mm"):
         fields.update(
             hidden_size_per_layer_input=8,

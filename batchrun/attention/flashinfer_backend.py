@@ -233,6 +233,11 @@ class FlashInferAttentionBackend(AttentionBackend):
                 f"the flashinfer attention backend runs in float16 or bfloat16, not "
                 f"{self.kv_dtype}; use --dtype bfloat16 (or another attention backend)"
             )
+        if len({tuple(k.shape[1:]) for k in kv_pool.k_buffers}) > 1:
+            raise ValueError(
+                "the flashinfer attention backend runs one head dim and KV-head count in every "
+                "layer, and this model's layers differ (Gemma 4); use --attention-backend triton"
+            )
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(
                 f"the flashinfer attention backend supports head dims {HEAD_DIMS}, not "

@@ -101,8 +101,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.req_to_token = req_to_token
         k0 = kv_pool.k_buffers[0]
         self.device = k0.device
-        self.num_kv_heads = k0.shape[1]
-        self.head_dim = k0.shape[2]
+        # the most over the layers (Gemma 4's differ): the workspaces and counters fit each
+        self.num_kv_heads = max(k.shape[1] for k in kv_pool.k_buffers)
+        self.head_dim = max(k.shape[2] for k in kv_pool.k_buffers)
         self.num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count
             if self.device.type == "cuda"
@@ -272,7 +273,7 @@ class TritonAttentionBackend(AttentionBackend):
                 capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
                 assert not capturing, "run one eager forward after prepare_graph(), then capture"
                 most = max(b * self._num_kv_splits(b) for b in range(1, self.graph_max_bs + 1))
-                numel = decode_workspace_numel(most, num_heads, head_dim, 1)
+                numel = decode_workspace_numel(most, num_heads, max(head_dim, self.head_dim), 1)
                 self._graph_workspace = torch.empty(numel, dtype=torch.float32, device=self.device)
             return self._graph_workspace
         numel = decode_workspace_numel(bs, num_heads, head_dim, plan.num_kv_splits)

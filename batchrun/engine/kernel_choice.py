@@ -207,7 +207,9 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     fa3_reason = "attention is not 'triton'"
     if attention == "triton" and extend_attention != "triton":
         fp8_kv = config.kv_cache_dtype == "fp8_e4m3"
-        fa3_reason = fa3_unavailable_reason(device, model_cfg.head_dim, config.dtype, fp8_kv, sinks)
+        fa3_reason = fa3_unavailable_reason(
+            device, model_cfg.max_head_dim, config.dtype, fp8_kv, sinks
+        )
     if extend_attention == "auto":
         # FlashInfer's FA3 prefill reads a 16,384-token prefill at 546 TFLOP/s and 4,096 tokens
         # over a 126,976-token prefix at 554, where kernels/extend_attention.py reads 381 and

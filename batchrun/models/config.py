@@ -103,6 +103,11 @@ class ModelConfig:
         return self.kv_sources[layer_id] if self.kv_sources else layer_id
 
     @property
+    def max_head_dim(self) -> int:
+        """The widest head of any layer (the attention kernels' limit)."""
+        return max(self.layer_head_dims or (self.head_dim,))
+
+    @property
     def kv_layers(self) -> tuple[int, ...]:
         """The layers that write KV, in order: the KV pool holds one buffer pair for each."""
         return tuple(i for i in range(self.num_layers) if self.kv_source(i) == i)
