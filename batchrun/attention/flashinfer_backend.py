@@ -236,7 +236,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if len({tuple(k.shape[1:]) for k in kv_pool.k_buffers}) > 1:
             raise ValueError(
                 "the flashinfer attention backend runs one head dim and KV-head count in every "
-                "layer, and this model's layers differ (Gemma 4); use --attention-backend triton"
+                "layer, and this model's layers differ; use --attention-backend triton"
             )
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(

@@ -321,8 +321,14 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
         )
 
     moe = want.moe
+    own_experts = model_cfg.moe is not None and model_cfg.moe.act != "silu"
+    if own_experts and moe == "triton":
+        raise ValueError(
+            f"moe 'triton' (kernels/fused_moe.py) runs SiLU experts, and this model's are "
+            f"{model_cfg.moe.act}; use moe 'torch' or 'auto'"
+        )
     if moe == "auto":
-        moe = "triton" if cuda and triton else "torch"
+        moe = "triton" if cuda and triton and not own_experts else "torch"
     elif moe == "triton" and not triton:
         raise ValueError(
             "moe 'triton' (kernels/fused_moe.py) needs the triton package; use 'torch' or 'auto'"
@@ -367,6 +373,12 @@ def resolve_kernels(config: EngineConfig, model_cfg, device: torch.device) -> Ke
     graphs = want.cuda_graph_max_bs if cuda else 0
     piecewise = want.piecewise_graphs
     runs_piecewise = cuda and isinstance(config.chunked_prefill_size, int)
+    if piecewise and model_cfg.whole_forward:
+        raise ValueError(
+            f"piecewise CUDA graphs split the forward at its attentions, and "
+            f"{model_cfg.architecture} runs its forward whole; use piecewise_graphs off or auto"
+        )
+    runs_piecewise = runs_piecewise and not model_cfg.whole_forward
     if piecewise and not runs_piecewise:
         raise ValueError(
             "piecewise CUDA graphs need CUDA and a chunked prefill size (a step's tokens bounded)"

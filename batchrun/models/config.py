@@ -81,6 +81,9 @@ class ModelConfig:
     layer_head_dims: tuple[int, ...] = ()
     layer_kv_heads: tuple[int, ...] = ()
     kv_sources: tuple[int, ...] = ()
+    # the forward runs whole: no piecewise graphs (it carries more than (x, residual) from
+    # layer to layer, as Gemma 4's per-layer inputs)
+    whole_forward: bool = False
     # what only the architecture's own blocks read (a frozen object of its file; None: none)
     arch_options: Any = None
 

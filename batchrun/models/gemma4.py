@@ -138,6 +138,7 @@ def prepare(
         layer_kv_heads=kv_heads,
         kv_sources=sources,
         moe=_moe(text, num_layers, where),
+        whole_forward=True,
         arch_options=Gemma4Options(
             per_layer_dim=per_layer_dim,
             per_layer_vocab=int(text["vocab_size_per_layer_input"]),
@@ -232,6 +233,7 @@ def _moe(text, num_layers: int, where: str) -> MoeConfig | None:
         intermediate_size=int(text["moe_intermediate_size"]),
         norm_topk_prob=True,
         layers=tuple(range(num_layers)),
+        act="gelu_pytorch_tanh",
     )
 
 
