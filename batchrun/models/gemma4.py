@@ -29,7 +29,6 @@ sliding layers or default / proportional on the full ones, a quantization_config
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -46,8 +45,6 @@ from batchrun.models.config import ModelConfig
 from batchrun.models.gemma4_weights import Gemma4Reader
 from batchrun.models.moe_config import MoeConfig
 from batchrun.models.spec import ArchSpec, TensorNames
-
-log = logging.getLogger(__name__)
 
 MULTIMODAL = "Gemma4ForConditionalGeneration"
 # transformers' Gemma4TextConfig defaults (configuration_gemma4.py)
@@ -101,9 +98,6 @@ def prepare(
         if not isinstance(text, dict):
             raise ModelConfigError(f"{source}: {MULTIMODAL} needs text_config, got {text!r}")
         where = f"{source} text_config"
-        towers = [k for k in ("vision_config", "audio_config") if raw.get(k)]
-        if towers:
-            log.info("Gemma 4: %s not run (batchrun runs the text model)", " and ".join(towers))
         text = {**TEXT_DEFAULTS, **text, **{k: raw[k] for k in TOP_LEVEL if raw.get(k) is not None}}
     else:
         where, text = source, {**TEXT_DEFAULTS, **raw}

@@ -43,8 +43,8 @@ def engine_config(model_dir: str, **kw) -> EngineConfig:
     )
 
 
-def greedy(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
-    params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+def greedy(engine: Engine, prompts: list[list[int]], new: int = NEW) -> dict[str, list[int]]:
+    params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
     out = {}
     for res in engine.generate(reqs):
@@ -98,12 +98,13 @@ def test_chunked_prefill_and_prefix_hits_give_the_same_tokens(tiny):
         pytest.skip("the same text model as e-model")
     prompts = shared_prefix_prompts()
     plain = dict(enable_radix_cache=False, max_running=1, chunked_prefill_size=None)
-    ref = greedy(Engine(engine_config(model_dir, **plain)), prompts)
+    ref = greedy(Engine(engine_config(model_dir, **plain)), prompts, 12)
     engine = Engine(engine_config(model_dir))
-    assert greedy(engine, prompts) == ref
+    assert greedy(engine, prompts, 12) == ref
     assert engine.stats.cached_tokens >= 30
     for chunk in (5, WINDOW + 1):  # chunks inside and across the window
-        assert greedy(Engine(engine_config(model_dir, chunked_prefill_size=chunk)), prompts) == ref
+        chunked = Engine(engine_config(model_dir, chunked_prefill_size=chunk))
+        assert greedy(chunked, prompts, 12) == ref
 
 
 def test_kv_pool_holds_the_layers_that_write_kv(tiny):
@@ -130,9 +131,9 @@ def test_tp2_matches_tp1(kind, tmp_path):
     cfg = engine_config(str(tmp_path), kv_budget=4096, chunked_prefill_size=64)
     prompts = shared_prefix_prompts()
     ref_engine = Engine(cfg)
-    ref = greedy(ref_engine, prompts)
+    ref = greedy(ref_engine, prompts, 8)
     ref_logits = ref_engine.score(prompts[0])
     with start_tp_engine(cfg, tp_size=2, timeout_s=120, check_sync=True) as engine:
-        assert greedy(engine, prompts) == ref
+        assert greedy(engine, prompts, 8) == ref
         logits = engine.score(prompts[0])
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
