@@ -72,15 +72,17 @@ def test_logits_match_transformers(tiny):
     engine.check_integrity()
 
 
-def hf_argmax_tokens(hf, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation, each token the argmax of a forward over the whole
-    sequence (generate's min_new_tokens would hide the end-of-text token that the engine's
-    ignore_eos lets through)."""
-    ids = list(prompt)
+def hf_greedy_tokens(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation (generate, with its cache): n tokens, the end-of-text
+    token among them as the engine's ignore_eos lets it through (no stop, no suppression)."""
+    hf.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt])
     with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+            pad_token_id=0,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_tokens_match_transformers(tiny):
@@ -89,7 +91,7 @@ def test_greedy_tokens_match_transformers(tiny):
     assert sum(len(p) > WINDOW for p in prompts) >= 4
     out = greedy(Engine(engine_config(model_dir)), prompts)
     for i, prompt in enumerate(prompts):
-        assert out[str(i)] == hf_argmax_tokens(hf, prompt, NEW), f"prompt {i}"
+        assert out[str(i)] == hf_greedy_tokens(hf, prompt, NEW), f"prompt {i}"
 
 
 def test_chunked_prefill_and_prefix_hits_give_the_same_tokens(tiny):
