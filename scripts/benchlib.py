@@ -319,9 +319,10 @@ def write_model_dir(
 
 def is_llama_shape(name: str) -> bool:
     """A dense Llama shape (linear_shapes and prefill_flops read its fields): not a mixture of
-    experts, not a Gemma 3 (whose fields sit in text_config)."""
+    experts, not a Gemma 3 (whose fields sit in text_config), not a Gemma 4 (layers of two head
+    dims)."""
     c = MODELS[name]
-    return "num_experts_per_tok" not in c and "text_config" not in c
+    return not {"num_experts_per_tok", "text_config", "global_head_dim"} & set(c)
 
 
 def linear_shapes(name: str) -> list[tuple[str, int, int, int]]:
