@@ -247,6 +247,70 @@ MODELS: dict[str, dict] = {
     ),
 }
 
+# Gemma 4 at transformers' Gemma4TextConfig defaults (30 layers, every 6th full at head dim 512,
+# the sliding ones at 256 over a 512-token window): the dense shape without per-layer inputs;
+# the E-shape with them (hidden_size_per_layer_input 256) and the last 10 layers KV-shared with
+# a double-wide MLP; the MoE shape with 128 experts of width 704, top 8, beside the dense MLP
+# (transformers' defaults leave the experts unset). Each has a `-twin`: every layer full at its
+# own head dim, no KV shared, no per-layer inputs' sharing (the KV-pool capacity baseline).
+GEMMA4_DENSE = dict(
+    architectures=["Gemma4ForCausalLM"],
+    model_type="gemma4_text",
+    vocab_size=262144,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=30,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    global_head_dim=512,
+    sliding_window=512,
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-6,
+    hidden_size_per_layer_input=0,
+    tie_word_embeddings=True,
+    bos_token_id=2,
+    eos_token_id=1,
+    torch_dtype="bfloat16",
+)
+GEMMA4_E = dict(
+    GEMMA4_DENSE,
+    hidden_size_per_layer_input=256,
+    vocab_size_per_layer_input=262144,
+    num_kv_shared_layers=10,
+    use_double_wide_mlp=True,
+)
+GEMMA4_MOE = dict(
+    GEMMA4_DENSE, enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704
+)
+
+
+def gemma4_twin(config: dict) -> dict:
+    """`config` with every layer full at its own head dim (the full ones' global_head_dim, the
+    others' head_dim) and no KV shared."""
+    layers = config["num_hidden_layers"]
+    full = [i for i in range(layers) if (i + 1) % 6 == 0 or i == layers - 1]
+    return dict(
+        config,
+        layer_types=["full_attention"] * layers,
+        per_layer_config={f"{i:02d}": {"head_dim": config["global_head_dim"]} for i in full},
+        num_kv_shared_layers=0,
+        use_double_wide_mlp=False,
+    )
+
+
+MODELS.update(
+    {
+        "gemma-4-dense": GEMMA4_DENSE,
+        "gemma-4-dense-twin": gemma4_twin(GEMMA4_DENSE),
+        "gemma-4-e": GEMMA4_E,
+        "gemma-4-e-twin": gemma4_twin(GEMMA4_E),
+        "gemma-4-moe": GEMMA4_MOE,
+        "gemma-4-moe-twin": gemma4_twin(GEMMA4_MOE),
+    }
+)
+
 
 # Llama 3.1's 128k context (its rope scaling): the long-document workloads' models (W5, W6)
 LONG_CONTEXT = dict(
@@ -299,9 +363,10 @@ def write_model_dir(
 
 def is_llama_shape(name: str) -> bool:
     """A dense Llama shape (linear_shapes and prefill_flops read its fields): not a mixture of
-    experts, not a Gemma 3 (whose fields sit in text_config)."""
+    experts, not a Gemma 3 (whose fields sit in text_config), not a Gemma 4 (layers of two head
+    dims)."""
     c = MODELS[name]
-    return "num_experts_per_tok" not in c and "text_config" not in c
+    return not {"num_experts_per_tok", "text_config", "global_head_dim"} & set(c)
 
 
 def linear_shapes(name: str) -> list[tuple[str, int, int, int]]:

@@ -16,6 +16,9 @@ query's own token and the window - 1 before it). window 0 is the whole context.
 softmax's denominator: softmax over [q.k scores, sink] with the sink's share dropped, so the
 weights of the keys sum to less than 1.
 
+k and v None: attend over the KV at `layer_id` as it is, storing nothing (a layer that reads
+another layer's KV: ModelConfig.kv_sources).
+
 `forward_rotary` is `forward` of q and k before rotary: by default it rotates them and calls
 `forward`; a backend may do the rotation inside its KV store (TritonAttentionBackend: one kernel).
 """

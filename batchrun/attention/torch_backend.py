@@ -96,7 +96,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _forward(self, q, k, v, layer_id: int, scaling: float, window: int, sinks) -> torch.Tensor:
         inputs = self._inputs
         assert inputs is not None, "prepare() must run before forward()"
-        self.kv_pool.store(layer_id, inputs.out_cache_loc, k, v)
+        if k is not None:  # None: a layer that reads another layer's KV
+            self.kv_pool.store(layer_id, inputs.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.buffers(layer_id)
         scale = scaling * self.kv_pool.scales(layer_id).k
         out = self._attend(q, k_buf, v_buf, scale, window, sinks)

@@ -100,8 +100,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.req_to_token = req_to_token
         k0 = kv_pool.k_buffers[0]
         self.device = k0.device
-        self.num_kv_heads = k0.shape[1]
-        self.head_dim = k0.shape[2]
+        # the most over the layers (Gemma 4's differ): the workspaces and counters fit each
+        self.num_kv_heads = max(k.shape[1] for k in kv_pool.k_buffers)
+        self.head_dim = max(k.shape[2] for k in kv_pool.k_buffers)
         self.num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count
             if self.device.type == "cuda"
@@ -160,7 +161,8 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(
         self, q, k, v, layer_id: int, scaling: float, out=None, window=0, sinks=None
     ) -> torch.Tensor:
-        self.kv_pool.store(layer_id, self._out_cache_loc(), k, v)
+        if k is not None:  # None: a layer that reads another layer's KV
+            self.kv_pool.store(layer_id, self._out_cache_loc(), k, v)
         return self._attend(q, layer_id, scaling, out, window, sinks)
 
     def forward_rotary(
@@ -270,7 +272,7 @@ class TritonAttentionBackend(AttentionBackend):
                 capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
                 assert not capturing, "run one eager forward after prepare_graph(), then capture"
                 most = max(b * self._num_kv_splits(b) for b in range(1, self.graph_max_bs + 1))
-                numel = decode_workspace_numel(most, num_heads, head_dim, 1)
+                numel = decode_workspace_numel(most, num_heads, max(head_dim, self.head_dim), 1)
                 self._graph_workspace = torch.empty(numel, dtype=torch.float32, device=self.device)
             return self._graph_workspace
         numel = decode_workspace_numel(bs, num_heads, head_dim, plan.num_kv_splits)

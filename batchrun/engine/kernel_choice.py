@@ -93,6 +93,8 @@ def fa3_extend_reason(config: EngineConfig, model_cfg, device: torch.device) -> 
     start-up run passes; where they are not built and nvcc is here, a detached process builds
     them for the next run (rank 0 only), and this run keeps the Triton extend kernel: no compiler
     on the start-up path (docs/benchmarks.md, Start-up)."""
+    if len(set(model_cfg.layer_head_dims)) > 1 or len(set(model_cfg.layer_kv_heads)) > 1:
+        return "its layers differ in head dim or KV heads, and FA3's prefill runs one shape"
     sinks = getattr(model_cfg, "attention_sinks", False)
     fp8_kv = config.kv_cache_dtype == "fp8_e4m3"
     reason = fa3_cache.unavailable_reason(device, model_cfg.head_dim, config.dtype, fp8_kv, sinks)
@@ -241,15 +243,21 @@ def int4_rule(config: EngineConfig, model_cfg, device, want: KernelConfig, trito
     return int4_matmul
 
 
-def moe_rule(config: EngineConfig, device, want: KernelConfig, triton: bool):
+def moe_rule(config: EngineConfig, model_cfg, device, want: KernelConfig, triton: bool):
     """(moe, moe_decode, moe_prefill): the fused Triton experts on CUDA where Triton imports;
     their decode batches on kernels/moe_gemv.py's GEMVs; their large batches on
     torch._grouped_mm for bf16 on sm_90 (kernels/moe_grouped_mm.py's `takes_grouped_mm` keeps
     the shapes it loses on the Triton GEMMs; docs/benchmarks.md, Other architectures: MoE)."""
     cuda = device.type == "cuda"
     moe = want.moe
+    own_experts = model_cfg.moe is not None and model_cfg.moe.act != "silu"
+    if own_experts and moe == "triton":
+        raise ValueError(
+            f"moe 'triton' (kernels/fused_moe.py) runs SiLU experts, and this model's are "
+            f"{model_cfg.moe.act}; use moe 'torch' or 'auto'"
+        )
     if moe == "auto":
-        moe = "triton" if cuda and triton else "torch"
+        moe = "triton" if cuda and triton and not own_experts else "torch"
     elif moe == "triton" and not triton:
         raise ValueError(
             "moe 'triton' (kernels/fused_moe.py) needs the triton package; use 'torch' or 'auto'"
@@ -286,6 +294,12 @@ def graph_rule(config: EngineConfig, model_cfg, device, want: KernelConfig):
     graphs = graphs if cuda else 0
     piecewise = want.piecewise_graphs
     runs_piecewise = cuda and isinstance(config.chunked_prefill_size, int)
+    if piecewise and model_cfg.whole_forward:
+        raise ValueError(
+            f"piecewise CUDA graphs split the forward at its attentions, and "
+            f"{model_cfg.architecture} runs its forward whole; use piecewise_graphs off or auto"
+        )
+    runs_piecewise = runs_piecewise and not model_cfg.whole_forward
     if piecewise and not runs_piecewise:
         raise ValueError(
             "piecewise CUDA graphs need CUDA and a chunked prefill size (a step's tokens bounded)"
@@ -340,7 +354,7 @@ def resolve_kernels(
     triton_ops, pdl, decode_gemv = dense_rule(config, device, want, triton)
     fp8_matmul, fp8_fast_accum = fp8_rule(config, model_cfg, device, want)
     int4_matmul = int4_rule(config, model_cfg, device, want, triton)
-    moe, moe_decode, moe_prefill = moe_rule(config, device, want, triton)
+    moe, moe_decode, moe_prefill = moe_rule(config, model_cfg, device, want, triton)
     graphs, piecewise, host_gate = graph_rule(config, model_cfg, device, want)
 
     decode_norms = resolve_decode_norms(

@@ -1,6 +1,7 @@
 """Device memory for KV: a token-indexed pool per layer and the request-to-token table.
 
-KVPool           k/v buffers [num_slots + 1, num_kv_heads, head_dim] per layer; the extra last
+KVPool           k/v buffers [num_slots + 1, num_kv_heads, head_dim] per layer that writes KV
+                 (`shapes`: each its own heads and dims; ModelConfig.kv_layers); the extra last
                  slot is a dummy that padded (graph) batches may write into harmlessly. Under
                  tensor parallelism num_kv_heads is this rank's (model.num_kv_heads), not the
                  model's: each rank stores only the KV heads its q heads attend with.
@@ -43,8 +44,7 @@ class KVPool:
         device: torch.device | str,
         kernels: KernelConfig | None = None,
         scales: list[KVScale] | None = None,  # float8 only: per layer; None: all 1.0
-        kv_layers: tuple[int, ...] | None = None,  # the layers with KV (None: all; a hybrid's
-        # linear layers have none: an empty buffer)
+        shapes: tuple[tuple[int, int], ...] | None = None,  # per layer (KV heads, head dim)
     ):
         self.kernels = kernels or KernelConfig.reference()
         self.num_slots = num_slots
@@ -52,17 +52,21 @@ class KVPool:
         self.is_fp8 = dtype == KV_FP8_DTYPE
         assert scales is None or (self.is_fp8 and len(scales) == num_layers)
         self._scales = scales or [KVScale()] * num_layers
-        shape = (num_slots + 1, num_kv_heads, head_dim)
-        shapes = [
-            shape if kv_layers is None or i in kv_layers else (0, *shape[1:])
-            for i in range(num_layers)
-        ]
-        self.k_buffers = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
-        self.v_buffers = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
+        shapes = shapes or ((num_kv_heads, head_dim),) * num_layers
+        assert len(shapes) == num_layers
+        sizes = [(num_slots + 1, heads, dim) for heads, dim in shapes]
+        self.k_buffers = [torch.zeros(size, dtype=dtype, device=device) for size in sizes]
+        self.v_buffers = [torch.zeros(size, dtype=dtype, device=device) for size in sizes]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    @staticmethod
+    def bytes_per_token_of(shapes: tuple[tuple[int, int], ...], dtype) -> int:
+        """K and V bytes of one token over layers of (KV heads, head dim) `shapes`."""
+        elements = sum(heads * dim for heads, dim in shapes)
+        return 2 * elements * torch.empty(0, dtype=dtype).element_size()
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # loc: [T], k/v: [T, KV, D] (possibly strided views of the fused qkv projection)

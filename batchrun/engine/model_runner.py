@@ -163,16 +163,17 @@ class ModelRunner:
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         kv_fp8 = self.kv_dtype != self.dtype
         self.num_slots = self._kv_slots()
+        shapes = self.model.kv_shapes  # this rank's KV heads under tensor parallelism
         self.kv_pool = KVPool(
-            model_cfg.num_layers,
+            len(shapes),
             self.num_slots,
-            self.model.num_kv_heads,  # this rank's KV heads under tensor parallelism
+            self.model.num_kv_heads,
             model_cfg.head_dim,
             self.kv_dtype,
             self.device,
             kernels,
             layer_scales(self.model) if kv_fp8 else None,
-            kv_layers=model_cfg.kv_layers,
+            shapes=shapes,
         )
         log.info("KV cache: %d tokens of %s", self.num_slots, str(self.kv_dtype).split(".")[-1])
         self.req_pool = ReqToTokenPool(config.max_running, context_len, self.device)
@@ -223,10 +224,8 @@ class ModelRunner:
         state_bytes = (
             0 if self.states is None else self.states.bytes_per_row() * (cfg.max_running + 1)
         )
-        per_token = KVPool.bytes_per_token(
-            len(self.model_cfg.kv_layers),
-            self.model.num_kv_heads,
-            self.model_cfg.head_dim,
+        per_token = KVPool.bytes_per_token_of(
+            self.model.kv_shapes,
             kv_storage_dtype(cfg.kv_cache_dtype, self.dtype),  # float8: one byte an element
         )
         if self.device.type == "cuda":

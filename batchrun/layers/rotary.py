@@ -54,6 +54,12 @@ def rope_inv_freq(
         inv_freq = _yarn_inv_freq(rotary_dim, theta, scaling)
     elif rope_type == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "proportional":
+        # Gemma 4's full layers: the first partial_rotary_factor of the frequencies over the
+        # whole head, the rest 0 (those dims pass through), all divided by factor
+        angles = int(float(scaling.get("partial_rotary_factor", 1.0)) * rotary_dim // 2)
+        inv_freq[angles:] = 0.0
+        inv_freq = inv_freq / float(scaling.get("factor", 1.0))
     elif rope_type == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))

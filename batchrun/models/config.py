@@ -82,6 +82,16 @@ class ModelConfig:
     # sigmoid (q_proj's rows per head: [query | gate])
     linear_attention: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
+    # per layer: its head_dim and KV heads (empty: every layer has head_dim and num_kv_heads),
+    # and the layer whose KV it attends over (itself where it writes its own; empty: all do)
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    kv_sources: tuple[int, ...] = ()
+    # the forward runs whole: no piecewise graphs (it carries more than (x, residual) from
+    # layer to layer, as Gemma 4's per-layer inputs)
+    whole_forward: bool = False
+    # what only the architecture's own blocks read (a frozen object of its file; None: none)
+    arch_options: Any = None
 
     @property
     def rotary_dim(self) -> int:
@@ -91,12 +101,32 @@ class ModelConfig:
         """Layer layer_id's sliding window, 0 for the whole context."""
         return self.sliding_windows[layer_id] if self.sliding_windows else 0
 
+    def head_dim_of(self, layer_id: int) -> int:
+        return self.layer_head_dims[layer_id] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_of(self, layer_id: int) -> int:
+        return self.layer_kv_heads[layer_id] if self.layer_kv_heads else self.num_kv_heads
+
+    def kv_source(self, layer_id: int) -> int:
+        """The layer whose KV layer_id attends over (layer_id where it writes its own)."""
+        return self.kv_sources[layer_id] if self.kv_sources else layer_id
+
+    @property
+    def max_head_dim(self) -> int:
+        """The widest head of any layer (the attention kernels' limit)."""
+        return max(self.layer_head_dims or (self.head_dim,))
+
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that keep KV: all but a hybrid's linear-attention layers."""
+        """The layers that write KV, in order: the KV pool holds one buffer pair for each. A
+        layer that reads another layer's KV writes none, nor does a hybrid's linear-attention
+        layer (its state is a recurrent one: engine/state_pool.py)."""
         lin = self.linear_attention
-        layers = range(self.num_layers)
-        return tuple(i for i in layers if lin is None or not lin.is_linear(i))
+        return tuple(
+            i
+            for i in range(self.num_layers)
+            if self.kv_source(i) == i and (lin is None or not lin.is_linear(i))
+        )
 
     @property
     def q_size(self) -> int:

@@ -43,8 +43,7 @@ def served_context_len(cap: int | None, cfg: ModelConfig) -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_cache_dtype: str = "auto") -> int:
-    """KV cache bytes a token takes over the layers that keep KV (K and V), on one GPU (no
-    tensor parallel)."""
-    return (
-        2 * len(cfg.kv_layers) * cfg.num_kv_heads * cfg.head_dim * KV_ELEMENT_BYTES[kv_cache_dtype]
-    )
+    """KV cache bytes a token takes over all layers (K and V), on one GPU (no tensor
+    parallel): the layers that write KV (ModelConfig.kv_layers), each at its own heads and dims."""
+    elements = sum(cfg.kv_heads_of(i) * cfg.head_dim_of(i) for i in cfg.kv_layers)
+    return 2 * elements * KV_ELEMENT_BYTES[kv_cache_dtype]

@@ -42,6 +42,9 @@ class MoeConfig:
     swiglu_alpha: float = 1.0
     swiglu_limit: float = 0.0
     mxfp4: bool = False
+    # the experts' gate activation: silu runs on the fused experts (kernels/fused_moe.py);
+    # another (Gemma 4's gelu_pytorch_tanh) runs the architecture's own torch experts
+    act: str = "silu"
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id in self.layers

@@ -9,6 +9,7 @@ from typing import Any
 from batchrun.errors import ModelConfigError
 from batchrun.models import (
     gemma3,
+    gemma4,
     gpt_oss,
     llama,
     mistral,
@@ -35,6 +36,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Phi3ForCausalLM": phi3.SPEC,
     "Gemma3ForCausalLM": gemma3.SPEC,
     "Gemma3ForConditionalGeneration": gemma3.MULTIMODAL_SPEC,
+    "Gemma4ForCausalLM": gemma4.SPEC,
+    "Gemma4ForConditionalGeneration": gemma4.MULTIMODAL_SPEC,
     "GptOssForCausalLM": gpt_oss.SPEC,
     "Qwen3NextForCausalLM": qwen3_next.SPEC,
     "Qwen3_5ForCausalLM": qwen3_5.SPEC,

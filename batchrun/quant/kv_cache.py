@@ -65,8 +65,8 @@ def layer_scales(model) -> list[KVScale]:
     """Each decoder layer's KV scales as its attention keeps them from the checkpoint (1.0 where
     it has none). WeightLoadError for a scale that is not a positive finite number."""
     scales, missing = [], 0
-    for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
+    for i in model.config.kv_layers:  # the layers that write KV: the pool's buffers
+        attn = model.layers[i].self_attn
         pair = []
         for kind in ("k", "v"):
             value = getattr(attn, f"{kind}_scale", None)

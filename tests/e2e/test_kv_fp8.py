@@ -116,7 +116,7 @@ def test_gpu_memory_utilization_gives_twice_the_bf16_tokens(monkeypatch):
         runner = SimpleNamespace(
             config=EngineConfig(**config),
             model_cfg=SimpleNamespace(num_layers=4, head_dim=64, kv_layers=(0, 1, 2, 3)),
-            model=SimpleNamespace(num_kv_heads=2),
+            model=SimpleNamespace(num_kv_heads=2, kv_shapes=((2, 64),) * 4),
             states=None,  # no recurrent states (a hybrid's: engine/state_pool.py)
             dtype=torch.bfloat16,
             device=torch.device("cuda"),

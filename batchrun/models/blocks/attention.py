@@ -5,7 +5,8 @@ backend (full context or a sliding window, optional sink logits), o_proj.
     attend(q, k, v, ...)         -> [T, H * D]   rotary, then attention over the paged KV
     o_proj(out)                  -> [T, hidden]
 
-The block reads and writes the KV of `layer_id` in the pool; its window, scaling, q/k norms and
+The block reads and writes the KV of `layer_id` in the pool (at `kv_layer`, its index among the
+layers that write KV: ModelConfig.kv_layers); its window, scaling, q/k norms and
 sinks are its own, so layers of one model may differ in them.
 """
 
@@ -39,6 +40,9 @@ class Attention(nn.Module):
         super().__init__()
         cfg, part = ctx.cfg, ctx.part
         self.layer_id = layer_id
+        # the pool's buffer pair this layer attends over (its source layer's, for a layer that
+        # reads another layer's KV)
+        self.kv_layer = cfg.kv_layers.index(cfg.kv_source(layer_id))
         self.window = window
         # this rank's heads (all of them at TP=1)
         self.num_heads, self.num_kv_heads = part.num_heads, part.num_kv_heads
@@ -119,6 +123,6 @@ class Attention(nn.Module):
         """Rotary and attention by the backend, which may rotate inside its KV store (one kernel
         instead of two); into `out` [T, H, D] where given."""
         return backend.forward_rotary(
-            q, k, v, self.layer_id, self.scaling, positions, rotary, out=out,
+            q, k, v, self.kv_layer, self.scaling, positions, rotary, out=out,
             window=self.window, sinks=self.sinks,
         )  # fmt: skip

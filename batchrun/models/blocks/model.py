@@ -45,10 +45,12 @@ class ForwardBatch(NamedTuple):
 
 
 class Rope(NamedTuple):
-    """One rotary table's base and scaling (rope_type and its parameters)."""
+    """One rotary table's base and scaling (rope_type and its parameters), over `dim` dims of a
+    head (0: the config's rotary_dim)."""
 
     theta: float
     scaling: dict
+    dim: int = 0
 
 
 class CausalLM(nn.Module):
@@ -110,7 +112,7 @@ class CausalLM(nn.Module):
         on the real one)."""
         self.rotaries = tuple(
             RotaryEmbedding(
-                self.config.rotary_dim,
+                rope.dim or self.config.rotary_dim,
                 self.max_positions,
                 rope.theta,
                 rope.scaling,
@@ -136,6 +138,15 @@ class CausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def kv_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(this rank's KV heads, head dim) of each layer that writes KV, in order: the KV
+        pool's buffers."""
+        cfg = self.config
+        return tuple(
+            (self.layers[i].self_attn.num_kv_heads, cfg.head_dim_of(i)) for i in cfg.kv_layers
+        )
 
     def param_shards(self) -> dict[str, ShardSpec]:
         """Parameter name -> the slice of the full tensor it holds; absent: replicated."""
