@@ -30,6 +30,7 @@ from batchrun import __version__
 from batchrun.cli.build import (
     build_defaults,
     build_engine_config,
+    build_pooling,
     build_spec,
     check_quantization,
 )
@@ -44,6 +45,7 @@ from batchrun.cli.options import (
     run_control_options,
     sampling_options,
     structured_options,
+    task_options,
 )
 from batchrun.cli.sections import SectionedCommand
 from batchrun.io.stdin import STDIN
@@ -87,6 +89,7 @@ def main() -> None:
 @structured_options
 @model_options
 @engine_options
+@task_options
 @output_options
 @run_control_options
 @progress_options
@@ -148,6 +151,7 @@ def submit(dataset: str, out: str, **o) -> None:
         served_model_name=o["served_model_name"],
         num_shards=num_shards,
         shard_index=shard_index,
+        pooling=build_pooling(o),
     )
     server = _progress_server(o["serve_progress"], o["progress_token"])
     try:

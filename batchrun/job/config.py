@@ -11,6 +11,7 @@ from batchrun.engine_process.notify import DEFAULT_NOTIFY_BATCH
 from batchrun.io.rows import RowSpec
 from batchrun.job.order import DEFAULT_WINDOW, ORDERS
 from batchrun.params import SamplingParams
+from batchrun.pooling.job_options import PoolingJobOptions
 
 EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -78,6 +79,7 @@ class RunConfig:
     dp: int = 1  # data parallel: engine processes, one per GPU (or tensor-parallel group)
     # "model" of every OpenAI Batch output line; None: default_served_model_name(engine.model)
     served_model_name: str | None = None
+    pooling: PoolingJobOptions | None = None  # --task embed / rerank / score / classify
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:

@@ -40,6 +40,7 @@ LABELS = {
     "shards": "--num-shards / --shard-index",
     "seed": "--seed",
     "output": "output options (--token-ids, --keep-columns)",
+    "task": "--task and its options (--pooling, --dimensions, --query-prefix, ...)",
 }
 
 
@@ -113,7 +114,7 @@ def make_fingerprint(config: RunConfig, input_format: str, input_ident: dict | N
     output: dict[str, Any] = {"token_ids": cfg.with_token_ids}
     if cfg.spec.keep_columns:  # NOTE: only when given, so runs without it keep their fingerprint
         output["keep_columns"] = list(cfg.spec.keep_columns)
-    return {
+    fp = {
         "batchrun_version": __version__,
         "model": model_identity(cfg.engine.model, cfg.engine.load_format, cfg.engine.quantization),
         "input": input_ident or input_identity(cfg.dataset, input_format, cfg.split),
@@ -124,6 +125,9 @@ def make_fingerprint(config: RunConfig, input_format: str, input_ident: dict | N
         "seed": cfg.engine.seed,
         "output": output,
     }
+    if cfg.pooling is not None:  # NOTE: only for pooling tasks: generate runs keep theirs
+        fp["task"] = asdict(cfg.pooling)
+    return fp
 
 
 def _rows_identity(config: RunConfig) -> dict:

@@ -1,0 +1,157 @@
+"""`batchrun submit --task embed|rerank|score|classify`: the job runs a pooling model end to end.
+An embed job's Parquet vectors equal SentenceTransformer.encode; rerank and score jobs give
+CrossEncoder.predict's scores; bad rows go to the errors shard with their row numbers; a job
+killed with SIGKILL and resumed gives every id once and the clean run's vectors; export gives
+one Parquet file in input order."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchrun.cli.main import main
+from batchrun.pooling.vector_shard import read_vectors
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pooling_models import TEXTS, make_encoder, make_sentence_transformer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pooljob")
+    make_encoder(root / "hf", "bert")
+    make_sentence_transformer(root / "hf", root / "st", "mean", True, 48)
+    make_encoder(root / "ce", "bert", num_labels=1)
+    return root
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def submit(*args: str) -> None:
+    result = CliRunner().invoke(main, ["submit", *args, "--in-process", "-q"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+
+
+def vectors(out: Path) -> dict[str, np.ndarray]:
+    table = read_vectors(sorted(out.glob("vectors-*.parquet")))
+    ids = table.column("id").to_pylist()
+    return dict(zip(ids, np.asarray(table.column("embedding").to_pylist()), strict=True))
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+def test_embed_job_equals_sentence_transformers(models, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "text": t} for i, t in
+                                               enumerate(TEXTS)])  # fmt: skip
+    out = tmp_path / "out"
+    submit(str(data), "--model", str(models / "st"), "--out", str(out))
+    got = vectors(out)
+    assert sorted(got) == sorted(f"r{i}" for i in range(len(TEXTS)))
+    expect = SentenceTransformer(str(models / "st"), device="cpu").encode(TEXTS)
+    mine = np.stack([got[f"r{i}"] for i in range(len(TEXTS))])
+    assert cosine(mine, expect).min() >= 0.99999
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["fingerprint"]["task"]["task"] == "embed"
+
+
+def test_score_and_rerank_jobs_equal_cross_encoder(models, tmp_path):
+    from sentence_transformers import CrossEncoder
+
+    pairs = list(zip(TEXTS[:8], TEXTS[8:], strict=True))
+    expect = CrossEncoder(str(models / "ce"), device="cpu").predict(pairs)
+    score_in = write_jsonl(tmp_path / "s.jsonl", [{"query": q, "document": d} for q, d in pairs])
+    submit(str(score_in), "--model", str(models / "ce"), "--task", "score",
+           "--out", str(tmp_path / "s"))  # fmt: skip
+    records = [json.loads(x) for x in (tmp_path / "s" / "results-00000.jsonl").open()]
+    got = {int(r["id"]): r["score"] for r in records}
+    assert np.allclose([got[i] for i in range(8)], expect, atol=1e-5)
+
+    query = TEXTS[0]
+    docs = TEXTS[8:]
+    rerank_in = write_jsonl(tmp_path / "r.jsonl", [{"id": "q", "query": query, "documents": docs}])
+    submit(str(rerank_in), "--model", str(models / "ce"), "--task", "rerank",
+           "--out", str(tmp_path / "r"))  # fmt: skip
+    (record,) = [json.loads(x) for x in (tmp_path / "r" / "results-00000.jsonl").open()]
+    expect = CrossEncoder(str(models / "ce"), device="cpu").predict([(query, d) for d in docs])
+    assert np.allclose(record["scores"], expect, atol=1e-5)
+
+
+def test_bad_rows_go_to_the_errors_shard(models, tmp_path):
+    rows = [{"query": "q", "document": "d"}, {"query": "q"}, {"query": "", "document": "d"},
+            {"text_1": "a", "text_2": "b"}]  # fmt: skip
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    submit(str(data), "--model", str(models / "ce"), "--task", "score", "--out", str(tmp_path / "o"))
+    errors = [json.loads(x) for x in (tmp_path / "o" / "errors-00000.jsonl").open()]
+    assert sorted(e["id"] for e in errors) == ["1", "2"]
+    assert any("document" in json.dumps(e) for e in errors)
+    ok = [json.loads(x) for x in (tmp_path / "o" / "results-00000.jsonl").open()]
+    assert sorted(r["id"] for r in ok) == ["0", "3"]
+
+    embed = write_jsonl(tmp_path / "e.jsonl", [{"text": "fine"}, {"text": ""}, {"other": 1}])
+    submit(str(embed), "--model", str(models / "st"), "--out", str(tmp_path / "e"))
+    errors = [json.loads(x) for x in (tmp_path / "e" / "errors-00000.jsonl").open()]
+    assert sorted(e["id"] for e in errors) == ["1", "2"]
+    assert list(vectors(tmp_path / "e")) == ["0"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--task", "generate", "--dimensions", "8"], "--dimensions"),
+        (["--task", "score", "--pooling", "mean"], "--task embed only"),
+        (["--task", "embed", "--raw-scores"], "--raw-scores"),
+    ],
+)
+def test_a_bad_combination_exits_2_naming_what_is_supported(models, tmp_path, args, message):
+    data = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    result = CliRunner().invoke(main, ["submit", str(data), "--model", str(models / "st"),
+                                       "--out", str(tmp_path / "o"), *args])  # fmt: skip
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_killed_embed_job_resumes_every_id_once_and_exports_in_input_order(models, tmp_path):
+    n = 2000
+    texts = [f"row {i}: " + "word " * (i % 37) for i in range(n)]
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": f"id{i}", "text": t} for i, t in
+                                               enumerate(texts)])  # fmt: skip
+    args = ["submit", str(data), "--model", str(models / "st"), "--in-process", "-q",
+            "--commit-every", "100"]  # fmt: skip
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    submit(*args[1:-2], "--out", str(clean), "--commit-every", "100")
+    cmd = [sys.executable, "-P", "-m", "batchrun.cli", *args, "--out", str(killed)]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 120
+    while not list(killed.glob("vectors-00002.parquet")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    manifest = json.loads((killed / "manifest.json").read_text())
+    assert manifest["status"] == "running"  # killed mid-run
+    subprocess.run(cmd, check=True)
+    got, expect = vectors(killed), vectors(clean)
+    assert len(got) == n and sorted(got) == sorted(expect)
+    ids = [f"id{i}" for i in range(n)]
+    assert cosine(np.stack([got[i] for i in ids]), np.stack([expect[i] for i in ids])).min() >= (
+        0.999999
+    )
+    result = CliRunner().invoke(main, ["export", str(killed)])
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(killed / "export.parquet")
+    assert table.column("id").to_pylist() == ids
