@@ -59,6 +59,7 @@ class RunOutput:
         self.vector_files = _with_prefix(files, VECTORS_PREFIX)
         self.embedding_dtype = "float32"
         self._vector_ids: list[str] = []
+        self._vector_rows: list[int] = []
         self._vectors: list[np.ndarray] = []
         self.notes: list[str] = []  # what a resume repaired
         self._committed = np.zeros(0, dtype=bool)  # bitmap over row numbers committed before
@@ -166,6 +167,7 @@ class RunOutput:
     def add_vector(self, row: int, row_id: str, vector: np.ndarray) -> None:
         """An embed row's vector [D]; it goes into the next commit's vector file."""
         self._vector_ids.append(row_id)
+        self._vector_rows.append(row)
         self._vectors.append(vector)
         self.ledger.add(row)
 
@@ -214,9 +216,10 @@ class RunOutput:
             return False
         name = f"{VECTORS_PREFIX}{len(self.vector_files):05d}.parquet"
         path = self.out / name
-        write_vectors(path, self._vector_ids, np.stack(self._vectors), self.embedding_dtype)
+        vectors = np.stack(self._vectors)
+        write_vectors(path, self._vector_ids, vectors, self.embedding_dtype, self._vector_rows)
         self.vector_files.append(ShardFile(name, len(self._vectors), path.stat().st_size))
-        self._vector_ids, self._vectors = [], []
+        self._vector_ids, self._vector_rows, self._vectors = [], [], []
         return True
 
     def _restore(self, files: list[ShardFile], ledger_rows: int) -> None:

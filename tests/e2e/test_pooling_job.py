@@ -97,7 +97,9 @@ def test_bad_rows_go_to_the_errors_shard(models, tmp_path):
     rows = [{"query": "q", "document": "d"}, {"query": "q"}, {"query": "", "document": "d"},
             {"text_1": "a", "text_2": "b"}]  # fmt: skip
     data = write_jsonl(tmp_path / "in.jsonl", rows)
-    submit(str(data), "--model", str(models / "ce"), "--task", "score", "--out", str(tmp_path / "o"))
+    submit(
+        str(data), "--model", str(models / "ce"), "--task", "score", "--out", str(tmp_path / "o")
+    )
     errors = [json.loads(x) for x in (tmp_path / "o" / "errors-00000.jsonl").open()]
     assert sorted(e["id"] for e in errors) == ["1", "2"]
     assert any("document" in json.dumps(e) for e in errors)
@@ -126,6 +128,7 @@ def test_a_bad_combination_exits_2_naming_what_is_supported(models, tmp_path, ar
     assert result.exit_code == 2 and message in result.output
 
 
+@pytest.mark.slow
 def test_killed_embed_job_resumes_every_id_once_and_exports_in_input_order(models, tmp_path):
     n = 2000
     texts = [f"row {i}: " + "word " * (i % 37) for i in range(n)]
