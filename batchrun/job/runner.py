@@ -108,7 +108,9 @@ class Runner:
                 self.sink = RowSink(config, self.output, self.summary, self.tokenizer, hub)
             else:
                 labels = self.engine.model.labels
-                self.sink = PoolingSink(config.pooling, labels, self.output, self.summary, hub)
+                self.sink = PoolingSink(
+                    config.pooling, labels, self.output, self.summary, hub, config.model_name
+                )
                 self.output.embedding_dtype = config.pooling.embedding_dtype
             self._manifest.kernels = asdict(self.engine.kernels)
         except BaseException:
@@ -359,6 +361,7 @@ class Runner:
         cfg = self.config
         rows = PoolingRows(self.source, cfg.spec, cfg.pooling, self.engine.model, cfg.limit,
                            cfg.read_batch_size)  # fmt: skip
+        self._pipeline = rows  # its `openai` decides the errors' shape
         items = self._tokenized(rows)
         if cfg.order == "prefix":
             items = ordered_windows(items, _input_ids, cfg.order_window)

@@ -5,8 +5,11 @@
     rerank     `query` + `documents` (a list of strings)                one pair per document
     classify   a text column, or `messages` (the chat template applied)  one sequence
 
-A row that cannot run (no such column, an empty text, a pair without its document, longer than
-the model with --no-truncate) becomes a RowError naming its row number and why; the job goes on.
+OpenAI Batch rows (`custom_id`, `url` /v1/embeddings, `body.input` a string or a list) embed
+their texts (pooling/openai_embeddings.py reads the body); their results go to the JSONL output
+in the embeddings response shape. A row that cannot run (no such column, an empty text, a pair
+without its document, longer than the model with --no-truncate) becomes a RowError naming its
+row number and why; the job goes on.
 """
 
 from __future__ import annotations
@@ -15,11 +18,21 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 from batchrun.io.readers import DatasetSource
-from batchrun.io.rows import PreparedRow, RowError, RowSpec, given_id, kept_columns
+from batchrun.io.rows import (
+    PreparedRow,
+    RowError,
+    RowSpec,
+    detect_openai_batch,
+    given_id,
+    kept_columns,
+)
 from batchrun.job.pipeline import read_rows
 from batchrun.params import SamplingParams
 from batchrun.pooling.job_options import PoolingJobOptions
 from batchrun.pooling.model import PoolingModel, TokenRow
+from batchrun.pooling.openai_embeddings import read_body
+
+EMBEDDINGS_URL = "/v1/embeddings"
 
 TEXT_COLUMNS = ("text", "input")
 
@@ -40,6 +53,8 @@ class PoolingRows:
         self.source, self.spec, self.options, self.model = source, spec, options, model
         self.limit, self.batch_size = limit, batch_size
         self.num_truncated = 0  # rows cut to max_seq_length
+        self.openai: bool | None = None  # OpenAI Batch input (known from the first parsed row)
+        self.unseen_columns: set[str] = set()  # (the runner's warning about kept columns)
 
     def __iter__(self) -> Iterator[PoolingRow | RowError]:
         for batch in read_rows(self.source, self.limit, self.batch_size):
@@ -48,6 +63,11 @@ class PoolingRows:
                 if raw.data is None:
                     message = raw.error or "row could not be parsed"
                     yield RowError(str(raw.row), raw.row, raw.kind, message, kept)
+                    continue
+                if self.openai is None:
+                    self.openai = detect_openai_batch(raw.data)
+                if self.openai:
+                    yield self._openai(raw.data, raw.row)
                     continue
                 row_id = given_id(raw.data, self.spec.id_column) or str(raw.row)
                 try:
@@ -61,6 +81,35 @@ class PoolingRows:
                 prepared = PreparedRow(row_id, raw.row, None, None, SamplingParams(), False,
                                        None, {}, kept=kept)  # fmt: skip
                 yield PoolingRow(prepared, token_rows, list(token_rows[0].input_ids))
+
+    def _openai(self, data: dict, row: int) -> PoolingRow | RowError:
+        row_id = str(data.get("custom_id", row))
+        try:
+            if self.options.task != "embed" or data.get("url") != EMBEDDINGS_URL:
+                raise BadRow(
+                    f"url {data.get('url')!r} with --task {self.options.task}; OpenAI Batch input "
+                    f"of a pooling task must be {EMBEDDINGS_URL} rows with --task embed"
+                )
+            try:
+                body = read_body(data.get("body") or {})
+            except ValueError as e:
+                raise BadRow(str(e)) from None
+            width = self.options.dimensions or self.model.hidden_size
+            if body.dimensions is not None and body.dimensions > width:
+                raise BadRow(f"body.dimensions {body.dimensions}: the vectors have {width}")
+            prefix = self.options.query_prefix or ""
+            token_rows = tuple(self._one(t, None, prefix) for t in body.texts)
+        except BadRow as e:
+            return RowError(row_id, row, "invalid_request", f"row {row}: {e}", None)
+        self.num_truncated += any(t.truncated for t in token_rows)
+        extra = {
+            "url": EMBEDDINGS_URL,
+            "model": data["body"].get("model"),
+            "dimensions": body.dimensions,
+            "encoding_format": body.encoding_format,
+        }
+        prepared = PreparedRow(row_id, row, None, None, SamplingParams(), True, None, extra)
+        return PoolingRow(prepared, token_rows, list(token_rows[0].input_ids))
 
     # -- one row ---------------------------------------------------------------------------------
 

@@ -4,17 +4,19 @@ that cannot run to the errors shard; the row is counted in the summary and on th
 
 from __future__ import annotations
 
+import uuid
 from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 
-from batchrun.io.records import encode_line, error_record
+from batchrun.io.records import encode_line, error_record, openai_error_record
 from batchrun.io.rows import PreparedRow, RowError
 from batchrun.job.commit import RunOutput
 from batchrun.job.summary import RunSummary
 from batchrun.pooling.job_engine import PooledRow
 from batchrun.pooling.job_options import PoolingJobOptions
+from batchrun.pooling.openai_embeddings import response_body
 from batchrun.progress.bar import Progress
 
 if TYPE_CHECKING:
@@ -24,9 +26,16 @@ _encoder = msgspec.json.Encoder()
 
 
 class PoolingSink:
-    def __init__(self, options: PoolingJobOptions, labels: tuple[str, ...], output: RunOutput,
-                 summary: RunSummary, hub: ProgressHub | None) -> None:  # fmt: skip
-        self.options, self.labels = options, labels
+    def __init__(
+        self,
+        options: PoolingJobOptions,
+        labels: tuple[str, ...],
+        output: RunOutput,
+        summary: RunSummary,
+        hub: ProgressHub | None,
+        model_name: str,
+    ) -> None:
+        self.options, self.labels, self.model_name = options, labels, model_name
         self.output, self.summary, self.hub = output, summary, hub
         self.progress = Progress(None, quiet=True)  # the runner's bar once the run starts
 
@@ -37,7 +46,10 @@ class PoolingSink:
         s.completions += 1
         s.prompt_tokens += pooled.num_tokens
         task = self.options.task
-        if task == "embed":
+        if prepared.openai:
+            lines = [self._openai_line(prepared, pooled)]
+            self.output.add_result(prepared.row, lines)
+        elif task == "embed":
             vector = pooled.values[0].numpy().astype(np.float32, copy=False)
             self.output.add_vector(prepared.row, prepared.id, vector)
             lines: list[bytes] = []
@@ -53,6 +65,25 @@ class PoolingSink:
             self.hub.add_rows(lines)
             self.hub.update(s)
 
+    def _openai_line(self, prepared: PreparedRow, pooled: PooledRow) -> bytes:
+        """An OpenAI Batch /v1/embeddings row's output line (the embeddings response shape);
+        body.dimensions keeps the first N and renormalizes, as the API does."""
+        vectors = np.stack([v.numpy() for v in pooled.values]).astype(np.float32)
+        dims = prepared.extra.get("dimensions")
+        if dims is not None:
+            vectors = vectors[:, :dims]
+            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
+        model = prepared.extra.get("model") or self.model_name
+        body = response_body(vectors, model, pooled.num_tokens, prepared.extra["encoding_format"])
+        hex_id = uuid.uuid4().hex
+        record = {
+            "id": f"batch_req_{hex_id}",
+            "custom_id": prepared.id,
+            "response": {"status_code": 200, "request_id": hex_id, "body": body},
+            "error": None,
+        }
+        return _encoder.encode(record) + b"\n"
+
     def _record(self, pooled: PooledRow) -> dict:
         task, values = self.options.task, pooled.values
         if task == "score":
@@ -67,7 +98,7 @@ class PoolingSink:
 
     def error(self, error: RowError, openai: bool = False) -> None:
         self.summary.add_error(error.type)
-        line = encode_line(error_record(error))
+        line = encode_line(openai_error_record(error) if openai else error_record(error))
         self.output.add_error(error.row, line)
         self.progress.rows(1)
         if self.hub is not None:

@@ -113,6 +113,41 @@ def test_bad_rows_go_to_the_errors_shard(models, tmp_path):
     assert list(vectors(tmp_path / "e")) == ["0"]
 
 
+def test_openai_embeddings_rows_get_the_embeddings_response(models, tmp_path):
+    import base64
+
+    from sentence_transformers import SentenceTransformer
+
+    def row(cid, body):
+        return {"custom_id": cid, "method": "POST", "url": "/v1/embeddings", "body": body}
+
+    rows = [
+        row("a", {"model": "m", "input": TEXTS[0]}),
+        row("b", {"model": "m", "input": TEXTS[1:4], "encoding_format": "base64"}),
+        row("c", {"model": "m", "input": TEXTS[4], "dimensions": 16}),
+        row("d", {"model": "m", "input": [1, 2]}),
+    ]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    submit(str(data), "--model", str(models / "st"), "--out", str(tmp_path / "o"))
+    out = {
+        r["custom_id"]: r for r in map(json.loads, (tmp_path / "o" / "results-00000.jsonl").open())
+    }
+    st = SentenceTransformer(str(models / "st"), device="cpu")
+    expect = st.encode(TEXTS[:5])
+    a = out["a"]["response"]["body"]
+    assert a["object"] == "list" and a["model"] == "m" and a["usage"]["prompt_tokens"] > 0
+    assert cosine(np.array(a["data"][0]["embedding"]), expect[0]) >= 0.99999
+    b = out["b"]["response"]["body"]["data"]
+    got = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in b])
+    assert [d["index"] for d in b] == [0, 1, 2] and cosine(got, expect[1:4]).min() >= 0.99999
+    c = np.array(out["c"]["response"]["body"]["data"][0]["embedding"])
+    cut = expect[4][:16] / np.linalg.norm(expect[4][:16])
+    assert c.shape == (16,) and np.allclose(c, cut, atol=1e-5)
+    (error,) = [json.loads(x) for x in (tmp_path / "o" / "errors-00000.jsonl").open()]
+    assert error["custom_id"] == "d" and "token-id" in json.dumps(error)
+    assert not list((tmp_path / "o").glob("vectors-*"))
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
