@@ -265,6 +265,8 @@ class Runner:
                 if self.source.columns is None:  # JSON rows: a kept column no row had
                     unseen = sorted(self._pipeline.unseen_columns) if self._pipeline else []
                     self.warnings += [no_column_warning(c, None) for c in unseen]
+            if isinstance(self._pipeline, PoolingRows) and self._pipeline.num_truncated:
+                self.warnings.append(self._pipeline.truncation_note())
         finally:
             progress.close()
             self._requests_iter.close()

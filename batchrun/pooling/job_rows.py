@@ -82,6 +82,13 @@ class PoolingRows:
                                        None, {}, kept=kept)  # fmt: skip
                 yield PoolingRow(prepared, token_rows, list(token_rows[0].input_ids))
 
+    def truncation_note(self) -> str:
+        return (
+            f"{self.num_truncated:,} rows of this attempt were longer than the model's "
+            f"{self.model.max_len} tokens and were cut as sentence-transformers cuts them "
+            "(--no-truncate makes them row errors)"
+        )
+
     def _openai(self, data: dict, row: int) -> PoolingRow | RowError:
         row_id = str(data.get("custom_id", row))
         try:

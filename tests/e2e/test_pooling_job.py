@@ -70,6 +70,16 @@ def test_embed_job_equals_sentence_transformers(models, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["fingerprint"]["task"]["task"] == "embed"
 
+    # a longer text is cut and counted; with --no-truncate it is a row error
+    long_out = tmp_path / "long"
+    result = CliRunner().invoke(main, ["submit", str(data), "--model", str(models / "st"),
+                                       "--out", str(long_out), "--in-process", "-q",
+                                       "--no-truncate"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    errors = [json.loads(x) for x in (long_out / "errors-00000.jsonl").open()]
+    assert errors and all(e["error"]["type"] == "context_length_exceeded" for e in errors)
+    assert len(errors) + len(vectors(long_out)) == len(TEXTS)
+
 
 def test_score_and_rerank_jobs_equal_cross_encoder(models, tmp_path):
     from sentence_transformers import CrossEncoder
