@@ -70,6 +70,11 @@ def test_embed_job_equals_sentence_transformers(models, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["fingerprint"]["task"]["task"] == "embed"
 
+    # the task's options are in the resume fingerprint: another --dimensions is another run
+    result = CliRunner().invoke(main, ["submit", str(data), "--model", str(models / "st"),
+                                       "--out", str(out), "--dimensions", "8"])  # fmt: skip
+    assert result.exit_code != 0 and "--task and its options" in result.output
+
     # a longer text is cut and counted; with --no-truncate it is a row error
     long_out = tmp_path / "long"
     result = CliRunner().invoke(main, ["submit", str(data), "--model", str(models / "st"),
