@@ -163,6 +163,23 @@ def test_openai_embeddings_rows_get_the_embeddings_response(models, tmp_path):
     assert not list((tmp_path / "o").glob("vectors-*"))
 
 
+def test_sharded_embed_job_merges_and_exports_in_input_order(models, tmp_path):
+    n = 40
+    data = write_jsonl(tmp_path / "in.jsonl", [{"text": f"text {i} " * (i % 5 + 1)}
+                                               for i in range(n)])  # fmt: skip
+    out = tmp_path / "o"
+    for i in range(2):
+        submit(str(data), "--model", str(models / "st"), "--out", str(out),
+               "--num-shards", "2", "--shard-index", str(i))  # fmt: skip
+    assert all(list((out / f"shard-{i}").glob("vectors-*.parquet")) for i in range(2))
+    result = CliRunner().invoke(main, ["merge", str(out)])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["export", str(out)])
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out / "export.parquet")
+    assert table.column("id").to_pylist() == [str(i) for i in range(n)]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
