@@ -163,6 +163,17 @@ def test_openai_embeddings_rows_get_the_embeddings_response(models, tmp_path):
     assert not list((tmp_path / "o").glob("vectors-*"))
 
 
+def test_a_deleted_vector_file_runs_its_rows_again(models, tmp_path):
+    data = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
+    out = tmp_path / "o"
+    submit(str(data), "--model", str(models / "st"), "--out", str(out))
+    before = vectors(out)
+    (out / "vectors-00000.parquet").unlink()
+    submit(str(data), "--model", str(models / "st"), "--out", str(out))
+    after = vectors(out)
+    assert sorted(after) == sorted(before) and len(after) == len(TEXTS)
+
+
 def test_sharded_embed_job_merges_and_exports_in_input_order(models, tmp_path):
     n = 40
     data = write_jsonl(tmp_path / "in.jsonl", [{"text": f"text {i} " * (i % 5 + 1)}
