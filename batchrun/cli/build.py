@@ -272,6 +272,11 @@ def build_pooling(o: dict) -> PoolingJobOptions | None:
         return None
     if o["model"] is None:
         raise click.UsageError(f"--task {task} needs --model (an embedding or scoring model)")
+    if o["dp"] > 1 or o["tp"] > 1:
+        raise click.UsageError(
+            f"--task {task} runs on one device; drop --dp / --tp (several GPUs: --num-shards "
+            "with one process per GPU)"
+        )
     try:
         return PoolingJobOptions(
             task,

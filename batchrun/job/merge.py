@@ -11,8 +11,9 @@ Checks, reading only what the shards committed (their manifests and row ledgers)
 When all holds, ``OUT/merged/`` is written: ``results-*.jsonl``, ``errors-*.jsonl`` and an
 embed run's ``vectors-*.parquet`` (hard links to the shards' files, copies where links are not
 possible, renumbered in shard order), ``rows-committed.bin`` and a ``manifest.json`` with the
-summed counts, so ``batchrun inspect OUT/merged`` and ``datasets.load_dataset("json", data_files="OUT/merged/results-*.jsonl")``
-work on it. It is replaced as a whole (built in ``OUT/.merged.tmp``, then renamed).
+summed counts, so ``batchrun inspect OUT/merged`` and
+``datasets.load_dataset("json", data_files="OUT/merged/results-*.jsonl")`` work on it. It is
+replaced as a whole (built in ``OUT/.merged.tmp``, then renamed).
 """
 
 from __future__ import annotations

@@ -197,6 +197,7 @@ def test_sharded_embed_job_merges_and_exports_in_input_order(models, tmp_path):
         (["--task", "generate", "--dimensions", "8"], "--dimensions"),
         (["--task", "score", "--pooling", "mean"], "--task embed only"),
         (["--task", "embed", "--raw-scores"], "--raw-scores"),
+        (["--task", "embed", "--dp", "2"], "one device"),
     ],
 )
 def test_a_bad_combination_exits_2_naming_what_is_supported(models, tmp_path, args, message):
