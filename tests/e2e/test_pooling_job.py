@@ -108,6 +108,27 @@ def test_score_and_rerank_jobs_equal_cross_encoder(models, tmp_path):
     assert np.allclose(record["scores"], expect, atol=1e-5)
 
 
+def test_classify_job_gives_probs_and_labels(tmp_path):
+    import torch
+    from transformers import AutoTokenizer
+
+    hf = make_encoder(tmp_path / "m", "bert", num_labels=3)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "m"))
+    texts = [t for t in TEXTS if len(t) < 100][:6]  # within the model's positions
+    data = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    submit(str(data), "--model", str(tmp_path / "m"), "--out", str(tmp_path / "o"))  # default
+    records = {
+        int(r["id"]): r for r in map(json.loads, (tmp_path / "o" / "results-00000.jsonl").open())
+    }
+    with torch.no_grad():
+        enc = tok(texts, padding=True, return_tensors="pt")
+        probs = hf(**enc).logits.softmax(-1)
+    got = torch.tensor([records[i]["probs"] for i in range(6)])
+    assert torch.allclose(got, probs, atol=1e-5)
+    labels = hf.config.id2label
+    assert [records[i]["label"] for i in range(6)] == [labels[int(p.argmax())] for p in probs]
+
+
 def test_bad_rows_go_to_the_errors_shard(models, tmp_path):
     rows = [{"query": "q", "document": "d"}, {"query": "q"}, {"query": "", "document": "d"},
             {"text_1": "a", "text_2": "b"}]  # fmt: skip
