@@ -36,7 +36,7 @@ ENGINE = "Model and engine"
 KERNELS = "GPU kernels (CUDA)"
 OUTPUT = "Job and output"
 PROGRESS = "Progress"
-TASK = "Task: embed, rerank, score, classify (prefill-only; docs/pooling.md)"
+TASK = "Task: embed, rerank, score, classify (prefill-only: docs/pooling.md)"
 
 NONE = "none"
 MAX_RUNNING_DEFAULT = "512 on CUDA, 1024 there for 3B+ models, 256 on the CPU"

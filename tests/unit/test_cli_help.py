@@ -8,11 +8,20 @@ import pytest
 from click.testing import CliRunner
 
 from batchrun.cli import main
-from batchrun.cli.options import ENGINE, INPUT, KERNELS, OUTPUT, PROGRESS, SAMPLING, STRUCTURED
+from batchrun.cli.options import (
+    ENGINE,
+    INPUT,
+    KERNELS,
+    OUTPUT,
+    PROGRESS,
+    SAMPLING,
+    STRUCTURED,
+    TASK,
+)
 from batchrun.cli.sections import OTHER, section_of
 
 SECTIONS = {
-    "submit": [INPUT, SAMPLING, STRUCTURED, ENGINE, KERNELS, OUTPUT, PROGRESS, OTHER],
+    "submit": [INPUT, SAMPLING, STRUCTURED, ENGINE, KERNELS, TASK, OUTPUT, PROGRESS, OTHER],
     "plan": [INPUT, SAMPLING, ENGINE, OUTPUT, OTHER],
 }
 SCREEN = 40  # lines
