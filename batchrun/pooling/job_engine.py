@@ -48,7 +48,8 @@ class PoolingJobEngine:
             raise ValueError("--task embed / rerank / score / classify needs --model")
         device = config.device if config.device not in (None, "auto") else (
             "cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
-        dtype = DTYPES.get(config.dtype, torch.float16 if device == "cuda" else torch.float32)
+        # auto: as --dtype says for every task (bfloat16 on CUDA, float32 elsewhere)
+        dtype = DTYPES.get(config.dtype, torch.bfloat16 if device == "cuda" else torch.float32)
         self.model = load_pooling_model(config.model, dtype, device, config.load_format)
         task = TaskOptions(options.task, options.pooling, options.normalize, options.dimensions,
                            options.raw_scores)  # fmt: skip
