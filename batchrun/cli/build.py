@@ -18,6 +18,7 @@ from batchrun.job.config import SAMPLING_OPTIONS
 from batchrun.job.tokenize import check_chat_template
 from batchrun.models.hub import is_repo_id, resolve_hub_model
 from batchrun.params import SamplingParams
+from batchrun.pooling.job_options import PoolingJobOptions, default_task
 
 
 def build_grammar(o: dict):
@@ -221,3 +222,49 @@ def _read_chat_template(path: str | None) -> str | None:
     except ValueError as e:
         raise click.BadParameter(f"{path}: {e}", param_hint="--chat-template") from e
     return text
+
+
+POOLING_FLAGS = {
+    "pooling": "--pooling",
+    "no_normalize": "--no-normalize",
+    "dimensions": "--dimensions",
+    "query_prefix": "--query-prefix",
+    "raw_scores": "--raw-scores",
+    "no_truncate": "--no-truncate",
+}
+
+
+def build_pooling(o: dict) -> PoolingJobOptions | None:
+    """--task and its options -> PoolingJobOptions (None for generate); a bad combination is a
+    UsageError (exit 2) naming what is supported."""
+    task = o["task"] or default_task(o["model"])
+    if task == "generate":
+        given = [flag for key, flag in POOLING_FLAGS.items() if o[key] not in (None, False)]
+        if o["embedding_dtype"] != "float32":
+            given.append("--embedding-dtype")
+        if given:
+            raise click.UsageError(
+                f"{', '.join(given)} apply to --task embed / rerank / score / classify; this run "
+                "generates (pass --task, or a model that embeds or scores)"
+            )
+        return None
+    if o["model"] is None:
+        raise click.UsageError(f"--task {task} needs --model (an embedding or scoring model)")
+    if o["dp"] > 1 or o["tp"] > 1:
+        raise click.UsageError(
+            f"--task {task} runs on one device; drop --dp / --tp (several GPUs: --num-shards "
+            "with one process per GPU)"
+        )
+    try:
+        return PoolingJobOptions(
+            task,
+            pooling=o["pooling"],
+            normalize=False if o["no_normalize"] else None,
+            dimensions=o["dimensions"],
+            query_prefix=o["query_prefix"],
+            raw_scores=o["raw_scores"],
+            truncate=not o["no_truncate"],
+            embedding_dtype=o["embedding_dtype"],
+        )
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e

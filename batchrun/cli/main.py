@@ -30,6 +30,7 @@ from batchrun import __version__
 from batchrun.cli.build import (
     build_defaults,
     build_engine_config,
+    build_pooling,
     build_spec,
     check_quantization,
     resolve_model,
@@ -47,6 +48,7 @@ from batchrun.cli.options import (
     sampling_options,
     structured_options,
     thinking_options,
+    task_options,
 )
 from batchrun.cli.sections import SectionedCommand
 from batchrun.errors import RunError
@@ -93,6 +95,7 @@ def main() -> None:
 @thinking_options
 @model_options
 @engine_options
+@task_options
 @output_options
 @run_control_options
 @progress_options
@@ -160,6 +163,7 @@ def submit(dataset: str, out: str, **o) -> None:
         tool_call_parser=o["tool_call_parser"],
         num_shards=num_shards,
         shard_index=shard_index,
+        pooling=build_pooling(o),
     )
     server = _progress_server(o["serve_progress"], o["progress_token"])
     try:

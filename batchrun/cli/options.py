@@ -33,6 +33,7 @@ KERNELS = "GPU kernels (CUDA)"
 OUTPUT = "Job and output"
 PROGRESS = "Progress"
 THINKING = "Thinking and tool calls"
+TASK = "Task: embed, rerank, score, classify (prefill-only: docs/pooling.md)"
 
 NONE = "none"
 MAX_RUNNING_DEFAULT = "512 on CUDA, 1024 there for 3B+ models, 256 on the CPU"
@@ -485,6 +486,60 @@ def parse_columns(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
                 )
             names[name] = None
     return tuple(names)
+
+
+task_options = option_group(
+    TASK,
+    click.option(
+        "--task",
+        type=click.Choice(["generate", "embed", "rerank", "score", "classify"]),
+        default=None,
+        show_default="from the model: embed for an encoder / ...Model / sentence-transformers "
+        "folder, classify for ...ForSequenceClassification, else generate",
+        help="What each row gets: a completion, a vector, scores or label probabilities.",
+    ),
+    click.option(
+        "--pooling",
+        type=click.Choice(["mean", "cls", "last"]),
+        default=None,
+        show_default="the sentence-transformers folder's",
+        help="embed: how token states become one vector.",
+    ),
+    click.option(
+        "--no-normalize", is_flag=True, help="embed: keep the vectors' length (no L2 norm)."
+    ),
+    click.option(
+        "--dimensions",
+        metavar="N",
+        type=click.IntRange(min=1),
+        default=None,
+        show_default="the model's",
+        help="embed: the first N dimensions (Matryoshka), renormalized.",
+    ),
+    click.option(
+        "--query-prefix",
+        metavar="TEXT",
+        default=None,
+        show_default=NONE,
+        help="Put before every embed text / score and rerank query (a yes/no reranker: its "
+        "instruction).",
+    ),
+    click.option(
+        "--raw-scores", is_flag=True, help="rerank / score: logits, not CrossEncoder's sigmoid."
+    ),
+    click.option(
+        "--no-truncate",
+        is_flag=True,
+        help="A row longer than max_seq_length is a row error (default: cut, counted).",
+    ),
+    click.option(
+        "--embedding-dtype",
+        type=click.Choice(["float32", "float16"]),
+        default="float32",
+        show_default=True,
+        help="embed: element type of the Parquet vectors.",
+    ),
+)
 
 
 output_options = option_group(

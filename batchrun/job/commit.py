@@ -15,6 +15,7 @@ lost records run again (job/salvage.py), whether or not the run was complete.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -32,12 +33,14 @@ from batchrun.io.writer import (
 )
 from batchrun.job.resume import fingerprint_diff
 from batchrun.job.salvage import find_damage, salvage
+from batchrun.pooling.vector_shard import write_vectors
 
 OUR_FILES = (
     "results-",
     "errors-",
     ".results-",
     ".errors-",
+    "vectors-",
     RowLedger.NAME,
     MANIFEST_NAME,
     *SPOOL_NAMES,
@@ -52,6 +55,12 @@ class RunOutput:
         self.results = ShardedWriter(out, "results", shard_size, _with_prefix(files, "results-"))
         self.errors = ShardedWriter(out, "errors", shard_size, _with_prefix(files, "errors-"))
         self.ledger = RowLedger(out, manifest.ledger_rows)
+        # embed runs: one Parquet file of (id, embedding) per commit that has vectors
+        self.vector_files = _with_prefix(files, VECTORS_PREFIX)
+        self.embedding_dtype = "float32"
+        self._vector_ids: list[str] = []
+        self._vector_rows: list[int] = []
+        self._vectors: list[np.ndarray] = []
         self.notes: list[str] = []  # what a resume repaired
         self._committed = np.zeros(0, dtype=bool)  # bitmap over row numbers committed before
         self.last_commit = time.monotonic()
@@ -118,13 +127,23 @@ class RunOutput:
         return run
 
     def _repair(self) -> None:
-        self.notes += self.results.repair() + self.errors.repair()
+        self.notes += self.results.repair() + self.errors.repair() + self._repair_vectors()
         rows = self.ledger.repair()
         if len(rows):
             self._committed = np.zeros(int(rows.max()) + 1, dtype=bool)
             self._committed[rows] = True
         if self.notes:
             fsync_dir(self.out)
+
+    def _repair_vectors(self) -> list[str]:
+        """Vector files no commit lists (a kill between their write and the manifest) go."""
+        listed = {f.path for f in self.vector_files}
+        notes = []
+        for p in sorted(self.out.iterdir()):
+            if _VECTOR_FILE.match(p.name) and p.name not in listed:
+                p.unlink()
+                notes.append(f"{p.name}: removed (not committed)")
+        return notes
 
     @property
     def is_complete(self) -> bool:
@@ -145,6 +164,13 @@ class RunOutput:
             self.results.add(line)
         self.ledger.add(row)
 
+    def add_vector(self, row: int, row_id: str, vector: np.ndarray) -> None:
+        """An embed row's vector [D]; it goes into the next commit's vector file."""
+        self._vector_ids.append(row_id)
+        self._vector_rows.append(row)
+        self._vectors.append(vector)
+        self.ledger.add(row)
+
     def add_error(self, row: int, line: bytes) -> None:
         self.errors.add(line)
         self.ledger.add(row)
@@ -159,12 +185,13 @@ class RunOutput:
         RunError says so; the committed rows stay valid for a resume."""
         m = self.manifest
         committed = ([ShardFile(f.path, f.rows, f.bytes) for f in m.files], m.ledger_rows)
+        num_vector_files = len(self.vector_files)
         try:
-            created = self.results.commit() | self.errors.commit()
+            created = self.results.commit() | self.errors.commit() | self._commit_vectors()
             self.ledger.commit()
             if created:
                 fsync_dir(self.out)
-            m.files = list(self.results.files) + list(self.errors.files)
+            m.files = list(self.results.files) + list(self.errors.files) + self.vector_files
             m.ledger_rows = self.ledger.committed
             m.counts = counts
             if status is not None:
@@ -174,6 +201,7 @@ class RunOutput:
             write_manifest(self.out, m)
         except OSError as e:
             m.files, m.ledger_rows = committed
+            del self.vector_files[num_vector_files:]
             self._restore(*committed)
             raise RunError(
                 f"cannot write to {self.out}: {e.strerror or e}; the run stopped. The "
@@ -181,6 +209,18 @@ class RunOutput:
                 "disk) and run the same command again to resume"
             ) from e
         self.last_commit = time.monotonic()
+
+    def _commit_vectors(self) -> bool:
+        """Write the buffered vectors as a new file (atomic); whether one was created."""
+        if not self._vectors:
+            return False
+        name = f"{VECTORS_PREFIX}{len(self.vector_files):05d}.parquet"
+        path = self.out / name
+        vectors = np.stack(self._vectors)
+        write_vectors(path, self._vector_ids, vectors, self.embedding_dtype, self._vector_rows)
+        self.vector_files.append(ShardFile(name, len(self._vectors), path.stat().st_size))
+        self._vector_ids, self._vector_rows, self._vectors = [], [], []
+        return True
 
     def _restore(self, files: list[ShardFile], ledger_rows: int) -> None:
         """Best effort: cut the files back to the last commit (a resume would do it anyway)."""
@@ -194,6 +234,10 @@ class RunOutput:
     def close(self) -> None:
         self.results.close()
         self.errors.close()
+
+
+VECTORS_PREFIX = "vectors-"
+_VECTOR_FILE = re.compile(r"^vectors-\d+\.parquet(\.tmp)?$")
 
 
 def _with_prefix(files: list[ShardFile], prefix: str) -> list[ShardFile]:

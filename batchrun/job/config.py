@@ -11,6 +11,7 @@ from batchrun.engine_process.notify import DEFAULT_NOTIFY_BATCH
 from batchrun.io.rows import RowSpec
 from batchrun.job.order import DEFAULT_WINDOW, ORDERS
 from batchrun.params import SamplingParams
+from batchrun.pooling.job_options import PoolingJobOptions
 
 EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -82,6 +83,7 @@ class RunConfig:
     # batchrun/chat/parsers.py: what of the output is reasoning and which parts are tool calls
     reasoning_parser: str = "auto"
     tool_call_parser: str = "auto"
+    pooling: PoolingJobOptions | None = None  # --task embed / rerank / score / classify
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:

@@ -31,6 +31,7 @@ from batchrun.job.export_writer import KEEP, ExportFile, InputTypes, record_fiel
 from batchrun.job.merge import MERGED_DIR, shard_dirs
 from batchrun.job.pipeline import read_rows
 from batchrun.job.resume import input_identity, normalize
+from batchrun.pooling.vector_export import export_vectors, vector_files
 
 FORMATS = ("parquet", "jsonl")
 SORTS = ("row", "none")
@@ -102,6 +103,11 @@ def export_run(
         fmt = "jsonl" if output is not None and str(output).endswith(".jsonl") else "parquet"
     path = Path(output) if output is not None else out / f"export.{fmt}"
     report.fmt, report.sort, report.output = fmt, sort, path
+    if vector_files(manifest):  # an embed run: its vectors, in input order
+        if fmt != "parquet":
+            raise ExportError("an embed run's vectors export as Parquet only", exit_code=2)
+        report.num_results = report.num_rows = export_vectors(run_dir, manifest, path)
+        return report
     files = [f for f in manifest.files if f.path.startswith(("results-", "errors-"))]
     if _is_openai(run_dir, files):
         raise ExportError(

@@ -8,11 +8,12 @@ Checks, reading only what the shards committed (their manifests and row ledgers)
   reported as missing, rows committed more than once as duplicates (with their ids, read back
   from the input as ``submit`` reads them: id column, ``custom_id`` or row number).
 
-When all holds, ``OUT/merged/`` is written: ``results-*.jsonl`` and ``errors-*.jsonl`` (hard
-links to the shards' files, copies where links are not possible, renumbered in shard order),
-``rows-committed.bin`` and a ``manifest.json`` with the summed counts, so ``batchrun inspect
-OUT/merged`` and ``datasets.load_dataset("json", data_files="OUT/merged/results-*.jsonl")``
-work on it. It is replaced as a whole (built in ``OUT/.merged.tmp``, then renamed).
+When all holds, ``OUT/merged/`` is written: ``results-*.jsonl``, ``errors-*.jsonl`` and an
+embed run's ``vectors-*.parquet`` (hard links to the shards' files, copies where links are not
+possible, renumbered in shard order), ``rows-committed.bin`` and a ``manifest.json`` with the
+summed counts, so ``batchrun inspect OUT/merged`` and
+``datasets.load_dataset("json", data_files="OUT/merged/results-*.jsonl")`` work on it. It is
+replaced as a whole (built in ``OUT/.merged.tmp``, then renamed).
 """
 
 from __future__ import annotations
@@ -197,6 +198,11 @@ def _check_file(path: Path, f: ShardFile) -> str | None:
     length = f.bytes if f.bytes is not None else path.stat().st_size
     if path.stat().st_size < length:
         return f"{f.path} is shorter than its committed {length} bytes"
+    if f.path.endswith(".parquet"):  # an embed run's vectors (written whole, atomically)
+        import pyarrow.parquet as pq  # local: merge starts without pyarrow otherwise
+
+        rows = pq.ParquetFile(path).metadata.num_rows
+        return None if rows == f.rows else f"{f.path}: {rows} rows, manifest says {f.rows}"
     lines, left = 0, length
     with open(path, "rb") as fh:
         while left:
@@ -259,13 +265,13 @@ def _write_merged(
     files: list[ShardFile] = []
     counts = Counts()
     ledgers = []
-    for prefix in ("results", "errors"):
+    for prefix, suffix in (("results", "jsonl"), ("errors", "jsonl"), ("vectors", "parquet")):
         k = 0
         for i, m in manifests.items():
             for f in m.files:
                 if not f.path.startswith(prefix + "-"):
                     continue
-                name = f"{prefix}-{k:05d}.jsonl"
+                name = f"{prefix}-{k:05d}.{suffix}"
                 _link_or_copy(dirs[i] / f.path, tmp / name, f.bytes)
                 files.append(ShardFile(name, f.rows, f.bytes))
                 k += 1

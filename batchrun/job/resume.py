@@ -42,6 +42,7 @@ LABELS = {
     "seed": "--seed",
     "output": "output options (--token-ids, --keep-columns, --reasoning-parser, "
     "--tool-call-parser)",
+    "task": "--task and its options (--pooling, --dimensions, --query-prefix, ...)",
 }
 
 
@@ -119,7 +120,7 @@ def make_fingerprint(config: RunConfig, input_format: str, input_ident: dict | N
     for key in ("reasoning_parser", "tool_call_parser"):
         if getattr(cfg, key) != "auto":
             output[key] = getattr(cfg, key)
-    return {
+    fp = {
         "batchrun_version": __version__,
         "model": model_identity(cfg.engine.model, cfg.engine.load_format, cfg.engine.quantization),
         "input": input_ident or input_identity(cfg.dataset, input_format, cfg.split),
@@ -130,6 +131,9 @@ def make_fingerprint(config: RunConfig, input_format: str, input_ident: dict | N
         "seed": cfg.engine.seed,
         "output": output,
     }
+    if cfg.pooling is not None:  # NOTE: only for pooling tasks: generate runs keep theirs
+        fp["task"] = asdict(cfg.pooling)
+    return fp
 
 
 def _rows_identity(config: RunConfig) -> dict:

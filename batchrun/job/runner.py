@@ -46,6 +46,9 @@ from batchrun.job.signals import EXIT_INTERRUPTED, StopSignals
 from batchrun.job.summary import RunSummary
 from batchrun.job.tokenize import TokenizedRow
 from batchrun.params import EngineCounters, GenerateRequest, GenerateResult
+from batchrun.pooling.job_engine import PoolingJobEngine, PoolJobRequest
+from batchrun.pooling.job_rows import PoolingRows
+from batchrun.pooling.job_sink import PoolingSink
 from batchrun.progress.bar import Progress
 
 if TYPE_CHECKING:
@@ -111,7 +114,14 @@ class Runner:
         try:
             self.engine = engine or self._start_engine()
             self.tokenizer = self.engine.tokenizer
-            self.sink = RowSink(config, self.output, self.summary, self.tokenizer, hub)
+            if config.pooling is None:
+                self.sink = RowSink(config, self.output, self.summary, self.tokenizer, hub)
+            else:
+                labels = self.engine.model.labels
+                self.sink = PoolingSink(
+                    config.pooling, labels, self.output, self.summary, hub, config.model_name
+                )
+                self.output.embedding_dtype = config.pooling.embedding_dtype
             self._manifest.kernels = asdict(self.engine.kernels)
         except BaseException:
             self._stop.restore()
@@ -127,6 +137,8 @@ class Runner:
 
     def _start_engine(self) -> Engine | EngineProcess | DataParallelEngine:
         cfg = self.config
+        if cfg.pooling is not None:  # prefill-only tasks: in this process, one device
+            return PoolingJobEngine(cfg.engine, cfg.pooling)
         if not cfg.engine_process:
             if cfg.engine.tp_size > 1:
                 return start_tp_engine(cfg.engine, cfg.engine.tp_size)
@@ -199,6 +211,7 @@ class Runner:
             "defaults": msgspec.to_builtins(cfg.defaults),
             "engine": asdict(cfg.engine),
             "served_model_name": cfg.model_name,
+            **({"task": asdict(cfg.pooling)} if cfg.pooling is not None else {}),
         }
 
     @property
@@ -273,6 +286,8 @@ class Runner:
                 if self.source.columns is None:  # JSON rows: a kept column no row had
                     unseen = sorted(self._pipeline.unseen_columns) if self._pipeline else []
                     self.warnings += [no_column_warning(c, None) for c in unseen]
+            if isinstance(self._pipeline, PoolingRows) and self._pipeline.num_truncated:
+                self.warnings.append(self._pipeline.truncation_note())
         finally:
             progress.close()
             self._requests_iter.close()
@@ -341,8 +356,11 @@ class Runner:
     def _commit(self, status: str | None = None, finished: str | None = None) -> None:
         self.output.commit(self.summary.counts(), status, finished)
 
-    def _requests(self) -> Iterator[GenerateRequest]:
+    def _requests(self) -> Iterator[GenerateRequest | PoolJobRequest]:
         cfg = self.config
+        if cfg.pooling is not None:
+            yield from self._pool_requests()
+            return
         self._pipeline = RowPipeline(
             self.source,
             cfg.spec,
@@ -360,7 +378,22 @@ class Runner:
         for item in rows:
             yield self._request(item)
 
-    def _tokenized(self, pipeline: RowPipeline) -> Iterator[TokenizedRow]:
+    def _pool_requests(self) -> Iterator[PoolJobRequest]:
+        """A pooling task's rows (job/pooling's PoolingRows) as the engine's requests, through the
+        same shard / resume filter and prefix order as generate's."""
+        cfg = self.config
+        rows = PoolingRows(self.source, cfg.spec, cfg.pooling, self.engine.model, cfg.limit,
+                           cfg.read_batch_size)  # fmt: skip
+        self._pipeline = rows  # its `openai` decides the errors' shape
+        items = self._tokenized(rows)
+        if cfg.order == "prefix":
+            items = ordered_windows(items, _input_ids, cfg.order_window)
+        for item in items:
+            rid = str(item.prepared.row)
+            self._pending[rid] = (item.prepared, [])
+            yield PoolJobRequest(rid, item.token_rows)
+
+    def _tokenized(self, pipeline: RowPipeline | PoolingRows) -> Iterator[TokenizedRow]:
         """This shard's rows that no earlier attempt committed (bad rows go to errors here)."""
         num_shards, index = self.config.num_shards, self.config.shard_index
         committed = self.output.is_committed
@@ -389,6 +422,10 @@ class Runner:
 
     def _on_result(self, result: GenerateResult) -> None:
         """One sample of a row; the row is written once its n samples are in."""
+        if self.config.pooling is not None:  # a pooled row: all of it at once
+            prepared, _ = self._pending.pop(result.rid)
+            self.sink.results(prepared, result)
+            return
         prepared, done = self._pending[result.rid]
         done.append(self.sink.completion(prepared, result))
         if result.error:

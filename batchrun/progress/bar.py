@@ -48,6 +48,16 @@ class Progress:
             return
         self._last_postfix = now
         elapsed = now - self.start
+        if counters.generated_tokens == 0 and counters.num_running == 0 and counters.kv_total == 0:
+            # a prefill-only engine (embed / score / ...): input tokens are its work
+            self._rate.add(elapsed, counters.num_forward_tokens)
+            self.postfix = (
+                f"{self._rate.rate():,.0f} input tok/s "
+                f"(avg {counters.num_forward_tokens / elapsed:,.0f}), "
+                f"{counters.num_waiting} waiting"
+            )
+            self.bar.set_postfix_str(self.postfix, refresh=False)
+            return
         generated = counters.generated_tokens
         self._rate.add(elapsed, generated)
         recent = self._rate.rate()

@@ -149,6 +149,12 @@ SHELL_NOT_RUN = {
     "batchrun tail": "needs a run serving progress (tests/e2e/test_progress_server.py)",
     "batchrun export runs/exp": "needs a run (tests/e2e/test_inputs_export.py exports runs)",
     "batchrun serve": "starts a server (tests/e2e/test_serve.py runs one)",
+    "batchrun submit passages.parquet": "needs an embedding model (tests/e2e/test_pooling_job.py "
+    "runs embed, score, rerank and classify jobs on tiny ones)",
+    "--task score": "needs a cross-encoder (tests/e2e/test_pooling_job.py)",
+    "--task rerank": "needs a cross-encoder (tests/e2e/test_pooling_job.py)",
+    "--task classify": "needs a reward model (tests/e2e/test_pooling_job.py classifies)",
+    "batchrun export runs/emb": "needs an embed run (tests/e2e/test_pooling_job.py exports one)",
 }
 # options of other programs that the README mentions
 OTHER_OPTIONS = {"--no-deps", "--signal"}

@@ -17,11 +17,14 @@ from batchrun.cli.options import (
     SAMPLING,
     STRUCTURED,
     THINKING,
+    TASK,
 )
 from batchrun.cli.sections import OTHER, section_of
 
 SECTIONS = {
-    "submit": [INPUT, SAMPLING, STRUCTURED, THINKING, ENGINE, KERNELS, OUTPUT, PROGRESS, OTHER],
+    "submit": [
+        INPUT, SAMPLING, STRUCTURED, THINKING, ENGINE, KERNELS, TASK, OUTPUT, PROGRESS, OTHER
+    ],
     "plan": [INPUT, SAMPLING, ENGINE, OUTPUT, OTHER],
 }
 SCREEN = 40  # lines
