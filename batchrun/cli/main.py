@@ -47,8 +47,8 @@ from batchrun.cli.options import (
     run_control_options,
     sampling_options,
     structured_options,
-    thinking_options,
     task_options,
+    thinking_options,
 )
 from batchrun.cli.sections import SectionedCommand
 from batchrun.errors import RunError

@@ -16,14 +16,23 @@ from batchrun.cli.options import (
     PROGRESS,
     SAMPLING,
     STRUCTURED,
-    THINKING,
     TASK,
+    THINKING,
 )
 from batchrun.cli.sections import OTHER, section_of
 
 SECTIONS = {
     "submit": [
-        INPUT, SAMPLING, STRUCTURED, THINKING, ENGINE, KERNELS, TASK, OUTPUT, PROGRESS, OTHER
+        INPUT,
+        SAMPLING,
+        STRUCTURED,
+        THINKING,
+        ENGINE,
+        KERNELS,
+        TASK,
+        OUTPUT,
+        PROGRESS,
+        OTHER,
     ],
     "plan": [INPUT, SAMPLING, ENGINE, OUTPUT, OTHER],
 }
