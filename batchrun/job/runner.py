@@ -78,8 +78,9 @@ class Runner:
                 raise InputError(f"{self.input.name}: the input has no rows; nothing to do")
             self.input.check_columns(config.spec)
             self._refuse_repeated_custom_ids()
-            if engine is None:
-                check_model(config.engine)  # before --out is made and the tokenizer loads
+            # before --out is made and the tokenizer loads (a pooling task's model: its loader)
+            if engine is None and config.pooling is None:
+                check_model(config.engine)
             self.warnings = self.input.check_keep_columns(config.spec.keep_columns)
             fresh = Manifest(
                 created=utc_now(),
