@@ -1,13 +1,13 @@
-"""Engine configuration: EngineConfig (the user's choices) and KernelConfig (the kernel plan).
+"""Engine configuration: EngineConfig (the user's choices) and KernelPlan (the kernel plan).
 
 Both are frozen (build a new one with dataclasses.replace). EngineConfig holds what a user
 chooses, each with a CLI option: among them the few kernel choices (the reference path or the
 fast path, CUDA graphs and their largest batch, the compatibility switches PDL and host gate,
 quantized weights dequantized or kept). Fields left at "auto" / None are resolved once, when the
-engine starts: the step sizes by `resolve_sizes`; the kernel plan, a KernelConfig with every
+engine starts: the step sizes by `resolve_sizes`; the kernel plan, a KernelPlan with every
 field concrete, by `engine/kernel_choice.py`'s rules from the device, the torch build and the
 model. The plan is logged at start-up and written into a run's manifest.json. A benchmark
-overrides plan fields explicitly (Engine(config, kernels=KernelConfig(field=...))), never
+overrides plan fields explicitly (Engine(config, kernels=KernelPlan(field=...))), never
 through EngineConfig.
 """
 
@@ -19,7 +19,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DUMMY_INITS = ("normal", "uniform")
-# the kernel plan's fields (KernelConfig), "auto": engine/kernel_choice.py's rule decides
+# the kernel plan's fields (KernelPlan), "auto": engine/kernel_choice.py's rule decides
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 EXTEND_ATTENTIONS = ("auto", "triton", "fa3")
 DECODE_GEMVS = ("auto", "cublas", "triton")
@@ -100,10 +100,10 @@ def _one_of(name: str, value, allowed: tuple) -> None:
 
 
 @dataclass(frozen=True)
-class KernelConfig:
+class KernelPlan:
     """The kernel plan: what the GPU path runs, every field concrete once resolved
     (engine/kernel_choice.py holds the rule of each; on the CPU everything is plain PyTorch,
-    `reference()`). A field left "auto" / None is the rule's to decide: so KernelConfig(...) with
+    `reference()`). A field left "auto" / None is the rule's to decide: so KernelPlan(...) with
     a few fields set is also how a benchmark or a test overrides the plan (Engine(config,
     kernels=...)); an override that cannot run here is refused with a message.
 
@@ -169,7 +169,7 @@ class KernelConfig:
     moe_prefill: str = "auto"
 
     @classmethod
-    def reference(cls) -> KernelConfig:
+    def reference(cls) -> KernelPlan:
         """Plain PyTorch everywhere: what the CPU resolves to, and the reference on CUDA."""
         return cls(
             attention="torch",

@@ -15,7 +15,7 @@ kernels/fused_moe.py's grouped GEMMs take four (align, gate_up, down, sum).
 moe_gemv_residual also adds the residual stream in the down kernel's epilogue and, for one token,
 normalizes the sum in the column tile that finishes last (kernels/gemv.py's gemv_residual does the
 same for a dense matmul): a decoder layer's residual add after its experts and the next layer's
-input norm cost no kernel (models/fused_decode.py, KernelConfig.decode_norms). With PDL
+input norm cost no kernel (models/fused_decode.py, KernelPlan.decode_norms). With PDL
 (kernels/pdl.py) gate_up waits first (its expert ids are the router's output, the kernel before)
 and down loads its ids and first weight tile before its wait.
 

@@ -55,7 +55,7 @@ def tokens_per_pass(top_k: int, intermediate: int) -> int:
 def takes_grouped_mm(
     num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int
 ) -> bool:
-    """Whether a batch of T = num_tokens runs here (KernelConfig.moe_prefill "grouped_mm"): past
+    """Whether a batch of T = num_tokens runs here (KernelPlan.moe_prefill "grouped_mm"): past
     MIN_ROWS_PER_EXPERT routed rows an expert, counted at tile_tokens(T) (a step padded to a
     graph's size decides as its eager run does), in passes no shorter than fused_moe's (each pass
     reads every expert's weights: wide experts, whose h bounds the pass, stay on fused_moe's

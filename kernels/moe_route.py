@@ -12,7 +12,7 @@ chain of small launches (softmax, topk, sum, divide: four a layer, 192 for Qwen3
 layers); this is one.
 
 `route_gemv` is the whole router of a decode batch in one launch (the cast of x, the fp32 matmul
-and the routing: three launches on the path above), for KernelConfig.moe_decode "gemv". It is
+and the routing: three launches on the path above), for KernelPlan.moe_decode "gemv". It is
 launched without PDL: an early launch behind o_proj's matmul with the norm in its last tile
 (decode_norms "all") adds more to the decode chain than a launch after it, and behind the norm
 kernel ("off") PDL changes nothing (docs/benchmarks.md, Other architectures: MoE).

@@ -24,7 +24,7 @@ and non-PDL kernels mix freely on one stream and in one CUDA graph.
 
     _kernel[grid](..., **pdl_launch_kwargs(pdl, x))    # the kernel's PDL constexpr and launch_pdl
 
-Each wrapper takes `pdl` from the engine's KernelConfig (resolved at start-up: on for sm_90+
+Each wrapper takes `pdl` from the engine's KernelPlan (resolved at start-up: on for sm_90+
 GPUs: batchrun/engine/kernel_choice.py); a CUDA graph keeps what it captured.
 """
 

@@ -39,7 +39,7 @@ from batchrun.attention import fa3_cache
 from batchrun.attention.base import AttentionInputs
 from batchrun.attention.torch_backend import TorchAttentionBackend
 from batchrun.attention.triton_backend import TritonAttentionBackend
-from batchrun.config import KernelConfig
+from batchrun.config import KernelPlan
 from batchrun.engine.kernel_choice import supports_pdl
 from batchrun.engine.kv_pool import KVPool
 
@@ -47,7 +47,7 @@ H, KV, D, DTYPE = 32, 8, 128, torch.bfloat16
 DEV = "cuda"
 # what the engine resolves on this GPU for the attention's path: Triton ops, PDL on sm_90+
 KERNELS = replace(
-    KernelConfig.reference(),
+    KernelPlan.reference(),
     attention="triton",
     triton_ops=True,
     pdl=torch.cuda.is_available() and supports_pdl(torch.device(DEV)),

@@ -31,7 +31,7 @@ from triton.testing import do_bench
 
 from batchrun.attention.base import AttentionInputs
 from batchrun.attention.triton_backend import TritonAttentionBackend
-from batchrun.config import KernelConfig
+from batchrun.config import KernelPlan
 from batchrun.engine.kernel_choice import supports_pdl
 from batchrun.engine.kv_pool import KVPool
 from batchrun.quant.kv_cache import KVScale, quantize_kv
@@ -53,7 +53,7 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / do_bench(functools.partial(dst.copy_, src), return_mode="median") / 1e9
 
 
-def build(batch_size: int, context: int, dtype: torch.dtype, kernels: KernelConfig):
+def build(batch_size: int, context: int, dtype: torch.dtype, kernels: KernelPlan):
     """(pool, req_to_token, inputs, q, k, v): contexts of `context` tokens in shuffled slots."""
     gen = torch.Generator().manual_seed(0)
     total = batch_size * context
@@ -79,7 +79,7 @@ def build(batch_size: int, context: int, dtype: torch.dtype, kernels: KernelConf
 
 def bench_case(batch_size: int, context: int, copy_tbs: float, rows: list[dict]) -> None:
     kernels = replace(
-        KernelConfig.reference(),
+        KernelPlan.reference(),
         attention="triton",
         triton_ops=True,
         pdl=supports_pdl(torch.device(DEV)),

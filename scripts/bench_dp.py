@@ -6,7 +6,7 @@
 Every setting runs through the same path: DataParallelEngine (batchrun/engine_process/) with dp
 engine processes (on GPUs 0..dp-1), fed from this process with the workload's requests, routed by
 prefix group and load. The engine options are bench_throughput's (--attention-backend, --kernel
-FIELD=VALUE, ...); the engines' resolved KernelConfig is printed. Each setting is warmed up
+FIELD=VALUE, ...); the engines' resolved KernelPlan is printed. Each setting is warmed up
 (kernels compiled, graphs captured at start-up) before the timed region; the figure is output
 tok/s over the whole workload, tail included. Prints a markdown table with the speed-up over the
 first setting.
@@ -22,7 +22,7 @@ from pathlib import Path
 import benchlib
 from benchlib import greedy_params, make_workload, warmup_prompts
 
-from batchrun.config import EngineConfig, KernelConfig
+from batchrun.config import EngineConfig, KernelPlan
 from batchrun.engine.engine import drive
 from batchrun.engine_process.data_parallel import DataParallelEngine
 from batchrun.params import GenerateRequest
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=64, help="warm-up requests per engine")
     benchlib.add_engine_args(ap)
     args = ap.parse_args(argv)
-    if benchlib.kernel_plan(args) != KernelConfig():
+    if benchlib.kernel_plan(args) != KernelPlan():
         ap.error("the data-parallel engines run their own plans: no --attention-backend, --kernel")
     wl = make_workload(args.workload, args.scale)
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,7 +4,7 @@
                  (per token; per token in groups of 128: a torch chain written here)
     bf16         F.linear on the bf16 weight (cuBLAS): the baseline
     scaled_mm    per-channel FP8: quantize x per token + torch._scaled_mm (row-wise scales);
-                 "fast": the matmul with use_fast_accum (KernelConfig.fp8_fast_accum, the
+                 "fast": the matmul with use_fast_accum (KernelPlan.fp8_fast_accum, the
                  engine's default), the other figures with the sums promoted to fp32
     block        block FP8: quantize x per token and group + cuBLASLt's block-scaled matmul
                  (torch's F.scaled_mm, CUDA 12.9+ on sm_90), and FlashInfer's where installed

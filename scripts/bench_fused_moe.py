@@ -6,10 +6,10 @@
                 where the rule gathers x's routed rows in the aligned order and reads both
                 GEMMs' operands through TMA descriptors (kernels/fused_moe_tma.py): x's rows
                 gathered by the GEMMs themselves; --sweep varies it too
-    grouped_mm  kernels/moe_grouped_mm.py (KernelConfig.moe_prefill "grouped_mm") at prefill sizes:
+    grouped_mm  kernels/moe_grouped_mm.py (KernelPlan.moe_prefill "grouped_mm") at prefill sizes:
                 the experts' matmuls on torch._grouped_mm (CUTLASS on sm_90), the whole MoE and
                 its two grouped GEMMs alone (on inputs gathered beforehand)
-    moe_gemv    kernels/moe_gemv.py (KernelConfig.moe_decode "gemv"), up to GEMV_MAX_ROWS
+    moe_gemv    kernels/moe_gemv.py (KernelPlan.moe_decode "gemv"), up to GEMV_MAX_ROWS
                 routed rows: the decode batches' GEMVs against fused's grouped GEMMs
     loop        the per-expert torch loop (gather, F.linear x2, SiLU, index_add): the baseline
     dense       bf16 torch.mm of the same FLOPs and shapes: [T * k, H] x [H, 2I], then

@@ -15,7 +15,7 @@ grammar-valid garbage: string fields rarely close, so most constrained rows run 
 --output-len, like the unconstrained ones (ignore_eos). Both runs are warmed up first (CUDA
 graphs, the compile, Triton's JIT), then timed alternately --repeats times; the medians are
 shown. The engine options are bench_throughput's (--attention-backend, --kernel FIELD=VALUE,
-...; the resolved KernelConfig goes into the JSON). Prints a markdown row for BENCH.md and
+...; the resolved KernelPlan goes into the JSON). Prints a markdown row for BENCH.md and
 writes the figures as JSON under --out.
 """
 

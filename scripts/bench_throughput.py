@@ -30,13 +30,13 @@ kernel's own TFLOP/s: scripts/bench_attention_kernels.py --extend-cases
 1x16384,1x131072,1x4096+126976.
 Variants (VARIANTS): batchrun, the engine as configured by the options (--attention-backend,
 --cuda-graph-max-bs, --kernel FIELD=VALUE, ...), and each other variant that config with one
-EngineConfig or KernelConfig field changed; hf; prefix-order, batchrun fed in
+EngineConfig or KernelPlan field changed; hf; prefix-order, batchrun fed in
 batchrun.job.order's DFS order with the ordering timed (every other variant takes the prompts in
 their given, shuffled, input order). A variant may be named twice (`batchrun,cublas,batchrun`)
 to see the drift between runs of one process.
 
 Each engine is built once per (model, variant) (start-up reported apart; its resolved
-KernelConfig is logged and written into each row), warmed up on each workload's shape outside
+KernelPlan is logged and written into each row), warmed up on each workload's shape outside
 the timed region, and timed on `engine.generate(requests)` between device syncs, with a cold
 prefix cache. Each run's figures are printed when it completes and the table + JSON are
 rewritten under --out after every run, so a timeout still leaves a partial log.
@@ -72,7 +72,7 @@ from host_phases import HostPhases
 from step_trace import StepTrace
 from triton_compiles import CompileLog
 
-from batchrun.config import EngineConfig, KernelConfig
+from batchrun.config import EngineConfig, KernelPlan
 
 # each engine variant: (EngineConfig fields, plan fields) over the options' config and plan
 VARIANTS: dict[str, tuple[dict, dict]] = {
@@ -119,7 +119,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "extend-triton": ({}, {"extend_attention": "triton"}),
     # the KV cache in float8_e4m3fn (--kv-cache-dtype fp8_e4m3): one byte an element
     "kv-fp8": ({"kv_cache_dtype": "fp8_e4m3"}, {}),
-    # `fp8` with torch._scaled_mm's sums promoted to fp32 (KernelConfig.fp8_fast_accum off)
+    # `fp8` with torch._scaled_mm's sums promoted to fp32 (KernelPlan.fp8_fast_accum off)
     "fp8-promoted": ({"quantization": "fp8"}, {"fp8_fast_accum": False}),
     # FP8 as an FP8 checkpoint runs with vLLM's or TensorRT-LLM's FP8 KV cache: the linears as
     # `fp8` and the KV cache as `kv-fp8`
@@ -151,7 +151,7 @@ TARGETS = {
 # -- batchrun -------------------------------------------------------------------------------------
 
 
-def engine_config(args, model_dir: Path, variant: str) -> tuple[EngineConfig, KernelConfig]:
+def engine_config(args, model_dir: Path, variant: str) -> tuple[EngineConfig, KernelPlan]:
     """The variant's EngineConfig (the options' config, overlap on, with its fields changed)
     and its plan overrides: Engine(*engine_config(...))."""
     engine_fields, kernel_fields = VARIANTS[variant]
@@ -430,7 +430,7 @@ def summary_cell(r: RunResult) -> str:
 
 
 def kernel_lines(results: list[RunResult]) -> str:
-    """Each engine's resolved KernelConfig, once per (model, variant)."""
+    """Each engine's resolved KernelPlan, once per (model, variant)."""
     seen = {}
     for r in results:
         if r.kernels is not None:

@@ -7,7 +7,7 @@
 Every TP size runs through batchrun.engine_process.tp_launcher.start_tp_engine (TP=1 too: the
 same wrapper, a plain Engine inside), with overlap and CUDA graphs on and the radix cache off, so
 each repeat of the one W3 prompt starts cold; the engine options are bench_throughput's
-(--attention-backend, --kernel FIELD=VALUE, ...), and each row's resolved KernelConfig is
+(--attention-backend, --kernel FIELD=VALUE, ...), and each row's resolved KernelPlan is
 printed with it. Start-up (weights, graph capture, NCCL) is reported
 apart from the timed runs. The greedy tokens of each TP size are compared with TP=1's: bf16
 TP=2 may legitimately leave TP=1's path at a near-tie (see tests/gpu/test_tensor_parallel_gpu.py

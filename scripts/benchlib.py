@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from batchrun.config import ATTENTION_BACKENDS, CUDA_GRAPH_MAX_BS, EngineConfig, KernelConfig
+from batchrun.config import ATTENTION_BACKENDS, CUDA_GRAPH_MAX_BS, EngineConfig, KernelPlan
 
 # NOTE: the scripts import batchrun as installed (`pip install -e .`): its kernels are the
 # top-level kernels/ folder installed as batchrun.kernels, which no path of the checkout gives
@@ -505,10 +505,10 @@ def _chunk_size(value: str) -> int | str:
 
 
 def _kernel_field(item: str) -> tuple[str, object]:
-    """FIELD=VALUE of a KernelConfig (plan) field: true / false / auto (None) for the switches,
+    """FIELD=VALUE of a KernelPlan (plan) field: true / false / auto (None) for the switches,
     an integer for cuda_graph_max_bs, a name for the others."""
     name, sep, value = item.partition("=")
-    default = {f.name: f.default for f in fields(KernelConfig)}
+    default = {f.name: f.default for f in fields(KernelPlan)}
     if not sep or name not in default:
         raise argparse.ArgumentTypeError(f"FIELD=VALUE with FIELD one of {', '.join(default)}")
     if isinstance(default[name], str):
@@ -529,7 +529,7 @@ def add_engine_args(
     cuda_graph_max_bs: int = CUDA_GRAPH_MAX_BS,
 ) -> None:
     """The options that engine_config turns into an EngineConfig and kernel_plan into the
-    plan's overrides (a KernelConfig whose fields left auto are the engine's rules')."""
+    plan's overrides (a KernelPlan whose fields left auto are the engine's rules')."""
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--max-running", type=int, default=max_running, help="default: the engine's")
@@ -548,7 +548,7 @@ def add_engine_args(
     p.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8_e4m3")
     p.add_argument(
         "--kernel", type=_kernel_field, action="append", default=[], metavar="FIELD=VALUE",
-        help="a plan (KernelConfig) field over the engine's rule, repeatable: moe_decode=grouped",
+        help="a plan (KernelPlan) field over the engine's rule, repeatable: moe_decode=grouped",
     )  # fmt: skip
 
 
@@ -556,13 +556,13 @@ def dtype_name(args) -> str:
     return args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
 
 
-def kernel_plan(args, kernels: dict | None = None) -> KernelConfig:
+def kernel_plan(args, kernels: dict | None = None) -> KernelPlan:
     """The plan fields of add_engine_args' options (--attention-backend, --kernel), and
     `kernels` (a variant's) over them: Engine(config, kernels=kernel_plan(args))."""
     kernel_fields = dict(attention=args.attention_backend)
     kernel_fields.update(args.kernel)
     kernel_fields.update(kernels or {})
-    return KernelConfig(**kernel_fields)
+    return KernelPlan(**kernel_fields)
 
 
 def engine_config(args, model_dir: Path, **changes) -> EngineConfig:
@@ -699,7 +699,7 @@ class RunResult:
     retractions: int | None = None  # requests sent back to the queue for KV (recomputed)
     startup_s: float | None = None
     warmup_s: float | None = None
-    kernels: dict | None = None  # the engine's resolved KernelConfig
+    kernels: dict | None = None  # the engine's resolved KernelPlan
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -23,7 +23,7 @@ Requests of --context prompt tokens decode (ignore_eos) until --warmup-steps ste
 kernel's GPU µs per step; "busy" is the union of the GPU's kernel intervals over the wall time
 of the profiled steps (1.0: the GPU never waited for the host). The engine takes
 bench_throughput's options (--attention-backend, --cuda-graph-max-bs, --kernel FIELD=VALUE, ...);
-its resolved KernelConfig is printed first.
+its resolved KernelPlan is printed first.
 """
 
 from __future__ import annotations

@@ -15,12 +15,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from batchrun.config import KernelConfig
+from batchrun.config import KernelPlan
 
 REPO = Path(__file__).resolve().parents[1]
 
 # the Triton attention and small kernels on CPU tensors; everything else plain torch
-INTERPRETER_KERNELS = replace(KernelConfig.reference(), attention="triton", triton_ops=True)
+INTERPRETER_KERNELS = replace(KernelPlan.reference(), attention="triton", triton_ops=True)
 
 
 def run_under_interpreter(script: str) -> None:

@@ -5,11 +5,11 @@ torch backend runs where Triton or FlashInfer is not installed. FlashInfer's FA3
 from __future__ import annotations
 
 from batchrun.attention.base import AttentionBackend, AttentionInputs
-from batchrun.config import KernelConfig
+from batchrun.config import KernelPlan
 
 
-def create_backend(kernels: KernelConfig, kv_pool, req_to_token) -> AttentionBackend:
-    """The backend the resolved kernel config names (engine/kernel_choice.py picks it)."""
+def create_backend(kernels: KernelPlan, kv_pool, req_to_token) -> AttentionBackend:
+    """The backend the resolved kernel plan names (engine/kernel_choice.py picks it)."""
     name = kernels.attention
     if name == "torch":
         from batchrun.attention.torch_backend import TorchAttentionBackend

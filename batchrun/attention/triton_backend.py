@@ -12,7 +12,7 @@ A layer's sliding window (`window=`) goes to both kernels as a runtime value: th
 window's KV, and layers of different windows share the compiled kernels (a CUDA graph captures
 each layer's call with its window).
 
-With KernelConfig.extend_attention "fa3" the extend rows (a prefill step's, a mixed step's after
+With KernelPlan.extend_attention "fa3" the extend rows (a prefill step's, a mixed step's after
 its decodes) run FlashInfer's FlashAttention-3 paged prefill instead of the extend kernel
 (fa3_prefill.py's wrappers, planned once a step for those rows); the decode rows and the
 CUDA graphs stay on the decode kernel. engine/kernel_choice.py decides where it runs.
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from batchrun.attention.base import AttentionBackend, AttentionInputs
-from batchrun.config import KernelConfig
+from batchrun.config import KernelPlan
 from batchrun.kernels.decode_attention import (
     DecodeRope,
     decode_attention_fwd,
@@ -94,7 +94,7 @@ class _MixedPlan:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    def __init__(self, kv_pool, req_to_token: torch.Tensor, kernels: KernelConfig):
+    def __init__(self, kv_pool, req_to_token: torch.Tensor, kernels: KernelPlan):
         self.kv_pool = kv_pool
         self.pdl = kernels.pdl
         self.req_to_token = req_to_token

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from batchrun.chat.markers import ThinkMarkers, think_markers
-from batchrun.config import EngineConfig, KernelConfig, resolve_sizes
+from batchrun.config import EngineConfig, KernelPlan, resolve_sizes
 from batchrun.engine.allocator import TokenAllocator
 from batchrun.engine.gc_pause import frozen_gc
 from batchrun.engine.grammar import GrammarBackend
@@ -110,7 +110,7 @@ def derive_seed(base: int, rid: str, index: int = 0) -> int:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, kernels: KernelConfig | None = None):
+    def __init__(self, config: EngineConfig, kernels: KernelPlan | None = None):
         """kernels: plan fields set by a benchmark or a test (engine/kernel_choice.py checks
         them); None: the plan is the rules' alone."""
         config.validate()
@@ -160,7 +160,7 @@ class Engine:
         self.gate = HostGate.create(self.device) if self.kernels.host_gate else None
 
     @property
-    def kernels(self) -> KernelConfig:
+    def kernels(self) -> KernelPlan:
         """The kernel plan this engine runs, as the model made it (decode_norms may step
         down)."""
         return self.runner.kernels
@@ -328,7 +328,7 @@ class Engine:
             schedule(n+1) -> start job(n+1) -> launch forward(n+1), gate, sample(n+1)
             -> wait + process(n) -> schedule(n+2) -> ...
 
-        Without a gate (CPU, KernelConfig.host_gate off) a grammar step is sampled in line,
+        Without a gate (CPU, KernelPlan.host_gate off) a grammar step is sampled in line,
         once the step before it is processed; without overlap each step is processed before
         the next.
         """

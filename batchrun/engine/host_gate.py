@@ -1,6 +1,6 @@
 """A CUDA stream that waits for a host thread: work enqueued now, run once the host says so.
 
-    gate = HostGate.create(device)           # where HostGate.available() (KernelConfig.host_gate)
+    gate = HostGate.create(device)           # where HostGate.available() (KernelPlan.host_gate)
     ticket = gate.next_ticket()
     start a job (another thread) that writes ...; then calls gate.open(ticket)
     gate.close(stream, ticket)               # the stream stops here ...

@@ -1,9 +1,9 @@
-"""The kernel plan an engine runs (batchrun/config.py's KernelConfig says what each field is),
+"""The kernel plan an engine runs (batchrun/config.py's KernelPlan says what each field is),
 resolved once at start-up from the user's choices (EngineConfig), the device, the torch build
 and the model, by one rule a family:
 
     plan = resolve_kernels(config, model_cfg, device)            # every field concrete
-    plan = resolve_kernels(config, model_cfg, device, KernelConfig(moe_decode="grouped"))
+    plan = resolve_kernels(config, model_cfg, device, KernelPlan(moe_decode="grouped"))
                                                                  # a benchmark's override
 
     attention_rule   attention, extend_attention
@@ -27,7 +27,7 @@ from dataclasses import fields, replace
 import torch
 
 from batchrun.attention import fa3_cache
-from batchrun.config import EngineConfig, KernelConfig, is_large
+from batchrun.config import EngineConfig, KernelPlan, is_large
 from batchrun.engine.device_support import (
     _check_kernels_import,
     has_triton,
@@ -130,7 +130,7 @@ def fa3_extend_reason(config: EngineConfig, model_cfg, device: torch.device) -> 
     return None
 
 
-def attention_rule(config: EngineConfig, model_cfg, device, want: KernelConfig, triton: bool):
+def attention_rule(config: EngineConfig, model_cfg, device, want: KernelPlan, triton: bool):
     """(attention, extend_attention): the Triton kernels on CUDA where Triton imports, else
     torch; the extend rows on FA3 where fa3_extend_reason finds nothing against it."""
     cuda = device.type == "cuda"
@@ -160,7 +160,7 @@ def attention_rule(config: EngineConfig, model_cfg, device, want: KernelConfig, 
     return attention, extend_attention
 
 
-def dense_rule(config: EngineConfig, device, want: KernelConfig, triton: bool):
+def dense_rule(config: EngineConfig, device, want: KernelPlan, triton: bool):
     """(triton_ops, pdl, decode_gemv): the small Triton kernels on CUDA where Triton imports;
     PDL on sm_90+ unless the user turned it off; the decode matmuls on kernels/gemv.py only with
     PDL (docs/benchmarks.md, Kernels: Decode GEMV)."""
@@ -183,7 +183,7 @@ def dense_rule(config: EngineConfig, device, want: KernelConfig, triton: bool):
     return triton_ops, pdl, decode_gemv
 
 
-def fp8_rule(config: EngineConfig, model_cfg, device, want: KernelConfig):
+def fp8_rule(config: EngineConfig, model_cfg, device, want: KernelPlan):
     """(fp8_matmul, fp8_fast_accum): FP8 weights kept on the FP8 tensor cores (sm_89+) unless
     the user dequantizes; 128 x 128 blocks only on cuBLASLt's block-scaled matmul (a torch
     built with CUDA 12.9+ on sm_90), dequantized where it is missing and the bf16 weights fit
@@ -211,7 +211,7 @@ def fp8_rule(config: EngineConfig, model_cfg, device, want: KernelConfig):
     return fp8_matmul, fast_accum
 
 
-def int4_rule(config: EngineConfig, model_cfg, device, want: KernelConfig, triton: bool) -> str:
+def int4_rule(config: EngineConfig, model_cfg, device, want: KernelPlan, triton: bool) -> str:
     """int4_matmul: an INT4 model whose bf16 weights and packed copy fit DEQUANT_MAX_MEMORY
     decodes its batches of up to 16 rows on the packed weight (kernels/int4_gemv_mma.py) and
     the rest on the bf16 one ("dequant-gemv"); one whose bf16 weights do not fit runs the packed
@@ -243,7 +243,7 @@ def int4_rule(config: EngineConfig, model_cfg, device, want: KernelConfig, trito
     return int4_matmul
 
 
-def moe_rule(config: EngineConfig, model_cfg, device, want: KernelConfig, triton: bool):
+def moe_rule(config: EngineConfig, model_cfg, device, want: KernelPlan, triton: bool):
     """(moe, moe_decode, moe_prefill): the fused Triton experts on CUDA where Triton imports;
     their decode batches on kernels/moe_gemv.py's GEMVs; their large batches on
     torch._grouped_mm for bf16 on sm_90 (kernels/moe_grouped_mm.py's `takes_grouped_mm` keeps
@@ -283,7 +283,7 @@ def moe_rule(config: EngineConfig, model_cfg, device, want: KernelConfig, triton
     return moe, moe_decode, moe_prefill
 
 
-def graph_rule(config: EngineConfig, model_cfg, device, want: KernelConfig):
+def graph_rule(config: EngineConfig, model_cfg, device, want: KernelPlan):
     """(cuda_graph_max_bs, piecewise_graphs, host_gate): decode graphs up to the user's batch
     on CUDA; piecewise graphs where the host is the bottleneck, a small model's mixed steps (a
     large one's GPU time hides their launches, and the padding to a captured size costs; a
@@ -322,16 +322,16 @@ def graph_rule(config: EngineConfig, model_cfg, device, want: KernelConfig):
 
 
 def resolve_kernels(
-    config: EngineConfig, model_cfg, device: torch.device, want: KernelConfig | None = None
-) -> KernelConfig:
+    config: EngineConfig, model_cfg, device: torch.device, want: KernelPlan | None = None
+) -> KernelPlan:
     """The plan for `device` and the model: `want`'s fields where set (checked), the rules'
     elsewhere. `config` has its sizes resolved (chunked_prefill_size) and its overlap decided;
     with config.reference_kernels every field `want` leaves is the reference's."""
-    want = want or KernelConfig()
+    want = want or KernelPlan()
     want.validate()
     if config.reference_kernels:
         chosen = {f.name: getattr(want, f.name) for f in fields(want)}
-        reference = KernelConfig.reference()
+        reference = KernelPlan.reference()
         want = replace(want, **{
             name: getattr(reference, name) for name, value in chosen.items()
             if value in ("auto", None)
@@ -381,7 +381,7 @@ def resolve_kernels(
             _check_kernels_import("batchrun.kernels.moe_gemv")
         if moe_prefill == "grouped_mm":
             _check_kernels_import("batchrun.kernels.moe_grouped_mm")
-    return KernelConfig(
+    return KernelPlan(
         attention=attention,
         extend_attention=extend_attention,
         triton_ops=triton_ops,

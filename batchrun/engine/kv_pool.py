@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from batchrun.config import KernelConfig
+from batchrun.config import KernelPlan
 from batchrun.quant.kv_cache import KV_FP8_DTYPE, KVScale, quantize_kv
 
 try:
     from batchrun.kernels.kv_store import store_kv
     from batchrun.kernels.rotary_kv_store import rotary_store_kv
-except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is off
+except ImportError:  # no Triton (CPU-only installs): KernelPlan.triton_ops is off
     store_kv = rotary_store_kv = None
 
 if TYPE_CHECKING:
@@ -42,11 +42,11 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,  # the stored element type: the compute dtype or float8_e4m3fn
         device: torch.device | str,
-        kernels: KernelConfig | None = None,
+        kernels: KernelPlan | None = None,
         scales: list[KVScale] | None = None,  # float8 only: per layer; None: all 1.0
         shapes: tuple[tuple[int, int], ...] | None = None,  # per layer (KV heads, head dim)
     ):
-        self.kernels = kernels or KernelConfig.reference()
+        self.kernels = kernels or KernelPlan.reference()
         self.num_slots = num_slots
         self.dummy_slot = num_slots
         self.is_fp8 = dtype == KV_FP8_DTYPE

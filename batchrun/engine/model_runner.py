@@ -24,7 +24,7 @@ import psutil
 import torch
 
 from batchrun.attention import AttentionInputs, create_backend
-from batchrun.config import EngineConfig, KernelConfig
+from batchrun.config import EngineConfig, KernelPlan
 from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.kv_pool import KVPool, ReqToTokenPool
 from batchrun.engine.piecewise_graph import MAX_TOKENS, PiecewiseGraphRunner
@@ -42,7 +42,7 @@ from batchrun.quant.kv_cache import kv_storage_dtype, layer_scales
 
 try:
     from batchrun.kernels.gemv import split_counters
-except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is off
+except ImportError:  # no Triton (CPU-only installs): KernelPlan.triton_ops is off
     split_counters = None
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class ModelRunner:
     def __init__(
         self,
         config: EngineConfig,
-        kernels: KernelConfig,
+        kernels: KernelPlan,
         model_cfg: ModelConfig,
         model_dir,
         context_len: int,

@@ -20,14 +20,14 @@ from typing import NamedTuple
 
 import torch
 
-from batchrun.config import KernelConfig
+from batchrun.config import KernelPlan
 from batchrun.engine.penalties import PenaltyState, apply_penalties, to_device
 from batchrun.engine.staging import PinnedStaging
 from batchrun.params import SamplingParams
 
 try:
     from batchrun.kernels.argmax import argmax
-except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is off
+except ImportError:  # no Triton (CPU-only installs): KernelPlan.triton_ops is off
     argmax = None
 
 _M32 = 0xFFFFFFFF
@@ -260,7 +260,7 @@ class SampleOutput(NamedTuple):
     top_logprob_vals: torch.Tensor | None  # [B, K] fp32
 
 
-def greedy_ids(logits: torch.Tensor, kernels: KernelConfig | None = None) -> torch.Tensor:
+def greedy_ids(logits: torch.Tensor, kernels: KernelPlan | None = None) -> torch.Tensor:
     """logits.argmax(-1); with the Triton kernels kernels/argmax.py, which spreads each row over
     many programs where torch gives a row one block, a visible share of a batch-1 decode step
     (docs/benchmarks.md, "What each feature is worth": argmax kernel). The same ids: ties go to
@@ -273,8 +273,8 @@ def greedy_ids(logits: torch.Tensor, kernels: KernelConfig | None = None) -> tor
 class Sampler:
     """Stateless apart from a cache of the per-token hash for each (vocab size, device)."""
 
-    def __init__(self, kernels: KernelConfig | None = None) -> None:
-        self.kernels = kernels or KernelConfig.reference()
+    def __init__(self, kernels: KernelPlan | None = None) -> None:
+        self.kernels = kernels or KernelPlan.reference()
         self._vocab_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def vocab_hash(self, vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Callable
 
 import batchrun.engine_process.messages as m
-from batchrun.config import MAX_RUNNING, EngineConfig, KernelConfig, resolve_sizes
+from batchrun.config import MAX_RUNNING, EngineConfig, KernelPlan, resolve_sizes
 from batchrun.engine_process.notify import DEFAULT_MAX_DELAY, DEFAULT_NOTIFY_BATCH
 from batchrun.engine_process.worker import worker_main
 from batchrun.errors import ModelError, RunError
@@ -134,7 +134,7 @@ class EngineProcess:
         self.num_kv_slots = ready.num_kv_slots
         self.vocab_size = ready.vocab_size
         self.device = ready.device
-        self.kernels = KernelConfig(**ready.kernels)  # as the engine process resolved them
+        self.kernels = KernelPlan(**ready.kernels)  # as the engine process resolved them
 
     def _load_tokenizer(self):
         return load_tokenizer(self.model_dir)

@@ -36,7 +36,7 @@ class Ready(msgspec.Struct, tag=True):
     num_kv_slots: int
     vocab_size: int
     device: str
-    kernels: dict[str, Any]  # the engine's resolved KernelConfig, field by field
+    kernels: dict[str, Any]  # the engine's resolved KernelPlan, field by field
 
 
 class Results(msgspec.Struct, tag=True, omit_defaults=True):

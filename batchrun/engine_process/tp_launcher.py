@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from batchrun.config import EngineConfig, KernelConfig
+from batchrun.config import EngineConfig, KernelPlan
 from batchrun.engine.engine import Engine
 from batchrun.engine.model_runner import resolve_device
 from batchrun.engine_process.lockstep import LockstepEngine, follower_loop, stop_processes
@@ -54,7 +54,7 @@ def start_tp_engine(
     init_method: str | None = None,
     timeout_s: float = 600.0,
     check_sync: bool = False,
-    kernels: KernelConfig | None = None,
+    kernels: KernelPlan | None = None,
 ) -> LockstepEngine:
     """Start `tp_size` lockstep engines for `config` and return rank 0's LockstepEngine (the
     caller closes it). `init_method`: torch.distributed rendezvous (tcp://127.0.0.1:PORT or
@@ -133,7 +133,7 @@ def _follower_main(
     backend: str,
     timeout_s: float,
     check_sync: bool,
-    kernels: KernelConfig | None = None,
+    kernels: KernelPlan | None = None,
 ) -> None:
     """Entry point of rank config.tp_rank > 0 (a spawned process)."""
     # NOTE: a Ctrl-C or a Slurm SIGTERM/USR1 is rank 0's to handle (stop admitting, drain,

@@ -48,7 +48,7 @@ class Manifest(msgspec.Struct, kw_only=True):
     model: str  # name or path as given
     input: InputInfo
     config: dict[str, Any] = msgspec.field(default_factory=dict)
-    # the kernels the latest attempt ran (the engine's resolved KernelConfig, field by field)
+    # the kernels the latest attempt ran (the engine's resolved KernelPlan, field by field)
     kernels: dict[str, Any] = msgspec.field(default_factory=dict)
     counts: Counts = msgspec.field(default_factory=Counts)
     files: list[ShardFile] = msgspec.field(default_factory=list)  # paths relative to the run dir

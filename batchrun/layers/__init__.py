@@ -3,8 +3,8 @@
     norm.py     RMSNorm (with the residual add fused on the GPU)
     rotary.py   rotary embedding (default, linear and llama3 scaling)
     linear.py   linear layers, tensor-parallel (column, row, vocab); decode matmuls on
-                kernels/gemv.py where the kernel config says so
+                kernels/gemv.py where the kernel plan says so
 
-Every block takes the resolved KernelConfig (batchrun/config.py) at construction and runs the
-Triton kernels it names, or plain PyTorch (KernelConfig.reference(): the CPU's path).
+Every block takes the resolved KernelPlan (batchrun/config.py) at construction and runs the
+Triton kernels it names, or plain PyTorch (KernelPlan.reference(): the CPU's path).
 """

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.config import KernelConfig
+from batchrun.config import KernelPlan
 from batchrun.parallel.partition import ShardSpec
 from batchrun.parallel.state import TPGroup
 from batchrun.quant.linear import QuantMatmul, QuantSpec
@@ -35,13 +35,13 @@ from batchrun.quant.weights import QuantizedWeight
 
 try:
     from batchrun.kernels.gemv import gemv, gemv_residual
-except ImportError:  # no Triton (CPU-only installs): KernelConfig.decode_gemv is "cublas"
+except ImportError:  # no Triton (CPU-only installs): KernelPlan.decode_gemv is "cublas"
     gemv = gemv_residual = None
 
 GEMV_MAX_ROWS = 16  # kernels/gemv.py's MAX_M
 
 
-def takes_gemv(x: torch.Tensor, bias: torch.Tensor | None, kernels: KernelConfig) -> bool:
+def takes_gemv(x: torch.Tensor, bias: torch.Tensor | None, kernels: KernelPlan) -> bool:
     """Whether x @ w.T runs on kernels/gemv.py: a decode-sized x ([M, K], M <= GEMV_MAX_ROWS,
     unit stride along K, bf16 / fp16), no bias, decode_gemv "triton"."""
     return (
@@ -58,7 +58,7 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    kernels: KernelConfig | None = None,
+    kernels: KernelPlan | None = None,
 ) -> torch.Tensor:
     """F.linear, or kernels/gemv.py where `takes_gemv`."""
     if kernels is not None and takes_gemv(x, bias, kernels):
@@ -107,13 +107,13 @@ class ColumnParallelLinear(nn.Module):
         bias: bool,
         dtype,
         device,
-        kernels: KernelConfig | None = None,
+        kernels: KernelPlan | None = None,
         quant: QuantSpec | None = None,
     ):
         super().__init__()
         assert spec.dim == 0
         self.spec = spec
-        self.kernels = kernels or KernelConfig.reference()
+        self.kernels = kernels or KernelPlan.reference()
         if quant is None:
             self.weight = nn.Parameter(
                 torch.empty(local_rows, in_features, dtype=dtype, device=device)
@@ -156,13 +156,13 @@ class RowParallelLinear(nn.Module):
         tp: TPGroup,
         dtype,
         device,
-        kernels: KernelConfig | None = None,
+        kernels: KernelPlan | None = None,
         quant: QuantSpec | None = None,
     ):
         super().__init__()
         assert spec.dim == 1
         self.spec, self.tp = spec, tp
-        self.kernels = kernels or KernelConfig.reference()
+        self.kernels = kernels or KernelPlan.reference()
         if quant is None:
             self.weight = nn.Parameter(
                 torch.empty(out_features, spec.local_len, dtype=dtype, device=device)

@@ -8,7 +8,7 @@ gate).
                                             (the fused experts: kernels/moe_route.py, one kernel)
     out[t]  = sum_j w[t, j] * down_ids[t,j](silu(gate(x[t])) * up(x[t]))
 
-With KernelConfig.moe_decode "gemv", a decode batch (kernels/moe_gemv.py's `takes_gemv`) runs the
+With KernelPlan.moe_decode "gemv", a decode batch (kernels/moe_gemv.py's `takes_gemv`) runs the
 router in one kernel (moe_route.py's `route_gemv`) and the experts as GEMVs (moe_gemv.py); with
 moe_prefill "grouped_mm", a batch past 32 routed rows an expert (kernels/moe_grouped_mm.py's
 `takes_grouped_mm`) runs the experts' matmuls on torch._grouped_mm (moe_grouped_mm.py).

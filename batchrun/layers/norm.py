@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchrun.config import KernelConfig
+from batchrun.config import KernelPlan
 
 try:
     from batchrun.kernels.fused_norm import fused_add_rms_norm, rms_norm, rms_norm_heads
-except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is off
+except ImportError:  # no Triton (CPU-only installs): KernelPlan.triton_ops is off
     fused_add_rms_norm = rms_norm = rms_norm_heads = None
 
 
@@ -20,12 +20,12 @@ class RMSNorm(nn.Module):
         eps: float,
         dtype: torch.dtype,
         device: torch.device | str,
-        kernels: KernelConfig | None = None,
+        kernels: KernelPlan | None = None,
     ):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
         self.eps = eps
-        self.kernels = kernels or KernelConfig.reference()
+        self.kernels = kernels or KernelPlan.reference()
 
     def runs_triton(self, x: torch.Tensor) -> bool:
         """Whether this norm of x runs batchrun's Triton kernel (else the torch formula)."""

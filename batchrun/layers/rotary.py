@@ -24,11 +24,11 @@ import math
 import torch
 from torch import nn
 
-from batchrun.config import KernelConfig
+from batchrun.config import KernelPlan
 
 try:
     from batchrun.kernels.fused_rotary import apply_rotary_
-except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is off
+except ImportError:  # no Triton (CPU-only installs): KernelPlan.triton_ops is off
     apply_rotary_ = None
 
 
@@ -112,10 +112,10 @@ class RotaryEmbedding(nn.Module):
         theta: float,
         scaling: dict,
         device,
-        kernels: KernelConfig | None = None,
+        kernels: KernelPlan | None = None,
     ):
         super().__init__()
-        self.kernels = kernels or KernelConfig.reference()
+        self.kernels = kernels or KernelPlan.reference()
         self.rotary_dim = rotary_dim
         inv_freq = rope_inv_freq(rotary_dim, theta, scaling, max_positions)
         pos = torch.arange(max_positions, dtype=torch.float32)
@@ -127,7 +127,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", (emb.sin() * scale).to(device), persistent=False)
 
     @classmethod
-    def for_model(cls, cfg, max_positions: int, device, kernels: KernelConfig | None = None):
+    def for_model(cls, cfg, max_positions: int, device, kernels: KernelPlan | None = None):
         """The rotary of ModelConfig `cfg` for contexts of up to max_positions."""
         return cls(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device, kernels)
 

@@ -1,7 +1,7 @@
 """The one-row fused decode: a decode step of one row with every matmul on kernels/gemv.py (an FP8
 layer's on kernels/fp8_gemv.py, with the same epilogues; `takes_decode_norms`), each residual add
 and the norm after it inside the matmul before (o_proj, down_proj: gemv_residual), the SwiGLU
-gate inside gate_up's. Its modes (KernelConfig.decode_norms):
+gate inside gate_up's. Its modes (KernelPlan.decode_norms):
 
     off        the model's forward, the norms as kernels of their own
     all        the first layer's input norm a kernel, every later norm inside the matmul before
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 try:
     from batchrun.kernels.gemv import gemv, gemv_rms, rms_fold_weight
-except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is off
+except ImportError:  # no Triton (CPU-only installs): KernelPlan.triton_ops is off
     gemv = gemv_rms = rms_fold_weight = None
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def resolve_mode(
     moe: str,
     moe_decode: str,
 ) -> str:
-    """The mode a model runs for KernelConfig.decode_norms `requested` ("auto" or one of MODES);
+    """The mode a model runs for KernelPlan.decode_norms `requested` ("auto" or one of MODES);
     ValueError for a mode that cannot run. The norms inside the matmuls need every matmul whole
     and plain: a row-parallel matmul's all-reduce comes between its sums and the residual, a
     bias too, and sandwich norms sit between the matmul and the add; the weights unquantized. A
@@ -129,7 +129,7 @@ class FusedDecode:
 
     @classmethod
     def for_model(cls, model) -> FusedDecode | None:
-        """The fused decode of `model` in its kernel config's mode (None: "off"); ValueError
+        """The fused decode of `model` in its kernel plan's mode (None: "off"); ValueError
         where the model's blocks cannot take it."""
         mode = model.kernels.decode_norms
         if mode not in ("all", "fold-all"):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from batchrun.config import KernelConfig
+from batchrun.config import KernelPlan
 from batchrun.errors import ModelConfigError, WeightLoadError
 from batchrun.layers.rotary import uses_long_factors
 from batchrun.models.blocks.context import BuildContext
@@ -73,7 +73,7 @@ def build_model(
     device: torch.device | str,
     max_positions: int,
     tp: TPGroup | None = None,
-    kernels: KernelConfig | None = None,
+    kernels: KernelPlan | None = None,
 ) -> CausalLM:
     """An uninitialized model on `device` (no time spent on random init of real weights), but
     for the vocabulary padding of the last TP rank, which is zeroed."""
@@ -89,7 +89,7 @@ def build_model(
         cfg=cfg,
         dtype=dtype,
         device="meta",
-        kernels=kernels or KernelConfig.reference(),
+        kernels=kernels or KernelPlan.reference(),
         tp=tp,
         part=partition_model(cfg, tp.rank, tp.size),
         max_positions=max_positions,
@@ -126,7 +126,7 @@ def load_model(
     max_positions: int,
     seed: int = 0,
     tp: TPGroup | None = None,
-    kernels: KernelConfig | None = None,
+    kernels: KernelPlan | None = None,
     dummy_init: str = "normal",
 ) -> CausalLM:
     model = build_model(cfg, dtype, device, max_positions, tp, kernels)

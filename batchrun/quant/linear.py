@@ -1,5 +1,5 @@
 """The matmul of a quantized linear layer: what it keeps of a decoded weight (batchrun/quant/
-weights.py) and how it multiplies, by device and kernel config.
+weights.py) and how it multiplies, by device and kernel plan.
 
     QuantSpec.kernel                         what the layer keeps, how it multiplies
     "scaled_mm": FP8 per tensor / channel,   float8 weight kept; activations quantized per token
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.config import KernelConfig
+from batchrun.config import KernelPlan
 from batchrun.errors import ModelConfigError
 from batchrun.quant.act_quant import (
     ReduceMax,
@@ -68,7 +68,7 @@ from batchrun.quant.weights import FP8_DTYPE, Fp8Weight, Int4Weight, QuantizedWe
 
 try:
     from batchrun.kernels import int4_matmul as int4_kernel
-except ImportError:  # no Triton (CPU-only installs): KernelConfig.int4_matmul is "dequant"
+except ImportError:  # no Triton (CPU-only installs): KernelPlan.int4_matmul is "dequant"
     int4_kernel = None
 
 try:
@@ -83,7 +83,7 @@ except ImportError:  # no Triton (CPU-only installs): FP8 blocks are dequantized
 
 try:
     from batchrun.kernels.fp8_gemv import fp8_gemv, row_amax
-except ImportError:  # no Triton (CPU-only installs): KernelConfig.decode_gemv is "cublas"
+except ImportError:  # no Triton (CPU-only installs): KernelPlan.decode_gemv is "cublas"
     fp8_gemv = row_amax = None
 
 SCALED_MM_ALIGN = 16  # torch._scaled_mm: K and N multiples of this
@@ -188,7 +188,7 @@ class QuantMatmul(nn.Module):
         dtype,
         device,
         reduce_max: ReduceMax = None,
-        kernels: KernelConfig | None = None,
+        kernels: KernelPlan | None = None,
     ):
         """reduce_max: a row-parallel layer's maximum over the tensor-parallel ranks (its input
         columns are split over them); None for a column-parallel layer or one rank. kernels:
@@ -196,7 +196,7 @@ class QuantMatmul(nn.Module):
         kernels/fp8_gemv.py; pdl launches the decode kernels (FP8 and INT4) with PDL."""
         super().__init__()
         self.spec, self.dtype = spec, dtype
-        kernels = kernels or KernelConfig.reference()
+        kernels = kernels or KernelPlan.reference()
         # kernels/fp8_gemv.py takes bf16 / fp16 activations (an fp32 model decodes on the
         # matmuls of its larger batches)
         self.fp8_gemv = (

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from batchrun.config import EngineConfig, KernelConfig
+from batchrun.config import EngineConfig, KernelPlan
 from batchrun.engine.engine import Engine
 
 pytestmark = pytest.mark.slow  # CI's slow tier (BATCHRUN_SLOW_TESTS=1)
@@ -28,7 +28,7 @@ import benchlib  # noqa: E402
 from host_phases import PHASES, HostPhases, MethodTimers  # noqa: E402
 from triton_compiles import CompileLog  # noqa: E402
 
-CPU_KERNELS = dataclasses.asdict(KernelConfig.reference())  # what every CPU engine resolves to
+CPU_KERNELS = dataclasses.asdict(KernelPlan.reference())  # what every CPU engine resolves to
 
 
 def run_script(name: str, *args: str) -> str:
@@ -100,7 +100,7 @@ def test_bench_throughput_variants_change_only_the_config():
          "--kernel", "pdl=auto", "--kernel", "triton_ops=false"]
     )  # fmt: skip
     base, base_kernels = bench_throughput.engine_config(args, REPO, "batchrun")
-    assert base_kernels == KernelConfig(
+    assert base_kernels == KernelPlan(
         attention="torch", decode_norms="fold-all", pdl=None, triton_ops=False
     )
     assert (base.model, base.load_format, base.device, base.dtype) == (

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import make_tiny_chat_model  # noqa: E402
 
 from batchrun.cli import main  # noqa: E402
-from batchrun.config import KernelConfig  # noqa: E402
+from batchrun.config import KernelPlan  # noqa: E402
 
 
 @pytest.mark.parametrize("process", ["--engine-process", "--in-process"])
@@ -30,4 +30,4 @@ def test_manifest_records_the_resolved_kernels(tmp_path, process):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, (result.output, result.exception)
     kernels = json.loads((out / "manifest.json").read_text())["kernels"]
-    assert kernels == dataclasses.asdict(KernelConfig.reference())
+    assert kernels == dataclasses.asdict(KernelPlan.reference())

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchrun.config import EngineConfig, KernelConfig
+from batchrun.config import EngineConfig, KernelPlan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,11 +45,11 @@ def _requests(num: int, new: int):
     return [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
 
 
-def _config(model_dir: str, kernels: dict, **kw) -> tuple[EngineConfig, KernelConfig]:
+def _config(model_dir: str, kernels: dict, **kw) -> tuple[EngineConfig, KernelPlan]:
     """An fp32 engine config on CUDA (kw: other EngineConfig fields) and the plan fields
-    KernelConfig(**kernels): Engine(*_config(...))."""
+    KernelPlan(**kernels): Engine(*_config(...))."""
     cfg = dict(model=model_dir, device="cuda", dtype="float32", kv_budget=20000)
-    return EngineConfig(**{**cfg, **kw}), KernelConfig(**kernels)
+    return EngineConfig(**{**cfg, **kw}), KernelPlan(**kernels)
 
 
 def _generate(engine, num: int = 40, new: int = 48) -> dict[str, list[int]]:
@@ -170,7 +170,7 @@ def test_piecewise_graphs_default_on_small_models_only(model_dir):
         (dict(cuda_graph_max_bs=8, piecewise_graphs=False), {}, False),
         (dict(cuda_graph_max_bs=8), dict(chunked_prefill_size=None), False),
     ):
-        engine = Engine(EngineConfig(**base, **kw), kernels=KernelConfig(**kernels))
+        engine = Engine(EngineConfig(**base, **kw), kernels=KernelPlan(**kernels))
         assert (engine.runner.piecewise is not None) == want, (kernels, kw)
         assert engine.kernels.piecewise_graphs == want, (kernels, kw)
         if want:  # the default chunk + max_running (4,096 + 512 on CUDA), in steps of 256

@@ -25,7 +25,7 @@ import torch
 
 from batchrun.attention import fa3_cache
 from batchrun.attention.base import AttentionInputs
-from batchrun.config import KernelConfig
+from batchrun.config import KernelPlan
 from batchrun.engine.kv_pool import KVPool
 
 REASON = fa3_cache.unavailable_reason("cuda", 128, "bfloat16", False, False)
@@ -198,7 +198,7 @@ def test_triton_backend_extend_on_fa3(built, batch, head_dim, heads, window):
     pool, table, inputs, q, k, v = make_batch(*BATCHES[batch], *HEADS[heads], head_dim)
     scaling = head_dim**-0.5
     ref = reference(pool, table, inputs, q, k, v, scaling, window)
-    kernels = KernelConfig(attention="triton", extend_attention="fa3", pdl=False)
+    kernels = KernelPlan(attention="triton", extend_attention="fa3", pdl=False)
     backend = TritonAttentionBackend(pool, table, kernels)
     out = run_backend(backend, pool, inputs, q, k, v, scaling, window)
     assert_close(out, ref, f"fa3 {batch} window {window}")
@@ -242,7 +242,7 @@ def _generate(model_dir: str, kernels: dict, **kw):
     prompts = [shared + p if i % 2 else p for i, p in enumerate(prompts)]
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
     cfg = dict(model=model_dir, device="cuda", dtype="bfloat16", kv_budget=20000)
-    engine = Engine(EngineConfig(**{**cfg, **kw}), kernels=KernelConfig(**kernels))
+    engine = Engine(EngineConfig(**{**cfg, **kw}), kernels=KernelPlan(**kernels))
     assert engine.kernels.attention == kernels["attention"]
     out = {r.rid: r for r in engine.generate(reqs)}
     engine.check_integrity()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchrun.config import EngineConfig, KernelConfig
+from batchrun.config import EngineConfig, KernelPlan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -192,7 +192,7 @@ def test_fp8_gemv_replays_in_a_cuda_graph_with_pdl(static):
 # -- engines ------------------------------------------------------------------------------------
 
 
-def _generate(config: EngineConfig, kernels: KernelConfig) -> list[list[int]]:
+def _generate(config: EngineConfig, kernels: KernelPlan) -> list[list[int]]:
     from tiny_models import random_prompts
 
     from batchrun.engine.engine import Engine
@@ -229,7 +229,7 @@ def test_decode_on_fp8_gemv_gives_the_scaled_mm_tokens(fmt, tmp_path):
     # block FP8 keeps its blocks (fp8_matmul "auto" dequantizes a model that fits where
     # cuBLASLt's block matmul does not run): decode on the block-scaled GEMV against the block
     # matmul (cuBLASLt's on sm_90 with a CUDA 12.9+ torch)
-    kernels = KernelConfig(fp8_matmul="scaled_mm")
+    kernels = KernelPlan(fp8_matmul="scaled_mm")
     gemv = _generate(EngineConfig(**base), replace(kernels, decode_gemv="triton"))
     scaled_mm = _generate(EngineConfig(**base), replace(kernels, decode_gemv="cublas"))
     same = sum(a == b for a, b in zip(gemv, scaled_mm))

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchrun.config import EngineConfig, KernelConfig
+from batchrun.config import EngineConfig, KernelPlan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,7 +51,7 @@ def quant_matmul(w: torch.Tensor, activations: str, per_tensor: bool, fast_accum
     input_scale = torch.tensor(0.02, device=w.device) if activations == "static" else None
     qw = quantize_fp8(w, "tensor" if per_tensor else "channel", None, input_scale)
     spec = QuantSpec("fp8", activations, None, "scaled_mm", "test")
-    kernels = replace(KernelConfig.reference(), fp8_fast_accum=fast_accum)
+    kernels = replace(KernelPlan.reference(), fp8_fast_accum=fast_accum)
     m = QuantMatmul(w.shape[0], w.shape[1], spec, torch.bfloat16, w.device, kernels=kernels)
     m.load(qw, "test")
     return m, qw
@@ -129,7 +129,7 @@ def test_the_fp8_linear_replays_in_a_cuda_graph():
 # -- engines ------------------------------------------------------------------------------------
 
 
-def _generate(config: EngineConfig, kernels: KernelConfig, num=24, new=24) -> dict[str, list[int]]:
+def _generate(config: EngineConfig, kernels: KernelPlan, num=24, new=24) -> dict[str, list[int]]:
     from tiny_models import random_prompts
 
     from batchrun.engine.engine import Engine
@@ -162,8 +162,8 @@ def test_graphs_and_overlap_give_the_eager_tokens(fmt, tmp_path):
     )
     # fp8_matmul set: without cuBLASLt's block matmul, block FP8 dequantizes at load by default
     # where its bf16 weights fit
-    fast = KernelConfig(piecewise_graphs=True, fp8_matmul="scaled_mm")
-    eager = KernelConfig(cuda_graph_max_bs=0, piecewise_graphs=False, fp8_matmul="scaled_mm")
+    fast = KernelPlan(piecewise_graphs=True, fp8_matmul="scaled_mm")
+    eager = KernelPlan(cuda_graph_max_bs=0, piecewise_graphs=False, fp8_matmul="scaled_mm")
     assert _generate(EngineConfig(**base), fast) == _generate(
         EngineConfig(**base, overlap=False), eager
     )
@@ -190,7 +190,7 @@ def test_fp8_smollm2_agrees_with_its_dequantized_bf16_model():
     params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
     reqs = [GenerateRequest(str(i), tok(t)["input_ids"], params) for i, t in enumerate(texts)]
     base = dict(model=model, device="cuda", dtype="bfloat16", kv_budget=20000, quantization="fp8")
-    dequant = Engine(EngineConfig(**base), kernels=KernelConfig(fp8_matmul="dequant"))
+    dequant = Engine(EngineConfig(**base), kernels=KernelPlan(fp8_matmul="dequant"))
     outs = {r.rid: r.output_ids for r in dequant.generate(reqs)}
     fp8 = Engine(EngineConfig(**base))
     same = total = 0

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchrun.config import EngineConfig, KernelConfig
+from batchrun.config import EngineConfig, KernelPlan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -124,7 +124,7 @@ def test_block_linear_matches_the_fake_quantized_reference():
 
     _needs_cublaslt()
     torch.manual_seed(3)
-    kernels = KernelConfig.reference()
+    kernels = KernelPlan.reference()
     spec = QuantSpec("fp8", "dynamic", (128, 128), "fp8_block", "test")
     for out_f, in_f in ((3072, 2048), (4096, 14336), (208, 384)):
         qw = _block_weight(out_f, in_f)
@@ -147,7 +147,7 @@ def test_the_block_linear_replays_in_a_cuda_graph():
 
     _needs_cublaslt()
     torch.manual_seed(4)
-    kernels = KernelConfig.reference()
+    kernels = KernelPlan.reference()
     spec = QuantSpec("fp8", "dynamic", (128, 128), "fp8_block", "test")
     m = QuantMatmul(512, 256, spec, torch.bfloat16, torch.device("cuda"), kernels=kernels)
     m.load(_block_weight(512, 256), "test")
@@ -199,7 +199,7 @@ def test_block_fp8_engine_gives_the_exact_models_tokens(fmt, tmp_path):
     base = dict(model=str(tmp_path), kv_budget=20000, max_running=16)
     cuda = Engine(
         EngineConfig(**base, device="cuda", dtype="float32"),
-        kernels=KernelConfig(piecewise_graphs=True, fp8_matmul="scaled_mm"),
+        kernels=KernelPlan(piecewise_graphs=True, fp8_matmul="scaled_mm"),
     )
     assert cuda.kernels.fp8_matmul == "scaled_mm" and _block_kernels(cuda) == {"fp8_block"}
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
@@ -214,7 +214,7 @@ def test_block_fp8_engine_gives_the_exact_models_tokens(fmt, tmp_path):
     assert same / total >= agreement_floor, f"{same} of {total} tokens agree"
     bf16 = Engine(
         EngineConfig(**base, device="cuda", dtype="bfloat16"),
-        kernels=KernelConfig(fp8_matmul="scaled_mm"),
+        kernels=KernelPlan(fp8_matmul="scaled_mm"),
     )
     assert _block_kernels(bf16) == {"fp8_block"}
     from batchrun.engine.kernel_choice import supports_block_scaled_mm

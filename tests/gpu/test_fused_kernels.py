@@ -1,5 +1,5 @@
 """Fused RMSNorm / rotary / SiLU-and-mul / KV-store / argmax kernels against batchrun's torch code
-on CUDA, and a tiny model's logits with the Triton kernels (KernelConfig.triton_ops) against the
+on CUDA, and a tiny model's logits with the Triton kernels (KernelPlan.triton_ops) against the
 torch reference (triton_ops=False).
 
 Kernel outputs are NaN-filled first where the kernel writes a new tensor, so an element the kernel
@@ -23,7 +23,7 @@ from batchrun.kernels.fused_norm import fused_add_rms_norm, rms_norm  # noqa: E4
 from batchrun.kernels.fused_rotary import apply_rotary_  # noqa: E402
 from batchrun.kernels.kv_store import store_kv  # noqa: E402
 
-from batchrun.config import KernelConfig  # noqa: E402
+from batchrun.config import KernelPlan  # noqa: E402
 from batchrun.engine.kv_pool import KVPool  # noqa: E402
 from batchrun.layers.norm import RMSNorm  # noqa: E402
 from batchrun.layers.rotary import RotaryEmbedding, _apply_rotary  # noqa: E402
@@ -41,7 +41,7 @@ MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 MAX_ULPS = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 8}
 # the blocks with the Triton kernels (launched without PDL: tests/gpu/test_pdl.py covers it)
-TRITON = KernelConfig(triton_ops=True, pdl=False)
+TRITON = KernelPlan(triton_ops=True, pdl=False)
 
 
 def max_ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -284,7 +284,7 @@ def test_model_logits_fused_vs_torch(tiny_dir, dtype, tol):
     engines = [
         Engine(
             EngineConfig(model=str(tiny_dir), device="cuda", dtype=dtype, kv_budget=8192),
-            kernels=KernelConfig(cuda_graph_max_bs=0, triton_ops=triton_ops),
+            kernels=KernelPlan(cuda_graph_max_bs=0, triton_ops=triton_ops),
         )
         for triton_ops in (None, False)
     ]
@@ -330,7 +330,7 @@ def test_sampler_greedy_banned_on_cuda(triton_ops):
         [params] * rows, list(range(rows)), steps, list(range(rows)), vocab, [eos], "cuda"
     )
     before = logits.clone()
-    kernels = TRITON if triton_ops else KernelConfig.reference()
+    kernels = TRITON if triton_ops else KernelPlan.reference()
     ids = Sampler(kernels)(logits, batch, None).next_token_ids
     masked = logits.clone()
     banned = torch.tensor([s < 4 for s in steps], device="cuda")

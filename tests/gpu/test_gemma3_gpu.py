@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchrun.config import EngineConfig, KernelConfig
+from batchrun.config import EngineConfig, KernelPlan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -73,6 +73,6 @@ def test_gemma3_1b_shapes_graphs_and_overlap_equal_eager(tmp_path):
                 kv_budget=20000, chunked_prefill_size=256)  # fmt: skip
     reqs = _requests(24, 900)  # past the 512-token window
     graphs = _generate(Engine(EngineConfig(**base)), reqs)
-    eager_kernels = KernelConfig(cuda_graph_max_bs=0, piecewise_graphs=False)
+    eager_kernels = KernelPlan(cuda_graph_max_bs=0, piecewise_graphs=False)
     eager = Engine(EngineConfig(**base, overlap=False), kernels=eager_kernels)
     assert _generate(eager, reqs) == graphs

@@ -24,7 +24,7 @@ from test_sliding_window_gpu import reference  # noqa: E402
 from batchrun.attention.base import AttentionInputs  # noqa: E402
 from batchrun.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from batchrun.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from batchrun.config import EngineConfig, KernelConfig  # noqa: E402
+from batchrun.config import EngineConfig, KernelPlan  # noqa: E402
 from batchrun.engine.kv_pool import KVPool  # noqa: E402
 
 pytestmark = [
@@ -123,7 +123,7 @@ def test_tiny_gemma4_equals_transformers(kind, tmp_path):
     from batchrun.params import GenerateRequest, SamplingParams
 
     hf = make_gemma4(kind, tmp_path).cuda()
-    kernels = KernelConfig(cuda_graph_max_bs=0) if kind == "moe" else KernelConfig()
+    kernels = KernelPlan(cuda_graph_max_bs=0) if kind == "moe" else KernelPlan()
     engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32",
                                  kv_budget=8192, kernels=kernels))  # fmt: skip
     assert engine.kernels.attention == "triton"

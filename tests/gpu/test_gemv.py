@@ -109,10 +109,10 @@ def test_linear_takes_the_kernel_only_when_asked():
     rows, a bias or fp32."""
     from batchrun.kernels.gemv import gemv
 
-    from batchrun.config import KernelConfig
+    from batchrun.config import KernelPlan
     from batchrun.layers.linear import GEMV_MAX_ROWS, linear, takes_gemv
 
-    triton, cublas = (KernelConfig(decode_gemv=name, pdl=False) for name in ("triton", "cublas"))
+    triton, cublas = (KernelPlan(decode_gemv=name, pdl=False) for name in ("triton", "cublas"))
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 4096, **bf16) * 0.05
     narrow = torch.randn(512, 2048, **bf16) * 0.05
@@ -289,7 +289,7 @@ def test_engine_with_decode_gemv(kind, norms, tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tiny_models import make_tiny_model, random_prompts
 
-    from batchrun.config import EngineConfig, KernelConfig
+    from batchrun.config import EngineConfig, KernelPlan
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
 
@@ -297,9 +297,9 @@ def test_engine_with_decode_gemv(kind, norms, tmp_path):
 
     def run(on: bool):
         kernels = (
-            KernelConfig(decode_gemv="triton", decode_norms=norms)
+            KernelPlan(decode_gemv="triton", decode_norms=norms)
             if on
-            else KernelConfig(decode_gemv="cublas")
+            else KernelPlan(decode_gemv="cublas")
         )
         # NOTE: a small KV pool: by default an engine takes most of the GPU's free memory, and
         # the tests after this one need some

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchrun.config import EngineConfig, KernelConfig
+from batchrun.config import EngineConfig, KernelPlan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,7 +58,7 @@ def _engine(model_dir: str, kernels: dict, **kw):
 
     cfg = dict(model=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
                kv_budget=40000, chunked_prefill_size=256)  # fmt: skip
-    return Engine(EngineConfig(**{**cfg, **kw}), kernels=KernelConfig(**kernels))
+    return Engine(EngineConfig(**{**cfg, **kw}), kernels=KernelPlan(**kernels))
 
 
 def _generate(engine) -> dict[str, list[int]]:
@@ -121,7 +121,7 @@ def test_tiny_model_equals_transformers_in_fp32(checkpoint, tmp_path):
         save_mxfp4(hf, tmp_path)
     hf = hf.cuda()
     # the fused experts run fp32 on TF32 tensor cores: the torch loop for the 1e-4 bound
-    kernels = KernelConfig(moe="torch", cuda_graph_max_bs=0)
+    kernels = KernelPlan(moe="torch", cuda_graph_max_bs=0)
     engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32",
                                  kv_budget=8192), kernels=kernels)  # fmt: skip
     assert engine.runner.kernels.attention == "triton"
@@ -153,7 +153,7 @@ def _tp2_main(path: Path) -> None:
     make_tiny_model("gpt_oss", path)
     cfg = EngineConfig(model=str(path), device="cuda", dtype="float32", kv_budget=8192,
                        cuda_graph_max_bs=0)  # fmt: skip
-    kernels = KernelConfig(moe="torch")
+    kernels = KernelPlan(moe="torch")
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(random_prompts(8, seed=3))]
     ref_engine = Engine(cfg, kernels)

@@ -228,7 +228,7 @@ def test_engine_with_cuda_graphs_gives_the_dequantized_paths_tokens(fmt, group_s
     from tiny_models import make_hf_config, random_prompts
     from transformers import AutoModelForCausalLM
 
-    from batchrun.config import EngineConfig, KernelConfig
+    from batchrun.config import EngineConfig, KernelPlan
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
 
@@ -243,7 +243,7 @@ def test_engine_with_cuda_graphs_gives_the_dequantized_paths_tokens(fmt, group_s
         write_int4_checkpoint(fmt, hf, Path(tmp), group_size=group_size, act_order=act_order)
         engines = {}
         for path in ("triton", "dequant", "dequant-gemv"):
-            kernels = KernelConfig(int4_matmul=path, piecewise_graphs=True)
+            kernels = KernelPlan(int4_matmul=path, piecewise_graphs=True)
             config = EngineConfig(model=tmp, device="cuda", dtype="bfloat16", kv_budget=20000)
             engine = Engine(config, kernels)
             assert engine.kernels.cuda_graph_max_bs > 0 and engine.kernels.int4_matmul == path

@@ -23,7 +23,7 @@ from batchrun.kernels.extend_attention import extend_attention_fwd  # noqa: E402
 from batchrun.attention.base import AttentionInputs  # noqa: E402
 from batchrun.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from batchrun.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from batchrun.config import KernelConfig  # noqa: E402
+from batchrun.config import KernelPlan  # noqa: E402
 from batchrun.engine.kv_pool import KVPool  # noqa: E402
 
 pytestmark = [
@@ -36,7 +36,7 @@ DEV = "cuda"
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 HEADS = [(32, 8), (9, 3)]  # Llama-3 GQA, SmolLM2
 # the Triton backend's config (it reads `pdl`; tests/gpu/test_pdl.py runs PDL end to end)
-BACKEND_KERNELS = KernelConfig(attention="triton", triton_ops=True, pdl=False)
+BACKEND_KERNELS = KernelPlan(attention="triton", triton_ops=True, pdl=False)
 
 
 def make_batch(seq_lens, extend_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0):

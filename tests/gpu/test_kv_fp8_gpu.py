@@ -32,7 +32,7 @@ from batchrun.kernels.rotary_kv_store import rotary_store_kv  # noqa: E402
 from batchrun.attention.base import AttentionInputs  # noqa: E402
 from batchrun.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from batchrun.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from batchrun.config import EngineConfig, KernelConfig  # noqa: E402
+from batchrun.config import EngineConfig, KernelPlan  # noqa: E402
 from batchrun.engine.kv_pool import KVPool  # noqa: E402
 from batchrun.quant.kv_cache import KVScale, quantize_kv  # noqa: E402
 
@@ -53,7 +53,7 @@ FP8 = torch.float8_e4m3fn
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 HEADS = [(32, 8), (9, 3)]  # llama-8b's GQA, SmolLM2's
 SCALE = KVScale(float(torch.tensor(0.37)), float(torch.tensor(2.5)))
-KERNELS = KernelConfig(attention="triton", triton_ops=True, pdl=False)
+KERNELS = KernelPlan(attention="triton", triton_ops=True, pdl=False)
 
 
 def _u8(x: torch.Tensor) -> torch.Tensor:
@@ -347,8 +347,8 @@ def test_graphs_and_overlap_give_the_eager_torch_tokens(attention, tmp_path):
     dtype = "float32" if attention == "triton" else "bfloat16"
     base = dict(model=str(tmp_path), device="cuda", dtype=dtype, kv_budget=20000,
                 max_running=32, kv_cache_dtype="fp8_e4m3")  # fmt: skip
-    fast = KernelConfig(attention=attention, piecewise_graphs=True)
-    eager_kernels = KernelConfig.reference() if dtype == "float32" else KernelConfig(
+    fast = KernelPlan(attention=attention, piecewise_graphs=True)
+    eager_kernels = KernelPlan.reference() if dtype == "float32" else KernelPlan(
         attention=attention, cuda_graph_max_bs=0, piecewise_graphs=False
     )  # fmt: skip
     eager = EngineConfig(**base, overlap=False)

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from batchrun.attention.base import AttentionInputs  # noqa: E402
 from batchrun.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from batchrun.config import EngineConfig, KernelConfig  # noqa: E402
+from batchrun.config import EngineConfig, KernelPlan  # noqa: E402
 from batchrun.engine.kv_pool import KVPool  # noqa: E402
 from batchrun.params import GenerateRequest, SamplingParams  # noqa: E402
 
@@ -34,7 +34,7 @@ pytestmark = [
 
 DEV = "cuda"
 H, KV, D = 32, 8, 128  # llama-8b's attention
-BACKEND_KERNELS = KernelConfig(attention="triton", triton_ops=True, pdl=False)
+BACKEND_KERNELS = KernelPlan(attention="triton", triton_ops=True, pdl=False)
 # max |out - ref| / max |ref|, bf16 against bf16 SDPA (fp32 accumulation in both)
 TOL = 2e-2
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchrun.config import EngineConfig, KernelConfig
+from batchrun.config import EngineConfig, KernelPlan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,7 +53,7 @@ def _engine(model_dir: str, kernels: dict, **kw):
 
     cfg = dict(model=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
                kv_budget=20000, chunked_prefill_size=256)  # fmt: skip
-    return Engine(EngineConfig(**{**cfg, **kw}), kernels=KernelConfig(**kernels))
+    return Engine(EngineConfig(**{**cfg, **kw}), kernels=KernelPlan(**kernels))
 
 
 def _generate(engine) -> dict[str, list[int]]:
@@ -108,7 +108,7 @@ def test_tiny_checkpoint_experts_load_exactly(tmp_path):
     from batchrun.engine.engine import Engine
 
     hf = write_quantized_moe("fp8-block", tmp_path)
-    kernels = KernelConfig(moe="torch", cuda_graph_max_bs=0, piecewise_graphs=False)
+    kernels = KernelPlan(moe="torch", cuda_graph_max_bs=0, piecewise_graphs=False)
     engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32",
                                  kv_budget=8192), kernels=kernels)  # fmt: skip
     model = engine.runner.model

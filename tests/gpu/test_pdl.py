@@ -160,9 +160,9 @@ MODEL = dict(
 def test_engine_tokens_and_logits_identical_with_and_without_pdl(decode_gemv, tmp_path):
     """Greedy tokens of batches of 1 and 5 (decode CUDA graphs, piecewise graphs for the
     prefills) and teacher-forced logits: bit for bit the same with PDL on and off
-    (KernelConfig.pdl), with the decode matmuls on cuBLAS and on kernels/gemv.py (with the
+    (KernelPlan.pdl), with the decode matmuls on cuBLAS and on kernels/gemv.py (with the
     one-row decode's norms inside the matmuls, decode_norms "all" for this hidden size)."""
-    from batchrun.config import EngineConfig, KernelConfig
+    from batchrun.config import EngineConfig, KernelPlan
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
 
@@ -171,7 +171,7 @@ def test_engine_tokens_and_logits_identical_with_and_without_pdl(decode_gemv, tm
     prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (300, 5, 77, 130, 9)]
 
     def run(pdl: bool):
-        kernels = KernelConfig(
+        kernels = KernelPlan(
             pdl=pdl, decode_gemv=decode_gemv, cuda_graph_max_bs=8, piecewise_graphs=True
         )
         config = EngineConfig(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchrun.config import EngineConfig, KernelConfig
+from batchrun.config import EngineConfig, KernelPlan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,7 +54,7 @@ def _engine(model_dir: str, kernels: dict, **kw):
 
     cfg = dict(model=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
                kv_budget=20000, chunked_prefill_size=256)  # fmt: skip
-    return Engine(EngineConfig(**{**cfg, **kw}), kernels=KernelConfig(**kernels))
+    return Engine(EngineConfig(**{**cfg, **kw}), kernels=KernelPlan(**kernels))
 
 
 def _generate(engine) -> dict[str, list[int]]:
@@ -119,14 +119,14 @@ def test_tiny_phi3_equals_transformers_and_its_graph_run_the_eager_one(tmp_path)
     hf = make_tiny_model("phi3", tmp_path).cuda()
     base = dict(model=str(tmp_path), device="cuda", dtype="float32", kv_budget=8192,
                 context_len=128)  # fmt: skip
-    torch_kernels = KernelConfig(attention="torch", cuda_graph_max_bs=0, piecewise_graphs=False)
+    torch_kernels = KernelPlan(attention="torch", cuda_graph_max_bs=0, piecewise_graphs=False)
     ref = Engine(EngineConfig(**base, overlap=False), kernels=torch_kernels)
     for prompt in random_prompts(3, seed=1, min_len=8, max_len=60):
         ours = ref.score(prompt).float()
         with torch.no_grad():
             want = hf(torch.tensor([prompt], device="cuda")).logits[0].float()
         assert ((ours - want).norm() / want.norm()).item() <= 1e-4
-    graphs = Engine(EngineConfig(**base), kernels=KernelConfig(attention="triton"))
+    graphs = Engine(EngineConfig(**base), kernels=KernelPlan(attention="triton"))
     assert graphs.runner.kernels.cuda_graph_max_bs > 0
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(random_prompts(8, seed=2))]

@@ -160,11 +160,11 @@ def test_kv_pool_store_rotated(monkeypatch, triton_ops):
     from spies import count_calls
 
     import batchrun.engine.kv_pool as kv_pool
-    from batchrun.config import KernelConfig
+    from batchrun.config import KernelPlan
     from batchrun.layers.rotary import RotaryEmbedding
 
     calls = count_calls(monkeypatch, kv_pool, "rotary_store_kv")
-    kernels = KernelConfig(triton_ops=True, pdl=False) if triton_ops else KernelConfig.reference()
+    kernels = KernelPlan(triton_ops=True, pdl=False) if triton_ops else KernelPlan.reference()
     heads = (32, 8, 128)
     qkv, positions, loc, _, _, _ = _make_case(37, *heads, torch.bfloat16)
     rotary = RotaryEmbedding(128, NUM_POSITIONS, 500000.0, {}, DEV, kernels)
@@ -209,7 +209,7 @@ def test_engine_same_tokens_with_the_decode_kernels_rotary_or_the_rotary_store(
 
     import batchrun.attention.triton_backend as triton_backend
     import batchrun.engine.kv_pool as kv_pool
-    from batchrun.config import EngineConfig, KernelConfig
+    from batchrun.config import EngineConfig, KernelPlan
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
 
@@ -223,7 +223,7 @@ def test_engine_same_tokens_with_the_decode_kernels_rotary_or_the_rotary_store(
             monkeypatch.setattr(
                 triton_backend.TritonAttentionBackend, "_rotates_in_decode", lambda *a: False
             )
-        kernels = KernelConfig(attention="triton", cuda_graph_max_bs=16, piecewise_graphs=False)
+        kernels = KernelPlan(attention="triton", cuda_graph_max_bs=16, piecewise_graphs=False)
         config = EngineConfig(model=tiny_dir, device="cuda", dtype="bfloat16", kv_budget=4096)
         engine = Engine(config, kernels)
         (alone,) = [

@@ -187,7 +187,7 @@ def test_engine_with_graphs_matches_torch(kind, overlap, tmp_path):
     piecewise graphs for prefill), against the torch backend eagerly."""
     from tiny_models import make_tiny_model, random_prompts
 
-    from batchrun.config import EngineConfig, KernelConfig
+    from batchrun.config import EngineConfig, KernelPlan
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
 
@@ -198,7 +198,7 @@ def test_engine_with_graphs_matches_torch(kind, overlap, tmp_path):
 
     def run(kernels, **kw):
         cfg = dict(model=str(tmp_path), device="cuda", dtype="float32", kv_budget=20000)
-        engine = Engine(EngineConfig(**{**cfg, **kw}), kernels=KernelConfig(**kernels))
+        engine = Engine(EngineConfig(**{**cfg, **kw}), kernels=KernelPlan(**kernels))
         reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
         out = {r.rid: r.output_ids for r in engine.generate(reqs)}
         engine.check_integrity()

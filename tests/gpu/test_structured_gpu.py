@@ -49,7 +49,7 @@ def _requests():
 
 
 def _run(model_dir: str, kernels=None, **kw):
-    """(engine, results) of the requests on an fp32 engine; kernels: a KernelConfig, else the
+    """(engine, results) of the requests on an fp32 engine; kernels: a KernelPlan, else the
     defaults; kw: other EngineConfig fields."""
     from batchrun.config import EngineConfig
     from batchrun.engine.engine import Engine
@@ -79,7 +79,7 @@ def test_overlap_on_off_identical_and_valid(model_dir, monkeypatch):
     the host gate), with the fill jobs in parts, without graphs, and with the host gate off
     (host_gate=False: the step loop waits for the fill job); every output is accepted by its
     grammar."""
-    from batchrun.config import KernelConfig
+    from batchrun.config import KernelPlan
 
     _, off = _run(model_dir, overlap=False)
     engine, on = _run(model_dir, overlap=True)
@@ -87,11 +87,11 @@ def test_overlap_on_off_identical_and_valid(model_dir, monkeypatch):
     stats = engine.stats  # ... and the device's time there was measured
     assert stats.num_gated_steps > 10
     assert stats.gate_wait_time >= 0.0 and stats.mask_copy_time > 0.0
-    _, eager = _run(model_dir, KernelConfig(cuda_graph_max_bs=0), overlap=True)
+    _, eager = _run(model_dir, KernelPlan(cuda_graph_max_bs=0), overlap=True)
     sharded_engine = _sharded_engine(model_dir, monkeypatch)
     sharded = {r.rid: r for r in sharded_engine.generate(_requests())}
     assert sharded_engine.stats.num_gated_steps > 10
-    ungated_engine, ungated = _run(model_dir, KernelConfig(host_gate=False), overlap=True)
+    ungated_engine, ungated = _run(model_dir, KernelPlan(host_gate=False), overlap=True)
     assert ungated_engine.kernels.host_gate is False
     assert ungated_engine.gate is None  # the step loop waits for the fill job
     tokens = {k: r.output_ids for k, r in on.items()}

@@ -63,13 +63,13 @@ def test_budget_with_overlap_and_graphs_equals_eager_without_overlap(model):
     from transformers import AutoTokenizer
 
     from batchrun.chat.markers import think_markers
-    from batchrun.config import KernelConfig
+    from batchrun.config import KernelPlan
 
     markers = think_markers(AutoTokenizer.from_pretrained(model))
     forced = list(markers.forced_ids)
     budgets = [None, 1, 3, 8, 5, None, 2]
     fast = run(model, budgets)  # overlap and CUDA graphs: the defaults on CUDA
-    slow = run(model, budgets, overlap=False, kernels=KernelConfig(cuda_graph_max_bs=0))
+    slow = run(model, budgets, overlap=False, kernels=KernelPlan(cuda_graph_max_bs=0))
     assert fast == slow
     for out, budget in zip(fast, budgets):
         if budget is not None and markers.end_id not in out[:budget]:

@@ -69,11 +69,11 @@ def run(model: Path, rows: list[tuple[bool, int | None]], **config):
 
 def test_grammar_after_thinking_with_overlap_gate_and_graphs_equals_eager(model):
     from batchrun.chat.markers import think_markers
-    from batchrun.config import KernelConfig
+    from batchrun.config import KernelPlan
 
     rows = [(True, 1), (False, None), (True, 3), (True, 8), (False, 2), (True, 5), (True, 2)]
     tok, fast = run(model, rows)  # overlap, the host gate and CUDA graphs: the CUDA defaults
-    _, slow = run(model, rows, overlap=False, kernels=KernelConfig(cuda_graph_max_bs=0))
+    _, slow = run(model, rows, overlap=False, kernels=KernelPlan(cuda_graph_max_bs=0))
     assert [r.output_ids for r in fast] == [r.output_ids for r in slow]
     markers = think_markers(tok)
     end, forced = markers.end_id, list(markers.forced_ids)

@@ -21,7 +21,7 @@ from batchrun.config import (  # noqa: E402
     MAX_RUNNING_CUDA,
     MAX_RUNNING_LARGE,
     EngineConfig,
-    KernelConfig,
+    KernelPlan,
     auto_sizes,
     resolve_sizes,
 )
@@ -49,7 +49,7 @@ def test_an_explicit_max_running_is_kept():
     assert auto.max_running == MAX_RUNNING_LARGE
 
 
-def tiny_engine(tmp_path, kernels: KernelConfig | None = None, **config):
+def tiny_engine(tmp_path, kernels: KernelPlan | None = None, **config):
     from batchrun.engine.engine import Engine
 
     model = str(write_config_dir("tiny", tmp_path))
@@ -123,14 +123,14 @@ def test_decode_gemv_defaults_to_cublas_off_cuda(tmp_path):
     to cuBLAS, as every other kernel field to plain torch, and the model's blocks carry that
     config."""
     for mode in ("auto", "cublas"):
-        engine = tiny_engine(tmp_path, kv_budget=64, kernels=KernelConfig(decode_gemv=mode))
+        engine = tiny_engine(tmp_path, kv_budget=64, kernels=KernelPlan(decode_gemv=mode))
         assert engine.kernels.decode_gemv == "cublas", mode
-        assert engine.kernels == KernelConfig.reference()
+        assert engine.kernels == KernelPlan.reference()
         model = engine.runner.model
         assert model.layers[0].mlp.down_proj.kernels == engine.kernels
         assert model.kernels == engine.runner.kernels == engine.kernels
     with pytest.raises(ValueError, match="decode_gemv"):
-        KernelConfig(decode_gemv="fast").validate()
+        KernelPlan(decode_gemv="fast").validate()
 
 
 def test_gpu_memory_utilization_sizes_the_cuda_kv_pool(monkeypatch):

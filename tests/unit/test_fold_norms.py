@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batchrun.kernels.gemv import pick_config  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
-from batchrun.config import KernelConfig  # noqa: E402
+from batchrun.config import KernelPlan  # noqa: E402
 from batchrun.models import fused_decode  # noqa: E402
 from batchrun.models.config import ModelConfig  # noqa: E402
 from batchrun.models.loader import load_model  # noqa: E402
@@ -33,7 +33,7 @@ def model_dir(tmp_path_factory) -> Path:
 def tiny_model(model_dir: Path, decode_norms: str):
     """The tiny llama in fp16 with its decode matmuls on kernels/gemv.py and `decode_norms`."""
     cfg = ModelConfig.from_dir(model_dir)
-    kernels = replace(KernelConfig.reference(), decode_gemv="triton", decode_norms=decode_norms)
+    kernels = replace(KernelPlan.reference(), decode_gemv="triton", decode_norms=decode_norms)
     model = load_model(
         model_dir, cfg, "auto", torch.float16, "cpu", cfg.max_position_embeddings, kernels=kernels
     )

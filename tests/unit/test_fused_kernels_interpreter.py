@@ -1,6 +1,6 @@
 """The fused RMSNorm / rotary / SiLU-and-mul / KV-store / gemv Triton kernels under Triton's CPU
 interpreter, against batchrun's torch code (the blocks of `batchrun.layers` built with
-KernelConfig.reference()), and a tiny model built with the Triton kernels against the same model
+KernelPlan.reference()), and a tiny model built with the Triton kernels against the same model
 on the torch path.
 
 Skipped where triton is not installed (CI does not install it). The kernels run in a subprocess
@@ -200,7 +200,7 @@ def _check_model_wiring(tmp_dir: Path) -> None:
 
     from tiny_models import make_tiny_model, random_prompts
 
-    from batchrun.config import EngineConfig, KernelConfig
+    from batchrun.config import EngineConfig, KernelPlan
     from batchrun.engine.engine import Engine
 
     triton = replace(INTERPRETER_KERNELS, attention="torch")
@@ -208,7 +208,7 @@ def _check_model_wiring(tmp_dir: Path) -> None:
         path = Path(tempfile.mkdtemp(dir=tmp_dir))
         make_tiny_model(kind, path)
         base = dict(model=str(path), device="cpu", dtype="float32", kv_budget=512)
-        ref_engine = Engine(EngineConfig(**base), kernels=KernelConfig.reference())
+        ref_engine = Engine(EngineConfig(**base), kernels=KernelPlan.reference())
         engine = Engine(EngineConfig(**base), kernels=triton)
         assert engine.kernels == triton == engine.runner.model.norm.kernels
         for prompt in random_prompts(2, seed=3, min_len=5, max_len=20):
@@ -244,12 +244,12 @@ def _check_decode_gemv_wiring(tmp_dir: Path) -> None:
     from tiny_models import make_tiny_model, random_prompts
 
     import batchrun.layers.linear as linear
-    from batchrun.config import KernelConfig
+    from batchrun.config import KernelPlan
     from batchrun.models.fused_decode import FusedDecode
 
     path = Path(tempfile.mkdtemp(dir=tmp_dir))
     make_tiny_model("llama", path)
-    ref_runner = _runner(path, KernelConfig.reference())
+    ref_runner = _runner(path, KernelPlan.reference())
     prompts = random_prompts(3, seed=4, min_len=3, max_len=16) + [[5], [60]]
     refs = [ref_runner.all_logits(p, torch.arange(len(p))) for p in prompts]
     for mode in ("off", "all", "fold-all"):

@@ -92,7 +92,7 @@ def _check_engine(tmp_dir: Path) -> None:
     from gemma4_models import WINDOW, make_gemma4
     from tiny_models import random_prompts
 
-    from batchrun.config import EngineConfig, KernelConfig
+    from batchrun.config import EngineConfig, KernelPlan
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
 
@@ -103,7 +103,7 @@ def _check_engine(tmp_dir: Path) -> None:
         make_gemma4(kind, path)
         base = dict(model=str(path), device="cpu", dtype="float32", kv_budget=512)
         outs = []
-        for kernels in (KernelConfig.reference(), INTERPRETER_KERNELS):
+        for kernels in (KernelPlan.reference(), INTERPRETER_KERNELS):
             engine = Engine(EngineConfig(**base, kernels=kernels))
             reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
             outs.append({r.rid: r.output_ids for r in engine.generate(reqs)})

@@ -21,7 +21,7 @@ from gptoss_models import (  # noqa: E402
 )
 from test_kernel_choice import CUDA, gpu, resolve  # noqa: E402, F401
 
-from batchrun.config import EngineConfig, KernelConfig  # noqa: E402
+from batchrun.config import EngineConfig, KernelPlan  # noqa: E402
 from batchrun.engine.kernel_choice import resolve_kernels  # noqa: E402
 from batchrun.errors import ModelConfigError  # noqa: E402
 from batchrun.layers.rotary import rope_inv_freq  # noqa: E402
@@ -149,7 +149,7 @@ def test_kernel_choice_refuses_flashinfer_for_sinks():
     engine = EngineConfig(model="unused", device="cpu", dtype="float32")
     kernels = resolve_kernels(engine, cfg, torch.device("cpu"))
     assert (kernels.attention, kernels.moe) == ("torch", "torch")
-    want = KernelConfig(attention="flashinfer")
+    want = KernelPlan(attention="flashinfer")
     with pytest.raises(ValueError, match="attention backend must be one of auto, torch, triton"):
         resolve_kernels(EngineConfig(model="unused", device="cpu"), cfg, torch.device("cpu"), want)
 

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import llama3_model_config, write_config_dir  # noqa: E402
 
-from batchrun.config import EngineConfig, KernelConfig  # noqa: E402
+from batchrun.config import EngineConfig, KernelPlan  # noqa: E402
 from batchrun.engine import host_gate  # noqa: E402
 from batchrun.engine.host_gate import HostGate  # noqa: E402
 from batchrun.engine.kernel_choice import resolve_kernels  # noqa: E402
@@ -50,7 +50,7 @@ def test_the_cpu_resolves_no_gate():
     cpu, model_cfg = torch.device("cpu"), llama3_model_config("tiny")
     assert resolve_kernels(EngineConfig(), model_cfg, cpu).host_gate is False
     with pytest.raises(ValueError, match="host_gate needs CUDA, overlap and a driver"):
-        resolve_kernels(EngineConfig(), model_cfg, cpu, KernelConfig(host_gate=True))
+        resolve_kernels(EngineConfig(), model_cfg, cpu, KernelPlan(host_gate=True))
 
 
 def test_an_engine_without_the_gate_has_none(tmp_path):

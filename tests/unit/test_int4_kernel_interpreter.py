@@ -168,7 +168,7 @@ def check_engine() -> None:
     from tiny_models import make_hf_config, random_prompts
     from transformers import AutoModelForCausalLM
 
-    from batchrun.config import EngineConfig, KernelConfig
+    from batchrun.config import EngineConfig, KernelPlan
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
 
@@ -181,7 +181,7 @@ def check_engine() -> None:
             write_int4_checkpoint(fmt, hf, Path(tmp), group_size=32, act_order=act_order)
             results = {}
             for path in ("triton", "dequant"):
-                kernels = replace(KernelConfig.reference(), int4_matmul=path)
+                kernels = replace(KernelPlan.reference(), int4_matmul=path)
                 cfg = EngineConfig(model=tmp, device="cpu", dtype="float32")
                 engine = Engine(cfg, kernels=kernels)
                 layer = engine.runner.model.layers[0].mlp.down_proj.quant

@@ -1,4 +1,4 @@
-"""engine/kernel_choice.py's resolve_kernels: what each auto field of KernelConfig becomes on the
+"""engine/kernel_choice.py's resolve_kernels: what each auto field of KernelPlan becomes on the
 CPU and on a simulated GPU, and the requests it refuses with a message.
 
 The GPU cases run without CUDA: `supports_pdl` (the device's compute capability), `has_triton`
@@ -26,7 +26,7 @@ from batchrun.attention import fa3_cache  # noqa: E402
 from batchrun.config import (  # noqa: E402
     CUDA_GRAPH_MAX_BS,
     EngineConfig,
-    KernelConfig,
+    KernelPlan,
     is_large,
     resolve_sizes,
 )
@@ -40,7 +40,7 @@ H200_MEMORY = 150_000_000_000
 SMALL, LARGE = llama3_model_config("llama-1b"), llama3_model_config("llama-8b")
 
 
-def resolve(model_cfg=SMALL, device=CPU, kernels: KernelConfig | None = None, **config):
+def resolve(model_cfg=SMALL, device=CPU, kernels: KernelPlan | None = None, **config):
     """resolve_kernels as the engine calls it: sizes resolved, overlap decided (on for CUDA)."""
     config.setdefault("overlap", device.type == "cuda")
     engine_config = EngineConfig(device=device.type, **config)
@@ -84,7 +84,7 @@ def test_the_shapes_are_what_the_rules_are_stated_for():
 @pytest.mark.parametrize("model_cfg", [SMALL, LARGE, llama3_model_config("tiny")])
 def test_the_cpu_resolves_to_plain_torch(model_cfg):
     kernels = resolve(model_cfg)
-    assert kernels == KernelConfig.reference()
+    assert kernels == KernelPlan.reference()
     assert asdict(kernels) == dict(
         attention="torch",
         extend_attention="triton",
@@ -106,7 +106,7 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
 
 
 def test_the_cpu_has_no_decode_graphs():
-    resolved = resolve(kernels=KernelConfig(cuda_graph_max_bs=64))
+    resolved = resolve(kernels=KernelPlan(cuda_graph_max_bs=64))
     assert resolved.cuda_graph_max_bs == 0 and resolved.piecewise_graphs is False
 
 
@@ -114,17 +114,17 @@ def test_the_cpu_has_no_decode_graphs():
 def test_the_cpu_keeps_the_triton_kernels_set_by_hand():
     """Explicit Triton attention and kernels run on CPU tensors under Triton's interpreter (the
     *_interpreter tests); everything left auto still resolves to torch."""
-    kernels = resolve(kernels=KernelConfig(attention="triton", triton_ops=True))
-    assert kernels == replace(KernelConfig.reference(), attention="triton", triton_ops=True)
-    kernels = resolve(kernels=KernelConfig(decode_gemv="triton"))
+    kernels = resolve(kernels=KernelPlan(attention="triton", triton_ops=True))
+    assert kernels == replace(KernelPlan.reference(), attention="triton", triton_ops=True)
+    kernels = resolve(kernels=KernelPlan(decode_gemv="triton"))
     assert (kernels.decode_gemv, kernels.decode_norms, kernels.pdl) == ("triton", "all", False)
 
 
 def test_is_resolved_only_without_auto_fields():
-    assert not KernelConfig().is_resolved
-    assert not replace(KernelConfig.reference(), attention="auto").is_resolved
-    assert not replace(KernelConfig.reference(), host_gate=None).is_resolved
-    assert KernelConfig.reference().is_resolved
+    assert not KernelPlan().is_resolved
+    assert not replace(KernelPlan.reference(), attention="auto").is_resolved
+    assert not replace(KernelPlan.reference(), host_gate=None).is_resolved
+    assert KernelPlan.reference().is_resolved
 
 
 # -- requests that cannot run --------------------------------------------------------------------
@@ -133,12 +133,12 @@ def test_is_resolved_only_without_auto_fields():
 @pytest.mark.parametrize(
     ("kernels", "message"),
     [
-        (KernelConfig(pdl=True), "pdl needs the Triton kernels on an sm_90"),
-        (KernelConfig(triton_ops=True, pdl=True), "pdl needs the Triton kernels on an sm_90"),
-        (KernelConfig(host_gate=True), "host_gate needs CUDA, overlap and a driver"),
-        (KernelConfig(piecewise_graphs=True), "piecewise CUDA graphs need CUDA"),
-        (KernelConfig(decode_norms="all"), "decode_norms 'all' needs decode_gemv 'triton'"),
-        (KernelConfig(attention="flashinfer"), "attention backend must be one of auto, torch, "),
+        (KernelPlan(pdl=True), "pdl needs the Triton kernels on an sm_90"),
+        (KernelPlan(triton_ops=True, pdl=True), "pdl needs the Triton kernels on an sm_90"),
+        (KernelPlan(host_gate=True), "host_gate needs CUDA, overlap and a driver"),
+        (KernelPlan(piecewise_graphs=True), "piecewise CUDA graphs need CUDA"),
+        (KernelPlan(decode_norms="all"), "decode_norms 'all' needs decode_gemv 'triton'"),
+        (KernelPlan(attention="flashinfer"), "attention backend must be one of auto, torch, "),
     ],
 )
 def test_the_cpu_refuses(kernels, message):
@@ -149,18 +149,18 @@ def test_the_cpu_refuses(kernels, message):
 def test_the_triton_fields_need_triton(monkeypatch):
     monkeypatch.setattr(kernel_choice, "has_triton", lambda: False)
     with pytest.raises(ValueError, match="attention backend 'triton' needs the triton package"):
-        resolve(kernels=KernelConfig(attention="triton"))
+        resolve(kernels=KernelPlan(attention="triton"))
     with pytest.raises(ValueError, match="triton_ops needs the triton package"):
-        resolve(kernels=KernelConfig(triton_ops=True))
+        resolve(kernels=KernelPlan(triton_ops=True))
 
 
 @pytest.mark.parametrize(
     ("kernels", "message"),
     [
-        (KernelConfig(attention="fast"), "attention backend must be one of auto, torch"),
-        (KernelConfig(decode_gemv="fast"), "decode_gemv must be one of auto, cublas, triton"),
-        (KernelConfig(decode_norms="some"), "decode_norms must be one of auto, off, all, fold-all"),
-        (KernelConfig(cuda_graph_max_bs=-1), "cuda_graph_max_bs must be >= 0"),
+        (KernelPlan(attention="fast"), "attention backend must be one of auto, torch"),
+        (KernelPlan(decode_gemv="fast"), "decode_gemv must be one of auto, cublas, triton"),
+        (KernelPlan(decode_norms="some"), "decode_norms must be one of auto, off, all, fold-all"),
+        (KernelPlan(cuda_graph_max_bs=-1), "cuda_graph_max_bs must be >= 0"),
     ],
 )
 def test_unknown_values_fail_validation(kernels, message):
@@ -172,7 +172,7 @@ def test_unknown_values_fail_validation(kernels, message):
 def test_norms_in_the_matmuls_need_the_triton_matmuls(gpu, mode):
     gpu(pdl=True)
     with pytest.raises(ValueError, match=f"decode_norms {mode!r} needs decode_gemv 'triton'"):
-        resolve(device=CUDA, kernels=KernelConfig(decode_gemv="cublas", decode_norms=mode))
+        resolve(device=CUDA, kernels=KernelPlan(decode_gemv="cublas", decode_norms=mode))
 
 
 @pytest.mark.parametrize(
@@ -187,7 +187,7 @@ def test_norms_in_the_matmuls_need_plain_whole_matmuls(gpu, model_cfg, tp_size):
     gpu(pdl=True)
     auto = resolve(model_cfg, CUDA, tp_size=tp_size)
     assert auto.decode_gemv == "triton" and auto.decode_norms == "off"
-    kernels = KernelConfig(decode_norms="all")
+    kernels = KernelPlan(decode_norms="all")
     with pytest.raises(ValueError, match="a model without biases at tensor parallel size 1"):
         resolve(model_cfg, CUDA, kernels, tp_size=tp_size)
 
@@ -195,21 +195,21 @@ def test_norms_in_the_matmuls_need_plain_whole_matmuls(gpu, model_cfg, tp_size):
 def test_pdl_needs_the_triton_kernels_and_sm_90(gpu):
     gpu(pdl=True)
     with pytest.raises(ValueError, match="pdl needs the Triton kernels"):
-        resolve(device=CUDA, kernels=KernelConfig(triton_ops=False, pdl=True))
+        resolve(device=CUDA, kernels=KernelPlan(triton_ops=False, pdl=True))
     gpu(pdl=False)
     with pytest.raises(ValueError, match="pdl needs the Triton kernels on an sm_90"):
-        resolve(device=CUDA, kernels=KernelConfig(pdl=True))
+        resolve(device=CUDA, kernels=KernelPlan(pdl=True))
 
 
 def test_the_host_gate_needs_overlap_and_the_driver(gpu, monkeypatch):
     gpu(pdl=True)
     assert resolve(device=CUDA, overlap=False).host_gate is False
     with pytest.raises(ValueError, match="host_gate needs CUDA, overlap"):
-        resolve(device=CUDA, kernels=KernelConfig(host_gate=True), overlap=False)
+        resolve(device=CUDA, kernels=KernelPlan(host_gate=True), overlap=False)
     monkeypatch.setattr(kernel_choice.HostGate, "available", staticmethod(lambda: False))
     assert resolve(device=CUDA).host_gate is False
     with pytest.raises(ValueError, match="a driver with stream memory operations"):
-        resolve(device=CUDA, kernels=KernelConfig(host_gate=True))
+        resolve(device=CUDA, kernels=KernelPlan(host_gate=True))
 
 
 # -- a GPU ---------------------------------------------------------------------------------------
@@ -249,26 +249,26 @@ def test_an_h200_folds_the_norms_of_a_wide_model_and_keeps_its_mixed_steps_eager
 
 def test_piecewise_graphs_need_decode_graphs_and_a_chunk_size(gpu):
     gpu(pdl=True)
-    no_graphs = resolve(SMALL, CUDA, KernelConfig(cuda_graph_max_bs=0))
+    no_graphs = resolve(SMALL, CUDA, KernelPlan(cuda_graph_max_bs=0))
     assert no_graphs.cuda_graph_max_bs == 0 and no_graphs.piecewise_graphs is False
     # an unlimited prefill (chunked_prefill_size None) bounds no step's tokens
     assert resolve(SMALL, CUDA, chunked_prefill_size=None).piecewise_graphs is False
-    kernels = KernelConfig(piecewise_graphs=None)
+    kernels = KernelPlan(piecewise_graphs=None)
     assert resolve(SMALL, CUDA, kernels, chunked_prefill_size=None).piecewise_graphs is False
     with pytest.raises(ValueError, match="need CUDA and a chunked prefill size"):
-        resolve(SMALL, CUDA, KernelConfig(piecewise_graphs=True), chunked_prefill_size=None)
-    assert resolve(LARGE, CUDA, KernelConfig(piecewise_graphs=True)).piecewise_graphs is True
-    assert resolve(SMALL, CUDA, KernelConfig(piecewise_graphs=False)).piecewise_graphs is False
+        resolve(SMALL, CUDA, KernelPlan(piecewise_graphs=True), chunked_prefill_size=None)
+    assert resolve(LARGE, CUDA, KernelPlan(piecewise_graphs=True)).piecewise_graphs is True
+    assert resolve(SMALL, CUDA, KernelPlan(piecewise_graphs=False)).piecewise_graphs is False
 
 
 def test_without_pdl_the_decode_matmuls_take_cublas(gpu):
     """--disable-pdl on an H200: the Triton matmuls pay only with PDL, so auto gives cuBLAS and
     no norms in the matmuls; asked for by hand they stay, with the norms by the width rule."""
     gpu(pdl=True)
-    kernels = resolve(SMALL, CUDA, KernelConfig(pdl=False))
+    kernels = resolve(SMALL, CUDA, KernelPlan(pdl=False))
     assert (kernels.triton_ops, kernels.pdl) == (True, False)
     assert (kernels.decode_gemv, kernels.decode_norms) == ("cublas", "off")
-    kernels = resolve(SMALL, CUDA, KernelConfig(pdl=False, decode_gemv="triton"))
+    kernels = resolve(SMALL, CUDA, KernelPlan(pdl=False, decode_gemv="triton"))
     assert (kernels.decode_gemv, kernels.decode_norms) == ("triton", "all")
 
 
@@ -279,7 +279,7 @@ def test_an_sm_80_gpu_has_no_pdl_and_keeps_cublas(gpu):
         assert kernels.attention == "triton" and kernels.triton_ops is True
         assert kernels.pdl is False
         assert kernels.decode_gemv == "cublas" and kernels.decode_norms == "off"
-    explicit = resolve(LARGE, CUDA, KernelConfig(decode_gemv="triton"))
+    explicit = resolve(LARGE, CUDA, KernelPlan(decode_gemv="triton"))
     assert (explicit.decode_gemv, explicit.decode_norms) == ("triton", "fold-all")
 
 
@@ -294,7 +294,7 @@ def test_a_gpu_without_triton_runs_torch_and_cublas(gpu, monkeypatch):
 
 def test_fields_set_by_hand_are_kept(gpu):
     gpu(pdl=True)
-    want = KernelConfig(
+    want = KernelPlan(
         attention="torch",
         extend_attention="triton",
         triton_ops=True,
@@ -334,14 +334,14 @@ def test_a_quantized_model_on_an_h200_decodes_on_the_triton_kernels_without_fold
         assert (kernels.decode_gemv, kernels.decode_norms) == ("triton", "off")
         assert kernels.fp8_matmul == "scaled_mm" and kernels.pdl is True
     assert resolve(SMALL, CUDA, quantization="fp8").decode_gemv == "triton"
-    hand_set = resolve(quantized(SMALL), CUDA, KernelConfig(decode_gemv="cublas"))
+    hand_set = resolve(quantized(SMALL), CUDA, KernelPlan(decode_gemv="cublas"))
     assert (hand_set.decode_gemv, hand_set.decode_norms) == ("cublas", "off")
     for mode in ("all", "fold-all"):
         with pytest.raises(ValueError, match=f"decode_norms '{mode}' needs .* unquantized"):
-            resolve(quantized(LARGE), CUDA, KernelConfig(decode_norms=mode))
+            resolve(quantized(LARGE), CUDA, KernelPlan(decode_norms=mode))
         with pytest.raises(ValueError, match=f"decode_norms '{mode}' needs .* unquantized"):
-            resolve(int4(LARGE), CUDA, KernelConfig(decode_norms=mode))
-    assert resolve(quantized(SMALL), CUDA, KernelConfig(fp8_matmul="dequant")).fp8_matmul == (
+            resolve(int4(LARGE), CUDA, KernelPlan(decode_norms=mode))
+    assert resolve(quantized(SMALL), CUDA, KernelPlan(fp8_matmul="dequant")).fp8_matmul == (
         "dequant"
     )
 
@@ -382,28 +382,28 @@ def test_int4_is_dequantized_where_the_bf16_weights_fit(gpu, monkeypatch):
     gpu(pdl=True, gemv_mma=False)
     assert resolve(int4(LARGE), CUDA).int4_matmul == "dequant"
     with pytest.raises(ValueError, match="int4_matmul 'dequant-gemv' .* needs an sm_80"):
-        resolve(int4(LARGE), CUDA, KernelConfig(int4_matmul="dequant-gemv"))
+        resolve(int4(LARGE), CUDA, KernelPlan(int4_matmul="dequant-gemv"))
     with pytest.raises(ValueError, match="int4_matmul 'dequant-gemv' .* needs an sm_80"):
-        resolve(int4(SMALL), CPU, KernelConfig(int4_matmul="dequant-gemv"))
+        resolve(int4(SMALL), CPU, KernelPlan(int4_matmul="dequant-gemv"))
     gpu(pdl=True)
-    hand_set = KernelConfig(int4_matmul="dequant", fp8_matmul="dequant")
+    hand_set = KernelPlan(int4_matmul="dequant", fp8_matmul="dequant")
     assert resolve(int4(LARGE), CUDA, hand_set).int4_matmul == "dequant"
     assert resolve(fp8_blocks(LARGE), CUDA, hand_set).fp8_matmul == "dequant"
     assert resolve(int4(SMALL)).int4_matmul == "dequant"
-    assert resolve(SMALL, CPU, KernelConfig(int4_matmul="triton")).int4_matmul == "triton"
+    assert resolve(SMALL, CPU, KernelPlan(int4_matmul="triton")).int4_matmul == "triton"
     monkeypatch.setattr(kernel_choice, "has_triton", lambda: False)
     assert resolve(int4(LARGE), CUDA).int4_matmul == "dequant"
     with pytest.raises(ValueError, match="int4_matmul 'triton' .* needs the triton package"):
-        resolve(int4(SMALL), CUDA, KernelConfig(int4_matmul="triton"))
+        resolve(int4(SMALL), CUDA, KernelPlan(int4_matmul="triton"))
     with pytest.raises(ValueError, match="int4_matmul must be one of auto, triton, dequant"):
-        resolve(int4(SMALL), CPU, KernelConfig(int4_matmul="marlin"))
+        resolve(int4(SMALL), CPU, KernelPlan(int4_matmul="marlin"))
 
 
 def test_fp8_matmuls_need_sm_89(gpu):
     gpu(pdl=False)
     assert resolve(quantized(SMALL), CUDA).fp8_matmul == "dequant"
     with pytest.raises(ValueError, match="fp8_matmul 'scaled_mm' needs the FP8 tensor cores"):
-        resolve(quantized(SMALL), CUDA, KernelConfig(fp8_matmul="scaled_mm"))
+        resolve(quantized(SMALL), CUDA, KernelPlan(fp8_matmul="scaled_mm"))
 
 
 # -- a mixture of experts ------------------------------------------------------------------------
@@ -423,15 +423,15 @@ def test_a_mixture_of_experts_runs_the_fused_moe_on_cuda(gpu, monkeypatch):
     assert kernels.moe == "triton"
     assert "batchrun.kernels.fused_moe" in checked
     with pytest.raises(ValueError, match="moe 'torch' reads the routing on the host, which a CUDA"):
-        resolve(moe_cfg, CUDA, KernelConfig(moe="torch"))
-    eager = resolve(moe_cfg, CUDA, KernelConfig(moe="torch", cuda_graph_max_bs=0))
+        resolve(moe_cfg, CUDA, KernelPlan(moe="torch"))
+    eager = resolve(moe_cfg, CUDA, KernelPlan(moe="torch", cuda_graph_max_bs=0))
     assert eager.moe == "torch" and not eager.piecewise_graphs
-    assert resolve(SMALL, CUDA, KernelConfig(moe="torch")).moe == "torch"  # dense: no experts
+    assert resolve(SMALL, CUDA, KernelPlan(moe="torch")).moe == "torch"  # dense: no experts
     # a small dense model takes piecewise graphs by default; experts take them when asked
     assert resolve(SMALL, CUDA).piecewise_graphs
     small_moe = replace(SMALL, moe=moe_cfg.moe)
     assert not resolve(small_moe, CUDA).piecewise_graphs
-    assert resolve(small_moe, CUDA, KernelConfig(piecewise_graphs=True)).piecewise_graphs
+    assert resolve(small_moe, CUDA, KernelPlan(piecewise_graphs=True)).piecewise_graphs
 
 
 def test_moe_decode_gemv_with_the_fused_experts(gpu, monkeypatch):
@@ -441,19 +441,19 @@ def test_moe_decode_gemv_with_the_fused_experts(gpu, monkeypatch):
     moe_cfg = ModelConfig.from_dict(QWEN3_30B_A3B)
     assert resolve(moe_cfg).moe_decode == "grouped"  # the CPU: moe "torch"
     with pytest.raises(ValueError, match="moe_decode 'gemv' .* needs moe 'triton'"):
-        resolve(moe_cfg, CPU, KernelConfig(moe_decode="gemv"))
+        resolve(moe_cfg, CPU, KernelPlan(moe_decode="gemv"))
     with pytest.raises(ValueError, match="moe_decode must be one of auto, grouped, gemv"):
-        resolve(moe_cfg, CPU, KernelConfig(moe_decode="split"))
+        resolve(moe_cfg, CPU, KernelPlan(moe_decode="split"))
     gpu(pdl=True)
     checked = []
     monkeypatch.setattr(
         kernel_choice, "_check_kernels_import", lambda module="gemv": checked.append(module)
     )
-    assert resolve(moe_cfg, CUDA, KernelConfig(moe_decode="grouped")).moe_decode == "grouped"
+    assert resolve(moe_cfg, CUDA, KernelPlan(moe_decode="grouped")).moe_decode == "grouped"
     assert "batchrun.kernels.moe_gemv" not in checked
     assert resolve(moe_cfg, CUDA).moe_decode == "gemv"
     assert "batchrun.kernels.moe_gemv" in checked
-    assert resolve(moe_cfg, CUDA, KernelConfig(moe="torch", cuda_graph_max_bs=0)).moe_decode == (
+    assert resolve(moe_cfg, CUDA, KernelPlan(moe="torch", cuda_graph_max_bs=0)).moe_decode == (
         "grouped"
     )
 
@@ -470,13 +470,13 @@ def test_a_mixtures_one_token_decode_takes_the_norms_into_its_gemvs(gpu):
     assert resolve(qwen3, CUDA).decode_norms == "all"
     assert resolve(mixtral, CUDA).decode_norms == "off"
     assert resolve(shared, CUDA).decode_norms == "off"
-    grouped = KernelConfig(moe_decode="grouped")
+    grouped = KernelPlan(moe_decode="grouped")
     assert resolve(qwen3, CUDA, grouped).decode_norms == "off"
     for mode in ("all",):
-        assert resolve(mixtral, CUDA, KernelConfig(decode_norms=mode)).decode_norms == mode
+        assert resolve(mixtral, CUDA, KernelPlan(decode_norms=mode)).decode_norms == mode
     with pytest.raises(ValueError, match="decode_norms 'fold-all' folds the post-attention"):
-        resolve(mixtral, CUDA, KernelConfig(decode_norms="fold-all"))
-    for cfg, kernels in ((shared, KernelConfig()), (qwen3, grouped)):
+        resolve(mixtral, CUDA, KernelPlan(decode_norms="fold-all"))
+    for cfg, kernels in ((shared, KernelPlan()), (qwen3, grouped)):
         with pytest.raises(ValueError, match="decode_norms 'all' needs .* experts alone"):
             resolve(cfg, CUDA, replace(kernels, decode_norms="all"))
 
@@ -489,28 +489,28 @@ def test_moe_prefill_grouped_mm_where_cutlass_runs(gpu, monkeypatch):
     moe_cfg = ModelConfig.from_dict(QWEN3_30B_A3B)
     assert resolve(moe_cfg).moe_prefill == "triton"  # the CPU: moe "torch"
     with pytest.raises(ValueError, match="moe_prefill 'grouped_mm' .* runs with moe 'triton'"):
-        resolve(moe_cfg, CPU, KernelConfig(moe_prefill="grouped_mm"))
+        resolve(moe_cfg, CPU, KernelPlan(moe_prefill="grouped_mm"))
     monkeypatch.setattr(kernel_choice, "has_triton", lambda: True)
-    cpu = resolve(moe_cfg, CPU, KernelConfig(moe="triton", moe_prefill="grouped_mm"))
+    cpu = resolve(moe_cfg, CPU, KernelPlan(moe="triton", moe_prefill="grouped_mm"))
     assert cpu.moe_prefill == "grouped_mm"
     with pytest.raises(ValueError, match="moe_prefill must be one of auto, triton, grouped_mm"):
-        resolve(moe_cfg, CPU, KernelConfig(moe_prefill="cutlass"))
+        resolve(moe_cfg, CPU, KernelPlan(moe_prefill="cutlass"))
     gpu(pdl=True)
     checked = []
     monkeypatch.setattr(
         kernel_choice, "_check_kernels_import", lambda module="gemv": checked.append(module)
     )
-    assert resolve(moe_cfg, CUDA, KernelConfig(moe_prefill="triton")).moe_prefill == "triton"
+    assert resolve(moe_cfg, CUDA, KernelPlan(moe_prefill="triton")).moe_prefill == "triton"
     assert "batchrun.kernels.moe_grouped_mm" not in checked
     assert resolve(moe_cfg, CUDA).moe_prefill == "grouped_mm"
     assert "batchrun.kernels.moe_grouped_mm" in checked
     assert resolve(moe_cfg, CUDA, dtype="float16").moe_prefill == "triton"  # bf16 only
     with pytest.raises(ValueError, match="bf16 on an sm_90 GPU"):
-        resolve(moe_cfg, CUDA, KernelConfig(moe_prefill="grouped_mm"), dtype="float16")
+        resolve(moe_cfg, CUDA, KernelPlan(moe_prefill="grouped_mm"), dtype="float16")
     gpu(pdl=False)  # an A100
     assert resolve(moe_cfg, CUDA).moe_prefill == "triton"
     with pytest.raises(ValueError, match="bf16 on an sm_90 GPU"):
-        resolve(moe_cfg, CUDA, KernelConfig(moe_prefill="grouped_mm"))
+        resolve(moe_cfg, CUDA, KernelPlan(moe_prefill="grouped_mm"))
 
 
 def test_extend_attention_fa3_where_it_runs(gpu, monkeypatch):
@@ -520,19 +520,19 @@ def test_extend_attention_fa3_where_it_runs(gpu, monkeypatch):
     another attention backend."""
     assert resolve(SMALL).extend_attention == "triton"  # the CPU
     with pytest.raises(ValueError, match="extend_attention must be one of auto, triton, fa3"):
-        resolve(SMALL, CPU, KernelConfig(extend_attention="fa2"))
+        resolve(SMALL, CPU, KernelPlan(extend_attention="fa2"))
     with pytest.raises(ValueError, match="extend_attention 'fa3' runs attention 'triton''s"):
-        resolve(SMALL, CPU, KernelConfig(extend_attention="fa3"))
+        resolve(SMALL, CPU, KernelPlan(extend_attention="fa3"))
     gpu(pdl=True)
     with pytest.raises(ValueError, match="'fa3' cannot run here: flashinfer is not importable"):
-        resolve(SMALL, CUDA, KernelConfig(extend_attention="fa3"))
+        resolve(SMALL, CUDA, KernelPlan(extend_attention="fa3"))
     assert resolve(SMALL, CUDA).extend_attention == "triton"
     gpu(pdl=True, fa3=True)
     assert resolve(SMALL, CUDA).extend_attention == "fa3"
-    assert resolve(SMALL, CUDA, KernelConfig(attention="torch")).extend_attention == "triton"
-    explicit = KernelConfig(extend_attention="triton")
+    assert resolve(SMALL, CUDA, KernelPlan(attention="torch")).extend_attention == "triton"
+    explicit = KernelPlan(extend_attention="triton")
     assert resolve(SMALL, CUDA, explicit).extend_attention == "triton"
-    fa3 = KernelConfig(extend_attention="fa3")
+    fa3 = KernelPlan(extend_attention="fa3")
     assert resolve(SMALL, CUDA, fa3).extend_attention == "fa3"
     with pytest.raises(ValueError, match="runs attention 'triton''s extend rows, and the attent"):
         resolve(SMALL, CUDA, replace(fa3, attention="torch"))
@@ -568,7 +568,7 @@ def test_extend_attention_fa3_only_where_its_kernels_are_built(gpu, monkeypatch,
     assert builds[-1] == (128, torch.float16, mixed.sliding_windows)
     nvcc[0] = None
     with pytest.raises(ValueError, match=r"not built here, and no nvcc .* flashinfer-jit-cache"):
-        resolve(LARGE, CUDA, KernelConfig(extend_attention="fa3"))
+        resolve(LARGE, CUDA, KernelPlan(extend_attention="fa3"))
     assert len(builds) == 2
 
     missing[0] = []
@@ -585,9 +585,9 @@ def test_extend_attention_fa3_only_where_its_kernels_are_built(gpu, monkeypatch,
         caplog.text
     )
     with pytest.raises(ValueError, match="'fa3' cannot run here: FlashInfer's FA3 prefill fail"):
-        resolve(LARGE, CUDA, KernelConfig(extend_attention="fa3"))
+        resolve(LARGE, CUDA, KernelPlan(extend_attention="fa3"))
     calls = len(seen)
-    assert resolve(LARGE, CUDA, KernelConfig(extend_attention="triton")).extend_attention == (
+    assert resolve(LARGE, CUDA, KernelPlan(extend_attention="triton")).extend_attention == (
         "triton"
     )
     assert len(seen) == calls  # nothing runs where the extend rows stay on Triton
@@ -596,7 +596,7 @@ def test_extend_attention_fa3_only_where_its_kernels_are_built(gpu, monkeypatch,
 def test_moe_triton_needs_triton(monkeypatch):
     monkeypatch.setattr(kernel_choice, "has_triton", lambda: False)
     with pytest.raises(ValueError, match="moe 'triton' .* needs the triton package"):
-        resolve(ModelConfig.from_dict(QWEN3_30B_A3B), CPU, KernelConfig(moe="triton"))
+        resolve(ModelConfig.from_dict(QWEN3_30B_A3B), CPU, KernelPlan(moe="triton"))
 
 
 def test_gemma3_decodes_with_its_norms_apart(gpu):
@@ -610,7 +610,7 @@ def test_gemma3_decodes_with_its_norms_apart(gpu):
     kernels = resolve(gemma, CUDA)
     assert (kernels.decode_gemv, kernels.decode_norms) == ("triton", "off")
     with pytest.raises(ValueError, match=r"decode_norms 'all' needs .* \(no sandwich norms\)"):
-        resolve(gemma, CUDA, KernelConfig(decode_norms="all"))
+        resolve(gemma, CUDA, KernelPlan(decode_norms="all"))
 
 
 def test_block_fp8_needs_cublaslt_or_room_to_dequantize(gpu, monkeypatch):
@@ -622,7 +622,7 @@ def test_block_fp8_needs_cublaslt_or_room_to_dequantize(gpu, monkeypatch):
     monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: False)
     assert resolve(fp8_blocks(LARGE), CUDA).fp8_matmul == "dequant"
     with pytest.raises(ValueError, match="fp8_matmul 'scaled_mm' runs 128 x 128 block-FP8"):
-        resolve(fp8_blocks(LARGE), CUDA, KernelConfig(fp8_matmul="scaled_mm"))
+        resolve(fp8_blocks(LARGE), CUDA, KernelPlan(fp8_matmul="scaled_mm"))
     assert resolve(quantized(LARGE), CUDA).fp8_matmul == "scaled_mm"  # per channel: any sm_89+
     gpu(pdl=True, memory=24_000_000_000)
     monkeypatch.setattr(kernel_choice, "supports_block_scaled_mm", lambda device: False)
@@ -649,9 +649,9 @@ def test_the_users_kernel_choices(gpu):
     gate off."""
     gpu(pdl=True)
     reference = resolve(SMALL, CUDA, reference_kernels=True)
-    assert reference == KernelConfig.reference()
-    partial = resolve(SMALL, CUDA, KernelConfig(attention="triton"), reference_kernels=True)
-    assert partial == replace(KernelConfig.reference(), attention="triton")
+    assert reference == KernelPlan.reference()
+    partial = resolve(SMALL, CUDA, KernelPlan(attention="triton"), reference_kernels=True)
+    assert partial == replace(KernelPlan.reference(), attention="triton")
     assert resolve(SMALL, CUDA, cuda_graph_max_bs=64).cuda_graph_max_bs == 64
     none = resolve(SMALL, CUDA, cuda_graph_max_bs=0)
     assert (none.cuda_graph_max_bs, none.piecewise_graphs) == (0, False)

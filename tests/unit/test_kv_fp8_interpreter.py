@@ -266,7 +266,7 @@ def _check_engine() -> None:
 
     from tiny_models import make_tiny_model, random_prompts
 
-    from batchrun.config import EngineConfig, KernelConfig
+    from batchrun.config import EngineConfig, KernelPlan
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
 
@@ -275,7 +275,7 @@ def _check_engine() -> None:
         prompts = random_prompts(3, seed=3)
         params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
         results = []
-        for kernels in (INTERPRETER_KERNELS, KernelConfig.reference()):
+        for kernels in (INTERPRETER_KERNELS, KernelPlan.reference()):
             cfg = EngineConfig(
                 model=tmp, device="cpu", dtype="float32", kv_budget=1024,
                 kv_cache_dtype="fp8_e4m3",

@@ -20,7 +20,7 @@ from moe_configs import (  # noqa: E402
 )
 from tiny_models import MOE_KINDS, make_moe_config  # noqa: E402
 
-from batchrun.config import EngineConfig, KernelConfig, is_large  # noqa: E402
+from batchrun.config import EngineConfig, KernelPlan, is_large  # noqa: E402
 from batchrun.engine.kernel_choice import resolve_kernels  # noqa: E402
 from batchrun.errors import ModelConfigError  # noqa: E402
 from batchrun.models.config import ModelConfig  # noqa: E402
@@ -149,5 +149,5 @@ def test_kernel_choice_moe():
     resolved = resolve_kernels(EngineConfig(device="cpu"), cfg, cpu)
     assert resolved.moe == "torch" and resolved.decode_norms == "off"
     with pytest.raises(ValueError, match="moe backend must be one of auto, triton, torch"):
-        KernelConfig(moe="cutlass").validate()
-    assert KernelConfig.reference().moe == "torch"
+        KernelPlan(moe="cutlass").validate()
+    assert KernelPlan.reference().moe == "torch"

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_tp_partition import assert_rank_holds_its_slices  # noqa: E402
 from tiny_models import MOE_KINDS, make_tiny_model  # noqa: E402
 
-from batchrun.config import KernelConfig  # noqa: E402
+from batchrun.config import KernelPlan  # noqa: E402
 from batchrun.errors import WeightLoadError  # noqa: E402
 from batchrun.models.blocks.context import BuildContext  # noqa: E402
 from batchrun.models.blocks.mlp import experts_or_dense  # noqa: E402
@@ -98,7 +98,7 @@ def test_one_all_reduce_per_moe_block():
     )
     calls: list = []
     tp = CountingGroup(0, 2, None, calls)
-    ctx = BuildContext(cfg, torch.float32, "cpu", KernelConfig.reference(), tp,
+    ctx = BuildContext(cfg, torch.float32, "cpu", KernelPlan.reference(), tp,
                        partition_model(cfg, 0, 2), cfg.max_position_embeddings)  # fmt: skip
     block = experts_or_dense(ctx, 0)
     for p in block.parameters():

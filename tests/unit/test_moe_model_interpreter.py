@@ -42,7 +42,7 @@ def _check_model(kind: str, root: Path) -> None:
     from batchrun.kernels import moe_grouped_mm
     from tiny_models import make_tiny_model, random_prompts
 
-    from batchrun.config import EngineConfig, KernelConfig
+    from batchrun.config import EngineConfig, KernelPlan
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
 
@@ -55,7 +55,7 @@ def _check_model(kind: str, root: Path) -> None:
         ("triton", "grouped", "triton"), ("triton", "gemv", "triton"),
         ("triton", "grouped", "grouped_mm"), ("torch", "grouped", "triton"),
     ):  # fmt: skip
-        kernels = replace(KernelConfig.reference(), moe=moe, moe_decode=decode, moe_prefill=prefill)
+        kernels = replace(KernelPlan.reference(), moe=moe, moe_decode=decode, moe_prefill=prefill)
         engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32",
                                      kv_budget=4096), kernels=kernels)  # fmt: skip
         resolved = engine.runner.kernels

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import make_moe_config  # noqa: E402
 
-from batchrun.config import KernelConfig  # noqa: E402
+from batchrun.config import KernelPlan  # noqa: E402
 from batchrun.layers.moe import moe_experts, route  # noqa: E402
 from batchrun.models.blocks.context import BuildContext  # noqa: E402
 from batchrun.models.blocks.mlp import experts_or_dense  # noqa: E402
@@ -118,7 +118,7 @@ def test_block_equals_transformers_sparse_moe_block_in_bf16(kind):
     hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
     ref_block = hf.model.layers[0].mlp
     cfg = ModelConfig.from_dict(hf_cfg.to_dict() | {"architectures": [type(hf).__name__]})
-    ctx = BuildContext(cfg, torch.float32, "cpu", KernelConfig.reference(), TPGroup(),
+    ctx = BuildContext(cfg, torch.float32, "cpu", KernelPlan.reference(), TPGroup(),
                        partition_model(cfg), cfg.max_position_embeddings)  # fmt: skip
     block = experts_or_dense(ctx, 0)
     with torch.no_grad():

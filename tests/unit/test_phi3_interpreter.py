@@ -70,14 +70,14 @@ def _check_partial_rotary(dtype) -> None:
 def _check_engine(tmp_dir: Path) -> None:
     from tiny_models import make_tiny_model, random_prompts
 
-    from batchrun.config import EngineConfig, KernelConfig
+    from batchrun.config import EngineConfig, KernelPlan
     from batchrun.engine.engine import Engine
     from batchrun.params import GenerateRequest, SamplingParams
 
     path = Path(tempfile.mkdtemp(dir=tmp_dir))
     make_tiny_model("phi3", path)
     base = dict(model=str(path), device="cpu", dtype="float32", kv_budget=1024, context_len=128)
-    ref_engine = Engine(EngineConfig(**base), kernels=KernelConfig.reference())
+    ref_engine = Engine(EngineConfig(**base), kernels=KernelPlan.reference())
     engine = Engine(EngineConfig(**base), kernels=INTERPRETER_KERNELS)
     runner = engine.runner
     assert engine.kernels.attention == "triton" and engine.kernels.triton_ops

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quant_checkpoints import FP8_FORMATS, act_per_token, act_per_token_group  # noqa: E402
 from quant_checkpoints import quantize_fp8 as reference_quantize  # noqa: E402
 
-from batchrun.config import EngineConfig, KernelConfig  # noqa: E402
+from batchrun.config import EngineConfig, KernelPlan  # noqa: E402
 from batchrun.engine.kernel_choice import resolve_kernels  # noqa: E402
 from batchrun.errors import ModelConfigError, WeightLoadError  # noqa: E402
 from batchrun.quant import formats  # noqa: E402
@@ -345,7 +345,7 @@ def test_row_parallel_per_token_scales_use_the_whole_row():
 # -- kernels of a quantized model ----------------------------------------------------------------
 
 
-def resolved(kernels: KernelConfig, quantized: bool = True) -> KernelConfig:
+def resolved(kernels: KernelPlan, quantized: bool = True) -> KernelPlan:
     from tiny_models import llama3_model_config
 
     cfg = llama3_model_config("tiny")
@@ -358,12 +358,12 @@ def resolved(kernels: KernelConfig, quantized: bool = True) -> KernelConfig:
 
 
 def test_a_quantized_model_resolves_cublas_no_folded_norms_and_dequant_on_the_cpu():
-    k = resolved(KernelConfig())
+    k = resolved(KernelPlan())
     assert (k.decode_gemv, k.decode_norms, k.fp8_matmul) == ("cublas", "off", "dequant")
     with pytest.raises(ValueError, match="fp8_matmul 'scaled_mm' needs .* sm_89"):
-        resolved(KernelConfig(fp8_matmul="scaled_mm"))
+        resolved(KernelPlan(fp8_matmul="scaled_mm"))
     with pytest.raises(ValueError, match="fp8_matmul must be one of auto, scaled_mm, dequant"):
-        KernelConfig(fp8_matmul="cutlass").validate()
+        KernelPlan(fp8_matmul="cutlass").validate()
 
 
 @pytest.mark.parametrize(

@@ -128,9 +128,9 @@ def _check_pool(dtype) -> None:
     kernels; the same bits as the Triton rotary then torch's store (every dtype: a store is a
     copy), and as the torch path (fp32, fp16)."""
     import batchrun.engine.kv_pool as kv_pool
-    from batchrun.config import KernelConfig
+    from batchrun.config import KernelPlan
 
-    shape, triton, torch_path = (5, 8, 2, 64), INTERPRETER_KERNELS, KernelConfig.reference()
+    shape, triton, torch_path = (5, 8, 2, 64), INTERPRETER_KERNELS, KernelPlan.reference()
     with pytest.MonkeyPatch.context() as mp:
         calls = count_calls(mp, kv_pool, "rotary_store_kv")
         fused = _store_rotated(shape, dtype, 3, triton, triton)
@@ -202,7 +202,7 @@ def _check_engine() -> None:
 
     from tiny_models import make_tiny_model
 
-    from batchrun.config import KernelConfig
+    from batchrun.config import KernelPlan
 
     with tempfile.TemporaryDirectory() as tmp_dir:
         for kind in ("llama", "qwen3"):
@@ -210,7 +210,7 @@ def _check_engine() -> None:
             make_tiny_model(kind, path)
             fused, n_fused = _engine_run(path, INTERPRETER_KERNELS, fuse=True)
             apart, n_apart = _engine_run(path, INTERPRETER_KERNELS, fuse=False)
-            reference, _ = _engine_run(path, KernelConfig.reference(), fuse=True)
+            reference, _ = _engine_run(path, KernelPlan.reference(), fuse=True)
             assert n_apart == 0 and n_fused > 0, (kind, n_apart, n_fused)
             assert fused[0] == apart[0], kind
             assert torch.equal(fused[1], apart[1]), kind

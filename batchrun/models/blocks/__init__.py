@@ -1,6 +1,6 @@
 """The blocks models are assembled from (an architecture's file picks them, models/registry.py):
 
-    context.py     BuildContext: dtype, device, kernel config, TP group and partition, the config
+    context.py     BuildContext: dtype, device, kernel plan, TP group and partition, the config
     attention.py   Attention: fused qkv, q/k norm, full or sliding window, sinks, o_proj
     gated_attention.py  GatedAttention: Attention with an output gate (Qwen3-Next, Qwen3.5)
     gated_deltanet.py   GatedDeltaNet: linear attention with a recurrent state a request

@@ -7,7 +7,7 @@ from functools import partial
 
 import torch
 
-from batchrun.config import KernelConfig
+from batchrun.config import KernelPlan
 from batchrun.layers.norm import RMSNorm
 from batchrun.models.config import ModelConfig
 from batchrun.parallel.partition import TPPartition
@@ -20,7 +20,7 @@ class BuildContext:
     cfg: ModelConfig
     dtype: torch.dtype
     device: torch.device | str
-    kernels: KernelConfig
+    kernels: KernelPlan
     tp: TPGroup  # the tensor-parallel group (TPGroup(): TP=1)
     part: TPPartition  # this rank's share of the model
     max_positions: int  # the longest context the rotary tables cover

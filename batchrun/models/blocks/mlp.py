@@ -14,7 +14,7 @@ from batchrun.parallel.state import TPGroup
 
 try:
     from batchrun.kernels.activation import gelu_tanh_and_mul, silu_and_mul
-except ImportError:  # no Triton (CPU-only installs): KernelConfig.triton_ops is off
+except ImportError:  # no Triton (CPU-only installs): KernelPlan.triton_ops is off
     silu_and_mul = gelu_tanh_and_mul = None
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")

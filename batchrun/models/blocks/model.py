@@ -14,7 +14,7 @@ piecewise CUDA graphs (engine/piecewise_graph.py) capture and run eagerly betwee
     logits          the final norm and the LM head over the rows wanted
 
 A one-row decode step may run the fused decode instead (models/fused_decode.py), where its
-kernel config turns it on.
+kernel plan turns it on.
 
 Tensor parallel (`tp`, see batchrun/parallel): each rank holds its heads and MLP columns and a
 slice of the vocabulary; logits are all-gathered, so every rank returns the full [S, vocab] and
@@ -104,7 +104,7 @@ class CausalLM(nn.Module):
         self.embed_scale = (
             float(torch.tensor(cfg.hidden_size**0.5).to(ctx.dtype)) if embed_scale else None
         )
-        # the one-row fused decode where the kernel config turns it on (None: off)
+        # the one-row fused decode where the kernel plan turns it on (None: off)
         self.fused = FusedDecode.for_model(self)
 
     def make_rotaries(self, device: torch.device | str) -> None:
