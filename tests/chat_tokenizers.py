@@ -11,6 +11,10 @@ for what the tests read (tools, tool calls and results, past reasoning, thinking
   ``<|return|>``, ``<|constrain|>``; the template reads ``reasoning_effort``.
 - llama3: Llama 3.1's header tokens, ``<|eot_id|>``, ``<|eom_id|>``, ``<|python_tag|>``.
 - mistral: ``[INST]``, ``[/INST]``, ``[TOOL_CALLS]``, ``[AVAILABLE_TOOLS]``, ``[ARGS]``.
+- gemma4: Google's Gemma 4 prompt-formatting page: turns ``<|turn>ROLE\\n ... <turn|>``,
+  ``<|think|>`` in the system turn turns thinking on (``enable_thinking``), the model's thinking
+  is ``<|channel>thought\\n ... <channel|>``; the tool tokens and the ``<|"|>`` string delimiter
+  are special tokens too.
 """
 
 from __future__ import annotations
@@ -89,6 +93,15 @@ MISTRAL_TEMPLATE = (
     "{% elif m.role == 'assistant' %}{{ m.content }}</s>{% endif %}{% endfor %}"
 )
 
+GEMMA4_TEMPLATE = (
+    "<bos>{% set sys = messages[0].content if messages[0].role == 'system' else '' %}"
+    "{% if enable_thinking or sys %}<|turn>system\n{% if enable_thinking %}<|think|>{% endif %}"
+    "{{ sys }}<turn|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role != 'system' %}"
+    "<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content }}<turn|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
 FAMILIES = {
     "qwen3": dict(
         special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
@@ -156,6 +169,27 @@ FAMILIES = {
         added=[],
         eos="</s>",
         template=MISTRAL_TEMPLATE,
+    ),
+    "gemma4": dict(
+        special=[
+            "<bos>",
+            "<eos>",
+            "<|turn>",
+            "<turn|>",
+            "<|think|>",
+            "<|channel>",
+            "<channel|>",
+            "<|tool>",
+            "<tool|>",
+            "<|tool_call>",
+            "<tool_call|>",
+            "<|tool_response>",
+            "<tool_response|>",
+            '<|"|>',
+        ],  # fmt: skip
+        added=[],
+        eos="<turn|>",
+        template=GEMMA4_TEMPLATE,
     ),
 }
 

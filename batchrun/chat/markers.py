@@ -1,6 +1,6 @@
 """The tokens that open and close a model's thinking block, and the text that ends it early.
 
-Two families, told apart by the tokenizer's vocabulary:
+Three families, told apart by the tokenizer's vocabulary:
 
 - ``think``: ``<think> ... </think>`` (Qwen3, Qwen3.5, DeepSeek-R1 distills, Phi-4-reasoning).
   Some templates open the block in the prompt (``<think>\\n`` after the assistant header), so the
@@ -9,6 +9,10 @@ Two families, told apart by the tokenizer's vocabulary:
 - ``harmony`` (gpt-oss): the reasoning is the ``analysis`` channel,
   ``<|channel|>analysis<|message|> ... <|end|>``; ending it early writes ``<|end|>`` and the
   header of the final answer, ``<|start|>assistant<|channel|>final<|message|>``.
+- ``gemma4`` (Gemma 4, Google's prompt-formatting page): ``<|think|>`` in the system turn turns
+  thinking on; the model's turn then starts ``<|channel>thought\\n ... <channel|>`` and the answer
+  follows. Ending it early writes ``<channel|>``. A prompt that ends with a closed block (an empty
+  ``<|channel>thought\\n<channel|>`` after the model header) answers first, as the think family's.
 """
 
 from __future__ import annotations
@@ -18,15 +22,16 @@ from typing import Any
 
 from batchrun.chat.vocab import encode, token_ids
 
-THINK, HARMONY = "think", "harmony"
+THINK, HARMONY, GEMMA4 = "think", "harmony", "gemma4"
 HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
+GEMMA4_TOKENS = ("<|channel>", "<channel|>", "<|turn>")
 # how far back from a prompt's end an opening of the thinking block counts as open
 PROMPT_TAIL = 16
 
 
 @dataclass(frozen=True)
 class ThinkMarkers:
-    family: str  # THINK | HARMONY
+    family: str  # THINK | HARMONY | GEMMA4
     start_ids: tuple[int, ...]  # the tokens that open a thinking block
     end_id: int  # the token that closes it
     forced_ids: tuple[int, ...]  # what ends it early; the answer follows
@@ -34,12 +39,12 @@ class ThinkMarkers:
     answer_ids: tuple[int, ...]
 
     def answers_first(self, prompt_ids: list[int]) -> bool:
-        """Whether the output starts with the answer: a think-family prompt that ends a
-        thinking block near its end (a template that turns thinking off writes an empty one),
+        """Whether the output starts with the answer: a think-family or gemma4 prompt that ends
+        a thinking block near its end (a template that turns thinking off writes an empty one),
         or a harmony prompt that does not open an assistant message (no chat template wrote
         ``<|start|>assistant``: a text completion)."""
         tail = prompt_ids[-PROMPT_TAIL:]
-        if self.family == THINK:
+        if self.family != HARMONY:
             return self.end_id in tail
         start = self.forced_ids[1]  # harmony's <|start|>
         return start not in tail or self.end_id in tail[len(tail) - tail[::-1].index(start) :]
@@ -58,8 +63,8 @@ class ThinkMarkers:
 
 
 def think_markers(tokenizer: Any, family: str | None = None) -> ThinkMarkers | None:
-    """The markers of `family` (None: whichever the vocabulary has; harmony first), or None
-    when the tokenizer lacks its tokens."""
+    """The markers of `family` (None: whichever the vocabulary has; harmony, then gemma4,
+    then think), or None when the tokenizer lacks its tokens."""
     if family in (None, HARMONY):
         ids = token_ids(tokenizer, *HARMONY_TOKENS)
         if ids is not None:
@@ -72,6 +77,11 @@ def think_markers(tokenizer: Any, family: str | None = None) -> ThinkMarkers | N
                 (end, start, *encode(tokenizer, "assistant"), *final),
                 final,
             )
+    if family in (None, GEMMA4):
+        ids = token_ids(tokenizer, *GEMMA4_TOKENS)
+        if ids is not None:
+            start, end, _turn = ids
+            return ThinkMarkers(GEMMA4, (start, *encode(tokenizer, "thought")), end, (end,), (end,))
     if family in (None, THINK):
         ids = token_ids(tokenizer, "<think>", "</think>")
         if ids is not None:

@@ -2,14 +2,15 @@
 (``auto``), and the one call that parses a finished completion.
 
 ``--reasoning-parser``: ``auto`` | ``none`` | ``think`` (aliases ``qwen3``, ``qwen3_5``,
-``deepseek_r1``, ``phi4_reasoning``) | ``harmony`` (alias ``gpt_oss``).
+``deepseek_r1``, ``phi4_reasoning``) | ``harmony`` (alias ``gpt_oss``) | ``gemma4``.
 ``--tool-call-parser``: ``auto`` | ``none`` | ``hermes`` (alias ``qwen``) | ``llama3_json``
 (alias ``llama3``) | ``mistral`` | ``harmony`` (alias ``gpt_oss``; with the harmony reasoning
 parser, which reads the same messages).
 
-auto: harmony when the vocabulary has gpt-oss's ``<|channel|>`` tokens; the ``think`` parser
-when it has ``<think>`` and ``</think>``; hermes with ``<tool_call>``, mistral with
-``[TOOL_CALLS]``, llama3_json with ``<|python_tag|>``; else none.
+auto: harmony when the vocabulary has gpt-oss's ``<|channel|>`` tokens; gemma4 when it has
+Gemma 4's ``<|channel>``, ``<channel|>`` and ``<|turn>``; the ``think`` parser when it has
+``<think>`` and ``</think>``; hermes with ``<tool_call>``, mistral with ``[TOOL_CALLS]``,
+llama3_json with ``<|python_tag|>``; else none.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchrun.chat.harmony import HarmonyParser
-from batchrun.chat.markers import HARMONY, THINK, ThinkMarkers, think_markers
+from batchrun.chat.markers import GEMMA4, HARMONY, THINK, ThinkMarkers, think_markers
 from batchrun.chat.reasoning import split_think
 from batchrun.chat.tool_calls import TOOL_PARSERS, ToolParse
 from batchrun.chat.types import Parsed, RawCall, ToolCall, call_ids
@@ -27,8 +28,11 @@ from batchrun.chat.vocab import special_ids, token_id
 NONE, AUTO = "none", "auto"
 REASONING_ALIASES = {
     THINK: THINK, "qwen3": THINK, "qwen3_5": THINK, "deepseek_r1": THINK,
-    "phi4_reasoning": THINK, HARMONY: HARMONY, "gpt_oss": HARMONY,
+    "phi4_reasoning": THINK, HARMONY: HARMONY, "gpt_oss": HARMONY, GEMMA4: GEMMA4,
 }  # fmt: skip
+# the tokens each reasoning parser needs, for the error that names them
+_NEEDS = {THINK: "<think> / </think>", HARMONY: "harmony (<|channel|>)",
+          GEMMA4: "Gemma 4 (<|channel> / <channel|> / <|turn>)"}  # fmt: skip
 TOOL_ALIASES = {
     "hermes": "hermes", "qwen": "hermes", "llama3_json": "llama3_json", "llama3": "llama3_json",
     "mistral": "mistral", HARMONY: HARMONY, "gpt_oss": HARMONY,
@@ -44,7 +48,7 @@ _TOOL_DETECT = (("hermes", "<tool_call>"), ("mistral", "[TOOL_CALLS]"),
 class ParserChoice:
     """The parsers resolved for one tokenizer: None where none applies."""
 
-    reasoning: str | None  # THINK | HARMONY | None
+    reasoning: str | None  # THINK | HARMONY | GEMMA4 | None
     tools: str | None  # a TOOL_PARSERS name | HARMONY | None
 
 
@@ -70,7 +74,7 @@ def resolve_parsers(tokenizer: Any, reasoning: str = AUTO, tools: str = AUTO) ->
         if think_markers(tokenizer, r) is None:
             raise ValueError(
                 f"--reasoning-parser {reasoning}: the tokenizer has no "
-                f"{'<think> / </think>' if r == THINK else 'harmony (<|channel|>)'} tokens; "
+                f"{_NEEDS[r]} tokens; "
                 "use --reasoning-parser auto or none"
             )
     if tools == AUTO:

@@ -1,6 +1,7 @@
 """Reasoning kept apart from the answer, per family, on model outputs given as token ids: the
 <think> family (a block the model opens, one the template opened in the prompt, thinking cut by
-max_tokens, thinking turned off) and gpt-oss's harmony channels; `auto` from the tokenizer."""
+max_tokens, thinking turned off), gpt-oss's harmony channels and Gemma 4's thought channel;
+`auto` from the tokenizer."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from chat_tokenizers import ids, make_tokenizer  # noqa: E402
 
-from batchrun.chat.markers import HARMONY, THINK, think_markers  # noqa: E402
+from batchrun.chat.markers import GEMMA4, HARMONY, THINK, think_markers  # noqa: E402
 from batchrun.chat.parsers import OutputParser, ParserChoice, resolve_parsers  # noqa: E402
+from batchrun.engine.thinking import AnswerGate, ThinkingBudget  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +112,79 @@ def test_harmony_opened_in_prompt_markers(toks):
     assert tok.decode(list(markers.forced_ids), skip_special_tokens=False) == (
         "<|end|><|start|>assistant<|channel|>final<|message|>"
     )
+
+
+# Gemma 4, as Google's prompt-formatting page shows it: thinking on by <|think|> in the system
+# turn, the model's turn starting with <|channel>thought\n ... <channel|> and then the answer
+GEMMA4_ANSWER = (
+    "<|channel>thought\nThe user asks for the water formula.\n<channel|>"
+    "The most common water formula is H2O.<turn|>"
+)
+
+
+@pytest.fixture(scope="module")
+def gemma4():
+    return make_tokenizer("gemma4")
+
+
+def test_gemma4_auto_detected_and_thinking_turned_on_in_the_system_turn(gemma4, toks):
+    tok = gemma4
+    assert resolve_parsers(tok) == ParserChoice(GEMMA4, None)
+    assert resolve_parsers(tok, "gemma4", "none") == ParserChoice(GEMMA4, None)
+    with pytest.raises(ValueError, match=r"no Gemma 4 \(<\|channel> / <channel\|> / <\|turn>\)"):
+        resolve_parsers(toks["qwen3"], "gemma4")
+    messages = [{"role": "user", "content": "What is the water formula?"}]
+    on = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                 enable_thinking=True)  # fmt: skip
+    off = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert on == (
+        "<bos><|turn>system\n<|think|><turn|>\n"
+        "<|turn>user\nWhat is the water formula?<turn|>\n<|turn>model\n"
+    )
+    assert off == "<bos><|turn>user\nWhat is the water formula?<turn|>\n<|turn>model\n"
+    markers = think_markers(tok)
+    assert not markers.opens_in(ids(tok, on)) and not markers.answers_first(ids(tok, on))
+
+
+def test_gemma4_thought_channel_is_reasoning_and_the_rest_is_text(gemma4):
+    p = parser(gemma4).parse(ids(gemma4, GEMMA4_ANSWER))
+    assert (p.reasoning, p.text, p.tool_calls, p.thinking_unfinished) == (
+        "The user asks for the water formula.",
+        "The most common water formula is H2O.",
+        None,
+        False,
+    )
+
+
+def test_gemma4_thinking_cut_by_max_tokens_has_no_answer(gemma4):
+    p = parser(gemma4).parse(ids(gemma4, "<|channel>thought\nFirst, the user"))
+    assert (p.reasoning, p.text, p.thinking_unfinished) == ("First, the user", "", True)
+
+
+def test_gemma4_without_thinking_is_all_text(gemma4):
+    p = parser(gemma4).parse(ids(gemma4, "H2O.<turn|>"))
+    assert (p.reasoning, p.text, p.thinking_unfinished) == (None, "H2O.", False)
+    # an empty thought channel: no reasoning to speak of, the answer after it
+    p = parser(gemma4).parse(ids(gemma4, "<|channel>thought\n<channel|>H2O.<turn|>"))
+    assert (p.reasoning, p.text) == ("", "H2O.")
+
+
+def test_gemma4_budget_ends_thinking_with_the_channel_close(gemma4):
+    tok = gemma4
+    markers = think_markers(tok)
+    assert tok.decode(list(markers.forced_ids), skip_special_tokens=False) == "<channel|>"
+    assert markers.answer_ids == (tok.convert_tokens_to_ids("<channel|>"),)
+    prompt = ids(tok, "<|turn>system\n<|think|><turn|>\n<|turn>user\nhi<turn|>\n<|turn>model\n")
+    start = list(markers.start_ids)
+    body = ids(tok, "abcdef")
+    budget = ThinkingBudget.create(markers, 3, prompt)
+    out: list[int] = []
+    for token in [*start, *body]:
+        o = budget.override(len(out), out, len(out))
+        out.append(o[0] if o is not None else token)
+    assert out == [*start, *body[:3], *markers.forced_ids, *body[4:]]
+    # the grammar's answer starts after <channel|>; the first row may open the thinking
+    gate = AnswerGate.create(markers, 3, prompt)
+    assert gate.opening_token == tok.convert_tokens_to_ids("<|channel>")
+    accepted = [gate.fold(t) for t in out]
+    assert accepted == [False] * (len(start) + 4) + [True] * 2
