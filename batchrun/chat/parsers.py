@@ -4,13 +4,13 @@
 ``--reasoning-parser``: ``auto`` | ``none`` | ``think`` (aliases ``qwen3``, ``qwen3_5``,
 ``deepseek_r1``, ``phi4_reasoning``) | ``harmony`` (alias ``gpt_oss``) | ``gemma4``.
 ``--tool-call-parser``: ``auto`` | ``none`` | ``hermes`` (alias ``qwen``) | ``llama3_json``
-(alias ``llama3``) | ``mistral`` | ``harmony`` (alias ``gpt_oss``; with the harmony reasoning
-parser, which reads the same messages).
+(alias ``llama3``) | ``mistral`` | ``gemma4`` | ``harmony`` (alias ``gpt_oss``; with the harmony
+reasoning parser, which reads the same messages).
 
 auto: harmony when the vocabulary has gpt-oss's ``<|channel|>`` tokens; gemma4 when it has
 Gemma 4's ``<|channel>``, ``<channel|>`` and ``<|turn>``; the ``think`` parser when it has
 ``<think>`` and ``</think>``; hermes with ``<tool_call>``, mistral with ``[TOOL_CALLS]``,
-llama3_json with ``<|python_tag|>``; else none.
+llama3_json with ``<|python_tag|>``, gemma4 with ``<|tool_call>``; else none.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from batchrun.chat.gemma4_calls import KEEP as GEMMA4_KEEP
+from batchrun.chat.gemma4_calls import parse_gemma4
 from batchrun.chat.harmony import HarmonyParser
 from batchrun.chat.markers import GEMMA4, HARMONY, THINK, ThinkMarkers, think_markers
 from batchrun.chat.reasoning import split_think
@@ -35,13 +37,15 @@ _NEEDS = {THINK: "<think> / </think>", HARMONY: "harmony (<|channel|>)",
           GEMMA4: "Gemma 4 (<|channel> / <channel|> / <|turn>)"}  # fmt: skip
 TOOL_ALIASES = {
     "hermes": "hermes", "qwen": "hermes", "llama3_json": "llama3_json", "llama3": "llama3_json",
-    "mistral": "mistral", HARMONY: HARMONY, "gpt_oss": HARMONY,
+    "mistral": "mistral", HARMONY: HARMONY, "gpt_oss": HARMONY, GEMMA4: GEMMA4,
 }  # fmt: skip
+# name -> (parse, the marker tokens a decode must keep for it)
+_TOOL_PARSERS = {**TOOL_PARSERS, GEMMA4: (parse_gemma4, GEMMA4_KEEP)}
 REASONING_CHOICES = (AUTO, NONE, *REASONING_ALIASES)
 TOOL_CHOICES = (AUTO, NONE, *TOOL_ALIASES)
 # tool parser -> the token whose presence in the vocabulary picks it (auto)
 _TOOL_DETECT = (("hermes", "<tool_call>"), ("mistral", "[TOOL_CALLS]"),
-                ("llama3_json", "<|python_tag|>"))  # fmt: skip
+                ("llama3_json", "<|python_tag|>"), (GEMMA4, "<|tool_call>"))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,7 @@ class OutputParser:
         self._parse_tools = None
         self._drop: frozenset[int] = frozenset()
         if choice.tools is not None and choice.tools != HARMONY:
-            self._parse_tools, keep = TOOL_PARSERS[choice.tools]
+            self._parse_tools, keep = _TOOL_PARSERS[choice.tools]
             kept = {token_id(tokenizer, t) for t in keep}
             self._drop = special_ids(tokenizer) - kept
 

@@ -129,7 +129,7 @@ def gemma4():
 
 def test_gemma4_auto_detected_and_thinking_turned_on_in_the_system_turn(gemma4, toks):
     tok = gemma4
-    assert resolve_parsers(tok) == ParserChoice(GEMMA4, None)
+    assert resolve_parsers(tok) == ParserChoice(GEMMA4, GEMMA4)
     assert resolve_parsers(tok, "gemma4", "none") == ParserChoice(GEMMA4, None)
     with pytest.raises(ValueError, match=r"no Gemma 4 \(<\|channel> / <channel\|> / <\|turn>\)"):
         resolve_parsers(toks["qwen3"], "gemma4")

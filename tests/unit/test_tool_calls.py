@@ -1,7 +1,7 @@
 """Tool calls parsed per format on model outputs given as token ids: Qwen / Hermes <tool_call>
 JSON, gpt-oss harmony commentary calls, Llama 3.x JSON calls, Mistral [TOOL_CALLS] (both
-tokenizer versions); nested arguments, two calls in one answer, a malformed call kept as text
-with a warning."""
+tokenizer versions), Gemma 4's <|tool_call>call:NAME{...}<tool_call|>; nested arguments, two
+calls in one answer, a malformed call kept as text with a warning."""
 
 from __future__ import annotations
 
@@ -118,3 +118,36 @@ def test_mistral_v3_list_and_v11_named_calls(toks):
     assert v11.text == "Sure."
     bad = parse(tok, '[TOOL_CALLS][{"name": "f", "arguments": </s>')
     assert bad.tool_calls is None and "[TOOL_CALLS]" in bad.text and bad.warning
+
+
+def q(text: str) -> str:
+    """A Gemma 4 string value: delimited by the <|"|> token."""
+    return f'<|"|>{text}<|"|>'
+
+
+def test_gemma4_two_calls_with_nested_arguments_after_thinking():
+    tok = make_tokenizer("gemma4")
+    out = (
+        "<|channel>thought\nI need the weather and the time.\n<channel|>"
+        f"<|tool_call>call:get_weather{{location:{{city:{q('Paris')},country:{q('FR')}}},"
+        f"days:[1,2],units:{q('metric')}}}<tool_call|>"
+        f"<|tool_call>call:get_time{{tz:{q('Europe/Paris, {CET}')},dst:true}}<tool_call|><turn|>"
+    )
+    p = parse(tok, out)
+    assert p.reasoning == "I need the weather and the time."
+    assert calls(p) == [
+        ("get_weather", NESTED),
+        ("get_time", {"tz": "Europe/Paris, {CET}", "dst": True}),
+    ]
+    assert (p.text, p.warning) == ("", None)
+    assert len({c.id for c in p.tool_calls}) == 2
+
+
+def test_gemma4_malformed_call_is_kept_as_text_with_a_warning():
+    tok = make_tokenizer("gemma4")
+    bad = f"<|tool_call>call:get_weather{{city:{q('Paris')},<tool_call|>"
+    p = parse(tok, f"Checking.{bad}<turn|>")
+    assert p.tool_calls is None and p.warning is not None and "gemma4" in p.warning
+    assert p.text == f"Checking.\n{bad}"
+    plain = parse(tok, "The weather is fine.<turn|>")
+    assert (plain.text, plain.tool_calls) == ("The weather is fine.", None)
