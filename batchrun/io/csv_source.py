@@ -62,7 +62,16 @@ def _json_list(text: str) -> Any:
 # that every one of row_fields.ROW_PARAM_FIELDS is here).
 CELL_TYPES: dict[str, Callable[[str], Any]] = {
     **dict.fromkeys(
-        ("max_tokens", "max_completion_tokens", "min_tokens", "top_k", "seed", "n", "top_logprobs"),
+        (
+            "max_tokens",
+            "max_completion_tokens",
+            "min_tokens",
+            "top_k",
+            "seed",
+            "n",
+            "top_logprobs",
+            "max_thinking_tokens",
+        ),
         _int,
     ),
     **dict.fromkeys(
