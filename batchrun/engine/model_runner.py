@@ -184,7 +184,7 @@ class ModelRunner:
         self.penalties = PenaltyState(config.max_running + 1, model_cfg.vocab_size, self.device)
         self._pin = self.device.type == "cuda"
         # NOTE: the engine runs on the stream current at start-up; recording events on a stream
-        # given by hand spares torch's current-stream lookup (Python, several µs) per event
+        # given by hand spares torch's current-stream lookup (Python work) per event
         self.stream = torch.cuda.current_stream(self.device) if self._pin else None
         self.staging = PinnedStaging(self.device, self.stream)  # the step's host-to-device copies
         # the latest sampled token of each request row, kept on the device so that the next
