@@ -72,10 +72,10 @@ def _flash_varlen(q, k, v, seq_lens, scaling, causal, half_window, window) -> to
     cu = torch.tensor((0, *seq_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
     cu = cu.pin_memory().to(q.device, non_blocking=True)
     longest = max(seq_lens)
-    out = varlen_attn(
-        q, k, v, cu, cu, longest, longest, scale=scaling, window_size=bounds,
-        enable_gqa=k.shape[1] != q.shape[1],
-    )  # fmt: skip
+    if k.shape[1] != q.shape[1]:  # GQA: each KV head serves a group of query heads
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=bounds)
     return out.reshape(q.shape[0], -1)
 
 

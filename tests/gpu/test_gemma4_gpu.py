@@ -125,7 +125,7 @@ def test_tiny_gemma4_equals_transformers(kind, tmp_path):
     hf = make_gemma4(kind, tmp_path).cuda()
     kernels = KernelPlan(cuda_graph_max_bs=0) if kind == "moe" else KernelPlan()
     engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32",
-                                 kv_budget=8192, kernels=kernels))  # fmt: skip
+                                 kv_budget=8192), kernels=kernels)  # fmt: skip
     assert engine.kernels.attention == "triton"
     params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(8, seed=5, min_len=4, max_len=60)

@@ -36,7 +36,7 @@ def model(tmp_path_factory) -> Path:
     return path
 
 
-def run(model: Path, budgets: list[int | None], **config) -> list[list[int]]:
+def run(model: Path, budgets: list[int | None], kernels=None, **config) -> list[list[int]]:
     from chat_tokenizers import ids
     from transformers import AutoTokenizer
 
@@ -45,7 +45,9 @@ def run(model: Path, budgets: list[int | None], **config) -> list[list[int]]:
     from batchrun.params import GenerateRequest, SamplingParams
 
     tok = AutoTokenizer.from_pretrained(model)
-    engine = Engine(EngineConfig(model=str(model), dtype="float32", kv_budget=4096, **config))
+    engine = Engine(
+        EngineConfig(model=str(model), dtype="float32", kv_budget=4096, **config), kernels=kernels
+    )
     requests = []
     for i, budget in enumerate(budgets):
         messages = [{"role": "user", "content": f"question {i}"}]

@@ -40,7 +40,7 @@ def model(tmp_path_factory) -> Path:
     return path
 
 
-def run(model: Path, rows: list[tuple[bool, int | None]], **config):
+def run(model: Path, rows: list[tuple[bool, int | None]], kernels=None, **config):
     from chat_tokenizers import ids
     from transformers import AutoTokenizer
 
@@ -49,7 +49,9 @@ def run(model: Path, rows: list[tuple[bool, int | None]], **config):
     from batchrun.params import GenerateRequest, GrammarSpec, SamplingParams
 
     tok = AutoTokenizer.from_pretrained(model)
-    engine = Engine(EngineConfig(model=str(model), dtype="float32", kv_budget=4096, **config))
+    engine = Engine(
+        EngineConfig(model=str(model), dtype="float32", kv_budget=4096, **config), kernels=kernels
+    )
     grammar = GrammarSpec("json_schema", json.dumps(SCHEMA))
     requests = []
     for i, (constrained, budget) in enumerate(rows):
