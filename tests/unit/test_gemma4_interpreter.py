@@ -104,7 +104,7 @@ def _check_engine(tmp_dir: Path) -> None:
         base = dict(model=str(path), device="cpu", dtype="float32", kv_budget=512)
         outs = []
         for kernels in (KernelPlan.reference(), INTERPRETER_KERNELS):
-            engine = Engine(EngineConfig(**base, kernels=kernels))
+            engine = Engine(EngineConfig(**base), kernels=kernels)
             reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
             outs.append({r.rid: r.output_ids for r in engine.generate(reqs)})
             engine.check_integrity()
