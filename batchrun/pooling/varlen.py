@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from batchrun.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
-    from batchrun.layers.rotary import RotaryEmbedding
+    pass
 
 
 def varlen_attention(
@@ -96,19 +96,3 @@ class VarlenBackend(AttentionBackend):
             out.view(result.shape).copy_(result)
             return out.view(result.shape)
         return result
-
-    def forward_rotary(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer_id: int,
-        scaling: float,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        out: torch.Tensor | None = None,
-        window: int = 0,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        q, k = rotary(positions, q, k)
-        return self.forward(q, k, v, layer_id, scaling, out, window, sinks)
