@@ -150,6 +150,9 @@ class KernelPlan:
                         torch._grouped_mm (CUTLASS's grouped GEMM) with
                         kernels/moe_grouped_mm.py's gather, SwiGLU and sum, "triton"
                         kernels/fused_moe.py's grouped GEMMs
+    compile_workers     processes that compile the decode graphs' Triton variants in parallel
+                        before the capture (engine/precompile.py); 0: the capture compiles them
+                        one after another
     """
 
     attention: str = "auto"
@@ -167,6 +170,7 @@ class KernelPlan:
     moe: str = "auto"
     moe_decode: str = "auto"
     moe_prefill: str = "auto"
+    compile_workers: int | None = None
 
     @classmethod
     def reference(cls) -> KernelPlan:
@@ -187,6 +191,7 @@ class KernelPlan:
             moe="torch",
             moe_decode="grouped",
             moe_prefill="triton",
+            compile_workers=0,
         )
 
     def validate(self) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from batchrun.attention.base import AttentionInputs
 from batchrun.engine.gc_pause import no_gc
+from batchrun.engine.precompile import CompilePool
 from batchrun.kernels.graph_inputs import load_decode_graph_inputs
 from batchrun.models.blocks.model import ForwardBatch
 
@@ -53,8 +54,10 @@ class CudaGraphRunner:
         max_bs: int,
         device: torch.device,
         token_pool: torch.Tensor | None = None,
+        compile_pool: CompilePool | None = None,
     ):
-        """token_pool: the sampled tokens' pool, for the one-kernel inputs (None: copies)."""
+        """token_pool: the sampled tokens' pool, for the one-kernel inputs (None: copies);
+        compile_pool: compiles the capture's Triton variants in parallel first."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -68,7 +71,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_time = 0.0
-        self._capture()
+        self._capture(compile_pool)
         self.token_pool = token_pool
         static = backend.graph_static_inputs()
         self._one_kernel_inputs = None  # (static buffers, padding row, padding slot)
@@ -84,11 +87,23 @@ class CudaGraphRunner:
         scratch = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(10)]
         load_decode_graph_inputs(scratch[:5], scratch[5:], self.token_pool, 1, 1, pad_row, pad_slot)
 
-    def _capture(self) -> None:
+    def _forward(self, bs: int, stream: torch.cuda.Stream) -> torch.Tensor:
+        self.backend.prepare_graph(bs)
+        batch = ForwardBatch(self.input_ids[:bs], self.positions[:bs], None)
+        with torch.cuda.stream(stream):
+            return self.model(batch, self.backend)
+
+    def _capture(self, compile_pool: CompilePool | None) -> None:
         t0 = time.perf_counter()
         self.backend.init_graph_buffers(self.max_bs)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        if compile_pool is not None:  # a dry pass over every size, then the compiles at once
+            with compile_pool.recording() as variants:
+                for bs in reversed(self.batch_sizes):
+                    self._forward(bs, stream)
+            compile_pool.compile(variants)
         with no_gc():
             for bs in reversed(self.batch_sizes):
                 self.backend.prepare_graph(bs)

@@ -12,6 +12,7 @@ and the model, by one rule a family:
     int4_rule        int4_matmul
     moe_rule         moe, moe_decode, moe_prefill
     graph_rule       cuda_graph_max_bs, piecewise_graphs, host_gate
+    compile_rule     compile_workers
     (decode_norms: its rule in resolve_kernels)
 
 A field the override sets is kept, or refused with a message when it cannot run here. Nothing
@@ -21,6 +22,7 @@ here is read again on the step path: every block is built with the plan.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import fields, replace
 
@@ -50,6 +52,10 @@ from batchrun.models.fused_decode import resolve_mode as resolve_decode_norms
 from batchrun.models.moe_weights import has_quantized_experts
 
 log = logging.getLogger(__name__)
+
+# the start-up compile pool's size at most: the decode graphs of a dense model meet about twenty
+# Triton variants, so more processes would mostly import torch (docs/benchmarks.md, Start-up)
+MAX_COMPILE_WORKERS = 8
 
 
 def gpu_memory(device: torch.device) -> int:
@@ -321,6 +327,28 @@ def graph_rule(config: EngineConfig, model_cfg, device, want: KernelPlan):
     return graphs, piecewise, host_gate
 
 
+def compile_rule(
+    want: KernelPlan, model_cfg, tp_size: int, graphs: int, triton_kernels: bool
+) -> int:
+    """compile_workers: where decode graphs are captured over Triton kernels for a model
+    without experts, half the CPUs this process may use shared by the tensor-parallel ranks (at
+    most MAX_COMPILE_WORKERS a rank), if that is at least two and this Triton has the hooks
+    engine/precompile.py needs; else 0
+    (docs/benchmarks.md, Start-up). Experts are left out: their routing kernels' outputs feed
+    index arithmetic, which the dry pass would run on what skipped kernels left behind."""
+    if want.compile_workers is not None:
+        if want.compile_workers < 0:
+            raise ValueError(f"compile_workers must be 0 or more; got {want.compile_workers}")
+        return want.compile_workers
+    if not graphs or not triton_kernels or model_cfg.moe is not None:
+        return 0
+    from batchrun.engine import precompile
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = min(MAX_COMPILE_WORKERS, (cpus or 1) // (2 * tp_size))
+    return workers if workers >= 2 and precompile.supported() else 0
+
+
 def resolve_kernels(
     config: EngineConfig, model_cfg, device: torch.device, want: KernelPlan | None = None
 ) -> KernelPlan:
@@ -356,6 +384,9 @@ def resolve_kernels(
     int4_matmul = int4_rule(config, model_cfg, device, want, triton)
     moe, moe_decode, moe_prefill = moe_rule(config, model_cfg, device, want, triton)
     graphs, piecewise, host_gate = graph_rule(config, model_cfg, device, want)
+    compile_workers = compile_rule(
+        want, model_cfg, config.tp_size, graphs, triton_ops or decode_gemv == "triton"
+    )
 
     decode_norms = resolve_decode_norms(
         want.decode_norms, model_cfg, tp_size=config.tp_size, decode_gemv=decode_gemv,
@@ -397,4 +428,5 @@ def resolve_kernels(
         moe=moe,
         moe_decode=moe_decode,
         moe_prefill=moe_prefill,
+        compile_workers=compile_workers,
     )

@@ -28,6 +28,7 @@ from batchrun.config import EngineConfig, KernelPlan
 from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.kv_pool import KVPool, ReqToTokenPool
 from batchrun.engine.piecewise_graph import MAX_TOKENS, PiecewiseGraphRunner
+from batchrun.engine.precompile import CompilePool
 from batchrun.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingBatch
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.staging import PinnedStaging
@@ -137,6 +138,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
         self.context_len = context_len
+        # the start-up compile pool imports while the weights load (engine/precompile.py)
+        compile_pool = CompilePool.start(kernels.compile_workers)
         self.model = load_model(
             model_dir,
             model_cfg,
@@ -207,7 +210,10 @@ class ModelRunner:
                 self.device,
                 # the graphs' inputs in one Triton kernel (kernels/graph_inputs.py)
                 token_pool=self.token_pool if kernels.triton_ops else None,
+                compile_pool=compile_pool,
             )
+        if compile_pool is not None:
+            compile_pool.close()
         self.piecewise = None  # piecewise graphs for the other steps
         if kernels.piecewise_graphs:
             self.piecewise = PiecewiseGraphRunner(

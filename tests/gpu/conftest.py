@@ -4,9 +4,10 @@ An engine built without `kv_budget` sizes its KV pool from the GPU's free memory
 (`gpu_memory_utilization`, 0.85 of it by default): several test processes building such engines
 at once take the GPU from each other, and the later ones fail for memory. Here every engine
 built in tests/gpu that leaves `gpu_memory_utilization` at its default gets TEST_UTILIZATION of
-the free memory instead (tiny models need a small fraction of that), and the tests that need the
-whole GPU (marked `whole_gpu`: the 128k-token context on dummy llama-8b at the default settings)
-are skipped under pytest-xdist and run in a second, serial command.
+the free memory instead (tiny models need a small fraction of that) and no start-up compile pool
+unless its plan names one, and the tests that need the whole GPU (marked `whole_gpu`: the
+128k-token context on dummy llama-8b at the default settings) are skipped under pytest-xdist
+and run in a second, serial command.
 
 Run the tier on one GPU (an H100 or H200), in two commands, each well inside 10 minutes:
 
@@ -61,6 +62,11 @@ def _small_default_kv_pool(request: pytest.FixtureRequest, monkeypatch: pytest.M
         yield
         return
     from batchrun.config import EngineConfig
+    from batchrun.engine import kernel_choice
+
+    # no start-up compile pool unless a test asks for one: eight test processes each starting
+    # one would hold a CUDA context a worker (engine/precompile.py)
+    monkeypatch.setattr(kernel_choice, "MAX_COMPILE_WORKERS", 0)
 
     init = EngineConfig.__init__
     code = init.__code__

@@ -69,6 +69,9 @@ def gpu(monkeypatch):
         monkeypatch.setattr(kernel_choice, "supports_int4_gemv_mma", lambda device: gemv_mma)
         monkeypatch.setattr(kernel_choice, "supports_grouped_mm", lambda device: pdl)
         monkeypatch.setattr(kernel_choice.HostGate, "available", staticmethod(lambda: True))
+        # 16 CPUs for this process, a Triton with the start-up compile pool's hooks
+        monkeypatch.setattr(kernel_choice.os, "sched_getaffinity", lambda pid: set(range(16)))
+        monkeypatch.setattr("batchrun.engine.precompile.supported", lambda: True)
 
     return make
 
@@ -101,6 +104,7 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         moe="torch",
         moe_decode="grouped",
         moe_prefill="triton",
+        compile_workers=0,
     )
     assert kernels.is_resolved
 
@@ -234,6 +238,7 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         moe="triton",  # a mixture's experts on kernels/fused_moe.py
         moe_decode="gemv",  # and its decode batches on kernels/moe_gemv.py
         moe_prefill="grouped_mm",  # its prefill batches on torch._grouped_mm (CUTLASS)
+        compile_workers=8,  # the capture's Triton variants compiled by 8 processes first
     )
     assert kernels.is_resolved
 
@@ -310,6 +315,7 @@ def test_fields_set_by_hand_are_kept(gpu):
         moe="torch",
         moe_decode="grouped",
         moe_prefill="triton",
+        compile_workers=2,
     )
     assert resolve(SMALL, CUDA, want) == want
 
@@ -661,3 +667,34 @@ def test_the_users_kernel_choices(gpu):
     assert resolve(SMALL, CUDA, host_gate=False).host_gate is False
     with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 0"):
         EngineConfig(cuda_graph_max_bs=-1).validate()
+
+
+# -- the start-up compile pool -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cpus, workers", [(2, 0), (3, 0), (4, 2), (5, 2), (16, 8), (64, 8)])
+def test_compile_workers_follow_the_cpus_a_dense_model_gets(gpu, monkeypatch, cpus, workers):
+    gpu(pdl=True)
+    monkeypatch.setattr(kernel_choice.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert resolve(LARGE, CUDA).compile_workers == workers
+
+
+def test_compile_workers_none_without_graphs_experts_or_the_hooks(gpu, monkeypatch):
+    gpu(pdl=True)
+    assert resolve(LARGE, CUDA, kernels=KernelPlan(cuda_graph_max_bs=0)).compile_workers == 0
+    assert resolve(ModelConfig.from_dict(QWEN3_30B_A3B), CUDA).compile_workers == 0
+    monkeypatch.setattr("batchrun.engine.precompile.supported", lambda: False)
+    assert resolve(LARGE, CUDA).compile_workers == 0
+
+
+def test_compile_workers_share_the_cpus_between_tensor_parallel_ranks(gpu):
+    gpu(pdl=True)
+    assert resolve(LARGE, CUDA, tp_size=2).compile_workers == 4
+    assert resolve(LARGE, CUDA, tp_size=8).compile_workers == 0  # one a rank: no pool
+
+
+def test_compile_workers_set_by_hand(gpu):
+    gpu(pdl=True)
+    assert resolve(LARGE, CUDA, kernels=KernelPlan(compile_workers=3)).compile_workers == 3
+    with pytest.raises(ValueError, match="compile_workers must be 0 or more"):
+        resolve(LARGE, CUDA, kernels=KernelPlan(compile_workers=-1))
