@@ -80,3 +80,13 @@ def _small_default_kv_pool(request: pytest.FixtureRequest, monkeypatch: pytest.M
         defaults[index] = TEST_UTILIZATION
         monkeypatch.setattr(init, "__defaults__", tuple(defaults))
     yield
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With BATCHRUN_GPU_FAILURES set to a file, each failure's report is appended to it as it
+    happens (a device call may end before pytest's summary is printed)."""
+    path = os.environ.get("BATCHRUN_GPU_FAILURES")
+    if not path or not report.failed:
+        return
+    with open(path, "a") as f:
+        f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-3000:]}\n")
