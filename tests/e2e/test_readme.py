@@ -77,9 +77,7 @@ PYTHON_BLOCKS = {
         ("max_new_tokens=256", "max_new_tokens=8"),
     ],
 }  # fmt: skip
-PYTHON_NOT_RUN: dict[str, str] = {  # section -> why its python block does not run here
-    "`batchrun serve`": "needs a running server: tests/e2e/test_serve.py runs the same block",
-}
+PYTHON_NOT_RUN: dict[str, str] = {}  # section -> why its python block does not run here
 
 
 def python_blocks() -> list[Block]:
