@@ -67,6 +67,28 @@ def test_extend_at_gemma4_head_dims(head_dim, window):
     assert_close(out, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("head_dim", [256, 512])
+@pytest.mark.parametrize("window", [0, 33, 1024])
+@pytest.mark.parametrize("heads", [(16, 2), (32, 4), (8, 8)], ids=["g8", "g8x4", "mha"])
+def test_extend_many_lengths_within_shared_memory(head_dim, window, heads):
+    """Ragged prefixes and chunks (a 4,096-token prefill among them), GQA groups of 8 and none:
+    the tiles fit the device's shared memory at head dim 512 (kernels/tile_fit.py)."""
+    rng = random.Random(head_dim * 7 + window + heads[0])
+    extend_lens = [1, 2, 15, 16, 17, 63, 64, 65, 4096, *ragged(rng, 6, 1, 900)]
+    prefix_lens = [0, 5, 0, 1000, 31, 0, 2048, 7, 0, *ragged(rng, 6, 0, 1500)]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    pool, table, inputs, q, k, v = make_batch(seq_lens, extend_lens, *heads, head_dim,
+                                              torch.bfloat16)  # fmt: skip
+    ref = reference(pool, table, inputs, q, k, v, head_dim**-0.5, window)
+    ext = inputs.extend_lens
+    out = torch.full_like(q, float("nan"))
+    extend_attention_fwd(
+        q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, ext,
+        torch.cumsum(ext, 0) - ext, max(extend_lens), head_dim**-0.5, window=window,
+    )  # fmt: skip
+    assert_close(out, ref, torch.bfloat16)
+
+
 def _inputs(table, seq_lens, extend_lens, slots):
     rows = torch.arange(len(seq_lens), device=DEV)
     return AttentionInputs(

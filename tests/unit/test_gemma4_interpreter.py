@@ -25,6 +25,8 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 from triton_interpreter import INTERPRETER_KERNELS  # noqa: E402
 
+H100_SHARED_MEMORY = 232448  # the bytes a program may ask for on an H100
+
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_gemma4_kernels_under_interpreter():
@@ -80,12 +82,16 @@ def _check_kernels() -> None:
             )
             ref = _reference(pool, table, inputs, q, k, v, window, head_dim**-0.5)
             ext = inputs.extend_lens
-            out = torch.full_like(q, float("nan"))
-            extend_attention_fwd(
-                q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, ext,
-                torch.cumsum(ext, 0) - ext, max(extend_lens), head_dim**-0.5, window=window,
-            )  # fmt: skip
-            _check(out, ref, 1e-5)
+            # the default tiles, and those that fit an H100's shared memory (at head dim 512:
+            # BLOCK_N 32; kernels/tile_fit.py)
+            for shared_memory in (None, H100_SHARED_MEMORY):
+                out = torch.full_like(q, float("nan"))
+                extend_attention_fwd(
+                    q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens,
+                    ext, torch.cumsum(ext, 0) - ext, max(extend_lens), head_dim**-0.5,
+                    window=window, shared_memory=shared_memory,
+                )  # fmt: skip
+                _check(out, ref, 1e-5)
 
 
 def _check_engine(tmp_dir: Path) -> None:
