@@ -18,8 +18,7 @@
 Models (dummy weights, written as config.json to a temp dir; benchlib.MODELS): llama-8b,
 llama-1b, the mixtures of experts qwen3-30b-a3b, mixtral-8x7b and gpt-oss-20b, gemma-3-4b, the
 Gemma 4 shapes gemma-4-dense, gemma-4-e and gemma-4-moe each beside its `-twin` (every layer full,
-no KV shared: the KV pool's tokens show what the windows and sharing save; the MoE shape's
-GELU experts run the torch loop, so it needs --cuda-graph-max-bs 0), and
+no KV shared: the KV pool's tokens show what the windows and sharing save), and
 `tiny`, for CPU smoke tests). Workloads as BENCH.md defines them (benchlib.make_workload: W1
 random, W2 shared prefix, W3 single request, W2L a shared prefix whose distinct tokens exceed a
 capped KV pool, W5 long documents 256 x 16,384 -> 128, W6 very long 16 x 131,008 -> 64, run on

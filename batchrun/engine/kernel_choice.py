@@ -47,6 +47,7 @@ from batchrun.engine.weight_memory import (
     mxfp4_experts,
 )
 from batchrun.models.fused_decode import resolve_mode as resolve_decode_norms
+from batchrun.models.moe_config import FUSED_ACTS
 from batchrun.models.moe_weights import has_quantized_experts
 
 log = logging.getLogger(__name__)
@@ -250,11 +251,11 @@ def moe_rule(config: EngineConfig, model_cfg, device, want: KernelPlan, triton: 
     the shapes it loses on the Triton GEMMs; docs/benchmarks.md, Other architectures: MoE)."""
     cuda = device.type == "cuda"
     moe = want.moe
-    own_experts = model_cfg.moe is not None and model_cfg.moe.act != "silu"
+    own_experts = model_cfg.moe is not None and model_cfg.moe.act not in FUSED_ACTS
     if own_experts and moe == "triton":
         raise ValueError(
-            f"moe 'triton' (kernels/fused_moe.py) runs SiLU experts, and this model's are "
-            f"{model_cfg.moe.act}; use moe 'torch' or 'auto'"
+            f"moe 'triton' (kernels/fused_moe.py) runs experts gated by {FUSED_ACTS}, and this "
+            f"model's are {model_cfg.moe.act}; use moe 'torch' or 'auto'"
         )
     if moe == "auto":
         moe = "triton" if cuda and triton and not own_experts else "torch"

@@ -1,8 +1,9 @@
 """Gemma 4 on CUDA: the Triton decode and extend kernels at head dims 256 and 512 with and
 without a window, over many lengths, against the torch reference (fp32); the Triton backend over
 a pool whose layers differ in head dim and KV heads (eager and CUDA-graph decode); and the tiny
-Gemma 4 models on the engine with the default kernels (Triton attention, CUDA graphs where the
-experts allow them, overlap) against transformers' greedy tokens in fp32."""
+Gemma 4 models on the engine with the default kernels (Triton attention, CUDA graphs, overlap;
+the MoE's experts on the torch loop) against transformers' greedy tokens in fp32; the MoE on the
+fused GELU-tanh experts in CUDA graphs against eager."""
 
 from __future__ import annotations
 
@@ -145,7 +146,8 @@ def test_tiny_gemma4_equals_transformers(kind, tmp_path):
     from batchrun.params import GenerateRequest, SamplingParams
 
     hf = make_gemma4(kind, tmp_path).cuda()
-    kernels = KernelPlan(cuda_graph_max_bs=0) if kind == "moe" else KernelPlan()
+    # fp32 parity: the experts on the torch loop (the fused experts' fp32 runs on TF32)
+    kernels = KernelPlan(moe="torch", cuda_graph_max_bs=0) if kind == "moe" else KernelPlan()
     engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32",
                                  kv_budget=8192), kernels=kernels)  # fmt: skip
     assert engine.kernels.attention == "triton"
@@ -161,3 +163,27 @@ def test_tiny_gemma4_equals_transformers(kind, tmp_path):
                 logits = hf(torch.tensor([ids], device="cuda")).logits[0, -1]
                 ids.append(int(logits.argmax()))
         assert got[str(i)] == ids[len(prompt) :], i
+
+
+def test_tiny_gemma4_moe_on_the_fused_experts(tmp_path):
+    """The MoE model's default plan: the fused GELU-tanh experts with CUDA graphs; greedy tokens
+    equal the same experts run eager."""
+    from gemma4_models import make_gemma4
+    from tiny_models import random_prompts
+
+    from batchrun.engine.engine import Engine
+    from batchrun.params import GenerateRequest, SamplingParams
+
+    make_gemma4("moe", tmp_path)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(8, seed=6, min_len=4, max_len=60)
+    outs = []
+    for kernels in (KernelPlan(), KernelPlan(cuda_graph_max_bs=0)):
+        engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32",
+                                     kv_budget=8192), kernels=kernels)  # fmt: skip
+        assert engine.kernels.moe == "triton"
+        reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
+        outs.append({r.rid: r.output_ids for r in engine.generate(reqs)})
+        engine.check_integrity()
+        del engine
+    assert outs[0] == outs[1]

@@ -434,6 +434,22 @@ def test_a_mixture_of_experts_runs_the_fused_moe_on_cuda(gpu, monkeypatch):
     assert resolve(small_moe, CUDA, KernelPlan(piecewise_graphs=True)).piecewise_graphs
 
 
+def test_gelu_tanh_experts_run_fused_on_cuda(gpu, monkeypatch):
+    """Gemma 4's experts (a GELU-tanh gate) take the fused experts on CUDA, so CUDA graphs too;
+    an activation the epilogues do not run keeps the torch loop, and asking for the fused
+    experts names the ones they run."""
+    moe_cfg = ModelConfig.from_dict(QWEN3_30B_A3B)
+    gelu = replace(moe_cfg, moe=replace(moe_cfg.moe, act="gelu_pytorch_tanh"))
+    gpu(pdl=True)
+    monkeypatch.setattr(kernel_choice, "_check_kernels_import", lambda module="gemv": None)
+    kernels = resolve(gelu, CUDA)
+    assert (kernels.moe, kernels.moe_decode) == ("triton", "gemv") and kernels.cuda_graph_max_bs
+    other = replace(moe_cfg, moe=replace(moe_cfg.moe, act="relu2"))
+    assert resolve(other, CUDA, KernelPlan(cuda_graph_max_bs=0)).moe == "torch"
+    with pytest.raises(ValueError, match="experts gated by .*gelu_pytorch_tanh.*relu2"):
+        resolve(other, CUDA, KernelPlan(moe="triton"))
+
+
 def test_moe_decode_gemv_with_the_fused_experts(gpu, monkeypatch):
     """moe_decode auto: "gemv" (kernels/moe_gemv.py for the decode batches) with the fused
     experts, its module checked at start-up; the grouped GEMMs for every batch when asked, and
