@@ -7,6 +7,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+from batchrun.kernels import decode_attention as decode  # noqa: E402
 from batchrun.kernels.extend_attention import (  # noqa: E402
     DEFAULT_BLOCK_N,
     DEFAULT_NUM_STAGES,
@@ -45,3 +46,14 @@ def test_bf16_head_dim_512_halves_block_n_and_keeps_stages():
 
 def test_no_limit_keeps_the_given_tiles():
     assert fit_kv_tiles(64, 512, 64, 2, 2, 2, None) == (64, 2)
+
+
+@pytest.mark.parametrize("kv_bytes,block_n", [(2, decode.DEFAULT_BLOCK_N), (1, decode.FP8_BLOCK_N)])
+def test_decode_defaults_stay_at_head_dim_256(kv_bytes, block_n):
+    """The decode kernel's tiles (16 query rows, 3 stages) at Gemma 4's sliding head dim, bf16
+    and a float8 pool, fit as they are; at 512 they shrink under the H100's limit."""
+    stages = decode.DEFAULT_NUM_STAGES
+    assert fit_kv_tiles(16, 256, block_n, stages, 2, kv_bytes, H100) == (block_n, stages)
+    fitted = fit_kv_tiles(16, 512, block_n, stages, 2, kv_bytes, H100)
+    assert fitted == (block_n // 2, stages)
+    assert tile_bytes(16, 512, *fitted, 2, kv_bytes) <= H100
