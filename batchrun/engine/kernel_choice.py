@@ -12,6 +12,7 @@ and the model, by one rule a family:
     int4_rule        int4_matmul
     moe_rule         moe, moe_decode, moe_prefill
     graph_rule       cuda_graph_max_bs, piecewise_graphs, host_gate
+    per_layer_table_rule  per_layer_table
     (decode_norms: its rule in resolve_kernels)
 
 A field the override sets is kept, or refused with a message when it cannot run here. Nothing
@@ -284,6 +285,29 @@ def moe_rule(config: EngineConfig, model_cfg, device, want: KernelPlan, triton: 
     return moe, moe_decode, moe_prefill
 
 
+# a per-layer table of more than this share of the GPU's memory goes to pinned host memory,
+# the GPU memory it leaves going to KV (docs/benchmarks.md, Gemma 4: the per-layer table)
+HOST_TABLE_SHARE = 1 / 16
+
+
+def per_layer_table_rule(config: EngineConfig, model_cfg, device, want: KernelPlan, triton: bool):
+    """per_layer_table: "host" on CUDA with Triton where the table (ModelConfig.
+    host_table_elements) is larger than HOST_TABLE_SHARE of the GPU's memory, else "device"."""
+    table, elements = want.per_layer_table, model_cfg.host_table_elements
+    cuda = device.type == "cuda"
+    if table == "host" and not (elements and cuda and triton):
+        raise ValueError(
+            "per_layer_table 'host' keeps a per-layer embedding table (Gemma 4's E-models) in "
+            "pinned host memory read by the GPU (kernels/host_gather.py): it needs such a table, "
+            "CUDA and the triton package; use 'device' or 'auto'"
+        )
+    if table == "auto":
+        nbytes = elements * (4 if config.dtype == "float32" else 2)
+        big = cuda and elements > 0 and nbytes > gpu_memory(device) * HOST_TABLE_SHARE
+        table = "host" if big and triton else "device"
+    return table
+
+
 def graph_rule(config: EngineConfig, model_cfg, device, want: KernelPlan):
     """(cuda_graph_max_bs, piecewise_graphs, host_gate): decode graphs up to the user's batch
     on CUDA; piecewise graphs where the host is the bottleneck, a small model's mixed steps (a
@@ -357,6 +381,7 @@ def resolve_kernels(
     int4_matmul = int4_rule(config, model_cfg, device, want, triton)
     moe, moe_decode, moe_prefill = moe_rule(config, model_cfg, device, want, triton)
     graphs, piecewise, host_gate = graph_rule(config, model_cfg, device, want)
+    per_layer_table = per_layer_table_rule(config, model_cfg, device, want, triton)
 
     decode_norms = resolve_decode_norms(
         want.decode_norms, model_cfg, tp_size=config.tp_size, decode_gemv=decode_gemv,
@@ -382,6 +407,8 @@ def resolve_kernels(
             _check_kernels_import("batchrun.kernels.moe_gemv")
         if moe_prefill == "grouped_mm":
             _check_kernels_import("batchrun.kernels.moe_grouped_mm")
+    if per_layer_table == "host":
+        _check_kernels_import("batchrun.kernels.host_gather")
     return KernelPlan(
         attention=attention,
         extend_attention=extend_attention,
@@ -398,4 +425,5 @@ def resolve_kernels(
         moe=moe,
         moe_decode=moe_decode,
         moe_prefill=moe_prefill,
+        per_layer_table=per_layer_table,
     )

@@ -14,7 +14,7 @@ moe_prefill "grouped_mm", a batch past 32 routed rows an expert (kernels/moe_gro
 `takes_grouped_mm`) runs the experts' matmuls on torch._grouped_mm (moe_grouped_mm.py).
 
 Where MoeConfig says so, router and experts have biases (b13 [E, 2I] on gate and up, b2 [E, H] on
-down) and the gate is a clamped SwiGLU (`swiglu`).
+down) and the gate is a clamped SwiGLU (`swiglu`), or GELU-tanh (MoeConfig.act, Gemma 4's).
 
 The experts' weights are stacked: w13 [E, 2I, H] (each expert's gate rows, then its up rows) and
 w2 [E, H, I]. Under tensor parallelism each rank holds a slice of every expert's width I

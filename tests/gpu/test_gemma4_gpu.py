@@ -187,3 +187,49 @@ def test_tiny_gemma4_moe_on_the_fused_experts(tmp_path):
         engine.check_integrity()
         del engine
     assert outs[0] == outs[1]
+
+
+def test_host_gather_reads_a_pinned_table_on_the_gpu():
+    """kernels/host_gather.py: rows of a pinned host table by CUDA ids equal the same table's
+    rows on the GPU (bf16, E2B's row width), eager and in a CUDA graph replayed on other ids."""
+    from batchrun.kernels.host_gather import gather_rows
+
+    width = 35 * 256
+    table = torch.randn(4096, width, dtype=torch.bfloat16).pin_memory()
+    on_gpu = table.cuda()
+    ids = torch.randint(0, 4096, (300,), device=DEV)
+    assert torch.equal(gather_rows(table, ids, 16.0), on_gpu[ids] * 16.0)
+    static = ids[:64].clone()
+    gather_rows(table, static, 16.0)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gather_rows(table, static, 16.0)
+    static.copy_(ids[100:164])
+    graph.replay()
+    assert torch.equal(out, on_gpu[ids[100:164]] * 16.0)
+
+
+def test_tiny_e_model_with_the_per_layer_table_on_the_host(tmp_path):
+    """The E-model with its per-layer table in pinned host memory gives the greedy tokens of the
+    table on the GPU (CUDA graphs, overlap), and the table holds no GPU memory."""
+    from gemma4_models import make_gemma4
+    from tiny_models import random_prompts
+
+    from batchrun.engine.engine import Engine
+    from batchrun.params import GenerateRequest, SamplingParams
+
+    make_gemma4("e-model", tmp_path)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(8, seed=7, min_len=4, max_len=60)
+    outs = []
+    for where in ("device", "host"):
+        config = EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", kv_budget=8192)
+        engine = Engine(config, kernels=KernelPlan(per_layer_table=where))
+        assert engine.kernels.per_layer_table == where
+        table = engine.runner.model.embed_tokens_per_layer
+        assert table.is_cuda == (where == "device") and (where == "device" or table.is_pinned())
+        reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
+        outs.append({r.rid: r.output_ids for r in engine.generate(reqs)})
+        engine.check_integrity()
+        del engine
+    assert outs[0] == outs[1]

@@ -101,6 +101,7 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         moe="torch",
         moe_decode="grouped",
         moe_prefill="triton",
+        per_layer_table="device",
     )
     assert kernels.is_resolved
 
@@ -234,6 +235,7 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         moe="triton",  # a mixture's experts on kernels/fused_moe.py
         moe_decode="gemv",  # and its decode batches on kernels/moe_gemv.py
         moe_prefill="grouped_mm",  # its prefill batches on torch._grouped_mm (CUTLASS)
+        per_layer_table="device",  # no per-layer table
     )
     assert kernels.is_resolved
 
@@ -310,6 +312,7 @@ def test_fields_set_by_hand_are_kept(gpu):
         moe="torch",
         moe_decode="grouped",
         moe_prefill="triton",
+        per_layer_table="device",
     )
     assert resolve(SMALL, CUDA, want) == want
 
@@ -677,3 +680,35 @@ def test_the_users_kernel_choices(gpu):
     assert resolve(SMALL, CUDA, host_gate=False).host_gate is False
     with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 0"):
         EngineConfig(cuda_graph_max_bs=-1).validate()
+
+
+# -- a per-layer embedding table ------------------------------------------------------------------
+
+# Gemma 4 E2B's per-layer table: vocab 262,144 x 35 layers x 256
+E2B_TABLE = 262_144 * 35 * 256
+
+
+def test_per_layer_table_goes_to_the_host_where_it_is_a_large_share(gpu, monkeypatch):
+    """per_layer_table "device" on the CPU, without a table, and on a GPU where the table is a
+    small share of the memory (an H200: 4.7 GB of 150); "host" on a 24 GB GPU; "host" asked for
+    where it cannot run is refused by name."""
+    e_model = replace(SMALL, host_table_elements=E2B_TABLE)
+    assert resolve(e_model).per_layer_table == "device"
+    with pytest.raises(ValueError, match="per_layer_table 'host' keeps a per-layer embedding"):
+        resolve(e_model, CPU, KernelPlan(per_layer_table="host"))
+    checked = []
+    monkeypatch.setattr(
+        kernel_choice, "_check_kernels_import", lambda module="gemv": checked.append(module)
+    )
+    gpu(pdl=True)
+    assert resolve(e_model, CUDA).per_layer_table == "device"
+    assert resolve(SMALL, CUDA).per_layer_table == "device"
+    assert resolve(e_model, CUDA, KernelPlan(per_layer_table="host")).per_layer_table == "host"
+    assert "batchrun.kernels.host_gather" in checked
+    with pytest.raises(ValueError, match="it needs such a table"):
+        resolve(SMALL, CUDA, KernelPlan(per_layer_table="host"))
+    gpu(pdl=True, memory=24_000_000_000)
+    assert resolve(e_model, CUDA).per_layer_table == "host"
+    assert resolve(e_model, CUDA, KernelPlan(per_layer_table="device")).per_layer_table == "device"
+    with pytest.raises(ValueError, match="per_layer_table must be one of"):
+        resolve(e_model, CUDA, KernelPlan(per_layer_table="disk"))
