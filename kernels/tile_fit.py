@@ -11,13 +11,12 @@ keeps the defaults where they fit and otherwise halves BLOCK_N down to 32, then 
 down to 1, then halves BLOCK_N down to 16: the query rows stay (they set how often K and V are
 read), and fewer stages cost less than a narrower block until the block is narrow.
 
-The limit is the device's own (Triton's driver: the opt-in maximum a block may ask for), read
-once per device; on CPU tensors (Triton's interpreter) there is none.
+The limit is the device's own (Triton's driver: the opt-in maximum a block may ask for): the
+attention backend reads it once and passes it to every launch; on CPU tensors (Triton's
+interpreter) there is none.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -66,9 +65,4 @@ def shared_memory_limit(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_limit(index)
-
-
-@functools.cache
-def _device_limit(index: int) -> int:
     return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
