@@ -29,6 +29,7 @@ INT4_MATMULS = ("auto", "triton", "dequant", "dequant-gemv")
 MOE_BACKENDS = ("auto", "triton", "torch")
 MOE_DECODES = ("auto", "grouped", "gemv")
 MOE_PREFILLS = ("auto", "triton", "grouped_mm")
+PER_LAYER_TABLES = ("auto", "device", "host")
 CUDA_GRAPH_MAX_BS = 512  # EngineConfig.cuda_graph_max_bs: decode batches replayed as graphs
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: a bf16 checkpoint quantized at load
 # EngineConfig.kv_cache_dtype: "auto" the compute dtype; "fp8_e4m3" float8_e4m3fn with the
@@ -153,6 +154,9 @@ class KernelPlan:
     compile_workers     processes that compile the decode graphs' Triton variants in parallel
                         before the capture (engine/precompile.py); 0: the capture compiles them
                         one after another
+    per_layer_table     a table of ModelConfig.host_table_elements (Gemma 4's per-layer
+                        embeddings): "device" with the other weights, "host" in pinned host
+                        memory, its rows read by the GPU (kernels/host_gather.py)
     """
 
     attention: str = "auto"
@@ -171,6 +175,7 @@ class KernelPlan:
     moe_decode: str = "auto"
     moe_prefill: str = "auto"
     compile_workers: int | None = None
+    per_layer_table: str = "auto"
 
     @classmethod
     def reference(cls) -> KernelPlan:
@@ -192,6 +197,7 @@ class KernelPlan:
             moe_decode="grouped",
             moe_prefill="triton",
             compile_workers=0,
+            per_layer_table="device",
         )
 
     def validate(self) -> None:
@@ -204,6 +210,7 @@ class KernelPlan:
         _one_of("moe backend", self.moe, MOE_BACKENDS)
         _one_of("moe_decode", self.moe_decode, MOE_DECODES)
         _one_of("moe_prefill", self.moe_prefill, MOE_PREFILLS)
+        _one_of("per_layer_table", self.per_layer_table, PER_LAYER_TABLES)
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0; got {self.cuda_graph_max_bs}")
 

@@ -51,6 +51,9 @@ Attention sinks (gpt-oss, `sinks=` [H] fp32): split 0 of each request starts its
 from the head's sink logit (max = sink * log2(e), sum = 1, acc = 0), so the sink's term enters
 the denominator once, through split 0's partial and its log-sum-exp in the combine.
 
+BLOCK_N and the stages shrink where the tiles would not fit the device's shared memory (head
+dim 512: kernels/tile_fit.py's rule).
+
 The grid depends only on B, the KV head count and num_kv_splits, and nothing is read back to the
 host, so the launches can be captured in a CUDA graph and replayed with other seq_lens.
 
@@ -72,6 +75,7 @@ import triton.language as tl
 from batchrun.kernels.fused_rotary import check_cos_sin
 from batchrun.kernels.kv_store import quantize_e4m3
 from batchrun.kernels.pdl import pdl_launch_kwargs, pdl_wait
+from batchrun.kernels.tile_fit import fit_kv_tiles, shared_memory_limit
 
 if TYPE_CHECKING:
     from batchrun.quant.kv_cache import KVScale
@@ -532,6 +536,7 @@ def decode_attention_fwd(
     num_stages: int | None = None,
     fp16_dot: bool | None = None,  # KV_FP8 with bf16 q: the dots on fp16 (None: FP8_FP16_DOT)
     sinks: torch.Tensor | None = None,  # [H] fp32: each head's sink logit (gpt-oss)
+    shared_memory: int | None = None,  # the tiles' byte limit (None: q's device's, if a GPU)
 ) -> None:
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -575,6 +580,17 @@ def decode_attention_fwd(
         and v_buf.data_ptr() % 4 == 0
     )
 
+    block_h = max(16, triton.next_power_of_2(kv_group))  # tl.dot needs M >= 16
+    # wide heads (Gemma 4's 512) shrink the KV tiles to the device's shared memory (tile_fit.py)
+    block_n, num_stages = fit_kv_tiles(
+        block_h,
+        head_dim,
+        block_n or (FP8_BLOCK_N if kv_fp8 else DEFAULT_BLOCK_N),
+        num_stages or DEFAULT_NUM_STAGES,
+        2 if fp16_dot else q.element_size(),
+        k_buf.element_size(),
+        shared_memory if shared_memory is not None else shared_memory_limit(q.device),
+    )
     launch = pdl_launch_kwargs(pdl, q)
     _decode_stage1_kernel[(num_kv_heads, batch_size, num_kv_splits)](
         q,
@@ -605,8 +621,8 @@ def decode_attention_fwd(
         NUM_HEADS=num_heads,
         KV_GROUP=kv_group,
         HEAD_DIM=head_dim,
-        BLOCK_H=max(16, triton.next_power_of_2(kv_group)),  # tl.dot needs M >= 16
-        BLOCK_N=block_n or (FP8_BLOCK_N if kv_fp8 else DEFAULT_BLOCK_N),
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
         BLOCK_D=block_d,
         DOT_PRECISION=precision,
         DIRECT=num_kv_splits == 1,
@@ -620,7 +636,7 @@ def decode_attention_fwd(
         FP16_DOT=fp16_dot,
         V_WORDS=v_words,
         num_warps=num_warps or DEFAULT_NUM_WARPS,
-        num_stages=num_stages or DEFAULT_NUM_STAGES,
+        num_stages=num_stages,
         **launch,
         KNew=r.k,
         VNew=r.v,

@@ -34,6 +34,9 @@ Online softmax in fp32 (base 2, the scale folded into log2(e)). Attention sinks 
 (its term in the denominator), acc 0. A float8_e4m3fn pool
 (`kv_scale=` given): K and V convert to q's dtype as they are loaded (exact), the layer's k scale
 is folded into the softmax scale and its v scale multiplies the normalized output.
+
+BLOCK_N and the stages shrink where the tiles would not fit the device's shared memory (head
+dim 512: kernels/tile_fit.py's rule).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 from batchrun.kernels.decode_attention import check_kv_scale
+from batchrun.kernels.tile_fit import fit_kv_tiles, shared_memory_limit
 
 if TYPE_CHECKING:
     from batchrun.quant.kv_cache import KVScale
@@ -243,6 +247,7 @@ def extend_attention_fwd(
     kv_scale: KVScale | None = None,  # float8_e4m3fn buffers: the layer's scales
     window: int = 0,  # sliding window: each query sees the last `window` positions (0: all)
     sinks: torch.Tensor | None = None,  # [H] fp32: each head's sink logit (gpt-oss)
+    shared_memory: int | None = None,  # the tiles' byte limit (None: q's device's, if a GPU)
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     if sinks is not None:
@@ -263,6 +268,17 @@ def extend_attention_fwd(
     block_m = block_m or max(1, rows // pack)
     num_warps = num_warps or (LONG_PACKED_WARPS if long else DEFAULT_PACKED_WARPS)
     assert block_m * pack >= 16, "tl.dot needs 16 query rows a program"
+    # wide heads (Gemma 4's 512) shrink the KV tiles to the device's shared memory (tile_fit.py)
+    limit = shared_memory if shared_memory is not None else shared_memory_limit(q.device)
+    block_n, num_stages = fit_kv_tiles(
+        block_m * pack,
+        head_dim,
+        block_n or DEFAULT_BLOCK_N,
+        num_stages or DEFAULT_NUM_STAGES,
+        q.element_size(),
+        k_buf.element_size(),
+        limit,
+    )
     grid = (batch_size, triton.cdiv(max_extend_len, block_m), num_kv_heads)
     _extend_kernel[grid](
         q,
@@ -289,7 +305,7 @@ def extend_attention_fwd(
         KV_GROUP=kv_group,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
-        BLOCK_N=block_n or DEFAULT_BLOCK_N,
+        BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PACK=pack,
@@ -298,5 +314,5 @@ def extend_attention_fwd(
         Sinks=q if sinks is None else sinks,  # (a stand-in that HAS_SINKS prunes)
         HAS_SINKS=sinks is not None,
         num_warps=num_warps,
-        num_stages=num_stages or DEFAULT_NUM_STAGES,
+        num_stages=num_stages,
     )

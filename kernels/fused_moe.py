@@ -18,6 +18,9 @@ by expert (kernels/moe_align.py), with no host sync, so a step runs inside a CUD
 gpt-oss (`extras=`): gate_up's epilogue adds the expert's bias b13[e] ([E, 2I], gate then up)
 and applies its clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
 g = min(gate, limit); down's adds b2[e] ([E, H]) before the top-k weight (b2 None: no bias).
+Gemma 4 (`extras.act` "gelu_pytorch_tanh"): the epilogue's gate is GELU with the tanh
+approximation, gelu_tanh(g) * up, computed as g * sigmoid(2 sqrt(2 / pi) (g + 0.044715 g^3))
+(0.5 (1 + tanh(z)) = sigmoid(2 z)).
 
 The top-k sum reads a [T * k, H] buffer rather than adding into y with atomics: the sum is
 deterministic (graphs and eager, overlap on and off, give the same bits, which greedy parity
@@ -136,9 +139,9 @@ def _tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _swiglu(gate, up, B13, expert, stride_be, cols, inter_size, alpha, limit,
-            HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr):  # fmt: skip
-    """gate_up's epilogue from the fp32 sums: the biases (gpt-oss), then silu(gate) * up or the
-    clamped SwiGLU, in fp32."""
+            HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, GELU: tl.constexpr):  # fmt: skip
+    """gate_up's epilogue from the fp32 sums: the biases (gpt-oss), then silu(gate) * up, the
+    clamped SwiGLU, or (GELU) gelu_tanh(gate) * up, in fp32."""
     if HAS_BIAS:
         gate += tl.load(B13 + expert * stride_be + cols).to(tl.float32)[None, :]
         up += tl.load(B13 + expert * stride_be + inter_size + cols).to(tl.float32)[None, :]
@@ -146,6 +149,9 @@ def _swiglu(gate, up, B13, expert, stride_be, cols, inter_size, alpha, limit,
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         return (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    if GELU:  # 0.5 * (1 + tanh(z)) == sigmoid(2 * z), z = sqrt(2 / pi) * (g + 0.044715 g^3)
+        z = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
+        return gate * tl.sigmoid(z) * up
     return gate * tl.sigmoid(gate) * up
 
 
@@ -177,6 +183,7 @@ def _gate_up_kernel(
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CLAMP: tl.constexpr,
+    GELU: tl.constexpr,
 ):
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(inter_size, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M < tl.load(NumPadded):
@@ -209,7 +216,7 @@ def _gate_up_kernel(
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
         h = _swiglu(gate, up, B13, expert, stride_be, cols, inter_size, alpha, limit, HAS_BIAS,
-                    CLAMP)  # fmt: skip
+                    CLAMP, GELU)  # fmt: skip
         out_ptrs = Inter + rows.to(tl.int64)[:, None] * stride_im + offs_n[None, :]
         mask = valid[:, None] & (offs_n < inter_size)[None, :]
         tl.store(out_ptrs, h.to(Inter.dtype.element_ty), mask=mask)
@@ -298,15 +305,23 @@ def _check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
     assert x.stride(-1) == w13.stride(-1) == w2.stride(-1) == 1, "unit stride along H and I"
 
 
+GATE_ACTS = ("silu", "gelu_pytorch_tanh")  # the experts' gate activations the epilogues run
+
+
 def unpack_extras(extras, w13: torch.Tensor, w2: torch.Tensor) -> tuple:
-    """(b13, b2, alpha, limit) of gpt-oss's `extras` (layers/moe.py's ExpertExtras), checked
-    against the experts; (None, None, 1.0, 0.0) for None: no biases, plain SiLU."""
+    """(b13, b2, alpha, limit, gelu) of `extras` (layers/moe.py's ExpertExtras: gpt-oss's biases
+    and clamped SwiGLU, Gemma 4's GELU-tanh gate), checked against the experts; (None, None, 1.0,
+    0.0, False) for None: no biases, plain SiLU."""
     if extras is None:
-        return None, None, 1.0, 0.0
+        return None, None, 1.0, 0.0, False
     b13, b2 = extras.b13, extras.b2
     for b, rows in ((b13, w13.shape[1]), (b2, w2.shape[1])):
         assert b is None or (b.shape == (w13.shape[0], rows) and b.stride(-1) == 1), b
-    return b13, b2, float(extras.alpha), float(extras.limit)
+    if extras.act not in GATE_ACTS:
+        raise ValueError(f"the fused experts run gate activations {GATE_ACTS}; got {extras.act!r}")
+    gelu = extras.act == "gelu_pytorch_tanh"
+    assert not (gelu and extras.limit), "a clamped SwiGLU has a SiLU gate"
+    return b13, b2, float(extras.alpha), float(extras.limit), gelu
 
 
 def takes_descriptors(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -331,10 +346,10 @@ def fused_moe(
     extras=None,
 ) -> torch.Tensor:
     """y [T, H] in x's dtype, as the module docstring says; `config` overrides the rule;
-    `extras` (layers/moe.py's ExpertExtras: b13, b2, alpha, limit) gpt-oss's biases and clamped
-    SwiGLU."""
+    `extras` (layers/moe.py's ExpertExtras: b13, b2, alpha, limit, act) gpt-oss's biases and
+    clamped SwiGLU, Gemma 4's GELU-tanh gate."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
-    b13, b2, alpha, limit = unpack_extras(extras, w13, w2)
+    b13, b2, alpha, limit, gelu = unpack_extras(extras, w13, w2)
     num_tokens, hidden = x.shape
     num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -356,7 +371,7 @@ def fused_moe(
             from batchrun.kernels.fused_moe_tma import gathered_experts
 
             gathered_experts(x[start:end], w13, w2, weights[start:end].view(-1), align, blocks,
-                             num_rows, top_k, c, out, b13, b2, alpha, limit)  # fmt: skip
+                             num_rows, top_k, c, out, b13, b2, alpha, limit, gelu)  # fmt: skip
             torch.sum(out[:num_rows].view(end - start, top_k, hidden), dim=1, out=y[start:end])
             continue
         common = (align.sorted_ids, align.expert_ids, align.num_padded, num_rows)
@@ -385,6 +400,7 @@ def fused_moe(
             EVEN_K=hidden % g.block_k == 0,
             HAS_BIAS=b13 is not None,
             CLAMP=limit > 0,
+            GELU=gelu,
             num_warps=g.num_warps,
             num_stages=g.num_stages,
         )

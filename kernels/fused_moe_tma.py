@@ -84,6 +84,7 @@ def _gate_up_tma_kernel(
     GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CLAMP: tl.constexpr,
+    GELU: tl.constexpr,
 ):
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(inter_size, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M < tl.load(NumPadded):
@@ -100,7 +101,7 @@ def _gate_up_tma_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.minimum(offs_n, inter_size - 1).to(tl.int64)
         h = _swiglu(gate, up, B13, expert, stride_be, cols, inter_size, alpha, limit, HAS_BIAS,
-                    CLAMP)  # fmt: skip
+                    CLAMP, GELU)  # fmt: skip
         offs_m = first + tl.arange(0, BLOCK_M)
         out_ptrs = Inter + offs_m.to(tl.int64)[:, None] * stride_im + offs_n[None, :]
         tl.store(out_ptrs, h.to(Inter.dtype.element_ty), mask=(offs_n < inter_size)[None, :])
@@ -175,6 +176,7 @@ def gathered_experts(
     b2: torch.Tensor | None,
     alpha: float,
     limit: float,
+    gelu: bool = False,  # Gemma 4's GELU-tanh gate
 ) -> None:
     """fused_moe's gate_up and down for one pass, on the gathered rows (module docstring)."""
     num_experts, two_i, hidden = w13.shape
@@ -191,7 +193,7 @@ def gathered_experts(
         inter, align.expert_ids, align.num_padded, inter_size, hidden, blocks, inter.stride(0),
         w13 if b13 is None else b13, 0 if b13 is None else b13.stride(0), alpha, limit,
         BLOCK_M=bm, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-        HAS_BIAS=b13 is not None, CLAMP=limit > 0, num_warps=g.num_warps,
+        HAS_BIAS=b13 is not None, CLAMP=limit > 0, GELU=gelu, num_warps=g.num_warps,
         num_stages=g.num_stages,
     )  # fmt: skip
     w2_rows = w2.view(num_experts * hidden, inter_size)

@@ -124,6 +124,7 @@ def _gate_up_gemv_kernel(
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CLAMP: tl.constexpr,
+    GELU: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -145,7 +146,8 @@ def _gate_up_gemv_kernel(
         gate = _mma(gate, x, _w_tile(g_rows, in_n, k0, hidden, BLOCK_K), IEEE)
         up = _mma(up, x, _w_tile(u_rows, in_n, k0, hidden, BLOCK_K), IEEE)
     cols = tl.minimum(offs_n, inter_size - 1)
-    h = _swiglu(gate, up, B13, expert, stride_be, cols, inter_size, alpha, limit, HAS_BIAS, CLAMP)
+    h = _swiglu(gate, up, B13, expert, stride_be, cols, inter_size, alpha, limit, HAS_BIAS, CLAMP,
+                GELU)  # fmt: skip
     out = Inter + row.to(tl.int64) * stride_im + offs_m[:, None] * 0 + offs_n[None, :]
     mask = (offs_m[:, None] == 0) & (offs_n < inter_size)[None, :]
     tl.store(out, h.to(Inter.dtype.element_ty), mask=mask)
@@ -286,7 +288,7 @@ def moe_gemv_residual(
 def _launch(x, w13, w2, topk_weights, topk_ids, config, extras, residual, norm, pdl):
     """(y, normed): normed when norm is given, else None."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
-    b13, b2, alpha, limit = unpack_extras(extras, w13, w2)
+    b13, b2, alpha, limit, gelu = unpack_extras(extras, w13, w2)
     num_tokens, hidden = x.shape
     inter_size = w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -309,7 +311,7 @@ def _launch(x, w13, w2, topk_weights, topk_ids, config, extras, residual, norm, 
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         0 if b13 is None else b13.stride(0), alpha, limit,
         BLOCK_N=c.gate_n, BLOCK_K=c.block_k, HAS_BIAS=b13 is not None, CLAMP=limit > 0,
-        IEEE=ieee, num_warps=c.num_warps, num_stages=c.gate_stages, **launch,
+        GELU=gelu, IEEE=ieee, num_warps=c.num_warps, num_stages=c.gate_stages, **launch,
     )  # fmt: skip
     # NOTE: absent operands get y as a stand-in pointer: their constexpr flag prunes every access
     r = y if residual is None else residual

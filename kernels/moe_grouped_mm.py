@@ -89,6 +89,7 @@ def _swiglu_kernel(
     BLOCK_I: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CLAMP: tl.constexpr,
+    GELU: tl.constexpr,
 ):
     first = tl.program_id(0) * ROWS
     if first < tl.load(NumPadded):
@@ -102,7 +103,7 @@ def _swiglu_kernel(
             up = tl.load(ptrs + inter_size, mask=mask, other=0.0).to(tl.float32)
             cols_in = tl.minimum(cols, inter_size - 1).to(tl.int64)
             a = _swiglu(gate, up, B13, expert, stride_be, cols_in, inter_size, alpha, limit,
-                        HAS_BIAS, CLAMP)  # fmt: skip
+                        HAS_BIAS, CLAMP, GELU)  # fmt: skip
             out_ptrs = Inter + p[:, None] * stride_im + cols[None, :]
             tl.store(out_ptrs, a.to(Inter.dtype.element_ty), mask=mask)
 
@@ -138,7 +139,7 @@ def _combine_kernel(
         tl.store(Y + t * stride_ym + cols, acc.to(Y.dtype.element_ty), mask=mask)
 
 
-def _experts_pass(x, w13, w2, weights, topk_ids, y, b13, b2, alpha, limit) -> None:
+def _experts_pass(x, w13, w2, weights, topk_ids, y, b13, b2, alpha, limit, gelu) -> None:
     """One pass over x [T, H]'s tokens into y [T, H] (the module docstring's steps)."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -155,7 +156,7 @@ def _experts_pass(x, w13, w2, weights, topk_ids, y, b13, b2, alpha, limit) -> No
         h, inter, align.expert_ids, align.num_padded, inter_size, h.stride(0), inter.stride(0),
         w13 if b13 is None else b13, 0 if b13 is None else b13.stride(0), alpha, limit,
         ROWS=GATHER_ROWS, ALIGN_M=ALIGN_M, BLOCK_I=min(256, triton.next_power_of_2(inter_size)),
-        HAS_BIAS=b13 is not None, CLAMP=limit > 0,
+        HAS_BIAS=b13 is not None, CLAMP=limit > 0, GELU=gelu,
     )  # fmt: skip
     o = torch._grouped_mm(inter, w2.transpose(1, 2), offs=align.ends)
     _combine_kernel[(num_tokens,)](
@@ -179,7 +180,7 @@ def grouped_mm_moe(
     SwiGLU), the experts' matmuls on torch._grouped_mm."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
     assert w13.is_contiguous() and w2.is_contiguous(), "contiguous expert weights"
-    b13, b2, alpha, limit = unpack_extras(extras, w13, w2)
+    b13, b2, alpha, limit, gelu = unpack_extras(extras, w13, w2)
     num_tokens = x.shape[0]
     y = torch.empty_like(x)
     chunk = tokens_per_pass(topk_ids.shape[1], w2.shape[2])
@@ -188,5 +189,5 @@ def grouped_mm_moe(
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
         _experts_pass(x[start:end], w13, w2, weights[start:end].view(-1), ids[start:end],
-                      y[start:end], b13, b2, alpha, limit)  # fmt: skip
+                      y[start:end], b13, b2, alpha, limit, gelu)  # fmt: skip
     return y

@@ -18,8 +18,7 @@
 Models (dummy weights, written as config.json to a temp dir; benchlib.MODELS): llama-8b,
 llama-1b, the mixtures of experts qwen3-30b-a3b, mixtral-8x7b and gpt-oss-20b, gemma-3-4b, the
 Gemma 4 shapes gemma-4-dense, gemma-4-e and gemma-4-moe each beside its `-twin` (every layer full,
-no KV shared: the KV pool's tokens show what the windows and sharing save; the MoE shape's
-GELU experts run the torch loop, so it needs --cuda-graph-max-bs 0), and
+no KV shared: the KV pool's tokens show what the windows and sharing save), and
 `tiny`, for CPU smoke tests). Workloads as BENCH.md defines them (benchlib.make_workload: W1
 random, W2 shared prefix, W3 single request, W2L a shared prefix whose distinct tokens exceed a
 capped KV pool, W5 long documents 256 x 16,384 -> 128, W6 very long 16 x 131,008 -> 64, run on
@@ -544,7 +543,8 @@ def format_run(r: RunResult) -> str:
     if r.num_steps is not None:
         parts.append(f"{r.num_steps} steps")
     if r.kv_slots is not None:
-        parts.append(f"KV pool {r.kv_slots:,} tokens")
+        # every layer that writes KV keeps every position: a 16k-token request holds 16,384
+        parts.append(f"KV pool {r.kv_slots:,} tokens ({r.kv_slots / 16384:.1f} x 16k requests)")
     if r.retractions is not None:
         parts.append(f"{r.retractions} retractions")
     if r.warmup_s is not None:

@@ -53,6 +53,7 @@ from batchrun.kernels.decode_attention import (
     decode_workspace_numel,
 )
 from batchrun.kernels.extend_attention import extend_attention_fwd
+from batchrun.kernels.tile_fit import shared_memory_limit
 
 # NOTE: W3 (batch 1, 8 KV heads: 16 splits) reads faster than with at most 8 splits, and 32
 # no faster (docs/benchmarks.md, Kernels: Decode attention)
@@ -108,6 +109,7 @@ class TritonAttentionBackend(AttentionBackend):
             if self.device.type == "cuda"
             else 132
         )
+        self.shared_memory = shared_memory_limit(self.device)  # the kernels' tiles fit it
         self._plan: _DecodePlan | _ExtendPlan | None = None
         self._workspace = torch.empty(0, dtype=torch.float32, device=self.device)  # eager, grows
         self.graph_max_bs = 0
@@ -246,7 +248,7 @@ class TritonAttentionBackend(AttentionBackend):
         decode_attention_fwd(
             q, k_buf, v_buf, out, self.req_to_token, plan.req_pool_indices, plan.seq_lens,
             scaling, plan.num_kv_splits, workspace, counters, window=window, rope=rope,
-            kv_scale=kv_scale, pdl=self.pdl, sinks=sinks,
+            kv_scale=kv_scale, pdl=self.pdl, sinks=sinks, shared_memory=self.shared_memory,
         )  # fmt: skip
 
     def _extend(
@@ -261,7 +263,7 @@ class TritonAttentionBackend(AttentionBackend):
         extend_attention_fwd(
             q, k_buf, v_buf, out, self.req_to_token, inputs.req_pool_indices, inputs.seq_lens,
             inputs.extend_lens, plan.extend_start_loc, plan.max_extend_len, scaling,
-            kv_scale=kv_scale, window=window, sinks=sinks,
+            kv_scale=kv_scale, window=window, sinks=sinks, shared_memory=self.shared_memory,
         )  # fmt: skip
 
     def _get_workspace(self, plan: _DecodePlan, bs: int, num_heads: int, head_dim: int):

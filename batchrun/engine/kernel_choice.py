@@ -13,6 +13,7 @@ and the model, by one rule a family:
     moe_rule         moe, moe_decode, moe_prefill
     graph_rule       cuda_graph_max_bs, piecewise_graphs, host_gate
     compile_rule     compile_workers
+    per_layer_table_rule  per_layer_table
     (decode_norms: its rule in resolve_kernels)
 
 A field the override sets is kept, or refused with a message when it cannot run here. Nothing
@@ -49,6 +50,7 @@ from batchrun.engine.weight_memory import (
     mxfp4_experts,
 )
 from batchrun.models.fused_decode import resolve_mode as resolve_decode_norms
+from batchrun.models.moe_config import FUSED_ACTS
 from batchrun.models.moe_weights import has_quantized_experts
 
 log = logging.getLogger(__name__)
@@ -256,11 +258,11 @@ def moe_rule(config: EngineConfig, model_cfg, device, want: KernelPlan, triton: 
     the shapes it loses on the Triton GEMMs; docs/benchmarks.md, Other architectures: MoE)."""
     cuda = device.type == "cuda"
     moe = want.moe
-    own_experts = model_cfg.moe is not None and model_cfg.moe.act != "silu"
+    own_experts = model_cfg.moe is not None and model_cfg.moe.act not in FUSED_ACTS
     if own_experts and moe == "triton":
         raise ValueError(
-            f"moe 'triton' (kernels/fused_moe.py) runs SiLU experts, and this model's are "
-            f"{model_cfg.moe.act}; use moe 'torch' or 'auto'"
+            f"moe 'triton' (kernels/fused_moe.py) runs experts gated by {FUSED_ACTS}, and this "
+            f"model's are {model_cfg.moe.act}; use moe 'torch' or 'auto'"
         )
     if moe == "auto":
         moe = "triton" if cuda and triton and not own_experts else "torch"
@@ -287,6 +289,29 @@ def moe_rule(config: EngineConfig, model_cfg, device, want: KernelPlan, triton: 
             "'triton' or 'auto'"
         )
     return moe, moe_decode, moe_prefill
+
+
+# a per-layer table of more than this share of the GPU's memory goes to pinned host memory,
+# the GPU memory it leaves going to KV (docs/benchmarks.md, Gemma 4: the per-layer table)
+HOST_TABLE_SHARE = 1 / 16
+
+
+def per_layer_table_rule(config: EngineConfig, model_cfg, device, want: KernelPlan, triton: bool):
+    """per_layer_table: "host" on CUDA with Triton where the table (ModelConfig.
+    host_table_elements) is larger than HOST_TABLE_SHARE of the GPU's memory, else "device"."""
+    table, elements = want.per_layer_table, model_cfg.host_table_elements
+    cuda = device.type == "cuda"
+    if table == "host" and not (elements and cuda and triton):
+        raise ValueError(
+            "per_layer_table 'host' keeps a per-layer embedding table (Gemma 4's E-models) in "
+            "pinned host memory read by the GPU (kernels/host_gather.py): it needs such a table, "
+            "CUDA and the triton package; use 'device' or 'auto'"
+        )
+    if table == "auto":
+        nbytes = elements * (4 if config.dtype == "float32" else 2)
+        big = cuda and elements > 0 and nbytes > gpu_memory(device) * HOST_TABLE_SHARE
+        table = "host" if big and triton else "device"
+    return table
 
 
 def graph_rule(config: EngineConfig, model_cfg, device, want: KernelPlan):
@@ -387,6 +412,7 @@ def resolve_kernels(
     compile_workers = compile_rule(
         want, model_cfg, config.tp_size, graphs, triton_ops or decode_gemv == "triton"
     )
+    per_layer_table = per_layer_table_rule(config, model_cfg, device, want, triton)
 
     decode_norms = resolve_decode_norms(
         want.decode_norms, model_cfg, tp_size=config.tp_size, decode_gemv=decode_gemv,
@@ -412,6 +438,8 @@ def resolve_kernels(
             _check_kernels_import("batchrun.kernels.moe_gemv")
         if moe_prefill == "grouped_mm":
             _check_kernels_import("batchrun.kernels.moe_grouped_mm")
+    if per_layer_table == "host":
+        _check_kernels_import("batchrun.kernels.host_gather")
     return KernelPlan(
         attention=attention,
         extend_attention=extend_attention,
@@ -429,4 +457,5 @@ def resolve_kernels(
         moe_decode=moe_decode,
         moe_prefill=moe_prefill,
         compile_workers=compile_workers,
+        per_layer_table=per_layer_table,
     )

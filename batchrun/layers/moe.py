@@ -14,7 +14,7 @@ moe_prefill "grouped_mm", a batch past 32 routed rows an expert (kernels/moe_gro
 `takes_grouped_mm`) runs the experts' matmuls on torch._grouped_mm (moe_grouped_mm.py).
 
 Where MoeConfig says so, router and experts have biases (b13 [E, 2I] on gate and up, b2 [E, H] on
-down) and the gate is a clamped SwiGLU (`swiglu`).
+down) and the gate is a clamped SwiGLU (`swiglu`), or GELU-tanh (MoeConfig.act, Gemma 4's).
 
 The experts' weights are stacked: w13 [E, 2I, H] (each expert's gate rows, then its up rows) and
 w2 [E, H, I]. Under tensor parallelism each rank holds a slice of every expert's width I
@@ -48,18 +48,22 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 class ExpertExtras(NamedTuple):
-    """The experts' biases (None: none) and the clamped SwiGLU's alpha and limit (limit 0: plain
-    SiLU)."""
+    """The experts' biases (None: none), the clamped SwiGLU's alpha and limit (limit 0: plain
+    SiLU) and the gate's activation (MoeConfig.act: "silu", or Gemma 4's "gelu_pytorch_tanh")."""
 
     b13: torch.Tensor | None = None  # [E, 2I] gate then up, of this rank's width
     b2: torch.Tensor | None = None  # [E, H]; under TP on one rank only (added once)
     alpha: float = 1.0
     limit: float = 0.0
+    act: str = "silu"
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, extras: ExpertExtras) -> torch.Tensor:
-    """silu(gate) * up, or the clamped form (transformers' GptOssExperts._apply_gate):
-    gate clamped to <= limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
+    """silu(gate) * up, gelu_tanh(gate) * up (act "gelu_pytorch_tanh"), or the clamped form
+    (transformers' GptOssExperts._apply_gate): gate clamped to <= limit, up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    if extras.act == "gelu_pytorch_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     if not extras.limit:
         return F.silu(gate) * up
     gate = gate.clamp(max=extras.limit)
@@ -137,6 +141,7 @@ def experts_take_norms(moe, backend: str, decode: str) -> bool:
     from batchrun.kernels.moe_gemv import takes_gemv  # backend "triton": Triton is installed
 
     alone = not (moe.shared_expert_intermediate_size or moe.expert_bias or moe.swiglu_limit)
+    alone = alone and moe.act == "silu"
     return alone and takes_gemv(1, moe.top_k, moe.num_experts)
 
 
@@ -227,10 +232,10 @@ class MoE(nn.Module):
         """The experts' biases and clamped SwiGLU; None where they have neither. Under TP every rank
         adds its slice of b13; b2 is added by rank 0 alone, its output's one share of the
         all-reduce."""
-        if self.b13 is None and not self.limit:
+        if self.b13 is None and not self.limit and self._cfg.moe.act == "silu":
             return None
         b2 = self.b2 if self.tp.rank == 0 else None
-        return ExpertExtras(self.b13, b2, self.alpha, self.limit)
+        return ExpertExtras(self.b13, b2, self.alpha, self.limit, self._cfg.moe.act)
 
     def _router_input(self, x: torch.Tensor) -> torch.Tensor:
         """x, padded where the experts run fused with zero rows to fused_moe's tile_tokens(T): the

@@ -90,6 +90,9 @@ class ModelConfig:
     # the forward runs whole: no piecewise graphs (it carries more than (x, residual) from
     # layer to layer, as Gemma 4's per-layer inputs)
     whole_forward: bool = False
+    # elements of a table whose rows the forward gathers by token id and that may live in pinned
+    # host memory (KernelPlan.per_layer_table: Gemma 4's per-layer embeddings); 0: none
+    host_table_elements: int = 0
     # what only the architecture's own blocks read (a frozen object of its file; None: none)
     arch_options: Any = None
 

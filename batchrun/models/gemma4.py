@@ -133,6 +133,7 @@ def prepare(
         kv_sources=sources,
         moe=_moe(text, num_layers, where),
         whole_forward=True,
+        host_table_elements=int(text["vocab_size_per_layer_input"]) * per_layer_dim * num_layers,
         arch_options=Gemma4Options(
             per_layer_dim=per_layer_dim,
             per_layer_vocab=int(text["vocab_size_per_layer_input"]),
@@ -233,11 +234,18 @@ def _moe(text, num_layers: int, where: str) -> MoeConfig | None:
 
 class Gemma4LM(CausalLM):
     """CausalLM with the per-layer inputs and final logit softcapping; each layer returns its
-    whole output (no residual carried)."""
+    whole output (no residual carried). With KernelPlan.per_layer_table "host" the per-layer
+    embedding table lives in pinned host memory, its rows gathered by the GPU
+    (kernels/host_gather.py; the ids stay on the GPU)."""
 
     def __init__(self, ctx: BuildContext, layers, opts: Gemma4Options, **kw):
         super().__init__(ctx, layers, **kw)
         cfg, self.opts = ctx.cfg, opts
+        self.host_table = bool(opts.per_layer_dim) and ctx.kernels.per_layer_table == "host"
+        if self.host_table:  # Triton: imported on CUDA only
+            from batchrun.kernels.host_gather import gather_rows
+
+            self._gather_rows = gather_rows
         self.fused = None  # the one-row fused decode takes pre-norm layers only
         dim, width = opts.per_layer_dim, opts.per_layer_dim * cfg.num_layers
         if dim:
@@ -254,9 +262,22 @@ class Gemma4LM(CausalLM):
         if not self.opts.per_layer_dim:
             return None
         shape = (x.shape[0], self.config.num_layers, self.opts.per_layer_dim)
-        own = (self.embed_tokens_per_layer[input_ids] * self.per_layer_scale).view(shape)
+        if self.host_table:
+            own = self._gather_rows(self.embed_tokens_per_layer, input_ids, self.per_layer_scale)
+        else:
+            own = self.embed_tokens_per_layer[input_ids] * self.per_layer_scale
+        own = own.view(shape)
         proj = self.per_layer_model_projection(x) * self.config.hidden_size**-0.5
         return (self.per_layer_projection_norm(proj.view(shape)) + own) * 2.0**-0.5
+
+    def to_empty(self, *, device, recurse: bool = True):
+        """nn.Module's, with a host table allocated in pinned host memory, never on `device`."""
+        table = self._parameters.pop("embed_tokens_per_layer") if self.host_table else None
+        super().to_empty(device=device, recurse=recurse)
+        if table is not None:
+            host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+            self.embed_tokens_per_layer = nn.Parameter(host, requires_grad=False)
+        return self
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend) -> torch.Tensor:

@@ -22,6 +22,8 @@ from typing import Any
 from batchrun.errors import ModelConfigError
 
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+# the experts' gate activations that the fused experts run (kernels/fused_moe.py's epilogues)
+FUSED_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,8 @@ class MoeConfig:
     swiglu_alpha: float = 1.0
     swiglu_limit: float = 0.0
     mxfp4: bool = False
-    # the experts' gate activation: silu runs on the fused experts (kernels/fused_moe.py);
-    # another (Gemma 4's gelu_pytorch_tanh) runs the architecture's own torch experts
+    # the experts' gate activation: one of FUSED_ACTS, which the fused experts'
+    # epilogues run (kernels/fused_moe.py), the torch loop too
     act: str = "silu"
 
     def is_moe_layer(self, layer_id: int) -> bool:

@@ -332,3 +332,42 @@ def test_route_gemv_matches_the_router_and_route(model):
     graph.replay()
     want = route_gemv(new, w, None, top_k, True)
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+
+
+# Gemma 4's experts: (E, k, H, I) of scripts/benchlib.py's gemma-4-moe shape (transformers'
+# default Gemma4TextConfig with enable_moe_block), GELU-tanh gate
+GEMMA4_MOE = (128, 8, 2304, 704)
+
+
+def reference_gelu_moe(x, w13, w2, topk_weights, topk_ids):
+    """The per-expert loop in fp32 with Gemma 4's gate, gelu_tanh(gate) * up."""
+    from batchrun.layers.moe import ExpertExtras, _experts_loop
+
+    extras = ExpertExtras(act="gelu_pytorch_tanh")
+    return _experts_loop(x.float(), w13.float(), w2.float(), topk_weights, topk_ids, extras)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 7, 64, 255, 1024, 4096])
+def test_gelu_tanh_experts_at_gemma4_widths(num_tokens):
+    """fused_moe (row gather and TMA), moe_gemv (decode batches) and grouped_mm_moe with the
+    GELU-tanh epilogue against the loop, bf16; a CUDA graph replays the eager bits (at
+    check_graph_replays' widths)."""
+    from batchrun.kernels.fused_moe import fused_moe
+    from batchrun.kernels.moe_gemv import moe_gemv
+    from batchrun.kernels.moe_grouped_mm import grouped_mm_moe
+
+    from batchrun.layers.moe import ExpertExtras
+
+    extras = ExpertExtras(act="gelu_pytorch_tanh")
+    args = make_inputs(num_tokens, *GEMMA4_MOE, seed=num_tokens)
+    want = reference_gelu_moe(*args)
+    runs = [fused_moe] + ([moe_gemv] if num_tokens <= 7 else [])
+    if torch.cuda.get_device_capability() == (9, 0):  # torch._grouped_mm's CUTLASS kernels
+        runs.append(grouped_mm_moe)
+    for run in runs:
+        got = run(*args, extras=extras)
+        assert rel_error(got, want) < BF16_BOUND, (run.__name__, num_tokens)
+        assert rel_error(run(*args), want) > 2 * BF16_BOUND  # the SiLU gate differs
+    check_graph_replays(
+        lambda x, w13, w2, w, ids: fused_moe(x, w13, w2, w, ids, extras=extras), num_tokens
+    )

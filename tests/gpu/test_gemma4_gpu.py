@@ -1,8 +1,9 @@
 """Gemma 4 on CUDA: the Triton decode and extend kernels at head dims 256 and 512 with and
 without a window, over many lengths, against the torch reference (fp32); the Triton backend over
 a pool whose layers differ in head dim and KV heads (eager and CUDA-graph decode); and the tiny
-Gemma 4 models on the engine with the default kernels (Triton attention, CUDA graphs where the
-experts allow them, overlap) against transformers' greedy tokens in fp32."""
+Gemma 4 models on the engine with the default kernels (Triton attention, CUDA graphs, overlap;
+the MoE's experts on the torch loop) against transformers' greedy tokens in fp32; the MoE on the
+fused GELU-tanh experts in CUDA graphs against eager."""
 
 from __future__ import annotations
 
@@ -67,6 +68,28 @@ def test_extend_at_gemma4_head_dims(head_dim, window):
     assert_close(out, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("head_dim", [256, 512])
+@pytest.mark.parametrize("window", [0, 33, 1024])
+@pytest.mark.parametrize("heads", [(16, 2), (32, 4), (8, 8)], ids=["g8", "g8x4", "mha"])
+def test_extend_many_lengths_within_shared_memory(head_dim, window, heads):
+    """Ragged prefixes and chunks (a 4,096-token prefill among them), GQA groups of 8 and none:
+    the tiles fit the device's shared memory at head dim 512 (kernels/tile_fit.py)."""
+    rng = random.Random(head_dim * 7 + window + heads[0])
+    extend_lens = [1, 2, 15, 16, 17, 63, 64, 65, 4096, *ragged(rng, 6, 1, 900)]
+    prefix_lens = [0, 5, 0, 1000, 31, 0, 2048, 7, 0, *ragged(rng, 6, 0, 1500)]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    pool, table, inputs, q, k, v = make_batch(seq_lens, extend_lens, *heads, head_dim,
+                                              torch.bfloat16)  # fmt: skip
+    ref = reference(pool, table, inputs, q, k, v, head_dim**-0.5, window)
+    ext = inputs.extend_lens
+    out = torch.full_like(q, float("nan"))
+    extend_attention_fwd(
+        q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, ext,
+        torch.cumsum(ext, 0) - ext, max(extend_lens), head_dim**-0.5, window=window,
+    )  # fmt: skip
+    assert_close(out, ref, torch.bfloat16)
+
+
 def _inputs(table, seq_lens, extend_lens, slots):
     rows = torch.arange(len(seq_lens), device=DEV)
     return AttentionInputs(
@@ -123,7 +146,8 @@ def test_tiny_gemma4_equals_transformers(kind, tmp_path):
     from batchrun.params import GenerateRequest, SamplingParams
 
     hf = make_gemma4(kind, tmp_path).cuda()
-    kernels = KernelPlan(cuda_graph_max_bs=0) if kind == "moe" else KernelPlan()
+    # fp32 parity: the experts on the torch loop (the fused experts' fp32 runs on TF32)
+    kernels = KernelPlan(moe="torch", cuda_graph_max_bs=0) if kind == "moe" else KernelPlan()
     engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32",
                                  kv_budget=8192), kernels=kernels)  # fmt: skip
     assert engine.kernels.attention == "triton"
@@ -139,3 +163,73 @@ def test_tiny_gemma4_equals_transformers(kind, tmp_path):
                 logits = hf(torch.tensor([ids], device="cuda")).logits[0, -1]
                 ids.append(int(logits.argmax()))
         assert got[str(i)] == ids[len(prompt) :], i
+
+
+def test_tiny_gemma4_moe_on_the_fused_experts(tmp_path):
+    """The MoE model's default plan: the fused GELU-tanh experts with CUDA graphs; greedy tokens
+    equal the same experts run eager."""
+    from gemma4_models import make_gemma4
+    from tiny_models import random_prompts
+
+    from batchrun.engine.engine import Engine
+    from batchrun.params import GenerateRequest, SamplingParams
+
+    make_gemma4("moe", tmp_path)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(8, seed=6, min_len=4, max_len=60)
+    outs = []
+    for kernels in (KernelPlan(), KernelPlan(cuda_graph_max_bs=0)):
+        engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32",
+                                     kv_budget=8192), kernels=kernels)  # fmt: skip
+        assert engine.kernels.moe == "triton"
+        reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
+        outs.append({r.rid: r.output_ids for r in engine.generate(reqs)})
+        engine.check_integrity()
+        del engine
+    assert outs[0] == outs[1]
+
+
+def test_host_gather_reads_a_pinned_table_on_the_gpu():
+    """kernels/host_gather.py: rows of a pinned host table by CUDA ids equal the same table's
+    rows on the GPU (bf16, E2B's row width), eager and in a CUDA graph replayed on other ids."""
+    from batchrun.kernels.host_gather import gather_rows
+
+    width = 35 * 256
+    table = torch.randn(4096, width, dtype=torch.bfloat16).pin_memory()
+    on_gpu = table.cuda()
+    ids = torch.randint(0, 4096, (300,), device=DEV)
+    assert torch.equal(gather_rows(table, ids, 16.0), on_gpu[ids] * 16.0)
+    static = ids[:64].clone()
+    gather_rows(table, static, 16.0)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gather_rows(table, static, 16.0)
+    static.copy_(ids[100:164])
+    graph.replay()
+    assert torch.equal(out, on_gpu[ids[100:164]] * 16.0)
+
+
+def test_tiny_e_model_with_the_per_layer_table_on_the_host(tmp_path):
+    """The E-model with its per-layer table in pinned host memory gives the greedy tokens of the
+    table on the GPU (CUDA graphs, overlap), and the table holds no GPU memory."""
+    from gemma4_models import make_gemma4
+    from tiny_models import random_prompts
+
+    from batchrun.engine.engine import Engine
+    from batchrun.params import GenerateRequest, SamplingParams
+
+    make_gemma4("e-model", tmp_path)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(8, seed=7, min_len=4, max_len=60)
+    outs = []
+    for where in ("device", "host"):
+        config = EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", kv_budget=8192)
+        engine = Engine(config, kernels=KernelPlan(per_layer_table=where))
+        assert engine.kernels.per_layer_table == where
+        table = engine.runner.model.embed_tokens_per_layer
+        assert table.is_cuda == (where == "device") and (where == "device" or table.is_pinned())
+        reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
+        outs.append({r.rid: r.output_ids for r in engine.generate(reqs)})
+        engine.check_integrity()
+        del engine
+    assert outs[0] == outs[1]

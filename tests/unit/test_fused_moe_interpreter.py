@@ -243,6 +243,37 @@ def _check_grouped_mm(dtype, rel_bound):
     assert module.tokens_per_pass(8, 768) == 4096 and module.tokens_per_pass(2, 14336) == 1024
 
 
+def _check_gelu_tanh(dtype, rel_bound):
+    """Gemma 4's experts (ExpertExtras act "gelu_pytorch_tanh") on the fused experts (the row
+    gather and the TMA path), the decode GEMVs and the grouped matmuls, against layers/moe.py's
+    loop with the same gate (F.gelu tanh)."""
+    from batchrun.kernels.fused_moe import fused_moe
+    from batchrun.kernels.moe_gemv import moe_gemv
+    from batchrun.kernels.moe_grouped_mm import grouped_mm_moe
+
+    from batchrun.layers.moe import ExpertExtras, _experts_loop
+
+    gen = torch.Generator().manual_seed(7)
+    extras = ExpertExtras(act="gelu_pytorch_tanh")
+    # (T, E, k, H, I): decode, the 32-row blocks, the gathered 64-row blocks; Gemma 4's top 8
+    cases = [(1, 8, 2, 64, 32), (5, 16, 8, 96, 48), (40, 8, 2, 128, 64), (300, 8, 2, 64, 32)]
+    for num_tokens, num_experts, top_k, hidden, inter in cases:
+        x = (torch.randn(num_tokens, hidden, generator=gen) * 2).to(dtype)
+        w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+        w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+        weights, ids = make_routing(num_tokens, num_experts, top_k, gen)
+        want = _experts_loop(x.float(), w13.float(), w2.float(), weights, ids, extras)
+        silu = _experts_loop(x.float(), w13.float(), w2.float(), weights, ids, ExpertExtras())
+        runs = [fused_moe, grouped_mm_moe] + ([moe_gemv] if num_tokens <= 5 else [])
+        for run in runs:
+            got = run(x, w13, w2, weights, ids, extras=extras).float()
+            err = float((got - want).norm() / want.norm())
+            assert err < rel_bound, (run.__name__, num_tokens, err)
+            assert float((got - silu).norm() / silu.norm()) > 10 * rel_bound  # not SiLU
+    with pytest.raises(ValueError, match="gate activations"):
+        fused_moe(x, w13, w2, weights, ids, extras=ExpertExtras(act="relu"))
+
+
 def _check_gemv(dtype, rel_bound):
     """kernels/moe_gemv.py: the decode batches' experts against the loop (top-k 1 to 8, H and I
     off the tile sizes, T past the rule's MAX_ROWS too), bit-identical on a second call (the
@@ -386,6 +417,8 @@ def _run_checks():
     _check_gemv_residual()
     _check_grouped_mm(torch.float32, 1e-5)
     _check_grouped_mm(torch.float16, 2e-3)
+    _check_gelu_tanh(torch.float32, 1e-5)
+    _check_gelu_tanh(torch.float16, 2e-3)
     _check_configs_and_edges()
     print("ok")
 

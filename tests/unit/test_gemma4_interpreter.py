@@ -3,6 +3,7 @@ tests/triton_interpreter.py), fp32:
 
 - the decode and extend kernels at head dims 256 and 512 (Gemma 4's sliding and full layers),
   with and without a window, against the torch backend;
+- kernels/host_gather.py's rows of a table by token id (the per-layer table in host memory);
 - the tiny Gemma 4 models (dense: per-layer head dims and KV heads, k_eq_v; e-model: KV-shared
   layers that attend over another layer's buffers) on the engine with the Triton attention and
   small kernels: greedy tokens past the window equal the torch backend's.
@@ -24,6 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 from triton_interpreter import INTERPRETER_KERNELS  # noqa: E402
+
+H100_SHARED_MEMORY = 232448  # the bytes a program may ask for on an H100
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -64,13 +67,13 @@ def _check_kernels() -> None:
                 seq_lens, [1] * 3, *heads, head_dim, torch.float32
             )
             ref = _reference(pool, table, inputs, q, k, v, window, head_dim**-0.5)
-            for splits in (1, 3):
+            for splits, shared_memory in ((1, None), (3, None), (3, H100_SHARED_MEMORY)):
                 out = torch.full_like(q, float("nan"))
                 workspace = torch.empty(decode_workspace_numel(3, heads[0], head_dim, splits))
                 decode_attention_fwd(
                     q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens,
                     head_dim**-0.5, splits, workspace, decode_counters(3, heads[1], "cpu"),
-                    window=window,
+                    window=window, shared_memory=shared_memory,
                 )  # fmt: skip
                 _check(out, ref, 1e-5)
             extend_lens, prefix_lens = [9, 20], [0, 17]
@@ -80,12 +83,16 @@ def _check_kernels() -> None:
             )
             ref = _reference(pool, table, inputs, q, k, v, window, head_dim**-0.5)
             ext = inputs.extend_lens
-            out = torch.full_like(q, float("nan"))
-            extend_attention_fwd(
-                q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens, ext,
-                torch.cumsum(ext, 0) - ext, max(extend_lens), head_dim**-0.5, window=window,
-            )  # fmt: skip
-            _check(out, ref, 1e-5)
+            # the default tiles, and those that fit an H100's shared memory (fp32 at head dim
+            # 512: BLOCK_N 16, one stage; kernels/tile_fit.py)
+            for shared_memory in (None, H100_SHARED_MEMORY):
+                out = torch.full_like(q, float("nan"))
+                extend_attention_fwd(
+                    q, *pool.buffers(0), out, table, inputs.req_pool_indices, inputs.seq_lens,
+                    ext, torch.cumsum(ext, 0) - ext, max(extend_lens), head_dim**-0.5,
+                    window=window, shared_memory=shared_memory,
+                )  # fmt: skip
+                _check(out, ref, 1e-5)
 
 
 def _check_engine(tmp_dir: Path) -> None:
@@ -112,7 +119,23 @@ def _check_engine(tmp_dir: Path) -> None:
         assert outs[0] == outs[1], kind
 
 
+def _check_host_gather() -> None:
+    """kernels/host_gather.py's gather_rows (the per-layer table's rows by token id, times the
+    scale) against torch's indexing, with rows wider than its column block."""
+    from batchrun.kernels.host_gather import gather_rows
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float16):
+        for width in (48, 2500):
+            table = torch.randn(37, width, generator=gen).to(dtype)
+            ids = torch.tensor([0, 36, 5, 5, 17], dtype=torch.int32)
+            want = table[ids.long()] * 16.0
+            assert torch.equal(gather_rows(table, ids, 16.0), want), (dtype, width)
+            assert gather_rows(table, ids[:0]).shape == (0, width)
+
+
 def _run_checks() -> None:
+    _check_host_gather()
     _check_kernels()
     with tempfile.TemporaryDirectory() as tmp:
         _check_engine(Path(tmp))

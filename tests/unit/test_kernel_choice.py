@@ -105,6 +105,7 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         moe_decode="grouped",
         moe_prefill="triton",
         compile_workers=0,
+        per_layer_table="device",
     )
     assert kernels.is_resolved
 
@@ -239,6 +240,7 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         moe_decode="gemv",  # and its decode batches on kernels/moe_gemv.py
         moe_prefill="grouped_mm",  # its prefill batches on torch._grouped_mm (CUTLASS)
         compile_workers=8,  # the capture's Triton variants compiled by 8 processes first
+        per_layer_table="device",  # no per-layer table
     )
     assert kernels.is_resolved
 
@@ -316,6 +318,7 @@ def test_fields_set_by_hand_are_kept(gpu):
         moe_decode="grouped",
         moe_prefill="triton",
         compile_workers=2,
+        per_layer_table="device",
     )
     assert resolve(SMALL, CUDA, want) == want
 
@@ -438,6 +441,22 @@ def test_a_mixture_of_experts_runs_the_fused_moe_on_cuda(gpu, monkeypatch):
     small_moe = replace(SMALL, moe=moe_cfg.moe)
     assert not resolve(small_moe, CUDA).piecewise_graphs
     assert resolve(small_moe, CUDA, KernelPlan(piecewise_graphs=True)).piecewise_graphs
+
+
+def test_gelu_tanh_experts_run_fused_on_cuda(gpu, monkeypatch):
+    """Gemma 4's experts (a GELU-tanh gate) take the fused experts on CUDA, so CUDA graphs too;
+    an activation the epilogues do not run keeps the torch loop, and asking for the fused
+    experts names the ones they run."""
+    moe_cfg = ModelConfig.from_dict(QWEN3_30B_A3B)
+    gelu = replace(moe_cfg, moe=replace(moe_cfg.moe, act="gelu_pytorch_tanh"))
+    gpu(pdl=True)
+    monkeypatch.setattr(kernel_choice, "_check_kernels_import", lambda module="gemv": None)
+    kernels = resolve(gelu, CUDA)
+    assert (kernels.moe, kernels.moe_decode) == ("triton", "gemv") and kernels.cuda_graph_max_bs
+    other = replace(moe_cfg, moe=replace(moe_cfg.moe, act="relu2"))
+    assert resolve(other, CUDA, KernelPlan(cuda_graph_max_bs=0)).moe == "torch"
+    with pytest.raises(ValueError, match="experts gated by .*gelu_pytorch_tanh.*relu2"):
+        resolve(other, CUDA, KernelPlan(moe="triton"))
 
 
 def test_moe_decode_gemv_with_the_fused_experts(gpu, monkeypatch):
@@ -698,3 +717,35 @@ def test_compile_workers_set_by_hand(gpu):
     assert resolve(LARGE, CUDA, kernels=KernelPlan(compile_workers=3)).compile_workers == 3
     with pytest.raises(ValueError, match="compile_workers must be 0 or more"):
         resolve(LARGE, CUDA, kernels=KernelPlan(compile_workers=-1))
+
+
+# -- a per-layer embedding table ------------------------------------------------------------------
+
+# Gemma 4 E2B's per-layer table: vocab 262,144 x 35 layers x 256
+E2B_TABLE = 262_144 * 35 * 256
+
+
+def test_per_layer_table_goes_to_the_host_where_it_is_a_large_share(gpu, monkeypatch):
+    """per_layer_table "device" on the CPU, without a table, and on a GPU where the table is a
+    small share of the memory (an H200: 4.7 GB of 150); "host" on a 24 GB GPU; "host" asked for
+    where it cannot run is refused by name."""
+    e_model = replace(SMALL, host_table_elements=E2B_TABLE)
+    assert resolve(e_model).per_layer_table == "device"
+    with pytest.raises(ValueError, match="per_layer_table 'host' keeps a per-layer embedding"):
+        resolve(e_model, CPU, KernelPlan(per_layer_table="host"))
+    checked = []
+    monkeypatch.setattr(
+        kernel_choice, "_check_kernels_import", lambda module="gemv": checked.append(module)
+    )
+    gpu(pdl=True)
+    assert resolve(e_model, CUDA).per_layer_table == "device"
+    assert resolve(SMALL, CUDA).per_layer_table == "device"
+    assert resolve(e_model, CUDA, KernelPlan(per_layer_table="host")).per_layer_table == "host"
+    assert "batchrun.kernels.host_gather" in checked
+    with pytest.raises(ValueError, match="it needs such a table"):
+        resolve(SMALL, CUDA, KernelPlan(per_layer_table="host"))
+    gpu(pdl=True, memory=24_000_000_000)
+    assert resolve(e_model, CUDA).per_layer_table == "host"
+    assert resolve(e_model, CUDA, KernelPlan(per_layer_table="device")).per_layer_table == "device"
+    with pytest.raises(ValueError, match="per_layer_table must be one of"):
+        resolve(e_model, CUDA, KernelPlan(per_layer_table="disk"))

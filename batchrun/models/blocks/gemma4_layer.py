@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchrun.layers.linear import ColumnParallelLinear
+from batchrun.layers.moe import ExpertExtras, moe_experts
 from batchrun.models.blocks.attention import Attention
 from batchrun.models.blocks.context import BuildContext
 from batchrun.models.blocks.mlp import GatedMLP
@@ -84,7 +85,9 @@ class Gemma4Attention(Attention):
 class Gemma4Router(nn.Module):
     """transformers' Gemma4TextRouter: norm (no weight), times `scale` and hidden ** -0.5, a
     linear to the experts' logits, softmax in fp32, top-k, renormalized, times the chosen
-    experts' `per_expert_scale`."""
+    experts' `per_expert_scale`. With the fused experts the rows are padded to their tile
+    count first (layers/moe.py's MoE._router_input says why: graph and eager steps then route
+    alike)."""
 
     def __init__(self, ctx: BuildContext):
         super().__init__()
@@ -94,11 +97,19 @@ class Gemma4Router(nn.Module):
         self.proj = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False, **kw)
         self.scale = nn.Parameter(torch.empty(cfg.hidden_size, **kw))
         self.per_expert_scale = nn.Parameter(torch.empty(moe.num_experts, **kw))
+        self._rows_for = None
+        if ctx.kernels.moe == "triton":  # Triton: imported on CUDA only
+            from batchrun.kernels.fused_moe import tile_tokens
+
+            self._rows_for = tile_tokens
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, expert ids [T, k])."""
+        num_tokens = x.shape[0]
+        if self._rows_for is not None and self._rows_for(num_tokens) != num_tokens:
+            x = F.pad(x, (0, 0, 0, self._rows_for(num_tokens) - num_tokens))
         h = rms(x, self.eps) * self.scale * self.root
-        probs = torch.softmax(self.proj(h), dim=-1, dtype=torch.float32)
+        probs = torch.softmax(self.proj(h)[:num_tokens], dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.per_expert_scale[ids], ids
@@ -107,13 +118,25 @@ class Gemma4Router(nn.Module):
 class Gemma4Experts(nn.Module):
     """Stacked experts with a GELU-tanh gate: gate_up_proj [E, 2I, H] (gate rows, then up),
     down_proj [E, H, I], each split along I under tensor parallelism (its partial sums are the
-    layer's to all-reduce). Runs one expert at a time over its tokens, in expert order, as
-    transformers adds them."""
+    layer's to all-reduce). KernelPlan.moe "torch": one expert at a time over its tokens, in
+    expert order, as transformers adds them; "triton": the fused experts with the GELU-tanh
+    epilogue (kernels/fused_moe.py), their decode batches on the GEMVs and large batches on
+    torch._grouped_mm by the same rules as layers/moe.py's MoE."""
 
     def __init__(self, ctx: BuildContext):
         super().__init__()
-        cfg, part = ctx.cfg, ctx.part
+        cfg, part, kernels = ctx.cfg, ctx.part, ctx.kernels
         moe = cfg.moe
+        self.backend, self.top_k, self.pdl = kernels.moe, moe.top_k, kernels.pdl
+        self._takes_gemv = self._takes_grouped_mm = None
+        if self.backend == "triton" and kernels.moe_decode == "gemv":
+            from batchrun.kernels.moe_gemv import takes_gemv
+
+            self._takes_gemv = takes_gemv
+        if self.backend == "triton" and kernels.moe_prefill == "grouped_mm":
+            from batchrun.kernels.moe_grouped_mm import takes_grouped_mm
+
+            self._takes_grouped_mm = takes_grouped_mm
         self._specs = {
             "gate_up_proj": part.gate_up_spec(cfg, moe.intermediate_size, dim=1),
             "down_proj": part.down_spec(cfg, moe.intermediate_size, dim=2),
@@ -127,16 +150,19 @@ class Gemma4Experts(nn.Module):
         return dict(self._specs)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)  # [T, H]
-        counts = torch.bincount(ids.reshape(-1), minlength=self.gate_up_proj.shape[0]).tolist()
-        for e, count in enumerate(counts):
-            if not count:
-                continue
-            token, slot = torch.where(ids == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
-            out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
-        return out
+        num_tokens, hidden = x.shape  # x [T, H], weights [T, k] fp32, ids [T, k]
+        num_experts, inter = self.gate_up_proj.shape[0], self.down_proj.shape[2]
+        decode, prefill = "grouped", "triton"
+        if self._takes_gemv is not None and self._takes_gemv(num_tokens, self.top_k, num_experts):
+            decode = "gemv"
+        if self._takes_grouped_mm is not None and self._takes_grouped_mm(
+            num_tokens, num_experts, self.top_k, hidden, inter
+        ):
+            prefill = "grouped_mm"
+        return moe_experts(
+            x, self.gate_up_proj, self.down_proj, weights, ids, self.backend,
+            ExpertExtras(act="gelu_pytorch_tanh"), decode, prefill, self.pdl,
+        )  # fmt: skip
 
 
 class Gemma4Layer(nn.Module):
