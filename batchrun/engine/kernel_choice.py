@@ -12,6 +12,7 @@ and the model, by one rule a family:
     int4_rule        int4_matmul
     moe_rule         moe, moe_decode, moe_prefill
     graph_rule       cuda_graph_max_bs, piecewise_graphs, host_gate
+    linear_rule      linear_attention
     (decode_norms: its rule in resolve_kernels)
 
 A field the override sets is kept, or refused with a message when it cannot run here. Nothing
@@ -283,6 +284,32 @@ def moe_rule(config: EngineConfig, model_cfg, device, want: KernelPlan, triton: 
     return moe, moe_decode, moe_prefill
 
 
+def has_fla() -> bool:
+    """Whether fla-core's Gated DeltaNet kernels import (they need Triton)."""
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def linear_rule(model_cfg, device, want: KernelPlan, triton: bool) -> str:
+    """linear_attention: a hybrid model's Gated DeltaNet layers on fla-core's kernels (and
+    kernels/causal_conv1d.py) on CUDA where Triton and fla-core import; plain torch elsewhere
+    and for a model without linear-attention layers."""
+    hybrid = getattr(model_cfg, "linear_attention", None) is not None
+    linear = want.linear_attention
+    usable = device.type == "cuda" and triton
+    if linear == "auto":
+        return "fla" if hybrid and usable and has_fla() else "torch"
+    if linear == "fla" and not (usable and has_fla()):
+        raise ValueError(
+            "linear_attention 'fla' runs fla-core's Triton kernels on a CUDA GPU: it needs CUDA, "
+            "the triton package and fla-core (pip install fla-core); use 'torch' or 'auto'"
+        )
+    return linear
+
+
 def graph_rule(config: EngineConfig, model_cfg, device, want: KernelPlan):
     """(cuda_graph_max_bs, piecewise_graphs, host_gate): decode graphs up to the user's batch
     on CUDA; piecewise graphs where the host is the bottleneck, a small model's mixed steps (a
@@ -356,6 +383,7 @@ def resolve_kernels(
     int4_matmul = int4_rule(config, model_cfg, device, want, triton)
     moe, moe_decode, moe_prefill = moe_rule(config, model_cfg, device, want, triton)
     graphs, piecewise, host_gate = graph_rule(config, model_cfg, device, want)
+    linear_attention = linear_rule(model_cfg, device, want, triton)
 
     decode_norms = resolve_decode_norms(
         want.decode_norms, model_cfg, tp_size=config.tp_size, decode_gemv=decode_gemv,
@@ -381,6 +409,8 @@ def resolve_kernels(
             _check_kernels_import("batchrun.kernels.moe_gemv")
         if moe_prefill == "grouped_mm":
             _check_kernels_import("batchrun.kernels.moe_grouped_mm")
+    if linear_attention == "fla":
+        _check_kernels_import("batchrun.kernels.causal_conv1d")
     return KernelPlan(
         attention=attention,
         extend_attention=extend_attention,
@@ -397,4 +427,5 @@ def resolve_kernels(
         moe=moe,
         moe_decode=moe_decode,
         moe_prefill=moe_prefill,
+        linear_attention=linear_attention,
     )
