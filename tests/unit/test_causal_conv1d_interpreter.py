@@ -34,6 +34,7 @@ def test_causal_conv1d_under_interpreter():
 
 def check(lengths, channels, kernel, state_dtype) -> None:
     from batchrun.kernels.causal_conv1d import causal_conv1d
+
     from batchrun.models.blocks.delta_rule import causal_conv
 
     gen = torch.Generator().manual_seed(sum(lengths) + channels)

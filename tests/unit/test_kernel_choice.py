@@ -34,6 +34,7 @@ from batchrun.engine import kernel_choice  # noqa: E402
 from batchrun.engine.kernel_choice import has_triton, resolve_kernels  # noqa: E402
 from batchrun.models.config import ModelConfig  # noqa: E402
 from batchrun.models.fused_decode import NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN  # noqa: E402
+from batchrun.models.hybrid_config import LinearAttentionConfig  # noqa: E402
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 H200_MEMORY = 150_000_000_000
@@ -101,6 +102,7 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         moe="torch",
         moe_decode="grouped",
         moe_prefill="triton",
+        linear_attention="torch",
     )
     assert kernels.is_resolved
 
@@ -234,6 +236,7 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         moe="triton",  # a mixture's experts on kernels/fused_moe.py
         moe_decode="gemv",  # and its decode batches on kernels/moe_gemv.py
         moe_prefill="grouped_mm",  # its prefill batches on torch._grouped_mm (CUTLASS)
+        linear_attention="torch",
     )
     assert kernels.is_resolved
 
@@ -310,6 +313,7 @@ def test_fields_set_by_hand_are_kept(gpu):
         moe="torch",
         moe_decode="grouped",
         moe_prefill="triton",
+        linear_attention="torch",
     )
     assert resolve(SMALL, CUDA, want) == want
 
@@ -661,3 +665,35 @@ def test_the_users_kernel_choices(gpu):
     assert resolve(SMALL, CUDA, host_gate=False).host_gate is False
     with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 0"):
         EngineConfig(cuda_graph_max_bs=-1).validate()
+
+
+HYBRID = replace(
+    SMALL,
+    linear_attention=LinearAttentionConfig(
+        layers=(0, 1), num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16,
+        conv_kernel=4, fused_projections=False,
+    ),
+)  # fmt: skip
+
+
+def test_linear_attention_runs_fla_on_the_gpu_where_it_imports(gpu, monkeypatch):
+    gpu(pdl=True)
+    monkeypatch.setattr(kernel_choice, "has_fla", lambda: True)
+    monkeypatch.setattr(kernel_choice, "_check_kernels_import", lambda *args: None)
+    assert resolve(HYBRID, CUDA).linear_attention == "fla"
+    assert resolve(SMALL, CUDA).linear_attention == "torch"  # no linear layers
+    want = KernelPlan(linear_attention="torch")  # a benchmark's override
+    assert resolve(HYBRID, CUDA, want).linear_attention == "torch"
+    assert resolve(HYBRID, CUDA, reference_kernels=True).linear_attention == "torch"
+    monkeypatch.setattr(kernel_choice, "has_fla", lambda: False)
+    assert resolve(HYBRID, CUDA).linear_attention == "torch"
+    with pytest.raises(ValueError, match="linear_attention 'fla'.*fla-core"):
+        resolve(HYBRID, CUDA, KernelPlan(linear_attention="fla"))
+
+
+def test_linear_attention_is_torch_on_the_cpu():
+    assert resolve(HYBRID).linear_attention == "torch"
+    with pytest.raises(ValueError, match="linear_attention 'fla'.*CUDA"):
+        resolve(HYBRID, CPU, KernelPlan(linear_attention="fla"))
+    with pytest.raises(ValueError, match="linear_attention must be one of"):
+        KernelPlan(linear_attention="cuda").validate()
