@@ -30,11 +30,16 @@ MOE_BACKENDS = ("auto", "triton", "torch")
 MOE_DECODES = ("auto", "grouped", "gemv")
 MOE_PREFILLS = ("auto", "triton", "grouped_mm")
 PER_LAYER_TABLES = ("auto", "device", "host")
+LINEAR_ATTENTIONS = ("auto", "torch", "fla")
 CUDA_GRAPH_MAX_BS = 512  # EngineConfig.cuda_graph_max_bs: decode batches replayed as graphs
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: a bf16 checkpoint quantized at load
 # EngineConfig.kv_cache_dtype: "auto" the compute dtype; "fp8_e4m3" float8_e4m3fn with the
 # checkpoint's per-layer k/v scales (else 1.0), one byte an element (batchrun/quant/kv_cache.py)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+# EngineConfig.linear_state_dtype: the element type of a hybrid model's recurrent states (the
+# conv and delta-rule state of its linear-attention layers, engine/state_pool.py; docs/hybrid.md,
+# "The state's dtype", holds the measurement that chose the default)
+LINEAR_STATE_DTYPES = ("float32", "bfloat16")
 
 # on CUDA the KV pool takes this fraction of the GPU memory free once the weights are loaded
 # (EngineConfig.gpu_memory_utilization); the rest is for activations, CUDA graphs and kernels
@@ -157,6 +162,9 @@ class KernelPlan:
     per_layer_table     a table of ModelConfig.host_table_elements (Gemma 4's per-layer
                         embeddings): "device" with the other weights, "host" in pinned host
                         memory, its rows read by the GPU (kernels/host_gather.py)
+    linear_attention    a hybrid model's Gated DeltaNet layers: "fla" fla-core's chunked
+                        (prefill) and recurrent (decode) kernels with kernels/causal_conv1d.py
+                        (models/blocks/delta_rule_fla.py), "torch" models/blocks/delta_rule.py
     """
 
     attention: str = "auto"
@@ -176,6 +184,7 @@ class KernelPlan:
     moe_prefill: str = "auto"
     compile_workers: int | None = None
     per_layer_table: str = "auto"
+    linear_attention: str = "auto"
 
     @classmethod
     def reference(cls) -> KernelPlan:
@@ -198,6 +207,7 @@ class KernelPlan:
             moe_prefill="triton",
             compile_workers=0,
             per_layer_table="device",
+            linear_attention="torch",
         )
 
     def validate(self) -> None:
@@ -211,6 +221,7 @@ class KernelPlan:
         _one_of("moe_decode", self.moe_decode, MOE_DECODES)
         _one_of("moe_prefill", self.moe_prefill, MOE_PREFILLS)
         _one_of("per_layer_table", self.per_layer_table, PER_LAYER_TABLES)
+        _one_of("linear_attention", self.linear_attention, LINEAR_ATTENTIONS)
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0; got {self.cuda_graph_max_bs}")
 
@@ -235,6 +246,7 @@ class EngineConfig:
     dummy_init: str = "normal"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA (float16 if unsupported)
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    linear_state_dtype: str = "float32"  # one of LINEAR_STATE_DTYPES (hybrid models)
     device: str = "auto"  # auto: cuda when available
     max_running: int | None = None  # requests decoded together at most; None: auto_sizes
     kv_budget: int | None = None  # KV pool size in tokens; None: sized from free memory
@@ -273,6 +285,7 @@ class EngineConfig:
         _one_of("dummy_init", self.dummy_init, DUMMY_INITS)
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _one_of("linear_state_dtype", self.linear_state_dtype, LINEAR_STATE_DTYPES)
         _one_of("device", self.device, DEVICES)
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0; got {self.cuda_graph_max_bs}")

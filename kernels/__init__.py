@@ -21,6 +21,7 @@
     fused_moe_tma      fused_moe's grouped GEMMs with both operands read through TMA descriptors
     moe_gemv           an MoE decode batch's experts as GEMVs (the router in moe_route)
     moe_grouped_mm     an MoE layer's prefill experts on torch._grouped_mm, with its gather / sum
+    causal_conv1d      a hybrid model's causal conv1d, packed requests, conv states in place
     pdl                programmatic dependent launch helpers
 
 Each module imports triton at its top: import them only where Triton is installed

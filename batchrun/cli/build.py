@@ -89,6 +89,7 @@ def build_engine_config(o: dict) -> EngineConfig:
         quantization=o.get("quantization"),
         dtype=o["dtype"],
         kv_cache_dtype=o.get("kv_cache_dtype", "auto"),
+        linear_state_dtype=o.get("linear_state_dtype", "float32"),
         device=o["device"],
         max_running=o["max_running"],
         kv_budget=o["kv_budget"],

@@ -303,6 +303,7 @@ def plan(dataset: str, **o) -> None:
             max_running=o["max_running"],
             max_model_len=o["max_model_len"],
             kv_cache_dtype=o["kv_cache_dtype"],
+            linear_state_dtype=o["linear_state_dtype"],
             device=o["device"],
             dtype=o["dtype"],
             show_errors=o["show_errors"],

@@ -18,6 +18,7 @@ from batchrun.config import (
     DTYPES,
     GPU_MEMORY_UTILIZATION,
     KV_CACHE_DTYPES,
+    LINEAR_STATE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
 )
@@ -338,6 +339,14 @@ kernel_options = option_group(
         default="auto",
         help="KV cache elements; fp8_e4m3: one byte, the checkpoint's k/v scales (else 1.0); "
         "auto: --dtype.",
+    ),
+    click.option(
+        "--linear-state-dtype",
+        type=click.Choice(LINEAR_STATE_DTYPES),
+        default="float32",
+        show_default=True,
+        help="A hybrid model's recurrent states (its linear-attention layers); bfloat16 halves "
+        "their bytes (docs/hybrid.md: its accuracy).",
     ),
     click.option(
         "--cuda-graph-max-bs",
@@ -671,6 +680,13 @@ plan_engine_options = option_group(
         default="auto",
         show_default=True,
         help="KV cache elements, for the KV bytes (auto: --dtype's; fp8_e4m3: one byte).",
+    ),
+    click.option(
+        "--linear-state-dtype",
+        type=click.Choice(LINEAR_STATE_DTYPES),
+        default="float32",
+        show_default=True,
+        help="A hybrid model's recurrent states, for the state bytes (as submit's).",
     ),
     click.option(
         "--kv-budget",

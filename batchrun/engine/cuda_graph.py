@@ -12,6 +12,12 @@ With the Triton kernels on and a backend that exposes its static buffers
 the ids the previous step sampled on the device (placeholders, id < 0), for batches up to
 GRAPH_INPUTS_MAX_BS: `resolves_placeholders_of`.
 
+A hybrid model's recurrent states (engine/state_pool.py) are read and written in place, in their
+slots: the graph's inputs include the rows' slots (the request rows, the backend's static
+req_pool_indices), so a replay advances the live state of the batch's requests, and the padding
+rows only the dummy row's. A row whose first step is a decode (a one-token prompt) has its state
+cleared before the replay, as an eager step clears it.
+
 Captures run with the garbage collector off (gc_pause.no_gc: a collection inside a capture can
 invalidate it).
 """
@@ -55,9 +61,11 @@ class CudaGraphRunner:
         device: torch.device,
         token_pool: torch.Tensor | None = None,
         compile_pool: CompilePool | None = None,
+        states=None,
     ):
         """token_pool: the sampled tokens' pool, for the one-kernel inputs (None: copies);
-        compile_pool: compiles the capture's Triton variants in parallel first."""
+        compile_pool: compiles the capture's Triton variants in parallel first; states: a
+        hybrid model's StatePool (None: no linear-attention layers)."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -71,9 +79,19 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_time = 0.0
-        self._capture(compile_pool)
-        self.token_pool = token_pool
+        self.states = states
+        backend.init_graph_buffers(self.max_bs)
         static = backend.graph_static_inputs()
+        if states is not None and static is None:
+            raise ValueError(
+                "a hybrid model's decode graphs read the rows' state slots from the attention "
+                "backend's static inputs (graph_static_inputs), and this backend has none; use "
+                "attention 'triton' or cuda_graph_max_bs 0"
+            )
+        # [max_bs + 1]: 0, 1, .., max_bs, the cu_seqlens of a decode batch
+        self.state_cu_seqlens = torch.arange(self.max_bs + 1, device=device)
+        self._capture(None if static is None else static[0][0], compile_pool)
+        self.token_pool = token_pool
         self._one_kernel_inputs = None  # (static buffers, padding row, padding slot)
         if token_pool is not None and static is not None:
             buffers, pad_row, pad_slot = static
@@ -87,27 +105,27 @@ class CudaGraphRunner:
         scratch = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(10)]
         load_decode_graph_inputs(scratch[:5], scratch[5:], self.token_pool, 1, 1, pad_row, pad_slot)
 
-    def _forward(self, bs: int, stream: torch.cuda.Stream) -> torch.Tensor:
+    def _prepare(self, bs: int, rows: torch.Tensor | None) -> ForwardBatch:
+        """The backend (and the states) switched to the static buffers [:bs]; host work only."""
         self.backend.prepare_graph(bs)
-        batch = ForwardBatch(self.input_ids[:bs], self.positions[:bs], None)
-        with torch.cuda.stream(stream):
-            return self.model(batch, self.backend)
+        if self.states is not None:
+            self.states.prepare_graph(rows[:bs], self.state_cu_seqlens[: bs + 1])
+        return ForwardBatch(self.input_ids[:bs], self.positions[:bs], None)
 
-    def _capture(self, compile_pool: CompilePool | None) -> None:
+    def _capture(self, rows: torch.Tensor | None, compile_pool: CompilePool | None) -> None:
+        """rows: the backend's static request rows [max_bs] (the state slots)."""
         t0 = time.perf_counter()
-        self.backend.init_graph_buffers(self.max_bs)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         if compile_pool is not None:  # a dry pass over every size, then the compiles at once
-            with compile_pool.recording() as variants:
+            with compile_pool.recording() as variants, torch.cuda.stream(stream):
                 for bs in reversed(self.batch_sizes):
-                    self._forward(bs, stream)
+                    self.model(self._prepare(bs, rows), self.backend)
             compile_pool.compile(variants)
         with no_gc():
             for bs in reversed(self.batch_sizes):
-                self.backend.prepare_graph(bs)
-                batch = ForwardBatch(self.input_ids[:bs], self.positions[:bs], None)
+                batch = self._prepare(bs, rows)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     self.model(batch, self.backend)  # warm up: compiles, sizes workspaces
@@ -131,6 +149,8 @@ class CudaGraphRunner:
     def replay(self, input_ids, positions, attn: AttentionInputs) -> torch.Tensor:
         n = attn.batch_size
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        if self.states is not None:
+            self.states.clear_fresh(attn)
         if self.resolves_placeholders_of(attn):
             dst, pad_row, pad_slot = self._one_kernel_inputs
             src = (input_ids, positions, attn.req_pool_indices, attn.seq_lens, attn.out_cache_loc)

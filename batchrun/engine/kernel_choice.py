@@ -14,6 +14,7 @@ and the model, by one rule a family:
     graph_rule       cuda_graph_max_bs, piecewise_graphs, host_gate
     compile_rule     compile_workers
     per_layer_table_rule  per_layer_table
+    linear_rule      linear_attention
     (decode_norms: its rule in resolve_kernels)
 
 A field the override sets is kept, or refused with a message when it cannot run here. Nothing
@@ -314,6 +315,32 @@ def per_layer_table_rule(config: EngineConfig, model_cfg, device, want: KernelPl
     return table
 
 
+def has_fla() -> bool:
+    """Whether fla-core's Gated DeltaNet kernels import (they need Triton)."""
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def linear_rule(model_cfg, device, want: KernelPlan, triton: bool) -> str:
+    """linear_attention: a hybrid model's Gated DeltaNet layers on fla-core's kernels (and
+    kernels/causal_conv1d.py) on CUDA where Triton and fla-core import; plain torch elsewhere
+    and for a model without linear-attention layers."""
+    hybrid = getattr(model_cfg, "linear_attention", None) is not None
+    linear = want.linear_attention
+    usable = device.type == "cuda" and triton
+    if linear == "auto":
+        return "fla" if hybrid and usable and has_fla() else "torch"
+    if linear == "fla" and not (usable and has_fla()):
+        raise ValueError(
+            "linear_attention 'fla' runs fla-core's Triton kernels on a CUDA GPU: it needs CUDA, "
+            "the triton package and fla-core (pip install fla-core); use 'torch' or 'auto'"
+        )
+    return linear
+
+
 def graph_rule(config: EngineConfig, model_cfg, device, want: KernelPlan):
     """(cuda_graph_max_bs, piecewise_graphs, host_gate): decode graphs up to the user's batch
     on CUDA; piecewise graphs where the host is the bottleneck, a small model's mixed steps (a
@@ -356,16 +383,19 @@ def compile_rule(
     want: KernelPlan, model_cfg, tp_size: int, graphs: int, triton_kernels: bool
 ) -> int:
     """compile_workers: where decode graphs are captured over Triton kernels for a model
-    without experts, half the CPUs this process may use shared by the tensor-parallel ranks (at
-    most MAX_COMPILE_WORKERS a rank), if that is at least two and this Triton has the hooks
-    engine/precompile.py needs; else 0
-    (docs/benchmarks.md, Start-up). Experts are left out: their routing kernels' outputs feed
-    index arithmetic, which the dry pass would run on what skipped kernels left behind."""
+    without experts or linear attention, half the CPUs this process may use shared by the
+    tensor-parallel ranks (at most MAX_COMPILE_WORKERS a rank), if that is at least two and this
+    Triton has the hooks engine/precompile.py needs; else 0 (docs/benchmarks.md, Start-up).
+    Experts are left out because their routing kernels' outputs feed index arithmetic, which
+    the dry pass would run on what skipped kernels left behind; linear attention because
+    fla-core's autotuned kernels time their launches."""
     if want.compile_workers is not None:
         if want.compile_workers < 0:
             raise ValueError(f"compile_workers must be 0 or more; got {want.compile_workers}")
         return want.compile_workers
-    if not graphs or not triton_kernels or model_cfg.moe is not None:
+    if not graphs or not triton_kernels:
+        return 0
+    if model_cfg.moe is not None or model_cfg.linear_attention is not None:
         return 0
     from batchrun.engine import precompile
 
@@ -413,6 +443,7 @@ def resolve_kernels(
         want, model_cfg, config.tp_size, graphs, triton_ops or decode_gemv == "triton"
     )
     per_layer_table = per_layer_table_rule(config, model_cfg, device, want, triton)
+    linear_attention = linear_rule(model_cfg, device, want, triton)
 
     decode_norms = resolve_decode_norms(
         want.decode_norms, model_cfg, tp_size=config.tp_size, decode_gemv=decode_gemv,
@@ -440,6 +471,8 @@ def resolve_kernels(
             _check_kernels_import("batchrun.kernels.moe_grouped_mm")
     if per_layer_table == "host":
         _check_kernels_import("batchrun.kernels.host_gather")
+    if linear_attention == "fla":
+        _check_kernels_import("batchrun.kernels.causal_conv1d")
     return KernelPlan(
         attention=attention,
         extend_attention=extend_attention,
@@ -458,4 +491,5 @@ def resolve_kernels(
         moe_prefill=moe_prefill,
         compile_workers=compile_workers,
         per_layer_table=per_layer_table,
+        linear_attention=linear_attention,
     )

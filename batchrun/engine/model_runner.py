@@ -153,10 +153,12 @@ class ModelRunner:
             dummy_init=config.dummy_init,
         )
         self.kernels = kernels = replace(kernels, decode_norms=fused_decode.prepare(self.model))
-        # a hybrid model's recurrent states, one slot a request row (engine/state_pool.py)
+        # a hybrid model's recurrent states, one slot a request row (engine/state_pool.py); its
+        # decode graphs take the rows' slots as inputs (engine/cuda_graph.py); NOTE: no
+        # piecewise graphs: a prefill step's linear layers size their launches on the host
         self.states = getattr(self.model, "state_pool", None)
-        if self.states is not None:  # NOTE: no graph holds the states (docs/hybrid.md)
-            kernels = replace(kernels, cuda_graph_max_bs=0, piecewise_graphs=False)
+        if self.states is not None:
+            kernels = replace(kernels, piecewise_graphs=False)
             self.kernels = kernels
         log.info("kernels: %s", kernels.describe())
         if kernels.decode_gemv == "triton":
@@ -181,7 +183,7 @@ class ModelRunner:
         log.info("KV cache: %d tokens of %s", self.num_slots, str(self.kv_dtype).split(".")[-1])
         self.req_pool = ReqToTokenPool(config.max_running, context_len, self.device)
         if self.states is not None:
-            self.states.allocate(config.max_running + 1, self.device)
+            self.states.allocate(config.max_running + 1, self.device, config.linear_state_dtype)
         self.backend = create_backend(kernels, self.kv_pool, self.req_pool.table)
         self.sampler = Sampler(kernels)
         self.penalties = PenaltyState(config.max_running + 1, model_cfg.vocab_size, self.device)
@@ -211,6 +213,7 @@ class ModelRunner:
                 # the graphs' inputs in one Triton kernel (kernels/graph_inputs.py)
                 token_pool=self.token_pool if kernels.triton_ops else None,
                 compile_pool=compile_pool,
+                states=self.states,
             )
         if compile_pool is not None:
             compile_pool.close()
@@ -227,9 +230,9 @@ class ModelRunner:
         cfg, page = self.config, self.config.page_size
         if cfg.kv_budget is not None:
             return max(page, cfg.kv_budget // page * page)
-        state_bytes = (
-            0 if self.states is None else self.states.bytes_per_row() * (cfg.max_running + 1)
-        )
+        state_bytes = 0
+        if self.states is not None:
+            state_bytes = self.states.bytes_per_row(cfg.linear_state_dtype) * (cfg.max_running + 1)
         per_token = KVPool.bytes_per_token_of(
             self.model.kv_shapes,
             kv_storage_dtype(cfg.kv_cache_dtype, self.dtype),  # float8: one byte an element

@@ -9,19 +9,22 @@ scoring and padded batches. A request whose step starts at position 0 starts fro
 (`prepare` clears it); a later chunk or decode step continues from the slot. Rows under this
 regime never reuse a cached prefix: the radix cache shares KV, not states (docs/hybrid.md).
 
-The states are fp32, as transformers keeps them between steps (docs/hybrid.md: the memory rule
-that counts them beside the KV pool, and why not bf16).
+The states' element type is EngineConfig.linear_state_dtype (docs/hybrid.md: the memory rule
+that counts them beside the KV pool, and the measurement behind the default); the math reads them
+into fp32 and writes them back.
+
+A CUDA-graph decode step (engine/cuda_graph.py) points `rows` at the graph's static buffer
+(`prepare_graph`): the kernels read and write the slots in place, so a replay sees the live state.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from batchrun.attention.base import AttentionInputs
 from batchrun.errors import ModelConfigError
 from batchrun.models.hybrid_config import LinearAttentionConfig
-
-STATE_DTYPE = torch.float32  # hybrid_config.STATE_ELEMENT_BYTES a element
 
 
 class StatePool:
@@ -34,31 +37,58 @@ class StatePool:
         self.ssm: torch.Tensor | None = None
         self.rows: torch.Tensor | None = None  # [B] int64, the step's request rows
         self.extend_lens_cpu: tuple[int, ...] = ()
+        self.cu_seqlens: torch.Tensor | None = None  # [B+1] int64 on the device
+        self.max_len = 0  # the longest request's new tokens in the step
+        # tensors derived from the step's rows and lengths, built by the first layer that needs
+        # them and read by the others (models/blocks/delta_rule_fla.py); emptied each step
+        self.step_cache: dict[str, torch.Tensor] = {}
 
-    def bytes_per_row(self) -> int:
-        return self.lin.state_bytes(self.tp_size)
+    @property
+    def is_decode(self) -> bool:
+        """Whether the step is one token a request."""
+        return self.max_len == 1
 
-    def allocate(self, num_rows: int, device: torch.device | str) -> None:
+    def bytes_per_row(self, dtype: str = "float32") -> int:
+        return self.lin.state_bytes(self.tp_size, dtype)
+
+    def allocate(self, num_rows: int, device: torch.device | str, dtype: str = "float32") -> None:
         lin, tp = self.lin, self.tp_size
-        n = len(lin.layers)
+        n, element = len(lin.layers), getattr(torch, dtype)
         self.conv = torch.zeros(
-            (n, num_rows, lin.conv_dim // tp, lin.conv_kernel - 1), dtype=STATE_DTYPE, device=device
+            (n, num_rows, lin.conv_dim // tp, lin.conv_kernel - 1), dtype=element, device=device
         )
         self.ssm = torch.zeros(
             (n, num_rows, lin.num_v_heads // tp, lin.head_k_dim, lin.head_v_dim),
-            dtype=STATE_DTYPE, device=device,
+            dtype=element, device=device,
         )  # fmt: skip
 
     def prepare(self, inputs: AttentionInputs) -> None:
-        """The step's rows; the rows that start at position 0 get a zero state."""
+        """The step's rows and their lengths; the rows that start at position 0 get a zero
+        state."""
         assert self.conv is not None, "allocate the state pool first"
         self.rows = inputs.req_pool_indices
         self.extend_lens_cpu = inputs.extend_lens_cpu
+        self.max_len = max(inputs.extend_lens_cpu, default=0)
+        self.cu_seqlens = F.pad(inputs.extend_lens.cumsum(0), (1, 0))
+        self.step_cache = {}
+        self.clear_fresh(inputs)
+
+    def prepare_graph(self, rows: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+        """A decode graph's step: `rows` [bs] and `cu_seqlens` [bs+1] (0, 1, .., bs) are the
+        graph's static buffers, filled before each replay."""
+        self.rows, self.cu_seqlens = rows, cu_seqlens
+        self.extend_lens_cpu = (1,) * rows.shape[0]
+        self.max_len = 1
+        self.step_cache = {}
+
+    def clear_fresh(self, inputs: AttentionInputs) -> None:
+        """Zero the states of the rows whose step starts at position 0."""
         fresh = [
             b for b, (s, e) in enumerate(zip(inputs.seq_lens_cpu, inputs.extend_lens_cpu)) if s == e
         ]
         if fresh:
-            rows = self.rows[fresh] if len(fresh) < len(self.rows) else self.rows
+            rows = inputs.req_pool_indices
+            rows = rows[fresh] if len(fresh) < len(rows) else rows
             self.conv[:, rows] = 0
             self.ssm[:, rows] = 0
 

@@ -96,6 +96,7 @@ def _make_plan(
     max_running: int | None,
     max_model_len: int | None = None,
     kv_cache_dtype: str = "auto",
+    linear_state_dtype: str = "float32",
     device: str = "auto",
     dtype: str = "auto",
     show_errors: int = 10,
@@ -179,9 +180,10 @@ def _make_plan(
             kv_bytes_line(cfg, kv, int(need[0]), peak),
         ]
         if cfg.linear_attention is not None:  # a hybrid's recurrent states (docs/hybrid.md)
-            state = cfg.linear_attention.state_bytes()
+            state = cfg.linear_attention.state_bytes(1, linear_state_dtype)
             lines.append(
-                f"state bytes  {gb(state)} a request (fp32, its linear-attention layers), "
+                f"state bytes  {gb(state)} a request ({linear_state_dtype}, its linear-attention "
+                "layers), "
                 f"{gb(state * (max_running + 1))} for --max-running {max_running}, taken from "
                 "the memory budget before the KV pool"
             )

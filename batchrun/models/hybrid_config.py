@@ -22,7 +22,8 @@ from typing import Any
 from batchrun.errors import ModelConfigError
 
 LAYER_TYPES = ("linear_attention", "full_attention")
-STATE_ELEMENT_BYTES = 4  # fp32 (engine/state_pool.py)
+# the state's bytes an element, by EngineConfig.linear_state_dtype (engine/state_pool.py)
+STATE_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2}
 FIELDS = (
     "linear_num_key_heads",
     "linear_num_value_heads",
@@ -54,11 +55,12 @@ class LinearAttentionConfig:
         """Linear layer `layer_id`'s index among the linear layers (its state's)."""
         return self.layers.index(layer_id)
 
-    def state_bytes(self, tp_size: int = 1) -> int:
-        """The fp32 state of one request over every linear layer (one rank's heads)."""
+    def state_bytes(self, tp_size: int = 1, dtype: str = "float32") -> int:
+        """The state of one request over every linear layer (one rank's heads), its elements
+        `dtype` (EngineConfig.linear_state_dtype)."""
         conv = self.conv_dim * (self.conv_kernel - 1)
         ssm = self.num_v_heads * self.head_k_dim * self.head_v_dim
-        return (conv + ssm) // tp_size * STATE_ELEMENT_BYTES * len(self.layers)
+        return (conv + ssm) // tp_size * STATE_ELEMENT_BYTES[dtype] * len(self.layers)
 
 
 def read(raw: dict[str, Any], where: str, fused_projections: bool) -> LinearAttentionConfig:

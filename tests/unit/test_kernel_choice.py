@@ -34,6 +34,7 @@ from batchrun.engine import kernel_choice  # noqa: E402
 from batchrun.engine.kernel_choice import has_triton, resolve_kernels  # noqa: E402
 from batchrun.models.config import ModelConfig  # noqa: E402
 from batchrun.models.fused_decode import NORMS_IN_MATMUL_BEFORE_MAX_HIDDEN  # noqa: E402
+from batchrun.models.hybrid_config import LinearAttentionConfig  # noqa: E402
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 H200_MEMORY = 150_000_000_000
@@ -106,6 +107,7 @@ def test_the_cpu_resolves_to_plain_torch(model_cfg):
         moe_prefill="triton",
         compile_workers=0,
         per_layer_table="device",
+        linear_attention="torch",
     )
     assert kernels.is_resolved
 
@@ -241,6 +243,7 @@ def test_an_h200_runs_every_kernel_on_a_small_model(gpu):
         moe_prefill="grouped_mm",  # its prefill batches on torch._grouped_mm (CUTLASS)
         compile_workers=8,  # the capture's Triton variants compiled by 8 processes first
         per_layer_table="device",  # no per-layer table
+        linear_attention="torch",
     )
     assert kernels.is_resolved
 
@@ -319,6 +322,7 @@ def test_fields_set_by_hand_are_kept(gpu):
         moe_prefill="triton",
         compile_workers=2,
         per_layer_table="device",
+        linear_attention="torch",
     )
     assert resolve(SMALL, CUDA, want) == want
 
@@ -702,6 +706,7 @@ def test_compile_workers_none_without_graphs_experts_or_the_hooks(gpu, monkeypat
     gpu(pdl=True)
     assert resolve(LARGE, CUDA, kernels=KernelPlan(cuda_graph_max_bs=0)).compile_workers == 0
     assert resolve(ModelConfig.from_dict(QWEN3_30B_A3B), CUDA).compile_workers == 0
+    assert resolve(HYBRID, CUDA).compile_workers == 0
     monkeypatch.setattr("batchrun.engine.precompile.supported", lambda: False)
     assert resolve(LARGE, CUDA).compile_workers == 0
 
@@ -749,3 +754,35 @@ def test_per_layer_table_goes_to_the_host_where_it_is_a_large_share(gpu, monkeyp
     assert resolve(e_model, CUDA, KernelPlan(per_layer_table="device")).per_layer_table == "device"
     with pytest.raises(ValueError, match="per_layer_table must be one of"):
         resolve(e_model, CUDA, KernelPlan(per_layer_table="disk"))
+
+
+HYBRID = replace(
+    SMALL,
+    linear_attention=LinearAttentionConfig(
+        layers=(0, 1), num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16,
+        conv_kernel=4, fused_projections=False,
+    ),
+)  # fmt: skip
+
+
+def test_linear_attention_runs_fla_on_the_gpu_where_it_imports(gpu, monkeypatch):
+    gpu(pdl=True)
+    monkeypatch.setattr(kernel_choice, "has_fla", lambda: True)
+    monkeypatch.setattr(kernel_choice, "_check_kernels_import", lambda *args: None)
+    assert resolve(HYBRID, CUDA).linear_attention == "fla"
+    assert resolve(SMALL, CUDA).linear_attention == "torch"  # no linear layers
+    want = KernelPlan(linear_attention="torch")  # a benchmark's override
+    assert resolve(HYBRID, CUDA, want).linear_attention == "torch"
+    assert resolve(HYBRID, CUDA, reference_kernels=True).linear_attention == "torch"
+    monkeypatch.setattr(kernel_choice, "has_fla", lambda: False)
+    assert resolve(HYBRID, CUDA).linear_attention == "torch"
+    with pytest.raises(ValueError, match="linear_attention 'fla'.*fla-core"):
+        resolve(HYBRID, CUDA, KernelPlan(linear_attention="fla"))
+
+
+def test_linear_attention_is_torch_on_the_cpu():
+    assert resolve(HYBRID).linear_attention == "torch"
+    with pytest.raises(ValueError, match="linear_attention 'fla'.*CUDA"):
+        resolve(HYBRID, CPU, KernelPlan(linear_attention="fla"))
+    with pytest.raises(ValueError, match="linear_attention must be one of"):
+        KernelPlan(linear_attention="cuda").validate()

@@ -10,7 +10,9 @@ Two checkpoint layouts of the input projections: Qwen3-Next fuses them per key h
 (in_proj_qkvz rows per key head [q | k | v of its value heads | z of them], in_proj_ba
 [b | a]); Qwen3.5 stores in_proj_qkv ([q | k | v], the conv's channel order), in_proj_z,
 in_proj_b, in_proj_a. The state of each request lives in the StatePool (engine/state_pool.py);
-the recurrence is delta_rule.py's (decode: the recurrent form, prefill: the chunked one).
+the conv and the recurrence run on the plan's path (KernelPlan.linear_attention): "torch"
+delta_rule.py's (decode: the recurrent form, prefill: the chunked one, a request at a time),
+"fla" delta_rule_fla.py's kernels over the whole packed step.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class GatedDeltaNet(nn.Module):
         self.states = states
         self.lin = lin
         self.eps = cfg.rms_norm_eps
+        self.fla = None  # the GPU path's module (imports fla-core and Triton), or plain torch
+        if ctx.kernels.linear_attention == "fla":
+            from batchrun.models.blocks import delta_rule_fla
+
+            self.fla = delta_rule_fla
         hk, hv, dk, dv = lin.num_k_heads, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim
         self.key_dim, self.value_dim = hk * dk, hv * dv
 
@@ -97,13 +104,17 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(ba[:, 1].float() + self.dt_bias.float())
         rows, lens = pool.rows, pool.extend_lens_cpu
         weight = self.conv1d.weight
-        if all(n == 1 for n in lens):  # decode: every request's one token, batched
-            window = torch.cat([conv[rows], qkv.float()[:, :, None]], dim=-1)  # [B, C, K]
-            conv[rows] = window[..., 1:]
+        if self.fla is not None:  # the packed step on the GPU kernels
+            mixed = self.fla.conv(qkv, weight, conv, pool)
+            q, k, v = (x[0] for x in self._heads(mixed[None], qkv.shape[0]))
+            o = self.fla.delta_rule(q, k, v, g, beta, ssm, pool)
+        elif pool.is_decode:  # every request's one token, batched
+            window = torch.cat([conv[rows].float(), qkv.float()[:, :, None]], dim=-1)  # [B, C, K]
+            conv[rows] = window[..., 1:].to(conv.dtype)
             mixed = F.silu((window * weight[:, 0].float()).sum(-1)).to(qkv.dtype)
             q, k, v = self._heads(mixed, 1)
             o, s = delta_rule.recurrent(q, k, v, g[:, None], beta[:, None], ssm[rows])
-            ssm[rows] = s
+            ssm[rows] = s.to(ssm.dtype)
             o = o[:, 0]  # [B, Hv, Dv]
         else:
             outs, start = [], 0
@@ -114,7 +125,7 @@ class GatedDeltaNet(nn.Module):
                 q, k, v = self._heads(mixed[None], n)
                 rule = delta_rule.recurrent if n == 1 else delta_rule.chunked
                 o, s = rule(q, k, v, g[None, seg], beta[None, seg], ssm[row])
-                ssm[row] = s
+                ssm[row] = s.to(ssm.dtype)
                 outs.append(o[0])
                 start += n
             o = torch.cat(outs)  # [T, Hv, Dv]
