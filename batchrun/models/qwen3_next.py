@@ -12,8 +12,9 @@ moe_intermediate_size, shared_expert_intermediate_size, norm_topk_prob, decoder_
 mlp_only_layers (models/moe_config.py); the rope parameters' mrope_section and
 mrope_interleaved (Qwen3.5's multimodal rotary) are accepted: for text every position row is the
 same, which is plain partial rotary. Its checkpoint fuses the linear layers' input projections
-(in_proj_qkvz, in_proj_ba); its MTP head (mtp.*) is not run. Refused: a quantized checkpoint,
-tensor parallelism, a field of REFUSED.
+(in_proj_qkvz, in_proj_ba); its MTP head (mtp.*) is not run. Tensor parallelism splits the
+linear layers by key head (models/blocks/gated_deltanet.py). Refused: a quantized checkpoint, a
+field of REFUSED.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ A mixture of experts splits every expert along its width I, as the dense MLP spl
 columns [r*I/tp, (r+1)*I/tp) of each expert's gate and up (rows of w13 [E, 2I, H], in two runs)
 and the same rows of down (columns of w2 [E, H, I]); the router is replicated, and one
 all-reduce sums the experts' (and a shared expert's) partial outputs.
+
+A hybrid's linear-attention layers split by key head (and the value heads grouped with each):
+linear_num_key_heads must divide by tp (models/blocks/gated_deltanet.py holds the layout).
 """
 
 from __future__ import annotations
@@ -140,6 +143,13 @@ def partition_model(cfg: ModelConfig, rank: int = 0, size: int = 1) -> TPPartiti
         raise ModelConfigError(
             f"--tp {size}: the model's {heads} attention heads do not split evenly over {size} "
             f"ranks; use a tensor-parallel size that divides {heads}"
+        )
+    lin = cfg.linear_attention
+    if lin is not None and lin.num_k_heads % size:
+        raise ModelConfigError(
+            f"--tp {size}: the linear-attention layers' {lin.num_k_heads} key heads "
+            f"(linear_num_key_heads) do not split evenly over {size} ranks; use a "
+            f"tensor-parallel size that divides {lin.num_k_heads}"
         )
     if kv_heads >= size and kv_heads % size:
         raise ModelConfigError(

@@ -13,36 +13,48 @@ in_proj_b, in_proj_a. The state of each request lives in the StatePool (engine/s
 the conv and the recurrence run on the plan's path (KernelPlan.linear_attention): "torch"
 delta_rule.py's (decode: the recurrent form, prefill: the chunked one, a request at a time),
 "fla" delta_rule_fla.py's kernels over the whole packed step.
+
+Tensor parallel: rank r holds key heads [r*Hk/tp, (r+1)*Hk/tp) and the value heads that group
+with them, so everything but out_proj is local to the rank:
+
+    in_proj_qkvz, in_proj_ba   one run of rows (grouped by key head)
+    in_proj_qkv, conv1d        three runs: the rank's slices of q, k and v (the conv's channels)
+    in_proj_z / b / a, dt_bias, A_log   one run (by value head); the gated norm's weight (per Dv)
+                                        replicated
+    out_proj                   row-parallel over the value heads' columns (one all-reduce)
+
+The StatePool holds the rank's heads (conv_dim / tp channels, Hv / tp delta-rule states).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from batchrun.engine.state_pool import StatePool
-from batchrun.errors import ModelConfigError
 from batchrun.layers.linear import ColumnParallelLinear, RowParallelLinear
 from batchrun.models.blocks import delta_rule
 from batchrun.models.blocks.context import BuildContext
-from batchrun.parallel.partition import Run, ShardSpec, replicated
+from batchrun.models.hybrid_config import LinearAttentionConfig
+from batchrun.parallel.partition import Run, ShardSpec
 
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, ctx: BuildContext, layer_id: int, states: StatePool):
         super().__init__()
-        cfg, lin = ctx.cfg, ctx.cfg.linear_attention
-        assert lin is not None
-        if ctx.tp.is_parallel:
-            raise ModelConfigError(
-                f"--tp {ctx.tp.size}: the linear-attention (Gated DeltaNet) layers of "
-                f"{cfg.architecture} run at tensor-parallel size 1 only; use --tp 1"
-            )
+        cfg, full = ctx.cfg, ctx.cfg.linear_attention
+        assert full is not None
+        size, rank = ctx.tp.size, ctx.tp.rank
         self.layer_id = layer_id
-        self.index = lin.index(layer_id)
+        self.index = full.index(layer_id)
         self.states = states
-        self.lin = lin
+        # this rank's heads (partition_model checks that they split evenly)
+        self.lin = lin = replace(
+            full, num_k_heads=full.num_k_heads // size, num_v_heads=full.num_v_heads // size
+        )
         self.eps = cfg.rms_norm_eps
         self.fla = None  # the GPU path's module (imports fla-core and Triton), or plain torch
         if ctx.kernels.linear_attention == "fla":
@@ -51,33 +63,48 @@ class GatedDeltaNet(nn.Module):
             self.fla = delta_rule_fla
         hk, hv, dk, dv = lin.num_k_heads, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim
         self.key_dim, self.value_dim = hk * dk, hv * dv
+        prefix = f"model.layers.{layer_id}.linear_attn"
 
-        def proj(rows: int) -> ColumnParallelLinear:
+        def proj(name: str, spec: ShardSpec) -> ColumnParallelLinear:
+            rows = spec.local_len
+            quant = ctx.quant_plan((f"{prefix}.{name}",), rows, cfg.hidden_size)
             return ColumnParallelLinear(
-                cfg.hidden_size, replicated(rows), rows, False, ctx.dtype, ctx.device, ctx.kernels
+                cfg.hidden_size, spec, rows, False, ctx.dtype, ctx.device, ctx.kernels, quant
             )
 
+        # NOTE: the fused projections' rows are grouped by key head, so a rank's key heads
+        # are one run of rows; the conv's channels (q | k | v of every head) are three
+        conv = conv_spec(full, rank, size)
         if lin.fused_projections:
-            self.in_proj_qkvz = proj(2 * self.key_dim + 2 * self.value_dim)
-            self.in_proj_ba = proj(2 * hv)
+            qkvz = 2 * (full.num_k_heads * dk + full.num_v_heads * dv)
+            self.in_proj_qkvz = proj("in_proj_qkvz", heads_spec(qkvz, rank, size))
+            self.in_proj_ba = proj("in_proj_ba", heads_spec(2 * full.num_v_heads, rank, size))
         else:
-            self.in_proj_qkv = proj(lin.conv_dim)
-            self.in_proj_z = proj(self.value_dim)
-            self.in_proj_b = proj(hv)
-            self.in_proj_a = proj(hv)
+            self.in_proj_qkv = proj("in_proj_qkv", conv)
+            self.in_proj_z = proj("in_proj_z", heads_spec(full.num_v_heads * dv, rank, size))
+            self.in_proj_b = proj("in_proj_b", heads_spec(full.num_v_heads, rank, size))
+            self.in_proj_a = proj("in_proj_a", heads_spec(full.num_v_heads, rank, size))
         self.conv1d = nn.Conv1d(
             lin.conv_dim, lin.conv_dim, lin.conv_kernel, groups=lin.conv_dim, bias=False,
             dtype=ctx.dtype, device=ctx.device,
         )  # fmt: skip
         self.dt_bias = nn.Parameter(torch.empty(hv, dtype=ctx.dtype, device=ctx.device))
         self.A_log = nn.Parameter(torch.empty(hv, dtype=ctx.dtype, device=ctx.device))
-        # the gated RMSNorm's weight (plain, not zero-centred: the checkpoint's linear_attn.norm)
+        # the gated RMSNorm's weight (plain, not zero-centred: the checkpoint's linear_attn.norm),
+        # per head dim: replicated
         self.gated_rms = nn.Module()
         self.gated_rms.weight = nn.Parameter(torch.empty(dv, dtype=ctx.dtype, device=ctx.device))
+        values = heads_spec(full.num_v_heads * dv, rank, size)
         self.o_proj = RowParallelLinear(
-            replicated_cols(self.value_dim), cfg.hidden_size, False, ctx.tp, ctx.dtype,
-            ctx.device, ctx.kernels,
+            ShardSpec(1, values.full_size, values.runs), cfg.hidden_size, False, ctx.tp,
+            ctx.dtype, ctx.device, ctx.kernels,
+            ctx.quant_plan((f"{prefix}.out_proj",), cfg.hidden_size, self.value_dim),
         )  # fmt: skip
+        heads = heads_spec(full.num_v_heads, rank, size)
+        self._specs = {"conv1d.weight": conv, "dt_bias": heads, "A_log": heads}
+
+    def param_shards(self) -> dict[str, ShardSpec]:
+        return dict(self._specs)
 
     def project(self, x: torch.Tensor):
         lin, t = self.lin, x.shape[0]
@@ -152,6 +179,19 @@ class GatedDeltaNet(nn.Module):
         return (x * F.silu(z.float())).to(dtype)
 
 
-def replicated_cols(size: int) -> ShardSpec:
-    """All `size` input columns of a row-parallel linear (TP=1)."""
-    return ShardSpec(1, size, (Run(0, 0, size),))
+def heads_spec(full_size: int, rank: int, size: int) -> ShardSpec:
+    """Rank `rank`'s share of `full_size` rows grouped by head: one run, 1/size of them."""
+    local = full_size // size
+    return ShardSpec(0, full_size, (Run(rank * local, 0, local),))
+
+
+def conv_spec(lin: LinearAttentionConfig, rank: int, size: int) -> ShardSpec:
+    """Rank `rank`'s conv channels (Qwen3.5's in_proj_qkv rows): its q, k and v heads' slices
+    of [q | k | v]."""
+    key, value = lin.num_k_heads * lin.head_k_dim, lin.num_v_heads * lin.head_v_dim
+    lk, lv = key // size, value // size
+    return ShardSpec(0, lin.conv_dim, (
+        Run(rank * lk, 0, lk),
+        Run(key + rank * lk, lk, lk),
+        Run(2 * key + rank * lv, 2 * lk, lv),
+    ))  # fmt: skip
