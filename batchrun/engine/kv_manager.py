@@ -163,7 +163,7 @@ class KVManager:
         # already (a locked path keeps its values) and from num_existing on the tree took ours
         # NOTE: no re-match: insert stamped the same path with the newest LRU time
         if num_existing > req.prefix_len:
-            match = self.cache.match_prefix(key)
+            match = self.cache.match_prefix(key, to_snapshot=False)  # the KV, as inserted
             assert match.length == aligned, "tree lost a prefix that was just inserted"
             self._write(req, req.prefix_len, match.slots[req.prefix_len : num_existing])
         self.cache.lock(node)

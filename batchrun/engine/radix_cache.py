@@ -156,9 +156,9 @@ class RadixCache:
 
     # -- lookup and insertion -------------------------------------------------------------
 
-    def match_prefix(self, key: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of ``key`` in whole pages (with snapshots: up to the deepest
-        node with a snapshot); refreshes LRU along the path."""
+    def match_prefix(self, key: Sequence[int], to_snapshot: bool = True) -> MatchResult:
+        """Longest cached prefix of ``key`` in whole pages (with snapshots and ``to_snapshot``:
+        up to the deepest node with a snapshot); refreshes LRU along the path."""
         if self.disable:
             return MatchResult(_EMPTY, self.root)
         end = self._page_floor(len(key))
@@ -181,7 +181,7 @@ class RadixCache:
             node, pos = child, pos + n
             if partial:
                 break
-        if self.snapshots is not None:
+        if self.snapshots is not None and to_snapshot:
             # NOTE: the KV past the deepest snapshot cannot resume the linear layers
             keep = len(path)
             while keep and path[keep - 1].snapshot is None:
