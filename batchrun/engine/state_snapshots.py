@@ -14,7 +14,7 @@ match back to the deepest node with a snapshot; eviction of a node frees its sna
 Where snapshots are taken (the scheduler's rule, `boundaries`): at admission, a request looks
 at the next SNAPSHOT_LOOKAHEAD waiting requests (the queue is in prefix DFS order,
 batchrun/job/order.py) and takes a snapshot where its prompt stops sharing tokens with each of
-them, when they share at least MIN_SNAPSHOT_PREFIX tokens beyond what it matched; its prefill
+them, where they share at least MIN_SNAPSHOT_PREFIX tokens beyond what it matched; its prefill
 chunks end at those boundaries. A retracted request keeps a snapshot at its computed length.
 batchrun/job/order.py's `snapshot_reuse_lens` predicts the hits of this rule.
 
@@ -54,7 +54,9 @@ SNAPSHOT_ROWS = 8  # state slots per snapshot slot
 MIN_SNAPSHOTS = 4
 # waiting requests a request admitted compares its prompt with (its snapshot boundaries)
 SNAPSHOT_LOOKAHEAD = 8
-# a shorter shared prefix is recomputed rather than snapshotted (as the scheduler's hold rule)
+# fewer shared tokens past a request's own hit are recomputed rather than snapshotted; the
+# scheduler's hold rule (MIN_SHARED_PREFIX) uses the same count, so a follower that would hit a
+# boundary waits for it
 MIN_SNAPSHOT_PREFIX = 16
 
 
@@ -68,16 +70,17 @@ def boundaries(
 ) -> tuple[int, ...]:
     """Ascending token counts of `ids` after which a request that starts at `start` saves its
     state: its common prefix with each follower (at most the follower's length - 1, what the
-    follower may match; page-floored) where it is longer than `start` and at least
-    MIN_SNAPSHOT_PREFIX tokens."""
+    follower may match; page-floored) where it is at least MIN_SNAPSHOT_PREFIX tokens past
+    `start`."""
     out = set()
     for other in followers:
         n = min(len(ids), len(other) - 1)
-        if n < MIN_SNAPSHOT_PREFIX or ids[:MIN_SNAPSHOT_PREFIX] != other[:MIN_SNAPSHOT_PREFIX]:
+        least = start + MIN_SNAPSHOT_PREFIX
+        if n < least or ids[:MIN_SNAPSHOT_PREFIX] != other[:MIN_SNAPSHOT_PREFIX]:
             continue
         b = _common_len(ids, other, n)
         b -= b % page
-        if b > start and b >= MIN_SNAPSHOT_PREFIX:
+        if b >= least:
             out.add(b)
     return tuple(sorted(out))
 

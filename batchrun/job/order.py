@@ -119,8 +119,8 @@ def snapshot_reuse_lens(sorted_keys: Sequence[bytes], lookahead: int, min_len: i
     """Per prompt in DFS order, the tokens an unlimited radix cache serves it on a hybrid model,
     whose matches end at state snapshots (batchrun/engine/state_snapshots.py): each prompt
     snapshots its common prefix with each of the next ``lookahead`` prompts (at most that
-    prompt's length - 1) where it is at least ``min_len`` tokens and past the prompt's own hit,
-    and a prompt's hit is the deepest snapshot on its path (at most its length - 1)."""
+    prompt's length - 1) where that is at least ``min_len`` tokens past the prompt's own hit, and
+    a prompt's hit is the deepest snapshot on its path (at most its length - 1)."""
     n = len(sorted_keys)
     lens = [len(k) // 4 for k in sorted_keys]
     lcp = [0] + [common_prefix_len(sorted_keys[i - 1], sorted_keys[i]) for i in range(1, n)]
@@ -135,10 +135,10 @@ def snapshot_reuse_lens(sorted_keys: Sequence[bytes], lookahead: int, min_len: i
         shared = lens[i]
         for m in range(i + 1, min(n, i + 1 + lookahead)):
             shared = min(shared, lcp[m])  # the common prefix of prompts i and m
-            if shared < min_len:
+            if shared < hit + min_len:
                 break
             b = min(shared, lens[m] - 1)
-            if b > hit and b >= min_len:
+            if b >= hit + min_len:
                 k = bisect.bisect_left(path, b)
                 if k == len(path) or path[k] != b:
                     path.insert(k, b)

@@ -70,8 +70,10 @@ def engine_of(path, **changes) -> Engine:
     return Engine(EngineConfig(model=str(path), **{**fields, **changes}))
 
 
-def run(engine: Engine, prompts=PROMPTS, order: bool = True) -> dict[str, list[int]]:
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+def run(
+    engine: Engine, prompts=PROMPTS, order: bool = True, new_tokens: int = NEW_TOKENS
+) -> dict[str, list[int]]:
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     reqs = [GenerateRequest(str(i), p, params) for i, p in enumerate(prompts)]
     if order:  # what `batchrun submit` feeds the engine (--order prefix)
         reqs = order_items(reqs, lambda r: r.input_ids)
@@ -113,9 +115,9 @@ def test_input_order_hits_fewer_with_the_same_tokens(saved):
 def test_retraction_resumes_from_a_snapshot(saved):
     path, _ = saved("qwen3_5_text")
     prompts = PROMPTS[:8]
-    ref = run(engine_of(path, enable_radix_cache=False), prompts)
-    engine = engine_of(path, kv_budget=260, new_token_ratio=0.05, chunked_prefill_size=24)
-    assert run(engine, prompts) == ref
+    ref = run(engine_of(path, enable_radix_cache=False), prompts, new_tokens=24)
+    engine = engine_of(path, kv_budget=200, new_token_ratio=0.05, chunked_prefill_size=24)
+    assert run(engine, prompts, new_tokens=24) == ref
     assert engine.scheduler.num_retractions > 0
     # every retracted request's state at its computed length went into a snapshot
     assert engine.kv.snapshots.num_saved >= engine.scheduler.num_retractions
@@ -162,7 +164,8 @@ def test_cli_plan_predicts_the_submitted_hit_rate(saved, tmp_path):
     plan = CliRunner().invoke(main, ["plan", str(ds), *common, "--device", "cpu"])
     assert plan.exit_code == 0, plan.output
     assert "state-snapshot boundaries" in plan.output and "snapshots " in plan.output
-    m = re.search(r"unlimited cache: [0-9.]+ of prompt tokens \(([0-9,]+) of ([0-9,]+)", plan.output)
+    pattern = r"unlimited cache: [0-9.]+ of prompt tokens \(([0-9,]+) of ([0-9,]+)"
+    m = re.search(pattern, plan.output)
     predicted, total = (int(g.replace(",", "")) for g in m.groups())
     out = tmp_path / "run"
     args = ["submit", str(ds), "--out", str(out), *common, "--device", "cpu", "--quiet"]

@@ -102,7 +102,8 @@ def test_boundaries_are_the_common_prefixes_with_the_followers() -> None:
     base = list(range(1, 101))
     followers = [base[:50] + [999], base[:30] + [7, 8], base + [5], [1, 2, 3], base[:10] + [0]]
     assert boundaries(base, 0, followers) == (30, 50, 100)
-    assert boundaries(base, 40, followers) == (50, 100)
+    assert boundaries(base, 40, followers) == (100,)  # 50: fewer than 16 past 40
+    assert boundaries(base, 30, followers) == (50, 100)
     assert boundaries(base, 0, [base]) == (99,)  # a follower may match its length - 1
     assert boundaries(base, 0, followers, page=8) == (24, 48, 96)
     assert boundaries(base, 0, [base[: MIN_SNAPSHOT_PREFIX - 1] + [0]]) == ()
