@@ -130,10 +130,13 @@ class Engine:
         self.config = config
         self.device = self.runner.device
         allocator = TokenAllocator(self.runner.num_slots, config.page_size)
-        # NOTE: a hybrid's rows start from a zero state: a cached prefix's KV alone cannot
-        # resume them, so its radix cache is off (docs/hybrid.md)
-        radix = config.enable_radix_cache and self.runner.states is None
-        cache = RadixCache(allocator, config.page_size, disable=not radix)
+        # a hybrid's matches end at its state snapshots (engine/state_snapshots.py)
+        cache = RadixCache(
+            allocator,
+            config.page_size,
+            disable=not config.enable_radix_cache,
+            snapshots=self.runner.snapshots,
+        )
         self.kv = KVManager(allocator, cache, self.runner.req_pool)
         self.scheduler = Scheduler(
             self.kv, config.max_running, config.chunked_prefill_size, config.new_token_ratio

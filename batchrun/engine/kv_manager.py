@@ -19,6 +19,11 @@ are kept:
     first hole;
   - a model whose every layer is windowed (Mistral v0.1: 4096 tokens) saves memory only on
     sequences longer than its window, which batch jobs seldom run.
+
+Hybrid models (cache.snapshots, engine/state_snapshots.py). A match ends at a node with a state
+snapshot, which admission copies into the request's state row; a prefill chunk that ends at one
+of the request's snapshot boundaries (Req.snapshot_at) saves its state at the node where its KV
+ends; a retracted request saves its state at its computed length, to resume from it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class KVManager:
         self.cache = cache
         self.req_pool = req_pool
         self.page_size = allocator.page_size
+        self.snapshots = cache.snapshots  # a hybrid model's state snapshots; None: dense
         # slots of running requests not owned by the tree (for the integrity check)
         self.num_private = 0
         # host copy of the request-to-token table: slot ids are needed on the host to free and
@@ -76,6 +82,8 @@ class KVManager:
         length = match.length
         if length:
             self._write(req, 0, match.slots)
+            if self.snapshots is not None:
+                self.snapshots.load(match.last_node, row)
         req.last_node, req.prefix_len, req.kv_len, req.alloc_len = (
             match.last_node,
             length,
@@ -155,20 +163,32 @@ class KVManager:
         # already (a locked path keeps its values) and from num_existing on the tree took ours
         # NOTE: no re-match: insert stamped the same path with the newest LRU time
         if num_existing > req.prefix_len:
-            match = self.cache.match_prefix(key)
+            match = self.cache.match_prefix(key, to_snapshot=False)  # the KV, as inserted
             assert match.length == aligned, "tree lost a prefix that was just inserted"
             self._write(req, req.prefix_len, match.slots[req.prefix_len : num_existing])
         self.cache.lock(node)
         self.cache.unlock(req.last_node)
         req.last_node, req.prefix_len = node, aligned
+        at = req.snapshot_at
+        if at and at[0] <= aligned:
+            # the chunk ends at a boundary (the scheduler cuts chunks there); a boundary passed
+            # without a snapshot is dropped
+            if at[0] == req.kv_len:
+                self.snapshots.save(req.row, node)
+            req.snapshot_at = tuple(b for b in at if b > aligned)
 
-    def release(self, req: Req) -> None:
-        """Finished or retracted: keep the computed KV in the tree (if enabled), free the rest."""
+    def release(self, req: Req, keep_state: bool = False) -> None:
+        """Finished or retracted: keep the computed KV in the tree (if enabled), free the rest.
+        keep_state (retraction): a hybrid's state at the computed length is kept as a snapshot
+        too, if that length is page-aligned."""
         row = req.row
         if self.cache_enabled:
             aligned = req.kv_len // self.page_size * self.page_size
+            node = req.last_node  # where [0, prefix_len) ends
             if aligned > req.prefix_len:
-                self._insert(req, req.tokens(0, aligned), aligned)
+                node = self._insert(req, req.tokens(0, aligned), aligned)[1]
+            if keep_state and self.snapshots is not None and 0 < aligned == req.kv_len:
+                self.snapshots.save(row, node)
             tail_start = max(aligned, req.prefix_len)
         else:
             tail_start = req.prefix_len  # 0: nothing is owned by a disabled tree
@@ -179,6 +199,7 @@ class KVManager:
         self.req_pool.free(row)
         req.row, req.last_node, req.penalty_row = None, None, None
         req.kv_len = req.alloc_len = req.prefix_len = 0
+        req.snapshot_at = ()
 
     def _insert(self, req: Req, key: list[int], aligned: int) -> tuple[int, TreeNode]:
         """Give [prefix_len, aligned) to the tree; returns how many leading tokens it had and

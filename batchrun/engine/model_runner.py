@@ -33,6 +33,7 @@ from batchrun.engine.sampler import PenaltyState, SampleOutput, Sampler, Samplin
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.staging import PinnedStaging
 from batchrun.engine.state_pool import state_budget
+from batchrun.engine.state_snapshots import StateSnapshots, num_snapshots
 from batchrun.engine.thinking import apply_forced, forced_logprobs
 from batchrun.models import fused_decode
 from batchrun.models.blocks.model import ForwardBatch
@@ -167,6 +168,10 @@ class ModelRunner:
         # per-layer scales (batchrun/quant/kv_cache.py)
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         kv_fp8 = self.kv_dtype != self.dtype
+        # the radix cache's state snapshots of a hybrid (engine/state_snapshots.py)
+        self.snapshots = None
+        if self.states is not None and config.enable_radix_cache:
+            self.snapshots = StateSnapshots(self.states, num_snapshots(config.max_running))
         self.num_slots = self._kv_slots()
         shapes = self.model.kv_shapes  # this rank's KV heads under tensor parallelism
         self.kv_pool = KVPool(
@@ -184,6 +189,8 @@ class ModelRunner:
         self.req_pool = ReqToTokenPool(config.max_running, context_len, self.device)
         if self.states is not None:
             self.states.allocate(config.max_running + 1, self.device, config.linear_state_dtype)
+        if self.snapshots is not None:
+            self.snapshots.allocate()
         self.backend = create_backend(kernels, self.kv_pool, self.req_pool.table)
         self.sampler = Sampler(kernels)
         self.penalties = PenaltyState(config.max_running + 1, model_cfg.vocab_size, self.device)
@@ -233,6 +240,8 @@ class ModelRunner:
         state_bytes = 0
         if self.states is not None:
             state_bytes = self.states.bytes_per_row(cfg.linear_state_dtype) * (cfg.max_running + 1)
+        if self.snapshots is not None:
+            state_bytes += self.snapshots.bytes(cfg.linear_state_dtype)
         per_token = KVPool.bytes_per_token_of(
             self.model.kv_shapes,
             kv_storage_dtype(cfg.kv_cache_dtype, self.dtype),  # float8: one byte an element

@@ -9,6 +9,10 @@ With ``page_size`` P > 1 every edge length is a multiple of P, children are keye
 page (a tuple of P ids) and matches are truncated to whole pages, so the slots of a node are
 always whole pages of the allocator.
 
+A hybrid model's cache (``snapshots`` given, engine/state_snapshots.py) also needs the linear
+layers' state at the end of a match: a node may carry a state snapshot (of the path up to its
+end), a match is cut back to the deepest node with one, and a node evicted frees its snapshot.
+
 Ownership when a finished request is cached (indices into its token ids)::
 
     0            m.length          n_dup = insert(...)        aligned       len
@@ -21,12 +25,15 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from batchrun.engine.allocator import TokenAllocator
+
+if TYPE_CHECKING:
+    from batchrun.engine.state_snapshots import StateSnapshots
 
 __all__ = ["MatchResult", "RadixCache", "TreeNode"]
 
@@ -36,7 +43,9 @@ _NUMPY_MIN_LEN = 64
 
 
 class TreeNode:
-    __slots__ = ("key", "value", "parent", "children", "ref", "last_access", "id", "removed")
+    __slots__ = (
+        "key", "value", "parent", "children", "ref", "last_access", "id", "removed", "snapshot"
+    )  # fmt: skip
     _ids = itertools.count()
 
     def __init__(self, key: tuple[int, ...], value: torch.Tensor, parent: TreeNode | None) -> None:
@@ -48,6 +57,7 @@ class TreeNode:
         self.last_access = 0
         self.id = next(TreeNode._ids)  # tie-breaker for the eviction heap
         self.removed = False  # evicted: its heap entries are dead
+        self.snapshot: int | None = None  # state snapshot slot (hybrids: state_snapshots.py)
 
     @property
     def is_root(self) -> bool:
@@ -86,7 +96,11 @@ def _common_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 class RadixCache:
     def __init__(
-        self, allocator: TokenAllocator, page_size: int = 1, disable: bool = False
+        self,
+        allocator: TokenAllocator,
+        page_size: int = 1,
+        disable: bool = False,
+        snapshots: StateSnapshots | None = None,
     ) -> None:
         if page_size != allocator.page_size:
             raise ValueError(
@@ -95,6 +109,7 @@ class RadixCache:
         self.allocator = allocator
         self.page_size = page_size
         self.disable = disable
+        self.snapshots = snapshots  # a hybrid model's: matches end at a snapshot
         self.reset()
 
     def reset(self) -> None:
@@ -109,6 +124,8 @@ class RadixCache:
             values = [n.value for n in self._iter_nodes() if not n.is_root]
             if values:
                 self.allocator.free(torch.cat(values))
+        if self.snapshots is not None:
+            self.snapshots.reset()
         self.root = TreeNode((), _EMPTY, None)
         self.root.ref = 1  # never evicted, never counted
         self._evictable_size = 0
@@ -139,12 +156,14 @@ class RadixCache:
 
     # -- lookup and insertion -------------------------------------------------------------
 
-    def match_prefix(self, key: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of ``key`` in whole pages; refreshes LRU along the path."""
+    def match_prefix(self, key: Sequence[int], to_snapshot: bool = True) -> MatchResult:
+        """Longest cached prefix of ``key`` in whole pages (with snapshots and ``to_snapshot``:
+        up to the deepest node with a snapshot); refreshes LRU along the path."""
         if self.disable:
             return MatchResult(_EMPTY, self.root)
         end = self._page_floor(len(key))
         node, pos, values = self.root, 0, []
+        path: list[TreeNode] = []
         now = self._tick()
         # NOTE: only the edges walked are made tuples (a miss at the root costs O(1), not O(len))
         while pos < end:
@@ -158,9 +177,17 @@ class RadixCache:
             if partial:
                 child = self._split(child, n)
             values.append(child.value)
+            path.append(child)
             node, pos = child, pos + n
             if partial:
                 break
+        if self.snapshots is not None and to_snapshot:
+            # NOTE: the KV past the deepest snapshot cannot resume the linear layers
+            keep = len(path)
+            while keep and path[keep - 1].snapshot is None:
+                keep -= 1
+            node = path[keep - 1] if keep else self.root
+            del values[keep:]
         slots = torch.cat(values) if values else _EMPTY
         return MatchResult(slots, node)
 
@@ -245,6 +272,8 @@ class RadixCache:
             parent = node.parent
             del parent.children[self._child_key(node.key, 0)]
             node.removed = True
+            if node.snapshot is not None:
+                self.snapshots.drop(node)
             self._num_nodes -= 1
             values.append(node.value)
             freed += len(node.key)
@@ -318,6 +347,10 @@ class RadixCache:
         assert protected == self._protected_size, (
             f"protected_size {self._protected_size} != recount {protected}"
         )
+        if self.snapshots is not None:
+            self.snapshots.check_integrity(n for n in self._iter_nodes() if not n.is_root)
+        else:
+            assert all(n.snapshot is None for n in self._iter_nodes()), "snapshot without a pool"
         tree_slots = torch.cat(values) if values else _EMPTY
         assert torch.unique(tree_slots).numel() == tree_slots.numel(), "slot owned twice in tree"
         if P > 1 and tree_slots.numel():
@@ -347,6 +380,7 @@ class RadixCache:
                 lines.append(
                     f"{'  ' * depth}- {head} len={len(child.key)} ref={child.ref} "
                     f"t={child.last_access} slots={child.value[:8].tolist()}"
+                    + (f" snapshot={child.snapshot}" if child.snapshot is not None else "")
                 )
                 walk(child, depth + 1)
 

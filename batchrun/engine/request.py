@@ -36,6 +36,9 @@ class Req:
     alloc_len: int = 0
     prefix_len: int = 0
     last_node: Any = None
+    # a hybrid's prefill chunks end at these token counts, each saved as a state snapshot
+    # (ascending, past kv_len; engine/state_snapshots.py)
+    snapshot_at: tuple[int, ...] = ()
     penalty_row: int | None = None  # row whose penalty statistics describe this request
     # structured output: an xgrammar GrammarMatcher that has accepted every output token the
     # host has seen (so a retracted request resumes with a valid state)

@@ -9,6 +9,10 @@ again at the front of the queue, to resume with its output so far as part of its
 Admission takes the queue in the order given (`batchrun submit` feeds it in prefix DFS order,
 batchrun/job/order.py), lets the longest cached prefix among the first few go first, and locks the
 cached prefixes of the next few between steps so that decode growth evicts other leaves first.
+
+A hybrid model (kv.snapshots) gets its snapshot boundaries at admission, from the prompts of the
+next waiting requests (state_snapshots.boundaries); its prefill chunks end there, so that each
+boundary's state can be saved. A retracted hybrid request keeps its state as a snapshot.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from batchrun.engine.kv_manager import KVManager
 from batchrun.engine.request import PLACEHOLDER, Req
+from batchrun.engine.state_snapshots import SNAPSHOT_LOOKAHEAD, boundaries
 
 # a waiting request is held back while a running prefill shares at least this many of its
 # uncached tokens: that prefix is computed once and then served from the cache
@@ -171,7 +176,7 @@ class Scheduler:
                 break
             if req.num_inflight:
                 continue
-            n = min(len(req.input_ids) + len(req.output_ids) - req.kv_len, budget)
+            n = self._chunk(req, min(len(req.input_ids) + len(req.output_ids) - req.kv_len, budget))
             if self.kv.reserve(req, n) is None and not (
                 self._unpin() and self.kv.reserve(req, n) is not None
             ):
@@ -196,6 +201,12 @@ class Scheduler:
             f"{self.kv.allocator.capacity}; raise --kv-budget",
         )
 
+    @staticmethod
+    def _chunk(req: Req, n: int) -> int:
+        """`n` tokens of `req`'s prefill, cut at its next snapshot boundary."""
+        at = req.snapshot_at
+        return min(n, at[0] - req.kv_len) if at and at[0] > req.kv_len else n
+
     def _abort(self, req: Req, error: str) -> None:
         req.finish_reason, req.error = "abort", error
         self.running.remove(req)
@@ -219,7 +230,7 @@ class Scheduler:
 
     def _retract(self, req: Req) -> None:
         self.running.remove(req)
-        self.kv.release(req)
+        self.kv.release(req, keep_state=True)
         req.num_retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(req)
@@ -275,7 +286,12 @@ class Scheduler:
             if first:
                 self.num_admitted_tokens += len(req.input_ids)
                 self.num_admitted_cached_tokens += req.cached_tokens
-            n = min(req.num_pending, budget)
+            if self.kv.snapshots is not None:
+                followers = (w.input_ids for w in islice(self.waiting, SNAPSHOT_LOOKAHEAD))
+                req.snapshot_at = boundaries(
+                    req.input_ids, req.kv_len, followers, self.kv.page_size
+                )
+            n = self._chunk(req, min(req.num_pending, budget))
             if self.kv.reserve(req, n) is None:
                 self.kv.release(req)
                 self.waiting.appendleft(req)

@@ -18,6 +18,7 @@ streams the whole input; ``split_ranges`` to cut one DFS order into contiguous p
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import sys
 from array import array
@@ -111,6 +112,36 @@ def reuse_lens(sorted_keys: Sequence[bytes]) -> np.ndarray:
     for i in range(1, len(sorted_keys)):
         key = sorted_keys[i]
         out[i] = min(common_prefix_len(sorted_keys[i - 1], key), len(key) // 4 - 1)
+    return out
+
+
+def snapshot_reuse_lens(sorted_keys: Sequence[bytes], lookahead: int, min_len: int) -> np.ndarray:
+    """Per prompt in DFS order, the tokens an unlimited radix cache serves it on a hybrid model,
+    whose matches end at state snapshots (batchrun/engine/state_snapshots.py): each prompt
+    snapshots its common prefix with each of the next ``lookahead`` prompts (at most that
+    prompt's length - 1) where that is at least ``min_len`` tokens past the prompt's own hit, and
+    a prompt's hit is the deepest snapshot on its path (at most its length - 1)."""
+    n = len(sorted_keys)
+    lens = [len(k) // 4 for k in sorted_keys]
+    lcp = [0] + [common_prefix_len(sorted_keys[i - 1], sorted_keys[i]) for i in range(1, n)]
+    out = np.zeros(n, dtype=np.int64)
+    path: list[int] = []  # snapshot depths on the current prompt's path, ascending
+    for i in range(n):
+        while path and path[-1] > lcp[i]:
+            path.pop()
+        j = bisect.bisect_right(path, lens[i] - 1)
+        hit = path[j - 1] if j else 0
+        out[i] = hit
+        shared = lens[i]
+        for m in range(i + 1, min(n, i + 1 + lookahead)):
+            shared = min(shared, lcp[m])  # the common prefix of prompts i and m
+            if shared < hit + min_len:
+                break
+            b = min(shared, lens[m] - 1)
+            if b >= hit + min_len:
+                k = bisect.bisect_left(path, b)
+                if k == len(path) or path[k] != b:
+                    path.insert(k, b)
     return out
 
 

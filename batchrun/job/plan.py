@@ -15,6 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from batchrun.config import EngineConfig, resolve_sizes
+from batchrun.engine.state_snapshots import (
+    MIN_SNAPSHOT_PREFIX,
+    SNAPSHOT_LOOKAHEAD,
+    num_snapshots,
+)
 from batchrun.errors import ModelConfigError
 from batchrun.io.readers import BadInputError, open_dataset
 from batchrun.io.rows import RowError, RowSpec, schema_problem
@@ -27,6 +32,7 @@ from batchrun.job.order import (
     dfs_order,
     predicted_reuse,
     reuse_lens,
+    snapshot_reuse_lens,
     sort_key,
 )
 from batchrun.job.pipeline import RowPipeline
@@ -134,7 +140,7 @@ def _make_plan(
     samples = 0
     errors: Counter[str] = Counter()
     examples: list[RowError] = []
-    reuse = PrefixReuse(kv_budget, order)
+    reuse = PrefixReuse(kv_budget, order, hybrid=cfg.linear_attention is not None)
     for item in pipeline:
         if isinstance(item, RowError):
             errors[item.type] += 1
@@ -181,12 +187,15 @@ def _make_plan(
         ]
         if cfg.linear_attention is not None:  # a hybrid's recurrent states (docs/hybrid.md)
             state = cfg.linear_attention.state_bytes(1, linear_state_dtype)
-            lines.append(
+            snaps = num_snapshots(max_running)
+            lines += [
                 f"state bytes  {gb(state)} a request ({linear_state_dtype}, its linear-attention "
                 "layers), "
                 f"{gb(state * (max_running + 1))} for --max-running {max_running}, taken from "
-                "the memory budget before the KV pool"
-            )
+                "the memory budget before the KV pool",
+                f"snapshots    {snaps} state snapshots for the prefix cache, {gb(state * snaps)},"
+                " taken from the memory budget with the states",
+            ]
         if kv_budget is not None:
             verdict = (
                 "fits"
@@ -227,8 +236,11 @@ def _context(context_len: int, cfg: ModelConfig) -> str:
 class PrefixReuse:
     """Prefix-cache reuse of a run, window by window as the run orders it (batchrun.job.order)."""
 
-    def __init__(self, kv_budget: int | None, order: str):
+    def __init__(self, kv_budget: int | None, order: str, hybrid: bool = False):
+        """hybrid: a hybrid model's cache, whose hits end at state snapshots
+        (order.snapshot_reuse_lens)."""
         self.order = order
+        self.hybrid = hybrid
         self.sim = LRUEstimate(kv_budget) if kv_budget is not None else None
         self.prompt_tokens = 0
         self.unlimited = 0  # exact within each window
@@ -251,10 +263,14 @@ class PrefixReuse:
         keys, self._keys = self._keys, []
         max_new, self._max_new = self._max_new, []
         dfs = dfs_order(keys)
-        reuse = reuse_lens([keys[i] for i in dfs])
+        sorted_keys = [keys[i] for i in dfs]
+        reuse = reuse_lens(sorted_keys)  # what the LRU simulation's blocks are measured against
+        exact = reuse
+        if self.hybrid:
+            exact = snapshot_reuse_lens(sorted_keys, SNAPSHOT_LOOKAHEAD, MIN_SNAPSHOT_PREFIX)
         self.num_windows += 1
         self.prompt_tokens += sum(len(k) for k in keys) // 4
-        self.unlimited += int(reuse.sum())
+        self.unlimited += int(exact.sum())
         if self.sim is not None:
             block = self.sim.block
             self.block_unlimited += int((reuse // block * block).sum())
@@ -270,9 +286,10 @@ class PrefixReuse:
             else f"exact within each of {self.num_windows} windows of {window:,} rows; reuse "
             "across windows not counted"
         )
+        where = "; at state-snapshot boundaries (hybrid)" if self.hybrid else ""
         lines = [
             f"prefix reuse unlimited cache: {self.unlimited / total:.3f} of prompt tokens "
-            f"({self.unlimited:,} of {self.prompt_tokens:,}; {scope})"
+            f"({self.unlimited:,} of {self.prompt_tokens:,}; {scope}{where})"
         ]
         if self.sim is not None:
             predicted = predicted_reuse(self.unlimited, self.sim.hits, self.block_unlimited)
