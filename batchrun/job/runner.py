@@ -289,6 +289,8 @@ class Runner:
                     self.warnings += [no_column_warning(c, None) for c in unseen]
             if isinstance(self._pipeline, PoolingRows) and self._pipeline.num_truncated:
                 self.warnings.append(self._pipeline.truncation_note())
+            if isinstance(self.engine, PoolingJobEngine):
+                s.notes = self.engine.notes(self._base_counters)
         finally:
             progress.close()
             self._requests_iter.close()

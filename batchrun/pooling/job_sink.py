@@ -45,6 +45,7 @@ class PoolingSink:
         s.rows_ok += 1
         s.completions += 1
         s.prompt_tokens += pooled.num_tokens
+        s.cached_tokens += pooled.num_shared  # computed once for several sequences
         task = self.options.task
         if prepared.openai:
             lines = [self._openai_line(prepared, pooled)]

@@ -27,6 +27,7 @@ from batchrun.pooling.encoder import Encoder, EncoderConfig
 from batchrun.pooling.heads import finish_embeddings, pool, scores, yes_no_score
 from batchrun.pooling.layout import POOLING_MODES, PoolingSpec, read_layout
 from batchrun.pooling.modernbert import ModernBert, ModernBertConfig
+from batchrun.pooling.shared_prefix import PrefixPlan, plan_shared_prefixes
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +113,22 @@ class PoolingModel:
         return self.spec.prompts[name]
 
     # --- the forward
+    def shares_prefixes(self, task: str, pooling: str | None = None) -> bool:
+        """Whether a step computes its sequences' shared prefixes once: a causal model whose
+        result reads the last token only (pooling/shared_prefix.py)."""
+        if self.kind != "decoder":
+            return False
+        return task != "embed" or (pooling or self.spec.pooling) == "last"
+
+    def plan(self, rows: list[TokenRow], share: bool = True) -> PrefixPlan:
+        """A decoder step's packing of `rows`, consecutive shared prefixes once where `share`."""
+        return plan_shared_prefixes([r.input_ids for r in rows], share)
+
     def hidden(self, rows: list[TokenRow]) -> tuple[torch.Tensor, tuple[int, ...]]:
         seq_lens = tuple(len(r.input_ids) for r in rows)
-        ids = torch.tensor([t for r in rows for t in r.input_ids], device=self.device)
         if self.kind == "decoder":
-            return self.net.hidden_states(ids, seq_lens), seq_lens
+            return self.net.hidden_states(self.plan(rows, share=False)), seq_lens
+        ids = torch.tensor([t for r in rows for t in r.input_ids], device=self.device)
         types = None
         if any(r.token_type_ids is not None for r in rows):
             types = torch.tensor(
@@ -125,41 +137,56 @@ class PoolingModel:
             )
         return self.net.hidden_states(ids, seq_lens, types), seq_lens
 
+    def last_hidden(self, rows: list[TokenRow], plan: PrefixPlan | None = None) -> torch.Tensor:
+        """A decoder's final hidden state [B, hidden] at each row's last token, by `plan` (each
+        row alone if None)."""
+        plan = plan or self.plan(rows, share=False)
+        last = torch.tensor(plan.last_rows, device=self.device)
+        return self.net.hidden_states(plan)[last]
+
     def embed(
         self,
         rows: list[TokenRow],
         pooling: str | None = None,
         normalize: bool | None = None,
         dimensions: int | None = None,
+        plan: PrefixPlan | None = None,
     ) -> torch.Tensor:
         """[B, D] fp32: pooled by `pooling` (the folder's by default), normalized as the folder
-        says unless `normalize` is given."""
+        says unless `normalize` is given; a decoder's last-token vectors by `plan` if given."""
         mode = pooling or self.spec.pooling
         if mode is None:
             raise ModelConfigError(
                 "the model folder gives no pooling (no sentence-transformers modules.json with a "
                 f"Pooling module): pass --pooling ({', '.join(POOLING_MODES)})"
             )
-        hidden, seq_lens = self.hidden(rows)
+        if self.kind == "decoder" and mode == "last":
+            vectors = self.last_hidden(rows, plan).float()
+        else:
+            hidden, seq_lens = self.hidden(rows)
+            vectors = pool(hidden, seq_lens, mode)
         norm = self.spec.normalize if normalize is None else normalize
-        return finish_embeddings(pool(hidden, seq_lens, mode), norm, dimensions)
+        return finish_embeddings(vectors, norm, dimensions)
 
-    def classify_logits(self, rows: list[TokenRow]) -> torch.Tensor:
+    def classify_logits(self, rows: list[TokenRow], plan: PrefixPlan | None = None):
         """The classification head's logits [B, num_labels], fp32."""
+        if self.kind == "decoder":
+            return self.net.classify(self.last_hidden(rows, plan)).float()
         hidden, seq_lens = self.hidden(rows)
         return self.net.classify(hidden, seq_lens).float()
 
-    def scores(self, rows: list[TokenRow], raw: bool = False) -> torch.Tensor:
+    def scores(
+        self, rows: list[TokenRow], raw: bool = False, plan: PrefixPlan | None = None
+    ) -> torch.Tensor:
         """A cross-encoder's or a yes/no reranker's score per row [B] (CrossEncoder.predict's)."""
         if self.head == "lm":
-            return self.yes_no(rows)
-        return scores(self.classify_logits(rows), raw)
+            return self.yes_no(rows, plan)
+        return scores(self.classify_logits(rows, plan), raw)
 
-    def yes_no(self, rows: list[TokenRow]) -> torch.Tensor:
+    def yes_no(self, rows: list[TokenRow], plan: PrefixPlan | None = None) -> torch.Tensor:
         tok = self.tokenizer
         ids = (tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes"))
-        hidden, seq_lens = self.hidden(rows)
-        logits = self.net.token_logits(hidden, seq_lens, ids)
+        logits = self.net.token_logits(self.last_hidden(rows, plan), ids)
         return yes_no_score(logits[:, 0], logits[:, 1])
 
 

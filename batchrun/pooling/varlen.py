@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.attention.base import AttentionBackend
+from batchrun.pooling.shared_prefix import prefix_attention
 
 if TYPE_CHECKING:
-    pass
+    from batchrun.pooling.shared_prefix import PrefixPlan
 
 
 def varlen_attention(
@@ -81,17 +82,27 @@ def _flash_varlen(q, k, v, seq_lens, scaling, causal, half_window, window) -> to
 
 class VarlenBackend(AttentionBackend):
     """The decoder blocks' attention backend for one packed prefill-only step: causal attention
-    within each sequence, nothing stored (`prepare` is not used: the step's lengths are given)."""
+    within each sequence, nothing stored (`prepare` is not used: the plan gives the step). A plan
+    whose sequences share prefixes attends each segment over its ancestors' keys
+    (pooling/shared_prefix.py); `kv_rows` is plan.kv_rows on the device."""
 
-    def __init__(self, seq_lens: tuple[int, ...]):
-        self.seq_lens = seq_lens
+    def __init__(self, plan: PrefixPlan, kv_rows: torch.Tensor | None = None):
+        self.plan, self.kv_rows = plan, kv_rows
 
     def forward(self, q, k, v, layer_id, scaling, out=None, window=0, sinks=None):
         if sinks is not None:
             raise ValueError(
                 "attention sinks (gpt-oss) are not supported for embed / rerank / score / classify"
             )
-        result = varlen_attention(q, k, v, self.seq_lens, scaling, causal=True, window=window)
+        if k is None:
+            raise ValueError(
+                "a layer that reads another layer's KV is not supported for embed / rerank / "
+                "score / classify"
+            )
+        if self.kv_rows is None:
+            result = varlen_attention(q, k, v, self.plan.seg_lens, scaling, True, window=window)
+        else:
+            result = prefix_attention(q, k, v, self.plan, self.kv_rows, scaling, window)
         if out is not None:
             out.view(result.shape).copy_(result)
             return out.view(result.shape)
