@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +17,9 @@ from batchrun.params import EngineCounters
 from batchrun.pooling.engine import PoolingEngine, PoolRequest, TaskOptions
 from batchrun.pooling.job_options import PoolingJobOptions
 from batchrun.pooling.model import TokenRow, load_pooling_model
+
+if TYPE_CHECKING:
+    from batchrun.pooling.job_rows import PoolingRows
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_STEP_TOKENS = 16384
@@ -59,7 +64,8 @@ class PoolingJobEngine:
             "cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
         # auto: as --dtype says for every task (bfloat16 on CUDA, float32 elsewhere)
         dtype = DTYPES.get(config.dtype, torch.bfloat16 if device == "cuda" else torch.float32)
-        self.model = load_pooling_model(config.model, dtype, device, config.load_format)
+        self.model_dir = str(Path(config.model).expanduser())
+        self.model = load_pooling_model(self.model_dir, dtype, device, config.load_format)
         task = TaskOptions(options.task, options.pooling, options.normalize, options.dimensions,
                            options.raw_scores)  # fmt: skip
         task.validate(self.model)
@@ -144,9 +150,10 @@ class PoolingJobEngine:
             num_waiting=len(self._open),
         )
 
-    def notes(self, base: EngineCounters) -> list[str]:
-        """The summary's lines about this attempt's steps since `base` (the counters at its
-        start): the shared-prefix tokens a step computed once."""
+    def notes(self, base: EngineCounters, rows: PoolingRows | None, elapsed_s: float) -> list[str]:
+        """The summary's lines about this attempt since `base` (the counters at its start): the
+        shared-prefix tokens a step computed once, and the tokenizer's rate against the engine's
+        (prompt tokens a second each could sustain alone): the slower one bounds the run."""
         c = self.counters.since(base)
         lines = []
         if c.admitted_cached_tokens:
@@ -155,6 +162,18 @@ class PoolingJobEngine:
                 f"tokens ({c.admitted_cached_tokens / c.admitted_tokens:.1%}) computed once for "
                 "the sequences that share them (rerank queries, instruction prefixes)"
             )
+        if rows is None or not rows.tokenize_s or not c.forward_time:
+            return lines
+        workers = rows.num_workers
+        tokenizer = rows.num_tokens / rows.tokenize_s * max(1, workers)
+        engine = c.admitted_tokens / c.forward_time
+        who = "worker processes" if workers else "in the job's process"
+        bound = "the tokenizer" if tokenizer < engine else "the engine"
+        lines.append(
+            f"rates: tokenizer {tokenizer:,.0f} tok/s ({workers or 'none:'} {who}), engine "
+            f"{engine:,.0f} tok/s; the job waited {rows.wait_s:.1f} s of {elapsed_s:.1f} s on "
+            f"tokenization: {bound} bounds this run"
+        )
         return lines
 
     def close(self) -> None:

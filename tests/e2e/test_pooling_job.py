@@ -258,3 +258,27 @@ def test_killed_embed_job_resumes_every_id_once_and_exports_in_input_order(model
     assert result.exit_code == 0, result.output
     table = pq.read_table(killed / "export.parquet")
     assert table.column("id").to_pylist() == ids
+
+
+def test_tokenizer_workers_give_the_in_process_rows_and_say_what_bounds_the_run(models, tmp_path):
+    """Two worker processes tokenize ahead of the engine: the vectors and the row errors equal
+    the in-process run's, every id once, and the summary compares the two rates."""
+    rows = [{"id": f"id{i}", "text": TEXTS[i % 16] * (1 + i % 3)} for i in range(600)]
+    rows[17] = {"id": "bad", "text": ""}
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    outs = {}
+    for workers in ("0", "2"):
+        out = tmp_path / f"w{workers}"
+        result = CliRunner().invoke(main, [
+            "submit", str(data), "--model", str(models / "st"), "--in-process", "--out", str(out),
+            "--tokenizer-workers", workers,
+        ])  # fmt: skip
+        assert result.exit_code == 0, result.output + repr(result.exception)
+        assert "bounds this run" in result.output
+        outs[workers] = out
+    a, b = vectors(outs["0"]), vectors(outs["2"])
+    assert len(a) == 599 and sorted(a) == sorted(b)
+    ids = sorted(a)
+    assert cosine(np.stack([a[i] for i in ids]), np.stack([b[i] for i in ids])).min() >= 0.999999
+    (error,) = [json.loads(x) for x in (outs["2"] / "errors-00000.jsonl").open()]
+    assert error["id"] == "bad" and "empty text" in json.dumps(error)
