@@ -46,8 +46,9 @@ class PoolingRows:
         workers = options.tokenizer_workers
         self.num_workers = default_tokenizer_workers() if workers is None else workers
         width = options.dimensions or model.hidden_size
+        scalar = model.head == "lm" or len(model.labels) == 1
         self.recipe = RowRecipe(options, spec, model_dir, model.max_len, model.kind, model.head,
-                                width)  # fmt: skip
+                                width, scalar)  # fmt: skip
         self.num_truncated = 0  # rows cut to max_seq_length
         self.openai: bool | None = None  # OpenAI Batch input (known from the first parsed row)
         self.unseen_columns: set[str] = set()  # (the runner's warning about kept columns)

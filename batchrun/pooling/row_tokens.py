@@ -43,6 +43,7 @@ class RowRecipe:
     kind: str  # encoder / decoder
     head: str  # base / classify / lm (a yes/no reranker)
     width: int  # the vectors' dimensions (--dimensions, else the model's)
+    scalar_scores: bool  # a score is one number (a yes/no reranker, a one-label head)
 
 
 class RowConverter:
