@@ -1,6 +1,6 @@
 """PoolingEngine: steps packed by a token budget give what one batch gives, every sequence once;
-the task options are checked against the model at start-up; tokenization in worker processes
-equals the in-process tokenizer's, and a row's bad text comes back as its error."""
+the task options are checked against the model at start-up; a causal step computes the prefix its
+sequences share once and gives the unshared values."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import torch
 from batchrun.errors import ModelConfigError
 from batchrun.pooling.engine import PoolingEngine, PoolRequest, TaskOptions
 from batchrun.pooling.model import load_pooling_model
-from batchrun.pooling.tokenize import ParallelTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pooling_models import (  # noqa: E402
@@ -61,15 +60,6 @@ def test_options_are_checked_against_the_model(st_dir):
     TaskOptions("embed", pooling="cls").validate(load_pooling_model(st_dir / "hf"))
     with pytest.raises(ValueError, match="an empty text"):
         model.tokenize("")
-
-
-def test_worker_processes_tokenize_as_the_model_does(st_dir):
-    model = load_pooling_model(st_dir / "st")
-    items = [(t, None, None) for t in TEXTS] + [("", None, None)]
-    with ParallelTokenizer(st_dir / "st", model.max_len, model.kind, 2, chunk=5) as tok:
-        got = list(tok.map(items))
-    assert got[:-1] == [model.tokenize(t) for t in TEXTS]
-    assert got[-1] == "an empty text: nothing to embed or score"
 
 
 def _run(engine: PoolingEngine, requests: list[PoolRequest]) -> list:
