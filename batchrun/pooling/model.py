@@ -2,9 +2,9 @@
 sentence-transformers / transformers do and runs packed batches of them.
 
     architecture                          kind      tasks             default
-    Bert / XLMRoberta / ModernBertModel   encoder   embed             embed
-    ...ForSequenceClassification (same)   encoder   score, rerank,    score
-                                                    classify
+    an encoder's base model (BERT, ...)   encoder   embed             embed
+    its ...ForSequenceClassification      encoder   score, rerank,    score
+    (models/registry.py ENCODERS)                   classify
     <decoder>Model (Qwen3Model, ...)      decoder   embed             embed
     <decoder>ForSequenceClassification    decoder   classify, score   classify
     <decoder>ForCausalLM                  decoder   rerank, score     generate (yes/no reranker
@@ -20,19 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from batchrun.errors import ModelConfigError
+from batchrun.models.registry import ARCHITECTURES, ENCODERS
 from batchrun.pooling.decoder import causal_architecture, load_decoder
-from batchrun.pooling.encoder import Encoder, EncoderConfig
 from batchrun.pooling.heads import finish_embeddings, pool, scores, yes_no_score
 from batchrun.pooling.layout import POOLING_MODES, PoolingSpec, read_layout
-from batchrun.pooling.modernbert import ModernBert, ModernBertConfig
 from batchrun.pooling.shared_prefix import PrefixPlan, plan_shared_prefixes
 
 log = logging.getLogger(__name__)
 
-_ENCODERS = {"Bert": False, "XLMRoberta": True}  # name -> XLM-RoBERTa's positions and head
-_CHECKPOINT_PREFIXES = ("bert.", "roberta.", "model.")
 # a classification head's output rows, one per label
 _HEAD_TENSORS = ("score.weight", "classifier.weight", "classifier.out_proj.weight")
 # Qwen3-Reranker's documented prompt around "<Instruct>: ...\n<Query>: ...\n<Document>: ..."
@@ -203,23 +201,12 @@ def load_pooling_model(
     arch = (raw.get("architectures") or [""])[0]
     spec = read_layout(model_dir)
     labels = _labels(raw, model_dir, load_format)
-    family = arch.removesuffix("Model").removesuffix("ForSequenceClassification")
-    is_encoder = arch.endswith(("Model", "ForSequenceClassification"))
-    if family == "ModernBert" and is_encoder:
-        head = "classify" if arch.endswith("ForSequenceClassification") else "base"
-        mcfg = ModernBertConfig.from_dict(raw, len(labels) if head != "base" else 0,
-                                          str(model_dir))  # fmt: skip
-        net = ModernBert(mcfg)
-        _load_encoder(net, model_dir, load_format, dtype, device)
-        kind, model_max = "encoder", mcfg.max_tokens
-    elif family in _ENCODERS and is_encoder:
-        roberta = _ENCODERS[family]
-        head = "classify" if arch.endswith("ForSequenceClassification") else "base"
-        cfg = EncoderConfig.from_dict(raw, roberta, len(labels) if head != "base" else 0,
-                                      str(model_dir))  # fmt: skip
-        net = Encoder(cfg, roberta)
-        _load_encoder(net, model_dir, load_format, dtype, device)
-        kind, model_max = "encoder", cfg.max_tokens
+    encoder = ENCODERS.get(arch)
+    if encoder is not None:
+        num_labels = len(labels) if encoder.head == "classify" else 0
+        net = encoder.build(raw, num_labels, str(model_dir))
+        _load_encoder(net, model_dir, load_format, dtype, device, encoder.checkpoint_prefix)
+        kind, head, model_max = "encoder", encoder.head, net.config.max_tokens
     elif causal_architecture(arch) is not None:
         net, dcfg = load_decoder(model_dir, raw, arch, len(labels), dtype, device, load_format)
         kind, head, model_max = (
@@ -230,8 +217,8 @@ def load_pooling_model(
     else:
         raise ModelConfigError(
             f"{model_dir}: architecture {arch or '(none)'} is not supported for embed / rerank / "
-            "score / classify; supported: BertModel, XLMRobertaModel, ModernBertModel, their "
-            "ForSequenceClassification heads, and the decoders' <Arch>Model, "
+            f"score / classify; supported: the encoders {', '.join(ENCODERS)}, and the "
+            "decoders' <Arch>Model, "
             "<Arch>ForSequenceClassification and <Arch>ForCausalLM (a yes/no reranker) for "
             f"{', '.join(sorted({a.removesuffix('ForCausalLM') for a in _decoders()}))}"
         )
@@ -247,8 +234,6 @@ def load_pooling_model(
 
 
 def _decoders() -> tuple[str, ...]:
-    from batchrun.models.registry import ARCHITECTURES
-
     return tuple(a for a in ARCHITECTURES if a.endswith("ForCausalLM"))
 
 
@@ -266,9 +251,10 @@ def _labels(raw: dict[str, Any], model_dir: Path, load_format: str) -> tuple[str
     return tuple(str(id2label.get(str(i), f"LABEL_{i}")) for i in range(n or 1))
 
 
-def _load_encoder(
-    net: Encoder | ModernBert, model_dir: Path, load_format: str, dtype, device
-) -> None:
+def _load_encoder(net: nn.Module, model_dir: Path, load_format: str, dtype, device,
+                  prefix: str) -> None:  # fmt: skip
+    """The encoder's weights from the folder's safetensors (their names less `prefix`), or
+    random ones with load_format dummy."""
     from safetensors.torch import load_file
 
     from batchrun.models.checkpoint import safetensors_files
@@ -282,9 +268,7 @@ def _load_encoder(
     state: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         for name, t in load_file(str(path)).items():
-            for prefix in _CHECKPOINT_PREFIXES:
-                name = name.removeprefix(prefix)
-            state[name] = t
+            state[name.removeprefix(prefix)] = t
     ours = net.state_dict()
     missing = [n for n in ours if n not in state]
     if missing:
