@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -238,13 +239,18 @@ def test_killed_embed_job_resumes_every_id_once_and_exports_in_input_order(model
             "--commit-every", "100"]  # fmt: skip
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     submit(*args[1:-2], "--out", str(clean), "--commit-every", "100")
-    cmd = [sys.executable, "-P", "-m", "batchrun.cli", *args, "--out", str(killed)]
+    # the killed run tokenizes in two worker processes, which leave with it
+    cmd = [sys.executable, "-P", "-m", "batchrun.cli", *args, "--out", str(killed),
+           "--tokenizer-workers", "2"]  # fmt: skip
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 120
     while not list(killed.glob("vectors-00002.parquet")) and time.monotonic() < deadline:
         time.sleep(0.05)
+    workers = psutil.Process(proc.pid).children(recursive=True)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, f"tokenizer workers outlived the killed job: {alive}"
     manifest = json.loads((killed / "manifest.json").read_text())
     assert manifest["status"] == "running"  # killed mid-run
     subprocess.run(cmd, check=True)
