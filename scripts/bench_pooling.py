@@ -1,9 +1,11 @@
-"""Prefill-only tasks on the GPU: batchrun's PoolingEngine (packed steps, no padding, tokenization
-in worker processes) against sentence-transformers in the same run, both end to end from text.
+"""Prefill-only tasks on the GPU: the batchrun job (`batchrun submit --task ...` in this process:
+packed steps, no padding, shared rerank prefixes, tokenization in worker processes, shards)
+against sentence-transformers in the same run, both end to end from text.
 
     python scripts/bench_pooling.py                                   # the full set (below)
-    python scripts/bench_pooling.py --cases bert-base --rows 20000    # one case, fewer rows
-    python scripts/bench_pooling.py --device cpu --tiny --rows 64     # CPU smoke test
+    python scripts/bench_pooling.py --scale 0.05 --st-batch-sizes 64,256   # one 10-minute call
+    python scripts/bench_pooling.py --cases bert-base --scale 0.1     # one case, fewer rows
+    python scripts/bench_pooling.py --device cpu --tiny --scale 0.0001   # CPU smoke test
 
 Cases (random weights of each shape, saved with a synthetic word-level tokenizer to a temp dir, so
 both sides load the same folder):
@@ -11,10 +13,13 @@ both sides load the same folder):
   qwen3-embed-0.6b   the same passages on Qwen3-Embedding-0.6B's shape (last-token pooling)
   qwen3-rerank-0.6b  20,000 rows of (query, 10 documents) on Qwen3-Reranker-0.6B's shape (the
                      yes/no score), vs the model card's transformers loop (left padding)
-  reward-llama-8b    20,000 conversations on Llama-3.1-8B's shape with a one-label
-                     classification head (dummy weights; batchrun only)
-The baseline runs in fp16 at each of --st-batch-sizes and reports its best; batchrun in fp16 with
---max-step-tokens per step and --tokenizer-workers processes. Rows/s and tokens/s are printed and
+  reward-llama-8b    20,000 texts of 64-512 words on Llama-3.1-8B's shape with a one-label
+                     classification head (dummy weights; batchrun only): its prefill TFLOP/s
+                     (linear layers' model FLOPs) against the engine's W5 in docs/benchmarks.md
+--scale runs that fraction of each case's rows. The baseline runs in fp16 at each of
+--st-batch-sizes and reports its best; batchrun in fp16 with --tokenizer-workers processes, timed
+by the job's summary (the model load left out, as the baseline's). Rows/s, tokens/s and the job's
+notes (which of tokenizer and engine bounds it, the shared-prefix tokens) are printed and
 written as JSON to --out.
 """
 
@@ -23,16 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-from batchrun.pooling.engine import PoolingEngine, PoolRequest, TaskOptions
-from batchrun.pooling.model import load_pooling_model
-from batchrun.pooling.tokenize import ParallelTokenizer
 
 SHAPES = {
     "bert-base": dict(kind="bert", hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
@@ -131,30 +133,33 @@ def _dtype(args) -> torch.dtype:
     return torch.float16 if args.device == "cuda" else torch.float32
 
 
-def run_batchrun(path, items, options, args, load_format: str = "auto") -> dict:
-    """End to end from text: worker processes tokenize window k + 1 while the GPU runs window k."""
-    model = load_pooling_model(path, _dtype(args), args.device, load_format=load_format)
-    options.validate(model)
-    engine = PoolingEngine(model, options, args.max_step_tokens)
-    window = 8192
-    with ParallelTokenizer(path, model.max_len, model.kind, args.tokenizer_workers) as tok:
-        tok.warm()
-        t0, tokens, done = time.perf_counter(), 0, 0
-        chunks = [items[i : i + window] for i in range(0, len(items), window)]
-        pending = tok.map(chunks[0]) if chunks else iter(())
-        for k in range(len(chunks)):
-            rows = list(pending)
-            if k + 1 < len(chunks):
-                pending = tok.map(chunks[k + 1])
-            engine.add([PoolRequest(i, r) for i, r in enumerate(rows) if not isinstance(r, str)])
-            while engine.has_work:
-                for result in engine.step():
-                    tokens += result.num_tokens
-                    done += 1
-    if args.device == "cuda":
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    return {"rows": done, "seconds": dt, "rows_per_s": done / dt, "tokens_per_s": tokens / dt}
+def run_job(path: Path, rows: list[dict], task: str, args, extra: tuple[str, ...] = ()) -> dict:
+    """`batchrun submit --task TASK` in this process over a JSONL file of `rows`, end to end:
+    reading, tokenization in --tokenizer-workers processes, steps, Parquet / JSONL shards. The
+    time is the job's own (its summary's elapsed: the model load is not in it)."""
+    from click.testing import CliRunner
+
+    from batchrun.cli.main import main as cli
+
+    work = Path(tempfile.mkdtemp(dir=path.parent))
+    data = work / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dtype = "float16" if args.device == "cuda" else "float32"
+    argv = ["submit", str(data), "--model", str(path), "--task", task, "--out", str(work / "out"),
+            "--in-process", "--device", args.device, "--dtype", dtype, "--tokenizer-workers",
+            str(args.tokenizer_workers), *extra]  # fmt: skip
+    result = CliRunner().invoke(cli, argv)
+    if result.exit_code != 0:
+        raise RuntimeError(f"batchrun submit failed ({result.exit_code}): {result.output}")
+    out = result.output
+    elapsed = float(re.search(r"output tokens in ([\d.]+) s", out).group(1))
+    manifest = json.loads((work / "out" / "manifest.json").read_text())
+    counts = manifest["counts"]
+    n, tokens = counts["rows_ok"], counts["prompt_tokens"]
+    notes = [line for line in out.splitlines() if line.startswith(("rates:", "shared prefixes:"))]
+    return {"rows": n, "seconds": elapsed, "rows_per_s": n / elapsed,
+            "tokens_per_s": tokens / elapsed, "cached_tokens": counts["cached_tokens"],
+            "notes": notes}  # fmt: skip
 
 
 def run_st(path, texts, args) -> dict:
@@ -199,15 +204,27 @@ def run_hf_rerank(path, pairs, args) -> dict:
     return best
 
 
+def linear_tflop(case: str, tiny: bool, tokens: int) -> float:
+    """Model FLOPs of a decoder's linear layers over `tokens` (2 per weight per token), in TFLOP
+    (attention left out: these sequences are short)."""
+    shape = {**SHAPES[case], **(TINY if tiny else {})}
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    head_dim = shape.get("head_dim") or h // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
+    return 2 * layers * per_layer * tokens / 1e12
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--cases", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES)
     )
-    p.add_argument("--rows", type=int, default=200_000, help="passages (rerank / reward: a tenth)")
+    p.add_argument(
+        "--scale", type=float, default=1.0, help="the fraction of each case's rows to run"
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
-    p.add_argument("--max-step-tokens", type=int, default=32768)
     p.add_argument("--tokenizer-workers", type=int, default=8)
     p.add_argument("--st-batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
                    default=[32, 64, 128, 256])  # fmt: skip
@@ -225,46 +242,35 @@ def main(argv: list[str] | None = None) -> int:
                 "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             }
             if case in ("bert-base", "qwen3-embed-0.6b"):
-                texts = passages(args.rows, vocab, 0, hi=hi)
-                row["batchrun"] = run_batchrun(path, [(t, None, None) for t in texts],
-                                               TaskOptions("embed"), args)  # fmt: skip
+                texts = passages(max(1, round(200_000 * args.scale)), vocab, 0, hi=hi)
+                data = [{"id": str(i), "text": t} for i, t in enumerate(texts)]
+                row["batchrun"] = run_job(path, data, "embed", args)
                 if not args.no_baseline:
                     row["sentence_transformers"] = run_st(path, texts, args)
             elif case == "qwen3-rerank-0.6b":
-                n = max(1, args.rows // 10)
+                n = max(1, round(20_000 * args.scale))
                 queries = passages(n, vocab, 1, 8, 32)
                 docs = passages(n * 10, vocab, 2, 32, hi)
-                pairs = [(queries[i // 10], d) for i, d in enumerate(docs)]
-                row["batchrun"] = run_rerank(path, pairs, args)
+                data = [{"id": str(i), "query": q, "documents": docs[10 * i : 10 * i + 10]}
+                        for i, q in enumerate(queries)]  # fmt: skip
+                row["batchrun"] = run_job(path, data, "rerank", args)
                 if not args.no_baseline:
+                    pairs = [(queries[i // 10], d) for i, d in enumerate(docs)]
                     row["transformers"] = run_hf_rerank(path, pairs, args)
             else:
-                n = max(1, args.rows // 10)
-                texts = passages(n, vocab, 3, 64, hi)
-                items = [(t, None, None) for t in texts]
-                options = TaskOptions("score", raw_scores=True)
-                row["batchrun"] = run_batchrun(path, items, options, args, "dummy")
+                n = max(1, round(20_000 * args.scale))
+                data = [
+                    {"id": str(i), "text": t} for i, t in enumerate(passages(n, vocab, 3, 64, hi))
+                ]
+                job = run_job(path, data, "classify", args, ("--load-format", "dummy"))
+                tokens = job["tokens_per_s"] * job["seconds"]
+                job["prefill_tflop_per_s"] = linear_tflop(case, args.tiny, tokens) / job["seconds"]
+                job["compare"] = "docs/benchmarks.md, W5 on llama-8b: prefill TFLOP/s"
+                row["batchrun"] = job
             print(json.dumps(row), flush=True)
             results.append(row)
             args.out.write_text(json.dumps({"results": results}, indent=1))
     return 0
-
-
-def run_rerank(path, pairs, args) -> dict:
-    """The yes/no reranker: rows tokenized in-process with the card's prompt (rows/s counts
-    (query, 10 documents) rows)."""
-    model = load_pooling_model(path, _dtype(args), args.device)
-    options = TaskOptions("rerank")
-    options.validate(model)
-    engine = PoolingEngine(model, options, args.max_step_tokens)
-    t0 = time.perf_counter()
-    engine.add(
-        [PoolRequest(i, model.tokenize_yes_no(q, d, None)) for i, (q, d) in enumerate(pairs)]
-    )
-    while engine.has_work:
-        engine.step()
-    dt = time.perf_counter() - t0
-    return {"rows": len(pairs) // 10, "seconds": dt, "rows_per_s": len(pairs) / 10 / dt}
 
 
 if __name__ == "__main__":

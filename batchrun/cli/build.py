@@ -232,6 +232,7 @@ POOLING_FLAGS = {
     "query_prefix": "--query-prefix",
     "raw_scores": "--raw-scores",
     "no_truncate": "--no-truncate",
+    "tokenizer_workers": "--tokenizer-workers",
 }
 
 
@@ -266,6 +267,7 @@ def build_pooling(o: dict) -> PoolingJobOptions | None:
             raw_scores=o["raw_scores"],
             truncate=not o["no_truncate"],
             embedding_dtype=o["embedding_dtype"],
+            tokenizer_workers=o["tokenizer_workers"],
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from e

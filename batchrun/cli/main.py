@@ -261,7 +261,7 @@ def _submit(config, server) -> None:
 
 def _report(summary, where, head: str, tail: str | None = None) -> None:
     """The summary, then the errors by type and where they are; exit 6 when no row could run."""
-    lines = [head, summary.errors_line(where), tail]
+    lines = [head, *summary.notes, summary.errors_line(where), tail]
     click.echo("\n".join(line for line in lines if line is not None), err=True)
     if summary.all_failed and not summary.interrupted:
         _fail(

@@ -542,6 +542,15 @@ task_options = option_group(
         help="A row longer than max_seq_length is a row error (default: cut, counted).",
     ),
     click.option(
+        "--tokenizer-workers",
+        metavar="N",
+        type=click.IntRange(min=0),
+        default=None,
+        show_default="half the cores, at most 8; 0 below 4 cores",
+        help="embed / rerank / score / classify: processes that tokenize ahead of the engine "
+        "(0: the job's process tokenizes).",
+    ),
+    click.option(
         "--embedding-dtype",
         type=click.Choice(["float32", "float16"]),
         default="float32",

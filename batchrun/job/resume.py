@@ -132,7 +132,7 @@ def make_fingerprint(config: RunConfig, input_format: str, input_ident: dict | N
         "output": output,
     }
     if cfg.pooling is not None:  # NOTE: only for pooling tasks: generate runs keep theirs
-        fp["task"] = asdict(cfg.pooling)
+        fp["task"] = cfg.pooling.fingerprint()
     return fp
 
 

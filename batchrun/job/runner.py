@@ -289,6 +289,8 @@ class Runner:
                     self.warnings += [no_column_warning(c, None) for c in unseen]
             if isinstance(self._pipeline, PoolingRows) and self._pipeline.num_truncated:
                 self.warnings.append(self._pipeline.truncation_note())
+            if isinstance(self.engine, PoolingJobEngine):
+                s.notes = self.engine.notes(self._base_counters, self._pipeline, s.elapsed_s)
         finally:
             progress.close()
             self._requests_iter.close()
@@ -384,7 +386,7 @@ class Runner:
         same shard / resume filter and prefix order as generate's."""
         cfg = self.config
         rows = PoolingRows(self.source, cfg.spec, cfg.pooling, self.engine.model, cfg.limit,
-                           cfg.read_batch_size)  # fmt: skip
+                           cfg.read_batch_size, self.engine.model_dir)  # fmt: skip
         self._pipeline = rows  # its `openai` decides the errors' shape
         items = self._tokenized(rows)
         if cfg.order == "prefix":

@@ -25,6 +25,7 @@ class RunSummary:
     status: str = "running"  # "complete" | "interrupted" at the end; "already complete"
     error_types: dict[str, int] = field(default_factory=dict)  # rows_failed by error type
     error_files: list[str] = field(default_factory=list)  # the errors files, relative to --out
+    notes: list[str] = field(default_factory=list)  # lines after the summary (a pooling task's)
 
     @property
     def cached_fraction(self) -> float:

@@ -8,12 +8,14 @@ from typing import Any
 
 from batchrun.errors import ModelConfigError
 from batchrun.models import (
+    bert,
     gemma3,
     gemma4,
     gpt_oss,
     llama,
     mistral,
     mixtral,
+    modernbert,
     phi3,
     qwen2,
     qwen2_moe,
@@ -21,8 +23,10 @@ from batchrun.models import (
     qwen3_5,
     qwen3_moe,
     qwen3_next,
+    xlm_roberta,
 )
 from batchrun.models.config import what_it_has
+from batchrun.models.encoder_spec import EncoderSpec
 from batchrun.models.spec import ArchSpec
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -44,6 +48,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3_5MoeForCausalLM": qwen3_5.MOE_SPEC,
     "Qwen3_5ForConditionalGeneration": qwen3_5.MULTIMODAL_SPEC,
     "Qwen3_5MoeForConditionalGeneration": qwen3_5.MULTIMODAL_MOE_SPEC,
+}
+# bidirectional encoders: embed / rerank / score / classify only (batchrun/pooling runs them)
+ENCODERS: dict[str, EncoderSpec] = {
+    "BertModel": bert.SPEC,
+    "BertForSequenceClassification": bert.CLASSIFIER_SPEC,
+    "XLMRobertaModel": xlm_roberta.SPEC,
+    "XLMRobertaForSequenceClassification": xlm_roberta.CLASSIFIER_SPEC,
+    "ModernBertModel": modernbert.SPEC,
+    "ModernBertForSequenceClassification": modernbert.CLASSIFIER_SPEC,
 }
 # model_type -> the architecture batchrun runs for it when config.json lists no architectures
 # (what transformers' AutoModelForCausalLM does)

@@ -26,7 +26,7 @@ from batchrun.models.dummy import init_dummy_
 from batchrun.models.loader import _check_complete, _load_plain, build_model
 from batchrun.models.registry import ARCHITECTURES
 from batchrun.models.spec import TensorNames
-from batchrun.pooling.heads import last_indices
+from batchrun.pooling.shared_prefix import PrefixPlan
 from batchrun.pooling.varlen import VarlenBackend
 
 _SUFFIXES = ("Model", "ForSequenceClassification", "ForCausalLM")
@@ -63,11 +63,14 @@ class DecoderPooler(nn.Module):
         self.lm, self.score = lm, score
 
     @torch.inference_mode()
-    def hidden_states(self, input_ids: torch.Tensor, seq_lens: tuple[int, ...]) -> torch.Tensor:
-        """The final norm's output [T, hidden] of the packed sequences."""
-        lm = self.lm
-        positions = torch.cat([torch.arange(n, device=input_ids.device) for n in seq_lens])
-        backend = VarlenBackend(seq_lens)
+    def hidden_states(self, plan: PrefixPlan) -> torch.Tensor:
+        """The final norm's output [T, hidden] of the plan's packed tokens (each shared prefix
+        once: pooling/shared_prefix.py)."""
+        lm, device = self.lm, self.lm.embed_tokens.weight.device
+        input_ids = torch.tensor(plan.input_ids, device=device)
+        positions = torch.tensor(plan.positions, device=device)
+        kv_rows = None if plan.kv_rows is None else torch.tensor(plan.kv_rows, device=device)
+        backend = VarlenBackend(plan, kv_rows)
         x, residual = lm.embed(input_ids), None
         for i in range(len(lm.layers)):
             q, k, v, residual = lm.piece(i, x, residual)
@@ -76,16 +79,13 @@ class DecoderPooler(nn.Module):
         return lm.norm.forward_with_residual(x, residual)[0]
 
     @torch.inference_mode()
-    def classify(self, hidden: torch.Tensor, seq_lens: tuple[int, ...]) -> torch.Tensor:
-        """The score head's logits [B, num_labels] at each sequence's last token."""
-        return self.score(hidden[last_indices(seq_lens, hidden.device)])
+    def classify(self, last: torch.Tensor) -> torch.Tensor:
+        """The score head's logits [B, num_labels] of the sequences' last hidden states [B, h]."""
+        return self.score(last)
 
     @torch.inference_mode()
-    def token_logits(
-        self, hidden: torch.Tensor, seq_lens: tuple[int, ...], token_ids: tuple[int, ...]
-    ) -> torch.Tensor:
-        """The LM head's logits [B, len(token_ids)] of `token_ids` at each last token."""
-        last = hidden[last_indices(seq_lens, hidden.device)]
+    def token_logits(self, last: torch.Tensor, token_ids: tuple[int, ...]) -> torch.Tensor:
+        """The LM head's logits [B, len(token_ids)] of `token_ids` at the last hidden states."""
         rows = self.lm.lm_head_weight[list(token_ids)]
         return last @ rows.T
 

@@ -6,7 +6,10 @@ padding, no decode and no KV kept past a step.
 A step takes the waiting sequences in order until the next would pass `max_step_tokens` (a
 sequence longer than the budget runs alone), runs the model once over the packed batch
 (pooling/varlen.py) and returns one result per sequence: an embedding, a score, or a head's
-logits, as `TaskOptions` says. The caller groups a rerank row's documents by request id."""
+logits, as `TaskOptions` says. A causal model's step computes the prefix that consecutive
+sequences share once (pooling/shared_prefix.py: a rerank row's instruction + query), where the
+task reads the last token only; the budget counts the tokens a step computes. The caller groups
+a rerank row's documents by request id."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 from batchrun.errors import ModelConfigError
 from batchrun.pooling.layout import POOLING_MODES
 from batchrun.pooling.model import PoolingModel, TokenRow
+from batchrun.pooling.shared_prefix import MIN_SHARED_TOKENS, shared_len
 
 TASKS = ("embed", "rerank", "score", "classify")
 
@@ -74,11 +78,13 @@ class PoolResult:
     rid: Any
     value: torch.Tensor  # embed: [D] fp32; score: [] or [L]; classify: logits [L]
     num_tokens: int
+    num_shared: int = 0  # of num_tokens: read from a prefix the step computed once
 
 
 class PoolingEngine:
     def __init__(self, model: PoolingModel, options: TaskOptions, max_step_tokens: int = 16384):
         self.model, self.options, self.max_step_tokens = model, options, max_step_tokens
+        self.share = model.shares_prefixes(options.task, options.pooling)
         self.waiting: deque[PoolRequest] = deque()
 
     def add(self, requests: list[PoolRequest]) -> None:
@@ -89,13 +95,16 @@ class PoolingEngine:
         return bool(self.waiting)
 
     def _take(self) -> list[PoolRequest]:
-        batch, tokens = [], 0
+        """The next waiting sequences up to the token budget, counting what each computes: a
+        prefix it shares with the one before it runs once."""
+        batch, tokens, prev = [], 0, None
         while self.waiting:
-            n = len(self.waiting[0].row.input_ids)
+            ids = self.waiting[0].row.input_ids
+            n = len(ids) - (shared_len(prev, ids, MIN_SHARED_TOKENS) if self.share else 0)
             if batch and tokens + n > self.max_step_tokens:
                 break
             batch.append(self.waiting.popleft())
-            tokens += n
+            tokens, prev = tokens + n, ids
         return batch
 
     def step(self) -> list[PoolResult]:
@@ -103,11 +112,16 @@ class PoolingEngine:
         if not batch:
             return []
         rows, opts, model = [r.row for r in batch], self.options, self.model
+        plan = model.plan(rows) if self.share else None
         if opts.task == "embed":
-            values = model.embed(rows, opts.pooling, opts.normalize, opts.dimensions)
+            values = model.embed(rows, opts.pooling, opts.normalize, opts.dimensions, plan)
         elif opts.task == "classify":
-            values = model.classify_logits(rows)
+            values = model.classify_logits(rows, plan)
         else:
-            values = model.scores(rows, raw=opts.raw_scores)
+            values = model.scores(rows, opts.raw_scores, plan)
         values = values.cpu()  # NOTE: the one wait per step, on its results
-        return [PoolResult(r.rid, values[i], len(r.row.input_ids)) for i, r in enumerate(batch)]
+        shared = plan.num_shared if plan is not None else (0,) * len(batch)
+        return [
+            PoolResult(r.rid, values[i], len(r.row.input_ids), shared[i])
+            for i, r in enumerate(batch)
+        ]

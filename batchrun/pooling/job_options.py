@@ -5,7 +5,7 @@ checks that refuse a bad combination before the model loads."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from batchrun.pooling.layout import POOLING_MODES
@@ -26,6 +26,7 @@ class PoolingJobOptions:
     raw_scores: bool = False
     truncate: bool = True  # False: a row longer than max_seq_length is a row error
     embedding_dtype: str = "float32"
+    tokenizer_workers: int | None = None  # None: job_rows.default_tokenizer_workers's rule
 
     def __post_init__(self) -> None:
         """ValueError naming what is supported for a combination that means nothing."""
@@ -51,6 +52,15 @@ class PoolingJobOptions:
             )
         if self.dimensions is not None and self.dimensions < 1:
             raise ValueError(f"--dimensions must be >= 1; got {self.dimensions}")
+        if self.tokenizer_workers is not None and self.tokenizer_workers < 0:
+            raise ValueError(f"--tokenizer-workers must be >= 0; got {self.tokenizer_workers}")
+
+    def fingerprint(self) -> dict:
+        """What a resume must match: the options that change a row's output (not how many
+        processes tokenize)."""
+        fields = asdict(self)
+        del fields["tokenizer_workers"]
+        return fields
 
 
 def default_task(model_dir: str | Path | None) -> str:

@@ -17,6 +17,7 @@ from batchrun.job.summary import RunSummary
 from batchrun.pooling.job_engine import PooledRow
 from batchrun.pooling.job_options import PoolingJobOptions
 from batchrun.pooling.openai_embeddings import response_body
+from batchrun.pooling.openai_scores import score_response
 from batchrun.progress.bar import Progress
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class PoolingSink:
         s.rows_ok += 1
         s.completions += 1
         s.prompt_tokens += pooled.num_tokens
+        s.cached_tokens += pooled.num_shared  # computed once for several sequences
         task = self.options.task
         if prepared.openai:
             lines = [self._openai_line(prepared, pooled)]
@@ -66,15 +68,14 @@ class PoolingSink:
             self.hub.update(s)
 
     def _openai_line(self, prepared: PreparedRow, pooled: PooledRow) -> bytes:
-        """An OpenAI Batch /v1/embeddings row's output line (the embeddings response shape);
-        body.dimensions keeps the first N and renormalizes, as the API does."""
-        vectors = np.stack([v.numpy() for v in pooled.values]).astype(np.float32)
-        dims = prepared.extra.get("dimensions")
-        if dims is not None:
-            vectors = vectors[:, :dims]
-            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
+        """An OpenAI Batch row's output line, in its url's response shape."""
         model = prepared.extra.get("model") or self.model_name
-        body = response_body(vectors, model, pooled.num_tokens, prepared.extra["encoding_format"])
+        score_body = prepared.extra.get("score_body")
+        if score_body is not None:
+            scores = [float(v.reshape(-1)[0]) for v in pooled.values]
+            body = score_response(score_body, scores, model, pooled.num_tokens)
+        else:
+            body = self._embeddings_body(prepared, pooled, model)
         hex_id = uuid.uuid4().hex
         record = {
             "id": f"batch_req_{hex_id}",
@@ -83,6 +84,16 @@ class PoolingSink:
             "error": None,
         }
         return _encoder.encode(record) + b"\n"
+
+    def _embeddings_body(self, prepared: PreparedRow, pooled: PooledRow, model: str):
+        """The embeddings response; body.dimensions keeps the first N and renormalizes, as the
+        API does."""
+        vectors = np.stack([v.numpy() for v in pooled.values]).astype(np.float32)
+        dims = prepared.extra.get("dimensions")
+        if dims is not None:
+            vectors = vectors[:, :dims]
+            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
+        return response_body(vectors, model, pooled.num_tokens, prepared.extra["encoding_format"])
 
     def _record(self, pooled: PooledRow) -> dict:
         task, values = self.options.task, pooled.values

@@ -2,9 +2,9 @@
 sentence-transformers / transformers do and runs packed batches of them.
 
     architecture                          kind      tasks             default
-    Bert / XLMRoberta / ModernBertModel   encoder   embed             embed
-    ...ForSequenceClassification (same)   encoder   score, rerank,    score
-                                                    classify
+    an encoder's base model (BERT, ...)   encoder   embed             embed
+    its ...ForSequenceClassification      encoder   score, rerank,    score
+    (models/registry.py ENCODERS)                   classify
     <decoder>Model (Qwen3Model, ...)      decoder   embed             embed
     <decoder>ForSequenceClassification    decoder   classify, score   classify
     <decoder>ForCausalLM                  decoder   rerank, score     generate (yes/no reranker
@@ -20,18 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from batchrun.errors import ModelConfigError
+from batchrun.models.registry import ARCHITECTURES, ENCODERS
 from batchrun.pooling.decoder import causal_architecture, load_decoder
-from batchrun.pooling.encoder import Encoder, EncoderConfig
 from batchrun.pooling.heads import finish_embeddings, pool, scores, yes_no_score
 from batchrun.pooling.layout import POOLING_MODES, PoolingSpec, read_layout
-from batchrun.pooling.modernbert import ModernBert, ModernBertConfig
+from batchrun.pooling.shared_prefix import PrefixPlan, plan_shared_prefixes
 
 log = logging.getLogger(__name__)
 
-_ENCODERS = {"Bert": False, "XLMRoberta": True}  # name -> XLM-RoBERTa's positions and head
-_CHECKPOINT_PREFIXES = ("bert.", "roberta.", "model.")
 # a classification head's output rows, one per label
 _HEAD_TENSORS = ("score.weight", "classifier.weight", "classifier.out_proj.weight")
 # Qwen3-Reranker's documented prompt around "<Instruct>: ...\n<Query>: ...\n<Document>: ..."
@@ -112,11 +111,22 @@ class PoolingModel:
         return self.spec.prompts[name]
 
     # --- the forward
+    def shares_prefixes(self, task: str, pooling: str | None = None) -> bool:
+        """Whether a step computes its sequences' shared prefixes once: a causal model whose
+        result reads the last token only (pooling/shared_prefix.py)."""
+        if self.kind != "decoder":
+            return False
+        return task != "embed" or (pooling or self.spec.pooling) == "last"
+
+    def plan(self, rows: list[TokenRow], share: bool = True) -> PrefixPlan:
+        """A decoder step's packing of `rows`, consecutive shared prefixes once where `share`."""
+        return plan_shared_prefixes([r.input_ids for r in rows], share)
+
     def hidden(self, rows: list[TokenRow]) -> tuple[torch.Tensor, tuple[int, ...]]:
         seq_lens = tuple(len(r.input_ids) for r in rows)
-        ids = torch.tensor([t for r in rows for t in r.input_ids], device=self.device)
         if self.kind == "decoder":
-            return self.net.hidden_states(ids, seq_lens), seq_lens
+            return self.net.hidden_states(self.plan(rows, share=False)), seq_lens
+        ids = torch.tensor([t for r in rows for t in r.input_ids], device=self.device)
         types = None
         if any(r.token_type_ids is not None for r in rows):
             types = torch.tensor(
@@ -125,41 +135,56 @@ class PoolingModel:
             )
         return self.net.hidden_states(ids, seq_lens, types), seq_lens
 
+    def last_hidden(self, rows: list[TokenRow], plan: PrefixPlan | None = None) -> torch.Tensor:
+        """A decoder's final hidden state [B, hidden] at each row's last token, by `plan` (each
+        row alone if None)."""
+        plan = plan or self.plan(rows, share=False)
+        last = torch.tensor(plan.last_rows, device=self.device)
+        return self.net.hidden_states(plan)[last]
+
     def embed(
         self,
         rows: list[TokenRow],
         pooling: str | None = None,
         normalize: bool | None = None,
         dimensions: int | None = None,
+        plan: PrefixPlan | None = None,
     ) -> torch.Tensor:
         """[B, D] fp32: pooled by `pooling` (the folder's by default), normalized as the folder
-        says unless `normalize` is given."""
+        says unless `normalize` is given; a decoder's last-token vectors by `plan` if given."""
         mode = pooling or self.spec.pooling
         if mode is None:
             raise ModelConfigError(
                 "the model folder gives no pooling (no sentence-transformers modules.json with a "
                 f"Pooling module): pass --pooling ({', '.join(POOLING_MODES)})"
             )
-        hidden, seq_lens = self.hidden(rows)
+        if self.kind == "decoder" and mode == "last":
+            vectors = self.last_hidden(rows, plan).float()
+        else:
+            hidden, seq_lens = self.hidden(rows)
+            vectors = pool(hidden, seq_lens, mode)
         norm = self.spec.normalize if normalize is None else normalize
-        return finish_embeddings(pool(hidden, seq_lens, mode), norm, dimensions)
+        return finish_embeddings(vectors, norm, dimensions)
 
-    def classify_logits(self, rows: list[TokenRow]) -> torch.Tensor:
+    def classify_logits(self, rows: list[TokenRow], plan: PrefixPlan | None = None):
         """The classification head's logits [B, num_labels], fp32."""
+        if self.kind == "decoder":
+            return self.net.classify(self.last_hidden(rows, plan)).float()
         hidden, seq_lens = self.hidden(rows)
         return self.net.classify(hidden, seq_lens).float()
 
-    def scores(self, rows: list[TokenRow], raw: bool = False) -> torch.Tensor:
+    def scores(
+        self, rows: list[TokenRow], raw: bool = False, plan: PrefixPlan | None = None
+    ) -> torch.Tensor:
         """A cross-encoder's or a yes/no reranker's score per row [B] (CrossEncoder.predict's)."""
         if self.head == "lm":
-            return self.yes_no(rows)
-        return scores(self.classify_logits(rows), raw)
+            return self.yes_no(rows, plan)
+        return scores(self.classify_logits(rows, plan), raw)
 
-    def yes_no(self, rows: list[TokenRow]) -> torch.Tensor:
+    def yes_no(self, rows: list[TokenRow], plan: PrefixPlan | None = None) -> torch.Tensor:
         tok = self.tokenizer
         ids = (tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes"))
-        hidden, seq_lens = self.hidden(rows)
-        logits = self.net.token_logits(hidden, seq_lens, ids)
+        logits = self.net.token_logits(self.last_hidden(rows, plan), ids)
         return yes_no_score(logits[:, 0], logits[:, 1])
 
 
@@ -176,23 +201,12 @@ def load_pooling_model(
     arch = (raw.get("architectures") or [""])[0]
     spec = read_layout(model_dir)
     labels = _labels(raw, model_dir, load_format)
-    family = arch.removesuffix("Model").removesuffix("ForSequenceClassification")
-    is_encoder = arch.endswith(("Model", "ForSequenceClassification"))
-    if family == "ModernBert" and is_encoder:
-        head = "classify" if arch.endswith("ForSequenceClassification") else "base"
-        mcfg = ModernBertConfig.from_dict(raw, len(labels) if head != "base" else 0,
-                                          str(model_dir))  # fmt: skip
-        net = ModernBert(mcfg)
-        _load_encoder(net, model_dir, load_format, dtype, device)
-        kind, model_max = "encoder", mcfg.max_tokens
-    elif family in _ENCODERS and is_encoder:
-        roberta = _ENCODERS[family]
-        head = "classify" if arch.endswith("ForSequenceClassification") else "base"
-        cfg = EncoderConfig.from_dict(raw, roberta, len(labels) if head != "base" else 0,
-                                      str(model_dir))  # fmt: skip
-        net = Encoder(cfg, roberta)
-        _load_encoder(net, model_dir, load_format, dtype, device)
-        kind, model_max = "encoder", cfg.max_tokens
+    encoder = ENCODERS.get(arch)
+    if encoder is not None:
+        num_labels = len(labels) if encoder.head == "classify" else 0
+        net = encoder.build(raw, num_labels, str(model_dir))
+        _load_encoder(net, model_dir, load_format, dtype, device, encoder.checkpoint_prefix)
+        kind, head, model_max = "encoder", encoder.head, net.config.max_tokens
     elif causal_architecture(arch) is not None:
         net, dcfg = load_decoder(model_dir, raw, arch, len(labels), dtype, device, load_format)
         kind, head, model_max = (
@@ -203,8 +217,8 @@ def load_pooling_model(
     else:
         raise ModelConfigError(
             f"{model_dir}: architecture {arch or '(none)'} is not supported for embed / rerank / "
-            "score / classify; supported: BertModel, XLMRobertaModel, ModernBertModel, their "
-            "ForSequenceClassification heads, and the decoders' <Arch>Model, "
+            f"score / classify; supported: the encoders {', '.join(ENCODERS)}, and the "
+            "decoders' <Arch>Model, "
             "<Arch>ForSequenceClassification and <Arch>ForCausalLM (a yes/no reranker) for "
             f"{', '.join(sorted({a.removesuffix('ForCausalLM') for a in _decoders()}))}"
         )
@@ -220,8 +234,6 @@ def load_pooling_model(
 
 
 def _decoders() -> tuple[str, ...]:
-    from batchrun.models.registry import ARCHITECTURES
-
     return tuple(a for a in ARCHITECTURES if a.endswith("ForCausalLM"))
 
 
@@ -239,9 +251,10 @@ def _labels(raw: dict[str, Any], model_dir: Path, load_format: str) -> tuple[str
     return tuple(str(id2label.get(str(i), f"LABEL_{i}")) for i in range(n or 1))
 
 
-def _load_encoder(
-    net: Encoder | ModernBert, model_dir: Path, load_format: str, dtype, device
-) -> None:
+def _load_encoder(net: nn.Module, model_dir: Path, load_format: str, dtype, device,
+                  prefix: str) -> None:  # fmt: skip
+    """The encoder's weights from the folder's safetensors (their names less `prefix`), or
+    random ones with load_format dummy."""
     from safetensors.torch import load_file
 
     from batchrun.models.checkpoint import safetensors_files
@@ -255,9 +268,7 @@ def _load_encoder(
     state: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         for name, t in load_file(str(path)).items():
-            for prefix in _CHECKPOINT_PREFIXES:
-                name = name.removeprefix(prefix)
-            state[name] = t
+            state[name.removeprefix(prefix)] = t
     ours = net.state_dict()
     missing = [n for n in ours if n not in state]
     if missing:

@@ -22,7 +22,7 @@ def test_help_names_the_cases():
 def test_tiny_cpu_run(tmp_path):
     out = tmp_path / "bench.json"
     subprocess.run(
-        [sys.executable, "-P", str(SCRIPT), "--device", "cpu", "--tiny", "--rows", "20",
+        [sys.executable, "-P", str(SCRIPT), "--device", "cpu", "--tiny", "--scale", "0.0001",
          "--tokenizer-workers", "1", "--st-batch-sizes", "8", "--out", str(out)],
         check=True, capture_output=True, timeout=600,
     )  # fmt: skip
@@ -31,3 +31,5 @@ def test_tiny_cpu_run(tmp_path):
     assert rows["bert-base"]["batchrun"]["rows"] == 20
     assert rows["bert-base"]["sentence_transformers"]["rows_per_s"] > 0
     assert rows["qwen3-rerank-0.6b"]["batchrun"]["rows"] == 2
+    assert rows["qwen3-rerank-0.6b"]["batchrun"]["cached_tokens"] > 0
+    assert rows["reward-llama-8b"]["batchrun"]["prefill_tflop_per_s"] > 0

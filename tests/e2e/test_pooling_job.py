@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -238,13 +239,18 @@ def test_killed_embed_job_resumes_every_id_once_and_exports_in_input_order(model
             "--commit-every", "100"]  # fmt: skip
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     submit(*args[1:-2], "--out", str(clean), "--commit-every", "100")
-    cmd = [sys.executable, "-P", "-m", "batchrun.cli", *args, "--out", str(killed)]
+    # the killed run tokenizes in two worker processes, which leave with it
+    cmd = [sys.executable, "-P", "-m", "batchrun.cli", *args, "--out", str(killed),
+           "--tokenizer-workers", "2"]  # fmt: skip
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 120
     while not list(killed.glob("vectors-00002.parquet")) and time.monotonic() < deadline:
         time.sleep(0.05)
+    workers = psutil.Process(proc.pid).children(recursive=True)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, f"tokenizer workers outlived the killed job: {alive}"
     manifest = json.loads((killed / "manifest.json").read_text())
     assert manifest["status"] == "running"  # killed mid-run
     subprocess.run(cmd, check=True)
@@ -258,3 +264,27 @@ def test_killed_embed_job_resumes_every_id_once_and_exports_in_input_order(model
     assert result.exit_code == 0, result.output
     table = pq.read_table(killed / "export.parquet")
     assert table.column("id").to_pylist() == ids
+
+
+def test_tokenizer_workers_give_the_in_process_rows_and_say_what_bounds_the_run(models, tmp_path):
+    """Two worker processes tokenize ahead of the engine: the vectors and the row errors equal
+    the in-process run's, every id once, and the summary compares the two rates."""
+    rows = [{"id": f"id{i}", "text": TEXTS[i % 16] * (1 + i % 3)} for i in range(600)]
+    rows[17] = {"id": "bad", "text": ""}
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    outs = {}
+    for workers in ("0", "2"):
+        out = tmp_path / f"w{workers}"
+        result = CliRunner().invoke(main, [
+            "submit", str(data), "--model", str(models / "st"), "--in-process", "--out", str(out),
+            "--tokenizer-workers", workers,
+        ])  # fmt: skip
+        assert result.exit_code == 0, result.output + repr(result.exception)
+        assert "bounds this run" in result.output
+        outs[workers] = out
+    a, b = vectors(outs["0"]), vectors(outs["2"])
+    assert len(a) == 599 and sorted(a) == sorted(b)
+    ids = sorted(a)
+    assert cosine(np.stack([a[i] for i in ids]), np.stack([b[i] for i in ids])).min() >= 0.999999
+    (error,) = [json.loads(x) for x in (outs["2"] / "errors-00000.jsonl").open()]
+    assert error["id"] == "bad" and "empty text" in json.dumps(error)

@@ -69,3 +69,33 @@ def test_heads_in_bf16_on_cuda(tmp_path, kind):
     torch.testing.assert_close(
         gpu.classify_logits(rows).cpu(), cpu.classify_logits(rows), atol=5e-2, rtol=5e-2
     )
+
+
+@pytest.mark.parametrize("window", [0, 16])
+@pytest.mark.parametrize("num_kv", [8, 2])
+def test_shared_prefix_attention_equals_the_reference(window, num_kv):
+    """FlashAttention's bottom-right causal mask over a segment's ancestors' and own keys equals
+    the CPU reference of pooling/shared_prefix.py."""
+    from batchrun.pooling.shared_prefix import plan_shared_prefixes, prefix_attention
+
+    gen = torch.Generator().manual_seed(0)
+    instr = tuple(torch.randint(0, 50, (40,), generator=gen).tolist())
+    seqs = []
+    for _ in range(6):
+        query = tuple(torch.randint(0, 50, (int(torch.randint(1, 60, (1,))),),
+                                    generator=gen).tolist())  # fmt: skip
+        for _ in range(5):
+            doc = tuple(torch.randint(0, 50, (int(torch.randint(1, 200, (1,))),),
+                                      generator=gen).tolist())  # fmt: skip
+            seqs.append(instr + query + doc)
+    plan = plan_shared_prefixes(seqs)
+    assert plan.kv_rows is not None
+    t = plan.num_tokens
+    q = torch.randn(t, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(t, num_kv, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(t, num_kv, 64, device="cuda", dtype=torch.bfloat16)
+    rows = torch.tensor(plan.kv_rows)
+    got = prefix_attention(q, k, v, plan, rows.cuda(), 0.125, window)
+    ref = prefix_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), plan, rows, 0.125,
+                           window)  # fmt: skip
+    torch.testing.assert_close(got.float().cpu(), ref, atol=2e-2, rtol=2e-2)

@@ -1,4 +1,4 @@
-"""ModernBERT (ModernBertModel, ModernBertForSequenceClassification): a pre-norm encoder with
+"""ModernBERT's blocks (models/modernbert.py): a pre-norm encoder with
 rotary positions, no token types, a GeGLU MLP, and bidirectional attention that is global every
 `global_attn_every_n_layers` layers and local (|q - k| <= local_attention / 2) otherwise, each
 kind with its own rotary base.
@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchrun.attention.varlen import varlen_attention
 from batchrun.errors import ModelConfigError
 from batchrun.pooling.heads import pool
-from batchrun.pooling.varlen import varlen_attention
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 _THETAS = {"full_attention": 160000.0, "sliding_attention": 10000.0}  # transformers' defaults

@@ -1,13 +1,12 @@
-"""Encoders: BERT (BertModel: all-MiniLM, bge-en) and XLM-RoBERTa (bge-m3, bge-reranker-v2-m3),
-with their sequence-classification heads (cross-encoders).
-
-Post-norm layers over packed sequences, bidirectional attention within each (pooling/varlen.py):
+"""Post-norm encoder blocks (BERT's and XLM-RoBERTa's: models/bert.py, models/xlm_roberta.py)
+with their sequence-classification heads (cross-encoders): absolute positions, token types, and
+bidirectional attention within each packed sequence (attention/varlen.py):
 
     x = LN(word + position + token_type)
     per layer:  x = LN(x + o(attn(qkv(x))));  x = LN(x + down(gelu(up(x))))
 
 XLM-RoBERTa differs from BERT in its positions only: they start at pad_token_id + 1. Parameter
-names are the checkpoint's (BertModel's), so the weights load by name; a classification head
+names are the checkpoint's (the base model's), so the weights load by name; a classification head
 reads the first token: BERT's through its pooler (tanh) into `classifier`, XLM-RoBERTa's through
 `classifier.dense` (tanh) into `classifier.out_proj`."""
 
@@ -20,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchrun.attention.varlen import varlen_attention
 from batchrun.errors import ModelConfigError
-from batchrun.pooling.varlen import varlen_attention
 
 ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
 
