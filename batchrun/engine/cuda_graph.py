@@ -112,6 +112,19 @@ class CudaGraphRunner:
             self.states.prepare_graph(rows[:bs], self.state_cu_seqlens[: bs + 1])
         return ForwardBatch(self.input_ids[:bs], self.positions[:bs], None)
 
+    def _dry_pass(self, compile_pool: CompilePool, rows, stream) -> list[tuple[str, str, str]]:
+        """The Triton variants the capture's forwards would compile (none launches); a pass
+        that stops early gives what it recorded, and the capture compiles the rest."""
+        variants: list[tuple[str, str, str]] = []
+        try:
+            with compile_pool.recording() as recorded, torch.cuda.stream(stream):
+                variants = recorded
+                for bs in reversed(self.batch_sizes):
+                    self.model(self._prepare(bs, rows), self.backend)
+        except Exception as e:  # noqa: BLE001 (the capture below compiles what is missing)
+            log.warning("the start-up compile pool's dry pass stopped: %s: %s", type(e).__name__, e)
+        return variants
+
     def _capture(self, rows: torch.Tensor | None, compile_pool: CompilePool | None) -> None:
         """rows: the backend's static request rows [max_bs] (the state slots)."""
         t0 = time.perf_counter()
@@ -119,10 +132,7 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         if compile_pool is not None:  # a dry pass over every size, then the compiles at once
-            with compile_pool.recording() as variants, torch.cuda.stream(stream):
-                for bs in reversed(self.batch_sizes):
-                    self.model(self._prepare(bs, rows), self.backend)
-            compile_pool.compile(variants)
+            compile_pool.compile(self._dry_pass(compile_pool, rows, stream))
         with no_gc():
             for bs in reversed(self.batch_sizes):
                 batch = self._prepare(bs, rows)
