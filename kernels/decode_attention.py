@@ -590,6 +590,7 @@ def decode_attention_fwd(
         2 if fp16_dot else q.element_size(),
         k_buf.element_size(),
         shared_memory if shared_memory is not None else shared_memory_limit(q.device),
+        pipelined=False,
     )
     launch = pdl_launch_kwargs(pdl, q)
     _decode_stage1_kernel[(num_kv_heads, batch_size, num_kv_splits)](
