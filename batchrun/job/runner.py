@@ -386,7 +386,8 @@ class Runner:
         same shard / resume filter and prefix order as generate's."""
         cfg = self.config
         rows = PoolingRows(self.source, cfg.spec, cfg.pooling, self.engine.model, cfg.limit,
-                           cfg.read_batch_size, self.engine.model_dir)  # fmt: skip
+                           cfg.read_batch_size, self.engine.model_dir,
+                           self.engine.tokenizer_pool)  # fmt: skip
         self._pipeline = rows  # its `openai` decides the errors' shape
         items = self._tokenized(rows)
         if cfg.order == "prefix":

@@ -150,11 +150,21 @@ def string(data: dict, column: str) -> str:
 
 
 @lru_cache(maxsize=1)
-def _worker_converter(recipe: RowRecipe) -> RowConverter:
-    """A worker process's converter, its tokenizer loaded by its first batch."""
+def _worker_tokenizer(model_dir: str):
+    """A worker process's tokenizer, loaded once (by `warm` while the job loads its model)."""
     from transformers import AutoTokenizer
 
-    return RowConverter(recipe, AutoTokenizer.from_pretrained(recipe.model_dir))
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def warm(model_dir: str) -> None:
+    """A tokenizer worker's first task: its imports and the tokenizer, before rows come."""
+    _worker_tokenizer(model_dir)
+
+
+@lru_cache(maxsize=1)
+def _worker_converter(recipe: RowRecipe) -> RowConverter:
+    return RowConverter(recipe, _worker_tokenizer(recipe.model_dir))
 
 
 def convert_batch(
