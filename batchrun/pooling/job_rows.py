@@ -27,7 +27,14 @@ from batchrun.io.source import RawRow
 from batchrun.job.pipeline import read_rows
 from batchrun.pooling.job_options import PoolingJobOptions
 from batchrun.pooling.model import PoolingModel
-from batchrun.pooling.row_tokens import PoolingRow, RowConverter, RowRecipe, convert_batch, warm
+from batchrun.pooling.row_tokens import (
+    PoolingRow,
+    RowConverter,
+    RowRecipe,
+    convert_batch,
+    warm,
+    watch_parent,
+)
 
 
 def default_tokenizer_workers() -> int:
@@ -47,7 +54,9 @@ class TokenizerPool:
         self.executor: ProcessPoolExecutor | None = None
         self.warming: list[Future] = []
         if self.num_workers:
-            self.executor = ProcessPoolExecutor(self.num_workers, mp_context=get_context("spawn"))
+            self.executor = ProcessPoolExecutor(
+                self.num_workers, get_context("spawn"), watch_parent, (os.getpid(),)
+            )
             self.warming = [self.executor.submit(warm, model_dir) for _ in range(self.num_workers)]
 
     @property

@@ -11,6 +11,8 @@ OpenAI Batch rows (pooling/openai_rows.py reads their bodies) give the sequences
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -147,6 +149,18 @@ def string(data: dict, column: str) -> str:
     if not isinstance(value, str):
         raise BadRow(f"`{column}` must be a string, got {type(value).__name__}")
     return value
+
+
+def watch_parent(parent_pid: int) -> None:
+    """A tokenizer worker's initializer: the worker exits once the job's process is gone (killed
+    with SIGKILL, it leaves its idle workers blocked on their task queue otherwise)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
 @lru_cache(maxsize=1)
