@@ -3,7 +3,7 @@ packed steps, no padding, shared rerank prefixes, tokenization in worker process
 against sentence-transformers in the same run, both end to end from text.
 
     python scripts/bench_pooling.py                                   # the full set (below)
-    python scripts/bench_pooling.py --scale 0.05 --st-batch-sizes 64,256   # one 10-minute call
+    python scripts/bench_pooling.py --scale 0.05 --st-batch-sizes 32,128   # one 10-minute call
     python scripts/bench_pooling.py --cases bert-base --scale 0.1     # one case, fewer rows
     python scripts/bench_pooling.py --device cpu --tiny --scale 0.0001   # CPU smoke test
 
@@ -178,7 +178,8 @@ def run_st(path, texts, args) -> dict:
 
 
 def run_hf_rerank(path, pairs, args) -> dict:
-    """The Qwen3-Reranker card's loop: left-padded batches, yes/no logits at the last position."""
+    """The Qwen3-Reranker card's loop: left-padded batches, yes/no logits at the last position
+    (the LM head over that position only, not the card's every position)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from batchrun.pooling.model import RERANK_INSTRUCTION, RERANK_PREFIX, RERANK_SUFFIX
@@ -196,7 +197,7 @@ def run_hf_rerank(path, pairs, args) -> dict:
             for i in range(0, len(texts), bs):
                 enc = tok(texts[i : i + bs], padding=True, return_tensors="pt",
                           add_special_tokens=False).to(args.device)  # fmt: skip
-                last = model(**enc).logits[:, -1]
+                last = model(**enc, logits_to_keep=1).logits[:, -1]  # the last position only
                 torch.softmax(torch.stack([last[:, no], last[:, yes]], 1).float(), 1)[:, 1].cpu()
         dt = time.perf_counter() - t0
         if best is None or dt < best["seconds"]:

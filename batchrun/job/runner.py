@@ -382,16 +382,17 @@ class Runner:
             yield self._request(item)
 
     def _pool_requests(self) -> Iterator[PoolJobRequest]:
-        """A pooling task's rows (job/pooling's PoolingRows) as the engine's requests, through the
-        same shard / resume filter and prefix order as generate's."""
+        """A pooling task's rows (pooling/job_rows.py) as the engine's requests, through the same
+        shard / resume filter as generate's."""
         cfg = self.config
         rows = PoolingRows(self.source, cfg.spec, cfg.pooling, self.engine.model, cfg.limit,
-                           cfg.read_batch_size, self.engine.model_dir)  # fmt: skip
+                           cfg.read_batch_size, self.engine.model_dir,
+                           self.engine.tokenizer_pool)  # fmt: skip
         self._pipeline = rows  # its `openai` decides the errors' shape
-        items = self._tokenized(rows)
-        if cfg.order == "prefix":
-            items = ordered_windows(items, _input_ids, cfg.order_window)
-        for item in items:
+        # NOTE: input order (--order is generate's): no radix cache to feed, a step shares what
+        # consecutive rows share, and a window held for ordering would stall the engine while
+        # the tokenizer workers fill it (docs/pooling.md, "The job")
+        for item in self._tokenized(rows):
             rid = str(item.prepared.row)
             self._pending[rid] = (item.prepared, [])
             yield PoolJobRequest(rid, item.token_rows)

@@ -16,6 +16,7 @@ from batchrun.config import EngineConfig
 from batchrun.params import EngineCounters
 from batchrun.pooling.engine import PoolingEngine, PoolRequest, TaskOptions
 from batchrun.pooling.job_options import PoolingJobOptions
+from batchrun.pooling.job_rows import TokenizerPool
 from batchrun.pooling.model import TokenRow, load_pooling_model
 
 if TYPE_CHECKING:
@@ -65,10 +66,16 @@ class PoolingJobEngine:
         # auto: as --dtype says for every task (bfloat16 on CUDA, float32 elsewhere)
         dtype = DTYPES.get(config.dtype, torch.bfloat16 if device == "cuda" else torch.float32)
         self.model_dir = str(Path(config.model).expanduser())
-        self.model = load_pooling_model(self.model_dir, dtype, device, config.load_format)
+        # the tokenizer workers start (and import) while the model loads
+        self.tokenizer_pool = TokenizerPool(self.model_dir, options.tokenizer_workers)
         task = TaskOptions(options.task, options.pooling, options.normalize, options.dimensions,
                            options.raw_scores)  # fmt: skip
-        task.validate(self.model)
+        try:
+            self.model = load_pooling_model(self.model_dir, dtype, device, config.load_format)
+            task.validate(self.model)
+        except BaseException:
+            self.tokenizer_pool.close()
+            raise
         self.max_step_tokens = DEFAULT_STEP_TOKENS
         self.engine = PoolingEngine(self.model, task, self.max_step_tokens)
         self.tokenizer = self.model.tokenizer
@@ -178,3 +185,4 @@ class PoolingJobEngine:
 
     def close(self) -> None:
         self.engine.waiting.clear()
+        self.tokenizer_pool.close()

@@ -5,7 +5,8 @@ the job's RowPipeline does for generate, in tokenizer worker processes where the
                                       │ up to 2 batches per worker in flight
     engine ◀── rows, in input order ──┘ while the engine steps, the workers tokenize ahead
 
-With `num_workers` 0 the job's process tokenizes. Either way the seconds spent tokenizing and
+The workers start with the engine (TokenizerPool, while the model loads); until one has started
+(and with 0 workers) the job's process tokenizes. Either way the seconds spent tokenizing and
 the seconds the job waited on it are counted: the summary says whether the tokenizer or the
 engine bounds the run (job_engine.py `notes`). A row that cannot run (no such column, an empty
 text, a pair without its document, longer than the model with --no-truncate) becomes a RowError
@@ -26,7 +27,14 @@ from batchrun.io.source import RawRow
 from batchrun.job.pipeline import read_rows
 from batchrun.pooling.job_options import PoolingJobOptions
 from batchrun.pooling.model import PoolingModel
-from batchrun.pooling.row_tokens import PoolingRow, RowConverter, RowRecipe, convert_batch
+from batchrun.pooling.row_tokens import (
+    PoolingRow,
+    RowConverter,
+    RowRecipe,
+    convert_batch,
+    warm,
+    watch_parent,
+)
 
 
 def default_tokenizer_workers() -> int:
@@ -37,14 +45,38 @@ def default_tokenizer_workers() -> int:
     return 0 if cores < 4 else min(8, cores // 2)
 
 
+class TokenizerPool:
+    """`num_workers` spawned processes (no CUDA state crosses), each loading the model folder's
+    tokenizer as it starts; None of them with 0 workers."""
+
+    def __init__(self, model_dir: str, num_workers: int | None) -> None:
+        self.num_workers = default_tokenizer_workers() if num_workers is None else num_workers
+        self.executor: ProcessPoolExecutor | None = None
+        self.warming: list[Future] = []
+        if self.num_workers:
+            self.executor = ProcessPoolExecutor(
+                self.num_workers, get_context("spawn"), watch_parent, (os.getpid(),)
+            )
+            self.warming = [self.executor.submit(warm, model_dir) for _ in range(self.num_workers)]
+
+    @property
+    def is_ready(self) -> bool:
+        """A worker has started and loaded its tokenizer."""
+        return any(f.done() for f in self.warming)
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            self.executor = None
+
+
 class PoolingRows:
     def __init__(self, source: DatasetSource, spec: RowSpec, options: PoolingJobOptions,
-                 model: PoolingModel, limit: int | None, batch_size: int,
-                 model_dir: str) -> None:  # fmt: skip
+                 model: PoolingModel, limit: int | None, batch_size: int, model_dir: str,
+                 pool: TokenizerPool) -> None:  # fmt: skip
         self.source, self.spec, self.options, self.model = source, spec, options, model
-        self.limit, self.batch_size = limit, batch_size
-        workers = options.tokenizer_workers
-        self.num_workers = default_tokenizer_workers() if workers is None else workers
+        self.limit, self.batch_size, self.pool = limit, batch_size, pool
+        self.num_workers = pool.num_workers
         width = options.dimensions or model.hidden_size
         scalar = model.head == "lm" or len(model.labels) == 1
         self.recipe = RowRecipe(options, spec, model_dir, model.max_len, model.kind, model.head,
@@ -58,29 +90,34 @@ class PoolingRows:
 
     def __iter__(self) -> Iterator[PoolingRow | RowError]:
         batches = read_rows(self.source, self.limit, self.batch_size)
-        if self.num_workers == 0:
-            converter = RowConverter(self.recipe, self.model.tokenizer)
-            for batch in batches:
-                self._detect(batch)
-                start = time.perf_counter()
-                out = [converter.convert(raw, bool(self.openai)) for raw in batch]
-                elapsed = time.perf_counter() - start
-                self.tokenize_s += elapsed
-                self.wait_s += elapsed
-                yield from self._count(out)
-            return
-        pool = ProcessPoolExecutor(self.num_workers, mp_context=get_context("spawn"))
+        executor = self.pool.executor
+        converter = RowConverter(self.recipe, self.model.tokenizer)
         pending: deque[Future] = deque()
         try:
             for batch in batches:
                 self._detect(batch)
-                pending.append(pool.submit(convert_batch, self.recipe, batch, bool(self.openai)))
+                if executor is None or (not pending and not self.pool.is_ready):
+                    # no workers, or none started yet: this process tokenizes (in order: nothing
+                    # is pending), so the engine's first steps do not wait on the workers' start
+                    yield from self._count(self._convert(converter, batch))
+                    continue
+                pending.append(executor.submit(convert_batch, self.recipe, batch,
+                                               bool(self.openai)))  # fmt: skip
                 while len(pending) > 2 * self.num_workers:
                     yield from self._collect(pending.popleft())
             while pending:
                 yield from self._collect(pending.popleft())
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            for future in pending:  # a stopped run: what was not taken is not needed
+                future.cancel()
+
+    def _convert(self, converter: RowConverter, batch: list[RawRow]) -> list:
+        start = time.perf_counter()
+        out = [converter.convert(raw, bool(self.openai)) for raw in batch]
+        elapsed = time.perf_counter() - start
+        self.tokenize_s += elapsed
+        self.wait_s += elapsed
+        return out
 
     def _detect(self, batch: list[RawRow]) -> None:
         if self.openai is None:

@@ -11,6 +11,8 @@ OpenAI Batch rows (pooling/openai_rows.py reads their bodies) give the sequences
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -149,12 +151,34 @@ def string(data: dict, column: str) -> str:
     return value
 
 
+def watch_parent(parent_pid: int) -> None:
+    """A tokenizer worker's initializer: the worker exits once the job's process is gone (killed
+    with SIGKILL, it leaves its idle workers blocked on their task queue otherwise)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
 @lru_cache(maxsize=1)
-def _worker_converter(recipe: RowRecipe) -> RowConverter:
-    """A worker process's converter, its tokenizer loaded by its first batch."""
+def _worker_tokenizer(model_dir: str):
+    """A worker process's tokenizer, loaded once (by `warm` while the job loads its model)."""
     from transformers import AutoTokenizer
 
-    return RowConverter(recipe, AutoTokenizer.from_pretrained(recipe.model_dir))
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def warm(model_dir: str) -> None:
+    """A tokenizer worker's first task: its imports and the tokenizer, before rows come."""
+    _worker_tokenizer(model_dir)
+
+
+@lru_cache(maxsize=1)
+def _worker_converter(recipe: RowRecipe) -> RowConverter:
+    return RowConverter(recipe, _worker_tokenizer(recipe.model_dir))
 
 
 def convert_batch(

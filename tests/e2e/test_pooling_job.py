@@ -239,7 +239,7 @@ def test_killed_embed_job_resumes_every_id_once_and_exports_in_input_order(model
             "--commit-every", "100"]  # fmt: skip
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     submit(*args[1:-2], "--out", str(clean), "--commit-every", "100")
-    # the killed run tokenizes in two worker processes, which leave with it
+    # the killed run has two tokenizer worker processes, which leave with it
     cmd = [sys.executable, "-P", "-m", "batchrun.cli", *args, "--out", str(killed),
            "--tokenizer-workers", "2"]  # fmt: skip
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -267,8 +267,9 @@ def test_killed_embed_job_resumes_every_id_once_and_exports_in_input_order(model
 
 
 def test_tokenizer_workers_give_the_in_process_rows_and_say_what_bounds_the_run(models, tmp_path):
-    """Two worker processes tokenize ahead of the engine: the vectors and the row errors equal
-    the in-process run's, every id once, and the summary compares the two rates."""
+    """With --tokenizer-workers 2 the vectors and the row errors equal the in-process run's,
+    every id once, and the summary compares the two rates (tests/e2e/test_pooling_rows.py: the
+    workers' rows equal the in-process ones)."""
     rows = [{"id": f"id{i}", "text": TEXTS[i % 16] * (1 + i % 3)} for i in range(600)]
     rows[17] = {"id": "bad", "text": ""}
     data = write_jsonl(tmp_path / "in.jsonl", rows)

@@ -99,3 +99,24 @@ def test_shared_prefix_attention_equals_the_reference(window, num_kv):
     ref = prefix_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), plan, rows, 0.125,
                            window)  # fmt: skip
     torch.testing.assert_close(got.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3"])
+def test_shared_prefix_steps_on_cuda_match_unshared_fp32_on_the_cpu(tmp_path, kind):
+    """A decoder classifier's rows behind one long instruction: the CUDA bf16 engine computes the
+    instruction once per step (gemma3: through its sliding layers) and gives the CPU's unshared
+    fp32 logits."""
+    from batchrun.pooling.engine import PoolingEngine, PoolRequest, TaskOptions
+
+    make_decoder(tmp_path, kind, "classify", num_labels=2)
+    cpu = load_pooling_model(tmp_path)
+    gpu = load_pooling_model(tmp_path, dtype=torch.bfloat16, device="cuda")
+    instruction = "Instruct: judge whether the passage answers the question well\nQuery: "
+    rows = [cpu.tokenize(t, prompt=instruction) for t in TEXTS]
+    want = cpu.classify_logits(rows)
+    engine = PoolingEngine(gpu, TaskOptions("classify"), max_step_tokens=100_000)
+    engine.add([PoolRequest(i, r) for i, r in enumerate(rows)])
+    results = engine.step()
+    assert not engine.has_work and sum(r.num_shared for r in results) >= 15 * 60
+    got = torch.stack([r.value for r in sorted(results, key=lambda r: r.rid)]).float()
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
