@@ -75,6 +75,7 @@ def test_bf16_states_against_transformers_decide_the_default(kind, tmp_path):
     assert default == ("bfloat16" if equal == len(PROMPTS) else "float32"), (equal, firsts)
 
 
+@pytest.mark.slow  # CI's slow tier (BATCHRUN_SLOW_TESTS=1): six engine runs
 @pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_next"])
 def test_a_bf16_model_loses_more_tokens_than_bf16_states(kind, tmp_path):
     """For scale (docs/hybrid.md): the model's own bf16 rounding, with fp32 states, changes
