@@ -547,6 +547,10 @@ def add_engine_args(
     p.add_argument("--quantization", default=None, help="fp8: the bf16 weights quantized at load")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8_e4m3")
     p.add_argument(
+        "--linear-state-dtype", default="float32", choices=("float32", "bfloat16"),
+        help="a hybrid model's recurrent states (docs/hybrid.md)",
+    )  # fmt: skip
+    p.add_argument(
         "--kernel", type=_kernel_field, action="append", default=[], metavar="FIELD=VALUE",
         help="a plan (KernelPlan) field over the engine's rule, repeatable: moe_decode=grouped",
     )  # fmt: skip
@@ -579,6 +583,7 @@ def engine_config(args, model_dir: Path, **changes) -> EngineConfig:
         page_size=args.page_size,
         quantization=getattr(args, "quantization", None),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        linear_state_dtype=getattr(args, "linear_state_dtype", "float32"),
         cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
     config.update(changes)

@@ -35,11 +35,11 @@ PROMPTS = [torch.randint(3, 256, (n,), generator=_G).tolist() for n in LENGTHS]
 BF16_LOGPROB_BOUND = 1.0
 
 
-def measure(kind: str, path: Path, state_dtype: str):
+def measure(kind: str, path: Path, state_dtype: str, dtype: str = "float32"):
     """(rows equal to transformers, each row's first different token (32: none), the largest
-    |logprob - transformers'| before it)."""
+    |logprob - transformers'| before it) of a `dtype` model with `state_dtype` states."""
     hf = make_hybrid_model(kind, path)
-    config = EngineConfig(model=str(path), device="cpu", dtype="float32", kv_budget=8192,
+    config = EngineConfig(model=str(path), device="cpu", dtype=dtype, kv_budget=8192,
                           chunked_prefill_size=48, linear_state_dtype=state_dtype)  # fmt: skip
     engine = Engine(config)
     pool = engine.runner.states
@@ -73,6 +73,19 @@ def test_bf16_states_against_transformers_decide_the_default(kind, tmp_path):
     assert worst < BF16_LOGPROB_BOUND
     default = EngineConfig().linear_state_dtype
     assert default == ("bfloat16" if equal == len(PROMPTS) else "float32"), (equal, firsts)
+
+
+@pytest.mark.slow  # CI's slow tier (BATCHRUN_SLOW_TESTS=1): six engine runs
+@pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_next"])
+def test_a_bf16_model_loses_more_tokens_than_bf16_states(kind, tmp_path):
+    """For scale (docs/hybrid.md): the model's own bf16 rounding, with fp32 states, changes
+    tokens on at least as many rows as bf16 states on the fp32 model."""
+    states, _, _ = measure(kind, tmp_path / "states", "bfloat16")
+    model, firsts, _ = measure(kind, tmp_path / "model", "float32", dtype="bfloat16")
+    both, both_firsts, _ = measure(kind, tmp_path / "both", "bfloat16", dtype="bfloat16")
+    print(f"{kind}, bf16 model: fp32 states {model}/{len(PROMPTS)} rows equal ({firsts}), bf16 "
+          f"states {both}/{len(PROMPTS)} ({both_firsts})")  # fmt: skip
+    assert model <= states
 
 
 def test_bf16_states_take_half_the_bytes(tmp_path):

@@ -1,10 +1,12 @@
 """Hybrid linear-attention models on the GPU with the default kernels (Triton attention on the
-full-attention layers, overlap on; the linear layers on the plain-torch delta rule, no CUDA
-graphs): the tiny Qwen3-Next and Qwen3.5 models' greedy tokens equal transformers' in fp32 for a
-batch of mixed lengths, chunked prefill included; in bf16 every row runs to its length."""
+full-attention layers, overlap on; the linear layers on fla-core's kernels and
+kernels/causal_conv1d.py, decode CUDA graphs with the states in their inputs): the tiny
+Qwen3-Next and Qwen3.5 models' greedy tokens equal transformers' in fp32 for a batch of mixed
+lengths, chunked prefill included; in bf16 every row runs to its length."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +21,10 @@ pytestmark = [
 ]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# NOTE: fp32 dots of the Triton kernels in full fp32, not TF32: the fp32 engine is compared token
+# for token with transformers (as in test_hybrid_kernels_gpu.py)
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 NEW = 32
 LENGTHS = (2, 3, 9, 26, 64, 65, 130, 300)
@@ -44,7 +50,8 @@ def test_tiny_hybrid_equals_transformers(kind, tmp_path):
     hf = make_hybrid_model(kind, tmp_path).cuda()
     engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32",
                                  kv_budget=8192, chunked_prefill_size=100))  # fmt: skip
-    assert engine.runner.states is not None and engine.runner.graphs is None
+    assert engine.runner.states is not None and engine.runner.graphs is not None
+    assert engine.kernels.linear_attention == "fla"
     reqs = _requests()
     got = {r.rid: r.output_ids for r in engine.generate(reqs)}
     engine.check_integrity()
