@@ -153,6 +153,7 @@ def test_gpu_memory_utilization_sizes_the_cuda_kv_pool(monkeypatch):
             model_cfg=model_cfg,
             model=SimpleNamespace(num_kv_heads=2, kv_shapes=((2, 64),) * 4),
             states=None,  # no recurrent states (a hybrid's: engine/state_pool.py)
+            snapshots=None,
             dtype=torch.bfloat16,
             device=torch.device("cuda"),
         )
