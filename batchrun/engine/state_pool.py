@@ -6,8 +6,8 @@
 A slot is the request's row of the request-to-token table (ReqToTokenPool): it is allocated at
 admission and freed at finish or retraction with that row, and the dummy row (the last) serves
 scoring and padded batches. A request whose step starts at position 0 starts from a zero state
-(`prepare` clears it); a later chunk or decode step continues from the slot. Rows under this
-regime never reuse a cached prefix: the radix cache shares KV, not states (docs/hybrid.md).
+(`prepare` clears it); a later chunk or decode step continues from the slot, which a prefix
+cache hit fills from a state snapshot first (engine/state_snapshots.py).
 
 The states' element type is EngineConfig.linear_state_dtype (docs/hybrid.md: the memory rule
 that counts them beside the KV pool, and the measurement behind the default); the math reads them

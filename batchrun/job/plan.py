@@ -286,7 +286,11 @@ class PrefixReuse:
             else f"exact within each of {self.num_windows} windows of {window:,} rows; reuse "
             "across windows not counted"
         )
-        where = "; at state-snapshot boundaries (hybrid)" if self.hybrid else ""
+        where = ""
+        if self.hybrid:  # snapshot_reuse_lens follows the DFS order's neighbours
+            where = "; at state-snapshot boundaries (hybrid)"
+            if self.order != "prefix":
+                where += ", as --order prefix runs; --order input hits less"
         lines = [
             f"prefix reuse unlimited cache: {self.unlimited / total:.3f} of prompt tokens "
             f"({self.unlimited:,} of {self.prompt_tokens:,}; {scope}{where})"
