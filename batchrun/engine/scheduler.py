@@ -25,7 +25,7 @@ import torch
 
 from batchrun.engine.kv_manager import KVManager
 from batchrun.engine.request import PLACEHOLDER, Req
-from batchrun.engine.state_snapshots import SNAPSHOT_LOOKAHEAD, boundaries
+from batchrun.engine.state_snapshots import SNAPSHOT_LOOKAHEAD, boundaries, common_prefix_len
 
 # a waiting request is held back while a running prefill shares at least this many of its
 # uncached tokens: that prefix is computed once and then served from the cache
@@ -411,18 +411,3 @@ class Scheduler:
     def finish(self, req: Req) -> None:
         self.running.remove(req)
         self.kv.release(req)
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix; slice comparisons run in C, so O(log n) Python steps."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo

@@ -78,18 +78,20 @@ def boundaries(
         least = start + MIN_SNAPSHOT_PREFIX
         if n < least or ids[:MIN_SNAPSHOT_PREFIX] != other[:MIN_SNAPSHOT_PREFIX]:
             continue
-        b = _common_len(ids, other, n)
+        b = common_prefix_len(ids, other, n)
         b -= b % page
         if b >= least:
             out.add(b)
     return tuple(sorted(out))
 
 
-def _common_len(a: Sequence[int], b: Sequence[int], n: int) -> int:
-    """Common prefix of a[:n] and b[:n]; slice comparisons in C, O(log n) Python steps."""
+def common_prefix_len(a: Sequence[int], b: Sequence[int], n: int | None = None) -> int:
+    """Length of the common prefix of a[:n] and b[:n] (n: the shorter length); slice
+    comparisons run in C, so O(log n) Python steps."""
+    n = min(len(a), len(b)) if n is None else n
     if a[:n] == b[:n]:
         return n
-    lo, hi = 0, n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if a[lo:mid] == b[lo:mid]:
