@@ -180,7 +180,7 @@ class ModelConfig:
             own["sliding_windows"] = spec.windows(raw, num_layers, max_pos, source)
         if "moe" not in own:
             own["moe"] = spec.moe(raw, num_layers, source)
-        quantization = parse_quant_config(raw, source)
+        quantization = parse_quant_config(raw, source, spec.names.text_name)
         if quantization is not None and not spec.quantizable:
             raise ModelConfigError(
                 f"{source}: a quantized {spec.family} checkpoint ({quantization.describe()}) is "

@@ -41,6 +41,13 @@ HYBRID_IGNORE = ["lm_head", r"re:.*in_proj_(a|b|ba)$", r"re:.*mlp\.gate$",
                  r"re:.*shared_expert_gate$"]  # fmt: skip
 LINEAR_ATTN_IGNORE = ["lm_head", r"re:.*linear_attn\..*", r"re:.*mlp\.gate$",
                       r"re:.*shared_expert_gate$"]  # fmt: skip
+# a multimodal checkpoint's ignore list names its modules as stored (model.language_model.*)
+MULTIMODAL_IGNORE = [
+    "lm_head",
+    r"re:.*visual\..*",
+    r"re:.*mlp\.gate$",
+    r"re:.*shared_expert_gate$",
+] + [f"model.language_model.layers.{i}.linear_attn.in_proj_{x}" for i in (0, 2, 3) for x in "ab"]
 GEMMA4_IGNORE = ["lm_head", r"re:.*router\..*", r"re:.*per_layer_.*"]
 # INT4 groups of 32 columns: the shared expert 64 wide (not 48)
 HYBRID_SHAPES = dict(shared_expert_intermediate_size=64)
@@ -67,6 +74,7 @@ CASES = [
         id="qwen3_5_moe-fp8",
         marks=pytest.mark.slow,
     ),
+    pytest.param(("qwen3_5_moe", "ct-fp8-channel", MULTIMODAL_IGNORE), id="qwen3_5_moe-mm-fp8"),
     pytest.param(("qwen3_next", "ct-fp8-channel", HYBRID_IGNORE), id="qwen3_next-fp8"),
     pytest.param(
         ("qwen3_next", "pack-quantized", LINEAR_ATTN_IGNORE),
@@ -102,20 +110,23 @@ def written(request, tmp_path_factory):
     return fmt, ignore, path, hf, engine_for(path)
 
 
-def our_linears(model):
-    """(checkpoint linear, our module holding it) of every decoder layer's quantizable linear."""
+def our_linears(model, multimodal: bool):
+    """(checkpoint linear as stored, our module holding it) of every decoder layer's quantizable
+    linear."""
     from batchrun.models.quant_loader import layer_linears
 
+    prefix = "model.language_model" if multimodal else "model"
     for i, layer in enumerate(model.layers):
         for ours, parts, _ in layer_linears(model.config, i):
             for part, _ in parts:
-                yield f"model.layers.{i}.{part}", layer.get_submodule(ours)
+                yield f"{prefix}.layers.{i}.{part}", layer.get_submodule(ours)
 
 
 def test_ignored_linears_stay_plain_and_the_rest_load_quantized(written):
     fmt, ignore, _, hf, engine = written
+    multimodal = engine.model_config.architecture.endswith("ConditionalGeneration")
     seen = 0
-    for name, module in our_linears(engine.runner.model):
+    for name, module in our_linears(engine.runner.model, multimodal):
         assert (module.quant is None) == ignored(name, ignore), name
         if module.quant is not None:
             assert name in hf.quantized
