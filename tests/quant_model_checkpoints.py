@@ -1,8 +1,10 @@
 """Any tiny transformers model saved as a quantized checkpoint in the compressed-tensors layouts
 (FP8 per channel with dynamic per-token activations, FP8 in 128x128 blocks with dynamic per-token
-group activations, INT4 W4A16 pack-quantized), written by the reference quantizers of
-quant_checkpoints.py / quant_checkpoints_int4.py over what `save_pretrained` wrote: every
-nn.Linear of the model that the `ignore` list leaves in is quantized, the rest stays as saved.
+group activations, INT4 W4A16 pack-quantized) and Qwen's own block FP8 (quant_method fp8,
+`weight_scale_inv`, modules_to_not_convert: give it full module names), written by the reference
+quantizers of quant_checkpoints.py / quant_checkpoints_int4.py over what `save_pretrained`
+wrote: every nn.Linear of the model that the `ignore` list leaves in is quantized, the rest
+stays as saved.
 Returns the fp32 model that batchrun must compute: the dequantized weights, and the format's
 activation fake-quantization on the inputs of the quantized linears.
 
@@ -30,11 +32,15 @@ from quant_checkpoints_int4 import int4_quantization_config, int4_tensors, quant
 from safetensors import safe_open
 
 # format -> the activations of its quantized linears
-FORMATS = {"ct-fp8-channel": "dynamic", "ct-fp8-block": "dynamic", "pack-quantized": "none"}
+FORMATS = {"ct-fp8-channel": "dynamic", "ct-fp8-block": "dynamic", "pack-quantized": "none",
+           "fp8-block": "dynamic"}  # fmt: skip
 GROUP = 32  # the INT4 group size
 
 
 def quantization_config(fmt: str, ignore: list[str]) -> dict:
+    if fmt == "fp8-block":  # as Qwen3-Next-80B-A3B-Instruct-FP8 ships it: full module names
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128], "modules_to_not_convert": ignore}  # fmt: skip
     if fmt == "ct-fp8-channel":
         return _compressed_tensors(_ct_args("channel", False), _ct_args("token", True), ignore)
     if fmt == "ct-fp8-block":
@@ -48,6 +54,9 @@ def quantization_config(fmt: str, ignore: list[str]) -> dict:
 
 def quantize(fmt: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """(the linear's tensors as `fmt` stores them: suffix -> tensor, its dequantized weight)."""
+    if fmt == "fp8-block":
+        q, scale, deq = quantize_fp8(w, "block")
+        return {"weight": q, "weight_scale_inv": scale.contiguous()}, deq
     if fmt.startswith("ct-fp8"):
         q, scale, deq = quantize_fp8(w, "block" if fmt == "ct-fp8-block" else "channel")
         return {"weight": q, "weight_scale": scale.contiguous()}, deq
@@ -84,7 +93,7 @@ def quantize_saved(hf, fmt: str, path: Path, ignore: list[str], shards: int = 2)
         with torch.no_grad():
             module.weight.copy_(deq)
         if FORMATS[fmt] == "dynamic":
-            act = act_per_token_group if fmt == "ct-fp8-block" else act_per_token
+            act = act_per_token if fmt == "ct-fp8-channel" else act_per_token_group
             module.register_forward_pre_hook(lambda mod, args, act=act: (act(args[0]),))
         quantized.append(name)
     assert quantized, "no linear quantized"

@@ -45,7 +45,7 @@ from batchrun.models.blocks.model import CausalLM, ForwardBatch, Rope
 from batchrun.models.config import ModelConfig
 from batchrun.models.gemma4_weights import Gemma4Reader, gemma4_linears, refuse_quantized_extras
 from batchrun.models.moe_config import MoeConfig
-from batchrun.models.spec import ArchSpec, TensorNames
+from batchrun.models.spec import COMPRESSED_TENSORS_FORMATS, ArchSpec, TensorNames
 
 MULTIMODAL = "Gemma4ForConditionalGeneration"
 # transformers' Gemma4TextConfig defaults (configuration_gemma4.py)
@@ -303,7 +303,8 @@ TEXT_MODEL = TensorNames(
 )  # fmt: skip
 _COMMON = dict(family="Gemma 4", build=build, qk_norm=True, act_field="hidden_activation",
                activations=("gelu_pytorch_tanh",), experts_reader=Gemma4Reader,
-               layer_linears=gemma4_linears)  # fmt: skip
+               layer_linears=gemma4_linears,
+               quant_formats=COMPRESSED_TENSORS_FORMATS)  # fmt: skip
 SPEC = ArchSpec(name="Gemma4ForCausalLM", model_type="gemma4_text", prepare=prepare, **_COMMON)
 MULTIMODAL_SPEC = ArchSpec(name=MULTIMODAL, model_type="gemma4", names=TEXT_MODEL,
                            prepare=partial(prepare, multimodal=True), **_COMMON)  # fmt: skip

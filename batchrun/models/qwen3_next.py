@@ -36,7 +36,7 @@ from batchrun.models.blocks.model import CausalLM
 from batchrun.models.config import ModelConfig
 from batchrun.models.moe_config import experts_by_step
 from batchrun.models.quant_loader import Linears, attention_linears, mlp_linears
-from batchrun.models.spec import ArchSpec, TensorNames
+from batchrun.models.spec import COMPRESSED_TENSORS_FORMATS, ArchSpec, TensorNames
 
 NAME = "Qwen3NextForCausalLM"
 # the multimodal rotary's fields: for text positions they change nothing
@@ -122,4 +122,5 @@ LINEAR_LAYER_NAMES = (
 NAMES = TensorNames(skipped=("mtp.",), layer_renames=LINEAR_LAYER_NAMES)
 SPEC = ArchSpec(name=NAME, model_type="qwen3_next", family="Qwen3-Next", build=build,
                 qk_norm=True, o_proj_bias=True, partial_rotary=True, prepare=prepare,
-                moe=experts, names=NAMES, layer_linears=hybrid_linears)  # fmt: skip
+                moe=experts, names=NAMES, layer_linears=hybrid_linears,
+                quant_formats=COMPRESSED_TENSORS_FORMATS)  # fmt: skip

@@ -28,6 +28,14 @@ if TYPE_CHECKING:
     from batchrun.models.config import ModelConfig
     from batchrun.models.moe_config import MoeConfig
 
+# the formats the hybrids and Gemma 4 run (tests/e2e/test_quant_hybrid_gemma4.py): compressed-
+# tensors FP8 with dynamic activations (per channel or in 128x128 blocks) and W4A16, and Qwen's
+# own block FP8 (quant_method fp8, dynamic activations)
+COMPRESSED_TENSORS_FORMATS = (
+    ("compressed-tensors", "fp8", "dynamic"),
+    ("compressed-tensors", "int4", "none"),
+    ("fp8", "fp8", "dynamic"),
+)
 # config.json's older names of rope types -> the name batchrun runs ("su": LongRoPE's first name)
 ROPE_ALIASES: Mapping[str, str] = MappingProxyType({"su": "longrope"})
 
@@ -92,6 +100,9 @@ class ArchSpec:
     windows: Callable[[dict[str, Any], int, int, str], tuple[int, ...]] = no_windows
     moe: Callable[[dict[str, Any], int, str], MoeConfig | None] = no_experts
     quantizable: bool = True  # False: a quantization_config is refused
+    # the (quant_method, family, activations) of the checkpoint formats it runs; None: every
+    # format batchrun reads
+    quant_formats: tuple[tuple[str, str, str], ...] | None = None
     # (cfg, layer index) -> the layer's quantizable linears (models/quant_loader.py's
     # layer_linears form); None: attention's q/k/v/o and the MLP's gate/up/down
     layer_linears: Callable[[ModelConfig, int], list] | None = None

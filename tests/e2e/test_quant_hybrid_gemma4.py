@@ -48,6 +48,10 @@ MULTIMODAL_IGNORE = [
     r"re:.*mlp\.gate$",
     r"re:.*shared_expert_gate$",
 ] + [f"model.language_model.layers.{i}.linear_attn.in_proj_{x}" for i in (0, 2, 3) for x in "ab"]
+# the Qwen "-FP8" form (quant_method fp8): each linear layer's small projections by full name
+QWEN_FP8_IGNORE = ["lm_head"] + [
+    f"model.layers.{i}.linear_attn.in_proj_{x}" for i in (0, 2, 3) for x in "ab"
+]
 GEMMA4_IGNORE = ["lm_head", r"re:.*router\..*", r"re:.*per_layer_.*"]
 # INT4 groups of 32 columns: the shared expert 64 wide (not 48)
 HYBRID_SHAPES = dict(shared_expert_intermediate_size=64)
@@ -76,6 +80,7 @@ CASES = [
     ),
     pytest.param(("qwen3_5_moe", "ct-fp8-channel", MULTIMODAL_IGNORE), id="qwen3_5_moe-mm-fp8"),
     pytest.param(("qwen3_next", "ct-fp8-channel", HYBRID_IGNORE), id="qwen3_next-fp8"),
+    pytest.param(("qwen3_5_text", "fp8-block", QWEN_FP8_IGNORE), id="qwen3_5-qwen-fp8-block"),
     pytest.param(
         ("qwen3_next", "pack-quantized", LINEAR_ATTN_IGNORE),
         id="qwen3_next-w4a16-plain-linear-attn",
@@ -96,7 +101,7 @@ CASES = [
 
 
 def make_model(kind: str, fmt: str, path: Path):
-    block = fmt == "ct-fp8-block"
+    block = fmt.endswith("fp8-block")
     if kind.startswith("gemma4-"):
         return make_gemma4(kind.removeprefix("gemma4-"), path, **(GEMMA4_BLOCK if block else {}))
     return make_hybrid_model(kind, path, **(HYBRID_BLOCK if block else HYBRID_SHAPES))
@@ -154,6 +159,21 @@ def test_greedy_tokens_match_the_reference(written):
     tie = TIE if FORMATS[fmt] == "dynamic" else 0.0
     ties = sum(check_greedy(hf, p, results[str(i)], tie) for i, p in enumerate(prompts))
     assert ties <= 2, f"{fmt}: {ties} near-ties in {len(prompts) * NEW_TOKENS} tokens"
+
+
+def test_an_untested_format_is_refused_by_name(tmp_path):
+    """AWQ (like GPTQ, ModelOpt and static FP8) is not among the hybrids' tested formats."""
+    import json
+
+    make_hybrid_model("qwen3_5_text", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32,
+                                  "zero_point": True, "version": "gemm"}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(
+        ModelConfigError, match="AWQ GEMM.* is not supported; supported for Qwen3.5"
+    ):
+        engine_for(tmp_path)
 
 
 def test_gemma4_with_a_quantized_router_is_refused(tmp_path):
