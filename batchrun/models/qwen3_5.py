@@ -19,7 +19,7 @@ from typing import Any
 from batchrun.errors import ModelConfigError
 from batchrun.models import qwen3_next
 from batchrun.models.moe_config import experts_by_step
-from batchrun.models.spec import COMPRESSED_TENSORS_FORMATS, ArchSpec, TensorNames
+from batchrun.models.spec import HYBRID_QUANT_FORMATS, ArchSpec, TensorNames
 
 DENSE, MOE = "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"
 # the top-level fields of a ...ForConditionalGeneration config that apply to its text model
@@ -80,7 +80,7 @@ def _spec(name: str, model_type: str, multimodal: bool, moe: bool) -> ArchSpec:
         prepare=partial(prepare, multimodal=multimodal, moe=moe),
         moe=partial(experts, arch=MOE) if moe else no_experts,
         names=MULTIMODAL_NAMES if multimodal else TEXT_NAMES,
-        layer_linears=qwen3_next.hybrid_linears, quant_formats=COMPRESSED_TENSORS_FORMATS,
+        layer_linears=qwen3_next.hybrid_linears, quant_formats=HYBRID_QUANT_FORMATS,
     )  # fmt: skip
 
 

@@ -13,8 +13,9 @@ mlp_only_layers (models/moe_config.py); the rope parameters' mrope_section and
 mrope_interleaved (Qwen3.5's multimodal rotary) are accepted: for text every position row is the
 same, which is plain partial rotary. Its checkpoint fuses the linear layers' input projections
 (in_proj_qkvz, in_proj_ba); its MTP head (mtp.*) is not run. Tensor parallelism splits the
-linear layers by key head (models/blocks/gated_deltanet.py). A quantized checkpoint's linears
-load in its format but for those its config leaves out (its `ignore` list: typically the small
+linear layers by key head (models/blocks/gated_deltanet.py). A quantized checkpoint (in one of
+HYBRID_QUANT_FORMATS; the others are refused) has its linears load in its format but for those
+its config leaves out (its `ignore` list: typically the small
 in_proj_ba / in_proj_b / in_proj_a, the router and the shared expert's gate), which load plain;
 the conv, dt_bias and A_log are plain in every format (`hybrid_linears` lists what may be
 quantized). Refused: a field of REFUSED.
@@ -36,7 +37,7 @@ from batchrun.models.blocks.model import CausalLM
 from batchrun.models.config import ModelConfig
 from batchrun.models.moe_config import experts_by_step
 from batchrun.models.quant_loader import Linears, attention_linears, mlp_linears
-from batchrun.models.spec import COMPRESSED_TENSORS_FORMATS, ArchSpec, TensorNames
+from batchrun.models.spec import HYBRID_QUANT_FORMATS, ArchSpec, TensorNames
 
 NAME = "Qwen3NextForCausalLM"
 # the multimodal rotary's fields: for text positions they change nothing
@@ -123,4 +124,4 @@ NAMES = TensorNames(skipped=("mtp.",), layer_renames=LINEAR_LAYER_NAMES)
 SPEC = ArchSpec(name=NAME, model_type="qwen3_next", family="Qwen3-Next", build=build,
                 qk_norm=True, o_proj_bias=True, partial_rotary=True, prepare=prepare,
                 moe=experts, names=NAMES, layer_linears=hybrid_linears,
-                quant_formats=COMPRESSED_TENSORS_FORMATS)  # fmt: skip
+                quant_formats=HYBRID_QUANT_FORMATS)  # fmt: skip

@@ -28,14 +28,14 @@ if TYPE_CHECKING:
     from batchrun.models.config import ModelConfig
     from batchrun.models.moe_config import MoeConfig
 
-# the formats the hybrids and Gemma 4 run (tests/e2e/test_quant_hybrid_gemma4.py): compressed-
-# tensors FP8 with dynamic activations (per channel or in 128x128 blocks) and W4A16, and Qwen's
-# own block FP8 (quant_method fp8, dynamic activations)
+# the formats Gemma 4 runs (tests/e2e/test_quant_hybrid_gemma4.py): compressed-tensors FP8 with
+# dynamic activations (per channel or in 128x128 blocks) and W4A16; the hybrids also Qwen's own
+# block FP8 (quant_method fp8, dynamic activations)
 COMPRESSED_TENSORS_FORMATS = (
     ("compressed-tensors", "fp8", "dynamic"),
     ("compressed-tensors", "int4", "none"),
-    ("fp8", "fp8", "dynamic"),
 )
+HYBRID_QUANT_FORMATS = (*COMPRESSED_TENSORS_FORMATS, ("fp8", "fp8", "dynamic"))
 # config.json's older names of rope types -> the name batchrun runs ("su": LongRoPE's first name)
 ROPE_ALIASES: Mapping[str, str] = MappingProxyType({"su": "longrope"})
 
