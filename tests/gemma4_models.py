@@ -26,7 +26,7 @@ LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2 +
 ]
 
 
-def text_config(kind: str):
+def text_config(kind: str, **changes):
     from transformers import Gemma4TextConfig
 
     fields = dict(
@@ -66,7 +66,7 @@ def text_config(kind: str):
             use_double_wide_mlp=True,
             attention_k_eq_v=False,
         )
-    return Gemma4TextConfig(**fields)
+    return Gemma4TextConfig(**{**fields, **changes})
 
 
 def spread_(model: torch.nn.Module, seed: int) -> None:
@@ -85,12 +85,13 @@ def spread_(model: torch.nn.Module, seed: int) -> None:
                 t.copy_(0.08 * noise)
 
 
-def make_gemma4(kind: str, path: Path, seed: int = 0):
-    """Save a random Gemma 4 model of `kind` to `path`; returns the transformers model (fp32)."""
+def make_gemma4(kind: str, path: Path, seed: int = 0, **changes):
+    """Save a random Gemma 4 model of `kind` (its text config's fields changed by `changes`) to
+    `path`; returns the transformers model (fp32)."""
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 
     torch.manual_seed(seed)
-    text = text_config(kind)
+    text = text_config(kind, **changes)
     if kind == "mm":
         model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text.to_dict()))
     else:

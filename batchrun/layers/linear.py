@@ -158,10 +158,15 @@ class RowParallelLinear(nn.Module):
         device,
         kernels: KernelPlan | None = None,
         quant: QuantSpec | None = None,
+        columns_tp: TPGroup | None = None,
     ):
+        """columns_tp: the ranks that hold the input's other columns, where `tp` (the sum's
+        group) is TPGroup() because a later all-reduce sums the partial products (a shared
+        expert's); by default `tp`."""
         super().__init__()
         assert spec.dim == 1
         self.spec, self.tp = spec, tp
+        columns_tp = tp if columns_tp is None else columns_tp
         self.kernels = kernels or KernelPlan.reference()
         if quant is None:
             self.weight = nn.Parameter(
@@ -170,7 +175,7 @@ class RowParallelLinear(nn.Module):
             self.quant = None
         else:
             self.weight = None
-            reduce_max = tp.all_reduce_max if tp.is_parallel else None
+            reduce_max = columns_tp.all_reduce_max if columns_tp.is_parallel else None
             self.quant = QuantMatmul(
                 out_features, spec.local_len, quant, dtype, device, reduce_max, self.kernels
             )

@@ -183,12 +183,21 @@ class ModelConfig:
             own["sliding_windows"] = spec.windows(raw, num_layers, max_pos, source)
         if "moe" not in own:
             own["moe"] = spec.moe(raw, num_layers, source)
-        quantization = parse_quant_config(raw, source)
+        quantization = parse_quant_config(raw, source, spec.names.text_name)
         if quantization is not None and not spec.quantizable:
             raise ModelConfigError(
                 f"{source}: a quantized {spec.family} checkpoint ({quantization.describe()}) is "
                 f"not supported: batchrun runs {spec.family} from bf16 / fp16 / fp32 weights"
             )
+        formats = spec.quant_formats
+        if quantization is not None and formats is not None:
+            key = (quantization.method, quantization.family, quantization.activations)
+            if key not in formats:
+                raise ModelConfigError(
+                    f"{source}: a {spec.family} checkpoint in {quantization.describe()} is not "
+                    f"supported; supported for {spec.family}: "
+                    + ", ".join(f"{m} {f} ({a} activations)" for m, f, a in formats)
+                )
         # NOTE: transformers 5 writes the qkv bias of some architectures as qkv_bias
         bias = raw.get("attention_bias", raw.get("qkv_bias", spec.qkv_bias))
         bias = bool(bias) and spec.biases

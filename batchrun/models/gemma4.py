@@ -24,7 +24,8 @@ What batchrun reads from the text config, and what each does:
     final_logit_softcapping          logits = cap * tanh(logits / cap)
 
 and refused: use_bidirectional_attention, attention_bias, a rope type other than default on the
-sliding layers or default / proportional on the full ones, a quantization_config.
+sliding layers or default / proportional on the full ones, a quantization_config that quantizes
+the router or the per-layer input projections (models/gemma4_weights.py).
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ from batchrun.models.blocks.context import BuildContext
 from batchrun.models.blocks.gemma4_layer import Gemma4Layer
 from batchrun.models.blocks.model import CausalLM, ForwardBatch, Rope
 from batchrun.models.config import ModelConfig
-from batchrun.models.gemma4_weights import Gemma4Reader
+from batchrun.models.gemma4_weights import Gemma4Reader, gemma4_linears, refuse_quantized_extras
 from batchrun.models.moe_config import MoeConfig
-from batchrun.models.spec import ArchSpec, TensorNames
+from batchrun.models.spec import COMPRESSED_TENSORS_FORMATS, ArchSpec, TensorNames
 
 MULTIMODAL = "Gemma4ForConditionalGeneration"
 # transformers' Gemma4TextConfig defaults (configuration_gemma4.py)
@@ -306,6 +307,7 @@ class Gemma4LM(CausalLM):
 
 def build(cfg: ModelConfig, ctx: BuildContext) -> Gemma4LM:
     opts: Gemma4Options = cfg.arch_options
+    refuse_quantized_extras(cfg)
     layers = [
         Gemma4Layer(ctx, i, opts.mlp_widths[i], opts.per_layer_dim) for i in range(cfg.num_layers)
     ]
@@ -321,8 +323,9 @@ TEXT_MODEL = TensorNames(
              "model.embed_audio."),
 )  # fmt: skip
 _COMMON = dict(family="Gemma 4", build=build, qk_norm=True, act_field="hidden_activation",
-               activations=("gelu_pytorch_tanh",), quantizable=False,
-               experts_reader=Gemma4Reader)  # fmt: skip
+               activations=("gelu_pytorch_tanh",), experts_reader=Gemma4Reader,
+               layer_linears=gemma4_linears,
+               quant_formats=COMPRESSED_TENSORS_FORMATS)  # fmt: skip
 SPEC = ArchSpec(name="Gemma4ForCausalLM", model_type="gemma4_text", prepare=prepare, **_COMMON)
 MULTIMODAL_SPEC = ArchSpec(name=MULTIMODAL, model_type="gemma4", names=TEXT_MODEL,
                            prepare=partial(prepare, multimodal=True), **_COMMON)  # fmt: skip

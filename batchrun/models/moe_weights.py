@@ -106,9 +106,10 @@ def fill_expert(
 
 def quantized_experts(cfg: ModelConfig) -> Iterator[tuple[str, ExpertTensor, int, int]]:
     """(checkpoint linear, its place in w13 / w2, rows, columns at full size) of every expert
-    linear the model's quantization scheme covers; none for a dense or plain model."""
+    linear the model's quantization scheme covers; none for a dense or plain model, nor for
+    experts that the spec's own reader reads (stacked tensors, no linears: plain)."""
     moe, scheme = cfg.moe, cfg.quantization
-    if moe is None or scheme is None:
+    if moe is None or scheme is None or cfg.spec.experts_reader is not None:
         return
     width, hidden = moe.intermediate_size, cfg.hidden_size
     for i in moe.layers:

@@ -41,30 +41,51 @@ KV_SCALE = re.compile(
 )
 
 
-def layer_linears(
-    cfg: ModelConfig, layer_id: int
-) -> list[tuple[str, tuple[tuple[str, int], ...], int]]:
+Linears = list[tuple[str, tuple[tuple[str, int], ...], int]]
+
+
+def layer_linears(cfg: ModelConfig, layer_id: int) -> Linears:
     """(our linear under decoder layer `layer_id`, its checkpoint linears with their rows, in
-    order, and their input columns), all at full size. A mixture of experts' MoE layer has no
-    dense MLP: its experts are models/moe_weights.py's, its shared expert (if any) is a
-    dense MLP under mlp.shared_expert."""
-    q, kv, inter, hidden = cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.hidden_size
-    linears = [
+    order, and their input columns), all at full size: the spec's `layer_linears` where it has
+    one, else attention_linears + mlp_linears."""
+    own = cfg.spec.layer_linears
+    if own is not None:
+        return own(cfg, layer_id)
+    return attention_linears(cfg) + mlp_linears(cfg, layer_id)
+
+
+def attention_linears(
+    cfg: ModelConfig, head_dim: int | None = None, kv_heads: int | None = None
+) -> Linears:
+    """Attention's qkv_proj and o_proj at `head_dim` and `kv_heads` (the config's by default);
+    q_proj's rows doubled where the attention has an output gate ([query | gate] per head)."""
+    head_dim = cfg.head_dim if head_dim is None else head_dim
+    kv_heads = cfg.num_kv_heads if kv_heads is None else kv_heads
+    q, kv, hidden = cfg.num_heads * head_dim, kv_heads * head_dim, cfg.hidden_size
+    q_rows = 2 * q if cfg.attn_output_gate else q
+    return [
         (
             "self_attn.qkv_proj",
-            (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
+            (("self_attn.q_proj", q_rows), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
             hidden,
         ),
         ("self_attn.o_proj", (("self_attn.o_proj", hidden),), q),
     ]
+
+
+def mlp_linears(cfg: ModelConfig, layer_id: int, width: int | None = None) -> Linears:
+    """The dense MLP's gate_up_proj and down_proj (of `width`, intermediate_size by default). A
+    mixture of experts' MoE layer has no dense MLP: its experts are models/moe_weights.py's,
+    its shared expert (if any) is a dense MLP under mlp.shared_expert."""
+    inter, hidden = cfg.intermediate_size if width is None else width, cfg.hidden_size
     mlp = "mlp"
     moe = cfg.moe
     if moe is not None and moe.is_moe_layer(layer_id):
         inter = moe.shared_expert_intermediate_size
         if not inter:
-            return linears
+            return []
         mlp = "mlp.shared_expert"
-    return linears + [
+    return [
         (f"{mlp}.gate_up_proj", ((f"{mlp}.gate_proj", inter), (f"{mlp}.up_proj", inter)), hidden),
         (f"{mlp}.down_proj", ((f"{mlp}.down_proj", hidden),), inter),
     ]

@@ -19,7 +19,7 @@ from typing import Any
 from batchrun.errors import ModelConfigError
 from batchrun.models import qwen3_next
 from batchrun.models.moe_config import experts_by_step
-from batchrun.models.spec import ArchSpec, TensorNames
+from batchrun.models.spec import HYBRID_QUANT_FORMATS, ArchSpec, TensorNames
 
 DENSE, MOE = "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"
 # the top-level fields of a ...ForConditionalGeneration config that apply to its text model
@@ -78,8 +78,9 @@ def _spec(name: str, model_type: str, multimodal: bool, moe: bool) -> ArchSpec:
         name=name, model_type=model_type, family="Qwen3.5/3.6" + ("-MoE" if moe else ""),
         build=qwen3_next.build, qk_norm=True, o_proj_bias=True, partial_rotary=True,
         prepare=partial(prepare, multimodal=multimodal, moe=moe),
-        moe=partial(experts, arch=MOE) if moe else no_experts, quantizable=False,
+        moe=partial(experts, arch=MOE) if moe else no_experts,
         names=MULTIMODAL_NAMES if multimodal else TEXT_NAMES,
+        layer_linears=qwen3_next.hybrid_linears, quant_formats=HYBRID_QUANT_FORMATS,
     )  # fmt: skip
 
 

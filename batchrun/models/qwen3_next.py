@@ -13,8 +13,12 @@ mlp_only_layers (models/moe_config.py); the rope parameters' mrope_section and
 mrope_interleaved (Qwen3.5's multimodal rotary) are accepted: for text every position row is the
 same, which is plain partial rotary. Its checkpoint fuses the linear layers' input projections
 (in_proj_qkvz, in_proj_ba); its MTP head (mtp.*) is not run. Tensor parallelism splits the
-linear layers by key head (models/blocks/gated_deltanet.py). Refused: a quantized checkpoint, a
-field of REFUSED.
+linear layers by key head (models/blocks/gated_deltanet.py). A quantized checkpoint (in one of
+HYBRID_QUANT_FORMATS; the others are refused) has its linears load in its format but for those
+its config leaves out (its `ignore` list: typically the small
+in_proj_ba / in_proj_b / in_proj_a, the router and the shared expert's gate), which load plain;
+the conv, dt_bias and A_log are plain in every format (`hybrid_linears` lists what may be
+quantized). Refused: a field of REFUSED.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from batchrun.models.blocks.mlp import experts_or_dense
 from batchrun.models.blocks.model import CausalLM
 from batchrun.models.config import ModelConfig
 from batchrun.models.moe_config import experts_by_step
-from batchrun.models.spec import ArchSpec, TensorNames
+from batchrun.models.quant_loader import Linears, attention_linears, mlp_linears
+from batchrun.models.spec import HYBRID_QUANT_FORMATS, ArchSpec, TensorNames
 
 NAME = "Qwen3NextForCausalLM"
 # the multimodal rotary's fields: for text positions they change nothing
@@ -86,6 +91,28 @@ def build(cfg: ModelConfig, ctx: BuildContext) -> CausalLM:
     return model
 
 
+def hybrid_linears(cfg: ModelConfig, layer_id: int) -> Linears:
+    """A layer's quantizable linears (models/quant_loader.py's form): a linear layer's input
+    projections and out_proj (in our self_attn seat), or the gated attention's; the MLP's."""
+    lin = cfg.linear_attention
+    assert lin is not None
+    if not lin.is_linear(layer_id):
+        return attention_linears(cfg) + mlp_linears(cfg, layer_id)
+    key = lin.num_k_heads * lin.head_k_dim
+    value = lin.num_v_heads * lin.head_v_dim
+    hv = lin.num_v_heads
+    if lin.fused_projections:
+        rows = {"in_proj_qkvz": 2 * key + 2 * value, "in_proj_ba": 2 * hv}
+    else:
+        rows = {"in_proj_qkv": lin.conv_dim, "in_proj_z": value, "in_proj_b": hv, "in_proj_a": hv}
+    linears = [
+        (f"self_attn.{name}", ((f"linear_attn.{name}", n),), cfg.hidden_size)
+        for name, n in rows.items()
+    ]
+    linears.append(("self_attn.o_proj", (("linear_attn.out_proj", cfg.hidden_size),), value))
+    return linears + mlp_linears(cfg, layer_id)
+
+
 # the linear layers' modules sit in the layer's attention seat (self_attn); the gated RMSNorm's
 # weight is plain, so its name leaves the loader's zero-centred "norm.weight" rule
 LINEAR_LAYER_NAMES = (
@@ -96,4 +123,5 @@ LINEAR_LAYER_NAMES = (
 NAMES = TensorNames(skipped=("mtp.",), layer_renames=LINEAR_LAYER_NAMES)
 SPEC = ArchSpec(name=NAME, model_type="qwen3_next", family="Qwen3-Next", build=build,
                 qk_norm=True, o_proj_bias=True, partial_rotary=True, prepare=prepare,
-                moe=experts, quantizable=False, names=NAMES)  # fmt: skip
+                moe=experts, names=NAMES, layer_linears=hybrid_linears,
+                quant_formats=HYBRID_QUANT_FORMATS)  # fmt: skip

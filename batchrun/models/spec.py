@@ -8,6 +8,7 @@ A spec says
     `moe`: its experts);
   - its checkpoint's tensor-name quirks (`names`, `fused_checkpoint`, `experts_reader`);
   - what it refuses (`quantizable`, and the hooks' errors);
+  - where its layers' quantizable linears sit (`layer_linears`, for a quantized checkpoint);
   - which blocks build it (`build`: ModelConfig and a BuildContext -> the model).
 Tensor-parallel rules follow from the blocks (parallel/partition.py splits heads, MLP widths and
 expert widths by the description alone).
@@ -27,6 +28,14 @@ if TYPE_CHECKING:
     from batchrun.models.config import ModelConfig
     from batchrun.models.moe_config import MoeConfig
 
+# the formats Gemma 4 runs (tests/e2e/test_quant_hybrid_gemma4.py): compressed-tensors FP8 with
+# dynamic activations (per channel or in 128x128 blocks) and W4A16; the hybrids also Qwen's own
+# block FP8 (quant_method fp8, dynamic activations)
+COMPRESSED_TENSORS_FORMATS = (
+    ("compressed-tensors", "fp8", "dynamic"),
+    ("compressed-tensors", "int4", "none"),
+)
+HYBRID_QUANT_FORMATS = (*COMPRESSED_TENSORS_FORMATS, ("fp8", "fp8", "dynamic"))
 # config.json's older names of rope types -> the name batchrun runs ("su": LongRoPE's first name)
 ROPE_ALIASES: Mapping[str, str] = MappingProxyType({"su": "longrope"})
 
@@ -91,9 +100,16 @@ class ArchSpec:
     windows: Callable[[dict[str, Any], int, int, str], tuple[int, ...]] = no_windows
     moe: Callable[[dict[str, Any], int, str], MoeConfig | None] = no_experts
     quantizable: bool = True  # False: a quantization_config is refused
+    # the (quant_method, family, activations) of the checkpoint formats it runs; None: every
+    # format batchrun reads
+    quant_formats: tuple[tuple[str, str, str], ...] | None = None
+    # (cfg, layer index) -> the layer's quantizable linears (models/quant_loader.py's
+    # layer_linears form); None: attention's q/k/v/o and the MLP's gate/up/down
+    layer_linears: Callable[[ModelConfig, int], list] | None = None
     # --- the checkpoint
     names: TensorNames = TensorNames()
     fused_checkpoint: bool = False  # qkv_proj and gate_up_proj stored fused (plain only)
     # (params, param shards, cfg) -> a reader of its own expert tensors (models/loader.py
-    # gives it each tensor first: take(name, get, path) -> bool, check_complete(), filled)
+    # gives it each tensor first: take(name, get, path) -> bool, check_complete(), filled);
+    # the experts it reads are plain in a quantized checkpoint (they are no linears)
     experts_reader: Callable[..., Any] | None = None

@@ -4,7 +4,9 @@ greedy tokens and, within fp32 noise, its logits, for Qwen3.5 dense, Qwen3.5-MoE
 q / k / v conv channels, its two value heads' z, b, a, dt_bias, A_log and delta-rule states;
 Qwen3-Next's fused in_proj_qkvz / in_proj_ba rows of its key head), out_proj row-parallel; the
 gated attention's heads split as attention's do; the experts split along their width. A key-head
-count that does not divide by the TP size is refused by name before any process starts."""
+count that does not divide by the TP size is refused by name before any process starts. A
+quantized checkpoint (compressed-tensors FP8 per channel, dynamic activations) splits its
+weights and scales with them and gives TP=1's tokens."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybrid_models import make_hybrid_model  # noqa: E402
+from quant_model_checkpoints import quantize_saved  # noqa: E402
 from tiny_models import random_prompts  # noqa: E402
 
 from batchrun.config import EngineConfig  # noqa: E402
@@ -73,3 +76,14 @@ def test_key_heads_that_do_not_split_are_refused(tmp_path):
     make_hybrid_model("qwen3_5_text", tmp_path, linear_num_key_heads=1, linear_num_value_heads=2)
     with pytest.raises(ModelConfigError, match="1 key heads \\(linear_num_key_heads\\)"):
         start_tp_engine(config(tmp_path), tp_size=2)
+
+
+def test_tp2_quantized_matches_tp1(tmp_path):
+    hf = make_hybrid_model("qwen3_5_moe_text", tmp_path)
+    ignore = ["lm_head", r"re:.*in_proj_(a|b)$", r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$"]
+    quantize_saved(hf, "ct-fp8-channel", tmp_path, ignore)
+    ref = greedy(Engine(config(tmp_path)))
+    with start_tp_engine(config(tmp_path), tp_size=2, timeout_s=120, check_sync=True) as engine:
+        layer = engine.runner.model.layers[0].self_attn
+        assert layer.in_proj_qkv.quant is not None and layer.in_proj_b.quant is None
+        assert greedy(engine) == ref

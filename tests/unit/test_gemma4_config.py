@@ -88,7 +88,7 @@ def test_moe_block_and_rope():
             "rope_type 'yarn' is not supported",
         ),
         (dict(enable_moe_block=True, num_experts=None), "enable_moe_block needs num_experts"),
-        (dict(quantization_config={"quant_method": "fp8"}), "quantized Gemma 4"),
+        (dict(quantization_config={"quant_method": "fp8"}), "Gemma 4 checkpoint in fp8"),
     ],
 )
 def test_refused_by_name(change, match):

@@ -189,6 +189,8 @@ def conv_spec(lin: LinearAttentionConfig, rank: int, size: int) -> ShardSpec:
     """Rank `rank`'s conv channels (Qwen3.5's in_proj_qkv rows): its q, k and v heads' slices
     of [q | k | v]."""
     key, value = lin.num_k_heads * lin.head_k_dim, lin.num_v_heads * lin.head_v_dim
+    if size == 1:  # one run: a quantized in_proj_qkv is read whole, not in blocks of q / k / v
+        return ShardSpec(0, lin.conv_dim, (Run(0, 0, lin.conv_dim),))
     lk, lv = key // size, value // size
     return ShardSpec(0, lin.conv_dim, (
         Run(rank * lk, 0, lk),

@@ -61,9 +61,12 @@ class Gemma4Attention(Attention):
             spec = ShardSpec(
                 0, ctx.cfg.q_size, (Run(part.head_start * part.head_dim, 0, part.q_size),)
             )
+            quant = ctx.quant_plan(
+                (f"model.layers.{layer_id}.self_attn.q_proj",), part.q_size, ctx.cfg.hidden_size
+            )
             self.qkv_proj = ColumnParallelLinear(
                 ctx.cfg.hidden_size, spec, part.q_size, bias=False, dtype=ctx.dtype,
-                device=ctx.device, kernels=ctx.kernels,
+                device=ctx.device, kernels=ctx.kernels, quant=quant,
             )  # fmt: skip
             self.k_norm = None
 

@@ -60,7 +60,7 @@ class GatedMLP(nn.Module):
         down_quant = ctx.quant_plan((f"{prefix}.down_proj",), cfg.hidden_size, inter)
         self.down_proj = RowParallelLinear(
             part.down_spec(cfg, width), cfg.hidden_size, cfg.mlp_bias, ctx.tp if tp is None else tp,
-            ctx.dtype, ctx.device, ctx.kernels, down_quant,
+            ctx.dtype, ctx.device, ctx.kernels, down_quant, columns_tp=ctx.tp,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ tensor, its shape and dtype, and the shape expected.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from batchrun.errors import ModelConfigError
@@ -94,10 +95,14 @@ class Scheme(Protocol):
         ...
 
 
-def parse_quant_config(raw_config: dict[str, Any], source: str) -> Scheme | None:
+def parse_quant_config(
+    raw_config: dict[str, Any], source: str, text_name: Callable[[str], str | None] | None = None
+) -> Scheme | None:
     """The Scheme of a config.json (as a dict) read from `source`; None without a
     quantization_config. ModelConfigError for a method, format or setting batchrun does not
-    run, naming the field and listing what is supported."""
+    run, naming the field and listing what is supported. `text_name`: a checkpoint tensor's
+    name in the text model (a multimodal checkpoint's; None: the tensor is not run), so that
+    the scheme answers for text-model names (checkpoint_targets.py)."""
     qcfg = raw_config.get("quantization_config")
     if qcfg is None:
         return None
@@ -126,7 +131,7 @@ def parse_quant_config(raw_config: dict[str, Any], source: str) -> Scheme | None
             f"({full_name}) is missing from this installation; reinstall batchrun"
         ) from None
     # where the config selects linears by class, the checkpoint's tensors say which it holds
-    return bind_checkpoint(module.parse(qcfg, source), source)
+    return bind_checkpoint(module.parse(qcfg, source), source, text_name)
 
 
 def supported_formats() -> str:

@@ -11,14 +11,21 @@ does batchrun: for such a linear the checkpoint's tensors decide. A linear that 
 
     scheme = bind_checkpoint(parse(...), "path/config.json")
     scheme.is_quantized("model.layers.0.mlp.experts.3.gate_proj")   # False: only .weight there
+
+A multimodal checkpoint stores its text model under another prefix (model.language_model.layers.0
+for model.layers.0): bound with the spec's `text_name`, the scheme is asked text-model names,
+and a module is left out where the config's ignore list names it either way (its text name or
+the name it has in the checkpoint).
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from batchrun.quant.formats.common import ModuleFilter
@@ -34,8 +41,10 @@ class CheckpointScheme:
     targets select a linear by class; everything else is the wrapped scheme's."""
 
     scheme: Any
-    names: frozenset[str]  # every tensor name of the checkpoint
+    names: frozenset[str]  # every tensor name of the checkpoint (the text model's)
     plain: frozenset[str]  # those of a plain float dtype (not float8, not packed integers)
+    # a module's text-model name -> its name in the checkpoint, where they differ
+    stored: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def family(self) -> str:
@@ -62,9 +71,10 @@ class CheckpointScheme:
         return self.scheme.optional_names
 
     def is_quantized(self, module: str) -> bool:
-        if not self.scheme.is_quantized(module):
+        stored = self.stored.get(module, module)
+        if not (self.scheme.is_quantized(module) and self.scheme.is_quantized(stored)):
             return False
-        if _named(self.scheme, module):
+        if _named(self.scheme, module) or _named(self.scheme, stored):
             return True
         markers = set(self.tensor_names + self.optional_names) - _NOT_MARKERS
         if any(f"{module}.{m}" in self.names for m in markers):
@@ -84,14 +94,26 @@ class CheckpointScheme:
         return self.scheme.describe()
 
 
-def bind_checkpoint(scheme: Any, source: str) -> Any:
-    """`scheme` bound to the tensor names of the checkpoint beside `source` (its config.json);
-    `scheme` itself where no checkpoint is there (a config read alone, --load-format dummy)."""
-    dtypes = checkpoint_dtypes(Path(source).parent)
-    if not dtypes:
+def bind_checkpoint(
+    scheme: Any, source: str, text_name: Callable[[str], str | None] | None = None
+) -> Any:
+    """`scheme` bound to the tensor names of the checkpoint beside `source` (its config.json),
+    renamed by `text_name` (None: as stored); `scheme` itself where no checkpoint is there (a
+    config read alone, --load-format dummy)."""
+    stored_dtypes = checkpoint_dtypes(Path(source).parent)
+    if not stored_dtypes:
         return scheme
+    dtypes: dict[str, str] = {}
+    stored: dict[str, str] = {}
+    for name, dtype in stored_dtypes.items():
+        text = name if text_name is None else text_name(name)
+        if text is None:
+            continue  # a tensor of what batchrun does not run
+        dtypes[text] = dtype
+        if text != name:
+            stored[text.rpartition(".")[0]] = name.rpartition(".")[0]
     plain = frozenset(name for name, dtype in dtypes.items() if dtype in PLAIN_DTYPES)
-    return CheckpointScheme(scheme, frozenset(dtypes), plain)
+    return CheckpointScheme(scheme, frozenset(dtypes), plain, MappingProxyType(stored))
 
 
 def checkpoint_dtypes(model_dir: Path) -> dict[str, str]:
