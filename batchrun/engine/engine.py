@@ -137,7 +137,7 @@ class Engine:
             disable=not config.enable_radix_cache,
             snapshots=self.runner.snapshots,
         )
-        self.kv = KVManager(allocator, cache, self.runner.req_pool)
+        self.kv = KVManager(allocator, cache, self.runner.req_pool, self.runner.window)
         self.scheduler = Scheduler(
             self.kv, config.max_running, config.chunked_prefill_size, config.new_token_ratio
         )
