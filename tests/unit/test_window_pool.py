@@ -1,0 +1,95 @@
+"""The sliding layers' window pool (engine/window_pool.py): slots behind the window go back to the
+pool a stride at a time, their table entries point at the dummy slot, the pool's integrity holds,
+the rule that turns it on, and the KV budget's split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchrun.engine import window_pool
+from batchrun.engine.window_pool import (
+    FREE_STRIDE,
+    WindowSlots,
+    split_kv_budget,
+    split_shapes,
+    window_slots,
+)
+
+W = 8
+
+
+def slots(num_slots: int = 200, stride: int = 4, monkeypatch=None) -> WindowSlots:
+    if monkeypatch is not None:
+        monkeypatch.setattr(window_pool, "FREE_STRIDE", stride)
+    return WindowSlots(num_slots, W, max_reqs=3, max_context=128, device="cpu")
+
+
+def test_prefill_then_decodes_keep_the_window(monkeypatch):
+    ws = slots(stride=4, monkeypatch=monkeypatch)
+    assert ws.reserve(0, 0, 30)  # a 30-token prompt in one chunk
+    assert ws.num_held == 30
+    kv_len = 30
+    for _ in range(20):
+        assert ws.reserve_decodes([0], [kv_len])
+        # the step's query at kv_len reads positions > kv_len - W: all held
+        first = kv_len - W + 1
+        assert ws.start[0] <= first and ws.end[0] == kv_len + 1
+        assert kv_len + 1 - ws.start[0] <= W + 4  # at most a stride behind the window
+        assert (ws.table_cpu[0, : ws.start[0]] == ws.dummy_slot).all()
+        assert (ws.table_cpu[0, ws.start[0] : ws.end[0]] < ws.dummy_slot).all()
+        ws.check_integrity()
+        kv_len += 1
+    # the device table mirrors the host one (CPU: writes land at once)
+    assert torch.equal(ws.req_pool.table[0].long(), ws.table_cpu[0])
+    ws.release(0)
+    assert ws.allocator.num_free == ws.capacity
+    ws.check_integrity()
+
+
+def test_chunks_across_the_window_and_retries(monkeypatch):
+    ws = slots(stride=1, monkeypatch=monkeypatch)
+    kv_len = 0
+    for n in (5, 5, 5, 5):
+        assert ws.reserve(1, kv_len, n)
+        assert ws.reserve(1, kv_len, n)  # a retry holds what it has
+        assert ws.start[1] == max(0, kv_len - W + 1)
+        kv_len += n
+    held = ws.num_held
+    assert held == kv_len - max(0, 15 - W + 1)
+    ws.check_integrity()
+
+
+def test_a_short_pool_says_so_and_keeps_its_books(monkeypatch):
+    ws = slots(num_slots=11, stride=1, monkeypatch=monkeypatch)
+    assert ws.reserve(0, 0, 10)
+    assert not ws.reserve(2, 0, 5)  # 1 free
+    assert not ws.reserve_decodes([1, 2], [0, 0])  # 2 new slots, 1 free
+    ws.check_integrity()
+    assert ws.reserve_decodes([0], [10])  # frees positions 0 .. 2 first
+    assert ws.allocator.num_free == 3
+    ws.check_integrity()
+    ws.release(0)
+    ws.release(2)
+    ws.release(1)
+    assert ws.allocator.num_free == 11
+    ws.check_integrity()
+
+
+def test_locs_are_the_new_tokens_slots():
+    ws = slots()
+    assert ws.reserve(0, 0, 6) and ws.reserve(1, 0, 3)
+    locs = ws.locs([0, 1], [2, 0], [4, 3])
+    assert torch.equal(locs, torch.cat([ws.table_cpu[0, 2:6], ws.table_cpu[1, 0:3]]))
+
+
+def test_shapes_and_budget_split():
+    shapes = ((2, 16), (2, 16), (1, 32))
+    full, win = split_shapes(shapes, (0, 1))
+    assert full == ((0, 16), (0, 16), (1, 32)) and win == ((2, 16), (2, 16), (0, 32))
+    n = window_slots(4, 100, 50)
+    assert n == 4 * (100 + FREE_STRIDE) + 50
+    assert split_kv_budget(10_000, 10, 5, 100, 1) == (10_000 - 500) // 10
+    assert split_kv_budget(10_000, 10, 5, 100, 16) % 16 == 0
+    with pytest.raises(ValueError, match="lower max_running"):
+        split_kv_budget(1000, 10, 5, 500, 1)
