@@ -39,6 +39,7 @@ from batchrun.engine.thinking import apply_forced, forced_logprobs
 from batchrun.engine.window_pool import (
     WindowSlots,
     max_window,
+    size_window_pool,
     sliding_kv_indices,
     split_kv_budget,
     split_shapes,
@@ -188,14 +189,11 @@ class ModelRunner:
         self.window = None
         self.window_pool = None
         self.sliding = ()
-        num_window_slots = 0
+        window_shapes = ()
         if uses_window_pool(model_cfg, config.enable_radix_cache, self.states is not None):
             self.sliding = sliding_kv_indices(model_cfg)
             shapes, window_shapes = split_shapes(shapes, self.sliding)
-            prefill = config.chunked_prefill_size or context_len
-            num_window_slots = window_slots(config.max_running, max_window(model_cfg), prefill)
-        window_shapes = window_shapes if num_window_slots else ()
-        self.num_slots = self._kv_slots(shapes, num_window_slots, window_shapes)
+        self.num_slots, num_window_slots = self._kv_slots(shapes, window_shapes)
         scales = layer_scales(self.model) if kv_fp8 else None
         self.kv_pool = KVPool(
             len(shapes),
@@ -221,8 +219,13 @@ class ModelRunner:
                 config.max_running,
                 context_len,
                 self.device,
+                self._prefill_budget,
             )
-            log.info("KV cache of the sliding layers: %d tokens (their windows)", num_window_slots)
+            log.info(
+                "KV cache of the sliding layers: %d tokens (the windows of %d requests)",
+                num_window_slots,
+                self.window.max_requests,
+            )
         if self.states is not None:
             self.states.allocate(config.max_running + 1, self.device, config.linear_state_dtype)
         if self.snapshots is not None:
@@ -276,13 +279,21 @@ class ModelRunner:
                 self.device,
             )
 
-    def _kv_slots(self, shapes, num_window_slots: int, window_shapes) -> int:
-        """The full pool's slots (shapes: its layers'); with the window pool on (its
-        num_window_slots of window_shapes), kv_budget counts the full pool's tokens and a
-        budget from free memory goes to the window pool first."""
+    @property
+    def _prefill_budget(self) -> int:
+        return self.config.chunked_prefill_size or self.context_len
+
+    def _kv_slots(self, shapes, window_shapes) -> tuple[int, int]:
+        """(the full pool's slots, the window pool's): `shapes` the full pool's layers,
+        `window_shapes` the window pool's (empty: no window pool). With the window pool on,
+        kv_budget counts the full pool's tokens (the window pool holds max_running windows);
+        a budget from free memory is split by engine/window_pool.py's size_window_pool."""
         cfg, page = self.config, self.config.page_size
+        window = max_window(self.model_cfg) if window_shapes else 0
+        prefill = self._prefill_budget
         if cfg.kv_budget is not None:
-            return max(page, cfg.kv_budget // page * page)
+            num_window = window_slots(cfg.max_running, window, prefill) if window_shapes else 0
+            return max(page, cfg.kv_budget // page * page), num_window
         state_bytes = 0
         if self.states is not None:
             state_bytes = self.states.bytes_per_row(cfg.linear_state_dtype) * (cfg.max_running + 1)
@@ -291,7 +302,9 @@ class ModelRunner:
         kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, self.dtype)  # float8: one byte an element
         per_token = KVPool.bytes_per_token_of(shapes, kv_dtype)
         window_per_token = KVPool.bytes_per_token_of(window_shapes, kv_dtype)
-        window_bytes = num_window_slots * window_per_token
+        window_bytes = 0
+        if window_shapes:
+            window_bytes = window_slots(cfg.max_running, window, prefill) * window_per_token
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cfg.gpu_memory_utilization)
@@ -301,10 +314,15 @@ class ModelRunner:
             budget = min(psutil.virtual_memory().available // 8, (per_token << 15) + window_bytes)
         if state_bytes:
             budget = state_budget(budget, state_bytes, per_token, page)
-        if num_window_slots:
-            return split_kv_budget(budget, per_token, window_per_token, num_window_slots, page)
+        if window_shapes:
+            num_window = size_window_pool(
+                cfg.max_running, window, prefill, budget, window_per_token
+            )
+            return split_kv_budget(
+                budget, per_token, window_per_token, num_window, page
+            ), num_window
         slots = max(budget // per_token, page)
-        return slots // page * page
+        return slots // page * page, 0
 
     def _to_device(self, values, dtype=torch.int64) -> torch.Tensor:
         t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)

@@ -22,8 +22,12 @@ both kinds, the radix cache is off and no hybrid state pool is on; a prefix cach
 request's KV alive for later requests, whose matches may end anywhere (docs/gemma4.md states the
 rule a cache with windows follows). Elsewhere every layer keeps every position.
 
-Sizing (`window_slots`): per running request its window and a stride, plus one step's prefill
-tokens; the rest of the KV budget goes to the full layers (`split_kv_budget`).
+Sizing (`size_window_pool`): per running request its window and a stride, plus one step's
+prefill tokens, but at most WINDOW_SHARE of a KV budget read from free memory (and at least one
+request's); the rest goes to the full layers (`split_kv_budget`), and the scheduler runs at most
+the requests whose windows the pool holds (`max_requests`). A 16k-token request then holds 16,384
+full-pool tokens and one window: `requests_held` counts the pool's capacity in such requests,
+beside keeping every position (docs/gemma4.md).
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ from batchrun.models.config import ModelConfig
 # window slots behind the window are freed this many positions at a time (fewer table writes
 # and allocator calls per step, at this many slots per request)
 FREE_STRIDE = 32
+# the window pool's most of a KV budget from free memory: the full layers keep the rest, which
+# bounds how many long requests run at once (the issue's capacity target in 16k-token requests
+# asks the full pool for 3x the tokens of a model whose layers are all full: docs/gemma4.md)
+WINDOW_SHARE = 1 / 8
 
 
 def sliding_kv_indices(cfg: ModelConfig) -> tuple[int, ...]:
@@ -58,6 +66,41 @@ def window_slots(max_running: int, window: int, prefill_budget: int) -> int:
     """Window slots that running requests can hold at once: each its window and a stride (the
     step's decode token included), and one step's prefill tokens over all of them."""
     return max_running * (window + FREE_STRIDE) + prefill_budget
+
+
+def size_window_pool(
+    max_running: int, window: int, prefill: int, budget: int | None, window_per_token: int
+) -> int:
+    """The window pool's slots: `window_slots`, capped at WINDOW_SHARE of `budget` bytes (None:
+    no cap, the KV budget is given in tokens), never below one request's window and a step."""
+    want = window_slots(max_running, window, prefill)
+    if budget is None:
+        return want
+    cap = int(budget * WINDOW_SHARE) // window_per_token
+    return max(window + FREE_STRIDE + prefill, min(want, cap))
+
+
+def max_requests(num_slots: int, window: int, prefill: int) -> int:
+    """Running requests whose windows (and a step's prefill) a pool of num_slots holds."""
+    return max(1, (num_slots - prefill) // (window + FREE_STRIDE))
+
+
+def requests_held(
+    budget: int,
+    full_per_token: int,
+    window_per_token: int,
+    window: int,
+    max_running: int,
+    prefill: int,
+    request_len: int = 16384,
+) -> float:
+    """Requests of request_len tokens that a KV budget of `budget` bytes holds at once with
+    the window pool (window_per_token 0: every layer in the full pool keeps every position)."""
+    if not window_per_token:
+        return budget // full_per_token / request_len
+    num_window = size_window_pool(max_running, window, prefill, budget, window_per_token)
+    full = split_kv_budget(budget, full_per_token, window_per_token, num_window, 1)
+    return min(full / request_len, max_requests(num_window, window, prefill))
 
 
 def split_shapes(
@@ -93,9 +136,11 @@ class WindowSlots:
     so a caller may retry after another allocation failed."""
 
     def __init__(
-        self, num_slots: int, window: int, max_reqs: int, max_context: int, device
+        self, num_slots: int, window: int, max_reqs: int, max_context: int, device, prefill: int
     ) -> None:
         self.window = window
+        # the running requests whose windows and a step's prefill the pool holds
+        self.max_requests = max_requests(num_slots, window, prefill)
         self.allocator = TokenAllocator(num_slots)
         self.dummy_slot = num_slots  # the window KVPool's extra last slot
         self.req_pool = ReqToTokenPool(max_reqs, max_context, device)

@@ -22,7 +22,7 @@ W = 8
 def slots(num_slots: int = 200, stride: int = 4, monkeypatch=None) -> WindowSlots:
     if monkeypatch is not None:
         monkeypatch.setattr(window_pool, "FREE_STRIDE", stride)
-    return WindowSlots(num_slots, W, max_reqs=3, max_context=128, device="cpu")
+    return WindowSlots(num_slots, W, max_reqs=3, max_context=128, device="cpu", prefill=16)
 
 
 def test_prefill_then_decodes_keep_the_window(monkeypatch):
@@ -93,3 +93,42 @@ def test_shapes_and_budget_split():
     assert split_kv_budget(10_000, 10, 5, 100, 16) % 16 == 0
     with pytest.raises(ValueError, match="lower max_running"):
         split_kv_budget(1000, 10, 5, 500, 1)
+
+
+@pytest.mark.parametrize("kv_shared", [0, 10])
+def test_capacity_of_the_default_shapes(tmp_path, kv_shared):
+    """transformers' Gemma4TextConfig defaults (30 layers, every 6th full at head dim 512, the
+    sliding ones at 256 over 512 tokens), as is and as the E-shape (the last 10 layers
+    KV-shared): in 16k-token requests, the pool holds at least 3x what it holds with every layer
+    full at its own head dim and no KV shared (the benchmarks' twin), at CUDA's default sizes
+    (512 running, chunks of 4096) and a 60 GB budget in bf16."""
+    import json
+
+    from transformers import Gemma4TextConfig
+
+    from batchrun.models.config import ModelConfig
+
+    raw = Gemma4TextConfig(num_kv_shared_layers=kv_shared).to_dict()
+    raw.update(architectures=["Gemma4ForCausalLM"], model_type="gemma4_text")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = ModelConfig.from_dir(str(tmp_path))
+    sliding = window_pool.sliding_kv_indices(cfg)
+    assert window_pool.uses_window_pool(cfg, enable_radix_cache=False, has_states=False)
+    assert not window_pool.uses_window_pool(cfg, enable_radix_cache=True, has_states=False)
+    shapes = tuple((cfg.kv_heads_of(i), cfg.head_dim_of(i)) for i in cfg.kv_layers)
+    full, win = split_shapes(shapes, sliding)
+    bf16 = 2 * 2  # K and V, two bytes each
+
+    def per_token(s):
+        return bf16 * sum(h * d for h, d in s)
+
+    twin = bf16 * sum(cfg.kv_heads_of(i) * cfg.head_dim_of(i) for i in range(cfg.num_layers))
+    budget = 60 * 10**9
+    window = window_pool.max_window(cfg)
+    assert window == 512
+    held = window_pool.requests_held(budget, per_token(full), per_token(win), window, 512, 4096)
+    baseline = window_pool.requests_held(budget, twin, 0, window, 512, 4096)
+    assert held >= 3 * baseline, (held, baseline)
+    # every layer keeps every position (the pool as it is with the radix cache on)
+    kept = window_pool.requests_held(budget, per_token(shapes), 0, window, 512, 4096)
+    assert held > 2 * kept
