@@ -132,3 +132,11 @@ def test_capacity_of_the_default_shapes(tmp_path, kv_shared):
     # every layer keeps every position (the pool as it is with the radix cache on)
     kept = window_pool.requests_held(budget, per_token(shapes), 0, window, 512, 4096)
     assert held > 2 * kept
+    if kv_shared == 0:  # plan's line for --no-radix-cache
+        from batchrun.job.kv_bytes import KVElement, window_bytes_line
+
+        line = window_bytes_line(cfg, KVElement(2, "bfloat16"), 16384, 4 * 16384, 4)
+        full_bytes = per_token(full)
+        window_bytes = per_token(win) * (window + FREE_STRIDE)
+        assert "512-token window" in line and f"{full_bytes:,} bytes a token" in line
+        assert f"{(16384 * full_bytes + window_bytes) / 1e9:.2f} GB for the longest" in line
