@@ -290,7 +290,7 @@ class ModelRunner:
         a budget from free memory is split by engine/window_pool.py's size_window_pool."""
         cfg, page = self.config, self.config.page_size
         window = max_window(self.model_cfg) if window_shapes else 0
-        prefill = self._prefill_budget
+        prefill = self._prefill_budget if window_shapes else 0
         if cfg.kv_budget is not None:
             num_window = window_slots(cfg.max_running, window, prefill) if window_shapes else 0
             return max(page, cfg.kv_budget // page * page), num_window
