@@ -117,3 +117,22 @@ def test_score_matches_the_whole_pool(tiny):
     ours = engine.score(prompt)
     assert float((ours - ref).norm() / ref.norm()) <= 1e-4
     engine.check_integrity()
+
+
+def test_tp2_matches_tp1(tiny, monkeypatch):
+    """Tensor parallelism over gloo: each rank's window pool holds its KV heads of the sliding
+    layers; the ranks' window books stay in step (the same scheduler on every rank)."""
+    from batchrun.engine_process.tp_launcher import start_tp_engine
+
+    kind, _, model_dir, prompts, ref = tiny
+    if kind != "dense":
+        pytest.skip("one kind is enough: the pools split the same way")
+    # the other ranks' processes free at the default stride: so does rank 0 here
+    monkeypatch.setattr(window_pool, "FREE_STRIDE", 32)
+    cfg = EngineConfig(
+        model=model_dir, device="cpu", dtype="float32", kv_budget=4096, enable_radix_cache=False,
+        max_running=MAX_RUNNING, chunked_prefill_size=13,
+    )  # fmt: skip
+    with start_tp_engine(cfg, tp_size=2, timeout_s=120, check_sync=True) as engine:
+        assert engine.runner.window is not None
+        assert greedy(engine, prompts) == ref
