@@ -32,6 +32,8 @@ beside keeping every position (docs/gemma4.md).
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from batchrun.engine.allocator import TokenAllocator
@@ -199,8 +201,7 @@ class WindowSlots:
         slots = self.allocator.allocate(len(needers))
         if slots is None:
             return False
-        rows_t = torch.tensor(needers, dtype=torch.int64)
-        self.table_cpu[rows_t, torch.tensor(cols, dtype=torch.int64)] = slots
+        self.table_cpu[_int64(needers), _int64(cols)] = slots
         self.req_pool.write_many(needers, cols, slots)
         for row, col in zip(needers, cols):
             self.end[row] = col + 1
@@ -216,7 +217,17 @@ class WindowSlots:
     def locs(self, rows: list[int], starts: list[int], lens: list[int]) -> torch.Tensor:
         """The window slots of a step's new tokens, request by request (a new CPU tensor)."""
         table = self.table_cpu
-        parts = [table[r, s : s + n] for r, s, n in zip(rows, starts, lens)]
+        num_decodes = 0  # the leading one-token requests: one indexing for all of them
+        while num_decodes < len(lens) and lens[num_decodes] == 1:
+            num_decodes += 1
+        parts = []
+        if num_decodes:
+            picked = (_int64(rows[:num_decodes]), _int64(starts[:num_decodes]))
+            parts.append(table[picked])
+        for r, s, n in zip(rows[num_decodes:], starts[num_decodes:], lens[num_decodes:]):
+            parts.append(table[r, s : s + n])
+        if len(parts) == 1:
+            return parts[0].clone()
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     def check_integrity(self) -> None:
@@ -225,3 +236,8 @@ class WindowSlots:
         assert self.allocator.num_free + held == self.capacity, (
             f"window pool: {self.allocator.num_free} free + {held} held != {self.capacity}"
         )
+
+
+def _int64(values: list[int]) -> torch.Tensor:
+    """A CPU int64 tensor of `values` (non-empty), built in C rather than element by element."""
+    return torch.frombuffer(array("q", values), dtype=torch.int64)
