@@ -19,6 +19,10 @@ are kept:
     first hole;
   - a model whose every layer is windowed (Mistral v0.1: 4096 tokens) saves memory only on
     sequences longer than its window, which batch jobs seldom run.
+With the radix cache off, a model of sliding and full layers keeps its sliding layers' KV in a
+pool of its own (`window`, engine/window_pool.py): `reserve` and `reserve_decodes` take its slots
+too (freeing those behind the window first), `release` gives them back; the slots above are the
+full layers'.
 
 Hybrid models (cache.snapshots, engine/state_snapshots.py). A match ends at a node with a state
 snapshot, which admission copies into the request's state row; a prefill chunk that ends at one
