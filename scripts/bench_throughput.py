@@ -543,7 +543,8 @@ def format_run(r: RunResult) -> str:
     if r.num_steps is not None:
         parts.append(f"{r.num_steps} steps")
     if r.kv_slots is not None:
-        # every layer that writes KV keeps every position: a 16k-token request holds 16,384
+        # a 16k-token request holds 16,384 of the pool's tokens (with the sliding layers' window
+        # pool, engine/window_pool.py, the pool is the full layers' and the windows are apart)
         parts.append(f"KV pool {r.kv_slots:,} tokens ({r.kv_slots / 16384:.1f} x 16k requests)")
     if r.retractions is not None:
         parts.append(f"{r.retractions} retractions")

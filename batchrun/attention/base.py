@@ -43,6 +43,9 @@ class AttentionInputs:
     # host copies, so backends plan without reading device memory
     seq_lens_cpu: tuple[int, ...]
     extend_lens_cpu: tuple[int, ...]
+    # [T] int64, the new tokens' slots in the sliding layers' pool (engine/window_pool.py);
+    # None where every layer keeps every position
+    window_out_cache_loc: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

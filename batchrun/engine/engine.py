@@ -137,9 +137,14 @@ class Engine:
             disable=not config.enable_radix_cache,
             snapshots=self.runner.snapshots,
         )
-        self.kv = KVManager(allocator, cache, self.runner.req_pool)
+        self.kv = KVManager(allocator, cache, self.runner.req_pool, self.runner.window)
+        # with the sliding layers' window pool, at most the requests whose windows it holds run
+        window = self.runner.window
+        max_running = (
+            config.max_running if window is None else min(config.max_running, window.max_requests)
+        )
         self.scheduler = Scheduler(
-            self.kv, config.max_running, config.chunked_prefill_size, config.new_token_ratio
+            self.kv, max_running, config.chunked_prefill_size, config.new_token_ratio
         )
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self.stats = EngineStats()

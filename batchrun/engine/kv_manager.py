@@ -19,6 +19,10 @@ are kept:
     first hole;
   - a model whose every layer is windowed (Mistral v0.1: 4096 tokens) saves memory only on
     sequences longer than its window, which batch jobs seldom run.
+With the radix cache off, a model of sliding and full layers keeps its sliding layers' KV in a
+pool of its own (`window`, engine/window_pool.py): `reserve` and `reserve_decodes` take its slots
+too (freeing those behind the window first), `release` gives them back; the slots above are the
+full layers'.
 
 Hybrid models (cache.snapshots, engine/state_snapshots.py). A match ends at a node with a state
 snapshot, which admission copies into the request's state row; a prefill chunk that ends at one
@@ -36,10 +40,17 @@ from batchrun.engine.allocator import TokenAllocator
 from batchrun.engine.kv_pool import ReqToTokenPool
 from batchrun.engine.radix_cache import MatchResult, RadixCache, TreeNode
 from batchrun.engine.request import Req
+from batchrun.engine.window_pool import WindowSlots
 
 
 class KVManager:
-    def __init__(self, allocator: TokenAllocator, cache: RadixCache, req_pool: ReqToTokenPool):
+    def __init__(
+        self,
+        allocator: TokenAllocator,
+        cache: RadixCache,
+        req_pool: ReqToTokenPool,
+        window: WindowSlots | None = None,
+    ):
         self.allocator = allocator
         self.cache = cache
         self.req_pool = req_pool
@@ -50,6 +61,10 @@ class KVManager:
         # host copy of the request-to-token table: slot ids are needed on the host to free and
         # insert, and reading them back from the device would sync
         self.table_cpu = torch.zeros(req_pool.table.shape, dtype=torch.int64)
+        # the sliding layers' own slots (engine/window_pool.py); None: every layer keeps every
+        # position in the slots above
+        self.window = window
+        assert window is None or cache.disable, "the window pool runs without the radix cache"
 
     @property
     def cache_enabled(self) -> bool:
@@ -103,6 +118,8 @@ class KVManager:
     def reserve(self, req: Req, num_tokens: int) -> torch.Tensor | None:
         """Slots for positions [kv_len, kv_len + num_tokens), allocating (and evicting) as needed.
         Returns them as a CPU int64 tensor, or None if the pool cannot provide them."""
+        if self.window is not None and not self.window.reserve(req.row, req.kv_len, num_tokens):
+            return None
         need = self.page_ceil(req.kv_len + num_tokens) - req.alloc_len
         if need > 0:
             slots = self.allocate(need)
@@ -117,6 +134,10 @@ class KVManager:
         """One slot each for a decode step, in one allocation (the per-step hot path).
         All or nothing: False leaves every request as it was."""
         page = self.page_size
+        if self.window is not None and not self.window.reserve_decodes(
+            [r.row for r in reqs], [r.kv_len for r in reqs]
+        ):
+            return False
         needers = [r for r in reqs if r.kv_len >= r.alloc_len]  # kv_len + 1 > alloc_len
         if not needers:
             return True
@@ -196,6 +217,8 @@ class KVManager:
             self.allocator.free(self.table_cpu[row, tail_start : req.alloc_len].clone())
             self.num_private -= req.alloc_len - tail_start
         self.cache.unlock(req.last_node)
+        if self.window is not None:
+            self.window.release(row)
         self.req_pool.free(row)
         req.row, req.last_node, req.penalty_row = None, None, None
         req.kv_len = req.alloc_len = req.prefix_len = 0
@@ -220,6 +243,8 @@ class KVManager:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.num_private)
+        if self.window is not None:
+            self.window.check_integrity()
 
 
 def _int64(values: list[int]) -> torch.Tensor:

@@ -24,6 +24,7 @@ import psutil
 import torch
 
 from batchrun.attention import AttentionInputs, create_backend
+from batchrun.attention.windowed import WindowedAttentionBackend
 from batchrun.config import EngineConfig, KernelPlan
 from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.kv_pool import KVPool, ReqToTokenPool
@@ -35,6 +36,16 @@ from batchrun.engine.staging import PinnedStaging
 from batchrun.engine.state_pool import state_budget
 from batchrun.engine.state_snapshots import StateSnapshots, num_snapshots
 from batchrun.engine.thinking import apply_forced, forced_logprobs
+from batchrun.engine.window_pool import (
+    WindowSlots,
+    max_window,
+    size_window_pool,
+    sliding_kv_indices,
+    split_kv_budget,
+    split_shapes,
+    uses_window_pool,
+    window_slots,
+)
 from batchrun.models import fused_decode
 from batchrun.models.blocks.model import ForwardBatch
 from batchrun.models.config import ModelConfig
@@ -75,6 +86,7 @@ class _Staged(NamedTuple):
     ph_pos: torch.Tensor  # token positions whose id comes from token_pool[ph_rows]
     ph_rows: torch.Tensor
     table_writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # queued req-to-token writes
+    window_writes: tuple[torch.Tensor, ...]  # the window pool's queued writes (or none)
     has_placeholders: bool
 
 
@@ -172,8 +184,17 @@ class ModelRunner:
         self.snapshots = None
         if self.states is not None and config.enable_radix_cache:
             self.snapshots = StateSnapshots(self.states, num_snapshots(config.max_running))
-        self.num_slots = self._kv_slots()
         shapes = self.model.kv_shapes  # this rank's KV heads under tensor parallelism
+        # the sliding layers' own pool of their windows (engine/window_pool.py); None: off
+        self.window = None
+        self.window_pool = None
+        self.sliding = ()
+        window_shapes = ()
+        if uses_window_pool(model_cfg, config.enable_radix_cache, self.states is not None):
+            self.sliding = sliding_kv_indices(model_cfg)
+            shapes, window_shapes = split_shapes(shapes, self.sliding)
+        self.num_slots, num_window_slots = self._kv_slots(shapes, window_shapes)
+        scales = layer_scales(self.model) if kv_fp8 else None
         self.kv_pool = KVPool(
             len(shapes),
             self.num_slots,
@@ -182,16 +203,41 @@ class ModelRunner:
             self.kv_dtype,
             self.device,
             kernels,
-            layer_scales(self.model) if kv_fp8 else None,
+            scales,
             shapes=shapes,
         )
         log.info("KV cache: %d tokens of %s", self.num_slots, str(self.kv_dtype).split(".")[-1])
         self.req_pool = ReqToTokenPool(config.max_running, context_len, self.device)
+        if num_window_slots:
+            self.window_pool = KVPool(
+                len(shapes), num_window_slots, self.model.num_kv_heads, model_cfg.head_dim,
+                self.kv_dtype, self.device, kernels, scales, shapes=window_shapes,
+            )  # fmt: skip
+            self.window = WindowSlots(
+                num_window_slots,
+                max_window(model_cfg),
+                config.max_running,
+                context_len,
+                self.device,
+                self._prefill_budget,
+            )
+            log.info(
+                "KV cache of the sliding layers: %d tokens (the windows of %d requests)",
+                num_window_slots,
+                self.window.max_requests,
+            )
         if self.states is not None:
             self.states.allocate(config.max_running + 1, self.device, config.linear_state_dtype)
         if self.snapshots is not None:
             self.snapshots.allocate()
         self.backend = create_backend(kernels, self.kv_pool, self.req_pool.table)
+        full_backend = self.backend
+        if self.window is not None:
+            self.backend = WindowedAttentionBackend(
+                full_backend,
+                create_backend(kernels, self.window_pool, self.window.req_pool.table),
+                self.sliding,
+            )
         self.sampler = Sampler(kernels)
         self.penalties = PenaltyState(config.max_running + 1, model_cfg.vocab_size, self.device)
         self._pin = self.device.type == "cuda"
@@ -207,7 +253,7 @@ class ModelRunner:
         # chunks alone has no host copy to wait for, so its forward may still run at wait()
         self._timed: collections.deque = collections.deque()
         self.graphs = None  # CUDA-graph runner for decode batches
-        if kernels.cuda_graph_max_bs > 0 and hasattr(self.backend, "init_graph_buffers"):
+        if kernels.cuda_graph_max_bs > 0 and hasattr(full_backend, "init_graph_buffers"):
             from batchrun.engine.cuda_graph import CudaGraphRunner  # imports Triton: CUDA only
 
             self.graphs = CudaGraphRunner(
@@ -233,30 +279,50 @@ class ModelRunner:
                 self.device,
             )
 
-    def _kv_slots(self) -> int:
+    @property
+    def _prefill_budget(self) -> int:
+        return self.config.chunked_prefill_size or self.context_len
+
+    def _kv_slots(self, shapes, window_shapes) -> tuple[int, int]:
+        """(the full pool's slots, the window pool's): `shapes` the full pool's layers,
+        `window_shapes` the window pool's (empty: no window pool). With the window pool on,
+        kv_budget counts the full pool's tokens (the window pool holds max_running windows);
+        a budget from free memory is split by engine/window_pool.py's size_window_pool."""
         cfg, page = self.config, self.config.page_size
+        window = max_window(self.model_cfg) if window_shapes else 0
+        prefill = self._prefill_budget if window_shapes else 0
         if cfg.kv_budget is not None:
-            return max(page, cfg.kv_budget // page * page)
+            num_window = window_slots(cfg.max_running, window, prefill) if window_shapes else 0
+            return max(page, cfg.kv_budget // page * page), num_window
         state_bytes = 0
         if self.states is not None:
             state_bytes = self.states.bytes_per_row(cfg.linear_state_dtype) * (cfg.max_running + 1)
         if self.snapshots is not None:
             state_bytes += self.snapshots.bytes(cfg.linear_state_dtype)
-        per_token = KVPool.bytes_per_token_of(
-            self.model.kv_shapes,
-            kv_storage_dtype(cfg.kv_cache_dtype, self.dtype),  # float8: one byte an element
-        )
+        kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, self.dtype)  # float8: one byte an element
+        per_token = KVPool.bytes_per_token_of(shapes, kv_dtype)
+        window_per_token = KVPool.bytes_per_token_of(window_shapes, kv_dtype)
+        window_bytes = 0
+        if window_shapes:
+            window_bytes = window_slots(cfg.max_running, window, prefill) * window_per_token
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cfg.gpu_memory_utilization)
         else:
             # NOTE: a CPU run is a demo or a test: an eighth of available memory, at most 32k
             # tokens (the pool is zeroed up front, so a huge one costs seconds at start-up)
-            budget = min(psutil.virtual_memory().available // 8, per_token << 15)
+            budget = min(psutil.virtual_memory().available // 8, (per_token << 15) + window_bytes)
         if state_bytes:
             budget = state_budget(budget, state_bytes, per_token, page)
+        if window_shapes:
+            num_window = size_window_pool(
+                cfg.max_running, window, prefill, budget, window_per_token
+            )
+            return split_kv_budget(
+                budget, per_token, window_per_token, num_window, page
+            ), num_window
         slots = max(budget // per_token, page)
-        return slots // page * page
+        return slots // page * page, 0
 
     def _to_device(self, values, dtype=torch.int64) -> torch.Tensor:
         t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
@@ -332,11 +398,15 @@ class ModelRunner:
                 logits_indices.append(end - 1)
                 sample_rows.append(req.row)
         table_rows, table_cols, table_slots = self.req_pool.take_pending()
+        window = ()  # the window pool's slots of the new tokens and its queued table writes
+        if self.window is not None:
+            locs = self.window.locs(rows, batch.prefix_lens, batch.extend_lens)
+            window = (locs, *self.window.req_pool.take_pending())
         (input_ids, positions, out_loc, logits_idx, rows_t, seq_t, ext_t, ph_pos, ph_row,
-         sample_rows_t, t_rows, t_cols, t_slots) = self._pack_to_device(
+         sample_rows_t, t_rows, t_cols, t_slots, *window) = self._pack_to_device(
             batch.input_ids, batch.positions, batch.out_cache_loc, logits_indices, rows,
             seq_lens, batch.extend_lens, ph_positions, ph_rows, sample_rows,
-            table_rows, table_cols, table_slots,
+            table_rows, table_cols, table_slots, *window,
         )  # fmt: skip
         attn = AttentionInputs(
             req_pool_indices=rows_t,
@@ -345,16 +415,19 @@ class ModelRunner:
             out_cache_loc=out_loc,
             seq_lens_cpu=seq_lens,
             extend_lens_cpu=batch.extend_lens,
+            window_out_cache_loc=window[0] if window else None,
         )
         return _Staged(
             input_ids, positions, logits_idx, attn, sample_rows_t, ph_pos, ph_row,
-            (t_rows, t_cols, t_slots), bool(ph_positions),
+            (t_rows, t_cols, t_slots), tuple(window[1:]), bool(ph_positions),
         )  # fmt: skip
 
     def _run_forward(self, staged: _Staged) -> _Forward:
         """A step's forward, device half: table writes, placeholder ids, the forward."""
         # queued request-to-token writes (admissions, new slots) land before attention reads
         self.req_pool.apply(*staged.table_writes)
+        if staged.window_writes:
+            self.window.req_pool.apply(*staged.window_writes)
         input_ids = staged.input_ids
         if staged.has_placeholders and not self._graph_resolves_placeholders(staged.attn):
             # the previous step sampled these tokens; they never left the device
@@ -464,6 +537,12 @@ class ModelRunner:
         row = self.req_pool.dummy_row
         slots = slots[:n]
         self.req_pool.table[row, :n] = slots.to(self.device, self.req_pool.table.dtype)
+        window_slots = None
+        if self.window is not None:  # the sliding layers' KV of every position, lent too
+            window_slots = self.window.allocator.allocate(n)
+            if window_slots is None:
+                raise ValueError(f"{n} tokens do not fit the sliding layers' window pool")
+            self.window.req_pool.table[row, :n] = window_slots.to(self.device, torch.int32)
         attn = AttentionInputs(
             req_pool_indices=self._to_device([row]),
             seq_lens=self._to_device([n]),
@@ -471,9 +550,15 @@ class ModelRunner:
             out_cache_loc=self._to_device(slots),
             seq_lens_cpu=(n,),
             extend_lens_cpu=(n,),
+            window_out_cache_loc=None if window_slots is None else self._to_device(window_slots),
         )
-        self.backend.prepare(attn)
-        if self.states is not None:
-            self.states.prepare(attn)
-        fwd = ForwardBatch(self._to_device(input_ids), self._to_device(list(range(n))), None)
-        return self.model(fwd, self.backend).float()
+        try:
+            self.backend.prepare(attn)
+            if self.states is not None:
+                self.states.prepare(attn)
+            fwd = ForwardBatch(self._to_device(input_ids), self._to_device(list(range(n))), None)
+            return self.model(fwd, self.backend).float()
+        finally:
+            if window_slots is not None:
+                self.window.req_pool.table[row, :n] = self.window.dummy_slot
+                self.window.allocator.free(window_slots)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from batchrun.engine.window_pool import FREE_STRIDE
 from batchrun.models.config import ModelConfig
 from batchrun.models.context import KV_ELEMENT_BYTES, kv_bytes_per_token
 
@@ -43,6 +44,25 @@ def kv_bytes_line(cfg: ModelConfig, kv: KVElement, longest: int, peak: int) -> s
         f"KV bytes     {gb(longest * per_token)} for the longest request, {gb(peak * per_token)}"
         f" for those at once ({per_token:,} bytes a token, {kv.kind} KV; the pool holds "
         f"--kv-budget tokens or --gpu-memory-utilization of the GPU memory after the weights)"
+    )
+
+
+def window_bytes_line(
+    cfg: ModelConfig, kv: KVElement, longest: int, peak: int, max_running: int
+) -> str:
+    """With --no-radix-cache, the sliding layers keep only their window (engine/window_pool.py):
+    the full layers' bytes of the longest request and of those at once, plus the windows."""
+    window = max(cfg.window(i) for i in cfg.kv_layers)
+    per_kind = [0, 0]  # [full, sliding] elements a token
+    for i in cfg.kv_layers:
+        per_kind[cfg.window(i) > 0] += cfg.kv_heads_of(i) * cfg.head_dim_of(i)
+    full, sliding = (2 * n * kv.num_bytes for n in per_kind)
+    span = window + FREE_STRIDE
+    return (
+        f"windows      with --no-radix-cache the sliding layers keep their {window}-token window: "
+        f"{gb(longest * full + span * sliding)} for the longest request, "
+        f"{gb(peak * full + max_running * span * sliding)} for those at once ({full:,} bytes a "
+        f"token for the full layers, {gb(span * sliding)} a request's window)"
     )
 
 

@@ -20,12 +20,13 @@ from batchrun.engine.state_snapshots import (
     SNAPSHOT_LOOKAHEAD,
     num_snapshots,
 )
+from batchrun.engine.window_pool import uses_window_pool
 from batchrun.errors import ModelConfigError
 from batchrun.io.readers import BadInputError, open_dataset
 from batchrun.io.rows import RowError, RowSpec, schema_problem
 from batchrun.io.stdin import STDIN, spool_stdin
 from batchrun.job.config import default_served_model_name
-from batchrun.job.kv_bytes import KVElement, gb, kv_bytes_line
+from batchrun.job.kv_bytes import KVElement, gb, kv_bytes_line, window_bytes_line
 from batchrun.job.order import (
     DEFAULT_WINDOW,
     LRUEstimate,
@@ -185,6 +186,8 @@ def _make_plan(
             f"{max_running})",
             kv_bytes_line(cfg, kv, int(need[0]), peak),
         ]
+        if uses_window_pool(cfg, False, cfg.linear_attention is not None):
+            lines.append(window_bytes_line(cfg, kv, int(need[0]), peak, max_running))
         if cfg.linear_attention is not None:  # a hybrid's recurrent states (docs/hybrid.md)
             state = cfg.linear_attention.state_bytes(1, linear_state_dtype)
             snaps = num_snapshots(max_running)

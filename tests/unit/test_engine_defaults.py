@@ -157,7 +157,10 @@ def test_gpu_memory_utilization_sizes_the_cuda_kv_pool(monkeypatch):
             dtype=torch.bfloat16,
             device=torch.device("cuda"),
         )
-        return ModelRunner._kv_slots(runner)
+        # every layer in the one pool (no window pool): (its slots, 0)
+        num_slots, num_window = ModelRunner._kv_slots(runner, runner.model.kv_shapes, ())
+        assert num_window == 0
+        return num_slots
 
     assert slots() == int(free * GPU_MEMORY_UTILIZATION) // per_token
     assert slots(gpu_memory_utilization=0.5) == int(free * 0.5) // per_token
