@@ -22,6 +22,9 @@
     moe_gemv           an MoE decode batch's experts as GEMVs (the router in moe_route)
     moe_grouped_mm     an MoE layer's prefill experts on torch._grouped_mm, with its gather / sum
     causal_conv1d      a hybrid model's causal conv1d, packed requests, conv states in place
+    host_gather        rows of a table in pinned host memory gathered by the GPU (Gemma 4's
+                       per-layer embeddings)
+    tile_fit           attention tiles fitted to the device's shared memory (no kernel: the rule)
     pdl                programmatic dependent launch helpers
 
 Each module imports triton at its top: import them only where Triton is installed

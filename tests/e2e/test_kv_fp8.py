@@ -118,10 +118,14 @@ def test_gpu_memory_utilization_gives_twice_the_bf16_tokens(monkeypatch):
             model_cfg=SimpleNamespace(num_layers=4, head_dim=64, kv_layers=(0, 1, 2, 3)),
             model=SimpleNamespace(num_kv_heads=2, kv_shapes=((2, 64),) * 4),
             states=None,  # no recurrent states (a hybrid's: engine/state_pool.py)
+            snapshots=None,  # nor their prefix-cache snapshots (engine/state_snapshots.py)
             dtype=torch.bfloat16,
             device=torch.device("cuda"),
         )
-        return ModelRunner._kv_slots(runner)
+        # every layer in the one pool (no window pool): (its slots, 0)
+        num_slots, num_window = ModelRunner._kv_slots(runner, runner.model.kv_shapes, ())
+        assert num_window == 0
+        return num_slots
 
     bf16 = slots(gpu_memory_utilization=0.5)
     assert bf16 == int(free * 0.5) // (2 * 4 * 2 * 64 * 2)
