@@ -153,6 +153,8 @@ def run_job(path: Path, rows: list[dict], task: str, args, extra: tuple[str, ...
         raise RuntimeError(f"batchrun submit failed ({result.exit_code}): {result.output}")
     out = result.output
     elapsed = float(re.search(r"output tokens in ([\d.]+) s", out).group(1))
+    if not elapsed:
+        raise RuntimeError(f"the {task} job ran in under a millisecond: raise --scale to time it")
     manifest = json.loads((work / "out" / "manifest.json").read_text())
     counts = manifest["counts"]
     n, tokens = counts["rows_ok"], counts["prompt_tokens"]

@@ -81,7 +81,7 @@ class RunSummary:
         resumed = f" ({self.resumed_rows} from earlier attempts)" if self.resumed_rows else ""
         return (
             f"{self.rows} rows{resumed}: {self.rows_ok} ok, {self.rows_failed} failed; "
-            f"{self.session_tokens} output tokens in {self.elapsed_s:.1f} s "
+            f"{self.session_tokens} output tokens in {seconds(self.elapsed_s)} s "
             f"({tok_s:,.0f} tok/s); cached_fraction {self.cached_fraction:.3f} "
             f"({self.cached_tokens:,} of {self.prompt_tokens:,} prompt tokens)"
         )
@@ -93,6 +93,12 @@ class RunSummary:
             return None
         kinds = describe_errors(self.error_types) or f"{self.rows_failed:,} rows"
         return f"errors: {kinds} -> {errors_path(out, self.error_files)}"
+
+
+def seconds(s: float) -> str:
+    """A duration at the precision it is read with: tenths from ten seconds up, milliseconds
+    below (a short pooling job's elapsed is what its rows a second are computed from)."""
+    return f"{s:.1f}" if s >= 10 else f"{s:.3f}"
 
 
 def describe_errors(error_types: dict[str, int]) -> str:
