@@ -36,6 +36,7 @@ from batchrun.engine.scheduler import ScheduledBatch, Scheduler
 from batchrun.engine.stop import StopStringChecker
 from batchrun.engine.structured import GateRelease, StructuredOutput
 from batchrun.engine.thinking import AnswerGate, ThinkingBudget
+from batchrun.engine.window_tree import TreeWindows
 from batchrun.models.config import ModelConfig
 from batchrun.models.context import served_context_len
 from batchrun.models.embedded import resolve_model_path
@@ -130,16 +131,18 @@ class Engine:
         self.config = config
         self.device = self.runner.device
         allocator = TokenAllocator(self.runner.num_slots, config.page_size)
-        # a hybrid's matches end at its state snapshots (engine/state_snapshots.py)
+        # a hybrid's matches end at its state snapshots (engine/state_snapshots.py), a windowed
+        # model's where the tree holds the window (engine/window_tree.py)
+        window = self.runner.window
         cache = RadixCache(
             allocator,
             config.page_size,
             disable=not config.enable_radix_cache,
             snapshots=self.runner.snapshots,
+            windows=TreeWindows(window) if window and config.enable_radix_cache else None,
         )
         self.kv = KVManager(allocator, cache, self.runner.req_pool, self.runner.window)
         # with the sliding layers' window pool, at most the requests whose windows it holds run
-        window = self.runner.window
         max_running = (
             config.max_running if window is None else min(config.max_running, window.max_requests)
         )

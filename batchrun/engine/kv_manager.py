@@ -19,10 +19,13 @@ are kept:
     first hole;
   - a model whose every layer is windowed (Mistral v0.1: 4096 tokens) saves memory only on
     sequences longer than its window, which batch jobs seldom run.
-With the radix cache off, a model of sliding and full layers keeps its sliding layers' KV in a
-pool of its own (`window`, engine/window_pool.py): `reserve` and `reserve_decodes` take its slots
-too (freeing those behind the window first), `release` gives them back; the slots above are the
-full layers'.
+A model of sliding and full layers keeps its sliding layers' KV in a pool of its own (`window`,
+engine/window_pool.py): `reserve` and `reserve_decodes` take its slots too (dropping those behind
+the window first), `release` drops the row's span; the slots above are the full layers'. With
+the radix cache on, the tree holds window slots beside the KV it takes (engine/window_tree.py):
+a hand-over gives it the row's span up to the aligned length, an admission starts the row's span
+with the match's window, and the window pool's allocations evict the tree's window slots when
+short.
 
 Hybrid models (cache.snapshots, engine/state_snapshots.py). A match ends at a node with a state
 snapshot, which admission copies into the request's state row; a prefill chunk that ends at one
@@ -64,7 +67,8 @@ class KVManager:
         # the sliding layers' own slots (engine/window_pool.py); None: every layer keeps every
         # position in the slots above
         self.window = window
-        assert window is None or cache.disable, "the window pool runs without the radix cache"
+        if window is not None and cache.windows is not None:
+            window.evict = cache.windows.evict
 
     @property
     def cache_enabled(self) -> bool:
@@ -99,6 +103,8 @@ class KVManager:
             self._write(req, 0, match.slots)
             if self.snapshots is not None:
                 self.snapshots.load(match.last_node, row)
+            if self.window is not None:
+                self.window.share(row, match.window_start, match.window)
         req.last_node, req.prefix_len, req.kv_len, req.alloc_len = (
             match.last_node,
             length,
@@ -184,7 +190,7 @@ class KVManager:
         # already (a locked path keeps its values) and from num_existing on the tree took ours
         # NOTE: no re-match: insert stamped the same path with the newest LRU time
         if num_existing > req.prefix_len:
-            match = self.cache.match_prefix(key, to_snapshot=False)  # the KV, as inserted
+            match = self.cache.match_prefix(key, resumable=False)  # the KV, as inserted
             assert match.length == aligned, "tree lost a prefix that was just inserted"
             self._write(req, req.prefix_len, match.slots[req.prefix_len : num_existing])
         self.cache.lock(node)
@@ -229,7 +235,8 @@ class KVManager:
         the node where `key` ends."""
         # a view: the tree clones what it keeps and the allocator copies what it frees
         slots = self.table_cpu[req.row, :aligned]
-        num_existing, node = self.cache.insert_path(key, slots)
+        window = self.window.span(req.row, aligned) if self.window is not None else None
+        num_existing, node = self.cache.insert_path(key, slots, window)
         # [prefix_len, num_existing): we computed what the tree already had; ours are spare
         if num_existing > req.prefix_len:
             self.allocator.free(slots[req.prefix_len : num_existing])
@@ -244,7 +251,8 @@ class KVManager:
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.num_private)
         if self.window is not None:
-            self.window.check_integrity()
+            tree = self.cache.window_slots() if self.cache.windows is not None else None
+            self.window.check_integrity(tree)
 
 
 def _int64(values: list[int]) -> torch.Tensor:

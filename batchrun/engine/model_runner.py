@@ -190,7 +190,7 @@ class ModelRunner:
         self.window_pool = None
         self.sliding = ()
         window_shapes = ()
-        if uses_window_pool(model_cfg, config.enable_radix_cache, self.states is not None):
+        if uses_window_pool(model_cfg, self.states is not None):
             self.sliding = sliding_kv_indices(model_cfg)
             shapes, window_shapes = split_shapes(shapes, self.sliding)
         self.num_slots, num_window_slots = self._kv_slots(shapes, window_shapes)

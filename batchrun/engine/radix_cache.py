@@ -13,6 +13,11 @@ A hybrid model's cache (``snapshots`` given, engine/state_snapshots.py) also nee
 layers' state at the end of a match: a node may carry a state snapshot (of the path up to its
 end), a match is cut back to the deepest node with one, and a node evicted frees its snapshot.
 
+A model whose sliding layers keep only their window (engine/window_pool.py, ``windows`` given,
+engine/window_tree.py) has a node hold its positions' window slots too: a match is cut back to
+the deepest length whose window the path still holds, and the window slots go LRU first when
+the window pool is short.
+
 Ownership when a finished request is cached (indices into its token ids)::
 
     0            m.length          n_dup = insert(...)        aligned       len
@@ -34,6 +39,7 @@ from batchrun.engine.allocator import TokenAllocator
 
 if TYPE_CHECKING:
     from batchrun.engine.state_snapshots import StateSnapshots
+    from batchrun.engine.window_tree import TreeWindows
 
 __all__ = ["MatchResult", "RadixCache", "TreeNode"]
 
@@ -44,7 +50,8 @@ _NUMPY_MIN_LEN = 64
 
 class TreeNode:
     __slots__ = (
-        "key", "value", "parent", "children", "ref", "last_access", "id", "removed", "snapshot"
+        "key", "value", "parent", "children", "ref", "last_access", "id", "removed", "snapshot",
+        "window", "queued",
     )  # fmt: skip
     _ids = itertools.count()
 
@@ -58,6 +65,8 @@ class TreeNode:
         self.id = next(TreeNode._ids)  # tie-breaker for the eviction heap
         self.removed = False  # evicted: its heap entries are dead
         self.snapshot: int | None = None  # state snapshot slot (hybrids: state_snapshots.py)
+        self.window: torch.Tensor = _EMPTY  # window slot a position (window_tree.py), or none
+        self.queued = False  # in the window eviction queue (window_tree.py)
 
     @property
     def is_root(self) -> bool:
@@ -74,6 +83,9 @@ class TreeNode:
 class MatchResult(NamedTuple):
     slots: torch.Tensor  # int64 [L] slot ids of the matched prefix, L page-aligned
     last_node: TreeNode  # deepest matched node (root if none); pass to lock/unlock
+    # with windows: the window slots of positions [window_start, L) (a row's span begins so)
+    window_start: int = 0
+    window: torch.Tensor = _EMPTY
 
     @property
     def length(self) -> int:
@@ -101,6 +113,7 @@ class RadixCache:
         page_size: int = 1,
         disable: bool = False,
         snapshots: StateSnapshots | None = None,
+        windows: TreeWindows | None = None,
     ) -> None:
         if page_size != allocator.page_size:
             raise ValueError(
@@ -110,6 +123,7 @@ class RadixCache:
         self.page_size = page_size
         self.disable = disable
         self.snapshots = snapshots  # a hybrid model's: matches end at a snapshot
+        self.windows = windows  # sliding layers' windows: matches end where one is held
         self.reset()
 
     def reset(self) -> None:
@@ -121,11 +135,17 @@ class RadixCache:
         """
         root = getattr(self, "root", None)
         if root is not None:
-            values = [n.value for n in self._iter_nodes() if not n.is_root]
-            if values:
-                self.allocator.free(torch.cat(values))
+            nodes = [n for n in self._iter_nodes() if not n.is_root]
+            if nodes:
+                self.allocator.free(torch.cat([n.value for n in nodes]))
+            if self.windows is not None:
+                for node in nodes:
+                    node.removed = True
+                    self.windows.drop(node)
         if self.snapshots is not None:
             self.snapshots.reset()
+        if self.windows is not None:
+            self.windows.reset()
         self.root = TreeNode((), _EMPTY, None)
         self.root.ref = 1  # never evicted, never counted
         self._evictable_size = 0
@@ -156,9 +176,10 @@ class RadixCache:
 
     # -- lookup and insertion -------------------------------------------------------------
 
-    def match_prefix(self, key: Sequence[int], to_snapshot: bool = True) -> MatchResult:
-        """Longest cached prefix of ``key`` in whole pages (with snapshots and ``to_snapshot``:
-        up to the deepest node with a snapshot); refreshes LRU along the path."""
+    def match_prefix(self, key: Sequence[int], resumable: bool = True) -> MatchResult:
+        """Longest cached prefix of ``key`` in whole pages; refreshes LRU along the path. With
+        ``resumable``, cut back to where the model can go on from: with snapshots, the deepest
+        node with one; with windows, the deepest length whose window the path holds."""
         if self.disable:
             return MatchResult(_EMPTY, self.root)
         end = self._page_floor(len(key))
@@ -181,15 +202,40 @@ class RadixCache:
             node, pos = child, pos + n
             if partial:
                 break
-        if self.snapshots is not None and to_snapshot:
+        if self.snapshots is not None and resumable:
             # NOTE: the KV past the deepest snapshot cannot resume the linear layers
             keep = len(path)
             while keep and path[keep - 1].snapshot is None:
                 keep -= 1
             node = path[keep - 1] if keep else self.root
             del values[keep:]
+        if self.windows is not None and path:
+            return self._match_windows(path, values, resumable)
         slots = torch.cat(values) if values else _EMPTY
         return MatchResult(slots, node)
+
+    def _match_windows(
+        self, path: list[TreeNode], values: list[torch.Tensor], resumable: bool
+    ) -> MatchResult:
+        """The match of `path` with its window (window_tree.py), cut back with `resumable` to
+        the deepest length whose window the path holds (splitting the node it ends in)."""
+        window = torch.cat([n.window for n in path])
+        length = window.numel()
+        if resumable:
+            length = self.windows.resumable(window, self.page_size)
+            if length == 0:
+                return MatchResult(_EMPTY, self.root)
+            k = end = 0  # path[k] holds position length - 1 and starts at `end`
+            while end + len(path[k].key) < length:
+                end += len(path[k].key)
+                k += 1
+            if end + len(path[k].key) > length:
+                path[k] = self._split(path[k], length - end)
+                values[k] = path[k].value
+            del path[k + 1 :], values[k + 1 :]
+        start, span = self.windows.span_of(window, length)
+        slots = torch.cat(values) if len(values) > 1 else values[0]
+        return MatchResult(slots, path[-1], start, span)
 
     def insert(self, key: Sequence[int], slots: torch.Tensor) -> int:
         """Cache ``key`` -> ``slots``; return how many leading tokens the tree already had.
@@ -200,9 +246,13 @@ class RadixCache:
         """
         return self.insert_path(key, slots)[0]
 
-    def insert_path(self, key: Sequence[int], slots: torch.Tensor) -> tuple[int, TreeNode]:
+    def insert_path(
+        self, key: Sequence[int], slots: torch.Tensor, window: torch.Tensor | None = None
+    ) -> tuple[int, TreeNode]:
         """`insert`, also returning the node where ``key`` ends (the root if disabled or empty):
-        what `match_prefix(key).last_node` would be right after, without a second walk."""
+        what `match_prefix(key).last_node` would be right after, without a second walk. With
+        windows, ``window`` gives each position's window slot (dummy where none): the tree holds
+        them where it has none (window_tree.py)."""
         if self.disable:
             return len(key), self.root
         if len(key) != slots.numel():
@@ -210,6 +260,9 @@ class RadixCache:
         if len(key) % self.page_size:
             raise ValueError(f"len(key)={len(key)} is not a multiple of {self.page_size}")
         key = tuple(key)
+        windows = self.windows
+        if windows is not None and window is None:
+            window = windows.empty(len(key))
         node, pos = self.root, 0
         now = self._tick()
         while pos < len(key):
@@ -222,6 +275,8 @@ class RadixCache:
                 # The remainder of `key` diverges inside this edge (or ends there): split, and the
                 # loop stops at the new node because no child starts with key[pos + n:].
                 child = self._split(child, n)
+            if windows is not None:
+                windows.fill(child, 0, window[pos : pos + n])
             node, pos = child, pos + n
         num_existing = pos
         if pos < len(key):
@@ -231,6 +286,8 @@ class RadixCache:
             self._num_nodes += 1
             self._evictable_size += len(leaf.key)
             self._touch(leaf, now)
+            if windows is not None:
+                windows.attach(leaf, window[pos:])
             node = leaf
         return num_existing, node
 
@@ -274,6 +331,8 @@ class RadixCache:
             node.removed = True
             if node.snapshot is not None:
                 self.snapshots.drop(node)
+            if self.windows is not None:
+                self.windows.drop(node)
             self._num_nodes -= 1
             values.append(node.value)
             freed += len(node.key)
@@ -305,6 +364,10 @@ class RadixCache:
         heapq.heapify(self._heap)
 
     # -- debugging --------------------------------------------------------------------------
+
+    def window_slots(self) -> torch.Tensor:
+        """The window slots the nodes hold (for the window pool's integrity check)."""
+        return self.windows.held_slots(n for n in self._iter_nodes() if not n.is_root)
 
     def check_integrity(self, num_in_use: int) -> None:
         """Assert tree invariants and ``free + cached + in use == capacity``."""
@@ -400,6 +463,8 @@ class RadixCache:
         child.key = child.key[n:]
         child.value = child.value[n:]
         child.parent = upper
+        if self.windows is not None:
+            self.windows.split(upper, child, n)
         upper.children[self._child_key(child.key, 0)] = child
         return upper
 

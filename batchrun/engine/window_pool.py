@@ -18,9 +18,11 @@ the pool's dummy slot, because kernels load (masked) keys before the window (the
 kernel up to a block of them) and every table entry must stay a valid slot.
 
 The rule (`uses_window_pool`): the window pool runs where the model's KV-writing layers have
-both kinds, the radix cache is off and no hybrid state pool is on; a prefix cache keeps a
-request's KV alive for later requests, whose matches may end anywhere (docs/gemma4.md states the
-rule a cache with windows follows). Elsewhere every layer keeps every position.
+both kinds and no hybrid state pool is on. With the radix cache on, the tree holds window slots
+too (engine/window_tree.py): a slot is reference counted (each request row whose span holds it,
+and the tree), goes back to the pool when the last holder drops it, and a match ends only where
+the tree still holds the window before it (docs/gemma4.md states the rule). Elsewhere every
+layer keeps every position.
 
 Sizing (`size_window_pool`): per running request its window and a stride, plus one step's
 prefill tokens, but at most WINDOW_SHARE of a KV budget read from free memory (and at least one
@@ -33,6 +35,7 @@ beside keeping every position (docs/gemma4.md).
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 
 import torch
 
@@ -54,10 +57,10 @@ def sliding_kv_indices(cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(i for i, layer in enumerate(cfg.kv_layers) if cfg.window(layer) > 0)
 
 
-def uses_window_pool(cfg: ModelConfig, enable_radix_cache: bool, has_states: bool) -> bool:
+def uses_window_pool(cfg: ModelConfig, has_states: bool) -> bool:
     """Whether the sliding layers keep only their window (the module docstring's rule)."""
     sliding = sliding_kv_indices(cfg)
-    return not enable_radix_cache and not has_states and 0 < len(sliding) < len(cfg.kv_layers)
+    return not has_states and 0 < len(sliding) < len(cfg.kv_layers)
 
 
 def max_window(cfg: ModelConfig) -> int:
@@ -133,9 +136,12 @@ def split_kv_budget(
 class WindowSlots:
     """The window pool's slot bookkeeping (host) and its request-to-token table (device).
 
-    Per request row: positions [start, end) hold window slots; positions below start point at
-    the dummy slot. `reserve` and `reserve_decodes` are idempotent for positions already held,
-    so a caller may retry after another allocation failed."""
+    Per request row: positions [start, end) hold window slots (the row's span); positions below
+    start point at the dummy slot. A slot counts its holders in `refs` (each span that holds it,
+    and the radix tree's node that holds it) and goes back to the allocator at zero. `reserve`
+    and `reserve_decodes` are idempotent for positions already held, so a caller may retry after
+    another allocation failed; where the allocator is short they first ask `evict` (the tree's
+    window eviction, engine/window_tree.py) for the rest."""
 
     def __init__(
         self, num_slots: int, window: int, max_reqs: int, max_context: int, device, prefill: int
@@ -145,6 +151,8 @@ class WindowSlots:
         self.max_requests = max_requests(num_slots, window, prefill)
         self.allocator = TokenAllocator(num_slots)
         self.dummy_slot = num_slots  # the window KVPool's extra last slot
+        self.refs = torch.zeros(num_slots, dtype=torch.int32)
+        self.evict: Callable[[int], int] | None = None  # frees at least n slots if it can
         self.req_pool = ReqToTokenPool(max_reqs, max_context, device)
         self.req_pool.table.fill_(self.dummy_slot)
         self.table_cpu = torch.full((max_reqs + 1, max_context), num_slots, dtype=torch.int64)
@@ -157,15 +165,54 @@ class WindowSlots:
 
     @property
     def num_held(self) -> int:
+        """Positions the rows' spans hold (a slot the tree holds as well counts here too)."""
         return sum(e - s for s, e in zip(self.start, self.end))
 
+    # -- reference counts -------------------------------------------------------------------
+
+    def hold(self, slots: torch.Tensor) -> None:
+        """One more holder of each of `slots` (distinct, held already)."""
+        self.refs[slots] += 1
+
+    def drop(self, slots: torch.Tensor) -> int:
+        """One holder fewer of each of `slots` (distinct); the ones left with none go back to the
+        allocator. Returns how many did."""
+        if not slots.numel():
+            return 0
+        refs = self.refs
+        refs[slots] -= 1
+        dead = slots[refs[slots] == 0]
+        if dead.numel():
+            self.allocator.free(dead)
+        return dead.numel()
+
+    def _allocate(self, n: int) -> torch.Tensor | None:
+        free = self.allocator.num_free
+        if free < n and self.evict is not None:
+            self.evict(n - free)
+        slots = self.allocator.allocate(n)
+        if slots is not None:
+            self.refs[slots] = 1
+        return slots
+
+    # -- a row's span -----------------------------------------------------------------------
+
+    def share(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """An admitted row's cached window: positions [start, start + len(slots)) read the
+        tree's `slots` (held by the row too from here on)."""
+        end = start + slots.numel()
+        self.table_cpu[row, start:end] = slots
+        self.req_pool.write(row, start, slots)
+        self.hold(slots)
+        self.start[row], self.end[row] = start, end
+
     def _trim(self, row: int, kv_len: int) -> None:
-        """Free positions below kv_len - W + 1, once FREE_STRIDE of them have gathered."""
+        """Drop positions below kv_len - W + 1, once FREE_STRIDE of them have gathered."""
         start = self.start[row]
         upto = min(kv_len - self.window + 1, self.end[row])
         if upto - start < FREE_STRIDE:
             return
-        self.allocator.free(self.table_cpu[row, start:upto].clone())
+        self.drop(self.table_cpu[row, start:upto].clone())
         dummy = torch.full((upto - start,), self.dummy_slot, dtype=torch.int64)
         self.table_cpu[row, start:upto] = dummy
         self.req_pool.write(row, start, dummy)
@@ -173,13 +220,13 @@ class WindowSlots:
 
     def reserve(self, row: int, kv_len: int, num_tokens: int) -> bool:
         """Window slots for positions [kv_len, kv_len + num_tokens); False if the pool is short
-        (what this row held behind its window is freed either way)."""
+        (what this row held behind its window is dropped either way)."""
         self._trim(row, kv_len)
         end = self.end[row]
         need = kv_len + num_tokens - end
         if need <= 0:
             return True
-        slots = self.allocator.allocate(need)
+        slots = self._allocate(need)
         if slots is None:
             return False
         self.table_cpu[row, end : end + need] = slots
@@ -198,7 +245,7 @@ class WindowSlots:
                 cols.append(kv_len)
         if not needers:
             return True
-        slots = self.allocator.allocate(len(needers))
+        slots = self._allocate(len(needers))
         if slots is None:
             return False
         self.table_cpu[_int64(needers), _int64(cols)] = slots
@@ -208,11 +255,25 @@ class WindowSlots:
         return True
 
     def release(self, row: int) -> None:
-        """The request left its row: its window slots go back to the pool."""
+        """The request left its row: it drops its span (the slots no tree node holds go back)."""
         start, end = self.start[row], self.end[row]
         if end > start:
-            self.allocator.free(self.table_cpu[row, start:end].clone())
+            self.drop(self.table_cpu[row, start:end].clone())
         self.start[row] = self.end[row] = 0
+
+    def span(self, row: int, upto: int) -> torch.Tensor:
+        """The row's window slots of positions [0, upto), the dummy slot outside its span (what
+        the tree takes when the row's KV goes to it)."""
+        out = torch.full((upto,), self.dummy_slot, dtype=torch.int64)
+        start, end = self.start[row], min(self.end[row], upto)
+        if end > start:
+            out[start:end] = self.table_cpu[row, start:end]
+        return out
+
+    def span_slots(self) -> torch.Tensor:
+        """The slots of every row's span, a holder each (for the integrity check)."""
+        parts = [self.table_cpu[r, s:e] for r, (s, e) in enumerate(zip(self.start, self.end))]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     def locs(self, rows: list[int], starts: list[int], lens: list[int]) -> torch.Tensor:
         """The window slots of a step's new tokens, request by request (a new CPU tensor)."""
@@ -230,9 +291,17 @@ class WindowSlots:
             return parts[0].clone()
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, tree_slots: torch.Tensor | None = None) -> None:
+        """Every slot's count equals its holders (the spans, and `tree_slots`: the slots the
+        tree's nodes hold), and free + held == capacity."""
         self.allocator.check_no_double_free()
-        held = self.num_held
+        holders = self.span_slots()
+        if tree_slots is not None:
+            holders = torch.cat([holders, tree_slots])
+        assert bool((holders < self.dummy_slot).all()), "window span holds the dummy slot"
+        counts = torch.bincount(holders, minlength=self.capacity).to(torch.int32)
+        assert torch.equal(counts, self.refs), "window slot counts differ from their holders"
+        held = int((counts > 0).sum())
         assert self.allocator.num_free + held == self.capacity, (
             f"window pool: {self.allocator.num_free} free + {held} held != {self.capacity}"
         )

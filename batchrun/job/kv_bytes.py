@@ -50,8 +50,8 @@ def kv_bytes_line(cfg: ModelConfig, kv: KVElement, longest: int, peak: int) -> s
 def window_bytes_line(
     cfg: ModelConfig, kv: KVElement, longest: int, peak: int, max_running: int
 ) -> str:
-    """With --no-radix-cache, the sliding layers keep only their window (engine/window_pool.py):
-    the full layers' bytes of the longest request and of those at once, plus the windows."""
+    """The sliding layers keep only their window (engine/window_pool.py): the full layers' bytes
+    of the longest request and of those at once, plus the windows."""
     window = max(cfg.window(i) for i in cfg.kv_layers)
     per_kind = [0, 0]  # [full, sliding] elements a token
     for i in cfg.kv_layers:
@@ -59,7 +59,7 @@ def window_bytes_line(
     full, sliding = (2 * n * kv.num_bytes for n in per_kind)
     span = window + FREE_STRIDE
     return (
-        f"windows      with --no-radix-cache the sliding layers keep their {window}-token window: "
+        f"windows      the sliding layers keep their {window}-token window: "
         f"{gb(longest * full + span * sliding)} for the longest request, "
         f"{gb(peak * full + max_running * span * sliding)} for those at once ({full:,} bytes a "
         f"token for the full layers, {gb(span * sliding)} a request's window)"

@@ -186,7 +186,7 @@ def _make_plan(
             f"{max_running})",
             kv_bytes_line(cfg, kv, int(need[0]), peak),
         ]
-        if uses_window_pool(cfg, False, cfg.linear_attention is not None):
+        if uses_window_pool(cfg, cfg.linear_attention is not None):
             lines.append(window_bytes_line(cfg, kv, int(need[0]), peak, max_running))
         if cfg.linear_attention is not None:  # a hybrid's recurrent states (docs/hybrid.md)
             state = cfg.linear_attention.state_bytes(1, linear_state_dtype)

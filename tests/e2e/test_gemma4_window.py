@@ -1,7 +1,9 @@
-"""Gemma 4's sliding layers keep only their window (engine/window_pool.py; on with the radix cache
-off): greedy tokens equal transformers' on prompts and generations past the window, unchunked
-and in chunks inside and across the window, with a window pool too small for any request's
-whole sequence (so slots behind the window must go back), and through retractions."""
+"""Gemma 4's sliding layers keep only their window (engine/window_pool.py): greedy tokens equal
+transformers' on prompts and generations past the window, unchunked and in chunks inside and
+across the window, with a window pool too small for any request's whole sequence (so slots
+behind the window must go back), through retractions, and with the radix cache on (the tree's
+window slots, engine/window_tree.py): prompts sharing prefixes longer than the window hit the
+cache, and a window pool too small to keep every cached window cuts matches back."""
 
 from __future__ import annotations
 
@@ -70,7 +72,9 @@ def greedy(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
         out[res.rid] = res.output_ids
     engine.check_integrity()
     window = engine.runner.window
-    assert window.num_held == 0 and window.allocator.num_free == window.capacity
+    assert window.num_held == 0
+    if engine.kv.cache.windows is None:
+        assert window.allocator.num_free == window.capacity
     return out
 
 
@@ -136,3 +140,26 @@ def test_tp2_matches_tp1(tiny, monkeypatch):
     with start_tp_engine(cfg, tp_size=2, timeout_s=120, check_sync=True) as engine:
         assert engine.runner.window is not None
         assert greedy(engine, prompts) == ref
+
+
+def shared_prefix_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    """The prompts again behind two stems longer than the window (a stem and a cut of it)."""
+    stem = prompts[0] + prompts[1]
+    assert len(stem) > 2 * WINDOW
+    cut = len(stem) // 2 + 3
+    return [stem[:cut] + p[:7] if i % 2 else stem + p[:9] for i, p in enumerate(prompts)]
+
+
+def test_radix_cache_hits_keep_the_tokens(tiny):
+    """The radix cache on: shared prefixes are served from the tree, windows included. The
+    window pool (sized by kv_budget: the running requests' windows and a step) is short of
+    every cached window, so the tree's windows go LRU first and matches are cut back to where
+    one is held. Tokens equal transformers', request by request, and again from a warm tree."""
+    _, hf, model_dir, prompts, _ = tiny
+    prompts = shared_prefix_prompts(prompts)
+    ref = {str(i): hf_greedy_tokens(hf, p, NEW) for i, p in enumerate(prompts)}
+    engine = windowed_engine(model_dir, enable_radix_cache=True, chunked_prefill_size=16)
+    assert engine.kv.cache.windows is not None
+    assert greedy(engine, prompts) == ref
+    assert engine.stats.cached_tokens > 2 * WINDOW, "the shared stems were not reused"
+    assert greedy(engine, prompts) == ref

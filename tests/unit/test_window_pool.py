@@ -113,8 +113,8 @@ def test_capacity_of_the_default_shapes(tmp_path, kv_shared):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     cfg = ModelConfig.from_dir(str(tmp_path))
     sliding = window_pool.sliding_kv_indices(cfg)
-    assert window_pool.uses_window_pool(cfg, enable_radix_cache=False, has_states=False)
-    assert not window_pool.uses_window_pool(cfg, enable_radix_cache=True, has_states=False)
+    assert window_pool.uses_window_pool(cfg, has_states=False)
+    assert not window_pool.uses_window_pool(cfg, has_states=True)
     shapes = tuple((cfg.kv_heads_of(i), cfg.head_dim_of(i)) for i in cfg.kv_layers)
     full, win = split_shapes(shapes, sliding)
     bf16 = 2 * 2  # K and V, two bytes each
