@@ -32,4 +32,8 @@ def test_tiny_cpu_run(tmp_path):
     assert rows["bert-base"]["sentence_transformers"]["rows_per_s"] > 0
     assert rows["qwen3-rerank-0.6b"]["batchrun"]["rows"] == 2
     assert rows["qwen3-rerank-0.6b"]["batchrun"]["cached_tokens"] > 0
+    assert rows["qwen3-rerank-0.6b"]["sentence_transformers"]["rows_per_s"] > 0
+    # the job's P(yes) against CrossEncoder.predict on the seq-cls twin, fp32, the same tokens
+    check = rows["qwen3-rerank-0.6b"]["check"]
+    assert check["pairs"] == 20 and check["max_abs_diff"] < 1e-5
     assert rows["reward-llama-8b"]["batchrun"]["prefill_tflop_per_s"] > 0
