@@ -253,7 +253,8 @@ def run_cross_encoder(path: Path, pairs: list[tuple[str, str]], args) -> tuple[d
 def check_rerank(out: Path, ce, rows: list[dict], n: int = 4) -> dict:
     """The job's scores of its first `n` rows (its results shards) against
     CrossEncoder.predict's for the same pairs: the max abs difference of P(yes)."""
-    records = [json.loads(line) for f in sorted(out.glob("results-*")) for line in open(f)]
+    shards = sorted(out.glob("results-*"))
+    records = [json.loads(line) for f in shards for line in f.read_text().splitlines()]
     job = {r["id"]: r["scores"] for r in records}
     rows = rows[:n]
     pairs = [p for r in rows for p in rerank_pairs(r["query"], r["documents"])]

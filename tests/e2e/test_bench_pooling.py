@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -16,6 +17,25 @@ def test_help_names_the_cases():
     out = subprocess.run([sys.executable, "-P", str(SCRIPT), "--help"], capture_output=True,
                          text=True, check=True).stdout  # fmt: skip
     assert "qwen3-rerank-0.6b" in out and "--st-batch-sizes" in out
+
+
+def test_rerank_pairs_tokenize_as_the_job(tmp_path):
+    """CrossEncoder's pair (prefix + instruction + query, document + suffix) on the twin's
+    tokenizer is the token sequence of batchrun's rerank prompt."""
+    from transformers import AutoTokenizer
+
+    from batchrun.pooling.model import RowTokenizer
+
+    spec = importlib.util.spec_from_file_location("bench_pooling", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    path = bench.make_model(tmp_path, "qwen3-rerank-0.6b", True, "cpu")
+    ours = RowTokenizer(AutoTokenizer.from_pretrained(path), 4096, "decoder")
+    twin = AutoTokenizer.from_pretrained(bench.seq_cls_twin(path))
+    docs = bench.passages(3, 2000, 2, 4, 12)
+    for (first, second), doc in zip(bench.rerank_pairs("w1 w2 w3", docs), docs, strict=True):
+        job = ours.tokenize_yes_no("w1 w2 w3", doc, None).input_ids
+        assert twin(first, second)["input_ids"] == list(job)
 
 
 @pytest.mark.slow  # CI's slow tier (BATCHRUN_SLOW_TESTS=1): four models, ~90 s on two cores
