@@ -12,7 +12,9 @@ both sides load the same folder):
   bert-base          200,000 passages of 32-512 words, mean pooling, vs SentenceTransformer.encode
   qwen3-embed-0.6b   the same passages on Qwen3-Embedding-0.6B's shape (last-token pooling)
   qwen3-rerank-0.6b  20,000 rows of (query, 10 documents) on Qwen3-Reranker-0.6B's shape (the
-                     yes/no score), vs the model card's transformers loop (left padding)
+                     yes/no score), vs CrossEncoder.predict on its sequence-classification twin
+                     (the yes - no row of the LM head as a one-label head, as the community's
+                     Qwen3-Reranker-*-seq-cls checkpoints are made: sigmoid of it = P(yes))
   reward-llama-8b    20,000 texts of 64-512 words on Llama-3.1-8B's shape with a one-label
                      classification head (dummy weights; batchrun only): its prefill TFLOP/s
                      (linear layers' model FLOPs) against the engine's W5 in docs/benchmarks.md
@@ -20,7 +22,8 @@ both sides load the same folder):
 --st-batch-sizes and reports its best; batchrun in fp16 with --tokenizer-workers processes, timed
 by the job's summary (the model load left out, as the baseline's). Rows/s, tokens/s and the job's
 notes (which of tokenizer and engine bounds it, the shared-prefix tokens) are printed and
-written as JSON to --out.
+written as JSON to --out. The rerank case also checks the scores: the job's results for the first
+rows against CrossEncoder.predict's for the same pairs (max abs difference, under "check").
 """
 
 from __future__ import annotations
@@ -56,22 +59,29 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             intermediate_size=128, vocab_size=2000, head_dim=16)  # fmt: skip
 
 
+# the chat markers are special tokens (split out before the whitespace split), as in Qwen's
+# tokenizer: a document followed by the rerank suffix's "<|im_end|>" stays its own words
+CHAT_MARKERS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "yes", "no", *CHAT_MARKERS]
+
+
 def save_word_tokenizer(path: Path, vocab_size: int, family: str) -> None:
-    """Words w0..wN as tokens, whitespace split; BERT's [CLS] / [SEP] or an end token after."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    """Words w0..wN as tokens, whitespace split; BERT's [CLS] / [SEP], an end token after
+    ("decoder", as Qwen3-Embedding's), or nothing added ("reranker", as Qwen3-Reranker's)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "yes", "no"]
-    vocab = {s: i for i, s in enumerate(specials)}
-    vocab.update({f"w{i}": i + len(specials) for i in range(vocab_size - len(specials))})
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    vocab.update({f"w{i}": i + len(SPECIALS) for i in range(vocab_size - len(SPECIALS))})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(m, normalized=False) for m in CHAT_MARKERS])
     if family == "bert":
         tok.post_processor = processors.TemplateProcessing(
             single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
             special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
         )  # fmt: skip
-    else:
+    elif family == "decoder":
         tok.post_processor = processors.TemplateProcessing(
             single="$A [SEP]", pair="$A $B [SEP]", special_tokens=[("[SEP]", 3)]
         )
@@ -82,7 +92,8 @@ def save_word_tokenizer(path: Path, vocab_size: int, family: str) -> None:
 
 def make_model(root: Path, case: str, tiny: bool, device: str) -> Path:
     """The case's model folder: random weights saved (or config.json alone for dummy weights),
-    a word tokenizer, and for the embedders a sentence-transformers layout."""
+    a word tokenizer, for the embedders a sentence-transformers layout, and for the reranker its
+    sequence-classification twin beside it (`seq_cls_twin`)."""
     import transformers
 
     shape = dict(SHAPES[case])
@@ -108,7 +119,11 @@ def make_model(root: Path, case: str, tiny: bool, device: str) -> Path:
         save_word_tokenizer(path, shape["vocab_size"], "decoder")
         return path
     model.half().save_pretrained(path)
-    save_word_tokenizer(path, shape["vocab_size"], "bert" if kind == "bert" else "decoder")
+    family = {"bert": "bert", "qwen3": "decoder", "qwen3-lm": "reranker"}[kind]
+    save_word_tokenizer(path, shape["vocab_size"], family)
+    if kind == "qwen3-lm":
+        save_seq_cls_twin(model, seq_cls_twin(path))
+        save_word_tokenizer(seq_cls_twin(path), shape["vocab_size"], family)
     if kind in ("bert", "qwen3"):
         from sentence_transformers import SentenceTransformer
         from sentence_transformers.sentence_transformer import modules
@@ -121,9 +136,32 @@ def make_model(root: Path, case: str, tiny: bool, device: str) -> Path:
     return path
 
 
+def seq_cls_twin(path: Path) -> Path:
+    return path.with_name(path.name + "-seq-cls")
+
+
+def save_seq_cls_twin(causal, path: Path) -> None:
+    """A yes/no reranker as `Qwen3ForSequenceClassification` with one label: the same decoder,
+    and `score.weight` = lm_head[yes] - lm_head[no] (P(yes) of the two-way softmax is the sigmoid
+    of that logit), pooled at the last non-pad token. The row is saved in fp32 (the other tensors
+    in the folder's fp16): loaded in fp32 the twin scores as the causal model does to fp32
+    rounding, loaded in fp16 it is rounded as a seq-cls checkpoint's is."""
+    import transformers
+
+    cfg = transformers.Qwen3Config(**causal.config.to_dict())
+    cfg.num_labels, cfg.pad_token_id, cfg.tie_word_embeddings = 1, SPECIALS.index("[PAD]"), False
+    cfg.architectures = ["Qwen3ForSequenceClassification"]
+    twin = transformers.Qwen3ForSequenceClassification(cfg).to(causal.dtype)
+    twin.model.load_state_dict(causal.model.state_dict())
+    head = causal.lm_head.weight.float()
+    yes, no = SPECIALS.index("yes"), SPECIALS.index("no")
+    twin.score.weight.data = (head[yes] - head[no])[None]
+    twin.save_pretrained(path)
+
+
 def passages(n: int, vocab: int, seed: int, lo: int = 32, hi: int = 512) -> list[str]:
     rng = random.Random(seed)
-    words = vocab - 6
+    words = vocab - len(SPECIALS)
     return [
         " ".join(f"w{rng.randrange(words)}" for _ in range(rng.randint(lo, hi))) for _ in range(n)
     ]
@@ -133,15 +171,21 @@ def _dtype(args) -> torch.dtype:
     return torch.float16 if args.device == "cuda" else torch.float32
 
 
+def job_dir(path: Path, task: str) -> Path:
+    """Where run_job writes the input and the run folder (`out/`) of `task` on `path`."""
+    return path.with_name(f"{path.name}-{task}-job")
+
+
 def run_job(path: Path, rows: list[dict], task: str, args, extra: tuple[str, ...] = ()) -> dict:
     """`batchrun submit --task TASK` in this process over a JSONL file of `rows`, end to end:
-    reading, tokenization in --tokenizer-workers processes, steps, Parquet / JSONL shards. The
-    time is the job's own (its summary's elapsed: the model load is not in it)."""
+    reading, tokenization in --tokenizer-workers processes, steps, Parquet / JSONL shards (in
+    `job_dir`). The time is the job's own (its summary's elapsed: the model load is not in it)."""
     from click.testing import CliRunner
 
     from batchrun.cli.main import main as cli
 
-    work = Path(tempfile.mkdtemp(dir=path.parent))
+    work = job_dir(path, task)
+    work.mkdir()
     data = work / "in.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     dtype = "float16" if args.device == "cuda" else "float32"
@@ -179,32 +223,44 @@ def run_st(path, texts, args) -> dict:
     return best
 
 
-def run_hf_rerank(path, pairs, args) -> dict:
-    """The Qwen3-Reranker card's loop: left-padded batches, yes/no logits at the last position
-    (the LM head over that position only, not the card's every position)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def rerank_pairs(query: str, documents: list[str]) -> list[tuple[str, str]]:
+    """(query, document) pairs as CrossEncoder texts whose tokens are batchrun's rerank prompt:
+    the first text is the prefix, instruction and query, the second the document and the suffix
+    (the reranker's tokenizer adds nothing around a pair)."""
     from batchrun.pooling.model import RERANK_INSTRUCTION, RERANK_PREFIX, RERANK_SUFFIX
 
-    tok = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dtype(args))
-    model = model.to(args.device).eval()
-    yes, no = tok.convert_tokens_to_ids("yes"), tok.convert_tokens_to_ids("no")
-    texts = [f"{RERANK_PREFIX}<Instruct>: {RERANK_INSTRUCTION}\n<Query>: {q}\n<Document>: {d}"
-             f"{RERANK_SUFFIX}" for q, d in pairs]  # fmt: skip
+    first = f"{RERANK_PREFIX}<Instruct>: {RERANK_INSTRUCTION}\n<Query>: {query}\n<Document>: "
+    return [(first, d + RERANK_SUFFIX) for d in documents]
+
+
+def run_cross_encoder(path: Path, pairs: list[tuple[str, str]], args) -> tuple[dict, object]:
+    """CrossEncoder.predict (sigmoid of the one-label head) over the pairs at each of
+    --st-batch-sizes; its best, and the loaded CrossEncoder (for the score check)."""
+    from sentence_transformers import CrossEncoder
+
+    ce = CrossEncoder(str(path), device=args.device, model_kwargs={"dtype": _dtype(args)})
     best = None
     for bs in args.st_batch_sizes:
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            for i in range(0, len(texts), bs):
-                enc = tok(texts[i : i + bs], padding=True, return_tensors="pt",
-                          add_special_tokens=False).to(args.device)  # fmt: skip
-                last = model(**enc, logits_to_keep=1).logits[:, -1]  # the last position only
-                torch.softmax(torch.stack([last[:, no], last[:, yes]], 1).float(), 1)[:, 1].cpu()
+        ce.predict(pairs, batch_size=bs, show_progress_bar=False)
         dt = time.perf_counter() - t0
         if best is None or dt < best["seconds"]:
-            best = {"batch_size": bs, "seconds": dt, "rows_per_s": len(texts) / dt / 10}
-    return best
+            best = {"batch_size": bs, "seconds": dt, "pairs_per_s": len(pairs) / dt,
+                    "rows_per_s": len(pairs) / dt / 10}  # fmt: skip
+    return best, ce
+
+
+def check_rerank(out: Path, ce, rows: list[dict], n: int = 4) -> dict:
+    """The job's scores of its first `n` rows (its results shards) against
+    CrossEncoder.predict's for the same pairs: the max abs difference of P(yes)."""
+    shards = sorted(out.glob("results-*"))
+    records = [json.loads(line) for f in shards for line in f.read_text().splitlines()]
+    job = {r["id"]: r["scores"] for r in records}
+    rows = rows[:n]
+    pairs = [p for r in rows for p in rerank_pairs(r["query"], r["documents"])]
+    ours = torch.tensor([s for r in rows for s in job[r["id"]]], dtype=torch.float64)
+    theirs = torch.as_tensor(ce.predict(pairs, show_progress_bar=False), dtype=torch.float64)
+    return {"pairs": len(pairs), "max_abs_diff": float((ours - theirs).abs().max())}
 
 
 def linear_tflop(case: str, tiny: bool, tokens: int) -> float:
@@ -258,8 +314,11 @@ def main(argv: list[str] | None = None) -> int:
                         for i, q in enumerate(queries)]  # fmt: skip
                 row["batchrun"] = run_job(path, data, "rerank", args)
                 if not args.no_baseline:
-                    pairs = [(queries[i // 10], d) for i, d in enumerate(docs)]
-                    row["transformers"] = run_hf_rerank(path, pairs, args)
+                    pairs = [p for r in data for p in rerank_pairs(r["query"], r["documents"])]
+                    best, ce = run_cross_encoder(seq_cls_twin(path), pairs, args)
+                    row["sentence_transformers"] = best
+                    row["check"] = check_rerank(job_dir(path, "rerank") / "out", ce, data)
+                    del ce
             else:
                 n = max(1, round(20_000 * args.scale))
                 data = [
