@@ -5,27 +5,17 @@ and keeps the invariant the tests check after every step:
 
     allocator.num_free + cache.total_size + slots held by requests outside the tree == capacity
 
-Sliding windows (ModelConfig.sliding_windows). A windowed layer never reads a request's KV
-before its window, yet every slot a request holds stays allocated until the request ends, and
-then goes to the radix cache as any other: the admission arithmetic (a request holds one slot a
-token of its sequence) is the same with and without windows. Why the slots behind the window
-are kept:
-  - a slot holds the token's KV of every layer (the pool is token-indexed), so it is free only
-    when no layer can read it, and a model with any full-context layer (Qwen2's layers below
-    max_window_layers, Gemma 3's global layers) reads every slot to the end;
-  - the radix cache shares prefixes between requests: a later request that matches only part of
-    a cached prompt attends from where its match ends, over the window before it, which the
-    first request would have freed; a tree with holes would have to cut every match at the
-    first hole;
-  - a model whose every layer is windowed (Mistral v0.1: 4096 tokens) saves memory only on
-    sequences longer than its window, which batch jobs seldom run.
-A model of sliding and full layers keeps its sliding layers' KV in a pool of its own (`window`,
-engine/window_pool.py): `reserve` and `reserve_decodes` take its slots too (dropping those behind
-the window first), `release` drops the row's span; the slots above are the full layers'. With
-the radix cache on, the tree holds window slots beside the KV it takes (engine/window_tree.py):
-a hand-over gives it the row's span up to the aligned length, an admission starts the row's span
-with the match's window, and the window pool's allocations evict the tree's window slots when
-short.
+Sliding windows (ModelConfig.sliding_windows). The slots of `allocator` hold the KV of every
+layer a model keeps in its one pool, so a request keeps each of them until it ends (then they go
+to the radix cache as any other): where every layer is windowed (Mistral v0.1: 4096 tokens) the
+pool holds every position, which saves memory only on sequences longer than the window, which
+batch jobs seldom run. A model of sliding and full layers keeps its sliding layers' KV in a pool
+of its own (`window`, engine/window_pool.py): `reserve` and `reserve_decodes` take its slots too
+(dropping those behind the window first), `release` drops the row's span; the slots of
+`allocator` are the full layers'. With the radix cache on, the tree holds window slots beside the
+KV it takes (engine/window_tree.py): a hand-over gives it the row's span up to the aligned
+length, an admission starts the row's span with the match's window, and the window pool's
+allocations evict the tree's window slots when short.
 
 Hybrid models (cache.snapshots, engine/state_snapshots.py). A match ends at a node with a state
 snapshot, which admission copies into the request's state row; a prefill chunk that ends at one
