@@ -109,19 +109,32 @@ def test_chunked_prefill_and_prefix_hits_give_the_same_tokens(tiny):
         assert greedy(chunked, prompts, 12) == ref
 
 
-def test_kv_pool_holds_the_layers_that_write_kv(tiny):
-    """KV-shared layers own no buffers; each buffer has its layer's heads and dims; plan's KV
-    bytes a token equal the pool's."""
+def test_kv_pools_hold_the_layers_that_write_kv(tiny):
+    """KV-shared layers own no buffers; the full layers' buffers are the full pool's and the
+    sliding layers' the window pool's (engine/window_pool.py), each at its layer's heads and dims
+    and at zero heads in the other pool; the pools' bytes a token add up to plan's."""
     kind, _, model_dir = tiny
     engine = Engine(engine_config(model_dir))
-    cfg, pool = engine.model_config, engine.runner.kv_pool
+    cfg, pool, window = engine.model_config, engine.runner.kv_pool, engine.runner.window_pool
     shared = 3 if kind in ("e-model", "mm") else 0
-    assert len(pool.k_buffers) == len(cfg.kv_layers) == cfg.num_layers - shared
-    shapes = [tuple(b.shape[1:]) for b in pool.k_buffers]
-    assert shapes == [(cfg.kv_heads_of(i), cfg.head_dim_of(i)) for i in cfg.kv_layers]
-    assert {(2, 16), (1 if kind in ("dense", "moe") else 2, 32)} == set(shapes)
+    assert len(pool.k_buffers) == len(window.k_buffers) == len(cfg.kv_layers)
+    assert len(cfg.kv_layers) == cfg.num_layers - shared
+    for i, layer in enumerate(cfg.kv_layers):
+        mine, other = (window, pool) if cfg.window(layer) > 0 else (pool, window)
+        assert tuple(mine.k_buffers[i].shape[1:]) == (
+            cfg.kv_heads_of(layer),
+            cfg.head_dim_of(layer),
+        )
+        assert other.k_buffers[i].shape[1] == 0
+    heads = {tuple(b.shape[1:]) for b in pool.k_buffers + window.k_buffers if b.shape[1]}
+    assert {(2, 16), (1 if kind in ("dense", "moe") else 2, 32)} == heads
+
+    def per_slot(p):
+        return sum(b[0].numel() * b.element_size() for b in p.k_buffers + p.v_buffers)
+
+    assert per_slot(pool) + per_slot(window) == 2 * kv_bytes_per_token(cfg)  # fp32: 4 bytes
     allocated = sum(b.numel() * b.element_size() for b in pool.k_buffers + pool.v_buffers)
-    assert allocated == kv_bytes_per_token(cfg) * 2 * (pool.num_slots + 1)  # fp32: 4 bytes
+    assert allocated == per_slot(pool) * (pool.num_slots + 1)
     assert KVPool.bytes_per_token_of(engine.runner.model.kv_shapes, torch.float32) == (
         2 * kv_bytes_per_token(cfg)
     )
