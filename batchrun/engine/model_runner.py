@@ -539,7 +539,7 @@ class ModelRunner:
         self.req_pool.table[row, :n] = slots.to(self.device, self.req_pool.table.dtype)
         window_slots = None
         if self.window is not None:  # the sliding layers' KV of every position, lent too
-            window_slots = self.window.allocator.allocate(n)
+            window_slots = self.window.allocate(n)
             if window_slots is None:
                 raise ValueError(f"{n} tokens do not fit the sliding layers' window pool")
             self.window.req_pool.table[row, :n] = window_slots.to(self.device, torch.int32)
@@ -561,4 +561,4 @@ class ModelRunner:
         finally:
             if window_slots is not None:
                 self.window.req_pool.table[row, :n] = self.window.dummy_slot
-                self.window.allocator.free(window_slots)
+                self.window.drop(window_slots)

@@ -186,7 +186,9 @@ class WindowSlots:
             self.allocator.free(dead)
         return dead.numel()
 
-    def _allocate(self, n: int) -> torch.Tensor | None:
+    def allocate(self, n: int) -> torch.Tensor | None:
+        """n slots held once (`drop` gives them back), evicting the tree's window slots first
+        where the allocator is short; None if it still is."""
         free = self.allocator.num_free
         if free < n and self.evict is not None:
             self.evict(n - free)
@@ -226,7 +228,7 @@ class WindowSlots:
         need = kv_len + num_tokens - end
         if need <= 0:
             return True
-        slots = self._allocate(need)
+        slots = self.allocate(need)
         if slots is None:
             return False
         self.table_cpu[row, end : end + need] = slots
@@ -245,7 +247,7 @@ class WindowSlots:
                 cols.append(kv_len)
         if not needers:
             return True
-        slots = self._allocate(len(needers))
+        slots = self.allocate(len(needers))
         if slots is None:
             return False
         self.table_cpu[_int64(needers), _int64(cols)] = slots

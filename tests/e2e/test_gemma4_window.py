@@ -164,3 +164,11 @@ def test_radix_cache_hits_keep_the_tokens(tiny):
     assert greedy(engine, prompts) == ref
     assert engine.stats.cached_tokens > 2 * WINDOW, "the shared stems were not reused"
     assert greedy(engine, prompts) == ref
+    # scoring lends window slots: the tree's windows make room
+    window = engine.runner.window
+    prompt = prompts[0][:40]
+    assert window.allocator.num_free < len(prompt) <= window.capacity
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0].float()
+    assert float((engine.score(prompt) - logits).norm() / logits.norm()) <= 1e-4
+    engine.check_integrity()
