@@ -219,6 +219,8 @@ def bench_engine(args, engine, res: RunResult, wl: Workload, dev: Device, probe)
     res.total_tok_s = (res.prompt_tokens + res.output_tokens) / res.wall_s
     res.peak_mem_gib = dev.peak_gib()
     res.kv_slots = getattr(engine, "num_kv_slots", None)
+    window = getattr(getattr(engine, "runner", None), "window", None)
+    res.window_requests = window.max_requests if window is not None else None
     if getattr(engine, "scheduler", None) is not None:
         res.retractions = engine.scheduler.num_retractions - retracted_before
     fill_latency(res, ttfts, itls, wl.output_len)
@@ -544,8 +546,15 @@ def format_run(r: RunResult) -> str:
         parts.append(f"{r.num_steps} steps")
     if r.kv_slots is not None:
         # a 16k-token request holds 16,384 of the pool's tokens (with the sliding layers' window
-        # pool, engine/window_pool.py, the pool is the full layers' and the windows are apart)
-        parts.append(f"KV pool {r.kv_slots:,} tokens ({r.kv_slots / 16384:.1f} x 16k requests)")
+        # pool, engine/window_pool.py, the pool is the full layers' and each request holds a
+        # window apart: the window pool bounds the requests too)
+        held = r.kv_slots / 16384
+        if r.window_requests is not None:
+            held = min(held, r.window_requests)
+            parts.append(f"KV pool {r.kv_slots:,} tokens, windows of {r.window_requests} "
+                         f"requests ({held:.1f} x 16k requests)")  # fmt: skip
+        else:
+            parts.append(f"KV pool {r.kv_slots:,} tokens ({held:.1f} x 16k requests)")
     if r.retractions is not None:
         parts.append(f"{r.retractions} retractions")
     if r.warmup_s is not None:

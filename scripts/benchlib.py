@@ -701,6 +701,7 @@ class RunResult:
     peak_mem_gib: float | None = None
     num_steps: int | None = None
     kv_slots: int | None = None  # the engine's KV pool, in tokens
+    window_requests: int | None = None  # requests whose windows the window pool holds
     retractions: int | None = None  # requests sent back to the queue for KV (recomputed)
     startup_s: float | None = None
     warmup_s: float | None = None
