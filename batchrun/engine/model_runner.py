@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
 
-import psutil
 import torch
 
 from batchrun.attention import AttentionInputs, create_backend
@@ -28,23 +27,20 @@ from batchrun.attention.windowed import WindowedAttentionBackend
 from batchrun.config import EngineConfig, KernelPlan
 from batchrun.engine.grammar import GrammarBackend, TokenMask
 from batchrun.engine.kv_pool import KVPool, ReqToTokenPool
+from batchrun.engine.kv_sizing import kv_slots
 from batchrun.engine.piecewise_graph import MAX_TOKENS, PiecewiseGraphRunner
 from batchrun.engine.precompile import CompilePool
 from batchrun.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingBatch
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.staging import PinnedStaging
-from batchrun.engine.state_pool import state_budget
 from batchrun.engine.state_snapshots import StateSnapshots, num_snapshots
 from batchrun.engine.thinking import apply_forced, forced_logprobs
 from batchrun.engine.window_pool import (
     WindowSlots,
     max_window,
-    size_window_pool,
     sliding_kv_indices,
-    split_kv_budget,
     split_shapes,
     uses_window_pool,
-    window_slots,
 )
 from batchrun.models import fused_decode
 from batchrun.models.blocks.model import ForwardBatch
@@ -193,7 +189,16 @@ class ModelRunner:
         if uses_window_pool(model_cfg, self.states is not None):
             self.sliding = sliding_kv_indices(model_cfg)
             shapes, window_shapes = split_shapes(shapes, self.sliding)
-        self.num_slots, num_window_slots = self._kv_slots(shapes, window_shapes)
+        state_bytes = 0  # a hybrid's state rows and their snapshots, before the KV pools
+        if self.states is not None:
+            rows = config.max_running + 1
+            state_bytes = self.states.bytes_per_row(config.linear_state_dtype) * rows
+        if self.snapshots is not None:
+            state_bytes += self.snapshots.bytes(config.linear_state_dtype)
+        self.num_slots, num_window_slots = kv_slots(
+            config, model_cfg, shapes, window_shapes, device=self.device, dtype=self.dtype,
+            prefill_budget=self._prefill_budget, state_bytes=state_bytes,
+        )  # fmt: skip
         scales = layer_scales(self.model) if kv_fp8 else None
         self.kv_pool = KVPool(
             len(shapes),
@@ -282,47 +287,6 @@ class ModelRunner:
     @property
     def _prefill_budget(self) -> int:
         return self.config.chunked_prefill_size or self.context_len
-
-    def _kv_slots(self, shapes, window_shapes) -> tuple[int, int]:
-        """(the full pool's slots, the window pool's): `shapes` the full pool's layers,
-        `window_shapes` the window pool's (empty: no window pool). With the window pool on,
-        kv_budget counts the full pool's tokens (the window pool holds max_running windows);
-        a budget from free memory is split by engine/window_pool.py's size_window_pool."""
-        cfg, page = self.config, self.config.page_size
-        window = max_window(self.model_cfg) if window_shapes else 0
-        prefill = self._prefill_budget if window_shapes else 0
-        if cfg.kv_budget is not None:
-            num_window = window_slots(cfg.max_running, window, prefill) if window_shapes else 0
-            return max(page, cfg.kv_budget // page * page), num_window
-        state_bytes = 0
-        if self.states is not None:
-            state_bytes = self.states.bytes_per_row(cfg.linear_state_dtype) * (cfg.max_running + 1)
-        if self.snapshots is not None:
-            state_bytes += self.snapshots.bytes(cfg.linear_state_dtype)
-        kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, self.dtype)  # float8: one byte an element
-        per_token = KVPool.bytes_per_token_of(shapes, kv_dtype)
-        window_per_token = KVPool.bytes_per_token_of(window_shapes, kv_dtype)
-        window_bytes = 0
-        if window_shapes:
-            window_bytes = window_slots(cfg.max_running, window, prefill) * window_per_token
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.gpu_memory_utilization)
-        else:
-            # NOTE: a CPU run is a demo or a test: an eighth of available memory, at most 32k
-            # tokens (the pool is zeroed up front, so a huge one costs seconds at start-up)
-            budget = min(psutil.virtual_memory().available // 8, (per_token << 15) + window_bytes)
-        if state_bytes:
-            budget = state_budget(budget, state_bytes, per_token, page)
-        if window_shapes:
-            num_window = size_window_pool(
-                cfg.max_running, window, prefill, budget, window_per_token
-            )
-            return split_kv_budget(
-                budget, per_token, window_per_token, num_window, page
-            ), num_window
-        slots = max(budget // per_token, page)
-        return slots // page * page, 0
 
     def _to_device(self, values, dtype=torch.int64) -> torch.Tensor:
         t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)

@@ -84,12 +84,12 @@ def test_bytes_per_token_is_one_byte_an_element():
 
 def test_the_same_memory_budget_holds_more_tokens(tiny, monkeypatch):
     """The pool sized from memory (no kv_budget): float8 slots are 1 byte, fp32's 4, bf16's 2."""
-    from batchrun.engine import model_runner
+    from batchrun.engine import kv_sizing
 
     class Memory:
         available = 8 * 3 * 1024 * 1024  # the CPU pool takes an eighth: 3 MiB
 
-    monkeypatch.setattr(model_runner.psutil, "virtual_memory", lambda: Memory)
+    monkeypatch.setattr(kv_sizing.psutil, "virtual_memory", lambda: Memory)
     path, _ = tiny
     slots = {}
     for dtype, kv in (("float32", "auto"), ("float32", "fp8_e4m3"), ("bfloat16", "auto")):
@@ -107,23 +107,19 @@ def test_gpu_memory_utilization_gives_twice_the_bf16_tokens(monkeypatch):
     tokens of bf16 (kv_budget, in tokens, stays as given)."""
     from types import SimpleNamespace
 
-    from batchrun.engine.model_runner import ModelRunner
+    from batchrun.engine.kv_sizing import kv_slots
 
     free = 10 * 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
 
+    model_cfg = SimpleNamespace(num_layers=4, head_dim=64, kv_layers=(0, 1, 2, 3))
+
     def slots(**config):
-        runner = SimpleNamespace(
-            config=EngineConfig(**config),
-            model_cfg=SimpleNamespace(num_layers=4, head_dim=64, kv_layers=(0, 1, 2, 3)),
-            model=SimpleNamespace(num_kv_heads=2, kv_shapes=((2, 64),) * 4),
-            states=None,  # no recurrent states (a hybrid's: engine/state_pool.py)
-            snapshots=None,  # nor their prefix-cache snapshots (engine/state_snapshots.py)
-            dtype=torch.bfloat16,
-            device=torch.device("cuda"),
-        )
         # every layer in the one pool (no window pool): (its slots, 0)
-        num_slots, num_window = ModelRunner._kv_slots(runner, runner.model.kv_shapes, ())
+        num_slots, num_window = kv_slots(
+            EngineConfig(**config), model_cfg, ((2, 64),) * 4, (),
+            device=torch.device("cuda"), dtype=torch.bfloat16, prefill_budget=4096,
+        )  # fmt: skip
         assert num_window == 0
         return num_slots
 

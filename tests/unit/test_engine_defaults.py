@@ -140,7 +140,7 @@ def test_gpu_memory_utilization_sizes_the_cuda_kv_pool(monkeypatch):
 
     import torch
 
-    from batchrun.engine.model_runner import ModelRunner
+    from batchrun.engine.kv_sizing import kv_slots
 
     free = 10 * 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
@@ -148,17 +148,11 @@ def test_gpu_memory_utilization_sizes_the_cuda_kv_pool(monkeypatch):
     per_token = 2 * 4 * 2 * 64 * 2  # k and v, layers, kv heads, head dim, bf16
 
     def slots(**config):
-        runner = SimpleNamespace(
-            config=EngineConfig(**config),
-            model_cfg=model_cfg,
-            model=SimpleNamespace(num_kv_heads=2, kv_shapes=((2, 64),) * 4),
-            states=None,  # no recurrent states (a hybrid's: engine/state_pool.py)
-            snapshots=None,  # nor their prefix-cache snapshots (engine/state_snapshots.py)
-            dtype=torch.bfloat16,
-            device=torch.device("cuda"),
-        )
         # every layer in the one pool (no window pool): (its slots, 0)
-        num_slots, num_window = ModelRunner._kv_slots(runner, runner.model.kv_shapes, ())
+        num_slots, num_window = kv_slots(
+            EngineConfig(**config), model_cfg, ((2, 64),) * 4, (),
+            device=torch.device("cuda"), dtype=torch.bfloat16, prefill_budget=4096,
+        )  # fmt: skip
         assert num_window == 0
         return num_slots
 
