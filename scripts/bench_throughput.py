@@ -548,13 +548,11 @@ def format_run(r: RunResult) -> str:
         # a 16k-token request holds 16,384 of the pool's tokens (with the sliding layers' window
         # pool, engine/window_pool.py, the pool is the full layers' and each request holds a
         # window apart: the window pool bounds the requests too)
-        held = r.kv_slots / 16384
+        pool, held = f"KV pool {r.kv_slots:,} tokens", r.kv_slots / 16384
         if r.window_requests is not None:
+            pool += f", windows of {r.window_requests} requests"
             held = min(held, r.window_requests)
-            parts.append(f"KV pool {r.kv_slots:,} tokens, windows of {r.window_requests} "
-                         f"requests ({held:.1f} x 16k requests)")  # fmt: skip
-        else:
-            parts.append(f"KV pool {r.kv_slots:,} tokens ({held:.1f} x 16k requests)")
+        parts.append(f"{pool} ({held:.1f} x 16k requests)")
     if r.retractions is not None:
         parts.append(f"{r.retractions} retractions")
     if r.warmup_s is not None:

@@ -134,14 +134,17 @@ class Engine:
         # a hybrid's matches end at its state snapshots (engine/state_snapshots.py), a windowed
         # model's where the tree holds the window (engine/window_tree.py)
         window = self.runner.window
+        tree_windows = None
+        if window is not None and config.enable_radix_cache:
+            tree_windows = TreeWindows(window)
         cache = RadixCache(
             allocator,
             config.page_size,
             disable=not config.enable_radix_cache,
             snapshots=self.runner.snapshots,
-            windows=TreeWindows(window) if window and config.enable_radix_cache else None,
+            windows=tree_windows,
         )
-        self.kv = KVManager(allocator, cache, self.runner.req_pool, self.runner.window)
+        self.kv = KVManager(allocator, cache, self.runner.req_pool, window)
         # with the sliding layers' window pool, at most the requests whose windows it holds run
         max_running = (
             config.max_running if window is None else min(config.max_running, window.max_requests)

@@ -140,7 +140,6 @@ class RadixCache:
                 self.allocator.free(torch.cat([n.value for n in nodes]))
             if self.windows is not None:
                 for node in nodes:
-                    node.removed = True
                     self.windows.drop(node)
         if self.snapshots is not None:
             self.snapshots.reset()
